@@ -1,0 +1,90 @@
+/*
+ * core/loader.h - finding, vetting, choosing and opening backend modules.
+ *
+ * A scan looks at every candidate file in the search path, dlopens it, checks the ABI version
+ * its entry point declares, runs its probe and unloads it again, keeping only what it learnt
+ * (loom_candidate). Selection then applies LOOM_BACKEND, LOOM_CPU_VARIANT and LOOM_CPU_MAX_ISA
+ * and the scores, and records for every candidate why it was or was not chosen. Opening loads
+ * the chosen file again and keeps it loaded until loom_device_close.
+ *
+ * Invariant: nothing from a module (pointers, strings) outlives the dlopen that produced it;
+ * everything kept is copied into host-owned memory, zero-filled past what the module declared.
+ */
+#ifndef LOOM_CORE_LOADER_H
+#define LOOM_CORE_LOADER_H
+
+#include <loom/backend.h>
+#include <stdio.h>
+
+typedef enum loom_candidate_state {
+    LOOM_CAND_NOT_LOADABLE, /* dlopen failed: not a shared object, missing dependency, ... */
+    LOOM_CAND_NO_ENTRY,     /* loaded, but no LOOM_BACKEND_ENTRY_SYMBOL or it returned NULL */
+    LOOM_CAND_BAD_ABI,      /* ABI major differs, or minor is newer than loom's */
+    LOOM_CAND_UNUSABLE,     /* the probe scored 0 */
+    LOOM_CAND_EXCLUDED,     /* usable, but an env var or the preference rules it out */
+    LOOM_CAND_USABLE,       /* usable and eligible, not chosen */
+    LOOM_CAND_CHOSEN,
+} loom_candidate_state;
+
+typedef struct loom_candidate {
+    char path[4096];
+    char name[64];
+    char variant[64];
+    char description[256];
+    uint32_t abi_major, abi_minor;
+    loom_probe_result probe;
+    loom_candidate_state state;
+    char reason[512]; /* why this state */
+} loom_candidate;
+
+typedef struct loom_registry {
+    loom_candidate *items;
+    int count;
+    int chosen;           /* index into items, or -1 */
+    int chosen_device;    /* device index within the chosen module */
+    char search_path[8192]; /* the directories searched, ':'-separated, for the report */
+} loom_registry;
+
+/* Scans LOOM_BACKEND_PATH, the build tree (when running from it), the install directory next
+ * to the executable and the configured install directory. Returns 0, or -1 with err set when
+ * memory runs out. Unloadable files are candidates too, with their reason. */
+int loom_registry_scan(loom_registry *reg, char *err, size_t err_size);
+
+/* Vets one file and adds it as a candidate (used by scan and by the conformance tool). */
+int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size_t err_size);
+
+/* Chooses one candidate by LOOM_BACKEND (or `preference` when not NULL), the CPU variant env
+ * vars and the scores. Returns 0, or -1 with an error that lists what is available. With
+ * LOOM_EXPLAIN=1 the report goes to stderr either way. */
+int loom_registry_select(loom_registry *reg, const char *preference, char *err, size_t err_size);
+
+void loom_registry_print(const loom_registry *reg, FILE *out);
+/* Returns a malloc'd JSON document, or NULL when out of memory. */
+char *loom_registry_json(const loom_registry *reg);
+
+void loom_registry_free(loom_registry *reg);
+
+const char *loom_candidate_state_name(loom_candidate_state s);
+
+/* An opened backend: the module kept loaded, and host copies of its tables. */
+typedef struct loom_device {
+    void *handle;                 /* dlopen handle */
+    loom_backend *be;
+    loom_backend_ops ops;         /* zero past the module's struct_size: NULL = unsupported */
+    loom_backend_module module;   /* likewise */
+    char name[64], variant[64];
+    int device;
+} loom_device;
+
+/* Loads path, vets it as scan does, and opens device `device`. */
+int loom_device_open(loom_device *dev, const char *path, int device, int n_threads, char *err,
+                     size_t err_size);
+/* Opens the candidate the registry chose. */
+int loom_device_open_chosen(loom_device *dev, const loom_registry *reg, int n_threads, char *err,
+                            size_t err_size);
+void loom_device_close(loom_device *dev);
+
+/* Whether the module implements op at all (present in its table) and supports dtype with it. */
+int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype);
+
+#endif

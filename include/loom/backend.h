@@ -1,0 +1,596 @@
+/*
+ * loom/backend.h - the compute backend plugin ABI.
+ *
+ * A backend is a shared object that exports one C function, LOOM_BACKEND_ENTRY_SYMBOL.
+ * loom dlopens every candidate file, calls the entry, checks the ABI version the module
+ * declares, asks it to probe the machine, and opens the best usable one. This header is
+ * the whole contract: a backend author needs nothing else from loom (and may include
+ * nothing else), and checks the result with `loom-conformance path/to/module.so`.
+ *
+ * Objects, from the outside in:
+ *   loom_backend_module  what a file offers: name, variant, probe, open       (static)
+ *   loom_probe_result    what the probe found: score, devices, reason         (filled by probe)
+ *   loom_backend         one opened device: its function table + private state
+ *   loom_buffer          opaque device memory, only touched through the table
+ *   loom_tensor          a descriptor: dtype, shape, strides, buffer + offset
+ *
+ * Versioning (see docs/ARCHITECTURE.md):
+ *   - The module declares the ABI major.minor it was built against. loom accepts a module whose
+ *     major equals LOOM_BACKEND_ABI_MAJOR and whose minor is <= loom's own minor.
+ *   - Every struct that crosses the boundary and may grow starts with `uint32_t struct_size`.
+ *     Structs only ever grow by appending members. The side that reads a struct reads no member
+ *     past the struct_size the other side declared; a missing member reads as zero / NULL,
+ *     and a NULL or missing op means "not supported".
+ *   - Op parameter structs may grow by appending members whose zero value keeps the old meaning.
+ *   - loom_tensor is frozen for a major version (it is passed in arrays and by value).
+ *   - Removing or reordering anything, or changing a meaning, is a major bump.
+ *
+ * Execution model: ops are enqueued in call order on the backend's single stream and may run
+ * asynchronously; `synchronize` waits for all of them. Copies to the host block until the data
+ * is there; copies from the host return once the source may be reused. All sizes and offsets
+ * are in bytes unless a name says elements.
+ */
+#ifndef LOOM_BACKEND_H
+#define LOOM_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define LOOM_BACKEND_ABI_MAJOR 1
+#define LOOM_BACKEND_ABI_MINOR 0
+
+/* The one symbol a module exports; its type is loom_backend_entry_fn. */
+#define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
+
+#if defined(_WIN32)
+#define LOOM_BACKEND_EXPORT __declspec(dllexport)
+#else
+#define LOOM_BACKEND_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* ---- Status codes ------------------------------------------------------------------------ */
+
+typedef enum loom_status {
+    LOOM_OK = 0,
+    LOOM_ERR_UNSUPPORTED = 1, /* op, dtype or shape not implemented by this backend */
+    LOOM_ERR_INVALID = 2,     /* bad argument: shapes disagree, NULL where required, ... */
+    LOOM_ERR_OUT_OF_MEMORY = 3,
+    LOOM_ERR_DEVICE = 4,      /* the device or its driver failed */
+    LOOM_ERR_INTERNAL = 5,
+} loom_status;
+
+/* ---- Data types --------------------------------------------------------------------------
+ * The numeric values are GGUF's tensor type ids, so a type read from a file needs no mapping,
+ * and the block types use GGUF's byte layouts, so weights are used in place. */
+
+typedef enum loom_dtype {
+    LOOM_F32 = 0,
+    LOOM_F16 = 1,   /* IEEE binary16 */
+    LOOM_Q4_0 = 2,  /* blocks of 32: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d */
+    LOOM_Q4_1 = 3,  /* blocks of 32: f16 scale d, f16 min m, 16 bytes of nibbles; x = q * d + m */
+    LOOM_Q8_0 = 8,  /* blocks of 32: f16 scale d, 32 int8; x = q * d */
+    LOOM_I32 = 26,
+    LOOM_BF16 = 30, /* the upper half of an IEEE binary32 */
+} loom_dtype;
+
+#define LOOM_QK 32 /* elements per block of every block-quantised type */
+
+/* Nibble order in Q4_0/Q4_1: byte j holds element j in its low nibble and element j + 16 in
+ * its high nibble. */
+typedef struct loom_block_q4_0 {
+    uint16_t d;               /* f16 scale */
+    uint8_t qs[LOOM_QK / 2];
+} loom_block_q4_0;
+
+typedef struct loom_block_q4_1 {
+    uint16_t d;               /* f16 scale */
+    uint16_t m;               /* f16 minimum */
+    uint8_t qs[LOOM_QK / 2];
+} loom_block_q4_1;
+
+typedef struct loom_block_q8_0 {
+    uint16_t d;               /* f16 scale */
+    int8_t qs[LOOM_QK];
+} loom_block_q8_0;
+
+/* Elements per storage unit (1 or LOOM_QK) and bytes per unit; 0 for an unknown dtype. */
+static inline int64_t loom_dtype_block_elems(loom_dtype t)
+{
+    switch (t) {
+    case LOOM_F32: case LOOM_F16: case LOOM_BF16: case LOOM_I32: return 1;
+    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q8_0: return LOOM_QK;
+    }
+    return 0;
+}
+
+static inline int64_t loom_dtype_block_bytes(loom_dtype t)
+{
+    switch (t) {
+    case LOOM_F32: case LOOM_I32: return 4;
+    case LOOM_F16: case LOOM_BF16: return 2;
+    case LOOM_Q4_0: return (int64_t)sizeof(loom_block_q4_0);
+    case LOOM_Q4_1: return (int64_t)sizeof(loom_block_q4_1);
+    case LOOM_Q8_0: return (int64_t)sizeof(loom_block_q8_0);
+    }
+    return 0;
+}
+
+static inline const char *loom_dtype_name(loom_dtype t)
+{
+    switch (t) {
+    case LOOM_F32: return "f32";
+    case LOOM_F16: return "f16";
+    case LOOM_BF16: return "bf16";
+    case LOOM_I32: return "i32";
+    case LOOM_Q4_0: return "q4_0";
+    case LOOM_Q4_1: return "q4_1";
+    case LOOM_Q8_0: return "q8_0";
+    }
+    return "unknown";
+}
+
+/* Bytes of one row of n elements, or -1 when n is not a whole number of blocks. */
+static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
+{
+    int64_t be = loom_dtype_block_elems(t);
+    if (be <= 0 || n < 0 || n % be != 0)
+        return -1;
+    return n / be * loom_dtype_block_bytes(t);
+}
+
+/* Reference scalar conversions, exact and round-to-nearest-even, shared so that every backend
+ * and loom itself agree bit for bit on what a half-precision value means. */
+static inline float loom_f32_from_bits(uint32_t u)
+{
+    union { uint32_t u; float f; } v;
+    v.u = u;
+    return v.f;
+}
+
+static inline uint32_t loom_bits_from_f32(float f)
+{
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    return v.u;
+}
+
+static inline float loom_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1f;
+    uint32_t man = h & 0x3ff;
+    if (exp == 0x1f) /* inf / nan */
+        return loom_f32_from_bits(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24 is exact in f32 */
+        float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    return loom_f32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+static inline uint16_t loom_f32_to_f16(float f)
+{
+    uint32_t x = loom_bits_from_f32(f);
+    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf stays inf, nan stays a quiet nan */
+        return (uint16_t)(sign | 0x7c00 | (ax > 0x7f800000u ? 0x200 : 0));
+    if (ax >= 0x477ff000u) /* rounds to >= 65520: overflow to inf */
+        return (uint16_t)(sign | 0x7c00);
+    if (ax < 0x38800000u) {
+        /* result is subnormal or zero: round ax * 2^24 to an integer, nearest even */
+        if (ax < 0x33000000u) /* < 2^-25: rounds to zero */
+            return (uint16_t)sign;
+        uint32_t man = (ax & 0x7fffff) | 0x800000;
+        int shift = 126 - (int)(ax >> 23); /* 14..24 */
+        uint32_t q = man >> shift;
+        uint32_t rem = man & ((1u << shift) - 1);
+        uint32_t half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (q & 1)))
+            q++;
+        return (uint16_t)(sign | q);
+    }
+    /* normal: rebias, then round the 13 dropped bits to nearest even (a carry may bump the
+     * exponent, which is still the right answer) */
+    uint32_t h = ((ax - 0x38000000u) >> 13);
+    uint32_t rem = ax & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (h & 1)))
+        h++;
+    return (uint16_t)(sign | h);
+}
+
+static inline float loom_bf16_to_f32(uint16_t b)
+{
+    return loom_f32_from_bits((uint32_t)b << 16);
+}
+
+static inline uint16_t loom_f32_to_bf16(float f)
+{
+    uint32_t x = loom_bits_from_f32(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) /* nan: keep it a quiet nan */
+        return (uint16_t)((x >> 16) | 0x40);
+    x += 0x7fff + ((x >> 16) & 1);
+    return (uint16_t)(x >> 16);
+}
+
+/* Reference block quantisers and dequantisers (the algorithms GGUF files are written with). A
+ * backend may quantise differently inside a kernel, but what it stores as Q8_0/Q4_0/Q4_1 must
+ * decode with these. n is a multiple of LOOM_QK. */
+static inline void loom_quantize_row_q8_0(const float *x, loom_block_q8_0 *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
+        float amax = 0.0f;
+        for (int j = 0; j < LOOM_QK; j++) {
+            float a = x[j] < 0 ? -x[j] : x[j];
+            if (a > amax)
+                amax = a;
+        }
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = loom_f32_to_f16(d);
+        for (int j = 0; j < LOOM_QK; j++) {
+            double v = (double)(x[j] * id); /* round half away from zero, like roundf */
+            y[b].qs[j] = (int8_t)(v < 0 ? (int)(v - 0.5) : (int)(v + 0.5));
+        }
+    }
+}
+
+static inline void loom_quantize_row_q4_0(const float *x, loom_block_q4_0 *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
+        float amax = 0.0f, max = 0.0f; /* max: the value of largest magnitude, with its sign */
+        for (int j = 0; j < LOOM_QK; j++) {
+            float a = x[j] < 0 ? -x[j] : x[j];
+            if (a > amax) {
+                amax = a;
+                max = x[j];
+            }
+        }
+        float d = max / -8.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = loom_f32_to_f16(d);
+        for (int j = 0; j < LOOM_QK / 2; j++) {
+            int q0 = (int)(x[j] * id + 8.5f), q1 = (int)(x[j + LOOM_QK / 2] * id + 8.5f);
+            q0 = q0 > 15 ? 15 : q0;
+            q1 = q1 > 15 ? 15 : q1;
+            y[b].qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+
+static inline void loom_quantize_row_q4_1(const float *x, loom_block_q4_1 *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
+        float min = x[0], max = x[0];
+        for (int j = 1; j < LOOM_QK; j++) {
+            min = x[j] < min ? x[j] : min;
+            max = x[j] > max ? x[j] : max;
+        }
+        float d = (max - min) / 15.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = loom_f32_to_f16(d);
+        y[b].m = loom_f32_to_f16(min);
+        for (int j = 0; j < LOOM_QK / 2; j++) {
+            int q0 = (int)((x[j] - min) * id + 0.5f);
+            int q1 = (int)((x[j + LOOM_QK / 2] - min) * id + 0.5f);
+            q0 = q0 > 15 ? 15 : q0;
+            q1 = q1 > 15 ? 15 : q1;
+            y[b].qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+
+static inline void loom_dequantize_row_q8_0(const loom_block_q8_0 *x, float *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
+        float d = loom_f16_to_f32(x[b].d);
+        for (int j = 0; j < LOOM_QK; j++)
+            y[j] = x[b].qs[j] * d;
+    }
+}
+
+static inline void loom_dequantize_row_q4_0(const loom_block_q4_0 *x, float *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
+        float d = loom_f16_to_f32(x[b].d);
+        for (int j = 0; j < LOOM_QK / 2; j++) {
+            y[j] = ((x[b].qs[j] & 0x0f) - 8) * d;
+            y[j + LOOM_QK / 2] = ((x[b].qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static inline void loom_dequantize_row_q4_1(const loom_block_q4_1 *x, float *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
+        float d = loom_f16_to_f32(x[b].d), m = loom_f16_to_f32(x[b].m);
+        for (int j = 0; j < LOOM_QK / 2; j++) {
+            y[j] = (x[b].qs[j] & 0x0f) * d + m;
+            y[j + LOOM_QK / 2] = (x[b].qs[j] >> 4) * d + m;
+        }
+    }
+}
+
+/* ---- Tensors ------------------------------------------------------------------------------
+ * Dimension 0 is the innermost (fastest varying), as in GGUF: a matrix X[M,K] of M rows of K
+ * elements has ne = {K, M, 1, 1}. Rows are contiguous: nb[0] is the element size, or the block
+ * size for block types (ne[0] must then be a multiple of LOOM_QK). nb[1..3] are byte strides and
+ * may be larger than dense, so a tensor can view every other row or one half of each row of a
+ * wider matrix. Unused dimensions have ne = 1. */
+
+typedef struct loom_buffer loom_buffer; /* opaque, owned by the backend */
+
+typedef struct loom_tensor {
+    loom_buffer *buf;  /* the buffer holding the data */
+    uint64_t offset;   /* byte offset of element (0,0,0,0) in buf */
+    loom_dtype dtype;
+    int32_t n_dims;    /* 1..4, for messages; the math uses ne[] */
+    int64_t ne[4];     /* elements per dimension, innermost first */
+    uint64_t nb[4];    /* byte strides per dimension */
+} loom_tensor;
+
+/* ---- Ops ----------------------------------------------------------------------------------
+ * Each op has a parameter struct starting with struct_size (set by the caller to sizeof the
+ * struct it was compiled with). Shapes below are written outermost first, in brackets, as the
+ * math is usually written: X[M,K] means M rows of K. Unless a line says otherwise, activations
+ * are F32, outputs are F32, and a dst may not overlap its inputs. */
+
+typedef enum loom_op {
+    LOOM_OP_MATMUL = 0,
+    LOOM_OP_GET_ROWS,
+    LOOM_OP_RMS_NORM,
+    LOOM_OP_LAYER_NORM,
+    LOOM_OP_ROPE,
+    LOOM_OP_ADD,
+    LOOM_OP_MUL,
+    LOOM_OP_SCALE,
+    LOOM_OP_SILU_MUL,
+    LOOM_OP_GELU,
+    LOOM_OP_KV_STORE,
+    LOOM_OP_ATTENTION,
+    LOOM_OP_QUANTIZE,
+    LOOM_OP_DEQUANTIZE,
+    LOOM_OP_CONVERT,
+    LOOM_OP_COUNT_V1_0 /* number of ops in ABI 1.0; later minors append after it */
+} loom_op;
+
+/* Y[M,N] = X[M,K] * W[N,K]^T (+ bias[N]). W: F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (K a multiple
+ * of 32 for block types). M may be 0 (nothing to do). */
+typedef struct loom_matmul_params {
+    uint32_t struct_size;
+    const loom_tensor *x;    /* [M, K] F32 */
+    const loom_tensor *w;    /* [N, K] any weight dtype */
+    const loom_tensor *bias; /* [N] F32, or NULL */
+    const loom_tensor *y;    /* [M, N] F32 */
+} loom_matmul_params;
+
+/* dst[i,:] = src[ids[i],:] converted to F32. An id outside [0, rows) is LOOM_ERR_INVALID. */
+typedef struct loom_get_rows_params {
+    uint32_t struct_size;
+    const loom_tensor *src;  /* [rows, K] any weight dtype */
+    const loom_tensor *ids;  /* [n] I32 */
+    const loom_tensor *dst;  /* [n, K] F32 */
+} loom_get_rows_params;
+
+/* Per row of n: rms_norm  y = x / sqrt(mean(x^2) + eps) * weight
+ *               layer_norm y = (x - mean) / sqrt(var + eps) * weight + bias
+ * weight and bias are [n] F32 and optional (NULL = 1 and 0). dst may equal x. */
+typedef struct loom_norm_params {
+    uint32_t struct_size;
+    const loom_tensor *x;      /* [rows, n] */
+    const loom_tensor *weight; /* [n] or NULL */
+    const loom_tensor *bias;   /* [n] or NULL; layer_norm only */
+    const loom_tensor *dst;    /* [rows, n] */
+    float eps;
+} loom_norm_params;
+
+typedef enum loom_rope_mode {
+    /* Rotate pairs (i, i + n_rot/2) for i < n_rot/2: "rotate half", GPT-NeoX, HF Llama/Qwen. */
+    LOOM_ROPE_NEOX = 0,
+    /* Rotate pairs (2i, 2i+1) for i < n_rot/2: GPT-J, GGUF llama layout, ChatGLM2/3/4. */
+    LOOM_ROPE_ADJACENT = 1,
+    /* ChatGLM-6B: the first half of each head is NEOX-rotated over head_dim/2 dims by pos, the
+     * second half likewise by pos2 (the block position). n_rot must equal head_dim. */
+    LOOM_ROPE_GLM_2D = 2,
+} loom_rope_mode;
+
+/* Rotary position embedding. The angle of pair i at position p is
+ *   p * freq_scale * freq_base^(-2i / n)   (n = n_rot, or head_dim/2 for LOOM_ROPE_GLM_2D).
+ * Dims at and beyond n_rot are copied unchanged (partial rotary). dst may equal x. */
+typedef struct loom_rope_params {
+    uint32_t struct_size;
+    const loom_tensor *x;    /* [tokens, heads, head_dim] */
+    const loom_tensor *pos;  /* [tokens] I32 */
+    const loom_tensor *pos2; /* [tokens] I32, LOOM_ROPE_GLM_2D only, else NULL */
+    const loom_tensor *dst;  /* [tokens, heads, head_dim] */
+    int32_t mode;            /* loom_rope_mode */
+    int32_t n_rot;           /* even, <= head_dim */
+    float freq_base;         /* 10000 for most models */
+    float freq_scale;        /* 1 = none; linear position scaling otherwise */
+} loom_rope_params;
+
+/* Elementwise, by op:
+ *   add       dst = a + b          b: same shape as a, or one row [n] broadcast over rows
+ *   mul       dst = a * b          as add
+ *   scale     dst = a * scale      b unused
+ *   silu_mul  dst = silu(a) * b    (SwiGLU; a and b may be views of one [M, 2F] matrix)
+ *   gelu      dst = gelu_tanh(a)   b unused
+ * dst may equal a. */
+typedef struct loom_elementwise_params {
+    uint32_t struct_size;
+    const loom_tensor *a;
+    const loom_tensor *b;
+    const loom_tensor *dst;
+    float scale;
+} loom_elementwise_params;
+
+/* Paged KV cache: cache[blocks, block_size, kv_heads, head_dim] in F32, F16 or Q8_0 (head_dim
+ * a multiple of 32 for Q8_0, each (slot, head) row quantised on its own).
+ * kv_store writes src row t into cache slot slots[t] = block * block_size + offset. A negative
+ * slot skips the row (padding). */
+typedef struct loom_kv_store_params {
+    uint32_t struct_size;
+    const loom_tensor *src;   /* [tokens, kv_heads, head_dim] F32 */
+    const loom_tensor *slots; /* [tokens] I32 */
+    const loom_tensor *cache; /* [blocks, block_size, kv_heads, head_dim] */
+} loom_kv_store_params;
+
+/* Fused attention over the paged cache, for a batch of tokens from any number of sequences.
+ * Token t belongs to sequence seq[t] and sits at position pos[t]; it attends to the keys of its
+ * sequence at positions j with j <= pos[t], or j < prefix_len[seq[t]] (ChatGLM-6B's
+ * bidirectional prefix; NULL prefix_len = purely causal). Key j of sequence s lives in cache
+ * block block_table[s, j / block_size] at offset j % block_size. Query head h reads kv head
+ * h / (heads / kv_heads) (GQA / MQA). out = softmax(q k^T * scale) v, without materialising the
+ * score matrix. Every key a token attends to must already be stored. */
+typedef struct loom_attention_params {
+    uint32_t struct_size;
+    const loom_tensor *q;           /* [tokens, heads, head_dim] F32 */
+    const loom_tensor *k_cache;     /* [blocks, block_size, kv_heads, head_dim] */
+    const loom_tensor *v_cache;     /* same shape and dtype as k_cache */
+    const loom_tensor *block_table; /* [seqs, max_blocks_per_seq] I32 */
+    const loom_tensor *seq;         /* [tokens] I32 */
+    const loom_tensor *pos;         /* [tokens] I32 */
+    const loom_tensor *prefix_len;  /* [seqs] I32, or NULL */
+    const loom_tensor *dst;         /* [tokens, heads, head_dim] F32 */
+    float scale;                    /* usually 1/sqrt(head_dim) */
+} loom_attention_params;
+
+/* quantize:   dst (Q8_0, Q4_0 or Q4_1) from src F32, row by row (row length a multiple of 32)
+ * dequantize: dst F32 from src of any block type
+ * convert:    between F32, F16 and BF16 (round to nearest even)
+ * Same element shape on both sides. */
+typedef struct loom_convert_params {
+    uint32_t struct_size;
+    const loom_tensor *src;
+    const loom_tensor *dst;
+} loom_convert_params;
+
+/* ---- Devices and probing ----------------------------------------------------------------- */
+
+#define LOOM_MAX_DEVICES 16
+
+typedef struct loom_device_info {
+    char name[128];        /* "NVIDIA H200", "Intel Xeon ... (2 threads)" */
+    uint64_t memory_bytes; /* total device memory, or host memory for CPU backends */
+    char detail[128];      /* free text: "sm_90", "avx512 vnni bf16", ... */
+} loom_device_info;
+
+/* Filled by probe. The caller zeroes it and sets struct_size; the module writes no byte past
+ * that size. */
+typedef struct loom_probe_result {
+    uint32_t struct_size;
+    int32_t score;        /* 0: unusable here; otherwise higher is better (see ARCHITECTURE.md) */
+    char reason[256];     /* when score is 0: why ("no device", "CPU lacks AVX2", ...) */
+    uint32_t n_devices;
+    loom_device_info devices[LOOM_MAX_DEVICES];
+} loom_probe_result;
+
+/* Options for open. The caller zeroes it and sets struct_size. */
+typedef struct loom_backend_options {
+    uint32_t struct_size;
+    int32_t device;      /* device index, 0-based */
+    int32_t n_threads;   /* host threads to use; 0 = the backend's default */
+} loom_backend_options;
+
+/* ---- The opened backend ------------------------------------------------------------------
+ * Every function takes the loom_backend it belongs to. Members marked (optional) may be NULL;
+ * loom then assumes the default given. Ops return LOOM_ERR_UNSUPPORTED for what `supports`
+ * denies. On an error, last_error describes it until the next call. */
+
+typedef struct loom_backend loom_backend;
+
+typedef struct loom_backend_ops {
+    uint32_t struct_size;
+
+    /* lifetime */
+    void (*close)(loom_backend *be);                      /* stop every thread, free everything */
+    const char *(*last_error)(loom_backend *be);          /* message of the last failure */
+
+    /* capabilities */
+    int (*supports)(loom_backend *be, loom_op op, loom_dtype weight_or_cache_dtype);
+                                                          /* nonzero if the op runs with that
+                                                             dtype (W of matmul/get_rows, the cache
+                                                             of kv_store/attention, the block or
+                                                             target type of quantize/convert,
+                                                             F32 otherwise) */
+    loom_status (*set_threads)(loom_backend *be, int32_t n); /* (optional) default: ignored */
+
+    /* buffers */
+    loom_status (*buffer_alloc)(loom_backend *be, uint64_t size, loom_buffer **out);
+    void (*buffer_free)(loom_backend *be, loom_buffer *buf);
+    void *(*buffer_host_ptr)(loom_backend *be, loom_buffer *buf);
+                                                          /* (optional) host address of a
+                                                             host-visible buffer, else NULL */
+    loom_status (*buffer_wrap_host)(loom_backend *be, void *ptr, uint64_t size, loom_buffer **out);
+                                                          /* (optional) use caller memory (an mmap'd
+                                                             weight file) in place; freed with
+                                                             buffer_free, which leaves ptr alone */
+    loom_status (*buffer_memset)(loom_backend *be, loom_buffer *buf, uint64_t offset, int value,
+                                 uint64_t size);
+    loom_status (*copy_from_host)(loom_backend *be, loom_buffer *dst, uint64_t offset,
+                                  const void *src, uint64_t size);
+    loom_status (*copy_to_host)(loom_backend *be, void *dst, loom_buffer *src, uint64_t offset,
+                                uint64_t size);
+    loom_status (*copy_buffer)(loom_backend *be, loom_buffer *dst, uint64_t dst_offset,
+                               loom_buffer *src, uint64_t src_offset, uint64_t size);
+    loom_status (*synchronize)(loom_backend *be);          /* wait for every enqueued op */
+
+    /* ops, in loom_op order */
+    loom_status (*matmul)(loom_backend *be, const loom_matmul_params *p);
+    loom_status (*get_rows)(loom_backend *be, const loom_get_rows_params *p);
+    loom_status (*rms_norm)(loom_backend *be, const loom_norm_params *p);
+    loom_status (*layer_norm)(loom_backend *be, const loom_norm_params *p);
+    loom_status (*rope)(loom_backend *be, const loom_rope_params *p);
+    loom_status (*add)(loom_backend *be, const loom_elementwise_params *p);
+    loom_status (*mul)(loom_backend *be, const loom_elementwise_params *p);
+    loom_status (*scale)(loom_backend *be, const loom_elementwise_params *p);
+    loom_status (*silu_mul)(loom_backend *be, const loom_elementwise_params *p);
+    loom_status (*gelu)(loom_backend *be, const loom_elementwise_params *p);
+    loom_status (*kv_store)(loom_backend *be, const loom_kv_store_params *p);
+    loom_status (*attention)(loom_backend *be, const loom_attention_params *p);
+    loom_status (*quantize)(loom_backend *be, const loom_convert_params *p);
+    loom_status (*dequantize)(loom_backend *be, const loom_convert_params *p);
+    loom_status (*convert)(loom_backend *be, const loom_convert_params *p);
+    /* ABI 1.1 and later append here */
+} loom_backend_ops;
+
+/* A backend's first member; the rest of its state follows in the module's own struct. */
+struct loom_backend {
+    const loom_backend_ops *ops;
+};
+
+/* ---- The module ---------------------------------------------------------------------------
+ * Returned by the entry point; static, valid until the module is unloaded. */
+
+typedef struct loom_backend_module {
+    uint32_t struct_size;
+    uint32_t abi_major;        /* LOOM_BACKEND_ABI_MAJOR the module was built with */
+    uint32_t abi_minor;        /* LOOM_BACKEND_ABI_MINOR the module was built with */
+    const char *name;          /* "cpu", "cuda", "ref": what LOOM_BACKEND matches */
+    const char *variant;       /* "avx2", "" when there is only one build */
+    const char *description;   /* one line for humans */
+
+    /* Cheap and free of side effects: no device context, no threads, nothing that outlives the
+     * call. Must not execute instructions the probed machine may lack. */
+    void (*probe)(loom_probe_result *out);
+
+    /* Open device opts->device. On failure return non-OK and write a message to err. */
+    loom_status (*open)(const loom_backend_options *opts, loom_backend **out, char *err,
+                        size_t err_size);
+} loom_backend_module;
+
+/* The entry point. host_major/host_minor are loom's ABI version, for a module that wants to
+ * adapt; most ignore them. Must not run foreign-ISA code, start threads or allocate. */
+typedef const loom_backend_module *(*loom_backend_entry_fn)(uint32_t host_major,
+                                                            uint32_t host_minor);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* LOOM_BACKEND_H */

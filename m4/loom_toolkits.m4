@@ -1,0 +1,98 @@
+# loom_toolkits.m4 - detection of the optional compute toolkits. Each one, when missing,
+# disables only what needs it and says so; it is an error only when the user asked for it.
+
+# LOOM_CHECK_OPENBLAS: OpenBLAS through pkg-config (--without-openblas to skip).
+AC_DEFUN([LOOM_CHECK_OPENBLAS], [
+  AC_ARG_WITH([openblas],
+    [AS_HELP_STRING([--with-openblas], [use OpenBLAS for large CPU matmuls (default: if found)])],
+    [], [with_openblas=check])
+  loom_have_openblas=no
+  AS_IF([test "x$with_openblas" != xno], [
+    PKG_CHECK_MODULES([OPENBLAS], [openblas], [loom_have_openblas=yes], [
+      AS_IF([test "x$with_openblas" = xyes],
+        [AC_MSG_ERROR([--with-openblas given but OpenBLAS was not found: apt-get install libopenblas-dev])])
+    ])
+  ])
+  AS_IF([test $loom_have_openblas = yes],
+    [loom_openblas_summary="yes ($OPENBLAS_LIBS)"
+     AC_DEFINE([LOOM_HAVE_OPENBLAS], [1], [OpenBLAS is available])],
+    [AS_IF([test "x$with_openblas" = xno],
+       [loom_openblas_summary="no (--without-openblas)"],
+       [loom_openblas_summary="no (pkg-config cannot find openblas; apt-get install libopenblas-dev)"])])
+  AM_CONDITIONAL([HAVE_OPENBLAS], [test $loom_have_openblas = yes])
+])
+
+# LOOM_CHECK_CUDA: nvcc and cuBLAS under --with-cuda=DIR, else CUDA's default prefix.
+AC_DEFUN([LOOM_CHECK_CUDA], [
+  AC_ARG_WITH([cuda],
+    [AS_HELP_STRING([--with-cuda@<:@=DIR@:>@], [build the CUDA backend with the toolkit in DIR (default: /usr/local/cuda if present)])],
+    [], [with_cuda=check])
+  AC_ARG_ENABLE([cuda],
+    [AS_HELP_STRING([--disable-cuda], [do not build the CUDA backend])],
+    [AS_IF([test "x$enableval" = xno], [with_cuda=no])])
+  AC_ARG_WITH([cuda-arch],
+    [AS_HELP_STRING([--with-cuda-arch=LIST], [CUDA architectures (default: 80,90 plus PTX)])],
+    [CUDA_ARCHS="$withval"], [CUDA_ARCHS="80 90"])
+  loom_have_cuda=no
+  loom_cuda_why=""
+  AS_CASE([$with_cuda],
+    [no], [loom_cuda_why="disabled (--disable-cuda)"],
+    [yes|check], [CUDA_HOME=/usr/local/cuda],
+    [CUDA_HOME="$with_cuda"])
+  AS_IF([test "x$with_cuda" != xno], [
+    AC_MSG_CHECKING([for nvcc in $CUDA_HOME])
+    AS_IF([test -x "$CUDA_HOME/bin/nvcc"], [
+      NVCC="$CUDA_HOME/bin/nvcc"
+      loom_cuda_version=`"$NVCC" --version 2>/dev/null | sed -n 's/.*release \(@<:@0-9.@:>@*\).*/\1/p'`
+      AC_MSG_RESULT([yes, $loom_cuda_version])
+      AC_MSG_CHECKING([for cuBLAS and the static CUDA runtime])
+      loom_cuda_libdir=""
+      for d in "$CUDA_HOME/lib64" "$CUDA_HOME/lib" "$CUDA_HOME/targets/x86_64-linux/lib"; do
+        AS_IF([test -z "$loom_cuda_libdir" && test -e "$d/libcublas.so" && test -e "$d/libcudart_static.a"],
+              [loom_cuda_libdir="$d"])
+      done
+      AS_IF([test -n "$loom_cuda_libdir"],
+        [AC_MSG_RESULT([$loom_cuda_libdir]); loom_have_cuda=yes],
+        [AC_MSG_RESULT([no]); loom_cuda_why="nvcc found but no libcublas.so and libcudart_static.a under $CUDA_HOME"])
+    ], [
+      AC_MSG_RESULT([no])
+      loom_cuda_why="no nvcc in $CUDA_HOME/bin (install the CUDA toolkit or pass --with-cuda=DIR)"
+    ])
+    AS_IF([test $loom_have_cuda = no && test "x$with_cuda" != xcheck],
+      [AC_MSG_ERROR([--with-cuda given, but $loom_cuda_why])])
+  ])
+  AS_IF([test $loom_have_cuda = yes],
+    [loom_cuda_summary="yes (nvcc $loom_cuda_version in $CUDA_HOME, archs $CUDA_ARCHS); the CUDA backend itself is not written yet"],
+    [loom_cuda_summary="no: $loom_cuda_why"])
+  AC_SUBST([NVCC])
+  AC_SUBST([CUDA_HOME])
+  AC_SUBST([CUDA_ARCHS])
+  CUDA_LIBDIR="$loom_cuda_libdir"
+  AC_SUBST([CUDA_LIBDIR])
+  AM_CONDITIONAL([HAVE_CUDA], [test $loom_have_cuda = yes])
+])
+
+# LOOM_CHECK_HIP: hipcc from Debian's hipcc package (or --with-hip=DIR).
+AC_DEFUN([LOOM_CHECK_HIP], [
+  AC_ARG_WITH([hip],
+    [AS_HELP_STRING([--with-hip@<:@=DIR@:>@], [build the HIP backend with hipcc from DIR/bin or PATH (default: if found)])],
+    [], [with_hip=check])
+  AC_ARG_ENABLE([hip],
+    [AS_HELP_STRING([--disable-hip], [do not build the HIP backend])],
+    [AS_IF([test "x$enableval" = xno], [with_hip=no])])
+  loom_have_hip=no
+  loom_hip_why="disabled (--disable-hip)"
+  AS_IF([test "x$with_hip" != xno], [
+    loom_hip_path="$PATH"
+    AS_CASE([$with_hip], [yes|check], [], [loom_hip_path="$with_hip/bin"])
+    AC_PATH_PROG([HIPCC], [hipcc], [], [$loom_hip_path])
+    AS_IF([test -n "$HIPCC"],
+      [loom_have_hip=yes],
+      [loom_hip_why="no hipcc (apt-get install hipcc, or pass --with-hip=DIR)"
+       AS_IF([test "x$with_hip" != xcheck], [AC_MSG_ERROR([--with-hip given, but $loom_hip_why])])])
+  ])
+  AS_IF([test $loom_have_hip = yes],
+    [loom_hip_summary="yes ($HIPCC); the HIP backend itself is not written yet"],
+    [loom_hip_summary="no: $loom_hip_why"])
+  AM_CONDITIONAL([HAVE_HIP], [test $loom_have_hip = yes])
+])

@@ -1,0 +1,43 @@
+/*
+ * tests/check.h - the few assertion helpers the C tests share. A failed CHECK prints where and
+ * why and lets the test go on, so one run shows every failure; the test then exits 1.
+ */
+#ifndef LOOM_TESTS_CHECK_H
+#define LOOM_TESTS_CHECK_H
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int check_failures;
+static int check_count;
+
+#define CHECK(cond, ...)                                                                       \
+    do {                                                                                       \
+        check_count++;                                                                         \
+        if (!(cond)) {                                                                         \
+            fprintf(stderr, "%s:%d: FAIL: %s: ", __FILE__, __LINE__, #cond);                   \
+            fprintf(stderr, __VA_ARGS__);                                                      \
+            fputc('\n', stderr);                                                               \
+            check_failures++;                                                                  \
+        }                                                                                      \
+    } while (0)
+
+#define CHECK_NEAR(got, want, tol, what)                                                       \
+    CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g, want %.9g", what,      \
+          (double)(got), (double)(want))
+
+static inline int check_finish(const char *name)
+{
+    printf("%s: %d checks, %d failed\n", name, check_count, check_failures);
+    return check_failures ? 1 : 0;
+}
+
+/* Environment value or fallback. */
+static inline const char *env_or(const char *name, const char *fallback)
+{
+    const char *v = getenv(name);
+    return v && *v ? v : fallback;
+}
+
+#endif

@@ -1,0 +1,54 @@
+# tests/cli.sh - `loom backends` as a user sees it: the report, --json, LOOM_EXPLAIN, the env
+# vars' errors, and broken modules listed with their reasons instead of taking loom down.
+. "$top_srcdir/tests/lib.sh"
+unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
+
+# the build tree's own modules are found with no env var set
+"$LOOM" backends > "$tmpdir/plain.txt" 2>&1 || fail "loom backends exited $?"
+expect_grep "^\* ref" "$tmpdir/plain.txt" "ref found and chosen in the build tree"
+expect_grep "backends/ref/.libs/loom-ref.so" "$tmpdir/plain.txt" "report shows the path"
+
+# every broken test module is listed, with its reason, and loom still works
+LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends > "$tmpdir/all.txt" 2>&1 || fail "exit $?"
+expect_grep "libloom-test-gone.so: cannot open shared object file" "$tmpdir/all.txt" "missing dependency reason"
+expect_grep "no loom_backend_entry symbol" "$tmpdir/all.txt" "missing entry reason"
+expect_grep "built for backend ABI 2.0" "$tmpdir/all.txt" "major mismatch reason"
+expect_grep "no device: the fake probe found none" "$tmpdir/all.txt" "no-device reason"
+expect_grep "^\* cpu-avx512" "$tmpdir/all.txt" "highest score wins"
+expect_grep "score 1 is below cpu-avx512's 300" "$tmpdir/all.txt" "why ref lost"
+
+# --json is valid JSON with the fields the issue lists
+LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends --json > "$tmpdir/all.json" || fail "--json exit $?"
+if jq -e '.candidates | length > 5' "$tmpdir/all.json" > /dev/null &&
+   jq -e '[.candidates[] | select(.chosen)] | length == 1' "$tmpdir/all.json" > /dev/null &&
+   jq -e '.candidates[] | select(.name == "ref") | .abi_version == "1.0" and .score == 1 and (.devices[0].memory_bytes > 0)' "$tmpdir/all.json" > /dev/null &&
+   jq -e '.candidates[] | select(.name == "nodevice") | .usable == false and (.reason | test("no device"))' "$tmpdir/all.json" > /dev/null
+then pass "json report"; else fail "json report:"; cat "$tmpdir/all.json" >&2; fi
+
+# LOOM_EXPLAIN sends the report to stderr for any command
+LOOM_EXPLAIN=1 "$LOOM" version > "$tmpdir/out.txt" 2> "$tmpdir/err.txt" || true
+LOOM_EXPLAIN=1 "$LOOM" backends --json > /dev/null 2> "$tmpdir/err.txt"
+expect_grep "chosen: ref" "$tmpdir/err.txt" "LOOM_EXPLAIN report on stderr"
+
+# a wrong LOOM_BACKEND is an error that lists what there is
+if LOOM_BACKEND=cuda "$LOOM" backends > /dev/null 2> "$tmpdir/err.txt"; then
+    fail "LOOM_BACKEND=cuda should fail here"
+fi
+expect_grep "no backend named 'cuda'" "$tmpdir/err.txt" "unknown backend named"
+expect_grep "ref: usable" "$tmpdir/err.txt" "available backends listed"
+if LOOM_BACKEND_PATH="$PLUGIN_DIR" LOOM_BACKEND=nodevice "$LOOM" backends > /dev/null 2> "$tmpdir/err.txt"; then
+    fail "LOOM_BACKEND=nodevice should fail"
+fi
+expect_grep "'nodevice' is not usable here" "$tmpdir/err.txt" "unusable backend named"
+LOOM_BACKEND_PATH="$PLUGIN_DIR" LOOM_CPU_MAX_ISA=avx2 "$LOOM" backends > "$tmpdir/cap.txt" 2>&1 || fail "cap exit $?"
+expect_grep "^\* cpu-avx2" "$tmpdir/cap.txt" "LOOM_CPU_MAX_ISA caps the variant"
+expect_grep "above LOOM_CPU_MAX_ISA=avx2" "$tmpdir/cap.txt" "the cap is explained"
+LOOM_BACKEND_PATH="$PLUGIN_DIR" LOOM_CPU_VARIANT=baseline "$LOOM" backends > "$tmpdir/force.txt" 2>&1 || fail "force exit $?"
+expect_grep "^\* cpu-baseline" "$tmpdir/force.txt" "LOOM_CPU_VARIANT forces the variant"
+
+# bad usage
+"$LOOM" backends --frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad flag accepted"
+expect_grep "unknown argument '--frobnicate'" "$tmpdir/err.txt" "bad flag named"
+"$LOOM" frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad command accepted"
+expect_grep "unknown command 'frobnicate'" "$tmpdir/err.txt" "bad command named"
+finish

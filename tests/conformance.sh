@@ -1,0 +1,36 @@
+# tests/conformance.sh - loom-conformance passes every backend built and usable here (also with
+# ref's buffers opaque, so nothing relies on host-visible memory), and fails the deliberately
+# broken module on exactly the ops it gets wrong.
+. "$top_srcdir/tests/lib.sh"
+unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
+
+if "$CONFORMANCE" --quiet --json "$tmpdir/all.json" > "$tmpdir/all.txt" 2>&1; then
+    pass "every usable backend conforms"
+else
+    fail "conformance of the built backends:"; cat "$tmpdir/all.txt" >&2
+fi
+jq -e '.pass and (.modules | length >= 1)' "$tmpdir/all.json" > /dev/null || fail "json says pass"
+
+if LOOM_REF_OPAQUE=1 "$CONFORMANCE" --quiet ref > "$tmpdir/opaque.txt" 2>&1; then
+    pass "ref conforms with opaque buffers"
+else
+    fail "opaque ref:"; cat "$tmpdir/opaque.txt" >&2
+fi
+
+"$CONFORMANCE" --json "$tmpdir/broken.json" "$PLUGIN_DIR/broken.so" > "$tmpdir/broken.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && pass "broken module fails (exit 1)" || fail "broken module: exit $rc, want 1"
+if jq -e '.modules[0].matrix.matmul.f32 == "fail" and .modules[0].matrix.rms_norm.f32 == "fail"
+          and .modules[0].matrix.gelu.f32 == "unsupported"
+          and ([.modules[0].checks[] | select(.check | startswith("copy round trip")) | .status] | all(. == "pass"))' \
+        "$tmpdir/broken.json" > /dev/null
+then pass "the broken ops, and only those, fail"; else fail "broken report:"; cat "$tmpdir/broken.txt" >&2; fi
+expect_grep "matmul f32 M=3 K=128 N=17 +bias: normalised error" "$tmpdir/broken.txt" "the bias case is the one named"
+
+"$CONFORMANCE" "$PLUGIN_DIR/fake-major2.so" > "$tmpdir/major.txt" 2>&1 && fail "ABI 2 module passed"
+expect_grep "incompatible ABI" "$tmpdir/major.txt" "ABI mismatch reported by conformance"
+
+"$CONFORMANCE" nosuchbackend > /dev/null 2> "$tmpdir/err.txt"
+[ $? -eq 2 ] || fail "unknown name should be a usage error"
+expect_grep "no backend named 'nosuchbackend'" "$tmpdir/err.txt" "unknown name reported"
+finish

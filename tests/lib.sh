@@ -1,0 +1,12 @@
+# tests/lib.sh - sourced by the shell tests: assertions that say what was expected.
+set -u
+fails=0
+fail() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+pass() { echo "ok: $*"; }
+# expect_grep PATTERN FILE DESCRIPTION
+expect_grep() {
+    if grep -q -- "$1" "$2"; then pass "$3"; else fail "$3: '$1' not in $2:"; sed 's/^/    /' "$2" >&2; fi
+}
+finish() { [ "$fails" -eq 0 ] && exit 0 || exit 1; }
+tmpdir=$(mktemp -d "${TMPDIR:-/tmp}/loom-test.XXXXXX")
+trap 'rm -rf "$tmpdir"' EXIT

@@ -1,0 +1,1028 @@
+/*
+ * tools/conformance.c - `loom-conformance`: checks a backend module against the ABI contract
+ * and against the reference backend, without loom's source tree.
+ *
+ *   loom-conformance [--json FILE] [--ref PATH] [--quiet] [BACKEND.so | NAME ...]
+ *
+ * With no backend given it checks every usable module the loader finds. For each it checks
+ * ABI negotiation, copies, allocation failure, every op x dtype x awkward shape against `ref`
+ * (the same inputs on both, outputs compared by normalised error with a threshold per dtype),
+ * and repeated load/unload. It prints a markdown support matrix, optionally a JSON report, and
+ * exits 1 when any check fails (2 on a usage error).
+ *
+ * Inputs are placed at odd offsets inside their buffers and, for matrices, with padded row
+ * strides, so a backend that assumes dense or aligned tensors fails here, not in a model.
+ */
+#define _GNU_SOURCE
+#include "core/loader.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- Reporting -------------------------------------------------------------------------- */
+
+typedef enum { RES_NONE = 0, RES_PASS, RES_FAIL, RES_UNSUPPORTED } result;
+
+#define N_DTYPES 7
+static const loom_dtype all_dtypes[N_DTYPES] = {LOOM_F32, LOOM_F16,  LOOM_BF16, LOOM_Q8_0,
+                                                LOOM_Q4_0, LOOM_Q4_1, LOOM_I32};
+static const char *const op_names[LOOM_OP_COUNT_V1_0] = {
+    "matmul", "get_rows", "rms_norm", "layer_norm", "rope",      "add",        "mul",    "scale",
+    "silu_mul", "gelu",   "kv_store", "attention",  "quantize", "dequantize", "convert"};
+
+typedef struct report {
+    cJSON *checks;  /* array of {check, status, detail} */
+    result matrix[LOOM_OP_COUNT_V1_0][N_DTYPES];
+    int failures;
+    int quiet;
+} report;
+
+static void record(report *r, const char *check, int ok, const char *fmt, ...)
+{
+    char detail[1024] = "";
+    if (fmt) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(detail, sizeof detail, fmt, ap);
+        va_end(ap);
+    }
+    if (!ok)
+        r->failures++;
+    if (!ok || !r->quiet)
+        printf("  %s %s%s%s\n", ok ? "ok  " : "FAIL", check, detail[0] ? ": " : "", detail);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "check", check);
+    cJSON_AddStringToObject(o, "status", ok ? "pass" : "fail");
+    cJSON_AddStringToObject(o, "detail", detail);
+    cJSON_AddItemToArray(r->checks, o);
+}
+
+/* ---- Host-side tensors ------------------------------------------------------------------ */
+
+#define MAX_TENSORS 8
+
+/* One tensor of a test case: its shape, where it sits in its buffer, and its host bytes. */
+typedef struct spec {
+    int used;
+    int output;        /* compared after the op */
+    loom_dtype dtype;
+    int64_t ne[4];
+    uint64_t offset;   /* leading bytes in the buffer */
+    uint64_t row_pad;  /* extra bytes between rows */
+    unsigned char *host;
+    uint64_t bytes;    /* buffer size: offset + extent */
+} spec;
+
+typedef struct test_case {
+    loom_op op;
+    loom_dtype dtype;     /* the dtype `supports` is asked about */
+    char label[160];
+    spec t[MAX_TENSORS];
+    double tol;           /* normalised-error threshold */
+    int quality_vs_input; /* quantize: judge by round-trip error against the input */
+    /* scalar parameters */
+    float eps, scale, freq_base, freq_scale;
+    int32_t rope_mode, n_rot;
+} test_case;
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint32_t rng_u32(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (uint32_t)(rng_state >> 16);
+}
+
+static float rng_uniform(void) /* [-1, 1) */
+{
+    return (float)rng_u32() / 2147483648.0f - 1.0f;
+}
+
+static uint64_t spec_row_stride(const spec *s)
+{
+    return (uint64_t)loom_row_bytes(s->dtype, s->ne[0]) + s->row_pad;
+}
+
+static int64_t spec_rows(const spec *s)
+{
+    return s->ne[1] * s->ne[2] * s->ne[3];
+}
+
+static void spec_tensor(const spec *s, loom_buffer *buf, loom_tensor *t)
+{
+    memset(t, 0, sizeof *t);
+    t->buf = buf;
+    t->offset = s->offset;
+    t->dtype = s->dtype;
+    t->n_dims = 4;
+    for (int i = 0; i < 4; i++)
+        t->ne[i] = s->ne[i];
+    t->nb[0] = (uint64_t)loom_dtype_block_bytes(s->dtype);
+    t->nb[1] = spec_row_stride(s);
+    t->nb[2] = t->nb[1] * (uint64_t)s->ne[1];
+    t->nb[3] = t->nb[2] * (uint64_t)s->ne[2];
+}
+
+static unsigned char *spec_row(const spec *s, int64_t r)
+{
+    return s->host + s->offset + (uint64_t)r * spec_row_stride(s);
+}
+
+/* Allocates the host image: padding bytes are filled with a pattern so reads of them show. */
+static spec *add_spec(test_case *tc, int idx, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2,
+                      int64_t n3, int padded)
+{
+    spec *s = &tc->t[idx];
+    memset(s, 0, sizeof *s);
+    s->used = 1;
+    s->dtype = dt;
+    s->ne[0] = n0, s->ne[1] = n1, s->ne[2] = n2, s->ne[3] = n3;
+    s->offset = padded ? 48 : 0;
+    s->row_pad = padded ? 16 : 0;
+    s->bytes = s->offset + spec_row_stride(s) * (uint64_t)spec_rows(s) + 8;
+    s->host = malloc(s->bytes);
+    if (!s->host) {
+        fprintf(stderr, "loom-conformance: out of memory\n");
+        exit(2);
+    }
+    memset(s->host, 0xA5, s->bytes);
+    return s;
+}
+
+/* Writes float values into row r of s, converting to its dtype. */
+static void put_row(spec *s, int64_t r, const float *v)
+{
+    unsigned char *p = spec_row(s, r);
+    int64_t n = s->ne[0];
+    switch (s->dtype) {
+    case LOOM_F32: memcpy(p, v, (size_t)n * 4); break;
+    case LOOM_F16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = loom_f32_to_f16(v[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
+        break;
+    case LOOM_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h = loom_f32_to_bf16(v[i]);
+            memcpy(p + 2 * i, &h, 2);
+        }
+        break;
+    case LOOM_I32:
+        for (int64_t i = 0; i < n; i++) {
+            int32_t x = (int32_t)v[i];
+            memcpy(p + 4 * i, &x, 4);
+        }
+        break;
+    case LOOM_Q8_0: loom_quantize_row_q8_0(v, (loom_block_q8_0 *)p, n); break;
+    case LOOM_Q4_0: loom_quantize_row_q4_0(v, (loom_block_q4_0 *)p, n); break;
+    case LOOM_Q4_1: loom_quantize_row_q4_1(v, (loom_block_q4_1 *)p, n); break;
+    }
+}
+
+static void get_row(const spec *s, const unsigned char *image, int64_t r, float *out)
+{
+    const unsigned char *p = image + s->offset + (uint64_t)r * spec_row_stride(s);
+    int64_t n = s->ne[0];
+    switch (s->dtype) {
+    case LOOM_F32: memcpy(out, p, (size_t)n * 4); break;
+    case LOOM_F16:
+    case LOOM_BF16:
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            out[i] = s->dtype == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
+        }
+        break;
+    case LOOM_I32:
+        for (int64_t i = 0; i < n; i++) {
+            int32_t x;
+            memcpy(&x, p + 4 * i, 4);
+            out[i] = (float)x;
+        }
+        break;
+    case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)p, out, n); break;
+    case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)p, out, n); break;
+    case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)p, out, n); break;
+    }
+}
+
+/* Fills every row with uniform values in [-amp, amp) (+ bias), converted to the dtype. */
+static void fill_random(spec *s, float amp, float bias)
+{
+    float *v = malloc((size_t)s->ne[0] * sizeof *v);
+    for (int64_t r = 0; r < spec_rows(s); r++) {
+        for (int64_t i = 0; i < s->ne[0]; i++)
+            v[i] = bias + amp * rng_uniform();
+        put_row(s, r, v);
+    }
+    free(v);
+}
+
+static void fill_i32(spec *s, const int32_t *vals)
+{
+    memcpy(spec_row(s, 0), vals, (size_t)s->ne[0] * 4);
+}
+
+static void free_case(test_case *tc)
+{
+    for (int i = 0; i < MAX_TENSORS; i++)
+        free(tc->t[i].host);
+    memset(tc, 0, sizeof *tc);
+}
+
+/* ---- Running a case on one device -------------------------------------------------------- */
+
+static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
+{
+    const spec *s = tc->t;
+#define T(i) (s[i].used ? &t[i] : NULL)
+    switch (tc->op) {
+    case LOOM_OP_MATMUL: {
+        loom_matmul_params p = {sizeof p, T(0), T(1), T(2), T(3)};
+        return d->ops.matmul(d->be, &p);
+    }
+    case LOOM_OP_GET_ROWS: {
+        loom_get_rows_params p = {sizeof p, T(0), T(1), T(2)};
+        return d->ops.get_rows(d->be, &p);
+    }
+    case LOOM_OP_RMS_NORM:
+    case LOOM_OP_LAYER_NORM: {
+        loom_norm_params p = {sizeof p, T(0), T(1), T(2), T(3), tc->eps};
+        return tc->op == LOOM_OP_RMS_NORM ? d->ops.rms_norm(d->be, &p)
+                                          : d->ops.layer_norm(d->be, &p);
+    }
+    case LOOM_OP_ROPE: {
+        loom_rope_params p = {sizeof p, T(0), T(1), T(2), T(3),
+                              tc->rope_mode, tc->n_rot, tc->freq_base, tc->freq_scale};
+        return d->ops.rope(d->be, &p);
+    }
+    case LOOM_OP_ADD:
+    case LOOM_OP_MUL:
+    case LOOM_OP_SCALE:
+    case LOOM_OP_SILU_MUL:
+    case LOOM_OP_GELU: {
+        loom_elementwise_params p = {sizeof p, T(0), T(1), T(2), tc->scale};
+        switch (tc->op) {
+        case LOOM_OP_ADD: return d->ops.add(d->be, &p);
+        case LOOM_OP_MUL: return d->ops.mul(d->be, &p);
+        case LOOM_OP_SCALE: return d->ops.scale(d->be, &p);
+        case LOOM_OP_SILU_MUL: return d->ops.silu_mul(d->be, &p);
+        default: return d->ops.gelu(d->be, &p);
+        }
+    }
+    case LOOM_OP_KV_STORE: {
+        loom_kv_store_params p = {sizeof p, T(0), T(1), T(2)};
+        return d->ops.kv_store(d->be, &p);
+    }
+    case LOOM_OP_ATTENTION: {
+        loom_attention_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7),
+                                   tc->scale};
+        return d->ops.attention(d->be, &p);
+    }
+    case LOOM_OP_QUANTIZE:
+    case LOOM_OP_DEQUANTIZE:
+    case LOOM_OP_CONVERT: {
+        loom_convert_params p = {sizeof p, T(0), T(1)};
+        return tc->op == LOOM_OP_QUANTIZE     ? d->ops.quantize(d->be, &p)
+               : tc->op == LOOM_OP_DEQUANTIZE ? d->ops.dequantize(d->be, &p)
+                                              : d->ops.convert(d->be, &p);
+    }
+    case LOOM_OP_COUNT_V1_0: break;
+    }
+#undef T
+    return LOOM_ERR_UNSUPPORTED;
+}
+
+/* Uploads the case, runs it, downloads every output into out[i] (malloc'd). On failure returns
+ * non-OK with msg set. */
+static loom_status run_case(loom_device *d, const test_case *tc, unsigned char **out, char *msg,
+                            size_t msg_size)
+{
+    loom_buffer *bufs[MAX_TENSORS] = {0};
+    loom_tensor t[MAX_TENSORS];
+    loom_status st = LOOM_OK;
+    for (int i = 0; i < MAX_TENSORS && st == LOOM_OK; i++) {
+        if (!tc->t[i].used)
+            continue;
+        st = d->ops.buffer_alloc(d->be, tc->t[i].bytes, &bufs[i]);
+        if (st == LOOM_OK)
+            st = d->ops.copy_from_host(d->be, bufs[i], 0, tc->t[i].host, tc->t[i].bytes);
+        spec_tensor(&tc->t[i], bufs[i], &t[i]);
+    }
+    if (st == LOOM_OK)
+        st = call_op(d, tc, t);
+    if (st == LOOM_OK)
+        st = d->ops.synchronize(d->be);
+    for (int i = 0; i < MAX_TENSORS && st == LOOM_OK; i++) {
+        if (!tc->t[i].used || !tc->t[i].output)
+            continue;
+        out[i] = malloc(tc->t[i].bytes);
+        st = out[i] ? d->ops.copy_to_host(d->be, out[i], bufs[i], 0, tc->t[i].bytes)
+                    : LOOM_ERR_OUT_OF_MEMORY;
+    }
+    if (st != LOOM_OK)
+        snprintf(msg, msg_size, "status %d: %s", st, d->ops.last_error(d->be));
+    for (int i = 0; i < MAX_TENSORS; i++)
+        if (bufs[i])
+            d->ops.buffer_free(d->be, bufs[i]);
+    return st;
+}
+
+/* Normalised error sqrt(sum (a-b)^2 / sum b^2) of output tensor s, over its rows only (the
+ * padding between rows is checked separately: a backend must not write it). */
+typedef struct cmp { double nerr; int nonfinite; int pad_written; } cmp;
+
+static cmp compare(const spec *s, const unsigned char *a, const unsigned char *b,
+                   const unsigned char *input_image)
+{
+    cmp c = {0, 0, 0};
+    int64_t n = s->ne[0];
+    float *ra = malloc((size_t)n * sizeof *ra), *rb = malloc((size_t)n * sizeof *rb);
+    double num = 0, den = 0;
+    for (int64_t r = 0; r < spec_rows(s); r++) {
+        get_row(s, a, r, ra);
+        get_row(s, b, r, rb);
+        for (int64_t i = 0; i < n; i++) {
+            if (!isfinite(ra[i]) && isfinite(rb[i]))
+                c.nonfinite = 1;
+            num += ((double)ra[i] - rb[i]) * ((double)ra[i] - rb[i]);
+            den += (double)rb[i] * rb[i];
+        }
+    }
+    c.nerr = den > 0 ? sqrt(num / den) : sqrt(num);
+    /* bytes outside the rows must be as uploaded */
+    uint64_t rb_bytes = (uint64_t)loom_row_bytes(s->dtype, s->ne[0]);
+    for (uint64_t i = 0; i < s->bytes && !c.pad_written; i++) {
+        int in_row = 0;
+        if (i >= s->offset && spec_rows(s) > 0) {
+            uint64_t rel = i - s->offset, stride = spec_row_stride(s);
+            in_row = rel / stride < (uint64_t)spec_rows(s) && rel % stride < rb_bytes;
+        }
+        if (!in_row && a[i] != input_image[i])
+            c.pad_written = 1;
+    }
+    free(ra), free(rb);
+    return c;
+}
+
+/* ---- The case catalogue ----------------------------------------------------------------- */
+
+static double weight_tolerance(loom_dtype t)
+{
+    switch (t) {
+    case LOOM_F32: return 1e-5;
+    case LOOM_F16: return 2e-3;  /* a backend may round activations to f16 */
+    case LOOM_BF16: return 1e-2; /* or to bf16 */
+    default: return 2e-2;        /* block types: activations may be quantised to int8 */
+    }
+}
+
+typedef struct case_family {
+    loom_op op;
+    int n_variants;
+    void (*make)(test_case *tc, loom_dtype dt, int variant);
+} case_family;
+
+static void make_matmul(test_case *tc, loom_dtype dt, int v)
+{
+    /* M, K, N; K odd only where the dtype allows it */
+    static const int64_t shapes[][3] = {{1, 64, 1},  {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
+                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7}};
+    int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
+    if (K % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
+        tc->op = LOOM_OP_COUNT_V1_0; /* not applicable */
+        return;
+    }
+    snprintf(tc->label, sizeof tc->label, "M=%lld K=%lld N=%lld%s", (long long)M, (long long)K,
+             (long long)N, v == 2 ? " +bias" : "");
+    fill_random(add_spec(tc, 0, LOOM_F32, K, M, 1, 1, 1), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 1, dt, K, N, 1, 1, 1), 0.5f, 0.0f);
+    if (v == 2)
+        fill_random(add_spec(tc, 2, LOOM_F32, N, 1, 1, 1, 1), 1.0f, 0.0f);
+    add_spec(tc, 3, LOOM_F32, N, M, 1, 1, 1)->output = 1;
+    tc->tol = weight_tolerance(dt);
+}
+
+static void make_get_rows(test_case *tc, loom_dtype dt, int v)
+{
+    int64_t K = v ? 64 : 32, rows = 9, n = v ? 5 : 1;
+    int32_t ids[5] = {8, 0, 3, 3, 7};
+    snprintf(tc->label, sizeof tc->label, "%lld ids from [%lld, %lld]", (long long)n,
+             (long long)rows, (long long)K);
+    fill_random(add_spec(tc, 0, dt, K, rows, 1, 1, 1), 1.0f, 0.0f);
+    fill_i32(add_spec(tc, 1, LOOM_I32, n, 1, 1, 1, 0), ids);
+    add_spec(tc, 2, LOOM_F32, K, n, 1, 1, 1)->output = 1;
+    tc->tol = 1e-6;
+}
+
+static void make_norm(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    static const int64_t shapes[][2] = {{1, 64}, {7, 33}, {3, 4096}};
+    int64_t rows = shapes[v % 3][0], n = shapes[v % 3][1];
+    int with_params = v < 3;
+    snprintf(tc->label, sizeof tc->label, "[%lld, %lld]%s", (long long)rows, (long long)n,
+             with_params ? " weight+bias" : " no weight");
+    fill_random(add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1), 2.0f, 0.5f);
+    if (with_params) {
+        fill_random(add_spec(tc, 1, LOOM_F32, n, 1, 1, 1, 0), 0.5f, 1.0f);
+        if (tc->op == LOOM_OP_LAYER_NORM)
+            fill_random(add_spec(tc, 2, LOOM_F32, n, 1, 1, 1, 0), 0.5f, 0.0f);
+    }
+    add_spec(tc, 3, LOOM_F32, n, rows, 1, 1, 1)->output = 1;
+    tc->eps = 1e-5f;
+    tc->tol = 1e-5;
+}
+
+static void make_rope(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    /* mode, head_dim, n_rot, heads, tokens, base, scale */
+    static const struct { int mode, hd, n_rot, heads, tokens; float base, scale; } r[] = {
+        {LOOM_ROPE_NEOX, 64, 64, 4, 5, 10000.0f, 1.0f},
+        {LOOM_ROPE_ADJACENT, 64, 64, 2, 3, 10000.0f, 1.0f},
+        {LOOM_ROPE_NEOX, 80, 32, 3, 2, 1000000.0f, 0.25f},    /* partial rotary, scaled */
+        {LOOM_ROPE_ADJACENT, 128, 64, 2, 4, 10000.0f, 1.0f}, /* ChatGLM2: half of each head */
+        {LOOM_ROPE_GLM_2D, 64, 64, 2, 6, 10000.0f, 1.0f},
+    };
+    static const char *modes[] = {"neox", "adjacent", "glm_2d"};
+    tc->rope_mode = r[v].mode;
+    tc->n_rot = r[v].n_rot;
+    tc->freq_base = r[v].base;
+    tc->freq_scale = r[v].scale;
+    snprintf(tc->label, sizeof tc->label, "%s hd=%d n_rot=%d base=%g scale=%g", modes[r[v].mode],
+             r[v].hd, r[v].n_rot, r[v].base, r[v].scale);
+    fill_random(add_spec(tc, 0, LOOM_F32, r[v].hd, r[v].heads, r[v].tokens, 1, 1), 1.0f, 0.0f);
+    int32_t pos[8], pos2[8];
+    for (int i = 0; i < r[v].tokens; i++)
+        pos[i] = i * 37 + 3, pos2[i] = i % 3;
+    fill_i32(add_spec(tc, 1, LOOM_I32, r[v].tokens, 1, 1, 1, 0), pos);
+    if (r[v].mode == LOOM_ROPE_GLM_2D)
+        fill_i32(add_spec(tc, 2, LOOM_I32, r[v].tokens, 1, 1, 1, 0), pos2);
+    add_spec(tc, 3, LOOM_F32, r[v].hd, r[v].heads, r[v].tokens, 1, 1)->output = 1;
+    tc->tol = 1e-5;
+}
+
+static void make_elementwise(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    static const int64_t shapes[][2] = {{1, 1}, {5, 37}, {16, 4096}};
+    int64_t rows = shapes[v % 3][0], n = shapes[v % 3][1];
+    int binary = tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL || tc->op == LOOM_OP_SILU_MUL;
+    int broadcast = v == 3 && tc->op != LOOM_OP_SILU_MUL;
+    if (v == 3 && !broadcast) {
+        tc->op = LOOM_OP_COUNT_V1_0;
+        return;
+    }
+    if (v == 3)
+        rows = 6, n = 40;
+    snprintf(tc->label, sizeof tc->label, "[%lld, %lld]%s", (long long)rows, (long long)n,
+             broadcast ? " b broadcast" : "");
+    fill_random(add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1), 4.0f, 0.0f);
+    if (binary)
+        fill_random(add_spec(tc, 1, LOOM_F32, n, broadcast ? 1 : rows, 1, 1, 1), 2.0f, 0.0f);
+    add_spec(tc, 2, LOOM_F32, n, rows, 1, 1, 1)->output = 1;
+    tc->scale = 0.37f;
+    tc->tol = 1e-5;
+}
+
+static void make_kv_store(test_case *tc, loom_dtype dt, int v)
+{
+    int64_t hd = 64, kvh = 2, bs = v ? 16 : 4, blocks = 5, tokens = v ? 7 : 3;
+    snprintf(tc->label, sizeof tc->label, "%lld tokens into %lld blocks of %lld", (long long)tokens,
+             (long long)blocks, (long long)bs);
+    fill_random(add_spec(tc, 0, LOOM_F32, hd, kvh, tokens, 1, 1), 1.0f, 0.0f);
+    int32_t slots[7] = {0, 5, (int32_t)(blocks * bs - 1), -1, 17, 18, 3};
+    fill_i32(add_spec(tc, 1, LOOM_I32, tokens, 1, 1, 1, 0), slots);
+    spec *c = add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0);
+    fill_random(c, 1.0f, 0.0f);
+    c->output = 1;
+    tc->tol = dt == LOOM_Q8_0 ? 1e-2 : 1e-6;
+}
+
+static void make_attention(test_case *tc, loom_dtype dt, int v)
+{
+    /* v0: decode, 2 sequences, GQA 4/2; v1: prefill chunk of one sequence, MQA 4/1;
+     * v2: ChatGLM-6B style prefix-bidirectional prefill; v3: mixed batch */
+    int64_t hd = 64, heads = 4, kvh = v == 1 ? 1 : 2, bs = 4, blocks = 12, max_blocks = 5;
+    static const char *what[] = {"decode, 2 seqs, GQA 4/2", "prefill 6 tokens, MQA 4/1",
+                                 "prefix-bidirectional prefill", "mixed prefill+decode"};
+    snprintf(tc->label, sizeof tc->label, "%s, block %lld", what[v], (long long)bs);
+    int32_t seq[8], pos[8], ntok;
+    int32_t table[2][5] = {{3, 7, 1, 10, 0}, {11, 2, 5, 4, 9}};
+    int32_t prefix[2] = {5, 0};
+    switch (v) {
+    case 0: ntok = 2, seq[0] = 0, pos[0] = 13, seq[1] = 1, pos[1] = 6; break;
+    case 1: case 2: ntok = 6; for (int i = 0; i < 6; i++) seq[i] = 0, pos[i] = i; break;
+    default:
+        ntok = 4;
+        seq[0] = 1, pos[0] = 17, seq[1] = 0, pos[1] = 2, seq[2] = 0, pos[2] = 3, seq[3] = 0,
+        pos[3] = 4;
+    }
+    fill_random(add_spec(tc, 0, LOOM_F32, hd, heads, ntok, 1, 1), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 1, dt, hd, kvh, bs, blocks, 0), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0), 1.0f, 0.0f);
+    memcpy(spec_row(add_spec(tc, 3, LOOM_I32, max_blocks, 2, 1, 1, 0), 0), table, sizeof table);
+    fill_i32(add_spec(tc, 4, LOOM_I32, ntok, 1, 1, 1, 0), seq);
+    fill_i32(add_spec(tc, 5, LOOM_I32, ntok, 1, 1, 1, 0), pos);
+    if (v == 2)
+        fill_i32(add_spec(tc, 6, LOOM_I32, 2, 1, 1, 1, 0), prefix);
+    add_spec(tc, 7, LOOM_F32, hd, heads, ntok, 1, 1)->output = 1;
+    tc->scale = 1.0f / 8.0f;
+    tc->tol = dt == LOOM_F32 ? 1e-5 : dt == LOOM_F16 ? 2e-3 : 2e-2;
+}
+
+static void make_quant(test_case *tc, loom_dtype dt, int v)
+{
+    static const int64_t shapes[][2] = {{1, 32}, {3, 96}, {17, 4096}};
+    int64_t rows = shapes[v][0], n = shapes[v][1];
+    snprintf(tc->label, sizeof tc->label, "[%lld, %lld]", (long long)rows, (long long)n);
+    if (tc->op == LOOM_OP_QUANTIZE) {
+        spec *src = add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1);
+        fill_random(src, 3.0f, v == 1 ? 2.0f : 0.0f); /* v1: all positive (tests Q4_1's min) */
+        add_spec(tc, 1, dt, n, rows, 1, 1, 1)->output = 1;
+        tc->quality_vs_input = 1;
+        tc->tol = 1.05; /* round-trip error at most 5% above ref's */
+    } else {
+        fill_random(add_spec(tc, 0, dt, n, rows, 1, 1, 1), 3.0f, 0.0f);
+        add_spec(tc, 1, LOOM_F32, n, rows, 1, 1, 1)->output = 1;
+        tc->tol = 1e-6;
+    }
+}
+
+static void make_convert(test_case *tc, loom_dtype dt, int v)
+{
+    /* v selects the source dtype; dt is the target */
+    static const loom_dtype srcs[] = {LOOM_F32, LOOM_F16, LOOM_BF16};
+    loom_dtype src = srcs[v];
+    snprintf(tc->label, sizeof tc->label, "%s -> %s [5, 77]", loom_dtype_name(src),
+             loom_dtype_name(dt));
+    fill_random(add_spec(tc, 0, src, 77, 5, 1, 1, 1), 100.0f, 0.0f);
+    add_spec(tc, 1, dt, 77, 5, 1, 1, 1)->output = 1;
+    tc->tol = 0; /* exact: round to nearest even is fully specified */
+}
+
+static const case_family families[] = {
+    {LOOM_OP_MATMUL, 7, make_matmul},         {LOOM_OP_GET_ROWS, 2, make_get_rows},
+    {LOOM_OP_RMS_NORM, 6, make_norm},         {LOOM_OP_LAYER_NORM, 6, make_norm},
+    {LOOM_OP_ROPE, 5, make_rope},             {LOOM_OP_ADD, 4, make_elementwise},
+    {LOOM_OP_MUL, 4, make_elementwise},       {LOOM_OP_SCALE, 3, make_elementwise},
+    {LOOM_OP_SILU_MUL, 3, make_elementwise},  {LOOM_OP_GELU, 3, make_elementwise},
+    {LOOM_OP_KV_STORE, 2, make_kv_store},     {LOOM_OP_ATTENTION, 4, make_attention},
+    {LOOM_OP_QUANTIZE, 3, make_quant},        {LOOM_OP_DEQUANTIZE, 3, make_quant},
+    {LOOM_OP_CONVERT, 3, make_convert},
+};
+
+/* The dtypes each op is asked about (what `supports` takes for it). */
+static int op_dtype_applies(loom_op op, loom_dtype dt)
+{
+    int is_float = dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_BF16;
+    int is_block = dt == LOOM_Q8_0 || dt == LOOM_Q4_0 || dt == LOOM_Q4_1;
+    switch (op) {
+    case LOOM_OP_MATMUL: case LOOM_OP_GET_ROWS: return is_float || is_block;
+    case LOOM_OP_KV_STORE: case LOOM_OP_ATTENTION:
+        return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;
+    case LOOM_OP_QUANTIZE: case LOOM_OP_DEQUANTIZE: return is_block;
+    case LOOM_OP_CONVERT: return is_float;
+    default: return dt == LOOM_F32;
+    }
+}
+
+/* Runs one case on both devices and judges it; returns 1 when it passes. */
+static int judge_case(loom_device *target, loom_device *ref, test_case *tc, char *why,
+                      size_t why_size)
+{
+    unsigned char *out_t[MAX_TENSORS] = {0}, *out_r[MAX_TENSORS] = {0};
+    char msg[1024];
+    int ok = 1;
+    if (run_case(ref, tc, out_r, msg, sizeof msg) != LOOM_OK) {
+        snprintf(why, why_size, "the reference failed (%.900s): a bug in ref or this tool", msg);
+        ok = 0;
+    } else if (run_case(target, tc, out_t, msg, sizeof msg) != LOOM_OK) {
+        snprintf(why, why_size, "%s", msg);
+        ok = 0;
+    }
+    for (int i = 0; i < MAX_TENSORS && ok; i++) {
+        const spec *s = &tc->t[i];
+        if (!s->used || !s->output)
+            continue;
+        cmp c;
+        if (tc->quality_vs_input) {
+            /* both quantisations judged by how well they reproduce the input */
+            const spec in = tc->t[0];
+            double e_t = 0, e_r = 0, den = 0;
+            float *x = malloc((size_t)s->ne[0] * 4), *a = malloc((size_t)s->ne[0] * 4),
+                  *b = malloc((size_t)s->ne[0] * 4);
+            for (int64_t r = 0; r < spec_rows(s); r++) {
+                get_row(&in, in.host, r, x);
+                get_row(s, out_t[i], r, a);
+                get_row(s, out_r[i], r, b);
+                for (int64_t k = 0; k < s->ne[0]; k++) {
+                    e_t += ((double)a[k] - x[k]) * ((double)a[k] - x[k]);
+                    e_r += ((double)b[k] - x[k]) * ((double)b[k] - x[k]);
+                    den += (double)x[k] * x[k];
+                }
+            }
+            free(x), free(a), free(b);
+            c = compare(s, out_t[i], out_r[i], s->host);
+            double nt = sqrt(e_t / den), nr = sqrt(e_r / den);
+            if (nt > nr * tc->tol + 1e-7) {
+                snprintf(why, why_size, "round-trip error %.3g, reference %.3g", nt, nr);
+                ok = 0;
+            }
+        } else {
+            c = compare(s, out_t[i], out_r[i], s->host);
+            if (!(c.nerr <= tc->tol)) {
+                snprintf(why, why_size, "normalised error %.3g > %.3g", c.nerr, tc->tol);
+                ok = 0;
+            }
+        }
+        if (ok && c.nonfinite) {
+            snprintf(why, why_size, "inf/nan where the reference is finite");
+            ok = 0;
+        }
+        if (ok && c.pad_written) {
+            snprintf(why, why_size, "wrote outside the output's rows (padding or offset bytes)");
+            ok = 0;
+        }
+    }
+    for (int i = 0; i < MAX_TENSORS; i++)
+        free(out_t[i]), free(out_r[i]);
+    return ok;
+}
+
+static void check_ops(loom_device *target, loom_device *ref, report *r)
+{
+    for (size_t f = 0; f < sizeof families / sizeof families[0]; f++) {
+        const case_family *fam = &families[f];
+        for (int di = 0; di < N_DTYPES; di++) {
+            loom_dtype dt = all_dtypes[di];
+            if (!op_dtype_applies(fam->op, dt))
+                continue;
+            if (!loom_device_supports(target, fam->op, dt)) {
+                r->matrix[fam->op][di] = RES_UNSUPPORTED;
+                continue;
+            }
+            result res = RES_PASS;
+            for (int v = 0; v < fam->n_variants; v++) {
+                test_case tc;
+                memset(&tc, 0, sizeof tc);
+                tc.op = fam->op;
+                tc.dtype = dt;
+                fam->make(&tc, dt, v);
+                if (tc.op == LOOM_OP_COUNT_V1_0) { /* variant does not apply to this dtype */
+                    free_case(&tc);
+                    continue;
+                }
+                char name[256], why[1024] = "";
+                snprintf(name, sizeof name, "%s %s %s", op_names[fam->op], loom_dtype_name(dt),
+                         tc.label);
+                int ok = judge_case(target, ref, &tc, why, sizeof why);
+                record(r, name, ok, ok ? NULL : "%s", why);
+                if (!ok)
+                    res = RES_FAIL;
+                free_case(&tc);
+            }
+            r->matrix[fam->op][di] = res;
+        }
+    }
+}
+
+/* ---- Contract checks -------------------------------------------------------------------- */
+
+static void check_copies(loom_device *d, report *r)
+{
+    static const uint64_t sizes[] = {0, 1, 7, 4096, (1u << 20) + 3};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        uint64_t n = sizes[i];
+        unsigned char *src = malloc(n + 16), *back = malloc(n + 16);
+        for (uint64_t k = 0; k < n + 16; k++)
+            src[k] = (unsigned char)rng_u32();
+        loom_buffer *a = NULL, *b = NULL;
+        char name[96];
+        snprintf(name, sizeof name, "copy round trip %llu bytes", (unsigned long long)n);
+        loom_status st = d->ops.buffer_alloc(d->be, n + 16, &a);
+        if (st == LOOM_OK)
+            st = d->ops.buffer_alloc(d->be, n + 16, &b);
+        /* host -> a at offset 3, a -> b at offset 5, b -> host */
+        if (st == LOOM_OK)
+            st = d->ops.copy_from_host(d->be, a, 3, src, n);
+        if (st == LOOM_OK && d->ops.copy_buffer)
+            st = d->ops.copy_buffer(d->be, b, 5, a, 3, n);
+        else if (st == LOOM_OK)
+            st = d->ops.copy_from_host(d->be, b, 5, src, n);
+        if (st == LOOM_OK)
+            st = d->ops.synchronize(d->be);
+        if (st == LOOM_OK)
+            st = d->ops.copy_to_host(d->be, back, b, 5, n);
+        if (st != LOOM_OK)
+            record(r, name, 0, "status %d: %s", st, d->ops.last_error(d->be));
+        else
+            record(r, name, memcmp(src, back, n) == 0, memcmp(src, back, n) ? "bytes differ" : NULL);
+        if (st == LOOM_OK && d->ops.buffer_memset && n > 2) {
+            st = d->ops.buffer_memset(d->be, b, 6, 0x5a, n - 2);
+            if (st == LOOM_OK)
+                st = d->ops.copy_to_host(d->be, back, b, 5, n);
+            int ok = st == LOOM_OK && back[0] == src[0] && back[n - 1] == src[n - 1];
+            for (uint64_t k = 1; ok && k < n - 1; k++)
+                ok = back[k] == 0x5a;
+            snprintf(name, sizeof name, "memset %llu bytes", (unsigned long long)n - 2);
+            record(r, name, ok, ok ? NULL : "wrong bytes after memset");
+        }
+        if (a)
+            d->ops.buffer_free(d->be, a);
+        if (b)
+            d->ops.buffer_free(d->be, b);
+        free(src), free(back);
+    }
+    /* an out-of-range copy must be refused, not performed */
+    loom_buffer *small = NULL;
+    unsigned char tmp[64] = {0};
+    if (d->ops.buffer_alloc(d->be, 16, &small) == LOOM_OK) {
+        loom_status st = d->ops.copy_from_host(d->be, small, 8, tmp, 64);
+        record(r, "copy past the end of a buffer is refused", st != LOOM_OK,
+               st == LOOM_OK ? "a 64-byte copy at offset 8 into 16 bytes returned OK" : NULL);
+        d->ops.buffer_free(d->be, small);
+    }
+    if (d->ops.buffer_host_ptr) {
+        loom_buffer *b = NULL;
+        if (d->ops.buffer_alloc(d->be, 64, &b) == LOOM_OK) {
+            unsigned char pattern[64];
+            for (int i = 0; i < 64; i++)
+                pattern[i] = (unsigned char)(i * 7);
+            d->ops.copy_from_host(d->be, b, 0, pattern, 64);
+            d->ops.synchronize(d->be);
+            unsigned char *p = d->ops.buffer_host_ptr(d->be, b);
+            record(r, "host-visible buffer shows copied bytes", !p || memcmp(p, pattern, 64) == 0,
+                   p && memcmp(p, pattern, 64) ? "buffer_host_ptr disagrees with the copy" : NULL);
+            d->ops.buffer_free(d->be, b);
+        }
+    }
+}
+
+static void check_oom(loom_device *d, report *r)
+{
+    loom_buffer *b = NULL;
+    loom_status st = d->ops.buffer_alloc(d->be, 1ull << 60, &b);
+    const char *msg = d->ops.last_error(d->be);
+    int ok = st != LOOM_OK && msg && msg[0];
+    record(r, "allocating 2^60 bytes fails with an error", ok,
+           st == LOOM_OK ? "it returned OK" : !ok ? "no message from last_error" : "status %d: %s",
+           st, msg);
+    if (st == LOOM_OK && b)
+        d->ops.buffer_free(d->be, b);
+}
+
+static void check_reload(const char *path, const loom_device *ref, report *r)
+{
+    (void)ref;
+    const int rounds = 20;
+    char err[1024] = "";
+    int i;
+    for (i = 0; i < rounds; i++) {
+        loom_device d;
+        if (loom_device_open(&d, path, 0, 0, err, sizeof err) != 0)
+            break;
+        loom_buffer *b = NULL;
+        float v[64] = {0};
+        int ok = d.ops.buffer_alloc(d.be, sizeof v, &b) == LOOM_OK &&
+                 d.ops.copy_from_host(d.be, b, 0, v, sizeof v) == LOOM_OK &&
+                 d.ops.synchronize(d.be) == LOOM_OK;
+        if (b)
+            d.ops.buffer_free(d.be, b);
+        loom_device_close(&d);
+        if (!ok) {
+            snprintf(err, sizeof err, "buffer use failed in round %d", i);
+            break;
+        }
+    }
+    record(r, "load, use and unload 20 times", i == rounds, i == rounds ? NULL : "%s", err);
+}
+
+static void print_matrix(const report *r, const char *label)
+{
+    printf("\n| %s | f32 | f16 | bf16 | q8_0 | q4_0 | q4_1 |\n|---|---|---|---|---|---|---|\n",
+           label);
+    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
+        printf("| %s |", op_names[op]);
+        for (int di = 0; di < N_DTYPES - 1; di++) {
+            static const char *cell[] = {"", "pass", "**FAIL**", "-"};
+            printf(" %s |", cell[r->matrix[op][di]]);
+        }
+        printf("\n");
+    }
+    printf("\n(pass: all cases within tolerance; -: the backend says it does not support it; "
+           "blank: not applicable)\n");
+}
+
+static cJSON *matrix_json(const report *r)
+{
+    cJSON *m = cJSON_CreateObject();
+    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
+        cJSON *row = cJSON_AddObjectToObject(m, op_names[op]);
+        for (int di = 0; di < N_DTYPES; di++) {
+            static const char *cell[] = {NULL, "pass", "fail", "unsupported"};
+            if (r->matrix[op][di] != RES_NONE)
+                cJSON_AddStringToObject(row, loom_dtype_name(all_dtypes[di]),
+                                        cell[r->matrix[op][di]]);
+        }
+    }
+    return m;
+}
+
+/* ---- Main ------------------------------------------------------------------------------- */
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: loom-conformance [--json FILE] [--ref PATH] [--quiet] [BACKEND.so|NAME ...]\n"
+            "Checks backend modules against loom's backend ABI and the reference backend.\n"
+            "With no BACKEND, checks every usable module found (see `loom backends`).\n"
+            "  --json FILE   also write a JSON report to FILE ('-' for stdout)\n"
+            "  --ref PATH    the reference module to compare with (default: the one found)\n"
+            "  --quiet       print only failures, the matrix and the summary\n");
+}
+
+/* Checks one module file; returns the number of failures. */
+static int check_module(const char *path, const char *ref_path, int quiet, cJSON *json_out)
+{
+    report r;
+    memset(&r, 0, sizeof r);
+    r.quiet = quiet;
+    r.checks = cJSON_CreateArray();
+    printf("\n## %s\n\n", path);
+
+    /* ABI negotiation, as the loader does it */
+    loom_registry one = {.chosen = -1};
+    char err[4096] = "";
+    const loom_candidate *c = NULL;
+    if (loom_registry_add_file(&one, path, err, sizeof err) == 0)
+        c = &one.items[0];
+    int usable = c && c->state == LOOM_CAND_USABLE;
+    record(&r, "loads, declares a compatible ABI and probes usable", usable, "%s%s%s",
+           c ? loom_candidate_state_name(c->state) : err, c && c->reason[0] ? ": " : "",
+           c ? c->reason : "");
+    char label[160] = "?";
+    if (c && c->name[0])
+        snprintf(label, sizeof label, "%s%s%s (ABI %u.%u)", c->name, c->variant[0] ? "-" : "",
+                 c->variant, c->abi_major, c->abi_minor);
+
+    loom_device target, ref;
+    int have_target = 0, have_ref = 0;
+    if (usable) {
+        have_target = loom_device_open(&target, path, 0, 0, err, sizeof err) == 0;
+        record(&r, "opens device 0", have_target, have_target ? NULL : "%s", err);
+    }
+    if (have_target) {
+        have_ref = loom_device_open(&ref, ref_path, 0, 0, err, sizeof err) == 0;
+        if (!have_ref)
+            record(&r, "open the reference backend", 0, "%s", err);
+    }
+    if (have_target) {
+        /* a module that cannot keep its own error string is unusable for diagnosis */
+        const char *e = target.ops.last_error(target.be);
+        record(&r, "last_error returns a string", e != NULL, e ? NULL : "it returned NULL");
+        check_copies(&target, &r);
+        check_oom(&target, &r);
+        if (have_ref)
+            check_ops(&target, &ref, &r);
+        loom_device_close(&target);
+        check_reload(path, &ref, &r);
+    }
+    if (have_ref)
+        loom_device_close(&ref);
+    loom_registry_free(&one);
+
+    print_matrix(&r, label);
+    printf("\n%s: %d check(s) failed\n", label, r.failures);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "path", path);
+    cJSON_AddStringToObject(o, "backend", label);
+    cJSON_AddBoolToObject(o, "pass", r.failures == 0);
+    cJSON_AddNumberToObject(o, "failures", r.failures);
+    cJSON_AddItemToObject(o, "matrix", matrix_json(&r));
+    cJSON_AddItemToObject(o, "checks", r.checks);
+    cJSON_AddItemToArray(json_out, o);
+    return r.failures;
+}
+
+int main(int argc, char **argv)
+{
+    const char *json_path = NULL, *ref_path = NULL;
+    int quiet = 0, first = argc;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
+            json_path = argv[++i];
+        } else if (strcmp(argv[i], "--ref") == 0 && i + 1 < argc) {
+            ref_path = argv[++i];
+        } else if (strcmp(argv[i], "--quiet") == 0) {
+            quiet = 1;
+        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            usage(stdout);
+            return 0;
+        } else if (argv[i][0] == '-') {
+            fprintf(stderr, "loom-conformance: unknown option '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        } else {
+            first = i;
+            break;
+        }
+    }
+
+    loom_registry reg;
+    char err[4096];
+    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+        fprintf(stderr, "loom-conformance: %s\n", err);
+        return 2;
+    }
+    if (!ref_path) {
+        for (int i = 0; i < reg.count && !ref_path; i++)
+            if (strcmp(reg.items[i].name, "ref") == 0 && reg.items[i].state == LOOM_CAND_USABLE)
+                ref_path = reg.items[i].path;
+        if (!ref_path) {
+            fprintf(stderr, "loom-conformance: the reference backend (ref) was not found in %s; "
+                            "install loom's backends or pass --ref PATH/loom-ref.so\n",
+                    reg.search_path);
+            loom_registry_free(&reg);
+            return 2;
+        }
+    }
+
+    /* the modules to check: paths as given, names resolved through the registry */
+    const char **targets = calloc((size_t)(argc + reg.count + 1), sizeof *targets);
+    int n_targets = 0;
+    if (first < argc) {
+        for (int i = first; i < argc; i++) {
+            if (strchr(argv[i], '/') || strstr(argv[i], ".so")) {
+                targets[n_targets++] = argv[i];
+                continue;
+            }
+            int found = 0;
+            for (int k = 0; k < reg.count; k++) {
+                const loom_candidate *c = &reg.items[k];
+                char full[160];
+                snprintf(full, sizeof full, "%s-%s", c->name, c->variant);
+                if (strcmp(c->name, argv[i]) == 0 || strcmp(full, argv[i]) == 0) {
+                    targets[n_targets++] = c->path;
+                    found = 1;
+                }
+            }
+            if (!found) {
+                fprintf(stderr, "loom-conformance: no backend named '%s' (see `loom backends`)\n",
+                        argv[i]);
+                free(targets);
+                loom_registry_free(&reg);
+                return 2;
+            }
+        }
+    } else {
+        for (int k = 0; k < reg.count; k++)
+            if (reg.items[k].state == LOOM_CAND_USABLE)
+                targets[n_targets++] = reg.items[k].path;
+    }
+
+    printf("# loom-conformance (backend ABI %d.%d), reference: %s\n", LOOM_BACKEND_ABI_MAJOR,
+           LOOM_BACKEND_ABI_MINOR, ref_path);
+    cJSON *json = cJSON_CreateArray();
+    int failed_modules = 0;
+    for (int i = 0; i < n_targets; i++)
+        failed_modules += check_module(targets[i], ref_path, quiet, json) > 0;
+    printf("\n%d module(s) checked, %d failed\n", n_targets, failed_modules);
+
+    int rc = failed_modules ? 1 : 0;
+    if (json_path) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON_AddNumberToObject(root, "abi_major", LOOM_BACKEND_ABI_MAJOR);
+        cJSON_AddNumberToObject(root, "abi_minor", LOOM_BACKEND_ABI_MINOR);
+        cJSON_AddStringToObject(root, "reference", ref_path);
+        cJSON_AddBoolToObject(root, "pass", rc == 0);
+        cJSON_AddItemToObject(root, "modules", json);
+        char *s = cJSON_Print(root);
+        FILE *f = strcmp(json_path, "-") == 0 ? stdout : fopen(json_path, "w");
+        if (!f || !s || fprintf(f, "%s\n", s) < 0) {
+            fprintf(stderr, "loom-conformance: cannot write %s\n", json_path);
+            rc = 2;
+        }
+        if (f && f != stdout)
+            fclose(f);
+        free(s);
+        cJSON_Delete(root);
+    } else {
+        cJSON_Delete(json);
+    }
+    if (n_targets == 0) {
+        fprintf(stderr, "loom-conformance: no usable backend module to check\n");
+        rc = rc ? rc : 1;
+    }
+    free(targets);
+    loom_registry_free(&reg);
+    return rc;
+}
