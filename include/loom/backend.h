@@ -470,6 +470,182 @@ typedef struct loom_convert_params {
     const loom_tensor *dst;
 } loom_convert_params;
 
+/* ---- Argument checks ---------------------------------------------------------------------
+ * Optional helpers that state each op's shape and dtype contract in code. Each returns NULL
+ * when the arguments are well formed, else a static message naming what is wrong. They do not
+ * know buffer sizes: check those with loom_tensor_extent. */
+
+static inline int64_t loom_tensor_rows(const loom_tensor *t)
+{
+    return t->ne[1] * t->ne[2] * t->ne[3];
+}
+
+/* Bytes from t->offset to one past t's last byte; 0 for an empty tensor, UINT64_MAX for one
+ * that is malformed (negative dims, rows of partial blocks, unknown dtype). */
+static inline uint64_t loom_tensor_extent(const loom_tensor *t)
+{
+    int64_t rb = loom_row_bytes(t->dtype, t->ne[0]);
+    if (rb < 0 || t->ne[1] < 0 || t->ne[2] < 0 || t->ne[3] < 0)
+        return UINT64_MAX;
+    if (t->ne[0] == 0 || loom_tensor_rows(t) == 0)
+        return 0;
+    uint64_t extent = (uint64_t)rb;
+    for (int i = 1; i < 4; i++)
+        extent += (uint64_t)(t->ne[i] - 1) * t->nb[i];
+    return extent;
+}
+
+static inline int loom_same_rows(const loom_tensor *a, const loom_tensor *b)
+{
+    return a->ne[0] == b->ne[0] && loom_tensor_rows(a) == loom_tensor_rows(b);
+}
+
+static inline int loom_dtype_is_float(loom_dtype t)
+{
+    return t == LOOM_F32 || t == LOOM_F16 || t == LOOM_BF16;
+}
+
+static inline int loom_dtype_is_block(loom_dtype t)
+{
+    return t == LOOM_Q8_0 || t == LOOM_Q4_0 || t == LOOM_Q4_1;
+}
+
+static inline int loom_dtype_is_cache(loom_dtype t)
+{
+    return t == LOOM_F32 || t == LOOM_F16 || t == LOOM_Q8_0;
+}
+
+static inline const char *loom_check_matmul(const loom_matmul_params *p)
+{
+    if (!p->x || !p->w || !p->y)
+        return "matmul: x, w and y are required";
+    if (p->x->dtype != LOOM_F32 || p->y->dtype != LOOM_F32)
+        return "matmul: x and y must be f32";
+    if (!loom_dtype_is_float(p->w->dtype) && !loom_dtype_is_block(p->w->dtype))
+        return "matmul: w must be f32, f16, bf16, q8_0, q4_0 or q4_1";
+    if (p->w->ne[0] != p->x->ne[0] || p->y->ne[0] != loom_tensor_rows(p->w) ||
+        loom_tensor_rows(p->y) != loom_tensor_rows(p->x))
+        return "matmul: shapes disagree (want x [M,K], w [N,K], y [M,N])";
+    if (p->bias && (p->bias->dtype != LOOM_F32 || p->bias->ne[0] != p->y->ne[0]))
+        return "matmul: bias must be f32 [N]";
+    return NULL;
+}
+
+static inline const char *loom_check_get_rows(const loom_get_rows_params *p)
+{
+    if (!p->src || !p->ids || !p->dst)
+        return "get_rows: src, ids and dst are required";
+    if (p->ids->dtype != LOOM_I32 || p->dst->dtype != LOOM_F32)
+        return "get_rows: ids must be i32 and dst f32";
+    if (p->dst->ne[0] != p->src->ne[0] || loom_tensor_rows(p->dst) != p->ids->ne[0])
+        return "get_rows: dst must be [n_ids, row length of src]";
+    return NULL;
+}
+
+static inline const char *loom_check_norm(const loom_norm_params *p)
+{
+    if (!p->x || !p->dst || p->x->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32)
+        return "norm: x and dst are required and must be f32";
+    if (!loom_same_rows(p->x, p->dst))
+        return "norm: dst shape differs from x";
+    if ((p->weight && (p->weight->dtype != LOOM_F32 || p->weight->ne[0] != p->x->ne[0])) ||
+        (p->bias && (p->bias->dtype != LOOM_F32 || p->bias->ne[0] != p->x->ne[0])))
+        return "norm: weight and bias must be f32 vectors as long as a row";
+    return NULL;
+}
+
+static inline const char *loom_check_rope(const loom_rope_params *p)
+{
+    if (!p->x || !p->pos || !p->dst || p->x->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32 ||
+        p->pos->dtype != LOOM_I32)
+        return "rope: x, pos (i32) and dst (f32) are required";
+    if (!loom_same_rows(p->x, p->dst) || p->pos->ne[0] != p->x->ne[2] * p->x->ne[3])
+        return "rope: dst must match x, and pos have one entry per token";
+    if (p->n_rot <= 0 || p->n_rot % 2 || p->n_rot > p->x->ne[0])
+        return "rope: n_rot must be even and in (0, head_dim]";
+    if (p->mode == LOOM_ROPE_GLM_2D) {
+        if (!p->pos2 || p->pos2->dtype != LOOM_I32 || p->pos2->ne[0] != p->pos->ne[0] ||
+            p->n_rot != p->x->ne[0] || p->x->ne[0] % 4)
+            return "rope glm_2d: needs pos2, n_rot == head_dim and head_dim a multiple of 4";
+    } else if (p->mode != LOOM_ROPE_NEOX && p->mode != LOOM_ROPE_ADJACENT) {
+        return "rope: unknown mode";
+    }
+    return NULL;
+}
+
+/* binary: add, mul, silu_mul (silu_mul never broadcasts) */
+static inline const char *loom_check_elementwise(const loom_elementwise_params *p, int binary,
+                                                 int may_broadcast)
+{
+    if (!p->a || !p->dst || p->a->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32)
+        return "elementwise: a and dst are required and must be f32";
+    if (!loom_same_rows(p->a, p->dst))
+        return "elementwise: dst shape differs from a";
+    if (binary) {
+        if (!p->b || p->b->dtype != LOOM_F32 || p->b->ne[0] != p->a->ne[0])
+            return "elementwise: b must be f32 with rows as long as a's";
+        int64_t rb = loom_tensor_rows(p->b);
+        if (rb != loom_tensor_rows(p->a) && !(may_broadcast && rb == 1))
+            return "elementwise: b must match a, or be one row to broadcast";
+    }
+    return NULL;
+}
+
+static inline const char *loom_check_kv_store(const loom_kv_store_params *p)
+{
+    if (!p->src || !p->slots || !p->cache || p->src->dtype != LOOM_F32 ||
+        p->slots->dtype != LOOM_I32)
+        return "kv_store: src (f32), slots (i32) and cache are required";
+    if (!loom_dtype_is_cache(p->cache->dtype))
+        return "kv_store: the cache must be f32, f16 or q8_0";
+    if (p->cache->ne[0] != p->src->ne[0] || p->cache->ne[1] != p->src->ne[1] ||
+        p->slots->ne[0] != p->src->ne[2] * p->src->ne[3])
+        return "kv_store: src [tokens, kv_heads, head_dim] does not fit the cache";
+    return NULL;
+}
+
+static inline const char *loom_check_attention(const loom_attention_params *p)
+{
+    if (!p->q || !p->k_cache || !p->v_cache || !p->block_table || !p->seq || !p->pos || !p->dst)
+        return "attention: q, caches, block_table, seq, pos and dst are required";
+    if (p->q->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32 || p->block_table->dtype != LOOM_I32 ||
+        p->seq->dtype != LOOM_I32 || p->pos->dtype != LOOM_I32 ||
+        (p->prefix_len && p->prefix_len->dtype != LOOM_I32))
+        return "attention: q and dst must be f32; block_table, seq, pos, prefix_len i32";
+    const loom_tensor *k = p->k_cache, *v = p->v_cache;
+    if (!loom_dtype_is_cache(k->dtype) || v->dtype != k->dtype)
+        return "attention: caches must both be f32, f16 or q8_0";
+    for (int i = 0; i < 4; i++)
+        if (k->ne[i] != v->ne[i])
+            return "attention: k and v caches differ in shape";
+    int64_t tokens = p->q->ne[2] * p->q->ne[3];
+    if (k->ne[0] != p->q->ne[0] || k->ne[1] <= 0 || p->q->ne[1] % k->ne[1] ||
+        !loom_same_rows(p->q, p->dst) || p->seq->ne[0] != tokens || p->pos->ne[0] != tokens)
+        return "attention: q [tokens, heads, head_dim] disagrees with the cache, seq or pos";
+    if (p->prefix_len && p->prefix_len->ne[0] != loom_tensor_rows(p->block_table))
+        return "attention: prefix_len needs one entry per sequence";
+    return NULL;
+}
+
+/* which: LOOM_OP_QUANTIZE, LOOM_OP_DEQUANTIZE or LOOM_OP_CONVERT */
+static inline const char *loom_check_convert(const loom_convert_params *p, loom_op which)
+{
+    if (!p->src || !p->dst)
+        return "convert: src and dst are required";
+    if (which == LOOM_OP_QUANTIZE &&
+        (p->src->dtype != LOOM_F32 || !loom_dtype_is_block(p->dst->dtype)))
+        return "quantize: src must be f32 and dst q8_0, q4_0 or q4_1";
+    if (which == LOOM_OP_DEQUANTIZE &&
+        (!loom_dtype_is_block(p->src->dtype) || p->dst->dtype != LOOM_F32))
+        return "dequantize: src must be q8_0, q4_0 or q4_1 and dst f32";
+    if (which == LOOM_OP_CONVERT &&
+        (!loom_dtype_is_float(p->src->dtype) || !loom_dtype_is_float(p->dst->dtype)))
+        return "convert: src and dst must be f32, f16 or bf16";
+    if (!loom_same_rows(p->src, p->dst))
+        return "convert: src and dst shapes differ";
+    return NULL;
+}
+
 /* ---- Devices and probing ----------------------------------------------------------------- */
 
 #define LOOM_MAX_DEVICES 16
