@@ -3,10 +3,15 @@
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
 
-# the build tree's own modules are found with no env var set
+# the build tree's own modules are found with no env var set, and the best usable one chosen
 "$LOOM" backends > "$tmpdir/plain.txt" 2>&1 || fail "loom backends exited $?"
-expect_grep "^\* ref" "$tmpdir/plain.txt" "ref found and chosen in the build tree"
-expect_grep "backends/ref/.libs/loom-ref.so" "$tmpdir/plain.txt" "report shows the path"
+"$LOOM" backends --json > "$tmpdir/plain.json" || fail "loom backends --json exited $?"
+best=$(best_of "$tmpdir/plain.json")
+echo "best usable backend here: $best"
+expect_grep "^\* $best\$" "$tmpdir/plain.txt" "the highest-scoring usable backend is chosen"
+expect_grep "backends/ref/.libs/loom-ref.so" "$tmpdir/plain.txt" "report shows ref's path"
+[ "$(jq -r '.chosen' "$tmpdir/plain.json")" = "$(jq -r '[.candidates[] | select(.chosen)][0].path' "$tmpdir/plain.json")" ] ||
+    fail "json: chosen path disagrees with the chosen candidate"
 
 # every broken test module is listed, with its reason, and loom still works
 LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends > "$tmpdir/all.txt" 2>&1 || fail "exit $?"
@@ -16,6 +21,8 @@ expect_grep "built for backend ABI 2.0" "$tmpdir/all.txt" "major mismatch reason
 expect_grep "no device: the fake probe found none" "$tmpdir/all.txt" "no-device reason"
 expect_grep "^\* cpu-avx512" "$tmpdir/all.txt" "highest score wins"
 expect_grep "score 1 is below cpu-avx512's 300" "$tmpdir/all.txt" "why ref lost"
+LOOM_BACKEND=ref "$LOOM" backends > "$tmpdir/ref.txt" 2>&1 || fail "LOOM_BACKEND=ref exit $?"
+expect_grep "^\* ref" "$tmpdir/ref.txt" "LOOM_BACKEND picks a lower-scoring backend"
 
 # --json is valid JSON with the fields the issue lists
 LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends --json > "$tmpdir/all.json" || fail "--json exit $?"
@@ -28,7 +35,7 @@ then pass "json report"; else fail "json report:"; cat "$tmpdir/all.json" >&2; f
 # LOOM_EXPLAIN sends the report to stderr for any command
 LOOM_EXPLAIN=1 "$LOOM" version > "$tmpdir/out.txt" 2> "$tmpdir/err.txt" || true
 LOOM_EXPLAIN=1 "$LOOM" backends --json > /dev/null 2> "$tmpdir/err.txt"
-expect_grep "chosen: ref" "$tmpdir/err.txt" "LOOM_EXPLAIN report on stderr"
+expect_grep "chosen: $best, device 0" "$tmpdir/err.txt" "LOOM_EXPLAIN report on stderr"
 
 # a wrong LOOM_BACKEND is an error that lists what there is
 if LOOM_BACKEND=cuda "$LOOM" backends > /dev/null 2> "$tmpdir/err.txt"; then

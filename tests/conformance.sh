@@ -11,6 +11,15 @@ else
 fi
 jq -e '.pass and (.modules | length >= 1)' "$tmpdir/all.json" > /dev/null || fail "json says pass"
 
+# the CPU variants split work over threads; an odd count catches split bugs
+if LOOM_THREADS=3 "$CONFORMANCE" --quiet cpu > "$tmpdir/threads.txt" 2>&1; then
+    pass "cpu variants conform with 3 threads"
+else
+    fail "cpu with LOOM_THREADS=3:"; cat "$tmpdir/threads.txt" >&2
+fi
+LOOM_THREADS=lots "$CONFORMANCE" cpu > "$tmpdir/badthreads.txt" 2>&1 && fail "LOOM_THREADS=lots accepted"
+expect_grep "LOOM_THREADS=lots is not a thread count" "$tmpdir/badthreads.txt" "bad LOOM_THREADS named"
+
 if LOOM_REF_OPAQUE=1 "$CONFORMANCE" --quiet ref > "$tmpdir/opaque.txt" 2>&1; then
     pass "ref conforms with opaque buffers"
 else

@@ -10,3 +10,8 @@ expect_grep() {
 finish() { [ "$fails" -eq 0 ] && exit 0 || exit 1; }
 tmpdir=$(mktemp -d "${TMPDIR:-/tmp}/loom-test.XXXXXX")
 trap 'rm -rf "$tmpdir"' EXIT
+# best_of JSON_FILE: the label (name or name-variant) of the highest-scoring usable candidate
+best_of() {
+    jq -r '[.candidates[] | select(.usable)] | max_by(.score)
+           | .name + (if .variant != "" then "-" + .variant else "" end)' "$1"
+}

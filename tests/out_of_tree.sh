@@ -29,7 +29,13 @@ fi
 bindir="$dest$prefix/bin"
 "$bindir/loom" backends > "$tmpdir/installed.txt" 2>&1 || fail "installed loom backends exit $?"
 expect_grep "lib/loom/backends/loom-ref.so" "$tmpdir/installed.txt" "installed loom finds installed ref"
-expect_grep "^\* ref" "$tmpdir/installed.txt" "and chooses it"
+"$bindir/loom" backends --json > "$tmpdir/installed.json" || fail "installed loom backends --json"
+best=$(best_of "$tmpdir/installed.json")
+expect_grep "^\* $best\$" "$tmpdir/installed.txt" "and chooses the best installed backend ($best)"
+case $(jq -r .chosen "$tmpdir/installed.json") in
+    "$dest"*) pass "the chosen module is the installed one";;
+    *) fail "chosen module outside the install: $(jq -r .chosen "$tmpdir/installed.json")";;
+esac
 
 if "$bindir/loom-conformance" --quiet "$tmpdir/thirdparty/mybackend.so" > "$tmpdir/conf.txt" 2>&1; then
     pass "out-of-tree module passes the installed conformance tool"

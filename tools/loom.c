@@ -1,10 +1,15 @@
+#define _GNU_SOURCE
 /*
  * tools/loom.c - the `loom` command line: one binary, one subcommand per job.
  */
 #include <loom/loom.h>
 
+#include "bench_ops.h"
+
+#include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 static void usage(FILE *out)
 {
@@ -13,6 +18,8 @@ static void usage(FILE *out)
             "\n"
             "commands:\n"
             "  backends [--json]   list every backend module found, and which one a run would use\n"
+            "  bench ops [--backends LIST] [--json]\n"
+            "                      time each op on each backend (and CPU variant) side by side\n"
             "  version             print loom's version\n"
             "  help                this text\n"
             "\n"
@@ -53,6 +60,17 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (strcmp(cmd, "backends") == 0)
         return cmd_backends(argc - 2, argv + 2);
+    if (strcmp(cmd, "bench") == 0) {
+        if (argc >= 3 && strcmp(argv[2], "ops") == 0) {
+            char self[PATH_MAX];
+            ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+            self[n > 0 ? n : 0] = '\0';
+            return loom_bench_ops_main(argc - 3, argv + 3, n > 0 ? self : argv[0]);
+        }
+        fprintf(stderr, "loom bench: model benchmarks are not written yet; `loom bench ops` times "
+                        "the backend ops\n");
+        return 2;
+    }
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         printf("loom %s\n", loom_version());
         return 0;

@@ -1,0 +1,64 @@
+/*
+ * backends/cpu/cpu.h - what the CPU backend's translation units share.
+ *
+ * The module is built once per ISA variant from the same sources. cpu_probe.c is compiled for
+ * the baseline ISA in every variant (it runs before anyone knows what the CPU can do); every
+ * other file is compiled with the variant's -m flags and runs only after the probe passed.
+ */
+#ifndef LOOM_CPU_H
+#define LOOM_CPU_H
+
+#include <loom/backend.h>
+
+/* ISA levels, in the order LOOM_CPU_MAX_ISA uses */
+enum { CPU_LEVEL_BASELINE = 0, CPU_LEVEL_AVX2 = 1, CPU_LEVEL_AVX512 = 2 };
+
+typedef struct cpu_features {
+    int avx2, fma, f16c;                        /* with OS support for YMM state */
+    int avx512f, avx512bw, avx512vl, avx512dq;  /* with OS support for ZMM and opmask state */
+    int avx512vnni, avx512bf16;
+    char brand[64];
+} cpu_features;
+
+/* What a variant's build is: defined (as data only) in cpu_backend.c. */
+typedef struct cpu_variant_desc {
+    const char *name;  /* "baseline", "avx2", "avx512" */
+    int level;         /* CPU_LEVEL_* */
+} cpu_variant_desc;
+
+extern const cpu_variant_desc loom_cpu_variant;
+
+/* ---- The opened backend (variant code only below this line) ---------------------------- */
+
+#include "pool.h"
+
+struct loom_buffer {
+    unsigned char *data;
+    uint64_t size;
+    int wrapped; /* data belongs to the caller (buffer_wrap_host) */
+};
+
+typedef struct cpu_backend {
+    loom_backend base;
+    pool *pool;
+    cpu_features feat;
+    char error[512];
+} cpu_backend;
+
+/* Records a formatted error for last_error and returns st. */
+loom_status cpu_fail(cpu_backend *cb, loom_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* OK when t lies inside its buffer; names it `what` otherwise. */
+loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *what);
+/* cpu_matmul.c */
+loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
+
+/* cpu_probe.c (baseline code) */
+void cpu_detect(cpu_features *f);
+int cpu_level_supported(const cpu_features *f, int level, char *why, size_t why_size);
+
+/* cpu_backend.c (variant code): called only when the level is supported */
+loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,
+                               loom_backend **out, char *err, size_t err_size);
+
+#endif

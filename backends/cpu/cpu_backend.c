@@ -1,0 +1,756 @@
+/*
+ * backends/cpu/cpu_backend.c - the CPU backend's buffers, thread pool and every op but matmul
+ * (cpu_matmul.c). Compiled once per ISA variant with that variant's flags; the loops are
+ * written so the compiler vectorises them, with intrinsics only where it cannot (rows.h).
+ *
+ * Work is split over the pool by rows (or by token x kv-head for attention), each thread
+ * taking one contiguous range, so no two threads write the same cache line.
+ */
+#define _GNU_SOURCE
+#include "cpu.h"
+#include "rows.h"
+
+#include <errno.h>
+#include <math.h>
+#include <sched.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(LOOM_CPU_VARIANT_AVX512)
+const cpu_variant_desc loom_cpu_variant = {"avx512", CPU_LEVEL_AVX512};
+#elif defined(LOOM_CPU_VARIANT_AVX2)
+const cpu_variant_desc loom_cpu_variant = {"avx2", CPU_LEVEL_AVX2};
+#else
+const cpu_variant_desc loom_cpu_variant = {"baseline", CPU_LEVEL_BASELINE};
+#endif
+
+/* below this many elements an op runs on the calling thread: waking the pool costs more */
+#define PARALLEL_MIN_ELEMS 16384
+
+loom_status cpu_fail(cpu_backend *cb, loom_status st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cb->error, sizeof cb->error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *what)
+{
+    if (!t->buf)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "%s: tensor without a buffer", what);
+    uint64_t extent = loom_tensor_extent(t);
+    if (extent == UINT64_MAX)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "%s: malformed tensor (%s, ne0 %lld)", what,
+                        loom_dtype_name(t->dtype), (long long)t->ne[0]);
+    if (t->offset > t->buf->size || extent > t->buf->size - t->offset)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "%s: tensor spans [%llu, %llu) of a %llu-byte buffer",
+                        what, (unsigned long long)t->offset,
+                        (unsigned long long)(t->offset + extent), (unsigned long long)t->buf->size);
+    return LOOM_OK;
+}
+
+#define CB(be) ((cpu_backend *)(be))
+#define TRY(expr)                                                                              \
+    do {                                                                                       \
+        loom_status st_ = (expr);                                                              \
+        if (st_ != LOOM_OK)                                                                    \
+            return st_;                                                                        \
+    } while (0)
+/* a failed argument check is the caller's error, reported with the helper's message */
+#define CHECK_ARGS(be, msg)                                                                    \
+    do {                                                                                       \
+        const char *m_ = (msg);                                                                \
+        if (m_)                                                                                \
+            return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s", m_);                               \
+    } while (0)
+#define BOUNDS(be, t, what)                                                                    \
+    do {                                                                                       \
+        if (t)                                                                                 \
+            TRY(cpu_check_bounds(CB(be), (t), (what)));                                        \
+    } while (0)
+
+static unsigned char *base(const loom_tensor *t)
+{
+    return t->buf->data;
+}
+
+static int32_t i32_at(const loom_tensor *t, int64_t i)
+{
+    int32_t v;
+    memcpy(&v, base(t) + t->offset + (uint64_t)i * t->nb[0], 4);
+    return v;
+}
+
+/* Runs fn over the pool when the op is big enough to pay for it. */
+static void run(cpu_backend *cb, pool_fn fn, void *ctx, int64_t elems)
+{
+    if (elems < PARALLEL_MIN_ELEMS)
+        fn(ctx, 0, 1);
+    else
+        pool_run(cb->pool, fn, ctx);
+}
+
+/* ---- get_rows --------------------------------------------------------------------------- */
+
+static loom_status cpu_get_rows(loom_backend *be, const loom_get_rows_params *p)
+{
+    CHECK_ARGS(be, loom_check_get_rows(p));
+    BOUNDS(be, p->src, "get_rows src");
+    BOUNDS(be, p->ids, "get_rows ids");
+    BOUNDS(be, p->dst, "get_rows dst");
+    int64_t rows = loom_tensor_rows(p->src), n = p->ids->ne[0];
+    for (int64_t i = 0; i < n; i++) {
+        int32_t id = i32_at(p->ids, i);
+        if (id < 0 || id >= rows)
+            return cpu_fail(CB(be), LOOM_ERR_INVALID, "get_rows: id %d at %lld outside [0, %lld)",
+                            id, (long long)i, (long long)rows);
+        cpu_load_row(p->src->dtype, cpu_row(p->src, base(p->src), id),
+                     (float *)cpu_row(p->dst, base(p->dst), i), p->src->ne[0]);
+    }
+    return LOOM_OK;
+}
+
+/* ---- Norms ------------------------------------------------------------------------------ */
+
+typedef struct norm_job {
+    const loom_norm_params *p;
+    int layer;
+} norm_job;
+
+static void norm_rows(void *ctx, int ith, int nth)
+{
+    const norm_job *j = ctx;
+    const loom_norm_params *p = j->p;
+    int64_t n = p->x->ne[0];
+    const float *w = p->weight ? (const float *)cpu_row(p->weight, base(p->weight), 0) : NULL;
+    const float *b = p->bias && j->layer ? (const float *)cpu_row(p->bias, base(p->bias), 0)
+                                         : NULL;
+    long r0, r1;
+    pool_split((long)loom_tensor_rows(p->x), ith, nth, &r0, &r1);
+    for (long r = r0; r < r1; r++) {
+        const float *x = (const float *)cpu_row(p->x, base(p->x), r);
+        float *y = (float *)cpu_row(p->dst, base(p->dst), r);
+        float mean = 0.0f;
+        if (j->layer) {
+            double sum = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                sum += x[i];
+            mean = (float)(sum / (double)n);
+        }
+        double sq = 0.0;
+        for (int64_t i = 0; i < n; i++)
+            sq += (double)(x[i] - mean) * (x[i] - mean);
+        float inv = (float)(1.0 / sqrt(sq / (double)n + p->eps));
+        for (int64_t i = 0; i < n; i++) {
+            float v = (x[i] - mean) * inv;
+            y[i] = (w ? v * w[i] : v) + (b ? b[i] : 0.0f);
+        }
+    }
+}
+
+static loom_status norm(loom_backend *be, const loom_norm_params *p, int layer)
+{
+    CHECK_ARGS(be, loom_check_norm(p));
+    BOUNDS(be, p->x, "norm x");
+    BOUNDS(be, p->weight, "norm weight");
+    BOUNDS(be, layer ? p->bias : NULL, "norm bias");
+    BOUNDS(be, p->dst, "norm dst");
+    norm_job j = {p, layer};
+    run(CB(be), norm_rows, &j, loom_tensor_rows(p->x) * p->x->ne[0]);
+    return LOOM_OK;
+}
+
+static loom_status cpu_rms_norm(loom_backend *be, const loom_norm_params *p)
+{
+    return norm(be, p, 0);
+}
+
+static loom_status cpu_layer_norm(loom_backend *be, const loom_norm_params *p)
+{
+    return norm(be, p, 1);
+}
+
+/* ---- RoPE ------------------------------------------------------------------------------- */
+
+/* Rotates n dims of v in pairs (adjacent, or i with i + n/2) by pos * base^(-2i/n). cs holds
+ * the n/2 (cos, sin) pairs for this position. */
+static void rotate(const float *x, float *y, int n, int adjacent, const float *cs)
+{
+    for (int i = 0; i < n / 2; i++) {
+        int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + n / 2;
+        float c = cs[2 * i], s = cs[2 * i + 1], x0 = x[a], x1 = x[b];
+        y[a] = x0 * c - x1 * s;
+        y[b] = x0 * s + x1 * c;
+    }
+}
+
+static void angles(float *cs, int n, double pos, double base)
+{
+    for (int i = 0; i < n / 2; i++) {
+        double theta = pos * pow(base, -2.0 * i / n);
+        cs[2 * i] = (float)cos(theta);
+        cs[2 * i + 1] = (float)sin(theta);
+    }
+}
+
+static void rope_tokens(void *ctx, int ith, int nth)
+{
+    const loom_rope_params *p = ctx;
+    int64_t hd = p->x->ne[0], heads = p->x->ne[1];
+    float cs[1024], cs2[1024]; /* n_rot <= head_dim; checked against 1024 by the caller */
+    long t0, t1;
+    pool_split((long)(p->x->ne[2] * p->x->ne[3]), ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        double pos = (double)i32_at(p->pos, t) * p->freq_scale;
+        int glm = p->mode == LOOM_ROPE_GLM_2D;
+        int n = glm ? (int)hd / 2 : p->n_rot;
+        angles(cs, n, pos, p->freq_base);
+        if (glm)
+            angles(cs2, n, (double)i32_at(p->pos2, t) * p->freq_scale, p->freq_base);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = (const float *)cpu_row(p->x, base(p->x), t * heads + h);
+            float *y = (float *)cpu_row(p->dst, base(p->dst), t * heads + h);
+            if (glm) {
+                rotate(x, y, n, 0, cs);
+                rotate(x + n, y + n, n, 0, cs2);
+            } else {
+                rotate(x, y, n, p->mode == LOOM_ROPE_ADJACENT, cs);
+                if (x != y)
+                    memcpy(y + n, x + n, (size_t)(hd - n) * sizeof(float));
+            }
+        }
+    }
+}
+
+static loom_status cpu_rope(loom_backend *be, const loom_rope_params *p)
+{
+    CHECK_ARGS(be, loom_check_rope(p));
+    BOUNDS(be, p->x, "rope x");
+    BOUNDS(be, p->pos, "rope pos");
+    BOUNDS(be, p->pos2, "rope pos2");
+    BOUNDS(be, p->dst, "rope dst");
+    if (p->x->ne[0] > 1024)
+        return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED, "rope: head_dim %lld > 1024",
+                        (long long)p->x->ne[0]);
+    run(CB(be), rope_tokens, (void *)p, loom_tensor_rows(p->x) * p->x->ne[0]);
+    return LOOM_OK;
+}
+
+/* ---- Elementwise ------------------------------------------------------------------------ */
+
+typedef enum { EW_ADD, EW_MUL, EW_SCALE, EW_SILU_MUL, EW_GELU } ew_kind;
+
+typedef struct ew_job {
+    const loom_elementwise_params *p;
+    ew_kind kind;
+    int broadcast;
+} ew_job;
+
+static void ew_rows(void *ctx, int ith, int nth)
+{
+    const ew_job *j = ctx;
+    const loom_elementwise_params *p = j->p;
+    int64_t n = p->a->ne[0];
+    long r0, r1;
+    pool_split((long)loom_tensor_rows(p->a), ith, nth, &r0, &r1);
+    for (long r = r0; r < r1; r++) {
+        const float *a = (const float *)cpu_row(p->a, base(p->a), r);
+        const float *b = p->b && j->kind != EW_SCALE && j->kind != EW_GELU
+                             ? (const float *)cpu_row(p->b, base(p->b), j->broadcast ? 0 : r)
+                             : NULL;
+        float *y = (float *)cpu_row(p->dst, base(p->dst), r);
+        switch (j->kind) {
+        case EW_ADD: for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i]; break;
+        case EW_MUL: for (int64_t i = 0; i < n; i++) y[i] = a[i] * b[i]; break;
+        case EW_SCALE: for (int64_t i = 0; i < n; i++) y[i] = a[i] * p->scale; break;
+        case EW_SILU_MUL:
+            for (int64_t i = 0; i < n; i++)
+                y[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+            break;
+        case EW_GELU:
+            for (int64_t i = 0; i < n; i++) {
+                float x = a[i];
+                y[i] = 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+            }
+            break;
+        }
+    }
+}
+
+static loom_status elementwise(loom_backend *be, const loom_elementwise_params *p, ew_kind kind)
+{
+    int binary = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL;
+    CHECK_ARGS(be, loom_check_elementwise(p, binary, kind != EW_SILU_MUL));
+    BOUNDS(be, p->a, "elementwise a");
+    BOUNDS(be, binary ? p->b : NULL, "elementwise b");
+    BOUNDS(be, p->dst, "elementwise dst");
+    ew_job j = {p, kind, binary && loom_tensor_rows(p->b) == 1 && loom_tensor_rows(p->a) != 1};
+    run(CB(be), ew_rows, &j, loom_tensor_rows(p->a) * p->a->ne[0]);
+    return LOOM_OK;
+}
+
+static loom_status cpu_add(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_ADD);
+}
+static loom_status cpu_mul(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_MUL);
+}
+static loom_status cpu_scale(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_SCALE);
+}
+static loom_status cpu_silu_mul(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_SILU_MUL);
+}
+static loom_status cpu_gelu(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_GELU);
+}
+
+/* ---- KV cache --------------------------------------------------------------------------- */
+
+static loom_status cpu_kv_store(loom_backend *be, const loom_kv_store_params *p)
+{
+    CHECK_ARGS(be, loom_check_kv_store(p));
+    BOUNDS(be, p->src, "kv_store src");
+    BOUNDS(be, p->slots, "kv_store slots");
+    BOUNDS(be, p->cache, "kv_store cache");
+    const loom_tensor *c = p->cache;
+    int64_t hd = p->src->ne[0], kvh = p->src->ne[1], tokens = p->src->ne[2] * p->src->ne[3];
+    int64_t n_slots = c->ne[2] * c->ne[3];
+    for (int64_t t = 0; t < tokens; t++) {
+        int32_t slot = i32_at(p->slots, t);
+        if (slot < 0)
+            continue;
+        if (slot >= n_slots)
+            return cpu_fail(CB(be), LOOM_ERR_INVALID, "kv_store: slot %d outside the cache's %lld",
+                            slot, (long long)n_slots);
+        for (int64_t h = 0; h < kvh; h++)
+            cpu_store_row(c->dtype, (const float *)cpu_row(p->src, base(p->src), t * kvh + h),
+                          cpu_row(c, base(c), (int64_t)slot * kvh + h), hd);
+    }
+    return LOOM_OK;
+}
+
+/* Fused paged attention with an online softmax: for one (token, kv head), every query head of
+ * the group walks the keys block by block; each K and V row is converted once per group and
+ * used by all its heads; scores of one block are exponentiated against the running maximum,
+ * so no score matrix is ever stored. */
+typedef struct attn_job {
+    const loom_attention_params *p;
+    int64_t max_key_blocks; /* keys per sequence the block table can address */
+    volatile int bad_block; /* set by a thread that met an out-of-range block id */
+} attn_job;
+
+static void attn_pairs(void *ctx, int ith, int nth)
+{
+    attn_job *j = ctx;
+    const loom_attention_params *p = j->p;
+    const loom_tensor *kc = p->k_cache, *vc = p->v_cache;
+    int64_t hd = p->q->ne[0], heads = p->q->ne[1], kvh = kc->ne[1], bs = kc->ne[2];
+    int64_t n_blocks = kc->ne[3], group = heads / kvh;
+    int64_t tokens = p->q->ne[2] * p->q->ne[3];
+    float *k = malloc((size_t)(hd * 2 + group * (hd + bs + 2)) * sizeof(float));
+    if (!k) {
+        j->bad_block = -2;
+        return;
+    }
+    float *v = k + hd, *acc = v + hd, *scores = acc + group * hd, *m = scores + group * bs;
+    float *l = m + group;
+    long i0, i1;
+    pool_split((long)(tokens * kvh), ith, nth, &i0, &i1);
+    for (long idx = i0; idx < i1; idx++) {
+        int64_t t = idx / kvh, g = idx % kvh;
+        int32_t s = i32_at(p->seq, t);
+        int64_t last = i32_at(p->pos, t);
+        if (p->prefix_len && i32_at(p->prefix_len, s) - 1 > last)
+            last = i32_at(p->prefix_len, s) - 1;
+        const unsigned char *bt = cpu_row(p->block_table, base(p->block_table), s);
+        for (int64_t h = 0; h < group; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
+            memset(acc + h * hd, 0, (size_t)hd * sizeof(float));
+        }
+        for (int64_t j0 = 0; j0 <= last; j0 += bs) {
+            int32_t blk;
+            memcpy(&blk, bt + (j0 / bs) * p->block_table->nb[0], 4);
+            if (blk < 0 || blk >= n_blocks) {
+                j->bad_block = blk < 0 ? -1 : blk;
+                goto out;
+            }
+            int64_t nk = last - j0 + 1 < bs ? last - j0 + 1 : bs;
+            for (int64_t jj = 0; jj < nk; jj++) {
+                cpu_load_row(kc->dtype, cpu_row(kc, base(kc), ((int64_t)blk * bs + jj) * kvh + g),
+                             k, hd);
+                for (int64_t h = 0; h < group; h++) {
+                    const float *q = (const float *)cpu_row(p->q, base(p->q), t * heads + g * group + h);
+                    float dot = 0.0f;
+                    for (int64_t i = 0; i < hd; i++)
+                        dot += q[i] * k[i];
+                    scores[h * bs + jj] = dot * p->scale;
+                }
+            }
+            for (int64_t h = 0; h < group; h++) {
+                float bmax = m[h];
+                for (int64_t jj = 0; jj < nk; jj++)
+                    bmax = scores[h * bs + jj] > bmax ? scores[h * bs + jj] : bmax;
+                float rescale = expf(m[h] - bmax); /* 0 on the first block: m is -inf */
+                l[h] *= rescale;
+                for (int64_t i = 0; i < hd; i++)
+                    acc[h * hd + i] *= rescale;
+                m[h] = bmax;
+                for (int64_t jj = 0; jj < nk; jj++) {
+                    scores[h * bs + jj] = expf(scores[h * bs + jj] - bmax);
+                    l[h] += scores[h * bs + jj];
+                }
+            }
+            for (int64_t jj = 0; jj < nk; jj++) {
+                cpu_load_row(vc->dtype, cpu_row(vc, base(vc), ((int64_t)blk * bs + jj) * kvh + g),
+                             v, hd);
+                for (int64_t h = 0; h < group; h++) {
+                    float w = scores[h * bs + jj];
+                    float *a = acc + h * hd;
+                    for (int64_t i = 0; i < hd; i++)
+                        a[i] += w * v[i];
+                }
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            float *y = (float *)cpu_row(p->dst, base(p->dst), t * heads + g * group + h);
+            float inv = 1.0f / l[h];
+            for (int64_t i = 0; i < hd; i++)
+                y[i] = acc[h * hd + i] * inv;
+        }
+    }
+out:
+    free(k);
+}
+
+static loom_status cpu_attention(loom_backend *be, const loom_attention_params *p)
+{
+    CHECK_ARGS(be, loom_check_attention(p));
+    BOUNDS(be, p->q, "attention q");
+    BOUNDS(be, p->k_cache, "attention k_cache");
+    BOUNDS(be, p->v_cache, "attention v_cache");
+    BOUNDS(be, p->block_table, "attention block_table");
+    BOUNDS(be, p->seq, "attention seq");
+    BOUNDS(be, p->pos, "attention pos");
+    BOUNDS(be, p->prefix_len, "attention prefix_len");
+    BOUNDS(be, p->dst, "attention dst");
+    /* validate every token's sequence and reach up front, so the workers cannot fail on it */
+    int64_t tokens = p->q->ne[2] * p->q->ne[3], n_seqs = loom_tensor_rows(p->block_table);
+    int64_t reach = p->block_table->ne[0] * p->k_cache->ne[2];
+    for (int64_t t = 0; t < tokens; t++) {
+        int32_t s = i32_at(p->seq, t), pos = i32_at(p->pos, t);
+        int64_t last = pos;
+        if (s >= 0 && s < n_seqs && p->prefix_len && i32_at(p->prefix_len, s) - 1 > last)
+            last = i32_at(p->prefix_len, s) - 1;
+        if (s < 0 || s >= n_seqs || pos < 0 || last >= reach)
+            return cpu_fail(CB(be), LOOM_ERR_INVALID,
+                            "attention: token %lld has seq %d, pos %d (sequences: %lld, block "
+                            "table reach: %lld keys)",
+                            (long long)t, s, pos, (long long)n_seqs, (long long)reach);
+    }
+    attn_job j = {p, reach, 0};
+    pool_run(CB(be)->pool, attn_pairs, &j);
+    if (j.bad_block == -2)
+        return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "attention: no memory for scratch rows");
+    if (j.bad_block)
+        return cpu_fail(CB(be), LOOM_ERR_INVALID, "attention: block id %d outside the cache",
+                        j.bad_block);
+    return LOOM_OK;
+}
+
+/* ---- Quantize, dequantize, convert ------------------------------------------------------ */
+
+typedef struct convert_job {
+    const loom_convert_params *p;
+} convert_job;
+
+static void convert_rows(void *ctx, int ith, int nth)
+{
+    const loom_convert_params *p = ((convert_job *)ctx)->p;
+    int64_t n = p->src->ne[0];
+    float *tmp = p->src->dtype == LOOM_F32 ? NULL : malloc((size_t)n * sizeof(float));
+    long r0, r1;
+    pool_split((long)loom_tensor_rows(p->src), ith, nth, &r0, &r1);
+    for (long r = r0; r < r1 && (tmp || p->src->dtype == LOOM_F32); r++) {
+        const unsigned char *s = cpu_row(p->src, base(p->src), r);
+        unsigned char *d = cpu_row(p->dst, base(p->dst), r);
+        if (p->dst->dtype == LOOM_F32) {
+            cpu_load_row(p->src->dtype, s, (float *)d, n);
+        } else if (p->src->dtype == LOOM_F32) {
+            cpu_store_row(p->dst->dtype, (const float *)s, d, n);
+        } else {
+            cpu_load_row(p->src->dtype, s, tmp, n);
+            cpu_store_row(p->dst->dtype, tmp, d, n);
+        }
+    }
+    free(tmp);
+}
+
+static loom_status convert(loom_backend *be, const loom_convert_params *p, loom_op which)
+{
+    CHECK_ARGS(be, loom_check_convert(p, which));
+    BOUNDS(be, p->src, "convert src");
+    BOUNDS(be, p->dst, "convert dst");
+    convert_job j = {p};
+    run(CB(be), convert_rows, &j, loom_tensor_rows(p->src) * p->src->ne[0]);
+    return LOOM_OK;
+}
+
+static loom_status cpu_quantize(loom_backend *be, const loom_convert_params *p)
+{
+    return convert(be, p, LOOM_OP_QUANTIZE);
+}
+static loom_status cpu_dequantize(loom_backend *be, const loom_convert_params *p)
+{
+    return convert(be, p, LOOM_OP_DEQUANTIZE);
+}
+static loom_status cpu_convert(loom_backend *be, const loom_convert_params *p)
+{
+    return convert(be, p, LOOM_OP_CONVERT);
+}
+
+/* ---- Buffers ---------------------------------------------------------------------------- */
+
+static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer **out)
+{
+    loom_buffer *b = calloc(1, sizeof *b);
+    /* 64-byte aligned, rounded up so a vector load at the end stays inside */
+    uint64_t rounded = (size + 63) & ~(uint64_t)63;
+    if (b && size <= (uint64_t)SIZE_MAX / 2)
+        b->data = aligned_alloc(64, rounded ? (size_t)rounded : 64);
+    if (!b || !b->data) {
+        free(b);
+        return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY,
+                        "cannot allocate %llu bytes of host memory", (unsigned long long)size);
+    }
+    b->size = size;
+    *out = b;
+    return LOOM_OK;
+}
+
+static void cpu_buffer_free(loom_backend *be, loom_buffer *b)
+{
+    (void)be;
+    if (!b)
+        return;
+    if (!b->wrapped)
+        free(b->data);
+    free(b);
+}
+
+static void *cpu_buffer_host_ptr(loom_backend *be, loom_buffer *b)
+{
+    (void)be;
+    return b->data;
+}
+
+static loom_status cpu_buffer_wrap_host(loom_backend *be, void *ptr, uint64_t size,
+                                        loom_buffer **out)
+{
+    if (!ptr)
+        return cpu_fail(CB(be), LOOM_ERR_INVALID, "buffer_wrap_host: NULL pointer");
+    loom_buffer *b = calloc(1, sizeof *b);
+    if (!b)
+        return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "out of host memory");
+    b->data = ptr;
+    b->size = size;
+    b->wrapped = 1;
+    *out = b;
+    return LOOM_OK;
+}
+
+static loom_status range(loom_backend *be, const loom_buffer *b, uint64_t off, uint64_t n,
+                         const char *what)
+{
+    if (!b)
+        return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s: NULL buffer", what);
+    if (off > b->size || n > b->size - off)
+        return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s: bytes [%llu, +%llu) outside a %llu-byte buffer",
+                        what, (unsigned long long)off, (unsigned long long)n,
+                        (unsigned long long)b->size);
+    return LOOM_OK;
+}
+
+static loom_status cpu_buffer_memset(loom_backend *be, loom_buffer *b, uint64_t off, int value,
+                                     uint64_t n)
+{
+    TRY(range(be, b, off, n, "buffer_memset"));
+    memset(b->data + off, value, (size_t)n);
+    return LOOM_OK;
+}
+
+static loom_status cpu_copy_from_host(loom_backend *be, loom_buffer *dst, uint64_t off,
+                                      const void *src, uint64_t n)
+{
+    TRY(range(be, dst, off, n, "copy_from_host"));
+    if (n)
+        memcpy(dst->data + off, src, (size_t)n);
+    return LOOM_OK;
+}
+
+static loom_status cpu_copy_to_host(loom_backend *be, void *dst, loom_buffer *src, uint64_t off,
+                                    uint64_t n)
+{
+    TRY(range(be, src, off, n, "copy_to_host"));
+    if (n)
+        memcpy(dst, src->data + off, (size_t)n);
+    return LOOM_OK;
+}
+
+static loom_status cpu_copy_buffer(loom_backend *be, loom_buffer *dst, uint64_t doff,
+                                   loom_buffer *src, uint64_t soff, uint64_t n)
+{
+    TRY(range(be, dst, doff, n, "copy_buffer dst"));
+    TRY(range(be, src, soff, n, "copy_buffer src"));
+    if (n)
+        memmove(dst->data + doff, src->data + soff, (size_t)n);
+    return LOOM_OK;
+}
+
+static loom_status cpu_synchronize(loom_backend *be)
+{
+    (void)be; /* every op has finished when it returns */
+    return LOOM_OK;
+}
+
+/* ---- Lifetime --------------------------------------------------------------------------- */
+
+static int cpu_supports(loom_backend *be, loom_op op, loom_dtype dt)
+{
+    (void)be;
+    switch (op) {
+    case LOOM_OP_MATMUL:
+    case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_block(dt);
+    case LOOM_OP_KV_STORE:
+    case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
+    case LOOM_OP_QUANTIZE:
+    case LOOM_OP_DEQUANTIZE: return loom_dtype_is_block(dt);
+    case LOOM_OP_CONVERT: return loom_dtype_is_float(dt);
+    case LOOM_OP_COUNT_V1_0: return 0;
+    default: return dt == LOOM_F32;
+    }
+}
+
+static const char *cpu_last_error(loom_backend *be)
+{
+    return CB(be)->error;
+}
+
+static void cpu_close(loom_backend *be)
+{
+    pool_free(CB(be)->pool);
+    free(be);
+}
+
+/* Physical cores this process may run on: distinct (package, core) pairs in its affinity
+ * mask, so SMT siblings, which share the core's SIMD units, do not count twice. */
+static int physical_cores(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0)
+        return 1;
+    long seen[CPU_SETSIZE];
+    int n = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (!CPU_ISSET(c, &set))
+            continue;
+        long core = c, pkg = 0;
+        char path[128];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/core_id", c);
+        FILE *f = fopen(path, "r");
+        if (f) {
+            if (fscanf(f, "%ld", &core) != 1)
+                core = c;
+            fclose(f);
+        }
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/physical_package_id",
+                 c);
+        f = fopen(path, "r");
+        if (f) {
+            if (fscanf(f, "%ld", &pkg) != 1)
+                pkg = 0;
+            fclose(f);
+        }
+        long key = pkg * 100000 + core;
+        int dup = 0;
+        for (int i = 0; i < n && !dup; i++)
+            dup = seen[i] == key;
+        if (!dup)
+            seen[n++] = key;
+    }
+    return n > 0 ? n : 1;
+}
+
+static const loom_backend_ops cpu_ops = {
+    .struct_size = sizeof(loom_backend_ops),
+    .close = cpu_close,
+    .last_error = cpu_last_error,
+    .supports = cpu_supports,
+    .buffer_alloc = cpu_buffer_alloc,
+    .buffer_free = cpu_buffer_free,
+    .buffer_host_ptr = cpu_buffer_host_ptr,
+    .buffer_wrap_host = cpu_buffer_wrap_host,
+    .buffer_memset = cpu_buffer_memset,
+    .copy_from_host = cpu_copy_from_host,
+    .copy_to_host = cpu_copy_to_host,
+    .copy_buffer = cpu_copy_buffer,
+    .synchronize = cpu_synchronize,
+    .matmul = cpu_matmul,
+    .get_rows = cpu_get_rows,
+    .rms_norm = cpu_rms_norm,
+    .layer_norm = cpu_layer_norm,
+    .rope = cpu_rope,
+    .add = cpu_add,
+    .mul = cpu_mul,
+    .scale = cpu_scale,
+    .silu_mul = cpu_silu_mul,
+    .gelu = cpu_gelu,
+    .kv_store = cpu_kv_store,
+    .attention = cpu_attention,
+    .quantize = cpu_quantize,
+    .dequantize = cpu_dequantize,
+    .convert = cpu_convert,
+};
+
+loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,
+                               loom_backend **out, char *err, size_t err_size)
+{
+    int n = opts->n_threads;
+    const char *env = getenv("LOOM_THREADS");
+    if (n <= 0 && env && *env) {
+        char *end;
+        long v = strtol(env, &end, 10);
+        if (*end || v < 1 || v > 1024) {
+            snprintf(err, err_size, "LOOM_THREADS=%s is not a thread count (1..1024)", env);
+            return LOOM_ERR_INVALID;
+        }
+        n = (int)v;
+    }
+    if (n <= 0)
+        n = physical_cores();
+    cpu_backend *cb = calloc(1, sizeof *cb);
+    if (!cb) {
+        snprintf(err, err_size, "out of host memory");
+        return LOOM_ERR_OUT_OF_MEMORY;
+    }
+    cb->feat = *f;
+    cb->pool = pool_create(n);
+    if (!cb->pool) {
+        snprintf(err, err_size, "cannot start %d threads: %s", n, strerror(errno));
+        free(cb);
+        return LOOM_ERR_INTERNAL;
+    }
+    cb->base.ops = &cpu_ops;
+    *out = &cb->base;
+    return LOOM_OK;
+}

@@ -1,0 +1,150 @@
+/*
+ * backends/cpu/cpu_matmul.c - Y[M,N] = X[M,K] W[N,K]^T (+ bias) on the CPU.
+ *
+ * Quantised W: X is quantised to int8 blocks once per call (cpu_act), then every thread takes
+ * a contiguous range of W's rows, so it streams its own part of the weights from memory once.
+ * Within the range, a chunk of rows small enough to stay in L2 is run against all of X in
+ * tiles of KERN_MAX_M rows, so prefill reuses each weight row from cache rather than memory.
+ * Float W works the same way without the quantisation step.
+ */
+#include "cpu.h"
+#include "kern.h"
+#include "rows.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* W rows per cache-resident chunk: 16 rows of 4096 f32 are 256 KiB */
+#define CHUNK_ROWS 16
+
+typedef struct mm_job {
+    const loom_matmul_params *p;
+    int64_t M, N, K;
+    cpu_act act;              /* quantised X (quantised W only) */
+    const float **xrows;      /* X's rows (float W only) */
+    kern_quant_fn kq;
+    kern_float_fn kf;
+    const float *bias;
+    int split_m;              /* too few W rows to share: split X's rows instead */
+} mm_job;
+
+static unsigned char *data(const loom_tensor *t)
+{
+    return t->buf->data;
+}
+
+/* Quantises X's rows [m0, m1) to int8 blocks with the Q8_0 rule, keeping each block's scale
+ * and d * sum(q), which the Q4 kernels use to fold in their offsets. */
+static void quantize_x(void *ctx, int ith, int nth)
+{
+    mm_job *j = ctx;
+    int64_t K = j->K, nb = K / LOOM_QK;
+    long m0, m1;
+    pool_split((long)j->M, ith, nth, &m0, &m1);
+    for (long m = m0; m < m1; m++) {
+        const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
+        int8_t *q = (int8_t *)j->act.qs + m * K;
+        float *d = (float *)j->act.d + m * nb, *s = (float *)j->act.s + m * nb;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = x + b * LOOM_QK;
+            float amax = 0.0f;
+            for (int i = 0; i < LOOM_QK; i++)
+                amax = fmaxf(amax, fabsf(xb[i]));
+            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+            int sum = 0;
+            for (int i = 0; i < LOOM_QK; i++) {
+                int v = (int)lrintf(xb[i] * id);
+                q[b * LOOM_QK + i] = (int8_t)v;
+                sum += v;
+            }
+            d[b] = db;
+            s[b] = db * (float)sum;
+        }
+    }
+}
+
+static void mm_rows(void *ctx, int ith, int nth)
+{
+    mm_job *j = ctx;
+    const loom_tensor *w = j->p->w, *y = j->p->y;
+    long n0 = 0, n1 = (long)j->N, ma = 0, mb = (long)j->M;
+    if (j->split_m)
+        pool_split((long)j->M, ith, nth, &ma, &mb);
+    else
+        pool_split((long)j->N, ith, nth, &n0, &n1);
+    float out[KERN_MAX_M];
+    for (long c0 = n0; c0 < n1; c0 += CHUNK_ROWS) {
+        long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
+        for (long m0 = ma; m0 < mb; m0 += KERN_MAX_M) {
+            int mc = mb - m0 < KERN_MAX_M ? (int)(mb - m0) : KERN_MAX_M;
+            for (long n = c0; n < c1; n++) {
+                const unsigned char *wrow = cpu_row(w, data(w), n);
+                if (j->kq)
+                    j->kq(wrow, &j->act, m0, mc, out);
+                else
+                    j->kf(w->dtype, wrow, j->xrows + m0, mc, j->K, out);
+                float b = j->bias ? j->bias[n] : 0.0f;
+                for (int r = 0; r < mc; r++)
+                    ((float *)cpu_row(y, data(y), m0 + r))[n] = out[r] + b;
+            }
+        }
+    }
+}
+
+loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
+{
+    cpu_backend *cb = (cpu_backend *)be;
+    const char *msg = loom_check_matmul(p);
+    if (msg)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "%s", msg);
+    loom_status st;
+    if ((st = cpu_check_bounds(cb, p->x, "matmul x")) || (st = cpu_check_bounds(cb, p->w, "matmul w")) ||
+        (st = cpu_check_bounds(cb, p->y, "matmul y")) ||
+        (p->bias && (st = cpu_check_bounds(cb, p->bias, "matmul bias"))))
+        return st;
+    mm_job j = {.p = p, .M = loom_tensor_rows(p->x), .N = loom_tensor_rows(p->w), .K = p->x->ne[0]};
+    if (j.M == 0 || j.N == 0)
+        return LOOM_OK;
+    j.bias = p->bias ? (const float *)cpu_row(p->bias, data(p->bias), 0) : NULL;
+    int nth = pool_size(cb->pool);
+    j.split_m = j.N < (int64_t)nth * CHUNK_ROWS && j.M >= (int64_t)nth * KERN_MAX_M;
+
+    void *scratch = NULL;
+    loom_dtype wt = p->w->dtype;
+    if (loom_dtype_is_block(wt)) {
+        int vnni = 0;
+#if defined(LOOM_CPU_VARIANT_AVX512)
+        vnni = cb->feat.avx512vnni;
+#endif
+        j.kq = wt == LOOM_Q8_0 ? (vnni ? kern_q8_0_vnni : kern_q8_0)
+               : wt == LOOM_Q4_0 ? (vnni ? kern_q4_0_vnni : kern_q4_0)
+                                 : (vnni ? kern_q4_1_vnni : kern_q4_1);
+        int64_t nb = j.K / LOOM_QK;
+        scratch = malloc((size_t)(j.M * j.K + 2 * j.M * nb * (int64_t)sizeof(float)) + 64);
+        if (!scratch)
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to quantise X");
+        j.act.K = j.K;
+        j.act.d = scratch;
+        j.act.s = j.act.d + j.M * nb;
+        j.act.qs = (const int8_t *)(j.act.s + j.M * nb);
+        if (j.M * j.K >= 16384)
+            pool_run(cb->pool, quantize_x, &j);
+        else
+            quantize_x(&j, 0, 1);
+    } else {
+        j.kf = kern_float;
+        scratch = malloc((size_t)j.M * sizeof(float *));
+        if (!scratch)
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: out of memory");
+        j.xrows = scratch;
+        for (int64_t m = 0; m < j.M; m++)
+            j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
+    }
+    if (j.M * j.N * j.K >= 65536)
+        pool_run(cb->pool, mm_rows, &j);
+    else
+        mm_rows(&j, 0, 1);
+    free(scratch);
+    return LOOM_OK;
+}

@@ -1,0 +1,110 @@
+/*
+ * backends/cpu/rows.h - converting rows between a tensor dtype and f32, with the widest SIMD
+ * the variant was built for (F16C and AVX-512 conversions in registers), falling back to the
+ * reference scalar conversions of backend.h. Included by the variant translation units only.
+ */
+#ifndef LOOM_CPU_ROWS_H
+#define LOOM_CPU_ROWS_H
+
+#include <loom/backend.h>
+
+#include <string.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+static inline void cpu_f16_to_f32(const uint16_t *src, float *dst, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + i))));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
+#endif
+    for (; i < n; i++)
+        dst[i] = loom_f16_to_f32(src[i]);
+}
+
+static inline void cpu_f32_to_f16(const float *src, uint16_t *dst, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#elif defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++)
+        dst[i] = loom_f32_to_f16(src[i]);
+}
+
+static inline void cpu_bf16_to_f32(const uint16_t *src, float *dst, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
+    }
+#endif
+    for (; i < n; i++)
+        dst[i] = loom_bf16_to_f32(src[i]);
+}
+
+/* Row of n elements of dtype t at src -> f32. */
+static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64_t n)
+{
+    switch (t) {
+    case LOOM_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
+    case LOOM_F16: cpu_f16_to_f32(src, dst, n); break;
+    case LOOM_BF16: cpu_bf16_to_f32(src, dst, n); break;
+    case LOOM_Q8_0: loom_dequantize_row_q8_0(src, dst, n); break;
+    case LOOM_Q4_0: loom_dequantize_row_q4_0(src, dst, n); break;
+    case LOOM_Q4_1: loom_dequantize_row_q4_1(src, dst, n); break;
+    case LOOM_I32:
+        for (int64_t i = 0; i < n; i++) {
+            int32_t v;
+            memcpy(&v, (const char *)src + 4 * i, 4);
+            dst[i] = (float)v;
+        }
+        break;
+    }
+}
+
+/* f32 row -> dtype t at dst (i32 is not a storage target). */
+static inline void cpu_store_row(loom_dtype t, const float *src, void *dst, int64_t n)
+{
+    switch (t) {
+    case LOOM_F32: memmove(dst, src, (size_t)n * sizeof(float)); break;
+    case LOOM_F16: cpu_f32_to_f16(src, dst, n); break;
+    case LOOM_BF16:
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)dst)[i] = loom_f32_to_bf16(src[i]);
+        break;
+    case LOOM_Q8_0: loom_quantize_row_q8_0(src, dst, n); break;
+    case LOOM_Q4_0: loom_quantize_row_q4_0(src, dst, n); break;
+    case LOOM_Q4_1: loom_quantize_row_q4_1(src, dst, n); break;
+    case LOOM_I32: break;
+    }
+}
+
+/* Address of row r (counting over dims 1..3) of t, given its buffer's base address. */
+static inline unsigned char *cpu_row(const loom_tensor *t, unsigned char *base, int64_t r)
+{
+    int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
+    return base + t->offset + (uint64_t)i1 * t->nb[1] + (uint64_t)i2 * t->nb[2] +
+           (uint64_t)i3 * t->nb[3];
+}
+
+#endif

@@ -1,0 +1,568 @@
+/*
+ * tools/bench_ops.c - `loom bench ops`: per op, dtype and decode/prefill shape, how fast each
+ * backend (and CPU variant) runs, side by side. Like loom-conformance it works at the level of
+ * the backend ABI, so it uses core/loader.h directly.
+ *
+ * Each backend runs in its own process (`loom bench ops --child PATH`), so one variant's
+ * threads, caches and allocations cannot colour another's figures; the child prints one JSON
+ * object per measurement and the parent tabulates them. Decode-shaped matmuls are memory
+ * bound, and their figures must come from DRAM: the child cycles through enough distinct weight
+ * matrices to cover 4x the last-level cache, and the parent measures the machine's streaming
+ * read bandwidth the same way, so each figure can be given as a share of it.
+ */
+#define _GNU_SOURCE
+#include "bench_ops.h"
+
+#include "core/loader.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- Timing and sizes ------------------------------------------------------------------- */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Bytes a decode-shaped working set must span so that it streams from DRAM. */
+static uint64_t dram_working_set(void)
+{
+    long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (llc <= 0)
+        llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    uint64_t want = 4 * (uint64_t)(llc > 0 ? llc : 32 << 20);
+    return want < (256ull << 20) ? 256ull << 20 : want;
+}
+
+static int bench_threads(void)
+{
+    const char *env = getenv("LOOM_THREADS");
+    long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
+    return n > 0 ? (int)n : 1;
+}
+
+/* ---- Streaming read bandwidth (parent) ---------------------------------------------------- */
+
+typedef struct bw_arg {
+    const uint64_t *data;
+    size_t n;
+    uint64_t sink;
+} bw_arg;
+
+static void *bw_read(void *p)
+{
+    bw_arg *a = p;
+    uint64_t acc[8] = {0};
+    for (size_t i = 0; i + 8 <= a->n; i += 8)
+        for (int k = 0; k < 8; k++)
+            acc[k] ^= a->data[i + k];
+    for (int k = 0; k < 8; k++)
+        a->sink ^= acc[k];
+    return NULL;
+}
+
+/* GB/s of reading `bytes` with n threads, each its own contiguous part; best of 3 passes. */
+static double measure_bandwidth(uint64_t bytes, int n_threads)
+{
+    size_t words = (size_t)(bytes / 8);
+    uint64_t *buf = malloc(words * 8);
+    if (!buf)
+        return 0.0;
+    for (size_t i = 0; i < words; i++)
+        buf[i] = i * 0x9e3779b97f4a7c15ull;
+    double best = 0.0;
+    pthread_t th[256];
+    bw_arg args[256];
+    if (n_threads > 256)
+        n_threads = 256;
+    for (int pass = 0; pass < 3; pass++) {
+        double t0 = now_s();
+        for (int i = 0; i < n_threads; i++) {
+            args[i].data = buf + words / (size_t)n_threads * (size_t)i;
+            args[i].n = words / (size_t)n_threads;
+            args[i].sink = 0;
+            pthread_create(&th[i], NULL, bw_read, &args[i]);
+        }
+        for (int i = 0; i < n_threads; i++)
+            pthread_join(th[i], NULL);
+        double gbps = (double)bytes / (now_s() - t0) / 1e9;
+        best = gbps > best ? gbps : best;
+    }
+    free(buf);
+    return best;
+}
+
+/* ---- Measurements (child) --------------------------------------------------------------- */
+
+static uint64_t rng = 0x2545f4914f6cdd1dull;
+
+static float rnd(void)
+{
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (float)(rng >> 40) / 8388608.0f - 1.0f;
+}
+
+/* Host bytes of n_rows valid rows of K elements of dtype dt (random values in [-1, 1)). */
+static void *make_rows(loom_dtype dt, int64_t K, int64_t n_rows)
+{
+    int64_t rb = loom_row_bytes(dt, K);
+    unsigned char *out = malloc((size_t)(rb * n_rows));
+    float *row = malloc((size_t)K * sizeof(float));
+    if (!out || !row) {
+        free(out), free(row);
+        return NULL;
+    }
+    for (int64_t r = 0; r < n_rows; r++) {
+        for (int64_t k = 0; k < K; k++)
+            row[k] = rnd();
+        unsigned char *dst = out + r * rb;
+        switch (dt) {
+        case LOOM_F32: memcpy(dst, row, (size_t)K * 4); break;
+        case LOOM_F16: for (int64_t k = 0; k < K; k++) ((uint16_t *)dst)[k] = loom_f32_to_f16(row[k]); break;
+        case LOOM_BF16: for (int64_t k = 0; k < K; k++) ((uint16_t *)dst)[k] = loom_f32_to_bf16(row[k]); break;
+        case LOOM_Q8_0: loom_quantize_row_q8_0(row, (loom_block_q8_0 *)dst, K); break;
+        case LOOM_Q4_0: loom_quantize_row_q4_0(row, (loom_block_q4_0 *)dst, K); break;
+        case LOOM_Q4_1: loom_quantize_row_q4_1(row, (loom_block_q4_1 *)dst, K); break;
+        case LOOM_I32: memset(dst, 0, (size_t)rb); break;
+        }
+    }
+    free(row);
+    return out;
+}
+
+static loom_tensor dense(loom_buffer *b, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2)
+{
+    loom_tensor t = {.buf = b, .dtype = dt, .n_dims = 3};
+    t.ne[0] = n0, t.ne[1] = n1, t.ne[2] = n2, t.ne[3] = 1;
+    t.nb[0] = (uint64_t)loom_dtype_block_bytes(dt);
+    t.nb[1] = (uint64_t)loom_row_bytes(dt, n0);
+    t.nb[2] = t.nb[1] * (uint64_t)n1;
+    t.nb[3] = t.nb[2] * (uint64_t)n2;
+    return t;
+}
+
+/* A device buffer holding host bytes. */
+static loom_buffer *upload(loom_device *d, const void *host, uint64_t bytes)
+{
+    loom_buffer *b = NULL;
+    if (d->ops.buffer_alloc(d->be, bytes, &b) != LOOM_OK)
+        return NULL;
+    if (host && d->ops.copy_from_host(d->be, b, 0, host, bytes) != LOOM_OK) {
+        d->ops.buffer_free(d->be, b);
+        return NULL;
+    }
+    return b;
+}
+
+static void emit(const char *op, const char *dtype, const char *shape, const char *kind,
+                 double seconds, double bytes, double flops, double sd)
+{
+    printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"shape\":\"%s\",\"kind\":\"%s\",\"ms\":%.4f,"
+           "\"sd_ms\":%.4f,\"gbps\":%.3f,\"gflops\":%.3f}\n",
+           op, dtype, shape, kind, seconds * 1e3, sd * 1e3, bytes / seconds / 1e9,
+           flops / seconds / 1e9);
+    fflush(stdout);
+}
+
+static void emit_error(const char *op, const char *dtype, const char *shape, const char *msg)
+{
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "op", op);
+    cJSON_AddStringToObject(o, "dtype", dtype);
+    cJSON_AddStringToObject(o, "shape", shape);
+    cJSON_AddStringToObject(o, "error", msg);
+    char *s = cJSON_PrintUnformatted(o);
+    printf("%s\n", s);
+    fflush(stdout);
+    free(s);
+    cJSON_Delete(o);
+}
+
+/* Decode: Y[1,N] = X[1,K] W^T over as many distinct W as fill the DRAM working set. The
+ * working set is one buffer (`arena`, allocated once per run so its pages are faulted in once),
+ * refilled for each dtype with copies of one random matrix. */
+static void bench_matmul_decode(loom_device *d, loom_buffer *arena, uint64_t arena_bytes,
+                                loom_dtype dt, int64_t K, int64_t N)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=1 K=%lld N=%lld", (long long)K, (long long)N);
+    if (!loom_device_supports(d, LOOM_OP_MATMUL, dt)) {
+        emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
+        return;
+    }
+    uint64_t wbytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
+    int count = (int)(arena_bytes / wbytes);
+    void *host = make_rows(dt, K, N);
+    float *xh = make_rows(LOOM_F32, K, 1);
+    loom_buffer *xb = upload(d, xh, (uint64_t)K * 4), *yb = upload(d, NULL, (uint64_t)N * 4);
+    int ok = host && xh && xb && yb && count > 0;
+    for (int i = 0; i < count && ok; i++)
+        ok = d->ops.copy_from_host(d->be, arena, (uint64_t)i * wbytes, host, wbytes) == LOOM_OK;
+    if (!ok) {
+        emit_error("matmul", loom_dtype_name(dt), shape, "out of memory for the working set");
+    } else {
+        loom_tensor x = dense(xb, LOOM_F32, K, 1, 1), y = dense(yb, LOOM_F32, N, 1, 1);
+        double times[5];
+        int passes = 5;
+        for (int pass = -1; pass < passes; pass++) { /* pass -1 warms up */
+            double t0 = now_s();
+            for (int i = 0; i < count; i++) {
+                loom_tensor wt = dense(arena, dt, K, N, 1);
+                wt.offset = (uint64_t)i * wbytes;
+                loom_matmul_params p = {sizeof p, &x, &wt, NULL, &y};
+                d->ops.matmul(d->be, &p);
+            }
+            d->ops.synchronize(d->be);
+            if (pass >= 0)
+                times[pass] = (now_s() - t0) / count;
+        }
+        double mean = 0, sd = 0;
+        for (int i = 0; i < passes; i++)
+            mean += times[i] / passes;
+        for (int i = 0; i < passes; i++)
+            sd += (times[i] - mean) * (times[i] - mean) / (passes - 1);
+        emit("matmul", loom_dtype_name(dt), shape, "decode", mean, (double)wbytes,
+             2.0 * (double)K * (double)N, sqrt(sd));
+    }
+    if (xb)
+        d->ops.buffer_free(d->be, xb);
+    if (yb)
+        d->ops.buffer_free(d->be, yb);
+    free(host), free(xh);
+}
+
+/* Runs fn until at least min_s have passed (and at least 3 times); mean and sd per call. */
+typedef void (*bench_fn)(loom_device *d, void *ctx);
+
+static void repeat(loom_device *d, bench_fn fn, void *ctx, double min_s, double *mean, double *sd)
+{
+    fn(d, ctx); /* warm up */
+    d->ops.synchronize(d->be);
+    double t[64], total = 0;
+    int n = 0;
+    while (n < 64 && (n < 3 || total < min_s)) {
+        double t0 = now_s();
+        fn(d, ctx);
+        d->ops.synchronize(d->be);
+        t[n] = now_s() - t0;
+        total += t[n++];
+    }
+    *mean = total / n;
+    double v = 0;
+    for (int i = 0; i < n; i++)
+        v += (t[i] - *mean) * (t[i] - *mean) / (n > 1 ? n - 1 : 1);
+    *sd = sqrt(v);
+}
+
+typedef struct mm_ctx {
+    loom_matmul_params p;
+} mm_ctx;
+
+static void run_matmul(loom_device *d, void *ctx)
+{
+    d->ops.matmul(d->be, &((mm_ctx *)ctx)->p);
+}
+
+/* Prefill: Y[M,N] = X[M,K] W^T, compute-bound; one W is enough. */
+static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64_t K, int64_t N)
+{
+    char shape[64];
+    snprintf(shape, sizeof shape, "M=%lld K=%lld N=%lld", (long long)M, (long long)K, (long long)N);
+    if (!loom_device_supports(d, LOOM_OP_MATMUL, dt)) {
+        emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
+        return;
+    }
+    uint64_t wbytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
+    void *wh = make_rows(dt, K, N), *xh = make_rows(LOOM_F32, K, M);
+    loom_buffer *wb = upload(d, wh, wbytes), *xb = upload(d, xh, (uint64_t)(M * K * 4));
+    loom_buffer *yb = upload(d, NULL, (uint64_t)(M * N * 4));
+    if (wb && xb && yb) {
+        loom_tensor x = dense(xb, LOOM_F32, K, M, 1), w = dense(wb, dt, K, N, 1);
+        loom_tensor y = dense(yb, LOOM_F32, N, M, 1);
+        mm_ctx c = {{sizeof c.p, &x, &w, NULL, &y}};
+        double mean, sd;
+        repeat(d, run_matmul, &c, 0.5, &mean, &sd);
+        emit("matmul", loom_dtype_name(dt), shape, "prefill", mean, (double)wbytes,
+             2.0 * (double)M * (double)K * (double)N, sd);
+    } else {
+        emit_error("matmul", loom_dtype_name(dt), shape, "out of memory");
+    }
+    if (wb) d->ops.buffer_free(d->be, wb);
+    if (xb) d->ops.buffer_free(d->be, xb);
+    if (yb) d->ops.buffer_free(d->be, yb);
+    free(wh), free(xh);
+}
+
+typedef struct attn_ctx {
+    loom_attention_params p;
+} attn_ctx;
+
+static void run_attention(loom_device *d, void *ctx)
+{
+    d->ops.attention(d->be, &((attn_ctx *)ctx)->p);
+}
+
+/* Attention of `tokens` new tokens at the end of one sequence of `context` keys: Llama-3-8B
+ * heads (32 query, 8 kv, head_dim 128), block size 16. Bytes: the K and V rows read. */
+static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens, int64_t context)
+{
+    char shape[96];
+    const int64_t heads = 32, kvh = 8, hd = 128, bs = 16, blocks = (context + bs - 1) / bs;
+    snprintf(shape, sizeof shape, "tokens=%lld ctx=%lld h=32/8 hd=128", (long long)tokens,
+             (long long)context);
+    const char *kind = tokens == 1 ? "decode" : "prefill";
+    if (!loom_device_supports(d, LOOM_OP_ATTENTION, cache_dt)) {
+        emit_error("attention", loom_dtype_name(cache_dt), shape, "unsupported");
+        return;
+    }
+    uint64_t cache_bytes = (uint64_t)loom_row_bytes(cache_dt, hd) * (uint64_t)(kvh * bs * blocks);
+    void *ch = make_rows(cache_dt, hd, kvh * bs * blocks), *qh = make_rows(LOOM_F32, hd, heads * tokens);
+    int32_t *ints = malloc((size_t)(blocks + 2 * tokens) * 4);
+    for (int64_t i = 0; i < blocks; i++)
+        ints[i] = (int32_t)i;
+    for (int64_t t = 0; t < tokens; t++)
+        ints[blocks + t] = 0, ints[blocks + tokens + t] = (int32_t)(context - tokens + t);
+    loom_buffer *kb = upload(d, ch, cache_bytes), *vb = upload(d, ch, cache_bytes);
+    loom_buffer *qb = upload(d, qh, (uint64_t)(heads * tokens * hd * 4));
+    loom_buffer *ob = upload(d, NULL, (uint64_t)(heads * tokens * hd * 4));
+    loom_buffer *ib = upload(d, ints, (uint64_t)(blocks + 2 * tokens) * 4);
+    if (kb && vb && qb && ob && ib) {
+        loom_tensor k = dense(kb, cache_dt, hd, kvh, bs), v = dense(vb, cache_dt, hd, kvh, bs);
+        k.ne[3] = v.ne[3] = blocks;
+        loom_tensor q = dense(qb, LOOM_F32, hd, heads, tokens), o = dense(ob, LOOM_F32, hd, heads, tokens);
+        loom_tensor bt = dense(ib, LOOM_I32, blocks, 1, 1);
+        loom_tensor seq = dense(ib, LOOM_I32, tokens, 1, 1), pos = seq;
+        seq.offset = (uint64_t)blocks * 4;
+        pos.offset = (uint64_t)(blocks + tokens) * 4;
+        attn_ctx c = {{sizeof c.p, &q, &k, &v, &bt, &seq, &pos, NULL, &o, 0.088388f}};
+        double mean, sd;
+        repeat(d, run_attention, &c, 0.3, &mean, &sd);
+        double keys = (double)tokens * (double)context - (double)tokens * (double)(tokens - 1) / 2;
+        emit("attention", loom_dtype_name(cache_dt), shape, kind, mean, 2.0 * (double)cache_bytes,
+             4.0 * keys * (double)heads * (double)hd, sd);
+    } else {
+        emit_error("attention", loom_dtype_name(cache_dt), shape, "out of memory");
+    }
+    loom_buffer *all[] = {kb, vb, qb, ob, ib};
+    for (int i = 0; i < 5; i++)
+        if (all[i])
+            d->ops.buffer_free(d->be, all[i]);
+    free(ch), free(qh), free(ints);
+}
+
+static int child(const char *path, int quick)
+{
+    loom_device d;
+    char err[1024];
+    if (loom_device_open(&d, path, 0, 0, err, sizeof err) != 0) {
+        emit_error("open", "", "", err);
+        return 1;
+    }
+    static const loom_dtype wtypes[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
+    int64_t dim = quick ? 1024 : 4096;
+    /* --quick: a smoke test, whose decode figures come partly from cache */
+    uint64_t arena_bytes = quick ? 64ull << 20 : dram_working_set();
+    loom_buffer *arena = NULL;
+    if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
+        emit_error("matmul", "", "", "cannot allocate the decode working set");
+    } else {
+        for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
+            bench_matmul_decode(&d, arena, arena_bytes, wtypes[i], dim, dim);
+        d.ops.buffer_free(d.be, arena);
+    }
+    for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
+        bench_matmul_prefill(&d, wtypes[i], quick ? 16 : 64, dim, dim);
+    bench_attention(&d, LOOM_F16, 1, quick ? 256 : 2048);
+    bench_attention(&d, LOOM_Q8_0, 1, quick ? 256 : 2048);
+    bench_attention(&d, LOOM_F16, quick ? 16 : 128, quick ? 256 : 2048);
+    loom_device_close(&d);
+    return 0;
+}
+
+/* ---- The parent: run children, tabulate ------------------------------------------------- */
+
+typedef struct result_row {
+    char key[192]; /* op dtype shape */
+    char kind[16];
+    double gbps[16], gflops[16];
+    char cell_err[16][64];
+    int has[16];
+} result_row;
+
+static void usage(FILE *out)
+{
+    fprintf(out, "usage: loom bench ops [--backends LIST] [--json] [--quick]\n"
+                 "  --backends LIST  comma-separated backend names or name-variant (default: every\n"
+                 "                   usable backend but ref)\n"
+                 "  --json           print the measurements as JSON instead of a table\n"
+                 "  --quick          small shapes, for a smoke test\n");
+}
+
+int loom_bench_ops_main(int argc, char **argv, const char *self)
+{
+    const char *list = NULL;
+    int json = 0, quick = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--child") == 0 && i + 1 < argc)
+            return child(argv[i + 1], i + 2 < argc && strcmp(argv[i + 2], "--quick") == 0);
+        if (strcmp(argv[i], "--backends") == 0 && i + 1 < argc)
+            list = argv[++i];
+        else if (strcmp(argv[i], "--json") == 0)
+            json = 1;
+        else if (strcmp(argv[i], "--quick") == 0)
+            quick = 1;
+        else if (strcmp(argv[i], "--help") == 0) {
+            usage(stdout);
+            return 0;
+        } else {
+            fprintf(stderr, "loom bench ops: unknown argument '%s'\n", argv[i]);
+            usage(stderr);
+            return 2;
+        }
+    }
+
+    loom_registry reg;
+    char err[4096];
+    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+        fprintf(stderr, "loom bench ops: %s\n", err);
+        return 1;
+    }
+    const char *paths[16], *labels[16];
+    char label_buf[16][160];
+    int n = 0;
+    for (int i = 0; i < reg.count && n < 16; i++) {
+        loom_candidate *c = &reg.items[i];
+        snprintf(label_buf[n], sizeof label_buf[n], "%s%s%s", c->name, c->variant[0] ? "-" : "",
+                 c->variant);
+        int wanted;
+        if (list) {
+            char *copy = strdup(list), *save = NULL;
+            wanted = 0;
+            for (char *e = strtok_r(copy, ",", &save); e; e = strtok_r(NULL, ",", &save))
+                wanted |= strcmp(e, c->name) == 0 || strcmp(e, label_buf[n]) == 0;
+            free(copy);
+        } else {
+            wanted = strcmp(c->name, "ref") != 0;
+        }
+        if (!wanted)
+            continue;
+        if (c->state != LOOM_CAND_USABLE) {
+            fprintf(stderr, "loom bench ops: skipping %s: %s\n", label_buf[n], c->reason);
+            continue;
+        }
+        paths[n] = c->path;
+        labels[n] = label_buf[n];
+        n++;
+    }
+    if (n == 0) {
+        fprintf(stderr, "loom bench ops: no usable backend matches%s%s (see `loom backends`)\n",
+                list ? " " : "", list ? list : "");
+        loom_registry_free(&reg);
+        return 1;
+    }
+
+    int threads = bench_threads();
+    uint64_t ws = dram_working_set();
+    fprintf(stderr, "measuring streaming read bandwidth over %.0f MiB with %d threads...\n",
+            (double)ws / (1 << 20), threads);
+    double bw = measure_bandwidth(ws, threads);
+
+    result_row *rows = calloc(64, sizeof *rows);
+    int n_rows = 0;
+    cJSON *all = cJSON_CreateArray();
+    for (int b = 0; b < n; b++) {
+        fprintf(stderr, "running %s...\n", labels[b]);
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "'%s' bench ops --child '%s'%s", self, paths[b],
+                 quick ? " --quick" : "");
+        FILE *f = popen(cmd, "r");
+        char line[2048];
+        while (f && fgets(line, sizeof line, f)) {
+            cJSON *o = cJSON_Parse(line);
+            if (!o)
+                continue;
+            const char *op = cJSON_GetStringValue(cJSON_GetObjectItem(o, "op"));
+            const char *dt = cJSON_GetStringValue(cJSON_GetObjectItem(o, "dtype"));
+            const char *sh = cJSON_GetStringValue(cJSON_GetObjectItem(o, "shape"));
+            const char *kind = cJSON_GetStringValue(cJSON_GetObjectItem(o, "kind"));
+            const char *e = cJSON_GetStringValue(cJSON_GetObjectItem(o, "error"));
+            cJSON_AddStringToObject(o, "backend", labels[b]);
+            char key[192];
+            snprintf(key, sizeof key, "%s %s %s", op ? op : "?", dt ? dt : "", sh ? sh : "");
+            int r = 0;
+            while (r < n_rows && strcmp(rows[r].key, key) != 0)
+                r++;
+            if (r == n_rows && n_rows < 64)
+                snprintf(rows[n_rows++].key, sizeof rows[0].key, "%s", key);
+            if (r < 64) {
+                if (kind)
+                    snprintf(rows[r].kind, sizeof rows[r].kind, "%s", kind);
+                rows[r].has[b] = 1;
+                if (e)
+                    snprintf(rows[r].cell_err[b], sizeof rows[r].cell_err[b], "%s", e);
+                rows[r].gbps[b] = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gbps"));
+                rows[r].gflops[b] = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gflops"));
+            }
+            if (kind && strcmp(kind, "decode") == 0 && bw > 0)
+                cJSON_AddNumberToObject(o, "bandwidth_share",
+                                        cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gbps")) / bw);
+            cJSON_AddItemToArray(all, o);
+        }
+        int rc = f ? pclose(f) : -1;
+        if (rc != 0)
+            fprintf(stderr, "loom bench ops: %s's run exited with status %d\n", labels[b], rc);
+    }
+
+    if (json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON_AddNumberToObject(root, "read_bandwidth_gbps", bw);
+        cJSON_AddNumberToObject(root, "threads", threads);
+        cJSON_AddNumberToObject(root, "working_set_bytes", (double)ws);
+        cJSON_AddItemToObject(root, "results", all);
+        char *s = cJSON_Print(root);
+        printf("%s\n", s);
+        free(s);
+        cJSON_Delete(root);
+    } else {
+        printf("streaming read bandwidth: %.1f GB/s (%d threads, %.0f MiB)\n", bw, threads,
+               (double)ws / (1 << 20));
+        printf("decode: GB/s of weights or KV read (share of that bandwidth); prefill: GFLOP/s\n\n");
+        printf("| op | dtype | shape | kind |");
+        for (int b = 0; b < n; b++)
+            printf(" %s |", labels[b]);
+        printf("\n|---|---|---|---|");
+        for (int b = 0; b < n; b++)
+            printf("---|");
+        printf("\n");
+        for (int r = 0; r < n_rows; r++) {
+            char op[64] = "", dt[32] = "", *sh;
+            sscanf(rows[r].key, "%63s %31s", op, dt);
+            sh = rows[r].key + strlen(op) + 1 + strlen(dt) + 1;
+            printf("| %s | %s | %s | %s |", op, dt, sh, rows[r].kind);
+            for (int b = 0; b < n; b++) {
+                if (!rows[r].has[b])
+                    printf(" |");
+                else if (rows[r].cell_err[b][0])
+                    printf(" %s |", rows[r].cell_err[b]);
+                else if (strcmp(rows[r].kind, "decode") == 0)
+                    printf(" %.1f GB/s (%.0f%%) |", rows[r].gbps[b], 100 * rows[r].gbps[b] / bw);
+                else
+                    printf(" %.1f GFLOP/s |", rows[r].gflops[b]);
+            }
+            printf("\n");
+        }
+        cJSON_Delete(all);
+    }
+    free(rows);
+    loom_registry_free(&reg);
+    return 0;
+}
