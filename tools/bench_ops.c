@@ -70,6 +70,27 @@ static void *bw_read(void *p)
     return NULL;
 }
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+/* The scalar loop above cannot issue loads fast enough to find the memory's limit on a wide
+ * core; four independent 256-bit streams can. Used when the CPU has AVX2. */
+__attribute__((target("avx2"))) static void *bw_read_avx2(void *p)
+{
+    bw_arg *a = p;
+    const __m256i *d = (const __m256i *)a->data;
+    __m256i x0 = _mm256_setzero_si256(), x1 = x0, x2 = x0, x3 = x0;
+    for (size_t i = 0; i + 16 <= a->n; i += 16, d += 4) {
+        x0 = _mm256_xor_si256(x0, _mm256_loadu_si256(d));
+        x1 = _mm256_xor_si256(x1, _mm256_loadu_si256(d + 1));
+        x2 = _mm256_xor_si256(x2, _mm256_loadu_si256(d + 2));
+        x3 = _mm256_xor_si256(x3, _mm256_loadu_si256(d + 3));
+    }
+    x0 = _mm256_xor_si256(_mm256_xor_si256(x0, x1), _mm256_xor_si256(x2, x3));
+    a->sink = (uint64_t)_mm256_extract_epi64(x0, 0) ^ (uint64_t)_mm256_extract_epi64(x0, 3);
+    return NULL;
+}
+#endif
+
 /* GB/s of reading `bytes` with n threads, each its own contiguous part; best of 3 passes. */
 static double measure_bandwidth(uint64_t bytes, int n_threads)
 {
@@ -90,7 +111,12 @@ static double measure_bandwidth(uint64_t bytes, int n_threads)
             args[i].data = buf + words / (size_t)n_threads * (size_t)i;
             args[i].n = words / (size_t)n_threads;
             args[i].sink = 0;
-            pthread_create(&th[i], NULL, bw_read, &args[i]);
+            void *(*reader)(void *) = bw_read;
+#if defined(__x86_64__)
+            if (__builtin_cpu_supports("avx2"))
+                reader = bw_read_avx2;
+#endif
+            pthread_create(&th[i], NULL, reader, &args[i]);
         }
         for (int i = 0; i < n_threads; i++)
             pthread_join(th[i], NULL);

@@ -373,7 +373,9 @@ static void attn_pairs(void *ctx, int ith, int nth)
         if (p->prefix_len && i32_at(p->prefix_len, s) - 1 > last)
             last = i32_at(p->prefix_len, s) - 1;
         const unsigned char *bt = cpu_row(p->block_table, base(p->block_table), s);
+        const float *q[256]; /* the group's query rows (heads / kv_heads <= 256, checked) */
         for (int64_t h = 0; h < group; h++) {
+            q[h] = (const float *)cpu_row(p->q, base(p->q), t * heads + g * group + h);
             m[h] = -INFINITY;
             l[h] = 0.0f;
             memset(acc + h * hd, 0, (size_t)hd * sizeof(float));
@@ -389,13 +391,8 @@ static void attn_pairs(void *ctx, int ith, int nth)
             for (int64_t jj = 0; jj < nk; jj++) {
                 cpu_load_row(kc->dtype, cpu_row(kc, base(kc), ((int64_t)blk * bs + jj) * kvh + g),
                              k, hd);
-                for (int64_t h = 0; h < group; h++) {
-                    const float *q = (const float *)cpu_row(p->q, base(p->q), t * heads + g * group + h);
-                    float dot = 0.0f;
-                    for (int64_t i = 0; i < hd; i++)
-                        dot += q[i] * k[i];
-                    scores[h * bs + jj] = dot * p->scale;
-                }
+                for (int64_t h = 0; h < group; h++)
+                    scores[h * bs + jj] = cpu_dot(q[h], k, hd) * p->scale;
             }
             for (int64_t h = 0; h < group; h++) {
                 float bmax = m[h];
@@ -414,12 +411,8 @@ static void attn_pairs(void *ctx, int ith, int nth)
             for (int64_t jj = 0; jj < nk; jj++) {
                 cpu_load_row(vc->dtype, cpu_row(vc, base(vc), ((int64_t)blk * bs + jj) * kvh + g),
                              v, hd);
-                for (int64_t h = 0; h < group; h++) {
-                    float w = scores[h * bs + jj];
-                    float *a = acc + h * hd;
-                    for (int64_t i = 0; i < hd; i++)
-                        a[i] += w * v[i];
-                }
+                for (int64_t h = 0; h < group; h++)
+                    cpu_axpy(scores[h * bs + jj], v, acc + h * hd, hd);
             }
         }
         for (int64_t h = 0; h < group; h++) {
@@ -458,6 +451,8 @@ static loom_status cpu_attention(loom_backend *be, const loom_attention_params *
                             "table reach: %lld keys)",
                             (long long)t, s, pos, (long long)n_seqs, (long long)reach);
     }
+    if (p->q->ne[1] / p->k_cache->ne[1] > 256)
+        return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED, "attention: more than 256 query heads per kv head");
     attn_job j = {p, reach, 0};
     pool_run(CB(be)->pool, attn_pairs, &j);
     if (j.bad_block == -2)
@@ -744,6 +739,11 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         return LOOM_ERR_OUT_OF_MEMORY;
     }
     cb->feat = *f;
+    /* LOOM_CPU_DISABLE=vnni: use the plain AVX-512 kernels even where VNNI exists, so both can
+     * be checked (and compared) on one machine */
+    const char *off = getenv("LOOM_CPU_DISABLE");
+    if (off && strstr(off, "vnni"))
+        cb->feat.avx512vnni = 0;
     cb->pool = pool_create(n);
     if (!cb->pool) {
         snprintf(err, err_size, "cannot start %d threads: %s", n, strerror(errno));

@@ -4,14 +4,13 @@
  * Quantised W: X is quantised to int8 blocks once per call (cpu_act), then every thread takes
  * a contiguous range of W's rows, so it streams its own part of the weights from memory once.
  * Within the range, a chunk of rows small enough to stay in L2 is run against all of X in
- * tiles of KERN_MAX_M rows, so prefill reuses each weight row from cache rather than memory.
+ * tiles of KERN_MR rows (and KERN_NR weight rows at a time), so prefill reuses each weight row from cache rather than memory.
  * Float W works the same way without the quantisation step.
  */
 #include "cpu.h"
 #include "kern.h"
 #include "rows.h"
 
-#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,12 +20,15 @@
 typedef struct mm_job {
     const loom_matmul_params *p;
     int64_t M, N, K;
-    cpu_act act;              /* quantised X (quantised W only) */
+    cpu_act act;              /* prepared X (quantised W only) */
+    act_group *groups;        /* its storage */
+    kern_layout layout;       /* how X is prepared for the kernel */
     const float **xrows;      /* X's rows (float W only) */
     kern_quant_fn kq;
     kern_float_fn kf;
     const float *bias;
     int split_m;              /* too few W rows to share: split X's rows instead */
+    int uniform_w;            /* W's rows are evenly spaced, so tiles may span several */
 } mm_job;
 
 static unsigned char *data(const loom_tensor *t)
@@ -34,34 +36,14 @@ static unsigned char *data(const loom_tensor *t)
     return t->buf->data;
 }
 
-/* Quantises X's rows [m0, m1) to int8 blocks with the Q8_0 rule, keeping each block's scale
- * and d * sum(q), which the Q4 kernels use to fold in their offsets. */
-static void quantize_x(void *ctx, int ith, int nth)
+static void prepare_x(void *ctx, int ith, int nth)
 {
     mm_job *j = ctx;
-    int64_t K = j->K, nb = K / LOOM_QK;
     long m0, m1;
     pool_split((long)j->M, ith, nth, &m0, &m1);
-    for (long m = m0; m < m1; m++) {
-        const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
-        int8_t *q = (int8_t *)j->act.qs + m * K;
-        float *d = (float *)j->act.d + m * nb, *s = (float *)j->act.s + m * nb;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + b * LOOM_QK;
-            float amax = 0.0f;
-            for (int i = 0; i < LOOM_QK; i++)
-                amax = fmaxf(amax, fabsf(xb[i]));
-            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-            int sum = 0;
-            for (int i = 0; i < LOOM_QK; i++) {
-                int v = (int)lrintf(xb[i] * id);
-                q[b * LOOM_QK + i] = (int8_t)v;
-                sum += v;
-            }
-            d[b] = db;
-            s[b] = db * (float)sum;
-        }
-    }
+    for (long m = m0; m < m1; m++)
+        kern_prep((const float *)cpu_row(j->p->x, data(j->p->x), m), j->K,
+                  j->groups + m * j->act.groups, j->layout);
 }
 
 static void mm_rows(void *ctx, int ith, int nth)
@@ -73,20 +55,24 @@ static void mm_rows(void *ctx, int ith, int nth)
         pool_split((long)j->M, ith, nth, &ma, &mb);
     else
         pool_split((long)j->N, ith, nth, &n0, &n1);
-    float out[KERN_MAX_M];
+    float out[KERN_NR * KERN_MR];
     for (long c0 = n0; c0 < n1; c0 += CHUNK_ROWS) {
         long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
-        for (long m0 = ma; m0 < mb; m0 += KERN_MAX_M) {
-            int mc = mb - m0 < KERN_MAX_M ? (int)(mb - m0) : KERN_MAX_M;
-            for (long n = c0; n < c1; n++) {
+        for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
+            int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
+            int nr;
+            for (long n = c0; n < c1; n += nr) {
+                nr = !j->uniform_w ? 1 : c1 - n < KERN_NR ? (int)(c1 - n) : KERN_NR;
                 const unsigned char *wrow = cpu_row(w, data(w), n);
                 if (j->kq)
-                    j->kq(wrow, &j->act, m0, mc, out);
+                    j->kq(wrow, w->nb[1], nr, &j->act, m0, mr, out);
                 else
-                    j->kf(w->dtype, wrow, j->xrows + m0, mc, j->K, out);
-                float b = j->bias ? j->bias[n] : 0.0f;
-                for (int r = 0; r < mc; r++)
-                    ((float *)cpu_row(y, data(y), m0 + r))[n] = out[r] + b;
+                    j->kf(w->dtype, wrow, w->nb[1], nr, j->xrows + m0, mr, j->K, out);
+                for (int r = 0; r < mr; r++) {
+                    float *yr = (float *)cpu_row(y, data(y), m0 + r);
+                    for (int i = 0; i < nr; i++)
+                        yr[n + i] = out[r * KERN_NR + i] + (j->bias ? j->bias[n + i] : 0.0f);
+                }
             }
         }
     }
@@ -108,7 +94,10 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         return LOOM_OK;
     j.bias = p->bias ? (const float *)cpu_row(p->bias, data(p->bias), 0) : NULL;
     int nth = pool_size(cb->pool);
-    j.split_m = j.N < (int64_t)nth * CHUNK_ROWS && j.M >= (int64_t)nth * KERN_MAX_M;
+    j.split_m = j.N < (int64_t)nth * CHUNK_ROWS && j.M >= (int64_t)nth * KERN_MR;
+    j.uniform_w = p->w->ne[2] * p->w->ne[3] == 1 ||
+                  (p->w->nb[2] == p->w->nb[1] * (uint64_t)p->w->ne[1] &&
+                   p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
@@ -120,18 +109,19 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         j.kq = wt == LOOM_Q8_0 ? (vnni ? kern_q8_0_vnni : kern_q8_0)
                : wt == LOOM_Q4_0 ? (vnni ? kern_q4_0_vnni : kern_q4_0)
                                  : (vnni ? kern_q4_1_vnni : kern_q4_1);
-        int64_t nb = j.K / LOOM_QK;
-        scratch = malloc((size_t)(j.M * j.K + 2 * j.M * nb * (int64_t)sizeof(float)) + 64);
+        j.layout = kern_layout_for(wt, vnni);
+        j.act.nb = j.K / LOOM_QK;
+        j.act.groups = (j.act.nb + KERN_G - 1) / KERN_G;
+        size_t bytes = (size_t)(j.M * j.act.groups) * sizeof(act_group);
+        scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         if (!scratch)
             return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to quantise X");
-        j.act.K = j.K;
-        j.act.d = scratch;
-        j.act.s = j.act.d + j.M * nb;
-        j.act.qs = (const int8_t *)(j.act.s + j.M * nb);
+        j.groups = scratch;
+        j.act.g = j.groups;
         if (j.M * j.K >= 16384)
-            pool_run(cb->pool, quantize_x, &j);
+            pool_run(cb->pool, prepare_x, &j);
         else
-            quantize_x(&j, 0, 1);
+            prepare_x(&j, 0, 1);
     } else {
         j.kf = kern_float;
         scratch = malloc((size_t)j.M * sizeof(float *));

@@ -1,36 +1,73 @@
 /*
  * backends/cpu/kern.h - the matmul kernels' interface (implemented in kernels.h).
+ *
+ * A kernel computes a tile: up to KERN_NR weight rows against up to KERN_MR activation rows,
+ * so each weight block is loaded (and unpacked) once for KERN_MR activation rows and each
+ * activation block once for KERN_NR weight rows.
  */
 #ifndef LOOM_CPU_KERN_H
 #define LOOM_CPU_KERN_H
 
 #include <loom/backend.h>
 
-/* activation rows a kernel handles at once: each weight row loaded is used this many times */
-#define KERN_MAX_M 4
+#include <stddef.h>
 
-/* M activation rows of K, quantised to int8 blocks of 32 for the quantised-weight kernels. */
+#define KERN_NR 4
+#define KERN_MR 4
+
+/* Blocks of activations per record: two in the AVX-512 build (one 512-bit register holds two
+ * blocks), one otherwise. */
+#if defined(__AVX512F__)
+#define KERN_G 2
+#else
+#define KERN_G 1
+#endif
+
+/* KERN_G blocks of 32 activations, quantised to int8 and laid out for the integer kernels.
+ * Lane l covers qs[4l..4l+3], as a 4-way integer dot product's lanes do; the per-lane fields
+ * hold the values of the block that lane's quants come from. The order of the quants follows
+ * the weights' (kern_layout). */
+typedef struct act_group {
+    int8_t qs[32 * KERN_G];       /* the quants; for Q8_0 weights biased by +128 (see kernels.h) */
+    int32_t neg8sum[8 * KERN_G];  /* -8 x the lane's sum of quants: Q4_0's offset */
+    float d[8 * KERN_G];          /* the block's scale, in each of its lanes */
+    float msum[8 * KERN_G];       /* d x the block's sum of quants / 8, in each lane: Q4_1 */
+} act_group;
+
+/* Activation rows prepared for a quantised-weight kernel. */
 typedef struct cpu_act {
-    int64_t K;
-    const int8_t *qs; /* [M, K] */
-    const float *d;   /* [M, K/32] block scales */
-    const float *s;   /* [M, K/32] d * sum of the block's qs */
+    int64_t nb;          /* blocks per row */
+    int64_t groups;      /* act_groups per row: nb / KERN_G rounded up */
+    const act_group *g;  /* [M][groups] */
 } cpu_act;
 
-/* out[r] = dot(weight row, activation row m0 + r) for r < mc (mc <= KERN_MAX_M) */
-typedef void (*kern_quant_fn)(const void *wrow, const cpu_act *a, int64_t m0, int mc, float *out);
-/* the same for f32/f16/bf16 weights and f32 activation rows x[0..mc) */
-typedef void (*kern_float_fn)(loom_dtype wt, const void *wrow, const float *const *x, int mc,
-                              int64_t K, float *out);
+/* out[r * KERN_NR + i] = dot(weight row i, activation row m0 + r), i < nr, r < mr.
+ * w: the first weight row; wstride: bytes between weight rows. */
+typedef void (*kern_quant_fn)(const unsigned char *w, size_t wstride, int nr, const cpu_act *a,
+                              int64_t m0, int mr, float *out);
+/* The same for f32/f16/bf16 weights; x[r] is activation row m0 + r. */
+typedef void (*kern_float_fn)(loom_dtype wt, const unsigned char *w, size_t wstride, int nr,
+                              const float *const *x, int mr, int64_t K, float *out);
+/* How kern_prep lays out a pair of blocks A, B (in a group of two; a group of one block is
+ * always in natural order). */
+typedef enum kern_layout {
+    KERN_NATURAL,      /* A0..31, B0..31, signed */
+    KERN_NATURAL_BIASED, /* the same, stored as x + 128: Q8_0 weights with VNNI */
+    KERN_NIBBLE_PAIRS, /* A0..15, B0..15, A16..31, B16..31: Q4 weights unpack into this order */
+} kern_layout;
 
-void kern_q8_0(const void *, const cpu_act *, int64_t, int, float *);
-void kern_q4_0(const void *, const cpu_act *, int64_t, int, float *);
-void kern_q4_1(const void *, const cpu_act *, int64_t, int, float *);
-void kern_float(loom_dtype, const void *, const float *const *, int, int64_t, float *);
-/* the avx512 variant's VNNI builds of the same kernels */
-void kern_q8_0_vnni(const void *, const cpu_act *, int64_t, int, float *);
-void kern_q4_0_vnni(const void *, const cpu_act *, int64_t, int, float *);
-void kern_q4_1_vnni(const void *, const cpu_act *, int64_t, int, float *);
-void kern_float_vnni(loom_dtype, const void *, const float *const *, int, int64_t, float *);
+/* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
+void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);
+/* The layout the kernels for weight type wt (with VNNI or not) expect. */
+kern_layout kern_layout_for(loom_dtype wt, int vnni);
+void kern_q8_0(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
+void kern_q4_0(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
+void kern_q4_1(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
+void kern_float(loom_dtype, const unsigned char *, size_t, int, const float *const *, int, int64_t,
+                float *);
+/* the avx512 variant's VNNI builds of the integer kernels */
+void kern_q8_0_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
+void kern_q4_0_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
+void kern_q4_1_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
 
 #endif

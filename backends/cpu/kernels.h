@@ -1,16 +1,23 @@
 /*
- * backends/cpu/kernels.h - the matmul inner kernels: one weight row against up to
- * KERN_MAX_M activation rows. Included by kern.c (and, in the avx512 variant, by kern_vnni.c
- * with KERN_VNNI defined and -mavx512vnni), so the same source becomes the baseline, AVX2,
- * AVX-512 and AVX-512 VNNI kernels, chosen by the flags each file is compiled with.
+ * backends/cpu/kernels.h - the matmul kernels (interface in kern.h). Included by kern.c, and in
+ * the avx512 variant also by kern_vnni.c with KERN_VNNI defined and -mavx512vnni, so one source
+ * becomes the baseline, AVX2, AVX-512 and AVX-512 VNNI kernels.
  *
- * Quantised weights meet activations quantised once per matmul to int8 blocks (cpu_act): the
- * dot product of a block is an integer sum, scaled once by both blocks' scales. For Q4_0 the
- * weight nibbles are used unsigned (0..15) and the -8 offset is folded in afterwards through
- * the activation block's precomputed sum, so VNNI's unsigned x signed dot applies directly.
+ * Quantised weights meet activations quantised once per matmul to int8 blocks (act_group):
+ * each block's dot product is an integer sum, scaled once by the product of the two scales.
+ *   Q4_0: x = (q - 8) d. The nibbles q (0..15) are the unsigned operand of the u8 x s8 dot
+ *         product; the -8 is folded in by starting each lane's sum at -8 x (sum of its 4 x).
+ *   Q4_1: x = q d + m. Unsigned nibbles again; m contributes m x d_x x sum(x), one FMA per
+ *         block, spread over the lanes (msum) so it joins the same accumulator.
+ *   Q8_0: signed x signed. With VNNI the activations are stored biased (x + 128, unsigned) and
+ *         each lane starts at -128 x (sum of its 4 weights), computed once per weight block;
+ *         without VNNI the sign of w moves onto x and |w| becomes the unsigned operand.
+ * Tiles of KERN_NR weight rows x KERN_MR activation rows are instantiated for every size up to
+ * those, so the accumulators live in registers.
  */
 #include "kern.h"
 
+#include <math.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -23,15 +30,80 @@
 #define KERN(name) name
 #endif
 
-/* ---- helpers ------------------------------------------------------------------------------ */
+#define INLINE static inline __attribute__((always_inline))
+/* the tile loops run a compile-time number of times: unrolled, their arrays become registers */
+#define UNROLL _Pragma("GCC unroll 4")
 
-static inline float f16(uint16_t h)
+INLINE float f16(uint16_t h)
 {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
     return loom_f16_to_f32(h);
+#endif
 }
 
+/* ---- Activation preparation (not part of the VNNI build: its layout is the same) ------------ */
+
+#ifndef KERN_VNNI
+kern_layout kern_layout_for(loom_dtype wt, int vnni)
+{
+    if (wt == LOOM_Q8_0)
+        return vnni ? KERN_NATURAL_BIASED : KERN_NATURAL;
+    return KERN_G == 2 ? KERN_NIBBLE_PAIRS : KERN_NATURAL;
+}
+
+void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout)
+{
+    int64_t nb = K / LOOM_QK;
+    for (int64_t b0 = 0; b0 < nb; b0 += KERN_G) {
+        act_group *gr = &g[b0 / KERN_G];
+        int n = nb - b0 < KERN_G ? (int)(nb - b0) : KERN_G; /* blocks in this group */
+        int8_t q[KERN_G][LOOM_QK];
+        float d[KERN_G];
+        int total[KERN_G];
+        memset(gr, 0, sizeof *gr); /* an absent second block adds nothing */
+        for (int h = 0; h < n; h++) {
+            const float *xb = x + (b0 + h) * LOOM_QK;
+            float amax = 0.0f;
+            for (int i = 0; i < LOOM_QK; i++)
+                amax = fmaxf(amax, fabsf(xb[i]));
+            d[h] = amax / 127.0f;
+            float id = d[h] != 0.0f ? 1.0f / d[h] : 0.0f;
+            total[h] = 0;
+            for (int i = 0; i < LOOM_QK; i++) {
+                q[h][i] = (int8_t)lrintf(xb[i] * id);
+                total[h] += q[h][i];
+            }
+        }
+        /* place element e of block h; remember which block each position holds */
+        int8_t owner[32 * KERN_G];
+        for (int h = 0; h < n; h++)
+            for (int e = 0; e < LOOM_QK; e++) {
+                int pos = 32 * h + e;
+                if (layout == KERN_NIBBLE_PAIRS && n == 2)
+                    pos = (e < 16 ? 0 : 32) + 16 * h + e % 16;
+                gr->qs[pos] = (int8_t)(layout == KERN_NATURAL_BIASED ? (uint8_t)(q[h][e] + 128)
+                                                                     : (uint8_t)q[h][e]);
+                owner[pos] = (int8_t)h;
+            }
+        for (int l = 0; l < 8 * n; l++) {
+            int h = owner[4 * l], lane = 0;
+            for (int k = 0; k < 4; k++)
+                lane += layout == KERN_NATURAL_BIASED ? (uint8_t)gr->qs[4 * l + k] - 128
+                                                      : gr->qs[4 * l + k];
+            gr->neg8sum[l] = -8 * lane;
+            gr->d[l] = d[h];
+            gr->msum[l] = d[h] * (float)total[h] / 8.0f;
+        }
+    }
+}
+#endif
+
+/* ---- Integer dot products ------------------------------------------------------------------ */
+
 #if defined(__AVX2__)
-static inline float hsum256(__m256 v)
+INLINE float hsum256(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -40,238 +112,514 @@ static inline float hsum256(__m256 v)
 }
 
 /* 16 bytes of nibbles -> 32 unsigned bytes: low nibbles are elements 0..15, high 16..31 */
-static inline __m256i unpack_nibbles256(const uint8_t *qs)
+INLINE __m256i nibbles256(const uint8_t *qs)
 {
     __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-    __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0f));
 }
 
-/* sum of u8 a[i] * s8 b[i] in 8 int32 lanes */
-static inline __m256i dot_u8s8_256(__m256i a, __m256i b)
+/* acc + per 4-byte lane sum of u8 a x s8 b */
+INLINE __m256i dot256(__m256i acc, __m256i a, __m256i b)
 {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
 #endif
 
 #if defined(__AVX512F__)
-/* acc + sum of u8 a[i] * s8 b[i] in 16 int32 lanes (each lane: 4 adjacent bytes) */
-static inline __m512i dpbusd512(__m512i acc, __m512i a, __m512i b)
+INLINE __m512i dot512(__m512i acc, __m512i a, __m512i b)
 {
 #ifdef KERN_VNNI
     return _mm512_dpbusd_epi32(acc, a, b);
 #else
-    __m512i p16 = _mm512_maddubs_epi16(a, b);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(p16, _mm512_set1_epi16(1)));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 #endif
 }
 
-/* two blocks' worth of weights in one register: block b in the low half, b+1 in the high */
-static inline __m512i join256(__m256i lo, __m256i hi)
+INLINE __m512i join256(__m256i lo, __m256i hi)
 {
     return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
 
-/* per-lane scale: sa in lanes 0..7 (block b), sb in lanes 8..15 (block b+1) */
-static inline __m512 scale_pair(float sa, float sb)
+/* two f16 scales, spread over the 16 lanes as the blocks' quants are: natural order
+ * [a x 8, b x 8], or nibble-pair order [a x 4, b x 4, a x 4, b x 4] */
+INLINE __m512 scales2(uint16_t a, uint16_t b, int nibble_order)
 {
-    return _mm512_insertf32x8(_mm512_set1_ps(sa), _mm256_set1_ps(sb), 1);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128((int)((uint32_t)a | ((uint32_t)b << 16))));
+    const __m512i nat = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i nib = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_permutexvar_ps(nibble_order ? nib : nat, _mm512_castps128_ps512(f));
+}
+
+/* the nibbles of two Q4 blocks in nibble-pair order: A lo, B lo, A hi, B hi */
+INLINE __m512i nibbles_pair(const uint8_t *qa, const uint8_t *qb)
+{
+    __m256i v = _mm256_loadu2_m128i((const __m128i *)qb, (const __m128i *)qa);
+    return _mm512_and_si512(join256(v, _mm256_srli_epi16(v, 4)), _mm512_set1_epi8(0x0f));
 }
 #endif
 
-/* ---- Q8_0 ------------------------------------------------------------------------------- */
+/* One tile for one block type. W_T: the block struct; the body macros differ by type. */
+#define BLK(T, w, i, b) ((const T *)((w) + (size_t)(i) * wstride) + (b))
 
-void KERN(kern_q8_0)(const void *wrow, const cpu_act *a, int64_t m0, int mc, float *out)
+/* Each tile function below: sums[i][r] over all blocks, then the same scalar tail. */
+
+/* ---- Q4_0 ---------------------------------------------------------------------------------- */
+
+INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, int64_t m0,
+                      float *out, const int NR, const int MR)
 {
-    const loom_block_q8_0 *w = wrow;
-    int64_t nb = a->K / LOOM_QK;
-    for (int r = 0; r < mc; r++) {
-        const int8_t *xq = a->qs + (m0 + r) * a->K;
-        const float *xd = a->d + (m0 + r) * nb;
-        int64_t b = 0;
-        float sum = 0.0f;
+    const int64_t nb = a->nb;
+    float sums[KERN_NR][KERN_MR] = {{0}};
+    int64_t b = 0;
 #if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (; b + 2 <= nb; b += 2) {
-            __m512i wv = join256(_mm256_loadu_si256((const __m256i *)w[b].qs),
-                                 _mm256_loadu_si256((const __m256i *)w[b + 1].qs));
-            __m512i xv = _mm512_loadu_si512(xq + b * LOOM_QK);
-            /* |w| as the unsigned operand, w's sign moved onto x */
-            __mmask64 neg = _mm512_movepi8_mask(wv);
-            __m512i sx = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-            __m512i dot = dpbusd512(_mm512_setzero_si512(), _mm512_abs_epi8(wv), sx);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                  scale_pair(f16(w[b].d) * xd[b], f16(w[b + 1].d) * xd[b + 1]), acc);
+    __m512 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        __m512i wv[KERN_NR];
+        __m512 wd[KERN_NR];
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_0 *blk = BLK(loom_block_q4_0, w, i, b);
+            wv[i] = nibbles_pair(blk[0].qs, blk[1].qs);
+            wd[i] = scales2(blk[0].d, blk[1].d, 1);
         }
-        sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__)
-        __m256 acc = _mm256_setzero_ps();
-        for (; b < nb; b++) {
-            __m256i wv = _mm256_loadu_si256((const __m256i *)w[b].qs);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * LOOM_QK));
-            __m256i dot = dot_u8s8_256(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(f16(w[b].d) * xd[b]), acc);
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            const act_group *g = a->g + (m0 + r) * a->groups + b / 2;
+            __m512i xq = _mm512_loadu_si512(g->qs);
+            __m512i off = _mm512_loadu_si512(g->neg8sum);
+            __m512 xd = _mm512_loadu_ps(g->d);
+            UNROLL
+            for (int i = 0; i < NR; i++)
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot512(off, wv[i], xq)),
+                                            _mm512_mul_ps(wd[i], xd), acc[i][r]);
         }
-        sum = hsum256(acc);
-#endif
-        for (; b < nb; b++) {
-            int isum = 0;
-            for (int j = 0; j < LOOM_QK; j++)
-                isum += w[b].qs[j] * xq[b * LOOM_QK + j];
-            sum += (float)isum * f16(w[b].d) * xd[b];
-        }
-        out[r] = sum;
     }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+#endif
+#if defined(__AVX2__)
+    __m256 acc2[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc2[i][r] = _mm256_setzero_ps();
+    for (; b < nb; b++) { /* every block with AVX2; with AVX-512, only an odd last one */
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_0 *blk = BLK(loom_block_q4_0, w, i, b);
+            __m256i wv = nibbles256(blk->qs);
+            __m256 wd = _mm256_set1_ps(f16(blk->d));
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b / KERN_G;
+                int h = (int)(b % KERN_G);
+                __m256i dot = dot256(_mm256_loadu_si256((const __m256i *)(g->neg8sum + 8 * h)), wv,
+                                     _mm256_loadu_si256((const __m256i *)(g->qs + 32 * h)));
+                acc2[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), wd),
+                                             _mm256_loadu_ps(g->d + 8 * h), acc2[i][r]);
+            }
+        }
+    }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] += hsum256(acc2[i][r]);
+#else
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_0 *blk = BLK(loom_block_q4_0, w, i, b);
+            float wd = f16(blk->d);
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b;
+                int isum = 0;
+                for (int j = 0; j < 16; j++)
+                    isum += (blk->qs[j] & 0x0f) * g->qs[j] + (blk->qs[j] >> 4) * g->qs[j + 16];
+                for (int l = 0; l < 8; l++)
+                    isum += g->neg8sum[l];
+                sums[i][r] += (float)isum * wd * g->d[0];
+            }
+        }
+    }
+#endif
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            out[r * KERN_NR + i] = sums[i][r];
 }
 
-/* ---- Q4_0 ------------------------------------------------------------------------------- */
+/* ---- Q4_1 ---------------------------------------------------------------------------------- */
 
-void KERN(kern_q4_0)(const void *wrow, const cpu_act *a, int64_t m0, int mc, float *out)
+INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, int64_t m0,
+                      float *out, const int NR, const int MR)
 {
-    const loom_block_q4_0 *w = wrow;
-    int64_t nb = a->K / LOOM_QK;
-    for (int r = 0; r < mc; r++) {
-        const int8_t *xq = a->qs + (m0 + r) * a->K;
-        const float *xd = a->d + (m0 + r) * nb, *xs = a->s + (m0 + r) * nb;
-        int64_t b = 0;
-        float sum = 0.0f, offset = 0.0f; /* offset: sum of d_w * 8 * d_x * sum(x) */
+    const int64_t nb = a->nb;
+    float sums[KERN_NR][KERN_MR] = {{0}};
+    int64_t b = 0;
 #if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (; b + 2 <= nb; b += 2) {
-            __m512i wv = join256(unpack_nibbles256(w[b].qs), unpack_nibbles256(w[b + 1].qs));
-            __m512i xv = _mm512_loadu_si512(xq + b * LOOM_QK);
-            __m512i dot = dpbusd512(_mm512_setzero_si512(), wv, xv);
-            float da = f16(w[b].d), db = f16(w[b + 1].d);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale_pair(da * xd[b], db * xd[b + 1]),
-                                  acc);
-            offset += da * xs[b] + db * xs[b + 1];
+    __m512 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        __m512i wv[KERN_NR];
+        __m512 wd[KERN_NR], wm[KERN_NR];
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_1 *blk = BLK(loom_block_q4_1, w, i, b);
+            wv[i] = nibbles_pair(blk[0].qs, blk[1].qs);
+            wd[i] = scales2(blk[0].d, blk[1].d, 1);
+            wm[i] = scales2(blk[0].m, blk[1].m, 1);
         }
-        sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__)
-        __m256 acc = _mm256_setzero_ps();
-        for (; b < nb; b++) {
-            __m256i wv = unpack_nibbles256(w[b].qs);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * LOOM_QK));
-            __m256i dot = dot_u8s8_256(wv, xv);
-            float d = f16(w[b].d);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d * xd[b]), acc);
-            offset += d * xs[b];
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            const act_group *g = a->g + (m0 + r) * a->groups + b / 2;
+            __m512i xq = _mm512_loadu_si512(g->qs);
+            __m512 xd = _mm512_loadu_ps(g->d), xm = _mm512_loadu_ps(g->msum);
+            UNROLL
+            for (int i = 0; i < NR; i++) {
+                __m512 t = _mm512_cvtepi32_ps(dot512(_mm512_setzero_si512(), wv[i], xq));
+                acc[i][r] = _mm512_fmadd_ps(t, _mm512_mul_ps(wd[i], xd), acc[i][r]);
+                acc[i][r] = _mm512_fmadd_ps(wm[i], xm, acc[i][r]);
+            }
         }
-        sum = hsum256(acc);
-#endif
-        for (; b < nb; b++) {
-            int isum = 0;
-            for (int j = 0; j < LOOM_QK / 2; j++)
-                isum += (w[b].qs[j] & 0x0f) * xq[b * LOOM_QK + j] +
-                        (w[b].qs[j] >> 4) * xq[b * LOOM_QK + j + LOOM_QK / 2];
-            float d = f16(w[b].d);
-            sum += (float)isum * d * xd[b];
-            offset += d * xs[b];
-        }
-        out[r] = sum - 8.0f * offset;
     }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+#endif
+#if defined(__AVX2__)
+    __m256 acc2[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc2[i][r] = _mm256_setzero_ps();
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_1 *blk = BLK(loom_block_q4_1, w, i, b);
+            __m256i wv = nibbles256(blk->qs);
+            __m256 wd = _mm256_set1_ps(f16(blk->d)), wm = _mm256_set1_ps(f16(blk->m));
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b / KERN_G;
+                int h = (int)(b % KERN_G);
+                __m256i dot = dot256(_mm256_setzero_si256(), wv,
+                                     _mm256_loadu_si256((const __m256i *)(g->qs + 32 * h)));
+                __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), wd),
+                                           _mm256_loadu_ps(g->d + 8 * h), acc2[i][r]);
+                acc2[i][r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(g->msum + 8 * h), t);
+            }
+        }
+    }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] += hsum256(acc2[i][r]);
+#else
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q4_1 *blk = BLK(loom_block_q4_1, w, i, b);
+            float wd = f16(blk->d), wm = f16(blk->m);
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b;
+                int isum = 0;
+                for (int j = 0; j < 16; j++)
+                    isum += (blk->qs[j] & 0x0f) * g->qs[j] + (blk->qs[j] >> 4) * g->qs[j + 16];
+                sums[i][r] += (float)isum * wd * g->d[0] + wm * g->msum[0] * 8.0f;
+            }
+        }
+    }
+#endif
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            out[r * KERN_NR + i] = sums[i][r];
 }
 
-/* ---- Q4_1 ------------------------------------------------------------------------------- */
+/* ---- Q8_0 ---------------------------------------------------------------------------------- */
 
-void KERN(kern_q4_1)(const void *wrow, const cpu_act *a, int64_t m0, int mc, float *out)
+INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, int64_t m0,
+                      float *out, const int NR, const int MR)
 {
-    const loom_block_q4_1 *w = wrow;
-    int64_t nb = a->K / LOOM_QK;
-    for (int r = 0; r < mc; r++) {
-        const int8_t *xq = a->qs + (m0 + r) * a->K;
-        const float *xd = a->d + (m0 + r) * nb, *xs = a->s + (m0 + r) * nb;
-        int64_t b = 0;
-        float sum = 0.0f, mins = 0.0f; /* mins: sum of m_w * d_x * sum(x) */
+    const int64_t nb = a->nb;
+    float sums[KERN_NR][KERN_MR] = {{0}};
+    int64_t b = 0;
 #if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (; b + 2 <= nb; b += 2) {
-            __m512i wv = join256(unpack_nibbles256(w[b].qs), unpack_nibbles256(w[b + 1].qs));
-            __m512i xv = _mm512_loadu_si512(xq + b * LOOM_QK);
-            __m512i dot = dpbusd512(_mm512_setzero_si512(), wv, xv);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                  scale_pair(f16(w[b].d) * xd[b], f16(w[b + 1].d) * xd[b + 1]), acc);
-            mins += f16(w[b].m) * xs[b] + f16(w[b + 1].m) * xs[b + 1];
-        }
-        sum = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__)
-        __m256 acc = _mm256_setzero_ps();
-        for (; b < nb; b++) {
-            __m256i wv = unpack_nibbles256(w[b].qs);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + b * LOOM_QK));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8_256(wv, xv)),
-                                  _mm256_set1_ps(f16(w[b].d) * xd[b]), acc);
-            mins += f16(w[b].m) * xs[b];
-        }
-        sum = hsum256(acc);
+    __m512 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm512_setzero_ps();
+    for (; b + 2 <= nb; b += 2) {
+        __m512i wv[KERN_NR], wc[KERN_NR];
+        __m512 wd[KERN_NR];
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q8_0 *blk = BLK(loom_block_q8_0, w, i, b);
+            __m512i raw = join256(_mm256_loadu_si256((const __m256i *)blk[0].qs),
+                                  _mm256_loadu_si256((const __m256i *)blk[1].qs));
+            wd[i] = scales2(blk[0].d, blk[1].d, 0);
+#ifdef KERN_VNNI
+            /* x is stored as x + 128: start each lane at -128 x (sum of its 4 weights) */
+            wv[i] = raw;
+            wc[i] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(),
+                                                         _mm512_set1_epi8((char)0x80), raw));
+#else
+            wv[i] = _mm512_abs_epi8(raw);
+            wc[i] = raw; /* keeps the signs */
 #endif
-        for (; b < nb; b++) {
-            int isum = 0;
-            for (int j = 0; j < LOOM_QK / 2; j++)
-                isum += (w[b].qs[j] & 0x0f) * xq[b * LOOM_QK + j] +
-                        (w[b].qs[j] >> 4) * xq[b * LOOM_QK + j + LOOM_QK / 2];
-            sum += (float)isum * f16(w[b].d) * xd[b];
-            mins += f16(w[b].m) * xs[b];
         }
-        out[r] = sum + mins;
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            const act_group *g = a->g + (m0 + r) * a->groups + b / 2;
+            __m512i xq = _mm512_loadu_si512(g->qs);
+            __m512 xd = _mm512_loadu_ps(g->d);
+            UNROLL
+            for (int i = 0; i < NR; i++) {
+#ifdef KERN_VNNI
+                __m512i dot = _mm512_dpbusd_epi32(wc[i], xq, wv[i]);
+#else
+                __m512i sx = _mm512_mask_sub_epi8(xq, _mm512_movepi8_mask(wc[i]),
+                                                  _mm512_setzero_si512(), xq);
+                __m512i dot = dot512(_mm512_setzero_si512(), wv[i], sx);
+#endif
+                acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(wd[i], xd),
+                                            acc[i][r]);
+            }
+        }
     }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+#endif
+#if defined(__AVX2__)
+    __m256 acc2[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc2[i][r] = _mm256_setzero_ps();
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q8_0 *blk = BLK(loom_block_q8_0, w, i, b);
+            __m256i wv = _mm256_loadu_si256((const __m256i *)blk->qs);
+            __m256 wd = _mm256_set1_ps(f16(blk->d));
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b / KERN_G;
+                int h = (int)(b % KERN_G);
+                __m256i xq = _mm256_loadu_si256((const __m256i *)(g->qs + 32 * h));
+#ifdef KERN_VNNI
+                xq = _mm256_xor_si256(xq, _mm256_set1_epi8((char)0x80)); /* un-bias */
+#endif
+                __m256i dot = dot256(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
+                                     _mm256_sign_epi8(xq, wv));
+                acc2[i][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), wd),
+                                             _mm256_loadu_ps(g->d + 8 * h), acc2[i][r]);
+            }
+        }
+    }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] += hsum256(acc2[i][r]);
+#else
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const loom_block_q8_0 *blk = BLK(loom_block_q8_0, w, i, b);
+            float wd = f16(blk->d);
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b;
+                int isum = 0;
+                for (int j = 0; j < 32; j++)
+                    isum += blk->qs[j] * g->qs[j];
+                sums[i][r] += (float)isum * wd * g->d[0];
+            }
+        }
+    }
+#endif
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            out[r * KERN_NR + i] = sums[i][r];
 }
 
-/* ---- Float weights ---------------------------------------------------------------------- */
+/* ---- Float weights ------------------------------------------------------------------------- */
 
-/* One weight row (f32, f16 or bf16) against mc f32 rows; the weight is converted in registers
- * once and used for every activation row. */
-void KERN(kern_float)(loom_dtype wt, const void *wrow, const float *const *x, int mc, int64_t K,
-                      float *out)
+#ifndef KERN_VNNI
+#if defined(__AVX512F__)
+INLINE __m512 load_w16(loom_dtype wt, const unsigned char *p, int64_t k)
 {
+    if (wt == LOOM_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k)));
+    if (wt == LOOM_BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k))), 16));
+    return _mm512_loadu_ps((const float *)p + k);
+}
+#elif defined(__AVX2__)
+INLINE __m256 load_w8(loom_dtype wt, const unsigned char *p, int64_t k)
+{
+    if (wt == LOOM_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k)));
+    if (wt == LOOM_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
+    return _mm256_loadu_ps((const float *)p + k);
+}
+#endif
+
+INLINE float w_at(loom_dtype wt, const unsigned char *p, int64_t k)
+{
+    return wt == LOOM_F16    ? f16(((const uint16_t *)p)[k])
+           : wt == LOOM_BF16 ? loom_bf16_to_f32(((const uint16_t *)p)[k])
+                             : ((const float *)p)[k];
+}
+
+INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
+                       const float *const *x, int64_t K, float *out, const int NR, const int MR)
+{
+    float sums[KERN_NR][KERN_MR] = {{0}};
     int64_t k = 0;
-    float sums[KERN_MAX_M] = {0};
 #if defined(__AVX512F__)
-    __m512 acc[KERN_MAX_M];
-    for (int r = 0; r < mc; r++)
-        acc[r] = _mm512_setzero_ps();
+    __m512 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-        __m512 wv;
-        if (wt == LOOM_F16)
-            wv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)wrow + k)));
-        else if (wt == LOOM_BF16)
-            wv = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)wrow + k))),
-                16));
-        else
-            wv = _mm512_loadu_ps((const float *)wrow + k);
-        for (int r = 0; r < mc; r++)
-            acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x[r] + k), acc[r]);
+        __m512 wv[KERN_NR];
+        UNROLL
+        for (int i = 0; i < NR; i++)
+            wv[i] = load_w16(wt, w + (size_t)i * wstride, k);
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            __m512 xv = _mm512_loadu_ps(x[r] + k);
+            UNROLL
+            for (int i = 0; i < NR; i++)
+                acc[i][r] = _mm512_fmadd_ps(wv[i], xv, acc[i][r]);
+        }
     }
-    for (int r = 0; r < mc; r++)
-        sums[r] = _mm512_reduce_add_ps(acc[r]);
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
 #elif defined(__AVX2__)
-    __m256 acc[KERN_MAX_M];
-    for (int r = 0; r < mc; r++)
-        acc[r] = _mm256_setzero_ps();
+    __m256 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm256_setzero_ps();
     for (; k + 8 <= K; k += 8) {
-        __m256 wv;
-        if (wt == LOOM_F16)
-            wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)wrow + k)));
-        else if (wt == LOOM_BF16)
-            wv = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)wrow + k))),
-                16));
-        else
-            wv = _mm256_loadu_ps((const float *)wrow + k);
-        for (int r = 0; r < mc; r++)
-            acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x[r] + k), acc[r]);
+        __m256 wv[KERN_NR];
+        UNROLL
+        for (int i = 0; i < NR; i++)
+            wv[i] = load_w8(wt, w + (size_t)i * wstride, k);
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            __m256 xv = _mm256_loadu_ps(x[r] + k);
+            UNROLL
+            for (int i = 0; i < NR; i++)
+                acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
+        }
     }
-    for (int r = 0; r < mc; r++)
-        sums[r] = hsum256(acc[r]);
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = hsum256(acc[i][r]);
 #endif
-    for (; k < K; k++) {
-        float wv = wt == LOOM_F16    ? f16(((const uint16_t *)wrow)[k])
-                   : wt == LOOM_BF16 ? loom_bf16_to_f32(((const uint16_t *)wrow)[k])
-                                     : ((const float *)wrow)[k];
-        for (int r = 0; r < mc; r++)
-            sums[r] += wv * x[r][k];
-    }
-    for (int r = 0; r < mc; r++)
-        out[r] = sums[r];
+    for (; k < K; k++)
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            float wv = w_at(wt, w + (size_t)i * wstride, k);
+            UNROLL
+            for (int r = 0; r < MR; r++)
+                sums[i][r] += wv * x[r][k];
+        }
+    UNROLL
+    for (int i = 0; i < NR; i++)
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            out[r * KERN_NR + i] = sums[i][r];
 }
+#endif
+
+/* ---- Dispatch: one instantiation per tile size --------------------------------------------- */
+
+#define TILE_CASES(CALL)                                                                          \
+    switch ((nr - 1) * KERN_MR + (mr - 1)) {                                                      \
+    case 0: CALL(1, 1); break;  case 1: CALL(1, 2); break;                                        \
+    case 2: CALL(1, 3); break;  case 3: CALL(1, 4); break;                                        \
+    case 4: CALL(2, 1); break;  case 5: CALL(2, 2); break;                                        \
+    case 6: CALL(2, 3); break;  case 7: CALL(2, 4); break;                                        \
+    case 8: CALL(3, 1); break;  case 9: CALL(3, 2); break;                                        \
+    case 10: CALL(3, 3); break; case 11: CALL(3, 4); break;                                       \
+    case 12: CALL(4, 1); break; case 13: CALL(4, 2); break;                                       \
+    case 14: CALL(4, 3); break; default: CALL(4, 4); break;                                       \
+    }
+
+#define Q4_0_CALL(N, M) q4_0_tile(w, wstride, a, m0, out, N, M)
+#define Q4_1_CALL(N, M) q4_1_tile(w, wstride, a, m0, out, N, M)
+#define Q8_0_CALL(N, M) q8_0_tile(w, wstride, a, m0, out, N, M)
+#define FLOAT_CALL(N, M) float_tile(wt, w, wstride, x, K, out, N, M)
+
+void KERN(kern_q4_0)(const unsigned char *w, size_t wstride, int nr, const cpu_act *a, int64_t m0,
+                     int mr, float *out)
+{
+    TILE_CASES(Q4_0_CALL)
+}
+
+void KERN(kern_q4_1)(const unsigned char *w, size_t wstride, int nr, const cpu_act *a, int64_t m0,
+                     int mr, float *out)
+{
+    TILE_CASES(Q4_1_CALL)
+}
+
+void KERN(kern_q8_0)(const unsigned char *w, size_t wstride, int nr, const cpu_act *a, int64_t m0,
+                     int mr, float *out)
+{
+    TILE_CASES(Q8_0_CALL)
+}
+
+#ifndef KERN_VNNI
+void kern_float(loom_dtype wt, const unsigned char *w, size_t wstride, int nr,
+                const float *const *x, int mr, int64_t K, float *out)
+{
+    TILE_CASES(FLOAT_CALL)
+}
+#endif

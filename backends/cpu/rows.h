@@ -62,6 +62,52 @@ static inline void cpu_bf16_to_f32(const uint16_t *src, float *dst, int64_t n)
         dst[i] = loom_bf16_to_f32(src[i]);
 }
 
+/* sum of a[i] * b[i]: the compiler may not reorder a float reduction, so vectorise by hand */
+static inline float cpu_dot(const float *a, const float *b, int64_t n)
+{
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+#else
+    float part[4] = {0, 0, 0, 0}; /* four independent sums the compiler can keep in a vector */
+    for (; i + 4 <= n; i += 4)
+        for (int k = 0; k < 4; k++)
+            part[k] += a[i + k] * b[i + k];
+    sum = (part[0] + part[1]) + (part[2] + part[3]);
+#endif
+    for (; i < n; i++)
+        sum += a[i] * b[i];
+    return sum;
+}
+
+/* y[i] += a * x[i] */
+static inline void cpu_axpy(float a, const float *x, float *y, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 av = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+#elif defined(__AVX2__)
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++)
+        y[i] += a * x[i];
+}
+
 /* Row of n elements of dtype t at src -> f32. */
 static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64_t n)
 {
