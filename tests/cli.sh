@@ -10,6 +10,11 @@ best=$(best_of "$tmpdir/plain.json")
 echo "best usable backend here: $best"
 expect_grep "^\* $best\$" "$tmpdir/plain.txt" "the highest-scoring usable backend is chosen"
 expect_grep "backends/ref/.libs/loom-ref.so" "$tmpdir/plain.txt" "report shows ref's path"
+# every module this build made must load and vet (a module that fails to dlopen would
+# otherwise just be skipped by the conformance run)
+broken=$(jq -r '.candidates[] | select(.status == "not loadable" or .status == "no entry point"
+                 or .status == "incompatible ABI") | .path + ": " + .reason' "$tmpdir/plain.json")
+[ -z "$broken" ] && pass "every built module loads" || fail "modules that do not load: $broken"
 [ "$(jq -r '.chosen' "$tmpdir/plain.json")" = "$(jq -r '[.candidates[] | select(.chosen)][0].path' "$tmpdir/plain.json")" ] ||
     fail "json: chosen path disagrees with the chosen candidate"
 

@@ -10,6 +10,12 @@
 
 #include <loom/backend.h>
 
+/* OpenBLAS takes prefill-sized f32 matmuls where it beats loom's own kernels: measured, that
+ * is every variant but avx512 (see cpu_matmul.c) */
+#if defined(LOOM_HAVE_OPENBLAS) && !defined(LOOM_CPU_VARIANT_AVX512)
+#define CPU_USE_BLAS 1
+#endif
+
 /* ISA levels, in the order LOOM_CPU_MAX_ISA uses */
 enum { CPU_LEVEL_BASELINE = 0, CPU_LEVEL_AVX2 = 1, CPU_LEVEL_AVX512 = 2 };
 

@@ -18,6 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(CPU_USE_BLAS)
+#include <cblas.h>
+#endif
+
 #if defined(LOOM_CPU_VARIANT_AVX512)
 const cpu_variant_desc loom_cpu_variant = {"avx512", CPU_LEVEL_AVX512};
 #elif defined(LOOM_CPU_VARIANT_AVX2)
@@ -750,6 +754,9 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         free(cb);
         return LOOM_ERR_INTERNAL;
     }
+#if defined(CPU_USE_BLAS)
+    openblas_set_num_threads(n); /* its own pool, used for prefill-sized f32 matmuls */
+#endif
     cb->base.ops = &cpu_ops;
     *out = &cb->base;
     return LOOM_OK;
