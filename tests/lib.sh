@@ -15,3 +15,11 @@ best_of() {
     jq -r '[.candidates[] | select(.usable)] | max_by(.score)
            | .name + (if .variant != "" then "-" + .variant else "" end)' "$1"
 }
+# need_fixture PATH: skip (exit 77) when a fixture is absent, except under CI=true, where a
+# missing fixture is a failure
+FIXTURES=${LOOM_FIXTURES:-$top_srcdir/../shared/fixtures}
+need_fixture() {
+    [ -e "$1" ] && return 0
+    if [ "${CI:-}" = true ]; then echo "FAIL: fixture $1 is missing (CI=true)" >&2; exit 1; fi
+    echo "SKIP: fixture $1 not found"; exit 77
+}

@@ -20,6 +20,9 @@ static void usage(FILE *out)
             "  backends [--json]   list every backend module found, and which one a run would use\n"
             "  bench ops [--backends LIST] [--json]\n"
             "                      time each op on each backend (and CPU variant) side by side\n"
+            "  inspect FILE [--json]\n"
+            "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
+            "                      tokenizer, chat template, tensors; checks the data is all there\n"
             "  version             print loom's version\n"
             "  help                this text\n"
             "\n"
@@ -29,6 +32,32 @@ static void usage(FILE *out)
             "  LOOM_CPU_VARIANT=NAME    force a CPU variant (baseline, avx2, avx512)\n"
             "  LOOM_CPU_MAX_ISA=NAME    never pick a CPU variant above this ISA\n"
             "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n");
+}
+
+static int cmd_inspect(int argc, char **argv)
+{
+    int json = 0;
+    const char *path = NULL;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0)
+            json = 1;
+        else if (argv[i][0] == '-' || path) {
+            fprintf(stderr, "loom inspect: unexpected argument '%s' (usage: loom inspect FILE "
+                            "[--json])\n", argv[i]);
+            return 2;
+        } else
+            path = argv[i];
+    }
+    if (!path) {
+        fprintf(stderr, "loom inspect: which file? (usage: loom inspect FILE [--json])\n");
+        return 2;
+    }
+    char err[1024];
+    if (loom_inspect(path, stdout, json, err, sizeof err) != 0) {
+        fprintf(stderr, "loom inspect: %s\n", err);
+        return 2;
+    }
+    return 0;
 }
 
 static int cmd_backends(int argc, char **argv)
@@ -60,6 +89,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (strcmp(cmd, "backends") == 0)
         return cmd_backends(argc - 2, argv + 2);
+    if (strcmp(cmd, "inspect") == 0)
+        return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) {
         if (argc >= 3 && strcmp(argv[2], "ops") == 0) {
             char self[PATH_MAX];

@@ -23,6 +23,12 @@ const char *loom_version(void);
  * (the report is still written). */
 int loom_backends_report(FILE *out, int json, char *err, size_t err_size);
 
+/* Describes a model file: architecture, hyper-parameters, tokenizer, chat template and every
+ * tensor, after checking that all tensor data lies inside the file. Writes text, or JSON when
+ * json is nonzero. Returns 0, or -1 with err saying what is wrong with the file (nothing is
+ * written then). */
+int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size);
+
 #ifdef __cplusplus
 }
 #endif
