@@ -1,0 +1,464 @@
+/*
+ * core/tokenizer.c - see tokenizer.h.
+ *
+ * SentencePiece BPE ("llama" in GGUF): spaces become U+2581 and the text gets a leading one
+ * (the "dummy prefix"); the text starts as one symbol per UTF-8 character, and the adjacent
+ * pair whose concatenation is a vocabulary entry with the highest score is merged, leftmost
+ * first on ties, until no pair is in the vocabulary. A symbol left that is not an entry is
+ * spelled with byte tokens <0xXX> ("byte fallback").
+ */
+#define _GNU_SOURCE
+#include "tokenizer.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_USER = 4, TOK_UNUSED = 5, TOK_BYTE = 6 };
+
+typedef struct vocab_entry {
+    const char *text; /* NUL-terminated, in the tokenizer's arena */
+    uint32_t len;
+    float score;
+    int type;
+} vocab_entry;
+
+struct loom_tokenizer {
+    char model[32];
+    vocab_entry *vocab;
+    int32_t n_vocab;
+    char *arena;
+    int32_t *table;      /* open-addressing hash of text -> id, -1 empty */
+    uint32_t table_mask;
+    int32_t bos, eos, unk;
+    int add_bos, add_space_prefix;
+    int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
+    int32_t *specials;   /* control and user-defined ids, longest text first */
+    int n_specials;
+};
+
+static uint32_t hash_bytes(const char *s, size_t n)
+{
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)s[i]) * 16777619u;
+    return h;
+}
+
+static int32_t lookup(const loom_tokenizer *t, const char *s, size_t n)
+{
+    for (uint32_t i = hash_bytes(s, n) & t->table_mask;; i = (i + 1) & t->table_mask) {
+        int32_t id = t->table[i];
+        if (id < 0)
+            return -1;
+        if (t->vocab[id].len == n && memcmp(t->vocab[id].text, s, n) == 0)
+            return id;
+    }
+}
+
+void loom_tokenizer_free(loom_tokenizer *t)
+{
+    if (!t)
+        return;
+    free(t->vocab);
+    free(t->arena);
+    free(t->table);
+    free(t->specials);
+    free(t);
+}
+
+static int64_t get_int(const loom_gguf *g, const char *key, int64_t fallback)
+{
+    int64_t v;
+    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
+}
+
+static int get_flag(const loom_gguf *g, const char *key, int fallback)
+{
+    int b;
+    return loom_gguf_get_bool(g, key, &b) == 0 ? b : fallback;
+}
+
+static int cmp_special_len(const void *a, const void *b, void *ctx)
+{
+    const loom_tokenizer *t = ctx;
+    return (int)t->vocab[*(const int32_t *)b].len - (int)t->vocab[*(const int32_t *)a].len;
+}
+
+loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t err_size)
+{
+    const char *model;
+    uint64_t model_len;
+    if (loom_gguf_get_str(g, "tokenizer.ggml.model", &model, &model_len) != 0) {
+        snprintf(err, err_size, "the file has no tokenizer (no tokenizer.ggml.model key)");
+        return NULL;
+    }
+    if (model_len != 5 || memcmp(model, "llama", 5) != 0) {
+        snprintf(err, err_size, "tokenizer model '%.*s' is not supported yet (loom runs: llama)",
+                 (int)(model_len < 32 ? model_len : 32), model);
+        return NULL;
+    }
+    const loom_gguf_kv *tokens = loom_gguf_find(g, "tokenizer.ggml.tokens");
+    const loom_gguf_kv *scores = loom_gguf_find(g, "tokenizer.ggml.scores");
+    const loom_gguf_kv *types = loom_gguf_find(g, "tokenizer.ggml.token_type");
+    if (!tokens || tokens->type != LOOM_GGUF_ARRAY || tokens->array_type != LOOM_GGUF_STRING ||
+        tokens->count == 0 || tokens->count > (1u << 24)) {
+        snprintf(err, err_size, "tokenizer.ggml.tokens is missing or not a list of strings");
+        return NULL;
+    }
+    if ((scores && scores->count != tokens->count) || (types && types->count != tokens->count)) {
+        snprintf(err, err_size, "tokenizer.ggml.scores/token_type do not have one entry per token");
+        return NULL;
+    }
+    loom_tokenizer *t = calloc(1, sizeof *t);
+    if (!t)
+        goto oom;
+    snprintf(t->model, sizeof t->model, "llama");
+    t->n_vocab = (int32_t)tokens->count;
+    uint64_t total = 0;
+    for (int32_t i = 0; i < t->n_vocab; i++) {
+        const char *s;
+        uint64_t len;
+        loom_gguf_array_str(g, tokens, (uint64_t)i, &s, &len);
+        total += len + 1;
+    }
+    t->vocab = calloc((size_t)t->n_vocab, sizeof *t->vocab);
+    t->arena = malloc(total);
+    uint32_t cap = 1;
+    while (cap < (uint32_t)t->n_vocab * 2)
+        cap <<= 1;
+    t->table = malloc(cap * sizeof *t->table);
+    if (!t->vocab || !t->arena || !t->table)
+        goto oom;
+    t->table_mask = cap - 1;
+    memset(t->table, 0xff, cap * sizeof *t->table);
+    memset(t->byte_ids, 0xff, sizeof t->byte_ids);
+    char *p = t->arena;
+    for (int32_t i = 0; i < t->n_vocab; i++) {
+        const char *s;
+        uint64_t len;
+        double v;
+        loom_gguf_array_str(g, tokens, (uint64_t)i, &s, &len);
+        memcpy(p, s, len);
+        p[len] = '\0';
+        vocab_entry *e = &t->vocab[i];
+        e->text = p;
+        e->len = (uint32_t)len;
+        p += len + 1;
+        e->score = scores && loom_gguf_array_f64(g, scores, (uint64_t)i, &v) == 0 ? (float)v : 0.0f;
+        e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 ? (int)v : TOK_NORMAL;
+        if (lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
+            uint32_t h = hash_bytes(e->text, e->len) & t->table_mask;
+            while (t->table[h] >= 0)
+                h = (h + 1) & t->table_mask;
+            t->table[h] = i;
+        }
+        unsigned byte;
+        if (e->type == TOK_BYTE && len == 6 && sscanf(e->text, "<0x%02X>", &byte) == 1)
+            t->byte_ids[byte] = i;
+    }
+    t->bos = (int32_t)get_int(g, "tokenizer.ggml.bos_token_id", -1);
+    t->eos = (int32_t)get_int(g, "tokenizer.ggml.eos_token_id", -1);
+    t->unk = (int32_t)get_int(g, "tokenizer.ggml.unknown_token_id", 0);
+    if (t->bos >= t->n_vocab)
+        t->bos = -1;
+    if (t->eos >= t->n_vocab)
+        t->eos = -1;
+    if (t->unk < 0 || t->unk >= t->n_vocab)
+        t->unk = 0;
+    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", 1) && t->bos >= 0;
+    t->add_space_prefix = get_flag(g, "tokenizer.ggml.add_space_prefix", 1);
+    t->specials = malloc((size_t)t->n_vocab * sizeof *t->specials);
+    if (!t->specials)
+        goto oom;
+    for (int32_t i = 0; i < t->n_vocab; i++)
+        if ((t->vocab[i].type == TOK_CONTROL || t->vocab[i].type == TOK_USER) && t->vocab[i].len)
+            t->specials[t->n_specials++] = i;
+    qsort_r(t->specials, (size_t)t->n_specials, sizeof *t->specials, cmp_special_len, t);
+    return t;
+oom:
+    loom_tokenizer_free(t);
+    snprintf(err, err_size, "out of memory building the tokenizer");
+    return NULL;
+}
+
+/* ---- SentencePiece BPE ------------------------------------------------------------------ */
+
+typedef struct symbol {
+    int prev, next;   /* neighbours in the list, -1 at the ends */
+    size_t start, n;  /* bytes in the escaped text; n == 0 once merged into the left one */
+} symbol;
+
+typedef struct bigram {
+    float score;
+    int left;
+    size_t size; /* the merged length, to detect a stale entry */
+} bigram;
+
+typedef struct heap {
+    bigram *items;
+    size_t n, cap;
+} heap;
+
+/* higher score first; on equal scores the leftmost pair */
+static int before(const bigram *a, const bigram *b)
+{
+    return a->score > b->score || (a->score == b->score && a->left < b->left);
+}
+
+static int heap_push(heap *h, bigram b)
+{
+    if (h->n == h->cap) {
+        size_t cap = h->cap ? h->cap * 2 : 64;
+        bigram *items = realloc(h->items, cap * sizeof *items);
+        if (!items)
+            return -1;
+        h->items = items;
+        h->cap = cap;
+    }
+    size_t i = h->n++;
+    h->items[i] = b;
+    while (i > 0 && before(&h->items[i], &h->items[(i - 1) / 2])) {
+        bigram tmp = h->items[i];
+        h->items[i] = h->items[(i - 1) / 2];
+        h->items[(i - 1) / 2] = tmp;
+        i = (i - 1) / 2;
+    }
+    return 0;
+}
+
+static bigram heap_pop(heap *h)
+{
+    bigram top = h->items[0];
+    h->items[0] = h->items[--h->n];
+    for (size_t i = 0;;) {
+        size_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < h->n && before(&h->items[l], &h->items[m]))
+            m = l;
+        if (r < h->n && before(&h->items[r], &h->items[m]))
+            m = r;
+        if (m == i)
+            break;
+        bigram tmp = h->items[i];
+        h->items[i] = h->items[m];
+        h->items[m] = tmp;
+        i = m;
+    }
+    return top;
+}
+
+static size_t utf8_len(unsigned char c)
+{
+    return c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+}
+
+typedef struct out_ids {
+    int32_t *ids;
+    int64_t n, cap;
+} out_ids;
+
+static void emit(out_ids *o, int32_t id)
+{
+    if (o->n < o->cap)
+        o->ids[o->n] = id;
+    o->n++;
+}
+
+static int try_pair(const loom_tokenizer *t, const char *text, const symbol *sym, int left,
+                    heap *h)
+{
+    if (left < 0 || sym[left].next < 0)
+        return 0;
+    const symbol *a = &sym[left], *b = &sym[a->next];
+    int32_t id = lookup(t, text + a->start, a->n + b->n);
+    if (id < 0)
+        return 0;
+    return heap_push(h, (bigram){t->vocab[id].score, left, a->n + b->n});
+}
+
+/* Encodes one run of raw text (no specials inside). */
+static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
+                        out_ids *o)
+{
+    /* escape: a leading U+2581 when asked, and every space as U+2581 */
+    size_t spaces = 0;
+    for (size_t i = 0; i < len; i++)
+        spaces += raw[i] == ' ';
+    size_t n = len + 2 * spaces + (prefix ? 3 : 0);
+    char *text = malloc(n + 1);
+    symbol *sym = malloc((n + 1) * sizeof *sym);
+    heap h = {0};
+    if (!text || !sym) {
+        free(text), free(sym);
+        return -1;
+    }
+    size_t k = 0;
+    if (prefix)
+        memcpy(text, "\xe2\x96\x81", 3), k = 3;
+    for (size_t i = 0; i < len; i++) {
+        if (raw[i] == ' ')
+            memcpy(text + k, "\xe2\x96\x81", 3), k += 3;
+        else
+            text[k++] = raw[i];
+    }
+    int count = 0;
+    for (size_t i = 0; i < n;) {
+        size_t cl = utf8_len((unsigned char)text[i]);
+        if (cl > n - i)
+            cl = n - i;
+        sym[count] = (symbol){count - 1, -1, i, cl};
+        if (count > 0)
+            sym[count - 1].next = count;
+        count++;
+        i += cl;
+    }
+    int rc = 0;
+    for (int i = 0; i + 1 < count && rc == 0; i++)
+        rc = try_pair(t, text, sym, i, &h);
+    while (h.n > 0 && rc == 0) {
+        bigram b = heap_pop(&h);
+        symbol *a = &sym[b.left];
+        if (a->n == 0 || a->next < 0 || a->n + sym[a->next].n != b.size)
+            continue; /* stale: one side changed since it was queued */
+        symbol *r = &sym[a->next];
+        a->n += r->n;
+        r->n = 0;
+        a->next = r->next;
+        if (r->next >= 0)
+            sym[r->next].prev = b.left;
+        rc = try_pair(t, text, sym, a->prev, &h);
+        if (rc == 0)
+            rc = try_pair(t, text, sym, b.left, &h);
+    }
+    for (int i = 0; count > 0 && i >= 0 && rc == 0; i = sym[i].next) {
+        int32_t id = lookup(t, text + sym[i].start, sym[i].n);
+        if (id >= 0) {
+            emit(o, id);
+            continue;
+        }
+        for (size_t j = 0; j < sym[i].n; j++) {
+            int32_t bid = t->byte_ids[(unsigned char)text[sym[i].start + j]];
+            emit(o, bid >= 0 ? bid : t->unk);
+        }
+    }
+    free(h.items);
+    free(text);
+    free(sym);
+    return rc;
+}
+
+static int is_space(char c)
+{
+    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
+}
+
+int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
+                              int add_special, int parse_special, int32_t *ids, int64_t cap)
+{
+    out_ids o = {ids, 0, cap};
+    /* a text that already starts with the BOS token (a rendered chat prompt) gets no second */
+    const vocab_entry *bos = t->bos >= 0 ? &t->vocab[t->bos] : NULL;
+    int starts_with_bos = parse_special && bos && bos->len && bos->len <= len &&
+                          memcmp(text, bos->text, bos->len) == 0;
+    if (add_special && t->add_bos && !starts_with_bos)
+        emit(&o, t->bos);
+    int prev_special = 1; /* the dummy prefix goes at the start and after each special token */
+    size_t start = 0;
+    for (size_t i = 0; i <= len;) {
+        int32_t found = -1;
+        if (parse_special && i < len)
+            for (int s = 0; s < t->n_specials && found < 0; s++) {
+                const vocab_entry *e = &t->vocab[t->specials[s]];
+                if (e->len <= len - i && memcmp(text + i, e->text, e->len) == 0)
+                    found = t->specials[s];
+            }
+        if (found < 0 && i < len) {
+            i++;
+            continue;
+        }
+        /* like the reference (Hugging Face's Llama tokenizer), whitespace next to a special
+         * token belongs to neither side: "girl. </s>" ends in ".", then </s> */
+        size_t end = i;
+        if (parse_special) {
+            while (start < end && prev_special && start > 0 && is_space(text[start]))
+                start++;
+            while (end > start && found >= 0 && is_space(text[end - 1]))
+                end--;
+        }
+        if (end > start) {
+            if (spm_fragment(t, text + start, end - start, t->add_space_prefix && prev_special, &o))
+                return -1;
+            prev_special = 0;
+        }
+        if (found < 0)
+            break;
+        emit(&o, found);
+        prev_special = 1;
+        i += t->vocab[found].len;
+        start = i;
+    }
+    return o.n;
+}
+
+int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap)
+{
+    if (id < 0 || id >= t->n_vocab)
+        return -1;
+    const vocab_entry *e = &t->vocab[id];
+    char buf[512];
+    int n = 0;
+    if (e->type == TOK_CONTROL) {
+        n = 0;
+    } else if (e->type == TOK_BYTE) {
+        unsigned byte;
+        if (sscanf(e->text, "<0x%02X>", &byte) == 1)
+            buf[n++] = (char)byte;
+    } else {
+        for (uint32_t i = 0; i < e->len && n < (int)sizeof buf; i++) {
+            if (i + 2 < e->len && memcmp(e->text + i, "\xe2\x96\x81", 3) == 0) {
+                buf[n++] = ' ';
+                i += 2;
+            } else {
+                buf[n++] = e->text[i];
+            }
+        }
+        /* the dummy prefix is not part of the text: drop it from the first piece */
+        if (t->add_space_prefix && (prev < 0 || prev == t->bos) && n > 0 && buf[0] == ' ')
+            memmove(buf, buf + 1, (size_t)--n);
+    }
+    memcpy(out, buf, (size_t)(n < cap ? n : cap));
+    return n;
+}
+
+int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t)
+{
+    return t->n_vocab;
+}
+
+int32_t loom_tokenizer_bos(const loom_tokenizer *t)
+{
+    return t->bos;
+}
+
+int32_t loom_tokenizer_eos(const loom_tokenizer *t)
+{
+    return t->eos;
+}
+
+const char *loom_tokenizer_model(const loom_tokenizer *t)
+{
+    return t->model;
+}
+
+size_t loom_utf8_complete(const char *s, size_t n)
+{
+    /* look back at most 3 bytes for the start of a character that runs past the end */
+    for (size_t back = 1; back <= 4 && back <= n; back++) {
+        unsigned char c = (unsigned char)s[n - back];
+        if ((c & 0xc0) == 0x80)
+            continue; /* a continuation byte: keep looking for the lead */
+        size_t need = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+        return need > back ? n - back : n;
+    }
+    return n;
+}

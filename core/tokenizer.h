@@ -1,0 +1,44 @@
+/*
+ * core/tokenizer.h - text to token ids and back, driven by a GGUF file's tokenizer.* keys.
+ *
+ * Models: "llama" (SentencePiece BPE: scores, byte fallback, a dummy-prefix space, U+2581 for
+ * spaces), the one Llama-2, TinyLlama and stories260K use. Special tokens (control and
+ * user-defined types) are matched in the text before BPE when asked to.
+ */
+#ifndef LOOM_CORE_TOKENIZER_H
+#define LOOM_CORE_TOKENIZER_H
+
+#include "gguf.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct loom_tokenizer loom_tokenizer;
+
+/* Builds the tokenizer a GGUF file describes. Returns NULL with err set when the file has none
+ * or one loom cannot run (naming the model and the ones it can). */
+loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t err_size);
+void loom_tokenizer_free(loom_tokenizer *t);
+
+/* Encodes text. add_special: prepend what the family adds (BOS when the file says so);
+ * parse_special: text like "<s>" becomes the special token instead of characters. Writes up to
+ * cap ids and returns how many the text needs (call again with a bigger buffer when larger),
+ * or -1 on an error. */
+int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
+                              int add_special, int parse_special, int32_t *ids, int64_t cap);
+
+/* The bytes token `id` stands for when printed after token `prev` (-1 at the start): spaces
+ * restored, byte tokens as their byte, control tokens as nothing. Returns the byte count
+ * (at most cap written), or -1 for an id outside the vocabulary. */
+int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap);
+
+int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t);
+int32_t loom_tokenizer_bos(const loom_tokenizer *t); /* -1 when none */
+int32_t loom_tokenizer_eos(const loom_tokenizer *t);
+const char *loom_tokenizer_model(const loom_tokenizer *t);
+
+/* How many leading bytes of s (n bytes) form complete UTF-8 characters: what a streaming
+ * printer can emit now without splitting a character. */
+size_t loom_utf8_complete(const char *s, size_t n);
+
+#endif
