@@ -6,8 +6,12 @@
 
 #include "bench_ops.h"
 
+#include <cjson/cJSON.h>
+#include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -20,6 +24,8 @@ static void usage(FILE *out)
             "  backends [--json]   list every backend module found, and which one a run would use\n"
             "  bench ops [--backends LIST] [--json]\n"
             "                      time each op on each backend (and CPU variant) side by side\n"
+            "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
+            "                      generate text (loom run --help for the options)\n"
             "  inspect FILE [--json]\n"
             "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
             "                      tokenizer, chat template, tensors; checks the data is all there\n"
@@ -32,6 +38,216 @@ static void usage(FILE *out)
             "  LOOM_CPU_VARIANT=NAME    force a CPU variant (baseline, avx2, avx512)\n"
             "  LOOM_CPU_MAX_ISA=NAME    never pick a CPU variant above this ISA\n"
             "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n");
+}
+
+/* ---- loom run ------------------------------------------------------------------------------ */
+
+static int parse_long(const char *flag, const char *v, long lo, long hi, long *out)
+{
+    char *end;
+    errno = 0;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "loom: %s wants a whole number from %ld to %ld, not '%s'\n", flag, lo, hi,
+                v ? v : "(nothing)");
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+static int parse_float(const char *flag, const char *v, double lo, double hi, float *out)
+{
+    char *end;
+    double x = v ? strtod(v, &end) : 0;
+    if (!v || !*v || *end || !isfinite(x) || x < lo || x > hi) {
+        fprintf(stderr, "loom: %s wants a number from %g to %g, not '%s'\n", flag, lo, hi,
+                v ? v : "(nothing)");
+        return -1;
+    }
+    *out = (float)x;
+    return 0;
+}
+
+typedef struct run_output {
+    int json;
+    cJSON *ids;
+    char *text;
+    size_t len, cap;
+} run_output;
+
+static int on_token(void *user, int32_t id, const char *text, size_t len)
+{
+    run_output *o = user;
+    if (id >= 0 && o->ids)
+        cJSON_AddItemToArray(o->ids, cJSON_CreateNumber(id));
+    if (o->json) {
+        if (o->len + len + 1 > o->cap) {
+            size_t cap = (o->len + len + 1) * 2;
+            char *t = realloc(o->text, cap);
+            if (!t)
+                return 1;
+            o->text = t;
+            o->cap = cap;
+        }
+        memcpy(o->text + o->len, text, len);
+        o->len += len;
+        o->text[o->len] = '\0';
+    } else {
+        fwrite(text, 1, len, stdout);
+        fflush(stdout);
+    }
+    return 0;
+}
+
+static void run_usage(FILE *out)
+{
+    fprintf(out,
+            "usage: loom run -m MODEL.gguf (-p PROMPT | --prompt-ids 1,2,3) [options]\n"
+            "  -n N                    tokens to generate (default 128; stops early at EOS)\n"
+            "  --temp T                temperature; 0 = greedy (default 0.8)\n"
+            "  --top-k K --top-p P --min-p P      (defaults 40, 0.95, 0.05)\n"
+            "  --repeat-penalty R --repeat-last-n N --presence-penalty P --frequency-penalty P\n"
+            "  --seed S                reproducible sampling (default 0)\n"
+            "  -c N                    context length (default: the model's, up to 4096)\n"
+            "  --kv-type f16|f32|q8_0  KV cache precision (default f16)\n"
+            "  --threads N             CPU backend threads\n"
+            "  --json                  print one JSON object: ids, text, timings\n"
+            "  --dump-logits FILE      write the last prompt position's logits (float32 LE)\n");
+}
+
+static int cmd_run(int argc, char **argv)
+{
+    const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *dump = NULL, *kv = NULL;
+    long n_predict = 128, n_ctx = 0, threads = 0, v;
+    int json = 0;
+    loom_sampling s = loom_sampling_defaults();
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
+        int takes = 1;
+        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = val;
+        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) prompt = val;
+        else if (!strcmp(a, "--prompt-ids")) prompt_ids = val;
+        else if (!strcmp(a, "--dump-logits")) dump = val;
+        else if (!strcmp(a, "--kv-type")) kv = val;
+        else if (!strcmp(a, "-n")) { if (parse_long(a, val, 0, 1 << 20, &n_predict)) return 2; }
+        else if (!strcmp(a, "-c")) { if (parse_long(a, val, 1, 1 << 20, &n_ctx)) return 2; }
+        else if (!strcmp(a, "--threads")) { if (parse_long(a, val, 1, 1024, &threads)) return 2; }
+        else if (!strcmp(a, "--top-k")) { if (parse_long(a, val, 0, 1 << 24, &v)) return 2; s.top_k = (int32_t)v; }
+        else if (!strcmp(a, "--repeat-last-n")) { if (parse_long(a, val, 0, 1 << 20, &v)) return 2; s.repeat_last_n = (int32_t)v; }
+        else if (!strcmp(a, "--seed")) { if (parse_long(a, val, 0, LONG_MAX, &v)) return 2; s.seed = (uint64_t)v; }
+        else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) { if (parse_float(a, val, 0, 100, &s.temperature)) return 2; }
+        else if (!strcmp(a, "--top-p")) { if (parse_float(a, val, 0, 1, &s.top_p)) return 2; }
+        else if (!strcmp(a, "--min-p")) { if (parse_float(a, val, 0, 1, &s.min_p)) return 2; }
+        else if (!strcmp(a, "--repeat-penalty")) { if (parse_float(a, val, 0.01, 100, &s.repeat_penalty)) return 2; }
+        else if (!strcmp(a, "--presence-penalty")) { if (parse_float(a, val, -100, 100, &s.presence_penalty)) return 2; }
+        else if (!strcmp(a, "--frequency-penalty")) { if (parse_float(a, val, -100, 100, &s.frequency_penalty)) return 2; }
+        else if (!strcmp(a, "--json")) { json = 1; takes = 0; }
+        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { run_usage(stdout); return 0; }
+        else {
+            fprintf(stderr, "loom run: unknown option '%s'\n", a);
+            run_usage(stderr);
+            return 2;
+        }
+        if (takes && !val) {
+            fprintf(stderr, "loom run: %s needs a value\n", a);
+            return 2;
+        }
+        i += takes;
+    }
+    if (!model || (!prompt && !prompt_ids) || (prompt && prompt_ids)) {
+        fprintf(stderr, "loom run: give -m MODEL and one of -p PROMPT or --prompt-ids LIST\n");
+        run_usage(stderr);
+        return 2;
+    }
+    char err[4096];
+    loom_model_options mo = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads};
+    loom_model *m = loom_model_open(model, &mo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "loom run: %s\n", err);
+        return 2;
+    }
+    int64_t cap = 4096, n = 0;
+    int32_t *ids = malloc((size_t)cap * sizeof *ids);
+    if (prompt_ids) {
+        for (const char *p = prompt_ids; ids && *p;) {
+            char *end;
+            long id = strtol(p, &end, 10);
+            if (end == p || id < 0 || id >= loom_model_n_vocab(m) || (*end && *end != ',') || n == cap) {
+                fprintf(stderr, "loom run: --prompt-ids wants comma-separated ids below %d; "
+                                "'%s' is not\n", loom_model_n_vocab(m), p);
+                free(ids);
+                loom_model_close(m);
+                return 2;
+            }
+            ids[n++] = (int32_t)id;
+            p = *end ? end + 1 : end;
+        }
+    } else {
+        n = loom_tokenize(m, prompt, 1, 1, ids, cap, err, sizeof err);
+        if (n > cap) {
+            int32_t *more = realloc(ids, (size_t)n * sizeof *ids);
+            if (more) {
+                ids = more;
+                cap = n;
+                n = loom_tokenize(m, prompt, 1, 1, ids, cap, err, sizeof err);
+            }
+        }
+    }
+    if (!ids || n <= 0) {
+        fprintf(stderr, "loom run: the prompt gives no tokens\n");
+        free(ids);
+        loom_model_close(m);
+        return 2;
+    }
+    if (!json)
+        fprintf(stderr, "loom: %s on %s, %lld prompt tokens\n", model, loom_model_backend(m),
+                (long long)n);
+    run_output out = {json, json ? cJSON_CreateArray() : NULL, NULL, 0, 0};
+    loom_generation st;
+    int rc = loom_generate(m, ids, (int32_t)n, (int32_t)n_predict, &s, on_token, &out, &st, err,
+                           sizeof err);
+    if (rc != 0) {
+        fprintf(stderr, "%sloom run: %s\n", json ? "" : "\n", err);
+    } else {
+        if (dump) {
+            FILE *f = fopen(dump, "wb");
+            size_t nv = (size_t)loom_model_n_vocab(m);
+            if (!f || fwrite(loom_prompt_logits(m), sizeof(float), nv, f) != nv) {
+                fprintf(stderr, "loom run: cannot write %s: %s\n", dump, strerror(errno));
+                rc = -1;
+            }
+            if (f)
+                fclose(f);
+        }
+        if (json) {
+            cJSON *o = cJSON_CreateObject(), *p = cJSON_AddArrayToObject(o, "prompt_ids");
+            for (int64_t i = 0; i < n; i++)
+                cJSON_AddItemToArray(p, cJSON_CreateNumber(ids[i]));
+            cJSON_AddItemToObject(o, "generated_ids", out.ids);
+            out.ids = NULL;
+            cJSON_AddStringToObject(o, "text", out.text ? out.text : "");
+            cJSON_AddStringToObject(o, "backend", loom_model_backend(m));
+            cJSON_AddBoolToObject(o, "stopped_at_eos", st.stopped_at_eos);
+            cJSON *t = cJSON_AddObjectToObject(o, "timings");
+            cJSON_AddNumberToObject(t, "time_to_first_token_ms", st.ttft_ms);
+            cJSON_AddNumberToObject(t, "prefill_tokens_per_s", st.prefill_tok_s);
+            cJSON_AddNumberToObject(t, "decode_tokens_per_s", st.decode_tok_s);
+            char *js = cJSON_Print(o);
+            printf("%s\n", js);
+            free(js);
+            cJSON_Delete(o);
+        } else {
+            fprintf(stderr, "\nloom: %d tokens; time to first token %.1f ms, prefill %.1f tok/s, "
+                            "decode %.1f tok/s\n",
+                    st.n_generated, st.ttft_ms, st.prefill_tok_s, st.decode_tok_s);
+        }
+    }
+    cJSON_Delete(out.ids);
+    free(out.text);
+    free(ids);
+    loom_model_close(m);
+    return rc == 0 ? 0 : 1;
 }
 
 static int cmd_inspect(int argc, char **argv)
@@ -89,6 +305,8 @@ int main(int argc, char **argv)
     const char *cmd = argv[1];
     if (strcmp(cmd, "backends") == 0)
         return cmd_backends(argc - 2, argv + 2);
+    if (strcmp(cmd, "run") == 0)
+        return cmd_run(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) {

@@ -29,6 +29,67 @@ int loom_backends_report(FILE *out, int json, char *err, size_t err_size);
  * written then). */
 int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size);
 
+/* ---- Running a model ------------------------------------------------------------------- */
+
+#include <stdint.h>
+
+typedef struct loom_model loom_model;
+
+typedef struct loom_model_options {
+    int32_t n_ctx;        /* context length; 0: the model's, capped at 4096 */
+    const char *kv_type;  /* "f16" (default), "f32" or "q8_0" */
+    const char *backend;  /* a LOOM_BACKEND-style preference list; NULL: LOOM_BACKEND or best */
+    int32_t n_threads;    /* 0: the backend's default */
+} loom_model_options;
+
+typedef struct loom_sampling {
+    float temperature;       /* <= 1e-5: greedy */
+    int32_t top_k;           /* 0: off */
+    float top_p;             /* 1: off */
+    float min_p;             /* 0: off */
+    float repeat_penalty;    /* 1: off */
+    int32_t repeat_last_n;
+    float presence_penalty;
+    float frequency_penalty;
+    uint64_t seed;
+} loom_sampling;
+
+/* The defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no penalties, seed 0. */
+loom_sampling loom_sampling_defaults(void);
+
+typedef struct loom_generation {
+    int32_t n_prompt, n_generated;
+    double ttft_ms;          /* time to first token: the prefill plus one sample */
+    double prefill_tok_s, decode_tok_s;
+    int stopped_at_eos;
+} loom_generation;
+
+/* Called with each generated token and its text (possibly empty, possibly holding bytes held
+ * back from earlier tokens so UTF-8 characters are never split). Return nonzero to stop. */
+typedef int (*loom_token_fn)(void *user, int32_t id, const char *text, size_t len);
+
+/* Opens a GGUF model on the chosen backend. NULL with err on failure. */
+loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
+                            size_t err_size);
+void loom_model_close(loom_model *m);
+/* "cpu-avx512 (device 0)" and the like. */
+const char *loom_model_backend(const loom_model *m);
+int32_t loom_model_n_vocab(const loom_model *m);
+int32_t loom_model_n_ctx(const loom_model *m);
+
+/* Text to ids; add_special: BOS and the like. Returns the count (may exceed cap: call again),
+ * or -1 with err. */
+int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
+                      int32_t *ids, int64_t cap, char *err, size_t err_size);
+
+/* Runs the prompt from position 0 (a fresh sequence) and generates up to n_predict tokens,
+ * stopping at the model's EOS. Returns 0, or -1 with err. */
+int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,
+                  const loom_sampling *s, loom_token_fn on_token, void *user,
+                  loom_generation *stats, char *err, size_t err_size);
+/* The logits of the last prompt position of the last loom_generate (n_vocab floats). */
+const float *loom_prompt_logits(const loom_model *m);
+
 #ifdef __cplusplus
 }
 #endif

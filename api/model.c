@@ -1,0 +1,220 @@
+/*
+ * api/model.c - opening a model and generating text: wires the file readers, the model
+ * registry, the backend loader and the runner together (the one layer that knows them all).
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include "core/gguf.h"
+#include "core/loader.h"
+#include "core/runner.h"
+#include "core/sampler.h"
+#include "core/tokenizer.h"
+#include "models/models.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+struct loom_model {
+    loom_gguf gguf;
+    loom_device dev;
+    int dev_open;
+    loom_runner *runner;
+    loom_tokenizer *tok;
+    char backend[192];
+    float *prompt_logits;
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+loom_sampling loom_sampling_defaults(void)
+{
+    loom_sampler_params d = loom_sampler_defaults();
+    loom_sampling s = {d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty,
+                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed};
+    return s;
+}
+
+void loom_model_close(loom_model *m)
+{
+    if (!m)
+        return;
+    loom_runner_free(m->runner);
+    loom_tokenizer_free(m->tok);
+    if (m->dev_open)
+        loom_device_close(&m->dev);
+    loom_gguf_close(&m->gguf);
+    free(m->prompt_logits);
+    free(m);
+}
+
+loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
+                            size_t err_size)
+{
+    loom_model_options none = {0};
+    if (!opts)
+        opts = &none;
+    loom_runner_options ro = {.n_ctx = opts->n_ctx};
+    if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
+        ro.kv_type = LOOM_F16;
+    else if (strcmp(opts->kv_type, "f32") == 0)
+        ro.kv_type = LOOM_F32;
+    else if (strcmp(opts->kv_type, "q8_0") == 0)
+        ro.kv_type = LOOM_Q8_0;
+    else {
+        snprintf(err, err_size, "KV cache type '%s' is not one of f16, f32, q8_0", opts->kv_type);
+        return NULL;
+    }
+    loom_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    if (loom_gguf_open(&m->gguf, path, err, err_size) != 0)
+        goto fail;
+    const char *arch;
+    uint64_t arch_len;
+    char arch_name[64] = "";
+    if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &arch_len) == 0)
+        snprintf(arch_name, sizeof arch_name, "%.*s", (int)(arch_len < 63 ? arch_len : 63), arch);
+    const loom_arch *a = loom_models_find(arch_name);
+    if (!a) {
+        snprintf(err, err_size, "%s: architecture '%s' is not one loom knows (it knows: %s)", path,
+                 arch_name[0] ? arch_name : "(none given)", loom_models_known());
+        goto fail;
+    }
+    if (!(m->tok = loom_tokenizer_from_gguf(&m->gguf, err, err_size)))
+        goto fail;
+
+    loom_registry reg;
+    if (loom_registry_scan(&reg, err, err_size) != 0 ||
+        loom_registry_select(&reg, opts->backend, err, err_size) != 0 ||
+        loom_device_open_chosen(&m->dev, &reg, opts->n_threads, err, err_size) != 0) {
+        loom_registry_free(&reg);
+        goto fail;
+    }
+    const loom_candidate *c = &reg.items[reg.chosen];
+    snprintf(m->backend, sizeof m->backend, "%s%s%s (device %d: %s)", c->name,
+             c->variant[0] ? "-" : "", c->variant, reg.chosen_device,
+             c->probe.devices[reg.chosen_device].name);
+    loom_registry_free(&reg);
+    m->dev_open = 1;
+    if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, &ro, err, err_size)))
+        goto fail;
+    int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
+    if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float)))) {
+        snprintf(err, err_size, "out of memory");
+        goto fail;
+    }
+    return m;
+fail:
+    loom_model_close(m);
+    return NULL;
+}
+
+const char *loom_model_backend(const loom_model *m)
+{
+    return m->backend;
+}
+
+int32_t loom_model_n_vocab(const loom_model *m)
+{
+    return loom_runner_hparams(m->runner)->n_vocab;
+}
+
+int32_t loom_model_n_ctx(const loom_model *m)
+{
+    return loom_runner_n_ctx(m->runner);
+}
+
+const float *loom_prompt_logits(const loom_model *m)
+{
+    return m->prompt_logits;
+}
+
+int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
+                      int32_t *ids, int64_t cap, char *err, size_t err_size)
+{
+    int64_t n = loom_tokenizer_encode(m->tok, text, strlen(text), add_special, parse_special, ids, cap);
+    if (n < 0)
+        snprintf(err, err_size, "out of memory while tokenizing");
+    return n;
+}
+
+int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,
+                  const loom_sampling *s, loom_token_fn on_token, void *user,
+                  loom_generation *stats, char *err, size_t err_size)
+{
+    loom_generation st = {.n_prompt = n_prompt};
+    int32_t n_ctx = loom_runner_n_ctx(m->runner), n_vocab = loom_model_n_vocab(m);
+    if (n_prompt <= 0) {
+        snprintf(err, err_size, "the prompt is empty");
+        return -1;
+    }
+    if (n_prompt > n_ctx) {
+        snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (raise it with "
+                                "-c, up to the model's training context)",
+                 n_prompt, n_ctx);
+        return -1;
+    }
+    if (n_predict < 0 || n_prompt + n_predict > n_ctx)
+        n_predict = n_ctx - n_prompt;
+    loom_sampler_params sp = {s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
+                              s->repeat_last_n, s->presence_penalty, s->frequency_penalty, s->seed};
+    uint64_t rng = s->seed;
+    int32_t *history = malloc((size_t)(n_prompt + n_predict + 1) * sizeof *history);
+    float *logits = malloc((size_t)n_vocab * sizeof *logits);
+    char *pending = malloc(4096);
+    if (!history || !logits || !pending) {
+        free(history), free(logits), free(pending);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
+    int32_t n_hist = n_prompt, eos = loom_tokenizer_eos(m->tok);
+    size_t n_pending = 0;
+    double t0 = now_ms();
+    int rc = loom_runner_eval(m->runner, prompt, n_prompt, 0, err, err_size);
+    double t_prefill = now_ms() - t0, t_decode0 = now_ms();
+    if (rc == 0)
+        memcpy(m->prompt_logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof(float));
+    for (int32_t i = 0; rc == 0 && i < n_predict; i++) {
+        memcpy(logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof *logits);
+        int32_t next = loom_sampler_sample(logits, n_vocab, &sp, history, n_hist, &rng);
+        if (i == 0)
+            st.ttft_ms = now_ms() - t0;
+        if (next == eos) {
+            st.stopped_at_eos = 1;
+            break;
+        }
+        history[n_hist++] = next;
+        st.n_generated++;
+        /* hold back bytes of an unfinished UTF-8 character until the next piece completes it */
+        int k = loom_tokenizer_piece(m->tok, history[n_hist - 2], next, pending + n_pending,
+                                     (int)(4096 - n_pending));
+        n_pending += k > 0 ? (size_t)k : 0;
+        size_t ready = loom_utf8_complete(pending, n_pending);
+        int stop = on_token && on_token(user, next, pending, ready);
+        memmove(pending, pending + ready, n_pending - ready);
+        n_pending -= ready;
+        if (stop || i + 1 == n_predict)
+            break;
+        rc = loom_runner_eval(m->runner, &next, 1, n_hist - 1, err, err_size);
+    }
+    if (rc == 0 && n_pending && on_token)
+        on_token(user, -1, pending, n_pending); /* whatever is left, even if incomplete */
+    double t_decode = now_ms() - t_decode0;
+    st.prefill_tok_s = t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0;
+    st.decode_tok_s = t_decode > 0 && st.n_generated > 1 ? (st.n_generated - 1) / (t_decode / 1e3) : 0;
+    if (stats)
+        *stats = st;
+    free(history), free(logits), free(pending);
+    return rc;
+}

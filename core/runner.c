@@ -1,0 +1,477 @@
+/*
+ * core/runner.c - see runner.h.
+ *
+ * Memory: weights are used in place from the file mapping when the backend can wrap host
+ * memory (buffer_wrap_host), else each is uploaded once. The KV cache is one buffer of
+ * [layer][k|v][blocks][block_size][kv_heads][head_dim]; a single sequence uses blocks 0, 1, ...
+ * in order. Scratch activations come from a list of buffers handed out in call order each
+ * pass, so a pass with the same shapes as the last allocates nothing.
+ */
+#define _GNU_SOURCE
+#include "runner.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_SCRATCH 64
+
+typedef struct scratch_slot {
+    loom_buffer *buf;
+    uint64_t size;
+} scratch_slot;
+
+struct loom_runner {
+    loom_device *dev;
+    const loom_gguf *gguf;
+    const loom_arch *arch;
+    void *state;
+    loom_hparams hp;
+    loom_runner_options opt;
+    int32_t n_blocks;
+
+    loom_buffer *weights_map;   /* the whole file, wrapped (zero copy), or NULL */
+    loom_buffer **weight_bufs;  /* per GGUF tensor, when uploaded */
+    loom_tensor *weights;       /* per GGUF tensor, once looked up */
+    unsigned char *weight_ready;
+
+    loom_buffer *kv;
+    loom_tensor *kc, *vc;       /* per layer */
+
+    loom_buffer *in_buf;        /* ids | pos | slots | seq | block table, I32 */
+    loom_rt_inputs in;
+
+    scratch_slot scratch[MAX_SCRATCH];
+    int n_scratch_used;
+
+    loom_tensor logits_src;
+    int has_logits;
+    float *logits;
+
+    int status;
+    char err[512];
+};
+
+static int fail(loom_runner *r, const char *fmt, ...)
+{
+    if (r->status)
+        return -1;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(r->err, sizeof r->err, fmt, ap);
+    va_end(ap);
+    r->status = -1;
+    return -1;
+}
+
+static loom_tensor dense(loom_buffer *b, uint64_t offset, loom_dtype dt, int64_t n0, int64_t n1,
+                         int64_t n2, int64_t n3)
+{
+    loom_tensor t = {.buf = b, .offset = offset, .dtype = dt, .n_dims = 4};
+    t.ne[0] = n0, t.ne[1] = n1, t.ne[2] = n2, t.ne[3] = n3;
+    t.nb[0] = (uint64_t)loom_dtype_block_bytes(dt);
+    t.nb[1] = (uint64_t)loom_row_bytes(dt, n0);
+    t.nb[2] = t.nb[1] * (uint64_t)n1;
+    t.nb[3] = t.nb[2] * (uint64_t)n2;
+    return t;
+}
+
+/* ---- Weights ------------------------------------------------------------------------------ */
+
+const loom_gguf *loom_rt_gguf(const loom_runner *r)
+{
+    return r->gguf;
+}
+
+const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
+{
+    const loom_gguf_tensor *gt = loom_gguf_find_tensor(r->gguf, name);
+    if (!gt) {
+        if (required)
+            fail(r, "the model file has no tensor '%s'", name);
+        return NULL;
+    }
+    uint64_t i = (uint64_t)(gt - r->gguf->tensors);
+    if (r->weight_ready[i])
+        return &r->weights[i];
+    if (loom_dtype_block_elems((loom_dtype)gt->type) == 0 || gt->type == LOOM_I32) {
+        fail(r, "tensor '%s' has type %s, which loom's backends do not run", name,
+             loom_ggml_type_name(gt->type));
+        return NULL;
+    }
+    const loom_backend_ops *ops = &r->dev->ops;
+    loom_buffer *buf;
+    uint64_t offset;
+    if (ops->buffer_wrap_host && !r->weights_map &&
+        ops->buffer_wrap_host(r->dev->be, (void *)r->gguf->map, r->gguf->size, &r->weights_map) != LOOM_OK)
+        r->weights_map = NULL;
+    if (r->weights_map) {
+        buf = r->weights_map;
+        offset = gt->offset;
+    } else {
+        if (ops->buffer_alloc(r->dev->be, gt->size, &r->weight_bufs[i]) != LOOM_OK ||
+            ops->copy_from_host(r->dev->be, r->weight_bufs[i], 0, loom_gguf_tensor_data(r->gguf, gt),
+                                gt->size) != LOOM_OK) {
+            fail(r, "uploading '%s' (%llu bytes) to %s: %s", name, (unsigned long long)gt->size,
+                 r->dev->name, ops->last_error(r->dev->be));
+            return NULL;
+        }
+        buf = r->weight_bufs[i];
+        offset = 0;
+    }
+    r->weights[i] = dense(buf, offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2], gt->ne[3]);
+    r->weights[i].n_dims = (int32_t)gt->n_dims;
+    r->weight_ready[i] = 1;
+    return &r->weights[i];
+}
+
+/* ---- Scratch and views -------------------------------------------------------------------- */
+
+loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2)
+{
+    loom_tensor t = dense(NULL, 0, dt, n0, n1, n2, 1);
+    uint64_t size = t.nb[3];
+    if (r->status)
+        return t;
+    if (r->n_scratch_used >= MAX_SCRATCH) {
+        fail(r, "the model asked for more than %d scratch tensors in one pass", MAX_SCRATCH);
+        return t;
+    }
+    scratch_slot *s = &r->scratch[r->n_scratch_used++];
+    if (s->size < size) {
+        if (s->buf)
+            r->dev->ops.buffer_free(r->dev->be, s->buf);
+        s->buf = NULL;
+        s->size = 0;
+        if (r->dev->ops.buffer_alloc(r->dev->be, size, &s->buf) != LOOM_OK) {
+            fail(r, "out of memory on %s: %llu bytes of activations: %s", r->dev->name,
+                 (unsigned long long)size, r->dev->ops.last_error(r->dev->be));
+            return t;
+        }
+        s->size = size;
+    }
+    t.buf = s->buf;
+    return t;
+}
+
+loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
+{
+    loom_tensor v = *t;
+    v.offset += (uint64_t)r0 * t->nb[1];
+    v.ne[1] = n;
+    return v;
+}
+
+loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_t n2)
+{
+    return dense(t->buf, t->offset, t->dtype, n0, n1, n2, 1);
+}
+
+const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r)
+{
+    return &r->in;
+}
+
+const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer)
+{
+    return &r->kc[layer];
+}
+
+const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer)
+{
+    return &r->vc[layer];
+}
+
+void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
+{
+    r->logits_src = *logits;
+    r->has_logits = 1;
+}
+
+int loom_rt_status(const loom_runner *r)
+{
+    return r->status;
+}
+
+/* ---- Verbs -------------------------------------------------------------------------------- */
+
+#define OP_NAME_FAIL(r, what)                                                                  \
+    fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",      \
+         r->dev->variant, r->dev->ops.last_error(r->dev->be))
+
+static int usable(loom_runner *r, loom_op op, loom_dtype dt, const char *what)
+{
+    if (r->status)
+        return 0;
+    if (!loom_device_supports(r->dev, op, dt)) {
+        fail(r, "backend %s%s%s does not support %s with %s", r->dev->name,
+             r->dev->variant[0] ? "-" : "", r->dev->variant, what, loom_dtype_name(dt));
+        return 0;
+    }
+    return 1;
+}
+
+void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows"))
+        return;
+    loom_get_rows_params p = {sizeof p, w, ids, dst};
+    if (r->dev->ops.get_rows(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "get_rows");
+}
+
+void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
+                    const loom_tensor *y)
+{
+    if (!usable(r, LOOM_OP_MATMUL, w->dtype, "matmul"))
+        return;
+    loom_matmul_params p = {sizeof p, x, w, bias, y};
+    if (r->dev->ops.matmul(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "matmul");
+}
+
+void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
+                      const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm"))
+        return;
+    loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
+    if (r->dev->ops.rms_norm(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "rms_norm");
+}
+
+void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
+{
+    if (!usable(r, LOOM_OP_ROPE, LOOM_F32, "rope"))
+        return;
+    loom_rope_params p = {sizeof p, x, &r->in.pos, NULL, x, hp->rope_mode, hp->n_rot,
+                          hp->rope_base, hp->rope_scale};
+    if (r->dev->ops.rope(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "rope");
+}
+
+void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
+{
+    if (!usable(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store"))
+        return;
+    loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
+    if (r->dev->ops.kv_store(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "kv_store");
+}
+
+void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
+                       const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention"))
+        return;
+    loom_attention_params p = {sizeof p, q, &r->kc[layer], &r->vc[layer], &r->in.block_table,
+                               &r->in.seq, &r->in.pos, NULL, dst, scale};
+    if (r->dev->ops.attention(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "attention");
+}
+
+void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_ADD, LOOM_F32, "add"))
+        return;
+    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
+    if (r->dev->ops.add(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "add");
+}
+
+void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul"))
+        return;
+    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
+    if (r->dev->ops.silu_mul(r->dev->be, &p) != LOOM_OK)
+        OP_NAME_FAIL(r, "silu_mul");
+}
+
+/* ---- Lifetime ----------------------------------------------------------------------------- */
+
+loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const loom_arch *arch,
+                                const loom_runner_options *opts, char *err, size_t err_size)
+{
+    loom_runner *r = calloc(1, sizeof *r);
+    if (!r) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    r->dev = dev;
+    r->gguf = gguf;
+    r->arch = arch;
+    r->opt = *opts;
+    if (r->opt.block_size <= 0)
+        r->opt.block_size = 16;
+    if (r->opt.n_batch <= 0)
+        r->opt.n_batch = 256;
+    if (r->opt.kv_type != LOOM_F32 && r->opt.kv_type != LOOM_Q8_0)
+        r->opt.kv_type = LOOM_F16;
+    r->weights = calloc(gguf->n_tensors + 1, sizeof *r->weights);
+    r->weight_bufs = calloc(gguf->n_tensors + 1, sizeof *r->weight_bufs);
+    r->weight_ready = calloc(gguf->n_tensors + 1, 1);
+    if (!r->weights || !r->weight_bufs || !r->weight_ready) {
+        snprintf(err, err_size, "out of memory");
+        loom_runner_free(r);
+        return NULL;
+    }
+    if (arch->load(r, &r->hp, &r->state, err, err_size) != 0 || r->status) {
+        if (r->status)
+            snprintf(err, err_size, "%s", r->err);
+        loom_runner_free(r);
+        return NULL;
+    }
+    const loom_hparams *hp = &r->hp;
+    int32_t n_ctx = r->opt.n_ctx > 0 ? r->opt.n_ctx : hp->n_ctx_train > 0 ? hp->n_ctx_train : 2048;
+    if (r->opt.n_ctx <= 0 && n_ctx > 4096)
+        n_ctx = 4096;
+    r->opt.n_ctx = n_ctx;
+    r->n_blocks = (n_ctx + r->opt.block_size - 1) / r->opt.block_size;
+    if (r->opt.kv_type == LOOM_Q8_0 && hp->head_dim % LOOM_QK) {
+        snprintf(err, err_size, "a q8_0 KV cache needs head_dim to be a multiple of 32 (it is %d)",
+                 hp->head_dim);
+        loom_runner_free(r);
+        return NULL;
+    }
+    uint64_t row = (uint64_t)loom_row_bytes(r->opt.kv_type, hp->head_dim);
+    uint64_t per_cache = row * (uint64_t)hp->n_head_kv * (uint64_t)r->opt.block_size *
+                         (uint64_t)r->n_blocks;
+    r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
+    r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
+    int32_t nb = r->opt.n_batch;
+    r->logits = malloc((size_t)hp->n_vocab * sizeof(float));
+    if (!r->kc || !r->vc || !r->logits ||
+        dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)hp->n_layer, &r->kv) != LOOM_OK ||
+        dev->ops.buffer_alloc(dev->be, (uint64_t)(4 * nb + r->n_blocks) * 4, &r->in_buf) != LOOM_OK) {
+        snprintf(err, err_size, "out of memory on %s for a %d-token KV cache (%llu bytes): %s",
+                 dev->name, n_ctx, (unsigned long long)(per_cache * 2 * (uint64_t)hp->n_layer),
+                 dev->ops.last_error(dev->be));
+        loom_runner_free(r);
+        return NULL;
+    }
+    for (int l = 0; l < hp->n_layer; l++) {
+        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)l, r->opt.kv_type, hp->head_dim,
+                         hp->n_head_kv, r->opt.block_size, r->n_blocks);
+        r->vc[l] = r->kc[l];
+        r->vc[l].offset += per_cache;
+    }
+    int32_t *table = malloc((size_t)r->n_blocks * 4);
+    for (int32_t i = 0; table && i < r->n_blocks; i++)
+        table[i] = i;
+    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * nb) * 4, LOOM_I32, r->n_blocks, 1, 1, 1);
+    if (!table || dev->ops.copy_from_host(dev->be, r->in_buf, r->in.block_table.offset, table,
+                                          (uint64_t)r->n_blocks * 4) != LOOM_OK) {
+        snprintf(err, err_size, "cannot set up the block table: %s", dev->ops.last_error(dev->be));
+        free(table);
+        loom_runner_free(r);
+        return NULL;
+    }
+    free(table);
+    return r;
+}
+
+void loom_runner_free(loom_runner *r)
+{
+    if (!r)
+        return;
+    if (r->arch && r->state)
+        r->arch->free_state(r->state);
+    const loom_backend_ops *ops = &r->dev->ops;
+    for (int i = 0; i < MAX_SCRATCH; i++)
+        if (r->scratch[i].buf)
+            ops->buffer_free(r->dev->be, r->scratch[i].buf);
+    for (uint64_t i = 0; r->weight_bufs && i < r->gguf->n_tensors; i++)
+        if (r->weight_bufs[i])
+            ops->buffer_free(r->dev->be, r->weight_bufs[i]);
+    if (r->weights_map)
+        ops->buffer_free(r->dev->be, r->weights_map);
+    if (r->kv)
+        ops->buffer_free(r->dev->be, r->kv);
+    if (r->in_buf)
+        ops->buffer_free(r->dev->be, r->in_buf);
+    free(r->weights), free(r->weight_bufs), free(r->weight_ready);
+    free(r->kc), free(r->vc), free(r->logits);
+    free(r);
+}
+
+const loom_hparams *loom_runner_hparams(const loom_runner *r)
+{
+    return &r->hp;
+}
+
+int32_t loom_runner_n_ctx(const loom_runner *r)
+{
+    return r->opt.n_ctx;
+}
+
+const float *loom_runner_logits(const loom_runner *r)
+{
+    return r->logits;
+}
+
+int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
+                     size_t err_size)
+{
+    if (n <= 0) {
+        snprintf(err, err_size, "nothing to evaluate");
+        return -1;
+    }
+    if ((int64_t)pos0 + n > r->opt.n_ctx) {
+        snprintf(err, err_size, "%d tokens at position %d do not fit the context of %d tokens",
+                 n, pos0, r->opt.n_ctx);
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= r->hp.n_vocab) {
+            snprintf(err, err_size, "token id %d is outside the vocabulary (0..%d)", ids[i],
+                     r->hp.n_vocab - 1);
+            return -1;
+        }
+    const loom_backend_ops *ops = &r->dev->ops;
+    int32_t nb = r->opt.n_batch;
+    int32_t *host = malloc((size_t)(4 * nb) * 4);
+    if (!host) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    r->status = 0;
+    for (int32_t c0 = 0; c0 < n && !r->status; c0 += nb) {
+        int32_t m = n - c0 < nb ? n - c0 : nb;
+        for (int32_t i = 0; i < m; i++) {
+            host[i] = ids[c0 + i];
+            host[nb + i] = pos0 + c0 + i;     /* position */
+            host[2 * nb + i] = pos0 + c0 + i; /* slot: blocks are in order */
+            host[3 * nb + i] = 0;             /* the one sequence */
+        }
+        for (int k = 0; k < 4 && !r->status; k++)
+            if (ops->copy_from_host(r->dev->be, r->in_buf, (uint64_t)(k * nb) * 4, host + k * nb,
+                                    (uint64_t)m * 4) != LOOM_OK)
+                fail(r, "uploading the batch: %s", ops->last_error(r->dev->be));
+        r->in.ids = dense(r->in_buf, 0, LOOM_I32, m, 1, 1, 1);
+        r->in.pos = dense(r->in_buf, (uint64_t)nb * 4, LOOM_I32, m, 1, 1, 1);
+        r->in.slots = dense(r->in_buf, (uint64_t)(2 * nb) * 4, LOOM_I32, m, 1, 1, 1);
+        r->in.seq = dense(r->in_buf, (uint64_t)(3 * nb) * 4, LOOM_I32, m, 1, 1, 1);
+        r->n_scratch_used = 0;
+        r->has_logits = 0;
+        loom_batch b = {ids + c0, m, pos0 + c0, c0 + m == n};
+        if (!r->status)
+            r->arch->forward(r, r->state, &b);
+        if (!r->status && b.want_logits) {
+            if (!r->has_logits)
+                fail(r, "the model produced no logits");
+            else if (ops->synchronize(r->dev->be) != LOOM_OK ||
+                     ops->copy_to_host(r->dev->be, r->logits, r->logits_src.buf,
+                                       r->logits_src.offset,
+                                       (uint64_t)r->hp.n_vocab * sizeof(float)) != LOOM_OK)
+                fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
+        }
+    }
+    free(host);
+    if (r->status) {
+        snprintf(err, err_size, "%s", r->err);
+        return -1;
+    }
+    return 0;
+}

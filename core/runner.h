@@ -1,0 +1,111 @@
+/*
+ * core/runner.h - running a model's forward pass on a backend: weights, the paged KV cache,
+ * scratch activations, and the op helpers model code is written with.
+ *
+ * The core knows no model. A model family supplies a loom_arch (models/): how to read its
+ * hyper-parameters and weights, and its forward pass written with loom_rt_* verbs, which
+ * call the backend through the ABI. Errors stick: after the first failed op the rest of the
+ * pass is skipped and loom_rt_status returns the first message.
+ */
+#ifndef LOOM_CORE_RUNNER_H
+#define LOOM_CORE_RUNNER_H
+
+#include "gguf.h"
+#include "loader.h"
+
+#define LOOM_MAX_LAYERS 512
+
+/* Hyper-parameters every family fills in (others go in its own state). */
+typedef struct loom_hparams {
+    char arch[32];
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_ff;
+    int32_t n_ctx_train;
+    float norm_eps;
+    float rope_base;
+    float rope_scale;  /* linear position scaling, 1 = none */
+    int32_t n_rot;
+    int32_t rope_mode; /* loom_rope_mode */
+} loom_hparams;
+
+typedef struct loom_runner loom_runner;
+
+/* One step's tokens (prefill chunk or decode), for a single sequence. */
+typedef struct loom_batch {
+    const int32_t *ids;
+    int32_t n;
+    int32_t pos0;     /* position of ids[0] */
+    int want_logits;  /* copy the last token's logits to the host */
+} loom_batch;
+
+typedef struct loom_arch {
+    const char *name; /* general.architecture */
+    /* Reads hyper-parameters and looks up weights (loom_rt_weight) into *state. */
+    int (*load)(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size);
+    /* Runs the batch; returns loom_rt_status. */
+    int (*forward)(loom_runner *r, void *state, const loom_batch *b);
+    void (*free_state)(void *state);
+} loom_arch;
+
+typedef struct loom_runner_options {
+    int32_t n_ctx;       /* 0: the model's training context, capped at 4096 */
+    int32_t block_size;  /* KV block size, default 16 */
+    loom_dtype kv_type;  /* LOOM_F16 (default) or LOOM_F32 */
+    int32_t n_batch;     /* prefill chunk, default 256 */
+} loom_runner_options;
+
+/* Opens the model in gguf on dev (which stays the caller's) with arch. */
+loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const loom_arch *arch,
+                                const loom_runner_options *opts, char *err, size_t err_size);
+void loom_runner_free(loom_runner *r);
+const loom_hparams *loom_runner_hparams(const loom_runner *r);
+int32_t loom_runner_n_ctx(const loom_runner *r);
+
+/* Runs ids[0..n) at positions pos0.. (prefill in chunks of n_batch). On success, with
+ * want_logits, the last token's logits are in loom_runner_logits. Returns 0 or -1 with err. */
+int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
+                     size_t err_size);
+const float *loom_runner_logits(const loom_runner *r);
+
+/* ---- For model code ----------------------------------------------------------------------- */
+
+const loom_gguf *loom_rt_gguf(const loom_runner *r);
+/* A weight by GGUF name, on the device; NULL when absent (required: an error names it). */
+const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required);
+/* A scratch activation tensor for this pass, dims innermost first (n1, n2 may be 1). */
+loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2);
+/* Views: rows [r0, r0 + n) of a 2-D tensor; and a reshape of a dense tensor. */
+loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n);
+loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_t n2);
+
+/* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids. */
+typedef struct loom_rt_inputs {
+    loom_tensor ids, pos, slots, seq, block_table;
+} loom_rt_inputs;
+const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
+/* Layer l's K and V caches. */
+const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer);
+const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer);
+/* Where the last token's logits go: a [1, n_vocab] f32 scratch tensor the runner copies out. */
+void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);
+
+/* The verbs; each records the first failure. */
+void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst);
+void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
+                    const loom_tensor *y);
+void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
+                      const loom_tensor *dst);
+void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp);
+void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache);
+void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
+                       const loom_tensor *dst);
+void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
+void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
+int loom_rt_status(const loom_runner *r);
+
+#endif

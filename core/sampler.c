@@ -1,0 +1,120 @@
+/*
+ * core/sampler.c - see sampler.h. The order is the usual one: penalties, then temperature,
+ * top-k, softmax, top-p, min-p, and a draw from what is left.
+ */
+#include "sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+loom_sampler_params loom_sampler_defaults(void)
+{
+    loom_sampler_params p = {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 0.0f, 0.0f, 0};
+    return p;
+}
+
+void loom_sampler_penalize(float *logits, int32_t n, const loom_sampler_params *p,
+                           const int32_t *history, int32_t n_history)
+{
+    if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f)
+        return;
+    int32_t from = p->repeat_last_n > 0 && n_history > p->repeat_last_n ? n_history - p->repeat_last_n : 0;
+    for (int32_t i = from; i < n_history; i++) {
+        int32_t id = history[i];
+        if (id < 0 || id >= n)
+            continue;
+        /* the first occurrence in the window gets the repeat and presence penalties */
+        int first = 1;
+        for (int32_t j = from; j < i && first; j++)
+            first = history[j] != id;
+        if (first) {
+            if (p->repeat_penalty != 1.0f && p->repeat_penalty > 0.0f)
+                logits[id] = logits[id] > 0 ? logits[id] / p->repeat_penalty
+                                            : logits[id] * p->repeat_penalty;
+            logits[id] -= p->presence_penalty;
+        }
+        logits[id] -= p->frequency_penalty;
+    }
+}
+
+static int32_t argmax(const float *x, int32_t n)
+{
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+typedef struct cand {
+    float p;
+    int32_t id;
+} cand;
+
+static int by_prob_desc(const void *a, const void *b)
+{
+    float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
+    return x < y ? 1 : x > y ? -1 : ((const cand *)a)->id - ((const cand *)b)->id;
+}
+
+static double uniform(uint64_t *s)
+{
+    /* splitmix64: small, good enough for sampling, reproducible across platforms */
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) / 9007199254740992.0;
+}
+
+int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params *p,
+                            const int32_t *history, int32_t n_history, uint64_t *rng)
+{
+    loom_sampler_penalize(logits, n, p, history, n_history);
+    if (!(p->temperature > 1e-5f) || p->top_k == 1)
+        return argmax(logits, n);
+    cand *c = malloc((size_t)n * sizeof *c);
+    if (!c)
+        return argmax(logits, n);
+    for (int32_t i = 0; i < n; i++)
+        c[i] = (cand){logits[i] / p->temperature, i};
+    qsort(c, (size_t)n, sizeof *c, by_prob_desc);
+    int32_t k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+    double max = c[0].p, sum = 0;
+    for (int32_t i = 0; i < k; i++)
+        sum += (c[i].p = (float)exp(c[i].p - max));
+    for (int32_t i = 0; i < k; i++)
+        c[i].p = (float)(c[i].p / sum);
+    if (p->top_p > 0.0f && p->top_p < 1.0f) {
+        double cum = 0;
+        for (int32_t i = 0; i < k; i++) {
+            cum += c[i].p;
+            if (cum >= p->top_p) {
+                k = i + 1;
+                break;
+            }
+        }
+    }
+    if (p->min_p > 0.0f) {
+        float floor = c[0].p * p->min_p;
+        int32_t keep = 1;
+        while (keep < k && c[keep].p >= floor)
+            keep++;
+        k = keep;
+    }
+    double total = 0;
+    for (int32_t i = 0; i < k; i++)
+        total += c[i].p;
+    double u = uniform(rng) * total, acc = 0;
+    int32_t pick = c[k - 1].id;
+    for (int32_t i = 0; i < k; i++) {
+        acc += c[i].p;
+        if (u < acc) {
+            pick = c[i].id;
+            break;
+        }
+    }
+    free(c);
+    return pick;
+}

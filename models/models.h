@@ -1,0 +1,17 @@
+/*
+ * models/models.h - the model families loom runs, as architecture tables for the core runner.
+ */
+#ifndef LOOM_MODELS_H
+#define LOOM_MODELS_H
+
+#include "core/runner.h"
+
+extern const loom_arch loom_arch_llama; /* GGUF "llama": Llama-2/3, TinyLlama, stories260K */
+extern const loom_arch loom_arch_qwen2; /* GGUF "qwen2": Qwen2/2.5 */
+
+/* The architecture for general.architecture, or NULL. */
+const loom_arch *loom_models_find(const char *name);
+/* "llama, qwen2": for messages that list what loom knows. */
+const char *loom_models_known(void);
+
+#endif
