@@ -24,6 +24,7 @@ struct loom_model {
     loom_runner *runner;
     loom_tokenizer *tok;
     char backend[192];
+    char name[128];
     float *prompt_logits;
 };
 
@@ -38,7 +39,7 @@ loom_sampling loom_sampling_defaults(void)
 {
     loom_sampler_params d = loom_sampler_defaults();
     loom_sampling s = {d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty,
-                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed};
+                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed, 0};
     return s;
 }
 
@@ -84,6 +85,12 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     char arch_name[64] = "";
     if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &arch_len) == 0)
         snprintf(arch_name, sizeof arch_name, "%.*s", (int)(arch_len < 63 ? arch_len : 63), arch);
+    const char *gname;
+    uint64_t gname_len;
+    if (loom_gguf_get_str(&m->gguf, "general.name", &gname, &gname_len) == 0)
+        snprintf(m->name, sizeof m->name, "%.*s", (int)(gname_len < 127 ? gname_len : 127), gname);
+    else
+        snprintf(m->name, sizeof m->name, "%s", strrchr(path, '/') ? strrchr(path, '/') + 1 : path);
     const loom_arch *a = loom_models_find(arch_name);
     if (!a) {
         snprintf(err, err_size, "%s: architecture '%s' is not one loom knows (it knows: %s)", path,
@@ -190,7 +197,7 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
         int32_t next = loom_sampler_sample(logits, n_vocab, &sp, history, n_hist, &rng);
         if (i == 0)
             st.ttft_ms = now_ms() - t0;
-        if (next == eos) {
+        if (next == eos && !s->ignore_eos) {
             st.stopped_at_eos = 1;
             break;
         }
@@ -217,4 +224,31 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
         *stats = st;
     free(history), free(logits), free(pending);
     return rc;
+}
+
+uint64_t loom_model_weight_bytes(const loom_model *m)
+{
+    uint64_t total = 0;
+    for (uint64_t i = 0; i < m->gguf.n_tensors; i++)
+        if (strcmp(m->gguf.tensors[i].name, "token_embd.weight") != 0)
+            total += m->gguf.tensors[i].size;
+    return total;
+}
+
+const char *loom_model_weight_type(const loom_model *m)
+{
+    uint64_t bytes[64] = {0};
+    uint32_t best = 0;
+    for (uint64_t i = 0; i < m->gguf.n_tensors; i++)
+        if (m->gguf.tensors[i].type < 64)
+            bytes[m->gguf.tensors[i].type] += m->gguf.tensors[i].size;
+    for (uint32_t t = 0; t < 64; t++)
+        if (bytes[t] > bytes[best])
+            best = t;
+    return loom_ggml_type_name(best);
+}
+
+const char *loom_model_name(const loom_model *m)
+{
+    return m->name;
 }

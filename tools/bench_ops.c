@@ -34,7 +34,7 @@ static double now_s(void)
 }
 
 /* Bytes a decode-shaped working set must span so that it streams from DRAM. */
-static uint64_t dram_working_set(void)
+uint64_t loom_bench_working_set(void)
 {
     long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
     if (llc <= 0)
@@ -43,7 +43,7 @@ static uint64_t dram_working_set(void)
     return want < (256ull << 20) ? 256ull << 20 : want;
 }
 
-static int bench_threads(void)
+int loom_bench_threads(void)
 {
     const char *env = getenv("LOOM_THREADS");
     long n = env && *env ? strtol(env, NULL, 10) : sysconf(_SC_NPROCESSORS_ONLN);
@@ -92,7 +92,7 @@ __attribute__((target("avx2"))) static void *bw_read_avx2(void *p)
 #endif
 
 /* GB/s of reading `bytes` with n threads, each its own contiguous part; best of 3 passes. */
-static double measure_bandwidth(uint64_t bytes, int n_threads)
+double loom_bench_read_bandwidth(uint64_t bytes, int n_threads)
 {
     size_t words = (size_t)(bytes / 8);
     uint64_t *buf = malloc(words * 8);
@@ -396,7 +396,7 @@ static int child(const char *path, int quick)
     static const loom_dtype wtypes[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
     int64_t dim = quick ? 1024 : 4096;
     /* --quick: a smoke test, whose decode figures come partly from cache */
-    uint64_t arena_bytes = quick ? 64ull << 20 : dram_working_set();
+    uint64_t arena_bytes = quick ? 64ull << 20 : loom_bench_working_set();
     loom_buffer *arena = NULL;
     if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
         emit_error("matmul", "", "", "cannot allocate the decode working set");
@@ -496,11 +496,11 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
         return 1;
     }
 
-    int threads = bench_threads();
-    uint64_t ws = dram_working_set();
+    int threads = loom_bench_threads();
+    uint64_t ws = loom_bench_working_set();
     fprintf(stderr, "measuring streaming read bandwidth over %.0f MiB with %d threads...\n",
             (double)ws / (1 << 20), threads);
-    double bw = measure_bandwidth(ws, threads);
+    double bw = loom_bench_read_bandwidth(ws, threads);
 
     result_row *rows = calloc(64, sizeof *rows);
     int n_rows = 0;

@@ -6,6 +6,8 @@
 
 #include "bench_ops.h"
 
+int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <limits.h>
@@ -22,6 +24,8 @@ static void usage(FILE *out)
             "\n"
             "commands:\n"
             "  backends [--json]   list every backend module found, and which one a run would use\n"
+            "  bench [-m MODEL | --synthetic 1b --type q4_0] [--backends LIST] [-p 128] [-n 32]\n"
+            "                      prefill and decode tokens/s per backend (loom bench --help)\n"
             "  bench ops [--backends LIST] [--json]\n"
             "                      time each op on each backend (and CPU variant) side by side\n"
             "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
@@ -316,9 +320,10 @@ int main(int argc, char **argv)
             self[n > 0 ? n : 0] = '\0';
             return loom_bench_ops_main(argc - 3, argv + 3, n > 0 ? self : argv[0]);
         }
-        fprintf(stderr, "loom bench: model benchmarks are not written yet; `loom bench ops` times "
-                        "the backend ops\n");
-        return 2;
+        char self[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        self[n > 0 ? n : 0] = '\0';
+        return loom_bench_main(argc - 2, argv + 2, n > 0 ? self : argv[0]);
     }
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         printf("loom %s\n", loom_version());

@@ -52,6 +52,7 @@ typedef struct loom_sampling {
     float presence_penalty;
     float frequency_penalty;
     uint64_t seed;
+    int ignore_eos;          /* keep generating past EOS (benchmarks) */
 } loom_sampling;
 
 /* The defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no penalties, seed 0. */
@@ -89,6 +90,20 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
                   loom_generation *stats, char *err, size_t err_size);
 /* The logits of the last prompt position of the last loom_generate (n_vocab floats). */
 const float *loom_prompt_logits(const loom_model *m);
+
+/* Bytes of weights one decode step reads (all tensors but the embedding table, of which it
+ * reads a row): what a memory-bandwidth roofline divides by. */
+uint64_t loom_model_weight_bytes(const loom_model *m);
+/* "q4_0" and the like: the type of most of the model's weight bytes. */
+const char *loom_model_weight_type(const loom_model *m);
+const char *loom_model_name(const loom_model *m);
+
+/* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
+ * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,
+ * q4_0, q4_1. Returns 0, or -1 with err. */
+int loom_write_synthetic_model(const char *path, const char *shape, const char *type, char *err,
+                               size_t err_size);
+const char *loom_synthetic_shapes(void);
 
 #ifdef __cplusplus
 }

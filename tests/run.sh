@@ -1,0 +1,60 @@
+# tests/run.sh - `loom run` and `loom bench` as a user runs them: greedy output equal to the
+# fixture, --json and --dump-logits, seeded sampling reproducible, bad input named; and the
+# synthetic-model benchmark on every CPU variant.
+. "$top_srcdir/tests/lib.sh"
+unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
+gguf="$FIXTURES/stories260K/original/stories260K.gguf"
+expected="$FIXTURES/stories260K/expected.json"
+need_fixture "$gguf"
+
+"$LOOM" run -m "$gguf" -p "Once upon a time" -n 16 --temp 0 --json --dump-logits "$tmpdir/l.f32" \
+    > "$tmpdir/run.json" 2> "$tmpdir/run.err" || fail "run --json exit $?"
+want_ids=$(jq -c '.cases[0].greedy.ids' "$expected")
+got_ids=$(jq -c '.generated_ids' "$tmpdir/run.json")
+[ "$want_ids" = "$got_ids" ] && pass "greedy ids equal the fixture" || fail "greedy ids: $got_ids, want $want_ids"
+[ "$(jq -r '.cases[0].greedy.text' "$expected")" = "$(jq -r .text "$tmpdir/run.json")" ] &&
+    pass "text equals the fixture" || fail "text: $(jq -r .text "$tmpdir/run.json")"
+[ "$(jq -c .prompt_ids "$tmpdir/run.json")" = "$(jq -c '.cases[0].prompt_ids' "$expected")" ] &&
+    pass "prompt ids" || fail "prompt ids"
+jq -e '.timings.time_to_first_token_ms > 0 and .timings.decode_tokens_per_s > 0' "$tmpdir/run.json" \
+    > /dev/null && pass "timings" || fail "timings missing"
+[ "$(wc -c < "$tmpdir/l.f32")" -eq 2048 ] && pass "dump-logits: 512 floats" || fail "dump-logits size"
+
+# plain text output streams the same text
+"$LOOM" run -m "$gguf" -p "Once upon a time" -n 16 --temp 0 > "$tmpdir/plain.txt" 2> /dev/null
+[ "$(cat "$tmpdir/plain.txt")" = "$(jq -r '.cases[0].greedy.text' "$expected")" ] &&
+    pass "streamed text" || fail "streamed text: $(cat "$tmpdir/plain.txt")"
+
+# sampling: one seed twice gives one answer; top-k 1 is greedy
+"$LOOM" run -m "$gguf" -p "Once" -n 24 --temp 1 --seed 42 > "$tmpdir/s1.txt" 2> /dev/null
+"$LOOM" run -m "$gguf" -p "Once" -n 24 --temp 1 --seed 42 > "$tmpdir/s2.txt" 2> /dev/null
+cmp -s "$tmpdir/s1.txt" "$tmpdir/s2.txt" && pass "same seed, same text" || fail "seeded runs differ"
+"$LOOM" run -m "$gguf" -p "Once" -n 24 --temp 0 > "$tmpdir/g.txt" 2> /dev/null
+"$LOOM" run -m "$gguf" -p "Once" -n 24 --temp 1 --top-k 1 --seed 9 > "$tmpdir/k1.txt" 2> /dev/null
+cmp -s "$tmpdir/g.txt" "$tmpdir/k1.txt" && pass "top-k 1 is greedy" || fail "top-k 1 differs from greedy"
+
+# input a user gets wrong
+"$LOOM" run -p hi > /dev/null 2> "$tmpdir/e1" && fail "no model accepted"
+expect_grep "give -m MODEL" "$tmpdir/e1" "missing model named"
+"$LOOM" run -m "$gguf" -p hi --temp hot > /dev/null 2> "$tmpdir/e2" && fail "bad temperature accepted"
+expect_grep "wants a number from 0 to 100, not 'hot'" "$tmpdir/e2" "bad number named"
+"$LOOM" run -m "$gguf" --prompt-ids 1,99999 > /dev/null 2> "$tmpdir/e3" && fail "bad id accepted"
+expect_grep "ids below 512" "$tmpdir/e3" "bad prompt id named"
+"$LOOM" run -m "$gguf" -p "Once upon a time, in a land far away" -c 4 > /dev/null 2> "$tmpdir/e4" && fail "overlong prompt accepted"
+expect_grep "context holds 4" "$tmpdir/e4" "prompt longer than the context"
+"$LOOM" run -m "$tmpdir/nothing.gguf" -p hi > /dev/null 2> "$tmpdir/e5" && fail "missing file accepted"
+expect_grep "No such file" "$tmpdir/e5" "missing model file"
+
+# the benchmark on a synthetic model, every CPU variant
+if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \
+        > "$tmpdir/bench.json" 2> "$tmpdir/bench.err"; then
+    n_cpu=$("$LOOM" backends --json | jq '[.candidates[] | select(.name == "cpu" and .usable)] | length')
+    jq -e --argjson n "$n_cpu" '(.results | length) == 2 * $n and all(.results[]; .tokens_per_s > 0 and (has("error") | not))' \
+        "$tmpdir/bench.json" > /dev/null && pass "bench: pp and tg on $n_cpu CPU variants" ||
+        { fail "bench results:"; cat "$tmpdir/bench.json" >&2; }
+else
+    fail "bench exit:"; cat "$tmpdir/bench.err" >&2
+fi
+"$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
+expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
+finish

@@ -1,0 +1,324 @@
+/*
+ * tools/bench.c - `loom bench`: prefill and decode speed of a model on each backend (and CPU
+ * variant), side by side. Without -m it writes a deterministic synthetic Llama-shaped model
+ * (`--synthetic 1b`, `--type q4_0`) to a temporary file, so it needs no download.
+ *
+ * Each backend runs in its own process (`loom bench --child ...`) on the same file and the same
+ * token ids, and reports one JSON line per test; the parent tabulates them with the decode
+ * roofline: the weight bytes a token reads divided by the decode time, as a share of the
+ * streaming read bandwidth measured in the same run.
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include "bench_ops.h"
+#include "core/loader.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+typedef struct bench_args {
+    const char *model, *synthetic, *type, *backends;
+    long pp, tg, reps;
+    int json, csv, no_roofline;
+} bench_args;
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: loom bench [-m MODEL.gguf | --synthetic SHAPE [--type TYPE]] [--backends LIST]\n"
+            "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
+            "  --synthetic SHAPE  %s (default 1b, the TinyLlama-1.1B shape)\n"
+            "  --type TYPE        weights of the synthetic model: f32 f16 bf16 q8_0 q4_0 q4_1 (q4_0)\n"
+            "  --backends LIST    all, or comma-separated names / name-variants (default: all but ref)\n"
+            "  -p N  prompt tokens for the prefill test (0 skips it); -n N  tokens to generate\n"
+            "  -r N  repetitions; tokens/s is their mean +- sd\n"
+            "  --no-roofline      skip measuring memory bandwidth (no roofline column)\n"
+            "also: loom bench ops (per-op timings)\n",
+            loom_synthetic_shapes());
+}
+
+/* ---- child: one backend ----------------------------------------------------------------- */
+
+static double mean_of(const double *x, int n, double *sd)
+{
+    double m = 0, v = 0;
+    for (int i = 0; i < n; i++)
+        m += x[i] / n;
+    for (int i = 0; i < n; i++)
+        v += (x[i] - m) * (x[i] - m) / (n > 1 ? n - 1 : 1);
+    *sd = sqrt(v);
+    return m;
+}
+
+static void emit(const loom_model *m, const char *test, double mean, double sd, const char *error)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "test", test);
+    if (error)
+        cJSON_AddStringToObject(o, "error", error);
+    if (m) {
+        cJSON_AddStringToObject(o, "backend", loom_model_backend(m));
+        cJSON_AddStringToObject(o, "model", loom_model_name(m));
+        cJSON_AddStringToObject(o, "weight_type", loom_model_weight_type(m));
+        cJSON_AddNumberToObject(o, "weight_bytes", (double)loom_model_weight_bytes(m));
+    }
+    cJSON_AddNumberToObject(o, "tokens_per_s", mean);
+    cJSON_AddNumberToObject(o, "sd", sd);
+    cJSON_AddNumberToObject(o, "peak_rss_bytes", (double)ru.ru_maxrss * 1024.0);
+    char *s = cJSON_PrintUnformatted(o);
+    printf("%s\n", s);
+    fflush(stdout);
+    free(s);
+    cJSON_Delete(o);
+}
+
+static int child(const char *backend, const bench_args *a)
+{
+    char err[4096];
+    loom_model_options o = {.backend = backend};
+    loom_model *m = loom_model_open(a->model, &o, err, sizeof err);
+    if (!m) {
+        emit(NULL, "open", 0, 0, err);
+        return 1;
+    }
+    int32_t n_vocab = loom_model_n_vocab(m), n_ctx = loom_model_n_ctx(m);
+    long pp = a->pp < n_ctx ? a->pp : n_ctx - 1, tg = a->tg < n_ctx - 1 ? a->tg : n_ctx - 2;
+    int32_t *ids = malloc((size_t)(pp > 1 ? pp : 1) * sizeof *ids);
+    uint64_t x = 12345; /* the same ids in every child */
+    for (long i = 0; i < pp; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = 3 + (int32_t)((x >> 33) % (uint64_t)(n_vocab - 3));
+    }
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    greedy.ignore_eos = 1;
+    double t[64], sd;
+    int reps = (int)(a->reps < 64 ? a->reps : 64);
+    char name[32];
+    if (pp > 0) {
+        loom_generation st;
+        int ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+        for (int r = 0; r < reps && ok; r++) {
+            ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+            t[r] = st.prefill_tok_s;
+        }
+        snprintf(name, sizeof name, "pp%ld", pp);
+        double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
+        emit(m, name, mean, sd, ok ? NULL : err);
+    }
+    if (tg > 1) {
+        int32_t bos = 1;
+        loom_generation st;
+        int ok = loom_generate(m, &bos, 1, 4, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+        for (int r = 0; r < reps && ok; r++) {
+            ok = loom_generate(m, &bos, 1, (int32_t)tg, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+            t[r] = st.decode_tok_s;
+        }
+        snprintf(name, sizeof name, "tg%ld", tg);
+        double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
+        emit(m, name, mean, sd, ok ? NULL : err);
+    }
+    free(ids);
+    loom_model_close(m);
+    return 0;
+}
+
+/* ---- parent ------------------------------------------------------------------------------ */
+
+static int parse_count(const char *flag, const char *v, long lo, long hi, long *out)
+{
+    char *end;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end || x < lo || x > hi) {
+        fprintf(stderr, "loom bench: %s wants a whole number from %ld to %ld, not '%s'\n", flag,
+                lo, hi, v ? v : "(nothing)");
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int loom_bench_main(int argc, char **argv, const char *self);
+int loom_bench_main(int argc, char **argv, const char *self)
+{
+    bench_args a = {NULL, "1b", "q4_0", NULL, 128, 32, 5, 0, 0, 0};
+    const char *child_backend = NULL;
+    for (int i = 0; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--json")) { a.json = 1; continue; }
+        if (!strcmp(f, "--csv")) { a.csv = 1; continue; }
+        if (!strcmp(f, "--no-roofline")) { a.no_roofline = 1; continue; }
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { usage(stdout); return 0; }
+        if (!v) {
+            fprintf(stderr, "loom bench: %s needs a value (or is unknown)\n", f);
+            usage(stderr);
+            return 2;
+        }
+        i++;
+        if (!strcmp(f, "-m")) a.model = v;
+        else if (!strcmp(f, "--synthetic")) a.synthetic = v;
+        else if (!strcmp(f, "--type")) a.type = v;
+        else if (!strcmp(f, "--backends")) a.backends = v;
+        else if (!strcmp(f, "--child")) child_backend = v;
+        else if (!strcmp(f, "-p")) { if (parse_count(f, v, 0, 1 << 16, &a.pp)) return 2; }
+        else if (!strcmp(f, "-n")) { if (parse_count(f, v, 0, 1 << 16, &a.tg)) return 2; }
+        else if (!strcmp(f, "-r")) { if (parse_count(f, v, 1, 64, &a.reps)) return 2; }
+        else {
+            fprintf(stderr, "loom bench: unknown option '%s'\n", f);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (child_backend)
+        return child(child_backend, &a);
+    if (a.json && a.csv) {
+        fprintf(stderr, "loom bench: choose one of --json and --csv\n");
+        return 2;
+    }
+
+    /* which backends */
+    loom_registry reg;
+    char err[4096];
+    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+        fprintf(stderr, "loom bench: %s\n", err);
+        return 1;
+    }
+    char labels[32][160];
+    int n = 0;
+    int all = a.backends && !strcmp(a.backends, "all");
+    for (int i = 0; i < reg.count && n < 32; i++) {
+        const loom_candidate *c = &reg.items[i];
+        char l[160];
+        snprintf(l, sizeof l, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        int wanted = all || (!a.backends && strcmp(c->name, "ref") != 0);
+        if (a.backends && !all) {
+            char *copy = strdup(a.backends), *save = NULL;
+            for (char *e = strtok_r(copy, ",", &save); e; e = strtok_r(NULL, ",", &save))
+                wanted |= !strcmp(e, c->name) || !strcmp(e, l);
+            free(copy);
+        }
+        if (!wanted)
+            continue;
+        if (c->state != LOOM_CAND_USABLE) {
+            if (a.backends && !all)
+                fprintf(stderr, "loom bench: skipping %s: %s\n", l, c->reason);
+            continue;
+        }
+        snprintf(labels[n++], sizeof labels[0], "%s", l);
+    }
+    loom_registry_free(&reg);
+    if (n == 0) {
+        fprintf(stderr, "loom bench: no usable backend matches '%s' (see `loom backends`)\n",
+                a.backends ? a.backends : "");
+        return 1;
+    }
+
+    char tmp[4096] = "";
+    if (!a.model) {
+        const char *dir = getenv("TMPDIR");
+        snprintf(tmp, sizeof tmp, "%s/loom-bench-%d-%s-%s.gguf", dir && *dir ? dir : "/tmp",
+                 (int)getpid(), a.synthetic, a.type);
+        fprintf(stderr, "writing the synthetic %s model (%s) to %s...\n", a.synthetic, a.type, tmp);
+        if (loom_write_synthetic_model(tmp, a.synthetic, a.type, err, sizeof err) != 0) {
+            fprintf(stderr, "loom bench: %s\n", err);
+            return 2;
+        }
+        a.model = tmp;
+    } else if (access(a.model, R_OK) != 0) {
+        fprintf(stderr, "loom bench: cannot read %s\n", a.model);
+        return 2;
+    }
+    int threads = loom_bench_threads();
+    uint64_t ws = loom_bench_working_set();
+    double bw = 0;
+    if (!a.no_roofline) {
+        fprintf(stderr, "measuring streaming read bandwidth (%d threads)...\n", threads);
+        bw = loom_bench_read_bandwidth(ws, threads);
+    }
+
+    cJSON *results = cJSON_CreateArray();
+    int failures = 0;
+    for (int b = 0; b < n; b++) {
+        fprintf(stderr, "running %s...\n", labels[b]);
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld", self,
+                 labels[b], a.model, a.pp, a.tg, a.reps);
+        FILE *f = popen(cmd, "r");
+        char line[8192];
+        while (f && fgets(line, sizeof line, f)) {
+            cJSON *o = cJSON_Parse(line);
+            if (!o)
+                continue;
+            cJSON_AddStringToObject(o, "variant", labels[b]);
+            const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
+            double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
+            double wb = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "weight_bytes"));
+            if (test && test[0] == 't' && bw > 0 && tps > 0)
+                cJSON_AddNumberToObject(o, "roofline_share", tps * wb / 1e9 / bw);
+            failures += cJSON_GetObjectItem(o, "error") != NULL;
+            cJSON_AddItemToArray(results, o);
+        }
+        if (!f || pclose(f) != 0)
+            failures++;
+    }
+    if (tmp[0])
+        unlink(tmp);
+
+    if (a.json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON_AddNumberToObject(root, "read_bandwidth_gbps", bw);
+        cJSON_AddItemToObject(root, "results", results);
+        char *s = cJSON_Print(root);
+        printf("%s\n", s);
+        free(s);
+        cJSON_Delete(root);
+        return failures ? 1 : 0;
+    }
+    if (a.csv)
+        printf("backend,device,model,weight_type,test,tokens_per_s,sd,peak_rss_mib,roofline_share\n");
+    else
+        printf("streaming read bandwidth: %.1f GB/s (%d threads)\n\n"
+               "| backend | device | model | weights | test | tokens/s | peak RSS | roofline |\n"
+               "|---|---|---|---|---|---|---|---|\n",
+               bw, threads);
+    cJSON *o;
+    cJSON_ArrayForEach(o, results)
+    {
+        const char *variant = cJSON_GetStringValue(cJSON_GetObjectItem(o, "variant"));
+        const char *be = cJSON_GetStringValue(cJSON_GetObjectItem(o, "backend"));
+        const char *e = cJSON_GetStringValue(cJSON_GetObjectItem(o, "error"));
+        const char *dev = be && strchr(be, ':') ? strchr(be, ':') + 2 : "";
+        char device[128];
+        snprintf(device, sizeof device, "%s", dev);
+        if (strlen(device) && device[strlen(device) - 1] == ')')
+            device[strlen(device) - 1] = '\0';
+        const char *model = cJSON_GetStringValue(cJSON_GetObjectItem(o, "model"));
+        const char *wt = cJSON_GetStringValue(cJSON_GetObjectItem(o, "weight_type"));
+        const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
+        double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
+        double sd = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "sd"));
+        double rss = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "peak_rss_bytes")) / 1048576.0;
+        cJSON *share = cJSON_GetObjectItem(o, "roofline_share");
+        char roof[32] = "";
+        if (share)
+            snprintf(roof, sizeof roof, "%.0f%%", 100 * share->valuedouble);
+        if (e && !a.csv)
+            printf("| %s | | | | %s | error: %s | | |\n", variant, test ? test : "", e);
+        else if (a.csv)
+            printf("%s,\"%s\",%s,%s,%s,%.2f,%.2f,%.0f,%s\n", variant, device, model ? model : "",
+                   wt ? wt : "", test ? test : "", tps, sd, rss, share ? roof : "");
+        else
+            printf("| %s | %s | %s | %s | %s | %.1f +- %.1f | %.0f MiB | %s |\n", variant, device,
+                   model ? model : "", wt ? wt : "", test ? test : "", tps, sd, rss, roof);
+    }
+    cJSON_Delete(results);
+    return failures ? 1 : 0;
+}
