@@ -65,14 +65,17 @@ void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout)
         memset(gr, 0, sizeof *gr); /* an absent second block adds nothing */
         for (int h = 0; h < n; h++) {
             const float *xb = x + (b0 + h) * LOOM_QK;
-            float amax = 0.0f;
-            for (int i = 0; i < LOOM_QK; i++)
-                amax = fmaxf(amax, fabsf(xb[i]));
+            float amax = 0.0f; /* plain compares: fmaxf and lrintf are library calls here */
+            for (int i = 0; i < LOOM_QK; i++) {
+                float a = xb[i] < 0 ? -xb[i] : xb[i];
+                amax = a > amax ? a : amax;
+            }
             d[h] = amax / 127.0f;
             float id = d[h] != 0.0f ? 1.0f / d[h] : 0.0f;
             total[h] = 0;
             for (int i = 0; i < LOOM_QK; i++) {
-                q[h][i] = (int8_t)lrintf(xb[i] * id);
+                float v = xb[i] * id;
+                q[h][i] = (int8_t)(int)(v + (v < 0 ? -0.5f : 0.5f));
                 total[h] += q[h][i];
             }
         }
