@@ -2,13 +2,14 @@
 /*
  * api/inspect.c - `loom inspect`: what a model file holds, for a person or (--json) a program.
  */
-#include <loom/loom.h>
+#include "internal.h"
 
 #include "core/gguf.h"
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* A metadata value as JSON (arrays: their length and type, and the elements when short). */
 static cJSON *kv_json(const loom_gguf *g, const loom_gguf_kv *kv)
@@ -67,8 +68,18 @@ static void shape_text(const loom_gguf_tensor *t, char *out, size_t n)
 int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size)
 {
     loom_gguf g;
-    if (loom_gguf_open(&g, path, err, err_size) != 0)
+    if (loom_is_model_dir(path)) {
+        char mem[64];
+        int fd = loom_convert_in_memory(path, mem, sizeof mem, NULL, NULL, err, err_size);
+        if (fd < 0)
+            return -1;
+        int rc = loom_gguf_open(&g, mem, err, err_size);
+        close(fd);
+        if (rc != 0)
+            return -1;
+    } else if (loom_gguf_open(&g, path, err, err_size) != 0) {
         return -1;
+    }
     const char *arch = "unknown";
     uint64_t arch_len = 7;
     loom_gguf_get_str(&g, "general.architecture", &arch, &arch_len);

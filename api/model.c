@@ -3,7 +3,7 @@
  * registry, the backend loader and the runner together (the one layer that knows them all).
  */
 #define _GNU_SOURCE
-#include <loom/loom.h>
+#include "internal.h"
 
 #include "core/gguf.h"
 #include "core/loader.h"
@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 struct loom_model {
     loom_gguf gguf;
@@ -78,8 +79,18 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (loom_gguf_open(&m->gguf, path, err, err_size) != 0)
+    if (loom_is_model_dir(path)) {
+        char mem[64];
+        int fd = loom_convert_in_memory(path, mem, sizeof mem, loom_progress_bar, NULL, err, err_size);
+        if (fd < 0)
+            goto fail;
+        int rc = loom_gguf_open(&m->gguf, mem, err, err_size);
+        close(fd);
+        if (rc != 0)
+            goto fail;
+    } else if (loom_gguf_open(&m->gguf, path, err, err_size) != 0) {
         goto fail;
+    }
     const char *arch;
     uint64_t arch_len;
     char arch_name[64] = "";

@@ -30,6 +30,8 @@ static void usage(FILE *out)
             "                      time each op on each backend (and CPU variant) side by side\n"
             "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
             "                      generate text (loom run --help for the options)\n"
+            "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
+            "                      a Hugging Face folder to GGUF (Llama family)\n"
             "  inspect FILE [--json]\n"
             "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
             "                      tokenizer, chat template, tensors; checks the data is all there\n"
@@ -254,6 +256,48 @@ static int cmd_run(int argc, char **argv)
     return rc == 0 ? 0 : 1;
 }
 
+static void progress(void *user, int done, int total, const char *what)
+{
+    (void)user;
+    int width = 30, filled = total > 0 ? done * width / total : width;
+    fprintf(stderr, "\r[%.*s%*s] %d/%d %-40.40s", filled, "##############################",
+            width - filled, "", done, total, what);
+    if (done == total)
+        fprintf(stderr, "\n");
+}
+
+static int cmd_convert(int argc, char **argv)
+{
+    const char *dir = NULL, *out = NULL, *type = "auto";
+    for (int i = 0; i < argc; i++) {
+        if ((!strcmp(argv[i], "-o") || !strcmp(argv[i], "--type")) && i + 1 >= argc) {
+            fprintf(stderr, "loom convert: %s needs a value\n", argv[i]);
+            return 2;
+        }
+        if (!strcmp(argv[i], "-o"))
+            out = argv[++i];
+        else if (!strcmp(argv[i], "--type"))
+            type = argv[++i];
+        else if (argv[i][0] == '-' || dir) {
+            fprintf(stderr, "loom convert: unexpected argument '%s'\n", argv[i]);
+            dir = NULL;
+            break;
+        } else
+            dir = argv[i];
+    }
+    if (!dir || !out) {
+        fprintf(stderr, "usage: loom convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n");
+        return 2;
+    }
+    char err[4096];
+    if (loom_convert(dir, out, type, progress, NULL, err, sizeof err) != 0) {
+        fprintf(stderr, "\nloom convert: %s\n", err);
+        return 2;
+    }
+    fprintf(stderr, "wrote %s\n", out);
+    return 0;
+}
+
 static int cmd_inspect(int argc, char **argv)
 {
     int json = 0;
@@ -311,6 +355,8 @@ int main(int argc, char **argv)
         return cmd_backends(argc - 2, argv + 2);
     if (strcmp(cmd, "run") == 0)
         return cmd_run(argc - 2, argv + 2);
+    if (strcmp(cmd, "convert") == 0)
+        return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) {

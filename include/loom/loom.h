@@ -23,7 +23,7 @@ const char *loom_version(void);
  * (the report is still written). */
 int loom_backends_report(FILE *out, int json, char *err, size_t err_size);
 
-/* Describes a model file: architecture, hyper-parameters, tokenizer, chat template and every
+/* Describes a model file (or a Hugging Face folder, converted in memory first): architecture, hyper-parameters, tokenizer, chat template and every
  * tensor, after checking that all tensor data lies inside the file. Writes text, or JSON when
  * json is nonzero. Returns 0, or -1 with err saying what is wrong with the file (nothing is
  * written then). */
@@ -69,7 +69,9 @@ typedef struct loom_generation {
  * back from earlier tokens so UTF-8 characters are never split). Return nonzero to stop. */
 typedef int (*loom_token_fn)(void *user, int32_t id, const char *text, size_t len);
 
-/* Opens a GGUF model on the chosen backend. NULL with err on failure. */
+/* Opens a model on the chosen backend: a GGUF file, or a Hugging Face folder (converted in
+ * memory, keeping its weights' precision, with a progress bar on stderr). NULL with err on
+ * failure. */
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size);
 void loom_model_close(loom_model *m);
@@ -97,6 +99,17 @@ uint64_t loom_model_weight_bytes(const loom_model *m);
 /* "q4_0" and the like: the type of most of the model's weight bytes. */
 const char *loom_model_weight_type(const loom_model *m);
 const char *loom_model_name(const loom_model *m);
+
+/* ---- Converting ------------------------------------------------------------------------ */
+
+/* Called after each tensor: done of total, and its GGUF name. */
+typedef void (*loom_convert_progress_fn)(void *user, int done, int total, const char *what);
+
+/* Converts a Hugging Face folder (config.json, *.safetensors, tokenizer files) to a GGUF file.
+ * type: "auto" (keep f32/f16/bf16 as stored), f32, f16, bf16, q8_0, q4_0, q4_1. Returns 0,
+ * or -1 with err. */
+int loom_convert(const char *dir, const char *out, const char *type,
+                 loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 
 /* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
  * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,

@@ -1,0 +1,404 @@
+/*
+ * api/convert.c - Hugging Face folder -> GGUF: `loom convert`, and the in-memory conversion
+ * that lets `loom run -m FOLDER` and `loom inspect FOLDER` take a folder directly.
+ *
+ * Llama family (model_type "llama"): names and keys follow the convention llama.cpp uses for
+ * GGUF "llama" files, so the result loads there too; Q and K rows are permuted from Hugging
+ * Face's rotate-half order into the adjacent-pair order that convention expects. Norms and
+ * other 1-D tensors stay f32; a matrix whose rows are not whole blocks stays f32 (with a
+ * note) when a block type is asked for. The tokenizer comes from tokenizer.model.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include "core/gguf.h"
+#include "core/safetensors.h"
+#include "core/spm_model.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+typedef struct conv {
+    const char *dir;
+    cJSON *config, *tok_config;
+    loom_safetensors st;
+    loom_spm_model spm;
+    loom_gguf_writer *w;
+    void **owned;
+    int n_owned, cap_owned;
+    const char *type; /* requested: auto, f32, f16, bf16, q8_0, q4_0, q4_1 */
+    loom_convert_progress_fn progress;
+    void *user;
+    int done, total;
+    char *err;
+    size_t err_size;
+} conv;
+
+static int fail(conv *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(c->err, c->err_size, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+static cJSON *read_json(const char *dir, const char *name, int required, conv *c)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        if (required)
+            fail(c, "%s: %s (is this a Hugging Face model folder?)", path, strerror(errno));
+        return NULL;
+    }
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *text = n >= 0 && n < (64L << 20) ? malloc((size_t)n + 1) : NULL;
+    cJSON *j = NULL;
+    if (text && fread(text, 1, (size_t)n, f) == (size_t)n) {
+        text[n] = '\0';
+        j = cJSON_Parse(text);
+    }
+    free(text);
+    fclose(f);
+    if (!j && required)
+        fail(c, "%s: not valid JSON", path);
+    return j;
+}
+
+static double num(cJSON *o, const char *key, double fallback)
+{
+    cJSON *v = cJSON_GetObjectItem(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : fallback;
+}
+
+static void *own(conv *c, size_t bytes)
+{
+    if (c->n_owned == c->cap_owned) {
+        int cap = c->cap_owned ? c->cap_owned * 2 : 64;
+        void **grown = realloc(c->owned, (size_t)cap * sizeof *grown);
+        if (!grown)
+            return NULL;
+        c->owned = grown;
+        c->cap_owned = cap;
+    }
+    void *p = malloc(bytes ? bytes : 1);
+    if (p)
+        c->owned[c->n_owned++] = p;
+    return p;
+}
+
+static int parse_type(const char *s, loom_dtype *t)
+{
+    static const loom_dtype all[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        if (strcmp(s, loom_dtype_name(all[i])) == 0) {
+            *t = all[i];
+            return 0;
+        }
+    return -1;
+}
+
+/* The source tensor as f32 rows (rows x cols), optionally Q/K-permuted for n_head heads. */
+static float *load_f32(conv *c, const loom_st_tensor *t, int64_t rows, int64_t cols, int permute_heads)
+{
+    float *out = malloc((size_t)(rows * cols) * sizeof *out);
+    if (!out)
+        return NULL;
+    const unsigned char *src = t->data;
+    for (int64_t i = 0; i < rows * cols; i++) {
+        uint16_t h;
+        switch (t->loom_type) {
+        case LOOM_F32: memcpy(&out[i], src + 4 * i, 4); break;
+        case LOOM_F16: memcpy(&h, src + 2 * i, 2); out[i] = loom_f16_to_f32(h); break;
+        default: memcpy(&h, src + 2 * i, 2); out[i] = loom_bf16_to_f32(h); break;
+        }
+    }
+    if (permute_heads > 0) {
+        /* rotate-half order -> adjacent pairs: within each head, new row 2i + j is old row
+         * j * head_dim / 2 + i */
+        int64_t hd = rows / permute_heads;
+        float *tmp = malloc((size_t)(rows * cols) * sizeof *tmp);
+        if (!tmp) {
+            free(out);
+            return NULL;
+        }
+        for (int64_t h = 0; h < permute_heads; h++)
+            for (int64_t i = 0; i < hd / 2; i++)
+                for (int j = 0; j < 2; j++)
+                    memcpy(tmp + (h * hd + 2 * i + j) * cols, out + (h * hd + j * hd / 2 + i) * cols,
+                           (size_t)cols * sizeof *tmp);
+        free(out);
+        out = tmp;
+    }
+    (void)c;
+    return out;
+}
+
+/* Adds HF tensor `src` as GGUF `dst`; required unless optional. */
+static int add(conv *c, const char *src, const char *dst, int optional, int permute_heads)
+{
+    const loom_st_tensor *t = loom_safetensors_find(&c->st, src);
+    if (!t) {
+        if (optional)
+            return 0;
+        return fail(c, "%s: the weights have no tensor '%s'", c->dir, src);
+    }
+    if (t->loom_type < 0 || t->n_dims < 1 || t->n_dims > 2)
+        return fail(c, "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
+                       "vectors and matrices", c->dir, src, t->dtype, t->n_dims);
+    int64_t rows = t->n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
+    if (permute_heads > 0 && (rows % permute_heads || (rows / permute_heads) % 2))
+        return fail(c, "%s: '%s' has %lld rows, not a whole number of heads", c->dir, src,
+                    (long long)rows);
+    loom_dtype out_type = LOOM_F32;
+    if (t->n_dims == 2) {
+        if (strcmp(c->type, "auto") == 0)
+            out_type = (loom_dtype)t->loom_type;
+        else
+            parse_type(c->type, &out_type);
+        if (loom_dtype_block_elems(out_type) > 1 && cols % LOOM_QK) {
+            fprintf(stderr, "note: %s stays f32: its rows of %lld are not whole blocks of %d\n",
+                    dst, (long long)cols, LOOM_QK);
+            out_type = LOOM_F32;
+        }
+    }
+    float *f = load_f32(c, t, rows, cols, permute_heads);
+    int64_t rb = loom_row_bytes(out_type, cols);
+    unsigned char *data = f ? own(c, (size_t)(rb * rows)) : NULL;
+    if (!data) {
+        free(f);
+        return fail(c, "out of memory converting '%s'", src);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *x = f + r * cols;
+        unsigned char *y = data + r * rb;
+        switch (out_type) {
+        case LOOM_F32: memcpy(y, x, (size_t)cols * 4); break;
+        case LOOM_F16: for (int64_t i = 0; i < cols; i++) ((uint16_t *)y)[i] = loom_f32_to_f16(x[i]); break;
+        case LOOM_BF16: for (int64_t i = 0; i < cols; i++) ((uint16_t *)y)[i] = loom_f32_to_bf16(x[i]); break;
+        case LOOM_Q8_0: loom_quantize_row_q8_0(x, (loom_block_q8_0 *)y, cols); break;
+        case LOOM_Q4_0: loom_quantize_row_q4_0(x, (loom_block_q4_0 *)y, cols); break;
+        case LOOM_Q4_1: loom_quantize_row_q4_1(x, (loom_block_q4_1 *)y, cols); break;
+        case LOOM_I32: break;
+        }
+    }
+    free(f);
+    int64_t ne[2] = {cols, rows};
+    if (loom_gguf_add_tensor(c->w, dst, out_type, (uint32_t)t->n_dims, ne, data) != 0)
+        return fail(c, "cannot add '%s'", dst);
+    c->done++;
+    if (c->progress)
+        c->progress(c->user, c->done, c->total, dst);
+    return 0;
+}
+
+static int tokenizer(conv *c)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    if (access(path, R_OK) != 0)
+        return fail(c, "%s: no tokenizer.model (loom reads the SentencePiece model of the Llama "
+                       "family; tokenizer.json-only folders are not supported yet)", c->dir);
+    if (loom_spm_model_read(&c->spm, path, c->err, c->err_size) != 0)
+        return -1;
+    if (c->spm.model_type != 2)
+        return fail(c, "%s: a SentencePiece %s model; loom runs BPE ones", path,
+                    c->spm.model_type == 1 ? "unigram" : "non-BPE");
+    int32_t n_vocab = (int32_t)num(c->config, "vocab_size", c->spm.n);
+    if (n_vocab < c->spm.n)
+        n_vocab = c->spm.n;
+    /* llama.cpp wants one token per embedding row: pad with unused placeholders */
+    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
+    float *scores = calloc((size_t)n_vocab, sizeof *scores);
+    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
+    char **pads = calloc((size_t)n_vocab, sizeof *pads);
+    int rc = tokens && scores && types && pads ? 0 : fail(c, "out of memory");
+    for (int32_t i = 0; rc == 0 && i < n_vocab; i++) {
+        if (i < c->spm.n) {
+            tokens[i] = c->spm.pieces[i];
+            scores[i] = c->spm.scores[i];
+            types[i] = c->spm.types[i];
+        } else {
+            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+                rc = fail(c, "out of memory");
+            tokens[i] = pads[i];
+            scores[i] = -1000.0f;
+            types[i] = 5;
+        }
+    }
+    if (rc == 0) {
+        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "llama");
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
+        loom_gguf_set_f32_array(c->w, "tokenizer.ggml.scores", scores, (uint64_t)n_vocab);
+        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.unknown_token_id", (uint32_t)c->spm.unk_id);
+        if (c->spm.bos_id >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)c->spm.bos_id);
+        if (c->spm.eos_id >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)c->spm.eos_id);
+        cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab ? cJSON_IsTrue(ab) : 1);
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
+        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
+        if (cJSON_IsString(tmpl))
+            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
+    }
+    for (int32_t i = 0; pads && i < n_vocab; i++)
+        free(pads[i]);
+    free(pads), free(tokens), free(scores), free(types);
+    return rc;
+}
+
+static int llama(conv *c)
+{
+    cJSON *cf = c->config;
+    int32_t n_embd = (int32_t)num(cf, "hidden_size", 0), n_layer = (int32_t)num(cf, "num_hidden_layers", 0);
+    int32_t n_head = (int32_t)num(cf, "num_attention_heads", 0);
+    int32_t n_kv = (int32_t)num(cf, "num_key_value_heads", n_head);
+    int32_t n_ff = (int32_t)num(cf, "intermediate_size", 0);
+    if (n_embd <= 0 || n_layer <= 0 || n_head <= 0 || n_kv <= 0 || n_ff <= 0)
+        return fail(c, "%s/config.json: hidden_size, num_hidden_layers, num_attention_heads and "
+                       "intermediate_size must be positive", c->dir);
+    int32_t hd = (int32_t)num(cf, "head_dim", n_embd / n_head);
+    loom_gguf_set_str(c->w, "general.architecture", "llama");
+    const char *slash = strrchr(c->dir, '/');
+    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    loom_gguf_set_u32(c->w, "llama.context_length", (uint32_t)num(cf, "max_position_embeddings", 2048));
+    loom_gguf_set_u32(c->w, "llama.embedding_length", (uint32_t)n_embd);
+    loom_gguf_set_u32(c->w, "llama.block_count", (uint32_t)n_layer);
+    loom_gguf_set_u32(c->w, "llama.feed_forward_length", (uint32_t)n_ff);
+    loom_gguf_set_u32(c->w, "llama.attention.head_count", (uint32_t)n_head);
+    loom_gguf_set_u32(c->w, "llama.attention.head_count_kv", (uint32_t)n_kv);
+    loom_gguf_set_u32(c->w, "llama.rope.dimension_count", (uint32_t)hd);
+    if (hd != n_embd / n_head) {
+        loom_gguf_set_u32(c->w, "llama.attention.key_length", (uint32_t)hd);
+        loom_gguf_set_u32(c->w, "llama.attention.value_length", (uint32_t)hd);
+    }
+    loom_gguf_set_f32(c->w, "llama.attention.layer_norm_rms_epsilon", (float)num(cf, "rms_norm_eps", 1e-5));
+    loom_gguf_set_f32(c->w, "llama.rope.freq_base", (float)num(cf, "rope_theta", 10000.0));
+    cJSON *rs = cJSON_GetObjectItem(cf, "rope_scaling");
+    if (cJSON_IsObject(rs)) {
+        cJSON *type = cJSON_GetObjectItem(rs, "type");
+        if (!type)
+            type = cJSON_GetObjectItem(rs, "rope_type");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "linear") != 0)
+            return fail(c, "%s/config.json: rope_scaling type '%s' is not supported (linear is)",
+                        c->dir, cJSON_IsString(type) ? type->valuestring : "?");
+        loom_gguf_set_str(c->w, "llama.rope.scaling.type", "linear");
+        loom_gguf_set_f32(c->w, "llama.rope.scaling.factor", (float)num(rs, "factor", 1.0));
+    }
+    if (tokenizer(c))
+        return -1;
+    c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) + 9 * n_layer;
+    if (add(c, "model.embed_tokens.weight", "token_embd.weight", 0, 0) ||
+        add(c, "model.norm.weight", "output_norm.weight", 0, 0) ||
+        add(c, "lm_head.weight", "output.weight", 1, 0))
+        return -1;
+    for (int l = 0; l < n_layer; l++) {
+        char s[128], d[128];
+#define ADD(hf, gg, perm)                                                                      \
+    do {                                                                                       \
+        snprintf(s, sizeof s, "model.layers.%d.%s", l, hf);                                    \
+        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
+        if (add(c, s, d, 0, perm))                                                             \
+            return -1;                                                                         \
+    } while (0)
+        ADD("input_layernorm.weight", "attn_norm.weight", 0);
+        ADD("self_attn.q_proj.weight", "attn_q.weight", n_head);
+        ADD("self_attn.k_proj.weight", "attn_k.weight", n_kv);
+        ADD("self_attn.v_proj.weight", "attn_v.weight", 0);
+        ADD("self_attn.o_proj.weight", "attn_output.weight", 0);
+        ADD("post_attention_layernorm.weight", "ffn_norm.weight", 0);
+        ADD("mlp.gate_proj.weight", "ffn_gate.weight", 0);
+        ADD("mlp.up_proj.weight", "ffn_up.weight", 0);
+        ADD("mlp.down_proj.weight", "ffn_down.weight", 0);
+#undef ADD
+    }
+    return 0;
+}
+
+int loom_convert(const char *dir, const char *out, const char *type,
+                 loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
+{
+    conv c = {.dir = dir, .type = type ? type : "auto", .progress = progress, .user = user,
+              .err = err, .err_size = err_size};
+    loom_dtype dummy;
+    if (strcmp(c.type, "auto") != 0 && parse_type(c.type, &dummy) != 0) {
+        snprintf(err, err_size, "--type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1", c.type);
+        return -1;
+    }
+    int rc = -1;
+    if (!(c.config = read_json(dir, "config.json", 1, &c)))
+        goto done;
+    c.tok_config = read_json(dir, "tokenizer_config.json", 0, &c);
+    if (loom_safetensors_open(&c.st, dir, err, err_size) != 0)
+        goto done;
+    if (!(c.w = loom_gguf_writer_create())) {
+        fail(&c, "out of memory");
+        goto done;
+    }
+    cJSON *mt = cJSON_GetObjectItem(c.config, "model_type");
+    const char *model_type = cJSON_IsString(mt) ? mt->valuestring : "";
+    if (strcmp(model_type, "llama") == 0)
+        rc = llama(&c);
+    else
+        fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama)", dir,
+             model_type[0] ? model_type : "(none)");
+    if (rc == 0)
+        rc = loom_gguf_write(c.w, out, err, err_size);
+done:
+    for (int i = 0; i < c.n_owned; i++)
+        free(c.owned[i]);
+    free(c.owned);
+    loom_gguf_writer_free(c.w);
+    loom_spm_model_free(&c.spm);
+    loom_safetensors_close(&c.st);
+    cJSON_Delete(c.config);
+    cJSON_Delete(c.tok_config);
+    return rc;
+}
+
+int loom_is_model_dir(const char *path)
+{
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+/* A folder converted into an anonymous in-memory file; returns its /proc path in out. */
+int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
+                           loom_convert_progress_fn progress, void *user, char *err,
+                           size_t err_size)
+{
+    int fd = memfd_create("loom-model.gguf", 0);
+    if (fd < 0) {
+        snprintf(err, err_size, "cannot make an in-memory file: %s", strerror(errno));
+        return -1;
+    }
+    snprintf(out, out_size, "/proc/self/fd/%d", fd);
+    if (loom_convert(dir, out, "auto", progress, user, err, err_size) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd; /* the caller keeps it open while the model is mapped, then closes it */
+}
+
+void loom_progress_bar(void *user, int done, int total, const char *what)
+{
+    (void)user;
+    int width = 30, filled = total > 0 ? done * width / total : width;
+    fprintf(stderr, "\rconverting [%.*s%*s] %d/%d %-40.40s", filled,
+            "##############################", width - filled, "", done, total, what);
+    if (done == total)
+        fprintf(stderr, "\n");
+}
