@@ -250,6 +250,15 @@ static int tokenizer(conv *c)
         cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab ? cJSON_IsTrue(ab) : 1);
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
+        /* special tokens declared with lstrip/rstrip false keep the whitespace beside them;
+         * undeclared ones lose it (see core/tokenizer.c) */
+        int strip = 1;
+        cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder"), *a;
+        cJSON_ArrayForEach(a, added)
+            if (cJSON_IsFalse(cJSON_GetObjectItem(a, "lstrip")) &&
+                cJSON_IsFalse(cJSON_GetObjectItem(a, "rstrip")))
+                strip = 0;
+        loom_gguf_set_bool(c->w, "tokenizer.loom.strip_special", strip);
         cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
         if (cJSON_IsString(tmpl))
             loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
@@ -260,7 +269,113 @@ static int tokenizer(conv *c)
     return rc;
 }
 
-static int llama(conv *c)
+/* Qwen2-style byte-level BPE: vocab.json, merges.txt and the added tokens the tokenizer
+ * config declares. */
+static int tokenizer_bpe(conv *c)
+{
+    cJSON *vocab = read_json(c->dir, "vocab.json", 1, c);
+    if (!vocab)
+        return -1;
+    char path[4096];
+    snprintf(path, sizeof path, "%s/merges.txt", c->dir);
+    FILE *mf = fopen(path, "r");
+    if (!mf) {
+        cJSON_Delete(vocab);
+        return fail(c, "%s: %s (a byte-level BPE tokenizer needs its merges)", path, strerror(errno));
+    }
+    int32_t n_vocab = (int32_t)num(c->config, "vocab_size", 0);
+    cJSON *e;
+    cJSON_ArrayForEach(e, vocab)
+        if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
+            n_vocab = e->valueint + 1;
+    cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder");
+    cJSON_ArrayForEach(e, added)
+        if (atoi(e->string) >= n_vocab)
+            n_vocab = atoi(e->string) + 1;
+    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
+    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
+    char **pads = calloc((size_t)n_vocab, sizeof *pads);
+    char **merges = NULL;
+    size_t n_merges = 0, cap = 0;
+    int rc = tokens && types && pads ? 0 : fail(c, "out of memory");
+    cJSON_ArrayForEach(e, vocab)
+        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0) {
+            tokens[e->valueint] = e->string;
+            types[e->valueint] = 1;
+        }
+    int32_t eos = (int32_t)num(c->config, "eos_token_id", -1), pad = -1;
+    cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
+    cJSON *pad_name = cJSON_GetObjectItem(c->tok_config, "pad_token");
+    cJSON_ArrayForEach(e, added)
+    {
+        int id = atoi(e->string);
+        cJSON *content = cJSON_GetObjectItem(e, "content");
+        if (rc || id < 0 || !cJSON_IsString(content))
+            continue;
+        tokens[id] = content->valuestring;
+        types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
+        if (cJSON_IsString(eos_name) && !strcmp(eos_name->valuestring, content->valuestring))
+            eos = id;
+        if (cJSON_IsString(pad_name) && !strcmp(pad_name->valuestring, content->valuestring))
+            pad = id;
+    }
+    for (int32_t i = 0; rc == 0 && i < n_vocab; i++)
+        if (!tokens[i]) {
+            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+                rc = fail(c, "out of memory");
+            tokens[i] = pads[i];
+            types[i] = 5;
+        }
+    char line[4096];
+    while (rc == 0 && fgets(line, sizeof line, mf)) {
+        size_t len = strcspn(line, "\r\n");
+        line[len] = '\0';
+        if (len == 0 || !strncmp(line, "#version", 8))
+            continue;
+        if (n_merges == cap) {
+            cap = cap ? cap * 2 : 65536;
+            char **grown = realloc(merges, cap * sizeof *merges);
+            if (!grown) {
+                rc = fail(c, "out of memory");
+                break;
+            }
+            merges = grown;
+        }
+        if (!(merges[n_merges++] = strdup(line)))
+            rc = fail(c, "out of memory");
+    }
+    fclose(mf);
+    if (rc == 0) {
+        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "gpt2");
+        loom_gguf_set_str(c->w, "tokenizer.ggml.pre", "qwen2");
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
+        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)merges, n_merges);
+        int32_t bos = (int32_t)num(c->config, "bos_token_id", -1);
+        if (bos >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
+        if (eos >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
+        if (pad >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.padding_token_id", (uint32_t)pad);
+        cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab && cJSON_IsTrue(ab));
+        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
+        if (cJSON_IsString(tmpl))
+            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
+    }
+    for (size_t i = 0; i < n_merges; i++)
+        free(merges[i]);
+    for (int32_t i = 0; pads && i < n_vocab; i++)
+        free(pads[i]);
+    free(merges), free(pads), free(tokens), free(types);
+    cJSON_Delete(vocab);
+    return rc;
+}
+
+/* The Llama-shaped decoders: llama (SentencePiece, Q/K permuted) and qwen2 (byte-level BPE,
+ * q/k/v biases, rotate-half order kept). */
+static int decoder(conv *c, const char *arch)
 {
     cJSON *cf = c->config;
     int32_t n_embd = (int32_t)num(cf, "hidden_size", 0), n_layer = (int32_t)num(cf, "num_hidden_layers", 0);
@@ -271,22 +386,25 @@ static int llama(conv *c)
         return fail(c, "%s/config.json: hidden_size, num_hidden_layers, num_attention_heads and "
                        "intermediate_size must be positive", c->dir);
     int32_t hd = (int32_t)num(cf, "head_dim", n_embd / n_head);
-    loom_gguf_set_str(c->w, "general.architecture", "llama");
+    int qwen2 = !strcmp(arch, "qwen2");
+    char key[128];
+#define KEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
+    loom_gguf_set_str(c->w, "general.architecture", arch);
     const char *slash = strrchr(c->dir, '/');
     loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
-    loom_gguf_set_u32(c->w, "llama.context_length", (uint32_t)num(cf, "max_position_embeddings", 2048));
-    loom_gguf_set_u32(c->w, "llama.embedding_length", (uint32_t)n_embd);
-    loom_gguf_set_u32(c->w, "llama.block_count", (uint32_t)n_layer);
-    loom_gguf_set_u32(c->w, "llama.feed_forward_length", (uint32_t)n_ff);
-    loom_gguf_set_u32(c->w, "llama.attention.head_count", (uint32_t)n_head);
-    loom_gguf_set_u32(c->w, "llama.attention.head_count_kv", (uint32_t)n_kv);
-    loom_gguf_set_u32(c->w, "llama.rope.dimension_count", (uint32_t)hd);
+    loom_gguf_set_u32(c->w, KEY("context_length"), (uint32_t)num(cf, "max_position_embeddings", 2048));
+    loom_gguf_set_u32(c->w, KEY("embedding_length"), (uint32_t)n_embd);
+    loom_gguf_set_u32(c->w, KEY("block_count"), (uint32_t)n_layer);
+    loom_gguf_set_u32(c->w, KEY("feed_forward_length"), (uint32_t)n_ff);
+    loom_gguf_set_u32(c->w, KEY("attention.head_count"), (uint32_t)n_head);
+    loom_gguf_set_u32(c->w, KEY("attention.head_count_kv"), (uint32_t)n_kv);
+    loom_gguf_set_u32(c->w, KEY("rope.dimension_count"), (uint32_t)hd);
     if (hd != n_embd / n_head) {
-        loom_gguf_set_u32(c->w, "llama.attention.key_length", (uint32_t)hd);
-        loom_gguf_set_u32(c->w, "llama.attention.value_length", (uint32_t)hd);
+        loom_gguf_set_u32(c->w, KEY("attention.key_length"), (uint32_t)hd);
+        loom_gguf_set_u32(c->w, KEY("attention.value_length"), (uint32_t)hd);
     }
-    loom_gguf_set_f32(c->w, "llama.attention.layer_norm_rms_epsilon", (float)num(cf, "rms_norm_eps", 1e-5));
-    loom_gguf_set_f32(c->w, "llama.rope.freq_base", (float)num(cf, "rope_theta", 10000.0));
+    loom_gguf_set_f32(c->w, KEY("attention.layer_norm_rms_epsilon"), (float)num(cf, "rms_norm_eps", 1e-5));
+    loom_gguf_set_f32(c->w, KEY("rope.freq_base"), (float)num(cf, "rope_theta", 10000.0));
     cJSON *rs = cJSON_GetObjectItem(cf, "rope_scaling");
     if (cJSON_IsObject(rs)) {
         cJSON *type = cJSON_GetObjectItem(rs, "type");
@@ -295,12 +413,15 @@ static int llama(conv *c)
         if (!cJSON_IsString(type) || strcmp(type->valuestring, "linear") != 0)
             return fail(c, "%s/config.json: rope_scaling type '%s' is not supported (linear is)",
                         c->dir, cJSON_IsString(type) ? type->valuestring : "?");
-        loom_gguf_set_str(c->w, "llama.rope.scaling.type", "linear");
-        loom_gguf_set_f32(c->w, "llama.rope.scaling.factor", (float)num(rs, "factor", 1.0));
+        loom_gguf_set_str(c->w, KEY("rope.scaling.type"), "linear");
+        loom_gguf_set_f32(c->w, KEY("rope.scaling.factor"), (float)num(rs, "factor", 1.0));
     }
-    if (tokenizer(c))
+#undef KEY
+    if (qwen2 ? tokenizer_bpe(c) : tokenizer(c))
         return -1;
-    c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) + 9 * n_layer;
+    int has_bias = loom_safetensors_find(&c->st, "model.layers.0.self_attn.q_proj.bias") != NULL;
+    c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) +
+               (9 + 3 * has_bias) * n_layer;
     if (add(c, "model.embed_tokens.weight", "token_embd.weight", 0, 0) ||
         add(c, "model.norm.weight", "output_norm.weight", 0, 0) ||
         add(c, "lm_head.weight", "output.weight", 1, 0))
@@ -315,9 +436,16 @@ static int llama(conv *c)
             return -1;                                                                         \
     } while (0)
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
-        ADD("self_attn.q_proj.weight", "attn_q.weight", n_head);
-        ADD("self_attn.k_proj.weight", "attn_k.weight", n_kv);
+        ADD("self_attn.q_proj.weight", "attn_q.weight", qwen2 ? 0 : n_head);
+        ADD("self_attn.k_proj.weight", "attn_k.weight", qwen2 ? 0 : n_kv);
         ADD("self_attn.v_proj.weight", "attn_v.weight", 0);
+        if (has_bias) {
+            if (!qwen2)
+                return fail(c, "%s: Llama q/k/v biases are not supported", c->dir);
+            ADD("self_attn.q_proj.bias", "attn_q.bias", 0);
+            ADD("self_attn.k_proj.bias", "attn_k.bias", 0);
+            ADD("self_attn.v_proj.bias", "attn_v.bias", 0);
+        }
         ADD("self_attn.o_proj.weight", "attn_output.weight", 0);
         ADD("post_attention_layernorm.weight", "ffn_norm.weight", 0);
         ADD("mlp.gate_proj.weight", "ffn_gate.weight", 0);
@@ -350,10 +478,10 @@ int loom_convert(const char *dir, const char *out, const char *type,
     }
     cJSON *mt = cJSON_GetObjectItem(c.config, "model_type");
     const char *model_type = cJSON_IsString(mt) ? mt->valuestring : "";
-    if (strcmp(model_type, "llama") == 0)
-        rc = llama(&c);
+    if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "qwen2") == 0)
+        rc = decoder(&c, model_type);
     else
-        fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama)", dir,
+        fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama, qwen2)", dir,
              model_type[0] ? model_type : "(none)");
     if (rc == 0)
         rc = loom_gguf_write(c.w, out, err, err_size);

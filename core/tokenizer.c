@@ -6,13 +6,21 @@
  * pair whose concatenation is a vocabulary entry with the highest score is merged, leftmost
  * first on ties, until no pair is in the vocabulary. A symbol left that is not an entry is
  * spelled with byte tokens <0xXX> ("byte fallback").
+ *
+ * Byte-level BPE ("gpt2" in GGUF: GPT-2, Qwen2, Llama-3): the text (NFC-normalised for Qwen2)
+ * is split by the model's pre-tokenizer regex (PCRE2, Unicode classes); each piece's bytes are
+ * spelled with GPT-2's byte-to-character map, and the adjacent pair with the lowest merge rank
+ * is merged until no listed merge applies.
  */
 #define _GNU_SOURCE
 #include "tokenizer.h"
 
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 
 enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_USER = 4, TOK_UNUSED = 5, TOK_BYTE = 6 };
 
@@ -32,9 +40,23 @@ struct loom_tokenizer {
     uint32_t table_mask;
     int32_t bos, eos, unk;
     int add_bos, add_space_prefix;
+    int strip_special;   /* whitespace next to a special token belongs to neither side */
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
     int32_t *specials;   /* control and user-defined ids, longest text first */
     int n_specials;
+    /* byte-level BPE */
+    int bpe;
+    char *merge_arena;         /* "left right" strings */
+    const char **merge_text;   /* by rank */
+    uint32_t *merge_len;
+    int32_t n_merges;
+    int32_t *merge_table;      /* hash of merge text -> rank, -1 empty */
+    uint32_t merge_mask;
+    pcre2_code *re;            /* the pre-tokenizer */
+    int nfc;
+    char byte_chars[256][3];   /* GPT-2's byte -> character map, UTF-8 */
+    unsigned char byte_chars_len[256];
+    int16_t char_byte[324];    /* and back: code point (< 324) -> byte, -1 none */
 };
 
 static uint32_t hash_bytes(const char *s, size_t n)
@@ -60,6 +82,11 @@ void loom_tokenizer_free(loom_tokenizer *t)
 {
     if (!t)
         return;
+    free(t->merge_arena);
+    free(t->merge_text);
+    free(t->merge_len);
+    free(t->merge_table);
+    pcre2_code_free(t->re);
     free(t->vocab);
     free(t->arena);
     free(t->table);
@@ -79,6 +106,103 @@ static int get_flag(const loom_gguf *g, const char *key, int fallback)
     return loom_gguf_get_bool(g, key, &b) == 0 ? b : fallback;
 }
 
+/* ---- Byte-level BPE: setup --------------------------------------------------------------- */
+
+/* Pre-tokenizer patterns, by tokenizer.ggml.pre (the regexes the models were trained with). */
+static const struct { const char *name, *pattern; } pretokenizers[] = {
+    {"qwen2", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"llama-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"},
+};
+
+static int32_t merge_lookup(const loom_tokenizer *t, const char *s, size_t n)
+{
+    for (uint32_t i = hash_bytes(s, n) & t->merge_mask;; i = (i + 1) & t->merge_mask) {
+        int32_t r = t->merge_table[i];
+        if (r < 0)
+            return -1;
+        if (t->merge_len[r] == n && memcmp(t->merge_text[r], s, n) == 0)
+            return r;
+    }
+}
+
+static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size)
+{
+    /* GPT-2's map: printable bytes stand for themselves, the others for 256, 257, ... */
+    int extra = 0;
+    memset(t->char_byte, 0xff, sizeof t->char_byte);
+    for (int b = 0; b < 256; b++) {
+        int cp = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174) ? b : 256 + extra++;
+        t->byte_chars_len[b] = (unsigned char)utf8proc_encode_char(cp, (utf8proc_uint8_t *)t->byte_chars[b]);
+        t->char_byte[cp] = (int16_t)b;
+    }
+    const loom_gguf_kv *merges = loom_gguf_find(g, "tokenizer.ggml.merges");
+    if (!merges || merges->type != LOOM_GGUF_ARRAY || merges->array_type != LOOM_GGUF_STRING) {
+        snprintf(err, err_size, "a gpt2 tokenizer needs tokenizer.ggml.merges (a list of strings)");
+        return -1;
+    }
+    t->n_merges = (int32_t)merges->count;
+    uint64_t total = 0;
+    for (int32_t i = 0; i < t->n_merges; i++) {
+        const char *s;
+        uint64_t len;
+        loom_gguf_array_str(g, merges, (uint64_t)i, &s, &len);
+        total += len + 1;
+    }
+    uint32_t cap = 1;
+    while (cap < (uint32_t)t->n_merges * 2 + 2)
+        cap <<= 1;
+    t->merge_arena = malloc(total + 1);
+    t->merge_text = malloc(((size_t)t->n_merges + 1) * sizeof *t->merge_text);
+    t->merge_len = malloc(((size_t)t->n_merges + 1) * sizeof *t->merge_len);
+    t->merge_table = malloc(cap * sizeof *t->merge_table);
+    if (!t->merge_arena || !t->merge_text || !t->merge_len || !t->merge_table) {
+        snprintf(err, err_size, "out of memory for the merges");
+        return -1;
+    }
+    t->merge_mask = cap - 1;
+    memset(t->merge_table, 0xff, cap * sizeof *t->merge_table);
+    char *p = t->merge_arena;
+    for (int32_t i = 0; i < t->n_merges; i++) {
+        const char *s;
+        uint64_t len;
+        loom_gguf_array_str(g, merges, (uint64_t)i, &s, &len);
+        memcpy(p, s, len);
+        p[len] = '\0';
+        t->merge_text[i] = p;
+        t->merge_len[i] = (uint32_t)len;
+        p += len + 1;
+        if (merge_lookup(t, t->merge_text[i], len) < 0) { /* the first (lowest) rank wins */
+            uint32_t h = hash_bytes(t->merge_text[i], len) & t->merge_mask;
+            while (t->merge_table[h] >= 0)
+                h = (h + 1) & t->merge_mask;
+            t->merge_table[h] = i;
+        }
+    }
+    const char *pre = "gpt2";
+    uint64_t pre_len = 4;
+    loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len);
+    const char *pattern = NULL;
+    for (size_t i = 0; i < sizeof pretokenizers / sizeof pretokenizers[0]; i++)
+        if (strlen(pretokenizers[i].name) == pre_len && memcmp(pre, pretokenizers[i].name, pre_len) == 0)
+            pattern = pretokenizers[i].pattern;
+    if (!pattern) {
+        snprintf(err, err_size, "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
+                                "llama-bpe, gpt2)", (int)(pre_len < 40 ? pre_len : 40), pre);
+        return -1;
+    }
+    t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
+    int code;
+    PCRE2_SIZE off;
+    t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,
+                          &off, NULL);
+    if (!t->re) {
+        snprintf(err, err_size, "internal: the %s pre-tokenizer pattern does not compile", pattern);
+        return -1;
+    }
+    return 0;
+}
+
 static int cmp_special_len(const void *a, const void *b, void *ctx)
 {
     const loom_tokenizer *t = ctx;
@@ -93,8 +217,10 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         snprintf(err, err_size, "the file has no tokenizer (no tokenizer.ggml.model key)");
         return NULL;
     }
-    if (model_len != 5 || memcmp(model, "llama", 5) != 0) {
-        snprintf(err, err_size, "tokenizer model '%.*s' is not supported yet (loom runs: llama)",
+    int bpe = model_len == 4 && memcmp(model, "gpt2", 4) == 0;
+    if (!bpe && (model_len != 5 || memcmp(model, "llama", 5) != 0)) {
+        snprintf(err, err_size, "tokenizer model '%.*s' is not supported yet (loom runs: llama, "
+                                "gpt2)",
                  (int)(model_len < 32 ? model_len : 32), model);
         return NULL;
     }
@@ -113,7 +239,8 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     loom_tokenizer *t = calloc(1, sizeof *t);
     if (!t)
         goto oom;
-    snprintf(t->model, sizeof t->model, "llama");
+    snprintf(t->model, sizeof t->model, "%s", bpe ? "gpt2" : "llama");
+    t->bpe = bpe;
     t->n_vocab = (int32_t)tokens->count;
     uint64_t total = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
@@ -166,8 +293,17 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         t->eos = -1;
     if (t->unk < 0 || t->unk >= t->n_vocab)
         t->unk = 0;
-    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", 1) && t->bos >= 0;
-    t->add_space_prefix = get_flag(g, "tokenizer.ggml.add_space_prefix", 1);
+    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", !bpe) && t->bos >= 0;
+    t->add_space_prefix = get_flag(g, "tokenizer.ggml.add_space_prefix", !bpe);
+    /* Hugging Face's SentencePiece (slow) tokenizer strips the whitespace around special tokens
+     * unless they are declared with lstrip/rstrip false, as tokenizer.json-era configs do;
+     * llama.cpp never strips. loom's converter records which (tokenizer.loom.strip_special);
+     * a file without the key is taken as the classic SentencePiece behaviour. */
+    t->strip_special = !bpe && get_flag(g, "tokenizer.loom.strip_special", 1);
+    if (bpe && bpe_setup(t, g, err, err_size) != 0) {
+        loom_tokenizer_free(t);
+        return NULL;
+    }
     t->specials = malloc((size_t)t->n_vocab * sizeof *t->specials);
     if (!t->specials)
         goto oom;
@@ -347,6 +483,96 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
     return rc;
 }
 
+/* ---- Byte-level BPE: encoding ------------------------------------------------------------ */
+
+/* One pre-token: its bytes spelled with the byte map, then merged by rank. */
+static int bpe_word(const loom_tokenizer *t, const unsigned char *w, size_t n, out_ids *o)
+{
+    char *buf = malloc(2 * n + 1), *key = malloc(4 * n + 2);
+    size_t *st = malloc(n * sizeof *st), *ln = malloc(n * sizeof *ln);
+    if (!buf || !key || !st || !ln) {
+        free(buf), free(key), free(st), free(ln);
+        return -1;
+    }
+    size_t used = 0, cnt = n;
+    for (size_t i = 0; i < n; i++) {
+        st[i] = used;
+        ln[i] = t->byte_chars_len[w[i]];
+        memcpy(buf + used, t->byte_chars[w[i]], ln[i]);
+        used += ln[i];
+    }
+    for (;;) {
+        int32_t best_rank = -1;
+        size_t best = 0;
+        for (size_t i = 0; i + 1 < cnt; i++) {
+            memcpy(key, buf + st[i], ln[i]);
+            key[ln[i]] = ' ';
+            memcpy(key + ln[i] + 1, buf + st[i + 1], ln[i + 1]);
+            int32_t r = merge_lookup(t, key, ln[i] + 1 + ln[i + 1]);
+            if (r >= 0 && (best_rank < 0 || r < best_rank)) {
+                best_rank = r;
+                best = i;
+            }
+        }
+        if (best_rank < 0)
+            break;
+        ln[best] += ln[best + 1]; /* symbols are contiguous in buf */
+        memmove(st + best + 1, st + best + 2, (cnt - best - 2) * sizeof *st);
+        memmove(ln + best + 1, ln + best + 2, (cnt - best - 2) * sizeof *ln);
+        cnt--;
+    }
+    for (size_t i = 0; i < cnt; i++) {
+        int32_t id = lookup(t, buf + st[i], ln[i]);
+        if (id >= 0) {
+            emit(o, id);
+            continue;
+        }
+        /* not in the vocabulary as a whole: its characters one by one */
+        for (size_t k = 0; k < ln[i];) {
+            size_t cl = utf8_len((unsigned char)buf[st[i] + k]);
+            int32_t cid = lookup(t, buf + st[i] + k, cl);
+            emit(o, cid >= 0 ? cid : t->unk);
+            k += cl;
+        }
+    }
+    free(buf), free(key), free(st), free(ln);
+    return 0;
+}
+
+static int bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, out_ids *o)
+{
+    utf8proc_uint8_t *norm = NULL;
+    const unsigned char *text = (const unsigned char *)raw;
+    if (t->nfc) {
+        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len,
+                                          &norm, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
+        if (n >= 0) {
+            text = norm;
+            len = (size_t)n;
+        } /* not valid UTF-8: tokenize the bytes as they are */
+    }
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->re, NULL);
+    int rc = md ? 0 : -1;
+    size_t at = 0;
+    while (rc == 0 && at < len) {
+        int m = pcre2_match(t->re, text, len, at, 0, md, NULL);
+        size_t s = len, e = len;
+        if (m >= 0) {
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+            s = ov[0];
+            e = ov[1] > ov[0] ? ov[1] : ov[0] + utf8_len(text[ov[0]]);
+        }
+        if (s > at)
+            rc = bpe_word(t, text + at, s - at, o); /* bytes no pattern matched */
+        if (rc == 0 && e > s)
+            rc = bpe_word(t, text + s, (e < len ? e : len) - s, o);
+        at = e;
+    }
+    pcre2_match_data_free(md);
+    free(norm);
+    return rc;
+}
+
 static int is_space(char c)
 {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
@@ -379,14 +605,17 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
         /* like the reference (Hugging Face's Llama tokenizer), whitespace next to a special
          * token belongs to neither side: "girl. </s>" ends in ".", then </s> */
         size_t end = i;
-        if (parse_special) {
+        if (parse_special && t->strip_special) {
             while (start < end && prev_special && start > 0 && is_space(text[start]))
                 start++;
             while (end > start && found >= 0 && is_space(text[end - 1]))
                 end--;
         }
         if (end > start) {
-            if (spm_fragment(t, text + start, end - start, t->add_space_prefix && prev_special, &o))
+            int rc = t->bpe ? bpe_fragment(t, text + start, end - start, &o)
+                            : spm_fragment(t, text + start, end - start,
+                                           t->add_space_prefix && prev_special, &o);
+            if (rc)
                 return -1;
             prev_special = 0;
         }
@@ -409,6 +638,23 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     int n = 0;
     if (e->type == TOK_CONTROL) {
         n = 0;
+    } else if (t->bpe) {
+        for (uint32_t i = 0; i < e->len && n < (int)sizeof buf;) {
+            utf8proc_int32_t cp;
+            utf8proc_ssize_t k = utf8proc_iterate((const utf8proc_uint8_t *)e->text + i,
+                                                  (utf8proc_ssize_t)(e->len - i), &cp);
+            if (k <= 0) {
+                buf[n++] = e->text[i++];
+                continue;
+            }
+            if (cp >= 0 && cp < 324 && t->char_byte[cp] >= 0) {
+                buf[n++] = (char)t->char_byte[cp];
+            } else { /* an added token's own text */
+                for (utf8proc_ssize_t j = 0; j < k && n < (int)sizeof buf; j++)
+                    buf[n++] = e->text[i + (uint32_t)j];
+            }
+            i += (uint32_t)k;
+        }
     } else if (e->type == TOK_BYTE) {
         unsigned byte;
         if (sscanf(e->text, "<0x%02X>", &byte) == 1)

@@ -92,8 +92,8 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
 
 /* Runs every case of the fixture on model path with backend, checking logits within tol of
  * logits_file_key ("last_logits" or a quantized reference) and, when greedy, the tokens. */
-static void check_model(const char *path, const char *backend, const char *logits_of,
-                        double tol, int greedy_too, const char *what)
+static void check_model(const char *fixture, const char *path, const char *backend,
+                        const char *logits_of, double tol, int greedy_too, const char *what)
 {
     loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};
     loom_model *m = loom_model_open(path, &o, err, sizeof err);
@@ -101,7 +101,7 @@ static void check_model(const char *path, const char *backend, const char *logit
     if (!m)
         return;
     char p[4200];
-    snprintf(p, sizeof p, "%s/tiny-llama/expected.json", dir);
+    snprintf(p, sizeof p, "%s/%s/expected.json", dir, fixture);
     char *json = slurp(p, NULL);
     cJSON *root = cJSON_Parse(json), *cs;
     loom_sampling g = loom_sampling_defaults();
@@ -115,15 +115,21 @@ static void check_model(const char *path, const char *backend, const char *logit
                                 : cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"), logits_of), "last_logits");
         if (!ref_logits)
             continue; /* quantised references exist for the plain case only */
+        /* the prompt as loom's tokenizer encodes the text, which must give the fixture's ids */
         cJSON *pids = cJSON_GetObjectItem(cs, "prompt_ids");
-        int n = cJSON_GetArraySize(pids);
+        cJSON *text = cJSON_GetObjectItem(cs, "text");
+        if (!cJSON_IsString(text))
+            text = cJSON_GetObjectItem(cs, "rendered_prompt");
         int32_t ids[512];
-        for (int i = 0; i < n && i < 512; i++)
-            ids[i] = cJSON_GetArrayItem(pids, i)->valueint;
+        int n = (int)loom_tokenize(m, text->valuestring, 1, 1, ids, 512, err, sizeof err);
+        int same_ids = n == cJSON_GetArraySize(pids);
+        for (int i = 0; same_ids && i < n; i++)
+            same_ids = ids[i] == cJSON_GetArrayItem(pids, i)->valueint;
+        CHECK(same_ids, "%s, %s: prompt ids differ from the fixture's", what, name);
         collect c = {{0}, 0};
         int rc = loom_generate(m, ids, n, 16, &g, on_token, &c, NULL, err, sizeof err);
         CHECK(rc == 0, "%s %s: %s", what, name, err);
-        snprintf(p, sizeof p, "%s/tiny-llama/%s", dir,
+        snprintf(p, sizeof p, "%s/%s/%s", dir, fixture,
                  cJSON_GetObjectItem(ref_logits, "file")->valuestring);
         size_t bytes;
         float *ref = (float *)slurp(p, &bytes);
@@ -183,17 +189,76 @@ static void test_tiny_llama(void)
         char label[160];
         snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
         int exact = strcmp(c->name, "ref") == 0; /* f32 activations into quantised matmuls */
-        check_model(f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
-        check_model(hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
+        check_model("tiny-llama", f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
+        check_model("tiny-llama", hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
         /* Q8_0: loom's quantiser is ggml's quantize_row_q8_0_ref (x * (1/d), roundf); the
          * fixture's q8_0 reference differs from it by 0.013 in the logits (its q4_0 reference
          * agrees within 1e-6), so the bound here is the README's for quantised activations,
          * and the top token must agree */
-        check_model(q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
-        check_model(q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
+        check_model("tiny-llama", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
+        check_model("tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
     }
     loom_registry_free(&reg);
     unlink(f32), unlink(q8), unlink(q4);
+}
+
+/* Qwen2: byte-level BPE from vocab.json + merges.txt, q/k/v biases, tied embeddings, a vocabulary
+ * padded past the tokenizer's ids. The f16 weights upcast exactly, so f32 bounds apply. */
+static void test_tiny_qwen2(void)
+{
+    char hf[4200], f32[4200];
+    snprintf(hf, sizeof hf, "%s/tiny-qwen2", dir);
+    snprintf(f32, sizeof f32, "%s/qwen2-f32.gguf", tmp);
+    CHECK(loom_convert(hf, f32, "f32", NULL, NULL, err, sizeof err) == 0, "qwen2: %s", err);
+    loom_registry reg;
+    if (loom_registry_scan(&reg, err, sizeof err) != 0)
+        return;
+    for (int i = 0; i < reg.count; i++) {
+        const loom_candidate *c = &reg.items[i];
+        if (c->state != LOOM_CAND_USABLE)
+            continue;
+        char label[160];
+        snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        check_model("tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
+    }
+    loom_registry_free(&reg);
+
+    /* llama.cpp's test vectors for the Qwen2 vocabulary, through the converted tokenizer */
+    char inp[4200], outp[4200];
+    snprintf(inp, sizeof inp, "%s/peers/llama.cpp/ggml-vocab-qwen2.gguf.inp", dir);
+    snprintf(outp, sizeof outp, "%s/peers/llama.cpp/ggml-vocab-qwen2.gguf.out", dir);
+    char *in = slurp(inp, NULL), *out = slurp(outp, NULL);
+    loom_model_options o = {.n_ctx = 64};
+    loom_model *m = loom_model_open(f32, &o, err, sizeof err);
+    CHECK(in && out && m, "qwen2 vectors: %s", err);
+    int cases = 0, wrong = 0;
+    const char *sep = "\n__ggml_vocab_test__\n";
+    char *line = out;
+    for (char *cs = in, *end; m && in && out && (end = strstr(cs, sep)); cs = end + strlen(sep)) {
+        char *eol = strchr(line, '\n');
+        if (!eol)
+            break;
+        *eol = '\0';
+        *end = '\0';
+        int32_t got[512], want[512];
+        int nw = 0;
+        for (char *p = line, *q; nw < 512; p = q) {
+            long v = strtol(p, &q, 10);
+            if (q == p)
+                break;
+            want[nw++] = (int32_t)v;
+        }
+        int64_t ng = loom_tokenize(m, cs, 0, 0, got, 512, err, sizeof err);
+        if (!(ng == nw && memcmp(got, want, (size_t)nw * 4) == 0) && wrong++ < 5)
+            fprintf(stderr, "qwen2 case %d '%s': %lld ids, want %d\n", cases, cs, (long long)ng, nw);
+        *end = '\n';
+        line = eol + 1;
+        cases++;
+    }
+    CHECK(cases > 40 && wrong == 0, "qwen2 vectors: %d of %d differ from llama.cpp", wrong, cases);
+    loom_model_close(m);
+    free(in), free(out);
+    unlink(f32);
 }
 
 static void test_errors(void)
@@ -203,8 +268,8 @@ static void test_errors(void)
     CHECK(loom_convert(tmp, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "config.json"),
           "folder without config.json: %s", err);
     char hf[4200];
-    snprintf(hf, sizeof hf, "%s/tiny-qwen2", dir);
-    CHECK(loom_convert(hf, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "qwen2"),
+    snprintf(hf, sizeof hf, "%s/tiny-chatglm3", dir);
+    CHECK(loom_convert(hf, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "chatglm"),
           "model type not yet converted is named: %s", err);
     snprintf(hf, sizeof hf, "%s/tiny-llama", dir);
     CHECK(loom_convert(hf, out, "q5_k", NULL, NULL, err, sizeof err) != 0 && strstr(err, "q5_k"),
@@ -234,6 +299,7 @@ int main(void)
         return 1;
     test_stories_bytes();
     test_tiny_llama();
+    test_tiny_qwen2();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);
