@@ -263,3 +263,59 @@ const char *loom_model_name(const loom_model *m)
 {
     return m->name;
 }
+
+/* ---- Tokenizers alone ------------------------------------------------------------------- */
+
+struct loom_vocab {
+    loom_gguf gguf;
+    loom_tokenizer *tok;
+};
+
+loom_vocab *loom_vocab_open(const char *path, char *err, size_t err_size)
+{
+    loom_vocab *v = calloc(1, sizeof *v);
+    if (!v) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    int rc;
+    if (loom_is_model_dir(path)) {
+        char mem[64];
+        int fd = loom_convert_in_memory(path, mem, sizeof mem, NULL, NULL, err, err_size);
+        rc = fd < 0 ? -1 : loom_gguf_open(&v->gguf, mem, err, err_size);
+        if (fd >= 0)
+            close(fd);
+    } else {
+        rc = loom_gguf_open(&v->gguf, path, err, err_size);
+    }
+    if (rc != 0 || !(v->tok = loom_tokenizer_from_gguf(&v->gguf, err, err_size))) {
+        loom_vocab_close(v);
+        return NULL;
+    }
+    return v;
+}
+
+void loom_vocab_close(loom_vocab *v)
+{
+    if (!v)
+        return;
+    loom_tokenizer_free(v->tok);
+    loom_gguf_close(&v->gguf);
+    free(v);
+}
+
+int32_t loom_vocab_size(const loom_vocab *v)
+{
+    return loom_tokenizer_vocab_size(v->tok);
+}
+
+int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special,
+                          int parse_special, int32_t *ids, int64_t cap)
+{
+    return loom_tokenizer_encode(v->tok, text, strlen(text), add_special, parse_special, ids, cap);
+}
+
+int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, int cap)
+{
+    return loom_tokenizer_piece(v->tok, prev, id, out, cap);
+}

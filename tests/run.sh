@@ -45,6 +45,18 @@ expect_grep "context holds 4" "$tmpdir/e4" "prompt longer than the context"
 "$LOOM" run -m "$tmpdir/nothing.gguf" -p hi > /dev/null 2> "$tmpdir/e5" && fail "missing file accepted"
 expect_grep "No such file" "$tmpdir/e5" "missing model file"
 
+# tokenize / detokenize: the fixture's ids, and back to the text
+got=$("$LOOM" tokenize -m "$gguf" --json "Once upon a time" | jq -c .)
+[ "$got" = "$(jq -c '.cases[0].prompt_ids' "$expected")" ] && pass "tokenize" || fail "tokenize: $got"
+text=$("$LOOM" detokenize -m "$gguf" $(jq -r '.cases[0].prompt_ids | map(tostring) | join(" ")' "$expected"))
+[ "$text" = "Once upon a time" ] && pass "detokenize" || fail "detokenize: '$text'"
+"$LOOM" detokenize -m "$gguf" 1,99999 > /dev/null 2> "$tmpdir/e7" && fail "bad id accepted"
+expect_grep "not a token id below 512" "$tmpdir/e7" "detokenize names a bad id"
+qwen="$FIXTURES/tiny-qwen2"
+got=$("$LOOM" tokenize -m "$qwen" --json "$(jq -r '.cases[1].text' "$qwen/expected.json")" | jq -c .)
+[ "$got" = "$(jq -c '.cases[1].prompt_ids' "$qwen/expected.json")" ] && pass "tokenize a Qwen2 folder (CJK)" ||
+    fail "qwen2 tokenize: $got"
+
 # the benchmark on a synthetic model, every CPU variant
 if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \
         > "$tmpdir/bench.json" 2> "$tmpdir/bench.err"; then

@@ -32,6 +32,8 @@ static void usage(FILE *out)
             "                      generate text (loom run --help for the options)\n"
             "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
             "                      a Hugging Face folder to GGUF (Llama family)\n"
+            "  tokenize -m MODEL [--json] [--no-special] TEXT   text to token ids\n"
+            "  detokenize -m MODEL IDS                          token ids to text\n"
             "  inspect FILE [--json]\n"
             "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
             "                      tokenizer, chat template, tensors; checks the data is all there\n"
@@ -298,6 +300,95 @@ static int cmd_convert(int argc, char **argv)
     return 0;
 }
 
+/* ---- loom tokenize / detokenize -------------------------------------------------------------- */
+
+static int cmd_tokenize(int argc, char **argv)
+{
+    const char *model = NULL, *text = NULL;
+    int json = 0, no_special = 0;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "-m") && i + 1 < argc)
+            model = argv[++i];
+        else if (!strcmp(argv[i], "--json"))
+            json = 1;
+        else if (!strcmp(argv[i], "--no-special"))
+            no_special = 1;
+        else if ((argv[i][0] == '-' && argv[i][1]) || text) {
+            fprintf(stderr, "loom tokenize: unexpected argument '%s'\n", argv[i]);
+            return 2;
+        } else
+            text = argv[i];
+    }
+    if (!model || !text) {
+        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special] TEXT\n");
+        return 2;
+    }
+    char err[4096];
+    loom_vocab *v = loom_vocab_open(model, err, sizeof err);
+    if (!v) {
+        fprintf(stderr, "loom tokenize: %s\n", err);
+        return 2;
+    }
+    /* --no-special: the text alone, with "<s>" and the like taken as plain characters */
+    int64_t n = loom_vocab_encode(v, text, !no_special, !no_special, NULL, 0);
+    int32_t *ids = n > 0 ? malloc((size_t)n * sizeof *ids) : NULL;
+    if (n > 0 && ids)
+        loom_vocab_encode(v, text, !no_special, !no_special, ids, n);
+    printf("%s", json ? "[" : "");
+    for (int64_t i = 0; ids && i < n; i++)
+        printf(json ? "%s%d" : "%s%d", i ? (json ? ", " : " ") : "", ids[i]);
+    printf("%s\n", json ? "]" : "");
+    free(ids);
+    loom_vocab_close(v);
+    return n < 0 ? 1 : 0;
+}
+
+static int cmd_detokenize(int argc, char **argv)
+{
+    const char *model = NULL;
+    int first = argc;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "-m") && i + 1 < argc) {
+            model = argv[++i];
+        } else {
+            first = i;
+            break;
+        }
+    }
+    if (!model || first >= argc) {
+        fprintf(stderr, "usage: loom detokenize -m MODEL ID [ID ...] (or one comma-separated list)\n");
+        return 2;
+    }
+    char err[4096];
+    loom_vocab *v = loom_vocab_open(model, err, sizeof err);
+    if (!v) {
+        fprintf(stderr, "loom detokenize: %s\n", err);
+        return 2;
+    }
+    int32_t prev = -1;
+    int rc = 0;
+    for (int i = first; i < argc && !rc; i++)
+        for (const char *p = argv[i]; *p && !rc;) {
+            char *end;
+            long id = strtol(p, &end, 10);
+            char piece[512];
+            int k = end == p ? -1 : loom_vocab_piece(v, prev, (int32_t)id, piece, sizeof piece);
+            if (k < 0 || (*end && *end != ',')) {
+                fprintf(stderr, "\nloom detokenize: '%s' is not a token id below %d\n", p,
+                        loom_vocab_size(v));
+                rc = 2;
+                break;
+            }
+            fwrite(piece, 1, (size_t)k, stdout);
+            prev = (int32_t)id;
+            p = *end ? end + 1 : end;
+        }
+    if (!rc)
+        printf("\n");
+    loom_vocab_close(v);
+    return rc;
+}
+
 static int cmd_inspect(int argc, char **argv)
 {
     int json = 0;
@@ -355,6 +446,10 @@ int main(int argc, char **argv)
         return cmd_backends(argc - 2, argv + 2);
     if (strcmp(cmd, "run") == 0)
         return cmd_run(argc - 2, argv + 2);
+    if (strcmp(cmd, "tokenize") == 0)
+        return cmd_tokenize(argc - 2, argv + 2);
+    if (strcmp(cmd, "detokenize") == 0)
+        return cmd_detokenize(argc - 2, argv + 2);
     if (strcmp(cmd, "convert") == 0)
         return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)

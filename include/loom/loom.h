@@ -100,6 +100,21 @@ uint64_t loom_model_weight_bytes(const loom_model *m);
 const char *loom_model_weight_type(const loom_model *m);
 const char *loom_model_name(const loom_model *m);
 
+/* ---- Tokenizers alone ------------------------------------------------------------------ */
+
+typedef struct loom_vocab loom_vocab;
+
+/* The tokenizer of a GGUF file or Hugging Face folder, without loading the model for running. */
+loom_vocab *loom_vocab_open(const char *path, char *err, size_t err_size);
+void loom_vocab_close(loom_vocab *v);
+int32_t loom_vocab_size(const loom_vocab *v);
+/* As loom_tokenize. */
+int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special,
+                          int parse_special, int32_t *ids, int64_t cap);
+/* The text of token id printed after prev (-1 at the start); bytes written (<= cap), or -1 for
+ * an id outside the vocabulary. */
+int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, int cap);
+
 /* ---- Converting ------------------------------------------------------------------------ */
 
 /* Called after each tensor: done of total, and its GGUF name. */
