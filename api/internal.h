@@ -17,4 +17,7 @@ int loom_is_model_dir(const char *path);
 /* A progress bar on stderr, for conversions started on the user's behalf. */
 void loom_progress_bar(void *user, int done, int total, const char *what);
 
+/* The template for a stored template text and architecture (either may be NULL). */
+const char *loom_chat_template_guess(const char *stored, const char *arch, int *recognised);
+
 #endif

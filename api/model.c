@@ -170,20 +170,42 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
                   const loom_sampling *s, loom_token_fn on_token, void *user,
                   loom_generation *stats, char *err, size_t err_size)
 {
+    return loom_generate_from(m, prompt, n_prompt, 0, n_predict, s, on_token, user, stats, err,
+                              err_size);
+}
+
+const char *loom_model_chat_template(const loom_model *m, int *recognised)
+{
+    const char *stored, *arch;
+    uint64_t len, alen;
+    char *tmpl = NULL, archname[64] = "";
+    if (loom_gguf_get_str(&m->gguf, "tokenizer.chat_template", &stored, &len) == 0)
+        tmpl = strndup(stored, (size_t)len);
+    if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &alen) == 0)
+        snprintf(archname, sizeof archname, "%.*s", (int)(alen < 63 ? alen : 63), arch);
+    const char *name = loom_chat_template_guess(tmpl, archname, recognised);
+    free(tmpl);
+    return name;
+}
+
+int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
+                       int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
+                       void *user, loom_generation *stats, char *err, size_t err_size)
+{
     loom_generation st = {.n_prompt = n_prompt};
     int32_t n_ctx = loom_runner_n_ctx(m->runner), n_vocab = loom_model_n_vocab(m);
     if (n_prompt <= 0) {
         snprintf(err, err_size, "the prompt is empty");
         return -1;
     }
-    if (n_prompt > n_ctx) {
+    if (pos0 < 0 || pos0 + n_prompt > n_ctx) {
         snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (raise it with "
                                 "-c, up to the model's training context)",
-                 n_prompt, n_ctx);
+                 pos0 + n_prompt, n_ctx);
         return -1;
     }
-    if (n_predict < 0 || n_prompt + n_predict > n_ctx)
-        n_predict = n_ctx - n_prompt;
+    if (n_predict < 0 || pos0 + n_prompt + n_predict > n_ctx)
+        n_predict = n_ctx - pos0 - n_prompt;
     loom_sampler_params sp = {s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
                               s->repeat_last_n, s->presence_penalty, s->frequency_penalty, s->seed};
     uint64_t rng = s->seed;
@@ -199,7 +221,7 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
     int32_t n_hist = n_prompt, eos = loom_tokenizer_eos(m->tok);
     size_t n_pending = 0;
     double t0 = now_ms();
-    int rc = loom_runner_eval(m->runner, prompt, n_prompt, 0, err, err_size);
+    int rc = loom_runner_eval(m->runner, prompt, n_prompt, pos0, err, err_size);
     double t_prefill = now_ms() - t0, t_decode0 = now_ms();
     if (rc == 0)
         memcpy(m->prompt_logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof(float));
@@ -224,7 +246,7 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
         n_pending -= ready;
         if (stop || i + 1 == n_predict)
             break;
-        rc = loom_runner_eval(m->runner, &next, 1, n_hist - 1, err, err_size);
+        rc = loom_runner_eval(m->runner, &next, 1, pos0 + n_hist - 1, err, err_size);
     }
     if (rc == 0 && n_pending && on_token)
         on_token(user, -1, pending, n_pending); /* whatever is left, even if incomplete */

@@ -57,6 +57,16 @@ got=$("$LOOM" tokenize -m "$qwen" --json "$(jq -r '.cases[1].text' "$qwen/expect
 [ "$got" = "$(jq -c '.cases[1].prompt_ids' "$qwen/expected.json")" ] && pass "tokenize a Qwen2 folder (CJK)" ||
     fail "qwen2 tokenize: $got"
 
+# chat: the second turn reuses the first's KV cache; /reset forgets it
+printf 'What is the capital of France?\nAnd of Italy?\n/reset\nHi\n' |
+    "$LOOM" chat -m "$qwen" --temp 0 -n 4 > "$tmpdir/chat.out" 2> "$tmpdir/chat.err" || fail "chat exit $?"
+expect_grep "template chatml" "$tmpdir/chat.err" "chat picks the ChatML template for Qwen2"
+reused=$(grep -o 'reused [0-9]* of' "$tmpdir/chat.err" | awk '{print $2}' | tr '\n' ' ')
+case "$reused" in "0 "[1-9]*" 0 ") pass "KV cache reused on the second turn, not after /reset ($reused)";;
+    *) fail "reuse pattern: '$reused'"; cat "$tmpdir/chat.err" >&2;; esac
+"$LOOM" chat -m "$qwen" --chat-template nosuch < /dev/null > /dev/null 2> "$tmpdir/e8" && fail "bad template accepted"
+expect_grep "no chat template named 'nosuch'" "$tmpdir/e8" "unknown chat template named"
+
 # the benchmark on a synthetic model, every CPU variant
 if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \
         > "$tmpdir/bench.json" 2> "$tmpdir/bench.err"; then

@@ -7,6 +7,7 @@
 #include "bench_ops.h"
 
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
+int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -32,6 +33,7 @@ static void usage(FILE *out)
             "                      generate text (loom run --help for the options)\n"
             "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
             "                      a Hugging Face folder to GGUF (Llama family)\n"
+            "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
             "  tokenize -m MODEL [--json] [--no-special] TEXT   text to token ids\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
             "  inspect FILE [--json]\n"
@@ -446,6 +448,8 @@ int main(int argc, char **argv)
         return cmd_backends(argc - 2, argv + 2);
     if (strcmp(cmd, "run") == 0)
         return cmd_run(argc - 2, argv + 2);
+    if (strcmp(cmd, "chat") == 0)
+        return loom_chat_main(argc - 2, argv + 2);
     if (strcmp(cmd, "tokenize") == 0)
         return cmd_tokenize(argc - 2, argv + 2);
     if (strcmp(cmd, "detokenize") == 0)

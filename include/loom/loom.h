@@ -100,6 +100,29 @@ uint64_t loom_model_weight_bytes(const loom_model *m);
 const char *loom_model_weight_type(const loom_model *m);
 const char *loom_model_name(const loom_model *m);
 
+/* Like loom_generate, but the prompt continues a sequence already evaluated up to pos0 (its
+ * KV cache is reused: a chat turn evaluates only what the conversation added). */
+int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
+                       int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
+                       void *user, loom_generation *stats, char *err, size_t err_size);
+
+/* ---- Chat templates -------------------------------------------------------------------- */
+
+typedef struct loom_chat_message {
+    const char *role;    /* "system", "user", "assistant" */
+    const char *content;
+} loom_chat_message;
+
+/* Renders a conversation with a built-in template (loom_chat_templates() lists them); with
+ * add_generation_prompt, ends with the opening of the assistant's turn. *out is malloc'd. */
+int loom_chat_render(const char *name, const loom_chat_message *msgs, int n,
+                     int add_generation_prompt, char **out, char *err, size_t err_size);
+const char *loom_chat_templates(void);
+int loom_chat_template_valid(const char *name);
+/* The template a model wants: recognised from the template text its file carries, else by its
+ * architecture. *recognised is 0 when that was a guess (say so to the user). */
+const char *loom_model_chat_template(const loom_model *m, int *recognised);
+
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 
 typedef struct loom_vocab loom_vocab;

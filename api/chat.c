@@ -1,0 +1,170 @@
+/*
+ * api/chat.c - chat templates: the conversation formats of the model families, built in
+ * (loom runs no Jinja), chosen by recognising the template text a model file carries, or by
+ * its architecture, or by name (--chat-template).
+ *
+ *   llama2   <s>[INST] <<SYS>>\nSYSTEM\n<</SYS>>\n\nUSER [/INST] ANSWER </s><s>[INST] ...
+ *   llama3   <|begin_of_text|><|start_header_id|>ROLE<|end_header_id|>\n\nTEXT<|eot_id|>...
+ *   chatml   <|im_start|>ROLE\nTEXT<|im_end|>\n ... (Qwen; a default system turn when none)
+ *   chatglm3 [gMASK]sop<|ROLE|>\n TEXT ...
+ * Each ends, with add_generation_prompt, with the opening of the assistant's turn.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct sbuf {
+    char *s;
+    size_t n, cap;
+    int oom;
+} sbuf;
+
+static void put(sbuf *b, const char *fmt, ...)
+{
+    va_list ap, ap2;
+    va_start(ap, fmt);
+    va_copy(ap2, ap);
+    int k = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (k < 0 || b->oom) {
+        va_end(ap2);
+        b->oom = 1;
+        return;
+    }
+    if (b->n + (size_t)k + 1 > b->cap) {
+        size_t cap = (b->n + (size_t)k + 1) * 2;
+        char *s = realloc(b->s, cap);
+        if (!s) {
+            va_end(ap2);
+            b->oom = 1;
+            return;
+        }
+        b->s = s;
+        b->cap = cap;
+    }
+    vsnprintf(b->s + b->n, (size_t)k + 1, fmt, ap2);
+    va_end(ap2);
+    b->n += (size_t)k;
+}
+
+/* text without leading and trailing whitespace, as Python's str.strip() */
+static void put_stripped(sbuf *b, const char *t)
+{
+    while (*t == ' ' || *t == '\n' || *t == '\t' || *t == '\r')
+        t++;
+    size_t n = strlen(t);
+    while (n && (t[n - 1] == ' ' || t[n - 1] == '\n' || t[n - 1] == '\t' || t[n - 1] == '\r'))
+        n--;
+    put(b, "%.*s", (int)n, t);
+}
+
+static const char *const template_names[] = {"llama2", "llama3", "chatml", "chatglm3"};
+
+const char *loom_chat_templates(void)
+{
+    return "llama2, llama3, chatml, chatglm3";
+}
+
+int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int add_generation_prompt,
+                     char **out, char *err, size_t err_size)
+{
+    sbuf b = {0};
+    put(&b, "%s", "");
+    if (!strcmp(name, "llama2")) {
+        int i = 0;
+        const char *system = NULL;
+        if (n > 0 && !strcmp(msgs[0].role, "system"))
+            system = msgs[i++].content;
+        for (int turn = 0; i < n; i++, turn++) {
+            if (!strcmp(msgs[i].role, "user")) {
+                put(&b, "<s>[INST] ");
+                if (system && turn == 0) {
+                    sbuf c = {0};
+                    put(&c, "<<SYS>>\n%s\n<</SYS>>\n\n%s", system, msgs[i].content);
+                    if (!c.oom)
+                        put_stripped(&b, c.s);
+                    free(c.s);
+                } else {
+                    put_stripped(&b, msgs[i].content);
+                }
+                put(&b, " [/INST]");
+            } else if (!strcmp(msgs[i].role, "assistant")) {
+                put(&b, " ");
+                put_stripped(&b, msgs[i].content);
+                put(&b, " </s>");
+            } else {
+                free(b.s);
+                snprintf(err, err_size, "the llama2 template has no role '%s' (system comes first, "
+                                        "then user and assistant in turn)", msgs[i].role);
+                return -1;
+            }
+        }
+    } else if (!strcmp(name, "llama3")) {
+        put(&b, "<|begin_of_text|>");
+        for (int i = 0; i < n; i++)
+            put(&b, "<|start_header_id|>%s<|end_header_id|>\n\n%s<|eot_id|>", msgs[i].role,
+                msgs[i].content);
+        if (add_generation_prompt)
+            put(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    } else if (!strcmp(name, "chatml")) {
+        if (n == 0 || strcmp(msgs[0].role, "system") != 0)
+            put(&b, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n");
+        for (int i = 0; i < n; i++)
+            put(&b, "<|im_start|>%s\n%s<|im_end|>\n", msgs[i].role, msgs[i].content);
+        if (add_generation_prompt)
+            put(&b, "<|im_start|>assistant\n");
+    } else if (!strcmp(name, "chatglm3")) {
+        put(&b, "[gMASK]sop");
+        for (int i = 0; i < n; i++)
+            put(&b, "<|%s|>\n %s", msgs[i].role, msgs[i].content);
+        if (add_generation_prompt)
+            put(&b, "<|assistant|>");
+    } else {
+        free(b.s);
+        snprintf(err, err_size, "no chat template named '%s' (there are: %s)", name,
+                 loom_chat_templates());
+        return -1;
+    }
+    if (b.oom) {
+        free(b.s);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    *out = b.s;
+    return 0;
+}
+
+const char *loom_chat_template_guess(const char *stored, const char *arch, int *recognised)
+{
+    *recognised = 1;
+    if (stored) {
+        if (strstr(stored, "<|im_start|>"))
+            return "chatml";
+        if (strstr(stored, "<|start_header_id|>"))
+            return "llama3";
+        if (strstr(stored, "[INST]"))
+            return "llama2";
+        if (strstr(stored, "<|assistant|>") || strstr(stored, "[gMASK]"))
+            return "chatglm3";
+        *recognised = 0; /* a template loom cannot run: fall back, and say so */
+    }
+    if (arch && !strcmp(arch, "qwen2"))
+        return "chatml";
+    if (arch && !strcmp(arch, "chatglm"))
+        return "chatglm3";
+    if (!stored)
+        *recognised = 0;
+    return "llama2";
+}
+
+int loom_chat_template_valid(const char *name)
+{
+    for (size_t i = 0; i < sizeof template_names / sizeof template_names[0]; i++)
+        if (!strcmp(name, template_names[i]))
+            return 1;
+    return 0;
+}

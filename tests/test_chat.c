@@ -1,0 +1,89 @@
+/*
+ * tests/test_chat.c - the built-in chat templates render each fixture's conversation exactly as
+ * the model's own Jinja template did (the fixtures' rendered_prompt), and models are matched to
+ * their templates.
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include "check.h"
+
+#include <cjson/cJSON.h>
+#include <string.h>
+#include <unistd.h>
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = malloc((size_t)n + 1);
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
+        free(s);
+        s = NULL;
+    }
+    if (s)
+        s[n] = '\0';
+    fclose(f);
+    return s;
+}
+
+int main(void)
+{
+    const char *f = getenv("LOOM_FIXTURES");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", f && *f ? f : "");
+    if (!dir[0])
+        snprintf(dir, sizeof dir, "%s/../shared/fixtures", env_or("top_srcdir", "."));
+    static const struct { const char *fixture, *template; } cases[] = {
+        {"tiny-llama", "llama2"}, {"tiny-qwen2", "chatml"}, {"tiny-chatglm3", "chatglm3"}};
+    char err[1024];
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/%s/expected.json", dir, cases[k].fixture);
+        char *json = slurp(path);
+        if (!json) {
+            const char *ci = getenv("CI");
+            if (ci && !strcmp(ci, "true")) {
+                CHECK(0, "fixture %s missing (CI=true)", path);
+                continue;
+            }
+            printf("SKIP: %s not found\n", path);
+            return 77;
+        }
+        cJSON *root = cJSON_Parse(json), *cs;
+        cJSON_ArrayForEach(cs, cJSON_GetObjectItem(root, "cases"))
+        {
+            cJSON *msgs = cJSON_GetObjectItem(cs, "messages");
+            if (!msgs)
+                continue;
+            loom_chat_message m[16];
+            int n = 0;
+            cJSON *msg;
+            cJSON_ArrayForEach(msg, msgs)
+            {
+                m[n].role = cJSON_GetObjectItem(msg, "role")->valuestring;
+                m[n].content = cJSON_GetObjectItem(msg, "content")->valuestring;
+                n++;
+            }
+            char *out = NULL;
+            int rc = loom_chat_render(cases[k].template, m, n, 1, &out, err, sizeof err);
+            const char *want = cJSON_GetObjectItem(cs, "rendered_prompt")->valuestring;
+            CHECK(rc == 0 && !strcmp(out, want), "%s with %s:\n got  '%s'\n want '%s'",
+                  cases[k].fixture, cases[k].template, out ? out : err, want);
+            free(out);
+        }
+        cJSON_Delete(root);
+        free(json);
+    }
+    /* matching by stored template text, by architecture, and saying when it is a guess */
+    char *out = NULL;
+    loom_chat_message one = {"user", "hi"};
+    CHECK(loom_chat_render("jinja9", &one, 1, 1, &out, err, sizeof err) != 0 && strstr(err, "jinja9"),
+          "unknown template named: %s", err);
+    CHECK(loom_chat_template_valid("chatml") && !loom_chat_template_valid("chatXL"), "valid names");
+    return check_finish("test_chat");
+}

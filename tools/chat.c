@@ -1,0 +1,233 @@
+/*
+ * tools/chat.c - `loom chat`: an interactive conversation in the terminal.
+ *
+ * Each turn renders the whole conversation with the model's chat template and evaluates only
+ * what it adds to the tokens already in the KV cache (their longest common prefix is reused).
+ * Commands: /reset (forget the conversation), /system TEXT (set the system message and
+ * restart), /quit. Ctrl-C stops the answer being generated and keeps the conversation; at the
+ * prompt it ends the chat.
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t interrupted;
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    interrupted = 1;
+}
+
+typedef struct answer {
+    char *text;
+    size_t len, cap;
+    int32_t *ids;
+    int n_ids, cap_ids;
+} answer;
+
+static int on_token(void *user, int32_t id, const char *text, size_t len)
+{
+    answer *a = user;
+    if (interrupted)
+        return 1;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    if (a->len + len + 1 > a->cap) {
+        size_t cap = (a->len + len + 1) * 2;
+        char *t = realloc(a->text, cap);
+        if (!t)
+            return 1;
+        a->text = t;
+        a->cap = cap;
+    }
+    memcpy(a->text + a->len, text, len);
+    a->len += len;
+    a->text[a->len] = '\0';
+    if (id >= 0) {
+        if (a->n_ids == a->cap_ids) {
+            int cap = a->cap_ids ? a->cap_ids * 2 : 256;
+            int32_t *ids = realloc(a->ids, (size_t)cap * sizeof *ids);
+            if (!ids)
+                return 1;
+            a->ids = ids;
+            a->cap_ids = cap;
+        }
+        a->ids[a->n_ids++] = id;
+    }
+    return 0;
+}
+
+typedef struct convo {
+    loom_chat_message *msgs;
+    int n, cap;
+} convo;
+
+static int add_msg(convo *c, const char *role, const char *content)
+{
+    if (c->n == c->cap) {
+        int cap = c->cap ? c->cap * 2 : 16;
+        loom_chat_message *m = realloc(c->msgs, (size_t)cap * sizeof *m);
+        if (!m)
+            return -1;
+        c->msgs = m;
+        c->cap = cap;
+    }
+    char *copy = strdup(content);
+    if (!copy)
+        return -1;
+    c->msgs[c->n].role = role;
+    c->msgs[c->n].content = copy;
+    c->n++;
+    return 0;
+}
+
+static void clear(convo *c, const char *system)
+{
+    for (int i = 0; i < c->n; i++)
+        free((char *)c->msgs[i].content);
+    c->n = 0;
+    if (system && *system)
+        add_msg(c, "system", system);
+}
+
+int loom_chat_main(int argc, char **argv);
+int loom_chat_main(int argc, char **argv)
+{
+    const char *model = NULL, *tmpl = NULL, *system = NULL;
+    loom_sampling s = loom_sampling_defaults();
+    long n_predict = 512, n_ctx = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        char *end = NULL;
+        if (!v) {
+            fprintf(stderr, "loom chat: %s needs a value (or is unknown)\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "-m")) model = v;
+        else if (!strcmp(a, "--chat-template")) tmpl = v;
+        else if (!strcmp(a, "--system")) system = v;
+        else if (!strcmp(a, "--temp")) s.temperature = strtof(v, &end);
+        else if (!strcmp(a, "--seed")) s.seed = strtoull(v, &end, 10);
+        else if (!strcmp(a, "-n")) n_predict = strtol(v, &end, 10);
+        else if (!strcmp(a, "-c")) n_ctx = strtol(v, &end, 10);
+        else {
+            fprintf(stderr, "loom chat: unknown option '%s'\n", a);
+            return 2;
+        }
+        if (end && (*end || end == v)) {
+            fprintf(stderr, "loom chat: %s wants a number, not '%s'\n", a, v);
+            return 2;
+        }
+    }
+    if (!model) {
+        fprintf(stderr, "usage: loom chat -m MODEL [--system TEXT] [--chat-template %s]\n"
+                        "                 [--temp T] [--seed S] [-n MAX_ANSWER_TOKENS] [-c CTX]\n",
+                loom_chat_templates());
+        return 2;
+    }
+    if (tmpl && !loom_chat_template_valid(tmpl)) {
+        fprintf(stderr, "loom chat: no chat template named '%s' (there are: %s)\n", tmpl,
+                loom_chat_templates());
+        return 2;
+    }
+    char err[4096];
+    loom_model_options o = {.n_ctx = (int32_t)n_ctx};
+    loom_model *m = loom_model_open(model, &o, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "loom chat: %s\n", err);
+        return 2;
+    }
+    if (!tmpl) {
+        int recognised;
+        tmpl = loom_model_chat_template(m, &recognised);
+        if (!recognised)
+            fprintf(stderr, "loom chat: warning: the model's chat template is missing or not one "
+                            "loom knows; using '%s' (choose with --chat-template)\n", tmpl);
+    }
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigint; /* no SA_RESTART: Ctrl-C at the prompt interrupts the read */
+    sigaction(SIGINT, &sa, NULL);
+    fprintf(stderr, "loom chat: %s on %s, template %s. /reset, /system TEXT, /quit; Ctrl-C stops "
+                    "an answer.\n", model, loom_model_backend(m), tmpl);
+
+    convo c = {0};
+    clear(&c, system);
+    int32_t n_ctx_max = loom_model_n_ctx(m);
+    int32_t *cache = malloc((size_t)n_ctx_max * sizeof *cache), *ids = malloc((size_t)n_ctx_max * sizeof *ids);
+    int32_t n_cache = 0;
+    char line[8192];
+    int interactive = isatty(STDIN_FILENO);
+    while (cache && ids) {
+        if (interactive)
+            fprintf(stderr, "\n> ");
+        interrupted = 0;
+        if (!fgets(line, sizeof line, stdin))
+            break; /* end of input, or Ctrl-C at the prompt */
+        line[strcspn(line, "\r\n")] = '\0';
+        if (!line[0])
+            continue;
+        if (!strcmp(line, "/quit"))
+            break;
+        if (!strcmp(line, "/reset") || !strncmp(line, "/system", 7)) {
+            if (!strncmp(line, "/system", 7))
+                system = line[7] == ' ' ? strdup(line + 8) : NULL;
+            clear(&c, system);
+            n_cache = 0;
+            fprintf(stderr, "(conversation cleared%s)\n", system ? ", system message set" : "");
+            continue;
+        }
+        add_msg(&c, "user", line);
+        char *prompt = NULL;
+        if (loom_chat_render(tmpl, c.msgs, c.n, 1, &prompt, err, sizeof err) != 0) {
+            fprintf(stderr, "loom chat: %s\n", err);
+            free((char *)c.msgs[--c.n].content);
+            continue;
+        }
+        int64_t n = loom_tokenize(m, prompt, 1, 1, ids, n_ctx_max, err, sizeof err);
+        free(prompt);
+        if (n < 0 || n >= n_ctx_max) {
+            fprintf(stderr, "loom chat: the conversation no longer fits the context of %d tokens; "
+                            "/reset to start over\n", n_ctx_max);
+            free((char *)c.msgs[--c.n].content);
+            continue;
+        }
+        /* reuse the cached tokens the new rendering starts with (at least one token is new) */
+        int32_t keep = 0;
+        while (keep < n_cache && keep < n - 1 && cache[keep] == ids[keep])
+            keep++;
+        answer a = {0};
+        loom_generation st;
+        int rc = loom_generate_from(m, ids + keep, (int32_t)(n - keep), keep, (int32_t)n_predict, &s,
+                                    on_token, &a, &st, err, sizeof err);
+        printf("\n");
+        if (rc != 0) {
+            fprintf(stderr, "loom chat: %s\n", err);
+            free((char *)c.msgs[--c.n].content);
+            n_cache = 0;
+        } else {
+            fprintf(stderr, "(%d tokens, %.1f tok/s; reused %d of %lld prompt tokens%s)\n",
+                    st.n_generated, st.decode_tok_s, keep, (long long)n,
+                    interrupted ? "; stopped" : "");
+            memcpy(cache, ids, (size_t)n * sizeof *cache);
+            n_cache = (int32_t)n;
+            for (int i = 0; i < a.n_ids && n_cache < n_ctx_max; i++)
+                cache[n_cache++] = a.ids[i];
+            add_msg(&c, "assistant", a.text ? a.text : "");
+        }
+        free(a.text);
+        free(a.ids);
+    }
+    if (interrupted)
+        printf("\n");
+    clear(&c, NULL);
+    free(c.msgs), free(cache), free(ids);
+    loom_model_close(m);
+    return 0;
+}
