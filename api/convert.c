@@ -456,6 +456,113 @@ static int decoder(conv *c, const char *arch)
     return 0;
 }
 
+/* ChatGLM2/3 (model_type "chatglm"): llama.cpp's "chatglm" names; the SentencePiece model plus
+ * the nine special tokens the ChatGLM tokenizer appends after its pieces; "[gMASK] sop" as
+ * the prefix every prompt starts with (tokenizer.loom.prefix_tokens). */
+static int chatglm(conv *c)
+{
+    cJSON *cf = c->config;
+    int32_t n_embd = (int32_t)num(cf, "hidden_size", 0), n_layer = (int32_t)num(cf, "num_layers", 0);
+    int32_t n_head = (int32_t)num(cf, "num_attention_heads", 0);
+    int32_t n_kv = cJSON_IsTrue(cJSON_GetObjectItem(cf, "multi_query_attention"))
+                       ? (int32_t)num(cf, "multi_query_group_num", 1)
+                       : n_head;
+    int32_t n_ff = (int32_t)num(cf, "ffn_hidden_size", 0);
+    int32_t hd = (int32_t)num(cf, "kv_channels", n_head > 0 ? n_embd / n_head : 0);
+    if (n_embd <= 0 || n_layer <= 0 || n_head <= 0 || n_kv <= 0 || n_ff <= 0 || hd <= 0)
+        return fail(c, "%s/config.json: hidden_size, num_layers, num_attention_heads, "
+                       "kv_channels and ffn_hidden_size must be positive", c->dir);
+    if (!cJSON_IsTrue(cJSON_GetObjectItem(cf, "rmsnorm")))
+        return fail(c, "%s: ChatGLM with LayerNorm (ChatGLM-6B v1) is not supported yet", c->dir);
+    loom_gguf_set_str(c->w, "general.architecture", "chatglm");
+    const char *slash = strrchr(c->dir, '/');
+    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    loom_gguf_set_u32(c->w, "chatglm.context_length", (uint32_t)num(cf, "seq_length", 8192));
+    loom_gguf_set_u32(c->w, "chatglm.embedding_length", (uint32_t)n_embd);
+    loom_gguf_set_u32(c->w, "chatglm.block_count", (uint32_t)n_layer);
+    loom_gguf_set_u32(c->w, "chatglm.feed_forward_length", (uint32_t)n_ff);
+    loom_gguf_set_u32(c->w, "chatglm.attention.head_count", (uint32_t)n_head);
+    loom_gguf_set_u32(c->w, "chatglm.attention.head_count_kv", (uint32_t)n_kv);
+    loom_gguf_set_u32(c->w, "chatglm.attention.key_length", (uint32_t)hd);
+    loom_gguf_set_u32(c->w, "chatglm.rope.dimension_count", (uint32_t)(hd / 2));
+    loom_gguf_set_f32(c->w, "chatglm.rope.freq_base", (float)(10000.0 * num(cf, "rope_ratio", 1.0)));
+    loom_gguf_set_f32(c->w, "chatglm.attention.layer_norm_rms_epsilon",
+                      (float)num(cf, "layernorm_epsilon", 1e-5));
+
+    /* the tokenizer: the pieces, then the specials ChatGLM's tokenizer appends */
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    if (loom_spm_model_read(&c->spm, path, c->err, c->err_size) != 0)
+        return -1;
+    static const char *const specials[] = {"[MASK]", "[gMASK]", "[sMASK]", "sop", "eop",
+                                           "<|system|>", "<|user|>", "<|assistant|>",
+                                           "<|observation|>"};
+    int32_t n_sp = c->spm.n, n_vocab = (int32_t)num(cf, "padded_vocab_size", n_sp + 9);
+    if (n_vocab < n_sp + 9)
+        n_vocab = n_sp + 9;
+    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
+    float *scores = calloc((size_t)n_vocab, sizeof *scores);
+    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
+    char **pads = calloc((size_t)n_vocab, sizeof *pads);
+    int rc = tokens && scores && types && pads ? 0 : fail(c, "out of memory");
+    for (int32_t i = 0; rc == 0 && i < n_vocab; i++) {
+        if (i < n_sp) {
+            tokens[i] = c->spm.pieces[i], scores[i] = c->spm.scores[i], types[i] = c->spm.types[i];
+        } else if (i < n_sp + 9) {
+            tokens[i] = specials[i - n_sp], types[i] = 3;
+        } else {
+            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+                rc = fail(c, "out of memory");
+            tokens[i] = pads[i], types[i] = 5, scores[i] = -1000.0f;
+        }
+    }
+    if (rc == 0) {
+        int32_t prefix[2] = {n_sp + 1, n_sp + 3}; /* [gMASK], sop */
+        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "llama");
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
+        loom_gguf_set_f32_array(c->w, "tokenizer.ggml.scores", scores, (uint64_t)n_vocab);
+        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.unknown_token_id", (uint32_t)c->spm.unk_id);
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)num(cf, "eos_token_id", 2));
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", 0);
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
+        loom_gguf_set_bool(c->w, "tokenizer.loom.strip_special", 0); /* encode_special_tokens */
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", prefix, 2);
+        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
+        if (cJSON_IsString(tmpl))
+            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
+    }
+    for (int32_t i = 0; pads && i < n_vocab; i++)
+        free(pads[i]);
+    free(pads), free(tokens), free(scores), free(types);
+    if (rc)
+        return rc;
+    c->total = 3 + 7 * n_layer;
+    if (add(c, "transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, 0) ||
+        add(c, "transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, 0) ||
+        add(c, "transformer.output_layer.weight", "output.weight", 0, 0))
+        return -1;
+    for (int l = 0; l < n_layer; l++) {
+        char s[160], d[128];
+#define ADD(hf, gg, opt)                                                                       \
+    do {                                                                                       \
+        snprintf(s, sizeof s, "transformer.encoder.layers.%d.%s", l, hf);                      \
+        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
+        if (add(c, s, d, opt, 0))                                                              \
+            return -1;                                                                         \
+    } while (0)
+        ADD("input_layernorm.weight", "attn_norm.weight", 0);
+        ADD("self_attention.query_key_value.weight", "attn_qkv.weight", 0);
+        ADD("self_attention.query_key_value.bias", "attn_qkv.bias", 1);
+        ADD("self_attention.dense.weight", "attn_output.weight", 0);
+        ADD("post_attention_layernorm.weight", "ffn_norm.weight", 0);
+        ADD("mlp.dense_h_to_4h.weight", "ffn_up.weight", 0);
+        ADD("mlp.dense_4h_to_h.weight", "ffn_down.weight", 0);
+#undef ADD
+    }
+    return 0;
+}
+
 int loom_convert(const char *dir, const char *out, const char *type,
                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
 {
@@ -480,9 +587,11 @@ int loom_convert(const char *dir, const char *out, const char *type,
     const char *model_type = cJSON_IsString(mt) ? mt->valuestring : "";
     if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "qwen2") == 0)
         rc = decoder(&c, model_type);
+    else if (strcmp(model_type, "chatglm") == 0)
+        rc = chatglm(&c);
     else
-        fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama, qwen2)", dir,
-             model_type[0] ? model_type : "(none)");
+        fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama, qwen2, "
+                 "chatglm)", dir, model_type[0] ? model_type : "(none)");
     if (rc == 0)
         rc = loom_gguf_write(c.w, out, err, err_size);
 done:

@@ -168,6 +168,25 @@ loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_
     return dense(t->buf, t->offset, t->dtype, n0, n1, n2, 1);
 }
 
+loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n)
+{
+    loom_tensor v = *t;
+    v.offset += (uint64_t)c0 * t->nb[0];
+    v.ne[0] = n;
+    return v;
+}
+
+loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, int64_t n_heads)
+{
+    loom_tensor v = *t;
+    v.offset += (uint64_t)c0 * t->nb[0];
+    v.ne[0] = head_dim, v.ne[1] = n_heads, v.ne[2] = t->ne[1], v.ne[3] = 1;
+    v.nb[1] = (uint64_t)head_dim * t->nb[0];
+    v.nb[2] = t->nb[1];
+    v.nb[3] = t->nb[1] * (uint64_t)t->ne[1];
+    return v;
+}
+
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r)
 {
     return &r->in;

@@ -82,6 +82,10 @@ loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n
 /* Views: rows [r0, r0 + n) of a 2-D tensor; and a reshape of a dense tensor. */
 loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n);
 loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_t n2);
+/* Columns [c0, c0 + n) of a 2-D f32 tensor (a fused projection's part). */
+loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n);
+/* Columns [c0, c0 + n_heads * head_dim) of a 2-D f32 tensor as [rows, n_heads, head_dim]. */
+loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, int64_t n_heads);
 
 /* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids. */
 typedef struct loom_rt_inputs {

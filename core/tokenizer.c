@@ -41,6 +41,8 @@ struct loom_tokenizer {
     int32_t bos, eos, unk;
     int add_bos, add_space_prefix;
     int strip_special;   /* whitespace next to a special token belongs to neither side */
+    int32_t prefix[4];   /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
+    int n_prefix;
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
     int32_t *specials;   /* control and user-defined ids, longest text first */
     int n_specials;
@@ -300,6 +302,12 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
      * llama.cpp never strips. loom's converter records which (tokenizer.loom.strip_special);
      * a file without the key is taken as the classic SentencePiece behaviour. */
     t->strip_special = !bpe && get_flag(g, "tokenizer.loom.strip_special", 1);
+    const loom_gguf_kv *prefix = loom_gguf_find(g, "tokenizer.loom.prefix_tokens");
+    for (uint64_t i = 0; prefix && i < prefix->count && i < 4; i++) {
+        double v;
+        if (loom_gguf_array_f64(g, prefix, i, &v) == 0 && v >= 0 && v < t->n_vocab)
+            t->prefix[t->n_prefix++] = (int32_t)v;
+    }
     if (bpe && bpe_setup(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
         return NULL;
@@ -582,12 +590,18 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
                               int add_special, int parse_special, int32_t *ids, int64_t cap)
 {
     out_ids o = {ids, 0, cap};
-    /* a text that already starts with the BOS token (a rendered chat prompt) gets no second */
-    const vocab_entry *bos = t->bos >= 0 ? &t->vocab[t->bos] : NULL;
-    int starts_with_bos = parse_special && bos && bos->len && bos->len <= len &&
-                          memcmp(text, bos->text, bos->len) == 0;
-    if (add_special && t->add_bos && !starts_with_bos)
-        emit(&o, t->bos);
+    /* a text that already starts with what the family prepends (a rendered chat prompt) does
+     * not get it twice */
+    int32_t first = t->n_prefix ? t->prefix[0] : t->add_bos ? t->bos : -1;
+    const vocab_entry *lead = first >= 0 ? &t->vocab[first] : NULL;
+    int starts_with_it = parse_special && lead && lead->len && lead->len <= len &&
+                         memcmp(text, lead->text, lead->len) == 0;
+    if (add_special && !starts_with_it) {
+        for (int i = 0; i < t->n_prefix; i++)
+            emit(&o, t->prefix[i]);
+        if (!t->n_prefix && t->add_bos)
+            emit(&o, t->bos);
+    }
     int prev_special = 1; /* the dummy prefix goes at the start and after each special token */
     size_t start = 0;
     for (size_t i = 0; i <= len;) {

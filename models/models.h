@@ -8,6 +8,7 @@
 
 extern const loom_arch loom_arch_llama; /* GGUF "llama": Llama-2/3, TinyLlama, stories260K */
 extern const loom_arch loom_arch_qwen2; /* GGUF "qwen2": Qwen2/2.5 */
+extern const loom_arch loom_arch_chatglm; /* GGUF "chatglm": ChatGLM2/3 */
 
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);

@@ -18,6 +18,7 @@
 
 #include <cjson/cJSON.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static char err[4096], dir[4096], tmp[] = "/tmp/loom-conv-XXXXXX";
@@ -210,6 +211,10 @@ static void test_tiny_qwen2(void)
     snprintf(hf, sizeof hf, "%s/tiny-qwen2", dir);
     snprintf(f32, sizeof f32, "%s/qwen2-f32.gguf", tmp);
     CHECK(loom_convert(hf, f32, "f32", NULL, NULL, err, sizeof err) == 0, "qwen2: %s", err);
+    char glm[4200], glmf[4200];
+    snprintf(glm, sizeof glm, "%s/tiny-chatglm3", dir);
+    snprintf(glmf, sizeof glmf, "%s/chatglm3-f32.gguf", tmp);
+    CHECK(loom_convert(glm, glmf, "f32", NULL, NULL, err, sizeof err) == 0, "chatglm3: %s", err);
     loom_registry reg;
     if (loom_registry_scan(&reg, err, sizeof err) != 0)
         return;
@@ -220,8 +225,12 @@ static void test_tiny_qwen2(void)
         char label[160];
         snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
         check_model("tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
+        /* ChatGLM3: fused qkv with bias, multi-query groups, half-head adjacent RoPE, fused
+         * gate/up, [gMASK] sop prefix; bf16 weights upcast exactly */
+        check_model("tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
     }
     loom_registry_free(&reg);
+    unlink(glmf);
 
     /* llama.cpp's test vectors for the Qwen2 vocabulary, through the converted tokenizer */
     char inp[4200], outp[4200];
@@ -268,9 +277,27 @@ static void test_errors(void)
     CHECK(loom_convert(tmp, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "config.json"),
           "folder without config.json: %s", err);
     char hf[4200];
-    snprintf(hf, sizeof hf, "%s/tiny-chatglm3", dir);
-    CHECK(loom_convert(hf, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "chatglm"),
-          "model type not yet converted is named: %s", err);
+    /* a folder whose model_type loom does not convert */
+    char odd[4000];
+    snprintf(odd, sizeof odd, "%s/odd", tmp);
+    mkdir(odd, 0700);
+    snprintf(hf, sizeof hf, "%s/config.json", odd);
+    FILE *f = fopen(hf, "w");
+    fputs("{\"model_type\": \"mamba\"}", f);
+    fclose(f);
+    snprintf(hf, sizeof hf, "%s/model.safetensors", odd);
+    f = fopen(hf, "wb");
+    uint64_t hl = 2;
+    fwrite(&hl, 8, 1, f);
+    fputs("{}", f);
+    fclose(f);
+    CHECK(loom_convert(odd, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "'mamba'") &&
+              strstr(err, "chatglm"),
+          "model type not converted is named, with the ones that are: %s", err);
+    unlink(hf);
+    snprintf(hf, sizeof hf, "%s/config.json", odd);
+    unlink(hf);
+    rmdir(odd);
     snprintf(hf, sizeof hf, "%s/tiny-llama", dir);
     CHECK(loom_convert(hf, out, "q5_k", NULL, NULL, err, sizeof err) != 0 && strstr(err, "q5_k"),
           "bad type named: %s", err);

@@ -1,0 +1,163 @@
+/*
+ * models/chatglm.c - ChatGLM2 / ChatGLM3 (GGUF architecture "chatglm").
+ *
+ * A pre-norm decoder like Llama's, with three differences the Hugging Face code has:
+ *   - Q, K and V come from one fused projection with a bias: rows [Q (heads); K (groups);
+ *     V (groups)], multi-query groups for K and V;
+ *   - RoPE covers only the first half of each head, on adjacent pairs (the original ChatGLM
+ *     rotary embedding), with base 10000 x rope_ratio; the second half passes unchanged;
+ *   - the MLP's first projection is fused too: [gate; up], and silu applies to the gate half.
+ */
+#include "models.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct glm_layer {
+    const loom_tensor *attn_norm;  /* [n_embd] */
+    const loom_tensor *wqkv;       /* [(n_head + 2 * n_head_kv) * head_dim, n_embd] */
+    const loom_tensor *bqkv;       /* [(n_head + 2 * n_head_kv) * head_dim] or NULL */
+    const loom_tensor *wo;         /* [n_embd, n_head * head_dim] */
+    const loom_tensor *ffn_norm;   /* [n_embd] */
+    const loom_tensor *w_up;       /* [2 * n_ff, n_embd]: gate rows, then up rows */
+    const loom_tensor *w_down;     /* [n_embd, n_ff] */
+} glm_layer;
+
+typedef struct glm_model {
+    const loom_tensor *tok_embd, *out_norm, *output;
+    glm_layer *layers;
+} glm_model;
+
+static void glm_free(void *state)
+{
+    glm_model *m = state;
+    if (m)
+        free(m->layers);
+    free(m);
+}
+
+static int64_t kv_int(const loom_gguf *g, const char *suffix, int64_t fallback)
+{
+    char key[128];
+    int64_t v;
+    snprintf(key, sizeof key, "chatglm.%s", suffix);
+    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
+}
+
+static double kv_float(const loom_gguf *g, const char *suffix, double fallback)
+{
+    char key[128];
+    double v;
+    snprintf(key, sizeof key, "chatglm.%s", suffix);
+    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
+}
+
+static int glm_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    const loom_gguf *g = loom_rt_gguf(r);
+    snprintf(hp->arch, sizeof hp->arch, "chatglm");
+    hp->n_embd = (int32_t)kv_int(g, "embedding_length", 0);
+    hp->n_layer = (int32_t)kv_int(g, "block_count", 0);
+    hp->n_head = (int32_t)kv_int(g, "attention.head_count", 0);
+    hp->n_head_kv = (int32_t)kv_int(g, "attention.head_count_kv", hp->n_head);
+    hp->n_ff = (int32_t)kv_int(g, "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)kv_int(g, "context_length", 8192);
+    hp->norm_eps = (float)kv_float(g, "attention.layer_norm_rms_epsilon", 1e-5);
+    hp->rope_base = (float)kv_float(g, "rope.freq_base", 10000.0);
+    hp->rope_scale = 1.0f;
+    if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
+        hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
+        snprintf(err, err_size, "chatglm: missing or inconsistent hyper-parameters");
+        return -1;
+    }
+    hp->head_dim = (int32_t)kv_int(g, "attention.key_length", hp->n_embd / hp->n_head);
+    hp->n_rot = (int32_t)kv_int(g, "rope.dimension_count", hp->head_dim / 2);
+    hp->rope_mode = LOOM_ROPE_ADJACENT;
+    glm_model *m = calloc(1, sizeof *m);
+    if (!m || !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
+        glm_free(m);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
+    m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
+    m->output = loom_rt_weight(r, "output.weight", 1);
+    char name[96];
+#define W(field, fmt, req)                                                                     \
+    (snprintf(name, sizeof name, fmt, l), m->layers[l].field = loom_rt_weight(r, name, req))
+    for (int l = 0; l < hp->n_layer; l++) {
+        W(attn_norm, "blk.%d.attn_norm.weight", 1);
+        W(wqkv, "blk.%d.attn_qkv.weight", 1);
+        W(bqkv, "blk.%d.attn_qkv.bias", 0);
+        W(wo, "blk.%d.attn_output.weight", 1);
+        W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
+        W(w_up, "blk.%d.ffn_up.weight", 1);
+        W(w_down, "blk.%d.ffn_down.weight", 1);
+    }
+#undef W
+    if (loom_rt_status(r)) {
+        glm_free(m);
+        return -1;
+    }
+    hp->n_vocab = (int32_t)m->output->ne[1];
+    if (m->layers[0].wqkv->ne[1] != (int64_t)(hp->n_head + 2 * hp->n_head_kv) * hp->head_dim ||
+        m->layers[0].w_up->ne[1] != 2 * (int64_t)hp->n_ff) {
+        glm_free(m);
+        snprintf(err, err_size, "chatglm: fused tensor shapes disagree with the hyper-parameters");
+        return -1;
+    }
+    *state = m;
+    return 0;
+}
+
+static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
+{
+    const glm_model *m = state;
+    const loom_hparams *hp = loom_runner_hparams(r);
+    const loom_rt_inputs *in = loom_rt_inputs_of(r);
+    const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim, H = hp->n_head, G = hp->n_head_kv;
+
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor qkv = loom_rt_scratch(r, LOOM_F32, (H + 2 * G) * hd, n, 1);
+    loom_tensor att = loom_rt_scratch(r, LOOM_F32, H * hd, n, 1);
+    loom_tensor up2 = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_ff, n, 1);
+    loom_tensor act = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    loom_tensor logits = loom_rt_scratch(r, LOOM_F32, hp->n_vocab, 1, 1);
+    loom_tensor q3 = loom_rt_heads(&qkv, 0, hd, H);
+    loom_tensor k3 = loom_rt_heads(&qkv, H * hd, hd, G);
+    loom_tensor v3 = loom_rt_heads(&qkv, (H + G) * hd, hd, G);
+    loom_tensor att3 = loom_rt_reshape(&att, hd, H, n);
+    loom_tensor gate = loom_rt_cols(&up2, 0, hp->n_ff), up = loom_rt_cols(&up2, hp->n_ff, hp->n_ff);
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    loom_rt_get_rows(r, m->tok_embd, &in->ids, &x);
+    for (int l = 0; l < hp->n_layer; l++) {
+        const glm_layer *L = &m->layers[l];
+        loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
+        loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
+        loom_rt_rope(r, &q3, hp);
+        loom_rt_rope(r, &k3, hp);
+        loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
+        loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
+        loom_rt_attention(r, &q3, l, scale, &att3);
+        loom_rt_matmul(r, &att, L->wo, NULL, &h);
+        loom_rt_add(r, &x, &h, &x);
+        loom_rt_rms_norm(r, &x, L->ffn_norm, hp->norm_eps, &h);
+        loom_rt_matmul(r, &h, L->w_up, NULL, &up2);
+        loom_rt_silu_mul(r, &gate, &up, &act);
+        loom_rt_matmul(r, &act, L->w_down, NULL, &h);
+        loom_rt_add(r, &x, &h, &x);
+    }
+    if (b->want_logits) {
+        loom_tensor last = loom_rt_rows(&x, n - 1, 1), hl = loom_rt_rows(&h, 0, 1);
+        loom_rt_rms_norm(r, &last, m->out_norm, hp->norm_eps, &hl);
+        loom_rt_matmul(r, &hl, m->output, NULL, &logits);
+        loom_rt_set_logits(r, &logits);
+    }
+    return loom_rt_status(r);
+}
+
+const loom_arch loom_arch_chatglm = {"chatglm", glm_load, glm_forward, glm_free};
