@@ -639,3 +639,92 @@ void loom_progress_bar(void *user, int done, int total, const char *what)
     if (done == total)
         fprintf(stderr, "\n");
 }
+
+int loom_quantize(const char *in, const char *out, const char *type,
+                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
+{
+    loom_dtype target;
+    if (!type || parse_type(type, &target) != 0) {
+        snprintf(err, err_size, "type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1",
+                 type ? type : "(none)");
+        return -1;
+    }
+    loom_gguf g;
+    if (loom_gguf_open(&g, in, err, err_size) != 0)
+        return -1;
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    void **owned = calloc(g.n_tensors + 1, sizeof *owned);
+    int rc = w && owned ? 0 : -1;
+    if (rc)
+        snprintf(err, err_size, "out of memory");
+    for (uint64_t i = 0; rc == 0 && i < g.n_kv; i++)
+        if (strcmp(g.kv[i].key, "general.alignment") != 0 && loom_gguf_copy_kv(w, &g, &g.kv[i]))
+            rc = -1, snprintf(err, err_size, "out of memory copying metadata");
+    for (uint64_t i = 0; rc == 0 && i < g.n_tensors; i++) {
+        const loom_gguf_tensor *t = &g.tensors[i];
+        const void *src = loom_gguf_tensor_data(&g, t);
+        loom_dtype from = (loom_dtype)t->type;
+        int is_float = t->type == LOOM_F32 || t->type == LOOM_F16 || t->type == LOOM_BF16;
+        int64_t rows = t->ne[1] * t->ne[2] * t->ne[3], cols = t->ne[0];
+        int convert = is_float && t->n_dims >= 2 && (int)from != (int)target &&
+                      !(loom_dtype_block_elems(target) > 1 && cols % LOOM_QK);
+        if (t->n_dims >= 2 && !convert && (int)from != (int)target)
+            fprintf(stderr, "note: %s stays %s (%s)\n", t->name, loom_ggml_type_name(t->type),
+                    !is_float ? "already quantised; loom does not requantise"
+                              : "rows are not whole blocks");
+        const void *data = src;
+        uint32_t out_type = t->type;
+        if (convert) {
+            int64_t rb = loom_row_bytes(target, cols);
+            unsigned char *dst = malloc((size_t)(rb * rows));
+            float *row = malloc((size_t)cols * sizeof *row);
+            if (!dst || !row) {
+                free(dst), free(row);
+                rc = -1;
+                snprintf(err, err_size, "out of memory quantising %s", t->name);
+                break;
+            }
+            int64_t sb = loom_row_bytes(from, cols);
+            for (int64_t r = 0; r < rows; r++) {
+                const unsigned char *s = (const unsigned char *)src + r * sb;
+                unsigned char *y = dst + r * rb;
+                for (int64_t k = 0; k < cols; k++) {
+                    uint16_t h;
+                    if (from == LOOM_F32)
+                        memcpy(&row[k], s + 4 * k, 4);
+                    else {
+                        memcpy(&h, s + 2 * k, 2);
+                        row[k] = from == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
+                    }
+                }
+                switch (target) {
+                case LOOM_F32: memcpy(y, row, (size_t)cols * 4); break;
+                case LOOM_F16: for (int64_t k = 0; k < cols; k++) ((uint16_t *)y)[k] = loom_f32_to_f16(row[k]); break;
+                case LOOM_BF16: for (int64_t k = 0; k < cols; k++) ((uint16_t *)y)[k] = loom_f32_to_bf16(row[k]); break;
+                case LOOM_Q8_0: loom_quantize_row_q8_0(row, (loom_block_q8_0 *)y, cols); break;
+                case LOOM_Q4_0: loom_quantize_row_q4_0(row, (loom_block_q4_0 *)y, cols); break;
+                case LOOM_Q4_1: loom_quantize_row_q4_1(row, (loom_block_q4_1 *)y, cols); break;
+                case LOOM_I32: break;
+                }
+            }
+            free(row);
+            owned[i] = dst;
+            data = dst;
+            out_type = target;
+        }
+        if (loom_gguf_add_tensor(w, t->name, out_type, t->n_dims, t->ne, data) != 0) {
+            rc = -1;
+            snprintf(err, err_size, "cannot add %s", t->name);
+        }
+        if (progress)
+            progress(user, (int)i + 1, (int)g.n_tensors, t->name);
+    }
+    if (rc == 0)
+        rc = loom_gguf_write(w, out, err, err_size);
+    for (uint64_t i = 0; owned && i < g.n_tensors; i++)
+        free(owned[i]);
+    free(owned);
+    loom_gguf_writer_free(w);
+    loom_gguf_close(&g);
+    return rc;
+}

@@ -724,3 +724,26 @@ int loom_gguf_write(loom_gguf_writer *w, const char *path, char *err, size_t err
     }
     return 0;
 }
+
+int loom_gguf_copy_kv(loom_gguf_writer *w, const loom_gguf *g, const loom_gguf_kv *kv)
+{
+    const unsigned char *p = g->map + kv->offset;
+    uint64_t n;
+    if (kv->type == LOOM_GGUF_STRING) {
+        memcpy(&n, p, 8);
+        n += 8;
+    } else if (kv->type != LOOM_GGUF_ARRAY) {
+        n = scalar_size(kv->type);
+    } else if (kv->array_type == LOOM_GGUF_STRING) {
+        if (kv->count == 0) {
+            n = 0;
+        } else {
+            uint64_t last = kv->str_offsets[kv->count - 1], len;
+            memcpy(&len, g->map + last, 8);
+            n = last + 8 + len - kv->offset;
+        }
+    } else {
+        n = kv->count * scalar_size(kv->array_type);
+    }
+    return add_kv(w, kv->key, kv->type, kv->array_type, kv->count, p, n);
+}

@@ -200,6 +200,28 @@ static void test_tiny_llama(void)
         check_model("tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
     }
     loom_registry_free(&reg);
+
+    /* loom quantize of the f32 file gives the same tensors as converting straight to q4_0 */
+    char rq[4200];
+    snprintf(rq, sizeof rq, "%s/tiny-requant.gguf", tmp);
+    CHECK(loom_quantize(f32, rq, "q4_0", NULL, NULL, err, sizeof err) == 0, "quantize: %s", err);
+    loom_gguf a, b;
+    if (loom_gguf_open(&a, rq, err, sizeof err) == 0 && loom_gguf_open(&b, q4, err, sizeof err) == 0) {
+        int same = a.n_tensors == b.n_tensors && a.n_kv == b.n_kv;
+        for (uint64_t i = 0; same && i < a.n_tensors; i++) {
+            const loom_gguf_tensor *tb = loom_gguf_find_tensor(&b, a.tensors[i].name);
+            same = tb && tb->type == a.tensors[i].type && tb->size == a.tensors[i].size &&
+                   !memcmp(loom_gguf_tensor_data(&a, &a.tensors[i]), loom_gguf_tensor_data(&b, tb), tb->size);
+        }
+        CHECK(same, "quantize and convert --type q4_0 disagree");
+        loom_gguf_close(&a);
+        loom_gguf_close(&b);
+    } else {
+        CHECK(0, "open: %s", err);
+    }
+    CHECK(loom_quantize(f32, rq, "q3_k", NULL, NULL, err, sizeof err) != 0 && strstr(err, "q3_k"),
+          "quantize to an unknown type: %s", err);
+    unlink(rq);
     unlink(f32), unlink(q8), unlink(q4);
 }
 

@@ -36,6 +36,7 @@ static void usage(FILE *out)
             "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
             "  tokenize -m MODEL [--json] [--no-special] TEXT   text to token ids\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
+            "  quantize IN.gguf OUT.gguf TYPE   requantise a GGUF file's matrices\n"
             "  inspect FILE [--json]\n"
             "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
             "                      tokenizer, chat template, tensors; checks the data is all there\n"
@@ -391,6 +392,25 @@ static int cmd_detokenize(int argc, char **argv)
     return rc;
 }
 
+static int cmd_quantize(int argc, char **argv)
+{
+    if (argc != 3) {
+        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf TYPE (q8_0, q4_0, q4_1, f16, bf16, f32)\n");
+        return 2;
+    }
+    if (strcmp(argv[0], argv[1]) == 0) {
+        fprintf(stderr, "loom quantize: the output would overwrite the input; choose another name\n");
+        return 2;
+    }
+    char err[4096];
+    if (loom_quantize(argv[0], argv[1], argv[2], progress, NULL, err, sizeof err) != 0) {
+        fprintf(stderr, "\nloom quantize: %s\n", err);
+        return 2;
+    }
+    fprintf(stderr, "wrote %s\n", argv[1]);
+    return 0;
+}
+
 static int cmd_inspect(int argc, char **argv)
 {
     int json = 0;
@@ -454,6 +474,8 @@ int main(int argc, char **argv)
         return cmd_tokenize(argc - 2, argv + 2);
     if (strcmp(cmd, "detokenize") == 0)
         return cmd_detokenize(argc - 2, argv + 2);
+    if (strcmp(cmd, "quantize") == 0)
+        return cmd_quantize(argc - 2, argv + 2);
     if (strcmp(cmd, "convert") == 0)
         return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)

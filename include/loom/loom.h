@@ -149,6 +149,12 @@ typedef void (*loom_convert_progress_fn)(void *user, int done, int total, const 
 int loom_convert(const char *dir, const char *out, const char *type,
                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 
+/* Requantises a GGUF file: every matrix stored as f32, f16 or bf16 becomes type (q8_0, q4_0,
+ * q4_1, f16, bf16 or f32); 1-D tensors, matrices whose rows are not whole blocks, and tensors
+ * already quantised are copied unchanged (with a note on stderr). Metadata is copied. */
+int loom_quantize(const char *in, const char *out, const char *type,
+                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
+
 /* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
  * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,
  * q4_0, q4_1. Returns 0, or -1 with err. */
