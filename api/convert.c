@@ -269,6 +269,24 @@ static int tokenizer(conv *c)
     return rc;
 }
 
+/* generation_config.json's eos_token_id, when it lists several (Qwen2: <|im_end|> and
+ * <|endoftext|>; ChatGLM3: </s>, <|user|>, <|observation|>): every one ends a generation. */
+static void stop_tokens(conv *c)
+{
+    cJSON *gen = read_json(c->dir, "generation_config.json", 0, c);
+    cJSON *eos = cJSON_GetObjectItem(gen, "eos_token_id");
+    if (cJSON_IsArray(eos) && cJSON_GetArraySize(eos) > 0 && cJSON_GetArraySize(eos) <= 16) {
+        int32_t ids[16];
+        int n = 0;
+        cJSON *e;
+        cJSON_ArrayForEach(e, eos)
+            if (cJSON_IsNumber(e) && n < 16)
+                ids[n++] = e->valueint;
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", ids, (uint64_t)n);
+    }
+    cJSON_Delete(gen);
+}
+
 /* Qwen2-style byte-level BPE: vocab.json, merges.txt and the added tokens the tokenizer
  * config declares. */
 static int tokenizer_bpe(conv *c)
@@ -419,6 +437,7 @@ static int decoder(conv *c, const char *arch)
 #undef KEY
     if (qwen2 ? tokenizer_bpe(c) : tokenizer(c))
         return -1;
+    stop_tokens(c);
     int has_bias = loom_safetensors_find(&c->st, "model.layers.0.self_attn.q_proj.bias") != NULL;
     c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) +
                (9 + 3 * has_bias) * n_layer;
@@ -537,6 +556,7 @@ static int chatglm(conv *c)
     free(pads), free(tokens), free(scores), free(types);
     if (rc)
         return rc;
+    stop_tokens(c);
     c->total = 3 + 7 * n_layer;
     if (add(c, "transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, 0) ||
         add(c, "transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, 0) ||

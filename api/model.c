@@ -218,7 +218,7 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         return -1;
     }
     memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
-    int32_t n_hist = n_prompt, eos = loom_tokenizer_eos(m->tok);
+    int32_t n_hist = n_prompt;
     size_t n_pending = 0;
     double t0 = now_ms();
     int rc = loom_runner_eval(m->runner, prompt, n_prompt, pos0, err, err_size);
@@ -230,7 +230,7 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         int32_t next = loom_sampler_sample(logits, n_vocab, &sp, history, n_hist, &rng);
         if (i == 0)
             st.ttft_ms = now_ms() - t0;
-        if (next == eos && !s->ignore_eos) {
+        if (!s->ignore_eos && loom_tokenizer_is_stop(m->tok, next)) {
             st.stopped_at_eos = 1;
             break;
         }

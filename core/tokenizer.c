@@ -43,6 +43,8 @@ struct loom_tokenizer {
     int strip_special;   /* whitespace next to a special token belongs to neither side */
     int32_t prefix[4];   /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
     int n_prefix;
+    int32_t stops[16];   /* further tokens that end a generation */
+    int n_stops;
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
     int32_t *specials;   /* control and user-defined ids, longest text first */
     int n_specials;
@@ -302,6 +304,12 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
      * llama.cpp never strips. loom's converter records which (tokenizer.loom.strip_special);
      * a file without the key is taken as the classic SentencePiece behaviour. */
     t->strip_special = !bpe && get_flag(g, "tokenizer.loom.strip_special", 1);
+    const loom_gguf_kv *stops = loom_gguf_find(g, "tokenizer.loom.stop_token_ids");
+    for (uint64_t i = 0; stops && i < stops->count && i < 16; i++) {
+        double v;
+        if (loom_gguf_array_f64(g, stops, i, &v) == 0 && v >= 0 && v < t->n_vocab)
+            t->stops[t->n_stops++] = (int32_t)v;
+    }
     const loom_gguf_kv *prefix = loom_gguf_find(g, "tokenizer.loom.prefix_tokens");
     for (uint64_t i = 0; prefix && i < prefix->count && i < 4; i++) {
         double v;
@@ -703,6 +711,16 @@ int32_t loom_tokenizer_bos(const loom_tokenizer *t)
 int32_t loom_tokenizer_eos(const loom_tokenizer *t)
 {
     return t->eos;
+}
+
+int loom_tokenizer_is_stop(const loom_tokenizer *t, int32_t id)
+{
+    if (id == t->eos)
+        return 1;
+    for (int i = 0; i < t->n_stops; i++)
+        if (t->stops[i] == id)
+            return 1;
+    return 0;
 }
 
 const char *loom_tokenizer_model(const loom_tokenizer *t)

@@ -35,6 +35,8 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
 int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t);
 int32_t loom_tokenizer_bos(const loom_tokenizer *t); /* -1 when none */
 int32_t loom_tokenizer_eos(const loom_tokenizer *t);
+/* Whether id ends a generation: EOS, or one of the file's tokenizer.loom.stop_token_ids. */
+int loom_tokenizer_is_stop(const loom_tokenizer *t, int32_t id);
 const char *loom_tokenizer_model(const loom_tokenizer *t);
 
 /* How many leading bytes of s (n bytes) form complete UTF-8 characters: what a streaming
