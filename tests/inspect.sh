@@ -15,6 +15,13 @@ jq -e '.architecture == "llama" and (.tensors | length) == 48 and .metadata["lla
        and ([.tensors[] | .bytes] | add) == .tensor_bytes' "$tmpdir/out.json" > /dev/null &&
     pass "json" || fail "json report"
 
+# a Hugging Face folder is inspected through its in-memory conversion
+"$LOOM" inspect --json "$FIXTURES/tiny-chatglm3" > "$tmpdir/glm.json" 2> /dev/null || fail "inspect a folder: exit $?"
+jq -e '.architecture == "chatglm" and .metadata["chatglm.block_count"] == 2
+       and .metadata["tokenizer.loom.stop_token_ids"].length == 3
+       and .metadata["tokenizer.loom.prefix_tokens"].length == 2' "$tmpdir/glm.json" > /dev/null &&
+    pass "inspect a ChatGLM3 folder: architecture, stop and prefix tokens" || fail "folder inspect json"
+
 head -c 1000000 "$gguf" > "$tmpdir/cut.gguf"
 "$LOOM" inspect "$tmpdir/cut.gguf" > /dev/null 2> "$tmpdir/err.txt"
 [ $? -eq 2 ] && pass "truncated: exit 2" || fail "truncated file: want exit 2"
