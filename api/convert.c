@@ -391,6 +391,125 @@ static int tokenizer_bpe(conv *c)
     return rc;
 }
 
+/* A Hugging Face tokenizer.json of the byte-level BPE kind (Llama-3, and Qwen2 when it ships
+ * one): vocabulary, merges, added tokens, and the pre-tokenizer, recognised by its regex. */
+static int tokenizer_json(conv *c, cJSON *tj)
+{
+    cJSON *model = cJSON_GetObjectItem(tj, "model");
+    cJSON *type = cJSON_GetObjectItem(model, "type");
+    cJSON *vocab = cJSON_GetObjectItem(model, "vocab"), *merges = cJSON_GetObjectItem(model, "merges");
+    if (!cJSON_IsString(type) || strcmp(type->valuestring, "BPE") || !cJSON_IsObject(vocab) ||
+        !cJSON_IsArray(merges))
+        return fail(c, "%s/tokenizer.json: not a BPE tokenizer with a vocab and merges", c->dir);
+    char *pre_json = cJSON_PrintUnformatted(cJSON_GetObjectItem(tj, "pre_tokenizer"));
+    const char *pre = !pre_json ? NULL
+                      : strstr(pre_json, "\\\\p{N}{1,3}") ? "llama-bpe"
+                      : strstr(pre_json, "\\\\p{N}|") ? "qwen2"
+                                                      : NULL;
+    int byte_level = pre_json && strstr(pre_json, "ByteLevel");
+    free(pre_json);
+    if (!pre || !byte_level)
+        return fail(c, "%s/tokenizer.json: a pre-tokenizer loom does not know (it knows the "
+                       "byte-level ones of Llama-3 and Qwen2)", c->dir);
+    int32_t n_vocab = (int32_t)num(c->config, "vocab_size", 0);
+    cJSON *e, *added = cJSON_GetObjectItem(tj, "added_tokens");
+    cJSON_ArrayForEach(e, vocab)
+        if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
+            n_vocab = e->valueint + 1;
+    cJSON_ArrayForEach(e, added)
+        if ((int)num(e, "id", -1) >= n_vocab)
+            n_vocab = (int)num(e, "id", -1) + 1;
+    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
+    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
+    char **pads = calloc((size_t)n_vocab, sizeof *pads);
+    int n_merges = cJSON_GetArraySize(merges);
+    char **mtext = calloc((size_t)n_merges + 1, sizeof *mtext);
+    int rc = tokens && types && pads && mtext ? 0 : fail(c, "out of memory");
+    cJSON_ArrayForEach(e, vocab)
+        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
+            tokens[e->valueint] = e->string, types[e->valueint] = 1;
+    int32_t bos = -1, eos = -1;
+    cJSON *bos_name = cJSON_GetObjectItem(c->tok_config, "bos_token");
+    cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
+    cJSON_ArrayForEach(e, added)
+    {
+        int id = (int)num(e, "id", -1);
+        cJSON *content = cJSON_GetObjectItem(e, "content");
+        if (rc || id < 0 || !cJSON_IsString(content))
+            continue;
+        tokens[id] = content->valuestring;
+        types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
+        if (cJSON_IsString(bos_name) && !strcmp(bos_name->valuestring, content->valuestring))
+            bos = id;
+        if (cJSON_IsString(eos_name) && !strcmp(eos_name->valuestring, content->valuestring))
+            eos = id;
+    }
+    for (int32_t i = 0; rc == 0 && i < n_vocab; i++)
+        if (!tokens[i]) {
+            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+                rc = fail(c, "out of memory");
+            tokens[i] = pads[i], types[i] = 5;
+        }
+    for (int i = 0; rc == 0 && i < n_merges; i++) {
+        cJSON *m = cJSON_GetArrayItem(merges, i);
+        if (cJSON_IsString(m))
+            mtext[i] = strdup(m->valuestring);
+        else if (cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2) /* newer files: [left, right] */
+            if (asprintf(&mtext[i], "%s %s", cJSON_GetArrayItem(m, 0)->valuestring,
+                         cJSON_GetArrayItem(m, 1)->valuestring) < 0)
+                mtext[i] = NULL;
+        if (!mtext[i])
+            rc = fail(c, "%s/tokenizer.json: merge %d is not a pair", c->dir, i);
+    }
+    if (rc == 0) {
+        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "gpt2");
+        loom_gguf_set_str(c->w, "tokenizer.ggml.pre", pre);
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
+        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
+        loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)mtext, (uint64_t)n_merges);
+        if (bos >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
+        if (eos >= 0)
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
+        cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab ? cJSON_IsTrue(ab) : bos >= 0);
+        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
+        if (cJSON_IsString(tmpl))
+            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
+    }
+    for (int i = 0; mtext && i < n_merges; i++)
+        free(mtext[i]);
+    for (int32_t i = 0; pads && i < n_vocab; i++)
+        free(pads[i]);
+    free(mtext), free(pads), free(tokens), free(types);
+    return rc;
+}
+
+/* The folder's tokenizer, whichever form it ships: tokenizer.model (SentencePiece),
+ * tokenizer.json (byte-level BPE), or vocab.json + merges.txt. */
+static int any_tokenizer(conv *c)
+{
+    /* a byte-level tokenizer.json wins (Llama-3 folders also carry a tokenizer.model, in
+     * tiktoken's format); a SentencePiece-style one defers to tokenizer.model */
+    cJSON *tj = read_json(c->dir, "tokenizer.json", 0, c);
+    char *pre = tj ? cJSON_PrintUnformatted(cJSON_GetObjectItem(tj, "pre_tokenizer")) : NULL;
+    int byte_level = pre && strstr(pre, "ByteLevel");
+    free(pre);
+    if (byte_level) {
+        int rc = tokenizer_json(c, tj);
+        cJSON_Delete(tj);
+        return rc;
+    }
+    cJSON_Delete(tj);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    int has_model = access(path, R_OK) == 0;
+    snprintf(path, sizeof path, "%s/vocab.json", c->dir);
+    if (!has_model && access(path, R_OK) == 0)
+        return tokenizer_bpe(c);
+    return tokenizer(c);
+}
+
 /* The Llama-shaped decoders: llama (SentencePiece, Q/K permuted) and qwen2 (byte-level BPE,
  * q/k/v biases, rotate-half order kept). */
 static int decoder(conv *c, const char *arch)
@@ -435,7 +554,7 @@ static int decoder(conv *c, const char *arch)
         loom_gguf_set_f32(c->w, KEY("rope.scaling.factor"), (float)num(rs, "factor", 1.0));
     }
 #undef KEY
-    if (qwen2 ? tokenizer_bpe(c) : tokenizer(c))
+    if (any_tokenizer(c))
         return -1;
     stop_tokens(c);
     int has_bias = loom_safetensors_find(&c->st, "model.layers.0.self_attn.q_proj.bias") != NULL;
@@ -621,6 +740,27 @@ done:
     loom_gguf_writer_free(c.w);
     loom_spm_model_free(&c.spm);
     loom_safetensors_close(&c.st);
+    cJSON_Delete(c.config);
+    cJSON_Delete(c.tok_config);
+    return rc;
+}
+
+int loom_convert_tokenizer(const char *dir, const char *out, char *err, size_t err_size)
+{
+    conv c = {.dir = dir, .type = "auto", .err = err, .err_size = err_size};
+    c.config = read_json(dir, "config.json", 0, &c);
+    c.tok_config = read_json(dir, "tokenizer_config.json", 0, &c);
+    int rc = -1;
+    if ((c.w = loom_gguf_writer_create())) {
+        loom_gguf_set_str(c.w, "general.architecture", "tokenizer");
+        rc = any_tokenizer(&c);
+        if (rc == 0)
+            rc = loom_gguf_write(c.w, out, err, err_size);
+    } else {
+        fail(&c, "out of memory");
+    }
+    loom_gguf_writer_free(c.w);
+    loom_spm_model_free(&c.spm);
     cJSON_Delete(c.config);
     cJSON_Delete(c.tok_config);
     return rc;

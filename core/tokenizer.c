@@ -58,6 +58,7 @@ struct loom_tokenizer {
     uint32_t merge_mask;
     pcre2_code *re;            /* the pre-tokenizer */
     int nfc;
+    int ignore_merges;         /* Llama-3: a pre-token that is a whole vocabulary entry stays one */
     char byte_chars[256][3];   /* GPT-2's byte -> character map, UTF-8 */
     unsigned char byte_chars_len[256];
     int16_t char_byte[324];    /* and back: code point (< 324) -> byte, -1 none */
@@ -196,6 +197,7 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
         return -1;
     }
     t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
+    t->ignore_merges = pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0;
     int code;
     PCRE2_SIZE off;
     t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,
@@ -517,7 +519,12 @@ static int bpe_word(const loom_tokenizer *t, const unsigned char *w, size_t n, o
         memcpy(buf + used, t->byte_chars[w[i]], ln[i]);
         used += ln[i];
     }
-    for (;;) {
+    int32_t whole = t->ignore_merges ? lookup(t, buf, used) : -1;
+    if (whole >= 0) {
+        cnt = 1;
+        ln[0] = used;
+    }
+    for (; whole < 0;) {
         int32_t best_rank = -1;
         size_t best = 0;
         for (size_t i = 0; i + 1 < cnt; i++) {

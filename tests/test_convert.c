@@ -292,6 +292,97 @@ static void test_tiny_qwen2(void)
     unlink(f32);
 }
 
+/* Llama-3's byte-level BPE from tokenizer.json (no model weights needed): llama.cpp's test
+ * vectors for that vocabulary, and Meta's own expected ids for a sentence and a dialog rendered
+ * with loom's llama3 chat template. */
+static void test_llama3_tokenizer(void)
+{
+    char src[4200], out[4200];
+    snprintf(src, sizeof src, "%s/tokenizers/llama3", dir);
+    snprintf(out, sizeof out, "%s/llama3-tok.gguf", tmp);
+    CHECK(loom_convert_tokenizer(src, out, err, sizeof err) == 0, "llama3 tokenizer: %s", err);
+    loom_vocab *v = loom_vocab_open(out, err, sizeof err);
+    CHECK(v != NULL, "open llama3 tokenizer: %s", err);
+    if (!v)
+        return;
+    char inp[4200], outp[4200];
+    snprintf(inp, sizeof inp, "%s/peers/llama.cpp/ggml-vocab-llama-bpe.gguf.inp", dir);
+    snprintf(outp, sizeof outp, "%s/peers/llama.cpp/ggml-vocab-llama-bpe.gguf.out", dir);
+    char *in = slurp(inp, NULL), *exp = slurp(outp, NULL);
+    int cases = 0, wrong = 0;
+    const char *sep = "\n__ggml_vocab_test__\n";
+    char *line = exp;
+    for (char *cs = in, *end; in && exp && (end = strstr(cs, sep)); cs = end + strlen(sep)) {
+        char *eol = strchr(line, '\n');
+        if (!eol)
+            break;
+        *eol = '\0';
+        *end = '\0';
+        int32_t got[512], want[512];
+        int nw = 0;
+        for (char *p = line, *q; nw < 512; p = q) {
+            long x = strtol(p, &q, 10);
+            if (q == p)
+                break;
+            want[nw++] = (int32_t)x;
+        }
+        int64_t ng = loom_vocab_encode(v, cs, 0, 0, got, 512);
+        if (!(ng == nw && memcmp(got, want, (size_t)nw * 4) == 0) && wrong++ < 5)
+            fprintf(stderr, "llama-bpe case %d '%s': %lld ids, want %d\n", cases, cs, (long long)ng, nw);
+        *end = '\n';
+        line = eol + 1;
+        cases++;
+    }
+    CHECK(cases > 40 && wrong == 0, "llama-bpe vectors: %d of %d differ from llama.cpp", wrong, cases);
+    free(in), free(exp);
+
+    char mpath[4200];
+    snprintf(mpath, sizeof mpath, "%s/peers/meta-llama-llama3/expected_tokenizer_ids.json", dir);
+    char *json = slurp(mpath, NULL);
+    cJSON *root = cJSON_Parse(json), *c;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "encode"))
+    {
+        /* Meta's ids with its BOS and EOS flags; loom's core encoding is what lies between */
+        cJSON *ids = cJSON_GetObjectItem(c, "ids");
+        int32_t got[128];
+        const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
+        int64_t n = loom_vocab_encode(v, text, 0, 0, got, 128);
+        int first = cJSON_IsTrue(cJSON_GetObjectItem(c, "bos")) ? 1 : 0;
+        int len = cJSON_GetArraySize(ids) - first - (cJSON_IsTrue(cJSON_GetObjectItem(c, "eos")) ? 1 : 0);
+        int same = n == len;
+        for (int i = 0; same && i < len; i++)
+            same = got[i] == cJSON_GetArrayItem(ids, first + i)->valueint;
+        CHECK(same, "Meta's encode of '%s'", text);
+    }
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "encode_dialog_prompt"))
+    {
+        loom_chat_message m[8];
+        int nm = 0;
+        cJSON *msg;
+        cJSON_ArrayForEach(msg, cJSON_GetObjectItem(c, "messages"))
+        {
+            m[nm].role = cJSON_GetObjectItem(msg, "role")->valuestring;
+            m[nm].content = cJSON_GetObjectItem(msg, "content")->valuestring;
+            nm++;
+        }
+        char *prompt = NULL;
+        CHECK(loom_chat_render("llama3", m, nm, 1, &prompt, err, sizeof err) == 0, "render: %s", err);
+        int32_t got[128];
+        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, 1, got, 128) : -1;
+        cJSON *ids = cJSON_GetObjectItem(c, "ids");
+        int same = n == cJSON_GetArraySize(ids);
+        for (int i = 0; same && i < n; i++)
+            same = got[i] == cJSON_GetArrayItem(ids, i)->valueint;
+        CHECK(same, "Meta's dialog prompt through the llama3 template: %lld ids, want %d",
+              (long long)n, cJSON_GetArraySize(ids));
+        free(prompt);
+    }
+    cJSON_Delete(root);
+    free(json);
+    loom_vocab_close(v);
+    unlink(out);
+}
+
 static void test_errors(void)
 {
     char out[4200];
@@ -349,6 +440,7 @@ int main(void)
     test_stories_bytes();
     test_tiny_llama();
     test_tiny_qwen2();
+    test_llama3_tokenizer();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);

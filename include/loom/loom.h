@@ -149,6 +149,10 @@ typedef void (*loom_convert_progress_fn)(void *user, int done, int total, const 
 int loom_convert(const char *dir, const char *out, const char *type,
                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 
+/* Writes a GGUF holding only the tokenizer of a folder (tokenizer.model, tokenizer.json, or
+ * vocab.json + merges.txt, with tokenizer_config.json): for loom_vocab_open and tests. */
+int loom_convert_tokenizer(const char *dir, const char *out, char *err, size_t err_size);
+
 /* Requantises a GGUF file: every matrix stored as f32, f16 or bf16 becomes type (q8_0, q4_0,
  * q4_1, f16, bf16 or f32); 1-D tensors, matrices whose rows are not whole blocks, and tensors
  * already quantised are copied unchanged (with a note on stderr). Metadata is copied. */
