@@ -40,4 +40,37 @@ static inline const char *env_or(const char *name, const char *fallback)
     return v && *v ? v : fallback;
 }
 
+/* A whole file, NUL-terminated (len: its size, when not NULL); NULL when unreadable. */
+static inline char *slurp(const char *path, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *s = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
+        free(s);
+        s = NULL;
+    }
+    if (s)
+        s[n] = '\0';
+    fclose(f);
+    if (len && s)
+        *len = (size_t)n;
+    return s;
+}
+
+/* ../shared/fixtures, or LOOM_FIXTURES when set (CI sets it for distcheck's copy). */
+static inline const char *fixtures_dir(void)
+{
+    static char buf[4096];
+    const char *d = getenv("LOOM_FIXTURES");
+    if (d && *d)
+        return d;
+    snprintf(buf, sizeof buf, "%s/../shared/fixtures", env_or("top_srcdir", "."));
+    return buf;
+}
+
 #endif

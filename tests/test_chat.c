@@ -12,25 +12,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    if (s)
-        s[n] = '\0';
-    fclose(f);
-    return s;
-}
-
 int main(void)
 {
     const char *f = getenv("LOOM_FIXTURES");
@@ -44,7 +25,7 @@ int main(void)
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char path[4200];
         snprintf(path, sizeof path, "%s/%s/expected.json", dir, cases[k].fixture);
-        char *json = slurp(path);
+        char *json = slurp(path, NULL);
         if (!json) {
             const char *ci = getenv("CI");
             if (ci && !strcmp(ci, "true")) {

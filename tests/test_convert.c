@@ -23,27 +23,6 @@
 
 static char err[4096], dir[4096], tmp[] = "/tmp/loom-conv-XXXXXX";
 
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    if (s)
-        s[n] = '\0';
-    fclose(f);
-    if (len)
-        *len = (size_t)n;
-    return s;
-}
-
 static void test_stories_bytes(void)
 {
     char hf[4200], orig[4200], out[4200];

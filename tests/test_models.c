@@ -20,27 +20,6 @@
 static char err[4096];
 static char dir[4096];
 
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    if (s)
-        s[n] = '\0';
-    fclose(f);
-    if (len)
-        *len = (size_t)n;
-    return s;
-}
-
 typedef struct collect {
     int32_t ids[512];
     int n;
@@ -75,7 +54,7 @@ static void run_backend(const char *backend, const char *label)
 
     /* llama2.c's 200 greedy tokens from BOS */
     snprintf(path, sizeof path, "%s/peers/llama2.c/expected_stdout_stories260K_t0_n200.txt", dir);
-    size_t want_len;
+    size_t want_len = 0;
     char *want = slurp(path, &want_len);
     int32_t bos = 1;
     collect c = {0};

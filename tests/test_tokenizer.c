@@ -15,37 +15,6 @@
 
 static char err[1024];
 
-static const char *fixtures(void)
-{
-    static char buf[4096];
-    const char *d = getenv("LOOM_FIXTURES");
-    if (d && *d)
-        return d;
-    snprintf(buf, sizeof buf, "%s/../shared/fixtures", env_or("top_srcdir", "."));
-    return buf;
-}
-
-static char *slurp(const char *path, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *s = malloc((size_t)n + 1);
-    if (s && fread(s, 1, (size_t)n, f) != (size_t)n) {
-        free(s);
-        s = NULL;
-    }
-    if (s)
-        s[n] = '\0';
-    fclose(f);
-    if (len)
-        *len = (size_t)n;
-    return s;
-}
-
 /* Decodes ids back into text. */
 static void decode(const loom_tokenizer *t, const int32_t *ids, int64_t n, char *out, size_t cap)
 {
@@ -74,7 +43,7 @@ static int missing(const char *path)
 static void test_llama_spm_vectors(void)
 {
     char gpath[4000], inp[4096], outp[4096];
-    snprintf(gpath, sizeof gpath, "%s/peers/llama.cpp/ggml-vocab-llama-spm.gguf", fixtures());
+    snprintf(gpath, sizeof gpath, "%s/peers/llama.cpp/ggml-vocab-llama-spm.gguf", fixtures_dir());
     snprintf(inp, sizeof inp, "%s.inp", gpath);
     snprintf(outp, sizeof outp, "%s.out", gpath);
     if (missing(gpath))
@@ -135,8 +104,8 @@ done:
 static void test_stories_prompts(void)
 {
     char gpath[4096], epath[4096];
-    snprintf(gpath, sizeof gpath, "%s/stories260K/original/stories260K.gguf", fixtures());
-    snprintf(epath, sizeof epath, "%s/stories260K/expected.json", fixtures());
+    snprintf(gpath, sizeof gpath, "%s/stories260K/original/stories260K.gguf", fixtures_dir());
+    snprintf(epath, sizeof epath, "%s/stories260K/expected.json", fixtures_dir());
     if (missing(gpath) || missing(epath))
         return;
     loom_gguf g;
