@@ -33,6 +33,20 @@ const cpu_variant_desc loom_cpu_variant = {"baseline", CPU_LEVEL_BASELINE};
 /* below this many elements an op runs on the calling thread: waking the pool costs more */
 #define PARALLEL_MIN_ELEMS 16384
 
+#if !defined(__F16C__)
+float cpu_f16_table[65536];
+
+void cpu_f16_table_init(void)
+{
+    static int done; /* backends open one at a time; the table is the same every time */
+    if (done)
+        return;
+    for (uint32_t h = 0; h < 65536; h++)
+        cpu_f16_table[h] = loom_f16_to_f32((uint16_t)h);
+    done = 1;
+}
+#endif
+
 loom_status cpu_fail(cpu_backend *cb, loom_status st, const char *fmt, ...)
 {
     va_list ap;
@@ -724,6 +738,9 @@ static const loom_backend_ops cpu_ops = {
 loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,
                                loom_backend **out, char *err, size_t err_size)
 {
+#if !defined(__F16C__)
+    cpu_f16_table_init();
+#endif
     int n = opts->n_threads;
     const char *env = getenv("LOOM_THREADS");
     if (n <= 0 && env && *env) {

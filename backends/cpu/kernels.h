@@ -16,6 +16,7 @@
  * those, so the accumulators live in registers.
  */
 #include "kern.h"
+#include "rows.h"
 
 #include <math.h>
 #include <string.h>
@@ -36,11 +37,7 @@
 
 INLINE float f16(uint16_t h)
 {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return loom_f16_to_f32(h);
-#endif
+    return CPU_F16(h);
 }
 
 /* ---- Activation preparation (not part of the VNNI build: its layout is the same) ------------ */
@@ -565,6 +562,21 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = hsum256(acc[i][r]);
+#else
+    /* no SIMD of our own: convert a stretch of each weight row, then the compiler's vectorised
+     * four-way dot product */
+    float wbuf[256];
+    size_t es = wt == LOOM_F32 ? 4 : 2;
+    for (; k < K; k += 256) {
+        int64_t len = K - k < 256 ? K - k : 256;
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            cpu_load_row(wt, w + (size_t)i * wstride + (size_t)k * es, wbuf, len);
+            UNROLL
+            for (int r = 0; r < MR; r++)
+                sums[i][r] += cpu_dot(wbuf, x[r] + k, len);
+        }
+    }
 #endif
     for (; k < K; k++)
         UNROLL
