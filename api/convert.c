@@ -115,15 +115,7 @@ static float *load_f32(conv *c, const loom_st_tensor *t, int64_t rows, int64_t c
     float *out = malloc((size_t)(rows * cols) * sizeof *out);
     if (!out)
         return NULL;
-    const unsigned char *src = t->data;
-    for (int64_t i = 0; i < rows * cols; i++) {
-        uint16_t h;
-        switch (t->loom_type) {
-        case LOOM_F32: memcpy(&out[i], src + 4 * i, 4); break;
-        case LOOM_F16: memcpy(&h, src + 2 * i, 2); out[i] = loom_f16_to_f32(h); break;
-        default: memcpy(&h, src + 2 * i, 2); out[i] = loom_bf16_to_f32(h); break;
-        }
-    }
+    loom_row_to_f32((loom_dtype)t->loom_type, t->data, out, rows * cols);
     if (permute_heads > 0) {
         /* rotate-half order -> adjacent pairs: within each head, new row 2i + j is old row
          * j * head_dim / 2 + i */
@@ -180,19 +172,8 @@ static int add(conv *c, const char *src, const char *dst, int optional, int perm
         free(f);
         return fail(c, "out of memory converting '%s'", src);
     }
-    for (int64_t r = 0; r < rows; r++) {
-        const float *x = f + r * cols;
-        unsigned char *y = data + r * rb;
-        switch (out_type) {
-        case LOOM_F32: memcpy(y, x, (size_t)cols * 4); break;
-        case LOOM_F16: for (int64_t i = 0; i < cols; i++) ((uint16_t *)y)[i] = loom_f32_to_f16(x[i]); break;
-        case LOOM_BF16: for (int64_t i = 0; i < cols; i++) ((uint16_t *)y)[i] = loom_f32_to_bf16(x[i]); break;
-        case LOOM_Q8_0: loom_quantize_row_q8_0(x, (loom_block_q8_0 *)y, cols); break;
-        case LOOM_Q4_0: loom_quantize_row_q4_0(x, (loom_block_q4_0 *)y, cols); break;
-        case LOOM_Q4_1: loom_quantize_row_q4_1(x, (loom_block_q4_1 *)y, cols); break;
-        case LOOM_I32: break;
-        }
-    }
+    for (int64_t r = 0; r < rows; r++)
+        loom_row_from_f32(out_type, f + r * cols, data + r * rb, cols);
     free(f);
     int64_t ne[2] = {cols, rows};
     if (loom_gguf_add_tensor(c->w, dst, out_type, (uint32_t)t->n_dims, ne, data) != 0)
@@ -846,26 +827,8 @@ int loom_quantize(const char *in, const char *out, const char *type,
             }
             int64_t sb = loom_row_bytes(from, cols);
             for (int64_t r = 0; r < rows; r++) {
-                const unsigned char *s = (const unsigned char *)src + r * sb;
-                unsigned char *y = dst + r * rb;
-                for (int64_t k = 0; k < cols; k++) {
-                    uint16_t h;
-                    if (from == LOOM_F32)
-                        memcpy(&row[k], s + 4 * k, 4);
-                    else {
-                        memcpy(&h, s + 2 * k, 2);
-                        row[k] = from == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
-                    }
-                }
-                switch (target) {
-                case LOOM_F32: memcpy(y, row, (size_t)cols * 4); break;
-                case LOOM_F16: for (int64_t k = 0; k < cols; k++) ((uint16_t *)y)[k] = loom_f32_to_f16(row[k]); break;
-                case LOOM_BF16: for (int64_t k = 0; k < cols; k++) ((uint16_t *)y)[k] = loom_f32_to_bf16(row[k]); break;
-                case LOOM_Q8_0: loom_quantize_row_q8_0(row, (loom_block_q8_0 *)y, cols); break;
-                case LOOM_Q4_0: loom_quantize_row_q4_0(row, (loom_block_q4_0 *)y, cols); break;
-                case LOOM_Q4_1: loom_quantize_row_q4_1(row, (loom_block_q4_1 *)y, cols); break;
-                case LOOM_I32: break;
-                }
+                loom_row_to_f32(from, (const unsigned char *)src + r * sb, row, cols);
+                loom_row_from_f32(target, row, dst + r * rb, cols);
             }
             free(row);
             owned[i] = dst;

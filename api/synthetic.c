@@ -51,16 +51,7 @@ static void *random_matrix(loom_dtype t, int64_t rows, int64_t cols, float amp)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t c = 0; c < cols; c++)
             row[c] = rnd(amp);
-        unsigned char *dst = out + r * rb;
-        switch (t) {
-        case LOOM_F32: memcpy(dst, row, (size_t)cols * 4); break;
-        case LOOM_F16: for (int64_t c = 0; c < cols; c++) ((uint16_t *)dst)[c] = loom_f32_to_f16(row[c]); break;
-        case LOOM_BF16: for (int64_t c = 0; c < cols; c++) ((uint16_t *)dst)[c] = loom_f32_to_bf16(row[c]); break;
-        case LOOM_Q8_0: loom_quantize_row_q8_0(row, (loom_block_q8_0 *)dst, cols); break;
-        case LOOM_Q4_0: loom_quantize_row_q4_0(row, (loom_block_q4_0 *)dst, cols); break;
-        case LOOM_Q4_1: loom_quantize_row_q4_1(row, (loom_block_q4_1 *)dst, cols); break;
-        case LOOM_I32: break;
-        }
+        loom_row_from_f32(t, row, out + r * rb, cols);
     }
     free(row);
     return out;

@@ -150,16 +150,7 @@ static void *make_rows(loom_dtype dt, int64_t K, int64_t n_rows)
     for (int64_t r = 0; r < n_rows; r++) {
         for (int64_t k = 0; k < K; k++)
             row[k] = rnd();
-        unsigned char *dst = out + r * rb;
-        switch (dt) {
-        case LOOM_F32: memcpy(dst, row, (size_t)K * 4); break;
-        case LOOM_F16: for (int64_t k = 0; k < K; k++) ((uint16_t *)dst)[k] = loom_f32_to_f16(row[k]); break;
-        case LOOM_BF16: for (int64_t k = 0; k < K; k++) ((uint16_t *)dst)[k] = loom_f32_to_bf16(row[k]); break;
-        case LOOM_Q8_0: loom_quantize_row_q8_0(row, (loom_block_q8_0 *)dst, K); break;
-        case LOOM_Q4_0: loom_quantize_row_q4_0(row, (loom_block_q4_0 *)dst, K); break;
-        case LOOM_Q4_1: loom_quantize_row_q4_1(row, (loom_block_q4_1 *)dst, K); break;
-        case LOOM_I32: memset(dst, 0, (size_t)rb); break;
-        }
+        loom_row_from_f32(dt, row, out + r * rb, K);
     }
     free(row);
     return out;

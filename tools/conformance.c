@@ -160,59 +160,12 @@ static spec *add_spec(test_case *tc, int idx, loom_dtype dt, int64_t n0, int64_t
 /* Writes float values into row r of s, converting to its dtype. */
 static void put_row(spec *s, int64_t r, const float *v)
 {
-    unsigned char *p = spec_row(s, r);
-    int64_t n = s->ne[0];
-    switch (s->dtype) {
-    case LOOM_F32: memcpy(p, v, (size_t)n * 4); break;
-    case LOOM_F16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h = loom_f32_to_f16(v[i]);
-            memcpy(p + 2 * i, &h, 2);
-        }
-        break;
-    case LOOM_BF16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h = loom_f32_to_bf16(v[i]);
-            memcpy(p + 2 * i, &h, 2);
-        }
-        break;
-    case LOOM_I32:
-        for (int64_t i = 0; i < n; i++) {
-            int32_t x = (int32_t)v[i];
-            memcpy(p + 4 * i, &x, 4);
-        }
-        break;
-    case LOOM_Q8_0: loom_quantize_row_q8_0(v, (loom_block_q8_0 *)p, n); break;
-    case LOOM_Q4_0: loom_quantize_row_q4_0(v, (loom_block_q4_0 *)p, n); break;
-    case LOOM_Q4_1: loom_quantize_row_q4_1(v, (loom_block_q4_1 *)p, n); break;
-    }
+    loom_row_from_f32(s->dtype, v, spec_row(s, r), s->ne[0]);
 }
 
 static void get_row(const spec *s, const unsigned char *image, int64_t r, float *out)
 {
-    const unsigned char *p = image + s->offset + (uint64_t)r * spec_row_stride(s);
-    int64_t n = s->ne[0];
-    switch (s->dtype) {
-    case LOOM_F32: memcpy(out, p, (size_t)n * 4); break;
-    case LOOM_F16:
-    case LOOM_BF16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            out[i] = s->dtype == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
-        }
-        break;
-    case LOOM_I32:
-        for (int64_t i = 0; i < n; i++) {
-            int32_t x;
-            memcpy(&x, p + 4 * i, 4);
-            out[i] = (float)x;
-        }
-        break;
-    case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)p, out, n); break;
-    case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)p, out, n); break;
-    case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)p, out, n); break;
-    }
+    loom_row_to_f32(s->dtype, image + s->offset + (uint64_t)r * spec_row_stride(s), out, s->ne[0]);
 }
 
 /* Fills every row with uniform values in [-amp, amp) (+ bias), converted to the dtype. */

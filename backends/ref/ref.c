@@ -84,65 +84,12 @@ static unsigned char *row_ptr(const loom_tensor *t, int64_t r)
 
 static void load_row(const loom_tensor *t, int64_t r, float *out)
 {
-    const unsigned char *p = row_ptr(t, r);
-    int64_t n = t->ne[0];
-    switch (t->dtype) {
-    case LOOM_F32: memcpy(out, p, (size_t)n * sizeof(float)); break;
-    case LOOM_F16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            out[i] = loom_f16_to_f32(h);
-        }
-        break;
-    case LOOM_BF16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, p + 2 * i, 2);
-            out[i] = loom_bf16_to_f32(h);
-        }
-        break;
-    case LOOM_I32:
-        for (int64_t i = 0; i < n; i++) {
-            int32_t v;
-            memcpy(&v, p + 4 * i, 4);
-            out[i] = (float)v;
-        }
-        break;
-    case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)p, out, n); break;
-    case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)p, out, n); break;
-    case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)p, out, n); break;
-    }
+    loom_row_to_f32(t->dtype, row_ptr(t, r), out, t->ne[0]);
 }
 
 static void store_row(const loom_tensor *t, int64_t r, const float *in)
 {
-    unsigned char *p = row_ptr(t, r);
-    int64_t n = t->ne[0];
-    switch (t->dtype) {
-    case LOOM_F32: memmove(p, in, (size_t)n * sizeof(float)); break;
-    case LOOM_F16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h = loom_f32_to_f16(in[i]);
-            memcpy(p + 2 * i, &h, 2);
-        }
-        break;
-    case LOOM_BF16:
-        for (int64_t i = 0; i < n; i++) {
-            uint16_t h = loom_f32_to_bf16(in[i]);
-            memcpy(p + 2 * i, &h, 2);
-        }
-        break;
-    case LOOM_I32:
-        for (int64_t i = 0; i < n; i++) {
-            int32_t v = (int32_t)in[i];
-            memcpy(p + 4 * i, &v, 4);
-        }
-        break;
-    case LOOM_Q8_0: loom_quantize_row_q8_0(in, (loom_block_q8_0 *)p, n); break;
-    case LOOM_Q4_0: loom_quantize_row_q4_0(in, (loom_block_q4_0 *)p, n); break;
-    case LOOM_Q4_1: loom_quantize_row_q4_1(in, (loom_block_q4_1 *)p, n); break;
-    }
+    loom_row_from_f32(t->dtype, in, row_ptr(t, r), t->ne[0]);
 }
 
 static int32_t load_i32(const loom_tensor *t, int64_t i)

@@ -316,6 +316,54 @@ static inline void loom_dequantize_row_q4_1(const loom_block_q4_1 *x, float *y, 
     }
 }
 
+/* A row of n elements of dtype t to and from f32, little-endian as GGUF stores them, with the
+ * reference conversions above (i32 converts by value). For block types n is a multiple of
+ * LOOM_QK. */
+static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, int64_t n)
+{
+    const unsigned char *p = (const unsigned char *)src;
+    switch (t) {
+    case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)src, dst, n); return;
+    case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)src, dst, n); return;
+    case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)src, dst, n); return;
+    default: break;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (t == LOOM_F16 || t == LOOM_BF16) {
+            uint16_t h = (uint16_t)(p[2 * i] | p[2 * i + 1] << 8);
+            dst[i] = t == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
+        } else {
+            uint32_t u = (uint32_t)p[4 * i] | (uint32_t)p[4 * i + 1] << 8 |
+                         (uint32_t)p[4 * i + 2] << 16 | (uint32_t)p[4 * i + 3] << 24;
+            dst[i] = t == LOOM_I32 ? (float)(int32_t)u : loom_f32_from_bits(u);
+        }
+    }
+}
+
+static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, int64_t n)
+{
+    unsigned char *p = (unsigned char *)dst;
+    switch (t) {
+    case LOOM_Q8_0: loom_quantize_row_q8_0(src, (loom_block_q8_0 *)dst, n); return;
+    case LOOM_Q4_0: loom_quantize_row_q4_0(src, (loom_block_q4_0 *)dst, n); return;
+    case LOOM_Q4_1: loom_quantize_row_q4_1(src, (loom_block_q4_1 *)dst, n); return;
+    default: break;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        if (t == LOOM_F16 || t == LOOM_BF16) {
+            uint16_t h = t == LOOM_F16 ? loom_f32_to_f16(src[i]) : loom_f32_to_bf16(src[i]);
+            p[2 * i] = (unsigned char)h;
+            p[2 * i + 1] = (unsigned char)(h >> 8);
+        } else {
+            uint32_t u = t == LOOM_I32 ? (uint32_t)(int32_t)src[i] : loom_bits_from_f32(src[i]);
+            p[4 * i] = (unsigned char)u;
+            p[4 * i + 1] = (unsigned char)(u >> 8);
+            p[4 * i + 2] = (unsigned char)(u >> 16);
+            p[4 * i + 3] = (unsigned char)(u >> 24);
+        }
+    }
+}
+
 /* ---- Tensors ------------------------------------------------------------------------------
  * Dimension 0 is the innermost (fastest varying), as in GGUF: a matrix X[M,K] of M rows of K
  * elements has ne = {K, M, 1, 1}. Rows are contiguous: nb[0] is the element size, or the block
