@@ -211,15 +211,16 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
     uint64_t rng = s->seed;
     int32_t *history = malloc((size_t)(n_prompt + n_predict + 1) * sizeof *history);
     float *logits = malloc((size_t)n_vocab * sizeof *logits);
-    char *pending = malloc(4096);
-    if (!history || !logits || !pending) {
-        free(history), free(logits), free(pending);
+    char piece[512]; /* a token is at most 512 bytes */
+    loom_text_stream ts;
+    loom_text_stream_init(&ts, NULL, 0);
+    if (!history || !logits) {
+        free(history), free(logits);
         snprintf(err, err_size, "out of memory");
         return -1;
     }
     memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
     int32_t n_hist = n_prompt;
-    size_t n_pending = 0;
     double t0 = now_ms();
     int rc = loom_runner_eval(m->runner, prompt, n_prompt, pos0, err, err_size);
     double t_prefill = now_ms() - t0, t_decode0 = now_ms();
@@ -236,26 +237,23 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         }
         history[n_hist++] = next;
         st.n_generated++;
-        /* hold back bytes of an unfinished UTF-8 character until the next piece completes it */
-        int k = loom_tokenizer_piece(m->tok, history[n_hist - 2], next, pending + n_pending,
-                                     (int)(4096 - n_pending));
-        n_pending += k > 0 ? (size_t)k : 0;
-        size_t ready = loom_utf8_complete(pending, n_pending);
-        int stop = on_token && on_token(user, next, pending, ready);
-        memmove(pending, pending + ready, n_pending - ready);
-        n_pending -= ready;
+        int k = loom_tokenizer_piece(m->tok, history[n_hist - 2], next, piece, sizeof piece);
+        loom_text_stream_push(&ts, piece, k > 0 ? (size_t)k : 0);
+        int stop = on_token && on_token(user, next, ts.out, ts.n_out);
         if (stop || i + 1 == n_predict)
             break;
         rc = loom_runner_eval(m->runner, &next, 1, pos0 + n_hist - 1, err, err_size);
     }
-    if (rc == 0 && n_pending && on_token)
-        on_token(user, -1, pending, n_pending); /* whatever is left, even if incomplete */
+    loom_text_stream_flush(&ts);
+    if (rc == 0 && ts.n_out && on_token)
+        on_token(user, -1, ts.out, ts.n_out); /* whatever is left, even if incomplete */
+    loom_text_stream_free(&ts);
     double t_decode = now_ms() - t_decode0;
     st.prefill_tok_s = t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0;
     st.decode_tok_s = t_decode > 0 && st.n_generated > 1 ? (st.n_generated - 1) / (t_decode / 1e3) : 0;
     if (stats)
         *stats = st;
-    free(history), free(logits), free(pending);
+    free(history), free(logits);
     return rc;
 }
 

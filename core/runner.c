@@ -3,9 +3,10 @@
  *
  * Memory: weights are used in place from the file mapping when the backend can wrap host
  * memory (buffer_wrap_host), else each is uploaded once. The KV cache is one buffer of
- * [layer][k|v][blocks][block_size][kv_heads][head_dim]; a single sequence uses blocks 0, 1, ...
- * in order. Scratch activations come from a list of buffers handed out in call order each
- * pass, so a pass with the same shapes as the last allocates nothing.
+ * [layer][k|v][blocks][block_size][kv_heads][head_dim]; which blocks a sequence uses is the
+ * caller's business (loom_runner_eval: one sequence over blocks 0, 1, ... in order; a server:
+ * core/kvblocks). Scratch activations and the per-step inputs come from buffers that only grow,
+ * so a pass with the same shapes as the last allocates nothing.
  */
 #define _GNU_SOURCE
 #include "runner.h"
@@ -39,7 +40,9 @@ struct loom_runner {
     loom_buffer *kv;
     loom_tensor *kc, *vc;       /* per layer */
 
-    loom_buffer *in_buf;        /* ids | pos | slots | seq | block table, I32 */
+    loom_buffer *in_buf;        /* ids | pos | slots | seq | block table | logit rows, I32 */
+    uint64_t in_cap;            /* its size in int32s */
+    int32_t *in_host;
     loom_rt_inputs in;
 
     scratch_slot scratch[MAX_SCRATCH];
@@ -47,7 +50,8 @@ struct loom_runner {
 
     loom_tensor logits_src;
     int has_logits;
-    float *logits;
+    float *logits;              /* [n_logits][n_vocab] */
+    int32_t logits_cap;         /* rows */
 
     int status;
     char err[512];
@@ -208,6 +212,19 @@ void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
     r->has_logits = 1;
 }
 
+void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
+                    const loom_tensor *norm, float eps, const loom_tensor *output)
+{
+    if (b->n_logits <= 0)
+        return;
+    loom_tensor rows = loom_rt_scratch(r, LOOM_F32, x->ne[0], b->n_logits, 1);
+    loom_tensor logits = loom_rt_scratch(r, LOOM_F32, output->ne[1], b->n_logits, 1);
+    loom_rt_get_rows(r, x, &r->in.logit_rows, &rows);
+    loom_rt_rms_norm(r, &rows, norm, eps, &rows);
+    loom_rt_matmul(r, &rows, output, NULL, &logits);
+    loom_rt_set_logits(r, &logits);
+}
+
 int loom_rt_status(const loom_runner *r)
 {
     return r->status;
@@ -347,7 +364,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     if (r->opt.n_ctx <= 0 && n_ctx > 4096)
         n_ctx = 4096;
     r->opt.n_ctx = n_ctx;
-    r->n_blocks = (n_ctx + r->opt.block_size - 1) / r->opt.block_size;
+    int32_t seq_blocks = (n_ctx + r->opt.block_size - 1) / r->opt.block_size;
+    r->n_blocks = r->opt.n_kv_blocks > 0 ? r->opt.n_kv_blocks : seq_blocks;
     if (r->opt.kv_type == LOOM_Q8_0 && hp->head_dim % LOOM_QK) {
         snprintf(err, err_size, "a q8_0 KV cache needs head_dim to be a multiple of 32 (it is %d)",
                  hp->head_dim);
@@ -359,13 +377,11 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
                          (uint64_t)r->n_blocks;
     r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
     r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
-    int32_t nb = r->opt.n_batch;
-    r->logits = malloc((size_t)hp->n_vocab * sizeof(float));
-    if (!r->kc || !r->vc || !r->logits ||
-        dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)hp->n_layer, &r->kv) != LOOM_OK ||
-        dev->ops.buffer_alloc(dev->be, (uint64_t)(4 * nb + r->n_blocks) * 4, &r->in_buf) != LOOM_OK) {
-        snprintf(err, err_size, "out of memory on %s for a %d-token KV cache (%llu bytes): %s",
-                 dev->name, n_ctx, (unsigned long long)(per_cache * 2 * (uint64_t)hp->n_layer),
+    if (!r->kc || !r->vc ||
+        dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)hp->n_layer, &r->kv) != LOOM_OK) {
+        snprintf(err, err_size, "out of memory on %s for a KV cache of %d blocks of %d tokens "
+                 "(%llu bytes): %s", dev->name, r->n_blocks, r->opt.block_size,
+                 (unsigned long long)(per_cache * 2 * (uint64_t)hp->n_layer),
                  dev->ops.last_error(dev->be));
         loom_runner_free(r);
         return NULL;
@@ -376,18 +392,6 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         r->vc[l] = r->kc[l];
         r->vc[l].offset += per_cache;
     }
-    int32_t *table = malloc((size_t)r->n_blocks * 4);
-    for (int32_t i = 0; table && i < r->n_blocks; i++)
-        table[i] = i;
-    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * nb) * 4, LOOM_I32, r->n_blocks, 1, 1, 1);
-    if (!table || dev->ops.copy_from_host(dev->be, r->in_buf, r->in.block_table.offset, table,
-                                          (uint64_t)r->n_blocks * 4) != LOOM_OK) {
-        snprintf(err, err_size, "cannot set up the block table: %s", dev->ops.last_error(dev->be));
-        free(table);
-        loom_runner_free(r);
-        return NULL;
-    }
-    free(table);
     return r;
 }
 
@@ -411,7 +415,7 @@ void loom_runner_free(loom_runner *r)
     if (r->in_buf)
         ops->buffer_free(r->dev->be, r->in_buf);
     free(r->weights), free(r->weight_bufs), free(r->weight_ready);
-    free(r->kc), free(r->vc), free(r->logits);
+    free(r->kc), free(r->vc), free(r->logits), free(r->in_host);
     free(r);
 }
 
@@ -430,6 +434,143 @@ const float *loom_runner_logits(const loom_runner *r)
     return r->logits;
 }
 
+int32_t loom_runner_kv_blocks(const loom_runner *r)
+{
+    return r->n_blocks;
+}
+
+int32_t loom_runner_block_size(const loom_runner *r)
+{
+    return r->opt.block_size;
+}
+
+uint64_t loom_runner_block_bytes(const loom_runner *r)
+{
+    return r->kc[0].nb[3] * 2 * (uint64_t)r->hp.n_layer;
+}
+
+int loom_runner_copy_blocks(loom_runner *r, const int32_t *src, const int32_t *dst, int n,
+                            char *err, size_t err_size)
+{
+    const loom_backend_ops *ops = &r->dev->ops;
+    uint64_t block = r->kc[0].nb[3];
+    for (int i = 0; i < n; i++)
+        for (int l = 0; l < r->hp.n_layer; l++)
+            for (int kv = 0; kv < 2; kv++) {
+                const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
+                if (ops->copy_buffer(r->dev->be, r->kv, c->offset + (uint64_t)dst[i] * block, r->kv,
+                                     c->offset + (uint64_t)src[i] * block, block) != LOOM_OK) {
+                    snprintf(err, err_size, "copying KV block %d to %d on %s: %s", src[i], dst[i],
+                             r->dev->name, ops->last_error(r->dev->be));
+                    return -1;
+                }
+            }
+    return 0;
+}
+
+/* Makes the input buffer (device) and its host staging area hold n int32s. */
+static int inputs_reserve(loom_runner *r, uint64_t n)
+{
+    if (n <= r->in_cap)
+        return 0;
+    uint64_t cap = n < 1024 ? 1024 : n + n / 2;
+    int32_t *host = realloc(r->in_host, cap * sizeof *host);
+    if (!host)
+        return fail(r, "out of memory");
+    r->in_host = host;
+    if (r->in_buf)
+        r->dev->ops.buffer_free(r->dev->be, r->in_buf);
+    r->in_buf = NULL;
+    r->in_cap = 0;
+    if (r->dev->ops.buffer_alloc(r->dev->be, cap * 4, &r->in_buf) != LOOM_OK)
+        return fail(r, "out of memory on %s for the step's inputs: %s", r->dev->name,
+                    r->dev->ops.last_error(r->dev->be));
+    r->in_cap = cap;
+    return 0;
+}
+
+int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size)
+{
+    const loom_backend_ops *ops = &r->dev->ops;
+    const int32_t n = s->n_tokens;
+    r->status = 0;
+    if (n <= 0 || s->n_seqs <= 0 || s->max_blocks <= 0 || s->n_logits < 0 || s->n_logits > n) {
+        snprintf(err, err_size, "an empty or malformed step (%d tokens, %d sequences, %d logits)",
+                 n, s->n_seqs, s->n_logits);
+        return -1;
+    }
+    for (int32_t t = 0; t < n; t++) {
+        const char *bad = NULL;
+        if (s->ids[t] < 0 || s->ids[t] >= r->hp.n_vocab)
+            bad = "token id outside the vocabulary";
+        else if (s->seq[t] < 0 || s->seq[t] >= s->n_seqs)
+            bad = "sequence index outside the block table";
+        else if (s->pos[t] < 0 || s->pos[t] >= s->max_blocks * r->opt.block_size)
+            bad = "position beyond the block table";
+        else if (s->slots[t] < 0 || s->slots[t] >= r->n_blocks * r->opt.block_size)
+            bad = "KV slot outside the cache";
+        if (bad) {
+            snprintf(err, err_size, "step token %d: %s (id %d, seq %d, pos %d, slot %d)", t, bad,
+                     s->ids[t], s->seq[t], s->pos[t], s->slots[t]);
+            return -1;
+        }
+    }
+    for (int32_t i = 0; i < s->n_logits; i++)
+        if (s->logit_rows[i] < 0 || s->logit_rows[i] >= n) {
+            snprintf(err, err_size, "logit row %d is not a token of the step", s->logit_rows[i]);
+            return -1;
+        }
+    uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
+    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits;
+    if (inputs_reserve(r, total) != 0) {
+        snprintf(err, err_size, "%s", r->err);
+        return -1;
+    }
+    int32_t *h = r->in_host;
+    memcpy(h, s->ids, (size_t)n * 4);
+    memcpy(h + n, s->pos, (size_t)n * 4);
+    memcpy(h + 2 * n, s->slots, (size_t)n * 4);
+    memcpy(h + 3 * n, s->seq, (size_t)n * 4);
+    memcpy(h + 4 * n, s->block_table, (size_t)table * 4);
+    if (s->n_logits)
+        memcpy(h + 4 * n + table, s->logit_rows, (size_t)s->n_logits * 4);
+    if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
+        fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
+    r->in.ids = dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
+    r->in.pos = dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.slots = dense(r->in_buf, (uint64_t)(2 * n) * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.seq = dense(r->in_buf, (uint64_t)(3 * n) * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * n) * 4, LOOM_I32, s->max_blocks,
+                              s->n_seqs, 1, 1);
+    r->in.logit_rows = dense(r->in_buf, (uint64_t)(4 * n + table) * 4, LOOM_I32,
+                             s->n_logits ? s->n_logits : 1, 1, 1, 1);
+    r->n_scratch_used = 0;
+    r->has_logits = 0;
+    if (s->n_logits > r->logits_cap) {
+        float *lg = realloc(r->logits, (size_t)s->n_logits * (size_t)r->hp.n_vocab * sizeof *lg);
+        if (!lg)
+            fail(r, "out of memory");
+        else
+            r->logits = lg, r->logits_cap = s->n_logits;
+    }
+    loom_batch b = {n, s->n_logits};
+    if (!r->status)
+        r->arch->forward(r, r->state, &b);
+    if (!r->status && s->n_logits) {
+        if (!r->has_logits)
+            fail(r, "the model produced no logits");
+        else if (ops->synchronize(r->dev->be) != LOOM_OK ||
+                 ops->copy_to_host(r->dev->be, r->logits, r->logits_src.buf, r->logits_src.offset,
+                                   (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab * 4) != LOOM_OK)
+            fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
+    }
+    if (r->status) {
+        snprintf(err, err_size, "%s", r->err);
+        return -1;
+    }
+    return 0;
+}
+
 int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
                      size_t err_size)
 {
@@ -442,55 +583,33 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
                  n, pos0, r->opt.n_ctx);
         return -1;
     }
-    for (int32_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= r->hp.n_vocab) {
-            snprintf(err, err_size, "token id %d is outside the vocabulary (0..%d)", ids[i],
-                     r->hp.n_vocab - 1);
-            return -1;
-        }
-    const loom_backend_ops *ops = &r->dev->ops;
+    int32_t bs = r->opt.block_size, n_table = (r->opt.n_ctx + bs - 1) / bs;
+    if (n_table > r->n_blocks) {
+        snprintf(err, err_size, "the KV cache has %d blocks, fewer than one %d-token sequence needs",
+                 r->n_blocks, r->opt.n_ctx);
+        return -1;
+    }
     int32_t nb = r->opt.n_batch;
-    int32_t *host = malloc((size_t)(4 * nb) * 4);
+    int32_t *host = malloc((size_t)(4 * nb + n_table) * sizeof *host);
     if (!host) {
         snprintf(err, err_size, "out of memory");
         return -1;
     }
-    r->status = 0;
-    for (int32_t c0 = 0; c0 < n && !r->status; c0 += nb) {
+    int32_t *pos = host + nb, *seq = host + 2 * nb, *slots = host + 3 * nb, *table = host + 4 * nb;
+    for (int32_t i = 0; i < n_table; i++)
+        table[i] = i; /* one sequence over blocks 0, 1, 2... */
+    int rc = 0;
+    for (int32_t c0 = 0; c0 < n && rc == 0; c0 += nb) {
         int32_t m = n - c0 < nb ? n - c0 : nb;
         for (int32_t i = 0; i < m; i++) {
-            host[i] = ids[c0 + i];
-            host[nb + i] = pos0 + c0 + i;     /* position */
-            host[2 * nb + i] = pos0 + c0 + i; /* slot: blocks are in order */
-            host[3 * nb + i] = 0;             /* the one sequence */
+            pos[i] = slots[i] = pos0 + c0 + i;
+            seq[i] = 0;
         }
-        for (int k = 0; k < 4 && !r->status; k++)
-            if (ops->copy_from_host(r->dev->be, r->in_buf, (uint64_t)(k * nb) * 4, host + k * nb,
-                                    (uint64_t)m * 4) != LOOM_OK)
-                fail(r, "uploading the batch: %s", ops->last_error(r->dev->be));
-        r->in.ids = dense(r->in_buf, 0, LOOM_I32, m, 1, 1, 1);
-        r->in.pos = dense(r->in_buf, (uint64_t)nb * 4, LOOM_I32, m, 1, 1, 1);
-        r->in.slots = dense(r->in_buf, (uint64_t)(2 * nb) * 4, LOOM_I32, m, 1, 1, 1);
-        r->in.seq = dense(r->in_buf, (uint64_t)(3 * nb) * 4, LOOM_I32, m, 1, 1, 1);
-        r->n_scratch_used = 0;
-        r->has_logits = 0;
-        loom_batch b = {ids + c0, m, pos0 + c0, c0 + m == n};
-        if (!r->status)
-            r->arch->forward(r, r->state, &b);
-        if (!r->status && b.want_logits) {
-            if (!r->has_logits)
-                fail(r, "the model produced no logits");
-            else if (ops->synchronize(r->dev->be) != LOOM_OK ||
-                     ops->copy_to_host(r->dev->be, r->logits, r->logits_src.buf,
-                                       r->logits_src.offset,
-                                       (uint64_t)r->hp.n_vocab * sizeof(float)) != LOOM_OK)
-                fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
-        }
+        int32_t last = m - 1;
+        loom_step st = {m, ids + c0, pos, seq, slots, 1, n_table, table,
+                        c0 + m == n ? 1 : 0, &last};
+        rc = loom_runner_step(r, &st, err, err_size);
     }
     free(host);
-    if (r->status) {
-        snprintf(err, err_size, "%s", r->err);
-        return -1;
-    }
-    return 0;
+    return rc;
 }

@@ -35,12 +35,11 @@ typedef struct loom_hparams {
 
 typedef struct loom_runner loom_runner;
 
-/* One step's tokens (prefill chunk or decode), for a single sequence. */
+/* One step's tokens (prefill chunks and decode tokens of any number of sequences), as the model
+ * sees it; the per-token inputs are on the device (loom_rt_inputs_of). */
 typedef struct loom_batch {
-    const int32_t *ids;
-    int32_t n;
-    int32_t pos0;     /* position of ids[0] */
-    int want_logits;  /* copy the last token's logits to the host */
+    int32_t n;        /* tokens */
+    int32_t n_logits; /* rows of in.logit_rows whose logits are wanted (0: none) */
 } loom_batch;
 
 typedef struct loom_arch {
@@ -57,6 +56,7 @@ typedef struct loom_runner_options {
     int32_t block_size;  /* KV block size, default 16 */
     loom_dtype kv_type;  /* LOOM_F16 (default) or LOOM_F32 */
     int32_t n_batch;     /* prefill chunk, default 256 */
+    int32_t n_kv_blocks; /* KV cache blocks; 0: enough for one sequence of n_ctx */
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */
@@ -70,7 +70,30 @@ int32_t loom_runner_n_ctx(const loom_runner *r);
  * want_logits, the last token's logits are in loom_runner_logits. Returns 0 or -1 with err. */
 int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
                      size_t err_size);
+/* The logits of the last eval or step: n_logits rows of n_vocab floats. */
 const float *loom_runner_logits(const loom_runner *r);
+
+/* One step over many sequences. Token t has id ids[t] at position pos[t] of sequence seq[t]
+ * (a row of block_table, [n_seqs][max_blocks]) and its K/V go to cache slot slots[t]. The logits
+ * of tokens logit_rows[0..n_logits) are copied to the host. The caller (a block manager) owns
+ * the block table; loom_runner_eval is this with one sequence over blocks 0, 1, 2... */
+typedef struct loom_step {
+    int32_t n_tokens;
+    const int32_t *ids, *pos, *seq, *slots;
+    int32_t n_seqs, max_blocks;
+    const int32_t *block_table;
+    int32_t n_logits;
+    const int32_t *logit_rows;
+} loom_step;
+int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size);
+
+int32_t loom_runner_kv_blocks(const loom_runner *r);
+int32_t loom_runner_block_size(const loom_runner *r);
+/* Bytes of cache one block holds over all layers, K and V. */
+uint64_t loom_runner_block_bytes(const loom_runner *r);
+/* Copies whole blocks (every layer, K and V): copy on write for shared blocks. */
+int loom_runner_copy_blocks(loom_runner *r, const int32_t *src, const int32_t *dst, int n,
+                            char *err, size_t err_size);
 
 /* ---- For model code ----------------------------------------------------------------------- */
 
@@ -87,16 +110,21 @@ loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n);
 /* Columns [c0, c0 + n_heads * head_dim) of a 2-D f32 tensor as [rows, n_heads, head_dim]. */
 loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, int64_t n_heads);
 
-/* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids. */
+/* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids, the block
+ * table, and which tokens' logits are wanted. */
 typedef struct loom_rt_inputs {
-    loom_tensor ids, pos, slots, seq, block_table;
+    loom_tensor ids, pos, slots, seq, block_table, logit_rows;
 } loom_rt_inputs;
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
 /* Layer l's K and V caches. */
 const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer);
 const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer);
-/* Where the last token's logits go: a [1, n_vocab] f32 scratch tensor the runner copies out. */
+/* Where the wanted logits go: a [n_logits, n_vocab] f32 scratch tensor the runner copies out. */
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);
+/* The usual tail: gathers the wanted rows of the residual stream x, RMS-normalises them with
+ * norm and projects them with output into the logits (a no-op when none are wanted). */
+void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
+                    const loom_tensor *norm, float eps, const loom_tensor *output);
 
 /* The verbs; each records the first failure. */
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst);

@@ -125,7 +125,6 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_tensor att = loom_rt_scratch(r, LOOM_F32, H * hd, n, 1);
     loom_tensor up2 = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_ff, n, 1);
     loom_tensor act = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    loom_tensor logits = loom_rt_scratch(r, LOOM_F32, hp->n_vocab, 1, 1);
     loom_tensor q3 = loom_rt_heads(&qkv, 0, hd, H);
     loom_tensor k3 = loom_rt_heads(&qkv, H * hd, hd, G);
     loom_tensor v3 = loom_rt_heads(&qkv, (H + G) * hd, hd, G);
@@ -151,12 +150,7 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
         loom_rt_matmul(r, &act, L->w_down, NULL, &h);
         loom_rt_add(r, &x, &h, &x);
     }
-    if (b->want_logits) {
-        loom_tensor last = loom_rt_rows(&x, n - 1, 1), hl = loom_rt_rows(&h, 0, 1);
-        loom_rt_rms_norm(r, &last, m->out_norm, hp->norm_eps, &hl);
-        loom_rt_matmul(r, &hl, m->output, NULL, &logits);
-        loom_rt_set_logits(r, &logits);
-    }
+    loom_rt_logits(r, b, &x, m->out_norm, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 

@@ -158,7 +158,6 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_tensor att = loom_rt_scratch(r, LOOM_F32, q_dim, n, 1);
     loom_tensor gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
     loom_tensor up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    loom_tensor logits = loom_rt_scratch(r, LOOM_F32, hp->n_vocab, 1, 1);
     loom_tensor q3 = loom_rt_reshape(&q, hd, hp->n_head, n);
     loom_tensor k3 = loom_rt_reshape(&k, hd, hp->n_head_kv, n);
     loom_tensor v3 = loom_rt_reshape(&v, hd, hp->n_head_kv, n);
@@ -188,13 +187,7 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
         loom_rt_matmul(r, &gate, L->w_down, NULL, &h);
         loom_rt_add(r, &x, &h, &x);
     }
-    if (b->want_logits) {
-        /* only the last token's logits are wanted: norm and project that row alone */
-        loom_tensor last = loom_rt_rows(&x, n - 1, 1), hl = loom_rt_rows(&h, 0, 1);
-        loom_rt_rms_norm(r, &last, m->out_norm, hp->norm_eps, &hl);
-        loom_rt_matmul(r, &hl, m->output, NULL, &logits);
-        loom_rt_set_logits(r, &logits);
-    }
+    loom_rt_logits(r, b, &x, m->out_norm, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 
