@@ -63,7 +63,8 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     loom_model_options none = {0};
     if (!opts)
         opts = &none;
-    loom_runner_options ro = {.n_ctx = opts->n_ctx};
+    loom_runner_options ro = {.n_ctx = opts->n_ctx, .n_kv_blocks = opts->kv_blocks,
+                              .block_size = opts->block_size};
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;
     else if (strcmp(opts->kv_type, "f32") == 0)
@@ -135,6 +136,16 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
 fail:
     loom_model_close(m);
     return NULL;
+}
+
+struct loom_runner *loom_model_runner(loom_model *m)
+{
+    return m->runner;
+}
+
+struct loom_tokenizer *loom_model_tokenizer(loom_model *m)
+{
+    return m->tok;
 }
 
 const char *loom_model_backend(const loom_model *m)

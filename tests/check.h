@@ -73,4 +73,22 @@ static inline const char *fixtures_dir(void)
     return buf;
 }
 
+/* Exits the test as skipped (77) when a fixture file is missing, or as failed under CI=true,
+ * where every fixture must be present. */
+static inline void need_fixture(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (f) {
+        fclose(f);
+        return;
+    }
+    const char *ci = getenv("CI");
+    if (ci && ci[0] == 't') {
+        fprintf(stderr, "fixture %s missing (CI=true)\n", path);
+        exit(1);
+    }
+    printf("SKIP: %s not found\n", path);
+    exit(77);
+}
+
 #endif

@@ -143,15 +143,7 @@ int main(void)
         snprintf(dir, sizeof dir, "%s/../shared/fixtures", env_or("top_srcdir", "."));
     char probe[4200];
     snprintf(probe, sizeof probe, "%s/stories260K/original/stories260K.gguf", dir);
-    if (access(probe, R_OK) != 0) {
-        const char *ci = getenv("CI");
-        if (ci && strcmp(ci, "true") == 0) {
-            fprintf(stderr, "fixture %s missing (CI=true)\n", probe);
-            return 1;
-        }
-        printf("SKIP: %s not found\n", probe);
-        return 77;
-    }
+    need_fixture(probe);
     unsetenv("LOOM_BACKEND");
     loom_registry reg;
     if (loom_registry_scan(&reg, err, sizeof err) != 0)

@@ -40,6 +40,8 @@ typedef struct loom_model_options {
     const char *kv_type;  /* "f16" (default), "f32" or "q8_0" */
     const char *backend;  /* a LOOM_BACKEND-style preference list; NULL: LOOM_BACKEND or best */
     int32_t n_threads;    /* 0: the backend's default */
+    int32_t kv_blocks;    /* KV cache blocks for all sequences; 0: one sequence of n_ctx */
+    int32_t block_size;   /* tokens per KV block; 0: 16 */
 } loom_model_options;
 
 typedef struct loom_sampling {
@@ -105,6 +107,72 @@ const char *loom_model_name(const loom_model *m);
 int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
                        int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
                        void *user, loom_generation *stats, char *err, size_t err_size);
+
+/* ---- Serving many requests at once ---------------------------------------------------- */
+
+/* An engine owns a model (nothing else may use it while the engine runs) and a thread that
+ * runs it: every step it admits waiting requests while KV blocks and the token budget allow,
+ * runs one forward over all running sequences (decode tokens plus chunks of prefill), samples,
+ * and retires finished requests at once. Prompts that share a prefix with earlier ones reuse
+ * its KV blocks. When blocks run out, the newest running request is preempted: its blocks are
+ * freed and it is recomputed later (its output is unchanged). */
+typedef struct loom_engine loom_engine;
+
+typedef struct loom_engine_options {
+    int32_t max_batch;           /* running sequences; 0: 16 */
+    int32_t max_tokens_per_step; /* tokens per forward; 0: 256 */
+} loom_engine_options;
+
+typedef enum loom_event_kind {
+    LOOM_EVENT_TEXT,  /* text (and the token that completed it; -1 when none) */
+    LOOM_EVENT_DONE,  /* the last event: finish_reason and counts */
+    LOOM_EVENT_ERROR  /* the last event: error says why */
+} loom_event_kind;
+
+typedef struct loom_event {
+    loom_event_kind kind;
+    int32_t token;
+    const char *text;
+    size_t len;
+    const char *finish_reason; /* "stop", "length", "cancelled" */
+    const char *error;
+    int32_t n_prompt, n_generated, n_cached; /* n_cached: prompt tokens found in the cache */
+    double ttft_ms;
+} loom_event;
+
+/* Called on the engine thread: copy what you keep, return quickly. */
+typedef void (*loom_event_fn)(void *user, const loom_event *ev);
+
+typedef struct loom_request {
+    const int32_t *prompt;
+    int32_t n_prompt;
+    int32_t max_tokens;         /* < 0: up to the end of the context */
+    loom_sampling sampling;
+    const char *const *stop;    /* stop strings (copied), none when n_stop is 0 */
+    int n_stop;
+} loom_request;
+
+typedef struct loom_engine_stats {
+    int32_t running, waiting;
+    int32_t kv_blocks, kv_used, kv_cached, kv_free, block_size;
+    uint64_t prompt_tokens, cached_prompt_tokens, generated_tokens;
+    uint64_t requests_done, preemptions, steps;
+    double tokens_per_s;         /* generated, recent average */
+} loom_engine_stats;
+
+loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
+                               size_t err_size);
+/* Stops accepting, lets running and waiting requests finish for up to drain_ms, cancels the
+ * rest (their callbacks get DONE "cancelled"), joins the thread and frees the engine. */
+void loom_engine_stop(loom_engine *e, int drain_ms);
+/* Queues a request; events arrive on fn. Returns its id (> 0), or -1 with err (a prompt that
+ * does not fit the context, an engine that is stopping). Thread-safe. */
+int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn fn, void *user,
+                           char *err, size_t err_size);
+/* Cancels a request (a client went away); its blocks are freed on the next step and it gets
+ * DONE "cancelled". Unknown or finished ids are ignored. Thread-safe. */
+void loom_engine_cancel(loom_engine *e, int64_t id);
+loom_engine_stats loom_engine_get_stats(loom_engine *e);
 
 /* ---- Chat templates -------------------------------------------------------------------- */
 

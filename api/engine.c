@@ -1,0 +1,604 @@
+/*
+ * api/engine.c - continuous batching: one thread owns the model and, every step, runs the
+ * tokens of all running requests in one forward (see loom.h for the policy).
+ *
+ * Requests move incoming (submitted, under the lock) -> waiting (FCFS; preempted ones go back
+ * to the front) -> running (ordered by id: the oldest has the highest priority) -> retired.
+ * A request's tokens are its prompt followed by what it generated; each step computes the
+ * next chunk of the ones whose K/V are not yet stored, so a prefill, a decode and a
+ * recomputation after preemption are the same thing. Only the engine thread touches
+ * waiting/running and the model; HTTP threads and the like only submit and cancel.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include "core/kvblocks.h"
+#include "core/runner.h"
+#include "core/sampler.h"
+#include "core/tokenizer.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct ereq {
+    int64_t id;
+    struct ereq *next;          /* in incoming / waiting */
+    int32_t *toks;
+    int32_t n_toks, cap;
+    int32_t n_prompt, max_tokens, n_generated, n_cached;
+    int admitted;               /* has been admitted once (n_cached is known) */
+    int cancelled;              /* set under the lock */
+    loom_sampler_params sp;
+    uint64_t rng;
+    int ignore_eos;
+    char **stops;
+    int n_stops;
+    loom_text_stream ts;
+    loom_kvseq kv;
+    loom_event_fn fn;
+    void *user;
+    double t_submit, ttft_ms;
+} ereq;
+
+struct loom_engine {
+    loom_model *model;
+    loom_runner *runner;
+    loom_tokenizer *tok;
+    loom_kvblocks *kv;
+    int32_t n_ctx, n_vocab, bs, max_batch, max_step;
+
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t wake;       /* work arrived / stop */
+    pthread_cond_t idle;       /* nothing left (for the drain) */
+    ereq *incoming, *incoming_tail;
+    ereq **live;               /* every unretired request, for cancel by id (under the lock) */
+    int n_live, cap_live;
+    int64_t next_id;
+    int stopping;              /* no new requests */
+    int cancel_all;
+    int has_cancels;
+
+    /* engine thread only */
+    ereq *waiting;
+    ereq **running;
+    int n_running;
+    float *logits;             /* one row, for the sampler to modify */
+    uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
+    double rate_t0;
+    uint64_t rate_n0;
+
+    loom_engine_stats stats;   /* under the lock: published after each step */
+};
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static void req_free(ereq *q)
+{
+    for (int i = 0; i < q->n_stops; i++)
+        free(q->stops[i]);
+    free(q->stops);
+    free(q->toks);
+    loom_text_stream_free(&q->ts);
+    free(q);
+}
+
+/* ---- retiring ----------------------------------------------------------------------------- */
+
+static void forget_live(loom_engine *e, ereq *q)
+{
+    pthread_mutex_lock(&e->lock);
+    for (int i = 0; i < e->n_live; i++)
+        if (e->live[i] == q) {
+            e->live[i] = e->live[--e->n_live];
+            break;
+        }
+    e->stats.requests_done++;
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void remove_running(loom_engine *e, ereq *q)
+{
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i] == q) {
+            memmove(e->running + i, e->running + i + 1, (size_t)(e->n_running - i - 1) * sizeof *e->running);
+            e->n_running--;
+            return;
+        }
+}
+
+static void remove_waiting(loom_engine *e, ereq *q)
+{
+    for (ereq **p = &e->waiting; *p; p = &(*p)->next)
+        if (*p == q) {
+            *p = q->next;
+            return;
+        }
+}
+
+/* Ends a request (already out of waiting and running): the last text, then DONE or ERROR. */
+static void retire(loom_engine *e, ereq *q, const char *finish, const char *error)
+{
+    loom_kvblocks_release(e->kv, &q->kv);
+    loom_text_stream_flush(&q->ts);
+    loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = -1, .n_prompt = q->n_prompt,
+                     .n_generated = q->n_generated, .n_cached = q->n_cached, .ttft_ms = q->ttft_ms};
+    if (q->ts.n_out && !error) {
+        ev.text = q->ts.out, ev.len = q->ts.n_out;
+        q->fn(q->user, &ev);
+    }
+    ev.text = NULL, ev.len = 0;
+    ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
+    ev.finish_reason = finish;
+    ev.error = error;
+    forget_live(e, q);
+    q->fn(q->user, &ev);
+    req_free(q);
+}
+
+/* ---- submitting --------------------------------------------------------------------------- */
+
+int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn fn, void *user,
+                           char *err, size_t err_size)
+{
+    if (!r || !fn || !r->prompt || r->n_prompt <= 0) {
+        snprintf(err, err_size, "the prompt is empty");
+        return -1;
+    }
+    if (r->n_prompt >= e->n_ctx) {
+        snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (including at "
+                 "least one generated token)", r->n_prompt, e->n_ctx);
+        return -1;
+    }
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= e->n_vocab) {
+            snprintf(err, err_size, "prompt token %d is %d, outside the vocabulary (0..%d)", i,
+                     r->prompt[i], e->n_vocab - 1);
+            return -1;
+        }
+    int32_t max_tokens = r->max_tokens < 0 || r->max_tokens > e->n_ctx - r->n_prompt
+                             ? e->n_ctx - r->n_prompt
+                             : r->max_tokens;
+    ereq *q = calloc(1, sizeof *q);
+    if (!q)
+        goto oom;
+    q->cap = r->n_prompt + max_tokens + 1;
+    q->toks = malloc((size_t)q->cap * sizeof *q->toks);
+    q->stops = r->n_stop > 0 ? calloc((size_t)r->n_stop, sizeof *q->stops) : NULL;
+    if (!q->toks || (r->n_stop > 0 && !q->stops))
+        goto oom;
+    for (int i = 0; i < r->n_stop; i++)
+        if (!(q->stops[q->n_stops++] = strdup(r->stop[i])))
+            goto oom;
+    memcpy(q->toks, r->prompt, (size_t)r->n_prompt * sizeof *q->toks);
+    q->n_toks = q->n_prompt = r->n_prompt;
+    q->max_tokens = max_tokens;
+    const loom_sampling *s = &r->sampling;
+    q->sp = (loom_sampler_params){s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
+                                  s->repeat_last_n, s->presence_penalty, s->frequency_penalty, s->seed};
+    q->rng = s->seed;
+    q->ignore_eos = s->ignore_eos;
+    loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
+    q->fn = fn, q->user = user;
+    q->t_submit = now_ms();
+
+    pthread_mutex_lock(&e->lock);
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->lock);
+        req_free(q);
+        snprintf(err, err_size, "the server is shutting down");
+        return -1;
+    }
+    if (e->n_live == e->cap_live) {
+        int cap = e->cap_live ? 2 * e->cap_live : 64;
+        ereq **nl = realloc(e->live, (size_t)cap * sizeof *nl);
+        if (!nl) {
+            pthread_mutex_unlock(&e->lock);
+            goto oom;
+        }
+        e->live = nl, e->cap_live = cap;
+    }
+    e->live[e->n_live++] = q;
+    q->id = ++e->next_id;
+    if (e->incoming_tail)
+        e->incoming_tail->next = q;
+    else
+        e->incoming = q;
+    e->incoming_tail = q;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->lock);
+    return q->id;
+oom:
+    if (q)
+        req_free(q);
+    snprintf(err, err_size, "out of memory");
+    return -1;
+}
+
+void loom_engine_cancel(loom_engine *e, int64_t id)
+{
+    pthread_mutex_lock(&e->lock);
+    for (int i = 0; i < e->n_live; i++)
+        if (e->live[i]->id == id) {
+            e->live[i]->cancelled = 1;
+            e->has_cancels = 1;
+            pthread_cond_signal(&e->wake);
+            break;
+        }
+    pthread_mutex_unlock(&e->lock);
+}
+
+loom_engine_stats loom_engine_get_stats(loom_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    loom_engine_stats s = e->stats;
+    pthread_mutex_unlock(&e->lock);
+    return s;
+}
+
+/* ---- scheduling --------------------------------------------------------------------------- */
+
+/* Frees a running request's blocks and puts it at the front of the queue; it will be
+ * recomputed from its tokens (prompt and what it generated so far). */
+static void preempt(loom_engine *e, ereq *q)
+{
+    remove_running(e, q);
+    loom_kvblocks_release(e->kv, &q->kv);
+    q->next = e->waiting;
+    e->waiting = q;
+    e->n_preempted++;
+}
+
+typedef struct planned {
+    ereq *q;
+    int32_t k;     /* tokens computed this step */
+} planned;
+
+/* Makes room for k more tokens of q, preempting newer requests (or q itself, when it is the
+ * newest). Returns 0, or -1 when q was preempted. Copies on write go to copies. */
+static int make_room(loom_engine *e, ereq *q, int32_t k, loom_kvcopy *copies, int *n_copies)
+{
+    for (;;) {
+        int nc = loom_kvblocks_reserve(e->kv, &q->kv, k, copies + *n_copies);
+        if (nc >= 0) {
+            *n_copies += nc;
+            return 0;
+        }
+        ereq *victim = e->running[e->n_running - 1];
+        preempt(e, victim);
+        if (victim == q)
+            return -1;
+    }
+}
+
+/* Plans one step: running requests first (oldest first), then newly admitted ones. */
+static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_copies)
+{
+    int n = 0;
+    int32_t budget = e->max_step;
+    *n_copies = 0;
+    for (int i = 0; i < e->n_running && budget > 0; i++) {
+        ereq *q = e->running[i];
+        int32_t k = q->n_toks - q->kv.n_tokens;
+        if (k > budget)
+            k = budget;
+        if (make_room(e, q, k, copies, n_copies) != 0) {
+            i--; /* q left running; the next one moved into slot i */
+            continue;
+        }
+        plan[n++] = (planned){q, k};
+        budget -= k;
+    }
+    while (e->waiting && e->n_running < e->max_batch && budget > 0) {
+        ereq *q = e->waiting;
+        int32_t hit = loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
+        int32_t rest = q->n_toks - hit;
+        /* admit only what can be prefilled to the end without preempting anyone */
+        if (loom_kvblocks_needed(e->kv, &q->kv, rest) > loom_kvblocks_available(e->kv)) {
+            loom_kvblocks_release(e->kv, &q->kv);
+            break;
+        }
+        int32_t k = rest < budget ? rest : budget;
+        int nc = loom_kvblocks_reserve(e->kv, &q->kv, k, copies + *n_copies);
+        if (nc < 0) {
+            loom_kvblocks_release(e->kv, &q->kv);
+            break;
+        }
+        *n_copies += nc;
+        if (!q->admitted) {
+            q->admitted = 1;
+            q->n_cached = hit;
+            e->n_prompt += (uint64_t)q->n_prompt;
+            e->n_hit += (uint64_t)hit;
+        }
+        e->waiting = q->next;
+        q->next = NULL;
+        e->running[e->n_running++] = q;
+        plan[n++] = (planned){q, k};
+        budget -= k;
+    }
+    return n;
+}
+
+/* Samples the next token of q from logits; retires q when it is finished. Returns 1 if
+ * retired. */
+static int sample_next(loom_engine *e, ereq *q, float *logits)
+{
+    int32_t next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
+    if (q->n_generated == 0)
+        q->ttft_ms = now_ms() - q->t_submit;
+    if (!q->ignore_eos && loom_tokenizer_is_stop(e->tok, next)) {
+        remove_running(e, q);
+        retire(e, q, "stop", NULL);
+        return 1;
+    }
+    q->toks[q->n_toks++] = next;
+    q->n_generated++;
+    e->n_generated++;
+    char piece[512];
+    int k = loom_tokenizer_piece(e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
+    int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
+    if (q->ts.n_out) {
+        loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = next, .text = q->ts.out,
+                         .len = q->ts.n_out, .n_prompt = q->n_prompt, .n_generated = q->n_generated};
+        q->fn(q->user, &ev);
+        q->ts.n_out = 0;
+    }
+    if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
+        remove_running(e, q);
+        retire(e, q, stop ? "stop" : "length", NULL);
+        return 1;
+    }
+    return 0;
+}
+
+static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcopy *copies,
+                     int n_copies, int32_t *buf)
+{
+    char err[512];
+    int32_t n_tok = 0, max_blocks = 1, n_logits = 0;
+    for (int i = 0; i < n_plan; i++) {
+        n_tok += plan[i].k;
+        if (plan[i].q->kv.n_blocks > max_blocks)
+            max_blocks = plan[i].q->kv.n_blocks;
+    }
+    int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
+    int32_t *rows = slots + n_tok, *table = rows + n_plan;
+    int32_t t = 0;
+    for (int i = 0; i < n_plan; i++) {
+        ereq *q = plan[i].q;
+        for (int32_t j = 0; j < plan[i].k; j++, t++) {
+            int32_t p = q->kv.n_tokens + j;
+            ids[t] = q->toks[p], pos[t] = p, seq[t] = i;
+            slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
+        }
+        if (q->kv.n_tokens + plan[i].k == q->n_toks)
+            rows[n_logits++] = t - 1; /* its last known token: sample after it */
+        int32_t *row = table + (size_t)i * (size_t)max_blocks;
+        memcpy(row, q->kv.blocks, (size_t)q->kv.n_blocks * sizeof *row);
+        for (int32_t b = q->kv.n_blocks; b < max_blocks; b++)
+            row[b] = 0;
+    }
+    int rc = 0;
+    if (n_copies) {
+        int32_t src[64], dst[64];
+        for (int i = 0; i < n_copies; i++)
+            src[i] = copies[i].src, dst[i] = copies[i].dst;
+        rc = loom_runner_copy_blocks(e->runner, src, dst, n_copies, err, sizeof err);
+    }
+    loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows};
+    if (rc == 0)
+        rc = loom_runner_step(e->runner, &st, err, sizeof err);
+    if (rc != 0) {
+        /* the step's requests fail; the others, and the engine, go on */
+        for (int i = 0; i < n_plan; i++) {
+            remove_running(e, plan[i].q);
+            retire(e, plan[i].q, NULL, err);
+        }
+        return;
+    }
+    e->n_steps++;
+    const float *logits = loom_runner_logits(e->runner);
+    int li = 0;
+    for (int i = 0; i < n_plan; i++) {
+        ereq *q = plan[i].q;
+        int wants = q->kv.n_tokens + plan[i].k == q->n_toks;
+        loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k);
+        if (!wants)
+            continue;
+        memcpy(e->logits, logits + (size_t)li++ * (size_t)e->n_vocab, (size_t)e->n_vocab * sizeof *e->logits);
+        sample_next(e, q, e->logits);
+    }
+}
+
+/* Retires cancelled requests (and, on cancel_all, every request). */
+static void reap_cancelled(loom_engine *e, int all)
+{
+    pthread_mutex_lock(&e->lock);
+    e->has_cancels = 0;
+    pthread_mutex_unlock(&e->lock);
+    for (int i = 0; i < e->n_running; i++) {
+        ereq *q = e->running[i];
+        pthread_mutex_lock(&e->lock);
+        int c = q->cancelled || all;
+        pthread_mutex_unlock(&e->lock);
+        if (c) {
+            remove_running(e, q);
+            retire(e, q, "cancelled", NULL);
+            i--;
+        }
+    }
+    for (ereq *q = e->waiting, *next; q; q = next) {
+        next = q->next;
+        pthread_mutex_lock(&e->lock);
+        int c = q->cancelled || all;
+        pthread_mutex_unlock(&e->lock);
+        if (c) {
+            remove_waiting(e, q);
+            retire(e, q, "cancelled", NULL);
+        }
+    }
+}
+
+static void publish_stats(loom_engine *e)
+{
+    loom_kvstats k = loom_kvblocks_stats(e->kv);
+    int n_wait = 0;
+    for (ereq *q = e->waiting; q; q = q->next)
+        n_wait++;
+    double t = now_ms();
+    pthread_mutex_lock(&e->lock);
+    for (ereq *q = e->incoming; q; q = q->next)
+        n_wait++;
+    loom_engine_stats *s = &e->stats;
+    s->running = e->n_running, s->waiting = n_wait;
+    s->kv_blocks = k.n_blocks, s->kv_used = k.used, s->kv_cached = k.cached, s->kv_free = k.free;
+    s->block_size = k.block_size;
+    s->prompt_tokens = e->n_prompt, s->cached_prompt_tokens = e->n_hit;
+    s->generated_tokens = e->n_generated, s->preemptions = e->n_preempted, s->steps = e->n_steps;
+    /* generated tokens per second over the last second or more of work */
+    if (t - e->rate_t0 >= 1000) {
+        s->tokens_per_s = (double)(e->n_generated - e->rate_n0) / ((t - e->rate_t0) / 1e3);
+        e->rate_t0 = t, e->rate_n0 = e->n_generated;
+    }
+    if (e->n_running == 0 && n_wait == 0) {
+        s->tokens_per_s = 0;
+        e->rate_t0 = t, e->rate_n0 = e->n_generated;
+    }
+    if (e->n_running == 0 && n_wait == 0)
+        pthread_cond_broadcast(&e->idle);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void *engine_main(void *arg)
+{
+    loom_engine *e = arg;
+    planned *plan = malloc((size_t)e->max_batch * sizeof *plan);
+    loom_kvcopy *copies = malloc((size_t)e->max_batch * sizeof *copies);
+    size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
+    int32_t *buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 1)) * sizeof *buf);
+    for (;;) {
+        pthread_mutex_lock(&e->lock);
+        while (!e->incoming && !e->waiting && !e->n_running && !e->cancel_all && !e->has_cancels)
+            pthread_cond_wait(&e->wake, &e->lock);
+        int all = e->cancel_all;
+        /* newcomers join the back of the queue */
+        ereq **tail = &e->waiting;
+        while (*tail)
+            tail = &(*tail)->next;
+        *tail = e->incoming;
+        e->incoming = e->incoming_tail = NULL;
+        int cancels = e->has_cancels;
+        pthread_mutex_unlock(&e->lock);
+        if (!plan || !copies || !buf)
+            all = 1;
+        if (cancels || all)
+            reap_cancelled(e, all);
+        if (all) {
+            publish_stats(e);
+            break;
+        }
+        int n_copies = 0;
+        int n_plan = plan_step(e, plan, copies, &n_copies);
+        if (n_plan > 0)
+            run_step(e, plan, n_plan, copies, n_copies, buf);
+        publish_stats(e);
+    }
+    free(plan), free(copies), free(buf);
+    return NULL;
+}
+
+/* ---- lifetime ----------------------------------------------------------------------------- */
+
+loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
+                               size_t err_size)
+{
+    loom_engine_options none = {0};
+    if (!o)
+        o = &none;
+    loom_engine *e = calloc(1, sizeof *e);
+    if (!e) {
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    e->model = m;
+    e->runner = loom_model_runner(m);
+    e->tok = loom_model_tokenizer(m);
+    e->n_ctx = loom_runner_n_ctx(e->runner);
+    e->n_vocab = loom_model_n_vocab(m);
+    e->bs = loom_runner_block_size(e->runner);
+    e->max_batch = o->max_batch > 0 ? o->max_batch : 16;
+    e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
+    if (e->max_step < e->max_batch) {
+        snprintf(err, err_size, "max tokens per step (%d) must be at least the batch size (%d): "
+                 "every running sequence needs one token a step", e->max_step, e->max_batch);
+        free(e);
+        return NULL;
+    }
+    int32_t n_blocks = loom_runner_kv_blocks(e->runner);
+    int32_t per_seq = (e->n_ctx + e->bs - 1) / e->bs;
+    if (n_blocks < per_seq) {
+        snprintf(err, err_size, "the KV cache has %d blocks of %d tokens, fewer than one %d-token "
+                 "context needs (%d)", n_blocks, e->bs, e->n_ctx, per_seq);
+        free(e);
+        return NULL;
+    }
+    e->kv = loom_kvblocks_create(n_blocks, e->bs);
+    e->running = calloc((size_t)e->max_batch, sizeof *e->running);
+    e->logits = malloc((size_t)e->n_vocab * sizeof *e->logits);
+    if (!e->kv || !e->running || !e->logits) {
+        loom_kvblocks_free(e->kv);
+        free(e->running), free(e->logits), free(e);
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    pthread_mutex_init(&e->lock, NULL);
+    pthread_cond_init(&e->wake, NULL);
+    pthread_cond_init(&e->idle, NULL);
+    e->rate_t0 = now_ms();
+    publish_stats(e);
+    int rc = pthread_create(&e->thread, NULL, engine_main, e);
+    if (rc != 0) {
+        snprintf(err, err_size, "cannot start the engine thread: %s", strerror(rc));
+        loom_kvblocks_free(e->kv);
+        free(e->running), free(e->logits), free(e);
+        return NULL;
+    }
+    return e;
+}
+
+void loom_engine_stop(loom_engine *e, int drain_ms)
+{
+    if (!e)
+        return;
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += drain_ms / 1000;
+    until.tv_nsec += (long)(drain_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    while (drain_ms > 0 && e->n_live > 0)
+        if (pthread_cond_timedwait(&e->idle, &e->lock, &until) == ETIMEDOUT)
+            break;
+    e->cancel_all = 1;
+    pthread_cond_signal(&e->wake);
+    pthread_mutex_unlock(&e->lock);
+    pthread_join(e->thread, NULL);
+    loom_kvblocks_free(e->kv);
+    pthread_mutex_destroy(&e->lock);
+    pthread_cond_destroy(&e->wake);
+    pthread_cond_destroy(&e->idle);
+    free(e->running), free(e->live), free(e->logits);
+    free(e);
+}

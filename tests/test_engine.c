@@ -1,0 +1,270 @@
+#define _GNU_SOURCE
+/*
+ * tests/test_engine.c - continuous batching against one-at-a-time generation.
+ *
+ * The expectation is loom_generate on the same model (itself checked against llama2.c's output
+ * in test_models): many requests batched together, with prefix hits, copies, preemption by
+ * recomputation and cancellation around them, must produce exactly the tokens each produces
+ * alone, and every KV block must be back when the engine is idle.
+ */
+#include "check.h"
+
+#include <loom/loom.h>
+
+#include <pthread.h>
+#include <string.h>
+#include <unistd.h>
+
+#define MAX_GEN 96
+
+typedef struct collector {
+    int32_t ids[MAX_GEN + 8];
+    int n_ids;
+    char text[4096];
+    size_t n_text;
+    int done, errored;
+    char finish[16];
+    int32_t n_cached;
+    int64_t id;
+    int cancel_after; /* cancel once this many tokens arrived (0: never) */
+} collector;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static loom_engine *engine;
+
+static void on_event(void *user, const loom_event *ev)
+{
+    collector *c = user;
+    pthread_mutex_lock(&mu);
+    if (ev->kind == LOOM_EVENT_TEXT) {
+        if (ev->token >= 0 && c->n_ids < MAX_GEN + 8)
+            c->ids[c->n_ids++] = ev->token;
+        if (c->n_text + ev->len < sizeof c->text) {
+            memcpy(c->text + c->n_text, ev->text, ev->len);
+            c->n_text += ev->len;
+        }
+    } else {
+        c->done = 1;
+        c->errored = ev->kind == LOOM_EVENT_ERROR;
+        snprintf(c->finish, sizeof c->finish, "%s", ev->finish_reason ? ev->finish_reason : "");
+        c->n_cached = ev->n_cached;
+        pthread_cond_broadcast(&cv);
+    }
+    int cancel = ev->kind == LOOM_EVENT_TEXT && c->cancel_after && c->n_ids == c->cancel_after;
+    pthread_mutex_unlock(&mu);
+    if (cancel)
+        loom_engine_cancel(engine, c->id); /* from the engine's own thread: must not deadlock */
+}
+
+static void wait_all(collector *c, int n)
+{
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n; i++)
+        while (!c[i].done)
+            pthread_cond_wait(&cv, &mu);
+    pthread_mutex_unlock(&mu);
+}
+
+static const char *texts[] = {
+    "Once upon a time",
+    "Lily and Tom went to the park to play with a big red ball",
+    "The cat",
+    "One day, a little girl named Sue found a shiny stone in the garden. She",
+    "Once upon a time, there was a boy who liked to",
+    "The sun was hot and the dog was thirsty, so",
+    "Tim had a toy car.",
+    "Once upon a time, there was a little bird who could not fly. Every day",
+};
+#define N_TEXTS (int)(sizeof texts / sizeof *texts)
+
+typedef struct prompt {
+    int32_t ids[256];
+    int32_t n;
+    int32_t want[MAX_GEN + 8];
+    int n_want;
+    char want_text[4096];
+    size_t n_want_text;
+    int32_t max_tokens;
+} prompt;
+
+static prompt prompts[32];
+static int n_prompts;
+
+static int collect_ref(void *user, int32_t id, const char *text, size_t len)
+{
+    prompt *p = user;
+    if (id >= 0)
+        p->want[p->n_want++] = id;
+    if (p->n_want_text + len < sizeof p->want_text) {
+        memcpy(p->want_text + p->n_want_text, text, len);
+        p->want_text[p->n_want_text += len] = 0;
+    }
+    return 0;
+}
+
+static void check_same(const collector *c, const prompt *p, const char *what, int i)
+{
+    int same = c->n_ids == p->n_want && memcmp(c->ids, p->want, (size_t)p->n_want * 4) == 0;
+    CHECK(same && !c->errored, "%s: request %d got %d tokens (finish %s), alone it gives %d%s", what,
+          i, c->n_ids, c->finish, p->n_want, same ? "" : " and they differ");
+}
+
+static void check_idle(const char *what)
+{
+    /* the stats are published after each step; the last DONE precedes the last publish */
+    loom_engine_stats s;
+    for (int tries = 0; tries < 200; tries++) {
+        s = loom_engine_get_stats(engine);
+        if (s.running == 0 && s.waiting == 0 && s.kv_used == 0)
+            break;
+        usleep(5000);
+    }
+    CHECK(s.running == 0 && s.waiting == 0 && s.kv_used == 0,
+          "%s: idle engine holds %d running, %d waiting, %d used blocks", what, s.running,
+          s.waiting, s.kv_used);
+    CHECK(s.kv_used + s.kv_cached + s.kv_free == s.kv_blocks, "%s: blocks add up", what);
+}
+
+static void submit_all(collector *c, int n, const char *const *stop, int n_stop)
+{
+    char err[512];
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    for (int i = 0; i < n; i++) {
+        loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, stop, n_stop};
+        c[i].id = loom_engine_submit(engine, &r, on_event, &c[i], err, sizeof err);
+        CHECK(c[i].id > 0, "submit %d: %s", i, err);
+        if (c[i].id <= 0)
+            c[i].done = 1;
+    }
+}
+
+static void run(const char *gguf, const char *backend)
+{
+    char err[512];
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+
+    /* the expectation: each prompt alone */
+    loom_model_options o = {.n_ctx = 256, .backend = backend};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s: %s", backend, err);
+    if (!m)
+        return;
+    n_prompts = 24;
+    for (int i = 0; i < n_prompts; i++) {
+        prompt *p = &prompts[i];
+        char text[1024];
+        /* shared openings and different lengths: prefix hits, partial blocks, long prefills */
+        snprintf(text, sizeof text, "%s%s%s", texts[i % N_TEXTS], i >= N_TEXTS ? " " : "",
+                 i >= N_TEXTS ? texts[(i * 3) % N_TEXTS] : "");
+        p->n = (int32_t)loom_tokenize(m, text, 1, 0, p->ids, 256, err, sizeof err);
+        p->max_tokens = 8 + (i * 13) % (MAX_GEN - 8);
+        p->n_want = 0;
+        p->n_want_text = 0;
+        CHECK(loom_generate(m, p->ids, p->n, p->max_tokens, &greedy, collect_ref, p, NULL, err,
+                            sizeof err) == 0, "%s", err);
+    }
+    loom_model_close(m);
+
+    /* 1. all at once, plenty of blocks */
+    o.kv_blocks = 512;
+    m = loom_model_open(gguf, &o, err, sizeof err);
+    loom_engine_options eo = {.max_batch = 16, .max_tokens_per_step = 64};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine)
+        return;
+    static collector c[32];
+    memset(c, 0, sizeof c);
+    submit_all(c, n_prompts, NULL, 0);
+    wait_all(c, n_prompts);
+    for (int i = 0; i < n_prompts; i++)
+        check_same(&c[i], &prompts[i], "batched", i);
+    check_idle("batched");
+    loom_engine_stats s = loom_engine_get_stats(engine);
+    CHECK(s.steps < (uint64_t)(n_prompts * MAX_GEN / 4), "batching took %llu steps",
+          (unsigned long long)s.steps);
+
+    /* 2. the same prompts again: their prefixes are cached now */
+    memset(c, 0, sizeof c);
+    submit_all(c, 4, NULL, 0);
+    wait_all(c, 4);
+    for (int i = 0; i < 4; i++) {
+        check_same(&c[i], &prompts[i], "cached prefix", i);
+        int32_t full = (prompts[i].n - 1) / 16 * 16;
+        CHECK(c[i].n_cached == full, "request %d: %d prompt tokens cached, want %d", i, c[i].n_cached, full);
+    }
+    CHECK(loom_engine_get_stats(engine).cached_prompt_tokens > 0, "prefix hits are counted");
+
+    /* 3. stop strings end the text before them */
+    memset(c, 0, sizeof c);
+    const char *stop[] = {" the"};
+    submit_all(c, 8, stop, 1);
+    wait_all(c, 8);
+    int n_stopped = 0;
+    for (int i = 0; i < 8; i++) {
+        const char *at = strstr(prompts[i].want_text, " the");
+        size_t want = at ? (size_t)(at - prompts[i].want_text) : prompts[i].n_want_text;
+        c[i].text[c[i].n_text] = 0;
+        CHECK(c[i].n_text == want && memcmp(c[i].text, prompts[i].want_text, want) == 0,
+              "request %d: with stop ' the' got '%s', alone '%s'", i, c[i].text, prompts[i].want_text);
+        CHECK(!at || strcmp(c[i].finish, "stop") == 0, "request %d: finish %s", i, c[i].finish);
+        n_stopped += at != NULL;
+    }
+    CHECK(n_stopped > 0, "no output contained the stop string: the check proved nothing");
+
+    /* 4. cancellation from the event callback, mid-generation */
+    memset(c, 0, sizeof c);
+    for (int i = 0; i < 8; i++)
+        c[i].cancel_after = i % 2 ? 3 : 0;
+    submit_all(c, 8, NULL, 0);
+    wait_all(c, 8);
+    for (int i = 0; i < 8; i++)
+        if (c[i].cancel_after && prompts[i].n_want > 3)
+            CHECK(strcmp(c[i].finish, "cancelled") == 0 && c[i].n_ids <= 4,
+                  "request %d: cancelled after 3 tokens, finished %s with %d", i, c[i].finish, c[i].n_ids);
+        else
+            check_same(&c[i], &prompts[i], "beside cancelled ones", i);
+    check_idle("after cancellation");
+
+    /* 5. a prompt too long for the context is refused with both numbers */
+    static int32_t longp[300];
+    for (int i = 0; i < 300; i++)
+        longp[i] = 1;
+    loom_request lr = {longp, 300, 4, greedy, NULL, 0};
+    CHECK(loom_engine_submit(engine, &lr, on_event, &c[0], err, sizeof err) == -1 &&
+          strstr(err, "300") && strstr(err, "256"), "too long: %s", err);
+    loom_engine_stop(engine, 1000);
+    loom_model_close(m);
+
+    /* 6. a pool of one context's blocks: requests must be preempted and recomputed */
+    o.kv_blocks = 16;
+    m = loom_model_open(gguf, &o, err, sizeof err);
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    memset(c, 0, sizeof c);
+    submit_all(c, n_prompts, NULL, 0);
+    wait_all(c, n_prompts);
+    for (int i = 0; i < n_prompts; i++)
+        check_same(&c[i], &prompts[i], "with preemption", i);
+    s = loom_engine_get_stats(engine);
+    CHECK(s.preemptions > 0, "a 16-block pool forced no preemption");
+    check_idle("after preemption");
+    printf("%s: %d requests, %llu steps, %llu preemptions\n", backend ? backend : "best backend", n_prompts,
+           (unsigned long long)s.steps, (unsigned long long)s.preemptions);
+    loom_engine_stop(engine, 0);
+    loom_model_close(m);
+}
+
+int main(void)
+{
+    char gguf[4200];
+    snprintf(gguf, sizeof gguf, "%s/stories260K/original/stories260K.gguf", fixtures_dir());
+    need_fixture(gguf);
+    unsetenv("LOOM_BACKEND");
+    run(gguf, NULL); /* the best backend here */
+    setenv("LOOM_REF_OPAQUE", "1", 1);
+    run(gguf, "ref");
+    return check_finish("test_engine");
+}
