@@ -60,6 +60,7 @@ struct loom_engine {
     int n_live, cap_live;
     int64_t next_id;
     int stopping;              /* no new requests */
+    int joined;                /* the thread has been joined */
     int cancel_all;
     int has_cancels;
 
@@ -593,8 +594,18 @@ void loom_engine_stop(loom_engine *e, int drain_ms)
             break;
     e->cancel_all = 1;
     pthread_cond_signal(&e->wake);
+    int joined = e->joined;
+    e->joined = 1;
     pthread_mutex_unlock(&e->lock);
-    pthread_join(e->thread, NULL);
+    if (!joined)
+        pthread_join(e->thread, NULL);
+}
+
+void loom_engine_free(loom_engine *e)
+{
+    if (!e)
+        return;
+    loom_engine_stop(e, 0);
     loom_kvblocks_free(e->kv);
     pthread_mutex_destroy(&e->lock);
     pthread_cond_destroy(&e->wake);

@@ -237,6 +237,7 @@ static void run(const char *gguf, const char *backend)
     CHECK(loom_engine_submit(engine, &lr, on_event, &c[0], err, sizeof err) == -1 &&
           strstr(err, "300") && strstr(err, "256"), "too long: %s", err);
     loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
     loom_model_close(m);
 
     /* 6. a pool of one context's blocks: requests must be preempted and recomputed */
@@ -254,6 +255,7 @@ static void run(const char *gguf, const char *backend)
     printf("%s: %d requests, %llu steps, %llu preemptions\n", backend ? backend : "best backend", n_prompts,
            (unsigned long long)s.steps, (unsigned long long)s.preemptions);
     loom_engine_stop(engine, 0);
+    loom_engine_free(engine);
     loom_model_close(m);
 }
 

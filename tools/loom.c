@@ -8,6 +8,7 @@
 
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
 int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
+int loom_serve_main(int argc, char **argv);                    /* tools/serve.c */
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -34,6 +35,8 @@ static void usage(FILE *out)
             "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
             "                      a Hugging Face folder to GGUF (Llama family)\n"
             "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
+            "  serve -m MODEL [--port 8080] [--api-key KEY] [--max-batch N]\n"
+            "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
             "  tokenize -m MODEL [--json] [--no-special] TEXT   text to token ids\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
             "  quantize IN.gguf OUT.gguf TYPE   requantise a GGUF file's matrices\n"
@@ -470,6 +473,8 @@ int main(int argc, char **argv)
         return cmd_run(argc - 2, argv + 2);
     if (strcmp(cmd, "chat") == 0)
         return loom_chat_main(argc - 2, argv + 2);
+    if (strcmp(cmd, "serve") == 0)
+        return loom_serve_main(argc - 2, argv + 2);
     if (strcmp(cmd, "tokenize") == 0)
         return cmd_tokenize(argc - 2, argv + 2);
     if (strcmp(cmd, "detokenize") == 0)

@@ -163,8 +163,10 @@ typedef struct loom_engine_stats {
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
                                size_t err_size);
 /* Stops accepting, lets running and waiting requests finish for up to drain_ms, cancels the
- * rest (their callbacks get DONE "cancelled"), joins the thread and frees the engine. */
+ * rest (their callbacks get DONE "cancelled") and joins the thread. Submit and cancel stay safe
+ * to call (submit refuses) until loom_engine_free. */
 void loom_engine_stop(loom_engine *e, int drain_ms);
+void loom_engine_free(loom_engine *e);
 /* Queues a request; events arrive on fn. Returns its id (> 0), or -1 with err (a prompt that
  * does not fit the context, an engine that is stopping). Thread-safe. */
 int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn fn, void *user,

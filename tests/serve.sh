@@ -1,0 +1,199 @@
+#!/bin/sh
+# tests/serve.sh - `loom serve` end to end on loopback with stories260K (a real model): answers
+# equal `loom run`'s for the same seed, streamed or not; 64 concurrent clients of mixed lengths
+# each get their own answer; disconnecting clients leak no KV block; a repeated long prefix hits
+# the prefix cache and is answered faster; bad requests get OpenAI-style errors with the right
+# status; SIGTERM drains and exits 0.
+. "$top_srcdir/tests/lib.sh"
+MODEL=$FIXTURES/stories260K/original/stories260K.gguf
+need_fixture "$MODEL"
+command -v curl >/dev/null || { echo "SKIP: curl not installed (scripts/install-deps installs it)"; exit 77; }
+KEY=test-key
+
+start_server() { # LOG ARGS...: starts loom serve on a free port; sets PID and URL
+    log=$1; shift
+    "$LOOM" serve -m "$MODEL" --port 0 --api-key "$KEY" "$@" >"$log" 2>&1 &
+    PID=$!
+    for _ in $(seq 100); do
+        port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' "$log")
+        [ -n "$port" ] && break
+        sleep 0.1
+    done
+    [ -n "$port" ] || { fail "server did not start:"; cat "$log" >&2; finish; }
+    URL=http://127.0.0.1:$port
+}
+post() { # PATH JSON [curl args]: prints the body, then the status on its own line
+    p=$1 body=$2; shift 2
+    curl -s -w '\n%{http_code}' -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' \
+        "$@" --data-binary "$body" "$URL$p"
+}
+metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+
+start_server "$tmpdir/server.log" -c 2048 --max-batch 16
+NAME=$(curl -s -H "Authorization: Bearer $KEY" "$URL/v1/models" | jq -r '.data[0].id')
+[ -n "$NAME" ] && [ "$NAME" != null ] && pass "GET /v1/models names the model ($NAME)" || fail "/v1/models: '$NAME'"
+[ "$(curl -s "$URL/health" | jq -r .status)" = ok ] && pass "/health" || fail "/health"
+
+# ---- the same answer as loom run, for the same seed (sampled, not greedy)
+"$LOOM" run -m "$MODEL" -p "Once upon a time, there was a" -n 40 --temp 0.8 --top-k 0 --top-p 1 \
+    --min-p 0 --seed 42 --json 2>/dev/null | jq -r .text >"$tmpdir/run.txt"
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time, there was a\",\"max_tokens\":40,
+    \"temperature\":0.8,\"seed\":42}" >"$tmpdir/c.out"
+[ "$(tail -n1 "$tmpdir/c.out")" = 200 ] || fail "completion status: $(cat "$tmpdir/c.out")"
+sed '$d' "$tmpdir/c.out" | jq -j '.choices[0].text' >"$tmpdir/c.txt"; echo >>"$tmpdir/c.txt"
+if cmp -s "$tmpdir/run.txt" "$tmpdir/c.txt"; then pass "completion equals loom run (seed 42)"
+else fail "completion differs from loom run:"; diff "$tmpdir/run.txt" "$tmpdir/c.txt" >&2; fi
+sed '$d' "$tmpdir/c.out" | jq -e '.object == "text_completion" and .usage.completion_tokens == 40
+    and .usage.total_tokens == .usage.prompt_tokens + 40 and .choices[0].finish_reason == "length"' \
+    >/dev/null && pass "completion shape and usage" || fail "completion shape: $(cat "$tmpdir/c.out")"
+
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time, there was a\",\"max_tokens\":40,
+    \"temperature\":0.8,\"seed\":42,\"stream\":true,\"stream_options\":{\"include_usage\":true}}" -N \
+    >"$tmpdir/s.out"
+grep '^data: {' "$tmpdir/s.out" | sed 's/^data: //' | jq -j '.choices[0].text // empty' >"$tmpdir/s.txt"
+echo >>"$tmpdir/s.txt"
+if cmp -s "$tmpdir/run.txt" "$tmpdir/s.txt"; then pass "streamed completion equals loom run"
+else fail "stream differs from loom run:"; diff "$tmpdir/run.txt" "$tmpdir/s.txt" >&2; fi
+grep -q '^data: \[DONE\]' "$tmpdir/s.out" && pass "stream ends with data: [DONE]" || fail "no [DONE]"
+grep '^data: {' "$tmpdir/s.out" | tail -n1 | sed 's/^data: //' | jq -e '.usage.completion_tokens == 40' \
+    >/dev/null && pass "stream usage chunk" || fail "stream usage: $(tail -n3 "$tmpdir/s.out")"
+
+# chat: the role first, then content deltas that add up to the non-streamed message
+CHAT="{\"model\":\"$NAME\",\"messages\":[{\"role\":\"system\",\"content\":\"Tell a story.\"},
+    {\"role\":\"user\",\"content\":[{\"type\":\"text\",\"text\":\"A cat\"}]}],\"max_tokens\":24,\"seed\":7"
+post /v1/chat/completions "$CHAT}" | sed '$d' >"$tmpdir/chat.json"
+jq -e '.object == "chat.completion" and .choices[0].message.role == "assistant"' "$tmpdir/chat.json" \
+    >/dev/null && pass "chat completion shape" || fail "chat: $(cat "$tmpdir/chat.json")"
+post /v1/chat/completions "$CHAT,\"stream\":true}" -N >"$tmpdir/chat.sse"
+grep '^data: {' "$tmpdir/chat.sse" | head -n1 | sed 's/^data: //' | jq -e '.choices[0].delta.role == "assistant"' \
+    >/dev/null && pass "chat stream opens with the role" || fail "chat stream: $(head -n2 "$tmpdir/chat.sse")"
+a=$(jq -j '.choices[0].message.content' "$tmpdir/chat.json")
+b=$(grep '^data: {' "$tmpdir/chat.sse" | sed 's/^data: //' | jq -j '.choices[0].delta.content // empty')
+[ "$a" = "$b" ] && pass "chat stream equals the chat message" || fail "chat stream '$b' vs '$a'"
+
+# ---- 64 concurrent clients, mixed prompts and lengths, greedy: each equals loom run
+i=0
+for p in "Once upon a time" "The little dog" "Lily wanted to" "One day, Tom and his mom went to the store" \
+         "The sun was hot" "Sam had a red ball. He" "Once upon a time, there was a big tree" "The bird sang"; do
+    for n in 3 9 17 33 50 64 80 100; do
+        i=$((i + 1))
+        printf '%s\n%s\n' "$p" "$n" >"$tmpdir/job$i"
+    done
+done
+for k in $(seq 64); do
+    p=$(sed -n 1p "$tmpdir/job$k") n=$(sed -n 2p "$tmpdir/job$k")
+    post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$p\",\"max_tokens\":$n,\"temperature\":0}" \
+        >"$tmpdir/par$k.out" &
+done
+wait_clients() { for c in $(jobs -p); do [ "$c" = "$PID" ] || wait "$c"; done; }
+wait_clients
+bad=0
+for k in $(seq 64); do
+    p=$(sed -n 1p "$tmpdir/job$k") n=$(sed -n 2p "$tmpdir/job$k")
+    [ -f "$tmpdir/want-$n-$(echo "$p" | md5sum | cut -c1-8)" ] ||
+        "$LOOM" run -m "$MODEL" -p "$p" -n "$n" --temp 0 --json 2>/dev/null | jq -j .text \
+            >"$tmpdir/want-$n-$(echo "$p" | md5sum | cut -c1-8)"
+    sed '$d' "$tmpdir/par$k.out" | jq -j '.choices[0].text' >"$tmpdir/got$k"
+    cmp -s "$tmpdir/got$k" "$tmpdir/want-$n-$(echo "$p" | md5sum | cut -c1-8)" || {
+        bad=$((bad + 1)); echo "  client $k ('$p', $n): got '$(cat "$tmpdir/got$k")'" >&2; }
+done
+[ "$bad" = 0 ] && pass "64 concurrent clients each got loom run's answer" || fail "$bad of 64 concurrent answers differ"
+steps=$(metric loom_engine_steps_total)
+echo "  (64 clients: $steps engine steps in all so far)"
+
+# ---- disconnecting clients leak nothing
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true,
+    \"stream\":true}" -N --max-time 0.3 >/dev/null 2>&1
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true}" \
+    --max-time 0.3 >/dev/null 2>&1
+for _ in $(seq 50); do
+    [ "$(metric loom_requests_running)" = 0 ] && [ "$(metric loom_requests_waiting)" = 0 ] && break
+    sleep 0.1
+done
+used=$(curl -s "$URL/metrics" | awk '/^loom_kv_blocks\{state="used"\}/ { print $2 }')
+gone=$(metric loom_client_disconnects_total)
+[ "$used" = 0 ] && pass "after disconnects no KV block is in use" || fail "KV blocks used while idle: $used"
+[ "${gone:-0}" -ge 2 ] && pass "both disconnects noticed ($gone)" || fail "disconnects counted: $gone"
+
+# ---- prefix cache: the same long prompt twice; the second hits and is answered sooner
+long=$(for _ in $(seq 60); do printf 'Lily and Tom played in the park with a big red ball. '; done)
+LONG="{\"model\":\"$NAME\",\"prompt\":\"$long\",\"max_tokens\":1,\"temperature\":0}"
+t1=$(post /v1/completions "$LONG" -o "$tmpdir/p1.json" -w '%{time_total}' | tail -n1)
+t2=$(post /v1/completions "$LONG" -o "$tmpdir/p2.json" -w '%{time_total}' | tail -n1)
+hit=$(jq '.usage.prompt_tokens_details.cached_tokens' "$tmpdir/p2.json")
+total=$(jq '.usage.prompt_tokens' "$tmpdir/p2.json")
+[ "$hit" -gt 0 ] && [ "$hit" -ge $((total - 16)) ] && pass "repeated prefix: $hit of $total prompt tokens cached" ||
+    fail "repeated prefix cached $hit of $total"
+awk -v a="$t1" -v b="$t2" 'BEGIN { exit !(b < a) }' && pass "cached prefix answered sooner (${t2}s vs ${t1}s)" ||
+    fail "cached prefix not faster: ${t2}s vs ${t1}s"
+rate=$(metric loom_prefix_cache_hit_rate)
+awk -v r="$rate" 'BEGIN { exit !(r > 0) }' && pass "/metrics reports the hit rate ($rate)" || fail "hit rate $rate"
+
+# ---- bad input: OpenAI-style errors with the right status
+expect_error() { # STATUS DESCRIPTION PATH BODY [curl args]
+    st=$1 what=$2 p=$3 body=$4; shift 4
+    post "$p" "$body" "$@" >"$tmpdir/err.out"
+    code=$(tail -n1 "$tmpdir/err.out")
+    if [ "$code" = "$st" ] && sed '$d' "$tmpdir/err.out" | jq -e '.error.message | length > 0' >/dev/null; then
+        pass "$what: $st, $(sed '$d' "$tmpdir/err.out" | jq -r .error.message)"
+    else fail "$what: want $st, got $code $(cat "$tmpdir/err.out")"; fi
+}
+expect_error 400 "malformed JSON" /v1/completions '{"model": "x", "prompt": '
+expect_error 400 "wrong type" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"a\",\"max_tokens\":\"ten\"}"
+expect_error 400 "unknown field" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"a\",\"frobnicate\":1}"
+expect_error 400 "missing prompt" /v1/completions "{\"model\":\"$NAME\"}"
+expect_error 400 "out-of-range temperature" /v1/chat/completions "{\"model\":\"$NAME\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"temperature\":5}"
+expect_error 400 "bad role" /v1/chat/completions "{\"model\":\"$NAME\",\"messages\":[{\"role\":\"wizard\",\"content\":\"a\"}]}"
+expect_error 400 "unsupported tools" /v1/chat/completions "{\"model\":\"$NAME\",\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"tools\":[{\"type\":\"function\"}]}"
+expect_error 404 "unknown model" /v1/completions '{"model":"gpt-9","prompt":"a"}'
+toolong=$(for _ in $(seq 700); do printf 'one two three '; done)
+expect_error 400 "prompt longer than the context" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$toolong\"}"
+sed '$d' "$tmpdir/err.out" | jq -e '.error.code == "context_length_exceeded"' >/dev/null &&
+    pass "context error code" || fail "context error code: $(cat "$tmpdir/err.out")"
+code=$(curl -s -o "$tmpdir/badkey" -w '%{http_code}' -H "Authorization: Bearer nope" -d '{}' "$URL/v1/completions")
+[ "$code" = 401 ] && jq -e '.error.code == "invalid_api_key"' "$tmpdir/badkey" >/dev/null &&
+    pass "wrong API key: 401" || fail "wrong key: $code $(cat "$tmpdir/badkey")"
+code=$(curl -s -o "$tmpdir/nokey" -w '%{http_code}' -d '{}' "$URL/v1/completions")
+[ "$code" = 401 ] && pass "missing API key: 401" || fail "missing key: $code"
+expect_error 405 "GET on completions" /v1/completions "" -X GET
+code=$(curl -s -o /dev/null -w '%{http_code}' "$URL/v2/nothing")
+[ "$code" = 404 ] && pass "unknown path: 404" || fail "unknown path: $code"
+big=$(head -c 1100000 /dev/zero | tr '\0' a)
+printf '{"model":"%s","prompt":"%s"}' "$NAME" "$big" >"$tmpdir/big.json"
+code=$(curl -s -o "$tmpdir/big.out" -w '%{http_code}' -H "Authorization: Bearer $KEY" --data-binary @"$tmpdir/big.json" "$URL/v1/completions")
+[ "$code" = 413 ] && pass "body over the limit: 413" || fail "big body: $code $(head -c 300 "$tmpdir/big.out")"
+# n > 1: n choices, each its own sample
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"The dog\",\"max_tokens\":12,\"n\":3,\"seed\":1}" |
+    sed '$d' | jq -e '(.choices | length) == 3 and ([.choices[].index] == [0,1,2]) and .usage.completion_tokens > 0' \
+    >/dev/null && pass "n=3 gives three choices" || fail "n=3"
+# stop strings end the text before them
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"temperature\":0,\"stop\":[\" she\",\"Lily\"]}" |
+    sed '$d' >"$tmpdir/stop.json"
+jq -e '(.choices[0].text | contains("Lily") or contains(" she") | not) and .choices[0].finish_reason == "stop"' \
+    "$tmpdir/stop.json" >/dev/null && pass "stop strings: '$(jq -r '.choices[0].text' "$tmpdir/stop.json")'" ||
+    fail "stop: $(cat "$tmpdir/stop.json")"
+
+# ---- SIGTERM: a running stream is finished or cancelled cleanly, then exit 0
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true,\"stream\":true}" \
+    -N >"$tmpdir/term.out" &
+client=$!
+sleep 0.2
+kill -TERM "$PID"
+wait "$PID"; rc=$?
+wait "$client"
+[ "$rc" = 0 ] && pass "SIGTERM: exit 0" || fail "SIGTERM: exit $rc"
+grep -q '^data: \[DONE\]' "$tmpdir/term.out" && pass "the running stream was closed properly" ||
+    fail "stream after SIGTERM: $(tail -n 3 "$tmpdir/term.out")"
+expect_grep "stopped" "$tmpdir/server.log" "server says it stopped"
+
+# ---- a port in use is a clear error
+"$LOOM" serve -m "$MODEL" --port "$port" >"$tmpdir/busy.log" 2>&1 &
+bpid=$!
+sleep 1
+"$LOOM" serve -m "$MODEL" --port "$port" >"$tmpdir/busy2.log" 2>&1; rc=$?
+kill -TERM "$bpid"; wait "$bpid"
+[ "$rc" != 0 ] && grep -q "cannot listen" "$tmpdir/busy2.log" && pass "port in use: $(cat "$tmpdir/busy2.log" | tail -n1)" ||
+    fail "port in use: rc $rc $(cat "$tmpdir/busy2.log")"
+"$LOOM" serve -m "$MODEL" --max-batch 0 >"$tmpdir/flag.log" 2>&1
+expect_grep "max-batch wants a whole number" "$tmpdir/flag.log" "bad flag value named"
+finish
