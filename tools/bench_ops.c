@@ -398,6 +398,9 @@ static int child(const char *path, int quick)
     }
     for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
         bench_matmul_prefill(&d, wtypes[i], quick ? 16 : 64, dim, dim);
+    /* a serving step: one decode token from each of 16 sequences */
+    for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
+        bench_matmul_prefill(&d, wtypes[i], 16, dim, dim);
     bench_attention(&d, LOOM_F16, 1, quick ? 256 : 2048);
     bench_attention(&d, LOOM_Q8_0, 1, quick ? 256 : 2048);
     bench_attention(&d, LOOM_F16, quick ? 16 : 128, quick ? 256 : 2048);

@@ -9,6 +9,7 @@
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
 int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
 int loom_serve_main(int argc, char **argv);                    /* tools/serve.c */
+int loom_bench_serve_main(int argc, char **argv);              /* tools/bench_serve.c */
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -30,6 +31,8 @@ static void usage(FILE *out)
             "                      prefill and decode tokens/s per backend (loom bench --help)\n"
             "  bench ops [--backends LIST] [--json]\n"
             "                      time each op on each backend (and CPU variant) side by side\n"
+            "  bench serve [--clients 16] [-m MODEL]\n"
+            "                      continuous batching: N concurrent clients against one at a time\n"
             "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
             "                      generate text (loom run --help for the options)\n"
             "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
@@ -486,6 +489,8 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "bench") == 0) {
+        if (argc >= 3 && strcmp(argv[2], "serve") == 0)
+            return loom_bench_serve_main(argc - 3, argv + 3);
         if (argc >= 3 && strcmp(argv[2], "ops") == 0) {
             char self[PATH_MAX];
             ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);

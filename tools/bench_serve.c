@@ -1,0 +1,310 @@
+/*
+ * tools/bench_serve.c - `loom bench serve`: what continuous batching buys. The same requests
+ * (distinct random prompts, a fixed number of generated tokens each) run one at a time, then
+ * from N concurrent clients, through the serving engine; reported: generated tokens/s, time to
+ * first token and request latency percentiles. Without -m a synthetic model is written first.
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include <cjson/cJSON.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct sample {
+    double ttft_ms, latency_ms;
+    int32_t generated;
+    int failed;
+} sample;
+
+typedef struct shared {
+    loom_engine *engine;
+    int32_t **prompts;
+    int32_t n_prompt, n_gen;
+    int next, n_requests;
+    sample *samples;
+    pthread_mutex_t mu;
+} shared;
+
+typedef struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;
+    loom_event last;
+} waiter;
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+static void on_event(void *user, const loom_event *ev)
+{
+    waiter *w = user;
+    if (ev->kind == LOOM_EVENT_TEXT)
+        return;
+    pthread_mutex_lock(&w->mu);
+    w->last = *ev;
+    w->last.text = NULL, w->last.error = NULL, w->last.finish_reason = NULL;
+    w->done = ev->kind == LOOM_EVENT_DONE ? 1 : 2;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* A client: takes the next request, waits for its answer, repeats. */
+static void *client(void *arg)
+{
+    shared *s = arg;
+    waiter w;
+    pthread_mutex_init(&w.mu, NULL);
+    pthread_cond_init(&w.cv, NULL);
+    for (;;) {
+        pthread_mutex_lock(&s->mu);
+        int i = s->next < s->n_requests ? s->next++ : -1;
+        pthread_mutex_unlock(&s->mu);
+        if (i < 0)
+            break;
+        loom_sampling greedy = loom_sampling_defaults();
+        greedy.temperature = 0;
+        greedy.ignore_eos = 1; /* every request generates exactly n_gen tokens */
+        loom_request r = {s->prompts[i], s->n_prompt, s->n_gen, greedy, NULL, 0};
+        char err[512];
+        w.done = 0;
+        double t0 = now_ms();
+        if (loom_engine_submit(s->engine, &r, on_event, &w, err, sizeof err) < 0) {
+            fprintf(stderr, "loom bench serve: %s\n", err);
+            s->samples[i].failed = 1;
+            continue;
+        }
+        pthread_mutex_lock(&w.mu);
+        while (!w.done)
+            pthread_cond_wait(&w.cv, &w.mu);
+        pthread_mutex_unlock(&w.mu);
+        s->samples[i] = (sample){w.last.ttft_ms, now_ms() - t0, w.last.n_generated, w.done != 1};
+    }
+    pthread_mutex_destroy(&w.mu);
+    pthread_cond_destroy(&w.cv);
+    return NULL;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, int n, double p)
+{
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    int k = (int)(p / 100.0 * (n - 1) + 0.5);
+    return n ? v[k < n ? k : n - 1] : 0;
+}
+
+typedef struct result {
+    int clients, requests, failed;
+    double seconds, tok_s, req_s, ttft50, ttft90, lat50, lat90, lat99;
+    uint64_t preemptions;
+} result;
+
+static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32_t n_prompt,
+                        int32_t n_gen, int clients)
+{
+    shared s = {.engine = e, .prompts = prompts, .n_prompt = n_prompt, .n_gen = n_gen,
+                .n_requests = n_requests, .samples = calloc((size_t)n_requests, sizeof(sample))};
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_t *th = calloc((size_t)clients, sizeof *th);
+    uint64_t pre0 = loom_engine_get_stats(e).preemptions;
+    double t0 = now_ms();
+    for (int c = 0; c < clients; c++)
+        pthread_create(&th[c], NULL, client, &s);
+    for (int c = 0; c < clients; c++)
+        pthread_join(th[c], NULL);
+    double dt = (now_ms() - t0) / 1e3;
+    result r = {clients, n_requests, 0, dt, 0, 0, 0, 0, 0, 0, 0, 0};
+    double *ttft = calloc((size_t)n_requests, sizeof *ttft), *lat = calloc((size_t)n_requests, sizeof *lat);
+    uint64_t gen = 0;
+    int n = 0;
+    for (int i = 0; i < n_requests; i++) {
+        if (s.samples[i].failed) {
+            r.failed++;
+            continue;
+        }
+        gen += (uint64_t)s.samples[i].generated;
+        ttft[n] = s.samples[i].ttft_ms;
+        lat[n++] = s.samples[i].latency_ms;
+    }
+    r.tok_s = (double)gen / dt;
+    r.req_s = n / dt;
+    r.ttft50 = pct(ttft, n, 50), r.ttft90 = pct(ttft, n, 90);
+    r.lat50 = pct(lat, n, 50), r.lat90 = pct(lat, n, 90), r.lat99 = pct(lat, n, 99);
+    r.preemptions = loom_engine_get_stats(e).preemptions - pre0;
+    free(ttft), free(lat), free(th), free(s.samples);
+    pthread_mutex_destroy(&s.mu);
+    return r;
+}
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: loom bench serve [-m MODEL | --synthetic SHAPE [--type TYPE]] [--clients 16]\n"
+            "                        [--requests N] [--prompt-tokens 64] [--gen-tokens 64]\n"
+            "                        [--max-batch N] [--json]\n"
+            "  runs the requests one at a time, then from --clients concurrent clients, through the\n"
+            "  serving engine (continuous batching); defaults: synthetic 160m q8_0, requests = clients\n"
+            "  shapes: %s\n",
+            loom_synthetic_shapes());
+}
+
+static int parse_pos(const char *flag, const char *v, long hi, long *out)
+{
+    char *end;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end || x < 1 || x > hi) {
+        fprintf(stderr, "loom bench serve: %s wants a whole number from 1 to %ld, not '%s'\n", flag,
+                hi, v ? v : "(nothing)");
+        return -1;
+    }
+    *out = x;
+    return 0;
+}
+
+int loom_bench_serve_main(int argc, char **argv)
+{
+    const char *model = NULL, *shape = "160m", *type = "q8_0";
+    long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
+    int json = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int bad = 0, takes = 1;
+        if (!strcmp(a, "-m")) model = v;
+        else if (!strcmp(a, "--synthetic")) shape = v;
+        else if (!strcmp(a, "--type")) type = v;
+        else if (!strcmp(a, "--clients")) bad = parse_pos(a, v, 1024, &clients);
+        else if (!strcmp(a, "--requests")) bad = parse_pos(a, v, 1 << 20, &requests);
+        else if (!strcmp(a, "--prompt-tokens")) bad = parse_pos(a, v, 1 << 16, &n_prompt);
+        else if (!strcmp(a, "--gen-tokens")) bad = parse_pos(a, v, 1 << 16, &n_gen);
+        else if (!strcmp(a, "--max-batch")) bad = parse_pos(a, v, 4096, &max_batch);
+        else if (!strcmp(a, "--json")) json = 1, takes = 0;
+        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
+        else {
+            fprintf(stderr, "loom bench serve: unknown option '%s'\n", a);
+            usage(stderr);
+            return 2;
+        }
+        if (bad)
+            return 2;
+        if (takes && !v) {
+            fprintf(stderr, "loom bench serve: %s needs a value\n", a);
+            return 2;
+        }
+        i += takes;
+    }
+    if (!requests)
+        requests = clients;
+    if (!max_batch)
+        max_batch = clients;
+    char err[4096], tmp[4096] = "";
+    if (!model) {
+        const char *dir = getenv("TMPDIR");
+        snprintf(tmp, sizeof tmp, "%s/loom-bench-serve-%d-%s-%s.gguf", dir && *dir ? dir : "/tmp",
+                 (int)getpid(), shape, type);
+        fprintf(stderr, "writing the synthetic %s model (%s) to %s...\n", shape, type, tmp);
+        if (loom_write_synthetic_model(tmp, shape, type, err, sizeof err) != 0) {
+            fprintf(stderr, "loom bench serve: %s\n", err);
+            return 2;
+        }
+        model = tmp;
+    }
+    int rc = 1;
+    int32_t ctx = (int32_t)(n_prompt + n_gen + 1);
+    int32_t per_seq = (ctx + 15) / 16;
+    loom_model_options mo = {.n_ctx = ctx, .kv_blocks = (int32_t)(max_batch * per_seq + per_seq)};
+    loom_model *m = loom_model_open(model, &mo, err, sizeof err);
+    if (!m) {
+        fprintf(stderr, "loom bench serve: %s\n", err);
+        goto out;
+    }
+    loom_engine_options eo = {(int32_t)max_batch, (int32_t)(max_batch > 256 ? max_batch : 256)};
+    loom_engine *e = loom_engine_start(m, &eo, err, sizeof err);
+    if (!e) {
+        fprintf(stderr, "loom bench serve: %s\n", err);
+        loom_model_close(m);
+        goto out;
+    }
+    /* distinct random prompts, so nothing is served from the prefix cache */
+    int32_t n_vocab = loom_model_n_vocab(m);
+    int32_t **prompts = calloc((size_t)requests, sizeof *prompts);
+    uint64_t x = 42;
+    for (long i = 0; i < requests; i++) {
+        prompts[i] = malloc((size_t)n_prompt * sizeof **prompts);
+        for (long j = 0; j < n_prompt; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            prompts[i][j] = 3 + (int32_t)((x >> 33) % (uint64_t)(n_vocab - 3));
+        }
+    }
+    fprintf(stderr, "%s on %s: %ld requests of %ld prompt + %ld generated tokens\n",
+            loom_model_name(m), loom_model_backend(m), requests, n_prompt, n_gen);
+    result one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1);
+    /* new first tokens: the concurrent run must not reuse the first run's cached blocks */
+    for (long i = 0; i < requests; i++)
+        prompts[i][0] = 3 + (prompts[i][0] - 2) % (n_vocab - 3);
+    result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, (int)clients);
+    loom_engine_stats st = loom_engine_get_stats(e);
+    result *rs[2] = {&one, &many};
+    if (json) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "model", loom_model_name(m));
+        cJSON_AddStringToObject(o, "backend", loom_model_backend(m));
+        cJSON_AddNumberToObject(o, "prompt_tokens", (double)n_prompt);
+        cJSON_AddNumberToObject(o, "gen_tokens", (double)n_gen);
+        cJSON *arr = cJSON_AddArrayToObject(o, "runs");
+        for (int k = 0; k < 2; k++) {
+            cJSON *r = cJSON_CreateObject();
+            cJSON_AddNumberToObject(r, "clients", rs[k]->clients);
+            cJSON_AddNumberToObject(r, "requests", rs[k]->requests);
+            cJSON_AddNumberToObject(r, "failed", rs[k]->failed);
+            cJSON_AddNumberToObject(r, "seconds", rs[k]->seconds);
+            cJSON_AddNumberToObject(r, "generated_tokens_per_s", rs[k]->tok_s);
+            cJSON_AddNumberToObject(r, "ttft_p50_ms", rs[k]->ttft50);
+            cJSON_AddNumberToObject(r, "ttft_p90_ms", rs[k]->ttft90);
+            cJSON_AddNumberToObject(r, "latency_p50_ms", rs[k]->lat50);
+            cJSON_AddNumberToObject(r, "latency_p90_ms", rs[k]->lat90);
+            cJSON_AddNumberToObject(r, "latency_p99_ms", rs[k]->lat99);
+            cJSON_AddNumberToObject(r, "preemptions", (double)rs[k]->preemptions);
+            cJSON_AddItemToArray(arr, r);
+        }
+        cJSON_AddNumberToObject(o, "speedup", one.tok_s > 0 ? many.tok_s / one.tok_s : 0);
+        char *s = cJSON_Print(o);
+        printf("%s\n", s);
+        free(s);
+        cJSON_Delete(o);
+    } else {
+        printf("| clients | requests | seconds | generated tok/s | TTFT p50 / p90 ms | latency p50 / p90 / p99 ms | preemptions |\n");
+        printf("|--------:|---------:|--------:|----------------:|------------------:|---------------------------:|------------:|\n");
+        for (int k = 0; k < 2; k++)
+            printf("| %7d | %8d | %7.2f | %15.1f | %8.0f / %-6.0f | %8.0f / %6.0f / %-7.0f | %11llu |\n",
+                   rs[k]->clients, rs[k]->requests, rs[k]->seconds, rs[k]->tok_s, rs[k]->ttft50,
+                   rs[k]->ttft90, rs[k]->lat50, rs[k]->lat90, rs[k]->lat99,
+                   (unsigned long long)rs[k]->preemptions);
+        printf("\n%ld concurrent clients: %.2fx the generated tokens/s of one at a time "
+               "(%llu engine steps in all)\n", clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
+               (unsigned long long)st.steps);
+    }
+    rc = one.failed || many.failed ? 1 : 0;
+    loom_engine_stop(e, 0);
+    loom_engine_free(e);
+    for (long i = 0; i < requests; i++)
+        free(prompts[i]);
+    free(prompts);
+    loom_model_close(m);
+out:
+    if (tmp[0])
+        unlink(tmp);
+    return rc;
+}
