@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #define MAX_SCRATCH 64
 
@@ -55,6 +56,10 @@ struct loom_runner {
 
     int status;
     char err[512];
+
+    int profile;
+    double prof_ms[LOOM_OP_COUNT_V1_0];
+    uint64_t prof_calls[LOOM_OP_COUNT_V1_0], passes;
 };
 
 static int fail(loom_runner *r, const char *fmt, ...)
@@ -236,6 +241,43 @@ int loom_rt_status(const loom_runner *r)
     fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",      \
          r->dev->variant, r->dev->ops.last_error(r->dev->be))
 
+/* LOOM_PROFILE=1: time every op (synchronising after each) and print where a model's time
+ * went when the runner is freed. */
+static double prof_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+#define RUN_OP(r, op, what, call)                                                              \
+    do {                                                                                       \
+        double t0_ = (r)->profile ? prof_now() : 0;                                            \
+        if ((call) != LOOM_OK)                                                                 \
+            OP_NAME_FAIL(r, what);                                                             \
+        if ((r)->profile) {                                                                    \
+            (r)->dev->ops.synchronize((r)->dev->be);                                           \
+            (r)->prof_ms[op] += prof_now() - t0_;                                              \
+            (r)->prof_calls[op]++;                                                             \
+        }                                                                                      \
+    } while (0)
+
+static void print_profile(const loom_runner *r)
+{
+    static const char *names[LOOM_OP_COUNT_V1_0] = {
+        "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
+        "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
+    double total = 0;
+    for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
+        total += r->prof_ms[i];
+    fprintf(stderr, "loom profile (%s%s%s): %.1f ms in ops over %llu passes\n", r->dev->name,
+            r->dev->variant[0] ? "-" : "", r->dev->variant, total, (unsigned long long)r->passes);
+    for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
+        if (r->prof_calls[i])
+            fprintf(stderr, "  %-10s %9.1f ms %5.1f%%  %8llu calls\n", names[i], r->prof_ms[i],
+                    total > 0 ? 100 * r->prof_ms[i] / total : 0, (unsigned long long)r->prof_calls[i]);
+}
+
 static int usable(loom_runner *r, loom_op op, loom_dtype dt, const char *what)
 {
     if (r->status)
@@ -253,8 +295,7 @@ void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *i
     if (!usable(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows"))
         return;
     loom_get_rows_params p = {sizeof p, w, ids, dst};
-    if (r->dev->ops.get_rows(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "get_rows");
+    RUN_OP(r, LOOM_OP_GET_ROWS, "get_rows", r->dev->ops.get_rows(r->dev->be, &p));
 }
 
 void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
@@ -263,8 +304,7 @@ void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, 
     if (!usable(r, LOOM_OP_MATMUL, w->dtype, "matmul"))
         return;
     loom_matmul_params p = {sizeof p, x, w, bias, y};
-    if (r->dev->ops.matmul(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "matmul");
+    RUN_OP(r, LOOM_OP_MATMUL, "matmul", r->dev->ops.matmul(r->dev->be, &p));
 }
 
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
@@ -273,8 +313,7 @@ void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w
     if (!usable(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm"))
         return;
     loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
-    if (r->dev->ops.rms_norm(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "rms_norm");
+    RUN_OP(r, LOOM_OP_RMS_NORM, "rms_norm", r->dev->ops.rms_norm(r->dev->be, &p));
 }
 
 void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
@@ -283,8 +322,7 @@ void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
         return;
     loom_rope_params p = {sizeof p, x, &r->in.pos, NULL, x, hp->rope_mode, hp->n_rot,
                           hp->rope_base, hp->rope_scale};
-    if (r->dev->ops.rope(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "rope");
+    RUN_OP(r, LOOM_OP_ROPE, "rope", r->dev->ops.rope(r->dev->be, &p));
 }
 
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
@@ -292,8 +330,7 @@ void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor 
     if (!usable(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store"))
         return;
     loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
-    if (r->dev->ops.kv_store(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "kv_store");
+    RUN_OP(r, LOOM_OP_KV_STORE, "kv_store", r->dev->ops.kv_store(r->dev->be, &p));
 }
 
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
@@ -303,8 +340,7 @@ void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float sc
         return;
     loom_attention_params p = {sizeof p, q, &r->kc[layer], &r->vc[layer], &r->in.block_table,
                                &r->in.seq, &r->in.pos, NULL, dst, scale};
-    if (r->dev->ops.attention(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "attention");
+    RUN_OP(r, LOOM_OP_ATTENTION, "attention", r->dev->ops.attention(r->dev->be, &p));
 }
 
 void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
@@ -312,8 +348,7 @@ void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, con
     if (!usable(r, LOOM_OP_ADD, LOOM_F32, "add"))
         return;
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    if (r->dev->ops.add(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "add");
+    RUN_OP(r, LOOM_OP_ADD, "add", r->dev->ops.add(r->dev->be, &p));
 }
 
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
@@ -321,8 +356,7 @@ void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b
     if (!usable(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul"))
         return;
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    if (r->dev->ops.silu_mul(r->dev->be, &p) != LOOM_OK)
-        OP_NAME_FAIL(r, "silu_mul");
+    RUN_OP(r, LOOM_OP_SILU_MUL, "silu_mul", r->dev->ops.silu_mul(r->dev->be, &p));
 }
 
 /* ---- Lifetime ----------------------------------------------------------------------------- */
@@ -337,6 +371,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     }
     r->dev = dev;
     r->gguf = gguf;
+    const char *prof = getenv("LOOM_PROFILE");
+    r->profile = prof && *prof && strcmp(prof, "0") != 0;
     r->arch = arch;
     r->opt = *opts;
     if (r->opt.block_size <= 0)
@@ -404,6 +440,8 @@ void loom_runner_free(loom_runner *r)
 {
     if (!r)
         return;
+    if (r->profile && r->passes)
+        print_profile(r);
     if (r->arch && r->state)
         r->arch->free_state(r->state);
     const loom_backend_ops *ops = &r->dev->ops;
@@ -559,6 +597,7 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             r->logits = lg, r->logits_cap = s->n_logits;
     }
     loom_batch b = {n, s->n_logits};
+    r->passes++;
     if (!r->status)
         r->arch->forward(r, r->state, &b);
     if (!r->status && s->n_logits) {

@@ -41,9 +41,10 @@ void loom_sampler_penalize(float *logits, int32_t n, const loom_sampler_params *
 static int32_t argmax(const float *x, int32_t n)
 {
     int32_t best = 0;
+    float v = x[0];
     for (int32_t i = 1; i < n; i++)
-        if (x[i] > x[best])
-            best = i;
+        if (x[i] > v)
+            v = x[i], best = i;
     return best;
 }
 
@@ -56,6 +57,40 @@ static int by_prob_desc(const void *a, const void *b)
 {
     float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
     return x < y ? 1 : x > y ? -1 : ((const cand *)a)->id - ((const cand *)b)->id;
+}
+
+/* The order candidates are drawn in: probability descending, then id ascending. */
+static int before(const cand *a, const cand *b)
+{
+    return a->p > b->p || (a->p == b->p && a->id < b->id);
+}
+
+/* Moves the first m candidates of the sorted order to c[0..m) (in no order): quickselect. */
+static void select_top(cand *c, int32_t n, int32_t m)
+{
+    int32_t lo = 0, hi = n - 1;
+    uint32_t x = 2463534242u;
+    while (lo < hi) {
+        x ^= x << 13, x ^= x >> 17, x ^= x << 5;
+        cand pivot = c[lo + (int32_t)(x % (uint32_t)(hi - lo + 1))];
+        int32_t i = lo, j = hi;
+        while (i <= j) {
+            while (before(&c[i], &pivot))
+                i++;
+            while (before(&pivot, &c[j]))
+                j--;
+            if (i <= j) {
+                cand t = c[i];
+                c[i++] = c[j], c[j--] = t;
+            }
+        }
+        if (m - 1 <= j)
+            hi = j;
+        else if (m - 1 >= i)
+            lo = i;
+        else
+            break;
+    }
 }
 
 static double uniform(uint64_t *s)
@@ -77,15 +112,46 @@ int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params 
     cand *c = malloc((size_t)n * sizeof *c);
     if (!c)
         return argmax(logits, n);
-    for (int32_t i = 0; i < n; i++)
+    float max = -INFINITY;
+    for (int32_t i = 0; i < n; i++) {
         c[i] = (cand){logits[i] / p->temperature, i};
-    qsort(c, (size_t)n, sizeof *c, by_prob_desc);
+        max = c[i].p > max ? c[i].p : max;
+    }
+    /* Only the head of the sorted order is ever needed: select it rather than sort all n
+     * (a 150k vocabulary took milliseconds a token to qsort). */
     int32_t k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
-    double max = c[0].p, sum = 0;
+    if (k < n)
+        select_top(c, n, k);
+    double sum = 0; /* softmax over the k candidates */
     for (int32_t i = 0; i < k; i++)
-        sum += (c[i].p = (float)exp(c[i].p - max));
-    for (int32_t i = 0; i < k; i++)
-        c[i].p = (float)(c[i].p / sum);
+        sum += exp((double)c[i].p - max);
+    int32_t m = k; /* how many of the sorted head to sort */
+    if (p->min_p > 0.0f) {
+        /* min_p keeps p_i >= min_p * p_max, a prefix of the sorted order: filter first */
+        float cut = max + logf(p->min_p) - 1e-3f; /* a superset: the exact cut is below */
+        int32_t keep = 0;
+        for (int32_t i = 0; i < k; i++)
+            if (c[i].p >= cut || c[i].p == max)
+                c[keep++] = c[i];
+        m = keep;
+    }
+    if (p->top_p > 0.0f && p->top_p < 1.0f) {
+        /* grow the selected head until it holds top_p of the mass */
+        for (int32_t want = 64; want < m; want *= 4) {
+            select_top(c, m, want);
+            double head = 0;
+            for (int32_t i = 0; i < want; i++)
+                head += exp((double)c[i].p - max);
+            if (head / sum >= p->top_p + 1e-4) { /* a margin over the float sums below */
+                m = want;
+                break;
+            }
+        }
+    }
+    qsort(c, (size_t)m, sizeof *c, by_prob_desc);
+    for (int32_t i = 0; i < m; i++)
+        c[i].p = (float)(exp((double)c[i].p - max) / sum);
+    k = m;
     if (p->top_p > 0.0f && p->top_p < 1.0f) {
         double cum = 0;
         for (int32_t i = 0; i < k; i++) {

@@ -7,6 +7,7 @@
 
 #include "check.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static loom_sampler_params plain(void)
@@ -16,8 +17,98 @@ static loom_sampler_params plain(void)
     return p;
 }
 
+/* The definition, the slow way: sort every candidate, softmax over the top k, cut the
+ * top-p prefix, then the min-p prefix, draw. The sampler must pick the same token. */
+typedef struct cand {
+    float p;
+    int32_t id;
+} cand;
+
+static int desc(const void *a, const void *b)
+{
+    float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
+    return x < y ? 1 : x > y ? -1 : ((const cand *)a)->id - ((const cand *)b)->id;
+}
+
+static uint64_t splitmix(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int32_t reference_sample(const float *logits, int32_t n, const loom_sampler_params *p,
+                                uint64_t *rng)
+{
+    cand *c = malloc((size_t)n * sizeof *c);
+    for (int32_t i = 0; i < n; i++)
+        c[i] = (cand){logits[i] / p->temperature, i};
+    qsort(c, (size_t)n, sizeof *c, desc);
+    int32_t k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+    double max = c[0].p, sum = 0;
+    for (int32_t i = 0; i < k; i++)
+        sum += exp((double)c[i].p - max);
+    for (int32_t i = 0; i < k; i++)
+        c[i].p = (float)(exp((double)c[i].p - max) / sum);
+    if (p->top_p > 0.0f && p->top_p < 1.0f) {
+        double cum = 0;
+        for (int32_t i = 0; i < k; i++)
+            if ((cum += c[i].p) >= p->top_p) {
+                k = i + 1;
+                break;
+            }
+    }
+    if (p->min_p > 0.0f) {
+        int32_t keep = 1;
+        while (keep < k && c[keep].p >= c[0].p * p->min_p)
+            keep++;
+        k = keep;
+    }
+    double total = 0, acc = 0;
+    for (int32_t i = 0; i < k; i++)
+        total += c[i].p;
+    double u = (double)(splitmix(rng) >> 11) / 9007199254740992.0 * total;
+    int32_t pick = c[k - 1].id;
+    for (int32_t i = 0; i < k; i++)
+        if (u < (acc += c[i].p)) {
+            pick = c[i].id;
+            break;
+        }
+    free(c);
+    return pick;
+}
+
+static void test_against_reference(void)
+{
+    enum { N = 5000 };
+    static float logits[N], work[N];
+    uint64_t s = 99;
+    int differ = 0, draws = 0;
+    for (int trial = 0; trial < 300; trial++) {
+        float spread = 1.0f + (float)(trial % 7) * 2.0f;
+        for (int i = 0; i < N; i++)
+            logits[i] = (float)((double)(splitmix(&s) >> 11) / 9007199254740992.0 - 0.5) * spread;
+        if (trial % 5 == 0)
+            logits[trial % N] = logits[(trial * 7) % N]; /* ties */
+        loom_sampler_params p = plain();
+        p.temperature = 0.3f + (float)(trial % 4) * 0.4f;
+        p.top_k = trial % 3 == 0 ? 0 : trial % 3 == 1 ? 40 : 1000;
+        p.top_p = trial % 4 == 0 ? 1.0f : 0.5f + (float)(trial % 5) * 0.1f;
+        p.min_p = trial % 6 < 3 ? 0.0f : 0.01f * (float)(trial % 6);
+        uint64_t r1 = (uint64_t)trial, r2 = (uint64_t)trial;
+        memcpy(work, logits, sizeof work);
+        int32_t got = loom_sampler_sample(work, N, &p, NULL, 0, &r1);
+        int32_t want = reference_sample(logits, N, &p, &r2);
+        differ += got != want;
+        draws++;
+    }
+    CHECK(differ == 0, "%d of %d draws differ from the sort-everything definition", differ, draws);
+}
+
 int main(void)
 {
+    test_against_reference();
     /* repetition penalty: positive logits divided, negative multiplied, each token once */
     loom_sampler_params p = plain();
     p.repeat_penalty = 2.0f;

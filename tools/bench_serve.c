@@ -154,7 +154,7 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: loom bench serve [-m MODEL | --synthetic SHAPE [--type TYPE]] [--clients 16]\n"
             "                        [--requests N] [--prompt-tokens 64] [--gen-tokens 64]\n"
-            "                        [--max-batch N] [--json]\n"
+            "                        [--max-batch N] [--json] [--concurrent-only]\n"
             "  runs the requests one at a time, then from --clients concurrent clients, through the\n"
             "  serving engine (continuous batching); defaults: synthetic 160m q8_0, requests = clients\n"
             "  shapes: %s\n",
@@ -178,7 +178,7 @@ int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "q8_0";
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
-    int json = 0;
+    int json = 0, concurrent_only = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int bad = 0, takes = 1;
@@ -191,6 +191,7 @@ int loom_bench_serve_main(int argc, char **argv)
         else if (!strcmp(a, "--gen-tokens")) bad = parse_pos(a, v, 1 << 16, &n_gen);
         else if (!strcmp(a, "--max-batch")) bad = parse_pos(a, v, 4096, &max_batch);
         else if (!strcmp(a, "--json")) json = 1, takes = 0;
+        else if (!strcmp(a, "--concurrent-only")) concurrent_only = 1, takes = 0;
         else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
         else {
             fprintf(stderr, "loom bench serve: unknown option '%s'\n", a);
@@ -250,13 +251,16 @@ int loom_bench_serve_main(int argc, char **argv)
     }
     fprintf(stderr, "%s on %s: %ld requests of %ld prompt + %ld generated tokens\n",
             loom_model_name(m), loom_model_backend(m), requests, n_prompt, n_gen);
-    result one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1);
+    result one = {0};
+    if (!concurrent_only)
+        one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1);
     /* new first tokens: the concurrent run must not reuse the first run's cached blocks */
     for (long i = 0; i < requests; i++)
         prompts[i][0] = 3 + (prompts[i][0] - 2) % (n_vocab - 3);
     result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, (int)clients);
     loom_engine_stats st = loom_engine_get_stats(e);
     result *rs[2] = {&one, &many};
+    int first = concurrent_only;
     if (json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "model", loom_model_name(m));
@@ -264,7 +268,7 @@ int loom_bench_serve_main(int argc, char **argv)
         cJSON_AddNumberToObject(o, "prompt_tokens", (double)n_prompt);
         cJSON_AddNumberToObject(o, "gen_tokens", (double)n_gen);
         cJSON *arr = cJSON_AddArrayToObject(o, "runs");
-        for (int k = 0; k < 2; k++) {
+        for (int k = first; k < 2; k++) {
             cJSON *r = cJSON_CreateObject();
             cJSON_AddNumberToObject(r, "clients", rs[k]->clients);
             cJSON_AddNumberToObject(r, "requests", rs[k]->requests);
@@ -287,12 +291,13 @@ int loom_bench_serve_main(int argc, char **argv)
     } else {
         printf("| clients | requests | seconds | generated tok/s | TTFT p50 / p90 ms | latency p50 / p90 / p99 ms | preemptions |\n");
         printf("|--------:|---------:|--------:|----------------:|------------------:|---------------------------:|------------:|\n");
-        for (int k = 0; k < 2; k++)
+        for (int k = first; k < 2; k++)
             printf("| %7d | %8d | %7.2f | %15.1f | %8.0f / %-6.0f | %8.0f / %6.0f / %-7.0f | %11llu |\n",
                    rs[k]->clients, rs[k]->requests, rs[k]->seconds, rs[k]->tok_s, rs[k]->ttft50,
                    rs[k]->ttft90, rs[k]->lat50, rs[k]->lat90, rs[k]->lat99,
                    (unsigned long long)rs[k]->preemptions);
-        printf("\n%ld concurrent clients: %.2fx the generated tokens/s of one at a time "
+        if (!concurrent_only)
+            printf("\n%ld concurrent clients: %.2fx the generated tokens/s of one at a time "
                "(%llu engine steps in all)\n", clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
                (unsigned long long)st.steps);
     }

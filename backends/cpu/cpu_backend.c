@@ -163,10 +163,18 @@ static void norm_rows(void *ctx, int ith, int nth)
         for (int64_t i = 0; i < n; i++)
             sq += (double)(x[i] - mean) * (x[i] - mean);
         float inv = (float)(1.0 / sqrt(sq / (double)n + p->eps));
-        for (int64_t i = 0; i < n; i++) {
-            float v = (x[i] - mean) * inv;
-            y[i] = (w ? v * w[i] : v) + (b ? b[i] : 0.0f);
-        }
+        /* one loop per case: with `w ? w[i] : 1` inside, GCC emits masked loads from the NULL
+         * pointer, and every such load took a microcode assist here (rms_norm of 16 x 768:
+         * 88 us, 3 us without) */
+        if (w && b)
+            for (int64_t i = 0; i < n; i++)
+                y[i] = (x[i] - mean) * inv * w[i] + b[i];
+        else if (w)
+            for (int64_t i = 0; i < n; i++)
+                y[i] = (x[i] - mean) * inv * w[i];
+        else
+            for (int64_t i = 0; i < n; i++)
+                y[i] = (x[i] - mean) * inv;
     }
 }
 

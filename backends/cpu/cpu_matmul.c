@@ -73,9 +73,13 @@ static void mm_rows(void *ctx, int ith, int nth)
                 else
                     j->kf(w->dtype, wrow, w->nb[1], nr, j->xrows + m0, mr, j->K, out);
                 for (int r = 0; r < mr; r++) {
-                    float *yr = (float *)cpu_row(y, data(y), m0 + r);
-                    for (int i = 0; i < nr; i++)
-                        yr[n + i] = out[r * KERN_NR + i] + (j->bias ? j->bias[n + i] : 0.0f);
+                    float *yr = (float *)cpu_row(y, data(y), m0 + r) + n;
+                    const float *o = out + r * KERN_NR;
+                    if (j->bias)
+                        for (int i = 0; i < nr; i++)
+                            yr[i] = o[i] + j->bias[n + i];
+                    else
+                        memcpy(yr, o, (size_t)nr * sizeof *yr);
                 }
             }
         }
