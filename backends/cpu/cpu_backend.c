@@ -414,9 +414,27 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 goto out;
             }
             int64_t nk = last - j0 + 1 < bs ? last - j0 + 1 : bs;
+            if (j0 + bs <= last) {
+                /* the next block's rows of this head: fetch them while this one is worked on */
+                int32_t nxt;
+                memcpy(&nxt, bt + (j0 / bs + 1) * p->block_table->nb[0], 4);
+                if (nxt >= 0 && nxt < n_blocks)
+                    for (int64_t jj = 0; jj < bs; jj++) {
+                        int64_t row = ((int64_t)nxt * bs + jj) * kvh + g;
+                        const unsigned char *kr = cpu_row(kc, base(kc), row), *vr = cpu_row(vc, base(vc), row);
+                        for (uint64_t off = 0; off < kc->nb[1] / (uint64_t)bs && off < 512; off += 64) {
+                            __builtin_prefetch(kr + off);
+                            __builtin_prefetch(vr + off);
+                        }
+                    }
+            }
             for (int64_t jj = 0; jj < nk; jj++) {
-                cpu_load_row(kc->dtype, cpu_row(kc, base(kc), ((int64_t)blk * bs + jj) * kvh + g),
-                             k, hd);
+                const unsigned char *kr = cpu_row(kc, base(kc), ((int64_t)blk * bs + jj) * kvh + g);
+                if (group == 1 && kc->dtype == LOOM_F16) {
+                    scores[jj] = cpu_dot_f16(q[0], (const uint16_t *)kr, hd) * p->scale;
+                    continue;
+                }
+                cpu_load_row(kc->dtype, kr, k, hd);
                 for (int64_t h = 0; h < group; h++)
                     scores[h * bs + jj] = cpu_dot(q[h], k, hd) * p->scale;
             }
@@ -435,8 +453,12 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 }
             }
             for (int64_t jj = 0; jj < nk; jj++) {
-                cpu_load_row(vc->dtype, cpu_row(vc, base(vc), ((int64_t)blk * bs + jj) * kvh + g),
-                             v, hd);
+                const unsigned char *vr = cpu_row(vc, base(vc), ((int64_t)blk * bs + jj) * kvh + g);
+                if (group == 1 && vc->dtype == LOOM_F16) {
+                    cpu_axpy_f16(scores[jj], (const uint16_t *)vr, acc, hd);
+                    continue;
+                }
+                cpu_load_row(vc->dtype, vr, v, hd);
                 for (int64_t h = 0; h < group; h++)
                     cpu_axpy(scores[h * bs + jj], v, acc + h * hd, hd);
             }

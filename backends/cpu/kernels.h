@@ -50,12 +50,65 @@ kern_layout kern_layout_for(loom_dtype wt, int vnni)
     return KERN_G == 2 ? KERN_NIBBLE_PAIRS : KERN_NATURAL;
 }
 
+#if defined(__AVX512F__)
+/* One block of 32 floats -> 32 int8 in two halves of 16 (as int32 lanes before narrowing),
+ * rounding half away from zero exactly as the scalar code does; returns the scale. */
+INLINE float quantize_block512(const float *xb, __m512i *i0, __m512i *i1)
+{
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
+    __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0),
+                                                    _mm512_andnot_ps(sign, x1)));
+    float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+    __m512 v0 = _mm512_mul_ps(x0, _mm512_set1_ps(id)), v1 = _mm512_mul_ps(x1, _mm512_set1_ps(id));
+    *i0 = _mm512_cvttps_epi32(_mm512_add_ps(v0, _mm512_or_ps(_mm512_and_ps(v0, sign), half)));
+    *i1 = _mm512_cvttps_epi32(_mm512_add_ps(v1, _mm512_or_ps(_mm512_and_ps(v1, sign), half)));
+    return d;
+}
+
+/* A full group of two blocks, vectorised (the scalar loop below is the definition). */
+INLINE void prep_pair512(const float *x, act_group *gr, kern_layout layout)
+{
+    __m512i a0, a1, b0, b1;
+    float da = quantize_block512(x, &a0, &a1), db = quantize_block512(x + 32, &b0, &b1);
+    int ta = _mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+    int tb = _mm512_reduce_add_epi32(_mm512_add_epi32(b0, b1));
+    __m128i A0 = _mm512_cvtepi32_epi8(a0), A1 = _mm512_cvtepi32_epi8(a1);
+    __m128i B0 = _mm512_cvtepi32_epi8(b0), B1 = _mm512_cvtepi32_epi8(b1);
+    int nib = layout == KERN_NIBBLE_PAIRS;
+    /* 16-byte chunks in order: natural A0 A1 B0 B1, nibble pairs A0 B0 A1 B1 */
+    __m512i q = _mm512_inserti32x4(_mm512_castsi128_si512(A0), nib ? B0 : A1, 1);
+    q = _mm512_inserti32x4(q, nib ? A1 : B0, 2);
+    q = _mm512_inserti32x4(q, B1, 3);
+    /* each lane's sum of its 4 signed quants */
+    __m512i lane = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), q), _mm512_set1_epi16(1));
+    _mm512_storeu_si512(gr->neg8sum, _mm512_mullo_epi32(lane, _mm512_set1_epi32(-8)));
+    if (layout == KERN_NATURAL_BIASED)
+        q = _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
+    _mm512_storeu_si512(gr->qs, q);
+    /* which block each lane's quants come from: natural AAAA AAAA BBBB BBBB (in lanes of 4),
+     * nibble pairs AAAA BBBB AAAA BBBB */
+    __mmask16 is_b = nib ? (__mmask16)0xf0f0 : (__mmask16)0xff00;
+    __m512 d = _mm512_mask_blend_ps(is_b, _mm512_set1_ps(da), _mm512_set1_ps(db));
+    __m512 ms = _mm512_mask_blend_ps(is_b, _mm512_set1_ps(da * (float)ta / 8.0f),
+                                     _mm512_set1_ps(db * (float)tb / 8.0f));
+    _mm512_storeu_ps(gr->d, d);
+    _mm512_storeu_ps(gr->msum, ms);
+}
+#endif
+
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout)
 {
     int64_t nb = K / LOOM_QK;
     for (int64_t b0 = 0; b0 < nb; b0 += KERN_G) {
         act_group *gr = &g[b0 / KERN_G];
         int n = nb - b0 < KERN_G ? (int)(nb - b0) : KERN_G; /* blocks in this group */
+#if defined(__AVX512F__)
+        if (n == 2) {
+            prep_pair512(x + b0 * LOOM_QK, gr, layout);
+            continue;
+        }
+#endif
         int8_t q[KERN_G][LOOM_QK];
         float d[KERN_G];
         int total[KERN_G];

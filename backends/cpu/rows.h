@@ -118,6 +118,49 @@ static inline void cpu_axpy(float a, const float *x, float *y, int64_t n)
         y[i] += a * x[i];
 }
 
+/* cpu_dot and cpu_axpy with an f16 x, converted in registers (one query head per K/V row) */
+static inline float cpu_dot_f16(const float *a, const uint16_t *b, int64_t n)
+{
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16)
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i),
+                              _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(b + i))), acc);
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__F16C__)
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i),
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i))), acc);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    sum = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+#endif
+    for (; i < n; i++)
+        sum += a[i] * CPU_F16(b[i]);
+    return sum;
+}
+
+static inline void cpu_axpy_f16(float a, const uint16_t *x, float *y, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 av = _mm512_set1_ps(a);
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
+                                                _mm512_loadu_ps(y + i)));
+#elif defined(__F16C__)
+    __m256 av = _mm256_set1_ps(a);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
+                                                _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++)
+        y[i] += a * CPU_F16(x[i]);
+}
+
 /* Row of n elements of dtype t at src -> f32. */
 static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64_t n)
 {
