@@ -11,6 +11,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "args.h"
 #include "bench_ops.h"
 #include "core/loader.h"
 
@@ -135,15 +136,7 @@ static int child(const char *backend, const bench_args *a)
 
 static int parse_count(const char *flag, const char *v, long lo, long hi, long *out)
 {
-    char *end;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || !*v || *end || x < lo || x > hi) {
-        fprintf(stderr, "loom bench: %s wants a whole number from %ld to %ld, not '%s'\n", flag,
-                lo, hi, v ? v : "(nothing)");
-        return -1;
-    }
-    *out = x;
-    return 0;
+    return loom_arg_long("loom bench", flag, v, lo, hi, out);
 }
 
 int loom_bench_main(int argc, char **argv, const char *self);

@@ -7,6 +7,8 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "args.h"
+
 #include <cjson/cJSON.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -163,15 +165,7 @@ static void usage(FILE *out)
 
 static int parse_pos(const char *flag, const char *v, long hi, long *out)
 {
-    char *end;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || !*v || *end || x < 1 || x > hi) {
-        fprintf(stderr, "loom bench serve: %s wants a whole number from 1 to %ld, not '%s'\n", flag,
-                hi, v ? v : "(nothing)");
-        return -1;
-    }
-    *out = x;
-    return 0;
+    return loom_arg_long("loom bench serve", flag, v, 1, hi, out);
 }
 
 int loom_bench_serve_main(int argc, char **argv)

@@ -10,6 +10,9 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "args.h"
+
+#include <limits.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -104,7 +107,8 @@ int loom_chat_main(int argc, char **argv)
     long n_predict = 512, n_ctx = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        char *end = NULL;
+        int bad = 0;
+        long seed = 0;
         if (!v) {
             fprintf(stderr, "loom chat: %s needs a value (or is unknown)\n", a);
             return 2;
@@ -113,18 +117,16 @@ int loom_chat_main(int argc, char **argv)
         if (!strcmp(a, "-m")) model = v;
         else if (!strcmp(a, "--chat-template")) tmpl = v;
         else if (!strcmp(a, "--system")) system = v;
-        else if (!strcmp(a, "--temp")) s.temperature = strtof(v, &end);
-        else if (!strcmp(a, "--seed")) s.seed = strtoull(v, &end, 10);
-        else if (!strcmp(a, "-n")) n_predict = strtol(v, &end, 10);
-        else if (!strcmp(a, "-c")) n_ctx = strtol(v, &end, 10);
+        else if (!strcmp(a, "--temp")) bad = loom_arg_float("loom chat", a, v, 0, 100, &s.temperature);
+        else if (!strcmp(a, "--seed")) bad = loom_arg_long("loom chat", a, v, 0, LONG_MAX, &seed), s.seed = (uint64_t)seed;
+        else if (!strcmp(a, "-n")) bad = loom_arg_long("loom chat", a, v, 1, 1 << 20, &n_predict);
+        else if (!strcmp(a, "-c")) bad = loom_arg_long("loom chat", a, v, 2, 1 << 20, &n_ctx);
         else {
             fprintf(stderr, "loom chat: unknown option '%s'\n", a);
             return 2;
         }
-        if (end && (*end || end == v)) {
-            fprintf(stderr, "loom chat: %s wants a number, not '%s'\n", a, v);
+        if (bad)
             return 2;
-        }
     }
     if (!model) {
         fprintf(stderr, "usage: loom chat -m MODEL [--system TEXT] [--chat-template %s]\n"

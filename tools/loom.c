@@ -4,6 +4,7 @@
  */
 #include <loom/loom.h>
 
+#include "args.h"
 #include "bench_ops.h"
 
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
@@ -61,29 +62,12 @@ static void usage(FILE *out)
 
 static int parse_long(const char *flag, const char *v, long lo, long hi, long *out)
 {
-    char *end;
-    errno = 0;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || !*v || *end || errno || x < lo || x > hi) {
-        fprintf(stderr, "loom: %s wants a whole number from %ld to %ld, not '%s'\n", flag, lo, hi,
-                v ? v : "(nothing)");
-        return -1;
-    }
-    *out = x;
-    return 0;
+    return loom_arg_long("loom", flag, v, lo, hi, out);
 }
 
 static int parse_float(const char *flag, const char *v, double lo, double hi, float *out)
 {
-    char *end;
-    double x = v ? strtod(v, &end) : 0;
-    if (!v || !*v || *end || !isfinite(x) || x < lo || x > hi) {
-        fprintf(stderr, "loom: %s wants a number from %g to %g, not '%s'\n", flag, lo, hi,
-                v ? v : "(nothing)");
-        return -1;
-    }
-    *out = (float)x;
-    return 0;
+    return loom_arg_float("loom", flag, v, lo, hi, out);
 }
 
 typedef struct run_output {

@@ -11,6 +11,8 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "args.h"
+
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -1002,16 +1004,7 @@ static void serve_usage(FILE *out)
 
 static int parse_int(const char *flag, const char *v, long lo, long hi, long *out)
 {
-    char *end;
-    errno = 0;
-    long x = v ? strtol(v, &end, 10) : 0;
-    if (!v || !*v || *end || errno || x < lo || x > hi) {
-        fprintf(stderr, "loom serve: %s wants a whole number from %ld to %ld, not '%s'\n", flag, lo,
-                hi, v ? v : "(nothing)");
-        return -1;
-    }
-    *out = x;
-    return 0;
+    return loom_arg_long("loom serve", flag, v, lo, hi, out);
 }
 
 int loom_serve_main(int argc, char **argv)
