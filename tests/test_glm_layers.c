@@ -1,0 +1,197 @@
+/*
+ * tests/test_glm_layers.c - ChatGLM2, ChatGLM3 and GLM-4 against chatglm.cpp's per-layer
+ * fixtures (peers/chatglm.cpp/tests_data, produced with the official Hugging Face modeling
+ * code; layout in its FORMAT.md): a one-layer model with random weights, whose final hidden
+ * states after a 3-token prefill and two decode steps must match within 5e-4, chatglm.cpp's own
+ * tolerance.
+ *
+ * The .data file's tensors are written into a GGUF file with loom's "chatglm" convention and
+ * an identity output matrix, so the logits loom returns are the hidden states. Each prefill row
+ * is checked by running that prefix (the model is causal), and the decode steps continue the
+ * cached sequence with loom_generate_from, so they go through the KV cache as real decoding does.
+ * Every usable backend runs it, and ref with opaque buffers.
+ */
+#define _GNU_SOURCE
+#include "check.h"
+#include "core/gguf.h"
+#include "core/loader.h"
+
+#include <loom/loom.h>
+
+#include <string.h>
+#include <unistd.h>
+
+enum { VOCAB = 5, HIDDEN = 32, HEADS = 8, GROUPS = 2, HEAD_DIM = 4, FFN = 48 };
+
+typedef struct glm_file {
+    float embd[VOCAB][HIDDEN], norm1[HIDDEN], qkv_w[48][HIDDEN], qkv_b[48], dense[HIDDEN][HIDDEN];
+    float norm2[HIDDEN], up[2 * FFN][HIDDEN], down[HIDDEN][FFN], final_norm[HIDDEN];
+    int32_t x1[3];
+    float y1[3][HIDDEN];
+    int32_t x2[1];
+    float y2[HIDDEN];
+    int32_t x3[1];
+    float y3[HIDDEN];
+} glm_file;
+
+/* Reads the file's arrays in order; it must be consumed exactly. */
+static int read_fixture(const char *path, glm_file *f)
+{
+    size_t len;
+    char *bytes = slurp(path, &len);
+    if (!bytes)
+        return -1;
+    int ok = len == sizeof *f;
+    if (ok)
+        memcpy(f, bytes, sizeof *f);
+    free(bytes);
+    return ok ? 0 : -1;
+}
+
+static int write_gguf(const glm_file *f, float eps, const char *out)
+{
+    static float identity[HIDDEN][HIDDEN];
+    for (int i = 0; i < HIDDEN; i++)
+        identity[i][i] = 1.0f;
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    loom_gguf_set_str(w, "general.architecture", "chatglm");
+    loom_gguf_set_str(w, "general.name", "chatglm.cpp per-layer fixture");
+    loom_gguf_set_u32(w, "chatglm.context_length", 64);
+    loom_gguf_set_u32(w, "chatglm.embedding_length", HIDDEN);
+    loom_gguf_set_u32(w, "chatglm.block_count", 1);
+    loom_gguf_set_u32(w, "chatglm.feed_forward_length", FFN);
+    loom_gguf_set_u32(w, "chatglm.attention.head_count", HEADS);
+    loom_gguf_set_u32(w, "chatglm.attention.head_count_kv", GROUPS);
+    loom_gguf_set_u32(w, "chatglm.attention.key_length", HEAD_DIM);
+    loom_gguf_set_u32(w, "chatglm.rope.dimension_count", HEAD_DIM / 2);
+    loom_gguf_set_f32(w, "chatglm.rope.freq_base", 10000.0f);
+    loom_gguf_set_f32(w, "chatglm.attention.layer_norm_rms_epsilon", eps);
+    /* a placeholder vocabulary as wide as the identity "output" */
+    char names[HIDDEN][8];
+    const char *tokens[HIDDEN];
+    float scores[HIDDEN] = {0};
+    int32_t types[HIDDEN];
+    for (int i = 0; i < HIDDEN; i++) {
+        snprintf(names[i], sizeof names[i], "t%d", i);
+        tokens[i] = names[i];
+        types[i] = 1;
+    }
+    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", tokens, HIDDEN);
+    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, HIDDEN);
+    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, HIDDEN);
+    loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", HIDDEN - 1);
+#define T(name, ptr, n0, n1)                                                                   \
+    do {                                                                                       \
+        int64_t ne[2] = {n0, n1};                                                              \
+        loom_gguf_add_tensor(w, name, LOOM_F32, (n1) > 1 ? 2 : 1, ne, ptr);                    \
+    } while (0)
+    T("token_embd.weight", f->embd, HIDDEN, VOCAB);
+    T("blk.0.attn_norm.weight", f->norm1, HIDDEN, 1);
+    T("blk.0.attn_qkv.weight", f->qkv_w, HIDDEN, 48);
+    T("blk.0.attn_qkv.bias", f->qkv_b, 48, 1);
+    T("blk.0.attn_output.weight", f->dense, HIDDEN, HIDDEN);
+    T("blk.0.ffn_norm.weight", f->norm2, HIDDEN, 1);
+    T("blk.0.ffn_up.weight", f->up, HIDDEN, 2 * FFN);
+    T("blk.0.ffn_down.weight", f->down, FFN, HIDDEN);
+    T("output_norm.weight", f->final_norm, HIDDEN, 1);
+    T("output.weight", identity, HIDDEN, HIDDEN);
+#undef T
+    char err[512];
+    int rc = loom_gguf_write(w, out, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "writing %s: %s\n", out, err);
+    loom_gguf_writer_free(w);
+    return rc;
+}
+
+static double max_err(const float *got, const float *want)
+{
+    double e = 0;
+    for (int i = 0; i < HIDDEN; i++)
+        e = fabs((double)got[i] - want[i]) > e ? fabs((double)got[i] - want[i]) : e;
+    return e;
+}
+
+static void check_model(const char *what, const char *gguf, const glm_file *f, const char *backend,
+                        const char *label)
+{
+    char err[512];
+    loom_model_options o = {.backend = backend, .kv_type = "f32"};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s on %s: %s", what, label, err);
+    if (!m)
+        return;
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    double worst = 0;
+    for (int n = 1; n <= 3; n++) {
+        int rc = loom_generate(m, f->x1, n, 0, &greedy, NULL, NULL, NULL, err, sizeof err);
+        CHECK(rc == 0, "%s prefill of %d: %s", what, n, err);
+        double e = max_err(loom_prompt_logits(m), f->y1[n - 1]);
+        CHECK(e < 5e-4, "%s on %s: prefill row %d differs by %g", what, label, n - 1, e);
+        worst = e > worst ? e : worst;
+    }
+    /* the cache holds positions 0..2 from the last prefill: decode 3, then 4 */
+    CHECK(loom_generate_from(m, f->x2, 1, 3, 0, &greedy, NULL, NULL, NULL, err, sizeof err) == 0,
+          "%s decode 1: %s", what, err);
+    double e2 = max_err(loom_prompt_logits(m), f->y2);
+    CHECK(loom_generate_from(m, f->x3, 1, 4, 0, &greedy, NULL, NULL, NULL, err, sizeof err) == 0,
+          "%s decode 2: %s", what, err);
+    double e3 = max_err(loom_prompt_logits(m), f->y3);
+    CHECK(e2 < 5e-4 && e3 < 5e-4, "%s on %s: decode steps differ by %g and %g", what, label, e2, e3);
+    worst = e2 > worst ? e2 : worst;
+    worst = e3 > worst ? e3 : worst;
+    printf("%s on %s: max error %.2g over prefill and two decode steps\n", what, label, worst);
+    loom_model_close(m);
+}
+
+int main(void)
+{
+    static const struct {
+        const char *file, *name;
+        float eps;
+    } cases[] = {
+        {"glm2_model.data", "ChatGLM2", 1e-5f},
+        {"glm3_model.data", "ChatGLM3", 1e-5f},
+        {"glm4_model.data", "GLM-4", 1.5625e-07f}, /* glm-4-9b-chat's layernorm_epsilon */
+    };
+    char dir[4200], path[4400], tmp[] = "/tmp/loom-glm-XXXXXX";
+    snprintf(dir, sizeof dir, "%s/peers/chatglm.cpp/tests_data", fixtures_dir());
+    snprintf(path, sizeof path, "%s/glm2_model.data", dir);
+    need_fixture(path);
+    if (!mkdtemp(tmp))
+        return 1;
+    unsetenv("LOOM_BACKEND");
+    char err[512];
+    loom_registry reg;
+    if (loom_registry_scan(&reg, err, sizeof err) != 0)
+        return 1;
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        static glm_file f;
+        snprintf(path, sizeof path, "%s/%s", dir, cases[k].file);
+        int readable = read_fixture(path, &f) == 0;
+        CHECK(readable, "%s: not the documented 30548-byte layout", path);
+        char gguf[4400];
+        snprintf(gguf, sizeof gguf, "%s/%s.gguf", tmp, cases[k].file);
+        if (!readable || write_gguf(&f, cases[k].eps, gguf) != 0)
+            break;
+        CHECK(f.x1[0] == 0 && f.x1[1] == 1 && f.x1[2] == 2 && f.x2[0] == 3 && f.x3[0] == 4,
+              "%s: unexpected token ids", path);
+        for (int i = 0; i < reg.count; i++) {
+            const loom_candidate *c = &reg.items[i];
+            if (c->state != LOOM_CAND_USABLE)
+                continue;
+            char label[160];
+            snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+            check_model(cases[k].name, gguf, &f, label, label);
+        }
+        setenv("LOOM_REF_OPAQUE", "1", 1);
+        check_model(cases[k].name, gguf, &f, "ref", "ref (opaque buffers)");
+        unsetenv("LOOM_REF_OPAQUE");
+        unlink(gguf);
+    }
+    loom_registry_free(&reg);
+    rmdir(tmp);
+    return check_finish("test_glm_layers");
+}
