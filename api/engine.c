@@ -30,6 +30,7 @@ typedef struct ereq {
     int32_t *toks;
     int32_t n_toks, cap;
     int32_t n_prompt, max_tokens, n_generated, n_cached;
+    int32_t prefix_len;         /* bidirectional prefix (ChatGLM-6B), 0: causal */
     int admitted;               /* has been admitted once (n_cached is known) */
     int cancelled;              /* set under the lock */
     loom_sampler_params sp;
@@ -182,6 +183,8 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
             goto oom;
     memcpy(q->toks, r->prompt, (size_t)r->n_prompt * sizeof *q->toks);
     q->n_toks = q->n_prompt = r->n_prompt;
+    q->prefix_len = loom_runner_prefix_len(e->runner, r->prompt, r->n_prompt);
+    q->kv.private_blocks = q->prefix_len > 0;
     q->max_tokens = max_tokens;
     const loom_sampling *s = &r->sampling;
     q->sp = (loom_sampler_params){s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
@@ -373,7 +376,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             max_blocks = plan[i].q->kv.n_blocks;
     }
     int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
-    int32_t *rows = slots + n_tok, *table = rows + n_plan;
+    int32_t *rows = slots + n_tok, *prefix = rows + n_plan, *table = prefix + n_plan;
+    int any_prefix = 0;
     int32_t t = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
@@ -384,6 +388,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         }
         if (q->kv.n_tokens + plan[i].k == q->n_toks)
             rows[n_logits++] = t - 1; /* its last known token: sample after it */
+        prefix[i] = q->prefix_len;
+        any_prefix |= q->prefix_len > 0;
         int32_t *row = table + (size_t)i * (size_t)max_blocks;
         memcpy(row, q->kv.blocks, (size_t)q->kv.n_blocks * sizeof *row);
         for (int32_t b = q->kv.n_blocks; b < max_blocks; b++)
@@ -396,7 +402,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             src[i] = copies[i].src, dst[i] = copies[i].dst;
         rc = loom_runner_copy_blocks(e->runner, src, dst, n_copies, err, sizeof err);
     }
-    loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows};
+    loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
+                    any_prefix ? prefix : NULL};
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
     if (rc != 0) {
@@ -486,7 +493,7 @@ static void *engine_main(void *arg)
     planned *plan = malloc((size_t)e->max_batch * sizeof *plan);
     loom_kvcopy *copies = malloc((size_t)e->max_batch * sizeof *copies);
     size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
-    int32_t *buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 1)) * sizeof *buf);
+    int32_t *buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) * sizeof *buf);
     for (;;) {
         pthread_mutex_lock(&e->lock);
         while (!e->incoming && !e->waiting && !e->n_running && !e->cancel_all && !e->has_cancels)

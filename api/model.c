@@ -209,6 +209,11 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         snprintf(err, err_size, "the prompt is empty");
         return -1;
     }
+    if (pos0 > 0 && !loom_model_extends_cache(m)) {
+        snprintf(err, err_size, "%s cannot continue a cached sequence (its prompt prefix attends "
+                 "both ways): run the whole prompt from position 0", m->name);
+        return -1;
+    }
     if (pos0 < 0 || pos0 + n_prompt > n_ctx) {
         snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (raise it with "
                                 "-c, up to the model's training context)",
@@ -288,6 +293,11 @@ const char *loom_model_weight_type(const loom_model *m)
         if (bytes[t] > bytes[best])
             best = t;
     return loom_ggml_type_name(best);
+}
+
+int loom_model_extends_cache(const loom_model *m)
+{
+    return !loom_runner_has_prefix(m->runner);
 }
 
 const char *loom_model_name(const loom_model *m)

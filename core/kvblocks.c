@@ -194,7 +194,7 @@ static int push_block(loom_kvseq *seq, int32_t i)
 int32_t loom_kvblocks_match(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *tokens, int32_t n)
 {
     kv->prompt_tokens += n > 0 ? (uint64_t)n : 0;
-    if (seq->n_blocks != 0 || seq->n_tokens != 0)
+    if (seq->n_blocks != 0 || seq->n_tokens != 0 || seq->private_blocks)
         return 0;
     uint64_t h = CHAIN_SEED;
     int32_t parent = -1;
@@ -262,7 +262,8 @@ void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *to
                            int32_t n_total)
 {
     seq->n_tokens = n_total;
-    while ((int64_t)(seq->n_hashed + 1) * kv->bs <= n_total && seq->n_hashed < seq->n_blocks) {
+    while (!seq->private_blocks && (int64_t)(seq->n_hashed + 1) * kv->bs <= n_total &&
+           seq->n_hashed < seq->n_blocks) {
         int32_t b = seq->n_hashed, i = seq->blocks[b];
         int32_t parent = b > 0 ? seq->blocks[b - 1] : -1;
         uint64_t h0 = parent >= 0 ? kv->b[parent].hash : CHAIN_SEED;
@@ -305,6 +306,7 @@ int loom_kvblocks_fork(loom_kvblocks *kv, const loom_kvseq *src, loom_kvseq *dst
     dst->n_blocks = n;
     dst->n_tokens = src->n_tokens;
     dst->n_hashed = src->n_hashed;
+    dst->private_blocks = src->private_blocks;
     return 0;
 }
 
@@ -314,7 +316,7 @@ void loom_kvblocks_release(loom_kvblocks *kv, loom_kvseq *seq)
     for (int32_t b = seq->n_blocks - 1; b >= 0; b--)
         drop_ref(kv, seq->blocks[b]);
     free(seq->blocks);
-    *seq = (loom_kvseq){0};
+    *seq = (loom_kvseq){.private_blocks = seq->private_blocks};
 }
 
 int32_t loom_kvblocks_slot(const loom_kvblocks *kv, const loom_kvseq *seq, int32_t pos)

@@ -31,6 +31,8 @@ typedef struct loom_kvseq {
     int32_t n_blocks, cap;
     int32_t n_tokens; /* positions whose K/V are stored (or about to be, after advance) */
     int32_t n_hashed; /* leading full blocks that are registered in the prefix cache */
+    int private_blocks; /* set by the caller: never share through the prefix cache (K/V that
+                         * depend on later tokens, as in a bidirectional prefix) */
 } loom_kvseq;
 
 /* A block copy the caller must perform (all layers, K and V) before the next step writes. */

@@ -45,6 +45,8 @@ struct loom_runner {
     uint64_t in_cap;            /* its size in int32s */
     int32_t *in_host;
     loom_rt_inputs in;
+    int has_prefix;             /* this step has in.prefix_len */
+    int32_t seq_prefix_len;     /* loom_runner_eval's one sequence */
 
     scratch_slot scratch[MAX_SCRATCH];
     int n_scratch_used;
@@ -164,6 +166,16 @@ loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n
     return t;
 }
 
+loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n)
+{
+    loom_tensor t = loom_rt_scratch(r, LOOM_I32, n, 1, 1);
+    if (!r->status &&
+        r->dev->ops.copy_from_host(r->dev->be, t.buf, t.offset, host, (uint64_t)n * 4) != LOOM_OK)
+        fail(r, "uploading %lld ints to %s: %s", (long long)n, r->dev->name,
+             r->dev->ops.last_error(r->dev->be));
+    return t;
+}
+
 loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
 {
     loom_tensor v = *t;
@@ -218,14 +230,18 @@ void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
 }
 
 void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
-                    const loom_tensor *norm, float eps, const loom_tensor *output)
+                    const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
+                    const loom_tensor *output)
 {
     if (b->n_logits <= 0)
         return;
     loom_tensor rows = loom_rt_scratch(r, LOOM_F32, x->ne[0], b->n_logits, 1);
     loom_tensor logits = loom_rt_scratch(r, LOOM_F32, output->ne[1], b->n_logits, 1);
     loom_rt_get_rows(r, x, &r->in.logit_rows, &rows);
-    loom_rt_rms_norm(r, &rows, norm, eps, &rows);
+    if (norm_bias)
+        loom_rt_layer_norm(r, &rows, norm, norm_bias, eps, &rows);
+    else
+        loom_rt_rms_norm(r, &rows, norm, eps, &rows);
     loom_rt_matmul(r, &rows, output, NULL, &logits);
     loom_rt_set_logits(r, &logits);
 }
@@ -316,11 +332,26 @@ void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w
     RUN_OP(r, LOOM_OP_RMS_NORM, "rms_norm", r->dev->ops.rms_norm(r->dev->be, &p));
 }
 
+void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                        const loom_tensor *b, float eps, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm"))
+        return;
+    loom_norm_params p = {sizeof p, x, w, b, dst, eps};
+    RUN_OP(r, LOOM_OP_LAYER_NORM, "layer_norm", r->dev->ops.layer_norm(r->dev->be, &p));
+}
+
 void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
+{
+    loom_rt_rope_at(r, x, hp, &r->in.pos, NULL);
+}
+
+void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
+                     const loom_tensor *pos, const loom_tensor *pos2)
 {
     if (!usable(r, LOOM_OP_ROPE, LOOM_F32, "rope"))
         return;
-    loom_rope_params p = {sizeof p, x, &r->in.pos, NULL, x, hp->rope_mode, hp->n_rot,
+    loom_rope_params p = {sizeof p, x, pos, pos2, x, hp->rope_mode, hp->n_rot,
                           hp->rope_base, hp->rope_scale};
     RUN_OP(r, LOOM_OP_ROPE, "rope", r->dev->ops.rope(r->dev->be, &p));
 }
@@ -339,7 +370,8 @@ void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float sc
     if (!usable(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention"))
         return;
     loom_attention_params p = {sizeof p, q, &r->kc[layer], &r->vc[layer], &r->in.block_table,
-                               &r->in.seq, &r->in.pos, NULL, dst, scale};
+                               &r->in.seq, &r->in.pos, r->has_prefix ? &r->in.prefix_len : NULL,
+                               dst, scale};
     RUN_OP(r, LOOM_OP_ATTENTION, "attention", r->dev->ops.attention(r->dev->be, &p));
 }
 
@@ -349,6 +381,22 @@ void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, con
         return;
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
     RUN_OP(r, LOOM_OP_ADD, "add", r->dev->ops.add(r->dev->be, &p));
+}
+
+void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_GELU, LOOM_F32, "gelu"))
+        return;
+    loom_elementwise_params p = {sizeof p, a, NULL, dst, 0};
+    RUN_OP(r, LOOM_OP_GELU, "gelu", r->dev->ops.gelu(r->dev->be, &p));
+}
+
+void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst)
+{
+    if (!usable(r, LOOM_OP_SCALE, LOOM_F32, "scale"))
+        return;
+    loom_elementwise_params p = {sizeof p, a, NULL, dst, s};
+    RUN_OP(r, LOOM_OP_SCALE, "scale", r->dev->ops.scale(r->dev->be, &p));
 }
 
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
@@ -477,6 +525,16 @@ const float *loom_runner_logits(const loom_runner *r)
     return r->logits;
 }
 
+int32_t loom_runner_prefix_len(const loom_runner *r, const int32_t *ids, int32_t n)
+{
+    return r->arch->prefix_len ? r->arch->prefix_len(r->state, ids, n) : 0;
+}
+
+int loom_runner_has_prefix(const loom_runner *r)
+{
+    return r->arch->prefix_len != NULL;
+}
+
 int32_t loom_runner_kv_blocks(const loom_runner *r)
 {
     return r->n_blocks;
@@ -564,7 +622,8 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             return -1;
         }
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
-    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits;
+    uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
+    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix;
     if (inputs_reserve(r, total) != 0) {
         snprintf(err, err_size, "%s", r->err);
         return -1;
@@ -577,6 +636,8 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     memcpy(h + 4 * n, s->block_table, (size_t)table * 4);
     if (s->n_logits)
         memcpy(h + 4 * n + table, s->logit_rows, (size_t)s->n_logits * 4);
+    if (n_prefix)
+        memcpy(h + 4 * n + table + s->n_logits, s->prefix_len, (size_t)n_prefix * 4);
     if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
         fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     r->in.ids = dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
@@ -587,6 +648,10 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
                               s->n_seqs, 1, 1);
     r->in.logit_rows = dense(r->in_buf, (uint64_t)(4 * n + table) * 4, LOOM_I32,
                              s->n_logits ? s->n_logits : 1, 1, 1, 1);
+    r->has_prefix = n_prefix > 0;
+    if (n_prefix)
+        r->in.prefix_len = dense(r->in_buf, (uint64_t)(4 * n + table + (uint64_t)s->n_logits) * 4,
+                                 LOOM_I32, s->n_seqs, 1, 1, 1);
     r->n_scratch_used = 0;
     r->has_logits = 0;
     if (s->n_logits > r->logits_cap) {
@@ -596,7 +661,7 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
         else
             r->logits = lg, r->logits_cap = s->n_logits;
     }
-    loom_batch b = {n, s->n_logits};
+    loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
     r->passes++;
     if (!r->status)
         r->arch->forward(r, r->state, &b);
@@ -642,6 +707,8 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
     int32_t *pos = host + nb, *seq = host + 2 * nb, *slots = host + 3 * nb, *table = host + 4 * nb;
     for (int32_t i = 0; i < n_table; i++)
         table[i] = i; /* one sequence over blocks 0, 1, 2... */
+    if (pos0 == 0)
+        r->seq_prefix_len = loom_runner_prefix_len(r, ids, n);
     int rc = 0;
     for (int32_t c0 = 0; c0 < n && rc == 0; c0 += nb) {
         int32_t m = n - c0 < nb ? n - c0 : nb;
@@ -651,7 +718,7 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
         }
         int32_t last = m - 1;
         loom_step st = {m, ids + c0, pos, seq, slots, 1, n_table, table,
-                        c0 + m == n ? 1 : 0, &last};
+                        c0 + m == n ? 1 : 0, &last, r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
     }
     free(host);

@@ -40,6 +40,9 @@ typedef struct loom_runner loom_runner;
 typedef struct loom_batch {
     int32_t n;        /* tokens */
     int32_t n_logits; /* rows of in.logit_rows whose logits are wanted (0: none) */
+    /* the same inputs on the host, for models that derive more from them */
+    const int32_t *pos, *seq;
+    const int32_t *prefix_len; /* per sequence, or NULL (purely causal) */
 } loom_batch;
 
 typedef struct loom_arch {
@@ -49,6 +52,10 @@ typedef struct loom_arch {
     /* Runs the batch; returns loom_rt_status. */
     int (*forward)(loom_runner *r, void *state, const loom_batch *b);
     void (*free_state)(void *state);
+    /* Optional: for a prompt ids[0..n), how many leading tokens attend to each other both
+     * ways (ChatGLM-6B's prefix up to [gMASK]); NULL or 0 = purely causal. A family with such
+     * a prefix cannot reuse a cached prefix for a different prompt. */
+    int32_t (*prefix_len)(void *state, const int32_t *ids, int32_t n);
 } loom_arch;
 
 typedef struct loom_runner_options {
@@ -84,8 +91,14 @@ typedef struct loom_step {
     const int32_t *block_table;
     int32_t n_logits;
     const int32_t *logit_rows;
+    const int32_t *prefix_len; /* [n_seqs] bidirectional prefix per sequence, or NULL */
 } loom_step;
 int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size);
+
+/* The bidirectional prefix length of a prompt for this model (0: causal), from its family;
+ * has_prefix: whether the family has such prefixes at all. */
+int32_t loom_runner_prefix_len(const loom_runner *r, const int32_t *ids, int32_t n);
+int loom_runner_has_prefix(const loom_runner *r);
 
 int32_t loom_runner_kv_blocks(const loom_runner *r);
 int32_t loom_runner_block_size(const loom_runner *r);
@@ -113,18 +126,23 @@ loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, in
 /* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids, the block
  * table, and which tokens' logits are wanted. */
 typedef struct loom_rt_inputs {
-    loom_tensor ids, pos, slots, seq, block_table, logit_rows;
+    loom_tensor ids, pos, slots, seq, block_table, logit_rows, prefix_len;
 } loom_rt_inputs;
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
 /* Layer l's K and V caches. */
 const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer);
 const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer);
+/* n int32 values from the host in a scratch tensor [n] on the device. */
+loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n);
+
 /* Where the wanted logits go: a [n_logits, n_vocab] f32 scratch tensor the runner copies out. */
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);
-/* The usual tail: gathers the wanted rows of the residual stream x, RMS-normalises them with
- * norm and projects them with output into the logits (a no-op when none are wanted). */
+/* The usual tail: gathers the wanted rows of the residual stream x, normalises them (RMSNorm
+ * with weight norm, or LayerNorm when norm_bias is given) and projects them with output into
+ * the logits (a no-op when none are wanted). */
 void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
-                    const loom_tensor *norm, float eps, const loom_tensor *output);
+                    const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
+                    const loom_tensor *output);
 
 /* The verbs; each records the first failure. */
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst);
@@ -132,12 +150,19 @@ void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, 
                     const loom_tensor *y);
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
                       const loom_tensor *dst);
+void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                        const loom_tensor *b, float eps, const loom_tensor *dst);
 void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp);
+/* RoPE at explicit positions (pos2: LOOM_ROPE_GLM_2D's block positions, else NULL). */
+void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
+                     const loom_tensor *pos, const loom_tensor *pos2);
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache);
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
                        const loom_tensor *dst);
 void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
+void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst);
+void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst);
 int loom_rt_status(const loom_runner *r);
 
 #endif

@@ -1,5 +1,6 @@
 /*
- * models/chatglm.c - ChatGLM2 / ChatGLM3 (GGUF architecture "chatglm").
+ * models/chatglm.c - ChatGLM2 / ChatGLM3 / GLM-4 (GGUF architecture "chatglm") and ChatGLM-6B,
+ * the first version (GGUF architecture "chatglm1", loom's own convention: docs/gguf.md).
  *
  * A pre-norm decoder like Llama's, with three differences the Hugging Face code has:
  *   - Q, K and V come from one fused projection with a bias: rows [Q (heads); K (groups);
@@ -150,8 +151,209 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
         loom_rt_matmul(r, &act, L->w_down, NULL, &h);
         loom_rt_add(r, &x, &h, &x);
     }
-    loom_rt_logits(r, b, &x, m->out_norm, hp->norm_eps, m->output);
+    loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 
-const loom_arch loom_arch_chatglm = {"chatglm", glm_load, glm_forward, glm_free};
+const loom_arch loom_arch_chatglm = {.name = "chatglm", .load = glm_load, .forward = glm_forward,
+                                     .free_state = glm_free};
+
+/* ---- ChatGLM-6B (v1) -------------------------------------------------------------------------
+ *
+ * What the Hugging Face modeling_chatglm.py of THUDM/chatglm-6b does, and loom with it:
+ *   - LayerNorm (with bias) rather than RMSNorm, biases on every projection, GELU (tanh form);
+ *   - "post-LN-ish" residuals: a = LN1(x) * alpha + attn(LN1(x)); out = LN2(a) * alpha +
+ *     mlp(LN2(a)), alpha = sqrt(2 * 28): GLMBlock's default num_layers is 28 and ChatGLMModel
+ *     never passes the real count, so alpha is 28-layer's for every model (chatglm.cpp agrees);
+ *   - 2-D RoPE: the first half of each head is rotated by the position id, the second half by
+ *     the block position id, each as rotate-half over head_dim / 2 dims;
+ *   - the prompt ends "... [gMASK] <sop>": tokens up to [gMASK] attend to each other both
+ *     ways; from <sop> on the model is causal. Position ids stop at [gMASK]'s index, block
+ *     positions count 1, 2, 3 ... from <sop>.
+ * The converter stores the fused QKV rows de-interleaved ([Q; K; V], each head's dims in
+ * order; Hugging Face interleaves q, k, v per head), so the projection splits like ChatGLM2's.
+ */
+typedef struct glm1_layer {
+    const loom_tensor *attn_norm, *attn_norm_b, *wqkv, *bqkv, *wo, *bo;
+    const loom_tensor *ffn_norm, *ffn_norm_b, *w_up, *b_up, *w_down, *b_down;
+} glm1_layer;
+
+typedef struct glm1_model {
+    const loom_tensor *tok_embd, *out_norm, *out_norm_b, *output;
+    glm1_layer *layers;
+    float alpha;
+    int32_t gmask; /* the [gMASK] token id, -1 when the vocabulary has none */
+} glm1_model;
+
+static void glm1_free(void *state)
+{
+    glm1_model *m = state;
+    if (m)
+        free(m->layers);
+    free(m);
+}
+
+static int64_t kv1_int(const loom_gguf *g, const char *suffix, int64_t fallback)
+{
+    char key[128];
+    int64_t v;
+    snprintf(key, sizeof key, "chatglm1.%s", suffix);
+    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
+}
+
+static double kv1_float(const loom_gguf *g, const char *suffix, double fallback)
+{
+    char key[128];
+    double v;
+    snprintf(key, sizeof key, "chatglm1.%s", suffix);
+    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
+}
+
+/* The id of [gMASK]: the explicit key, else found by name in the vocabulary. */
+static int32_t find_gmask(const loom_gguf *g)
+{
+    int64_t id;
+    if (loom_gguf_get_i64(g, "tokenizer.ggml.gmask_token_id", &id) == 0)
+        return (int32_t)id;
+    const loom_gguf_kv *tokens = loom_gguf_find(g, "tokenizer.ggml.tokens");
+    for (uint64_t i = 0; tokens && tokens->type == LOOM_GGUF_ARRAY && i < tokens->count; i++) {
+        const char *t;
+        uint64_t len;
+        if (loom_gguf_array_str(g, tokens, i, &t, &len) == 0 && len == 7 && memcmp(t, "[gMASK]", 7) == 0)
+            return (int32_t)i;
+    }
+    return -1;
+}
+
+static int glm1_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    const loom_gguf *g = loom_rt_gguf(r);
+    snprintf(hp->arch, sizeof hp->arch, "chatglm1");
+    hp->n_embd = (int32_t)kv1_int(g, "embedding_length", 0);
+    hp->n_layer = (int32_t)kv1_int(g, "block_count", 0);
+    hp->n_head = (int32_t)kv1_int(g, "attention.head_count", 0);
+    hp->n_head_kv = hp->n_head;
+    hp->n_ff = (int32_t)kv1_int(g, "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)kv1_int(g, "context_length", 2048);
+    hp->norm_eps = (float)kv1_float(g, "attention.layer_norm_epsilon", 1e-5);
+    hp->rope_base = (float)kv1_float(g, "rope.freq_base", 10000.0);
+    hp->rope_scale = 1.0f;
+    if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
+        hp->n_embd % hp->n_head || hp->n_ff <= 0 || (hp->n_embd / hp->n_head) % 4) {
+        snprintf(err, err_size, "chatglm1: missing or inconsistent hyper-parameters");
+        return -1;
+    }
+    hp->head_dim = hp->n_embd / hp->n_head;
+    hp->n_rot = hp->head_dim;
+    hp->rope_mode = LOOM_ROPE_GLM_2D;
+    glm1_model *m = calloc(1, sizeof *m);
+    if (!m || !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
+        glm1_free(m);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    m->alpha = (float)kv1_float(g, "residual_scale", sqrt(2.0 * 28));
+    m->gmask = find_gmask(g);
+    m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
+    m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
+    m->out_norm_b = loom_rt_weight(r, "output_norm.bias", 1);
+    m->output = loom_rt_weight(r, "output.weight", 1);
+    char name[96];
+#define W(field, fmt)                                                                          \
+    (snprintf(name, sizeof name, fmt, l), m->layers[l].field = loom_rt_weight(r, name, 1))
+    for (int l = 0; l < hp->n_layer; l++) {
+        W(attn_norm, "blk.%d.attn_norm.weight");
+        W(attn_norm_b, "blk.%d.attn_norm.bias");
+        W(wqkv, "blk.%d.attn_qkv.weight");
+        W(bqkv, "blk.%d.attn_qkv.bias");
+        W(wo, "blk.%d.attn_output.weight");
+        W(bo, "blk.%d.attn_output.bias");
+        W(ffn_norm, "blk.%d.ffn_norm.weight");
+        W(ffn_norm_b, "blk.%d.ffn_norm.bias");
+        W(w_up, "blk.%d.ffn_up.weight");
+        W(b_up, "blk.%d.ffn_up.bias");
+        W(w_down, "blk.%d.ffn_down.weight");
+        W(b_down, "blk.%d.ffn_down.bias");
+    }
+#undef W
+    if (loom_rt_status(r)) {
+        glm1_free(m);
+        return -1;
+    }
+    hp->n_vocab = (int32_t)m->output->ne[1];
+    if (m->layers[0].wqkv->ne[1] != 3 * (int64_t)hp->n_embd || m->layers[0].w_up->ne[1] != hp->n_ff) {
+        glm1_free(m);
+        snprintf(err, err_size, "chatglm1: tensor shapes disagree with the hyper-parameters");
+        return -1;
+    }
+    *state = m;
+    return 0;
+}
+
+/* Everything up to and including the last [gMASK] attends both ways. */
+static int32_t glm1_prefix_len(void *state, const int32_t *ids, int32_t n)
+{
+    const glm1_model *m = state;
+    for (int32_t i = n - 1; m->gmask >= 0 && i >= 0; i--)
+        if (ids[i] == m->gmask)
+            return i + 1;
+    return 0;
+}
+
+static int glm1_forward(loom_runner *r, void *state, const loom_batch *b)
+{
+    const glm1_model *m = state;
+    const loom_hparams *hp = loom_runner_hparams(r);
+    const loom_rt_inputs *in = loom_rt_inputs_of(r);
+    const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim, H = hp->n_head;
+
+    /* position ids stop at [gMASK]; block positions count from <sop> */
+    int32_t *p1 = malloc((size_t)n * 2 * sizeof *p1), *p2 = p1 ? p1 + n : NULL;
+    if (!p1)
+        return -1;
+    for (int64_t t = 0; t < n; t++) {
+        int32_t pl = b->prefix_len ? b->prefix_len[b->seq[t]] : 0, pos = b->pos[t];
+        p1[t] = pl > 0 && pos >= pl ? pl - 1 : pos;
+        p2[t] = pl > 0 && pos >= pl ? pos - pl + 1 : 0;
+    }
+    loom_tensor pos1 = loom_rt_upload_i32(r, p1, n), pos2 = loom_rt_upload_i32(r, p2, n);
+    free(p1);
+
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor o = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor qkv = loom_rt_scratch(r, LOOM_F32, 3 * d, n, 1);
+    loom_tensor att = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    loom_tensor q3 = loom_rt_heads(&qkv, 0, hd, H);
+    loom_tensor k3 = loom_rt_heads(&qkv, H * hd, hd, H);
+    loom_tensor v3 = loom_rt_heads(&qkv, 2 * H * hd, hd, H);
+    loom_tensor att3 = loom_rt_reshape(&att, hd, H, n);
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    loom_rt_get_rows(r, m->tok_embd, &in->ids, &x);
+    for (int l = 0; l < hp->n_layer; l++) {
+        const glm1_layer *L = &m->layers[l];
+        loom_rt_layer_norm(r, &x, L->attn_norm, L->attn_norm_b, hp->norm_eps, &h);
+        loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
+        loom_rt_rope_at(r, &q3, hp, &pos1, &pos2);
+        loom_rt_rope_at(r, &k3, hp, &pos1, &pos2);
+        loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
+        loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
+        loom_rt_attention(r, &q3, l, scale, &att3);
+        loom_rt_matmul(r, &att, L->wo, L->bo, &o);
+        loom_rt_scale(r, &h, m->alpha, &x); /* the residual is the normed input, scaled */
+        loom_rt_add(r, &x, &o, &x);
+        loom_rt_layer_norm(r, &x, L->ffn_norm, L->ffn_norm_b, hp->norm_eps, &h);
+        loom_rt_matmul(r, &h, L->w_up, L->b_up, &up);
+        loom_rt_gelu(r, &up, &up);
+        loom_rt_matmul(r, &up, L->w_down, L->b_down, &o);
+        loom_rt_scale(r, &h, m->alpha, &x);
+        loom_rt_add(r, &x, &o, &x);
+    }
+    loom_rt_logits(r, b, &x, m->out_norm, m->out_norm_b, hp->norm_eps, m->output);
+    return loom_rt_status(r);
+}
+
+const loom_arch loom_arch_chatglm1 = {.name = "chatglm1", .load = glm1_load, .forward = glm1_forward,
+                                      .free_state = glm1_free, .prefix_len = glm1_prefix_len};

@@ -187,9 +187,11 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
         loom_rt_matmul(r, &gate, L->w_down, NULL, &h);
         loom_rt_add(r, &x, &h, &x);
     }
-    loom_rt_logits(r, b, &x, m->out_norm, hp->norm_eps, m->output);
+    loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 
-const loom_arch loom_arch_llama = {"llama", llama_load, llama_forward, llama_free};
-const loom_arch loom_arch_qwen2 = {"qwen2", qwen2_load, llama_forward, llama_free};
+const loom_arch loom_arch_llama = {.name = "llama", .load = llama_load, .forward = llama_forward,
+                                   .free_state = llama_free};
+const loom_arch loom_arch_qwen2 = {.name = "qwen2", .load = qwen2_load, .forward = llama_forward,
+                                   .free_state = llama_free};

@@ -5,7 +5,8 @@
 
 #include <string.h>
 
-static const loom_arch *const all[] = {&loom_arch_llama, &loom_arch_qwen2, &loom_arch_chatglm};
+static const loom_arch *const all[] = {&loom_arch_llama, &loom_arch_qwen2, &loom_arch_chatglm,
+                                       &loom_arch_chatglm1};
 
 const loom_arch *loom_models_find(const char *name)
 {
@@ -17,5 +18,5 @@ const loom_arch *loom_models_find(const char *name)
 
 const char *loom_models_known(void)
 {
-    return "llama, qwen2, chatglm";
+    return "llama, qwen2, chatglm, chatglm1";
 }

@@ -1,5 +1,5 @@
 /*
- * tests/test_glm_layers.c - ChatGLM2, ChatGLM3 and GLM-4 against chatglm.cpp's per-layer
+ * tests/test_glm_layers.c - ChatGLM-6B, ChatGLM2, ChatGLM3 and GLM-4 against chatglm.cpp's per-layer
  * fixtures (peers/chatglm.cpp/tests_data, produced with the official Hugging Face modeling
  * code; layout in its FORMAT.md): a one-layer model with random weights, whose final hidden
  * states after a 3-token prefill and two decode steps must match within 5e-4, chatglm.cpp's own
@@ -15,6 +15,8 @@
 #include "check.h"
 #include "core/gguf.h"
 #include "core/loader.h"
+#include "core/runner.h"
+#include "models/models.h"
 
 #include <loom/loom.h>
 
@@ -105,6 +107,148 @@ static int write_gguf(const glm_file *f, float eps, const char *out)
     return rc;
 }
 
+/* ChatGLM-6B (v1): glm_model.data, 52372 bytes (FORMAT.md) */
+enum { FFN1 = 128 };
+typedef struct glm1_file {
+    float embd[VOCAB][HIDDEN], n1w[HIDDEN], n1b[HIDDEN], qkv_w[96][HIDDEN], qkv_b[96];
+    float dense_w[HIDDEN][HIDDEN], dense_b[HIDDEN], n2w[HIDDEN], n2b[HIDDEN];
+    float up_w[FFN1][HIDDEN], up_b[FFN1], down_w[HIDDEN][FFN1], down_b[HIDDEN], fw[HIDDEN], fb[HIDDEN];
+    int32_t x1[3];
+    float y1[3][HIDDEN];
+    int32_t x2[1];
+    float y2[HIDDEN];
+    int32_t x3[1];
+    float y3[HIDDEN];
+} glm1_file;
+
+/* The converter's job, done here: Hugging Face interleaves q, k, v per head (head h owns rows
+ * 12h..12h+11); loom's chatglm1 convention stores [Q; K; V]. */
+static void deinterleave(const glm1_file *f, float w[96][HIDDEN], float b[96])
+{
+    for (int h = 0; h < HEADS; h++)
+        for (int part = 0; part < 3; part++)
+            for (int i = 0; i < HEAD_DIM; i++) {
+                int from = h * 3 * HEAD_DIM + part * HEAD_DIM + i, to = part * HIDDEN + h * HEAD_DIM + i;
+                memcpy(w[to], f->qkv_w[from], sizeof w[to]);
+                b[to] = f->qkv_b[from];
+            }
+}
+
+static int write_glm1_gguf(const glm1_file *f, const char *out)
+{
+    static float identity[HIDDEN][HIDDEN], qkv_w[96][HIDDEN], qkv_b[96];
+    for (int i = 0; i < HIDDEN; i++)
+        identity[i][i] = 1.0f;
+    deinterleave(f, qkv_w, qkv_b);
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    loom_gguf_set_str(w, "general.architecture", "chatglm1");
+    loom_gguf_set_u32(w, "chatglm1.context_length", 64);
+    loom_gguf_set_u32(w, "chatglm1.embedding_length", HIDDEN);
+    loom_gguf_set_u32(w, "chatglm1.block_count", 1);
+    loom_gguf_set_u32(w, "chatglm1.feed_forward_length", FFN1);
+    loom_gguf_set_u32(w, "chatglm1.attention.head_count", HEADS);
+    loom_gguf_set_f32(w, "chatglm1.attention.layer_norm_epsilon", 1e-5f);
+    loom_gguf_set_f32(w, "chatglm1.rope.freq_base", 10000.0f);
+    /* the fixture's ids 1 and 2 stand for [gMASK] and <sop> */
+    char names[HIDDEN][8];
+    const char *tokens[HIDDEN];
+    float scores[HIDDEN] = {0};
+    int32_t types[HIDDEN];
+    for (int i = 0; i < HIDDEN; i++) {
+        snprintf(names[i], sizeof names[i], "t%d", i);
+        tokens[i] = i == 1 ? "[gMASK]" : i == 2 ? "<sop>" : names[i];
+        types[i] = i == 1 || i == 2 ? 3 : 1;
+    }
+    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", tokens, HIDDEN);
+    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, HIDDEN);
+    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, HIDDEN);
+#define T(name, ptr, n0, n1)                                                                   \
+    do {                                                                                       \
+        int64_t ne[2] = {n0, n1};                                                              \
+        loom_gguf_add_tensor(w, name, LOOM_F32, (n1) > 1 ? 2 : 1, ne, ptr);                    \
+    } while (0)
+    T("token_embd.weight", f->embd, HIDDEN, VOCAB);
+    T("blk.0.attn_norm.weight", f->n1w, HIDDEN, 1);
+    T("blk.0.attn_norm.bias", f->n1b, HIDDEN, 1);
+    T("blk.0.attn_qkv.weight", qkv_w, HIDDEN, 96);
+    T("blk.0.attn_qkv.bias", qkv_b, 96, 1);
+    T("blk.0.attn_output.weight", f->dense_w, HIDDEN, HIDDEN);
+    T("blk.0.attn_output.bias", f->dense_b, HIDDEN, 1);
+    T("blk.0.ffn_norm.weight", f->n2w, HIDDEN, 1);
+    T("blk.0.ffn_norm.bias", f->n2b, HIDDEN, 1);
+    T("blk.0.ffn_up.weight", f->up_w, HIDDEN, FFN1);
+    T("blk.0.ffn_up.bias", f->up_b, FFN1, 1);
+    T("blk.0.ffn_down.weight", f->down_w, FFN1, HIDDEN);
+    T("blk.0.ffn_down.bias", f->down_b, HIDDEN, 1);
+    T("output_norm.weight", f->fw, HIDDEN, 1);
+    T("output_norm.bias", f->fb, HIDDEN, 1);
+    T("output.weight", identity, HIDDEN, HIDDEN);
+#undef T
+    char err[512];
+    int rc = loom_gguf_write(w, out, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "writing %s: %s\n", out, err);
+    loom_gguf_writer_free(w);
+    return rc;
+}
+
+static double max_err(const float *got, const float *want);
+
+/* ChatGLM-6B needs every prefill row at once (tokens 0 and 1 see each other), so this drives
+ * the runner directly: one step of the three prompt tokens wanting all their logits, then two
+ * decode steps, all with the bidirectional prefix the model derives from [gMASK]. */
+static void check_glm1(const char *gguf_path, const glm1_file *f, const char *backend, const char *label)
+{
+    char err[512];
+    loom_gguf g;
+    loom_registry reg;
+    loom_device dev;
+    if (loom_gguf_open(&g, gguf_path, err, sizeof err) != 0) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    int ok = loom_registry_scan(&reg, err, sizeof err) == 0 &&
+             loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
+             loom_device_open_chosen(&dev, &reg, 0, err, sizeof err) == 0;
+    loom_registry_free(&reg);
+    CHECK(ok, "ChatGLM-6B on %s: %s", label, err);
+    if (!ok) {
+        loom_gguf_close(&g);
+        return;
+    }
+    loom_runner_options ro = {.n_ctx = 16, .kv_type = LOOM_F32};
+    loom_runner *r = loom_runner_create(&dev, &g, loom_models_find("chatglm1"), &ro, err, sizeof err);
+    CHECK(r != NULL, "ChatGLM-6B runner on %s: %s", label, err);
+    if (r) {
+        int32_t prefix = loom_runner_prefix_len(r, f->x1, 3);
+        CHECK(prefix == 2, "the prefix ends after [gMASK]: got %d", prefix);
+        int32_t pos[3] = {0, 1, 2}, seq[3] = {0, 0, 0}, table[1] = {0}, rows[3] = {0, 1, 2};
+        loom_step st = {3, f->x1, pos, seq, pos, 1, 1, table, 3, rows, &prefix};
+        double worst = 0;
+        CHECK(loom_runner_step(r, &st, err, sizeof err) == 0, "prefill: %s", err);
+        for (int i = 0; i < 3; i++) {
+            double e = max_err(loom_runner_logits(r) + i * HIDDEN, f->y1[i]);
+            CHECK(e < 5e-4, "ChatGLM-6B on %s: prefill row %d differs by %g", label, i, e);
+            worst = e > worst ? e : worst;
+        }
+        const int32_t *next[2] = {f->x2, f->x3};
+        const float *want[2] = {f->y2, f->y3};
+        for (int k = 0; k < 2; k++) {
+            int32_t p = 3 + k, zero = 0;
+            loom_step d = {1, next[k], &p, &zero, &p, 1, 1, table, 1, &zero, &prefix};
+            CHECK(loom_runner_step(r, &d, err, sizeof err) == 0, "decode %d: %s", k, err);
+            double e = max_err(loom_runner_logits(r), want[k]);
+            CHECK(e < 5e-4, "ChatGLM-6B on %s: decode step %d differs by %g", label, k + 1, e);
+            worst = e > worst ? e : worst;
+        }
+        printf("ChatGLM-6B on %s: max error %.2g over prefill and two decode steps\n", label, worst);
+        loom_runner_free(r);
+    }
+    loom_device_close(&dev);
+    loom_gguf_close(&g);
+}
+
 static double max_err(const float *got, const float *want)
 {
     double e = 0;
@@ -191,6 +335,32 @@ int main(void)
         unsetenv("LOOM_REF_OPAQUE");
         unlink(gguf);
     }
+    /* ChatGLM-6B (v1) */
+    static glm1_file f1;
+    snprintf(path, sizeof path, "%s/glm_model.data", dir);
+    size_t len;
+    char *bytes = slurp(path, &len);
+    CHECK(bytes && len == sizeof f1, "%s: not the documented 52372-byte layout", path);
+    if (bytes && len == sizeof f1) {
+        memcpy(&f1, bytes, sizeof f1);
+        char gguf[4400];
+        snprintf(gguf, sizeof gguf, "%s/glm1.gguf", tmp);
+        if (write_glm1_gguf(&f1, gguf) == 0) {
+            for (int i = 0; i < reg.count; i++) {
+                const loom_candidate *c = &reg.items[i];
+                if (c->state != LOOM_CAND_USABLE)
+                    continue;
+                char label[160];
+                snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+                check_glm1(gguf, &f1, label, label);
+            }
+            setenv("LOOM_REF_OPAQUE", "1", 1);
+            check_glm1(gguf, &f1, "ref", "ref (opaque buffers)");
+            unsetenv("LOOM_REF_OPAQUE");
+            unlink(gguf);
+        }
+    }
+    free(bytes);
     loom_registry_free(&reg);
     rmdir(tmp);
     return check_finish("test_glm_layers");

@@ -128,6 +128,17 @@ static void test_basics(void)
     CHECK(loom_kvblocks_match(kv, &none, u, 20) == 16, "new prefix hits, got %d", none.n_tokens);
     CHECK(reads_back(kv, &none, u), "with the right content");
     loom_kvblocks_release(kv, &none);
+    /* private sequences (a bidirectional prefix) neither hit nor feed the prefix cache */
+    loom_kvseq p1 = {.private_blocks = 1}, p2 = {.private_blocks = 1}, p3 = {0};
+    CHECK(loom_kvblocks_match(kv, &p1, u, 20) == 0, "a private sequence takes no cached prefix");
+    CHECK(compute(kv, &p1, t, 20) == 0, "and computes its own");
+    CHECK(p1.n_hashed == 0, "without hashing its blocks");
+    CHECK(loom_kvblocks_match(kv, &p3, t, 20) == 0, "so nobody hits them");
+    loom_kvblocks_release(kv, &p1);
+    CHECK(p1.private_blocks == 1, "release keeps the flag");
+    CHECK(loom_kvblocks_match(kv, &p2, t, 20) == 0, "nor does a later private one");
+    loom_kvblocks_release(kv, &p2);
+    loom_kvblocks_release(kv, &p3);
     CHECK(!loom_kvblocks_verify(kv, NULL, 0), "consistent at the end");
     loom_kvblocks_free(kv);
     free(shadow);

@@ -162,6 +162,7 @@ int loom_chat_main(int argc, char **argv)
     convo c = {0};
     clear(&c, system);
     int32_t n_ctx_max = loom_model_n_ctx(m);
+    int extends = loom_model_extends_cache(m); /* else every turn is evaluated whole */
     int32_t *cache = malloc((size_t)n_ctx_max * sizeof *cache), *ids = malloc((size_t)n_ctx_max * sizeof *ids);
     int32_t n_cache = 0;
     char line[8192];
@@ -202,7 +203,7 @@ int loom_chat_main(int argc, char **argv)
         }
         /* reuse the cached tokens the new rendering starts with (at least one token is new) */
         int32_t keep = 0;
-        while (keep < n_cache && keep < n - 1 && cache[keep] == ids[keep])
+        while (extends && keep < n_cache && keep < n - 1 && cache[keep] == ids[keep])
             keep++;
         answer a = {0};
         loom_generation st;

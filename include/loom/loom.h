@@ -101,9 +101,13 @@ uint64_t loom_model_weight_bytes(const loom_model *m);
 /* "q4_0" and the like: the type of most of the model's weight bytes. */
 const char *loom_model_weight_type(const loom_model *m);
 const char *loom_model_name(const loom_model *m);
+/* 1 when a sequence's cached keys and values stay valid as it grows, so a longer prompt may
+ * reuse them: every family but ChatGLM-6B, whose prompt prefix attends both ways. */
+int loom_model_extends_cache(const loom_model *m);
 
 /* Like loom_generate, but the prompt continues a sequence already evaluated up to pos0 (its
- * KV cache is reused: a chat turn evaluates only what the conversation added). */
+ * KV cache is reused: a chat turn evaluates only what the conversation added). Needs
+ * loom_model_extends_cache (an error otherwise). */
 int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
                        int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
                        void *user, loom_generation *stats, char *err, size_t err_size);
