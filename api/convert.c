@@ -184,18 +184,38 @@ static int add(conv *c, const char *src, const char *dst, int optional, int perm
     return 0;
 }
 
-static int tokenizer(conv *c)
+/* ChatGLM-6B's SentencePiece model, under its own name */
+static int is_ice_text(const conv *c)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    if (access(path, R_OK) == 0)
+        return 0;
+    snprintf(path, sizeof path, "%s/ice_text.model", c->dir);
+    return access(path, R_OK) == 0;
+}
+
+static int32_t piece_id(const loom_spm_model *m, const char *piece)
+{
+    for (int32_t i = 0; i < m->n; i++)
+        if (!strcmp(m->pieces[i], piece))
+            return i;
+    return -1;
+}
+
+static int tokenizer(conv *c)
+{
+    char path[4096];
+    int ice = is_ice_text(c);
+    snprintf(path, sizeof path, "%s/%s", c->dir, ice ? "ice_text.model" : "tokenizer.model");
     if (access(path, R_OK) != 0)
         return fail(c, "%s: no tokenizer.model (loom reads the SentencePiece model of the Llama "
                        "family; tokenizer.json-only folders are not supported yet)", c->dir);
     if (loom_spm_model_read(&c->spm, path, c->err, c->err_size) != 0)
         return -1;
-    if (c->spm.model_type != 2)
-        return fail(c, "%s: a SentencePiece %s model; loom runs BPE ones", path,
-                    c->spm.model_type == 1 ? "unigram" : "non-BPE");
+    if (c->spm.model_type != 1 && c->spm.model_type != 2)
+        return fail(c, "%s: a SentencePiece model of type %d; loom runs BPE and unigram ones",
+                    path, c->spm.model_type);
     int32_t n_vocab = (int32_t)num(c->config, "vocab_size", c->spm.n);
     if (n_vocab < c->spm.n)
         n_vocab = c->spm.n;
@@ -219,7 +239,28 @@ static int tokenizer(conv *c)
         }
     }
     if (rc == 0) {
-        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "llama");
+        /* llama.cpp's names: "llama" for SentencePiece BPE, "t5" for unigram */
+        loom_gguf_set_str(c->w, "tokenizer.ggml.model", c->spm.model_type == 1 ? "t5" : "llama");
+        if (c->spm.normalizer[0] && strcmp(c->spm.normalizer, "identity") != 0) {
+            /* nmt_nfkc and the like: loom normalises with NFKC; identity-normalised models are
+             * tokenized as llama.cpp does, which ignores remove_extra_whitespaces */
+            if (strstr(c->spm.normalizer, "nfkc"))
+                loom_gguf_set_str(c->w, "tokenizer.loom.normalizer", "nfkc");
+            loom_gguf_set_bool(c->w, "tokenizer.loom.remove_extra_whitespaces",
+                               c->spm.remove_extra_whitespaces);
+        }
+        if (ice) {
+            /* ChatGLM-6B: text rewriting, and [gMASK] <sop> after the prompt; <eop> ends */
+            int32_t gmask = piece_id(&c->spm, "[gMASK]"), sop = piece_id(&c->spm, "<sop>");
+            int32_t eop = piece_id(&c->spm, "<eop>");
+            if (gmask < 0 || sop < 0 || eop < 0)
+                rc = fail(c, "%s: no [gMASK], <sop> or <eop> piece: not ChatGLM-6B's tokenizer", path);
+            int32_t suffix[2] = {gmask, sop};
+            loom_gguf_set_bool(c->w, "tokenizer.loom.glm_text", 1);
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.suffix_tokens", suffix, 2);
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.gmask_token_id", (uint32_t)(gmask < 0 ? 0 : gmask));
+            c->spm.bos_id = sop, c->spm.eos_id = eop;
+        }
         loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
         loom_gguf_set_f32_array(c->w, "tokenizer.ggml.scores", scores, (uint64_t)n_vocab);
         loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
@@ -229,7 +270,7 @@ static int tokenizer(conv *c)
         if (c->spm.eos_id >= 0)
             loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)c->spm.eos_id);
         cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
-        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab ? cJSON_IsTrue(ab) : 1);
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ice ? 0 : ab ? cJSON_IsTrue(ab) : 1);
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
         /* special tokens declared with lstrip/rstrip false keep the whitespace beside them;
          * undeclared ones lose it (see core/tokenizer.c) */
@@ -484,7 +525,7 @@ static int any_tokenizer(conv *c)
     cJSON_Delete(tj);
     char path[4096];
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
-    int has_model = access(path, R_OK) == 0;
+    int has_model = access(path, R_OK) == 0 || is_ice_text(c);
     snprintf(path, sizeof path, "%s/vocab.json", c->dir);
     if (!has_model && access(path, R_OK) == 0)
         return tokenizer_bpe(c);

@@ -40,19 +40,24 @@ static void emit(loom_text_stream *ts, size_t n)
 {
     if (grow(&ts->out, &ts->out_cap, n + 1) != 0)
         n = 0;
-    memcpy(ts->out, ts->held, n);
+    if (!ts->out)
+        return; /* out of memory: nothing to show */
+    if (n) {
+        memcpy(ts->out, ts->held, n);
+        memmove(ts->held, ts->held + n, ts->n_held - n);
+    }
     ts->out[n] = 0;
     ts->n_out = n;
-    memmove(ts->held, ts->held + n, ts->n_held - n);
     ts->n_held -= n;
 }
 
 int loom_text_stream_push(loom_text_stream *ts, const char *bytes, size_t n)
 {
     ts->n_out = 0;
-    if (grow(&ts->held, &ts->held_cap, ts->n_held + n) != 0)
+    if (grow(&ts->held, &ts->held_cap, ts->n_held + n + 1) != 0)
         return -1;
-    memcpy(ts->held + ts->n_held, bytes, n);
+    if (n)
+        memcpy(ts->held + ts->n_held, bytes, n);
     ts->n_held += n;
     /* the earliest stop string ends the text there */
     size_t cut = (size_t)-1;

@@ -170,6 +170,11 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
                     rc = -1;
                     break;
                 }
+                if (num == 3 && n2 == 1 && w2 == 2) {
+                    size_t k = v2 < sizeof m->normalizer - 1 ? (size_t)v2 : sizeof m->normalizer - 1;
+                    memcpy(m->normalizer, s3.p, k);
+                    m->normalizer[k] = '\0';
+                }
                 if (w2 != 0)
                     continue;
                 if (num == 2) {

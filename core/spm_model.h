@@ -16,6 +16,7 @@ typedef struct loom_spm_model {
     int32_t model_type; /* 1 unigram, 2 BPE */
     int32_t unk_id, bos_id, eos_id, pad_id;
     int add_dummy_prefix, remove_extra_whitespaces, byte_fallback;
+    char normalizer[32]; /* the normaliser's name: "identity", "nmt_nfkc", ... ("" if unnamed) */
 } loom_spm_model;
 
 /* Reads path. Returns 0, or -1 with err naming the file and what is wrong. */

@@ -7,6 +7,14 @@
  * first on ties, until no pair is in the vocabulary. A symbol left that is not an entry is
  * spelled with byte tokens <0xXX> ("byte fallback").
  *
+ * SentencePiece unigram ("t5" in GGUF, as llama.cpp names it; ChatGLM-6B's ice_text.model):
+ * the same escaping, then the segmentation with the highest total score (Viterbi over the
+ * pieces); a character no piece covers is an unknown, spelled with byte tokens. Normalisation
+ * is NFKC (utf8proc, standing in for the model's precompiled nmt_nfkc map) with whitespace
+ * runs collapsed and the ends trimmed, when the file asks for it (tokenizer.loom.* keys).
+ * ChatGLM-6B's tokenizer also rewrites newlines, tabs and runs of 2..80 spaces into its
+ * <n>, <|tab|> and <|blank_N|> tokens before SentencePiece, and back when decoding.
+ *
  * Byte-level BPE ("gpt2" in GGUF: GPT-2, Qwen2, Llama-3): the text (NFC-normalised for Qwen2)
  * is split by the model's pre-tokenizer regex (PCRE2, Unicode classes); each piece's bytes are
  * spelled with GPT-2's byte-to-character map, and the adjacent pair with the lowest merge rank
@@ -43,6 +51,13 @@ struct loom_tokenizer {
     int strip_special;   /* whitespace next to a special token belongs to neither side */
     int32_t prefix[4];   /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
     int n_prefix;
+    int32_t suffix[4];   /* what add_special appends (ChatGLM-6B: [gMASK] <sop>) */
+    int n_suffix;
+    int unigram;         /* SentencePiece unigram: Viterbi instead of merges */
+    int nfkc, collapse_ws; /* normalise: NFKC; collapse whitespace runs and trim the ends */
+    int glm_text;        /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
+    uint32_t max_piece;  /* longest piece, bytes (unigram) */
+    float min_score;     /* lowest piece score (unigram: an unknown costs 10 less) */
     int32_t stops[16];   /* further tokens that end a generation */
     int n_stops;
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
@@ -224,9 +239,10 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         return NULL;
     }
     int bpe = model_len == 4 && memcmp(model, "gpt2", 4) == 0;
-    if (!bpe && (model_len != 5 || memcmp(model, "llama", 5) != 0)) {
+    int unigram = model_len == 2 && memcmp(model, "t5", 2) == 0;
+    if (!bpe && !unigram && (model_len != 5 || memcmp(model, "llama", 5) != 0)) {
         snprintf(err, err_size, "tokenizer model '%.*s' is not supported yet (loom runs: llama, "
-                                "gpt2)",
+                                "t5, gpt2)",
                  (int)(model_len < 32 ? model_len : 32), model);
         return NULL;
     }
@@ -245,8 +261,9 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     loom_tokenizer *t = calloc(1, sizeof *t);
     if (!t)
         goto oom;
-    snprintf(t->model, sizeof t->model, "%s", bpe ? "gpt2" : "llama");
+    snprintf(t->model, sizeof t->model, "%s", bpe ? "gpt2" : unigram ? "t5" : "llama");
     t->bpe = bpe;
+    t->unigram = unigram;
     t->n_vocab = (int32_t)tokens->count;
     uint64_t total = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
@@ -289,6 +306,10 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         unsigned byte;
         if (e->type == TOK_BYTE && len == 6 && sscanf(e->text, "<0x%02X>", &byte) == 1)
             t->byte_ids[byte] = i;
+        if (e->type == TOK_NORMAL || e->type == TOK_USER) {
+            t->max_piece = e->len > t->max_piece ? e->len : t->max_piece;
+            t->min_score = i == 0 || e->score < t->min_score ? e->score : t->min_score;
+        }
     }
     t->bos = (int32_t)get_int(g, "tokenizer.ggml.bos_token_id", -1);
     t->eos = (int32_t)get_int(g, "tokenizer.ggml.eos_token_id", -1);
@@ -318,6 +339,18 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         if (loom_gguf_array_f64(g, prefix, i, &v) == 0 && v >= 0 && v < t->n_vocab)
             t->prefix[t->n_prefix++] = (int32_t)v;
     }
+    const loom_gguf_kv *suffix = loom_gguf_find(g, "tokenizer.loom.suffix_tokens");
+    for (uint64_t i = 0; suffix && i < suffix->count && i < 4; i++) {
+        double v;
+        if (loom_gguf_array_f64(g, suffix, i, &v) == 0 && v >= 0 && v < t->n_vocab)
+            t->suffix[t->n_suffix++] = (int32_t)v;
+    }
+    const char *norm;
+    uint64_t norm_len;
+    t->nfkc = loom_gguf_get_str(g, "tokenizer.loom.normalizer", &norm, &norm_len) == 0 &&
+              norm_len == 4 && memcmp(norm, "nfkc", 4) == 0;
+    t->collapse_ws = get_flag(g, "tokenizer.loom.remove_extra_whitespaces", 0);
+    t->glm_text = get_flag(g, "tokenizer.loom.glm_text", 0);
     if (bpe && bpe_setup(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
         return NULL;
@@ -501,6 +534,176 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
     return rc;
 }
 
+/* The same for a unigram model: the segmentation with the best total score. */
+static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
+                            out_ids *o)
+{
+    size_t spaces = 0;
+    for (size_t i = 0; i < len; i++)
+        spaces += raw[i] == ' ';
+    size_t n = len + 2 * spaces + (prefix ? 3 : 0);
+    char *text = malloc(n + 1);
+    double *best = malloc((n + 1) * sizeof *best);
+    int32_t *from = malloc((n + 1) * sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
+    if (!text || !best || !from || !piece) {
+        free(text), free(best), free(from), free(piece);
+        return -1;
+    }
+    size_t k = 0;
+    if (prefix)
+        memcpy(text, "\xe2\x96\x81", 3), k = 3;
+    for (size_t i = 0; i < len; i++) {
+        if (raw[i] == ' ')
+            memcpy(text + k, "\xe2\x96\x81", 3), k += 3;
+        else
+            text[k++] = raw[i];
+    }
+    /* user-defined pieces always win where they match, as in SentencePiece */
+    const double unknown = (double)t->min_score - 10.0, user = 0.0;
+    best[0] = 0;
+    for (size_t i = 1; i <= n; i++)
+        best[i] = -1e300;
+    for (size_t i = 0; i < n; i++) {
+        if (best[i] <= -1e300)
+            continue;
+        size_t cl = utf8_len((unsigned char)text[i]);
+        if (cl > n - i)
+            cl = n - i;
+        int covered = 0;
+        for (size_t l = cl; l <= t->max_piece && i + l <= n; l += utf8_len((unsigned char)text[i + l])) {
+            int32_t id = lookup(t, text + i, l);
+            if (id >= 0 && (t->vocab[id].type == TOK_NORMAL || t->vocab[id].type == TOK_USER)) {
+                double sc = best[i] + (t->vocab[id].type == TOK_USER ? user : t->vocab[id].score);
+                if (sc > best[i + l])
+                    best[i + l] = sc, from[i + l] = (int32_t)i, piece[i + l] = id;
+                covered |= l == cl;
+            }
+            if (i + l >= n)
+                break;
+        }
+        if (!covered && best[i] + unknown > best[i + cl])
+            best[i + cl] = best[i] + unknown, from[i + cl] = (int32_t)i, piece[i + cl] = -1;
+    }
+    /* walk back, then emit in order */
+    int32_t *path = malloc((n + 1) * sizeof *path);
+    int rc = path ? 0 : -1;
+    int np = 0;
+    for (size_t e = n; path && e > 0; e = (size_t)from[e])
+        path[np++] = (int32_t)e;
+    for (int j = np - 1; rc == 0 && j >= 0; j--) {
+        size_t e = (size_t)path[j], s = (size_t)from[e];
+        if (piece[e] >= 0) {
+            emit(o, piece[e]);
+            continue;
+        }
+        for (size_t b = s; b < e; b++) { /* an unknown character: its bytes */
+            int32_t bid = t->byte_ids[(unsigned char)text[b]];
+            emit(o, bid >= 0 ? bid : t->unk);
+        }
+    }
+    free(path), free(text), free(best), free(from), free(piece);
+    return rc;
+}
+
+/* NFKC and whitespace collapsing, as the file's normaliser asks; *out is malloc'd (or NULL:
+ * use the text as it is). first/last: the piece starts/ends the whole text (trim there). */
+static size_t normalise(const loom_tokenizer *t, const char *raw, size_t len, int first, int last,
+                        char **out)
+{
+    *out = NULL;
+    if (!t->nfkc && !t->collapse_ws)
+        return len;
+    utf8proc_uint8_t *norm = NULL;
+    if (t->nfkc) {
+        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len, &norm,
+                                          UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+        if (n < 0)
+            norm = NULL; /* not valid UTF-8: the bytes as they are */
+        else
+            raw = (const char *)norm, len = (size_t)n;
+    }
+    char *s = malloc(len + 1);
+    if (!s) {
+        free(norm);
+        return len;
+    }
+    size_t k = 0;
+    for (size_t i = 0; i < len; i++) {
+        if (t->collapse_ws && raw[i] == ' ' && ((k == 0 && first) || (k > 0 && s[k - 1] == ' ')))
+            continue;
+        s[k++] = raw[i];
+    }
+    if (t->collapse_ws && last)
+        while (k > 0 && s[k - 1] == ' ')
+            k--;
+    free(norm);
+    *out = s;
+    return k;
+}
+
+/* SentencePiece on one run of text without special tokens: normalised, then BPE or unigram.
+ * prefix: give it the dummy prefix; first/last: it starts/ends the whole text. */
+static int spm_text(const loom_tokenizer *t, const char *raw, size_t len, int prefix, int first,
+                    int last, out_ids *o)
+{
+    char *norm;
+    size_t n = normalise(t, raw, len, first, last, &norm);
+    const char *text = norm ? norm : raw;
+    int rc = 0;
+    if (n > 0 || (prefix && !t->collapse_ws))
+        rc = t->unigram ? unigram_fragment(t, text, n, prefix, o) : spm_fragment(t, text, n, prefix, o);
+    else if (prefix && (len > 0 || !last))
+        rc = t->unigram ? unigram_fragment(t, text, 0, 1, o) : spm_fragment(t, text, 0, 1, o);
+    free(norm);
+    return rc;
+}
+
+/* ChatGLM-6B: newlines, tabs and runs of 2..80 spaces become <n>, <|tab|> and <|blank_N|>
+ * tokens (a run over 80 is cut into 80s; a single space left over stays a space); the text
+ * between them goes through SentencePiece, the dummy prefix only at the very start. */
+static int glm_text(const loom_tokenizer *t, const char *raw, size_t len, int prefix, out_ids *o)
+{
+    size_t start = 0;
+    int first = 1;
+    for (size_t i = 0; i <= len;) {
+        size_t run = 0;
+        if (i < len && raw[i] == ' ')
+            while (i + run < len && raw[i + run] == ' ')
+                run++;
+        int marker = i < len && (raw[i] == '\n' || raw[i] == '\t' || run >= 2);
+        if (i < len && !marker) {
+            i += run ? run : 1;
+            continue;
+        }
+        if (i > start || first) {
+            int rc = spm_text(t, raw + start, i - start, prefix && first, first, i == len, o);
+            if (rc)
+                return rc;
+        }
+        first = 0;
+        if (i == len)
+            break;
+        if (raw[i] == '\n' || raw[i] == '\t') {
+            int32_t id = lookup(t, raw[i] == '\n' ? "<n>" : "<|tab|>", raw[i] == '\n' ? 3 : 7);
+            emit(o, id >= 0 ? id : t->unk);
+            i++;
+        } else {
+            size_t left = run;
+            while (left >= 2) {
+                size_t k = left > 80 ? 80 : left;
+                char name[16];
+                int nl = snprintf(name, sizeof name, "<|blank_%zu|>", k);
+                int32_t id = lookup(t, name, (size_t)nl);
+                emit(o, id >= 0 ? id : t->unk);
+                left -= k;
+            }
+            i += run - left; /* a single space left over begins the next text */
+        }
+        start = i;
+    }
+    return 0;
+}
+
 /* ---- Byte-level BPE: encoding ------------------------------------------------------------ */
 
 /* One pre-token: its bytes spelled with the byte map, then merged by rank. */
@@ -641,9 +844,15 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
                 end--;
         }
         if (end > start) {
-            int rc = t->bpe ? bpe_fragment(t, text + start, end - start, &o)
-                            : spm_fragment(t, text + start, end - start,
-                                           t->add_space_prefix && prev_special, &o);
+            int prefix = t->add_space_prefix && prev_special, rc;
+            if (t->bpe)
+                rc = bpe_fragment(t, text + start, end - start, &o);
+            else if (t->glm_text)
+                rc = glm_text(t, text + start, end - start, prefix, &o);
+            else if (t->unigram || t->nfkc || t->collapse_ws)
+                rc = spm_text(t, text + start, end - start, prefix, start == 0, found < 0, &o);
+            else
+                rc = spm_fragment(t, text + start, end - start, prefix, &o);
             if (rc)
                 return -1;
             prev_special = 0;
@@ -655,6 +864,9 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
         i += t->vocab[found].len;
         start = i;
     }
+    if (add_special)
+        for (int i = 0; i < t->n_suffix; i++)
+            emit(&o, t->suffix[i]);
     return o.n;
 }
 
@@ -665,8 +877,15 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     const vocab_entry *e = &t->vocab[id];
     char buf[512];
     int n = 0;
+    unsigned blanks;
     if (e->type == TOK_CONTROL) {
         n = 0;
+    } else if (t->glm_text && e->type == TOK_USER && (!strcmp(e->text, "<n>") || !strcmp(e->text, "<|tab|>"))) {
+        buf[n++] = e->text[1] == 'n' ? '\n' : '\t';
+    } else if (t->glm_text && e->type == TOK_USER && sscanf(e->text, "<|blank_%u|>", &blanks) == 1 &&
+               blanks <= 80) {
+        memset(buf, ' ', blanks);
+        n = (int)blanks;
     } else if (t->bpe) {
         for (uint32_t i = 0; i < e->len && n < (int)sizeof buf;) {
             utf8proc_int32_t cp;

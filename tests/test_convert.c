@@ -271,6 +271,62 @@ static void test_tiny_qwen2(void)
     unlink(f32);
 }
 
+/* ChatGLM-6B's ice_text.model (SentencePiece unigram, NFKC, whitespace collapsing, and the
+ * model's own <n> / <|tab|> / <|blank_N|> rewriting): chatglm.cpp's expected ids, and text
+ * that normalisation leaves alone decodes back to itself. */
+static void test_chatglm1_tokenizer(void)
+{
+    char src[4200], out[4200], epath[4200];
+    snprintf(src, sizeof src, "%s/tokenizers/chatglm1", dir);
+    snprintf(out, sizeof out, "%s/chatglm1-tok.gguf", tmp);
+    snprintf(epath, sizeof epath, "%s/peers/chatglm.cpp/expected_tokenizer_ids.json", dir);
+    CHECK(loom_convert_tokenizer(src, out, err, sizeof err) == 0, "ice_text tokenizer: %s", err);
+    loom_vocab *v = loom_vocab_open(out, err, sizeof err);
+    char *json = slurp(epath, NULL);
+    cJSON *root = cJSON_Parse(json), *c;
+    CHECK(v && root, "open ice_text tokenizer (%s) and %s", err, epath);
+    int cases = 0;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(cJSON_GetObjectItem(root, "chatglm1_ice_text"), "encode"))
+    {
+        if (!v)
+            break;
+        const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
+        cJSON *ids = cJSON_GetObjectItem(c, "ids");
+        int32_t got[256];
+        int64_t n = loom_vocab_encode(v, text, 1, 0, got, 256);
+        int same = n == cJSON_GetArraySize(ids);
+        for (int i = 0; same && i < n; i++)
+            same = got[i] == cJSON_GetArrayItem(ids, i)->valueint;
+        if (!same) {
+            fprintf(stderr, "got:");
+            for (int i = 0; i < n && i < 256; i++)
+                fprintf(stderr, " %d", got[i]);
+            fprintf(stderr, "\n");
+        }
+        CHECK(same, "chatglm.cpp's ChatGLM-6B ids for '%s': %lld ids, want %d", text, (long long)n,
+              cJSON_GetArraySize(ids));
+        cases++;
+    }
+    CHECK(cases == 3, "three ChatGLM-6B cases, ran %d", cases);
+    if (v) {
+        const char *plain = "def main():\n    print('hello world')\t# greeting\n\n  x =  1";
+        int32_t ids[128];
+        int64_t n = loom_vocab_encode(v, plain, 0, 0, ids, 128);
+        char back[512];
+        size_t used = 0;
+        for (int64_t i = 0; i < n && n <= 128; i++) {
+            int k = loom_vocab_piece(v, i ? ids[i - 1] : -1, ids[i], back + used, (int)(sizeof back - used - 1));
+            used += k > 0 ? (size_t)k : 0;
+        }
+        back[used] = 0;
+        CHECK(strcmp(back, plain) == 0, "ChatGLM-6B decode: '%s'", back);
+    }
+    cJSON_Delete(root);
+    free(json);
+    loom_vocab_close(v);
+    unlink(out);
+}
+
 /* Llama-3's byte-level BPE from tokenizer.json (no model weights needed): llama.cpp's test
  * vectors for that vocabulary, and Meta's own expected ids for a sentence and a dialog rendered
  * with loom's llama3 chat template. */
@@ -420,6 +476,7 @@ int main(void)
     test_tiny_llama();
     test_tiny_qwen2();
     test_llama3_tokenizer();
+    test_chatglm1_tokenizer();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);

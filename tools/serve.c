@@ -426,6 +426,7 @@ typedef struct parsed {
 
 typedef struct bad {
     char msg[512];
+    char param_buf[64];  /* a copy: the request's JSON is gone when the error is sent */
     const char *param;
     const char *code;
     unsigned status;
@@ -437,7 +438,11 @@ static int fail(bad *b, unsigned status, const char *param, const char *fmt, ...
     va_start(ap, fmt);
     vsnprintf(b->msg, sizeof b->msg, fmt, ap);
     va_end(ap);
-    b->param = param;
+    b->param = NULL;
+    if (param) {
+        snprintf(b->param_buf, sizeof b->param_buf, "%s", param);
+        b->param = b->param_buf;
+    }
     b->status = status;
     return -1;
 }
