@@ -18,6 +18,7 @@
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <stdarg.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,36 +110,58 @@ static int parse_type(const char *s, loom_dtype *t)
     return -1;
 }
 
-/* The source tensor as f32 rows (rows x cols), optionally Q/K-permuted for n_head heads. */
-static float *load_f32(conv *c, const loom_st_tensor *t, int64_t rows, int64_t cols, int permute_heads)
+/* How add() reorders a tensor's rows (a vector's elements). */
+typedef enum { ROWS_AS_STORED, ROWS_ROPE_PAIRS, ROWS_QKV_PER_HEAD } row_order_kind;
+typedef struct row_order {
+    row_order_kind kind;
+    int heads;
+} row_order;
+#define AS_STORED ((row_order){ROWS_AS_STORED, 0})
+
+/* The llama convention's Q/K permutation (none for 0 heads). */
+static row_order rope_pairs(int heads)
+{
+    return (row_order){heads > 0 ? ROWS_ROPE_PAIRS : ROWS_AS_STORED, heads};
+}
+
+/* The source tensor as f32 rows (rows x cols), reordered:
+ *   ROWS_ROPE_PAIRS: rotate-half order -> adjacent pairs: within each head, new row 2i + j is
+ *     old row j * head_dim / 2 + i (the llama convention's Q/K);
+ *   ROWS_QKV_PER_HEAD: [q k v] per head -> [Q; K; V] (ChatGLM-6B's fused projection and its
+ *     bias): old unit 3 hd h + part hd + i -> new unit part H hd + h hd + i.
+ * A vector (rows == 1) is reordered element by element. */
+static float *load_f32(const loom_st_tensor *t, int64_t rows, int64_t cols, row_order order)
 {
     float *out = malloc((size_t)(rows * cols) * sizeof *out);
     if (!out)
         return NULL;
     loom_row_to_f32((loom_dtype)t->loom_type, t->data, out, rows * cols);
-    if (permute_heads > 0) {
-        /* rotate-half order -> adjacent pairs: within each head, new row 2i + j is old row
-         * j * head_dim / 2 + i */
-        int64_t hd = rows / permute_heads;
-        float *tmp = malloc((size_t)(rows * cols) * sizeof *tmp);
-        if (!tmp) {
-            free(out);
-            return NULL;
-        }
-        for (int64_t h = 0; h < permute_heads; h++)
-            for (int64_t i = 0; i < hd / 2; i++)
-                for (int j = 0; j < 2; j++)
-                    memcpy(tmp + (h * hd + 2 * i + j) * cols, out + (h * hd + j * hd / 2 + i) * cols,
-                           (size_t)cols * sizeof *tmp);
+    if (order.kind == ROWS_AS_STORED)
+        return out;
+    int64_t units = rows == 1 ? cols : rows, width = rows == 1 ? 1 : cols;
+    int64_t hd = order.kind == ROWS_ROPE_PAIRS ? units / order.heads : units / (3 * order.heads);
+    float *tmp = malloc((size_t)(rows * cols) * sizeof *tmp);
+    if (!tmp) {
         free(out);
-        out = tmp;
+        return NULL;
     }
-    (void)c;
-    return out;
+    for (int64_t u = 0; u < units; u++) {
+        int64_t from;
+        if (order.kind == ROWS_ROPE_PAIRS) {
+            int64_t h = u / hd, i = (u % hd) / 2, j = u % 2;
+            from = h * hd + j * hd / 2 + i;
+        } else {
+            int64_t part = u / (order.heads * hd), h = u % (order.heads * hd) / hd, i = u % hd;
+            from = h * 3 * hd + part * hd + i;
+        }
+        memcpy(tmp + u * width, out + from * width, (size_t)width * sizeof *tmp);
+    }
+    free(out);
+    return tmp;
 }
 
 /* Adds HF tensor `src` as GGUF `dst`; required unless optional. */
-static int add(conv *c, const char *src, const char *dst, int optional, int permute_heads)
+static int add(conv *c, const char *src, const char *dst, int optional, row_order order)
 {
     const loom_st_tensor *t = loom_safetensors_find(&c->st, src);
     if (!t) {
@@ -150,9 +173,11 @@ static int add(conv *c, const char *src, const char *dst, int optional, int perm
         return fail(c, "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
                        "vectors and matrices", c->dir, src, t->dtype, t->n_dims);
     int64_t rows = t->n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
-    if (permute_heads > 0 && (rows % permute_heads || (rows / permute_heads) % 2))
+    int64_t units = rows == 1 ? cols : rows;
+    if ((order.kind == ROWS_ROPE_PAIRS && (units % order.heads || (units / order.heads) % 2)) ||
+        (order.kind == ROWS_QKV_PER_HEAD && units % (3 * order.heads)))
         return fail(c, "%s: '%s' has %lld rows, not a whole number of heads", c->dir, src,
-                    (long long)rows);
+                    (long long)units);
     loom_dtype out_type = LOOM_F32;
     if (t->n_dims == 2) {
         if (strcmp(c->type, "auto") == 0)
@@ -165,7 +190,7 @@ static int add(conv *c, const char *src, const char *dst, int optional, int perm
             out_type = LOOM_F32;
         }
     }
-    float *f = load_f32(c, t, rows, cols, permute_heads);
+    float *f = load_f32(t, rows, cols, order);
     int64_t rb = loom_row_bytes(out_type, cols);
     unsigned char *data = f ? own(c, (size_t)(rb * rows)) : NULL;
     if (!data) {
@@ -582,9 +607,9 @@ static int decoder(conv *c, const char *arch)
     int has_bias = loom_safetensors_find(&c->st, "model.layers.0.self_attn.q_proj.bias") != NULL;
     c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) +
                (9 + 3 * has_bias) * n_layer;
-    if (add(c, "model.embed_tokens.weight", "token_embd.weight", 0, 0) ||
-        add(c, "model.norm.weight", "output_norm.weight", 0, 0) ||
-        add(c, "lm_head.weight", "output.weight", 1, 0))
+    if (add(c, "model.embed_tokens.weight", "token_embd.weight", 0, AS_STORED) ||
+        add(c, "model.norm.weight", "output_norm.weight", 0, AS_STORED) ||
+        add(c, "lm_head.weight", "output.weight", 1, AS_STORED))
         return -1;
     for (int l = 0; l < n_layer; l++) {
         char s[128], d[128];
@@ -592,7 +617,7 @@ static int decoder(conv *c, const char *arch)
     do {                                                                                       \
         snprintf(s, sizeof s, "model.layers.%d.%s", l, hf);                                    \
         snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
-        if (add(c, s, d, 0, perm))                                                             \
+        if (add(c, s, d, 0, rope_pairs(perm)))                                                 \
             return -1;                                                                         \
     } while (0)
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
@@ -633,7 +658,8 @@ static int chatglm(conv *c)
         return fail(c, "%s/config.json: hidden_size, num_layers, num_attention_heads, "
                        "kv_channels and ffn_hidden_size must be positive", c->dir);
     if (!cJSON_IsTrue(cJSON_GetObjectItem(cf, "rmsnorm")))
-        return fail(c, "%s: ChatGLM with LayerNorm (ChatGLM-6B v1) is not supported yet", c->dir);
+        return fail(c, "%s: a ChatGLM with LayerNorm but without ChatGLM-6B's config keys "
+                       "(position_encoding_2d, inner_hidden_size): loom does not know it", c->dir);
     loom_gguf_set_str(c->w, "general.architecture", "chatglm");
     const char *slash = strrchr(c->dir, '/');
     loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
@@ -699,9 +725,9 @@ static int chatglm(conv *c)
         return rc;
     stop_tokens(c);
     c->total = 3 + 7 * n_layer;
-    if (add(c, "transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, 0) ||
-        add(c, "transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, 0) ||
-        add(c, "transformer.output_layer.weight", "output.weight", 0, 0))
+    if (add(c, "transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, AS_STORED) ||
+        add(c, "transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, AS_STORED) ||
+        add(c, "transformer.output_layer.weight", "output.weight", 0, AS_STORED))
         return -1;
     for (int l = 0; l < n_layer; l++) {
         char s[160], d[128];
@@ -709,7 +735,7 @@ static int chatglm(conv *c)
     do {                                                                                       \
         snprintf(s, sizeof s, "transformer.encoder.layers.%d.%s", l, hf);                      \
         snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
-        if (add(c, s, d, opt, 0))                                                              \
+        if (add(c, s, d, opt, AS_STORED))                                                      \
             return -1;                                                                         \
     } while (0)
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
@@ -719,6 +745,67 @@ static int chatglm(conv *c)
         ADD("post_attention_layernorm.weight", "ffn_norm.weight", 0);
         ADD("mlp.dense_h_to_4h.weight", "ffn_up.weight", 0);
         ADD("mlp.dense_4h_to_h.weight", "ffn_down.weight", 0);
+#undef ADD
+    }
+    return 0;
+}
+
+/* ChatGLM-6B, the first version (model_type "chatglm" with position_encoding_2d): loom's
+ * "chatglm1" convention (docs/gguf.md), the tokenizer from ice_text.model. */
+static int chatglm1(conv *c)
+{
+    cJSON *cf = c->config;
+    int32_t n_embd = (int32_t)num(cf, "hidden_size", 0), n_layer = (int32_t)num(cf, "num_layers", 0);
+    int32_t n_head = (int32_t)num(cf, "num_attention_heads", 0);
+    int32_t n_ff = (int32_t)num(cf, "inner_hidden_size", 4 * n_embd);
+    if (n_embd <= 0 || n_layer <= 0 || n_head <= 0 || n_ff <= 0 || n_embd % n_head)
+        return fail(c, "%s/config.json: hidden_size, num_layers and num_attention_heads must be "
+                       "positive, and hidden_size a multiple of the heads", c->dir);
+    loom_gguf_set_str(c->w, "general.architecture", "chatglm1");
+    const char *slash = strrchr(c->dir, '/');
+    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    loom_gguf_set_u32(c->w, "chatglm1.context_length", (uint32_t)num(cf, "max_sequence_length", 2048));
+    loom_gguf_set_u32(c->w, "chatglm1.embedding_length", (uint32_t)n_embd);
+    loom_gguf_set_u32(c->w, "chatglm1.block_count", (uint32_t)n_layer);
+    loom_gguf_set_u32(c->w, "chatglm1.feed_forward_length", (uint32_t)n_ff);
+    loom_gguf_set_u32(c->w, "chatglm1.attention.head_count", (uint32_t)n_head);
+    loom_gguf_set_f32(c->w, "chatglm1.attention.layer_norm_epsilon", (float)num(cf, "layernorm_epsilon", 1e-5));
+    loom_gguf_set_f32(c->w, "chatglm1.rope.freq_base", 10000.0f);
+    /* Hugging Face's GLMBlock never receives the real layer count: alpha is 28 layers' */
+    loom_gguf_set_f32(c->w, "chatglm1.residual_scale", (float)sqrt(2.0 * 28));
+    if (any_tokenizer(c) != 0)
+        return -1;
+    stop_tokens(c);
+    int tied = !loom_safetensors_find(&c->st, "lm_head.weight");
+    c->total = 4 + 12 * n_layer;
+    if (add(c, "transformer.word_embeddings.weight", "token_embd.weight", 0, AS_STORED) ||
+        add(c, "transformer.final_layernorm.weight", "output_norm.weight", 0, AS_STORED) ||
+        add(c, "transformer.final_layernorm.bias", "output_norm.bias", 0, AS_STORED) ||
+        add(c, tied ? "transformer.word_embeddings.weight" : "lm_head.weight", "output.weight", 0,
+            AS_STORED))
+        return -1;
+    row_order qkv = {ROWS_QKV_PER_HEAD, n_head};
+    for (int l = 0; l < n_layer; l++) {
+        char s[160], d[128];
+#define ADD(hf, gg, order)                                                                     \
+    do {                                                                                       \
+        snprintf(s, sizeof s, "transformer.layers.%d.%s", l, hf);                              \
+        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
+        if (add(c, s, d, 0, order))                                                            \
+            return -1;                                                                         \
+    } while (0)
+        ADD("input_layernorm.weight", "attn_norm.weight", AS_STORED);
+        ADD("input_layernorm.bias", "attn_norm.bias", AS_STORED);
+        ADD("attention.query_key_value.weight", "attn_qkv.weight", qkv);
+        ADD("attention.query_key_value.bias", "attn_qkv.bias", qkv);
+        ADD("attention.dense.weight", "attn_output.weight", AS_STORED);
+        ADD("attention.dense.bias", "attn_output.bias", AS_STORED);
+        ADD("post_attention_layernorm.weight", "ffn_norm.weight", AS_STORED);
+        ADD("post_attention_layernorm.bias", "ffn_norm.bias", AS_STORED);
+        ADD("mlp.dense_h_to_4h.weight", "ffn_up.weight", AS_STORED);
+        ADD("mlp.dense_h_to_4h.bias", "ffn_up.bias", AS_STORED);
+        ADD("mlp.dense_4h_to_h.weight", "ffn_down.weight", AS_STORED);
+        ADD("mlp.dense_4h_to_h.bias", "ffn_down.bias", AS_STORED);
 #undef ADD
     }
     return 0;
@@ -748,6 +835,10 @@ int loom_convert(const char *dir, const char *out, const char *type,
     const char *model_type = cJSON_IsString(mt) ? mt->valuestring : "";
     if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "qwen2") == 0)
         rc = decoder(&c, model_type);
+    else if (strcmp(model_type, "chatglm") == 0 &&
+             (cJSON_GetObjectItem(c.config, "position_encoding_2d") ||
+              cJSON_GetObjectItem(c.config, "inner_hidden_size")))
+        rc = chatglm1(&c);
     else if (strcmp(model_type, "chatglm") == 0)
         rc = chatglm(&c);
     else

@@ -177,7 +177,7 @@ jq -e '(.choices[0].text | contains("Lily") or contains(" she") | not) and .choi
 post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true,\"stream\":true}" \
     -N >"$tmpdir/term.out" &
 client=$!
-sleep 0.2
+for _ in $(seq 100); do grep -q '^data: {' "$tmpdir/term.out" 2>/dev/null && break; sleep 0.1; done
 kill -TERM "$PID"
 wait "$PID"; rc=$?
 wait "$client"

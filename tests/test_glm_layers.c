@@ -20,7 +20,9 @@
 
 #include <loom/loom.h>
 
+#include <stddef.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 enum { VOCAB = 5, HIDDEN = 32, HEADS = 8, GROUPS = 2, HEAD_DIM = 4, FFN = 48 };
@@ -195,10 +197,87 @@ static int write_glm1_gguf(const glm1_file *f, const char *out)
 
 static double max_err(const float *got, const float *want);
 
+/* The fixture as the Hugging Face folder it came from (config.json, model.safetensors with
+ * the per-head interleaved QKV, ice_text.model), for loom convert to turn into chatglm1. */
+static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ice_text)
+{
+    static float identity[HIDDEN][HIDDEN];
+    for (int i = 0; i < HIDDEN; i++)
+        identity[i][i] = 1.0f;
+    static const struct { const char *name; int r, c; size_t off; } t[] = {
+#define AT(field) offsetof(glm1_file, field)
+        {"transformer.word_embeddings.weight", VOCAB, HIDDEN, AT(embd)},
+        {"transformer.layers.0.input_layernorm.weight", 0, HIDDEN, AT(n1w)},
+        {"transformer.layers.0.input_layernorm.bias", 0, HIDDEN, AT(n1b)},
+        {"transformer.layers.0.attention.query_key_value.weight", 96, HIDDEN, AT(qkv_w)},
+        {"transformer.layers.0.attention.query_key_value.bias", 0, 96, AT(qkv_b)},
+        {"transformer.layers.0.attention.dense.weight", HIDDEN, HIDDEN, AT(dense_w)},
+        {"transformer.layers.0.attention.dense.bias", 0, HIDDEN, AT(dense_b)},
+        {"transformer.layers.0.post_attention_layernorm.weight", 0, HIDDEN, AT(n2w)},
+        {"transformer.layers.0.post_attention_layernorm.bias", 0, HIDDEN, AT(n2b)},
+        {"transformer.layers.0.mlp.dense_h_to_4h.weight", FFN1, HIDDEN, AT(up_w)},
+        {"transformer.layers.0.mlp.dense_h_to_4h.bias", 0, FFN1, AT(up_b)},
+        {"transformer.layers.0.mlp.dense_4h_to_h.weight", HIDDEN, FFN1, AT(down_w)},
+        {"transformer.layers.0.mlp.dense_4h_to_h.bias", 0, HIDDEN, AT(down_b)},
+        {"transformer.final_layernorm.weight", 0, HIDDEN, AT(fw)},
+        {"transformer.final_layernorm.bias", 0, HIDDEN, AT(fb)},
+        {"lm_head.weight", HIDDEN, HIDDEN, (size_t)-1},
+#undef AT
+    };
+    enum { N = sizeof t / sizeof t[0] };
+    char header[8192];
+    int k = snprintf(header, sizeof header, "{");
+    uint64_t at = 0;
+    for (int i = 0; i < N; i++) {
+        uint64_t bytes = (uint64_t)(t[i].r ? t[i].r : 1) * (uint64_t)t[i].c * 4;
+        if (t[i].r)
+            k += snprintf(header + k, sizeof header - (size_t)k,
+                          "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],\"data_offsets\":[%llu,%llu]}",
+                          i ? "," : "", t[i].name, t[i].r, t[i].c, (unsigned long long)at,
+                          (unsigned long long)(at + bytes));
+        else
+            k += snprintf(header + k, sizeof header - (size_t)k,
+                          "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d],\"data_offsets\":[%llu,%llu]}",
+                          i ? "," : "", t[i].name, t[i].c, (unsigned long long)at,
+                          (unsigned long long)(at + bytes));
+        at += bytes;
+    }
+    k += snprintf(header + k, sizeof header - (size_t)k, "}");
+    while (k % 8)
+        header[k++] = ' ';
+    char path[4600];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    FILE *out = fopen(path, "wb");
+    if (!out)
+        return -1;
+    uint64_t hlen = (uint64_t)k;
+    fwrite(&hlen, 8, 1, out);
+    fwrite(header, 1, (size_t)k, out);
+    for (int i = 0; i < N; i++) {
+        size_t bytes = (size_t)(t[i].r ? t[i].r : 1) * (size_t)t[i].c * 4;
+        fwrite(t[i].off == (size_t)-1 ? (const void *)identity : (const char *)f + t[i].off, 1, bytes, out);
+    }
+    fclose(out);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (!(out = fopen(path, "w")))
+        return -1;
+    fprintf(out, "{\"model_type\": \"chatglm\", \"hidden_size\": %d, \"num_layers\": 1, "
+                 "\"num_attention_heads\": %d, \"inner_hidden_size\": %d, \"vocab_size\": %d, "
+                 "\"max_sequence_length\": 64, \"layernorm_epsilon\": 1e-05, "
+                 "\"position_encoding_2d\": true}\n", HIDDEN, HEADS, FFN1, VOCAB);
+    fclose(out);
+    snprintf(path, sizeof path, "%s/ice_text.model", dir);
+    char *target = realpath(ice_text, NULL); /* the link must not depend on our directory */
+    int rc = target ? symlink(target, path) : -1;
+    free(target);
+    return rc;
+}
+
 /* ChatGLM-6B needs every prefill row at once (tokens 0 and 1 see each other), so this drives
  * the runner directly: one step of the three prompt tokens wanting all their logits, then two
  * decode steps, all with the bidirectional prefix the model derives from [gMASK]. */
-static void check_glm1(const char *gguf_path, const glm1_file *f, const char *backend, const char *label)
+static void check_glm1(const char *gguf_path, const glm1_file *f, const char *backend, const char *label,
+                       int32_t forced_prefix)
 {
     char err[512];
     loom_gguf g;
@@ -221,7 +300,7 @@ static void check_glm1(const char *gguf_path, const glm1_file *f, const char *ba
     loom_runner *r = loom_runner_create(&dev, &g, loom_models_find("chatglm1"), &ro, err, sizeof err);
     CHECK(r != NULL, "ChatGLM-6B runner on %s: %s", label, err);
     if (r) {
-        int32_t prefix = loom_runner_prefix_len(r, f->x1, 3);
+        int32_t prefix = forced_prefix ? forced_prefix : loom_runner_prefix_len(r, f->x1, 3);
         CHECK(prefix == 2, "the prefix ends after [gMASK]: got %d", prefix);
         int32_t pos[3] = {0, 1, 2}, seq[3] = {0, 0, 0}, table[1] = {0}, rows[3] = {0, 1, 2};
         loom_step st = {3, f->x1, pos, seq, pos, 1, 1, table, 3, rows, &prefix};
@@ -352,13 +431,32 @@ int main(void)
                     continue;
                 char label[160];
                 snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
-                check_glm1(gguf, &f1, label, label);
+                check_glm1(gguf, &f1, label, label, 0);
             }
             setenv("LOOM_REF_OPAQUE", "1", 1);
-            check_glm1(gguf, &f1, "ref", "ref (opaque buffers)");
+            check_glm1(gguf, &f1, "ref", "ref (opaque buffers)", 0);
             unsetenv("LOOM_REF_OPAQUE");
             unlink(gguf);
         }
+        /* the same through loom convert of the Hugging Face folder: config keys, names, the
+         * QKV de-interleaving (ice_text's [gMASK] is 130001, not the fixture's 1: the prefix
+         * is given) */
+        char hf[4400], ice[4400], conv[4400], cerr[512];
+        snprintf(hf, sizeof hf, "%s/hf-glm1", tmp);
+        snprintf(ice, sizeof ice, "%s/tokenizers/chatglm1/ice_text.model", fixtures_dir());
+        snprintf(conv, sizeof conv, "%s/glm1-converted.gguf", tmp);
+        need_fixture(ice);
+        CHECK(mkdir(hf, 0700) == 0 && write_glm1_folder(&f1, hf, ice) == 0, "writing %s", hf);
+        int converted = loom_convert(hf, conv, "f32", NULL, NULL, cerr, sizeof cerr) == 0;
+        CHECK(converted, "loom convert of the ChatGLM-6B folder: %s", cerr);
+        if (converted)
+            check_glm1(conv, &f1, "cpu", "cpu (converted from the folder)", 2);
+        unlink(conv);
+        char p2[4500];
+        snprintf(p2, sizeof p2, "%s/model.safetensors", hf), unlink(p2);
+        snprintf(p2, sizeof p2, "%s/config.json", hf), unlink(p2);
+        snprintf(p2, sizeof p2, "%s/ice_text.model", hf), unlink(p2);
+        rmdir(hf);
     }
     free(bytes);
     loom_registry_free(&reg);

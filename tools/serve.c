@@ -1154,7 +1154,15 @@ int loom_serve_main(int argc, char **argv)
     srv.shutting_down = 1;
     MHD_socket listen_fd = MHD_quiesce_daemon(d);
     loom_engine_stop(srv.engine, (int)drain_s * 1000);
-    MHD_stop_daemon(d); /* connection threads end once their jobs are done, as all now are */
+    /* every job is done now; give the connections a moment to send their last bytes (an idle
+     * keep-alive connection just waits out the moment) before the daemon closes them */
+    for (int waited = 0; waited < 3000; waited += 20) {
+        const union MHD_DaemonInfo *ci = MHD_get_daemon_info(d, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+        if (!ci || ci->num_connections == 0)
+            break;
+        usleep(20 * 1000);
+    }
+    MHD_stop_daemon(d);
     loom_engine_free(srv.engine);
     if (listen_fd != MHD_INVALID_SOCKET)
         close(listen_fd);
