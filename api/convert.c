@@ -14,6 +14,7 @@
 #include "core/gguf.h"
 #include "core/safetensors.h"
 #include "core/spm_model.h"
+#include "core/tokenizer.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -334,6 +335,82 @@ static void stop_tokens(conv *c)
     cJSON_Delete(gen);
 }
 
+/* A byte-level BPE vocabulary being assembled, whatever the folder ships it as: tokens by id
+ * (borrowed strings, or ones it owns), their types, the merges. */
+typedef struct bpe_vocab {
+    int32_t n;
+    const char **tokens;
+    int32_t *types;
+    char **owned;        /* per id: a string this vocabulary allocated */
+    char **merges;       /* "left right", owned */
+    size_t n_merges, cap;
+    int32_t bos, eos, pad;
+} bpe_vocab;
+
+static int bpe_vocab_init(conv *c, bpe_vocab *v, int32_t n)
+{
+    *v = (bpe_vocab){.n = n, .bos = -1, .eos = -1, .pad = -1};
+    v->tokens = calloc((size_t)n, sizeof *v->tokens);
+    v->types = calloc((size_t)n, sizeof *v->types);
+    v->owned = calloc((size_t)n, sizeof *v->owned);
+    return v->tokens && v->types && v->owned ? 0 : fail(c, "out of memory");
+}
+
+static void bpe_vocab_free(bpe_vocab *v)
+{
+    for (int32_t i = 0; v->owned && i < v->n; i++)
+        free(v->owned[i]);
+    for (size_t i = 0; i < v->n_merges; i++)
+        free(v->merges[i]);
+    free(v->owned), free(v->tokens), free(v->types), free(v->merges);
+}
+
+/* Takes ownership of text (NULL: out of memory). */
+static int bpe_vocab_merge(conv *c, bpe_vocab *v, char *text)
+{
+    if (text && v->n_merges == v->cap) {
+        size_t cap = v->cap ? v->cap * 2 : 65536;
+        char **grown = realloc(v->merges, cap * sizeof *grown);
+        if (!grown) {
+            free(text);
+            text = NULL;
+        } else {
+            v->merges = grown, v->cap = cap;
+        }
+    }
+    if (!text)
+        return fail(c, "out of memory");
+    v->merges[v->n_merges++] = text;
+    return 0;
+}
+
+/* Pads the ids nothing named, and writes the tokenizer keys. */
+static int bpe_vocab_write(conv *c, bpe_vocab *v, const char *pre, int add_bos)
+{
+    for (int32_t i = 0; i < v->n; i++)
+        if (!v->tokens[i]) {
+            if (asprintf(&v->owned[i], "[PAD%d]", i) < 0)
+                return fail(c, "out of memory");
+            v->tokens[i] = v->owned[i], v->types[i] = 5;
+        }
+    loom_gguf_set_str(c->w, "tokenizer.ggml.model", "gpt2");
+    loom_gguf_set_str(c->w, "tokenizer.ggml.pre", pre);
+    loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", v->tokens, (uint64_t)v->n);
+    loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", v->types, (uint64_t)v->n);
+    loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)v->merges, v->n_merges);
+    if (v->bos >= 0)
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)v->bos);
+    if (v->eos >= 0)
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)v->eos);
+    if (v->pad >= 0)
+        loom_gguf_set_u32(c->w, "tokenizer.ggml.padding_token_id", (uint32_t)v->pad);
+    loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", add_bos);
+    cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
+    if (cJSON_IsString(tmpl))
+        loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
+    return 0;
+}
+
 /* Qwen2-style byte-level BPE: vocab.json, merges.txt and the added tokens the tokenizer
  * config declares. */
 static int tokenizer_bpe(conv *c)
@@ -357,18 +434,12 @@ static int tokenizer_bpe(conv *c)
     cJSON_ArrayForEach(e, added)
         if (atoi(e->string) >= n_vocab)
             n_vocab = atoi(e->string) + 1;
-    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
-    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
-    char **pads = calloc((size_t)n_vocab, sizeof *pads);
-    char **merges = NULL;
-    size_t n_merges = 0, cap = 0;
-    int rc = tokens && types && pads ? 0 : fail(c, "out of memory");
+    bpe_vocab v;
+    int rc = bpe_vocab_init(c, &v, n_vocab);
     cJSON_ArrayForEach(e, vocab)
-        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0) {
-            tokens[e->valueint] = e->string;
-            types[e->valueint] = 1;
-        }
-    int32_t eos = (int32_t)num(c->config, "eos_token_id", -1), pad = -1;
+        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
+            v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
+    v.eos = (int32_t)num(c->config, "eos_token_id", -1);
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON *pad_name = cJSON_GetObjectItem(c->tok_config, "pad_token");
     cJSON_ArrayForEach(e, added)
@@ -377,63 +448,26 @@ static int tokenizer_bpe(conv *c)
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || id < 0 || !cJSON_IsString(content))
             continue;
-        tokens[id] = content->valuestring;
-        types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
+        v.tokens[id] = content->valuestring;
+        v.types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
         if (cJSON_IsString(eos_name) && !strcmp(eos_name->valuestring, content->valuestring))
-            eos = id;
+            v.eos = id;
         if (cJSON_IsString(pad_name) && !strcmp(pad_name->valuestring, content->valuestring))
-            pad = id;
+            v.pad = id;
     }
-    for (int32_t i = 0; rc == 0 && i < n_vocab; i++)
-        if (!tokens[i]) {
-            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
-                rc = fail(c, "out of memory");
-            tokens[i] = pads[i];
-            types[i] = 5;
-        }
     char line[4096];
     while (rc == 0 && fgets(line, sizeof line, mf)) {
         size_t len = strcspn(line, "\r\n");
         line[len] = '\0';
-        if (len == 0 || !strncmp(line, "#version", 8))
-            continue;
-        if (n_merges == cap) {
-            cap = cap ? cap * 2 : 65536;
-            char **grown = realloc(merges, cap * sizeof *merges);
-            if (!grown) {
-                rc = fail(c, "out of memory");
-                break;
-            }
-            merges = grown;
-        }
-        if (!(merges[n_merges++] = strdup(line)))
-            rc = fail(c, "out of memory");
+        if (len && strncmp(line, "#version", 8))
+            rc = bpe_vocab_merge(c, &v, strdup(line));
     }
     fclose(mf);
-    if (rc == 0) {
-        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "gpt2");
-        loom_gguf_set_str(c->w, "tokenizer.ggml.pre", "qwen2");
-        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
-        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
-        loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)merges, n_merges);
-        int32_t bos = (int32_t)num(c->config, "bos_token_id", -1);
-        if (bos >= 0)
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
-        if (eos >= 0)
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
-        if (pad >= 0)
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.padding_token_id", (uint32_t)pad);
-        cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
-        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab && cJSON_IsTrue(ab));
-        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
-        if (cJSON_IsString(tmpl))
-            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
-    }
-    for (size_t i = 0; i < n_merges; i++)
-        free(merges[i]);
-    for (int32_t i = 0; pads && i < n_vocab; i++)
-        free(pads[i]);
-    free(merges), free(pads), free(tokens), free(types);
+    v.bos = (int32_t)num(c->config, "bos_token_id", -1);
+    cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+    if (rc == 0)
+        rc = bpe_vocab_write(c, &v, "qwen2", ab && cJSON_IsTrue(ab));
+    bpe_vocab_free(&v);
     cJSON_Delete(vocab);
     return rc;
 }
@@ -466,16 +500,11 @@ static int tokenizer_json(conv *c, cJSON *tj)
     cJSON_ArrayForEach(e, added)
         if ((int)num(e, "id", -1) >= n_vocab)
             n_vocab = (int)num(e, "id", -1) + 1;
-    const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
-    int32_t *types = calloc((size_t)n_vocab, sizeof *types);
-    char **pads = calloc((size_t)n_vocab, sizeof *pads);
-    int n_merges = cJSON_GetArraySize(merges);
-    char **mtext = calloc((size_t)n_merges + 1, sizeof *mtext);
-    int rc = tokens && types && pads && mtext ? 0 : fail(c, "out of memory");
+    bpe_vocab v;
+    int rc = bpe_vocab_init(c, &v, n_vocab);
     cJSON_ArrayForEach(e, vocab)
         if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
-            tokens[e->valueint] = e->string, types[e->valueint] = 1;
-    int32_t bos = -1, eos = -1;
+            v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
     cJSON *bos_name = cJSON_GetObjectItem(c->tok_config, "bos_token");
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON_ArrayForEach(e, added)
@@ -484,56 +513,265 @@ static int tokenizer_json(conv *c, cJSON *tj)
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || id < 0 || !cJSON_IsString(content))
             continue;
-        tokens[id] = content->valuestring;
-        types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
+        v.tokens[id] = content->valuestring;
+        v.types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
         if (cJSON_IsString(bos_name) && !strcmp(bos_name->valuestring, content->valuestring))
-            bos = id;
+            v.bos = id;
         if (cJSON_IsString(eos_name) && !strcmp(eos_name->valuestring, content->valuestring))
-            eos = id;
+            v.eos = id;
     }
-    for (int32_t i = 0; rc == 0 && i < n_vocab; i++)
-        if (!tokens[i]) {
-            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
-                rc = fail(c, "out of memory");
-            tokens[i] = pads[i], types[i] = 5;
-        }
-    for (int i = 0; rc == 0 && i < n_merges; i++) {
-        cJSON *m = cJSON_GetArrayItem(merges, i);
+    int i = 0;
+    cJSON *m;
+    cJSON_ArrayForEach(m, merges) /* a linked list: walking it by index would be quadratic */
+    {
+        if (rc)
+            break;
+        char *text = NULL;
         if (cJSON_IsString(m))
-            mtext[i] = strdup(m->valuestring);
+            text = strdup(m->valuestring);
         else if (cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2) /* newer files: [left, right] */
-            if (asprintf(&mtext[i], "%s %s", cJSON_GetArrayItem(m, 0)->valuestring,
+            if (asprintf(&text, "%s %s", cJSON_GetArrayItem(m, 0)->valuestring,
                          cJSON_GetArrayItem(m, 1)->valuestring) < 0)
-                mtext[i] = NULL;
-        if (!mtext[i])
+                text = NULL;
+        if (!cJSON_IsString(m) && !cJSON_IsArray(m))
             rc = fail(c, "%s/tokenizer.json: merge %d is not a pair", c->dir, i);
+        else
+            rc = bpe_vocab_merge(c, &v, text);
+        i++;
     }
-    if (rc == 0) {
-        loom_gguf_set_str(c->w, "tokenizer.ggml.model", "gpt2");
-        loom_gguf_set_str(c->w, "tokenizer.ggml.pre", pre);
-        loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
-        loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
-        loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)mtext, (uint64_t)n_merges);
-        if (bos >= 0)
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
-        if (eos >= 0)
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
-        cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
-        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ab ? cJSON_IsTrue(ab) : bos >= 0);
-        cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
-        if (cJSON_IsString(tmpl))
-            loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);
-    }
-    for (int i = 0; mtext && i < n_merges; i++)
-        free(mtext[i]);
-    for (int32_t i = 0; pads && i < n_vocab; i++)
-        free(pads[i]);
-    free(mtext), free(pads), free(tokens), free(types);
+    cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+    if (rc == 0)
+        rc = bpe_vocab_write(c, &v, pre, ab ? cJSON_IsTrue(ab) : v.bos >= 0);
+    bpe_vocab_free(&v);
     return rc;
 }
 
-/* The folder's tokenizer, whichever form it ships: tokenizer.model (SentencePiece),
- * tokenizer.json (byte-level BPE), or vocab.json + merges.txt. */
+/* ---- tiktoken rank files -------------------------------------------------------------------
+ * One "base64(bytes) rank" line per token: Llama-3's tokenizer.model, Qwen v1's qwen.tiktoken.
+ * Stored as byte-level BPE, as llama.cpp and transformers do: each token spelled with GPT-2's
+ * byte map, and as merges every split of a token into two tokens, ordered by the merged token's
+ * rank, then by the left part's rank and the right part's. */
+
+static int is_tiktoken(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char line[512];
+    int yes = f && fgets(line, sizeof line, f) && strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") > 0;
+    if (yes) {
+        size_t b = strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=");
+        yes = line[b] == ' ' && line[b + 1] >= '0' && line[b + 1] <= '9';
+    }
+    if (f)
+        fclose(f);
+    return yes;
+}
+
+static int base64_decode(const char *in, size_t n, unsigned char *out)
+{
+    static const char alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    uint32_t acc = 0;
+    int bits = 0, k = 0;
+    for (size_t i = 0; i < n && in[i] != '='; i++) {
+        const char *p = strchr(alphabet, in[i]);
+        if (!p || !in[i])
+            return -1;
+        acc = acc << 6 | (uint32_t)(p - alphabet);
+        if ((bits += 6) >= 8)
+            out[k++] = (unsigned char)(acc >> (bits -= 8));
+    }
+    return k;
+}
+
+typedef struct rank_table {
+    unsigned char **bytes;
+    int *len;
+    int32_t n;
+    int32_t *slot; /* open addressing: bytes -> rank */
+    uint32_t mask;
+} rank_table;
+
+static uint32_t hash_mem(const unsigned char *p, int n)
+{
+    uint32_t h = 2166136261u;
+    for (int i = 0; i < n; i++)
+        h = (h ^ p[i]) * 16777619u;
+    return h;
+}
+
+static int32_t rank_of(const rank_table *t, const unsigned char *p, int n)
+{
+    for (uint32_t h = hash_mem(p, n) & t->mask; t->slot[h] >= 0; h = (h + 1) & t->mask)
+        if (t->len[t->slot[h]] == n && memcmp(t->bytes[t->slot[h]], p, (size_t)n) == 0)
+            return t->slot[h];
+    return -1;
+}
+
+static void rank_table_free(rank_table *t)
+{
+    for (int32_t i = 0; t->bytes && i < t->n; i++)
+        free(t->bytes[i]);
+    free(t->bytes), free(t->len), free(t->slot);
+}
+
+static int read_ranks(conv *c, const char *path, rank_table *t)
+{
+    *t = (rank_table){0};
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return fail(c, "%s: %s", path, strerror(errno));
+    int32_t cap = 0;
+    char line[1024];
+    int rc = 0, lineno = 0;
+    while (rc == 0 && fgets(line, sizeof line, f)) {
+        lineno++;
+        char *sp = strchr(line, ' ');
+        long rank = sp ? strtol(sp + 1, NULL, 10) : -1;
+        unsigned char buf[768];
+        int n = sp ? base64_decode(line, (size_t)(sp - line), buf) : -1;
+        if (n <= 0 || rank < 0 || rank > (1 << 22)) {
+            rc = fail(c, "%s:%d: not a tiktoken 'base64 rank' line", path, lineno);
+            break;
+        }
+        if (rank >= cap) {
+            int32_t ncap = cap ? cap * 2 : 1 << 17;
+            while (ncap <= rank)
+                ncap *= 2;
+            unsigned char **nb = realloc(t->bytes, (size_t)ncap * sizeof *nb);
+            int *nl = nb ? realloc(t->len, (size_t)ncap * sizeof *nl) : NULL;
+            if (nb)
+                t->bytes = nb;
+            if (!nb || !nl) {
+                rc = fail(c, "out of memory");
+                break;
+            }
+            t->len = nl;
+            memset(t->bytes + cap, 0, (size_t)(ncap - cap) * sizeof *nb);
+            memset(t->len + cap, 0, (size_t)(ncap - cap) * sizeof *nl);
+            cap = ncap;
+        }
+        if (t->bytes[rank] || !(t->bytes[rank] = malloc((size_t)n))) {
+            rc = fail(c, "%s:%d: rank %ld given twice (or out of memory)", path, lineno, rank);
+            break;
+        }
+        memcpy(t->bytes[rank], buf, (size_t)n);
+        t->len[rank] = n;
+        if (rank >= t->n)
+            t->n = (int32_t)rank + 1;
+    }
+    fclose(f);
+    for (int32_t i = 0; rc == 0 && i < t->n; i++)
+        if (!t->bytes[i])
+            rc = fail(c, "%s: rank %d is missing", path, i);
+    uint32_t size = 1;
+    while (rc == 0 && size < 2u * (uint32_t)t->n)
+        size <<= 1;
+    if (rc == 0 && !(t->slot = malloc(size * sizeof *t->slot)))
+        rc = fail(c, "out of memory");
+    if (rc == 0) {
+        t->mask = size - 1;
+        memset(t->slot, 0xff, size * sizeof *t->slot);
+        for (int32_t r = 0; r < t->n; r++) {
+            uint32_t h = hash_mem(t->bytes[r], t->len[r]) & t->mask;
+            while (t->slot[h] >= 0)
+                h = (h + 1) & t->mask;
+            t->slot[h] = r;
+        }
+    }
+    return rc;
+}
+
+static int cmp_pair(const void *a, const void *b)
+{
+    const int32_t *x = a, *y = b;
+    return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
+}
+
+/* The specials that follow the ranks: Llama-3.1's (Meta's tokenizer.py order) or Qwen v1's. */
+static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, int llama3)
+{
+    static const char *const llama3_named[] = {
+        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+        "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+        "<|image|>"};
+    static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+    int n_named = llama3 ? 12 : 3, total = llama3 ? 256 : 3 + 205;
+    for (int i = 0; i < total && first + i < v->n; i++) {
+        int32_t id = first + i;
+        if (i < n_named)
+            v->tokens[id] = llama3 ? llama3_named[i] : qwen_named[i];
+        else if (asprintf(&v->owned[id], llama3 ? "<|reserved_special_token_%d|>" : "<|extra_%d|>",
+                          llama3 ? i - n_named + 2 : i - n_named) < 0)
+            return fail(c, "out of memory");
+        else
+            v->tokens[id] = v->owned[id];
+        v->types[id] = 3;
+    }
+    if (llama3) {
+        int32_t stops[2] = {first + 8, first + 9}; /* <|eom_id|>, <|eot_id|> */
+        v->bos = first, v->eos = first + 1;
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", stops, 2);
+    } else {
+        int32_t stops[1] = {first + 2}; /* <|im_end|> */
+        v->eos = first;
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", stops, 1);
+    }
+    return 0;
+}
+
+/* pre: the pre-tokenizer, "llama-bpe" (Llama-3) or "qwen2" (Qwen v1: the same regex as Qwen2). */
+static int tokenizer_tiktoken(conv *c, const char *path, const char *pre)
+{
+    rank_table t;
+    if (read_ranks(c, path, &t) != 0) {
+        rank_table_free(&t);
+        return -1;
+    }
+    int llama3 = !strcmp(pre, "llama-bpe");
+    int32_t n_vocab = (int32_t)num(c->config, "vocab_size", 0);
+    int32_t want = t.n + (llama3 ? 256 : 208);
+    if (n_vocab < want)
+        n_vocab = want;
+    bpe_vocab v;
+    int rc = bpe_vocab_init(c, &v, n_vocab);
+    char *spelled = malloc(2 * 768 + 1);
+    int32_t *pairs = malloc(2 * 768 * sizeof *pairs);
+    if (rc == 0 && (!spelled || !pairs))
+        rc = fail(c, "out of memory");
+    for (int32_t r = 0; rc == 0 && r < t.n; r++) {
+        size_t k = loom_byte_level_spell(t.bytes[r], (size_t)t.len[r], spelled);
+        if (!(v.owned[r] = strndup(spelled, k)))
+            rc = fail(c, "out of memory");
+        v.tokens[r] = v.owned[r], v.types[r] = 1;
+    }
+    for (int32_t r = 0; rc == 0 && r < t.n; r++) {
+        int np = 0;
+        for (int k = 1; k < t.len[r]; k++) {
+            int32_t l = rank_of(&t, t.bytes[r], k), rr = rank_of(&t, t.bytes[r] + k, t.len[r] - k);
+            if (l >= 0 && rr >= 0)
+                pairs[2 * np] = l, pairs[2 * np + 1] = rr, np++;
+        }
+        qsort(pairs, (size_t)np, 2 * sizeof *pairs, cmp_pair);
+        for (int i = 0; rc == 0 && i < np; i++) {
+            char *m = NULL;
+            if (asprintf(&m, "%s %s", v.tokens[pairs[2 * i]], v.tokens[pairs[2 * i + 1]]) < 0)
+                m = NULL;
+            rc = bpe_vocab_merge(c, &v, m);
+        }
+    }
+    if (rc == 0)
+        rc = tiktoken_specials(c, &v, t.n, llama3);
+    if (rc == 0)
+        rc = bpe_vocab_write(c, &v, pre, llama3);
+    free(spelled), free(pairs);
+    bpe_vocab_free(&v);
+    rank_table_free(&t);
+    return rc;
+}
+
+/* The folder's tokenizer, whichever form it ships: tokenizer.json (byte-level BPE), a
+ * tiktoken rank file (qwen.tiktoken, or tokenizer.model in that format), a SentencePiece
+ * model (tokenizer.model, ice_text.model), or vocab.json + merges.txt. */
 static int any_tokenizer(conv *c)
 {
     /* a byte-level tokenizer.json wins (Llama-3 folders also carry a tokenizer.model, in
@@ -549,7 +787,12 @@ static int any_tokenizer(conv *c)
     }
     cJSON_Delete(tj);
     char path[4096];
+    snprintf(path, sizeof path, "%s/qwen.tiktoken", c->dir);
+    if (access(path, R_OK) == 0)
+        return tokenizer_tiktoken(c, path, "qwen2");
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    if (is_tiktoken(path))
+        return tokenizer_tiktoken(c, path, "llama-bpe"); /* Llama-3's original tokenizer */
     int has_model = access(path, R_OK) == 0 || is_ice_text(c);
     snprintf(path, sizeof path, "%s/vocab.json", c->dir);
     if (!has_model && access(path, R_OK) == 0)

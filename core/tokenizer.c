@@ -146,13 +146,30 @@ static int32_t merge_lookup(const loom_tokenizer *t, const char *s, size_t n)
     }
 }
 
+/* GPT-2's map: printable bytes stand for themselves, the others for 256, 257, ... */
+static int byte_codepoint(int b)
+{
+    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174)
+        return b;
+    int extra = 0; /* how many unprintable bytes come before b */
+    for (int x = 0; x < b; x++)
+        extra += !((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || x >= 174);
+    return 256 + extra;
+}
+
+size_t loom_byte_level_spell(const unsigned char *bytes, size_t n, char *out)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        k += (size_t)utf8proc_encode_char(byte_codepoint(bytes[i]), (utf8proc_uint8_t *)out + k);
+    return k;
+}
+
 static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size)
 {
-    /* GPT-2's map: printable bytes stand for themselves, the others for 256, 257, ... */
-    int extra = 0;
     memset(t->char_byte, 0xff, sizeof t->char_byte);
     for (int b = 0; b < 256; b++) {
-        int cp = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174) ? b : 256 + extra++;
+        int cp = byte_codepoint(b);
         t->byte_chars_len[b] = (unsigned char)utf8proc_encode_char(cp, (utf8proc_uint8_t *)t->byte_chars[b]);
         t->char_byte[cp] = (int16_t)b;
     }

@@ -39,6 +39,11 @@ int32_t loom_tokenizer_eos(const loom_tokenizer *t);
 int loom_tokenizer_is_stop(const loom_tokenizer *t, int32_t id);
 const char *loom_tokenizer_model(const loom_tokenizer *t);
 
+/* GPT-2's byte-level spelling of raw bytes (what byte-level BPE vocabularies store): printable
+ * bytes stand for themselves, the others for U+0100, U+0101, ... Writes at most 2 n bytes to
+ * out and returns how many. */
+size_t loom_byte_level_spell(const unsigned char *bytes, size_t n, char *out);
+
 /* How many leading bytes of s (n bytes) form complete UTF-8 characters: what a streaming
  * printer can emit now without splitting a character. */
 size_t loom_utf8_complete(const char *s, size_t n);

@@ -271,6 +271,105 @@ static void test_tiny_qwen2(void)
     unlink(f32);
 }
 
+/* llama.cpp's tokenizer test vectors for a vocabulary (peers/llama.cpp/ggml-vocab-NAME.gguf
+ * .inp/.out: text without BOS or special parsing, and the ids): every case must match. */
+static void vocab_vectors(loom_vocab *v, const char *name)
+{
+    char inp[4200], outp[4200];
+    snprintf(inp, sizeof inp, "%s/peers/llama.cpp/ggml-vocab-%s.gguf.inp", dir, name);
+    snprintf(outp, sizeof outp, "%s/peers/llama.cpp/ggml-vocab-%s.gguf.out", dir, name);
+    char *in = slurp(inp, NULL), *exp = slurp(outp, NULL);
+    int cases = 0, wrong = 0;
+    const char *sep = "\n__ggml_vocab_test__\n";
+    char *line = exp;
+    for (char *cs = in, *end; in && exp && (end = strstr(cs, sep)); cs = end + strlen(sep)) {
+        char *eol = strchr(line, '\n');
+        if (!eol)
+            break;
+        *eol = '\0';
+        *end = '\0';
+        int32_t got[512], want[512];
+        int nw = 0;
+        for (char *p = line, *q; nw < 512; p = q) {
+            long x = strtol(p, &q, 10);
+            if (q == p)
+                break;
+            want[nw++] = (int32_t)x;
+        }
+        int64_t ng = loom_vocab_encode(v, cs, 0, 0, got, 512);
+        if (!(ng == nw && memcmp(got, want, (size_t)nw * 4) == 0) && wrong++ < 5)
+            fprintf(stderr, "%s case %d '%s': %lld ids, want %d\n", name, cases, cs, (long long)ng, nw);
+        *end = '\n';
+        line = eol + 1;
+        cases++;
+    }
+    CHECK(cases > 40 && wrong == 0, "%s vectors: %d of %d differ from llama.cpp", name, wrong, cases);
+    free(in), free(exp);
+}
+
+/* tiktoken rank files: Qwen v1's qwen.tiktoken (its ranks are Qwen2's, so llama.cpp's qwen2
+ * vectors apply) and Llama-3's original tokenizer.model (the llama-bpe vectors, Meta's special
+ * token names, and the 280147 merges transformers derives from the ranks). */
+static void test_tiktoken(void)
+{
+    char src[4200], out[4200];
+    snprintf(src, sizeof src, "%s/tokenizers/qwen1", dir);
+    snprintf(out, sizeof out, "%s/qwen1-tok.gguf", tmp);
+    CHECK(loom_convert_tokenizer(src, out, err, sizeof err) == 0, "qwen.tiktoken: %s", err);
+    loom_vocab *v = loom_vocab_open(out, err, sizeof err);
+    CHECK(v != NULL, "open the Qwen v1 tokenizer: %s", err);
+    if (v) {
+        vocab_vectors(v, "qwen2");
+        int32_t ids[8];
+        int64_t n = loom_vocab_encode(v, "<|im_start|>hello<|im_end|>", 0, 1, ids, 8);
+        CHECK(n == 3 && ids[0] == 151644 && ids[1] == 14990 && ids[2] == 151645,
+              "rtp-llm's <|im_start|>hello<|im_end|> ids: %lld ids", (long long)n);
+        loom_vocab_close(v);
+    }
+    unlink(out);
+
+    /* a folder holding Llama-3's tiktoken tokenizer.model alone */
+    char folder[4200], link[4400], *target;
+    snprintf(folder, sizeof folder, "%s/llama3-tiktoken", tmp);
+    snprintf(link, sizeof link, "%s/tokenizer.model", folder);
+    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.model", dir);
+    target = realpath(src, NULL);
+    CHECK(target && mkdir(folder, 0700) == 0 && symlink(target, link) == 0, "set up %s", folder);
+    free(target);
+    snprintf(out, sizeof out, "%s/llama3-tiktoken.gguf", tmp);
+    CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "llama3 tokenizer.model: %s", err);
+    if ((v = loom_vocab_open(out, err, sizeof err))) {
+        vocab_vectors(v, "llama-bpe");
+        /* the special tokens, against the names Meta's tokenizer.py gives them */
+        char spath[4200];
+        snprintf(spath, sizeof spath, "%s/tokenizers/llama3/special_tokens.json", dir);
+        char *json = slurp(spath, NULL);
+        cJSON *root = cJSON_Parse(json), *e;
+        int named = 0, wrong = 0;
+        cJSON_ArrayForEach(e, cJSON_GetObjectItem(root, "special_tokens"))
+        {
+            int32_t ids[4];
+            int64_t n = loom_vocab_encode(v, e->string, 0, 1, ids, 4);
+            wrong += !(n == 1 && ids[0] == e->valueint);
+            named++;
+        }
+        CHECK(named == 256 && wrong == 0, "Llama-3 specials: %d of %d differ", wrong, named);
+        cJSON_Delete(root);
+        free(json);
+        loom_vocab_close(v);
+    } else {
+        CHECK(0, "open: %s", err);
+    }
+    loom_gguf g;
+    if (loom_gguf_open(&g, out, err, sizeof err) == 0) {
+        const loom_gguf_kv *m = loom_gguf_find(&g, "tokenizer.ggml.merges");
+        CHECK(m && m->count == 280147, "merges derived from the ranks: %llu, transformers has 280147",
+              m ? (unsigned long long)m->count : 0ULL);
+        loom_gguf_close(&g);
+    }
+    unlink(out), unlink(link), rmdir(folder);
+}
+
 /* ChatGLM-6B's ice_text.model (SentencePiece unigram, NFKC, whitespace collapsing, and the
  * model's own <n> / <|tab|> / <|blank_N|> rewriting): chatglm.cpp's expected ids, and text
  * that normalisation leaves alone decodes back to itself. */
@@ -340,36 +439,7 @@ static void test_llama3_tokenizer(void)
     CHECK(v != NULL, "open llama3 tokenizer: %s", err);
     if (!v)
         return;
-    char inp[4200], outp[4200];
-    snprintf(inp, sizeof inp, "%s/peers/llama.cpp/ggml-vocab-llama-bpe.gguf.inp", dir);
-    snprintf(outp, sizeof outp, "%s/peers/llama.cpp/ggml-vocab-llama-bpe.gguf.out", dir);
-    char *in = slurp(inp, NULL), *exp = slurp(outp, NULL);
-    int cases = 0, wrong = 0;
-    const char *sep = "\n__ggml_vocab_test__\n";
-    char *line = exp;
-    for (char *cs = in, *end; in && exp && (end = strstr(cs, sep)); cs = end + strlen(sep)) {
-        char *eol = strchr(line, '\n');
-        if (!eol)
-            break;
-        *eol = '\0';
-        *end = '\0';
-        int32_t got[512], want[512];
-        int nw = 0;
-        for (char *p = line, *q; nw < 512; p = q) {
-            long x = strtol(p, &q, 10);
-            if (q == p)
-                break;
-            want[nw++] = (int32_t)x;
-        }
-        int64_t ng = loom_vocab_encode(v, cs, 0, 0, got, 512);
-        if (!(ng == nw && memcmp(got, want, (size_t)nw * 4) == 0) && wrong++ < 5)
-            fprintf(stderr, "llama-bpe case %d '%s': %lld ids, want %d\n", cases, cs, (long long)ng, nw);
-        *end = '\n';
-        line = eol + 1;
-        cases++;
-    }
-    CHECK(cases > 40 && wrong == 0, "llama-bpe vectors: %d of %d differ from llama.cpp", wrong, cases);
-    free(in), free(exp);
+    vocab_vectors(v, "llama-bpe");
 
     char mpath[4200];
     snprintf(mpath, sizeof mpath, "%s/peers/meta-llama-llama3/expected_tokenizer_ids.json", dir);
@@ -477,6 +547,7 @@ int main(void)
     test_tiny_qwen2();
     test_llama3_tokenizer();
     test_chatglm1_tokenizer();
+    test_tiktoken();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);
