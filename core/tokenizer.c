@@ -480,22 +480,17 @@ static int try_pair(const loom_tokenizer *t, const char *text, const symbol *sym
     return heap_push(h, (bigram){t->vocab[id].score, left, a->n + b->n});
 }
 
-/* Encodes one run of raw text (no specials inside). */
-static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
-                        out_ids *o)
+/* SentencePiece's escaping: a leading U+2581 when asked, and every space as U+2581. Returns
+ * the malloc'd text (NUL-terminated; NULL when out of memory) and its length in *n. */
+static char *escape_spaces(const char *raw, size_t len, int prefix, size_t *n)
 {
-    /* escape: a leading U+2581 when asked, and every space as U+2581 */
     size_t spaces = 0;
     for (size_t i = 0; i < len; i++)
         spaces += raw[i] == ' ';
-    size_t n = len + 2 * spaces + (prefix ? 3 : 0);
-    char *text = malloc(n + 1);
-    symbol *sym = malloc((n + 1) * sizeof *sym);
-    heap h = {0};
-    if (!text || !sym) {
-        free(text), free(sym);
-        return -1;
-    }
+    *n = len + 2 * spaces + (prefix ? 3 : 0);
+    char *text = malloc(*n + 1);
+    if (!text)
+        return NULL;
     size_t k = 0;
     if (prefix)
         memcpy(text, "\xe2\x96\x81", 3), k = 3;
@@ -504,6 +499,22 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
             memcpy(text + k, "\xe2\x96\x81", 3), k += 3;
         else
             text[k++] = raw[i];
+    }
+    text[k] = '\0';
+    return text;
+}
+
+/* Encodes one run of raw text (no specials inside). */
+static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
+                        out_ids *o)
+{
+    size_t n;
+    char *text = escape_spaces(raw, len, prefix, &n);
+    symbol *sym = malloc((n + 1) * sizeof *sym);
+    heap h = {0};
+    if (!text || !sym) {
+        free(text), free(sym);
+        return -1;
     }
     int count = 0;
     for (size_t i = 0; i < n;) {
@@ -555,25 +566,13 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
 static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
                             out_ids *o)
 {
-    size_t spaces = 0;
-    for (size_t i = 0; i < len; i++)
-        spaces += raw[i] == ' ';
-    size_t n = len + 2 * spaces + (prefix ? 3 : 0);
-    char *text = malloc(n + 1);
+    size_t n;
+    char *text = escape_spaces(raw, len, prefix, &n);
     double *best = malloc((n + 1) * sizeof *best);
     int32_t *from = malloc((n + 1) * sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
     if (!text || !best || !from || !piece) {
         free(text), free(best), free(from), free(piece);
         return -1;
-    }
-    size_t k = 0;
-    if (prefix)
-        memcpy(text, "\xe2\x96\x81", 3), k = 3;
-    for (size_t i = 0; i < len; i++) {
-        if (raw[i] == ' ')
-            memcpy(text + k, "\xe2\x96\x81", 3), k += 3;
-        else
-            text[k++] = raw[i];
     }
     /* user-defined pieces always win where they match, as in SentencePiece */
     const double unknown = (double)t->min_score - 10.0, user = 0.0;

@@ -39,42 +39,26 @@ static void glm_free(void *state)
     free(m);
 }
 
-static int64_t kv_int(const loom_gguf *g, const char *suffix, int64_t fallback)
-{
-    char key[128];
-    int64_t v;
-    snprintf(key, sizeof key, "chatglm.%s", suffix);
-    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
-}
-
-static double kv_float(const loom_gguf *g, const char *suffix, double fallback)
-{
-    char key[128];
-    double v;
-    snprintf(key, sizeof key, "chatglm.%s", suffix);
-    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
-}
-
 static int glm_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
 {
     const loom_gguf *g = loom_rt_gguf(r);
     snprintf(hp->arch, sizeof hp->arch, "chatglm");
-    hp->n_embd = (int32_t)kv_int(g, "embedding_length", 0);
-    hp->n_layer = (int32_t)kv_int(g, "block_count", 0);
-    hp->n_head = (int32_t)kv_int(g, "attention.head_count", 0);
-    hp->n_head_kv = (int32_t)kv_int(g, "attention.head_count_kv", hp->n_head);
-    hp->n_ff = (int32_t)kv_int(g, "feed_forward_length", 0);
-    hp->n_ctx_train = (int32_t)kv_int(g, "context_length", 8192);
-    hp->norm_eps = (float)kv_float(g, "attention.layer_norm_rms_epsilon", 1e-5);
-    hp->rope_base = (float)kv_float(g, "rope.freq_base", 10000.0);
+    hp->n_embd = (int32_t)loom_model_kv_int(g, "chatglm", "embedding_length", 0);
+    hp->n_layer = (int32_t)loom_model_kv_int(g, "chatglm", "block_count", 0);
+    hp->n_head = (int32_t)loom_model_kv_int(g, "chatglm", "attention.head_count", 0);
+    hp->n_head_kv = (int32_t)loom_model_kv_int(g, "chatglm", "attention.head_count_kv", hp->n_head);
+    hp->n_ff = (int32_t)loom_model_kv_int(g, "chatglm", "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)loom_model_kv_int(g, "chatglm", "context_length", 8192);
+    hp->norm_eps = (float)loom_model_kv_float(g, "chatglm", "attention.layer_norm_rms_epsilon", 1e-5);
+    hp->rope_base = (float)loom_model_kv_float(g, "chatglm", "rope.freq_base", 10000.0);
     hp->rope_scale = 1.0f;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
         snprintf(err, err_size, "chatglm: missing or inconsistent hyper-parameters");
         return -1;
     }
-    hp->head_dim = (int32_t)kv_int(g, "attention.key_length", hp->n_embd / hp->n_head);
-    hp->n_rot = (int32_t)kv_int(g, "rope.dimension_count", hp->head_dim / 2);
+    hp->head_dim = (int32_t)loom_model_kv_int(g, "chatglm", "attention.key_length", hp->n_embd / hp->n_head);
+    hp->n_rot = (int32_t)loom_model_kv_int(g, "chatglm", "rope.dimension_count", hp->head_dim / 2);
     hp->rope_mode = LOOM_ROPE_ADJACENT;
     glm_model *m = calloc(1, sizeof *m);
     if (!m || !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
@@ -193,22 +177,6 @@ static void glm1_free(void *state)
     free(m);
 }
 
-static int64_t kv1_int(const loom_gguf *g, const char *suffix, int64_t fallback)
-{
-    char key[128];
-    int64_t v;
-    snprintf(key, sizeof key, "chatglm1.%s", suffix);
-    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
-}
-
-static double kv1_float(const loom_gguf *g, const char *suffix, double fallback)
-{
-    char key[128];
-    double v;
-    snprintf(key, sizeof key, "chatglm1.%s", suffix);
-    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
-}
-
 /* The id of [gMASK]: the explicit key, else found by name in the vocabulary. */
 static int32_t find_gmask(const loom_gguf *g)
 {
@@ -229,14 +197,14 @@ static int glm1_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
 {
     const loom_gguf *g = loom_rt_gguf(r);
     snprintf(hp->arch, sizeof hp->arch, "chatglm1");
-    hp->n_embd = (int32_t)kv1_int(g, "embedding_length", 0);
-    hp->n_layer = (int32_t)kv1_int(g, "block_count", 0);
-    hp->n_head = (int32_t)kv1_int(g, "attention.head_count", 0);
+    hp->n_embd = (int32_t)loom_model_kv_int(g, "chatglm1", "embedding_length", 0);
+    hp->n_layer = (int32_t)loom_model_kv_int(g, "chatglm1", "block_count", 0);
+    hp->n_head = (int32_t)loom_model_kv_int(g, "chatglm1", "attention.head_count", 0);
     hp->n_head_kv = hp->n_head;
-    hp->n_ff = (int32_t)kv1_int(g, "feed_forward_length", 0);
-    hp->n_ctx_train = (int32_t)kv1_int(g, "context_length", 2048);
-    hp->norm_eps = (float)kv1_float(g, "attention.layer_norm_epsilon", 1e-5);
-    hp->rope_base = (float)kv1_float(g, "rope.freq_base", 10000.0);
+    hp->n_ff = (int32_t)loom_model_kv_int(g, "chatglm1", "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)loom_model_kv_int(g, "chatglm1", "context_length", 2048);
+    hp->norm_eps = (float)loom_model_kv_float(g, "chatglm1", "attention.layer_norm_epsilon", 1e-5);
+    hp->rope_base = (float)loom_model_kv_float(g, "chatglm1", "rope.freq_base", 10000.0);
     hp->rope_scale = 1.0f;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_embd % hp->n_head || hp->n_ff <= 0 || (hp->n_embd / hp->n_head) % 4) {
@@ -252,7 +220,7 @@ static int glm1_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
         snprintf(err, err_size, "out of memory");
         return -1;
     }
-    m->alpha = (float)kv1_float(g, "residual_scale", sqrt(2.0 * 28));
+    m->alpha = (float)loom_model_kv_float(g, "chatglm1", "residual_scale", sqrt(2.0 * 28));
     m->gmask = find_gmask(g);
     m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
     m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);

@@ -35,22 +35,6 @@ typedef struct llama_model {
     int qwen2;
 } llama_model;
 
-static int64_t kv_int(const loom_gguf *g, const char *arch, const char *suffix, int64_t fallback)
-{
-    char key[128];
-    int64_t v;
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
-}
-
-static double kv_float(const loom_gguf *g, const char *arch, const char *suffix, double fallback)
-{
-    char key[128];
-    double v;
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
-}
-
 static void llama_free(void *state)
 {
     llama_model *m = state;
@@ -64,15 +48,15 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
 {
     const loom_gguf *g = loom_rt_gguf(r);
     snprintf(hp->arch, sizeof hp->arch, "%s", arch);
-    hp->n_embd = (int32_t)kv_int(g, arch, "embedding_length", 0);
-    hp->n_layer = (int32_t)kv_int(g, arch, "block_count", 0);
-    hp->n_head = (int32_t)kv_int(g, arch, "attention.head_count", 0);
-    hp->n_head_kv = (int32_t)kv_int(g, arch, "attention.head_count_kv", hp->n_head);
-    hp->n_ff = (int32_t)kv_int(g, arch, "feed_forward_length", 0);
-    hp->n_ctx_train = (int32_t)kv_int(g, arch, "context_length", 2048);
-    hp->norm_eps = (float)kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-5);
-    hp->rope_base = (float)kv_float(g, arch, "rope.freq_base", 10000.0);
-    double factor = kv_float(g, arch, "rope.scaling.factor", 1.0);
+    hp->n_embd = (int32_t)loom_model_kv_int(g, arch, "embedding_length", 0);
+    hp->n_layer = (int32_t)loom_model_kv_int(g, arch, "block_count", 0);
+    hp->n_head = (int32_t)loom_model_kv_int(g, arch, "attention.head_count", 0);
+    hp->n_head_kv = (int32_t)loom_model_kv_int(g, arch, "attention.head_count_kv", hp->n_head);
+    hp->n_ff = (int32_t)loom_model_kv_int(g, arch, "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)loom_model_kv_int(g, arch, "context_length", 2048);
+    hp->norm_eps = (float)loom_model_kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-5);
+    hp->rope_base = (float)loom_model_kv_float(g, arch, "rope.freq_base", 10000.0);
+    double factor = loom_model_kv_float(g, arch, "rope.scaling.factor", 1.0);
     hp->rope_scale = factor > 0 ? (float)(1.0 / factor) : 1.0f;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
@@ -82,8 +66,8 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
                  arch, hp->n_embd, hp->n_layer, hp->n_head, hp->n_head_kv, hp->n_ff);
         return -1;
     }
-    hp->head_dim = (int32_t)kv_int(g, arch, "attention.key_length", hp->n_embd / hp->n_head);
-    hp->n_rot = (int32_t)kv_int(g, arch, "rope.dimension_count", hp->head_dim);
+    hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length", hp->n_embd / hp->n_head);
+    hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
     int qwen2 = strcmp(arch, "qwen2") == 0;
     hp->rope_mode = qwen2 ? LOOM_ROPE_NEOX : LOOM_ROPE_ADJACENT;
 

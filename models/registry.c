@@ -3,7 +3,24 @@
  */
 #include "models.h"
 
+#include <stdio.h>
 #include <string.h>
+
+int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suffix, int64_t fallback)
+{
+    char key[160];
+    int64_t v;
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
+}
+
+double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suffix, double fallback)
+{
+    char key[160];
+    double v;
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
+}
 
 static const loom_arch *const all[] = {&loom_arch_llama, &loom_arch_qwen2, &loom_arch_chatglm,
                                        &loom_arch_chatglm1};
