@@ -63,7 +63,8 @@ typedef struct loom_gguf {
 /* Opens and validates path. Returns 0, or -1 with err naming what is wrong and where. A file
  * whose tensor data runs past its end is an error that says the file looks truncated. */
 int loom_gguf_open(loom_gguf *g, const char *path, char *err, size_t err_size);
-/* The same on bytes in memory (for tests and fuzzing); the bytes must outlive g. */
+/* The same on bytes in memory (for tests and fuzzing); the bytes must outlive g. Call
+ * loom_gguf_close afterwards whether it succeeded or not. */
 int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *name, char *err,
                     size_t err_size);
 /* Frees what open or parse made (and unmaps a file open mapped). */
