@@ -52,11 +52,53 @@ static int read_fixture(const char *path, glm_file *f)
     return ok ? 0 : -1;
 }
 
-static int write_gguf(const glm_file *f, float eps, const char *out)
+/* A placeholder vocabulary as wide as the identity "output" matrix; ids gmask and sop (or -1)
+ * get ChatGLM's names, as control tokens. */
+static void placeholder_vocab(loom_gguf_writer *w, int gmask, int sop)
+{
+    char names[HIDDEN][8];
+    const char *tokens[HIDDEN];
+    float scores[HIDDEN] = {0};
+    int32_t types[HIDDEN];
+    for (int i = 0; i < HIDDEN; i++) {
+        snprintf(names[i], sizeof names[i], "t%d", i);
+        tokens[i] = i == gmask ? "[gMASK]" : i == sop ? "<sop>" : names[i];
+        types[i] = i == gmask || i == sop ? 3 : 1;
+    }
+    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", tokens, HIDDEN);
+    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, HIDDEN);
+    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, HIDDEN);
+}
+
+/* An f32 tensor of n1 rows of n0 (a vector when n1 is 1). */
+static void add_f32(loom_gguf_writer *w, const char *name, const void *data, int64_t n0, int64_t n1)
+{
+    int64_t ne[2] = {n0, n1};
+    loom_gguf_add_tensor(w, name, LOOM_F32, n1 > 1 ? 2 : 1, ne, data);
+}
+
+/* The output matrix that makes logits equal the final hidden states. */
+static const float *identity_matrix(void)
 {
     static float identity[HIDDEN][HIDDEN];
     for (int i = 0; i < HIDDEN; i++)
         identity[i][i] = 1.0f;
+    return &identity[0][0];
+}
+
+static int finish_gguf(loom_gguf_writer *w, const char *out)
+{
+    char err[512];
+    int rc = loom_gguf_write(w, out, err, sizeof err);
+    if (rc)
+        fprintf(stderr, "writing %s: %s\n", out, err);
+    loom_gguf_writer_free(w);
+    return rc;
+}
+
+static int write_gguf(const glm_file *f, float eps, const char *out)
+{
     loom_gguf_writer *w = loom_gguf_writer_create();
     loom_gguf_set_str(w, "general.architecture", "chatglm");
     loom_gguf_set_str(w, "general.name", "chatglm.cpp per-layer fixture");
@@ -70,43 +112,19 @@ static int write_gguf(const glm_file *f, float eps, const char *out)
     loom_gguf_set_u32(w, "chatglm.rope.dimension_count", HEAD_DIM / 2);
     loom_gguf_set_f32(w, "chatglm.rope.freq_base", 10000.0f);
     loom_gguf_set_f32(w, "chatglm.attention.layer_norm_rms_epsilon", eps);
-    /* a placeholder vocabulary as wide as the identity "output" */
-    char names[HIDDEN][8];
-    const char *tokens[HIDDEN];
-    float scores[HIDDEN] = {0};
-    int32_t types[HIDDEN];
-    for (int i = 0; i < HIDDEN; i++) {
-        snprintf(names[i], sizeof names[i], "t%d", i);
-        tokens[i] = names[i];
-        types[i] = 1;
-    }
-    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
-    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", tokens, HIDDEN);
-    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, HIDDEN);
-    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, HIDDEN);
+    placeholder_vocab(w, -1, -1);
     loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", HIDDEN - 1);
-#define T(name, ptr, n0, n1)                                                                   \
-    do {                                                                                       \
-        int64_t ne[2] = {n0, n1};                                                              \
-        loom_gguf_add_tensor(w, name, LOOM_F32, (n1) > 1 ? 2 : 1, ne, ptr);                    \
-    } while (0)
-    T("token_embd.weight", f->embd, HIDDEN, VOCAB);
-    T("blk.0.attn_norm.weight", f->norm1, HIDDEN, 1);
-    T("blk.0.attn_qkv.weight", f->qkv_w, HIDDEN, 48);
-    T("blk.0.attn_qkv.bias", f->qkv_b, 48, 1);
-    T("blk.0.attn_output.weight", f->dense, HIDDEN, HIDDEN);
-    T("blk.0.ffn_norm.weight", f->norm2, HIDDEN, 1);
-    T("blk.0.ffn_up.weight", f->up, HIDDEN, 2 * FFN);
-    T("blk.0.ffn_down.weight", f->down, FFN, HIDDEN);
-    T("output_norm.weight", f->final_norm, HIDDEN, 1);
-    T("output.weight", identity, HIDDEN, HIDDEN);
-#undef T
-    char err[512];
-    int rc = loom_gguf_write(w, out, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "writing %s: %s\n", out, err);
-    loom_gguf_writer_free(w);
-    return rc;
+    add_f32(w, "token_embd.weight", f->embd, HIDDEN, VOCAB);
+    add_f32(w, "blk.0.attn_norm.weight", f->norm1, HIDDEN, 1);
+    add_f32(w, "blk.0.attn_qkv.weight", f->qkv_w, HIDDEN, 48);
+    add_f32(w, "blk.0.attn_qkv.bias", f->qkv_b, 48, 1);
+    add_f32(w, "blk.0.attn_output.weight", f->dense, HIDDEN, HIDDEN);
+    add_f32(w, "blk.0.ffn_norm.weight", f->norm2, HIDDEN, 1);
+    add_f32(w, "blk.0.ffn_up.weight", f->up, HIDDEN, 2 * FFN);
+    add_f32(w, "blk.0.ffn_down.weight", f->down, FFN, HIDDEN);
+    add_f32(w, "output_norm.weight", f->final_norm, HIDDEN, 1);
+    add_f32(w, "output.weight", identity_matrix(), HIDDEN, HIDDEN);
+    return finish_gguf(w, out);
 }
 
 /* ChatGLM-6B (v1): glm_model.data, 52372 bytes (FORMAT.md) */
@@ -138,9 +156,7 @@ static void deinterleave(const glm1_file *f, float w[96][HIDDEN], float b[96])
 
 static int write_glm1_gguf(const glm1_file *f, const char *out)
 {
-    static float identity[HIDDEN][HIDDEN], qkv_w[96][HIDDEN], qkv_b[96];
-    for (int i = 0; i < HIDDEN; i++)
-        identity[i][i] = 1.0f;
+    static float qkv_w[96][HIDDEN], qkv_b[96];
     deinterleave(f, qkv_w, qkv_b);
     loom_gguf_writer *w = loom_gguf_writer_create();
     loom_gguf_set_str(w, "general.architecture", "chatglm1");
@@ -151,48 +167,24 @@ static int write_glm1_gguf(const glm1_file *f, const char *out)
     loom_gguf_set_u32(w, "chatglm1.attention.head_count", HEADS);
     loom_gguf_set_f32(w, "chatglm1.attention.layer_norm_epsilon", 1e-5f);
     loom_gguf_set_f32(w, "chatglm1.rope.freq_base", 10000.0f);
-    /* the fixture's ids 1 and 2 stand for [gMASK] and <sop> */
-    char names[HIDDEN][8];
-    const char *tokens[HIDDEN];
-    float scores[HIDDEN] = {0};
-    int32_t types[HIDDEN];
-    for (int i = 0; i < HIDDEN; i++) {
-        snprintf(names[i], sizeof names[i], "t%d", i);
-        tokens[i] = i == 1 ? "[gMASK]" : i == 2 ? "<sop>" : names[i];
-        types[i] = i == 1 || i == 2 ? 3 : 1;
-    }
-    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
-    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", tokens, HIDDEN);
-    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, HIDDEN);
-    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, HIDDEN);
-#define T(name, ptr, n0, n1)                                                                   \
-    do {                                                                                       \
-        int64_t ne[2] = {n0, n1};                                                              \
-        loom_gguf_add_tensor(w, name, LOOM_F32, (n1) > 1 ? 2 : 1, ne, ptr);                    \
-    } while (0)
-    T("token_embd.weight", f->embd, HIDDEN, VOCAB);
-    T("blk.0.attn_norm.weight", f->n1w, HIDDEN, 1);
-    T("blk.0.attn_norm.bias", f->n1b, HIDDEN, 1);
-    T("blk.0.attn_qkv.weight", qkv_w, HIDDEN, 96);
-    T("blk.0.attn_qkv.bias", qkv_b, 96, 1);
-    T("blk.0.attn_output.weight", f->dense_w, HIDDEN, HIDDEN);
-    T("blk.0.attn_output.bias", f->dense_b, HIDDEN, 1);
-    T("blk.0.ffn_norm.weight", f->n2w, HIDDEN, 1);
-    T("blk.0.ffn_norm.bias", f->n2b, HIDDEN, 1);
-    T("blk.0.ffn_up.weight", f->up_w, HIDDEN, FFN1);
-    T("blk.0.ffn_up.bias", f->up_b, FFN1, 1);
-    T("blk.0.ffn_down.weight", f->down_w, FFN1, HIDDEN);
-    T("blk.0.ffn_down.bias", f->down_b, HIDDEN, 1);
-    T("output_norm.weight", f->fw, HIDDEN, 1);
-    T("output_norm.bias", f->fb, HIDDEN, 1);
-    T("output.weight", identity, HIDDEN, HIDDEN);
-#undef T
-    char err[512];
-    int rc = loom_gguf_write(w, out, err, sizeof err);
-    if (rc)
-        fprintf(stderr, "writing %s: %s\n", out, err);
-    loom_gguf_writer_free(w);
-    return rc;
+    placeholder_vocab(w, 1, 2); /* the fixture's ids 1 and 2 stand for [gMASK] and <sop> */
+    add_f32(w, "token_embd.weight", f->embd, HIDDEN, VOCAB);
+    add_f32(w, "blk.0.attn_norm.weight", f->n1w, HIDDEN, 1);
+    add_f32(w, "blk.0.attn_norm.bias", f->n1b, HIDDEN, 1);
+    add_f32(w, "blk.0.attn_qkv.weight", qkv_w, HIDDEN, 96);
+    add_f32(w, "blk.0.attn_qkv.bias", qkv_b, 96, 1);
+    add_f32(w, "blk.0.attn_output.weight", f->dense_w, HIDDEN, HIDDEN);
+    add_f32(w, "blk.0.attn_output.bias", f->dense_b, HIDDEN, 1);
+    add_f32(w, "blk.0.ffn_norm.weight", f->n2w, HIDDEN, 1);
+    add_f32(w, "blk.0.ffn_norm.bias", f->n2b, HIDDEN, 1);
+    add_f32(w, "blk.0.ffn_up.weight", f->up_w, HIDDEN, FFN1);
+    add_f32(w, "blk.0.ffn_up.bias", f->up_b, FFN1, 1);
+    add_f32(w, "blk.0.ffn_down.weight", f->down_w, FFN1, HIDDEN);
+    add_f32(w, "blk.0.ffn_down.bias", f->down_b, HIDDEN, 1);
+    add_f32(w, "output_norm.weight", f->fw, HIDDEN, 1);
+    add_f32(w, "output_norm.bias", f->fb, HIDDEN, 1);
+    add_f32(w, "output.weight", identity_matrix(), HIDDEN, HIDDEN);
+    return finish_gguf(w, out);
 }
 
 static double max_err(const float *got, const float *want);
@@ -201,9 +193,6 @@ static double max_err(const float *got, const float *want);
  * the per-head interleaved QKV, ice_text.model), for loom convert to turn into chatglm1. */
 static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ice_text)
 {
-    static float identity[HIDDEN][HIDDEN];
-    for (int i = 0; i < HIDDEN; i++)
-        identity[i][i] = 1.0f;
     static const struct { const char *name; int r, c; size_t off; } t[] = {
 #define AT(field) offsetof(glm1_file, field)
         {"transformer.word_embeddings.weight", VOCAB, HIDDEN, AT(embd)},
@@ -255,7 +244,8 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
     fwrite(header, 1, (size_t)k, out);
     for (int i = 0; i < N; i++) {
         size_t bytes = (size_t)(t[i].r ? t[i].r : 1) * (size_t)t[i].c * 4;
-        fwrite(t[i].off == (size_t)-1 ? (const void *)identity : (const char *)f + t[i].off, 1, bytes, out);
+        fwrite(t[i].off == (size_t)-1 ? (const void *)identity_matrix() : (const char *)f + t[i].off, 1,
+               bytes, out);
     }
     fclose(out);
     snprintf(path, sizeof path, "%s/config.json", dir);
