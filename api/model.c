@@ -64,7 +64,7 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!opts)
         opts = &none;
     loom_runner_options ro = {.n_ctx = opts->n_ctx, .n_kv_blocks = opts->kv_blocks,
-                              .block_size = opts->block_size};
+                              .n_kv_seqs = opts->kv_sequences, .block_size = opts->block_size};
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;
     else if (strcmp(opts->kv_type, "f32") == 0)

@@ -12,6 +12,7 @@
 #include "runner.h"
 
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -449,7 +450,14 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         n_ctx = 4096;
     r->opt.n_ctx = n_ctx;
     int32_t seq_blocks = (n_ctx + r->opt.block_size - 1) / r->opt.block_size;
-    r->n_blocks = r->opt.n_kv_blocks > 0 ? r->opt.n_kv_blocks : seq_blocks;
+    r->n_blocks = seq_blocks;
+    if (r->opt.n_kv_blocks > 0) {
+        r->n_blocks = r->opt.n_kv_blocks;
+    } else if (r->opt.n_kv_seqs > 0) {
+        int64_t each = ((n_ctx < 1024 ? n_ctx : 1024) + r->opt.block_size - 1) / r->opt.block_size;
+        int64_t total = each * r->opt.n_kv_seqs;
+        r->n_blocks = total > seq_blocks ? (total < INT32_MAX ? (int32_t)total : INT32_MAX) : seq_blocks;
+    }
     if (r->opt.kv_type == LOOM_Q8_0 && hp->head_dim % LOOM_QK) {
         snprintf(err, err_size, "a q8_0 KV cache needs head_dim to be a multiple of 32 (it is %d)",
                  hp->head_dim);

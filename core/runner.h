@@ -63,7 +63,9 @@ typedef struct loom_runner_options {
     int32_t block_size;  /* KV block size, default 16 */
     loom_dtype kv_type;  /* LOOM_F16 (default) or LOOM_F32 */
     int32_t n_batch;     /* prefill chunk, default 256 */
-    int32_t n_kv_blocks; /* KV cache blocks; 0: enough for one sequence of n_ctx */
+    int32_t n_kv_blocks; /* KV cache blocks; 0: see n_kv_seqs */
+    int32_t n_kv_seqs;   /* with n_kv_blocks 0: blocks for this many sequences of up to 1024
+                          * tokens (n_ctx if shorter), at least one of n_ctx; 0: one of n_ctx */
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */

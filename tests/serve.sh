@@ -196,4 +196,7 @@ kill -TERM "$bpid"; wait "$bpid"
     fail "port in use: rc $rc $(cat "$tmpdir/busy2.log")"
 "$LOOM" serve -m "$MODEL" --max-batch 0 >"$tmpdir/flag.log" 2>&1
 expect_grep "max-batch wants a whole number" "$tmpdir/flag.log" "bad flag value named"
+"$LOOM" serve -m "$MODEL" --kv-blocks 10 >"$tmpdir/kv.log" 2>&1
+expect_grep "kv-blocks 10 holds 160 tokens, less than one 2048-token context" "$tmpdir/kv.log" \
+    "a KV pool smaller than one context is refused with the numbers"
 finish

@@ -1082,34 +1082,22 @@ int loom_serve_main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
 
     char err[4096];
+    /* the KV pool: --kv-blocks, or room for max-batch sequences of up to 1024 tokens */
     loom_model_options mo = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads,
-                             .block_size = (int32_t)block};
-    /* size the cache once the context is known: open, read it, reopen only if needed */
+                             .block_size = (int32_t)block, .kv_blocks = (int32_t)kv_blocks,
+                             .kv_sequences = (int32_t)max_batch};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom serve: %s\n", err);
         return 2;
     }
     int32_t ctx = loom_model_n_ctx(m);
-    long per_seq = (ctx + block - 1) / block;
-    long want = kv_blocks ? kv_blocks : max_batch * ((1024 < ctx ? 1024 : ctx) + block - 1) / block;
-    if (want < per_seq) {
-        if (kv_blocks) {
-            fprintf(stderr, "loom serve: --kv-blocks %ld holds %ld tokens, less than one %d-token "
-                    "context; give at least %ld (or lower -c)\n", kv_blocks, kv_blocks * block, ctx, per_seq);
-            loom_model_close(m);
-            return 2;
-        }
-        want = per_seq;
-    }
-    if (want != per_seq) {
+    if (kv_blocks && kv_blocks * block < ctx) {
+        fprintf(stderr, "loom serve: --kv-blocks %ld holds %ld tokens, less than one %d-token "
+                "context; give at least %ld (or lower -c)\n", kv_blocks, kv_blocks * block, ctx,
+                (ctx + block - 1) / block);
         loom_model_close(m);
-        mo.n_ctx = ctx;
-        mo.kv_blocks = (int32_t)want;
-        if (!(m = loom_model_open(model, &mo, err, sizeof err))) {
-            fprintf(stderr, "loom serve: %s\n", err);
-            return 2;
-        }
+        return 2;
     }
     server srv = {.model = m, .api_key = api_key, .max_body = (size_t)max_body, .n_ctx = ctx,
                   .started = time(NULL)};

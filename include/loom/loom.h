@@ -40,7 +40,10 @@ typedef struct loom_model_options {
     const char *kv_type;  /* "f16" (default), "f32" or "q8_0" */
     const char *backend;  /* a LOOM_BACKEND-style preference list; NULL: LOOM_BACKEND or best */
     int32_t n_threads;    /* 0: the backend's default */
-    int32_t kv_blocks;    /* KV cache blocks for all sequences; 0: one sequence of n_ctx */
+    int32_t kv_blocks;    /* KV cache blocks for all sequences; 0: see kv_sequences */
+    int32_t kv_sequences; /* with kv_blocks 0: room for this many sequences of up to 1024
+                           * tokens (or n_ctx if shorter), never less than one whole context;
+                           * 0: one sequence of n_ctx */
     int32_t block_size;   /* tokens per KV block; 0: 16 */
 } loom_model_options;
 
