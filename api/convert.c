@@ -100,7 +100,7 @@ static void *own(conv *c, size_t bytes)
     return p;
 }
 
-static int parse_type(const char *s, loom_dtype *t)
+int loom_parse_weight_type(const char *s, loom_dtype *t)
 {
     static const loom_dtype all[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
@@ -184,7 +184,7 @@ static int add(conv *c, const char *src, const char *dst, int optional, row_orde
         if (strcmp(c->type, "auto") == 0)
             out_type = (loom_dtype)t->loom_type;
         else
-            parse_type(c->type, &out_type);
+            loom_parse_weight_type(c->type, &out_type);
         if (loom_dtype_block_elems(out_type) > 1 && cols % LOOM_QK) {
             fprintf(stderr, "note: %s stays f32: its rows of %lld are not whole blocks of %d\n",
                     dst, (long long)cols, LOOM_QK);
@@ -208,6 +208,17 @@ static int add(conv *c, const char *src, const char *dst, int optional, row_orde
     if (c->progress)
         c->progress(c->user, c->done, c->total, dst);
     return 0;
+}
+
+/* Layer l's tensor: Hugging Face name LAYERS.l.hf (LAYERS as the family prefixes its layers)
+ * as GGUF blk.l.gg. */
+static int add_layer(conv *c, const char *layers, int l, const char *hf, const char *gg,
+                     int optional, row_order order)
+{
+    char src[256], dst[128];
+    snprintf(src, sizeof src, "%s.%d.%s", layers, l, hf);
+    snprintf(dst, sizeof dst, "blk.%d.%s", l, gg);
+    return add(c, src, dst, optional, order);
 }
 
 /* ChatGLM-6B's SentencePiece model, under its own name */
@@ -855,14 +866,9 @@ static int decoder(conv *c, const char *arch)
         add(c, "lm_head.weight", "output.weight", 1, AS_STORED))
         return -1;
     for (int l = 0; l < n_layer; l++) {
-        char s[128], d[128];
 #define ADD(hf, gg, perm)                                                                      \
-    do {                                                                                       \
-        snprintf(s, sizeof s, "model.layers.%d.%s", l, hf);                                    \
-        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
-        if (add(c, s, d, 0, rope_pairs(perm)))                                                 \
-            return -1;                                                                         \
-    } while (0)
+    if (add_layer(c, "model.layers", l, hf, gg, 0, rope_pairs(perm)))                         \
+        return -1
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
         ADD("self_attn.q_proj.weight", "attn_q.weight", qwen2 ? 0 : n_head);
         ADD("self_attn.k_proj.weight", "attn_k.weight", qwen2 ? 0 : n_kv);
@@ -973,14 +979,9 @@ static int chatglm(conv *c)
         add(c, "transformer.output_layer.weight", "output.weight", 0, AS_STORED))
         return -1;
     for (int l = 0; l < n_layer; l++) {
-        char s[160], d[128];
 #define ADD(hf, gg, opt)                                                                       \
-    do {                                                                                       \
-        snprintf(s, sizeof s, "transformer.encoder.layers.%d.%s", l, hf);                      \
-        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
-        if (add(c, s, d, opt, AS_STORED))                                                      \
-            return -1;                                                                         \
-    } while (0)
+    if (add_layer(c, "transformer.encoder.layers", l, hf, gg, opt, AS_STORED))                \
+        return -1
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
         ADD("self_attention.query_key_value.weight", "attn_qkv.weight", 0);
         ADD("self_attention.query_key_value.bias", "attn_qkv.bias", 1);
@@ -1029,14 +1030,9 @@ static int chatglm1(conv *c)
         return -1;
     row_order qkv = {ROWS_QKV_PER_HEAD, n_head};
     for (int l = 0; l < n_layer; l++) {
-        char s[160], d[128];
 #define ADD(hf, gg, order)                                                                     \
-    do {                                                                                       \
-        snprintf(s, sizeof s, "transformer.layers.%d.%s", l, hf);                              \
-        snprintf(d, sizeof d, "blk.%d.%s", l, gg);                                             \
-        if (add(c, s, d, 0, order))                                                            \
-            return -1;                                                                         \
-    } while (0)
+    if (add_layer(c, "transformer.layers", l, hf, gg, 0, order))                              \
+        return -1
         ADD("input_layernorm.weight", "attn_norm.weight", AS_STORED);
         ADD("input_layernorm.bias", "attn_norm.bias", AS_STORED);
         ADD("attention.query_key_value.weight", "attn_qkv.weight", qkv);
@@ -1060,7 +1056,7 @@ int loom_convert(const char *dir, const char *out, const char *type,
     conv c = {.dir = dir, .type = type ? type : "auto", .progress = progress, .user = user,
               .err = err, .err_size = err_size};
     loom_dtype dummy;
-    if (strcmp(c.type, "auto") != 0 && parse_type(c.type, &dummy) != 0) {
+    if (strcmp(c.type, "auto") != 0 && loom_parse_weight_type(c.type, &dummy) != 0) {
         snprintf(err, err_size, "--type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1", c.type);
         return -1;
     }
@@ -1160,7 +1156,7 @@ int loom_quantize(const char *in, const char *out, const char *type,
                   loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
 {
     loom_dtype target;
-    if (!type || parse_type(type, &target) != 0) {
+    if (!type || loom_parse_weight_type(type, &target) != 0) {
         snprintf(err, err_size, "type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1",
                  type ? type : "(none)");
         return -1;

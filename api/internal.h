@@ -4,6 +4,7 @@
 #ifndef LOOM_API_INTERNAL_H
 #define LOOM_API_INTERNAL_H
 
+#include <loom/backend.h>
 #include <loom/loom.h>
 
 /* A Hugging Face folder converted (keeping its weights' precision) into an anonymous in-memory
@@ -12,6 +13,9 @@
 int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
                            loom_convert_progress_fn progress, void *user, char *err,
                            size_t err_size);
+/* A weight type by its name (f32, f16, bf16, q8_0, q4_0, q4_1): 0, or -1 when it is none. */
+int loom_parse_weight_type(const char *name, loom_dtype *t);
+
 /* Whether path is a folder (then it is taken as a Hugging Face model). */
 int loom_is_model_dir(const char *path);
 /* A progress bar on stderr, for conversions started on the user's behalf. */

@@ -7,6 +7,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "internal.h"
 #include "core/gguf.h"
 
 #include <stdio.h>
@@ -57,17 +58,6 @@ static void *random_matrix(loom_dtype t, int64_t rows, int64_t cols, float amp)
     return out;
 }
 
-static int parse_type(const char *s, loom_dtype *t)
-{
-    static const loom_dtype all[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
-    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
-        if (strcmp(s, loom_dtype_name(all[i])) == 0) {
-            *t = all[i];
-            return 0;
-        }
-    return -1;
-}
-
 int loom_write_synthetic_model(const char *path, const char *shape_name, const char *type_name,
                                char *err, size_t err_size)
 {
@@ -81,7 +71,7 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
                  loom_synthetic_shapes());
         return -1;
     }
-    if (parse_type(type_name, &wt)) {
+    if (loom_parse_weight_type(type_name, &wt)) {
         snprintf(err, err_size, "weight type '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_1",
                  type_name);
         return -1;
