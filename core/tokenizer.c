@@ -468,6 +468,15 @@ static void emit(out_ids *o, int32_t id)
     o->n++;
 }
 
+/* Text no piece covers, spelled with <0xXX> byte tokens (unknown when the vocabulary has none). */
+static void emit_bytes(const loom_tokenizer *t, const char *p, size_t n, out_ids *o)
+{
+    for (size_t j = 0; j < n; j++) {
+        int32_t bid = t->byte_ids[(unsigned char)p[j]];
+        emit(o, bid >= 0 ? bid : t->unk);
+    }
+}
+
 static int try_pair(const loom_tokenizer *t, const char *text, const symbol *sym, int left,
                     heap *h)
 {
@@ -551,10 +560,7 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
             emit(o, id);
             continue;
         }
-        for (size_t j = 0; j < sym[i].n; j++) {
-            int32_t bid = t->byte_ids[(unsigned char)text[sym[i].start + j]];
-            emit(o, bid >= 0 ? bid : t->unk);
-        }
+        emit_bytes(t, text + sym[i].start, sym[i].n, o);
     }
     free(h.items);
     free(text);
@@ -612,10 +618,7 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
             emit(o, piece[e]);
             continue;
         }
-        for (size_t b = s; b < e; b++) { /* an unknown character: its bytes */
-            int32_t bid = t->byte_ids[(unsigned char)text[b]];
-            emit(o, bid >= 0 ? bid : t->unk);
-        }
+        emit_bytes(t, text + s, e - s, o); /* an unknown character: its bytes */
     }
     free(path), free(text), free(best), free(from), free(piece);
     return rc;
