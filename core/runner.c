@@ -48,6 +48,7 @@ struct loom_runner {
     loom_rt_inputs in;
     int has_prefix;             /* this step has in.prefix_len */
     int32_t seq_prefix_len;     /* loom_runner_eval's one sequence */
+    int32_t *eval_host;         /* loom_runner_eval's positions, slots and block table */
 
     scratch_slot scratch[MAX_SCRATCH];
     int n_scratch_used;
@@ -514,7 +515,7 @@ void loom_runner_free(loom_runner *r)
     if (r->in_buf)
         ops->buffer_free(r->dev->be, r->in_buf);
     free(r->weights), free(r->weight_bufs), free(r->weight_ready);
-    free(r->kc), free(r->vc), free(r->logits), free(r->in_host);
+    free(r->kc), free(r->vc), free(r->logits), free(r->in_host), free(r->eval_host);
     free(r);
 }
 
@@ -707,14 +708,15 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
         return -1;
     }
     int32_t nb = r->opt.n_batch;
-    int32_t *host = malloc((size_t)(4 * nb + n_table) * sizeof *host);
-    if (!host) {
-        snprintf(err, err_size, "out of memory");
-        return -1;
+    if (!r->eval_host) { /* once per runner: decoding calls this for every token */
+        if (!(r->eval_host = malloc((size_t)(3 * nb + n_table) * sizeof *r->eval_host))) {
+            snprintf(err, err_size, "out of memory");
+            return -1;
+        }
+        for (int32_t i = 0; i < n_table; i++)
+            r->eval_host[3 * nb + i] = i; /* one sequence over blocks 0, 1, 2... */
     }
-    int32_t *pos = host + nb, *seq = host + 2 * nb, *slots = host + 3 * nb, *table = host + 4 * nb;
-    for (int32_t i = 0; i < n_table; i++)
-        table[i] = i; /* one sequence over blocks 0, 1, 2... */
+    int32_t *pos = r->eval_host, *seq = pos + nb, *slots = seq + nb, *table = slots + nb;
     if (pos0 == 0)
         r->seq_prefix_len = loom_runner_prefix_len(r, ids, n);
     int rc = 0;
@@ -729,6 +731,5 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
                         c0 + m == n ? 1 : 0, &last, r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
     }
-    free(host);
     return rc;
 }
