@@ -12,7 +12,7 @@
 #include <loom/loom.h>
 
 #include "core/gguf.h"
-#include "core/loader.h"
+#include "backends.h"
 
 #include "check.h"
 
@@ -159,16 +159,13 @@ static void test_tiny_llama(void)
     CHECK(loom_convert(hf, f32, "f32", NULL, NULL, err, sizeof err) == 0, "f32: %s", err);
     CHECK(loom_convert(hf, q8, "q8_0", NULL, NULL, err, sizeof err) == 0, "q8_0: %s", err);
     CHECK(loom_convert(hf, q4, "q4_0", NULL, NULL, err, sizeof err) == 0, "q4_0: %s", err);
-    loom_registry reg;
-    if (loom_registry_scan(&reg, err, sizeof err) != 0)
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    if (n_backends < 0)
         return;
-    for (int i = 0; i < reg.count; i++) {
-        const loom_candidate *c = &reg.items[i];
-        if (c->state != LOOM_CAND_USABLE)
-            continue;
-        char label[160];
-        snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
-        int exact = strcmp(c->name, "ref") == 0; /* f32 activations into quantised matmuls */
+    for (int i = 0; i < n_backends; i++) {
+        const char *label = backends[i];
+        int exact = strcmp(label, "ref") == 0; /* f32 activations into quantised matmuls */
         check_model("tiny-llama", f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
         check_model("tiny-llama", hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
         /* Q8_0: loom's quantiser is ggml's quantize_row_q8_0_ref (x * (1/d), roundf); the
@@ -178,7 +175,6 @@ static void test_tiny_llama(void)
         check_model("tiny-llama", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
         check_model("tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
     }
-    loom_registry_free(&reg);
 
     /* loom quantize of the f32 file gives the same tensors as converting straight to q4_0 */
     char rq[4200];
@@ -216,21 +212,17 @@ static void test_tiny_qwen2(void)
     snprintf(glm, sizeof glm, "%s/tiny-chatglm3", dir);
     snprintf(glmf, sizeof glmf, "%s/chatglm3-f32.gguf", tmp);
     CHECK(loom_convert(glm, glmf, "f32", NULL, NULL, err, sizeof err) == 0, "chatglm3: %s", err);
-    loom_registry reg;
-    if (loom_registry_scan(&reg, err, sizeof err) != 0)
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    if (n_backends < 0)
         return;
-    for (int i = 0; i < reg.count; i++) {
-        const loom_candidate *c = &reg.items[i];
-        if (c->state != LOOM_CAND_USABLE)
-            continue;
-        char label[160];
-        snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+    for (int i = 0; i < n_backends; i++) {
+        const char *label = backends[i];
         check_model("tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
         /* ChatGLM3: fused qkv with bias, multi-query groups, half-head adjacent RoPE, fused
          * gate/up, [gMASK] sop prefix; bf16 weights upcast exactly */
         check_model("tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
     }
-    loom_registry_free(&reg);
     unlink(glmf);
 
     /* llama.cpp's test vectors for the Qwen2 vocabulary, through the converted tokenizer */

@@ -9,7 +9,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
-#include "core/loader.h"
+#include "backends.h"
 
 #include "check.h"
 
@@ -137,29 +137,22 @@ static void test_errors(void)
 
 int main(void)
 {
-    const char *f = getenv("LOOM_FIXTURES");
-    snprintf(dir, sizeof dir, "%s", f && *f ? f : "");
-    if (!dir[0])
-        snprintf(dir, sizeof dir, "%s/../shared/fixtures", env_or("top_srcdir", "."));
+    snprintf(dir, sizeof dir, "%s", fixtures_dir());
     char probe[4200];
     snprintf(probe, sizeof probe, "%s/stories260K/original/stories260K.gguf", dir);
     need_fixture(probe);
     unsetenv("LOOM_BACKEND");
-    loom_registry reg;
-    if (loom_registry_scan(&reg, err, sizeof err) != 0)
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    if (n_backends < 0)
         return 1;
-    for (int i = 0; i < reg.count; i++) {
-        const loom_candidate *c = &reg.items[i];
-        if (c->state != LOOM_CAND_USABLE)
-            continue;
-        char label[160];
-        snprintf(label, sizeof label, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+    for (int i = 0; i < n_backends; i++) {
+        const char *label = backends[i];
         run_backend(label, label);
     }
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run_backend("ref", "ref (opaque buffers)");
     unsetenv("LOOM_REF_OPAQUE");
-    loom_registry_free(&reg);
     test_errors();
     return check_finish("test_models");
 }

@@ -1,0 +1,34 @@
+/*
+ * tests/backends.h - the backends a test runs on: every module usable on this machine, by the
+ * label LOOM_BACKEND selects it with ("cpu-avx2", "ref", ...).
+ */
+#ifndef LOOM_TESTS_BACKENDS_H
+#define LOOM_TESTS_BACKENDS_H
+
+#include "core/loader.h"
+
+#include <stdio.h>
+
+#define MAX_TEST_BACKENDS 16
+
+/* Fills labels with the usable backends' names; returns how many (-1 when the scan failed). */
+static inline int usable_backends(char labels[][160], int max)
+{
+    char err[512];
+    loom_registry reg;
+    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+        fprintf(stderr, "scanning for backends: %s\n", err);
+        loom_registry_free(&reg);
+        return -1;
+    }
+    int n = 0;
+    for (int i = 0; i < reg.count && n < max; i++) {
+        const loom_candidate *c = &reg.items[i];
+        if (c->state == LOOM_CAND_USABLE)
+            snprintf(labels[n++], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+    }
+    loom_registry_free(&reg);
+    return n;
+}
+
+#endif
