@@ -6,12 +6,13 @@
  * request's state (a job) is shared by its connection thread and the engine thread: a mutex
  * and condition variable guard it, and a reference count frees it once both are done with it.
  * Request and response shapes follow the OpenAI API as the official Python client sends and
- * reads them.
+ * reads them; tools/openai_request.c checks and reads request bodies.
  */
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
 #include "args.h"
+#include "openai_request.h"
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -29,17 +30,12 @@
 #include <time.h>
 #include <unistd.h>
 
-#define MAX_CHOICES 8
-#define MAX_STOPS 4
 
 typedef struct server {
-    loom_model *model;
+    openai_model api; /* the model, its name, chat template and context */
     loom_engine *engine;
-    const char *model_name;
     const char *api_key;
-    const char *chat_template;
     size_t max_body;
-    int32_t n_ctx;
     volatile int shutting_down;
     time_t started;
     pthread_mutex_t count_lock;
@@ -64,7 +60,7 @@ typedef struct job {
     int refs;
     server *srv;
     int chat, stream, include_usage, n;
-    choice ch[MAX_CHOICES];
+    choice ch[OPENAI_MAX_CHOICES];
     int32_t n_prompt, n_cached;
     char id[40];
     time_t created;
@@ -86,27 +82,12 @@ static void job_unref(job *j)
     pthread_mutex_unlock(&j->mu);
     if (left)
         return;
-    for (int i = 0; i < MAX_CHOICES; i++)
+    for (int i = 0; i < OPENAI_MAX_CHOICES; i++)
         free(j->ch[i].text);
     free(j->out);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
     free(j);
-}
-
-static int append(char **buf, size_t *len, size_t *cap, const char *s, size_t n)
-{
-    if (*len + n + 1 > *cap) {
-        size_t c = (*len + n + 1) * 2;
-        char *nb = realloc(*buf, c);
-        if (!nb)
-            return -1;
-        *buf = nb, *cap = c;
-    }
-    memcpy(*buf + *len, s, n);
-    *len += n;
-    (*buf)[*len] = 0;
-    return 0;
 }
 
 static void on_event(void *user, const loom_event *ev)
@@ -116,7 +97,7 @@ static void on_event(void *user, const loom_event *ev)
     choice *c = &j->ch[t->index];
     pthread_mutex_lock(&j->mu);
     if (ev->kind == LOOM_EVENT_TEXT) {
-        append(&c->text, &c->len, &c->cap, ev->text, ev->len);
+        buf_append(&c->text, &c->len, &c->cap, ev->text, ev->len);
     } else {
         c->done = 1;
         c->n_generated = ev->n_generated;
@@ -225,7 +206,7 @@ static cJSON *response_head(const job *j, const char *object)
     cJSON_AddStringToObject(o, "id", j->id);
     cJSON_AddStringToObject(o, "object", object);
     cJSON_AddNumberToObject(o, "created", (double)j->created);
-    cJSON_AddStringToObject(o, "model", j->srv->model_name);
+    cJSON_AddStringToObject(o, "model", j->srv->api.model_name);
     cJSON_AddStringToObject(o, "system_fingerprint", "loom");
     return o;
 }
@@ -266,9 +247,9 @@ static void sse(job *j, cJSON *o)
     cJSON_Delete(o);
     if (!s)
         return;
-    append(&j->out, &j->out_len, &j->out_cap, "data: ", 6);
-    append(&j->out, &j->out_len, &j->out_cap, s, strlen(s));
-    append(&j->out, &j->out_len, &j->out_cap, "\n\n", 2);
+    buf_append(&j->out, &j->out_len, &j->out_cap, "data: ", 6);
+    buf_append(&j->out, &j->out_len, &j->out_cap, s, strlen(s));
+    buf_append(&j->out, &j->out_len, &j->out_cap, "\n\n", 2);
     free(s);
 }
 
@@ -313,7 +294,7 @@ static void stream_format(job *j)
             cJSON_AddItemToObject(o, "usage", usage_json(j));
             sse(j, o);
         }
-        append(&j->out, &j->out_len, &j->out_cap, "data: [DONE]\n\n", 14);
+        buf_append(&j->out, &j->out_len, &j->out_cap, "data: [DONE]\n\n", 14);
         j->finished = 1;
     }
 }
@@ -410,338 +391,6 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
     return send_json(con, 200, o);
 }
 
-/* ---- request parsing ---------------------------------------------------------------------- */
-
-typedef struct parsed {
-    int32_t *ids;
-    int32_t n_ids;
-    int32_t max_tokens; /* -1: to the end of the context */
-    int max_tokens_given;
-    int n, stream, include_usage;
-    loom_sampling s;
-    int seed_given;
-    const char *stops[MAX_STOPS];
-    int n_stops;
-} parsed;
-
-typedef struct bad {
-    char msg[512];
-    char param_buf[64];  /* a copy: the request's JSON is gone when the error is sent */
-    const char *param;
-    const char *code;
-    unsigned status;
-} bad;
-
-static int fail(bad *b, unsigned status, const char *param, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(b->msg, sizeof b->msg, fmt, ap);
-    va_end(ap);
-    b->param = NULL;
-    if (param) {
-        snprintf(b->param_buf, sizeof b->param_buf, "%s", param);
-        b->param = b->param_buf;
-    }
-    b->status = status;
-    return -1;
-}
-
-static const char *json_type(const cJSON *v)
-{
-    return cJSON_IsString(v) ? "a string" : cJSON_IsNumber(v) ? "a number" : cJSON_IsBool(v) ? "a boolean"
-           : cJSON_IsArray(v) ? "an array" : cJSON_IsObject(v) ? "an object" : "null";
-}
-
-static int get_number(const cJSON *o, const char *key, double lo, double hi, int integer, double *out,
-                      bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v))
-        return 0;
-    if (!cJSON_IsNumber(v))
-        return fail(b, 400, key, "'%s' must be a number, not %s", key, json_type(v));
-    double x = v->valuedouble;
-    if (!isfinite(x) || x < lo || x > hi || (integer && x != floor(x)))
-        return fail(b, 400, key, "'%s' must be %s from %g to %g; got %g", key,
-                    integer ? "a whole number" : "a number", lo, hi, x);
-    *out = x;
-    return 1;
-}
-
-static int get_bool(const cJSON *o, const char *key, int *out, bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v))
-        return 0;
-    if (!cJSON_IsBool(v))
-        return fail(b, 400, key, "'%s' must be a boolean, not %s", key, json_type(v));
-    *out = cJSON_IsTrue(v);
-    return 1;
-}
-
-/* Fields the OpenAI API defines that loom accepts only at their "off" value. */
-static int unsupported(const cJSON *body, const char *key, bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, key);
-    if (!v || cJSON_IsNull(v) || cJSON_IsFalse(v) ||
-        ((cJSON_IsObject(v) || cJSON_IsArray(v)) && !v->child))
-        return 0;
-    if (!strcmp(key, "response_format") && cJSON_IsObject(v)) {
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
-        if (cJSON_IsString(t) && !strcmp(t->valuestring, "text"))
-            return 0;
-    }
-    if (!strcmp(key, "best_of") && cJSON_IsNumber(v) && v->valuedouble == 1)
-        return 0;
-    return fail(b, 400, key, "'%s' is not supported by this server (loom)", key);
-}
-
-static int check_known(const cJSON *body, const char *const *known, bad *b)
-{
-    for (const cJSON *f = body->child; f; f = f->next) {
-        int ok = 0;
-        for (int i = 0; known[i] && !ok; i++)
-            ok = !strcmp(f->string, known[i]);
-        if (!ok)
-            return fail(b, 400, f->string, "Unrecognized request argument supplied: %s", f->string);
-    }
-    return 0;
-}
-
-static int tokenize_text(server *srv, const char *text, int parse_special, parsed *p, bad *b)
-{
-    char err[512];
-    int64_t n = loom_tokenize(srv->model, text, 1, parse_special, NULL, 0, err, sizeof err);
-    if (n < 0)
-        return fail(b, 500, NULL, "%s", err);
-    p->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *p->ids);
-    if (!p->ids)
-        return fail(b, 500, NULL, "out of memory");
-    p->n_ids = (int32_t)loom_tokenize(srv->model, text, 1, parse_special, p->ids, n, err, sizeof err);
-    return 0;
-}
-
-/* A chat message's content: a string, or an array of {"type": "text", "text": ...} parts. */
-static char *message_text(const cJSON *content, int index, bad *b)
-{
-    if (cJSON_IsString(content))
-        return strdup(content->valuestring);
-    if (!cJSON_IsArray(content)) {
-        fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts", index);
-        return NULL;
-    }
-    size_t len = 0, cap = 0;
-    char *s = NULL;
-    append(&s, &len, &cap, "", 0);
-    for (const cJSON *part = content->child; part; part = part->next) {
-        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
-        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
-        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(text)) {
-            free(s);
-            fail(b, 400, "messages", "messages[%d].content: only text parts are supported", index);
-            return NULL;
-        }
-        append(&s, &len, &cap, text->valuestring, strlen(text->valuestring));
-    }
-    return s;
-}
-
-static int parse_messages(server *srv, const cJSON *body, parsed *p, bad *b)
-{
-    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
-    if (!msgs)
-        return fail(b, 400, "messages", "Missing required parameter: 'messages'");
-    if (!cJSON_IsArray(msgs) || !msgs->child)
-        return fail(b, 400, "messages", "'messages' must be a non-empty array");
-    int n = cJSON_GetArraySize(msgs);
-    loom_chat_message *m = calloc((size_t)n, sizeof *m);
-    if (!m)
-        return fail(b, 500, NULL, "out of memory");
-    int i = 0, rc = 0;
-    for (const cJSON *x = msgs->child; x && rc == 0; x = x->next, i++) {
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(x, "role");
-        const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
-        if (!cJSON_IsObject(x) || !cJSON_IsString(role)) {
-            rc = fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'", i);
-            break;
-        }
-        const char *r = role->valuestring;
-        if (!strcmp(r, "developer"))
-            r = "system";
-        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant")) {
-            rc = fail(b, 400, "messages", "messages[%d].role '%s' is not one of system, developer, "
-                      "user, assistant", i, role->valuestring);
-            break;
-        }
-        m[i].role = r;
-        if (!(m[i].content = message_text(content, i, b)))
-            rc = -1;
-    }
-    char *prompt = NULL, err[512];
-    if (rc == 0 && loom_chat_render(srv->chat_template, m, n, 1, &prompt, err, sizeof err) != 0)
-        rc = fail(b, 400, "messages", "%s", err);
-    if (rc == 0)
-        rc = tokenize_text(srv, prompt, 1, p, b);
-    free(prompt);
-    for (int k = 0; k < n; k++)
-        free((char *)m[k].content);
-    free(m);
-    return rc;
-}
-
-static int parse_prompt(server *srv, const cJSON *body, parsed *p, bad *b)
-{
-    const cJSON *pr = cJSON_GetObjectItemCaseSensitive(body, "prompt");
-    if (!pr)
-        return fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
-    if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
-        pr = pr->child; /* ["text"] */
-    if (cJSON_IsString(pr))
-        return tokenize_text(srv, pr->valuestring, 0, p, b);
-    if (cJSON_IsArray(pr) && cJSON_IsArray(pr->child) && cJSON_GetArraySize(pr) == 1)
-        pr = pr->child; /* [[ids]] */
-    if (cJSON_IsArray(pr) && pr->child && cJSON_IsNumber(pr->child)) {
-        int n = cJSON_GetArraySize(pr);
-        int32_t nv = loom_model_n_vocab(srv->model);
-        p->ids = malloc((size_t)n * sizeof *p->ids);
-        if (!p->ids)
-            return fail(b, 500, NULL, "out of memory");
-        for (const cJSON *x = pr->child; x; x = x->next) {
-            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 ||
-                x->valuedouble >= nv)
-                return fail(b, 400, "prompt", "prompt token ids must be whole numbers from 0 to %d", nv - 1);
-            p->ids[p->n_ids++] = (int32_t)x->valuedouble;
-        }
-        return 0;
-    }
-    if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) > 1)
-        return fail(b, 400, "prompt", "loom serves one prompt per request; send the %d prompts as "
-                    "separate requests (they run concurrently)", cJSON_GetArraySize(pr));
-    return fail(b, 400, "prompt", "'prompt' must be a string, an array of token ids, or a one-element "
-                "array of either; got %s", json_type(pr));
-}
-
-static int parse_request(server *srv, const cJSON *body, int chat, parsed *p, bad *b)
-{
-    static const char *const completion_fields[] = {
-        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-        "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
-        "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        NULL};
-    static const char *const chat_fields[] = {
-        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-        "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
-        "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "store", "metadata",
-        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", NULL};
-    static const char *const completion_unsupported[] = {"echo", "logprobs", "best_of", "logit_bias",
-                                                         "suffix", NULL};
-    static const char *const chat_unsupported[] = {"logprobs", "top_logprobs", "logit_bias",
-                                                   "response_format", "tools", "tool_choice",
-                                                   "functions", "function_call", NULL};
-    if (!cJSON_IsObject(body))
-        return fail(b, 400, NULL, "the request body must be a JSON object");
-    if (check_known(body, chat ? chat_fields : completion_fields, b))
-        return -1;
-    for (const char *const *u = chat ? chat_unsupported : completion_unsupported; *u; u++)
-        if (unsupported(body, *u, b))
-            return -1;
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
-    if (!model)
-        return fail(b, 400, "model", "Missing required parameter: 'model' (this server has '%s')",
-                    srv->model_name);
-    if (!cJSON_IsString(model))
-        return fail(b, 400, "model", "'model' must be a string, not %s", json_type(model));
-    if (strcmp(model->valuestring, srv->model_name)) {
-        b->code = "model_not_found";
-        return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
-                    model->valuestring, srv->model_name);
-    }
-    p->s = loom_sampling_defaults();
-    p->s.temperature = 1, p->s.top_p = 1, p->s.top_k = 0, p->s.min_p = 0; /* OpenAI's defaults */
-    p->max_tokens = chat ? -1 : 16;
-    p->n = 1;
-    double x;
-    int r;
-    const char *mt = chat && cJSON_GetObjectItemCaseSensitive(body, "max_completion_tokens")
-                         ? "max_completion_tokens" : "max_tokens";
-    if ((r = get_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0) return -1;
-    if (r) p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
-    if ((r = get_number(body, "temperature", 0, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.temperature = (float)x;
-    if ((r = get_number(body, "top_p", 0, 1, 0, &x, b)) < 0) return -1;
-    if (r) p->s.top_p = (float)x;
-    if ((r = get_number(body, "top_k", -1, 1 << 24, 1, &x, b)) < 0) return -1;
-    if (r) p->s.top_k = x < 0 ? 0 : (int32_t)x;
-    if ((r = get_number(body, "min_p", 0, 1, 0, &x, b)) < 0) return -1;
-    if (r) p->s.min_p = (float)x;
-    if ((r = get_number(body, "repetition_penalty", 0.01, 100, 0, &x, b)) < 0) return -1;
-    if (r) p->s.repeat_penalty = (float)x;
-    if ((r = get_number(body, "presence_penalty", -2, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.presence_penalty = (float)x;
-    if ((r = get_number(body, "frequency_penalty", -2, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.frequency_penalty = (float)x;
-    if ((r = get_number(body, "n", 1, MAX_CHOICES, 1, &x, b)) < 0) return -1;
-    if (r) p->n = (int)x;
-    if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0) return -1;
-    if (r) p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
-    if (get_bool(body, "stream", &p->stream, b) < 0) return -1;
-    if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0) return -1;
-    if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)
-        p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */
-    const cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
-    if (so && !cJSON_IsNull(so)) {
-        if (!cJSON_IsObject(so))
-            return fail(b, 400, "stream_options", "'stream_options' must be an object");
-        if (get_bool(so, "include_usage", &p->include_usage, b) < 0)
-            return -1;
-    }
-    const cJSON *stop = cJSON_GetObjectItemCaseSensitive(body, "stop");
-    if (cJSON_IsString(stop)) {
-        p->stops[p->n_stops++] = stop->valuestring;
-    } else if (cJSON_IsArray(stop)) {
-        if (cJSON_GetArraySize(stop) > MAX_STOPS)
-            return fail(b, 400, "stop", "'stop' takes at most %d strings", MAX_STOPS);
-        for (const cJSON *s = stop->child; s; s = s->next) {
-            if (!cJSON_IsString(s))
-                return fail(b, 400, "stop", "'stop' must be a string or an array of strings");
-            p->stops[p->n_stops++] = s->valuestring;
-        }
-    } else if (stop && !cJSON_IsNull(stop)) {
-        return fail(b, 400, "stop", "'stop' must be a string or an array of strings, not %s",
-                    json_type(stop));
-    }
-    for (int i = 0; i < p->n_stops; i++)
-        if (!p->stops[i][0])
-            return fail(b, 400, "stop", "stop strings must not be empty");
-    if ((chat ? parse_messages(srv, body, p, b) : parse_prompt(srv, body, p, b)) != 0)
-        return -1;
-    if (p->n_ids <= 0)
-        return fail(b, 400, "prompt", "the prompt gives no tokens");
-    int32_t want = p->n_ids + (p->max_tokens_given ? p->max_tokens : 1);
-    if (want > srv->n_ctx) {
-        b->code = "context_length_exceeded";
-        if (p->max_tokens_given)
-            return fail(b, 400, chat ? "messages" : "prompt",
-                        "This model's maximum context length is %d tokens. However, you requested "
-                        "%d tokens (%d in the prompt, %d for the completion). Please reduce the "
-                        "prompt or the completion length.",
-                        srv->n_ctx, want, p->n_ids, p->max_tokens);
-        return fail(b, 400, chat ? "messages" : "prompt",
-                    "This model's maximum context length is %d tokens, and the prompt has %d "
-                    "(at least one more is needed for the completion).", srv->n_ctx, p->n_ids);
-    }
-    if (!p->stream && p->include_usage)
-        return fail(b, 400, "stream_options", "'stream_options' is only allowed with stream: true");
-    if (!p->seed_given) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        p->s.seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
-    }
-    return 0;
-}
-
 /* ---- endpoints ---------------------------------------------------------------------------- */
 
 static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, const char *body,
@@ -756,7 +405,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     }
     parsed p = {0};
     bad b = {0};
-    if (parse_request(srv, req, chat, &p, &b) != 0) {
+    if (openai_parse_request(&srv->api, req, chat, &p, &b) != 0) {
         free(p.ids);
         cJSON_Delete(req);
         return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
@@ -845,7 +494,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     do {                                                                                       \
         int k = snprintf(line, sizeof line, "# HELP " name " " help "\n# TYPE " name " " type  \
                          "\n" name fmt "\n", __VA_ARGS__);                                     \
-        append(&out, &len, &cap, line, (size_t)k);                                             \
+        buf_append(&out, &len, &cap, line, (size_t)k);                                             \
     } while (0)
     METRIC("loom_requests_running", "gauge", "Requests being generated.", " %d", s.running);
     METRIC("loom_requests_waiting", "gauge", "Requests queued for admission.", " %d", s.waiting);
@@ -867,7 +516,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
                      "# TYPE loom_kv_blocks gauge\nloom_kv_blocks{state=\"used\"} %d\n"
                      "loom_kv_blocks{state=\"cached\"} %d\nloom_kv_blocks{state=\"free\"} %d\n",
                      s.block_size, s.kv_used, s.kv_cached, s.kv_free);
-    append(&out, &len, &cap, line, (size_t)k);
+    buf_append(&out, &len, &cap, line, (size_t)k);
     METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.", " %llu",
            (unsigned long long)s.preemptions);
     METRIC("loom_engine_steps_total", "counter", "Forward passes run.", " %llu",
@@ -890,11 +539,11 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
     cJSON_AddStringToObject(o, "object", "list");
     d = cJSON_AddArrayToObject(o, "data");
     cJSON *m = cJSON_CreateObject();
-    cJSON_AddStringToObject(m, "id", srv->model_name);
+    cJSON_AddStringToObject(m, "id", srv->api.model_name);
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)srv->started);
     cJSON_AddStringToObject(m, "owned_by", "loom");
-    cJSON_AddNumberToObject(m, "max_model_len", srv->n_ctx);
+    cJSON_AddNumberToObject(m, "max_model_len", srv->api.n_ctx);
     cJSON_AddItemToArray(d, m);
     return send_json(con, 200, o);
 }
@@ -944,7 +593,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
     if (*upload_size) {
         if (cs->len + *upload_size > srv->max_body)
             cs->too_big = 1; /* keep reading, to answer with an error rather than a reset */
-        else if (append(&cs->body, &cs->len, &cs->cap, upload, *upload_size) != 0)
+        else if (buf_append(&cs->body, &cs->len, &cs->cap, upload, *upload_size) != 0)
             cs->too_big = 1;
         *upload_size = 0;
         return MHD_YES;
@@ -1099,15 +748,15 @@ int loom_serve_main(int argc, char **argv)
         loom_model_close(m);
         return 2;
     }
-    server srv = {.model = m, .api_key = api_key, .max_body = (size_t)max_body, .n_ctx = ctx,
-                  .started = time(NULL)};
+    server srv = {.api = {.model = m, .n_ctx = ctx}, .api_key = api_key,
+                  .max_body = (size_t)max_body, .started = time(NULL)};
     pthread_mutex_init(&srv.count_lock, NULL);
-    srv.model_name = name ? name : loom_model_name(m);
+    srv.api.model_name = name ? name : loom_model_name(m);
     int recognised = 1;
-    srv.chat_template = tmpl ? tmpl : loom_model_chat_template(m, &recognised);
+    srv.api.chat_template = tmpl ? tmpl : loom_model_chat_template(m, &recognised);
     if (!recognised)
         fprintf(stderr, "loom serve: warning: the model's chat template is missing or not one loom "
-                "knows; using '%s' (choose with --chat-template)\n", srv.chat_template);
+                "knows; using '%s' (choose with --chat-template)\n", srv.api.chat_template);
     loom_engine_options eo = {(int32_t)max_batch, (int32_t)max_step};
     srv.engine = loom_engine_start(m, &eo, err, sizeof err);
     if (!srv.engine) {
@@ -1132,7 +781,7 @@ int loom_serve_main(int argc, char **argv)
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     loom_engine_stats st = loom_engine_get_stats(srv.engine);
     fprintf(stderr, "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
-            srv.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
+            srv.api.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
     fprintf(stderr, "loom serve: listening on http://%s:%u\n", host, di ? di->port : (unsigned)port);
 
     int sig = 0;

@@ -1,0 +1,340 @@
+/*
+ * tools/openai_request.c - see openai_request.h. Field rules follow the OpenAI API as the
+ * official clients send it: unknown fields are refused, fields loom does not support are
+ * accepted only at their "off" value, numbers are range-checked, and OpenAI's defaults apply.
+ */
+#define _GNU_SOURCE
+#include "openai_request.h"
+
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+int buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n)
+{
+    if (*len + n + 1 > *cap) {
+        size_t c = (*len + n + 1) * 2;
+        char *nb = realloc(*buf, c);
+        if (!nb)
+            return -1;
+        *buf = nb, *cap = c;
+    }
+    memcpy(*buf + *len, s, n);
+    *len += n;
+    (*buf)[*len] = 0;
+    return 0;
+}
+
+static int fail(bad *b, unsigned status, const char *param, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b->msg, sizeof b->msg, fmt, ap);
+    va_end(ap);
+    b->param = NULL;
+    if (param) {
+        snprintf(b->param_buf, sizeof b->param_buf, "%s", param);
+        b->param = b->param_buf;
+    }
+    b->status = status;
+    return -1;
+}
+
+static const char *json_type(const cJSON *v)
+{
+    return cJSON_IsString(v) ? "a string" : cJSON_IsNumber(v) ? "a number" : cJSON_IsBool(v) ? "a boolean"
+           : cJSON_IsArray(v) ? "an array" : cJSON_IsObject(v) ? "an object" : "null";
+}
+
+static int get_number(const cJSON *o, const char *key, double lo, double hi, int integer, double *out,
+                      bad *b)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!v || cJSON_IsNull(v))
+        return 0;
+    if (!cJSON_IsNumber(v))
+        return fail(b, 400, key, "'%s' must be a number, not %s", key, json_type(v));
+    double x = v->valuedouble;
+    if (!isfinite(x) || x < lo || x > hi || (integer && x != floor(x)))
+        return fail(b, 400, key, "'%s' must be %s from %g to %g; got %g", key,
+                    integer ? "a whole number" : "a number", lo, hi, x);
+    *out = x;
+    return 1;
+}
+
+static int get_bool(const cJSON *o, const char *key, int *out, bad *b)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!v || cJSON_IsNull(v))
+        return 0;
+    if (!cJSON_IsBool(v))
+        return fail(b, 400, key, "'%s' must be a boolean, not %s", key, json_type(v));
+    *out = cJSON_IsTrue(v);
+    return 1;
+}
+
+/* Fields the OpenAI API defines that loom accepts only at their "off" value. */
+static int unsupported(const cJSON *body, const char *key, bad *b)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, key);
+    if (!v || cJSON_IsNull(v) || cJSON_IsFalse(v) ||
+        ((cJSON_IsObject(v) || cJSON_IsArray(v)) && !v->child))
+        return 0;
+    if (!strcmp(key, "response_format") && cJSON_IsObject(v)) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
+        if (cJSON_IsString(t) && !strcmp(t->valuestring, "text"))
+            return 0;
+    }
+    if (!strcmp(key, "best_of") && cJSON_IsNumber(v) && v->valuedouble == 1)
+        return 0;
+    return fail(b, 400, key, "'%s' is not supported by this server (loom)", key);
+}
+
+static int check_known(const cJSON *body, const char *const *known, bad *b)
+{
+    for (const cJSON *f = body->child; f; f = f->next) {
+        int ok = 0;
+        for (int i = 0; known[i] && !ok; i++)
+            ok = !strcmp(f->string, known[i]);
+        if (!ok)
+            return fail(b, 400, f->string, "Unrecognized request argument supplied: %s", f->string);
+    }
+    return 0;
+}
+
+static int tokenize_text(const openai_model *srv, const char *text, int parse_special, parsed *p, bad *b)
+{
+    char err[512];
+    int64_t n = loom_tokenize(srv->model, text, 1, parse_special, NULL, 0, err, sizeof err);
+    if (n < 0)
+        return fail(b, 500, NULL, "%s", err);
+    p->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *p->ids);
+    if (!p->ids)
+        return fail(b, 500, NULL, "out of memory");
+    p->n_ids = (int32_t)loom_tokenize(srv->model, text, 1, parse_special, p->ids, n, err, sizeof err);
+    return 0;
+}
+
+/* A chat message's content: a string, or an array of {"type": "text", "text": ...} parts. */
+static char *message_text(const cJSON *content, int index, bad *b)
+{
+    if (cJSON_IsString(content))
+        return strdup(content->valuestring);
+    if (!cJSON_IsArray(content)) {
+        fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts", index);
+        return NULL;
+    }
+    size_t len = 0, cap = 0;
+    char *s = NULL;
+    buf_append(&s, &len, &cap, "", 0);
+    for (const cJSON *part = content->child; part; part = part->next) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(text)) {
+            free(s);
+            fail(b, 400, "messages", "messages[%d].content: only text parts are supported", index);
+            return NULL;
+        }
+        buf_append(&s, &len, &cap, text->valuestring, strlen(text->valuestring));
+    }
+    return s;
+}
+
+static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
+{
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
+    if (!msgs)
+        return fail(b, 400, "messages", "Missing required parameter: 'messages'");
+    if (!cJSON_IsArray(msgs) || !msgs->child)
+        return fail(b, 400, "messages", "'messages' must be a non-empty array");
+    int n = cJSON_GetArraySize(msgs);
+    loom_chat_message *m = calloc((size_t)n, sizeof *m);
+    if (!m)
+        return fail(b, 500, NULL, "out of memory");
+    int i = 0, rc = 0;
+    for (const cJSON *x = msgs->child; x && rc == 0; x = x->next, i++) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(x, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
+        if (!cJSON_IsObject(x) || !cJSON_IsString(role)) {
+            rc = fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'", i);
+            break;
+        }
+        const char *r = role->valuestring;
+        if (!strcmp(r, "developer"))
+            r = "system";
+        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant")) {
+            rc = fail(b, 400, "messages", "messages[%d].role '%s' is not one of system, developer, "
+                      "user, assistant", i, role->valuestring);
+            break;
+        }
+        m[i].role = r;
+        if (!(m[i].content = message_text(content, i, b)))
+            rc = -1;
+    }
+    char *prompt = NULL, err[512];
+    if (rc == 0 && loom_chat_render(srv->chat_template, m, n, 1, &prompt, err, sizeof err) != 0)
+        rc = fail(b, 400, "messages", "%s", err);
+    if (rc == 0)
+        rc = tokenize_text(srv, prompt, 1, p, b);
+    free(prompt);
+    for (int k = 0; k < n; k++)
+        free((char *)m[k].content);
+    free(m);
+    return rc;
+}
+
+static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
+{
+    const cJSON *pr = cJSON_GetObjectItemCaseSensitive(body, "prompt");
+    if (!pr)
+        return fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
+    if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
+        pr = pr->child; /* ["text"] */
+    if (cJSON_IsString(pr))
+        return tokenize_text(srv, pr->valuestring, 0, p, b);
+    if (cJSON_IsArray(pr) && cJSON_IsArray(pr->child) && cJSON_GetArraySize(pr) == 1)
+        pr = pr->child; /* [[ids]] */
+    if (cJSON_IsArray(pr) && pr->child && cJSON_IsNumber(pr->child)) {
+        int n = cJSON_GetArraySize(pr);
+        int32_t nv = loom_model_n_vocab(srv->model);
+        p->ids = malloc((size_t)n * sizeof *p->ids);
+        if (!p->ids)
+            return fail(b, 500, NULL, "out of memory");
+        for (const cJSON *x = pr->child; x; x = x->next) {
+            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 ||
+                x->valuedouble >= nv)
+                return fail(b, 400, "prompt", "prompt token ids must be whole numbers from 0 to %d", nv - 1);
+            p->ids[p->n_ids++] = (int32_t)x->valuedouble;
+        }
+        return 0;
+    }
+    if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) > 1)
+        return fail(b, 400, "prompt", "loom serves one prompt per request; send the %d prompts as "
+                    "separate requests (they run concurrently)", cJSON_GetArraySize(pr));
+    return fail(b, 400, "prompt", "'prompt' must be a string, an array of token ids, or a one-element "
+                "array of either; got %s", json_type(pr));
+}
+
+int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b)
+{
+    static const char *const completion_fields[] = {
+        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+        "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
+        "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+        NULL};
+    static const char *const chat_fields[] = {
+        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+        "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
+        "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
+        "parallel_tool_calls", "functions", "function_call", "store", "metadata",
+        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", NULL};
+    static const char *const completion_unsupported[] = {"echo", "logprobs", "best_of", "logit_bias",
+                                                         "suffix", NULL};
+    static const char *const chat_unsupported[] = {"logprobs", "top_logprobs", "logit_bias",
+                                                   "response_format", "tools", "tool_choice",
+                                                   "functions", "function_call", NULL};
+    if (!cJSON_IsObject(body))
+        return fail(b, 400, NULL, "the request body must be a JSON object");
+    if (check_known(body, chat ? chat_fields : completion_fields, b))
+        return -1;
+    for (const char *const *u = chat ? chat_unsupported : completion_unsupported; *u; u++)
+        if (unsupported(body, *u, b))
+            return -1;
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
+    if (!model)
+        return fail(b, 400, "model", "Missing required parameter: 'model' (this server has '%s')",
+                    srv->model_name);
+    if (!cJSON_IsString(model))
+        return fail(b, 400, "model", "'model' must be a string, not %s", json_type(model));
+    if (strcmp(model->valuestring, srv->model_name)) {
+        b->code = "model_not_found";
+        return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
+                    model->valuestring, srv->model_name);
+    }
+    p->s = loom_sampling_defaults();
+    p->s.temperature = 1, p->s.top_p = 1, p->s.top_k = 0, p->s.min_p = 0; /* OpenAI's defaults */
+    p->max_tokens = chat ? -1 : 16;
+    p->n = 1;
+    double x;
+    int r;
+    const char *mt = chat && cJSON_GetObjectItemCaseSensitive(body, "max_completion_tokens")
+                         ? "max_completion_tokens" : "max_tokens";
+    if ((r = get_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0) return -1;
+    if (r) p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
+    if ((r = get_number(body, "temperature", 0, 2, 0, &x, b)) < 0) return -1;
+    if (r) p->s.temperature = (float)x;
+    if ((r = get_number(body, "top_p", 0, 1, 0, &x, b)) < 0) return -1;
+    if (r) p->s.top_p = (float)x;
+    if ((r = get_number(body, "top_k", -1, 1 << 24, 1, &x, b)) < 0) return -1;
+    if (r) p->s.top_k = x < 0 ? 0 : (int32_t)x;
+    if ((r = get_number(body, "min_p", 0, 1, 0, &x, b)) < 0) return -1;
+    if (r) p->s.min_p = (float)x;
+    if ((r = get_number(body, "repetition_penalty", 0.01, 100, 0, &x, b)) < 0) return -1;
+    if (r) p->s.repeat_penalty = (float)x;
+    if ((r = get_number(body, "presence_penalty", -2, 2, 0, &x, b)) < 0) return -1;
+    if (r) p->s.presence_penalty = (float)x;
+    if ((r = get_number(body, "frequency_penalty", -2, 2, 0, &x, b)) < 0) return -1;
+    if (r) p->s.frequency_penalty = (float)x;
+    if ((r = get_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0) return -1;
+    if (r) p->n = (int)x;
+    if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0) return -1;
+    if (r) p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
+    if (get_bool(body, "stream", &p->stream, b) < 0) return -1;
+    if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0) return -1;
+    if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)
+        p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
+    if (so && !cJSON_IsNull(so)) {
+        if (!cJSON_IsObject(so))
+            return fail(b, 400, "stream_options", "'stream_options' must be an object");
+        if (get_bool(so, "include_usage", &p->include_usage, b) < 0)
+            return -1;
+    }
+    const cJSON *stop = cJSON_GetObjectItemCaseSensitive(body, "stop");
+    if (cJSON_IsString(stop)) {
+        p->stops[p->n_stops++] = stop->valuestring;
+    } else if (cJSON_IsArray(stop)) {
+        if (cJSON_GetArraySize(stop) > OPENAI_MAX_STOPS)
+            return fail(b, 400, "stop", "'stop' takes at most %d strings", OPENAI_MAX_STOPS);
+        for (const cJSON *s = stop->child; s; s = s->next) {
+            if (!cJSON_IsString(s))
+                return fail(b, 400, "stop", "'stop' must be a string or an array of strings");
+            p->stops[p->n_stops++] = s->valuestring;
+        }
+    } else if (stop && !cJSON_IsNull(stop)) {
+        return fail(b, 400, "stop", "'stop' must be a string or an array of strings, not %s",
+                    json_type(stop));
+    }
+    for (int i = 0; i < p->n_stops; i++)
+        if (!p->stops[i][0])
+            return fail(b, 400, "stop", "stop strings must not be empty");
+    if ((chat ? parse_messages(srv, body, p, b) : parse_prompt(srv, body, p, b)) != 0)
+        return -1;
+    if (p->n_ids <= 0)
+        return fail(b, 400, "prompt", "the prompt gives no tokens");
+    int32_t want = p->n_ids + (p->max_tokens_given ? p->max_tokens : 1);
+    if (want > srv->n_ctx) {
+        b->code = "context_length_exceeded";
+        if (p->max_tokens_given)
+            return fail(b, 400, chat ? "messages" : "prompt",
+                        "This model's maximum context length is %d tokens. However, you requested "
+                        "%d tokens (%d in the prompt, %d for the completion). Please reduce the "
+                        "prompt or the completion length.",
+                        srv->n_ctx, want, p->n_ids, p->max_tokens);
+        return fail(b, 400, chat ? "messages" : "prompt",
+                    "This model's maximum context length is %d tokens, and the prompt has %d "
+                    "(at least one more is needed for the completion).", srv->n_ctx, p->n_ids);
+    }
+    if (!p->stream && p->include_usage)
+        return fail(b, 400, "stream_options", "'stream_options' is only allowed with stream: true");
+    if (!p->seed_given) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        p->s.seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
+    }
+    return 0;
+}

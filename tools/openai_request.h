@@ -1,0 +1,52 @@
+/*
+ * tools/openai_request.h - an OpenAI completions / chat completions request body, checked and
+ * turned into token ids and sampling settings for loom's engine (tools/serve.c answers it).
+ */
+#ifndef LOOM_TOOLS_OPENAI_REQUEST_H
+#define LOOM_TOOLS_OPENAI_REQUEST_H
+
+#include <loom/loom.h>
+
+#include <cjson/cJSON.h>
+#include <stddef.h>
+
+#define OPENAI_MAX_CHOICES 8
+#define OPENAI_MAX_STOPS 4
+
+/* The served model as requests see it. */
+typedef struct openai_model {
+    loom_model *model;
+    const char *model_name;
+    const char *chat_template;
+    int32_t n_ctx;
+} openai_model;
+
+/* A valid request (ids malloc'd; stops point into the request's JSON). */
+typedef struct parsed {
+    int32_t *ids;
+    int32_t n_ids;
+    int32_t max_tokens; /* -1: to the end of the context */
+    int max_tokens_given;
+    int n, stream, include_usage;
+    loom_sampling s;
+    int seed_given;
+    const char *stops[OPENAI_MAX_STOPS];
+    int n_stops;
+} parsed;
+
+/* Why a request is refused, in OpenAI's terms. */
+typedef struct bad {
+    char msg[512];
+    char param_buf[64];  /* a copy: the request's JSON is gone when the error is sent */
+    const char *param;
+    const char *code;
+    unsigned status;
+} bad;
+
+/* Checks and reads body (chat: /v1/chat/completions). 0, or -1 with b filled. */
+int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b);
+
+/* Appends n bytes to a growing NUL-terminated buffer; -1 when out of memory. */
+int buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n);
+
+#endif
