@@ -52,7 +52,10 @@ AC_DEFUN([LOOM_CHECK_CUDA], [
               [loom_cuda_libdir="$d"])
       done
       AS_IF([test -n "$loom_cuda_libdir"],
-        [AC_MSG_RESULT([$loom_cuda_libdir]); loom_have_cuda=yes],
+        [AC_MSG_RESULT([$loom_cuda_libdir]); loom_have_cuda=yes
+         dnl the soname the module dlopens: libcublas.so.MAJOR of this toolkit
+         CUBLAS_SONAME=`cd "$loom_cuda_libdir" && ls libcublas.so.@<:@0-9@:>@* 2>/dev/null | sort | head -n 1`
+         AS_IF([test -z "$CUBLAS_SONAME"], [CUBLAS_SONAME=libcublas.so])],
         [AC_MSG_RESULT([no]); loom_cuda_why="nvcc found but no libcublas.so and libcudart_static.a under $CUDA_HOME"])
     ], [
       AC_MSG_RESULT([no])
@@ -62,11 +65,27 @@ AC_DEFUN([LOOM_CHECK_CUDA], [
       [AC_MSG_ERROR([--with-cuda given, but $loom_cuda_why])])
   ])
   AS_IF([test $loom_have_cuda = yes],
-    [loom_cuda_summary="yes (nvcc $loom_cuda_version in $CUDA_HOME, archs $CUDA_ARCHS); the CUDA backend itself is not written yet"],
+    [loom_cuda_summary="yes (nvcc $loom_cuda_version in $CUDA_HOME, archs $CUDA_ARCHS, $CUBLAS_SONAME)"],
     [loom_cuda_summary="no: $loom_cuda_why"])
   AC_SUBST([NVCC])
   AC_SUBST([CUDA_HOME])
   AC_SUBST([CUDA_ARCHS])
+  AC_SUBST([CUBLAS_SONAME])
+  dnl nvcc's -gencode list: SASS for every architecture asked for, PTX of the newest so that
+  dnl later GPUs can JIT it; the smallest is what the probe accepts
+  CUDA_GENCODE=""
+  CUDA_MIN_SM=""
+  loom_cuda_last=""
+  for a in `echo "$CUDA_ARCHS" | tr ',' ' '`; do
+    AS_CASE([$a], [*@<:@!0-9@:>@*|""], [AC_MSG_ERROR([--with-cuda-arch: '$a' is not a number like 80 or 90])])
+    CUDA_GENCODE="$CUDA_GENCODE -gencode arch=compute_$a,code=sm_$a"
+    AS_IF([test -z "$CUDA_MIN_SM" || test "$a" -lt "$CUDA_MIN_SM"], [CUDA_MIN_SM=$a])
+    AS_IF([test -z "$loom_cuda_last" || test "$a" -gt "$loom_cuda_last"], [loom_cuda_last=$a])
+  done
+  AS_IF([test -n "$loom_cuda_last"],
+    [CUDA_GENCODE="$CUDA_GENCODE -gencode arch=compute_$loom_cuda_last,code=compute_$loom_cuda_last"])
+  AC_SUBST([CUDA_GENCODE])
+  AC_SUBST([CUDA_MIN_SM])
   CUDA_LIBDIR="$loom_cuda_libdir"
   AC_SUBST([CUDA_LIBDIR])
   AM_CONDITIONAL([HAVE_CUDA], [test $loom_have_cuda = yes])

@@ -1,0 +1,21 @@
+/*
+ * backends/cuda/cuda_module.h - what the C probe and the CUDA C++ half of the module share.
+ */
+#ifndef LOOM_CUDA_MODULE_H
+#define LOOM_CUDA_MODULE_H
+
+#include <loom/backend.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Opens device opts->device: the runtime, a stream, cuBLAS. Defined in cuda_backend.cu. */
+loom_status loom_cuda_open(const loom_backend_options *opts, loom_backend **out, char *err,
+                           size_t err_size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
