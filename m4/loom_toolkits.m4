@@ -99,19 +99,39 @@ AC_DEFUN([LOOM_CHECK_HIP], [
   AC_ARG_ENABLE([hip],
     [AS_HELP_STRING([--disable-hip], [do not build the HIP backend])],
     [AS_IF([test "x$enableval" = xno], [with_hip=no])])
+  AC_ARG_WITH([hip-arch],
+    [AS_HELP_STRING([--with-hip-arch=LIST], [AMD GPU architectures (default: gfx90a gfx908 gfx1030)])],
+    [HIP_ARCHS=`echo "$withval" | tr ',' ' '`], [HIP_ARCHS="gfx90a gfx908 gfx1030"])
   loom_have_hip=no
   loom_hip_why="disabled (--disable-hip)"
   AS_IF([test "x$with_hip" != xno], [
     loom_hip_path="$PATH"
     AS_CASE([$with_hip], [yes|check], [], [loom_hip_path="$with_hip/bin"])
     AC_PATH_PROG([HIPCC], [hipcc], [], [$loom_hip_path])
-    AS_IF([test -n "$HIPCC"],
-      [loom_have_hip=yes],
+    AS_IF([test -n "$HIPCC"], [
+      AC_MSG_CHECKING([for the HIP runtime library and headers])
+      loom_save_LIBS=$LIBS
+      loom_save_CPPFLAGS=$CPPFLAGS
+      CPPFLAGS="$CPPFLAGS -D__HIP_PLATFORM_AMD__"
+      LIBS="-lamdhip64 $LIBS"
+      AC_LINK_IFELSE([AC_LANG_PROGRAM([[#include <hip/hip_runtime_api.h>]],
+                                      [[int n; return hipGetDeviceCount(&n) == hipSuccess;]])],
+        [AC_MSG_RESULT([yes]); loom_have_hip=yes],
+        [AC_MSG_RESULT([no])
+         loom_hip_why="hipcc found but libamdhip64 or its headers are missing (apt-get install libamdhip64-dev)"
+         AS_IF([test "x$with_hip" != xcheck], [AC_MSG_ERROR([--with-hip given, but $loom_hip_why])])])
+      LIBS=$loom_save_LIBS
+      CPPFLAGS=$loom_save_CPPFLAGS
+      HIP_OFFLOAD=""
+      for a in $HIP_ARCHS; do HIP_OFFLOAD="$HIP_OFFLOAD --offload-arch=$a"; done
+    ],
       [loom_hip_why="no hipcc (apt-get install hipcc, or pass --with-hip=DIR)"
        AS_IF([test "x$with_hip" != xcheck], [AC_MSG_ERROR([--with-hip given, but $loom_hip_why])])])
   ])
   AS_IF([test $loom_have_hip = yes],
-    [loom_hip_summary="yes ($HIPCC); the HIP backend itself is not written yet"],
+    [loom_hip_summary="yes ($HIPCC, archs $HIP_ARCHS)"],
     [loom_hip_summary="no: $loom_hip_why"])
+  AC_SUBST([HIP_ARCHS])
+  AC_SUBST([HIP_OFFLOAD])
   AM_CONDITIONAL([HAVE_HIP], [test $loom_have_hip = yes])
 ])

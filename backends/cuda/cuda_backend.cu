@@ -15,8 +15,9 @@
 #include "cuda_module.h"
 #include "kernels.cuh"
 
+#if LOOM_GPU_BLAS
 #include <cublas_v2.h>
-#include <cuda_runtime.h>
+#endif
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -40,6 +41,7 @@ struct scratch {
     size_t cap;
 };
 
+#if LOOM_GPU_BLAS
 /* spelled out: C++ sees two overloads of cublasGemmEx (compute type as enum or data type) */
 typedef cublasStatus_t (*gemm_ex_fn)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int,
                                      int, int, const void *, const void *, cudaDataType, int,
@@ -54,6 +56,7 @@ struct blas_api {
     gemm_ex_fn gemm;
     cublasHandle_t handle;
 };
+#endif
 
 struct cuda_backend {
     loom_backend base;
@@ -61,7 +64,9 @@ struct cuda_backend {
     int device, sm_count;
     char device_name[256];
     cudaStream_t stream;
+#if LOOM_GPU_BLAS
     blas_api blas;
+#endif
     char *staging[2];
     cudaEvent_t staging_done[2];
     int next_staging;
@@ -89,13 +94,13 @@ static loom_status cuda_fail(cuda_backend *cb, cudaError_t e, const char *what)
 {
     if (e == cudaErrorMemoryAllocation) {
         size_t free_b = 0, total = 0;
-        cudaGetLastError();
-        cudaMemGetInfo(&free_b, &total);
-        return fail(cb, LOOM_ERR_OUT_OF_MEMORY, "%s: CUDA device %d (%s) is out of memory "
+        (void)cudaGetLastError();
+        (void)cudaMemGetInfo(&free_b, &total);
+        return fail(cb, LOOM_ERR_OUT_OF_MEMORY, "%s: " LOOM_GPU_PLATFORM " device %d (%s) is out of memory "
                     "(%zu MiB free of %zu MiB)", what, cb->device, cb->device_name, free_b >> 20,
                     total >> 20);
     }
-    return fail(cb, LOOM_ERR_DEVICE, "%s: CUDA device %d: %s (%s)", what, cb->device,
+    return fail(cb, LOOM_ERR_DEVICE, "%s: " LOOM_GPU_PLATFORM " device %d: %s (%s)", what, cb->device,
                 cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
@@ -159,7 +164,7 @@ static loom_status grow(cuda_backend *cb, scratch *s, size_t bytes, const char *
     size_t cap = bytes + bytes / 2;
     if (s->p) {
         CUDA_TRY(cb, cudaStreamSynchronize(cb->stream), what);
-        cudaFree(s->p);
+        (void)cudaFree(s->p);
         s->p = NULL, s->cap = 0;
     }
     CUDA_TRY(cb, cudaMalloc((void **)&s->p, cap), what);
@@ -206,25 +211,6 @@ static tview view_of(const loom_tensor *t)
     v.nb2 = (int64_t)t->nb[2];
     v.nb3 = (int64_t)t->nb[3];
     return v;
-}
-
-static tview dense_view(void *p, int64_t row_bytes, int64_t n, int64_t rows)
-{
-    tview v;
-    v.p = (char *)p;
-    v.ne0 = n;
-    v.ne1 = rows > 0 ? rows : 1;
-    v.ne2 = 1;
-    v.nb1 = row_bytes;
-    v.nb2 = v.nb3 = row_bytes * v.ne1;
-    return v;
-}
-
-/* Rows evenly spaced by nb[1], so a BLAS leading dimension can describe them. */
-static int uniform_rows(const loom_tensor *t)
-{
-    return (t->ne[2] <= 1 || t->nb[2] == t->nb[1] * (uint64_t)t->ne[1]) &&
-           (t->ne[3] <= 1 || t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
 }
 
 static int aligned16(const loom_tensor *t)
@@ -290,6 +276,26 @@ static loom_status convert_rows(cuda_backend *cb, tview src, int sdt, tview dst,
     row_grid(n, rows, &grid, &block);
     k_convert<<<grid, block, 0, cb->stream>>>(src, sdt, dst, ddt, n, rows);
     return launched(cb, "convert");
+}
+
+#if LOOM_GPU_BLAS
+static tview dense_view(void *p, int64_t row_bytes, int64_t n, int64_t rows)
+{
+    tview v;
+    v.p = (char *)p;
+    v.ne0 = n;
+    v.ne1 = rows > 0 ? rows : 1;
+    v.ne2 = 1;
+    v.nb1 = row_bytes;
+    v.nb2 = v.nb3 = row_bytes * v.ne1;
+    return v;
+}
+
+/* Rows evenly spaced by nb[1], so a BLAS leading dimension can describe them. */
+static int uniform_rows(const loom_tensor *t)
+{
+    return (t->ne[2] <= 1 || t->nb[2] == t->nb[1] * (uint64_t)t->ne[1]) &&
+           (t->ne[3] <= 1 || t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
 }
 
 /* Y = X W^T through cuBLAS. Column-major view: Y^T (N x M) = W (K x N)^T . X^T (K x M). */
@@ -371,6 +377,31 @@ static loom_status gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M
     }
     return LOOM_OK;
 }
+#endif
+
+template <int WT>
+static void launch_tiled(cuda_backend *cb, const loom_matmul_params *p, int64_t M, int64_t K,
+                         int64_t N)
+{
+    dim3 grid((unsigned)((N + GEMM_TILE - 1) / GEMM_TILE), (unsigned)((M + GEMM_TILE - 1) / GEMM_TILE));
+    k_gemm_tiled<WT><<<grid, 256, 0, cb->stream>>>(view_of(p->x), view_of(p->w), f32_ptr(p->bias),
+                                                   view_of(p->y), M, K, N);
+}
+
+static loom_status tiled_gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M, int64_t K,
+                              int64_t N)
+{
+    switch (p->w->dtype) {
+    case LOOM_F32: launch_tiled<LOOM_F32>(cb, p, M, K, N); break;
+    case LOOM_F16: launch_tiled<LOOM_F16>(cb, p, M, K, N); break;
+    case LOOM_BF16: launch_tiled<LOOM_BF16>(cb, p, M, K, N); break;
+    case LOOM_Q8_0: launch_tiled<LOOM_Q8_0>(cb, p, M, K, N); break;
+    case LOOM_Q4_0: launch_tiled<LOOM_Q4_0>(cb, p, M, K, N); break;
+    case LOOM_Q4_1: launch_tiled<LOOM_Q4_1>(cb, p, M, K, N); break;
+    default: return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(p->w->dtype));
+    }
+    return launched(cb, "matmul (tiled)");
+}
 
 static loom_status cuda_matmul(loom_backend *be, const loom_matmul_params *p)
 {
@@ -387,11 +418,17 @@ static loom_status cuda_matmul(loom_backend *be, const loom_matmul_params *p)
     if (M == 0 || N == 0)
         return LOOM_OK;
     TRY(enter(cb));
+    if (M <= GEMV_MAX_M)
+        return gemv(cb, p, M, K, N);
+#if LOOM_GPU_BLAS
     bool fits_blas = M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX &&
                      (int64_t)p->x->nb[1] / 4 <= INT32_MAX && (int64_t)p->y->nb[1] / 4 <= INT32_MAX;
-    if (M > GEMV_MAX_M && fits_blas && uniform_rows(p->w) && p->x->ne[0] > 0)
+    if (fits_blas && uniform_rows(p->w))
         return gemm(cb, p, M, K, N);
-    return gemv(cb, p, M, K, N);
+#endif
+    if ((M + GEMM_TILE - 1) / GEMM_TILE > 65535)
+        return gemv(cb, p, M, K, N);
+    return tiled_gemm(cb, p, M, K, N);
 }
 
 /* ---- The other ops ----------------------------------------------------------------------- */
@@ -686,7 +723,7 @@ static void release_cache(cuda_backend *cb)
     while (cb->cached) {
         loom_buffer *b = cb->cached;
         cb->cached = b->next;
-        cudaFree(b->dev);
+        (void)cudaFree(b->dev);
         free(b);
     }
 }
@@ -716,7 +753,7 @@ static loom_status cuda_buffer_alloc(loom_backend *be, uint64_t size, loom_buffe
     cudaError_t e = size > (1ull << 50) ? cudaErrorMemoryAllocation
                                          : cudaMalloc((void **)&b->dev, (size_t)cap);
     if (e == cudaErrorMemoryAllocation && cb->cached && size <= (1ull << 50)) {
-        cudaGetLastError();
+        (void)cudaGetLastError();
         release_cache(cb); /* cudaFree waits for the device, so nothing cached is in use */
         e = cudaMalloc((void **)&b->dev, (size_t)cap);
     }
@@ -870,30 +907,33 @@ static const char *cuda_last_error(loom_backend *be)
 static void cuda_close(loom_backend *be)
 {
     cuda_backend *cb = cb_of(be);
-    cudaSetDevice(cb->device);
+    (void)cudaSetDevice(cb->device);
     if (cb->stream)
-        cudaStreamSynchronize(cb->stream);
+        (void)cudaStreamSynchronize(cb->stream);
     release_cache(cb);
     scratch *s[] = {&cb->act, &cb->weights, &cb->out, &cb->part};
     for (int i = 0; i < 4; i++)
-        cudaFree(s[i]->p);
+        (void)cudaFree(s[i]->p);
     for (int i = 0; i < 2; i++) {
         if (cb->staging[i])
-            cudaFreeHost(cb->staging[i]);
+            (void)cudaFreeHost(cb->staging[i]);
         if (cb->staging_done[i])
-            cudaEventDestroy(cb->staging_done[i]);
+            (void)cudaEventDestroy(cb->staging_done[i]);
     }
     if (cb->err_host)
-        cudaFreeHost(cb->err_host);
+        (void)cudaFreeHost(cb->err_host);
+#if LOOM_GPU_BLAS
     if (cb->blas.handle)
         cb->blas.destroy(cb->blas.handle);
     if (cb->blas.lib)
         dlclose(cb->blas.lib);
+#endif
     if (cb->stream)
-        cudaStreamDestroy(cb->stream);
+        (void)cudaStreamDestroy(cb->stream);
     free(cb);
 }
 
+#if LOOM_GPU_BLAS
 static int open_blas(cuda_backend *cb, char *err, size_t err_size)
 {
     blas_api *b = &cb->blas;
@@ -922,17 +962,24 @@ static int open_blas(cuda_backend *cb, char *err, size_t err_size)
     }
     return 0;
 }
+#else
+static int open_blas(cuda_backend *cb, char *err, size_t err_size)
+{
+    (void)cb, (void)err, (void)err_size;
+    return 0; /* matmuls of many rows use k_gemm_tiled */
+}
+#endif
 
 static int open_device(cuda_backend *cb, char *err, size_t err_size)
 {
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
-        snprintf(err, err_size, "no usable CUDA device: %s", cudaGetErrorString(e));
+        snprintf(err, err_size, "no usable " LOOM_GPU_PLATFORM " device: %s", cudaGetErrorString(e));
         return -1;
     }
     if (cb->device < 0 || cb->device >= count) {
-        snprintf(err, err_size, "there %s %d CUDA device%s (0..%d), not %d",
+        snprintf(err, err_size, "there %s %d " LOOM_GPU_PLATFORM " device%s (0..%d), not %d",
                  count == 1 ? "is" : "are", count, count == 1 ? "" : "s", count - 1, cb->device);
         return -1;
     }
@@ -943,7 +990,7 @@ static int open_device(cuda_backend *cb, char *err, size_t err_size)
         (e = cudaHostAlloc((void **)&cb->err_host, sizeof(dev_error), cudaHostAllocMapped)) !=
             cudaSuccess ||
         (e = cudaHostGetDevicePointer((void **)&cb->err_dev, cb->err_host, 0)) != cudaSuccess) {
-        snprintf(err, err_size, "CUDA device %d: %s", cb->device, cudaGetErrorString(e));
+        snprintf(err, err_size, LOOM_GPU_PLATFORM " device %d: %s", cb->device, cudaGetErrorString(e));
         return -1;
     }
     snprintf(cb->device_name, sizeof cb->device_name, "%s", prop.name);
@@ -954,14 +1001,14 @@ static int open_device(cuda_backend *cb, char *err, size_t err_size)
                 cudaSuccess ||
             (e = cudaEventCreateWithFlags(&cb->staging_done[i], cudaEventDisableTiming)) !=
                 cudaSuccess) {
-            snprintf(err, err_size, "CUDA device %d: pinned staging: %s", cb->device,
+            snprintf(err, err_size, LOOM_GPU_PLATFORM " device %d: pinned staging: %s", cb->device,
                      cudaGetErrorString(e));
             return -1;
         }
     return 0;
 }
 
-extern "C" loom_status loom_cuda_open(const loom_backend_options *opts, loom_backend **out,
+extern "C" loom_status loom_gpu_open(const loom_backend_options *opts, loom_backend **out,
                                       char *err, size_t err_size)
 {
     cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);

@@ -10,8 +10,9 @@
 extern "C" {
 #endif
 
-/* Opens device opts->device: the runtime, a stream, cuBLAS. Defined in cuda_backend.cu. */
-loom_status loom_cuda_open(const loom_backend_options *opts, loom_backend **out, char *err,
+/* Opens device opts->device: the runtime, a stream, the BLAS where there is one. Defined in
+ * cuda_backend.cu, which the cuda and hip modules each compile. */
+loom_status loom_gpu_open(const loom_backend_options *opts, loom_backend **out, char *err,
                            size_t err_size);
 
 #ifdef __cplusplus

@@ -157,7 +157,7 @@ static const loom_backend_module cuda_module = {
     .variant = "",
     .description = "NVIDIA GPUs: cuBLAS for float GEMMs, loom's kernels for the rest",
     .probe = cuda_probe,
-    .open = loom_cuda_open,
+    .open = loom_gpu_open,
 };
 
 LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,

@@ -14,9 +14,9 @@
 #ifndef LOOM_CUDA_KERNELS_CUH
 #define LOOM_CUDA_KERNELS_CUH
 
-#include <loom/backend.h>
+#include "gpu.h"
 
-#include <cuda_fp16.h>
+#include <loom/backend.h>
 #include <stdint.h>
 
 #define WARP 32
@@ -440,6 +440,53 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
         if (lane == 0)
             for (int j = 0; j < mr; j++)
                 ((float *)row_at(y, m0 + j))[n] = acc[j] + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* ---- Matmul: loom's own tiled GEMM, for builds without a BLAS (Debian's HIP has none) ------
+ * A 64x64 tile of Y per block of 256 threads, each thread a 4x4 patch; X and W stream through
+ * shared memory 32 columns at a time, W dequantised to f32 as it is staged. */
+
+#define GEMM_TILE 64
+#define GEMM_TK 32
+
+template <int WT>
+__global__ void __launch_bounds__(256)
+    k_gemm_tiled(tview x, tview w, const float *bias, tview y, int64_t M, int64_t K, int64_t N)
+{
+    __shared__ float xs[GEMM_TK][GEMM_TILE + 4]; /* transposed: [k][m] */
+    __shared__ float ws[GEMM_TK][GEMM_TILE + 4]; /* [k][n] */
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    int64_t m0 = (int64_t)blockIdx.y * GEMM_TILE, n0 = (int64_t)blockIdx.x * GEMM_TILE;
+    float acc[4][4] = {{0.0f}};
+    for (int64_t k0 = 0; k0 < K; k0 += GEMM_TK) {
+        for (int i = threadIdx.x; i < GEMM_TILE * GEMM_TK; i += blockDim.x) {
+            int r = i / GEMM_TK, c = i % GEMM_TK;
+            int64_t m = m0 + r, n = n0 + r, k = k0 + c;
+            xs[c][r] = m < M && k < K ? ((const float *)row_at(x, m))[k] : 0.0f;
+            ws[c][r] = n < N && k < K ? load_elem(WT, row_at(w, n), k) : 0.0f;
+        }
+        __syncthreads();
+        for (int c = 0; c < GEMM_TK; c++) {
+            float a[4], b[4];
+            for (int i = 0; i < 4; i++)
+                a[i] = xs[c][ty * 4 + i], b[i] = ws[c][tx * 4 + i];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++)
+                    acc[i][j] += a[i] * b[j];
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++) {
+        int64_t m = m0 + ty * 4 + i;
+        if (m >= M)
+            continue;
+        float *yr = (float *)row_at(y, m);
+        for (int j = 0; j < 4; j++) {
+            int64_t n = n0 + tx * 4 + j;
+            if (n < N)
+                yr[n] = acc[i][j] + (bias ? bias[n] : 0.0f);
+        }
     }
 }
 
