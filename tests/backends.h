@@ -1,6 +1,7 @@
 /*
  * tests/backends.h - the backends a test runs on: every module usable on this machine, by the
- * label LOOM_BACKEND selects it with ("cpu-avx2", "ref", ...).
+ * label LOOM_BACKEND selects it with ("cpu-avx2", "ref", ...). LOOM_TEST_BACKENDS=LIST (labels,
+ * comma-separated) narrows that to the listed ones, so a short GPU session tests only the GPU.
  */
 #ifndef LOOM_TESTS_BACKENDS_H
 #define LOOM_TESTS_BACKENDS_H
@@ -8,6 +9,8 @@
 #include "core/loader.h"
 
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #define MAX_TEST_BACKENDS 16
 
@@ -21,13 +24,29 @@ static inline int usable_backends(char labels[][160], int max)
         loom_registry_free(&reg);
         return -1;
     }
+    const char *only = getenv("LOOM_TEST_BACKENDS");
     int n = 0;
     for (int i = 0; i < reg.count && n < max; i++) {
         const loom_candidate *c = &reg.items[i];
-        if (c->state == LOOM_CAND_USABLE)
-            snprintf(labels[n++], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        if (c->state != LOOM_CAND_USABLE)
+            continue;
+        snprintf(labels[n], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        if (only && *only) {
+            size_t len = strlen(labels[n]);
+            const char *p = only;
+            int listed = 0;
+            for (; *p && !listed; p += strcspn(p, ","), p += *p == ',')
+                listed = strncmp(p, labels[n], len) == 0 && (p[len] == ',' || p[len] == '\0');
+            if (!listed)
+                continue;
+        }
+        n++;
     }
     loom_registry_free(&reg);
+    if (only && *only && n == 0) {
+        fprintf(stderr, "LOOM_TEST_BACKENDS=%s names no backend usable here\n", only);
+        return -1;
+    }
     return n;
 }
 
