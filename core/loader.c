@@ -748,3 +748,26 @@ int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype)
 {
     return op_present(&dev->ops, op) && dev->ops.supports(dev->be, op, dtype);
 }
+
+loom_status loom_device_run(const loom_device *d, loom_op op, const void *p)
+{
+    const loom_backend_ops *o = &d->ops;
+    switch (op) {
+    case LOOM_OP_MATMUL: return o->matmul(d->be, p);
+    case LOOM_OP_GET_ROWS: return o->get_rows(d->be, p);
+    case LOOM_OP_RMS_NORM: return o->rms_norm(d->be, p);
+    case LOOM_OP_LAYER_NORM: return o->layer_norm(d->be, p);
+    case LOOM_OP_ROPE: return o->rope(d->be, p);
+    case LOOM_OP_ADD: return o->add(d->be, p);
+    case LOOM_OP_MUL: return o->mul(d->be, p);
+    case LOOM_OP_SCALE: return o->scale(d->be, p);
+    case LOOM_OP_SILU_MUL: return o->silu_mul(d->be, p);
+    case LOOM_OP_GELU: return o->gelu(d->be, p);
+    case LOOM_OP_KV_STORE: return o->kv_store(d->be, p);
+    case LOOM_OP_ATTENTION: return o->attention(d->be, p);
+    case LOOM_OP_QUANTIZE: return o->quantize(d->be, p);
+    case LOOM_OP_DEQUANTIZE: return o->dequantize(d->be, p);
+    case LOOM_OP_CONVERT: return o->convert(d->be, p);
+    default: return LOOM_ERR_UNSUPPORTED;
+    }
+}

@@ -87,4 +87,8 @@ void loom_device_close(loom_device *dev);
 /* Whether the module implements op at all (present in its table) and supports dtype with it. */
 int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype);
 
+/* Calls op's entry in dev's table with params, the op's ABI parameter struct. The caller has
+ * checked loom_device_supports. */
+loom_status loom_device_run(const loom_device *dev, loom_op op, const void *params);
+
 #endif

@@ -11,6 +11,8 @@
 #define _GNU_SOURCE
 #include "runner.h"
 
+#include "fallback.h"
+
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -57,6 +59,8 @@ struct loom_runner {
     int has_logits;
     float *logits;              /* [n_logits][n_vocab] */
     int32_t logits_cap;         /* rows */
+
+    loom_fallback *fallback;    /* for ops the device lacks; opened on first need */
 
     int status;
     char err[512];
@@ -268,18 +272,6 @@ static double prof_now(void)
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
-#define RUN_OP(r, op, what, call)                                                              \
-    do {                                                                                       \
-        double t0_ = (r)->profile ? prof_now() : 0;                                            \
-        if ((call) != LOOM_OK)                                                                 \
-            OP_NAME_FAIL(r, what);                                                             \
-        if ((r)->profile) {                                                                    \
-            (r)->dev->ops.synchronize((r)->dev->be);                                           \
-            (r)->prof_ms[op] += prof_now() - t0_;                                              \
-            (r)->prof_calls[op]++;                                                             \
-        }                                                                                      \
-    } while (0)
-
 static void print_profile(const loom_runner *r)
 {
     static const char *names[LOOM_OP_COUNT_V1_0] = {
@@ -296,51 +288,73 @@ static void print_profile(const loom_runner *r)
                     total > 0 ? 100 * r->prof_ms[i] / total : 0, (unsigned long long)r->prof_calls[i]);
 }
 
-static int usable(loom_runner *r, loom_op op, loom_dtype dt, const char *what)
+static int is_weight_buffer(void *ctx, const loom_buffer *buf)
+{
+    const loom_runner *r = ctx;
+    if (buf == r->weights_map)
+        return 1;
+    for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
+        if (r->weight_bufs[i] == buf)
+            return 1;
+    return 0;
+}
+
+/* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
+ * core/fallback, unless LOOM_STRICT=1. LOOM_PROFILE=1 times it, synchronising after. */
+static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
-        return 0;
-    if (!loom_device_supports(r->dev, op, dt)) {
-        fail(r, "backend %s%s%s does not support %s with %s", r->dev->name,
-             r->dev->variant[0] ? "-" : "", r->dev->variant, what, loom_dtype_name(dt));
-        return 0;
+        return;
+    double t0 = r->profile ? prof_now() : 0;
+    if (loom_device_supports(r->dev, op, dt)) {
+        if (loom_device_run(r->dev, op, params) != LOOM_OK)
+            OP_NAME_FAIL(r, what);
+    } else if (loom_fallback_strict()) {
+        fail(r, "backend %s%s%s does not support %s with %s, and LOOM_STRICT=1 forbids running "
+             "it on the CPU instead", r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
+             what, loom_dtype_name(dt));
+        return;
+    } else {
+        char err[512];
+        if (!r->fallback)
+            r->fallback = loom_fallback_new(r->dev, is_weight_buffer, r);
+        if (!r->fallback)
+            fail(r, "out of memory");
+        else if (loom_fallback_run(r->fallback, op, dt, params, what, err, sizeof err) != 0)
+            fail(r, "%s", err);
     }
-    return 1;
+    if (r->profile) {
+        r->dev->ops.synchronize(r->dev->be);
+        r->prof_ms[op] += prof_now() - t0;
+        r->prof_calls[op]++;
+    }
 }
 
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows"))
-        return;
     loom_get_rows_params p = {sizeof p, w, ids, dst};
-    RUN_OP(r, LOOM_OP_GET_ROWS, "get_rows", r->dev->ops.get_rows(r->dev->be, &p));
+    exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
 }
 
 void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
                     const loom_tensor *y)
 {
-    if (!usable(r, LOOM_OP_MATMUL, w->dtype, "matmul"))
-        return;
     loom_matmul_params p = {sizeof p, x, w, bias, y};
-    RUN_OP(r, LOOM_OP_MATMUL, "matmul", r->dev->ops.matmul(r->dev->be, &p));
+    exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
 }
 
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
                       const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm"))
-        return;
     loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
-    RUN_OP(r, LOOM_OP_RMS_NORM, "rms_norm", r->dev->ops.rms_norm(r->dev->be, &p));
+    exec_op(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm", &p);
 }
 
 void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                         const loom_tensor *b, float eps, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm"))
-        return;
     loom_norm_params p = {sizeof p, x, w, b, dst, eps};
-    RUN_OP(r, LOOM_OP_LAYER_NORM, "layer_norm", r->dev->ops.layer_norm(r->dev->be, &p));
+    exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
 }
 
 void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
@@ -351,62 +365,48 @@ void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
 void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
                      const loom_tensor *pos, const loom_tensor *pos2)
 {
-    if (!usable(r, LOOM_OP_ROPE, LOOM_F32, "rope"))
-        return;
     loom_rope_params p = {sizeof p, x, pos, pos2, x, hp->rope_mode, hp->n_rot,
                           hp->rope_base, hp->rope_scale};
-    RUN_OP(r, LOOM_OP_ROPE, "rope", r->dev->ops.rope(r->dev->be, &p));
+    exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
 {
-    if (!usable(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store"))
-        return;
     loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
-    RUN_OP(r, LOOM_OP_KV_STORE, "kv_store", r->dev->ops.kv_store(r->dev->be, &p));
+    exec_op(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store", &p);
 }
 
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
                        const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention"))
-        return;
     loom_attention_params p = {sizeof p, q, &r->kc[layer], &r->vc[layer], &r->in.block_table,
                                &r->in.seq, &r->in.pos, r->has_prefix ? &r->in.prefix_len : NULL,
                                dst, scale};
-    RUN_OP(r, LOOM_OP_ATTENTION, "attention", r->dev->ops.attention(r->dev->be, &p));
+    exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
 }
 
 void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_ADD, LOOM_F32, "add"))
-        return;
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    RUN_OP(r, LOOM_OP_ADD, "add", r->dev->ops.add(r->dev->be, &p));
+    exec_op(r, LOOM_OP_ADD, LOOM_F32, "add", &p);
 }
 
 void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_GELU, LOOM_F32, "gelu"))
-        return;
     loom_elementwise_params p = {sizeof p, a, NULL, dst, 0};
-    RUN_OP(r, LOOM_OP_GELU, "gelu", r->dev->ops.gelu(r->dev->be, &p));
+    exec_op(r, LOOM_OP_GELU, LOOM_F32, "gelu", &p);
 }
 
 void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_SCALE, LOOM_F32, "scale"))
-        return;
     loom_elementwise_params p = {sizeof p, a, NULL, dst, s};
-    RUN_OP(r, LOOM_OP_SCALE, "scale", r->dev->ops.scale(r->dev->be, &p));
+    exec_op(r, LOOM_OP_SCALE, LOOM_F32, "scale", &p);
 }
 
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
 {
-    if (!usable(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul"))
-        return;
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    RUN_OP(r, LOOM_OP_SILU_MUL, "silu_mul", r->dev->ops.silu_mul(r->dev->be, &p));
+    exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
 }
 
 /* ---- Lifetime ----------------------------------------------------------------------------- */
@@ -497,6 +497,7 @@ void loom_runner_free(loom_runner *r)
 {
     if (!r)
         return;
+    loom_fallback_free(r->fallback);
     if (r->profile && r->passes)
         print_profile(r);
     if (r->arch && r->state)

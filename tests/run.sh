@@ -79,4 +79,26 @@ else
 fi
 "$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
 expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
+# a backend that lacks ops: loom runs those ops on the CPU (copies there and back), says so
+# once per op, and the output is unchanged; LOOM_STRICT=1 refuses instead
+LOOM_BACKEND=ref LOOM_REF_OPAQUE=1 LOOM_REF_DENY=matmul,kv_store,attention:f16 "$LOOM" run -m "$gguf" \
+    -p "Once upon a time" -n 16 --temp 0 --json > "$tmpdir/fb.json" 2> "$tmpdir/fb.err" ||
+    fail "run with denied ops: exit $?"
+[ "$(jq -c '.generated_ids' "$tmpdir/fb.json")" = "$want_ids" ] &&
+    pass "ops the backend lacks run on the CPU: greedy ids still equal the fixture" ||
+    { fail "fallback ids: $(jq -c .generated_ids "$tmpdir/fb.json")"; cat "$tmpdir/fb.err" >&2; }
+for op in matmul kv_store attention; do
+    [ "$(grep -c "ref does not support $op with .*; running it on cpu" "$tmpdir/fb.err")" = 1 ] &&
+        pass "the $op fallback is announced once" || { fail "$op warning not exactly once:"; cat "$tmpdir/fb.err" >&2; }
+done
+if LOOM_STRICT=1 LOOM_BACKEND=ref LOOM_REF_DENY=attention "$LOOM" run -m "$gguf" -p "Once" -n 2 \
+    > /dev/null 2> "$tmpdir/strict.err"; then
+    fail "LOOM_STRICT=1 should refuse a backend that lacks attention"
+else
+    expect_grep "does not support attention with f16, and LOOM_STRICT=1 forbids" "$tmpdir/strict.err" \
+        "LOOM_STRICT=1 refuses, naming the op"
+fi
+LOOM_BACKEND=ref LOOM_REF_DENY=matmool "$LOOM" run -m "$gguf" -p "Once" -n 2 > /dev/null 2> "$tmpdir/deny.err" &&
+    fail "a misspelt LOOM_REF_DENY was accepted"
+expect_grep "LOOM_REF_DENY: 'matmool' is not OP or OP:DTYPE" "$tmpdir/deny.err" "a bad LOOM_REF_DENY is named"
 finish

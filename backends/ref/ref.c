@@ -8,6 +8,8 @@
  *
  * LOOM_REF_OPAQUE=1 makes its buffers pretend not to be host-visible (no buffer_host_ptr, no
  * buffer_wrap_host), so the suite can prove that loom never reads backend memory directly.
+ * LOOM_REF_DENY=OP[:DTYPE],... makes `supports` deny those ops (all dtypes, or one), so the
+ * suite can prove that loom runs a model on a backend that lacks ops.
  *
  * Like every backend it includes only the public ABI header.
  */
@@ -31,6 +33,7 @@ struct loom_buffer {
 typedef struct ref_backend {
     loom_backend base;
     char error[512];
+    unsigned char denied[LOOM_OP_COUNT_V1_0][32]; /* LOOM_REF_DENY, by op and dtype */
 } ref_backend;
 
 static loom_status fail(loom_backend *be, loom_status st, const char *fmt, ...)
@@ -706,7 +709,8 @@ static loom_status ref_synchronize(loom_backend *be)
 
 static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
 {
-    (void)be;
+    if ((unsigned)op < LOOM_OP_COUNT_V1_0 && ((ref_backend *)be)->denied[op][dt & 31])
+        return 0;
     switch (op) {
     case LOOM_OP_MATMUL:
     case LOOM_OP_GET_ROWS: return is_float_dtype(dt) || is_block_dtype(dt);
@@ -775,6 +779,44 @@ static void ref_probe(loom_probe_result *out)
              opaque_requested() ? "opaque (LOOM_REF_OPAQUE)" : "host-visible");
 }
 
+static const char *const op_names[LOOM_OP_COUNT_V1_0] = {
+    "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
+    "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
+
+/* LOOM_REF_DENY: "matmul,attention:f16" denies matmul for every dtype and f16 attention. */
+static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_size)
+{
+    static const loom_dtype dtypes[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0,
+                                        LOOM_Q4_0, LOOM_Q4_1, LOOM_I32};
+    while (*spec) {
+        size_t len = strcspn(spec, ","), name_len = strcspn(spec, ",:");
+        int op = -1, dt = -1;
+        for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
+            if (strlen(op_names[i]) == name_len && strncmp(spec, op_names[i], name_len) == 0)
+                op = i;
+        if (name_len < len) {
+            const char *d = spec + name_len + 1;
+            size_t dlen = len - name_len - 1;
+            for (size_t i = 0; i < sizeof dtypes / sizeof dtypes[0]; i++)
+                if (strlen(loom_dtype_name(dtypes[i])) == dlen &&
+                    strncmp(d, loom_dtype_name(dtypes[i]), dlen) == 0)
+                    dt = (int)dtypes[i];
+        }
+        if (op < 0 || (name_len < len && dt < 0)) {
+            snprintf(err, err_size, "LOOM_REF_DENY: '%.*s' is not OP or OP:DTYPE (ops: matmul, "
+                     "get_rows, rms_norm, ..., convert; dtypes: f32, f16, bf16, q8_0, q4_0, q4_1)",
+                     (int)len, spec);
+            return -1;
+        }
+        for (int t = 0; t < 32; t++)
+            if (dt < 0 || t == dt)
+                rb->denied[op][t] = 1;
+        spec += len;
+        spec += *spec == ',';
+    }
+    return 0;
+}
+
 static loom_status ref_open(const loom_backend_options *opts, loom_backend **out, char *err,
                             size_t err_size)
 {
@@ -786,6 +828,11 @@ static loom_status ref_open(const loom_backend_options *opts, loom_backend **out
     if (!rb) {
         snprintf(err, err_size, "out of memory");
         return LOOM_ERR_OUT_OF_MEMORY;
+    }
+    const char *deny = getenv("LOOM_REF_DENY");
+    if (deny && parse_deny(rb, deny, err, err_size) != 0) {
+        free(rb);
+        return LOOM_ERR_INVALID;
     }
     rb->base.ops = opaque_requested() ? &ref_ops_opaque : &ref_ops_host_visible;
     *out = &rb->base;
