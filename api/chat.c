@@ -152,7 +152,7 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, int *
             return "chatglm3";
         *recognised = 0; /* a template loom cannot run: fall back, and say so */
     }
-    if (arch && !strcmp(arch, "qwen2"))
+    if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || !strcmp(arch, "qwen")))
         return "chatml";
     if (arch && !strcmp(arch, "chatglm"))
         return "chatglm3";

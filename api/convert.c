@@ -200,8 +200,9 @@ static int add_layer(conv *c, const char *layers, int l, const char *hf, const c
     return add(c, src, dst, optional, order);
 }
 
-/* The Llama-shaped decoders: llama (SentencePiece, Q/K permuted) and qwen2 (byte-level BPE,
- * q/k/v biases, rotate-half order kept). */
+/* The Llama-shaped decoders: llama (SentencePiece, Q/K permuted), qwen2 (byte-level BPE, q/k/v
+ * biases, rotate-half order kept) and qwen3 (as qwen2, biases only with attention_bias, plus a
+ * per-head RMSNorm of Q and K: q_norm / k_norm). */
 static int decoder(conv *c, const char *arch)
 {
     cJSON *cf = c->config;
@@ -213,7 +214,7 @@ static int decoder(conv *c, const char *arch)
         return conv_fail(c, "%s/config.json: hidden_size, num_hidden_layers, num_attention_heads and "
                        "intermediate_size must be positive", c->dir);
     int32_t hd = (int32_t)conv_num(cf, "head_dim", n_embd / n_head);
-    int qwen2 = !strcmp(arch, "qwen2");
+    int qwen = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"), qwen3 = !strcmp(arch, "qwen3");
     char key[128];
 #define KEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
     loom_gguf_set_str(c->w, "general.architecture", arch);
@@ -249,7 +250,7 @@ static int decoder(conv *c, const char *arch)
     conv_stop_tokens(c);
     int has_bias = loom_safetensors_find(&c->st, "model.layers.0.self_attn.q_proj.bias") != NULL;
     c->total = 2 + (loom_safetensors_find(&c->st, "lm_head.weight") != NULL) +
-               (9 + 3 * has_bias) * n_layer;
+               (9 + 3 * has_bias + 2 * qwen3) * n_layer;
     if (add(c, "model.embed_tokens.weight", "token_embd.weight", 0, AS_STORED) ||
         add(c, "model.norm.weight", "output_norm.weight", 0, AS_STORED) ||
         add(c, "lm_head.weight", "output.weight", 1, AS_STORED))
@@ -259,11 +260,15 @@ static int decoder(conv *c, const char *arch)
     if (add_layer(c, "model.layers", l, hf, gg, 0, rope_pairs(perm)))                         \
         return -1
         ADD("input_layernorm.weight", "attn_norm.weight", 0);
-        ADD("self_attn.q_proj.weight", "attn_q.weight", qwen2 ? 0 : n_head);
-        ADD("self_attn.k_proj.weight", "attn_k.weight", qwen2 ? 0 : n_kv);
+        ADD("self_attn.q_proj.weight", "attn_q.weight", qwen ? 0 : n_head);
+        ADD("self_attn.k_proj.weight", "attn_k.weight", qwen ? 0 : n_kv);
         ADD("self_attn.v_proj.weight", "attn_v.weight", 0);
+        if (qwen3) {
+            ADD("self_attn.q_norm.weight", "attn_q_norm.weight", 0);
+            ADD("self_attn.k_norm.weight", "attn_k_norm.weight", 0);
+        }
         if (has_bias) {
-            if (!qwen2)
+            if (!qwen)
                 return conv_fail(c, "%s: Llama q/k/v biases are not supported", c->dir);
             ADD("self_attn.q_proj.bias", "attn_q.bias", 0);
             ADD("self_attn.k_proj.bias", "attn_k.bias", 0);
@@ -275,6 +280,64 @@ static int decoder(conv *c, const char *arch)
         ADD("mlp.up_proj.weight", "ffn_up.weight", 0);
         ADD("mlp.down_proj.weight", "ffn_down.weight", 0);
 #undef ADD
+    }
+    return 0;
+}
+
+/* Qwen v1 (model_type "qwen", QWenLMHeadModel): llama.cpp's "qwen" names. The config counts
+ * intermediate_size over w1 and w2 together (22016 for Qwen-7B's two halves of 11008); the MLP
+ * is c_proj(w1(x) * silu(w2(x))), so w2 is the gate. use_dynamic_ntk and use_logn_attn change
+ * nothing until a sequence passes seq_length, which loom's context length is capped at. */
+static int qwen1(conv *c)
+{
+    cJSON *cf = c->config;
+    int32_t n_embd = (int32_t)conv_num(cf, "hidden_size", 0), n_layer = (int32_t)conv_num(cf, "num_hidden_layers", 0);
+    int32_t n_head = (int32_t)conv_num(cf, "num_attention_heads", 0);
+    int32_t n_ff2 = (int32_t)conv_num(cf, "intermediate_size", 0);
+    int32_t hd = (int32_t)conv_num(cf, "kv_channels", n_head > 0 ? n_embd / n_head : 0);
+    double pct = conv_num(cf, "rotary_pct", 1.0);
+    int32_t n_rot = (int32_t)(hd * pct);
+    if (n_embd <= 0 || n_layer <= 0 || n_head <= 0 || hd <= 0 || n_ff2 <= 0 || n_ff2 % 2)
+        return conv_fail(c, "%s/config.json: hidden_size, num_hidden_layers, num_attention_heads, "
+                       "kv_channels and an even intermediate_size must be positive", c->dir);
+    if (n_rot <= 0 || n_rot % 2 || n_rot > hd)
+        return conv_fail(c, "%s/config.json: rotary_pct %g of kv_channels %d is not an even "
+                       "number of dimensions", c->dir, pct, hd);
+    loom_gguf_set_str(c->w, "general.architecture", "qwen");
+    const char *slash = strrchr(c->dir, '/');
+    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    loom_gguf_set_u32(c->w, "qwen.context_length",
+                      (uint32_t)conv_num(cf, "seq_length", conv_num(cf, "max_position_embeddings", 2048)));
+    loom_gguf_set_u32(c->w, "qwen.embedding_length", (uint32_t)n_embd);
+    loom_gguf_set_u32(c->w, "qwen.block_count", (uint32_t)n_layer);
+    loom_gguf_set_u32(c->w, "qwen.feed_forward_length", (uint32_t)(n_ff2 / 2));
+    loom_gguf_set_u32(c->w, "qwen.attention.head_count", (uint32_t)n_head);
+    loom_gguf_set_u32(c->w, "qwen.attention.head_count_kv", (uint32_t)n_head);
+    if (hd != n_embd / n_head) {
+        loom_gguf_set_u32(c->w, "qwen.attention.key_length", (uint32_t)hd);
+        loom_gguf_set_u32(c->w, "qwen.attention.value_length", (uint32_t)hd);
+    }
+    loom_gguf_set_u32(c->w, "qwen.rope.dimension_count", (uint32_t)n_rot);
+    loom_gguf_set_f32(c->w, "qwen.rope.freq_base", (float)conv_num(cf, "rotary_emb_base", 10000.0));
+    loom_gguf_set_f32(c->w, "qwen.attention.layer_norm_rms_epsilon",
+                      (float)conv_num(cf, "layer_norm_epsilon", 1e-6));
+    if (conv_tokenizer(c))
+        return -1;
+    conv_stop_tokens(c);
+    c->total = 3 + 8 * n_layer;
+    if (add(c, "transformer.wte.weight", "token_embd.weight", 0, AS_STORED) ||
+        add(c, "transformer.ln_f.weight", "output_norm.weight", 0, AS_STORED) ||
+        add(c, "lm_head.weight", "output.weight", 1, AS_STORED))
+        return -1;
+    for (int l = 0; l < n_layer; l++) {
+        static const char *const names[][2] = {
+            {"ln_1.weight", "attn_norm.weight"},       {"attn.c_attn.weight", "attn_qkv.weight"},
+            {"attn.c_attn.bias", "attn_qkv.bias"},     {"attn.c_proj.weight", "attn_output.weight"},
+            {"ln_2.weight", "ffn_norm.weight"},        {"mlp.w1.weight", "ffn_up.weight"},
+            {"mlp.w2.weight", "ffn_gate.weight"},      {"mlp.c_proj.weight", "ffn_down.weight"}};
+        for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+            if (add_layer(c, "transformer.h", l, names[i][0], names[i][1], 0, AS_STORED))
+                return -1;
     }
     return 0;
 }
@@ -461,8 +524,11 @@ int loom_convert(const char *dir, const char *out, const char *type,
     }
     cJSON *mt = cJSON_GetObjectItem(c.config, "model_type");
     const char *model_type = cJSON_IsString(mt) ? mt->valuestring : "";
-    if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "qwen2") == 0)
+    if (strcmp(model_type, "llama") == 0 || strcmp(model_type, "qwen2") == 0 ||
+        strcmp(model_type, "qwen3") == 0)
         rc = decoder(&c, model_type);
+    else if (strcmp(model_type, "qwen") == 0)
+        rc = qwen1(&c);
     else if (strcmp(model_type, "chatglm") == 0 &&
              (cJSON_GetObjectItem(c.config, "position_encoding_2d") ||
               cJSON_GetObjectItem(c.config, "inner_hidden_size")))
@@ -470,8 +536,8 @@ int loom_convert(const char *dir, const char *out, const char *type,
     else if (strcmp(model_type, "chatglm") == 0)
         rc = chatglm(&c);
     else
-        conv_fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama, qwen2, "
-                 "chatglm)", dir, model_type[0] ? model_type : "(none)");
+        conv_fail(&c, "%s: model_type '%s' cannot be converted yet (loom converts: llama, qwen, "
+                 "qwen2, qwen3, chatglm)", dir, model_type[0] ? model_type : "(none)");
     if (rc == 0)
         rc = loom_gguf_write(c.w, out, err, err_size);
 done:

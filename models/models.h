@@ -8,6 +8,8 @@
 
 extern const loom_arch loom_arch_llama; /* GGUF "llama": Llama-2/3, TinyLlama, stories260K */
 extern const loom_arch loom_arch_qwen2; /* GGUF "qwen2": Qwen2/2.5 */
+extern const loom_arch loom_arch_qwen3; /* GGUF "qwen3": Qwen3 (dense) */
+extern const loom_arch loom_arch_qwen;  /* GGUF "qwen": Qwen v1 (Qwen-7B/14B and chat) */
 extern const loom_arch loom_arch_chatglm; /* GGUF "chatglm": ChatGLM2/3, GLM-4 */
 extern const loom_arch loom_arch_chatglm1; /* GGUF "chatglm1" (loom's own): ChatGLM-6B */
 

@@ -22,8 +22,8 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
     return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
 }
 
-static const loom_arch *const all[] = {&loom_arch_llama, &loom_arch_qwen2, &loom_arch_chatglm,
-                                       &loom_arch_chatglm1};
+static const loom_arch *const all[] = {&loom_arch_llama, &loom_arch_qwen2, &loom_arch_qwen3,
+                                       &loom_arch_qwen,  &loom_arch_chatglm, &loom_arch_chatglm1};
 
 const loom_arch *loom_models_find(const char *name)
 {
@@ -35,5 +35,10 @@ const loom_arch *loom_models_find(const char *name)
 
 const char *loom_models_known(void)
 {
-    return "llama, qwen2, chatglm, chatglm1";
+    static char list[256];
+    if (!list[0])
+        for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? ", " : "",
+                     all[i]->name);
+    return list;
 }

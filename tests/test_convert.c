@@ -13,6 +13,7 @@
 
 #include "core/gguf.h"
 #include "backends.h"
+#include "fixture_model.h"
 
 #include "check.h"
 
@@ -58,99 +59,6 @@ static void test_stories_bytes(void)
     loom_gguf_close(&b);
 }
 
-typedef struct collect {
-    int32_t ids[64];
-    int n;
-} collect;
-
-static int on_token(void *user, int32_t id, const char *text, size_t len)
-{
-    (void)text, (void)len;
-    collect *c = user;
-    if (id >= 0 && c->n < 64)
-        c->ids[c->n++] = id;
-    return 0;
-}
-
-/* Runs every case of the fixture on model path with backend, checking logits within tol of
- * logits_file_key ("last_logits" or a quantized reference) and, when greedy, the tokens. */
-static void check_model(const char *fixture, const char *path, const char *backend,
-                        const char *logits_of, double tol, int greedy_too, const char *what)
-{
-    loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};
-    loom_model *m = loom_model_open(path, &o, err, sizeof err);
-    CHECK(m != NULL, "%s on %s: %s", what, backend, err);
-    if (!m)
-        return;
-    char p[4200];
-    snprintf(p, sizeof p, "%s/%s/expected.json", dir, fixture);
-    char *json = slurp(p, NULL);
-    cJSON *root = cJSON_Parse(json), *cs;
-    loom_sampling g = loom_sampling_defaults();
-    g.temperature = 0;
-    g.ignore_eos = 1;
-    cJSON_ArrayForEach(cs, cJSON_GetObjectItem(root, "cases"))
-    {
-        const char *name = cJSON_GetObjectItem(cs, "name")->valuestring;
-        cJSON *ref_logits = strcmp(logits_of, "last_logits") == 0
-                                ? cJSON_GetObjectItem(cs, "last_logits")
-                                : cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"), logits_of), "last_logits");
-        if (!ref_logits)
-            continue; /* quantised references exist for the plain case only */
-        /* the prompt as loom's tokenizer encodes the text, which must give the fixture's ids */
-        cJSON *pids = cJSON_GetObjectItem(cs, "prompt_ids");
-        cJSON *text = cJSON_GetObjectItem(cs, "text");
-        if (!cJSON_IsString(text))
-            text = cJSON_GetObjectItem(cs, "rendered_prompt");
-        int32_t ids[512];
-        int n = (int)loom_tokenize(m, text->valuestring, 1, 1, ids, 512, err, sizeof err);
-        int same_ids = n == cJSON_GetArraySize(pids);
-        for (int i = 0; same_ids && i < n; i++)
-            same_ids = ids[i] == cJSON_GetArrayItem(pids, i)->valueint;
-        CHECK(same_ids, "%s, %s: prompt ids differ from the fixture's", what, name);
-        collect c = {{0}, 0};
-        int rc = loom_generate(m, ids, n, 16, &g, on_token, &c, NULL, err, sizeof err);
-        CHECK(rc == 0, "%s %s: %s", what, name, err);
-        snprintf(p, sizeof p, "%s/%s/%s", dir, fixture,
-                 cJSON_GetObjectItem(ref_logits, "file")->valuestring);
-        size_t bytes;
-        float *ref = (float *)slurp(p, &bytes);
-        const float *got = loom_prompt_logits(m);
-        double worst = 0;
-        for (size_t i = 0; ref && i < bytes / 4; i++)
-            worst = fmax(worst, fabs((double)got[i] - ref[i]));
-        CHECK(ref && worst <= tol, "%s on %s, %s: logits off by %g (> %g)", what, backend, name,
-              worst, tol);
-        cJSON *top5 = strcmp(logits_of, "last_logits") == 0
-                          ? cJSON_GetObjectItem(cs, "top5")
-                          : cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"), logits_of), "top5");
-        int best = 0;
-        for (int i = 1; i < loom_model_n_vocab(m); i++)
-            if (got[i] > got[best])
-                best = i;
-        /* the top token must agree, unless the reference's own margin between its first two
-         * is smaller than this run's logit error (then either may legitimately win) */
-        double margin = top5 ? cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "logit")->valuedouble -
-                                   cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 1), "logit")->valuedouble
-                             : 0;
-        CHECK(top5 && (best == cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "id")->valueint ||
-                       margin < worst),
-              "%s on %s, %s: top-1 token %d differs from the reference's (margin %g, error %g)",
-              what, backend, name, best, margin, worst);
-        free(ref);
-        if (greedy_too) {
-            cJSON *gids = cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "greedy"), "ids");
-            int same = c.n == cJSON_GetArraySize(gids);
-            for (int i = 0; same && i < c.n; i++)
-                same = c.ids[i] == cJSON_GetArrayItem(gids, i)->valueint;
-            CHECK(same, "%s on %s, %s: greedy tokens differ", what, backend, name);
-        }
-    }
-    cJSON_Delete(root);
-    free(json);
-    loom_model_close(m);
-}
-
 static void test_tiny_llama(void)
 {
     char hf[4200], f32[4200], q8[4200], q4[4200];
@@ -168,14 +76,14 @@ static void test_tiny_llama(void)
     for (int i = 0; i < n_backends; i++) {
         const char *label = backends[i];
         int exact = strcmp(label, "ref") == 0; /* f32 activations into quantised matmuls */
-        check_model("tiny-llama", f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
-        check_model("tiny-llama", hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
+        check_model(dir, "tiny-llama", f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
+        check_model(dir, "tiny-llama", hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
         /* Q8_0: loom's quantiser is ggml's quantize_row_q8_0_ref (x * (1/d), roundf); the
          * fixture's q8_0 reference differs from it by 0.013 in the logits (its q4_0 reference
          * agrees within 1e-6), so the bound here is the README's for quantised activations,
          * and the top token must agree */
-        check_model("tiny-llama", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
-        check_model("tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
+        check_model(dir, "tiny-llama", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
+        check_model(dir, "tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
     }
 
     /* loom quantize of the f32 file gives the same tensors as converting straight to q4_0 */
@@ -220,10 +128,10 @@ static void test_tiny_qwen2(void)
         return;
     for (int i = 0; i < n_backends; i++) {
         const char *label = backends[i];
-        check_model("tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
+        check_model(dir, "tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
         /* ChatGLM3: fused qkv with bias, multi-query groups, half-head adjacent RoPE, fused
          * gate/up, [gMASK] sop prefix; bf16 weights upcast exactly */
-        check_model("tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
+        check_model(dir, "tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
     }
     unlink(glmf);
 

@@ -1,0 +1,561 @@
+/*
+ * tests/test_qwen.c - Qwen v1 and Qwen3, for which the fixtures hold no PyTorch run, judged
+ * against expectations built independently from the tiny-qwen2 fixture:
+ *   - Qwen v1: tiny-qwen2's weights rewritten as a QWenLMHeadModel folder (q/k/v fused into
+ *     c_attn with each kv head repeated for the query heads of its group, gate/up as w2/w1,
+ *     an untied lm_head, and the qwen.tiktoken tokenizer, whose ranks are tiny-qwen2's
+ *     vocabulary) computes the same function, so it must reproduce tiny-qwen2's PyTorch logits
+ *     and greedy tokens, opened as a folder and converted to GGUF, on every usable backend.
+ *   - Qwen3: the same weights plus per-head q/k RMSNorm weights. The expectation is a plain
+ *     double-precision forward pass written here from the Hugging Face modelling code; that
+ *     pass is first checked against tiny-qwen2's PyTorch logits with the norms left out.
+ */
+#define _GNU_SOURCE
+#include <loom/loom.h>
+
+#include "core/gguf.h"
+#include "core/safetensors.h"
+#include "backends.h"
+#include "fixture_model.h"
+
+#include "check.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char err[4096], fixtures[4096], tmp[] = "/tmp/loom-qwen-XXXXXX";
+
+/* ---- A safetensors writer (tensors appended in order, offsets 8-aligned) ------------------ */
+
+typedef struct st_out {
+    cJSON *header;
+    unsigned char *data;
+    size_t n, cap;
+} st_out;
+
+static void st_add(st_out *o, const char *name, const char *dtype, int n_dims, const int64_t *shape,
+                   const void *bytes, size_t size)
+{
+    size_t at = (o->n + 7) & ~(size_t)7;
+    if (at + size > o->cap) {
+        o->cap = (at + size) * 2;
+        o->data = realloc(o->data, o->cap);
+    }
+    memset(o->data + o->n, 0, at - o->n);
+    memcpy(o->data + at, bytes, size);
+    o->n = at + size;
+    cJSON *t = cJSON_AddObjectToObject(o->header, name);
+    cJSON_AddStringToObject(t, "dtype", dtype);
+    cJSON *s = cJSON_AddArrayToObject(t, "shape");
+    for (int i = 0; i < n_dims; i++)
+        cJSON_AddItemToArray(s, cJSON_CreateNumber((double)shape[i]));
+    cJSON *off = cJSON_AddArrayToObject(t, "data_offsets");
+    cJSON_AddItemToArray(off, cJSON_CreateNumber((double)at));
+    cJSON_AddItemToArray(off, cJSON_CreateNumber((double)(at + size)));
+}
+
+/* Copies a source tensor under a new name. */
+static void st_copy(st_out *o, const loom_safetensors *src, const char *from, const char *to)
+{
+    const loom_st_tensor *t = loom_safetensors_find(src, from);
+    CHECK(t != NULL, "tiny-qwen2 has no %s", from);
+    if (t)
+        st_add(o, to, t->dtype, t->n_dims, t->shape, t->data, t->size);
+}
+
+static int st_write(st_out *o, const char *path)
+{
+    char *json = cJSON_PrintUnformatted(o->header);
+    size_t len = strlen(json), padded = (len + 7) & ~(size_t)7;
+    FILE *f = fopen(path, "wb");
+    int ok = f != NULL;
+    if (f) {
+        unsigned char le[8];
+        for (int i = 0; i < 8; i++)
+            le[i] = (unsigned char)((uint64_t)padded >> (8 * i));
+        ok = fwrite(le, 1, 8, f) == 8 && fwrite(json, 1, len, f) == len;
+        for (size_t i = len; ok && i < padded; i++)
+            ok = fputc(' ', f) != EOF;
+        ok = ok && fwrite(o->data, 1, o->n, f) == o->n;
+        ok = fclose(f) == 0 && ok;
+    }
+    free(json);
+    cJSON_Delete(o->header);
+    free(o->data);
+    memset(o, 0, sizeof *o);
+    return ok ? 0 : -1;
+}
+
+static void write_text(const char *folder, const char *name, const char *text)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/%s", folder, name);
+    FILE *f = fopen(p, "w");
+    CHECK(f && fputs(text, f) >= 0 && fclose(f) == 0, "writing %s", p);
+}
+
+/* A link to target (made absolute: the fixtures may be named relative to here) */
+static void link_file(const char *folder, const char *name, const char *target)
+{
+    char p[4400], abs[4096];
+    snprintf(p, sizeof p, "%s/%s", folder, name);
+    CHECK(realpath(target, abs) && symlink(abs, p) == 0, "symlink %s to %s", p, target);
+}
+
+/* general.architecture of a GGUF file, or "" */
+static const char *gguf_arch(const char *path)
+{
+    static char arch[64];
+    loom_gguf g;
+    const char *a = NULL;
+    arch[0] = '\0';
+    uint64_t len = 0;
+    if (loom_gguf_open(&g, path, err, sizeof err) == 0) {
+        if (loom_gguf_get_str(&g, "general.architecture", &a, &len) == 0)
+            snprintf(arch, sizeof arch, "%.*s", (int)len, a);
+        loom_gguf_close(&g);
+    }
+    return arch;
+}
+
+/* ---- tiny-qwen2's shape ------------------------------------------------------------------- */
+
+typedef struct shape {
+    int d, heads, kv, hd, ff, layers, vocab;
+    double eps, theta;
+} shape;
+
+static shape read_shape(const char *folder)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/config.json", folder);
+    char *text = slurp(p, NULL);
+    cJSON *c = cJSON_Parse(text);
+    shape s;
+#define NUM(key) cJSON_GetObjectItem(c, key)->valuedouble
+    s.d = (int)NUM("hidden_size"), s.heads = (int)NUM("num_attention_heads");
+    s.kv = (int)NUM("num_key_value_heads"), s.ff = (int)NUM("intermediate_size");
+    s.layers = (int)NUM("num_hidden_layers"), s.vocab = (int)NUM("vocab_size");
+    s.eps = NUM("rms_norm_eps"), s.theta = NUM("rope_theta");
+#undef NUM
+    s.hd = s.d / s.heads;
+    cJSON_Delete(c);
+    free(text);
+    return s;
+}
+
+/* ---- Qwen v1 from tiny-qwen2 -------------------------------------------------------------- */
+
+/* q, then k and v with kv head h / group repeated as head h: [3 * heads * hd] rows (or elements
+ * of a bias) in c_attn's order. */
+static void fused_qkv(st_out *o, const loom_safetensors *st, const shape *s, int l, const char *what)
+{
+    char q[128], k[128], v[128], name[128];
+    snprintf(q, sizeof q, "model.layers.%d.self_attn.q_proj.%s", l, what);
+    snprintf(k, sizeof k, "model.layers.%d.self_attn.k_proj.%s", l, what);
+    snprintf(v, sizeof v, "model.layers.%d.self_attn.v_proj.%s", l, what);
+    const loom_st_tensor *tq = loom_safetensors_find(st, q), *tk = loom_safetensors_find(st, k),
+                         *tv = loom_safetensors_find(st, v);
+    if (!tq || !tk || !tv) {
+        CHECK(0, "tiny-qwen2 lacks q/k/v %s of layer %d", what, l);
+        return;
+    }
+    size_t unit = tq->size / (size_t)(s->heads * s->hd); /* bytes per row (or element) */
+    size_t head = unit * (size_t)s->hd, group = (size_t)(s->heads / s->kv);
+    unsigned char *buf = malloc(3 * tq->size);
+    memcpy(buf, tq->data, tq->size);
+    for (int part = 0; part < 2; part++) {
+        const unsigned char *src = part ? tv->data : tk->data;
+        for (int h = 0; h < s->heads; h++)
+            memcpy(buf + tq->size * (1 + part) + (size_t)h * head, src + (h / group) * head, head);
+    }
+    int64_t shp[2] = {3 * (int64_t)s->heads * s->hd, tq->n_dims == 2 ? tq->shape[1] : 0};
+    snprintf(name, sizeof name, "transformer.h.%d.attn.c_attn.%s", l, what);
+    st_add(o, name, tq->dtype, tq->n_dims, shp, buf, 3 * tq->size);
+    free(buf);
+}
+
+static int make_qwen1(const loom_safetensors *st, const shape *s, const char *folder)
+{
+    mkdir(folder, 0755);
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    st_copy(&o, st, "model.embed_tokens.weight", "transformer.wte.weight");
+    st_copy(&o, st, "model.embed_tokens.weight", "lm_head.weight"); /* v1 does not tie */
+    st_copy(&o, st, "model.norm.weight", "transformer.ln_f.weight");
+    static const char *const same[][2] = {
+        {"input_layernorm.weight", "ln_1.weight"},     {"self_attn.o_proj.weight", "attn.c_proj.weight"},
+        {"post_attention_layernorm.weight", "ln_2.weight"}, {"mlp.up_proj.weight", "mlp.w1.weight"},
+        {"mlp.gate_proj.weight", "mlp.w2.weight"},     {"mlp.down_proj.weight", "mlp.c_proj.weight"}};
+    for (int l = 0; l < s->layers; l++) {
+        for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+            char from[128], to[128];
+            snprintf(from, sizeof from, "model.layers.%d.%s", l, same[i][0]);
+            snprintf(to, sizeof to, "transformer.h.%d.%s", l, same[i][1]);
+            st_copy(&o, st, from, to);
+        }
+        fused_qkv(&o, st, s, l, "weight");
+        fused_qkv(&o, st, s, l, "bias");
+    }
+    char p[4400], cfg[1024];
+    snprintf(p, sizeof p, "%s/model.safetensors", folder);
+    if (st_write(&o, p) != 0)
+        return -1;
+    /* Qwen-7B's config keys, with tiny-qwen2's numbers; intermediate_size counts w1 and w2 */
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"QWenLMHeadModel\"], \"model_type\": \"qwen\", "
+             "\"hidden_size\": %d, \"num_attention_heads\": %d, \"num_hidden_layers\": %d, "
+             "\"intermediate_size\": %d, \"kv_channels\": %d, \"rotary_emb_base\": %.1f, "
+             "\"rotary_pct\": 1.0, \"layer_norm_epsilon\": %g, \"seq_length\": 8192, "
+             "\"max_position_embeddings\": 8192, \"vocab_size\": %d, \"no_bias\": true, "
+             "\"use_dynamic_ntk\": true, \"use_logn_attn\": true, \"bf16\": false, \"fp16\": true}",
+             s->d, s->heads, s->layers, 2 * s->ff, s->hd, s->theta, s->eps, s->vocab);
+    write_text(folder, "config.json", cfg);
+    write_text(folder, "generation_config.json",
+               "{\"chat_format\": \"chatml\", \"eos_token_id\": 151643, \"pad_token_id\": 151643}");
+    write_text(folder, "tokenizer_config.json",
+               "{\"model_max_length\": 8192, \"tokenizer_class\": \"QWenTokenizer\"}");
+    snprintf(p, sizeof p, "%s/tokenizers/qwen1/qwen.tiktoken", fixtures);
+    link_file(folder, "qwen.tiktoken", p);
+    return 0;
+}
+
+static void test_qwen1(const loom_safetensors *st, const shape *s)
+{
+    char folder[4200], gguf[4200];
+    snprintf(folder, sizeof folder, "%s/qwen1", tmp);
+    snprintf(gguf, sizeof gguf, "%s/qwen1-f32.gguf", tmp);
+    CHECK(make_qwen1(st, s, folder) == 0, "writing the Qwen v1 folder");
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    CHECK(!strcmp(gguf_arch(gguf), "qwen"), "the converted file is GGUF 'qwen', not '%s'",
+          gguf_arch(gguf));
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int i = 0; i < n; i++) {
+        check_model(fixtures, "tiny-qwen2", gguf, backends[i], "last_logits", 1e-4, 1,
+                    "Qwen v1 (converted, f32)");
+        check_model(fixtures, "tiny-qwen2", folder, backends[i], "last_logits", 1e-3, 1,
+                    "Qwen v1 (folder, f16)");
+    }
+    unlink(gguf);
+}
+
+/* ---- Qwen3: tiny-qwen2 plus q/k norms, against a forward pass written here ---------------- */
+
+static double *load_f64(const loom_safetensors *st, const char *fmt, int l, int64_t *count)
+{
+    char name[128];
+    snprintf(name, sizeof name, fmt, l);
+    const loom_st_tensor *t = loom_safetensors_find(st, name);
+    if (!t || t->loom_type < 0) {
+        CHECK(0, "no float tensor %s", name);
+        return NULL;
+    }
+    int64_t n = 1;
+    for (int i = 0; i < t->n_dims; i++)
+        n *= t->shape[i];
+    float *f = malloc((size_t)n * sizeof *f);
+    double *d = malloc((size_t)n * sizeof *d);
+    loom_row_to_f32((loom_dtype)t->loom_type, t->data, f, n);
+    for (int64_t i = 0; i < n; i++)
+        d[i] = f[i];
+    free(f);
+    if (count)
+        *count = n;
+    return d;
+}
+
+static void rms_norm(double *x, int n, const double *w, double eps)
+{
+    double ss = 0;
+    for (int i = 0; i < n; i++)
+        ss += x[i] * x[i];
+    double inv = 1.0 / sqrt(ss / n + eps);
+    for (int i = 0; i < n; i++)
+        x[i] = x[i] * inv * w[i];
+}
+
+/* y[rows_out] = W[rows_out, n] x[n] (+ b) */
+static void linear(double *y, const double *w, const double *b, const double *x, int rows, int n)
+{
+    for (int r = 0; r < rows; r++) {
+        double acc = b ? b[r] : 0;
+        for (int i = 0; i < n; i++)
+            acc += w[(int64_t)r * n + i] * x[i];
+        y[r] = acc;
+    }
+}
+
+/* Hugging Face Qwen2/Qwen3 decoding of ids, in double: the last position's logits. norms:
+ * per layer q_norm then k_norm weights ([hd] each), or NULL for Qwen2. */
+static double *reference_logits(const loom_safetensors *st, const shape *s, double **norms,
+                                const int32_t *ids, int T)
+{
+    int D = s->d, H = s->heads, KV = s->kv, hd = s->hd, F = s->ff, group = H / KV;
+    double *x = calloc((size_t)T * D, sizeof *x), *h = malloc((size_t)D * sizeof *h);
+    double *q = malloc((size_t)T * H * hd * sizeof *q), *k = malloc((size_t)T * KV * hd * sizeof *k);
+    double *v = malloc((size_t)T * KV * hd * sizeof *v), *att = malloc((size_t)H * hd * sizeof *att);
+    double *o = malloc((size_t)D * sizeof *o), *g = malloc((size_t)F * sizeof *g);
+    double *u = malloc((size_t)F * sizeof *u), *p = malloc((size_t)T * sizeof *p);
+    double *emb = load_f64(st, "model.embed_tokens.weight", 0, NULL);
+    for (int t = 0; t < T; t++)
+        memcpy(x + (size_t)t * D, emb + (int64_t)ids[t] * D, (size_t)D * sizeof *x);
+    for (int l = 0; l < s->layers; l++) {
+        double *ln1 = load_f64(st, "model.layers.%d.input_layernorm.weight", l, NULL);
+        double *wq = load_f64(st, "model.layers.%d.self_attn.q_proj.weight", l, NULL);
+        double *bq = load_f64(st, "model.layers.%d.self_attn.q_proj.bias", l, NULL);
+        double *wk = load_f64(st, "model.layers.%d.self_attn.k_proj.weight", l, NULL);
+        double *bk = load_f64(st, "model.layers.%d.self_attn.k_proj.bias", l, NULL);
+        double *wv = load_f64(st, "model.layers.%d.self_attn.v_proj.weight", l, NULL);
+        double *bv = load_f64(st, "model.layers.%d.self_attn.v_proj.bias", l, NULL);
+        double *wo = load_f64(st, "model.layers.%d.self_attn.o_proj.weight", l, NULL);
+        double *ln2 = load_f64(st, "model.layers.%d.post_attention_layernorm.weight", l, NULL);
+        double *wg = load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
+        double *wu = load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
+        double *wd = load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
+        for (int t = 0; t < T; t++) {
+            memcpy(h, x + (size_t)t * D, (size_t)D * sizeof *h);
+            rms_norm(h, D, ln1, s->eps);
+            double *qt = q + (size_t)t * H * hd, *kt = k + (size_t)t * KV * hd;
+            linear(qt, wq, bq, h, H * hd, D);
+            linear(kt, wk, bk, h, KV * hd, D);
+            linear(v + (size_t)t * KV * hd, wv, bv, h, KV * hd, D);
+            for (int hh = 0; hh < H + KV; hh++) {
+                double *vec = hh < H ? qt + hh * hd : kt + (hh - H) * hd;
+                if (norms) /* Qwen3: each head normalised before RoPE */
+                    rms_norm(vec, hd, norms[2 * l + (hh >= H)], s->eps);
+                for (int i = 0; i < hd / 2; i++) { /* rotate_half */
+                    double ang = t * pow(s->theta, -2.0 * i / hd), c = cos(ang), sn = sin(ang);
+                    double a = vec[i], b = vec[i + hd / 2];
+                    vec[i] = a * c - b * sn;
+                    vec[i + hd / 2] = b * c + a * sn;
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            for (int hh = 0; hh < H; hh++) {
+                const double *qh = q + ((size_t)t * H + hh) * hd;
+                int kh = hh / group;
+                double mx = -INFINITY, sum = 0;
+                for (int j = 0; j <= t; j++) {
+                    double sc = 0;
+                    for (int i = 0; i < hd; i++)
+                        sc += qh[i] * k[((size_t)j * KV + kh) * hd + i];
+                    p[j] = sc / sqrt((double)hd);
+                    mx = fmax(mx, p[j]);
+                }
+                for (int j = 0; j <= t; j++)
+                    sum += (p[j] = exp(p[j] - mx));
+                for (int i = 0; i < hd; i++) {
+                    double acc = 0;
+                    for (int j = 0; j <= t; j++)
+                        acc += p[j] / sum * v[((size_t)j * KV + kh) * hd + i];
+                    att[hh * hd + i] = acc;
+                }
+            }
+            double *xt = x + (size_t)t * D;
+            linear(o, wo, NULL, att, D, H * hd);
+            for (int i = 0; i < D; i++)
+                xt[i] += o[i];
+            memcpy(h, xt, (size_t)D * sizeof *h);
+            rms_norm(h, D, ln2, s->eps);
+            linear(g, wg, NULL, h, F, D);
+            linear(u, wu, NULL, h, F, D);
+            for (int i = 0; i < F; i++)
+                g[i] = g[i] / (1 + exp(-g[i])) * u[i];
+            linear(o, wd, NULL, g, D, F);
+            for (int i = 0; i < D; i++)
+                xt[i] += o[i];
+        }
+        free(ln1), free(wq), free(bq), free(wk), free(bk), free(wv), free(bv), free(wo);
+        free(ln2), free(wg), free(wu), free(wd);
+    }
+    double *fn = load_f64(st, "model.norm.weight", 0, NULL);
+    double *last = x + (size_t)(T - 1) * D, *logits = malloc((size_t)s->vocab * sizeof *logits);
+    rms_norm(last, D, fn, s->eps);
+    linear(logits, emb, NULL, last, s->vocab, D); /* tied */
+    free(fn), free(emb), free(x), free(h), free(q), free(k), free(v), free(att), free(o);
+    free(g), free(u), free(p);
+    return logits;
+}
+
+static int make_qwen3(const loom_safetensors *st, const shape *s, double **norms,
+                      const char *folder, const char *qwen2_dir)
+{
+    mkdir(folder, 0755);
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    for (int i = 0; i < st->n_tensors; i++)
+        st_add(&o, st->tensors[i].name, st->tensors[i].dtype, st->tensors[i].n_dims,
+               st->tensors[i].shape, st->tensors[i].data, st->tensors[i].size);
+    for (int l = 0; l < s->layers; l++)
+        for (int which = 0; which < 2; which++) {
+            float w[256];
+            for (int i = 0; i < s->hd; i++) /* stored f32; the reference reads back the same */
+                norms[2 * l + which][i] = w[i] = (float)(1.0 + 0.5 * sin(7.0 * l + 3.0 * which + i));
+            char name[128];
+            int64_t shp[1] = {s->hd};
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.%s_norm.weight", l, which ? "k" : "q");
+            st_add(&o, name, "F32", 1, shp, w, (size_t)s->hd * sizeof(float));
+        }
+    char p[4400], cfg[1024];
+    snprintf(p, sizeof p, "%s/model.safetensors", folder);
+    if (st_write(&o, p) != 0)
+        return -1;
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", "
+             "\"hidden_size\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d, "
+             "\"head_dim\": %d, \"num_hidden_layers\": %d, \"intermediate_size\": %d, "
+             "\"rms_norm_eps\": %g, \"rope_theta\": %.1f, \"max_position_embeddings\": 40960, "
+             "\"vocab_size\": %d, \"attention_bias\": true, \"tie_word_embeddings\": true, "
+             "\"hidden_act\": \"silu\", \"torch_dtype\": \"float16\"}",
+             s->d, s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab);
+    write_text(folder, "config.json", cfg);
+    static const char *const copied[] = {"vocab.json", "merges.txt", "tokenizer_config.json",
+                                         "generation_config.json"};
+    for (size_t i = 0; i < sizeof copied / sizeof copied[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", qwen2_dir, copied[i]);
+        link_file(folder, copied[i], p);
+    }
+    return 0;
+}
+
+/* The fixture's plain prompt ids (which loom's Qwen2 tokenizer reproduces, test_convert). */
+static int plain_prompt(int32_t *ids, int max)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/tiny-qwen2/expected.json", fixtures);
+    char *text = slurp(p, NULL);
+    cJSON *root = cJSON_Parse(text), *id;
+    int n = 0;
+    cJSON_ArrayForEach(id, cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "cases"), 0),
+                                               "prompt_ids"))
+        if (n < max)
+            ids[n++] = id->valueint;
+    cJSON_Delete(root);
+    free(text);
+    return n;
+}
+
+static double max_diff(const double *ref, const float *got, int n)
+{
+    double worst = 0;
+    for (int i = 0; i < n; i++)
+        worst = fmax(worst, fabs(ref[i] - got[i]));
+    return worst;
+}
+
+static int on_nothing(void *user, int32_t id, const char *text, size_t len)
+{
+    (void)user, (void)id, (void)text, (void)len;
+    return 0;
+}
+
+static void test_qwen3(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+{
+    int32_t ids[64];
+    int T = plain_prompt(ids, 64);
+    CHECK(T > 1, "the fixture's prompt ids");
+
+    /* the reference pass itself, without norms, against PyTorch's tiny-qwen2 logits */
+    double *ref2 = reference_logits(st, s, NULL, ids, T);
+    char p[4400];
+    snprintf(p, sizeof p, "%s/logits_plain.f32", qwen2_dir);
+    size_t bytes = 0;
+    float *torch = (float *)slurp(p, &bytes);
+    CHECK(torch && bytes == (size_t)s->vocab * 4, "logits_plain.f32");
+    double d2 = torch ? max_diff(ref2, torch, s->vocab) : 1e9;
+    CHECK(d2 < 1e-4, "the test's reference forward disagrees with PyTorch on tiny-qwen2 by %g", d2);
+    free(torch), free(ref2);
+
+    double *norms[2 * 8];
+    for (int i = 0; i < 2 * s->layers; i++)
+        norms[i] = malloc((size_t)s->hd * sizeof(double));
+    char folder[4200], gguf[4200];
+    snprintf(folder, sizeof folder, "%s/qwen3", tmp);
+    snprintf(gguf, sizeof gguf, "%s/qwen3-f32.gguf", tmp);
+    CHECK(make_qwen3(st, s, norms, folder, qwen2_dir) == 0, "writing the Qwen3 folder");
+    double *ref3 = reference_logits(st, s, norms, ids, T);
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    CHECK(!strcmp(gguf_arch(gguf), "qwen3"), "the converted file is GGUF 'qwen3', not '%s'",
+          gguf_arch(gguf));
+    int best = 0;
+    for (int i = 1; i < s->vocab; i++)
+        best = ref3[i] > ref3[best] ? i : best;
+
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        for (int which = 0; which < 2; which++) {
+            const char *path = which ? folder : gguf;
+            double tol = which ? 1e-3 : 1e-4; /* the folder keeps f16 weights */
+            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
+            loom_model *m = loom_model_open(path, &o, err, sizeof err);
+            CHECK(m != NULL, "Qwen3 %s on %s: %s", which ? "folder" : "gguf", backends[b], err);
+            if (!m)
+                continue;
+            int32_t enc[64];
+            int64_t ne = loom_tokenize(m, "Hello! My name is Loom and I can count: 1, 2, 3, 1234567.",
+                                       1, 1, enc, 64, err, sizeof err);
+            CHECK(ne == T && !memcmp(enc, ids, (size_t)T * sizeof *ids),
+                  "Qwen3's tokenizer (tiny-qwen2's files) gives the fixture's ids");
+            loom_sampling g = loom_sampling_defaults();
+            g.temperature = 0;
+            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+            CHECK(rc == 0, "Qwen3 generate: %s", err);
+            const float *got = loom_prompt_logits(m);
+            double d = got ? max_diff(ref3, got, s->vocab) : 1e9;
+            CHECK(d <= tol, "Qwen3 %s on %s: logits off the reference by %g (> %g)",
+                  which ? "folder" : "gguf", backends[b], d, tol);
+            int top = 0;
+            for (int i = 1; got && i < s->vocab; i++)
+                top = got[i] > got[top] ? i : top;
+            CHECK(top == best, "Qwen3 on %s: top token %d, reference %d", backends[b], top, best);
+            loom_model_close(m);
+        }
+    /* the norms matter: without them the logits are Qwen2's, far from these */
+    loom_model_options o = {.backend = "ref"};
+    loom_model *m = loom_model_open(qwen2_dir, &o, err, sizeof err);
+    if (m) {
+        loom_sampling g = loom_sampling_defaults();
+        g.temperature = 0;
+        loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+        CHECK(max_diff(ref3, loom_prompt_logits(m), s->vocab) > 0.01,
+              "the q/k norms change nothing: the Qwen3 check could not fail");
+        loom_model_close(m);
+    }
+    free(ref3);
+    for (int i = 0; i < 2 * s->layers; i++)
+        free(norms[i]);
+    unlink(gguf);
+}
+
+int main(void)
+{
+    snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
+    char qwen2_dir[4200];
+    snprintf(qwen2_dir, sizeof qwen2_dir, "%s/tiny-qwen2", fixtures);
+    char probe[4400];
+    snprintf(probe, sizeof probe, "%s/model.safetensors", qwen2_dir);
+    need_fixture(probe);
+    snprintf(probe, sizeof probe, "%s/tokenizers/qwen1/qwen.tiktoken", fixtures);
+    need_fixture(probe);
+    unsetenv("LOOM_BACKEND");
+    if (!mkdtemp(tmp))
+        return 1;
+    loom_safetensors st;
+    if (loom_safetensors_open(&st, qwen2_dir, err, sizeof err) != 0) {
+        CHECK(0, "tiny-qwen2: %s", err);
+        return check_finish("test_qwen");
+    }
+    shape s = read_shape(qwen2_dir);
+    CHECK(s.layers <= 8 && s.hd <= 256, "tiny-qwen2 is tiny");
+    test_qwen1(&st, &s);
+    test_qwen3(&st, &s, qwen2_dir);
+    loom_safetensors_close(&st);
+    char cmd[4400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
+    CHECK(system(cmd) == 0, "cleaning %s", tmp);
+    return check_finish("test_qwen");
+}
