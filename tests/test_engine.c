@@ -7,6 +7,7 @@
  * recomputation and cancellation around them, must produce exactly the tokens each produces
  * alone, and every KV block must be back when the engine is idle.
  */
+#include "backends.h"
 #include "check.h"
 
 #include <loom/loom.h>
@@ -265,6 +266,15 @@ int main(void)
     snprintf(gguf, sizeof gguf, "%s/stories260K/original/stories260K.gguf", fixtures_dir());
     need_fixture(gguf);
     unsetenv("LOOM_BACKEND");
+    const char *only = getenv("LOOM_TEST_BACKENDS");
+    if (only && *only) { /* the listed backends (a GPU session: its module) instead */
+        static char backends[MAX_TEST_BACKENDS][160];
+        int n = usable_backends(backends, MAX_TEST_BACKENDS);
+        CHECK(n > 0, "LOOM_TEST_BACKENDS=%s: no usable backend", only);
+        for (int i = 0; i < n; i++)
+            run(gguf, backends[i]);
+        return check_finish("test_engine");
+    }
     run(gguf, NULL); /* the best backend here */
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");

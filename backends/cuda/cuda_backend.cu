@@ -69,6 +69,7 @@ struct cuda_backend {
 #endif
     char *staging[2];
     cudaEvent_t staging_done[2];
+    int staging_busy[2]; /* its event was recorded and not yet waited for */
     int next_staging;
     dev_error *err_host, *err_dev;
     scratch act, weights, out, part;
@@ -241,12 +242,10 @@ static void launch_gemv(cuda_backend *cb, bool vec, const loom_matmul_params *p,
 {
     dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS),
               (unsigned)(((M + GEMV_MR - 1) / GEMV_MR) > 65535 ? 65535 : (M + GEMV_MR - 1) / GEMV_MR));
-    if (vec)
-        k_gemv<WT, true><<<grid, GEMV_WARPS * WARP, 0, cb->stream>>>(
-            view_of(p->x), view_of(p->w), f32_ptr(p->bias), view_of(p->y), M, K, N);
-    else
-        k_gemv<WT, false><<<grid, GEMV_WARPS * WARP, 0, cb->stream>>>(
-            view_of(p->x), view_of(p->w), f32_ptr(p->bias), view_of(p->y), M, K, N);
+    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t, int64_t) =
+        vec ? k_gemv<WT, true> : k_gemv<WT, false>;
+    LOOM_LAUNCH(kernel, grid, GEMV_WARPS * WARP, 0, cb->stream, view_of(p->x), view_of(p->w),
+                f32_ptr(p->bias), view_of(p->y), M, K, N);
 }
 
 static loom_status gemv(cuda_backend *cb, const loom_matmul_params *p, int64_t M, int64_t K,
@@ -274,7 +273,7 @@ static loom_status convert_rows(cuda_backend *cb, tview src, int sdt, tview dst,
 {
     dim3 grid, block;
     row_grid(n, rows, &grid, &block);
-    k_convert<<<grid, block, 0, cb->stream>>>(src, sdt, dst, ddt, n, rows);
+    LOOM_LAUNCH(k_convert, grid, block, 0, cb->stream, src, sdt, dst, ddt, n, rows);
     return launched(cb, "convert");
 }
 
@@ -368,10 +367,10 @@ static loom_status gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M
         row_grid(N, M, &grid, &block);
         tview dense = y_direct ? view_of(p->y) : dense_view(y_ptr, N * 4, N, M);
         if (y_direct) /* bias only: y += bias in place */
-            k_elementwise<<<grid, block, 0, cb->stream>>>(EW_ADD, dense, view_of(p->bias),
+            LOOM_LAUNCH(k_elementwise, grid, block, 0, cb->stream, EW_ADD, dense, view_of(p->bias),
                                                           dense, N, M, 1, 0.0f);
         else
-            k_store_rows<<<grid, block, 0, cb->stream>>>(y_ptr, view_of(p->y), f32_ptr(p->bias),
+            LOOM_LAUNCH(k_store_rows, grid, block, 0, cb->stream, y_ptr, view_of(p->y), f32_ptr(p->bias),
                                                          N, M);
         TRY(launched(cb, "matmul (epilogue)"));
     }
@@ -384,8 +383,9 @@ static void launch_tiled(cuda_backend *cb, const loom_matmul_params *p, int64_t 
                          int64_t N)
 {
     dim3 grid((unsigned)((N + GEMM_TILE - 1) / GEMM_TILE), (unsigned)((M + GEMM_TILE - 1) / GEMM_TILE));
-    k_gemm_tiled<WT><<<grid, 256, 0, cb->stream>>>(view_of(p->x), view_of(p->w), f32_ptr(p->bias),
-                                                   view_of(p->y), M, K, N);
+    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t, int64_t) = k_gemm_tiled<WT>;
+    LOOM_LAUNCH(kernel, grid, 256, 0, cb->stream, view_of(p->x), view_of(p->w), f32_ptr(p->bias),
+                view_of(p->y), M, K, N);
 }
 
 static loom_status tiled_gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M, int64_t K,
@@ -450,7 +450,7 @@ static loom_status cuda_get_rows(loom_backend *be, const loom_get_rows_params *p
     TRY(enter(cb));
     dim3 grid, block;
     row_grid(n, n_ids, &grid, &block);
-    k_get_rows<<<grid, block, 0, cb->stream>>>(view_of(p->src), p->src->dtype, n_rows(p->src),
+    LOOM_LAUNCH(k_get_rows, grid, block, 0, cb->stream, view_of(p->src), p->src->dtype, n_rows(p->src),
                                                view_of(p->ids), view_of(p->dst), n, n_ids,
                                                cb->err_dev);
     return launched(cb, "get_rows");
@@ -472,7 +472,7 @@ static loom_status norm(cuda_backend *cb, const loom_norm_params *p, int layer)
         return LOOM_OK;
     TRY(enter(cb));
     unsigned grid = (unsigned)(rows > 65535 ? 65535 : rows);
-    k_norm<<<grid, n >= 1024 ? 512 : 128, 0, cb->stream>>>(
+    LOOM_LAUNCH(k_norm, grid, n >= 1024 ? 512 : 128, 0, cb->stream, 
         view_of(p->x), f32_ptr(p->weight), layer ? f32_ptr(p->bias) : NULL, view_of(p->dst), n,
         rows, p->eps, layer);
     return launched(cb, "norm");
@@ -505,7 +505,7 @@ static loom_status cuda_rope(loom_backend *be, const loom_rope_params *p)
     TRY(enter(cb));
     int64_t pairs = rows * (hd / 2), blocks = (pairs + 255) / 256;
     tview pos2 = p->mode == LOOM_ROPE_GLM_2D ? view_of(p->pos2) : view_of(p->pos);
-    k_rope<<<(unsigned)(blocks > 65535 ? 65535 : blocks), 256, 0, cb->stream>>>(
+    LOOM_LAUNCH(k_rope, (unsigned)(blocks > 65535 ? 65535 : blocks), 256, 0, cb->stream, 
         view_of(p->x), view_of(p->dst), view_of(p->pos), pos2, p->mode, p->n_rot, hd, heads, rows,
         (double)p->freq_base, (double)p->freq_scale);
     return launched(cb, "rope");
@@ -528,7 +528,7 @@ static loom_status elementwise(cuda_backend *cb, const loom_elementwise_params *
     int broadcast = binary && n_rows(p->b) == 1 && rows != 1;
     dim3 grid, block;
     row_grid(n, rows, &grid, &block);
-    k_elementwise<<<grid, block, 0, cb->stream>>>(kind, view_of(p->a),
+    LOOM_LAUNCH(k_elementwise, grid, block, 0, cb->stream, kind, view_of(p->a),
                                                   binary ? view_of(p->b) : view_of(p->a),
                                                   view_of(p->dst), n, rows, broadcast, p->scale);
     return launched(cb, "elementwise");
@@ -572,12 +572,12 @@ static loom_status cuda_kv_store(loom_backend *be, const loom_kv_store_params *p
     TRY(enter(cb));
     if (c->dtype == LOOM_Q8_0) {
         int64_t warps = tokens * kvh * (hd / LOOM_QK), blocks = (warps + 7) / 8;
-        k_kv_store_q8<<<(unsigned)(blocks > 65535 ? 65535 : blocks), 8 * WARP, 0, cb->stream>>>(
+        LOOM_LAUNCH(k_kv_store_q8, (unsigned)(blocks > 65535 ? 65535 : blocks), 8 * WARP, 0, cb->stream, 
             view_of(p->src), view_of(p->slots), view_of(c), hd, kvh, tokens, n_slots, cb->err_dev);
     } else {
         dim3 grid, block;
         row_grid(hd, tokens * kvh, &grid, &block);
-        k_kv_store<<<grid, block, 0, cb->stream>>>(view_of(p->src), view_of(p->slots), view_of(c),
+        LOOM_LAUNCH(k_kv_store, grid, block, 0, cb->stream, view_of(p->src), view_of(p->slots), view_of(c),
                                                    c->dtype, hd, kvh, tokens, n_slots,
                                                    cb->err_dev);
     }
@@ -662,12 +662,12 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     a.part = (float *)cb->part.p;
     a.err = cb->err_dev;
     dim3 grid((unsigned)tokens, (unsigned)(a.kvh * a.chunks), (unsigned)a.splits);
-    k_attention<<<grid, ATTN_THREADS, attention_shared(a.hd, gb, tile), cb->stream>>>(a);
+    LOOM_LAUNCH(k_attention, grid, ATTN_THREADS, attention_shared(a.hd, gb, tile), cb->stream, a);
     TRY(launched(cb, "attention"));
     if (a.splits > 1) {
         int64_t rows = tokens * a.heads;
         unsigned threads = a.hd >= 256 ? 256 : (unsigned)((a.hd + WARP - 1) / WARP * WARP);
-        k_attn_combine<<<(unsigned)(rows > 65535 ? 65535 : rows), threads, 0, cb->stream>>>(a, tokens);
+        LOOM_LAUNCH(k_attn_combine, (unsigned)(rows > 65535 ? 65535 : rows), threads, 0, cb->stream, a, tokens);
         TRY(launched(cb, "attention (combine)"));
     }
     return LOOM_OK;
@@ -687,7 +687,7 @@ static loom_status cuda_quantize(loom_backend *be, const loom_convert_params *p)
     TRY(enter(cb));
     dim3 grid, block;
     row_grid(n_blocks, rows, &grid, &block);
-    k_quantize<<<grid, block, 0, cb->stream>>>(view_of(p->src), view_of(p->dst), p->dst->dtype,
+    LOOM_LAUNCH(k_quantize, grid, block, 0, cb->stream, view_of(p->src), view_of(p->dst), p->dst->dtype,
                                                n_blocks, rows);
     return launched(cb, "quantize");
 }
@@ -717,6 +717,18 @@ static loom_status cuda_convert(loom_backend *be, const loom_convert_params *p)
 }
 
 /* ---- Buffers and copies ------------------------------------------------------------------ */
+
+/* The next pinned staging slot, once the copy that last used it has finished. */
+static loom_status take_staging(cuda_backend *cb, int *slot, const char *what)
+{
+    *slot = cb->next_staging;
+    cb->next_staging ^= 1;
+    if (cb->staging_busy[*slot]) {
+        CUDA_TRY(cb, cudaEventSynchronize(cb->staging_done[*slot]), what);
+        cb->staging_busy[*slot] = 0;
+    }
+    return LOOM_OK;
+}
 
 static void release_cache(cuda_backend *cb)
 {
@@ -810,13 +822,13 @@ static loom_status cuda_copy_from_host(loom_backend *be, loom_buffer *dst, uint6
     TRY(enter(cb));
     for (uint64_t done = 0; done < size;) {
         uint64_t n = size - done < STAGING_BYTES ? size - done : STAGING_BYTES;
-        int slot = cb->next_staging;
-        cb->next_staging ^= 1;
-        CUDA_TRY(cb, cudaEventSynchronize(cb->staging_done[slot]), "copy_from_host");
+        int slot;
+        TRY(take_staging(cb, &slot, "copy_from_host"));
         memcpy(cb->staging[slot], (const char *)src + done, (size_t)n);
         CUDA_TRY(cb, cudaMemcpyAsync(dst->dev + off + done, cb->staging[slot], (size_t)n,
                                      cudaMemcpyHostToDevice, cb->stream), "copy_from_host");
         CUDA_TRY(cb, cudaEventRecord(cb->staging_done[slot], cb->stream), "copy_from_host");
+        cb->staging_busy[slot] = 1;
         done += n;
     }
     return LOOM_OK;
@@ -830,9 +842,8 @@ static loom_status cuda_copy_to_host(loom_backend *be, void *dst, loom_buffer *s
     TRY(enter(cb));
     for (uint64_t done = 0; done < size;) {
         uint64_t n = size - done < STAGING_BYTES ? size - done : STAGING_BYTES;
-        int slot = cb->next_staging;
-        cb->next_staging ^= 1;
-        CUDA_TRY(cb, cudaEventSynchronize(cb->staging_done[slot]), "copy_to_host");
+        int slot;
+        TRY(take_staging(cb, &slot, "copy_to_host"));
         CUDA_TRY(cb, cudaMemcpyAsync(cb->staging[slot], src->dev + off + done, (size_t)n,
                                      cudaMemcpyDeviceToHost, cb->stream), "copy_to_host");
         CUDA_TRY(cb, cudaStreamSynchronize(cb->stream), "copy_to_host");

@@ -32,6 +32,16 @@ struct dev_error {
     long long value, limit, where;
 };
 
+__host__ __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b)
+{
+    return a < b ? a : b;
+}
+
+__host__ __device__ __forceinline__ int64_t lmax(int64_t a, int64_t b)
+{
+    return a > b ? a : b;
+}
+
 __device__ __forceinline__ char *row_at(const tview &t, int64_t r)
 {
     int64_t i1 = r % t.ne1, q = r / t.ne1;
@@ -185,7 +195,7 @@ __device__ void quantize_block(int dt, const float *x, char *out)
         for (int j = 0; j < LOOM_QK / 2; j++) {
             int q0 = (int)__fadd_rn(__fmul_rn(x[j], id), 8.5f);
             int q1 = (int)__fadd_rn(__fmul_rn(x[j + 16], id), 8.5f);
-            out[2 + j] = (char)(min(q0, 15) | min(q1, 15) << 4);
+            out[2 + j] = (char)(lmin(q0, 15) | lmin(q1, 15) << 4);
         }
     } else { /* Q4_1 */
         float lo = x[0], hi = x[0];
@@ -197,7 +207,7 @@ __device__ void quantize_block(int dt, const float *x, char *out)
         for (int j = 0; j < LOOM_QK / 2; j++) {
             int q0 = (int)__fadd_rn(__fmul_rn(__fsub_rn(x[j], lo), id), 0.5f);
             int q1 = (int)__fadd_rn(__fmul_rn(__fsub_rn(x[j + 16], lo), id), 0.5f);
-            out[4 + j] = (char)(min(q0, 15) | min(q1, 15) << 4);
+            out[4 + j] = (char)(lmin(q0, 15) | lmin(q1, 15) << 4);
         }
     }
 }
@@ -377,10 +387,10 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
         return;
     const char *wr = row_at(w, n);
     for (int64_t m0 = (int64_t)blockIdx.y * GEMV_MR; m0 < M; m0 += (int64_t)gridDim.y * GEMV_MR) {
-        int mr = (int)min((int64_t)GEMV_MR, M - m0);
+        int mr = (int)lmin((int64_t)GEMV_MR, M - m0);
         const float *xr[GEMV_MR];
         for (int j = 0; j < GEMV_MR; j++)
-            xr[j] = (const float *)row_at(x, m0 + min(j, mr - 1));
+            xr[j] = (const float *)row_at(x, m0 + lmin(j, mr - 1));
         float acc[GEMV_MR] = {0.0f};
         if (WT == LOOM_Q8_0 || WT == LOOM_Q4_0 || WT == LOOM_Q4_1) {
             const int64_t bytes = block_bytes(WT);
@@ -574,7 +584,7 @@ struct attn_args {
 
 __global__ void k_attention(attn_args a)
 {
-    extern __shared__ float sm[];
+    LOOM_DYNAMIC_SHARED(float, sm);
     const int64_t hd = a.hd, T = a.tile, G = a.gb;
     float *q_s = sm;                 /* [G][hd] */
     float *k_s = q_s + G * hd;       /* [T][hd + 1], padded against bank conflicts */
@@ -585,7 +595,7 @@ __global__ void k_attention(attn_args a)
 
     int64_t t = blockIdx.x;
     int64_t kv = blockIdx.y / a.chunks, h0 = kv * a.group + (blockIdx.y % a.chunks) * G;
-    int64_t ng = min((int64_t)G, kv * a.group + a.group - h0);
+    int64_t ng = lmin((int64_t)G, kv * a.group + a.group - h0);
     int z = blockIdx.z;
     int32_t s = i32_at(a.seq, t), pos = i32_at(a.pos, t);
     if (s < 0 || s >= a.n_seqs || pos < 0) {
@@ -595,13 +605,13 @@ __global__ void k_attention(attn_args a)
     }
     int64_t last = pos;
     if (a.has_prefix)
-        last = max(last, (int64_t)i32_at(a.prefix, s) - 1);
+        last = lmax(last, (int64_t)i32_at(a.prefix, s) - 1);
     if (last / a.bs >= a.max_blocks) {
         if (threadIdx.x == 0 && blockIdx.y == 0 && z == 0)
             report_error(a.err, LOOM_OP_ATTENTION, last, a.max_blocks * a.bs, t);
         return;
     }
-    int64_t j_begin = z * a.split_len, j_end = min(j_begin + a.split_len, last + 1);
+    int64_t j_begin = z * a.split_len, j_end = lmin(j_begin + a.split_len, last + 1);
     const int32_t *table = (const int32_t *)row_at(a.table, s);
 
     for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x) {
@@ -614,7 +624,7 @@ __global__ void k_attention(attn_args a)
     __syncthreads();
 
     for (int64_t j0 = j_begin; j0 < j_end; j0 += T) {
-        int64_t nt = min(T, j_end - j0);
+        int64_t nt = lmin(T, j_end - j0);
         for (int64_t i = threadIdx.x; i < nt * hd; i += blockDim.x) {
             int64_t tt = i / hd, d = i % hd, j = j0 + tt;
             int32_t blk = table[j / a.bs];
@@ -641,21 +651,23 @@ __global__ void k_attention(attn_args a)
             p_s[i] = sc;
         }
         __syncthreads();
-        /* one warp per head: the tile's max, the rescale of what came before, p = exp(s - m) */
-        for (int64_t g = threadIdx.x / WARP; g < G; g += blockDim.x / WARP) {
-            int lane = threadIdx.x % WARP;
+        /* one warp per head: the tile's max, the rescale of what came before, p = exp(s - m).
+         * Every warp runs every round (idle ones on no head) so no shuffle is divergent. */
+        for (int64_t g0 = 0; g0 < G; g0 += blockDim.x / WARP) {
+            int64_t g = g0 + threadIdx.x / WARP;
+            int lane = threadIdx.x % WARP, valid = g < G;
             float mx = -INFINITY;
-            for (int64_t tt = lane; tt < T; tt += WARP)
+            for (int64_t tt = lane; valid && tt < T; tt += WARP)
                 mx = fmaxf(mx, p_s[g * T + tt]);
             mx = warp_max(mx);
-            float m_old = m_s[g], m_new = fmaxf(m_old, mx), sum = 0.0f;
-            for (int64_t tt = lane; tt < T; tt += WARP) {
+            float m_old = valid ? m_s[g] : 0.0f, m_new = fmaxf(m_old, mx), sum = 0.0f;
+            for (int64_t tt = lane; valid && tt < T; tt += WARP) {
                 float p = m_new == -INFINITY ? 0.0f : expf(p_s[g * T + tt] - m_new);
                 p_s[g * T + tt] = p;
                 sum += p;
             }
             sum = warp_sum(sum);
-            if (lane == 0) {
+            if (valid && lane == 0) {
                 float corr = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
                 corr_s[g] = corr;
                 l_s[g] = l_s[g] * corr + sum;
