@@ -351,12 +351,12 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
     char piece[512];
     int k = loom_tokenizer_piece(e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
     int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
-    if (q->ts.n_out) {
-        loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = next, .text = q->ts.out,
-                         .len = q->ts.n_out, .n_prompt = q->n_prompt, .n_generated = q->n_generated};
-        q->fn(q->user, &ev);
-        q->ts.n_out = 0;
-    }
+    /* one event per token, even when all its bytes are held back (part of a UTF-8 character
+     * or of a possible stop string), so every id reaches the caller */
+    loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = next, .text = q->ts.out ? q->ts.out : "",
+                     .len = q->ts.n_out, .n_prompt = q->n_prompt, .n_generated = q->n_generated};
+    q->fn(q->user, &ev);
+    q->ts.n_out = 0;
     if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
         remove_running(e, q);
         retire(e, q, stop ? "stop" : "length", NULL);

@@ -20,7 +20,7 @@ typedef struct shape {
 } shape;
 
 static const shape shapes[] = {
-    {"tiny", "2 layers, 64 wide (tests)", 64, 2, 4, 2, 192, 512, 512},
+    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", 64, 2, 2, 1, 192, 512, 512},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)", 768, 12, 12, 12, 3072, 32000, 2048},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", 2048, 22, 32, 4, 5632, 32000, 2048},
     {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", 4096, 32, 32, 8, 14336, 128256, 8192},

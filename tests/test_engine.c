@@ -260,6 +260,79 @@ static void run(const char *gguf, const char *backend)
     loom_model_close(m);
 }
 
+/* A Q8_0 KV cache (the fixtures' head_dim of 8 cannot hold one; the synthetic tiny model's 32
+ * can): batched, with cached prefixes, and with preemption, each request's tokens equal the
+ * same model's single-sequence run on the same cache type. Prompts are ids: the synthetic
+ * vocabulary has no words to tokenize. */
+static void run_q8_kv(const char *backend)
+{
+    char err[512], path[] = "/tmp/loom-engine-q8-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "temp file");
+    if (fd < 0)
+        return;
+    close(fd);
+    CHECK(loom_write_synthetic_model(path, "tiny", "q8_0", err, sizeof err) == 0, "synthetic: %s", err);
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    greedy.ignore_eos = 1;
+    loom_model_options o = {.n_ctx = 128, .backend = backend, .kv_type = "q8_0"};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    CHECK(m != NULL, "q8_0 KV on %s: %s", backend ? backend : "best", err);
+    if (!m) {
+        unlink(path);
+        return;
+    }
+    n_prompts = 12;
+    uint32_t seed = 12345;
+    for (int i = 0; i < n_prompts; i++) {
+        prompt *p = &prompts[i];
+        p->n = 3 + (i * 11) % 60;
+        for (int k = 0; k < p->n; k++) { /* every third prompt opens like the first */
+            seed = seed * 1103515245u + 12345u;
+            p->ids[k] = (i % 3 == 0 && k < 40 && i > 0) ? prompts[0].ids[k % prompts[0].n]
+                                                       : (int32_t)(seed >> 16) % 500 + 4;
+        }
+        p->max_tokens = 8 + (i * 7) % 24;
+        p->n_want = 0, p->n_want_text = 0;
+        CHECK(loom_generate(m, p->ids, p->n, p->max_tokens, &greedy, collect_ref, p, NULL, err,
+                            sizeof err) == 0, "%s", err);
+    }
+    loom_model_close(m);
+    for (int pool = 0; pool < 2; pool++) {
+        o.kv_blocks = pool ? 8 : 256; /* 8 blocks: one context, shared by 12 requests */
+        m = loom_model_open(path, &o, err, sizeof err);
+        loom_engine_options eo = {.max_batch = 8, .max_tokens_per_step = 48};
+        engine = m ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
+        CHECK(engine != NULL, "q8_0 engine: %s", err);
+        if (!engine) {
+            loom_model_close(m);
+            break;
+        }
+        static collector c[32];
+        for (int round = 0; round < (pool ? 1 : 2); round++) { /* round 2: prefixes cached */
+            memset(c, 0, sizeof c);
+            for (int i = 0; i < n_prompts; i++) {
+                loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, NULL, 0};
+                c[i].id = loom_engine_submit(engine, &r, on_event, &c[i], err, sizeof err);
+                CHECK(c[i].id > 0, "submit %d: %s", i, err);
+                c[i].done = c[i].id <= 0;
+            }
+            wait_all(c, n_prompts);
+            for (int i = 0; i < n_prompts; i++)
+                check_same(&c[i], &prompts[i], pool ? "q8_0 KV, preempted" : "q8_0 KV, batched", i);
+        }
+        loom_engine_stats s = loom_engine_get_stats(engine);
+        CHECK(pool ? s.preemptions > 0 : s.cached_prompt_tokens > 0,
+              "q8_0 KV: %s", pool ? "an 8-block pool forced no preemption" : "no prefix was reused");
+        check_idle("q8_0 KV");
+        loom_engine_stop(engine, 0);
+        loom_engine_free(engine);
+        loom_model_close(m);
+    }
+    unlink(path);
+}
+
 int main(void)
 {
     char gguf[4200];
@@ -271,11 +344,14 @@ int main(void)
         static char backends[MAX_TEST_BACKENDS][160];
         int n = usable_backends(backends, MAX_TEST_BACKENDS);
         CHECK(n > 0, "LOOM_TEST_BACKENDS=%s: no usable backend", only);
-        for (int i = 0; i < n; i++)
+        for (int i = 0; i < n; i++) {
             run(gguf, backends[i]);
+            run_q8_kv(backends[i]);
+        }
         return check_finish("test_engine");
     }
     run(gguf, NULL); /* the best backend here */
+    run_q8_kv(NULL);
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");
     return check_finish("test_engine");

@@ -131,7 +131,9 @@ typedef struct loom_engine_options {
 } loom_engine_options;
 
 typedef enum loom_event_kind {
-    LOOM_EVENT_TEXT,  /* text (and the token that completed it; -1 when none) */
+    LOOM_EVENT_TEXT,  /* one per generated token (its id), with the text that became final,
+                         possibly none (bytes of an unfinished character or of a possible stop
+                         string wait); token -1: the held text flushed at the end */
     LOOM_EVENT_DONE,  /* the last event: finish_reason and counts */
     LOOM_EVENT_ERROR  /* the last event: error says why */
 } loom_event_kind;
