@@ -65,6 +65,7 @@ typedef struct job {
     char id[40];
     time_t created;
     /* streaming */
+    struct MHD_Connection *con; /* to notice a client that leaves while nothing is sent */
     char *out;
     size_t out_len, out_cap, out_pos;
     int role_sent, finished;
@@ -299,7 +300,32 @@ static void stream_format(job *j)
     }
 }
 
-/* libmicrohttpd pulls the stream from here; with a thread per connection it may block. */
+/* Waits (j->mu held) for the engine's next event, or 200 ms: long enough to cost nothing,
+ * short enough to notice a client that left. */
+static void wait_briefly(job *j)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_nsec += 200 * 1000000L;
+    if (until.tv_nsec >= 1000000000L)
+        until.tv_sec++, until.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&j->cv, &j->mu, &until);
+}
+
+/* Whether the client closed its end while we wait to answer. */
+static int client_gone(struct MHD_Connection *con)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(con, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return 0;
+    char c;
+    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+/* libmicrohttpd pulls the stream from here; with a thread per connection it may block. While
+ * nothing is ready (a long prefill) it looks every 200 ms whether the client is still there, so
+ * a disconnect cancels the generation without waiting for the next write to fail. */
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
 {
     (void)pos;
@@ -320,8 +346,13 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             return MHD_CONTENT_READER_END_OF_STREAM;
         }
         stream_format(j);
-        if (j->out_len == 0)
-            pthread_cond_wait(&j->cv, &j->mu);
+        if (j->out_len == 0) {
+            wait_briefly(j);
+            if (j->out_len == 0 && !all_done(j) && j->con && client_gone(j->con)) {
+                pthread_mutex_unlock(&j->mu);
+                return MHD_CONTENT_READER_END_WITH_ERROR; /* stream_free cancels the job */
+            }
+        }
     }
 }
 
@@ -341,27 +372,11 @@ static void stream_free(void *cls)
     job_unref(j);
 }
 
-/* Whether the client closed its end while we wait to answer. */
-static int client_gone(struct MHD_Connection *con)
-{
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(con, MHD_CONNECTION_INFO_CONNECTION_FD);
-    if (!ci)
-        return 0;
-    char c;
-    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-}
-
 static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
 {
     pthread_mutex_lock(&j->mu);
     while (!all_done(j)) {
-        struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
-        until.tv_nsec += 200 * 1000000L;
-        if (until.tv_nsec >= 1000000000L)
-            until.tv_sec++, until.tv_nsec -= 1000000000L;
-        pthread_cond_timedwait(&j->cv, &j->mu, &until);
+        wait_briefly(j);
         if (!all_done(j) && client_gone(con)) {
             pthread_mutex_unlock(&j->mu);
             pthread_mutex_lock(&j->srv->count_lock);
@@ -467,6 +482,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     }
     if (!p.stream)
         return finish_blocking(con, j);
+    j->con = con;
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024,
                                                                   stream_read, j, stream_free);
     if (!resp) {
