@@ -114,26 +114,42 @@ static void test_tiny_llama(void)
  * padded past the tokenizer's ids. The f16 weights upcast exactly, so f32 bounds apply. */
 static void test_tiny_qwen2(void)
 {
-    char hf[4200], f32[4200];
+    char hf[4200], f32[4200], q8[4200], q4[4200];
     snprintf(hf, sizeof hf, "%s/tiny-qwen2", dir);
     snprintf(f32, sizeof f32, "%s/qwen2-f32.gguf", tmp);
+    snprintf(q8, sizeof q8, "%s/qwen2-q8_0.gguf", tmp);
+    snprintf(q4, sizeof q4, "%s/qwen2-q4_0.gguf", tmp);
     CHECK(loom_convert(hf, f32, "f32", NULL, NULL, err, sizeof err) == 0, "qwen2: %s", err);
-    char glm[4200], glmf[4200];
+    CHECK(loom_convert(hf, q8, "q8_0", NULL, NULL, err, sizeof err) == 0, "qwen2 q8_0: %s", err);
+    CHECK(loom_convert(hf, q4, "q4_0", NULL, NULL, err, sizeof err) == 0, "qwen2 q4_0: %s", err);
+    char glm[4200], glmf[4200], glm8[4200], glm4[4200];
     snprintf(glm, sizeof glm, "%s/tiny-chatglm3", dir);
     snprintf(glmf, sizeof glmf, "%s/chatglm3-f32.gguf", tmp);
+    snprintf(glm8, sizeof glm8, "%s/chatglm3-q8_0.gguf", tmp);
+    snprintf(glm4, sizeof glm4, "%s/chatglm3-q4_0.gguf", tmp);
     CHECK(loom_convert(glm, glmf, "f32", NULL, NULL, err, sizeof err) == 0, "chatglm3: %s", err);
+    CHECK(loom_convert(glm, glm8, "q8_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q8_0: %s", err);
+    CHECK(loom_convert(glm, glm4, "q4_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q4_0: %s", err);
     static char backends[MAX_TEST_BACKENDS][160];
     int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
     if (n_backends < 0)
         return;
     for (int i = 0; i < n_backends; i++) {
         const char *label = backends[i];
+        int exact = strcmp(label, "ref") == 0; /* f32 activations into quantised matmuls */
         check_model(dir, "tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
+        /* opened as a folder: its f16 weights used as they are */
+        check_model(dir, "tiny-qwen2", hf, label, "last_logits", 1e-3, 1, "tiny-qwen2 folder (f16)");
+        check_model(dir, "tiny-qwen2", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-qwen2 q8_0");
+        check_model(dir, "tiny-qwen2", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-qwen2 q4_0");
         /* ChatGLM3: fused qkv with bias, multi-query groups, half-head adjacent RoPE, fused
          * gate/up, [gMASK] sop prefix; bf16 weights upcast exactly */
         check_model(dir, "tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
+        check_model(dir, "tiny-chatglm3", glm, label, "last_logits", 0.05, 1, "tiny-chatglm3 folder (bf16)");
+        check_model(dir, "tiny-chatglm3", glm8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-chatglm3 q8_0");
+        check_model(dir, "tiny-chatglm3", glm4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-chatglm3 q4_0");
     }
-    unlink(glmf);
+    unlink(glmf), unlink(glm8), unlink(glm4), unlink(q8), unlink(q4);
 
     /* llama.cpp's test vectors for the Qwen2 vocabulary, through the converted tokenizer */
     loom_vocab *v = loom_vocab_open(f32, err, sizeof err);
