@@ -15,7 +15,9 @@
 #include "cuda_module.h"
 #include "kernels.cuh"
 
-#if LOOM_GPU_BLAS
+#if LOOM_GPU_BLAS && defined(LOOM_GPU_EMULATED)
+#include "emulated_cublas.h" /* scripts/gpu-emulate: a host GemmEx linked into the module */
+#elif LOOM_GPU_BLAS
 #include <cublas_v2.h>
 #endif
 #include <dlfcn.h>
@@ -948,6 +950,10 @@ static void cuda_close(loom_backend *be)
 static int open_blas(cuda_backend *cb, char *err, size_t err_size)
 {
     blas_api *b = &cb->blas;
+#if defined(LOOM_GPU_EMULATED)
+    b->create = cublasCreate_v2, b->destroy = cublasDestroy_v2;
+    b->set_stream = cublasSetStream_v2, b->gemm = cublasGemmEx;
+#else
     b->lib = dlopen(LOOM_CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
     if (!b->lib) {
         snprintf(err, err_size, "cannot load %s: %s", LOOM_CUBLAS_SONAME, dlerror());
@@ -961,6 +967,7 @@ static int open_blas(cuda_backend *cb, char *err, size_t err_size)
         snprintf(err, err_size, "%s lacks cublasCreate_v2/cublasGemmEx", LOOM_CUBLAS_SONAME);
         return -1;
     }
+#endif
     cublasStatus_t st = b->create(&b->handle);
     if (st != CUBLAS_STATUS_SUCCESS) {
         b->handle = NULL;
