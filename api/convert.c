@@ -189,6 +189,14 @@ static int add(conv *c, const char *src, const char *dst, int optional, row_orde
     return 0;
 }
 
+/* general.architecture, and general.name from the folder's name. */
+static void set_identity(conv *c, const char *arch)
+{
+    loom_gguf_set_str(c->w, "general.architecture", arch);
+    const char *slash = strrchr(c->dir, '/');
+    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+}
+
 /* Layer l's tensor: Hugging Face name LAYERS.l.hf (LAYERS as the family prefixes its layers)
  * as GGUF blk.l.gg. */
 static int add_layer(conv *c, const char *layers, int l, const char *hf, const char *gg,
@@ -217,9 +225,7 @@ static int decoder(conv *c, const char *arch)
     int qwen = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"), qwen3 = !strcmp(arch, "qwen3");
     char key[128];
 #define KEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
-    loom_gguf_set_str(c->w, "general.architecture", arch);
-    const char *slash = strrchr(c->dir, '/');
-    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    set_identity(c, arch);
     loom_gguf_set_u32(c->w, KEY("context_length"), (uint32_t)conv_num(cf, "max_position_embeddings", 2048));
     loom_gguf_set_u32(c->w, KEY("embedding_length"), (uint32_t)n_embd);
     loom_gguf_set_u32(c->w, KEY("block_count"), (uint32_t)n_layer);
@@ -303,9 +309,7 @@ static int qwen1(conv *c)
     if (n_rot <= 0 || n_rot % 2 || n_rot > hd)
         return conv_fail(c, "%s/config.json: rotary_pct %g of kv_channels %d is not an even "
                        "number of dimensions", c->dir, pct, hd);
-    loom_gguf_set_str(c->w, "general.architecture", "qwen");
-    const char *slash = strrchr(c->dir, '/');
-    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    set_identity(c, "qwen");
     loom_gguf_set_u32(c->w, "qwen.context_length",
                       (uint32_t)conv_num(cf, "seq_length", conv_num(cf, "max_position_embeddings", 2048)));
     loom_gguf_set_u32(c->w, "qwen.embedding_length", (uint32_t)n_embd);
@@ -361,9 +365,7 @@ static int chatglm(conv *c)
     if (!cJSON_IsTrue(cJSON_GetObjectItem(cf, "rmsnorm")))
         return conv_fail(c, "%s: a ChatGLM with LayerNorm but without ChatGLM-6B's config keys "
                        "(position_encoding_2d, inner_hidden_size): loom does not know it", c->dir);
-    loom_gguf_set_str(c->w, "general.architecture", "chatglm");
-    const char *slash = strrchr(c->dir, '/');
-    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    set_identity(c, "chatglm");
     loom_gguf_set_u32(c->w, "chatglm.context_length", (uint32_t)conv_num(cf, "seq_length", 8192));
     loom_gguf_set_u32(c->w, "chatglm.embedding_length", (uint32_t)n_embd);
     loom_gguf_set_u32(c->w, "chatglm.block_count", (uint32_t)n_layer);
@@ -457,9 +459,7 @@ static int chatglm1(conv *c)
     if (n_embd <= 0 || n_layer <= 0 || n_head <= 0 || n_ff <= 0 || n_embd % n_head)
         return conv_fail(c, "%s/config.json: hidden_size, num_layers and num_attention_heads must be "
                        "positive, and hidden_size a multiple of the heads", c->dir);
-    loom_gguf_set_str(c->w, "general.architecture", "chatglm1");
-    const char *slash = strrchr(c->dir, '/');
-    loom_gguf_set_str(c->w, "general.name", slash && slash[1] ? slash + 1 : c->dir);
+    set_identity(c, "chatglm1");
     loom_gguf_set_u32(c->w, "chatglm1.context_length", (uint32_t)conv_num(cf, "max_sequence_length", 2048));
     loom_gguf_set_u32(c->w, "chatglm1.embedding_length", (uint32_t)n_embd);
     loom_gguf_set_u32(c->w, "chatglm1.block_count", (uint32_t)n_layer);
