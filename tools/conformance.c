@@ -202,22 +202,21 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     switch (tc->op) {
     case LOOM_OP_MATMUL: {
         loom_matmul_params p = {sizeof p, T(0), T(1), T(2), T(3)};
-        return d->ops.matmul(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_GET_ROWS: {
         loom_get_rows_params p = {sizeof p, T(0), T(1), T(2)};
-        return d->ops.get_rows(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_RMS_NORM:
     case LOOM_OP_LAYER_NORM: {
         loom_norm_params p = {sizeof p, T(0), T(1), T(2), T(3), tc->eps};
-        return tc->op == LOOM_OP_RMS_NORM ? d->ops.rms_norm(d->be, &p)
-                                          : d->ops.layer_norm(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ROPE: {
         loom_rope_params p = {sizeof p, T(0), T(1), T(2), T(3),
                               tc->rope_mode, tc->n_rot, tc->freq_base, tc->freq_scale};
-        return d->ops.rope(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ADD:
     case LOOM_OP_MUL:
@@ -225,30 +224,22 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     case LOOM_OP_SILU_MUL:
     case LOOM_OP_GELU: {
         loom_elementwise_params p = {sizeof p, T(0), T(1), T(2), tc->scale};
-        switch (tc->op) {
-        case LOOM_OP_ADD: return d->ops.add(d->be, &p);
-        case LOOM_OP_MUL: return d->ops.mul(d->be, &p);
-        case LOOM_OP_SCALE: return d->ops.scale(d->be, &p);
-        case LOOM_OP_SILU_MUL: return d->ops.silu_mul(d->be, &p);
-        default: return d->ops.gelu(d->be, &p);
-        }
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_KV_STORE: {
         loom_kv_store_params p = {sizeof p, T(0), T(1), T(2)};
-        return d->ops.kv_store(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ATTENTION: {
         loom_attention_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7),
                                    tc->scale};
-        return d->ops.attention(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_QUANTIZE:
     case LOOM_OP_DEQUANTIZE:
     case LOOM_OP_CONVERT: {
         loom_convert_params p = {sizeof p, T(0), T(1)};
-        return tc->op == LOOM_OP_QUANTIZE     ? d->ops.quantize(d->be, &p)
-               : tc->op == LOOM_OP_DEQUANTIZE ? d->ops.dequantize(d->be, &p)
-                                              : d->ops.convert(d->be, &p);
+        return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_COUNT_V1_0: break;
     }
