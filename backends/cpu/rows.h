@@ -8,6 +8,7 @@
 
 #include <loom/backend.h>
 
+#include <math.h>
 #include <string.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -162,6 +163,114 @@ static inline void cpu_axpy_f16(float a, const uint16_t *x, float *y, int64_t n)
 }
 
 /* Row of n elements of dtype t at src -> f32. */
+/* exp(x) for the softmax and SiLU: Cephes' expf polynomial on x - n ln2, scaled by 2^n;
+ * within 2 ulp of expf. Below -87.3 it gives about 1e-38 instead of 0; above 88.72, inf or
+ * FLT_MAX. */
+#if defined(__AVX512F__)
+static inline __m512 cpu_exp512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+#elif defined(__AVX2__)
+static inline __m256 cpu_exp256(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.7228f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n in two halves, so n = 128 (x near 88.72) still gives finite factors */
+    __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
+    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    __m256 s2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+}
+#endif
+
+/* x[i] = exp(x[i] - shift) for i < n; returns their sum */
+static inline float cpu_exp_shifted(float *x, int64_t n, float shift)
+{
+    int64_t i = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps(), sh = _mm512_set1_ps(shift);
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = cpu_exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh));
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1);
+        __m512 e = cpu_exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), sh));
+        _mm512_mask_storeu_ps(x + i, k, e);
+        acc = _mm512_mask_add_ps(acc, k, acc, e);
+        i = n;
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps(), sh = _mm256_set1_ps(shift);
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = cpu_exp256(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++)
+        sum += lanes[l];
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - shift);
+        sum += x[i];
+    }
+    return sum;
+}
+
+/* y[i] = silu(a[i]) * b[i] = a[i] / (1 + exp(-a[i])) * b[i] */
+static inline void cpu_silu_mul_row(const float *a, const float *b, float *y, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(a + i);
+        __m512 e = cpu_exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)),
+                                              _mm512_loadu_ps(b + i)));
+    }
+#elif defined(__AVX2__)
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(a + i);
+        __m256 e = cpu_exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(b + i)));
+    }
+#endif
+    for (; i < n; i++)
+        y[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+}
+
 static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64_t n)
 {
     switch (t) {
