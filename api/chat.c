@@ -7,6 +7,7 @@
  *   llama3   <|begin_of_text|><|start_header_id|>ROLE<|end_header_id|>\n\nTEXT<|eot_id|>...
  *   chatml   <|im_start|>ROLE\nTEXT<|im_end|>\n ... (Qwen; a default system turn when none)
  *   chatglm3 [gMASK]sop<|ROLE|>\n TEXT ...
+ *   glm4     [gMASK]<sop><|ROLE|>\nTEXT ...
  * Each ends, with add_generation_prompt, with the opening of the assistant's turn.
  */
 #define _GNU_SOURCE
@@ -62,7 +63,7 @@ static void put_stripped(sbuf *b, const char *t)
     put(b, "%.*s", (int)n, t);
 }
 
-static const char *const template_names[] = {"llama2", "llama3", "chatml", "chatglm3"};
+static const char *const template_names[] = {"llama2", "llama3", "chatml", "chatglm3", "glm4"};
 
 const char *loom_chat_templates(void)
 {
@@ -123,6 +124,12 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
             put(&b, "<|%s|>\n %s", msgs[i].role, msgs[i].content);
         if (add_generation_prompt)
             put(&b, "<|assistant|>");
+    } else if (!strcmp(name, "glm4")) {
+        put(&b, "[gMASK]<sop>");
+        for (int i = 0; i < n; i++)
+            put(&b, "<|%s|>\n%s", msgs[i].role, msgs[i].content);
+        if (add_generation_prompt)
+            put(&b, "<|assistant|>");
     } else {
         free(b.s);
         snprintf(err, err_size, "no chat template named '%s' (there are: %s)", name,
@@ -138,10 +145,13 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
     return 0;
 }
 
-const char *loom_chat_template_guess(const char *stored, const char *arch, int *recognised)
+const char *loom_chat_template_guess(const char *stored, const char *arch, const char *pre,
+                                     int *recognised)
 {
     *recognised = 1;
     if (stored) {
+        if (strstr(stored, "[gMASK]<sop>"))
+            return "glm4";
         if (strstr(stored, "<|im_start|>"))
             return "chatml";
         if (strstr(stored, "<|start_header_id|>"))
@@ -155,7 +165,7 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, int *
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || !strcmp(arch, "qwen")))
         return "chatml";
     if (arch && !strcmp(arch, "chatglm"))
-        return "chatglm3";
+        return pre && !strcmp(pre, "chatglm-bpe") ? "glm4" : "chatglm3";
     if (!stored)
         *recognised = 0;
     return "llama2";

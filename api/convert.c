@@ -346,9 +346,12 @@ static int qwen1(conv *c)
     return 0;
 }
 
-/* ChatGLM2/3 (model_type "chatglm"): llama.cpp's "chatglm" names; the SentencePiece model plus
- * the nine special tokens the ChatGLM tokenizer appends after its pieces; "[gMASK] sop" as
- * the prefix every prompt starts with (tokenizer.loom.prefix_tokens). */
+static int chatglm_tensors(conv *c, int32_t n_layer);
+
+/* ChatGLM2/3 and GLM-4 (model_type "chatglm"): llama.cpp's "chatglm" names. ChatGLM2/3: the
+ * SentencePiece model plus the nine special tokens the ChatGLM tokenizer appends after its
+ * pieces, "[gMASK] sop" as the prefix every prompt starts with (tokenizer.loom.prefix_tokens);
+ * GLM-4: tiktoken ranks (convert_tokenizer.c). */
 static int chatglm(conv *c)
 {
     cJSON *cf = c->config;
@@ -378,7 +381,13 @@ static int chatglm(conv *c)
     loom_gguf_set_f32(c->w, "chatglm.attention.layer_norm_rms_epsilon",
                       (float)conv_num(cf, "layernorm_epsilon", 1e-5));
 
-    /* the tokenizer: the pieces, then the specials ChatGLM's tokenizer appends */
+    if (conv_is_tiktoken_dir(c)) { /* GLM-4: tiktoken ranks and its own specials */
+        if (conv_tokenizer(c) != 0)
+            return -1;
+        conv_stop_tokens(c);
+        return chatglm_tensors(c, n_layer);
+    }
+    /* ChatGLM2/3's tokenizer: the pieces, then the specials ChatGLM's tokenizer appends */
     char path[4096];
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
     if (loom_spm_model_read(&c->spm, path, c->err, c->err_size) != 0)
@@ -427,6 +436,12 @@ static int chatglm(conv *c)
     if (rc)
         return rc;
     conv_stop_tokens(c);
+    return chatglm_tensors(c, n_layer);
+}
+
+/* ChatGLM2/3 and GLM-4 name their tensors alike */
+static int chatglm_tensors(conv *c, int32_t n_layer)
+{
     c->total = 3 + 7 * n_layer;
     if (add(c, "transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, AS_STORED) ||
         add(c, "transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, AS_STORED) ||

@@ -39,5 +39,7 @@ double conv_num(cJSON *o, const char *key, double fallback);
 int conv_tokenizer(conv *c);
 /* generation_config.json's list of end tokens, as tokenizer.loom.stop_token_ids. */
 void conv_stop_tokens(conv *c);
+/* whether the folder's tokenizer.model is a tiktoken rank file (Llama-3, GLM-4) */
+int conv_is_tiktoken_dir(const conv *c);
 
 #endif

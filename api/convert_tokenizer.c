@@ -1,8 +1,8 @@
 /*
  * api/convert_tokenizer.c - a Hugging Face folder's tokenizer files as GGUF tokenizer keys:
  * SentencePiece models (tokenizer.model, ChatGLM-6B's ice_text.model), byte-level BPE
- * (vocab.json + merges.txt, tokenizer.json) and tiktoken rank files (qwen.tiktoken, Llama-3's
- * tokenizer.model). docs/gguf.md lists the keys.
+ * (vocab.json + merges.txt, tokenizer.json) and tiktoken rank files (qwen.tiktoken; Llama-3's
+ * and GLM-4's tokenizer.model). docs/gguf.md lists the keys.
  */
 #define _GNU_SOURCE
 #include "convert.h"
@@ -352,7 +352,8 @@ static int tokenizer_json(conv *c, cJSON *tj)
 }
 
 /* ---- tiktoken rank files -------------------------------------------------------------------
- * One "base64(bytes) rank" line per token: Llama-3's tokenizer.model, Qwen v1's qwen.tiktoken.
+ * One "base64(bytes) rank" line per token: Llama-3's and GLM-4's tokenizer.model, Qwen v1's
+ * qwen.tiktoken.
  * Stored as byte-level BPE, as llama.cpp and transformers do: each token spelled with GPT-2's
  * byte map, and as merges every split of a token into two tokens, ordered by the merged token's
  * rank, then by the left part's rank and the right part's. */
@@ -491,50 +492,77 @@ static int cmp_pair(const void *a, const void *b)
     return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
-/* The specials that follow the ranks: Llama-3.1's (Meta's tokenizer.py order) or Qwen v1's. */
-static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, int llama3)
+/* What each family appends after its ranks, and how it starts and ends text. Indexes are
+ * among the specials (0 = the first id after the ranks). */
+typedef struct tiktoken_family {
+    const char *pre;              /* tokenizer.ggml.pre */
+    const char *const *named;     /* the first specials, by name */
+    int n_named, total;           /* the rest are filler_fmt with filler_base + their index */
+    const char *filler_fmt;
+    int filler_base;
+    int bos, eos;                 /* -1: none */
+    int stops[3], n_stops;
+    int prefix[2], n_prefix;      /* what every prompt starts with (GLM-4: [gMASK] <sop>) */
+} tiktoken_family;
+
+static const char *const llama3_named[] = {
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+    "<|image|>"};
+static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+static const char *const glm4_named[] = {
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
+    "<|begin_of_video|>", "<|end_of_video|>"};
+
+/* Llama-3.1 (Meta's tokenizer.py order; stops <|eom_id|>, <|eot_id|>), Qwen v1 (stop
+ * <|im_end|>), GLM-4 (stops <|endoftext|>, <|user|>, <|observation|>, as its
+ * generation_config.json lists them) */
+static const tiktoken_family llama3_family = {"llama-bpe", llama3_named, 12, 256,
+                                              "<|reserved_special_token_%d|>", 2 - 12, 0, 1,
+                                              {8, 9}, 2, {0}, 0};
+static const tiktoken_family qwen_family = {"qwen2", qwen_named, 3, 3 + 205, "<|extra_%d|>", -3,
+                                            -1, 0, {2}, 1, {0}, 0};
+static const tiktoken_family glm4_family = {"chatglm-bpe", glm4_named, 14, 14, NULL, 0,
+                                            -1, 0, {0, 7, 9}, 3, {2, 4}, 2};
+
+static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, const tiktoken_family *f)
 {
-    static const char *const llama3_named[] = {
-        "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-        "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-        "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-        "<|image|>"};
-    static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
-    int n_named = llama3 ? 12 : 3, total = llama3 ? 256 : 3 + 205;
-    for (int i = 0; i < total && first + i < v->n; i++) {
+    for (int i = 0; i < f->total && first + i < v->n; i++) {
         int32_t id = first + i;
-        if (i < n_named)
-            v->tokens[id] = llama3 ? llama3_named[i] : qwen_named[i];
-        else if (asprintf(&v->owned[id], llama3 ? "<|reserved_special_token_%d|>" : "<|extra_%d|>",
-                          llama3 ? i - n_named + 2 : i - n_named) < 0)
+        if (i < f->n_named)
+            v->tokens[id] = f->named[i];
+        else if (asprintf(&v->owned[id], f->filler_fmt, f->filler_base + i) < 0)
             return conv_fail(c, "out of memory");
         else
             v->tokens[id] = v->owned[id];
         v->types[id] = 3;
     }
-    if (llama3) {
-        int32_t stops[2] = {first + 8, first + 9}; /* <|eom_id|>, <|eot_id|> */
-        v->bos = first, v->eos = first + 1;
-        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", stops, 2);
-    } else {
-        int32_t stops[1] = {first + 2}; /* <|im_end|> */
-        v->eos = first;
-        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", stops, 1);
-    }
+    int32_t ids[3];
+    for (int i = 0; i < f->n_stops; i++)
+        ids[i] = first + f->stops[i];
+    loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", ids, (uint64_t)f->n_stops);
+    for (int i = 0; i < f->n_prefix; i++)
+        ids[i] = first + f->prefix[i];
+    if (f->n_prefix)
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", ids, (uint64_t)f->n_prefix);
+    v->bos = f->bos >= 0 ? first + f->bos : -1;
+    v->eos = f->eos >= 0 ? first + f->eos : -1;
     return 0;
 }
 
-/* pre: the pre-tokenizer, "llama-bpe" (Llama-3) or "qwen2" (Qwen v1: the same regex as Qwen2). */
-static int tokenizer_tiktoken(conv *c, const char *path, const char *pre)
+static int tokenizer_tiktoken(conv *c, const char *path, const tiktoken_family *f)
 {
     rank_table t;
     if (read_ranks(c, path, &t) != 0) {
         rank_table_free(&t);
         return -1;
     }
-    int llama3 = !strcmp(pre, "llama-bpe");
-    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size", 0);
-    int32_t want = t.n + (llama3 ? 256 : 208);
+    /* ChatGLM configs call it padded_vocab_size */
+    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size",
+                                        conv_num(c->config, "padded_vocab_size", 0));
+    int32_t want = t.n + f->total;
     if (n_vocab < want)
         n_vocab = want;
     bpe_vocab v;
@@ -565,13 +593,20 @@ static int tokenizer_tiktoken(conv *c, const char *path, const char *pre)
         }
     }
     if (rc == 0)
-        rc = tiktoken_specials(c, &v, t.n, llama3);
+        rc = tiktoken_specials(c, &v, t.n, f);
     if (rc == 0)
-        rc = bpe_vocab_write(c, &v, pre, llama3);
+        rc = bpe_vocab_write(c, &v, f->pre, f->bos >= 0);
     free(spelled), free(pairs);
     bpe_vocab_free(&v);
     rank_table_free(&t);
     return rc;
+}
+
+int conv_is_tiktoken_dir(const conv *c)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    return is_tiktoken(path);
 }
 
 /* The folder's tokenizer, whichever form it ships: tokenizer.json (byte-level BPE), a
@@ -594,10 +629,14 @@ int conv_tokenizer(conv *c)
     char path[4096];
     snprintf(path, sizeof path, "%s/qwen.tiktoken", c->dir);
     if (access(path, R_OK) == 0)
-        return tokenizer_tiktoken(c, path, "qwen2");
+        return tokenizer_tiktoken(c, path, &qwen_family);
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
-    if (is_tiktoken(path))
-        return tokenizer_tiktoken(c, path, "llama-bpe"); /* Llama-3's original tokenizer */
+    if (is_tiktoken(path)) {
+        /* GLM-4 ships its tiktoken ranks as tokenizer.model too; its config says chatglm */
+        const char *mt = cJSON_GetStringValue(cJSON_GetObjectItem(c->config, "model_type"));
+        int glm4 = mt && !strcmp(mt, "chatglm");
+        return tokenizer_tiktoken(c, path, glm4 ? &glm4_family : &llama3_family);
+    }
     int has_model = access(path, R_OK) == 0 || is_ice_text(c);
     snprintf(path, sizeof path, "%s/vocab.json", c->dir);
     if (!has_model && access(path, R_OK) == 0)

@@ -22,7 +22,9 @@ int loom_is_model_dir(const char *path);
 void loom_progress_bar(void *user, int done, int total, const char *what);
 
 /* The template for a stored template text and architecture (either may be NULL). */
-const char *loom_chat_template_guess(const char *stored, const char *arch, int *recognised);
+/* pre: tokenizer.ggml.pre (GLM-4 shares the chatglm architecture with ChatGLM2/3) */
+const char *loom_chat_template_guess(const char *stored, const char *arch, const char *pre,
+                                     int *recognised);
 
 /* The parts of an open model the engine drives. */
 struct loom_runner *loom_model_runner(loom_model *m);

@@ -187,14 +187,16 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
 
 const char *loom_model_chat_template(const loom_model *m, int *recognised)
 {
-    const char *stored, *arch;
-    uint64_t len, alen;
-    char *tmpl = NULL, archname[64] = "";
+    const char *stored, *arch, *pre;
+    uint64_t len, alen, plen;
+    char *tmpl = NULL, archname[64] = "", prename[64] = "";
     if (loom_gguf_get_str(&m->gguf, "tokenizer.chat_template", &stored, &len) == 0)
         tmpl = strndup(stored, (size_t)len);
     if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &alen) == 0)
         snprintf(archname, sizeof archname, "%.*s", (int)(alen < 63 ? alen : 63), arch);
-    const char *name = loom_chat_template_guess(tmpl, archname, recognised);
+    if (loom_gguf_get_str(&m->gguf, "tokenizer.ggml.pre", &pre, &plen) == 0)
+        snprintf(prename, sizeof prename, "%.*s", (int)(plen < 63 ? plen : 63), pre);
+    const char *name = loom_chat_template_guess(tmpl, archname, prename, recognised);
     free(tmpl);
     return name;
 }

@@ -132,6 +132,8 @@ static int get_flag(const loom_gguf *g, const char *key, int fallback)
 static const struct { const char *name, *pattern; } pretokenizers[] = {
     {"qwen2", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     {"llama-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    /* GLM-4: Llama-3's pattern (both come from tiktoken's cl100k) */
+    {"chatglm-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"},
 };
 
@@ -225,11 +227,13 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
             pattern = pretokenizers[i].pattern;
     if (!pattern) {
         snprintf(err, err_size, "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
-                                "llama-bpe, gpt2)", (int)(pre_len < 40 ? pre_len : 40), pre);
+                                "llama-bpe, chatglm-bpe, gpt2)", (int)(pre_len < 40 ? pre_len : 40), pre);
         return -1;
     }
     t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
-    t->ignore_merges = pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0;
+    /* tiktoken-trained vocabularies: a pre-token that is a token is emitted whole */
+    t->ignore_merges = (pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0) ||
+                       (pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0);
     int code;
     PCRE2_SIZE off;
     t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,
@@ -355,6 +359,15 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         double v;
         if (loom_gguf_array_f64(g, prefix, i, &v) == 0 && v >= 0 && v < t->n_vocab)
             t->prefix[t->n_prefix++] = (int32_t)v;
+    }
+    const char *pre;
+    uint64_t pre_len;
+    if (!t->n_prefix && loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len) == 0 &&
+        pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0) {
+        /* a GLM-4 file from another converter: its prompts start [gMASK] <sop> all the same */
+        int32_t gmask = lookup(t, "[gMASK]", 7), sop = lookup(t, "<sop>", 5);
+        if (gmask >= 0 && sop >= 0)
+            t->prefix[0] = gmask, t->prefix[1] = sop, t->n_prefix = 2;
     }
     const loom_gguf_kv *suffix = loom_gguf_find(g, "tokenizer.loom.suffix_tokens");
     for (uint64_t i = 0; suffix && i < suffix->count && i < 4; i++) {

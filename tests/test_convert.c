@@ -377,6 +377,143 @@ static void test_llama3_tokenizer(void)
     unlink(out);
 }
 
+/* GLM-4 ships tiktoken ranks as tokenizer.model beside a chatglm config.json. Its own rank
+ * file is not among the fixtures, so a GLM-4-shaped folder holds Llama-3's ranks instead
+ * (both derive from tiktoken's cl100k and use the same pre-tokenizer pattern): llama.cpp's
+ * llama-bpe vectors must come through unchanged, and chatglm.cpp's GLM-4 ids fix where the
+ * family's specials go: 14 after the ranks ([gMASK] +2, <sop> +4, <|user|> +7,
+ * <|assistant|> +8), prompts starting [gMASK] <sop>, and each chat turn as <|role|>, "\n"
+ * (id 198 in both vocabularies), then the content. */
+static void test_glm4_tokenizer(void)
+{
+    char folder[4200], path[4400], out[4200], src[4200], *target;
+    snprintf(folder, sizeof folder, "%s/glm4-tiktoken", tmp);
+    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.model", dir);
+    snprintf(path, sizeof path, "%s/tokenizer.model", folder);
+    target = realpath(src, NULL);
+    CHECK(target && mkdir(folder, 0700) == 0 && symlink(target, path) == 0, "set up %s", folder);
+    free(target);
+    snprintf(path, sizeof path, "%s/config.json", folder);
+    FILE *f = fopen(path, "w");
+    if (f) {
+        fputs("{\"model_type\": \"chatglm\", \"padded_vocab_size\": 128064}", f);
+        fclose(f);
+    }
+    snprintf(out, sizeof out, "%s/glm4-tok.gguf", tmp);
+    CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "GLM-4-style folder: %s", err);
+    loom_vocab *v = loom_vocab_open(out, err, sizeof err);
+    CHECK(v != NULL, "open the GLM-4-style tokenizer: %s", err);
+    if (!v)
+        goto done;
+    CHECK(loom_vocab_size(v) == 128064, "vocabulary padded to padded_vocab_size: %d",
+          loom_vocab_size(v));
+    vocab_vectors(v, "llama-bpe");
+
+    const int32_t ranks = 128000, glm4_ranks = 151329; /* Llama-3's; GLM-4's first special */
+    char epath[4200];
+    snprintf(epath, sizeof epath, "%s/peers/chatglm.cpp/expected_tokenizer_ids.json", dir);
+    char *json = slurp(epath, NULL);
+    cJSON *root = cJSON_Parse(json), *glm4 = cJSON_GetObjectItem(root, "glm4_tiktoken"), *c;
+    CHECK(glm4 != NULL, "%s: glm4_tiktoken", epath);
+    int cases = 0;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(glm4, "encode"))
+    {
+        /* add_special: the two specials, then the text's ids */
+        const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
+        cJSON *ids = cJSON_GetObjectItem(c, "ids");
+        int32_t got[64], plain[64];
+        int64_t n = loom_vocab_encode(v, text, 1, 0, got, 64), np = loom_vocab_encode(v, text, 0, 0, plain, 64);
+        int same = n == np + 2 && np > 0;
+        for (int i = 0; same && i < 2; i++)
+            same = got[i] == cJSON_GetArrayItem(ids, i)->valueint - glm4_ranks + ranks;
+        for (int i = 0; same && i < np; i++)
+            same = got[i + 2] == plain[i];
+        CHECK(same, "GLM-4 encode of '%s' with its specials", text);
+        cases++;
+    }
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(glm4, "chat"))
+    {
+        loom_chat_message m[8];
+        int nm = 0;
+        cJSON *msg;
+        cJSON_ArrayForEach(msg, cJSON_GetObjectItem(c, "messages"))
+        {
+            if (nm < 8) {
+                m[nm].role = cJSON_GetObjectItem(msg, "role")->valuestring;
+                m[nm].content = cJSON_GetObjectItem(msg, "content")->valuestring;
+            }
+            nm++;
+        }
+        /* chatglm.cpp's ids, specials moved to sit after these ranks and each turn's content
+         * re-encoded with this vocabulary */
+        int32_t want[512], got[512];
+        int nw = 0, turn = -1, ok = nm <= 8;
+        cJSON *ids = cJSON_GetObjectItem(c, "ids"), *e;
+        cJSON_ArrayForEach(e, ids)
+        {
+            int32_t id = e->valueint;
+            if (id >= glm4_ranks) {
+                want[nw++] = id - glm4_ranks + ranks;
+                if (id >= glm4_ranks + 6 && id <= glm4_ranks + 9)
+                    turn++; /* <|system|> .. <|observation|> open the next message (the last
+                               <|assistant|> is the generation prompt) */
+                continue;
+            }
+            int first = nw > 0 && want[nw - 1] >= ranks;
+            if (!first)
+                continue; /* the rest of a content run: replaced below */
+            ok = ok && id == 198 && turn >= 0 && turn < nm;
+            if (!ok)
+                break;
+            want[nw++] = 198;
+            int64_t k = loom_vocab_encode(v, m[turn].content, 0, 0, want + nw, 400 - nw);
+            ok = k > 0;
+            nw += ok ? (int)k : 0;
+            if (!ok)
+                break;
+        }
+        char *prompt = NULL;
+        CHECK(ok && loom_chat_render("glm4", m, nm, 1, &prompt, err, sizeof err) == 0,
+              "render a GLM-4 chat: %s", err);
+        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, 1, got, 512) : -1;
+        int same = ok && n == nw;
+        for (int i = 0; same && i < nw; i++)
+            same = got[i] == want[i];
+        CHECK(same, "GLM-4 chat of %d messages through the glm4 template: %lld ids, want %d", nm,
+              (long long)n, nw);
+        free(prompt);
+        cases++;
+    }
+    CHECK(cases == 3, "three GLM-4 cases, ran %d", cases);
+    cJSON_Delete(root);
+    free(json);
+    loom_vocab_close(v);
+
+    loom_gguf g;
+    if (loom_gguf_open(&g, out, err, sizeof err) == 0) {
+        const loom_gguf_kv *stops = loom_gguf_find(&g, "tokenizer.loom.stop_token_ids");
+        double a = 0, b = 0, d = 0;
+        CHECK(stops && stops->count == 3 && loom_gguf_array_f64(&g, stops, 0, &a) == 0 &&
+                  loom_gguf_array_f64(&g, stops, 1, &b) == 0 &&
+                  loom_gguf_array_f64(&g, stops, 2, &d) == 0 && a == ranks && b == ranks + 7 &&
+                  d == ranks + 9,
+              "GLM-4 stops at <|endoftext|>, <|user|>, <|observation|>");
+        const char *pre;
+        uint64_t len;
+        CHECK(loom_gguf_get_str(&g, "tokenizer.ggml.pre", &pre, &len) == 0 && len == 11 &&
+                  !memcmp(pre, "chatglm-bpe", 11),
+              "llama.cpp's pre-tokenizer name for GLM-4");
+        loom_gguf_close(&g);
+    }
+done:
+    unlink(out);
+    snprintf(path, sizeof path, "%s/tokenizer.model", folder);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/config.json", folder);
+    unlink(path);
+    rmdir(folder);
+}
+
 static void test_errors(void)
 {
     char out[4200];
@@ -437,6 +574,7 @@ int main(void)
     test_llama3_tokenizer();
     test_chatglm1_tokenizer();
     test_tiktoken();
+    test_glm4_tokenizer();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);
