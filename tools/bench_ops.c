@@ -355,6 +355,9 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
     if (kb && vb && qb && ob && ib) {
         loom_tensor k = dense(kb, cache_dt, hd, kvh, bs), v = dense(vb, cache_dt, hd, kvh, bs);
         k.ne[3] = v.ne[3] = blocks;
+        /* head-major inside each block, as the runner lays its cache out */
+        k.nb[2] = v.nb[2] = k.nb[1];
+        k.nb[1] = v.nb[1] = k.nb[2] * (uint64_t)bs;
         loom_tensor q = dense(qb, LOOM_F32, hd, heads, tokens), o = dense(ob, LOOM_F32, hd, heads, tokens);
         loom_tensor bt = dense(ib, LOOM_I32, blocks, 1, 1);
         loom_tensor seq = dense(ib, LOOM_I32, tokens, 1, 1), pos = seq;

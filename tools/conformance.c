@@ -473,11 +473,15 @@ static void make_kv_store(test_case *tc, loom_dtype dt, int v)
 static void make_attention(test_case *tc, loom_dtype dt, int v)
 {
     /* v0: decode, 2 sequences, GQA 4/2; v1: prefill chunk of one sequence, MQA 4/1;
-     * v2: ChatGLM-6B style prefix-bidirectional prefill; v3: mixed batch */
-    int64_t hd = 64, heads = 4, kvh = v == 1 ? 1 : 2, bs = 4, blocks = 12, max_blocks = 5;
+     * v2: ChatGLM-6B style prefix-bidirectional prefill; v3: mixed batch. Head sizes and
+     * block sizes vary so that backends' specialised paths (and the general one) all run. */
+    static const int64_t head_dims[] = {64, 128, 96, 256}, block_sizes[] = {4, 16, 4, 8};
+    int64_t hd = head_dims[v], heads = 4, kvh = v == 1 ? 1 : 2, bs = block_sizes[v], blocks = 12,
+            max_blocks = 5;
     static const char *what[] = {"decode, 2 seqs, GQA 4/2", "prefill 6 tokens, MQA 4/1",
                                  "prefix-bidirectional prefill", "mixed prefill+decode"};
-    snprintf(tc->label, sizeof tc->label, "%s, block %lld", what[v], (long long)bs);
+    snprintf(tc->label, sizeof tc->label, "%s, head_dim %lld, block %lld", what[v], (long long)hd,
+             (long long)bs);
     int32_t seq[8], pos[8], ntok;
     int32_t table[2][5] = {{3, 7, 1, 10, 0}, {11, 2, 5, 4, 9}};
     int32_t prefix[2] = {5, 0};
@@ -498,7 +502,7 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
     if (v == 2)
         fill_i32(add_spec(tc, 6, LOOM_I32, 2, 1, 1, 1, 0), prefix);
     add_spec(tc, 7, LOOM_F32, hd, heads, ntok, 1, 1)->output = 1;
-    tc->scale = 1.0f / 8.0f;
+    tc->scale = 1.0f / sqrtf((float)hd);
     tc->tol = dt == LOOM_F32 ? 1e-5 : dt == LOOM_F16 ? 2e-3 : 2e-2;
 }
 

@@ -271,13 +271,58 @@ static inline void cpu_silu_mul_row(const float *a, const float *b, float *y, in
         y[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
 }
 
+/* GELU (tanh form) as x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): the same function as
+ * 0.5 x (1 + tanh(u)) without its cancellation where tanh(u) nears -1 (x below about -3) */
+static inline void cpu_gelu_row(const float *a, float *y, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f), c = _mm512_set1_ps(-2.0f * 0.7978845608f),
+                 k = _mm512_set1_ps(0.044715f);
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(a + i);
+        __m512 u = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(k, x), _mm512_mul_ps(x, x), x));
+        _mm512_storeu_ps(y + i, _mm512_div_ps(x, _mm512_add_ps(one, cpu_exp512(u))));
+    }
+#elif defined(__AVX2__)
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2.0f * 0.7978845608f),
+                 k = _mm256_set1_ps(0.044715f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(a + i);
+        __m256 u = _mm256_mul_ps(c, _mm256_fmadd_ps(_mm256_mul_ps(k, x), _mm256_mul_ps(x, x), x));
+        _mm256_storeu_ps(y + i, _mm256_div_ps(x, _mm256_add_ps(one, cpu_exp256(u))));
+    }
+#endif
+    for (; i < n; i++) {
+        float x = a[i];
+        y[i] = x / (1.0f + expf(-2.0f * 0.7978845608f * (x + 0.044715f * x * x * x)));
+    }
+}
+
+/* Q8_0 blocks to floats (a q8_0 KV cache's rows): the scale through F16C or the table */
+static inline void cpu_q8_0_to_f32(const loom_block_q8_0 *x, float *y, int64_t n)
+{
+    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
+        float d = CPU_F16(x[b].d);
+#if defined(__AVX512F__)
+        __m512 dv = _mm512_set1_ps(d);
+        for (int h = 0; h < 2; h++)
+            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                               _mm_loadu_si128((const __m128i *)(x[b].qs + 16 * h))))));
+#else
+        for (int j = 0; j < LOOM_QK; j++)
+            y[j] = x[b].qs[j] * d;
+#endif
+    }
+}
+
 static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64_t n)
 {
     switch (t) {
     case LOOM_F32: memcpy(dst, src, (size_t)n * sizeof(float)); break;
     case LOOM_F16: cpu_f16_to_f32(src, dst, n); break;
     case LOOM_BF16: cpu_bf16_to_f32(src, dst, n); break;
-    case LOOM_Q8_0: loom_dequantize_row_q8_0(src, dst, n); break;
+    case LOOM_Q8_0: cpu_q8_0_to_f32(src, dst, n); break;
     case LOOM_Q4_0: loom_dequantize_row_q4_0(src, dst, n); break;
     case LOOM_Q4_1: loom_dequantize_row_q4_1(src, dst, n); break;
     case LOOM_I32:

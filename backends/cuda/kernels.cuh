@@ -328,7 +328,8 @@ __global__ void k_elementwise(int kind, tview a, tview b, tview dst, int64_t n, 
             case EW_SCALE: v *= scale; break;
             case EW_SILU_MUL: v = v / (1.0f + expf(-v)) * br[i]; break;
             case EW_GELU:
-                v = 0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v)));
+                /* x sigmoid(2u): 0.5 x (1 + tanh u) cancels where tanh(u) nears -1 */
+                v = v / (1.0f + expf(-1.5957691216057308f * (v + 0.044715f * v * v * v)));
                 break;
             }
             dr[i] = v;
