@@ -215,10 +215,17 @@ static void rotate(const float *x, float *y, int n, int adjacent, const float *c
     }
 }
 
-static void angles(float *cs, int n, double pos, double base)
+/* inv[i] = base^(-2i/n): the same for every token of a call */
+static void inverse_frequencies(double *inv, int n, double base)
+{
+    for (int i = 0; i < n / 2; i++)
+        inv[i] = pow(base, -2.0 * i / n);
+}
+
+static void angles(float *cs, int n, double pos, const double *inv)
 {
     for (int i = 0; i < n / 2; i++) {
-        double theta = pos * pow(base, -2.0 * i / n);
+        double theta = pos * inv[i];
         cs[2 * i] = (float)cos(theta);
         cs[2 * i + 1] = (float)sin(theta);
     }
@@ -229,15 +236,18 @@ static void rope_tokens(void *ctx, int ith, int nth)
     const loom_rope_params *p = ctx;
     int64_t hd = p->x->ne[0], heads = p->x->ne[1];
     float cs[1024], cs2[1024]; /* n_rot <= head_dim; checked against 1024 by the caller */
+    double inv[512];
     long t0, t1;
     pool_split((long)(p->x->ne[2] * p->x->ne[3]), ith, nth, &t0, &t1);
+    int glm = p->mode == LOOM_ROPE_GLM_2D;
+    int n = glm ? (int)hd / 2 : p->n_rot;
+    if (t0 < t1)
+        inverse_frequencies(inv, n, p->freq_base);
     for (long t = t0; t < t1; t++) {
         double pos = (double)i32_at(p->pos, t) * p->freq_scale;
-        int glm = p->mode == LOOM_ROPE_GLM_2D;
-        int n = glm ? (int)hd / 2 : p->n_rot;
-        angles(cs, n, pos, p->freq_base);
+        angles(cs, n, pos, inv);
         if (glm)
-            angles(cs2, n, (double)i32_at(p->pos2, t) * p->freq_scale, p->freq_base);
+            angles(cs2, n, (double)i32_at(p->pos2, t) * p->freq_scale, inv);
         for (int64_t h = 0; h < heads; h++) {
             const float *x = (const float *)cpu_row(p->x, base(p->x), t * heads + h);
             float *y = (float *)cpu_row(p->dst, base(p->dst), t * heads + h);
