@@ -196,6 +196,18 @@ static void vocab_vectors(loom_vocab *v, const char *name)
     free(in), free(exp);
 }
 
+/* tmp/NAME holding a tokenizer.model that links to Llama-3's tiktoken ranks */
+static void llama3_ranks_folder(char *folder, size_t size, const char *name)
+{
+    char src[4200], link[4400];
+    snprintf(folder, size, "%s/%s", tmp, name);
+    snprintf(link, sizeof link, "%s/tokenizer.model", folder);
+    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.model", dir);
+    char *target = realpath(src, NULL);
+    CHECK(target && mkdir(folder, 0700) == 0 && symlink(target, link) == 0, "set up %s", folder);
+    free(target);
+}
+
 /* tiktoken rank files: Qwen v1's qwen.tiktoken (its ranks are Qwen2's, so llama.cpp's qwen2
  * vectors apply) and Llama-3's original tokenizer.model (the llama-bpe vectors, Meta's special
  * token names, and the 280147 merges transformers derives from the ranks). */
@@ -218,13 +230,9 @@ static void test_tiktoken(void)
     unlink(out);
 
     /* a folder holding Llama-3's tiktoken tokenizer.model alone */
-    char folder[4200], link[4400], *target;
-    snprintf(folder, sizeof folder, "%s/llama3-tiktoken", tmp);
+    char folder[4200], link[4400];
+    llama3_ranks_folder(folder, sizeof folder, "llama3-tiktoken");
     snprintf(link, sizeof link, "%s/tokenizer.model", folder);
-    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.model", dir);
-    target = realpath(src, NULL);
-    CHECK(target && mkdir(folder, 0700) == 0 && symlink(target, link) == 0, "set up %s", folder);
-    free(target);
     snprintf(out, sizeof out, "%s/llama3-tiktoken.gguf", tmp);
     CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "llama3 tokenizer.model: %s", err);
     if ((v = loom_vocab_open(out, err, sizeof err))) {
@@ -386,13 +394,8 @@ static void test_llama3_tokenizer(void)
  * (id 198 in both vocabularies), then the content. */
 static void test_glm4_tokenizer(void)
 {
-    char folder[4200], path[4400], out[4200], src[4200], *target;
-    snprintf(folder, sizeof folder, "%s/glm4-tiktoken", tmp);
-    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.model", dir);
-    snprintf(path, sizeof path, "%s/tokenizer.model", folder);
-    target = realpath(src, NULL);
-    CHECK(target && mkdir(folder, 0700) == 0 && symlink(target, path) == 0, "set up %s", folder);
-    free(target);
+    char folder[4200], path[4400], out[4200];
+    llama3_ranks_folder(folder, sizeof folder, "glm4-tiktoken");
     snprintf(path, sizeof path, "%s/config.json", folder);
     FILE *f = fopen(path, "w");
     if (f) {

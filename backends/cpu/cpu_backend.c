@@ -485,6 +485,15 @@ static const unsigned char *head_block(const loom_tensor *c, int64_t g, int32_t 
     return base(c) + c->offset + (uint64_t)g * c->nb[1] + (uint64_t)blk * c->nb[3];
 }
 
+#if defined(__AVX512F__)
+/* The first nk rows of one head's block (from head_block) as f32 rows, one after another */
+static void block_to_f32(const loom_tensor *c, const unsigned char *rows, int64_t nk, float *out)
+{
+    for (int64_t jj = 0; jj < nk; jj++)
+        cpu_load_row(c->dtype, rows + jj * c->nb[2], out + jj * c->ne[0], c->ne[0]);
+}
+#endif
+
 static void attn_pairs(void *ctx, int ith, int nth)
 {
     attn_job *j = ctx;
@@ -546,8 +555,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
             }
 #if defined(__AVX512F__)
             if (fast) {
-                for (int64_t jj = 0; jj < nk; jj++)
-                    cpu_load_row(kc->dtype, kb + jj * kc->nb[2], k + jj * hd, hd);
+                block_to_f32(kc, kb, nk, k);
                 attn_block512(q, group, k, NULL, nk, hd, p->scale, scores, bs, NULL, 0);
             }
 #endif
@@ -577,8 +585,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
             }
 #if defined(__AVX512F__)
             if (fast) {
-                for (int64_t jj = 0; jj < nk; jj++)
-                    cpu_load_row(vc->dtype, vb + jj * vc->nb[2], v + jj * hd, hd);
+                block_to_f32(vc, vb, nk, v);
                 attn_block512(q, group, NULL, v, nk, hd, p->scale, scores, bs, acc, 1);
             }
 #endif
