@@ -26,8 +26,9 @@ typedef struct collector {
     int done, errored;
     char finish[16];
     int32_t n_cached;
-    int64_t id;
+    int64_t id;       /* written under mu once submit returns: events may come first */
     int cancel_after; /* cancel once this many tokens arrived (0: never) */
+    int cancel_due;   /* reached cancel_after before the id was known */
 } collector;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -53,9 +54,29 @@ static void on_event(void *user, const loom_event *ev)
         pthread_cond_broadcast(&cv);
     }
     int cancel = ev->kind == LOOM_EVENT_TEXT && c->cancel_after && c->n_ids == c->cancel_after;
+    int64_t id = c->id;
+    if (cancel && !id)
+        c->cancel_due = 1, cancel = 0; /* submit() has not returned yet: it cancels */
     pthread_mutex_unlock(&mu);
     if (cancel)
-        loom_engine_cancel(engine, c->id); /* from the engine's own thread: must not deadlock */
+        loom_engine_cancel(engine, id); /* from the engine's own thread: must not deadlock */
+}
+
+/* Submits r for c. The request may finish before loom_engine_submit returns, so the result
+ * is recorded under mu and never overwrites what on_event already set. */
+static void submit(collector *c, const loom_request *r, int i)
+{
+    char err[512];
+    int64_t id = loom_engine_submit(engine, r, on_event, c, err, sizeof err);
+    CHECK(id > 0, "submit %d: %s", i, err);
+    pthread_mutex_lock(&mu);
+    c->id = id;
+    if (id <= 0)
+        c->done = 1;
+    int cancel = id > 0 && c->cancel_due;
+    pthread_mutex_unlock(&mu);
+    if (cancel)
+        loom_engine_cancel(engine, id);
 }
 
 static void wait_all(collector *c, int n)
@@ -129,15 +150,11 @@ static void check_idle(const char *what)
 
 static void submit_all(collector *c, int n, const char *const *stop, int n_stop)
 {
-    char err[512];
     loom_sampling greedy = loom_sampling_defaults();
     greedy.temperature = 0;
     for (int i = 0; i < n; i++) {
         loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, stop, n_stop};
-        c[i].id = loom_engine_submit(engine, &r, on_event, &c[i], err, sizeof err);
-        CHECK(c[i].id > 0, "submit %d: %s", i, err);
-        if (c[i].id <= 0)
-            c[i].done = 1;
+        submit(&c[i], &r, i);
     }
 }
 
@@ -314,9 +331,7 @@ static void run_q8_kv(const char *backend)
             memset(c, 0, sizeof c);
             for (int i = 0; i < n_prompts; i++) {
                 loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, NULL, 0};
-                c[i].id = loom_engine_submit(engine, &r, on_event, &c[i], err, sizeof err);
-                CHECK(c[i].id > 0, "submit %d: %s", i, err);
-                c[i].done = c[i].id <= 0;
+                submit(&c[i], &r, i);
             }
             wait_all(c, n_prompts);
             for (int i = 0; i < n_prompts; i++)

@@ -462,7 +462,9 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         int64_t id = loom_engine_submit(srv->engine, &r, on_event, t, err, sizeof err);
         if (id < 0) {
             free(t);
+            pthread_mutex_lock(&j->mu); /* earlier choices' events drop references too */
             j->refs--;
+            pthread_mutex_unlock(&j->mu);
             break;
         }
         j->ch[i].id = id;
