@@ -77,6 +77,16 @@ if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --n
 else
     fail "bench exit:"; cat "$tmpdir/bench.err" >&2
 fi
+# the serving benchmark: both phases finish every request with exactly its tokens (ignore_eos)
+if "$LOOM" bench serve --synthetic tiny --clients 4 --requests 6 --prompt-tokens 8 --gen-tokens 5 \
+        --json > "$tmpdir/serve.json" 2> "$tmpdir/serve.err"; then
+    jq -e '(.runs | length) == 2 and all(.runs[]; .failed == 0 and .requests == 6 and
+            ((.generated_tokens_per_s * .seconds) - 30 | fabs) < 0.01) and .runs[1].clients == 4' \
+        "$tmpdir/serve.json" > /dev/null && pass "bench serve: 6 requests x 5 tokens, alone and 4 at a time" ||
+        { fail "bench serve results:"; cat "$tmpdir/serve.json" >&2; }
+else
+    fail "bench serve exit:"; cat "$tmpdir/serve.err" >&2
+fi
 "$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
 expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
 # a backend that lacks ops: loom runs those ops on the CPU (copies there and back), says so

@@ -158,7 +158,7 @@ static void usage(FILE *out)
             "                        [--requests N] [--prompt-tokens 64] [--gen-tokens 64]\n"
             "                        [--max-batch N] [--json] [--concurrent-only]\n"
             "  runs the requests one at a time, then from --clients concurrent clients, through the\n"
-            "  serving engine (continuous batching); defaults: synthetic 160m q8_0, requests = clients\n"
+            "  serving engine (continuous batching); defaults: synthetic 160m f16, requests = clients\n"
             "  shapes: %s\n",
             loom_synthetic_shapes());
 }
@@ -170,7 +170,7 @@ static int parse_pos(const char *flag, const char *v, long hi, long *out)
 
 int loom_bench_serve_main(int argc, char **argv)
 {
-    const char *model = NULL, *shape = "160m", *type = "q8_0";
+    const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
     int json = 0, concurrent_only = 0;
     for (int i = 0; i < argc; i++) {
