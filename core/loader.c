@@ -288,6 +288,8 @@ static int scan_build_tree(loom_registry *reg, const char *exe, char *err, size_
     return rc;
 }
 
+static void exclude_shadowed(loom_registry *reg);
+
 int loom_registry_scan(loom_registry *reg, char *err, size_t err_size)
 {
     memset(reg, 0, sizeof *reg);
@@ -317,7 +319,10 @@ int loom_registry_scan(loom_registry *reg, char *err, size_t err_size)
             realpath(rel, real) && scan_dir(reg, real, err, err_size))
             return -1;
     }
-    return scan_dir(reg, LOOM_PKGLIBDIR "/backends", err, err_size);
+    int rc = scan_dir(reg, LOOM_PKGLIBDIR "/backends", err, err_size);
+    if (rc == 0)
+        exclude_shadowed(reg);
+    return rc;
 }
 
 void loom_registry_free(loom_registry *reg)
@@ -377,6 +382,27 @@ static void list_candidates(const loom_registry *reg, char *buf, size_t n)
         used += (size_t)snprintf(buf + used, n - used, "\n  %s: %s%s%s%s", l,
                                  loom_candidate_state_name(c->state), c->reason[0] ? " (" : "",
                                  c->reason, c->reason[0] ? ")" : "");
+    }
+}
+
+/* A module found again later in the search (the same name and variant: a second install, or
+ * the build tree beside LOOM_BACKEND_PATH) is left out: the first one found is the one used,
+ * so LOOM_BACKEND_PATH overrides the rest. */
+static void exclude_shadowed(loom_registry *reg)
+{
+    for (int i = 0; i < reg->count; i++) {
+        loom_candidate *c = &reg->items[i];
+        if (c->state != LOOM_CAND_USABLE)
+            continue;
+        for (int j = 0; j < i; j++) {
+            const loom_candidate *first = &reg->items[j];
+            if (first->state >= LOOM_CAND_EXCLUDED && !strcmp(first->name, c->name) &&
+                !strcmp(first->variant, c->variant)) {
+                c->state = LOOM_CAND_EXCLUDED;
+                set_err(c->reason, sizeof c->reason, "shadowed by %s, found first", first->path);
+                break;
+            }
+        }
     }
 }
 
@@ -526,6 +552,7 @@ out:
 int loom_registry_select(loom_registry *reg, const char *preference, char *err, size_t err_size)
 {
     const char *pref = preference ? preference : getenv("LOOM_BACKEND");
+    exclude_shadowed(reg);
     int rc = apply_cpu_env(reg, err, err_size);
     if (rc == 0 && pref && *pref) {
         rc = select_by_preference(reg, pref, err, err_size);

@@ -29,6 +29,17 @@ expect_grep "score 1 is below cpu-avx512's 300" "$tmpdir/all.txt" "why ref lost"
 LOOM_BACKEND=ref "$LOOM" backends > "$tmpdir/ref.txt" 2>&1 || fail "LOOM_BACKEND=ref exit $?"
 expect_grep "^\* ref" "$tmpdir/ref.txt" "LOOM_BACKEND picks a lower-scoring backend"
 
+# a module found again later in the search is shadowed by the first: LOOM_BACKEND_PATH wins
+ref_path=$(jq -r '.candidates[] | select(.name == "ref") | .path' "$tmpdir/plain.json")
+mkdir -p "$tmpdir/shadow" && cp "$ref_path" "$tmpdir/shadow/" || fail "copy $ref_path"
+LOOM_BACKEND_PATH="$tmpdir/shadow" LOOM_BACKEND=ref "$LOOM" backends --json > "$tmpdir/shadow.json" ||
+    fail "backends with a shadowing module: exit $?"
+jq -e --arg first "$tmpdir/shadow/$(basename "$ref_path")" --arg later "$ref_path" \
+    '.chosen == $first and any(.candidates[]; .path == $later and .status == "excluded" and
+                                             (.reason | startswith("shadowed by " + $first)))' \
+    "$tmpdir/shadow.json" > /dev/null && pass "the first module of a name is used, later copies shadowed" ||
+    { fail "shadowing:"; cat "$tmpdir/shadow.json" >&2; }
+
 # --json is valid JSON with the fields the issue lists
 LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends --json > "$tmpdir/all.json" || fail "--json exit $?"
 if jq -e '.candidates | length > 5' "$tmpdir/all.json" > /dev/null &&
