@@ -415,12 +415,11 @@ static inline __attribute__((always_inline)) void block_scores512(const float *q
         __m512 a[16];
         UNROLL16
         for (int t = 0; t < 16; t++) {
-            const float *kr = kf + (j0 + t) * 16 * NC;
             __m512 x = _mm512_setzero_ps();
             if (j0 + t < nk)
                 UNROLL16
                 for (int c = 0; c < NC; c++)
-                    x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), x);
+                    x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kf + (j0 + t) * 16 * NC + 16 * c), x);
             a[t] = x;
         }
         int64_t n = nk - j0 < 16 ? nk - j0 : 16;
@@ -454,7 +453,7 @@ static inline __attribute__((always_inline)) void block_values512(const float *w
 }
 
 /* One block for the group's heads, K and V converted to f32 once; head_dim 64, 128 or 256. */
-static void attn_block512(const float *const *q, int64_t group, const float *kf, const float *vf,
+static void attn_block_simd(const float *const *q, int64_t group, const float *kf, const float *vf,
                           int64_t nk, int64_t hd, float scale, float *scores, int64_t bs,
                           float *acc, int values)
 {
@@ -474,6 +473,86 @@ static void attn_block512(const float *const *q, int64_t group, const float *kf,
     }
 }
 #define ATTN_FAST_HD(hd) ((hd) == 64 || (hd) == 128 || (hd) == 256)
+#elif defined(__AVX2__)
+#define UNROLL16 _Pragma("GCC unroll 16")
+
+/* out lane k = the sum of a[k]'s lanes, for eight vectors */
+static inline __m256 reduce8(const __m256 *a)
+{
+    __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    /* g0 holds a[0..3]'s sums of lanes 0-3 low, of lanes 4-7 high; g1 the same for a[4..7] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
+}
+
+/* As block_scores512 with eight keys at a time; q is read from L1 (16 registers hold no
+ * 128-wide row beside the sums) */
+static inline __attribute__((always_inline)) void block_scores256(const float *q, const float *kf,
+                                                                  int64_t nk, float scale,
+                                                                  float *out, const int NC)
+{
+    for (int64_t j0 = 0; j0 < nk; j0 += 8) {
+        __m256 a[8];
+        UNROLL16
+        for (int t = 0; t < 8; t++) {
+            __m256 x = _mm256_setzero_ps();
+            if (j0 + t < nk)
+                UNROLL16
+                for (int c = 0; c < NC; c++)
+                    x = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c),
+                                        _mm256_loadu_ps(kf + (j0 + t) * 8 * NC + 8 * c), x);
+            a[t] = x;
+        }
+        int64_t n = nk - j0 < 8 ? nk - j0 : 8;
+        __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        _mm256_maskstore_ps(out + j0, keep, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
+    }
+}
+
+/* As block_values512, eight floats a register */
+static inline __attribute__((always_inline)) void block_values256(const float *w, const float *vf,
+                                                                  int64_t nk, float *acc,
+                                                                  const int NC)
+{
+    const int CH = NC < 8 ? NC : 8;
+    for (int c0 = 0; c0 < NC; c0 += CH) {
+        __m256 r[8];
+        UNROLL16
+        for (int c = 0; c < CH; c++)
+            r[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
+        for (int64_t jj = 0; jj < nk; jj++) {
+            __m256 x = _mm256_set1_ps(w[jj]);
+            const float *vr = vf + jj * 8 * NC + 8 * c0;
+            UNROLL16
+            for (int c = 0; c < CH; c++)
+                r[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vr + 8 * c), r[c]);
+        }
+        UNROLL16
+        for (int c = 0; c < CH; c++)
+            _mm256_storeu_ps(acc + 8 * (c0 + c), r[c]);
+    }
+}
+
+static void attn_block_simd(const float *const *q, int64_t group, const float *kf, const float *vf,
+                          int64_t nk, int64_t hd, float scale, float *scores, int64_t bs,
+                          float *acc, int values)
+{
+    for (int64_t h = 0; h < group; h++) {
+        if (!values)
+            switch (hd) {
+            case 64: block_scores256(q[h], kf, nk, scale, scores + h * bs, 8); break;
+            case 128: block_scores256(q[h], kf, nk, scale, scores + h * bs, 16); break;
+            default: block_scores256(q[h], kf, nk, scale, scores + h * bs, 32); break;
+            }
+        else
+            switch (hd) {
+            case 64: block_values256(scores + h * bs, vf, nk, acc + h * hd, 8); break;
+            case 128: block_values256(scores + h * bs, vf, nk, acc + h * hd, 16); break;
+            default: block_values256(scores + h * bs, vf, nk, acc + h * hd, 32); break;
+            }
+    }
+}
+#define ATTN_FAST_HD(hd) ((hd) == 64 || (hd) == 128 || (hd) == 256)
 #else
 #define ATTN_FAST_HD(hd) 0
 #endif
@@ -485,7 +564,7 @@ static const unsigned char *head_block(const loom_tensor *c, int64_t g, int32_t 
     return base(c) + c->offset + (uint64_t)g * c->nb[1] + (uint64_t)blk * c->nb[3];
 }
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 /* The first nk rows of one head's block (from head_block) as f32 rows, one after another */
 static void block_to_f32(const loom_tensor *c, const unsigned char *rows, int64_t nk, float *out)
 {
@@ -553,10 +632,10 @@ static void attn_pairs(void *ctx, int ith, int nth)
                         }
                 }
             }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
             if (fast) {
                 block_to_f32(kc, kb, nk, k);
-                attn_block512(q, group, k, NULL, nk, hd, p->scale, scores, bs, NULL, 0);
+                attn_block_simd(q, group, k, NULL, nk, hd, p->scale, scores, bs, NULL, 0);
             }
 #endif
             for (int64_t jj = 0; !fast && jj < nk; jj++) {
@@ -583,10 +662,10 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 m[h] = bmax;
                 l[h] += cpu_exp_shifted(sc, nk, bmax);
             }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
             if (fast) {
                 block_to_f32(vc, vb, nk, v);
-                attn_block512(q, group, NULL, v, nk, hd, p->scale, scores, bs, acc, 1);
+                attn_block_simd(q, group, NULL, v, nk, hd, p->scale, scores, bs, acc, 1);
             }
 #endif
             for (int64_t jj = 0; !fast && jj < nk; jj++) {
