@@ -7,6 +7,7 @@
  * taking one contiguous range, so no two threads write the same cache line.
  */
 #define _GNU_SOURCE
+#include "attn_block.h"
 #include "cpu.h"
 #include "rows.h"
 
@@ -378,184 +379,6 @@ typedef struct attn_job {
     volatile int bad_block; /* set by a thread that met an out-of-range block id */
 } attn_job;
 
-#if defined(__AVX512F__)
-/* the loops below run a compile-time number of times: unrolled, their arrays are registers */
-#define UNROLL16 _Pragma("GCC unroll 16")
-
-/* out lane k = the sum of a[k]'s lanes: a transposing tree of shuffles and adds, 46
- * instructions where 16 separate reductions take about 130 */
-static inline __m512 reduce16(const __m512 *a)
-{
-    __m512 b[8], c[4], d[2];
-    for (int k = 0; k < 8; k++) /* 256-bit halves: a[2k]'s in the low half, a[2k+1]'s high */
-        b[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_f32x4(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int k = 0; k < 4; k++) /* 128-bit lane j: a[4k + j] */
-        c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    for (int k = 0; k < 2; k++)
-        d[k] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[2 * k], c[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    /* position 4j + i now holds a[4i + j]'s sum */
-    __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
-}
-
-/* out[jj] = scale * q . kf[jj] for jj < nk; kf: nk rows of NC x 16 floats */
-static inline __attribute__((always_inline)) void block_scores512(const float *q, const float *kf,
-                                                                  int64_t nk, float scale,
-                                                                  float *out, const int NC)
-{
-    __m512 qv[16];
-    UNROLL16
-    for (int c = 0; c < NC; c++)
-        qv[c] = _mm512_loadu_ps(q + 16 * c);
-    for (int64_t j0 = 0; j0 < nk; j0 += 16) {
-        __m512 a[16];
-        UNROLL16
-        for (int t = 0; t < 16; t++) {
-            __m512 x = _mm512_setzero_ps();
-            if (j0 + t < nk)
-                UNROLL16
-                for (int c = 0; c < NC; c++)
-                    x = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kf + (j0 + t) * 16 * NC + 16 * c), x);
-            a[t] = x;
-        }
-        int64_t n = nk - j0 < 16 ? nk - j0 : 16;
-        _mm512_mask_storeu_ps(out + j0, (__mmask16)((1u << n) - 1),
-                              _mm512_mul_ps(reduce16(a), _mm512_set1_ps(scale)));
-    }
-}
-
-/* acc += sum over jj < nk of w[jj] vf[jj]; rows of NC x 16 floats, acc kept in registers */
-static inline __attribute__((always_inline)) void block_values512(const float *w, const float *vf,
-                                                                  int64_t nk, float *acc,
-                                                                  const int NC)
-{
-    const int CH = NC < 8 ? NC : 8; /* registers of acc held at once */
-    for (int c0 = 0; c0 < NC; c0 += CH) {
-        __m512 r[8];
-        UNROLL16
-        for (int c = 0; c < CH; c++)
-            r[c] = _mm512_loadu_ps(acc + 16 * (c0 + c));
-        for (int64_t jj = 0; jj < nk; jj++) {
-            __m512 x = _mm512_set1_ps(w[jj]);
-            const float *vr = vf + jj * 16 * NC + 16 * c0;
-            UNROLL16
-            for (int c = 0; c < CH; c++)
-                r[c] = _mm512_fmadd_ps(x, _mm512_loadu_ps(vr + 16 * c), r[c]);
-        }
-        UNROLL16
-        for (int c = 0; c < CH; c++)
-            _mm512_storeu_ps(acc + 16 * (c0 + c), r[c]);
-    }
-}
-
-/* One block for the group's heads, K and V converted to f32 once; head_dim 64, 128 or 256. */
-static void attn_block_simd(const float *const *q, int64_t group, const float *kf, const float *vf,
-                          int64_t nk, int64_t hd, float scale, float *scores, int64_t bs,
-                          float *acc, int values)
-{
-    for (int64_t h = 0; h < group; h++) {
-        if (!values)
-            switch (hd) {
-            case 64: block_scores512(q[h], kf, nk, scale, scores + h * bs, 4); break;
-            case 128: block_scores512(q[h], kf, nk, scale, scores + h * bs, 8); break;
-            default: block_scores512(q[h], kf, nk, scale, scores + h * bs, 16); break;
-            }
-        else
-            switch (hd) {
-            case 64: block_values512(scores + h * bs, vf, nk, acc + h * hd, 4); break;
-            case 128: block_values512(scores + h * bs, vf, nk, acc + h * hd, 8); break;
-            default: block_values512(scores + h * bs, vf, nk, acc + h * hd, 16); break;
-            }
-    }
-}
-#define ATTN_FAST_HD(hd) ((hd) == 64 || (hd) == 128 || (hd) == 256)
-#elif defined(__AVX2__)
-#define UNROLL16 _Pragma("GCC unroll 16")
-
-/* out lane k = the sum of a[k]'s lanes, for eight vectors */
-static inline __m256 reduce8(const __m256 *a)
-{
-    __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    /* g0 holds a[0..3]'s sums of lanes 0-3 low, of lanes 4-7 high; g1 the same for a[4..7] */
-    return _mm256_add_ps(_mm256_permute2f128_ps(g0, g1, 0x20), _mm256_permute2f128_ps(g0, g1, 0x31));
-}
-
-/* As block_scores512 with eight keys at a time; q is read from L1 (16 registers hold no
- * 128-wide row beside the sums) */
-static inline __attribute__((always_inline)) void block_scores256(const float *q, const float *kf,
-                                                                  int64_t nk, float scale,
-                                                                  float *out, const int NC)
-{
-    for (int64_t j0 = 0; j0 < nk; j0 += 8) {
-        __m256 a[8];
-        UNROLL16
-        for (int t = 0; t < 8; t++) {
-            __m256 x = _mm256_setzero_ps();
-            if (j0 + t < nk)
-                UNROLL16
-                for (int c = 0; c < NC; c++)
-                    x = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c),
-                                        _mm256_loadu_ps(kf + (j0 + t) * 8 * NC + 8 * c), x);
-            a[t] = x;
-        }
-        int64_t n = nk - j0 < 8 ? nk - j0 : 8;
-        __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        _mm256_maskstore_ps(out + j0, keep, _mm256_mul_ps(reduce8(a), _mm256_set1_ps(scale)));
-    }
-}
-
-/* As block_values512, eight floats a register */
-static inline __attribute__((always_inline)) void block_values256(const float *w, const float *vf,
-                                                                  int64_t nk, float *acc,
-                                                                  const int NC)
-{
-    const int CH = NC < 8 ? NC : 8;
-    for (int c0 = 0; c0 < NC; c0 += CH) {
-        __m256 r[8];
-        UNROLL16
-        for (int c = 0; c < CH; c++)
-            r[c] = _mm256_loadu_ps(acc + 8 * (c0 + c));
-        for (int64_t jj = 0; jj < nk; jj++) {
-            __m256 x = _mm256_set1_ps(w[jj]);
-            const float *vr = vf + jj * 8 * NC + 8 * c0;
-            UNROLL16
-            for (int c = 0; c < CH; c++)
-                r[c] = _mm256_fmadd_ps(x, _mm256_loadu_ps(vr + 8 * c), r[c]);
-        }
-        UNROLL16
-        for (int c = 0; c < CH; c++)
-            _mm256_storeu_ps(acc + 8 * (c0 + c), r[c]);
-    }
-}
-
-static void attn_block_simd(const float *const *q, int64_t group, const float *kf, const float *vf,
-                          int64_t nk, int64_t hd, float scale, float *scores, int64_t bs,
-                          float *acc, int values)
-{
-    for (int64_t h = 0; h < group; h++) {
-        if (!values)
-            switch (hd) {
-            case 64: block_scores256(q[h], kf, nk, scale, scores + h * bs, 8); break;
-            case 128: block_scores256(q[h], kf, nk, scale, scores + h * bs, 16); break;
-            default: block_scores256(q[h], kf, nk, scale, scores + h * bs, 32); break;
-            }
-        else
-            switch (hd) {
-            case 64: block_values256(scores + h * bs, vf, nk, acc + h * hd, 8); break;
-            case 128: block_values256(scores + h * bs, vf, nk, acc + h * hd, 16); break;
-            default: block_values256(scores + h * bs, vf, nk, acc + h * hd, 32); break;
-            }
-    }
-}
-#define ATTN_FAST_HD(hd) ((hd) == 64 || (hd) == 128 || (hd) == 256)
-#else
-#define ATTN_FAST_HD(hd) 0
-#endif
 
 /* The keys (or values) of kv head g in cache block blk: a cache is [head_dim, kv_heads,
  * block_size, blocks], so they start here and are nb[2] apart. */
@@ -564,7 +387,7 @@ static const unsigned char *head_block(const loom_tensor *c, int64_t g, int32_t 
     return base(c) + c->offset + (uint64_t)g * c->nb[1] + (uint64_t)blk * c->nb[3];
 }
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(ATTN_LANES)
 /* The first nk rows of one head's block (from head_block) as f32 rows, one after another */
 static void block_to_f32(const loom_tensor *c, const unsigned char *rows, int64_t nk, float *out)
 {
@@ -632,7 +455,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
                         }
                 }
             }
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(ATTN_LANES)
             if (fast) {
                 block_to_f32(kc, kb, nk, k);
                 attn_block_simd(q, group, k, NULL, nk, hd, p->scale, scores, bs, NULL, 0);
@@ -662,7 +485,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 m[h] = bmax;
                 l[h] += cpu_exp_shifted(sc, nk, bmax);
             }
-#if defined(__AVX512F__) || defined(__AVX2__)
+#if defined(ATTN_LANES)
             if (fast) {
                 block_to_f32(vc, vb, nk, v);
                 attn_block_simd(q, group, NULL, v, nk, hd, p->scale, scores, bs, acc, 1);
