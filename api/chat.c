@@ -118,16 +118,12 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
             put(&b, "<|im_start|>%s\n%s<|im_end|>\n", msgs[i].role, msgs[i].content);
         if (add_generation_prompt)
             put(&b, "<|im_start|>assistant\n");
-    } else if (!strcmp(name, "chatglm3")) {
-        put(&b, "[gMASK]sop");
+    } else if (!strcmp(name, "chatglm3") || !strcmp(name, "glm4")) {
+        /* the same roles; GLM-4 spells sop as a special token and drops the space */
+        int glm4 = !strcmp(name, "glm4");
+        put(&b, glm4 ? "[gMASK]<sop>" : "[gMASK]sop");
         for (int i = 0; i < n; i++)
-            put(&b, "<|%s|>\n %s", msgs[i].role, msgs[i].content);
-        if (add_generation_prompt)
-            put(&b, "<|assistant|>");
-    } else if (!strcmp(name, "glm4")) {
-        put(&b, "[gMASK]<sop>");
-        for (int i = 0; i < n; i++)
-            put(&b, "<|%s|>\n%s", msgs[i].role, msgs[i].content);
+            put(&b, "<|%s|>\n%s%s", msgs[i].role, glm4 ? "" : " ", msgs[i].content);
         if (add_generation_prompt)
             put(&b, "<|assistant|>");
     } else {
