@@ -166,6 +166,9 @@ static inline void cpu_axpy_f16(float a, const uint16_t *x, float *y, int64_t n)
 /* exp(x) for the softmax and SiLU: Cephes' expf polynomial on x - n ln2, scaled by 2^n;
  * within 2 ulp of expf. Below -87.3 it gives about 1e-38 instead of 0; above 88.72, inf or
  * FLT_MAX. */
+static const float cpu_exp_poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 #if defined(__AVX512F__)
 static inline __m512 cpu_exp512(__m512 x)
 {
@@ -174,12 +177,9 @@ static inline __m512 cpu_exp512(__m512 x)
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_set1_ps(cpu_exp_poly[0]);
+    for (int k = 1; k < 6; k++)
+        y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(cpu_exp_poly[k]));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(y, n);
 }
@@ -191,12 +191,9 @@ static inline __m256 cpu_exp256(__m256 x)
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
     r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_set1_ps(cpu_exp_poly[0]);
+    for (int k = 1; k < 6; k++)
+        y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(cpu_exp_poly[k]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     /* 2^n in two halves, so n = 128 (x near 88.72) still gives finite factors */
     __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
