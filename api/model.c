@@ -284,6 +284,11 @@ uint64_t loom_model_weight_bytes(const loom_model *m)
     return total;
 }
 
+int64_t loom_model_prepared_weights(const loom_model *m)
+{
+    return loom_runner_prepared_weights(m->runner);
+}
+
 const char *loom_model_weight_type(const loom_model *m)
 {
     uint64_t bytes[64] = {0};

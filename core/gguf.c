@@ -378,6 +378,18 @@ int loom_gguf_open(loom_gguf *g, const char *path, char *err, size_t err_size)
     return rc;
 }
 
+void loom_gguf_release_pages(const loom_gguf *g, uint64_t offset, uint64_t size)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    if (!g->mapped || page <= 0 || offset > g->size || size > g->size - offset)
+        return;
+    uintptr_t start = (uintptr_t)(g->map + offset), end = start + size;
+    start = (start + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    end &= ~(uintptr_t)(page - 1);
+    if (end > start) /* a private read-only mapping: the pages are re-read from the file if used */
+        madvise((void *)start, end - start, MADV_DONTNEED);
+}
+
 const loom_gguf_kv *loom_gguf_find(const loom_gguf *g, const char *key)
 {
     for (uint64_t i = 0; i < g->n_kv; i++)

@@ -67,6 +67,9 @@ int loom_gguf_open(loom_gguf *g, const char *path, char *err, size_t err_size);
  * loom_gguf_close afterwards whether it succeeded or not. */
 int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *name, char *err,
                     size_t err_size);
+/* Lets the mapped file's pages in [offset, offset + size) go from memory (whole pages inside
+ * it; they are read again if touched). Nothing for a file not mapped by loom_gguf_open. */
+void loom_gguf_release_pages(const loom_gguf *g, uint64_t offset, uint64_t size);
 /* Frees what open or parse made (and unmaps a file open mapped). */
 void loom_gguf_close(loom_gguf *g);
 

@@ -2,7 +2,10 @@
  * core/runner.c - see runner.h.
  *
  * Memory: weights are used in place from the file mapping when the backend can wrap host
- * memory (buffer_wrap_host), else each is uploaded once. The KV cache is one buffer of
+ * memory (buffer_wrap_host), else each is uploaded once. A weight's first use as a matmul's W
+ * offers it to the backend's prepare_weight (a layout of its own, such as interleaved rows);
+ * a prepared copy replaces it for matmuls from then on, and the mapped original's pages are
+ * let go (LOOM_REPACK=0 keeps every weight in the file's layout). The KV cache is one buffer of
  * [layer][k|v][blocks][block_size][kv_heads][head_dim]; which blocks a sequence uses is the
  * caller's business (loom_runner_eval: one sequence over blocks 0, 1, ... in order; a server:
  * core/kvblocks). Scratch activations and the per-step inputs come from buffers that only grow,
@@ -40,6 +43,9 @@ struct loom_runner {
     loom_buffer **weight_bufs;  /* per GGUF tensor, when uploaded */
     loom_tensor *weights;       /* per GGUF tensor, once looked up */
     unsigned char *weight_ready;
+    loom_tensor *prepared;      /* per GGUF tensor: its matmul layout, when prep is PREP_DONE */
+    unsigned char *prep;
+    int repack;                 /* offer weights to prepare_weight (LOOM_REPACK != 0) */
 
     loom_buffer *kv;
     loom_tensor *kc, *vc;       /* per layer */
@@ -336,10 +342,51 @@ void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *i
     exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
 }
 
+enum { PREP_UNTRIED, PREP_DONE, PREP_NONE };
+
+/* The tensor to pass as matmul's W for weight w: its prepared copy, made on first use, when the
+ * backend has a layout of its own for it; else w. Views and non-weights pass through. */
+static const loom_tensor *matmul_weight(loom_runner *r, const loom_tensor *w)
+{
+    if (!r->repack || !r->dev->ops.prepare_weight || w < r->weights ||
+        w >= r->weights + r->gguf->n_tensors)
+        return w;
+    uint64_t i = (uint64_t)(w - r->weights);
+    if (r->prep[i] == PREP_UNTRIED) {
+        r->prep[i] = PREP_NONE;
+        if (!loom_device_supports(r->dev, LOOM_OP_MATMUL, w->dtype))
+            return w;
+        const loom_gguf_tensor *gt = &r->gguf->tensors[i];
+        loom_status st = r->dev->ops.prepare_weight(r->dev->be, w, &r->prepared[i]);
+        if (st == LOOM_OK) {
+            r->prep[i] = PREP_DONE;
+            if (w->buf == r->weights_map) /* matmuls no longer read the file's copy */
+                loom_gguf_release_pages(r->gguf, gt->offset, gt->size);
+        } else if (st == LOOM_ERR_OUT_OF_MEMORY) {
+            fprintf(stderr, "loom: no memory to prepare '%s' for %s (%s); it runs in the file's "
+                    "layout\n", gt->name, r->dev->name, r->dev->ops.last_error(r->dev->be));
+        } else if (st != LOOM_ERR_UNSUPPORTED) {
+            fail(r, "preparing weight '%s' on %s%s%s failed: %s", gt->name, r->dev->name,
+                 r->dev->variant[0] ? "-" : "", r->dev->variant, r->dev->ops.last_error(r->dev->be));
+        }
+    }
+    return r->prep[i] == PREP_DONE ? &r->prepared[i] : w;
+}
+
+int64_t loom_runner_prepared_weights(const loom_runner *r)
+{
+    int64_t n = 0;
+    for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
+        n += r->prep[i] == PREP_DONE;
+    return n;
+}
+
 void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
                     const loom_tensor *y)
 {
-    loom_matmul_params p = {sizeof p, x, w, bias, y};
+    if (r->status)
+        return;
+    loom_matmul_params p = {sizeof p, x, matmul_weight(r, w), bias, y};
     exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
 }
 
@@ -434,7 +481,11 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->weights = calloc(gguf->n_tensors + 1, sizeof *r->weights);
     r->weight_bufs = calloc(gguf->n_tensors + 1, sizeof *r->weight_bufs);
     r->weight_ready = calloc(gguf->n_tensors + 1, 1);
-    if (!r->weights || !r->weight_bufs || !r->weight_ready) {
+    r->prepared = calloc(gguf->n_tensors + 1, sizeof *r->prepared);
+    r->prep = calloc(gguf->n_tensors + 1, 1);
+    const char *repack = getenv("LOOM_REPACK");
+    r->repack = !repack || strcmp(repack, "0") != 0;
+    if (!r->weights || !r->weight_bufs || !r->weight_ready || !r->prepared || !r->prep) {
         snprintf(err, err_size, "out of memory");
         loom_runner_free(r);
         return NULL;
@@ -509,13 +560,16 @@ void loom_runner_free(loom_runner *r)
     for (uint64_t i = 0; r->weight_bufs && i < r->gguf->n_tensors; i++)
         if (r->weight_bufs[i])
             ops->buffer_free(r->dev->be, r->weight_bufs[i]);
+    for (uint64_t i = 0; r->prep && i < r->gguf->n_tensors; i++)
+        if (r->prep[i] == PREP_DONE)
+            ops->buffer_free(r->dev->be, r->prepared[i].buf);
     if (r->weights_map)
         ops->buffer_free(r->dev->be, r->weights_map);
     if (r->kv)
         ops->buffer_free(r->dev->be, r->kv);
     if (r->in_buf)
         ops->buffer_free(r->dev->be, r->in_buf);
-    free(r->weights), free(r->weight_bufs), free(r->weight_ready);
+    free(r->weights), free(r->weight_bufs), free(r->weight_ready), free(r->prepared), free(r->prep);
     free(r->kc), free(r->vc), free(r->logits), free(r->in_host), free(r->eval_host);
     free(r);
 }

@@ -102,6 +102,8 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
 int32_t loom_runner_prefix_len(const loom_runner *r, const int32_t *ids, int32_t n);
 int loom_runner_has_prefix(const loom_runner *r);
 
+/* Weights now used in a layout the backend prepared for them (prepare_weight). */
+int64_t loom_runner_prepared_weights(const loom_runner *r);
 int32_t loom_runner_kv_blocks(const loom_runner *r);
 int32_t loom_runner_block_size(const loom_runner *r);
 /* Bytes of cache one block holds over all layers, K and V. */

@@ -59,6 +59,49 @@ static void test_stories_bytes(void)
     loom_gguf_close(&b);
 }
 
+/* Weights the backend prepared in a layout of its own (the CPU variants' interleaved Q4_0 rows)
+ * give the logits the file's layout gives: one prompt with LOOM_REPACK=0 and without. */
+static void check_prepared_same(const char *path, const char *label, int expect_prepared)
+{
+    static const int32_t prompt[] = {1, 450, 4996, 17354, 1701, 29916, 432, 17204};
+    loom_model_options o = {.backend = label, .kv_type = "f32", .n_ctx = 64};
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0;
+    float *logits[2] = {NULL, NULL};
+    int64_t prepared[2] = {0, 0};
+    int32_t n_vocab = 0;
+    for (int repack = 0; repack < 2; repack++) {
+        setenv("LOOM_REPACK", repack ? "1" : "0", 1);
+        loom_model *m = loom_model_open(path, &o, err, sizeof err);
+        CHECK(m != NULL, "%s on %s: %s", path, label, err);
+        if (!m)
+            break;
+        n_vocab = loom_model_n_vocab(m);
+        int n = (int)(sizeof prompt / sizeof prompt[0]);
+        CHECK(loom_generate(m, prompt, n, 1, &g, NULL, NULL, NULL, err, sizeof err) == 0,
+              "generate on %s: %s", label, err);
+        logits[repack] = malloc((size_t)n_vocab * sizeof(float));
+        memcpy(logits[repack], loom_prompt_logits(m), (size_t)n_vocab * sizeof(float));
+        prepared[repack] = loom_model_prepared_weights(m);
+        loom_model_close(m);
+    }
+    unsetenv("LOOM_REPACK");
+    if (logits[0] && logits[1]) {
+        double worst = 0, top = 0;
+        for (int32_t i = 0; i < n_vocab; i++) {
+            worst = fmax(worst, fabs((double)logits[0][i] - logits[1][i]));
+            top = fmax(top, fabs((double)logits[0][i]));
+        }
+        CHECK(worst <= 1e-5 * top + 1e-6, "%s on %s: prepared weights change the logits by %g",
+              path, label, worst);
+        CHECK(prepared[0] == 0, "%s: LOOM_REPACK=0 still prepared %lld weights", label,
+              (long long)prepared[0]);
+        CHECK(expect_prepared ? prepared[1] > 0 : prepared[1] == 0,
+              "%s on %s: %lld weights prepared", path, label, (long long)prepared[1]);
+    }
+    free(logits[0]), free(logits[1]);
+}
+
 static void test_tiny_llama(void)
 {
     char hf[4200], f32[4200], q8[4200], q4[4200];
@@ -84,6 +127,9 @@ static void test_tiny_llama(void)
          * and the top token must agree */
         check_model(dir, "tiny-llama", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-llama q8_0");
         check_model(dir, "tiny-llama", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-llama q4_0");
+        /* the CPU's SIMD variants interleave Q4_0 rows; the others keep the file's layout */
+        int interleaves = !strcmp(label, "cpu-avx2") || !strcmp(label, "cpu-avx512");
+        check_prepared_same(q4, label, interleaves);
     }
 
     /* loom quantize of the f32 file gives the same tensors as converting straight to q4_0 */

@@ -91,21 +91,16 @@ __attribute__((target("avx2"))) static void *bw_read_avx2(void *p)
 }
 #endif
 
-/* GB/s of reading `bytes` with n threads, each its own contiguous part; best of 3 passes. */
-double loom_bench_read_bandwidth(uint64_t bytes, int n_threads)
+/* GB/s of reading words[0..n) with n_threads threads, each its own contiguous part; the best
+ * of `passes` passes. */
+static double read_bandwidth(const uint64_t *buf, size_t words, int n_threads, int passes)
 {
-    size_t words = (size_t)(bytes / 8);
-    uint64_t *buf = malloc(words * 8);
-    if (!buf)
-        return 0.0;
-    for (size_t i = 0; i < words; i++)
-        buf[i] = i * 0x9e3779b97f4a7c15ull;
     double best = 0.0;
     pthread_t th[256];
     bw_arg args[256];
     if (n_threads > 256)
         n_threads = 256;
-    for (int pass = 0; pass < 3; pass++) {
+    for (int pass = 0; pass < passes; pass++) {
         double t0 = now_s();
         for (int i = 0; i < n_threads; i++) {
             args[i].data = buf + words / (size_t)n_threads * (size_t)i;
@@ -120,11 +115,27 @@ double loom_bench_read_bandwidth(uint64_t bytes, int n_threads)
         }
         for (int i = 0; i < n_threads; i++)
             pthread_join(th[i], NULL);
-        double gbps = (double)bytes / (now_s() - t0) / 1e9;
+        double gbps = (double)(words * 8) / (now_s() - t0) / 1e9;
         best = gbps > best ? gbps : best;
     }
-    free(buf);
     return best;
+}
+
+static uint64_t *bandwidth_buffer(uint64_t bytes)
+{
+    size_t words = (size_t)(bytes / 8);
+    uint64_t *buf = malloc(words * 8);
+    for (size_t i = 0; buf && i < words; i++)
+        buf[i] = i * 0x9e3779b97f4a7c15ull;
+    return buf;
+}
+
+double loom_bench_read_bandwidth(uint64_t bytes, int n_threads)
+{
+    uint64_t *buf = bandwidth_buffer(bytes);
+    double bw = buf ? read_bandwidth(buf, (size_t)(bytes / 8), n_threads, 3) : 0.0;
+    free(buf);
+    return bw;
 }
 
 /* ---- Measurements (child) --------------------------------------------------------------- */
@@ -180,13 +191,33 @@ static loom_buffer *upload(loom_device *d, const void *host, uint64_t bytes)
     return b;
 }
 
+/* The machine's read bandwidth drifts (a VM on a shared host: 37 to 65 GB/s within minutes
+ * here), so each decode figure comes with the bandwidth read over a working set of the same
+ * size just before and just after it (the larger of the two), and its share is of that. */
+static struct {
+    uint64_t *buf;
+    size_t words;
+    int threads;
+} adjacent;
+
+static double adjacent_bandwidth(void)
+{
+    if (!adjacent.buf)
+        return 0.0;
+    /* a backend's threads may still be spinning for their next job: let them go to sleep */
+    struct timespec pause = {0, 50 * 1000 * 1000};
+    nanosleep(&pause, NULL);
+    return read_bandwidth(adjacent.buf, adjacent.words, adjacent.threads, 3);
+}
+
+/* bw: the adjacent read bandwidth of a decode figure, 0 for none */
 static void emit(const char *op, const char *dtype, const char *shape, const char *kind,
-                 double seconds, double bytes, double flops, double sd)
+                 double seconds, double bytes, double flops, double sd, double bw)
 {
     printf("{\"op\":\"%s\",\"dtype\":\"%s\",\"shape\":\"%s\",\"kind\":\"%s\",\"ms\":%.4f,"
-           "\"sd_ms\":%.4f,\"gbps\":%.3f,\"gflops\":%.3f}\n",
+           "\"sd_ms\":%.4f,\"gbps\":%.3f,\"gflops\":%.3f,\"read_bandwidth_gbps\":%.3f}\n",
            op, dtype, shape, kind, seconds * 1e3, sd * 1e3, bytes / seconds / 1e9,
-           flops / seconds / 1e9);
+           flops / seconds / 1e9, bw);
     fflush(stdout);
 }
 
@@ -204,38 +235,67 @@ static void emit_error(const char *op, const char *dtype, const char *shape, con
     cJSON_Delete(o);
 }
 
+/* W offered to the backend's prepare_weight, as the runner does on a weight's first matmul:
+ * 1 with *out set when the backend made a layout of its own, 0 when it keeps W, -1 on error. */
+static int prepare(loom_device *d, const loom_tensor *w, loom_tensor *out)
+{
+    if (!d->ops.prepare_weight)
+        return 0;
+    loom_status st = d->ops.prepare_weight(d->be, w, out);
+    return st == LOOM_OK ? 1 : st == LOOM_ERR_UNSUPPORTED ? 0 : -1;
+}
+
 /* Decode: Y[1,N] = X[1,K] W^T over as many distinct W as fill the DRAM working set. The
  * working set is one buffer (`arena`, allocated once per run so its pages are faulted in once),
- * refilled for each dtype with copies of one random matrix. */
+ * refilled for each dtype with copies of one random matrix; or, with arena NULL, that many
+ * copies of W prepared by the backend (nothing is measured for a backend that keeps W as is). */
 static void bench_matmul_decode(loom_device *d, loom_buffer *arena, uint64_t arena_bytes,
                                 loom_dtype dt, int64_t K, int64_t N)
 {
     char shape[64];
-    snprintf(shape, sizeof shape, "M=1 K=%lld N=%lld", (long long)K, (long long)N);
+    snprintf(shape, sizeof shape, "M=1 K=%lld N=%lld%s", (long long)K, (long long)N,
+             arena ? "" : " prepared");
     if (!loom_device_supports(d, LOOM_OP_MATMUL, dt)) {
-        emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
+        if (arena)
+            emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
         return;
     }
     uint64_t wbytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
-    int count = (int)(arena_bytes / wbytes);
+    int count = (int)(arena_bytes / wbytes), made = 0;
     void *host = make_rows(dt, K, N);
     float *xh = make_rows(LOOM_F32, K, 1);
     loom_buffer *xb = upload(d, xh, (uint64_t)K * 4), *yb = upload(d, NULL, (uint64_t)N * 4);
-    int ok = host && xh && xb && yb && count > 0;
-    for (int i = 0; i < count && ok; i++)
-        ok = d->ops.copy_from_host(d->be, arena, (uint64_t)i * wbytes, host, wbytes) == LOOM_OK;
+    loom_buffer *wb = arena ? NULL : upload(d, host, wbytes);
+    loom_tensor *ws = calloc((size_t)count + 1, sizeof *ws);
+    int ok = host && xh && xb && yb && ws && count > 0 && (arena || wb);
+    const char *why = "out of memory for the working set";
+    for (int i = 0; i < count && ok; i++) {
+        if (arena) {
+            ok = d->ops.copy_from_host(d->be, arena, (uint64_t)i * wbytes, host, wbytes) == LOOM_OK;
+            ws[i] = dense(arena, dt, K, N, 1);
+            ws[i].offset = (uint64_t)i * wbytes;
+            made++;
+        } else {
+            loom_tensor w = dense(wb, dt, K, N, 1);
+            int got = prepare(d, &w, &ws[i]);
+            if (got == 0 && i == 0) /* this backend keeps this W as it is */
+                goto out;
+            ok = got == 1;
+            made += ok;
+            if (!ok)
+                why = d->ops.last_error(d->be);
+        }
+    }
     if (!ok) {
-        emit_error("matmul", loom_dtype_name(dt), shape, "out of memory for the working set");
+        emit_error("matmul", loom_dtype_name(dt), shape, why);
     } else {
         loom_tensor x = dense(xb, LOOM_F32, K, 1, 1), y = dense(yb, LOOM_F32, N, 1, 1);
-        double times[5];
+        double times[5], bw = adjacent_bandwidth();
         int passes = 5;
         for (int pass = -1; pass < passes; pass++) { /* pass -1 warms up */
             double t0 = now_s();
             for (int i = 0; i < count; i++) {
-                loom_tensor wt = dense(arena, dt, K, N, 1);
-                wt.offset = (uint64_t)i * wbytes;
-                loom_matmul_params p = {sizeof p, &x, &wt, NULL, &y};
+                loom_matmul_params p = {sizeof p, &x, &ws[i], NULL, &y};
                 d->ops.matmul(d->be, &p);
             }
             d->ops.synchronize(d->be);
@@ -247,14 +307,20 @@ static void bench_matmul_decode(loom_device *d, loom_buffer *arena, uint64_t are
             mean += times[i] / passes;
         for (int i = 0; i < passes; i++)
             sd += (times[i] - mean) * (times[i] - mean) / (passes - 1);
+        double bw_after = adjacent_bandwidth();
         emit("matmul", loom_dtype_name(dt), shape, "decode", mean, (double)wbytes,
-             2.0 * (double)K * (double)N, sqrt(sd));
+             2.0 * (double)K * (double)N, sqrt(sd), bw_after > bw ? bw_after : bw);
     }
+out:
+    for (int i = 0; !arena && i < made; i++)
+        d->ops.buffer_free(d->be, ws[i].buf);
+    if (wb)
+        d->ops.buffer_free(d->be, wb);
     if (xb)
         d->ops.buffer_free(d->be, xb);
     if (yb)
         d->ops.buffer_free(d->be, yb);
-    free(host), free(xh);
+    free(ws), free(host), free(xh);
 }
 
 /* Runs fn until at least min_s have passed (and at least 3 times); mean and sd per call. */
@@ -289,13 +355,17 @@ static void run_matmul(loom_device *d, void *ctx)
     d->ops.matmul(d->be, &((mm_ctx *)ctx)->p);
 }
 
-/* Prefill: Y[M,N] = X[M,K] W^T, compute-bound; one W is enough. */
-static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64_t K, int64_t N)
+/* Prefill: Y[M,N] = X[M,K] W^T, compute-bound; one W is enough. With prepared, W goes through
+ * prepare_weight first (nothing is measured when the backend keeps it as is). */
+static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64_t K, int64_t N,
+                                 int prepared)
 {
     char shape[64];
-    snprintf(shape, sizeof shape, "M=%lld K=%lld N=%lld", (long long)M, (long long)K, (long long)N);
+    snprintf(shape, sizeof shape, "M=%lld K=%lld N=%lld%s", (long long)M, (long long)K,
+             (long long)N, prepared ? " prepared" : "");
     if (!loom_device_supports(d, LOOM_OP_MATMUL, dt)) {
-        emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
+        if (!prepared)
+            emit_error("matmul", loom_dtype_name(dt), shape, "unsupported");
         return;
     }
     uint64_t wbytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
@@ -304,12 +374,19 @@ static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64
     loom_buffer *yb = upload(d, NULL, (uint64_t)(M * N * 4));
     if (wb && xb && yb) {
         loom_tensor x = dense(xb, LOOM_F32, K, M, 1), w = dense(wb, dt, K, N, 1);
-        loom_tensor y = dense(yb, LOOM_F32, N, M, 1);
-        mm_ctx c = {{sizeof c.p, &x, &w, NULL, &y}};
+        loom_tensor y = dense(yb, LOOM_F32, N, M, 1), pw;
+        int got = prepared ? prepare(d, &w, &pw) : 0;
+        mm_ctx c = {{sizeof c.p, &x, got == 1 ? &pw : &w, NULL, &y}};
         double mean, sd;
-        repeat(d, run_matmul, &c, 0.5, &mean, &sd);
-        emit("matmul", loom_dtype_name(dt), shape, "prefill", mean, (double)wbytes,
-             2.0 * (double)M * (double)K * (double)N, sd);
+        if (got < 0) {
+            emit_error("matmul", loom_dtype_name(dt), shape, d->ops.last_error(d->be));
+        } else if (got == 1 || !prepared) {
+            repeat(d, run_matmul, &c, 0.5, &mean, &sd);
+            emit("matmul", loom_dtype_name(dt), shape, "prefill", mean, (double)wbytes,
+                 2.0 * (double)M * (double)K * (double)N, sd, 0.0);
+        }
+        if (got == 1)
+            d->ops.buffer_free(d->be, pw.buf);
     } else {
         emit_error("matmul", loom_dtype_name(dt), shape, "out of memory");
     }
@@ -364,11 +441,12 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
         seq.offset = (uint64_t)blocks * 4;
         pos.offset = (uint64_t)(blocks + tokens) * 4;
         attn_ctx c = {{sizeof c.p, &q, &k, &v, &bt, &seq, &pos, NULL, &o, 0.088388f}};
-        double mean, sd;
+        double mean, sd, bw = tokens == 1 ? adjacent_bandwidth() : 0.0;
         repeat(d, run_attention, &c, 0.3, &mean, &sd);
+        double bw_after = tokens == 1 ? adjacent_bandwidth() : 0.0;
         double keys = (double)tokens * (double)context - (double)tokens * (double)(tokens - 1) / 2;
         emit("attention", loom_dtype_name(cache_dt), shape, kind, mean, 2.0 * (double)cache_bytes,
-             4.0 * keys * (double)heads * (double)hd, sd);
+             4.0 * keys * (double)heads * (double)hd, sd, bw_after > bw ? bw_after : bw);
     } else {
         emit_error("attention", loom_dtype_name(cache_dt), shape, "out of memory");
     }
@@ -391,6 +469,9 @@ static int child(const char *path, int quick)
     int64_t dim = quick ? 1024 : 4096;
     /* --quick: a smoke test, whose decode figures come partly from cache */
     uint64_t arena_bytes = quick ? 64ull << 20 : loom_bench_working_set();
+    adjacent.buf = bandwidth_buffer(arena_bytes);
+    adjacent.words = (size_t)(arena_bytes / 8);
+    adjacent.threads = loom_bench_threads();
     loom_buffer *arena = NULL;
     if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
         emit_error("matmul", "", "", "cannot allocate the decode working set");
@@ -398,15 +479,20 @@ static int child(const char *path, int quick)
         for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
             bench_matmul_decode(&d, arena, arena_bytes, wtypes[i], dim, dim);
         d.ops.buffer_free(d.be, arena);
+        /* the same with weights in the backend's own layout, as models run them */
+        for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
+            bench_matmul_decode(&d, NULL, arena_bytes, wtypes[i], dim, dim);
     }
-    for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
-        bench_matmul_prefill(&d, wtypes[i], quick ? 16 : 64, dim, dim);
-    /* a serving step: one decode token from each of 16 sequences */
-    for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
-        bench_matmul_prefill(&d, wtypes[i], 16, dim, dim);
+    /* prefill, then a serving step: one decode token from each of 16 sequences */
+    const int64_t prefill_m[] = {quick ? 16 : 64, 16};
+    for (int pm = 0; pm < 2; pm++)
+        for (int prepared = 0; prepared < 2; prepared++)
+            for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
+                bench_matmul_prefill(&d, wtypes[i], prefill_m[pm], dim, dim, prepared);
     bench_attention(&d, LOOM_F16, 1, quick ? 256 : 2048);
     bench_attention(&d, LOOM_Q8_0, 1, quick ? 256 : 2048);
     bench_attention(&d, LOOM_F16, quick ? 16 : 128, quick ? 256 : 2048);
+    free(adjacent.buf);
     loom_device_close(&d);
     return 0;
 }
@@ -416,10 +502,18 @@ static int child(const char *path, int quick)
 typedef struct result_row {
     char key[192]; /* op dtype shape */
     char kind[16];
-    double gbps[16], gflops[16];
+    double gbps[16], gflops[16], bw[16]; /* bw: the figure's adjacent read bandwidth */
     char cell_err[16][64];
     int has[16];
 } result_row;
+
+/* The bandwidth a decode figure is a share of: the child's adjacent measurement, else the one
+ * the parent made before the runs. */
+static double share_base(const cJSON *o, double parent_bw)
+{
+    double adj = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "read_bandwidth_gbps"));
+    return adj > 0 ? adj : parent_bw;
+}
 
 static void usage(FILE *out)
 {
@@ -534,10 +628,12 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
                     snprintf(rows[r].cell_err[b], sizeof rows[r].cell_err[b], "%s", e);
                 rows[r].gbps[b] = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gbps"));
                 rows[r].gflops[b] = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gflops"));
+                rows[r].bw[b] = share_base(o, bw);
             }
-            if (kind && strcmp(kind, "decode") == 0 && bw > 0)
+            if (kind && strcmp(kind, "decode") == 0 && share_base(o, bw) > 0)
                 cJSON_AddNumberToObject(o, "bandwidth_share",
-                                        cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gbps")) / bw);
+                                        cJSON_GetNumberValue(cJSON_GetObjectItem(o, "gbps")) /
+                                            share_base(o, bw));
             cJSON_AddItemToArray(all, o);
         }
         int rc = f ? pclose(f) : -1;
@@ -558,7 +654,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
     } else {
         printf("streaming read bandwidth: %.1f GB/s (%d threads, %.0f MiB)\n", bw, threads,
                (double)ws / (1 << 20));
-        printf("decode: GB/s of weights or KV read (share of that bandwidth); prefill: GFLOP/s\n\n");
+        printf("decode: GB/s of weights or KV read (share of the read bandwidth measured just "
+               "before and after it, in GB/s); prefill: GFLOP/s\n\n");
         printf("| op | dtype | shape | kind |");
         for (int b = 0; b < n; b++)
             printf(" %s |", labels[b]);
@@ -577,7 +674,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
                 else if (rows[r].cell_err[b][0])
                     printf(" %s |", rows[r].cell_err[b]);
                 else if (strcmp(rows[r].kind, "decode") == 0)
-                    printf(" %.1f GB/s (%.0f%%) |", rows[r].gbps[b], 100 * rows[r].gbps[b] / bw);
+                    printf(" %.1f GB/s (%.0f%% of %.0f) |", rows[r].gbps[b],
+                           100 * rows[r].gbps[b] / rows[r].bw[b], rows[r].bw[b]);
                 else
                     printf(" %.1f GFLOP/s |", rows[r].gflops[b]);
             }

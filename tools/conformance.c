@@ -86,6 +86,8 @@ typedef struct test_case {
     double *magnitude;    /* per element of the output, a cancellation-free scale for the
                              error (matmul: sum |x||w|), or NULL to use the output itself */
     int quality_vs_input; /* quantize: judge by round-trip error against the input */
+    int prepare_w;        /* matmul: offer W to prepare_weight first (where the module has it) */
+    int prepared;         /* set by run_case: prepare_weight returned a tensor, and it was used */
     /* scalar parameters */
     float eps, scale, freq_base, freq_scale;
     int32_t rope_mode, n_rot;
@@ -247,14 +249,44 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     return LOOM_ERR_UNSUPPORTED;
 }
 
+/* Offers matmul's W (t[1]) to prepare_weight; on success *t[1] becomes the prepared tensor,
+ * which must keep W's dtype and shape. */
+static loom_status prepare_w(loom_device *d, test_case *tc, loom_tensor *t, loom_tensor *prepared,
+                             char *msg, size_t msg_size)
+{
+    loom_status st = d->ops.prepare_weight(d->be, &t[1], prepared);
+    if (st == LOOM_ERR_UNSUPPORTED)
+        return LOOM_OK;
+    if (st != LOOM_OK) {
+        snprintf(msg, msg_size, "prepare_weight: status %d: %s", st, d->ops.last_error(d->be));
+        return st;
+    }
+    tc->prepared = 1;
+    if (!prepared->buf || prepared->dtype != t[1].dtype ||
+        memcmp(prepared->ne, t[1].ne, sizeof t[1].ne) != 0) {
+        snprintf(msg, msg_size, "prepare_weight returned a %s [%lld, %lld] tensor%s for a %s "
+                 "[%lld, %lld] weight", loom_dtype_name(prepared->dtype),
+                 (long long)prepared->ne[0], (long long)prepared->ne[1],
+                 prepared->buf ? "" : " without a buffer", loom_dtype_name(t[1].dtype),
+                 (long long)t[1].ne[0], (long long)t[1].ne[1]);
+        return LOOM_ERR_INVALID;
+    }
+    loom_tensor w = t[1];
+    t[1] = *prepared;
+    *prepared = w; /* keeps the original for the check that it is untouched */
+    return LOOM_OK;
+}
+
 /* Uploads the case, runs it, downloads every output into out[i] (malloc'd). On failure returns
  * non-OK with msg set. */
-static loom_status run_case(loom_device *d, const test_case *tc, unsigned char **out, char *msg,
+static loom_status run_case(loom_device *d, test_case *tc, unsigned char **out, char *msg,
                             size_t msg_size)
 {
     loom_buffer *bufs[MAX_TENSORS] = {0};
-    loom_tensor t[MAX_TENSORS];
+    loom_tensor t[MAX_TENSORS], original_w;
     loom_status st = LOOM_OK;
+    msg[0] = 0;
+    tc->prepared = 0;
     for (int i = 0; i < MAX_TENSORS && st == LOOM_OK; i++) {
         if (!tc->t[i].used)
             continue;
@@ -263,6 +295,8 @@ static loom_status run_case(loom_device *d, const test_case *tc, unsigned char *
             st = d->ops.copy_from_host(d->be, bufs[i], 0, tc->t[i].host, tc->t[i].bytes);
         spec_tensor(&tc->t[i], bufs[i], &t[i]);
     }
+    if (st == LOOM_OK && tc->prepare_w && d->ops.prepare_weight)
+        st = prepare_w(d, tc, t, &original_w, msg, msg_size);
     if (st == LOOM_OK)
         st = call_op(d, tc, t);
     if (st == LOOM_OK)
@@ -274,8 +308,20 @@ static loom_status run_case(loom_device *d, const test_case *tc, unsigned char *
         st = out[i] ? d->ops.copy_to_host(d->be, out[i], bufs[i], 0, tc->t[i].bytes)
                     : LOOM_ERR_OUT_OF_MEMORY;
     }
-    if (st != LOOM_OK)
+    if (st == LOOM_OK && tc->prepared) { /* W itself must be as uploaded */
+        const spec *w = &tc->t[1];
+        unsigned char *now = malloc(w->bytes);
+        st = now ? d->ops.copy_to_host(d->be, now, bufs[1], 0, w->bytes) : LOOM_ERR_OUT_OF_MEMORY;
+        if (st == LOOM_OK && memcmp(now, w->host, w->bytes) != 0) {
+            snprintf(msg, msg_size, "prepare_weight changed the original weight's bytes");
+            st = LOOM_ERR_INVALID;
+        }
+        free(now);
+    }
+    if (st != LOOM_OK && !msg[0])
         snprintf(msg, msg_size, "status %d: %s", st, d->ops.last_error(d->be));
+    if (tc->prepared)
+        d->ops.buffer_free(d->be, t[1].buf);
     for (int i = 0; i < MAX_TENSORS; i++)
         if (bufs[i])
             d->ops.buffer_free(d->be, bufs[i]);
@@ -338,21 +384,15 @@ typedef struct case_family {
     void (*make)(test_case *tc, loom_dtype dt, int variant);
 } case_family;
 
-static void make_matmul(test_case *tc, loom_dtype dt, int v)
+/* X [M, K] f32, W [N, K] of dtype dt, optional bias, Y [M, N] */
+static void make_matmul_shape(test_case *tc, loom_dtype dt, int64_t M, int64_t K, int64_t N,
+                              int bias)
 {
-    /* M, K, N; K odd only where the dtype allows it */
-    static const int64_t shapes[][3] = {{1, 64, 1},  {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
-                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7}};
-    int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
-    if (K % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
-        tc->op = LOOM_OP_COUNT_V1_0; /* not applicable */
-        return;
-    }
     snprintf(tc->label, sizeof tc->label, "M=%lld K=%lld N=%lld%s", (long long)M, (long long)K,
-             (long long)N, v == 2 ? " +bias" : "");
+             (long long)N, bias ? " +bias" : "");
     fill_random(add_spec(tc, 0, LOOM_F32, K, M, 1, 1, 1), 1.0f, 0.0f);
     fill_random(add_spec(tc, 1, dt, K, N, 1, 1, 1), 0.5f, 0.0f);
-    if (v == 2)
+    if (bias)
         fill_random(add_spec(tc, 2, LOOM_F32, N, 1, 1, 1, 1), 1.0f, 0.0f);
     add_spec(tc, 3, LOOM_F32, N, M, 1, 1, 1)->output = 1;
     tc->tol = weight_tolerance(dt);
@@ -370,6 +410,19 @@ static void make_matmul(test_case *tc, loom_dtype dt, int v)
         }
     }
     free(xr), free(wr);
+}
+
+static void make_matmul(test_case *tc, loom_dtype dt, int v)
+{
+    /* M, K, N; K odd only where the dtype allows it */
+    static const int64_t shapes[][3] = {{1, 64, 1},  {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
+                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7}};
+    int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
+    if (K % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
+        tc->op = LOOM_OP_COUNT_V1_0; /* not applicable */
+        return;
+    }
+    make_matmul_shape(tc, dt, M, K, N, v == 2);
 }
 
 static void make_get_rows(test_case *tc, loom_dtype dt, int v)
@@ -662,6 +715,43 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
     }
 }
 
+/* Matmuls whose W first went through the module's prepare_weight, against the reference with
+ * W as it is: shapes whose rows come in multiples of 8 and 16 (what interleaving layouts want),
+ * odd block counts, and some that a module may decline. */
+static void check_prepared(loom_device *target, loom_device *ref, report *r)
+{
+    if (!target->ops.prepare_weight) {
+        if (!r->quiet)
+            printf("prepare_weight: not offered (matmuls use weights as they are)\n");
+        return;
+    }
+    static const int64_t shapes[][3] = {{1, 64, 16}, {1, 96, 32}, {3, 256, 48}, {4, 128, 64},
+                                        {17, 160, 32}, {64, 512, 128}, {2, 64, 8}, {1, 64, 7}};
+    for (int di = 0; di < N_DTYPES; di++) {
+        loom_dtype dt = all_dtypes[di];
+        if (!op_dtype_applies(LOOM_OP_MATMUL, dt) || !loom_device_supports(target, LOOM_OP_MATMUL, dt))
+            continue;
+        int n_prepared = 0, n = (int)(sizeof shapes / sizeof shapes[0]);
+        for (int v = 0; v < n; v++) {
+            test_case tc;
+            memset(&tc, 0, sizeof tc);
+            tc.op = LOOM_OP_MATMUL;
+            tc.dtype = dt;
+            make_matmul_shape(&tc, dt, shapes[v][0], shapes[v][1], shapes[v][2], v == 4);
+            tc.prepare_w = 1;
+            char name[256], why[1024] = "";
+            snprintf(name, sizeof name, "matmul %s %s, W offered to prepare_weight", loom_dtype_name(dt), tc.label);
+            int ok = judge_case(target, ref, &tc, why, sizeof why);
+            n_prepared += tc.prepared;
+            record(r, name, ok, ok ? NULL : "%s", why);
+            free_case(&tc);
+        }
+        if (!r->quiet)
+            printf("prepare_weight %s: a layout of its own for %d of %d shapes\n",
+                   loom_dtype_name(dt), n_prepared, n);
+    }
+}
+
 /* ---- Contract checks -------------------------------------------------------------------- */
 
 static void check_copies(loom_device *d, report *r)
@@ -858,8 +948,10 @@ static int check_module(const char *path, const char *ref_path, int quiet, cJSON
         record(&r, "last_error returns a string", e != NULL, e ? NULL : "it returned NULL");
         check_copies(&target, &r);
         check_oom(&target, &r);
-        if (have_ref)
+        if (have_ref) {
             check_ops(&target, &ref, &r);
+            check_prepared(&target, &ref, &r);
+        }
         loom_device_close(&target);
         check_reload(path, &ref, &r);
     }

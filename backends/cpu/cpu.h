@@ -42,6 +42,11 @@ struct loom_buffer {
     unsigned char *data;
     uint64_t size;
     int wrapped; /* data belongs to the caller (buffer_wrap_host) */
+    /* set on a weight prepared by cpu_prepare_weight: what it holds, in the layout of kern.h;
+     * only matmul reads such a buffer */
+    int prepared;
+    loom_dtype prepared_type;
+    int64_t prepared_n, prepared_k;
 };
 
 typedef struct cpu_backend {
@@ -58,6 +63,7 @@ loom_status cpu_fail(cpu_backend *cb, loom_status st, const char *fmt, ...)
 loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *what);
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
+loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out);
 
 /* cpu_probe.c (baseline code) */
 void cpu_detect(cpu_features *f);

@@ -62,6 +62,9 @@ loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *
 {
     if (!t->buf)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s: tensor without a buffer", what);
+    if (t->buf->prepared)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "%s: a weight from prepare_weight, which only "
+                        "matmul's w may be", what);
     uint64_t extent = loom_tensor_extent(t);
     if (extent == UINT64_MAX)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s: malformed tensor (%s, ne0 %lld)", what,
@@ -813,6 +816,7 @@ static const loom_backend_ops cpu_ops = {
     .quantize = cpu_quantize,
     .dequantize = cpu_dequantize,
     .convert = cpu_convert,
+    .prepare_weight = cpu_prepare_weight,
 };
 
 loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,

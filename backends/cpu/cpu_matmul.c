@@ -6,6 +6,9 @@
  * Within the range, a chunk of rows small enough to stay in L2 is run against all of X in
  * tiles of KERN_MR rows (and KERN_NR weight rows at a time), so prefill reuses each weight row from cache rather than memory.
  * Float W works the same way without the quantisation step.
+ *
+ * Q4_0 W that went through cpu_prepare_weight has its rows interleaved (kern.h): threads then
+ * take groups of KERN_RI rows, each a contiguous run of bytes, and X is quantised per block.
  */
 #include "cpu.h"
 #include "kern.h"
@@ -28,6 +31,9 @@ typedef struct mm_job {
     act_group *groups;        /* its storage */
     kern_layout layout;       /* how X is prepared for the kernel */
     const float **xrows;      /* X's rows (float W only) */
+    act_block *blocks;        /* prepared X for an interleaved W: [M][K / 32] */
+    kern_ri_fn kri;           /* its kernel, or NULL */
+    uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
     const float *bias;
@@ -45,15 +51,57 @@ static void prepare_x(void *ctx, int ith, int nth)
     mm_job *j = ctx;
     long m0, m1;
     pool_split((long)j->M, ith, nth, &m0, &m1);
-    for (long m = m0; m < m1; m++)
-        kern_prep((const float *)cpu_row(j->p->x, data(j->p->x), m), j->K,
-                  j->groups + m * j->act.groups, j->layout);
+    for (long m = m0; m < m1; m++) {
+        const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
+        if (j->kri)
+            kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
+        else
+            kern_prep(x, j->K, j->groups + m * j->act.groups, j->layout);
+    }
 }
+
+/* Y's rows m0.. m0 + mr, columns n.. n + nr, from a tile of results ld apart (+ bias) */
+static void store_tile(const mm_job *j, long m0, int mr, long n, int nr, const float *out, int ld)
+{
+    for (int r = 0; r < mr; r++) {
+        float *yr = (float *)cpu_row(j->p->y, data(j->p->y), m0 + r) + n;
+        const float *o = out + r * ld;
+        if (j->bias)
+            for (int i = 0; i < nr; i++)
+                yr[i] = o[i] + j->bias[n + i];
+        else
+            memcpy(yr, o, (size_t)nr * sizeof *yr);
+    }
+}
+
+#if KERN_RI
+/* mm_rows for an interleaved W: a group of KERN_RI rows is the unit of work and stays in cache
+ * while every tile of X's rows passes it. */
+static void mm_groups(void *ctx, int ith, int nth)
+{
+    mm_job *j = ctx;
+    long g0 = 0, g1 = (long)(j->N / KERN_RI), ma = 0, mb = (long)j->M;
+    if (j->split_m)
+        pool_split((long)j->M, ith, nth, &ma, &mb);
+    else
+        pool_split(g1, ith, nth, &g0, &g1);
+    int64_t nb = j->K / LOOM_QK;
+    float out[KERN_RI * KERN_MR];
+    for (long g = g0; g < g1; g++) {
+        const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
+        for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
+            int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
+            j->kri(wg, nb, j->blocks + m0 * nb, mr, out);
+            store_tile(j, m0, mr, g * KERN_RI, KERN_RI, out, KERN_RI);
+        }
+    }
+}
+#endif
 
 static void mm_rows(void *ctx, int ith, int nth)
 {
     mm_job *j = ctx;
-    const loom_tensor *w = j->p->w, *y = j->p->y;
+    const loom_tensor *w = j->p->w;
     long n0 = 0, n1 = (long)j->N, ma = 0, mb = (long)j->M;
     if (j->split_m)
         pool_split((long)j->M, ith, nth, &ma, &mb);
@@ -72,15 +120,7 @@ static void mm_rows(void *ctx, int ith, int nth)
                     j->kq(wrow, w->nb[1], nr, &j->act, m0, mr, out);
                 else
                     j->kf(w->dtype, wrow, w->nb[1], nr, j->xrows + m0, mr, j->K, out);
-                for (int r = 0; r < mr; r++) {
-                    float *yr = (float *)cpu_row(y, data(y), m0 + r) + n;
-                    const float *o = out + r * KERN_NR;
-                    if (j->bias)
-                        for (int i = 0; i < nr; i++)
-                            yr[i] = o[i] + j->bias[n + i];
-                    else
-                        memcpy(yr, o, (size_t)nr * sizeof *yr);
-                }
+                store_tile(j, m0, mr, n, nr, out, KERN_NR);
             }
         }
     }
@@ -123,6 +163,32 @@ static int try_blas(cpu_backend *cb, const loom_matmul_params *p, int64_t M, int
 #endif
 }
 
+/* matmul's w: in its buffer's bounds, or a prepared weight passed whole */
+static loom_status check_weight(cpu_backend *cb, const loom_tensor *w)
+{
+    const loom_buffer *b = w->buf;
+    if (!b || !b->prepared)
+        return cpu_check_bounds(cb, w, "matmul w");
+    if (w->offset != 0 || w->dtype != b->prepared_type || w->ne[0] != b->prepared_k ||
+        loom_tensor_rows(w) != b->prepared_n)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "matmul: w is a prepared %s [%lld, %lld] weight "
+                        "seen as %s [%lld, %lld] at offset %llu; pass it whole, as "
+                        "prepare_weight returned it", loom_dtype_name(b->prepared_type),
+                        (long long)b->prepared_n, (long long)b->prepared_k,
+                        loom_dtype_name(w->dtype), (long long)loom_tensor_rows(w),
+                        (long long)w->ne[0], (unsigned long long)w->offset);
+    return LOOM_OK;
+}
+
+/* The VNNI build of a kernel where the CPU has it; only the avx512 variant links those builds. */
+#if defined(LOOM_CPU_VARIANT_AVX512)
+#define HAS_VNNI(cb) ((cb)->feat.avx512vnni)
+#define VNNI_OR(cb, kernel) (HAS_VNNI(cb) ? kernel##_vnni : kernel)
+#else
+#define HAS_VNNI(cb) 0
+#define VNNI_OR(cb, kernel) (kernel)
+#endif
+
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
 {
     cpu_backend *cb = (cpu_backend *)be;
@@ -130,14 +196,15 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     if (msg)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s", msg);
     loom_status st;
-    if ((st = cpu_check_bounds(cb, p->x, "matmul x")) || (st = cpu_check_bounds(cb, p->w, "matmul w")) ||
+    if ((st = cpu_check_bounds(cb, p->x, "matmul x")) || (st = check_weight(cb, p->w)) ||
         (st = cpu_check_bounds(cb, p->y, "matmul y")) ||
         (p->bias && (st = cpu_check_bounds(cb, p->bias, "matmul bias"))))
         return st;
     mm_job j = {.p = p, .M = loom_tensor_rows(p->x), .N = loom_tensor_rows(p->w), .K = p->x->ne[0]};
     if (j.M == 0 || j.N == 0)
         return LOOM_OK;
-    if (try_blas(cb, p, j.M, j.N, j.K))
+    int prepared = p->w->buf->prepared;
+    if (!prepared && try_blas(cb, p, j.M, j.N, j.K))
         return LOOM_OK;
     j.bias = p->bias ? (const float *)cpu_row(p->bias, data(p->bias), 0) : NULL;
     int nth = pool_size(cb->pool);
@@ -155,40 +222,117 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
-    if (loom_dtype_is_block(wt)) {
-        int vnni = 0;
-#if defined(LOOM_CPU_VARIANT_AVX512)
-        vnni = cb->feat.avx512vnni;
+    pool_fn body = mm_rows;
+    if (prepared) {
+#if KERN_RI
+        j.kri = VNNI_OR(cb, kern_q4_0_ri);
+        j.group_bytes = (uint64_t)((j.K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
+        j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
+        body = mm_groups;
+        size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
+        scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        j.blocks = scratch;
 #endif
-        j.kq = wt == LOOM_Q8_0 ? (vnni ? kern_q8_0_vnni : kern_q8_0)
-               : wt == LOOM_Q4_0 ? (vnni ? kern_q4_0_vnni : kern_q4_0)
-                                 : (vnni ? kern_q4_1_vnni : kern_q4_1);
-        j.layout = kern_layout_for(wt, vnni);
+    } else if (loom_dtype_is_block(wt)) {
+        j.kq = wt == LOOM_Q8_0 ? VNNI_OR(cb, kern_q8_0)
+               : wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0) : VNNI_OR(cb, kern_q4_1);
+        j.layout = kern_layout_for(wt, HAS_VNNI(cb));
         j.act.nb = j.K / LOOM_QK;
         j.act.groups = (j.act.nb + KERN_G - 1) / KERN_G;
         size_t bytes = (size_t)(j.M * j.act.groups) * sizeof(act_group);
         scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        if (!scratch)
-            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to quantise X");
         j.groups = scratch;
         j.act.g = j.groups;
+    } else {
+        scratch = malloc((size_t)j.M * sizeof(float *));
+        if (scratch) {
+            j.kf = kern_float;
+            j.xrows = scratch;
+            for (int64_t m = 0; m < j.M; m++)
+                j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
+        }
+    }
+    if (!scratch)
+        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
+                        (long long)j.M);
+    if (!j.kf) { /* quantise X */
         if (j.M * j.K >= 16384)
             pool_run(cb->pool, prepare_x, &j);
         else
             prepare_x(&j, 0, 1);
-    } else {
-        j.kf = kern_float;
-        scratch = malloc((size_t)j.M * sizeof(float *));
-        if (!scratch)
-            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: out of memory");
-        j.xrows = scratch;
-        for (int64_t m = 0; m < j.M; m++)
-            j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
     }
     if (j.M * j.N * j.K >= 65536)
-        pool_run(cb->pool, mm_rows, &j);
+        pool_run(cb->pool, body, &j);
     else
-        mm_rows(&j, 0, 1);
+        body(&j, 0, 1);
     free(scratch);
     return LOOM_OK;
+}
+
+/* ---- prepare_weight --------------------------------------------------------------------- */
+
+#if KERN_RI
+typedef struct repack_job {
+    const loom_tensor *w;
+    unsigned char *dst;
+    uint64_t group_bytes;
+} repack_job;
+
+static void repack_groups(void *ctx, int ith, int nth)
+{
+    repack_job *j = ctx;
+    int64_t nb = j->w->ne[0] / LOOM_QK;
+    long g0, g1;
+    pool_split((long)(loom_tensor_rows(j->w) / KERN_RI), ith, nth, &g0, &g1);
+    for (long g = g0; g < g1; g++) {
+        q4_0_ri_record *rec = (q4_0_ri_record *)(void *)(j->dst + (uint64_t)g * j->group_bytes);
+        if (nb % 2) /* the unused half of the last record */
+            memset(&rec[nb / 2], 0, sizeof rec[nb / 2]);
+        for (int r = 0; r < KERN_RI; r++) {
+            const loom_block_q4_0 *src =
+                (const loom_block_q4_0 *)(const void *)cpu_row(j->w, data(j->w), g * KERN_RI + r);
+            for (int64_t b = 0; b < nb; b++) {
+                q4_0_ri_record *o = &rec[b / 2];
+                o->d[b & 1][r] = src[b].d;
+                for (int c = 0; c < 4; c++)
+                    memcpy(o->q[b & 1][c][r], src[b].qs + 4 * c, 4);
+            }
+        }
+    }
+}
+#endif
+
+loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out)
+{
+    cpu_backend *cb = (cpu_backend *)be;
+    if (!w || !out)
+        return cpu_fail(cb, LOOM_ERR_INVALID, "prepare_weight: NULL tensor");
+    loom_status st = cpu_check_bounds(cb, w, "prepare_weight w");
+    if (st)
+        return st;
+#if KERN_RI
+    int64_t N = loom_tensor_rows(w), K = w->ne[0];
+    if (w->dtype == LOOM_Q4_0 && N > 0 && N % KERN_RI == 0 && K > 0) {
+        repack_job j = {w, NULL, (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record)};
+        loom_buffer *buf;
+        if ((st = be->ops->buffer_alloc(be, (uint64_t)(N / KERN_RI) * j.group_bytes, &buf)))
+            return st;
+        j.dst = buf->data;
+        pool_run(cb->pool, repack_groups, &j);
+        buf->prepared = 1;
+        buf->prepared_type = w->dtype;
+        buf->prepared_n = N;
+        buf->prepared_k = K;
+        *out = *w;
+        out->buf = buf;
+        out->offset = 0;
+        out->nb[1] = (uint64_t)loom_row_bytes(w->dtype, K);
+        out->nb[2] = out->nb[1] * (uint64_t)w->ne[1];
+        out->nb[3] = out->nb[2] * (uint64_t)w->ne[2];
+        return LOOM_OK;
+    }
+#endif
+    return cpu_fail(cb, LOOM_ERR_UNSUPPORTED, "prepare_weight: the %s variant keeps %s [%lld, "
+                    "%lld] weights as they are", loom_cpu_variant.name, loom_dtype_name(w->dtype),
+                    (long long)loom_tensor_rows(w), (long long)w->ne[0]);
 }

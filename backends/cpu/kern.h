@@ -56,6 +56,46 @@ typedef enum kern_layout {
     KERN_NIBBLE_PAIRS, /* A0..15, B0..15, A16..31, B16..31: Q4 weights unpack into this order */
 } kern_layout;
 
+/* ---- Interleaved weights (cpu_prepare_weight) ----------------------------------------------
+ * Q4_0 weights rearranged at load so that one vector lane holds one weight row: the integer
+ * dot product of a lane is then that row's partial sum, and a block's KERN_RI scales are one
+ * vector, so no lane has to be summed across or scale broadcast per block. Rows go in groups of
+ * KERN_RI (the int32 lanes of a vector); a group is a run of records of two blocks each:
+ *   d[2][KERN_RI]      the f16 scales of block 2j and 2j + 1 of each row
+ *   q[2][4][KERN_RI][4] chunk c of a block, lane r: bytes 4c..4c+3 of row r's nibbles, so its
+ *                      low nibbles are elements 4c..4c+3 and its high ones 16+4c..16+4c+3
+ * An odd last block leaves its record's second half unused. Only the SIMD variants have it. */
+#if defined(__AVX512F__)
+#define KERN_RI 16
+#elif defined(__AVX2__)
+#define KERN_RI 8
+#else
+#define KERN_RI 0
+#endif
+
+#if KERN_RI
+typedef struct q4_0_ri_record {
+    uint16_t d[2][KERN_RI];
+    uint8_t q[2][4][KERN_RI][4];
+} q4_0_ri_record;
+#endif
+
+/* One block of activations, quantised, for the interleaved kernels. */
+typedef struct act_block {
+    int8_t qs[LOOM_QK];
+    float d;
+    int32_t neg8sum; /* -8 x the sum of qs: Q4_0's (q - 8) offset, once per block */
+} act_block;
+
+/* Prepares activation row x (K floats, K a multiple of 32) as K / 32 act_blocks. */
+void kern_prep_blocks(const float *x, int64_t K, act_block *out);
+/* out[r * KERN_RI + i] = dot(row i of the group at w, activation row r), r < mr <= KERN_MR;
+ * a: the first activation row's blocks, rows nb blocks apart. */
+typedef void (*kern_ri_fn)(const unsigned char *w, int64_t nb, const act_block *a, int mr,
+                           float *out);
+void kern_q4_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q4_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);
 /* The layout the kernels for weight type wt (with VNNI or not) expect. */

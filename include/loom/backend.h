@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 0
+#define LOOM_BACKEND_ABI_MINOR 1
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -780,7 +780,16 @@ typedef struct loom_backend_ops {
     loom_status (*quantize)(loom_backend *be, const loom_convert_params *p);
     loom_status (*dequantize)(loom_backend *be, const loom_convert_params *p);
     loom_status (*convert)(loom_backend *be, const loom_convert_params *p);
-    /* ABI 1.1 and later append here */
+
+    /* ABI 1.1 */
+    loom_status (*prepare_weight)(loom_backend *be, const loom_tensor *w, loom_tensor *out);
+        /* (optional) A copy of matmul weight w (2-D, dense) in a layout of the backend's own
+         * that its matmul runs faster: rows interleaved to fill vector lanes, say. On LOOM_OK,
+         * *out has w's dtype and ne and lives in a new buffer (out->buf, freed with buffer_free);
+         * w is untouched and stays usable. A prepared tensor may only be passed whole as
+         * matmul's w: no views, no other op, and its bytes are the backend's business.
+         * LOOM_ERR_UNSUPPORTED: no better layout for this weight; use w as it is. */
+    /* ABI 1.2 and later append here */
 } loom_backend_ops;
 
 /* A backend's first member; the rest of its state follows in the module's own struct. */

@@ -103,6 +103,10 @@ const float *loom_prompt_logits(const loom_model *m);
 uint64_t loom_model_weight_bytes(const loom_model *m);
 /* "q4_0" and the like: the type of most of the model's weight bytes. */
 const char *loom_model_weight_type(const loom_model *m);
+/* How many weights run in a layout the backend made for them (its prepare_weight, such as the
+ * CPU's interleaved Q4_0 rows); a weight is prepared on its first matmul, so this counts those
+ * used so far. 0 with LOOM_REPACK=0 or a backend that keeps the file's layout. */
+int64_t loom_model_prepared_weights(const loom_model *m);
 const char *loom_model_name(const loom_model *m);
 /* 1 when a sequence's cached keys and values stay valid as it grows, so a longer prompt may
  * reuse them: every family but ChatGLM-6B, whose prompt prefix attends both ways. */
