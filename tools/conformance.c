@@ -726,13 +726,18 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
         return;
     }
     static const int64_t shapes[][3] = {{1, 64, 16}, {1, 96, 32}, {3, 256, 48}, {4, 128, 64},
-                                        {17, 160, 32}, {64, 512, 128}, {2, 64, 8}, {1, 64, 7}};
+                                        {17, 160, 32}, {64, 512, 128}, {2, 64, 8}, {1, 64, 7},
+                                        {3, 37, 16}};
     for (int di = 0; di < N_DTYPES; di++) {
         loom_dtype dt = all_dtypes[di];
         if (!op_dtype_applies(LOOM_OP_MATMUL, dt) || !loom_device_supports(target, LOOM_OP_MATMUL, dt))
             continue;
         int n_prepared = 0, n = (int)(sizeof shapes / sizeof shapes[0]);
         for (int v = 0; v < n; v++) {
+            if (shapes[v][1] % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
+                n--; /* K must be whole blocks */
+                continue;
+            }
             test_case tc;
             memset(&tc, 0, sizeof tc);
             tc.op = LOOM_OP_MATMUL;

@@ -32,7 +32,8 @@ typedef struct mm_job {
     kern_layout layout;       /* how X is prepared for the kernel */
     const float **xrows;      /* X's rows (float W only) */
     act_block *blocks;        /* prepared X for an interleaved W: [M][K / 32] */
-    kern_ri_fn kri;           /* its kernel, or NULL */
+    kern_ri_fn kri;           /* its kernel (Q4_0), or NULL */
+    kern_float_ri_fn kfri;    /* an interleaved F16/BF16 W's kernel, or NULL */
     uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
@@ -75,6 +76,14 @@ static void store_tile(const mm_job *j, long m0, int mr, long n, int nr, const f
 }
 
 #if KERN_RI
+/* Bytes of one group of KERN_RI interleaved rows of K elements (layouts in kern.h). */
+static uint64_t group_bytes(loom_dtype wt, int64_t K)
+{
+    if (wt == LOOM_Q4_0)
+        return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
+    return (uint64_t)K * KERN_RI * 2; /* F16, BF16 */
+}
+
 /* mm_rows for an interleaved W: a group of KERN_RI rows is the unit of work and stays in cache
  * while every tile of X's rows passes it. */
 static void mm_groups(void *ctx, int ith, int nth)
@@ -91,7 +100,10 @@ static void mm_groups(void *ctx, int ith, int nth)
         const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
-            j->kri(wg, nb, j->blocks + m0 * nb, mr, out);
+            if (j->kri)
+                j->kri(wg, nb, j->blocks + m0 * nb, mr, out);
+            else
+                j->kfri(wg, j->K, j->xrows + m0, mr, out);
             store_tile(j, m0, mr, g * KERN_RI, KERN_RI, out, KERN_RI);
         }
     }
@@ -223,10 +235,10 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
-    if (prepared) {
+    if (prepared && wt == LOOM_Q4_0) {
 #if KERN_RI
         j.kri = VNNI_OR(cb, kern_q4_0_ri);
-        j.group_bytes = (uint64_t)((j.K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
+        j.group_bytes = group_bytes(wt, j.K);
         j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
         body = mm_groups;
         size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
@@ -251,6 +263,14 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             for (int64_t m = 0; m < j.M; m++)
                 j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
         }
+#if KERN_RI
+        if (prepared) { /* F16 or BF16 */
+            j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
+            j.group_bytes = group_bytes(wt, j.K);
+            j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
+            body = mm_groups;
+        }
+#endif
     }
     if (!scratch)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
@@ -278,13 +298,28 @@ typedef struct repack_job {
     uint64_t group_bytes;
 } repack_job;
 
+/* F16/BF16: column k of the group is element k of each of its rows */
+static void repack_half(const repack_job *j, long g)
+{
+    int64_t K = j->w->ne[0];
+    uint16_t *dst = (uint16_t *)(void *)(j->dst + (uint64_t)g * j->group_bytes);
+    const uint16_t *rows[KERN_RI];
+    for (int r = 0; r < KERN_RI; r++)
+        rows[r] = (const uint16_t *)(const void *)cpu_row(j->w, data(j->w), g * KERN_RI + r);
+    for (int64_t k = 0; k < K; k++)
+        for (int r = 0; r < KERN_RI; r++)
+            *dst++ = rows[r][k];
+}
+
 static void repack_groups(void *ctx, int ith, int nth)
 {
     repack_job *j = ctx;
     int64_t nb = j->w->ne[0] / LOOM_QK;
     long g0, g1;
     pool_split((long)(loom_tensor_rows(j->w) / KERN_RI), ith, nth, &g0, &g1);
-    for (long g = g0; g < g1; g++) {
+    for (long g = g0; g < g1 && j->w->dtype != LOOM_Q4_0; g++)
+        repack_half(j, g);
+    for (long g = g0; g < g1 && j->w->dtype == LOOM_Q4_0; g++) {
         q4_0_ri_record *rec = (q4_0_ri_record *)(void *)(j->dst + (uint64_t)g * j->group_bytes);
         if (nb % 2) /* the unused half of the last record */
             memset(&rec[nb / 2], 0, sizeof rec[nb / 2]);
@@ -312,8 +347,9 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         return st;
 #if KERN_RI
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
-    if (w->dtype == LOOM_Q4_0 && N > 0 && N % KERN_RI == 0 && K > 0) {
-        repack_job j = {w, NULL, (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record)};
+    int interleaves = w->dtype == LOOM_Q4_0 || w->dtype == LOOM_F16 || w->dtype == LOOM_BF16;
+    if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
+        repack_job j = {w, NULL, group_bytes(w->dtype, K)};
         loom_buffer *buf;
         if ((st = be->ops->buffer_alloc(be, (uint64_t)(N / KERN_RI) * j.group_bytes, &buf)))
             return st;

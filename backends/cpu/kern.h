@@ -64,7 +64,9 @@ typedef enum kern_layout {
  *   d[2][KERN_RI]      the f16 scales of block 2j and 2j + 1 of each row
  *   q[2][4][KERN_RI][4] chunk c of a block, lane r: bytes 4c..4c+3 of row r's nibbles, so its
  *                      low nibbles are elements 4c..4c+3 and its high ones 16+4c..16+4c+3
- * An odd last block leaves its record's second half unused. Only the SIMD variants have it. */
+ * An odd last block leaves its record's second half unused. F16 and BF16 groups are simpler:
+ * K columns of KERN_RI values, column k holding element k of each row. Only the SIMD variants
+ * interleave. */
 #if defined(__AVX512F__)
 #define KERN_RI 16
 #elif defined(__AVX2__)
@@ -95,6 +97,12 @@ typedef void (*kern_ri_fn)(const unsigned char *w, int64_t nb, const act_block *
                            float *out);
 void kern_q4_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q4_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+/* The same for F16/BF16 weights interleaved the same way (a group: K columns of KERN_RI values,
+ * column k holding element k of each row); x[r] is activation row r. */
+typedef void (*kern_float_ri_fn)(const unsigned char *w, int64_t K, const float *const *x, int mr,
+                                 float *out);
+void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
+void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);

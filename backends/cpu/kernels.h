@@ -705,6 +705,8 @@ typedef __m512 vflt;
 #define V_MUL(a, b) _mm512_mul_ps((a), (b))
 #define V_SET1_F(x) _mm512_set1_ps(x)
 #define V_STORE_F(p, v) _mm512_storeu_ps((p), (v))
+#define V_LOAD_W(wt, p) load_w16((wt), (p), 0)
+#define V_ADD_F(a, b) _mm512_add_ps((a), (b))
 #else
 typedef __m256i vint;
 typedef __m256 vflt;
@@ -723,6 +725,8 @@ typedef __m256 vflt;
 #define V_MUL(a, b) _mm256_mul_ps((a), (b))
 #define V_SET1_F(x) _mm256_set1_ps(x)
 #define V_STORE_F(p, v) _mm256_storeu_ps((p), (v))
+#define V_LOAD_W(wt, p) load_w8((wt), (p), 0)
+#define V_ADD_F(a, b) _mm256_add_ps((a), (b))
 #endif
 
 /* How far ahead of the block being summed the group's bytes are asked for. A decode matmul
@@ -780,6 +784,66 @@ void KERN(kern_q4_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, 
     default: q4_0_ri_tile(w, nb, a, out, 4); break;
     }
 }
+
+#ifndef KERN_VNNI
+/* F16/BF16 with rows interleaved: column k of the group's KERN_RI rows is one vector; four
+ * columns at a time, into U accumulators per activation row so that enough FMA chains overlap
+ * (AVX2's 16 registers hold two per row when there are several rows). */
+INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const float *const *x,
+                         float *out, const int MR)
+{
+    const size_t col = KERN_RI * 2; /* bytes of one column */
+    const int U = KERN_RI == 8 && MR > 1 ? 2 : 4;
+    vflt acc[KERN_MR][4];
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        UNROLL
+        for (int u = 0; u < 4; u++)
+            acc[r][u] = V_ZERO_F();
+    int64_t k = 0;
+    for (; k + 4 <= K; k += 4) {
+        const unsigned char *p = w + (size_t)k * col;
+        for (size_t l = 0; l < 4 * col; l += 64)
+            __builtin_prefetch(p + RI_PREFETCH + l);
+        vflt wv[4];
+        UNROLL
+        for (int u = 0; u < 4; u++)
+            wv[u] = V_LOAD_W(wt, p + u * col);
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            UNROLL
+            for (int u = 0; u < 4; u++)
+                acc[r][u % U] = V_FMA(wv[u], V_SET1_F(x[r][k + u]), acc[r][u % U]);
+    }
+    for (; k < K; k++) {
+        vflt wv = V_LOAD_W(wt, w + (size_t)k * col);
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[r][0] = V_FMA(wv, V_SET1_F(x[r][k]), acc[r][0]);
+    }
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        V_STORE_F(out + r * KERN_RI, V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
+}
+
+#define HALF_RI_CASES(WT)                                                                          \
+    switch (mr) {                                                                                 \
+    case 1: half_ri_tile(WT, w, K, x, out, 1); break;                                             \
+    case 2: half_ri_tile(WT, w, K, x, out, 2); break;                                             \
+    case 3: half_ri_tile(WT, w, K, x, out, 3); break;                                             \
+    default: half_ri_tile(WT, w, K, x, out, 4); break;                                            \
+    }
+
+void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out)
+{
+    HALF_RI_CASES(LOOM_F16)
+}
+
+void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out)
+{
+    HALF_RI_CASES(LOOM_BF16)
+}
+#endif
 #endif
 
 /* ---- Dispatch: one instantiation per tile size --------------------------------------------- */
