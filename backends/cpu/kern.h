@@ -103,6 +103,14 @@ typedef void (*kern_float_ri_fn)(const unsigned char *w, int64_t K, const float 
                                  float *out);
 void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
 void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
+/* Two adjacent groups (gstride bytes apart) at once, for 2 <= mr <= KERN_MR activation rows:
+ * out[r * 2 KERN_RI + i], i < 2 KERN_RI. */
+typedef void (*kern_float_ri2_fn)(const unsigned char *w, size_t gstride, int64_t K,
+                                  const float *const *x, int mr, float *out);
+void kern_f16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x, int mr,
+                  float *out);
+void kern_bf16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x,
+                   int mr, float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);

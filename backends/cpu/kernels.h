@@ -826,6 +826,38 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
         V_STORE_F(out + r * KERN_RI, V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
 }
 
+/* Two adjacent groups (gstride bytes apart) against two or more activation rows: each broadcast
+ * activation then feeds two FMAs, which takes the load ports out of the way (prefill, and
+ * serving steps of many sequences). Results: row r's 2 x KERN_RI columns at out + 2r KERN_RI. */
+INLINE void half_ri_tile2(loom_dtype wt, const unsigned char *w, size_t gstride, int64_t K,
+                          const float *const *x, float *out, const int MR)
+{
+    const size_t col = KERN_RI * 2;
+    vflt acc[KERN_MR][2];
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        acc[r][0] = acc[r][1] = V_ZERO_F();
+    for (int64_t k = 0; k < K; k++) {
+        const unsigned char *p = w + (size_t)k * col;
+        if (((size_t)k * col) % 64 == 0) {
+            __builtin_prefetch(p + RI_PREFETCH);
+            __builtin_prefetch(p + gstride + RI_PREFETCH);
+        }
+        vflt w0 = V_LOAD_W(wt, p), w1 = V_LOAD_W(wt, p + gstride);
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+            vflt xb = V_SET1_F(x[r][k]);
+            acc[r][0] = V_FMA(w0, xb, acc[r][0]);
+            acc[r][1] = V_FMA(w1, xb, acc[r][1]);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < MR; r++) {
+        V_STORE_F(out + 2 * r * KERN_RI, acc[r][0]);
+        V_STORE_F(out + 2 * r * KERN_RI + KERN_RI, acc[r][1]);
+    }
+}
+
 #define HALF_RI_CASES(WT)                                                                          \
     switch (mr) {                                                                                 \
     case 1: half_ri_tile(WT, w, K, x, out, 1); break;                                             \
@@ -842,6 +874,25 @@ void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int m
 void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out)
 {
     HALF_RI_CASES(LOOM_BF16)
+}
+
+#define HALF_RI2_CASES(WT)                                                                         \
+    switch (mr) {                                                                                 \
+    case 2: half_ri_tile2(WT, w, gstride, K, x, out, 2); break;                                   \
+    case 3: half_ri_tile2(WT, w, gstride, K, x, out, 3); break;                                   \
+    default: half_ri_tile2(WT, w, gstride, K, x, out, 4); break;                                  \
+    }
+
+void kern_f16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x, int mr,
+                  float *out)
+{
+    HALF_RI2_CASES(LOOM_F16)
+}
+
+void kern_bf16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x,
+                   int mr, float *out)
+{
+    HALF_RI2_CASES(LOOM_BF16)
 }
 #endif
 #endif
