@@ -83,6 +83,22 @@ static void test_old_table(void)
     loom_device_close(&dev);
 }
 
+/* A module built against ABI 1.0 (minor 0, its table ending at convert) is accepted by this
+ * loom, and its table reads as having no prepare_weight (the slot past its size is a trap). */
+static void test_abi_1_0_module(void)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/fake-abi10.so", plugin_dir);
+    loom_device dev;
+    int rc = loom_device_open(&dev, path, 0, 0, err, sizeof err);
+    CHECK(rc == 0, "open a 1.0 module: %s", err);
+    if (rc)
+        return;
+    CHECK(dev.module.abi_minor == 0, "the module declares minor %u", dev.module.abi_minor);
+    CHECK(dev.ops.prepare_weight == NULL, "prepare_weight past a 1.0 table's size was copied");
+    loom_device_close(&dev);
+}
+
 /* Builds a registry of the three fake cpu variants and the device-less module, then selects
  * with the given env (NULL unsets) and preference. Returns the chosen label or "error". */
 static const char *select_with(const char *variant_env, const char *cap_env, const char *pref,
@@ -218,6 +234,7 @@ int main(void)
     unsetenv("LOOM_EXPLAIN");
     test_rejections();
     test_old_table();
+    test_abi_1_0_module();
     test_selection();
     test_reload_ref();
     return check_finish("test_loader");

@@ -104,10 +104,24 @@ static loom_status fake_trap(loom_backend *be, const loom_matmul_params *p)
     abort();
 }
 
+#ifdef FAKE_ABI_1_0_OPS
+/* The table as ABI 1.0 had it, ending after convert; prepare_weight (1.1) holds a trap past
+ * the declared size. */
+static loom_status fake_prepare_trap(loom_backend *be, const loom_tensor *w, loom_tensor *out)
+{
+    (void)be, (void)w, (void)out;
+    fprintf(stderr, "fake backend: the host called prepare_weight beyond the declared table\n");
+    abort();
+}
+#endif
+
 static const loom_backend_ops fake_ops = {
 #ifdef FAKE_OLD_OPS
     .struct_size = offsetof(loom_backend_ops, matmul),
     .matmul = fake_trap,
+#elif defined(FAKE_ABI_1_0_OPS)
+    .struct_size = offsetof(loom_backend_ops, prepare_weight),
+    .prepare_weight = fake_prepare_trap,
 #else
     .struct_size = sizeof(loom_backend_ops),
 #endif
