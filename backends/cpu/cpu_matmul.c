@@ -34,7 +34,7 @@ typedef struct mm_job {
     act_block *blocks;        /* prepared X for an interleaved W: [M][K / 32] */
     kern_ri_fn kri;           /* its kernel (Q4_0), or NULL */
     kern_float_ri_fn kfri;    /* an interleaved F16/BF16 W's kernel, or NULL */
-    kern_float_ri2_fn kfri2;  /* its two-group kernel for several X rows */
+    kern_float_ri_n_fn kfrin; /* its several-group kernel for several X rows */
     uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
@@ -96,19 +96,19 @@ static void mm_groups(void *ctx, int ith, int nth)
     else
         pool_split(g1, ith, nth, &g0, &g1);
     int64_t nb = j->K / LOOM_QK;
-    float out[2 * KERN_RI * KERN_MR];
+    float out[KERN_RI_GROUPS * KERN_RI * KERN_MR];
     for (long g = g0; g < g1;) {
         const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
-        /* float W against several X rows goes two groups at a time */
-        int pair = j->kfri2 && g + 1 < g1 && mb - ma >= 2;
+        /* float W against several X rows goes several groups at a time */
+        int ng = j->kfrin && mb - ma >= 2 ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS) : 1;
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
-            if (pair && mr >= 2) {
-                j->kfri2(wg, j->group_bytes, j->K, j->xrows + m0, mr, out);
-                store_tile(j, m0, mr, g * KERN_RI, 2 * KERN_RI, out, 2 * KERN_RI);
+            if (ng >= 2 && mr >= 2) {
+                j->kfrin(wg, j->group_bytes, ng, j->K, j->xrows + m0, mr, out);
+                store_tile(j, m0, mr, g * KERN_RI, ng * KERN_RI, out, ng * KERN_RI);
                 continue;
             }
-            for (int h = 0; h <= pair; h++) {
+            for (int h = 0; h < ng; h++) {
                 const unsigned char *w = wg + (uint64_t)h * j->group_bytes;
                 if (j->kri)
                     j->kri(w, nb, j->blocks + m0 * nb, mr, out);
@@ -117,7 +117,7 @@ static void mm_groups(void *ctx, int ith, int nth)
                 store_tile(j, m0, mr, (g + h) * KERN_RI, KERN_RI, out, KERN_RI);
             }
         }
-        g += 1 + pair;
+        g += ng;
     }
 }
 #endif
@@ -278,7 +278,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
 #if KERN_RI
         if (prepared) { /* F16 or BF16 */
             j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
-            j.kfri2 = wt == LOOM_F16 ? kern_f16_ri2 : kern_bf16_ri2;
+            j.kfrin = wt == LOOM_F16 ? kern_f16_ri_n : kern_bf16_ri_n;
             j.group_bytes = group_bytes(wt, j.K);
             j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
             body = mm_groups;

@@ -103,14 +103,20 @@ typedef void (*kern_float_ri_fn)(const unsigned char *w, int64_t K, const float 
                                  float *out);
 void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
 void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out);
-/* Two adjacent groups (gstride bytes apart) at once, for 2 <= mr <= KERN_MR activation rows:
- * out[r * 2 KERN_RI + i], i < 2 KERN_RI. */
-typedef void (*kern_float_ri2_fn)(const unsigned char *w, size_t gstride, int64_t K,
-                                  const float *const *x, int mr, float *out);
-void kern_f16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x, int mr,
-                  float *out);
-void kern_bf16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x,
-                   int mr, float *out);
+/* 2 <= ng <= KERN_RI_GROUPS adjacent groups (gstride bytes apart) at once, for
+ * 2 <= mr <= KERN_MR activation rows: out[r * ng KERN_RI + i], i < ng KERN_RI. As many groups
+ * as the registers hold accumulators for: 4 with AVX-512's 32, 2 with AVX2's 16. */
+#if defined(__AVX512F__)
+#define KERN_RI_GROUPS 4
+#else
+#define KERN_RI_GROUPS 2
+#endif
+typedef void (*kern_float_ri_n_fn)(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                                   const float *const *x, int mr, float *out);
+void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                   const float *const *x, int mr, float *out);
+void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                    const float *const *x, int mr, float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);

@@ -733,7 +733,9 @@ typedef __m256 vflt;
  * streams each weight once, and the kernel is quick enough that waiting on memory is what is
  * left: without it a thread's one sequential stream reached 68% of the machine's read
  * bandwidth, with it 79% (Q4_0 4096 x 4096 from DRAM, 2 threads, avx512). */
+#ifndef RI_PREFETCH
 #define RI_PREFETCH 8192
+#endif
 
 INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
                          const int MR)
@@ -826,36 +828,42 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
         V_STORE_F(out + r * KERN_RI, V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
 }
 
-/* Two adjacent groups (gstride bytes apart) against two or more activation rows: each broadcast
- * activation then feeds two FMAs, which takes the load ports out of the way (prefill, and
- * serving steps of many sequences). Results: row r's 2 x KERN_RI columns at out + 2r KERN_RI. */
-INLINE void half_ri_tile2(loom_dtype wt, const unsigned char *w, size_t gstride, int64_t K,
-                          const float *const *x, float *out, const int MR)
+/* NG adjacent groups (gstride bytes apart) against two or more activation rows: each broadcast
+ * activation then feeds NG FMAs, which takes the load ports out of the way (prefill, and
+ * serving steps of many sequences). Results: row r's NG x KERN_RI columns at
+ * out + r NG KERN_RI. */
+INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride, int64_t K,
+                           const float *const *x, float *out, const int NG, const int MR)
 {
     const size_t col = KERN_RI * 2;
-    vflt acc[KERN_MR][2];
+    vflt acc[KERN_MR][KERN_RI_GROUPS];
     UNROLL
     for (int r = 0; r < MR; r++)
-        acc[r][0] = acc[r][1] = V_ZERO_F();
+        UNROLL
+        for (int g = 0; g < NG; g++)
+            acc[r][g] = V_ZERO_F();
     for (int64_t k = 0; k < K; k++) {
         const unsigned char *p = w + (size_t)k * col;
-        if (((size_t)k * col) % 64 == 0) {
-            __builtin_prefetch(p + RI_PREFETCH);
-            __builtin_prefetch(p + gstride + RI_PREFETCH);
+        vflt wv[KERN_RI_GROUPS];
+        UNROLL
+        for (int g = 0; g < NG; g++) {
+            if (((size_t)k * col) % 64 == 0)
+                __builtin_prefetch(p + (size_t)g * gstride + RI_PREFETCH);
+            wv[g] = V_LOAD_W(wt, p + (size_t)g * gstride);
         }
-        vflt w0 = V_LOAD_W(wt, p), w1 = V_LOAD_W(wt, p + gstride);
         UNROLL
         for (int r = 0; r < MR; r++) {
             vflt xb = V_SET1_F(x[r][k]);
-            acc[r][0] = V_FMA(w0, xb, acc[r][0]);
-            acc[r][1] = V_FMA(w1, xb, acc[r][1]);
+            UNROLL
+            for (int g = 0; g < NG; g++)
+                acc[r][g] = V_FMA(wv[g], xb, acc[r][g]);
         }
     }
     UNROLL
-    for (int r = 0; r < MR; r++) {
-        V_STORE_F(out + 2 * r * KERN_RI, acc[r][0]);
-        V_STORE_F(out + 2 * r * KERN_RI + KERN_RI, acc[r][1]);
-    }
+    for (int r = 0; r < MR; r++)
+        UNROLL
+        for (int g = 0; g < NG; g++)
+            V_STORE_F(out + (r * NG + g) * KERN_RI, acc[r][g]);
 }
 
 #define HALF_RI_CASES(WT)                                                                          \
@@ -876,23 +884,33 @@ void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int 
     HALF_RI_CASES(LOOM_BF16)
 }
 
-#define HALF_RI2_CASES(WT)                                                                         \
+#define HALF_RI_N_MR(WT, NG)                                                                       \
     switch (mr) {                                                                                 \
-    case 2: half_ri_tile2(WT, w, gstride, K, x, out, 2); break;                                   \
-    case 3: half_ri_tile2(WT, w, gstride, K, x, out, 3); break;                                   \
-    default: half_ri_tile2(WT, w, gstride, K, x, out, 4); break;                                  \
+    case 2: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 2); break;                              \
+    case 3: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 3); break;                              \
+    default: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 4); break;                             \
     }
+#if KERN_RI_GROUPS > 2
+#define HALF_RI_N_CASES(WT)                                                                        \
+    switch (ng) {                                                                                 \
+    case 2: HALF_RI_N_MR(WT, 2) break;                                                            \
+    case 3: HALF_RI_N_MR(WT, 3) break;                                                            \
+    default: HALF_RI_N_MR(WT, 4) break;                                                           \
+    }
+#else
+#define HALF_RI_N_CASES(WT) (void)ng; HALF_RI_N_MR(WT, 2)
+#endif
 
-void kern_f16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x, int mr,
-                  float *out)
+void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                   const float *const *x, int mr, float *out)
 {
-    HALF_RI2_CASES(LOOM_F16)
+    HALF_RI_N_CASES(LOOM_F16)
 }
 
-void kern_bf16_ri2(const unsigned char *w, size_t gstride, int64_t K, const float *const *x,
-                   int mr, float *out)
+void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                    const float *const *x, int mr, float *out)
 {
-    HALF_RI2_CASES(LOOM_BF16)
+    HALF_RI_N_CASES(LOOM_BF16)
 }
 #endif
 #endif
