@@ -17,10 +17,10 @@ if LOOM_THREADS=3 "$CONFORMANCE" --quiet cpu > "$tmpdir/threads.txt" 2>&1; then
 else
     fail "cpu with LOOM_THREADS=3:"; cat "$tmpdir/threads.txt" >&2
 fi
-if LOOM_CPU_DISABLE=vnni "$CONFORMANCE" --quiet cpu > "$tmpdir/novnni.txt" 2>&1; then
-    pass "cpu variants conform without their VNNI kernels"
+if LOOM_CPU_DISABLE=vnni,bf16 "$CONFORMANCE" --quiet cpu > "$tmpdir/novnni.txt" 2>&1; then
+    pass "cpu variants conform without their VNNI and BF16 kernels"
 else
-    fail "cpu with LOOM_CPU_DISABLE=vnni:"; cat "$tmpdir/novnni.txt" >&2
+    fail "cpu with LOOM_CPU_DISABLE=vnni,bf16:"; cat "$tmpdir/novnni.txt" >&2
 fi
 LOOM_THREADS=lots "$CONFORMANCE" cpu > "$tmpdir/badthreads.txt" 2>&1 && fail "LOOM_THREADS=lots accepted"
 expect_grep "LOOM_THREADS=lots is not a thread count" "$tmpdir/badthreads.txt" "bad LOOM_THREADS named"

@@ -38,13 +38,17 @@ extern const cpu_variant_desc loom_cpu_variant;
 
 #include "pool.h"
 
+/* How a prepared weight is laid out (kern.h): rows interleaved a vector's lanes at a time, or
+ * BF16 in column pairs for the BF16 dot product (kern_bf16.c) */
+typedef enum cpu_layout { CPU_LAYOUT_FILE = 0, CPU_LAYOUT_ROWS, CPU_LAYOUT_BF16_PAIRS } cpu_layout;
+
 struct loom_buffer {
     unsigned char *data;
     uint64_t size;
     int wrapped; /* data belongs to the caller (buffer_wrap_host) */
     /* set on a weight prepared by cpu_prepare_weight: what it holds, in the layout of kern.h;
      * only matmul reads such a buffer */
-    int prepared;
+    int prepared;          /* a cpu_layout */
     loom_dtype prepared_type;
     int64_t prepared_n, prepared_k;
 };

@@ -849,6 +849,8 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
     const char *off = getenv("LOOM_CPU_DISABLE");
     if (off && strstr(off, "vnni"))
         cb->feat.avx512vnni = 0;
+    if (off && strstr(off, "bf16")) /* likewise the BF16 dot product */
+        cb->feat.avx512bf16 = 0;
     cb->pool = pool_create(n);
     if (!cb->pool) {
         snprintf(err, err_size, "cannot start %d threads: %s", n, strerror(errno));

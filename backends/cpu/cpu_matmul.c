@@ -35,6 +35,7 @@ typedef struct mm_job {
     kern_ri_fn kri;           /* its kernel (Q4_0), or NULL */
     kern_float_ri_fn kfri;    /* an interleaved F16/BF16 W's kernel, or NULL */
     kern_float_ri_n_fn kfrin; /* its several-group kernel for several X rows */
+    const uint32_t **xpairs;  /* X as BF16 pairs, for a W in BF16 column pairs */
     uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
@@ -57,6 +58,10 @@ static void prepare_x(void *ctx, int ith, int nth)
         const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
         if (j->kri)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
+#if defined(LOOM_CPU_VARIANT_AVX512)
+        else if (j->xpairs)
+            kern_bf16_pack_x(x, j->K, (uint32_t *)j->xpairs[m]);
+#endif
         else
             kern_prep(x, j->K, j->groups + m * j->act.groups, j->layout);
     }
@@ -78,8 +83,10 @@ static void store_tile(const mm_job *j, long m0, int mr, long n, int nr, const f
 
 #if KERN_RI
 /* Bytes of one group of KERN_RI interleaved rows of K elements (layouts in kern.h). */
-static uint64_t group_bytes(loom_dtype wt, int64_t K)
+static uint64_t group_bytes(loom_dtype wt, cpu_layout layout, int64_t K)
 {
+    if (layout == CPU_LAYOUT_BF16_PAIRS)
+        return (uint64_t)((K + 1) / 2) * KERN_RI * 4;
     if (wt == LOOM_Q4_0)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
     return (uint64_t)K * KERN_RI * 2; /* F16, BF16 */
@@ -100,9 +107,17 @@ static void mm_groups(void *ctx, int ith, int nth)
     for (long g = g0; g < g1;) {
         const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
         /* float W against several X rows goes several groups at a time */
-        int ng = j->kfrin && mb - ma >= 2 ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS) : 1;
+        int ng = (j->kfrin || j->xpairs) && mb - ma >= 2
+                     ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS) : 1;
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
+#if defined(LOOM_CPU_VARIANT_AVX512)
+            if (j->xpairs) {
+                kern_bf16_dp(wg, j->group_bytes, ng, j->K, j->xpairs + m0, mr, out);
+                store_tile(j, m0, mr, g * KERN_RI, ng * KERN_RI, out, ng * KERN_RI);
+                continue;
+            }
+#endif
             if (ng >= 2 && mr >= 2) {
                 j->kfrin(wg, j->group_bytes, ng, j->K, j->xrows + m0, mr, out);
                 store_tile(j, m0, mr, g * KERN_RI, ng * KERN_RI, out, ng * KERN_RI);
@@ -244,13 +259,13 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
     j.nr_max = uniform_w && !decode_quant ? KERN_NR : 1;
 
-    void *scratch = NULL;
+    void *scratch = NULL, *pairs = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
     if (prepared && wt == LOOM_Q4_0) {
 #if KERN_RI
         j.kri = VNNI_OR(cb, kern_q4_0_ri);
-        j.group_bytes = group_bytes(wt, j.K);
+        j.group_bytes = group_bytes(wt, (cpu_layout)p->w->buf->prepared, j.K);
         j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
         body = mm_groups;
         size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
@@ -276,10 +291,24 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                 j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
         }
 #if KERN_RI
-        if (prepared) { /* F16 or BF16 */
+        if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
+            size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
+            pairs = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);
+            if (!pairs) {
+                free(scratch);
+                return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X as BF16");
+            }
+            j.xpairs = (const uint32_t **)pairs;
+            for (int64_t m = 0; m < j.M; m++)
+                j.xpairs[m] = (const uint32_t *)((unsigned char *)pairs + rows) + (size_t)m * np;
+            j.kf = NULL; /* X is prepared */
+            j.group_bytes = group_bytes(wt, CPU_LAYOUT_BF16_PAIRS, j.K);
+            j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
+            body = mm_groups;
+        } else if (prepared) { /* F16 or BF16 rows */
             j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
             j.kfrin = wt == LOOM_F16 ? kern_f16_ri_n : kern_bf16_ri_n;
-            j.group_bytes = group_bytes(wt, j.K);
+            j.group_bytes = group_bytes(wt, (cpu_layout)p->w->buf->prepared, j.K);
             j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
             body = mm_groups;
         }
@@ -298,7 +327,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         pool_run(cb->pool, body, &j);
     else
         body(&j, 0, 1);
-    free(scratch);
+    free(scratch), free(pairs);
     return LOOM_OK;
 }
 
@@ -307,11 +336,13 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
 #if KERN_RI
 typedef struct repack_job {
     const loom_tensor *w;
+    cpu_layout layout;
     unsigned char *dst;
     uint64_t group_bytes;
 } repack_job;
 
-/* F16/BF16: column k of the group is element k of each of its rows */
+/* F16/BF16: column k of the group is element k of each of its rows; in BF16 pairs, lane r of
+ * pair j holds row r's elements 2j and 2j + 1 (zero past K) */
 static void repack_half(const repack_job *j, long g)
 {
     int64_t K = j->w->ne[0];
@@ -319,6 +350,14 @@ static void repack_half(const repack_job *j, long g)
     const uint16_t *rows[KERN_RI];
     for (int r = 0; r < KERN_RI; r++)
         rows[r] = (const uint16_t *)(const void *)cpu_row(j->w, data(j->w), g * KERN_RI + r);
+    if (j->layout == CPU_LAYOUT_BF16_PAIRS) {
+        for (int64_t k = 0; k < K; k += 2)
+            for (int r = 0; r < KERN_RI; r++) {
+                *dst++ = rows[r][k];
+                *dst++ = k + 1 < K ? rows[r][k + 1] : 0;
+            }
+        return;
+    }
     for (int64_t k = 0; k < K; k++)
         for (int r = 0; r < KERN_RI; r++)
             *dst++ = rows[r][k];
@@ -362,13 +401,18 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
     int interleaves = w->dtype == LOOM_Q4_0 || w->dtype == LOOM_F16 || w->dtype == LOOM_BF16;
     if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
-        repack_job j = {w, NULL, group_bytes(w->dtype, K)};
+        cpu_layout layout = CPU_LAYOUT_ROWS;
+#if defined(LOOM_CPU_VARIANT_AVX512)
+        if (w->dtype == LOOM_BF16 && cb->feat.avx512bf16)
+            layout = CPU_LAYOUT_BF16_PAIRS;
+#endif
+        repack_job j = {w, layout, NULL, group_bytes(w->dtype, layout, K)};
         loom_buffer *buf;
         if ((st = be->ops->buffer_alloc(be, (uint64_t)(N / KERN_RI) * j.group_bytes, &buf)))
             return st;
         j.dst = buf->data;
         pool_run(cb->pool, repack_groups, &j);
-        buf->prepared = 1;
+        buf->prepared = (int)layout;
         buf->prepared_type = w->dtype;
         buf->prepared_n = N;
         buf->prepared_k = K;

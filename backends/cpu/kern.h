@@ -118,6 +118,14 @@ void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
 void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
                     const float *const *x, int mr, float *out);
 
+/* BF16 weights in 16-row groups of column pairs, for the AVX-512 BF16 dot product
+ * (kern_bf16.c, avx512 variant only): activation rows as BF16 pairs, K / 2 rounded up. */
+void kern_bf16_pack_x(const float *x, int64_t K, uint32_t *pairs);
+/* 1 <= ng <= 4 groups (gstride bytes apart), 1 <= mr <= KERN_MR rows:
+ * out[r * ng 16 + i], i < ng 16. */
+void kern_bf16_dp(const unsigned char *w, size_t gstride, int ng, int64_t K,
+                  const uint32_t *const *x, int mr, float *out);
+
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);
 /* The layout the kernels for weight type wt (with VNNI or not) expect. */
