@@ -362,9 +362,11 @@ static const loom_tensor *matmul_weight(loom_runner *r, const loom_tensor *w)
             r->prep[i] = PREP_DONE;
             if (w->buf == r->weights_map) /* matmuls no longer read the file's copy */
                 loom_gguf_release_pages(r->gguf, gt->offset, gt->size);
-        } else if (st == LOOM_ERR_OUT_OF_MEMORY) {
-            fprintf(stderr, "loom: no memory to prepare '%s' for %s (%s); it runs in the file's "
-                    "layout\n", gt->name, r->dev->name, r->dev->ops.last_error(r->dev->be));
+        } else if (st == LOOM_ERR_OUT_OF_MEMORY) { /* the rest stay as they are too */
+            fprintf(stderr, "loom: no memory to prepare '%s' and later weights for %s (%s); they "
+                    "run in the file's layout\n", gt->name, r->dev->name,
+                    r->dev->ops.last_error(r->dev->be));
+            r->repack = 0;
         } else if (st != LOOM_ERR_UNSUPPORTED) {
             fail(r, "preparing weight '%s' on %s%s%s failed: %s", gt->name, r->dev->name,
                  r->dev->variant[0] ? "-" : "", r->dev->variant, r->dev->ops.last_error(r->dev->be));

@@ -14,6 +14,7 @@
 #include "kern.h"
 #include "rows.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -387,6 +388,25 @@ static void repack_groups(void *ctx, int ith, int nth)
         }
     }
 }
+
+/* A prepared copy is anonymous memory, which the kernel cannot drop and read back from the file
+ * as it can the mapping's pages: a model larger than memory still runs from its mapping, but
+ * would be killed once its prepared copies filled memory. So copies stop short of the memory
+ * the kernel reports available, less a margin for the rest of the process. */
+#define PREPARE_MARGIN ((uint64_t)512 << 20)
+
+static uint64_t memory_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    char line[256];
+    unsigned long long kb = 0;
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f))
+        found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+    if (f)
+        fclose(f);
+    return found ? (uint64_t)kb * 1024 : UINT64_MAX; /* unknown: no limit */
+}
 #endif
 
 loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out)
@@ -407,8 +427,15 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
             layout = CPU_LAYOUT_BF16_PAIRS;
 #endif
         repack_job j = {w, layout, NULL, group_bytes(w->dtype, layout, K)};
+        uint64_t bytes = (uint64_t)(N / KERN_RI) * j.group_bytes, avail = memory_available();
+        if (avail != UINT64_MAX && (avail < PREPARE_MARGIN || bytes > avail - PREPARE_MARGIN))
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "prepare_weight: %llu MiB more would "
+                            "leave less than %llu MiB of the %llu MiB available",
+                            (unsigned long long)(bytes >> 20),
+                            (unsigned long long)(PREPARE_MARGIN >> 20),
+                            (unsigned long long)(avail >> 20));
         loom_buffer *buf;
-        if ((st = be->ops->buffer_alloc(be, (uint64_t)(N / KERN_RI) * j.group_bytes, &buf)))
+        if ((st = be->ops->buffer_alloc(be, bytes, &buf)))
             return st;
         j.dst = buf->data;
         pool_run(cb->pool, repack_groups, &j);
