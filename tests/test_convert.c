@@ -102,6 +102,51 @@ static void check_prepared_same(const char *path, const char *label, int expect_
     free(logits[0]), free(logits[1]);
 }
 
+/* The runner's side of prepare_weight, on ref's terms: LOOM_REF_PREPARE=copy hands back plain
+ * copies, which must be used (counted) and give the very same logits; =oom fails the first
+ * one, after which the runner must prepare nothing and still give the same logits. */
+static void check_runner_prepare(const char *path)
+{
+    static const int32_t prompt[] = {1, 450, 499, 173, 170};
+    static const char *const modes[] = {NULL, "copy", "oom"};
+    loom_model_options o = {.backend = "ref", .kv_type = "f32", .n_ctx = 64};
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0;
+    float *first = NULL;
+    for (int i = 0; i < 3; i++) {
+        if (modes[i])
+            setenv("LOOM_REF_PREPARE", modes[i], 1);
+        else
+            unsetenv("LOOM_REF_PREPARE");
+        loom_model *m = loom_model_open(path, &o, err, sizeof err);
+        CHECK(m != NULL, "ref with LOOM_REF_PREPARE=%s: %s", modes[i] ? modes[i] : "", err);
+        if (!m)
+            continue;
+        CHECK(loom_generate(m, prompt, 5, 1, &g, NULL, NULL, NULL, err, sizeof err) == 0,
+              "generate with LOOM_REF_PREPARE=%s: %s", modes[i] ? modes[i] : "", err);
+        int32_t nv = loom_model_n_vocab(m);
+        int64_t prepared = loom_model_prepared_weights(m);
+        CHECK(i == 1 ? prepared > 0 : prepared == 0, "LOOM_REF_PREPARE=%s: %lld weights prepared",
+              modes[i] ? modes[i] : "", (long long)prepared);
+        if (!first) {
+            first = malloc((size_t)nv * sizeof *first);
+            memcpy(first, loom_prompt_logits(m), (size_t)nv * sizeof *first);
+        } else {
+            CHECK(memcmp(first, loom_prompt_logits(m), (size_t)nv * sizeof *first) == 0,
+                  "LOOM_REF_PREPARE=%s changes the logits", modes[i]);
+        }
+        loom_model_close(m);
+    }
+    unsetenv("LOOM_REF_PREPARE");
+    setenv("LOOM_REF_PREPARE", "sideways", 1);
+    loom_model *bad = loom_model_open(path, &o, err, sizeof err);
+    CHECK(!bad && strstr(err, "LOOM_REF_PREPARE=sideways"), "a bad LOOM_REF_PREPARE: %s",
+          bad ? "accepted" : err);
+    loom_model_close(bad);
+    unsetenv("LOOM_REF_PREPARE");
+    free(first);
+}
+
 static void test_tiny_llama(void)
 {
     char hf[4200], f32[4200], q8[4200], q4[4200];
@@ -131,6 +176,8 @@ static void test_tiny_llama(void)
         int interleaves = !strcmp(label, "cpu-avx2") || !strcmp(label, "cpu-avx512");
         check_prepared_same(q4, label, interleaves);
     }
+
+    check_runner_prepare(q4);
 
     /* loom quantize of the f32 file gives the same tensors as converting straight to q4_0 */
     char rq[4200];

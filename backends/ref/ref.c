@@ -10,6 +10,9 @@
  * buffer_wrap_host), so the suite can prove that loom never reads backend memory directly.
  * LOOM_REF_DENY=OP[:DTYPE],... makes `supports` deny those ops (all dtypes, or one), so the
  * suite can prove that loom runs a model on a backend that lacks ops.
+ * LOOM_REF_PREPARE=copy makes prepare_weight return a plain copy of the weight, and =oom makes
+ * it fail for want of memory, so the suite can check the runner's use of prepared weights and
+ * its retreat to the file's layout on any backend's terms; unset, ref keeps weights as they are.
  *
  * Like every backend it includes only the public ABI header.
  */
@@ -34,6 +37,7 @@ typedef struct ref_backend {
     loom_backend base;
     char error[512];
     unsigned char denied[LOOM_OP_COUNT_V1_0][32]; /* LOOM_REF_DENY, by op and dtype */
+    enum { PREPARE_NONE, PREPARE_COPY, PREPARE_OOM } prepare; /* LOOM_REF_PREPARE */
 } ref_backend;
 
 static loom_status fail(loom_backend *be, loom_status st, const char *fmt, ...)
@@ -737,6 +741,36 @@ static const char *ref_last_error(loom_backend *be)
     return ((ref_backend *)be)->error;
 }
 
+/* A dense copy of w (LOOM_REF_PREPARE=copy): the same bytes, so the same results. */
+static loom_status ref_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out)
+{
+    ref_backend *rb = (ref_backend *)be;
+    if (rb->prepare == PREPARE_NONE)
+        return fail(be, LOOM_ERR_UNSUPPORTED, "prepare_weight: ref keeps weights as they are");
+    if (rb->prepare == PREPARE_OOM)
+        return fail(be, LOOM_ERR_OUT_OF_MEMORY, "prepare_weight: out of memory "
+                    "(LOOM_REF_PREPARE=oom)");
+    CHECK(check_tensor(be, w, "prepare_weight w"));
+    int64_t rows = w->ne[1] * w->ne[2] * w->ne[3];
+    uint64_t row_bytes = (uint64_t)loom_row_bytes(w->dtype, w->ne[0]);
+    loom_buffer *b;
+    CHECK(ref_buffer_alloc(be, row_bytes * (uint64_t)rows, &b));
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i1 = r % w->ne[1], i2 = r / w->ne[1] % w->ne[2], i3 = r / w->ne[1] / w->ne[2];
+        memcpy(b->data + (uint64_t)r * row_bytes,
+               w->buf->data + w->offset + (uint64_t)i1 * w->nb[1] + (uint64_t)i2 * w->nb[2] +
+                   (uint64_t)i3 * w->nb[3],
+               (size_t)row_bytes);
+    }
+    *out = *w;
+    out->buf = b;
+    out->offset = 0;
+    out->nb[1] = row_bytes;
+    out->nb[2] = row_bytes * (uint64_t)w->ne[1];
+    out->nb[3] = out->nb[2] * (uint64_t)w->ne[2];
+    return LOOM_OK;
+}
+
 static void ref_close(loom_backend *be)
 {
     free(be);
@@ -751,7 +785,7 @@ static void ref_close(loom_backend *be)
     .rms_norm = ref_rms_norm, .layer_norm = ref_layer_norm, .rope = ref_rope, .add = ref_add,   \
     .mul = ref_mul, .scale = ref_scale, .silu_mul = ref_silu_mul, .gelu = ref_gelu,             \
     .kv_store = ref_kv_store, .attention = ref_attention, .quantize = ref_quantize,             \
-    .dequantize = ref_dequantize, .convert = ref_convert
+    .dequantize = ref_dequantize, .convert = ref_convert, .prepare_weight = ref_prepare_weight
 
 static const loom_backend_ops ref_ops_host_visible = {
     REF_OPS_COMMON,
@@ -833,6 +867,18 @@ static loom_status ref_open(const loom_backend_options *opts, loom_backend **out
     if (deny && parse_deny(rb, deny, err, err_size) != 0) {
         free(rb);
         return LOOM_ERR_INVALID;
+    }
+    const char *prep = getenv("LOOM_REF_PREPARE");
+    if (prep && *prep) {
+        if (strcmp(prep, "copy") == 0)
+            rb->prepare = PREPARE_COPY;
+        else if (strcmp(prep, "oom") == 0)
+            rb->prepare = PREPARE_OOM;
+        else {
+            snprintf(err, err_size, "LOOM_REF_PREPARE=%s is not 'copy' or 'oom'", prep);
+            free(rb);
+            return LOOM_ERR_INVALID;
+        }
     }
     rb->base.ops = opaque_requested() ? &ref_ops_opaque : &ref_ops_host_visible;
     *out = &rb->base;
