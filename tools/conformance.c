@@ -732,12 +732,11 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
         loom_dtype dt = all_dtypes[di];
         if (!op_dtype_applies(LOOM_OP_MATMUL, dt) || !loom_device_supports(target, LOOM_OP_MATMUL, dt))
             continue;
-        int n_prepared = 0, n = (int)(sizeof shapes / sizeof shapes[0]);
-        for (int v = 0; v < n; v++) {
-            if (shapes[v][1] % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
-                n--; /* K must be whole blocks */
-                continue;
-            }
+        int n_prepared = 0, n_tried = 0;
+        for (size_t v = 0; v < sizeof shapes / sizeof shapes[0]; v++) {
+            if (shapes[v][1] % LOOM_QK && loom_dtype_block_elems(dt) > 1)
+                continue; /* K must be whole blocks */
+            n_tried++;
             test_case tc;
             memset(&tc, 0, sizeof tc);
             tc.op = LOOM_OP_MATMUL;
@@ -753,7 +752,7 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
         }
         if (!r->quiet)
             printf("prepare_weight %s: a layout of its own for %d of %d shapes\n",
-                   loom_dtype_name(dt), n_prepared, n);
+                   loom_dtype_name(dt), n_prepared, n_tried);
     }
 }
 

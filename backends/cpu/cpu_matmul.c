@@ -36,7 +36,7 @@ typedef struct mm_job {
     kern_ri_fn kri;           /* its kernel (Q4_0), or NULL */
     kern_float_ri_fn kfri;    /* an interleaved F16/BF16 W's kernel, or NULL */
     kern_float_ri_n_fn kfrin; /* its several-group kernel for several X rows */
-    const uint32_t **xpairs;  /* X as BF16 pairs, for a W in BF16 column pairs */
+    uint32_t **xpairs;        /* X as BF16 pairs, for a W in BF16 column pairs */
     uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
@@ -61,7 +61,7 @@ static void prepare_x(void *ctx, int ith, int nth)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
 #if defined(LOOM_CPU_VARIANT_AVX512)
         else if (j->xpairs)
-            kern_bf16_pack_x(x, j->K, (uint32_t *)j->xpairs[m]);
+            kern_bf16_pack_x(x, j->K, j->xpairs[m]);
 #endif
         else
             kern_prep(x, j->K, j->groups + m * j->act.groups, j->layout);
@@ -114,7 +114,8 @@ static void mm_groups(void *ctx, int ith, int nth)
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
 #if defined(LOOM_CPU_VARIANT_AVX512)
             if (j->xpairs) {
-                kern_bf16_dp(wg, j->group_bytes, ng, j->K, j->xpairs + m0, mr, out);
+                kern_bf16_dp(wg, j->group_bytes, ng, j->K, (const uint32_t *const *)j->xpairs + m0,
+                             mr, out);
                 store_tile(j, m0, mr, g * KERN_RI, ng * KERN_RI, out, ng * KERN_RI);
                 continue;
             }
@@ -260,19 +261,22 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
     j.nr_max = uniform_w && !decode_quant ? KERN_NR : 1;
 
-    void *scratch = NULL, *pairs = NULL;
+    void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
     if (prepared && wt == LOOM_Q4_0) {
 #if KERN_RI
         j.kri = VNNI_OR(cb, kern_q4_0_ri);
-        j.group_bytes = group_bytes(wt, (cpu_layout)p->w->buf->prepared, j.K);
-        j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
-        body = mm_groups;
         size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
         scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         j.blocks = scratch;
 #endif
+    } else if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
+        size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
+        scratch = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);
+        j.xpairs = scratch;
+        for (int64_t m = 0; scratch && m < j.M; m++)
+            j.xpairs[m] = (uint32_t *)((unsigned char *)scratch + rows) + (size_t)m * np;
     } else if (loom_dtype_is_block(wt)) {
         j.kq = wt == LOOM_Q8_0 ? VNNI_OR(cb, kern_q8_0)
                : wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0) : VNNI_OR(cb, kern_q4_1);
@@ -292,33 +296,23 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                 j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
         }
 #if KERN_RI
-        if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
-            size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
-            pairs = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);
-            if (!pairs) {
-                free(scratch);
-                return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X as BF16");
-            }
-            j.xpairs = (const uint32_t **)pairs;
-            for (int64_t m = 0; m < j.M; m++)
-                j.xpairs[m] = (const uint32_t *)((unsigned char *)pairs + rows) + (size_t)m * np;
-            j.kf = NULL; /* X is prepared */
-            j.group_bytes = group_bytes(wt, CPU_LAYOUT_BF16_PAIRS, j.K);
-            j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
-            body = mm_groups;
-        } else if (prepared) { /* F16 or BF16 rows */
+        if (prepared) { /* F16 or BF16 rows */
             j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
             j.kfrin = wt == LOOM_F16 ? kern_f16_ri_n : kern_bf16_ri_n;
-            j.group_bytes = group_bytes(wt, (cpu_layout)p->w->buf->prepared, j.K);
-            j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
-            body = mm_groups;
         }
 #endif
     }
+#if KERN_RI
+    if (prepared) { /* groups of interleaved rows are the unit of work */
+        j.group_bytes = group_bytes(wt, (cpu_layout)prepared, j.K);
+        j.split_m = j.N / KERN_RI < nth && j.M >= (int64_t)nth * KERN_MR;
+        body = mm_groups;
+    }
+#endif
     if (!scratch)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
                         (long long)j.M);
-    if (!j.kf) { /* quantise X */
+    if (!j.kf) { /* quantise X, or round it to BF16 */
         if (j.M * j.K >= 16384)
             pool_run(cb->pool, prepare_x, &j);
         else
@@ -328,7 +322,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         pool_run(cb->pool, body, &j);
     else
         body(&j, 0, 1);
-    free(scratch), free(pairs);
+    free(scratch);
     return LOOM_OK;
 }
 

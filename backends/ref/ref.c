@@ -751,17 +751,12 @@ static loom_status ref_prepare_weight(loom_backend *be, const loom_tensor *w, lo
         return fail(be, LOOM_ERR_OUT_OF_MEMORY, "prepare_weight: out of memory "
                     "(LOOM_REF_PREPARE=oom)");
     CHECK(check_tensor(be, w, "prepare_weight w"));
-    int64_t rows = w->ne[1] * w->ne[2] * w->ne[3];
+    int64_t rows = n_rows(w);
     uint64_t row_bytes = (uint64_t)loom_row_bytes(w->dtype, w->ne[0]);
     loom_buffer *b;
     CHECK(ref_buffer_alloc(be, row_bytes * (uint64_t)rows, &b));
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t i1 = r % w->ne[1], i2 = r / w->ne[1] % w->ne[2], i3 = r / w->ne[1] / w->ne[2];
-        memcpy(b->data + (uint64_t)r * row_bytes,
-               w->buf->data + w->offset + (uint64_t)i1 * w->nb[1] + (uint64_t)i2 * w->nb[2] +
-                   (uint64_t)i3 * w->nb[3],
-               (size_t)row_bytes);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(b->data + (uint64_t)r * row_bytes, row_ptr(w, r), (size_t)row_bytes);
     *out = *w;
     out->buf = b;
     out->offset = 0;
