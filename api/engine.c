@@ -212,7 +212,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         e->live = nl, e->cap_live = cap;
     }
     e->live[e->n_live++] = q;
-    q->id = ++e->next_id;
+    int64_t id = q->id = ++e->next_id; /* q is the engine's once the lock is released */
     if (e->incoming_tail)
         e->incoming_tail->next = q;
     else
@@ -220,7 +220,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     e->incoming_tail = q;
     pthread_cond_signal(&e->wake);
     pthread_mutex_unlock(&e->lock);
-    return q->id;
+    return id;
 oom:
     if (q)
         req_free(q);
