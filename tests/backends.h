@@ -14,7 +14,8 @@
 
 #define MAX_TEST_BACKENDS 16
 
-/* Fills labels with the usable backends' names; returns how many (-1 when the scan failed). */
+/* Fills labels with the usable backends' names, saying on stdout which modules are unusable
+ * here and why; returns how many (-1 when the scan failed). */
 static inline int usable_backends(char labels[][160], int max)
 {
     char err[512];
@@ -28,9 +29,11 @@ static inline int usable_backends(char labels[][160], int max)
     int n = 0;
     for (int i = 0; i < reg.count && n < max; i++) {
         const loom_candidate *c = &reg.items[i];
+        snprintf(labels[n], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        if (c->state == LOOM_CAND_UNUSABLE) /* a machine of another kind runs these */
+            printf("skipped on this machine: %s (%s)\n", labels[n], c->reason);
         if (c->state != LOOM_CAND_USABLE)
             continue;
-        snprintf(labels[n], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
         if (only && *only) {
             size_t len = strlen(labels[n]);
             const char *p = only;

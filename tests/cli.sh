@@ -69,6 +69,21 @@ expect_grep "above LOOM_CPU_MAX_ISA=avx2" "$tmpdir/cap.txt" "the cap is explaine
 LOOM_BACKEND_PATH="$PLUGIN_DIR" LOOM_CPU_VARIANT=baseline "$LOOM" backends > "$tmpdir/force.txt" 2>&1 || fail "force exit $?"
 expect_grep "^\* cpu-baseline" "$tmpdir/force.txt" "LOOM_CPU_VARIANT forces the variant"
 
+# LOOM_CPU_MASK: the real CPU modules' probes act as on a machine without those features
+LOOM_CPU_MASK=avx512,avx2 "$LOOM" backends --json > "$tmpdir/mask.json" || fail "mask exit $?"
+jq -e '(.candidates[] | select(.name == "cpu" and .variant == "baseline") | .chosen) and
+       (.candidates[] | select(.name == "cpu" and .variant == "avx2") | .usable == false and
+        (.reason | test("lacks AVX2.*hidden by LOOM_CPU_MASK=avx512,avx2")))' "$tmpdir/mask.json" > /dev/null &&
+    pass "masked to a machine without AVX, baseline is chosen and avx2 says why not" ||
+    { fail "LOOM_CPU_MASK=avx512,avx2:"; cat "$tmpdir/mask.json" >&2; }
+LOOM_CPU_MASK=avx512 "$LOOM" backends --json > "$tmpdir/mask.json" || fail "mask exit $?"
+jq -e '.candidates[] | select(.name == "cpu" and .variant == "avx512") | .usable == false and .score == 0
+       and (.reason | test("lacks AVX-512"))' "$tmpdir/mask.json" > /dev/null &&
+    pass "masked to a machine without AVX-512, the avx512 variant is unusable" ||
+    { fail "LOOM_CPU_MASK=avx512:"; cat "$tmpdir/mask.json" >&2; }
+LOOM_CPU_MASK=avx2,sse9 "$LOOM" backends > /dev/null 2> "$tmpdir/err.txt" && fail "LOOM_CPU_MASK=avx2,sse9 accepted"
+expect_grep "LOOM_CPU_MASK=avx2,sse9: 'sse9' is not a CPU feature" "$tmpdir/err.txt" "a bad LOOM_CPU_MASK is an error naming the word"
+
 # bad usage
 "$LOOM" backends --frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad flag accepted"
 expect_grep "unknown argument '--frobnicate'" "$tmpdir/err.txt" "bad flag named"

@@ -11,17 +11,44 @@ else
 fi
 jq -e '.pass and (.modules | length >= 1)' "$tmpdir/all.json" > /dev/null || fail "json says pass"
 
-# the CPU variants split work over threads; an odd count catches split bugs
+# the CPU variants split work over threads; an odd count catches split bugs. `cpu` names every
+# variant; those this machine cannot run are skipped with their probe's reason.
 if LOOM_THREADS=3 "$CONFORMANCE" --quiet cpu > "$tmpdir/threads.txt" 2>&1; then
-    pass "cpu variants conform with 3 threads"
+    pass "cpu variants usable here conform with 3 threads"
 else
     fail "cpu with LOOM_THREADS=3:"; cat "$tmpdir/threads.txt" >&2
 fi
+grep "skipped:" "$tmpdir/threads.txt" | sed 's/^ */not checked here: /'
 if LOOM_CPU_DISABLE=vnni,bf16 "$CONFORMANCE" --quiet cpu > "$tmpdir/novnni.txt" 2>&1; then
     pass "cpu variants conform without their VNNI and BF16 kernels"
 else
     fail "cpu with LOOM_CPU_DISABLE=vnni,bf16:"; cat "$tmpdir/novnni.txt" >&2
 fi
+
+# a variant the machine cannot run is skipped, not failed; --require-usable fails it. The mask
+# makes this machine one without AVX-512 whatever it really is.
+LOOM_CPU_MASK=avx512 "$CONFORMANCE" --quiet --json "$tmpdir/masked.json" cpu > "$tmpdir/masked.txt" 2>&1
+rc=$?
+[ "$rc" -eq 0 ] && pass "cpu conforms on a machine without AVX-512" ||
+    { fail "LOOM_CPU_MASK=avx512 conformance cpu: exit $rc"; cat "$tmpdir/masked.txt" >&2; }
+jq -e '[.modules[] | select(.backend | startswith("cpu-avx512"))][0]
+       | .skipped and (.reason | test("lacks AVX-512.*hidden by LOOM_CPU_MASK=avx512"))' \
+    "$tmpdir/masked.json" > /dev/null && pass "the avx512 variant is reported skipped, with the reason" ||
+    { fail "masked json:"; cat "$tmpdir/masked.json" >&2; }
+expect_grep "skipped: cpu-avx512 (ABI [0-9.]*) is unusable here: this CPU lacks AVX-512" \
+    "$tmpdir/masked.txt" "the skip is said in the text report"
+LOOM_CPU_MASK=avx512 "$CONFORMANCE" --quiet --require-usable cpu-avx512 > "$tmpdir/strict.txt" 2>&1
+[ $? -eq 1 ] && pass "--require-usable fails an unusable module" || fail "--require-usable: exit $?, want 1"
+expect_grep "FAIL loads, declares a compatible ABI and probes usable: unusable here" \
+    "$tmpdir/strict.txt" "--require-usable names the failed check"
+LOOM_CPU_MASK=avx512 "$CONFORMANCE" --quiet cpu-avx512 > "$tmpdir/none.txt" 2>&1
+[ $? -eq 1 ] && pass "a run that could check nothing fails" || fail "nothing checked: exit $?, want 1"
+expect_grep "no module could be checked on this machine" "$tmpdir/none.txt" "and says why"
+LOOM_CPU_MASK=avx512,avx2 "$CONFORMANCE" --quiet --json "$tmpdir/noavx.json" cpu > "$tmpdir/noavx.txt" 2>&1 ||
+    { fail "conformance cpu without AVX:"; cat "$tmpdir/noavx.txt" >&2; }
+jq -e '[.modules[] | select(.skipped | not) | .backend | startswith("cpu-baseline")] == [true]' \
+    "$tmpdir/noavx.json" > /dev/null && pass "without AVX only the baseline variant is checked" ||
+    { fail "noavx json:"; cat "$tmpdir/noavx.json" >&2; }
 LOOM_THREADS=lots "$CONFORMANCE" cpu > "$tmpdir/badthreads.txt" 2>&1 && fail "LOOM_THREADS=lots accepted"
 expect_grep "LOOM_THREADS=lots is not a thread count" "$tmpdir/badthreads.txt" "bad LOOM_THREADS named"
 

@@ -2,9 +2,12 @@
  * tools/conformance.c - `loom-conformance`: checks a backend module against the ABI contract
  * and against the reference backend, without loom's source tree.
  *
- *   loom-conformance [--json FILE] [--ref PATH] [--quiet] [BACKEND.so | NAME ...]
+ *   loom-conformance [--json FILE] [--ref PATH] [--quiet] [--require-usable] [BACKEND.so | NAME ...]
  *
- * With no backend given it checks every usable module the loader finds. For each it checks
+ * With no backend given it checks every usable module the loader finds. A module whose probe
+ * finds nothing to run on here (the AVX-512 variant on an AVX2 machine, CUDA without a GPU) is
+ * skipped with the probe's reason, unless --require-usable makes that a failure; a run that
+ * checked no module at all fails. For each it checks
  * ABI negotiation, copies, allocation failure, every op x dtype x awkward shape against `ref`
  * (the same inputs on both, outputs compared by normalised error with a threshold per dtype),
  * and repeated load/unload. It prints a markdown support matrix, optionally a JSON report, and
@@ -903,16 +906,42 @@ static cJSON *matrix_json(const report *r)
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: loom-conformance [--json FILE] [--ref PATH] [--quiet] [BACKEND.so|NAME ...]\n"
+            "usage: loom-conformance [--json FILE] [--ref PATH] [--quiet] [--require-usable]\n"
+            "                        [BACKEND.so|NAME ...]\n"
             "Checks backend modules against loom's backend ABI and the reference backend.\n"
-            "With no BACKEND, checks every usable module found (see `loom backends`).\n"
-            "  --json FILE   also write a JSON report to FILE ('-' for stdout)\n"
-            "  --ref PATH    the reference module to compare with (default: the one found)\n"
-            "  --quiet       print only failures, the matrix and the summary\n");
+            "With no BACKEND, checks every usable module found (see `loom backends`). NAME is\n"
+            "a backend name (every variant: `cpu`) or NAME-VARIANT (`cpu-avx2`).\n"
+            "  --json FILE       also write a JSON report to FILE ('-' for stdout)\n"
+            "  --ref PATH        the reference module to compare with (default: the one found)\n"
+            "  --quiet           print only failures, the matrix and the summary\n"
+            "  --require-usable  a module unusable on this machine fails (default: skipped, with\n"
+            "                    its probe's reason)\n"
+            "Exit status: 0 when every module checked passes (and at least one was checked),\n"
+            "1 when a check fails or nothing could be checked, 2 on a usage error.\n");
 }
 
-/* Checks one module file; returns the number of failures. */
-static int check_module(const char *path, const char *ref_path, int quiet, cJSON *json_out)
+typedef enum { MODULE_PASSED, MODULE_FAILED, MODULE_SKIPPED } module_outcome;
+
+/* Writes a skipped module's entry: the probe found nothing for it to run on here. */
+static module_outcome skip_module(const char *path, const loom_candidate *c, cJSON *json_out)
+{
+    char label[160];
+    snprintf(label, sizeof label, "%s%s%s (ABI %u.%u)", c->name, c->variant[0] ? "-" : "",
+             c->variant, c->abi_major, c->abi_minor);
+    printf("  skipped: %s is unusable here: %s\n", label, c->reason);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "path", path);
+    cJSON_AddStringToObject(o, "backend", label);
+    cJSON_AddBoolToObject(o, "skipped", 1);
+    cJSON_AddStringToObject(o, "reason", c->reason);
+    cJSON_AddItemToArray(json_out, o);
+    return MODULE_SKIPPED;
+}
+
+/* Checks one module file. A module that is unusable on this machine is skipped unless
+ * require_usable; one that does not load or declares another ABI always fails. */
+static module_outcome check_module(const char *path, const char *ref_path, int quiet,
+                                   int require_usable, cJSON *json_out)
 {
     report r;
     memset(&r, 0, sizeof r);
@@ -926,6 +955,12 @@ static int check_module(const char *path, const char *ref_path, int quiet, cJSON
     const loom_candidate *c = NULL;
     if (loom_registry_add_file(&one, path, err, sizeof err) == 0)
         c = &one.items[0];
+    if (c && c->state == LOOM_CAND_UNUSABLE && !require_usable) {
+        module_outcome skipped = skip_module(path, c, json_out);
+        cJSON_Delete(r.checks);
+        loom_registry_free(&one);
+        return skipped;
+    }
     int usable = c && c->state == LOOM_CAND_USABLE;
     record(&r, "loads, declares a compatible ABI and probes usable", usable, "%s%s%s",
            c ? loom_candidate_state_name(c->state) : err, c && c->reason[0] ? ": " : "",
@@ -973,13 +1008,13 @@ static int check_module(const char *path, const char *ref_path, int quiet, cJSON
     cJSON_AddItemToObject(o, "matrix", matrix_json(&r));
     cJSON_AddItemToObject(o, "checks", r.checks);
     cJSON_AddItemToArray(json_out, o);
-    return r.failures;
+    return r.failures ? MODULE_FAILED : MODULE_PASSED;
 }
 
 int main(int argc, char **argv)
 {
     const char *json_path = NULL, *ref_path = NULL;
-    int quiet = 0, first = argc;
+    int quiet = 0, require_usable = 0, first = argc;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
             json_path = argv[++i];
@@ -987,6 +1022,8 @@ int main(int argc, char **argv)
             ref_path = argv[++i];
         } else if (strcmp(argv[i], "--quiet") == 0) {
             quiet = 1;
+        } else if (strcmp(argv[i], "--require-usable") == 0) {
+            require_usable = 1;
         } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
             return 0;
@@ -1055,12 +1092,14 @@ int main(int argc, char **argv)
     printf("# loom-conformance (backend ABI %d.%d), reference: %s\n", LOOM_BACKEND_ABI_MAJOR,
            LOOM_BACKEND_ABI_MINOR, ref_path);
     cJSON *json = cJSON_CreateArray();
-    int failed_modules = 0;
+    int outcomes[3] = {0};
     for (int i = 0; i < n_targets; i++)
-        failed_modules += check_module(targets[i], ref_path, quiet, json) > 0;
-    printf("\n%d module(s) checked, %d failed\n", n_targets, failed_modules);
+        outcomes[check_module(targets[i], ref_path, quiet, require_usable, json)]++;
+    int checked = outcomes[MODULE_PASSED] + outcomes[MODULE_FAILED];
+    printf("\n%d module(s) checked, %d failed, %d skipped (unusable here)\n", checked,
+           outcomes[MODULE_FAILED], outcomes[MODULE_SKIPPED]);
 
-    int rc = failed_modules ? 1 : 0;
+    int rc = outcomes[MODULE_FAILED] || checked == 0 ? 1 : 0;
     if (json_path) {
         cJSON *root = cJSON_CreateObject();
         cJSON_AddNumberToObject(root, "abi_major", LOOM_BACKEND_ABI_MAJOR);
@@ -1081,10 +1120,9 @@ int main(int argc, char **argv)
     } else {
         cJSON_Delete(json);
     }
-    if (n_targets == 0) {
-        fprintf(stderr, "loom-conformance: no usable backend module to check\n");
-        rc = rc ? rc : 1;
-    }
+    if (checked == 0)
+        fprintf(stderr, "loom-conformance: no module could be checked on this machine%s\n",
+                outcomes[MODULE_SKIPPED] ? " (every one named is unusable here; see above)" : "");
     free(targets);
     loom_registry_free(&reg);
     return rc;

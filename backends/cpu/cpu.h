@@ -24,7 +24,17 @@ typedef struct cpu_features {
     int avx512f, avx512bw, avx512vl, avx512dq;  /* with OS support for ZMM and opmask state */
     int avx512vnni, avx512bf16;
     char brand[64];
+    /* LOOM_CPU_MASK: the features hidden from this process (CPU_MASK_* bits), and the reason
+     * the variable could not be read (then no variant is usable) */
+    unsigned masked;
+    char mask_error[200];
 } cpu_features;
+
+/* LOOM_CPU_MASK names: what a machine of another kind lacks */
+enum {
+    CPU_MASK_AVX2 = 1u << 0, CPU_MASK_FMA = 1u << 1, CPU_MASK_F16C = 1u << 2,
+    CPU_MASK_AVX512 = 1u << 3, CPU_MASK_VNNI = 1u << 4, CPU_MASK_BF16 = 1u << 5,
+};
 
 /* What a variant's build is: defined (as data only) in cpu_backend.c. */
 typedef struct cpu_variant_desc {

@@ -5,12 +5,70 @@
  * else: it must not execute an instruction the CPU may lack. It reads CPUID for what the CPU
  * has and XGETBV for what the OS saves on a context switch; a feature counts only with both
  * (a VM may show AVX-512 in CPUID while the OS leaves ZMM state off).
+ *
+ * LOOM_CPU_MASK hides features from both, so that one machine can act as another kind: with
+ * LOOM_CPU_MASK=avx512 the AVX-512 variant reports itself unusable exactly as it does on a CPU
+ * without AVX-512, and the suite can be run as on that machine.
  */
 #include "cpu.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+static const struct {
+    const char *name;
+    unsigned bits;
+} mask_names[] = {
+    {"avx", CPU_MASK_AVX2 | CPU_MASK_FMA | CPU_MASK_F16C | CPU_MASK_AVX512 | CPU_MASK_VNNI |
+                CPU_MASK_BF16},
+    {"avx2", CPU_MASK_AVX2}, {"fma", CPU_MASK_FMA}, {"f16c", CPU_MASK_F16C},
+    {"avx512", CPU_MASK_AVX512 | CPU_MASK_VNNI | CPU_MASK_BF16},
+    {"vnni", CPU_MASK_VNNI}, {"bf16", CPU_MASK_BF16},
+};
+
+/* Reads LOOM_CPU_MASK (comma-separated names) into f->masked, or an error into f->mask_error. */
+static void read_mask(cpu_features *f)
+{
+    const char *env = getenv("LOOM_CPU_MASK");
+    if (!env || !*env)
+        return;
+    const char *p = env;
+    while (*p) {
+        size_t len = strcspn(p, ",");
+        unsigned bits = 0;
+        for (size_t i = 0; i < sizeof mask_names / sizeof mask_names[0]; i++)
+            if (len == strlen(mask_names[i].name) && !strncmp(p, mask_names[i].name, len))
+                bits = mask_names[i].bits;
+        if (!bits) {
+            snprintf(f->mask_error, sizeof f->mask_error,
+                     "LOOM_CPU_MASK=%s: '%.*s' is not a CPU feature; use a comma-separated list "
+                     "of avx, avx2, fma, f16c, avx512, vnni, bf16", env, (int)len, p);
+            return;
+        }
+        f->masked |= bits;
+        p += len + (p[len] == ',');
+    }
+}
+
+static void apply_mask(cpu_features *f)
+{
+    read_mask(f);
+    unsigned m = f->masked;
+    if (m & CPU_MASK_AVX2)
+        f->avx2 = 0;
+    if (m & CPU_MASK_FMA)
+        f->fma = 0;
+    if (m & CPU_MASK_F16C)
+        f->f16c = 0;
+    if (m & CPU_MASK_AVX512)
+        f->avx512f = f->avx512bw = f->avx512vl = f->avx512dq = 0;
+    if (m & CPU_MASK_VNNI)
+        f->avx512vnni = 0;
+    if (m & CPU_MASK_BF16)
+        f->avx512bf16 = 0;
+}
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -59,36 +117,53 @@ void cpu_detect(cpu_features *f)
         for (int i = 47; i >= 0 && (f->brand[i] == ' ' || f->brand[i] == '\0'); i--)
             f->brand[i] = '\0'; /* brand strings are padded with spaces */
     }
+    apply_mask(f);
 }
 #else
 void cpu_detect(cpu_features *f)
 {
     memset(f, 0, sizeof *f);
+    apply_mask(f);
 }
 #endif
 
 int cpu_level_supported(const cpu_features *f, int level, char *why, size_t why_size)
 {
+    if (f->mask_error[0]) {
+        if (why)
+            snprintf(why, why_size, "%s", f->mask_error);
+        return 0;
+    }
     const char *missing = NULL;
-    if (level >= CPU_LEVEL_AVX2 && !(f->avx2 && f->fma && f->f16c))
+    int hidden = 0; /* LOOM_CPU_MASK took it away, not the CPU */
+    if (level >= CPU_LEVEL_AVX2 && !(f->avx2 && f->fma && f->f16c)) {
         missing = "AVX2, FMA and F16C (with OS support for YMM registers)";
-    else if (level >= CPU_LEVEL_AVX512 &&
-             !(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq))
+        hidden = f->masked & (CPU_MASK_AVX2 | CPU_MASK_FMA | CPU_MASK_F16C);
+    } else if (level >= CPU_LEVEL_AVX512 &&
+               !(f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq)) {
         missing = "AVX-512 F/BW/VL/DQ (with OS support for ZMM registers)";
+        hidden = f->masked & CPU_MASK_AVX512;
+    }
 #if !defined(__x86_64__)
     if (level > CPU_LEVEL_BASELINE)
-        missing = "an x86-64 CPU";
+        missing = "an x86-64 CPU", hidden = 0;
 #endif
-    if (missing && why)
+    if (!missing)
+        return 1;
+    if (why && hidden)
+        snprintf(why, why_size, "this CPU lacks %s (hidden by LOOM_CPU_MASK=%s)", missing,
+                 getenv("LOOM_CPU_MASK"));
+    else if (why)
         snprintf(why, why_size, "this CPU lacks %s", missing);
-    return missing == NULL;
+    return 0;
 }
 
 static void describe(const cpu_features *f, char *out, size_t n)
 {
-    snprintf(out, n, "%s%s%s%s", f->avx512f ? "avx512" : f->avx2 ? "avx2" : "baseline",
+    snprintf(out, n, "%s%s%s%s%s%s", f->avx512f ? "avx512" : f->avx2 ? "avx2" : "baseline",
              f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
-             f->f16c && !f->avx512f ? " f16c" : "");
+             f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
+             f->masked ? getenv("LOOM_CPU_MASK") : "");
 }
 
 static void cpu_probe(loom_probe_result *out)
