@@ -396,12 +396,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             row[b] = 0;
     }
     int rc = 0;
-    if (n_copies) {
-        int32_t src[64], dst[64];
-        for (int i = 0; i < n_copies; i++)
-            src[i] = copies[i].src, dst[i] = copies[i].dst;
-        rc = loom_runner_copy_blocks(e->runner, src, dst, n_copies, err, sizeof err);
-    }
+    if (n_copies)
+        rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
                     any_prefix ? prefix : NULL};
     if (rc == 0)

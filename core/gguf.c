@@ -215,6 +215,8 @@ void loom_gguf_close(loom_gguf *g)
         free(g->tensors[i].name);
     free(g->kv);
     free(g->tensors);
+    loom_name_index_free(&g->kv_index);
+    loom_name_index_free(&g->tensor_index);
     memset(g, 0, sizeof *g);
 }
 
@@ -260,9 +262,11 @@ int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *n
             return fail_at(&c, key_at, "%s is empty, too long or contains NUL", what);
         if (!(kv->key = dup_str(&c, off, len)))
             return fail_at(&c, key_at, "out of memory");
-        for (uint64_t k = 0; k < i; k++)
-            if (strcmp(g->kv[k].key, kv->key) == 0)
-                return fail_at(&c, key_at, "metadata key '%.80s' appears twice", kv->key);
+        int added = loom_name_index_add(&g->kv_index, kv->key, (int64_t)i);
+        if (added < 0)
+            return fail_at(&c, key_at, "out of memory");
+        if (added > 0)
+            return fail_at(&c, key_at, "metadata key '%.80s' appears twice", kv->key);
         uint32_t type;
         if (rd_u32(&c, &type, "a metadata value type"))
             return -1;
@@ -320,15 +324,20 @@ int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *n
             return fail_at(&c, dims_at, "tensor '%.80s': rows of %lld elements are not whole "
                                         "%s blocks of %lld",
                            t->name, (long long)t->ne[0], loom_ggml_type_name(t->type), (long long)be);
+        if (elems / (uint64_t)be > UINT64_MAX / (uint64_t)bb)
+            return fail_at(&c, dims_at, "tensor '%.80s' is larger than any file can hold",
+                           t->name);
         t->size = elems / (uint64_t)be * (uint64_t)bb;
         if (rel % g->alignment)
             return fail_at(&c, type_at + 4, "tensor '%.80s' offset %llu is not a multiple of the "
                                             "alignment %u",
                            t->name, (unsigned long long)rel, g->alignment);
         t->offset = rel; /* made absolute below, once the data section is known */
-        for (uint64_t k = 0; k < i; k++)
-            if (strcmp(g->tensors[k].name, t->name) == 0)
-                return fail_at(&c, at, "tensor '%.80s' appears twice", t->name);
+        int added = loom_name_index_add(&g->tensor_index, t->name, (int64_t)i);
+        if (added < 0)
+            return fail_at(&c, at, "out of memory");
+        if (added > 0)
+            return fail_at(&c, at, "tensor '%.80s' appears twice", t->name);
     }
     g->data_offset = (c.pos + g->alignment - 1) / g->alignment * g->alignment;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
@@ -392,18 +401,14 @@ void loom_gguf_release_pages(const loom_gguf *g, uint64_t offset, uint64_t size)
 
 const loom_gguf_kv *loom_gguf_find(const loom_gguf *g, const char *key)
 {
-    for (uint64_t i = 0; i < g->n_kv; i++)
-        if (g->kv[i].key && strcmp(g->kv[i].key, key) == 0)
-            return &g->kv[i];
-    return NULL;
+    int64_t i = loom_name_index_find(&g->kv_index, key);
+    return i >= 0 ? &g->kv[i] : NULL;
 }
 
 const loom_gguf_tensor *loom_gguf_find_tensor(const loom_gguf *g, const char *name)
 {
-    for (uint64_t i = 0; i < g->n_tensors; i++)
-        if (strcmp(g->tensors[i].name, name) == 0)
-            return &g->tensors[i];
-    return NULL;
+    int64_t i = loom_name_index_find(&g->tensor_index, name);
+    return i >= 0 ? &g->tensors[i] : NULL;
 }
 
 const void *loom_gguf_tensor_data(const loom_gguf *g, const loom_gguf_tensor *t)

@@ -9,6 +9,8 @@
 #ifndef LOOM_CORE_GGUF_H
 #define LOOM_CORE_GGUF_H
 
+#include "name_index.h"
+
 #include <loom/backend.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -58,6 +60,7 @@ typedef struct loom_gguf {
     uint32_t alignment;
     uint64_t data_offset;
     int mapped; /* map is ours to unmap (loom_gguf_open) */
+    loom_name_index kv_index, tensor_index; /* key / name -> position */
 } loom_gguf;
 
 /* Opens and validates path. Returns 0, or -1 with err naming what is wrong and where. A file

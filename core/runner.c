@@ -616,8 +616,8 @@ uint64_t loom_runner_block_bytes(const loom_runner *r)
     return r->kc[0].nb[3] * 2 * (uint64_t)r->hp.n_layer;
 }
 
-int loom_runner_copy_blocks(loom_runner *r, const int32_t *src, const int32_t *dst, int n,
-                            char *err, size_t err_size)
+int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
+                            size_t err_size)
 {
     const loom_backend_ops *ops = &r->dev->ops;
     uint64_t block = r->kc[0].nb[3];
@@ -625,10 +625,11 @@ int loom_runner_copy_blocks(loom_runner *r, const int32_t *src, const int32_t *d
         for (int l = 0; l < r->hp.n_layer; l++)
             for (int kv = 0; kv < 2; kv++) {
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
-                if (ops->copy_buffer(r->dev->be, r->kv, c->offset + (uint64_t)dst[i] * block, r->kv,
-                                     c->offset + (uint64_t)src[i] * block, block) != LOOM_OK) {
-                    snprintf(err, err_size, "copying KV block %d to %d on %s: %s", src[i], dst[i],
-                             r->dev->name, ops->last_error(r->dev->be));
+                uint64_t src = (uint64_t)copies[i].src, dst = (uint64_t)copies[i].dst;
+                if (ops->copy_buffer(r->dev->be, r->kv, c->offset + dst * block, r->kv,
+                                     c->offset + src * block, block) != LOOM_OK) {
+                    snprintf(err, err_size, "copying KV block %d to %d on %s: %s", copies[i].src,
+                             copies[i].dst, r->dev->name, ops->last_error(r->dev->be));
                     return -1;
                 }
             }

@@ -11,6 +11,7 @@
 #define LOOM_CORE_RUNNER_H
 
 #include "gguf.h"
+#include "kvblocks.h"
 #include "loader.h"
 
 #define LOOM_MAX_LAYERS 512
@@ -109,8 +110,8 @@ int32_t loom_runner_block_size(const loom_runner *r);
 /* Bytes of cache one block holds over all layers, K and V. */
 uint64_t loom_runner_block_bytes(const loom_runner *r);
 /* Copies whole blocks (every layer, K and V): copy on write for shared blocks. */
-int loom_runner_copy_blocks(loom_runner *r, const int32_t *src, const int32_t *dst, int n,
-                            char *err, size_t err_size);
+int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
+                            size_t err_size);
 
 /* ---- For model code ----------------------------------------------------------------------- */
 

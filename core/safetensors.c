@@ -124,6 +124,9 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
             rc = fail(err, n, "%s: tensor '%s' spans bytes [%.0f, %.0f) but the data section has "
                               "%llu: the file is truncated or corrupt",
                       f->path, e->string, b, end, (unsigned long long)data_size);
+        if (rc == 0 && elems > UINT64_MAX / (uint64_t)es)
+            rc = fail(err, n, "%s: tensor '%s' is larger than any file can hold", f->path,
+                      e->string);
         if (rc == 0 && (uint64_t)(end - b) != elems * (uint64_t)es)
             rc = fail(err, n, "%s: tensor '%s' has %.0f bytes, but its shape and dtype need %llu",
                       f->path, e->string, end - b, (unsigned long long)(elems * (uint64_t)es));
@@ -136,14 +139,23 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
             rc = fail(err, n, "%s: tensor '%s' appears twice", f->path, e->string);
             break;
         }
-        loom_st_tensor *grown = realloc(st->tensors, (size_t)(st->n_tensors + 1) * sizeof *grown);
-        if (!grown || !(t.name = strdup(e->string))) {
-            if (grown)
-                st->tensors = grown;
+        if (st->n_tensors == st->cap_tensors) {
+            int cap = st->cap_tensors ? 2 * st->cap_tensors : 256;
+            loom_st_tensor *grown = cap > st->cap_tensors
+                                        ? realloc(st->tensors, (size_t)cap * sizeof *grown)
+                                        : NULL;
+            if (!grown) {
+                rc = fail(err, n, "out of memory");
+                break;
+            }
+            st->tensors = grown, st->cap_tensors = cap;
+        }
+        if (!(t.name = strdup(e->string)) ||
+            loom_name_index_add(&st->index, t.name, st->n_tensors) < 0) {
+            free(t.name);
             rc = fail(err, n, "out of memory");
             break;
         }
-        st->tensors = grown;
         st->tensors[st->n_tensors++] = t;
     }
     cJSON_Delete(root);
@@ -271,13 +283,12 @@ void loom_safetensors_close(loom_safetensors *st)
     }
     free(st->tensors);
     free(st->files);
+    loom_name_index_free(&st->index);
     memset(st, 0, sizeof *st);
 }
 
 const loom_st_tensor *loom_safetensors_find(const loom_safetensors *st, const char *name)
 {
-    for (int i = 0; i < st->n_tensors; i++)
-        if (strcmp(st->tensors[i].name, name) == 0)
-            return &st->tensors[i];
-    return NULL;
+    int64_t i = loom_name_index_find(&st->index, name);
+    return i >= 0 ? &st->tensors[i] : NULL;
 }

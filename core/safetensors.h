@@ -6,6 +6,8 @@
 #ifndef LOOM_CORE_SAFETENSORS_H
 #define LOOM_CORE_SAFETENSORS_H
 
+#include "name_index.h"
+
 #include <loom/backend.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -33,7 +35,8 @@ typedef struct loom_safetensors {
     loom_st_file *files;
     int n_files;
     loom_st_tensor *tensors;
-    int n_tensors;
+    int n_tensors, cap_tensors;
+    loom_name_index index; /* name -> position in tensors */
 } loom_safetensors;
 
 /* path: a .safetensors file, a model.safetensors.index.json, or a folder holding either.

@@ -24,6 +24,8 @@
 #include "tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <limits.h>
+#include <math.h>
 #include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -57,6 +59,11 @@ struct loom_tokenizer {
     int nfkc, collapse_ws; /* normalise: NFKC; collapse whitespace runs and trim the ends */
     int glm_text;        /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
     uint32_t max_piece;  /* longest piece, bytes (unigram) */
+    /* unigram: a bit per hash of every prefix of every piece, so that the search for pieces
+     * at a position stops as soon as no piece can start with what it has read */
+    uint64_t *prefix_bits;
+    uint32_t prefix_mask;
+    unsigned char special_first[256]; /* some special token's text starts with this byte */
     float min_score;     /* lowest piece score (unigram: an unknown costs 10 less) */
     int32_t stops[16];   /* further tokens that end a generation */
     int n_stops;
@@ -79,23 +86,36 @@ struct loom_tokenizer {
     int16_t char_byte[324];    /* and back: code point (< 324) -> byte, -1 none */
 };
 
-static uint32_t hash_bytes(const char *s, size_t n)
+#define HASH_SEED 2166136261u
+
+/* FNV-1a, which runs a byte at a time: a prefix's hash extends to the next prefix's */
+static uint32_t hash_more(uint32_t h, const char *s, size_t n)
 {
-    uint32_t h = 2166136261u;
     for (size_t i = 0; i < n; i++)
         h = (h ^ (unsigned char)s[i]) * 16777619u;
     return h;
 }
 
-static int32_t lookup(const loom_tokenizer *t, const char *s, size_t n)
+static uint32_t hash_bytes(const char *s, size_t n)
 {
-    for (uint32_t i = hash_bytes(s, n) & t->table_mask;; i = (i + 1) & t->table_mask) {
+    return hash_more(HASH_SEED, s, n);
+}
+
+/* lookup() with the text's hash_bytes() already known */
+static int32_t lookup_hashed(const loom_tokenizer *t, const char *s, size_t n, uint32_t hash)
+{
+    for (uint32_t i = hash & t->table_mask;; i = (i + 1) & t->table_mask) {
         int32_t id = t->table[i];
         if (id < 0)
             return -1;
         if (t->vocab[id].len == n && memcmp(t->vocab[id].text, s, n) == 0)
             return id;
     }
+}
+
+static int32_t lookup(const loom_tokenizer *t, const char *s, size_t n)
+{
+    return lookup_hashed(t, s, n, hash_bytes(s, n));
 }
 
 void loom_tokenizer_free(loom_tokenizer *t)
@@ -111,6 +131,7 @@ void loom_tokenizer_free(loom_tokenizer *t)
     free(t->arena);
     free(t->table);
     free(t->specials);
+    free(t->prefix_bits);
     free(t);
 }
 
@@ -180,6 +201,11 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
         snprintf(err, err_size, "a gpt2 tokenizer needs tokenizer.ggml.merges (a list of strings)");
         return -1;
     }
+    if (merges->count >= (1u << 24)) { /* ranks are compared as floats, exact below 2^24 */
+        snprintf(err, err_size, "tokenizer.ggml.merges has %llu entries; loom reads at most 2^24",
+                 (unsigned long long)merges->count);
+        return -1;
+    }
     t->n_merges = (int32_t)merges->count;
     uint64_t total = 0;
     for (int32_t i = 0; i < t->n_merges; i++) {
@@ -242,6 +268,9 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
         snprintf(err, err_size, "internal: the %s pre-tokenizer pattern does not compile", pattern);
         return -1;
     }
+    /* compiled to machine code where PCRE2 can (several times faster on long prompts);
+     * where it cannot, pcre2_match interprets the pattern as before */
+    pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE);
     return 0;
 }
 
@@ -317,6 +346,12 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         e->len = (uint32_t)len;
         p += len + 1;
         e->score = scores && loom_gguf_array_f64(g, scores, (uint64_t)i, &v) == 0 ? (float)v : 0.0f;
+        if (!isfinite(e->score)) { /* the merge order and Viterbi's sums need real numbers */
+            snprintf(err, err_size, "tokenizer.ggml.scores[%d] (token '%.40s') is not a finite "
+                     "number", i, e->text);
+            loom_tokenizer_free(t);
+            return NULL;
+        }
         e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 ? (int)v : TOK_NORMAL;
         if (lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
             uint32_t h = hash_bytes(e->text, e->len) & t->table_mask;
@@ -389,8 +424,22 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     if (!t->specials)
         goto oom;
     for (int32_t i = 0; i < t->n_vocab; i++)
-        if ((t->vocab[i].type == TOK_CONTROL || t->vocab[i].type == TOK_USER) && t->vocab[i].len)
+        if ((t->vocab[i].type == TOK_CONTROL || t->vocab[i].type == TOK_USER) && t->vocab[i].len) {
             t->specials[t->n_specials++] = i;
+            t->special_first[(unsigned char)t->vocab[i].text[0]] = 1;
+        }
+    if (unigram) {
+        t->prefix_mask = (1u << 24) - 1; /* 2 MiB: a few percent of false hits for 10^6 prefixes */
+        if (!(t->prefix_bits = calloc(((size_t)t->prefix_mask + 1) / 64, sizeof *t->prefix_bits)))
+            goto oom;
+        for (int32_t i = 0; i < t->n_vocab; i++) {
+            uint32_t h = HASH_SEED;
+            for (uint32_t l = 0; l < t->vocab[i].len; l++) {
+                h = hash_more(h, t->vocab[i].text + l, 1);
+                t->prefix_bits[(h & t->prefix_mask) / 64] |= 1ull << (h & 63);
+            }
+        }
+    }
     qsort_r(t->specials, (size_t)t->n_specials, sizeof *t->specials, cmp_special_len, t);
     return t;
 oom:
@@ -401,16 +450,23 @@ oom:
 
 /* ---- SentencePiece BPE ------------------------------------------------------------------ */
 
+/* symbols are indexed by int; no pre-token or text run is allowed near that */
+#define MAX_FRAGMENT ((size_t)INT_MAX / 4)
+
 typedef struct symbol {
-    int prev, next;   /* neighbours in the list, -1 at the ends */
-    size_t start, n;  /* bytes in the escaped text; n == 0 once merged into the left one */
+    int prev, next;       /* neighbours in the list, -1 at the ends */
+    uint32_t start, n;    /* bytes in the escaped text; n == 0 once merged into the left one */
 } symbol;
 
 typedef struct bigram {
     float score;
     int left;
-    size_t size; /* the merged length, to detect a stale entry */
+    uint32_t size; /* the merged length (< MAX_FRAGMENT), to detect a stale entry */
 } bigram;
+
+/* a 4-ary heap: half the levels of a binary one, and a node's children share a cache line or
+ * two, which is what a long pre-token's million pairs cost */
+#define HEAP_ARITY 4
 
 typedef struct heap {
     bigram *items;
@@ -435,25 +491,22 @@ static int heap_push(heap *h, bigram b)
     }
     size_t i = h->n++;
     h->items[i] = b;
-    while (i > 0 && before(&h->items[i], &h->items[(i - 1) / 2])) {
+    while (i > 0 && before(&h->items[i], &h->items[(i - 1) / HEAP_ARITY])) {
         bigram tmp = h->items[i];
-        h->items[i] = h->items[(i - 1) / 2];
-        h->items[(i - 1) / 2] = tmp;
-        i = (i - 1) / 2;
+        h->items[i] = h->items[(i - 1) / HEAP_ARITY];
+        h->items[(i - 1) / HEAP_ARITY] = tmp;
+        i = (i - 1) / HEAP_ARITY;
     }
     return 0;
 }
 
-static bigram heap_pop(heap *h)
+static void heap_sift_down(heap *h, size_t i)
 {
-    bigram top = h->items[0];
-    h->items[0] = h->items[--h->n];
-    for (size_t i = 0;;) {
-        size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && before(&h->items[l], &h->items[m]))
-            m = l;
-        if (r < h->n && before(&h->items[r], &h->items[m]))
-            m = r;
+    for (;;) {
+        size_t first = HEAP_ARITY * i + 1, m = i;
+        for (size_t c = first; c < first + HEAP_ARITY && c < h->n; c++)
+            if (before(&h->items[c], &h->items[m]))
+                m = c;
         if (m == i)
             break;
         bigram tmp = h->items[i];
@@ -461,6 +514,13 @@ static bigram heap_pop(heap *h)
         h->items[m] = tmp;
         i = m;
     }
+}
+
+static bigram heap_pop(heap *h)
+{
+    bigram top = h->items[0];
+    h->items[0] = h->items[--h->n];
+    heap_sift_down(h, 0);
     return top;
 }
 
@@ -490,16 +550,73 @@ static void emit_bytes(const loom_tokenizer *t, const char *p, size_t n, out_ids
     }
 }
 
-static int try_pair(const loom_tokenizer *t, const char *text, const symbol *sym, int left,
-                    heap *h)
+/* How a BPE family scores merging two adjacent symbols (higher merges first): 0 and *score
+ * when the pair merges, -1 when it does not. */
+typedef struct pair_scorer {
+    int (*score)(const struct pair_scorer *ps, const symbol *a, const symbol *b, float *score);
+    const loom_tokenizer *t;
+    const char *text; /* the symbols' bytes, contiguous */
+    char *key;        /* scratch, for families whose merge key is not the concatenation */
+} pair_scorer;
+
+static int try_pair(const pair_scorer *ps, const symbol *sym, int left, heap *h)
 {
     if (left < 0 || sym[left].next < 0)
         return 0;
     const symbol *a = &sym[left], *b = &sym[a->next];
-    int32_t id = lookup(t, text + a->start, a->n + b->n);
-    if (id < 0)
+    float score;
+    if (ps->score(ps, a, b, &score) != 0)
         return 0;
-    return heap_push(h, (bigram){t->vocab[id].score, left, a->n + b->n});
+    return heap_push(h, (bigram){score, left, a->n + b->n});
+}
+
+/* Merges the list of count symbols (prev/next links, contiguous bytes) pair by pair, the
+ * best-scoring adjacent pair first and the leftmost among equals, until no pair merges. Each
+ * merge queues only the two pairs it creates, so the whole is O(n log n) in the symbols;
+ * queued pairs a merge made stale are recognised when they come out (a symbol only grows, so
+ * a pair whose merged length changed is no longer there). Returns 0, or -1 without memory. */
+static int merge_symbols(const pair_scorer *ps, symbol *sym, int count)
+{
+    heap h = {0};
+    if (count > 1 && !(h.items = malloc((size_t)count * sizeof *h.items)))
+        return -1;
+    h.cap = count > 1 ? (size_t)count : 0;
+    /* the first pairs go in unordered and are made a heap at once: O(n), not O(n log n) */
+    for (int i = 0; i + 1 < count; i++) {
+        float score;
+        if (ps->score(ps, &sym[i], &sym[i + 1], &score) == 0)
+            h.items[h.n++] = (bigram){score, i, sym[i].n + sym[i + 1].n};
+    }
+    for (size_t i = h.n / HEAP_ARITY + 1; i-- > 0;)
+        heap_sift_down(&h, i);
+    int rc = 0;
+    while (h.n > 0 && rc == 0) {
+        bigram b = heap_pop(&h);
+        symbol *a = &sym[b.left];
+        if (a->n == 0 || a->next < 0 || a->n + sym[a->next].n != b.size)
+            continue; /* stale: one side changed since it was queued */
+        symbol *r = &sym[a->next];
+        a->n += r->n;
+        r->n = 0;
+        a->next = r->next;
+        if (r->next >= 0)
+            sym[r->next].prev = b.left;
+        rc = try_pair(ps, sym, a->prev, &h);
+        if (rc == 0)
+            rc = try_pair(ps, sym, b.left, &h);
+    }
+    free(h.items);
+    return rc;
+}
+
+/* SentencePiece BPE: a pair merges when its concatenation is a piece, by the piece's score */
+static int spm_pair_score(const pair_scorer *ps, const symbol *a, const symbol *b, float *score)
+{
+    int32_t id = lookup(ps->t, ps->text + a->start, a->n + b->n);
+    if (id < 0)
+        return -1;
+    *score = ps->t->vocab[id].score;
+    return 0;
 }
 
 /* SentencePiece's escaping: a leading U+2581 when asked, and every space as U+2581. Returns
@@ -530,10 +647,11 @@ static char *escape_spaces(const char *raw, size_t len, int prefix, size_t *n)
 static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
                         out_ids *o)
 {
+    if (len > MAX_FRAGMENT)
+        return -1;
     size_t n;
     char *text = escape_spaces(raw, len, prefix, &n);
     symbol *sym = malloc((n + 1) * sizeof *sym);
-    heap h = {0};
     if (!text || !sym) {
         free(text), free(sym);
         return -1;
@@ -543,30 +661,14 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
         size_t cl = utf8_len((unsigned char)text[i]);
         if (cl > n - i)
             cl = n - i;
-        sym[count] = (symbol){count - 1, -1, i, cl};
+        sym[count] = (symbol){count - 1, -1, (uint32_t)i, (uint32_t)cl};
         if (count > 0)
             sym[count - 1].next = count;
         count++;
         i += cl;
     }
-    int rc = 0;
-    for (int i = 0; i + 1 < count && rc == 0; i++)
-        rc = try_pair(t, text, sym, i, &h);
-    while (h.n > 0 && rc == 0) {
-        bigram b = heap_pop(&h);
-        symbol *a = &sym[b.left];
-        if (a->n == 0 || a->next < 0 || a->n + sym[a->next].n != b.size)
-            continue; /* stale: one side changed since it was queued */
-        symbol *r = &sym[a->next];
-        a->n += r->n;
-        r->n = 0;
-        a->next = r->next;
-        if (r->next >= 0)
-            sym[r->next].prev = b.left;
-        rc = try_pair(t, text, sym, a->prev, &h);
-        if (rc == 0)
-            rc = try_pair(t, text, sym, b.left, &h);
-    }
+    pair_scorer ps = {spm_pair_score, t, text, NULL};
+    int rc = merge_symbols(&ps, sym, count);
     for (int i = 0; count > 0 && i >= 0 && rc == 0; i = sym[i].next) {
         int32_t id = lookup(t, text + sym[i].start, sym[i].n);
         if (id >= 0) {
@@ -575,7 +677,6 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
         }
         emit_bytes(t, text + sym[i].start, sym[i].n, o);
     }
-    free(h.items);
     free(text);
     free(sym);
     return rc;
@@ -588,7 +689,7 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
     size_t n;
     char *text = escape_spaces(raw, len, prefix, &n);
     double *best = malloc((n + 1) * sizeof *best);
-    int32_t *from = malloc((n + 1) * sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
+    int32_t *from = calloc(n + 1, sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
     if (!text || !best || !from || !piece) {
         free(text), free(best), free(from), free(piece);
         return -1;
@@ -605,8 +706,14 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
         if (cl > n - i)
             cl = n - i;
         int covered = 0;
-        for (size_t l = cl; l <= t->max_piece && i + l <= n; l += utf8_len((unsigned char)text[i + l])) {
-            int32_t id = lookup(t, text + i, l);
+        uint32_t hash = HASH_SEED; /* of text[i, i + l), grown with l */
+        for (size_t l = cl, hashed = 0; l <= t->max_piece && i + l <= n;
+             l += utf8_len((unsigned char)text[i + l])) {
+            hash = hash_more(hash, text + i + hashed, l - hashed);
+            hashed = l;
+            if (!(t->prefix_bits[(hash & t->prefix_mask) / 64] >> (hash & 63) & 1))
+                break; /* no piece starts with text[i, i + l) */
+            int32_t id = lookup_hashed(t, text + i, l, hash);
             if (id >= 0 && (t->vocab[id].type == TOK_NORMAL || t->vocab[id].type == TOK_USER)) {
                 double sc = best[i] + (t->vocab[id].type == TOK_USER ? user : t->vocab[id].score);
                 if (sc > best[i + l])
@@ -738,63 +845,63 @@ static int glm_text(const loom_tokenizer *t, const char *raw, size_t len, int pr
 
 /* ---- Byte-level BPE: encoding ------------------------------------------------------------ */
 
+/* byte-level BPE: a pair merges when "left right" is a listed merge, lowest rank first */
+static int bpe_pair_score(const pair_scorer *ps, const symbol *a, const symbol *b, float *score)
+{
+    memcpy(ps->key, ps->text + a->start, a->n);
+    ps->key[a->n] = ' ';
+    memcpy(ps->key + a->n + 1, ps->text + b->start, b->n);
+    int32_t rank = merge_lookup(ps->t, ps->key, a->n + 1 + b->n);
+    if (rank < 0)
+        return -1;
+    *score = -(float)rank; /* exact: ranks stay below 2^24 (bpe_setup) */
+    return 0;
+}
+
 /* One pre-token: its bytes spelled with the byte map, then merged by rank. */
 static int bpe_word(const loom_tokenizer *t, const unsigned char *w, size_t n, out_ids *o)
 {
+    if (n == 0)
+        return 0;
+    if (n > MAX_FRAGMENT)
+        return -1;
     char *buf = malloc(2 * n + 1), *key = malloc(4 * n + 2);
-    size_t *st = malloc(n * sizeof *st), *ln = malloc(n * sizeof *ln);
-    if (!buf || !key || !st || !ln) {
-        free(buf), free(key), free(st), free(ln);
+    symbol *sym = malloc((n + 1) * sizeof *sym);
+    if (!buf || !key || !sym) {
+        free(buf), free(key), free(sym);
         return -1;
     }
-    size_t used = 0, cnt = n;
+    size_t used = 0;
     for (size_t i = 0; i < n; i++) {
-        st[i] = used;
-        ln[i] = t->byte_chars_len[w[i]];
-        memcpy(buf + used, t->byte_chars[w[i]], ln[i]);
-        used += ln[i];
+        sym[i] = (symbol){(int)i - 1, i + 1 < n ? (int)i + 1 : -1, (uint32_t)used,
+                          t->byte_chars_len[w[i]]};
+        memcpy(buf + used, t->byte_chars[w[i]], sym[i].n);
+        used += sym[i].n;
     }
+    int rc = 0;
     int32_t whole = t->ignore_merges ? lookup(t, buf, used) : -1;
     if (whole >= 0) {
-        cnt = 1;
-        ln[0] = used;
+        emit(o, whole);
+    } else {
+        pair_scorer ps = {bpe_pair_score, t, buf, key};
+        rc = merge_symbols(&ps, sym, (int)n);
     }
-    for (; whole < 0;) {
-        int32_t best_rank = -1;
-        size_t best = 0;
-        for (size_t i = 0; i + 1 < cnt; i++) {
-            memcpy(key, buf + st[i], ln[i]);
-            key[ln[i]] = ' ';
-            memcpy(key + ln[i] + 1, buf + st[i + 1], ln[i + 1]);
-            int32_t r = merge_lookup(t, key, ln[i] + 1 + ln[i + 1]);
-            if (r >= 0 && (best_rank < 0 || r < best_rank)) {
-                best_rank = r;
-                best = i;
-            }
-        }
-        if (best_rank < 0)
-            break;
-        ln[best] += ln[best + 1]; /* symbols are contiguous in buf */
-        memmove(st + best + 1, st + best + 2, (cnt - best - 2) * sizeof *st);
-        memmove(ln + best + 1, ln + best + 2, (cnt - best - 2) * sizeof *ln);
-        cnt--;
-    }
-    for (size_t i = 0; i < cnt; i++) {
-        int32_t id = lookup(t, buf + st[i], ln[i]);
+    for (int i = 0; whole < 0 && i >= 0 && rc == 0; i = sym[i].next) {
+        int32_t id = lookup(t, buf + sym[i].start, sym[i].n);
         if (id >= 0) {
             emit(o, id);
             continue;
         }
         /* not in the vocabulary as a whole: its characters one by one */
-        for (size_t k = 0; k < ln[i];) {
-            size_t cl = utf8_len((unsigned char)buf[st[i] + k]);
-            int32_t cid = lookup(t, buf + st[i] + k, cl);
+        for (size_t k = 0; k < sym[i].n;) {
+            size_t cl = utf8_len((unsigned char)buf[sym[i].start + k]);
+            int32_t cid = lookup(t, buf + sym[i].start + k, cl);
             emit(o, cid >= 0 ? cid : t->unk);
             k += cl;
         }
     }
-    free(buf), free(key), free(st), free(ln);
-    return 0;
+    free(buf), free(key), free(sym);
+    return rc;
 }
 
 static int bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, out_ids *o)
@@ -813,7 +920,7 @@ static int bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, ou
     int rc = md ? 0 : -1;
     size_t at = 0;
     while (rc == 0 && at < len) {
-        int m = pcre2_match(t->re, text, len, at, 0, md, NULL);
+        int m = pcre2_match(t->re, text, len, at, PCRE2_NO_UTF_CHECK, md, NULL);
         size_t s = len, e = len;
         if (m >= 0) {
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
@@ -831,13 +938,95 @@ static int bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, ou
     return rc;
 }
 
+/* The bytes at s (n left) that begin a UTF-8 character: *whole is set when they are all of
+ * one (Unicode's table of well-formed sequences: no overlong forms, surrogates or code points
+ * above U+10FFFF), and the count is otherwise the "maximal subpart" that a decoder replaces
+ * with one U+FFFD, as Python's and ICU's do. */
+static size_t utf8_char(const unsigned char *s, size_t n, int *whole)
+{
+    unsigned c = s[0], lo = 0x80, hi = 0xbf;
+    size_t need;
+    *whole = c < 0x80;
+    if (c < 0x80)
+        return 1;
+    if (c >= 0xc2 && c <= 0xdf)
+        need = 2;
+    else if (c >= 0xe0 && c <= 0xef)
+        need = 3, lo = c == 0xe0 ? 0xa0 : lo, hi = c == 0xed ? 0x9f : hi;
+    else if (c >= 0xf0 && c <= 0xf4)
+        need = 4, lo = c == 0xf0 ? 0x90 : lo, hi = c == 0xf4 ? 0x8f : hi;
+    else
+        return 1;
+    size_t k = 1;
+    for (; k < need && k < n && s[k] >= lo && s[k] <= hi; k++)
+        lo = 0x80, hi = 0xbf;
+    *whole = k == need;
+    return k;
+}
+
+size_t loom_utf8_valid_prefix(const char *text, size_t len)
+{
+    const unsigned char *s = (const unsigned char *)text;
+    size_t i = 0;
+    int whole = 1;
+    while (i < len) {
+        size_t k = utf8_char(s + i, len - i, &whole);
+        if (!whole)
+            break;
+        i += k;
+    }
+    return i;
+}
+
+char *loom_utf8_sanitize(const char *text, size_t len, size_t *out_len)
+{
+    const unsigned char *s = (const unsigned char *)text;
+    if (len > SIZE_MAX / 3 - 1)
+        return NULL;
+    char *out = malloc(3 * len + 1); /* one replacement (3 bytes) per bad byte at most */
+    if (!out)
+        return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < len;) {
+        int whole;
+        size_t c = utf8_char(s + i, len - i, &whole);
+        if (whole)
+            memcpy(out + k, s + i, c), k += c;
+        else
+            memcpy(out + k, "\xef\xbf\xbd", 3), k += 3;
+        i += c;
+    }
+    out[k] = '\0';
+    *out_len = k;
+    return out;
+}
+
 static int is_space(char c)
 {
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
 
+static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
+                            int add_special, int parse_special, int32_t *ids, int64_t cap);
+
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
                               int add_special, int parse_special, int32_t *ids, int64_t cap)
+{
+    /* bytes that are not UTF-8 become U+FFFD first, as the reference tokenizers see them (they
+     * take decoded strings); from here on the text is valid, and PCRE2 need not check it */
+    char *valid = NULL;
+    if (loom_utf8_valid_prefix(text, len) < len) {
+        if (!(valid = loom_utf8_sanitize(text, len, &len)))
+            return -1;
+        text = valid;
+    }
+    int64_t n = encode_valid(t, text, len, add_special, parse_special, ids, cap);
+    free(valid);
+    return n;
+}
+
+static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
+                            int add_special, int parse_special, int32_t *ids, int64_t cap)
 {
     out_ids o = {ids, 0, cap};
     /* a text that already starts with what the family prepends (a rendered chat prompt) does
@@ -856,7 +1045,7 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
     size_t start = 0;
     for (size_t i = 0; i <= len;) {
         int32_t found = -1;
-        if (parse_special && i < len)
+        if (parse_special && i < len && t->special_first[(unsigned char)text[i]])
             for (int s = 0; s < t->n_specials && found < 0; s++) {
                 const vocab_entry *e = &t->vocab[t->specials[s]];
                 if (e->len <= len - i && memcmp(text + i, e->text, e->len) == 0)

@@ -44,6 +44,14 @@ const char *loom_tokenizer_model(const loom_tokenizer *t);
  * out and returns how many. */
 size_t loom_byte_level_spell(const unsigned char *bytes, size_t n, char *out);
 
+/* How many leading bytes of text are valid UTF-8 (len when all are). */
+size_t loom_utf8_valid_prefix(const char *text, size_t len);
+
+/* A malloc'd, NUL-terminated copy of text in which every ill-formed UTF-8 sequence (its
+ * maximal subpart, as Unicode defines it) is U+FFFD; its length in *out_len. NULL when out
+ * of memory. */
+char *loom_utf8_sanitize(const char *text, size_t len, size_t *out_len);
+
 /* How many leading bytes of s (n bytes) form complete UTF-8 characters: what a streaming
  * printer can emit now without splitting a character. */
 size_t loom_utf8_complete(const char *s, size_t n);

@@ -215,6 +215,62 @@ static void test_corruption(const unsigned char *good, uint64_t size)
           "missing file: %s", err);
 }
 
+/* A hand-made GGUF v3 header: n tensors named t0, t1, ... (or all "same"), each F32 with the
+ * given two dims and offset 0, no metadata and no data. */
+static unsigned char *craft(uint64_t n, uint64_t ne0, uint64_t ne1, int same, uint64_t *size)
+{
+    unsigned char *b = malloc(24 + n * 48 + 32), *p = b;
+    uint32_t version = 3, dims = 2, type = 0;
+    uint64_t zero = 0;
+    memcpy(p, "GGUF", 4), p += 4;
+    memcpy(p, &version, 4), p += 4;
+    memcpy(p, &n, 8), p += 8;
+    memcpy(p, &zero, 8), p += 8;
+    for (uint64_t i = 0; i < n; i++) {
+        char name[24];
+        uint64_t len = (uint64_t)snprintf(name, sizeof name, same ? "same" : "t%llu",
+                                          (unsigned long long)i);
+        memcpy(p, &len, 8), p += 8;
+        memcpy(p, name, len), p += len;
+        memcpy(p, &dims, 4), p += 4;
+        memcpy(p, &ne0, 8), p += 8;
+        memcpy(p, &ne1, 8), p += 8;
+        memcpy(p, &type, 4), p += 4;
+        memcpy(p, &zero, 8), p += 8;
+    }
+    while ((p - b) % 32)
+        *p++ = 0;
+    *size = (uint64_t)(p - b);
+    return b;
+}
+
+/* What a hostile file could do with sizes and counts: sizes that wrap around 2^64 (a tensor
+ * that claims no bytes), and duplicate checks that cost n^2 (a header of 300000 tensors). */
+static void test_hostile_sizes(void)
+{
+    loom_gguf g;
+    uint64_t size;
+    unsigned char *b = craft(1, 1ull << 40, 1ull << 22, 0, &size); /* 2^62 floats: 2^64 bytes */
+    CHECK(loom_gguf_parse(&g, b, size, "wrap.gguf", err, sizeof err) != 0 &&
+              strstr(err, "larger than any file"),
+          "a tensor of 2^64 bytes is refused, not taken as 0 bytes: %s", err);
+    loom_gguf_close(&g);
+    free(b);
+    b = craft(2, 4, 1, 1, &size);
+    CHECK(loom_gguf_parse(&g, b, size, "dup.gguf", err, sizeof err) != 0 && strstr(err, "twice"),
+          "a tensor name given twice: %s", err);
+    loom_gguf_close(&g);
+    free(b);
+    b = craft(300000, 1, 1, 0, &size);
+    alarm(60); /* a quadratic duplicate check takes many minutes here; the default action of
+                * SIGALRM ends the test as failed */
+    CHECK(loom_gguf_parse(&g, b, size, "many.gguf", err, sizeof err) != 0 && strstr(err, "truncated"),
+          "300000 tensors are read (and found to lack their data): %s", err);
+    alarm(0);
+    loom_gguf_close(&g);
+    free(b);
+}
+
 int main(void)
 {
     int skipped = 0;
@@ -227,5 +283,6 @@ int main(void)
     test_corruption(bytes, size);
     free(bytes);
     unlink(path);
+    test_hostile_sizes();
     return check_finish("test_gguf");
 }

@@ -118,6 +118,11 @@ static void test_shards_and_errors(void)
         {"{\"x\":{\"dtype\":\"Q9\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2, "unknown dtype"},
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, "bad shape"},
         {"{\"x\":{\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "lacks dtype"},
+        /* 2^31 x 2^31 floats are 2^64 bytes, which wraps to 0 and would match [0, 0) */
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}",
+         0, "larger than any file"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "appears twice"},
         {"[1,2,3]", 0, "not a JSON object"},
         {"{\"x\":", 0, "not a JSON object"},
     };

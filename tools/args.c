@@ -1,12 +1,15 @@
 /*
  * tools/args.c - see args.h.
  */
+#define _POSIX_C_SOURCE 200809L
 #include "args.h"
 
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 
 int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out)
 {
@@ -34,4 +37,55 @@ int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, 
     }
     *out = (float)x;
     return 0;
+}
+
+char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, size_t *len)
+{
+    FILE *f = strcmp(path, "-") == 0 ? stdin : fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, strerror(errno));
+        return NULL;
+    }
+    char *text = NULL;
+    size_t n = 0, cap = 0;
+    for (;;) {
+        if (cap - n < 65536) {
+            char *grown = cap < ((size_t)1 << 34) ? realloc(text, cap * 2 + 65536) : NULL;
+            if (!grown) {
+                fprintf(stderr, "%s: %s %s: too large to read into memory\n", cmd, flag, path);
+                free(text);
+                text = NULL;
+                break;
+            }
+            text = grown, cap = cap * 2 + 65536;
+        }
+        size_t got = fread(text + n, 1, cap - n - 1, f);
+        n += got;
+        if (got == 0)
+            break;
+    }
+    if (text && ferror(f)) {
+        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, strerror(errno));
+        free(text);
+        text = NULL;
+    }
+    if (f != stdin)
+        fclose(f);
+    const char *nul = text ? memchr(text, '\0', n) : NULL;
+    if (nul) {
+        fprintf(stderr, "%s: %s %s: a NUL byte at offset %zu; the text must not contain any\n",
+                cmd, flag, path, (size_t)(nul - text));
+        free(text);
+        return NULL;
+    }
+    if (text)
+        text[n] = '\0', *len = n;
+    return text;
+}
+
+double loom_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }

@@ -1,13 +1,23 @@
 /*
- * tools/args.h - reading a command-line value, with an error that names the command, the flag
- * and what was given: "loom run: -n wants a whole number from 0 to 1048576, not 'x'".
+ * tools/args.h - what the commands share: reading a command-line value, with an error that
+ * names the command, the flag and what was given ("loom run: -n wants a whole number from 0
+ * to 1048576, not 'x'"), reading a text file a flag names, and a clock for timings.
  */
 #ifndef LOOM_TOOLS_ARGS_H
 #define LOOM_TOOLS_ARGS_H
+
+#include <stddef.h>
 
 /* 0 with *out set, or -1 after printing the error to stderr (v may be NULL: missing). */
 int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out);
 int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
                    float *out);
+
+/* The whole of a text file (path "-": standard input), NUL-terminated, its length in *len;
+ * NULL after printing why (unreadable, too large, or holding a NUL byte, which no prompt may). */
+char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, size_t *len);
+
+/* Milliseconds on a monotonic clock. */
+double loom_now_ms(void);
 
 #endif

@@ -11,6 +11,7 @@
  * read bandwidth the same way, so each figure can be given as a share of it.
  */
 #define _GNU_SOURCE
+#include "args.h"
 #include "bench_ops.h"
 
 #include "core/loader.h"
@@ -28,9 +29,7 @@
 
 static double now_s(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    return loom_now_ms() * 1e-3;
 }
 
 /* Bytes a decode-shaped working set must span so that it streams from DRAM. */

@@ -39,12 +39,6 @@ typedef struct waiter {
     loom_event last;
 } waiter;
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
 
 static void on_event(void *user, const loom_event *ev)
 {
@@ -78,7 +72,7 @@ static void *client(void *arg)
         loom_request r = {s->prompts[i], s->n_prompt, s->n_gen, greedy, NULL, 0};
         char err[512];
         w.done = 0;
-        double t0 = now_ms();
+        double t0 = loom_now_ms();
         if (loom_engine_submit(s->engine, &r, on_event, &w, err, sizeof err) < 0) {
             fprintf(stderr, "loom bench serve: %s\n", err);
             s->samples[i].failed = 1;
@@ -88,7 +82,7 @@ static void *client(void *arg)
         while (!w.done)
             pthread_cond_wait(&w.cv, &w.mu);
         pthread_mutex_unlock(&w.mu);
-        s->samples[i] = (sample){w.last.ttft_ms, now_ms() - t0, w.last.n_generated, w.done != 1};
+        s->samples[i] = (sample){w.last.ttft_ms, loom_now_ms() - t0, w.last.n_generated, w.done != 1};
     }
     pthread_mutex_destroy(&w.mu);
     pthread_cond_destroy(&w.cv);
@@ -122,12 +116,12 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
     pthread_mutex_init(&s.mu, NULL);
     pthread_t *th = calloc((size_t)clients, sizeof *th);
     uint64_t pre0 = loom_engine_get_stats(e).preemptions;
-    double t0 = now_ms();
+    double t0 = loom_now_ms();
     for (int c = 0; c < clients; c++)
         pthread_create(&th[c], NULL, client, &s);
     for (int c = 0; c < clients; c++)
         pthread_join(th[c], NULL);
-    double dt = (now_ms() - t0) / 1e3;
+    double dt = (loom_now_ms() - t0) / 1e3;
     result r = {clients, n_requests, 0, dt, 0, 0, 0, 0, 0, 0, 0, 0};
     double *ttft = calloc((size_t)n_requests, sizeof *ttft), *lat = calloc((size_t)n_requests, sizeof *lat);
     uint64_t gen = 0;

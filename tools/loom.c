@@ -41,7 +41,9 @@ static void usage(FILE *out)
             "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
             "  serve -m MODEL [--port 8080] [--api-key KEY] [--max-batch N]\n"
             "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
-            "  tokenize -m MODEL [--json] [--no-special] TEXT   text to token ids\n"
+            "  tokenize -m MODEL [--json] [--no-special] [--count] (TEXT | -f FILE)\n"
+            "                                                   text to token ids (--count: how\n"
+            "                                                   many, and how long it took)\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
             "  quantize IN.gguf OUT.gguf TYPE   requantise a GGUF file's matrices\n"
             "  inspect FILE [--json]\n"
@@ -297,41 +299,61 @@ static int cmd_convert(int argc, char **argv)
 
 static int cmd_tokenize(int argc, char **argv)
 {
-    const char *model = NULL, *text = NULL;
-    int json = 0, no_special = 0;
+    const char *model = NULL, *text = NULL, *file = NULL;
+    int json = 0, no_special = 0, count = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc)
             model = argv[++i];
+        else if (!strcmp(argv[i], "-f") && i + 1 < argc)
+            file = argv[++i];
         else if (!strcmp(argv[i], "--json"))
             json = 1;
         else if (!strcmp(argv[i], "--no-special"))
             no_special = 1;
+        else if (!strcmp(argv[i], "--count"))
+            count = 1;
         else if ((argv[i][0] == '-' && argv[i][1]) || text) {
             fprintf(stderr, "loom tokenize: unexpected argument '%s'\n", argv[i]);
             return 2;
         } else
             text = argv[i];
     }
-    if (!model || !text) {
-        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special] TEXT\n");
+    if (!model || !text == !file) {
+        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special] [--count] "
+                        "(TEXT | -f FILE)\n");
         return 2;
     }
+    char *owned = NULL;
+    size_t len;
+    if (file && !(text = owned = loom_arg_text_file("loom tokenize", "-f", file, &len)))
+        return 2;
     char err[4096];
     loom_vocab *v = loom_vocab_open(model, err, sizeof err);
     if (!v) {
         fprintf(stderr, "loom tokenize: %s\n", err);
+        free(owned);
         return 2;
     }
     /* --no-special: the text alone, with "<s>" and the like taken as plain characters */
+    double t0 = loom_now_ms();
     int64_t n = loom_vocab_encode(v, text, !no_special, !no_special, NULL, 0);
-    int32_t *ids = n > 0 ? malloc((size_t)n * sizeof *ids) : NULL;
-    if (n > 0 && ids)
+    double took = loom_now_ms() - t0;
+    int32_t *ids = n > 0 && !count ? malloc((size_t)n * sizeof *ids) : NULL;
+    if (ids)
         loom_vocab_encode(v, text, !no_special, !no_special, ids, n);
-    printf("%s", json ? "[" : "");
-    for (int64_t i = 0; ids && i < n; i++)
-        printf(json ? "%s%d" : "%s%d", i ? (json ? ", " : " ") : "", ids[i]);
-    printf("%s\n", json ? "]" : "");
+    if (n < 0)
+        fprintf(stderr, "loom tokenize: out of memory, or a piece of text too long to tokenize\n");
+    else if (count)
+        printf(json ? "{\"bytes\": %zu, \"tokens\": %lld, \"ms\": %.1f}\n" : "%zu bytes, %lld tokens, %.1f ms\n",
+               strlen(text), (long long)n, took);
+    else {
+        printf("%s", json ? "[" : "");
+        for (int64_t i = 0; ids && i < n; i++)
+            printf("%s%d", i ? (json ? ", " : " ") : "", ids[i]);
+        printf("%s\n", json ? "]" : "");
+    }
     free(ids);
+    free(owned);
     loom_vocab_close(v);
     return n < 0 ? 1 : 0;
 }

@@ -391,9 +391,10 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
         if (j->ch[i].error[0]) {
             char msg[300];
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
+            server *srv = j->srv; /* j may be freed by the unref */
             pthread_mutex_unlock(&j->mu);
             job_unref(j);
-            return send_error(j->srv, con, 500, NULL, NULL, "%s", msg);
+            return send_error(srv, con, 500, NULL, NULL, "%s", msg);
         }
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
     cJSON *a = cJSON_AddArrayToObject(o, "choices");

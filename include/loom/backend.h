@@ -136,10 +136,10 @@ static inline const char *loom_dtype_name(loom_dtype t)
 /* Bytes of one row of n elements, or -1 when n is not a whole number of blocks. */
 static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
 {
-    int64_t be = loom_dtype_block_elems(t);
-    if (be <= 0 || n < 0 || n % be != 0)
+    int64_t be = loom_dtype_block_elems(t), bb = loom_dtype_block_bytes(t);
+    if (be <= 0 || bb <= 0 || n < 0 || n % be != 0 || n / be > INT64_MAX / bb)
         return -1;
-    return n / be * loom_dtype_block_bytes(t);
+    return n / be * bb;
 }
 
 /* Reference scalar conversions, exact and round-to-nearest-even, shared so that every backend
@@ -529,17 +529,22 @@ static inline int64_t loom_tensor_rows(const loom_tensor *t)
 }
 
 /* Bytes from t->offset to one past t's last byte; 0 for an empty tensor, UINT64_MAX for one
- * that is malformed (negative dims, rows of partial blocks, unknown dtype). */
+ * that is malformed (negative dims, rows of partial blocks, unknown dtype) or whose extent
+ * does not fit 64 bits (no buffer is that large, so a bounds check against it fails). */
 static inline uint64_t loom_tensor_extent(const loom_tensor *t)
 {
     int64_t rb = loom_row_bytes(t->dtype, t->ne[0]);
     if (rb < 0 || t->ne[1] < 0 || t->ne[2] < 0 || t->ne[3] < 0)
         return UINT64_MAX;
-    if (t->ne[0] == 0 || loom_tensor_rows(t) == 0)
+    if (t->ne[0] == 0 || t->ne[1] == 0 || t->ne[2] == 0 || t->ne[3] == 0)
         return 0;
     uint64_t extent = (uint64_t)rb;
-    for (int i = 1; i < 4; i++)
-        extent += (uint64_t)(t->ne[i] - 1) * t->nb[i];
+    for (int i = 1; i < 4; i++) {
+        uint64_t span = (uint64_t)(t->ne[i] - 1);
+        if (span && t->nb[i] > (UINT64_MAX - extent) / span)
+            return UINT64_MAX;
+        extent += span * t->nb[i];
+    }
     return extent;
 }
 
