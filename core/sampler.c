@@ -14,28 +14,42 @@ loom_sampler_params loom_sampler_defaults(void)
     return p;
 }
 
+static int by_id(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
 void loom_sampler_penalize(float *logits, int32_t n, const loom_sampler_params *p,
                            const int32_t *history, int32_t n_history)
 {
     if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f)
         return;
     int32_t from = p->repeat_last_n > 0 && n_history > p->repeat_last_n ? n_history - p->repeat_last_n : 0;
-    for (int32_t i = from; i < n_history; i++) {
-        int32_t id = history[i];
+    int32_t w = n_history - from;
+    /* The window sorted, so each token's occurrences lie together: O(w log w) per step where
+     * looking back for each occurrence was O(w^2), and a server's window is the whole
+     * context. Without memory for the copy, no penalty is better than a wrong one. */
+    int32_t *ids = w > 0 ? malloc((size_t)w * sizeof *ids) : NULL;
+    if (!ids)
+        return;
+    memcpy(ids, history + from, (size_t)w * sizeof *ids);
+    qsort(ids, (size_t)w, sizeof *ids, by_id);
+    for (int32_t i = 0; i < w;) {
+        int32_t id = ids[i], count = 0;
+        while (i < w && ids[i] == id)
+            i++, count++;
         if (id < 0 || id >= n)
             continue;
-        /* the first occurrence in the window gets the repeat and presence penalties */
-        int first = 1;
-        for (int32_t j = from; j < i && first; j++)
-            first = history[j] != id;
-        if (first) {
-            if (p->repeat_penalty != 1.0f && p->repeat_penalty > 0.0f)
-                logits[id] = logits[id] > 0 ? logits[id] / p->repeat_penalty
-                                            : logits[id] * p->repeat_penalty;
-            logits[id] -= p->presence_penalty;
-        }
-        logits[id] -= p->frequency_penalty;
+        /* once per token: the repeat and presence penalties; per occurrence: frequency */
+        if (p->repeat_penalty != 1.0f && p->repeat_penalty > 0.0f)
+            logits[id] = logits[id] > 0 ? logits[id] / p->repeat_penalty
+                                        : logits[id] * p->repeat_penalty;
+        logits[id] -= p->presence_penalty;
+        while (count--)
+            logits[id] -= p->frequency_penalty; /* one at a time, as each occurrence did */
     }
+    free(ids);
 }
 
 static int32_t argmax(const float *x, int32_t n)

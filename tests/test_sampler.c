@@ -7,6 +7,8 @@
 
 #include "check.h"
 
+#include <unistd.h>
+
 #include <stdlib.h>
 #include <string.h>
 
@@ -128,6 +130,27 @@ int main(void)
     loom_sampler_penalize(m, 3, &p, h2, 4); /* window: 2, 2, 0 */
     CHECK(m[0] == -0.75f && m[1] == 0.0f && m[2] == -1.0f, "presence/frequency: %g %g %g", m[0],
           m[1], m[2]);
+
+    /* a server's window is the whole context: 300000 distinct tokens of history must not cost
+     * 300000^2 / 2 comparisons (a minute before; the default action of SIGALRM fails the
+     * test). The ids are distinct, so looking back for an earlier occurrence scans it all. */
+    enum { LONG = 300000 };
+    int32_t *long_hist = malloc(LONG * sizeof *long_hist);
+    float *lv = calloc(LONG, sizeof *lv);
+    for (int32_t i = 0; i < LONG; i++)
+        long_hist[i] = (int32_t)((i * 7919u) % LONG); /* a permutation: 7919 is prime */
+    p = plain();
+    p.presence_penalty = 1.0f;
+    p.frequency_penalty = 0.25f;
+    p.repeat_last_n = LONG;
+    alarm(20);
+    loom_sampler_penalize(lv, LONG, &p, long_hist, LONG);
+    alarm(0);
+    int off = 0;
+    for (int32_t i = 0; i < LONG; i++)
+        off += lv[i] != -1.25f;
+    CHECK(off == 0, "long window: %d of %d logits are not -1.25 (first %g)", off, LONG, lv[0]);
+    free(long_hist), free(lv);
 
     /* greedy: temperature at or below 1e-5 (no division by zero), or top-k 1 */
     float g[5] = {0.1f, 3.0f, 2.9f, -1.0f, 0.0f};
