@@ -22,6 +22,8 @@ typedef struct sbuf {
     char *s;
     size_t n, cap;
     int oom;
+    loom_text_span *spans; /* where messages' own text went (NULL: not recorded) */
+    int n_spans, cap_spans, record;
 } sbuf;
 
 static void put(sbuf *b, const char *fmt, ...)
@@ -52,6 +54,26 @@ static void put(sbuf *b, const char *fmt, ...)
     b->n += (size_t)k;
 }
 
+/* A message's own text (or what a template made of it), recorded as a span: the caller
+ * tokenizes it without parsing special tokens. */
+static void put_text(sbuf *b, const char *t, size_t n)
+{
+    size_t start = b->n;
+    put(b, "%.*s", (int)n, t);
+    if (!b->record || b->oom || b->n == start)
+        return;
+    if (b->n_spans == b->cap_spans) {
+        int cap = b->cap_spans ? 2 * b->cap_spans : 16;
+        loom_text_span *grown = realloc(b->spans, (size_t)cap * sizeof *grown);
+        if (!grown) {
+            b->oom = 1;
+            return;
+        }
+        b->spans = grown, b->cap_spans = cap;
+    }
+    b->spans[b->n_spans++] = (loom_text_span){start, b->n};
+}
+
 /* text without leading and trailing whitespace, as Python's str.strip() */
 static void put_stripped(sbuf *b, const char *t)
 {
@@ -60,7 +82,7 @@ static void put_stripped(sbuf *b, const char *t)
     size_t n = strlen(t);
     while (n && (t[n - 1] == ' ' || t[n - 1] == '\n' || t[n - 1] == '\t' || t[n - 1] == '\r'))
         n--;
-    put(b, "%.*s", (int)n, t);
+    put_text(b, t, n);
 }
 
 static const char *const template_names[] = {"llama2", "llama3", "chatml", "chatglm3", "glm4"};
@@ -73,7 +95,15 @@ const char *loom_chat_templates(void)
 int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int add_generation_prompt,
                      char **out, char *err, size_t err_size)
 {
-    sbuf b = {0};
+    return loom_chat_render_spans(name, msgs, n, add_generation_prompt, out, NULL, NULL, err,
+                                  err_size);
+}
+
+int loom_chat_render_spans(const char *name, const loom_chat_message *msgs, int n,
+                           int add_generation_prompt, char **out, loom_text_span **spans,
+                           int *n_spans, char *err, size_t err_size)
+{
+    sbuf b = {.record = spans != NULL};
     put(&b, "%s", "");
     if (!strcmp(name, "llama2")) {
         int i = 0;
@@ -88,6 +118,7 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
                     put(&c, "<<SYS>>\n%s\n<</SYS>>\n\n%s", system, msgs[i].content);
                     if (!c.oom)
                         put_stripped(&b, c.s);
+                    b.oom |= c.oom;
                     free(c.s);
                 } else {
                     put_stripped(&b, msgs[i].content);
@@ -99,6 +130,7 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
                 put(&b, " </s>");
             } else {
                 free(b.s);
+                free(b.spans);
                 snprintf(err, err_size, "the llama2 template has no role '%s' (system comes first, "
                                         "then user and assistant in turn)", msgs[i].role);
                 return -1;
@@ -106,38 +138,49 @@ int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int
         }
     } else if (!strcmp(name, "llama3")) {
         put(&b, "<|begin_of_text|>");
-        for (int i = 0; i < n; i++)
-            put(&b, "<|start_header_id|>%s<|end_header_id|>\n\n%s<|eot_id|>", msgs[i].role,
-                msgs[i].content);
+        for (int i = 0; i < n; i++) {
+            put(&b, "<|start_header_id|>%s<|end_header_id|>\n\n", msgs[i].role);
+            put_text(&b, msgs[i].content, strlen(msgs[i].content));
+            put(&b, "<|eot_id|>");
+        }
         if (add_generation_prompt)
             put(&b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
     } else if (!strcmp(name, "chatml")) {
         if (n == 0 || strcmp(msgs[0].role, "system") != 0)
             put(&b, "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n");
-        for (int i = 0; i < n; i++)
-            put(&b, "<|im_start|>%s\n%s<|im_end|>\n", msgs[i].role, msgs[i].content);
+        for (int i = 0; i < n; i++) {
+            put(&b, "<|im_start|>%s\n", msgs[i].role);
+            put_text(&b, msgs[i].content, strlen(msgs[i].content));
+            put(&b, "<|im_end|>\n");
+        }
         if (add_generation_prompt)
             put(&b, "<|im_start|>assistant\n");
     } else if (!strcmp(name, "chatglm3") || !strcmp(name, "glm4")) {
         /* the same roles; GLM-4 spells sop as a special token and drops the space */
         int glm4 = !strcmp(name, "glm4");
         put(&b, glm4 ? "[gMASK]<sop>" : "[gMASK]sop");
-        for (int i = 0; i < n; i++)
-            put(&b, "<|%s|>\n%s%s", msgs[i].role, glm4 ? "" : " ", msgs[i].content);
+        for (int i = 0; i < n; i++) {
+            put(&b, "<|%s|>\n%s", msgs[i].role, glm4 ? "" : " ");
+            put_text(&b, msgs[i].content, strlen(msgs[i].content));
+        }
         if (add_generation_prompt)
             put(&b, "<|assistant|>");
     } else {
         free(b.s);
+        free(b.spans);
         snprintf(err, err_size, "no chat template named '%s' (there are: %s)", name,
                  loom_chat_templates());
         return -1;
     }
     if (b.oom) {
         free(b.s);
+        free(b.spans);
         snprintf(err, err_size, "out of memory");
         return -1;
     }
     *out = b.s;
+    if (spans)
+        *spans = b.spans, *n_spans = b.n_spans;
     return 0;
 }
 

@@ -70,6 +70,10 @@ struct loom_engine {
     ereq **running;
     int n_running;
     float *logits;             /* one row, for the sampler to modify */
+    struct planned *plan;      /* a step's work: allocated at start, so that a failure there is
+                                * the caller's error, not a thread that quits quietly */
+    loom_kvcopy *copies;
+    int32_t *step_buf;
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
     double rate_t0;
     uint64_t rate_n0;
@@ -185,6 +189,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->n_toks = q->n_prompt = r->n_prompt;
     q->prefix_len = loom_runner_prefix_len(e->runner, r->prompt, r->n_prompt);
     q->kv.private_blocks = q->prefix_len > 0;
+    q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
     const loom_sampling *s = &r->sampling;
     q->sp = (loom_sampler_params){s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
@@ -486,10 +491,9 @@ static void publish_stats(loom_engine *e)
 static void *engine_main(void *arg)
 {
     loom_engine *e = arg;
-    planned *plan = malloc((size_t)e->max_batch * sizeof *plan);
-    loom_kvcopy *copies = malloc((size_t)e->max_batch * sizeof *copies);
-    size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
-    int32_t *buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) * sizeof *buf);
+    planned *plan = e->plan;
+    loom_kvcopy *copies = e->copies;
+    int32_t *buf = e->step_buf;
     for (;;) {
         pthread_mutex_lock(&e->lock);
         while (!e->incoming && !e->waiting && !e->n_running && !e->cancel_all && !e->has_cancels)
@@ -503,8 +507,6 @@ static void *engine_main(void *arg)
         e->incoming = e->incoming_tail = NULL;
         int cancels = e->has_cancels;
         pthread_mutex_unlock(&e->lock);
-        if (!plan || !copies || !buf)
-            all = 1;
         if (cancels || all)
             reap_cancelled(e, all);
         if (all) {
@@ -517,7 +519,6 @@ static void *engine_main(void *arg)
             run_step(e, plan, n_plan, copies, n_copies, buf);
         publish_stats(e);
     }
-    free(plan), free(copies), free(buf);
     return NULL;
 }
 
@@ -559,9 +560,15 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->kv = loom_kvblocks_create(n_blocks, e->bs);
     e->running = calloc((size_t)e->max_batch, sizeof *e->running);
     e->logits = malloc((size_t)e->n_vocab * sizeof *e->logits);
-    if (!e->kv || !e->running || !e->logits) {
+    size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
+    e->plan = malloc((size_t)e->max_batch * sizeof *e->plan);
+    e->copies = malloc((size_t)e->max_batch * sizeof *e->copies);
+    e->step_buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
+                         sizeof *e->step_buf);
+    if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf) {
         loom_kvblocks_free(e->kv);
-        free(e->running), free(e->logits), free(e);
+        free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
+        free(e);
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
@@ -574,7 +581,8 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     if (rc != 0) {
         snprintf(err, err_size, "cannot start the engine thread: %s", strerror(rc));
         loom_kvblocks_free(e->kv);
-        free(e->running), free(e->logits), free(e);
+        free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
+        free(e);
         return NULL;
     }
     return e;
@@ -614,5 +622,6 @@ void loom_engine_free(loom_engine *e)
     pthread_cond_destroy(&e->wake);
     pthread_cond_destroy(&e->idle);
     free(e->running), free(e->live), free(e->logits);
+    free(e->plan), free(e->copies), free(e->step_buf);
     free(e);
 }

@@ -18,7 +18,8 @@ static cJSON *kv_json(const loom_gguf *g, const loom_gguf_kv *kv)
         const char *s;
         uint64_t len;
         loom_gguf_get_str(g, kv->key, &s, &len);
-        char *copy = strndup(s, (size_t)len);
+        size_t n; /* a file's strings need not be UTF-8; JSON's must */
+        char *copy = loom_utf8_sanitize(s, (size_t)len, &n);
         cJSON *j = cJSON_CreateString(copy ? copy : "");
         free(copy);
         return j;

@@ -171,10 +171,33 @@ const float *loom_prompt_logits(const loom_model *m)
 int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
                       int32_t *ids, int64_t cap, char *err, size_t err_size)
 {
-    int64_t n = loom_tokenizer_encode(m->tok, text, strlen(text), add_special, parse_special, ids, cap);
-    if (n < 0)
+    return loom_tokenize_spans(m, text, strlen(text), add_special, parse_special, NULL, 0, ids,
+                               cap, err, err_size);
+}
+
+int64_t loom_tokenize_spans(loom_model *m, const char *text, size_t len, int add_special,
+                            int parse_special, const loom_text_span *plain, int n_plain,
+                            int32_t *ids, int64_t cap, char *err, size_t err_size)
+{
+    size_t *bounds = n_plain > 0 ? malloc(2 * (size_t)n_plain * sizeof *bounds) : NULL;
+    if (n_plain > 0 && !bounds) {
         snprintf(err, err_size, "out of memory while tokenizing");
+        return -1;
+    }
+    for (int k = 0; k < n_plain; k++)
+        bounds[2 * k] = plain[k].start, bounds[2 * k + 1] = plain[k].end;
+    int64_t n = loom_tokenizer_encode_spans(m->tok, text, len, add_special, parse_special, bounds,
+                                            n_plain, ids, cap);
+    free(bounds);
+    if (n < 0)
+        snprintf(err, err_size, "cannot tokenize the text: out of memory, a piece too long, or "
+                                "plain spans out of order");
     return n;
+}
+
+size_t loom_model_max_prompt_bytes(const loom_model *m)
+{
+    return (size_t)loom_model_n_ctx(m) * loom_tokenizer_max_token_bytes(m->tok);
 }
 
 int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,

@@ -15,6 +15,7 @@ typedef struct kv_block {
     uint32_t gen;
     int hashed;
     uint64_t hash;
+    uint64_t partition;   /* a first block's (later ones are tied to it through parent) */
     int32_t parent;       /* previous block of the chain, -1 for the first */
     uint32_t parent_gen;
     int32_t hnext;        /* hash bucket chain */
@@ -127,14 +128,16 @@ static void table_remove(loom_kvblocks *kv, int32_t i)
     *p = kv->b[i].hnext;
 }
 
-/* The cached block holding exactly these ids after parent (-1: at the start), or -1. */
+/* The cached block holding exactly these ids after parent (-1: at the start of a sequence of
+ * that partition), or -1. */
 static int32_t table_find(const loom_kvblocks *kv, uint64_t hash, int32_t parent,
-                          const int32_t *ids)
+                          uint64_t partition, const int32_t *ids)
 {
     uint32_t parent_gen = parent >= 0 ? kv->b[parent].gen : 0;
     for (int32_t i = kv->bucket[(uint32_t)hash & (kv->n_buckets - 1)]; i >= 0; i = kv->b[i].hnext) {
         const kv_block *x = &kv->b[i];
         if (x->hash == hash && x->parent == parent && x->parent_gen == parent_gen &&
+            (parent >= 0 || x->partition == partition) &&
             memcmp(kv->tokens + (size_t)i * (size_t)kv->bs, ids, (size_t)kv->bs * sizeof *ids) == 0)
             return i;
     }
@@ -196,12 +199,12 @@ int32_t loom_kvblocks_match(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *t
     kv->prompt_tokens += n > 0 ? (uint64_t)n : 0;
     if (seq->n_blocks != 0 || seq->n_tokens != 0 || seq->private_blocks)
         return 0;
-    uint64_t h = CHAIN_SEED;
+    uint64_t h = CHAIN_SEED ^ seq->partition;
     int32_t parent = -1;
     for (int32_t b = 0; (int64_t)(b + 1) * kv->bs <= (int64_t)n - 1; b++) {
         const int32_t *ids = tokens + (size_t)b * (size_t)kv->bs;
         uint64_t hb = chain_hash(h, ids, kv->bs);
-        int32_t i = table_find(kv, hb, parent, ids);
+        int32_t i = table_find(kv, hb, parent, seq->partition, ids);
         if (i < 0 || push_block(seq, i) != 0)
             break;
         take_ref(kv, i);
@@ -266,11 +269,11 @@ void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *to
            seq->n_hashed < seq->n_blocks) {
         int32_t b = seq->n_hashed, i = seq->blocks[b];
         int32_t parent = b > 0 ? seq->blocks[b - 1] : -1;
-        uint64_t h0 = parent >= 0 ? kv->b[parent].hash : CHAIN_SEED;
+        uint64_t h0 = parent >= 0 ? kv->b[parent].hash : CHAIN_SEED ^ seq->partition;
         const int32_t *ids = tokens + (size_t)b * (size_t)kv->bs;
         uint64_t h = chain_hash(h0, ids, kv->bs);
         if (!kv->b[i].hashed) {
-            int32_t same = table_find(kv, h, parent, ids);
+            int32_t same = table_find(kv, h, parent, seq->partition, ids);
             if (same >= 0) {
                 /* this prefix is already cached elsewhere: use that block, free ours */
                 take_ref(kv, same);
@@ -278,7 +281,7 @@ void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *to
                 drop_ref(kv, i);
             } else {
                 kv_block *x = &kv->b[i];
-                x->hashed = 1, x->hash = h, x->parent = parent;
+                x->hashed = 1, x->hash = h, x->parent = parent, x->partition = seq->partition;
                 x->parent_gen = parent >= 0 ? kv->b[parent].gen : 0;
                 memcpy(kv->tokens + (size_t)i * (size_t)kv->bs, ids, (size_t)kv->bs * sizeof *ids);
                 table_insert(kv, i);

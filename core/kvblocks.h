@@ -33,6 +33,9 @@ typedef struct loom_kvseq {
     int32_t n_hashed; /* leading full blocks that are registered in the prefix cache */
     int private_blocks; /* set by the caller: never share through the prefix cache (K/V that
                          * depend on later tokens, as in a bidirectional prefix) */
+    uint64_t partition; /* set by the caller: blocks are shared only between sequences of the
+                         * same partition (0: the common one), so that one client cannot learn
+                         * from hits what another's prompts began with */
 } loom_kvseq;
 
 /* A block copy the caller must perform (all layers, K and V) before the next step writes. */

@@ -1007,26 +1007,61 @@ static int is_space(char c)
 }
 
 static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
-                            int add_special, int parse_special, int32_t *ids, int64_t cap);
+                            int add_special, int parse_special, const size_t *plain, int n_plain,
+                            int32_t *ids, int64_t cap);
 
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
                               int add_special, int parse_special, int32_t *ids, int64_t cap)
 {
+    return loom_tokenizer_encode_spans(t, text, len, add_special, parse_special, NULL, 0, ids,
+                                       cap);
+}
+
+int64_t loom_tokenizer_encode_spans(const loom_tokenizer *t, const char *text, size_t len,
+                                    int add_special, int parse_special, const size_t *plain,
+                                    int n_plain, int32_t *ids, int64_t cap)
+{
+    for (int k = 0; k < n_plain; k++)
+        if (plain[2 * k] > plain[2 * k + 1] || plain[2 * k + 1] > len ||
+            (k > 0 && plain[2 * k] < plain[2 * k - 1]))
+            return -1; /* spans out of order or outside the text */
     /* bytes that are not UTF-8 become U+FFFD first, as the reference tokenizers see them (they
-     * take decoded strings); from here on the text is valid, and PCRE2 need not check it */
+     * take decoded strings); from here on the text is valid, and PCRE2 need not check it.
+     * Each piece between span bounds is replaced on its own, so the spans move with it. */
     char *valid = NULL;
+    size_t *moved = NULL;
     if (loom_utf8_valid_prefix(text, len) < len) {
-        if (!(valid = loom_utf8_sanitize(text, len, &len)))
+        size_t n_bounds = 2 * (size_t)n_plain, at = 0, k = 0;
+        if (!(valid = malloc(3 * len + 1)) ||
+            (n_bounds && !(moved = malloc(n_bounds * sizeof *moved)))) {
+            free(valid);
             return -1;
-        text = valid;
+        }
+        for (size_t b = 0; b <= n_bounds; b++) {
+            size_t end = b < n_bounds ? plain[b] : len, n;
+            char *piece = loom_utf8_sanitize(text + at, end - at, &n);
+            if (!piece) {
+                free(valid), free(moved);
+                return -1;
+            }
+            memcpy(valid + k, piece, n);
+            free(piece);
+            k += n, at = end;
+            if (b < n_bounds)
+                moved[b] = k;
+        }
+        valid[k] = '\0';
+        text = valid, len = k, plain = moved ? moved : plain;
     }
-    int64_t n = encode_valid(t, text, len, add_special, parse_special, ids, cap);
+    int64_t n = encode_valid(t, text, len, add_special, parse_special, plain, n_plain, ids, cap);
     free(valid);
+    free(moved);
     return n;
 }
 
 static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
-                            int add_special, int parse_special, int32_t *ids, int64_t cap)
+                            int add_special, int parse_special, const size_t *plain, int n_plain,
+                            int32_t *ids, int64_t cap)
 {
     out_ids o = {ids, 0, cap};
     /* a text that already starts with what the family prepends (a rendered chat prompt) does
@@ -1034,6 +1069,7 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
     int32_t first = t->n_prefix ? t->prefix[0] : t->add_bos ? t->bos : -1;
     const vocab_entry *lead = first >= 0 ? &t->vocab[first] : NULL;
     int starts_with_it = parse_special && lead && lead->len && lead->len <= len &&
+                         !(n_plain > 0 && plain[0] < lead->len) &&
                          memcmp(text, lead->text, lead->len) == 0;
     if (add_special && !starts_with_it) {
         for (int i = 0; i < t->n_prefix; i++)
@@ -1043,12 +1079,17 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
     }
     int prev_special = 1; /* the dummy prefix goes at the start and after each special token */
     size_t start = 0;
+    int span = 0; /* the first plain span that ends after i */
     for (size_t i = 0; i <= len;) {
         int32_t found = -1;
-        if (parse_special && i < len && t->special_first[(unsigned char)text[i]])
+        while (span < n_plain && plain[2 * span + 1] <= i)
+            span++;
+        /* a special token may not start inside a plain span, nor run into the next one */
+        size_t room = span < n_plain ? (plain[2 * span] > i ? plain[2 * span] - i : 0) : len - i;
+        if (parse_special && i < len && room && t->special_first[(unsigned char)text[i]])
             for (int s = 0; s < t->n_specials && found < 0; s++) {
                 const vocab_entry *e = &t->vocab[t->specials[s]];
-                if (e->len <= len - i && memcmp(text + i, e->text, e->len) == 0)
+                if (e->len <= room && memcmp(text + i, e->text, e->len) == 0)
                     found = t->specials[s];
             }
         if (found < 0 && i < len) {
@@ -1143,6 +1184,17 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     }
     memcpy(out, buf, (size_t)(n < cap ? n : cap));
     return n;
+}
+
+size_t loom_tokenizer_max_token_bytes(const loom_tokenizer *t)
+{
+    size_t longest = 1;
+    char buf[512];
+    for (int32_t id = 0; id < t->n_vocab; id++) {
+        int n = loom_tokenizer_piece(t, id, id, buf, sizeof buf); /* not after BOS: no trim */
+        longest = n > 0 && (size_t)n > longest ? (size_t)n : longest;
+    }
+    return longest;
 }
 
 int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t)

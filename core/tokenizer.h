@@ -26,6 +26,14 @@ void loom_tokenizer_free(loom_tokenizer *t);
  * or -1 on an error. */
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
                               int add_special, int parse_special, int32_t *ids, int64_t cap);
+/* The same, with special tokens parsed only outside n_plain byte spans: plain[2k] and
+ * plain[2k + 1] are span k's start and end, in order, not overlapping. -1 also for spans
+ * that break those rules. */
+int64_t loom_tokenizer_encode_spans(const loom_tokenizer *t, const char *text, size_t len,
+                                    int add_special, int parse_special, const size_t *plain,
+                                    int n_plain, int32_t *ids, int64_t cap);
+/* The longest text one token stands for, in bytes. */
+size_t loom_tokenizer_max_token_bytes(const loom_tokenizer *t);
 
 /* The bytes token `id` stands for when printed after token `prev` (-1 at the start): spaces
  * restored, byte tokens as their byte, control tokens as nothing. Returns the byte count

@@ -9,25 +9,7 @@ MODEL=$FIXTURES/stories260K/original/stories260K.gguf
 need_fixture "$MODEL"
 command -v curl >/dev/null || { echo "SKIP: curl not installed (scripts/install-deps installs it)"; exit 77; }
 KEY=test-key
-
-start_server() { # LOG ARGS...: starts loom serve on a free port; sets PID and URL
-    log=$1; shift
-    "$LOOM" serve -m "$MODEL" --port 0 --api-key "$KEY" "$@" >"$log" 2>&1 &
-    PID=$!
-    for _ in $(seq 100); do
-        port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' "$log")
-        [ -n "$port" ] && break
-        sleep 0.1
-    done
-    [ -n "$port" ] || { fail "server did not start:"; cat "$log" >&2; finish; }
-    URL=http://127.0.0.1:$port
-}
-post() { # PATH JSON [curl args]: prints the body, then the status on its own line
-    p=$1 body=$2; shift 2
-    curl -s -w '\n%{http_code}' -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' \
-        "$@" --data-binary "$body" "$URL$p"
-}
-metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+. "$top_srcdir/tests/serve_lib.sh"
 
 start_server "$tmpdir/server.log" -c 2048 --max-batch 16
 NAME=$(curl -s -H "Authorization: Bearer $KEY" "$URL/v1/models" | jq -r '.data[0].id')

@@ -167,6 +167,37 @@ static void test_leaf_first(void)
     free(shadow);
 }
 
+/* Partitions: the same prompt in another partition takes nothing from the cache (and adds
+ * its own blocks); in its own partition it hits. */
+static void test_partitions(void)
+{
+    loom_kvblocks *kv = loom_kvblocks_create(16, BS);
+    shadow = calloc(16 * BS, sizeof *shadow);
+    int32_t t[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+    loom_kvseq alice = {.partition = 11};
+    compute(kv, &alice, t, 9);
+    loom_kvblocks_release(kv, &alice);
+    loom_kvseq bob = {.partition = 22}, common = {0}, alice2 = {.partition = 11};
+    CHECK(loom_kvblocks_match(kv, &bob, t, 9) == 0, "another partition does not hit: %d",
+          bob.n_tokens);
+    CHECK(loom_kvblocks_match(kv, &common, t, 9) == 0, "nor does the common one: %d",
+          common.n_tokens);
+    CHECK(loom_kvblocks_match(kv, &alice2, t, 9) == 8, "the same partition hits: %d",
+          alice2.n_tokens);
+    CHECK(reads_back(kv, &alice2, t), "and reads its own content");
+    compute(kv, &bob, t, 9); /* bob's blocks are his own, cached beside alice's */
+    CHECK(reads_back(kv, &bob, t) && bob.blocks[0] != alice2.blocks[0], "bob has his own blocks");
+    loom_kvblocks_release(kv, &bob);
+    loom_kvseq bob2 = {.partition = 22};
+    CHECK(loom_kvblocks_match(kv, &bob2, t, 9) == 8, "bob hits his own: %d", bob2.n_tokens);
+    loom_kvblocks_release(kv, &bob2);
+    loom_kvblocks_release(kv, &alice2);
+    loom_kvblocks_release(kv, &common);
+    CHECK(!loom_kvblocks_verify(kv, NULL, 0), "consistent");
+    loom_kvblocks_free(kv);
+    free(shadow);
+}
+
 static uint64_t rng_state = 12345;
 static uint32_t rnd(uint32_t n)
 {
@@ -264,6 +295,7 @@ int main(void)
 {
     test_basics();
     test_leaf_first();
+    test_partitions();
     test_random();
     return check_finish("test_kvblocks");
 }

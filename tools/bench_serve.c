@@ -69,7 +69,7 @@ static void *client(void *arg)
         loom_sampling greedy = loom_sampling_defaults();
         greedy.temperature = 0;
         greedy.ignore_eos = 1; /* every request generates exactly n_gen tokens */
-        loom_request r = {s->prompts[i], s->n_prompt, s->n_gen, greedy, NULL, 0};
+        loom_request r = {s->prompts[i], s->n_prompt, s->n_gen, greedy, NULL, 0, 0};
         char err[512];
         w.done = 0;
         double t0 = loom_now_ms();

@@ -6,6 +6,7 @@
 
 #include "args.h"
 #include "bench_ops.h"
+#include "json_text.h"
 
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
 int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
@@ -229,7 +230,7 @@ static int cmd_run(int argc, char **argv)
                 cJSON_AddItemToArray(p, cJSON_CreateNumber(ids[i]));
             cJSON_AddItemToObject(o, "generated_ids", out.ids);
             out.ids = NULL;
-            cJSON_AddStringToObject(o, "text", out.text ? out.text : "");
+            json_add_text(o, "text", out.text, out.len); /* by length, valid UTF-8 */
             cJSON_AddStringToObject(o, "backend", loom_model_backend(m));
             cJSON_AddBoolToObject(o, "stopped_at_eos", st.stopped_at_eos);
             cJSON *t = cJSON_AddObjectToObject(o, "timings");

@@ -106,31 +106,102 @@ static int check_known(const cJSON *body, const char *const *known, bad *b)
     return 0;
 }
 
-static int tokenize_text(const openai_model *srv, const char *text, int parse_special, parsed *p, bad *b)
+cJSON *openai_parse_body(const char *body, size_t len, bad *b)
 {
+    const char *nul = memchr(body, '\0', len);
+    if (nul) {
+        fail(b, 400, NULL, "the request body contains a NUL byte (at byte %zu)", (size_t)(nul - body));
+        return NULL;
+    }
+    size_t valid = loom_utf8_valid_prefix(body, len);
+    if (valid < len) {
+        fail(b, 400, NULL, "the request body is not valid UTF-8 (at byte %zu); JSON text must be "
+                           "UTF-8", valid);
+        return NULL;
+    }
+    /* \u0000 in a string would end loom's copy of it early: the prompt "\u0000hello" would
+     * silently become empty */
+    for (size_t i = 0, in_string = 0; i < len; i++) {
+        if (body[i] == '"') {
+            in_string = !in_string;
+        } else if (in_string && body[i] == '\\' && i + 1 < len) {
+            if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) {
+                fail(b, 400, NULL, "a string in the request holds U+0000 (\\u0000, at byte %zu); "
+                                   "loom does not accept NUL characters in text", i);
+                return NULL;
+            }
+            i++; /* the escaped character, which may be a quote */
+        }
+    }
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
+    if (!root) {
+        const char *at = cJSON_GetErrorPtr();
+        fail(b, 400, NULL, "the request body is not valid JSON (near byte %ld)",
+             at && at >= body && at <= body + len ? (long)(at - body) : 0L);
+        return NULL;
+    }
+    for (const char *q = end; q && q < body + len; q++)
+        if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r') {
+            cJSON_Delete(root);
+            fail(b, 400, NULL, "unexpected data after the JSON value (at byte %ld); send one object",
+                 (long)(q - body));
+            return NULL;
+        }
+    return root;
+}
+
+/* Tokenizes text into p->ids. rendered: a chat template's output, whose special tokens are
+ * parsed except inside the messages' own text (the plain spans); otherwise the client's own
+ * text, plain throughout. --parse-special parses special tokens everywhere. */
+static int tokenize_text(const openai_model *srv, const char *text, int rendered,
+                         const loom_text_span *plain, int n_plain, parsed *p, bad *b,
+                         const char *param)
+{
+    size_t len = strlen(text);
+    if (len > srv->max_prompt_bytes) {
+        b->code = "context_length_exceeded";
+        return fail(b, 400, param, "This model's maximum context length is %d tokens, and the "
+                    "prompt has %zu bytes: more than any %d tokens of this vocabulary spell "
+                    "(%zu bytes at most). Please reduce the prompt.", srv->n_ctx, len, srv->n_ctx,
+                    srv->max_prompt_bytes);
+    }
     char err[512];
-    int64_t n = loom_tokenize(srv->model, text, 1, parse_special, NULL, 0, err, sizeof err);
+    int special = srv->parse_special || rendered;
+    int64_t n = loom_tokenize_spans(srv->model, text, len, 1, special,
+                                    srv->parse_special ? NULL : plain,
+                                    srv->parse_special ? 0 : n_plain, NULL, 0, err, sizeof err);
     if (n < 0)
         return fail(b, 500, NULL, "%s", err);
     p->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *p->ids);
     if (!p->ids)
         return fail(b, 500, NULL, "out of memory");
-    p->n_ids = (int32_t)loom_tokenize(srv->model, text, 1, parse_special, p->ids, n, err, sizeof err);
+    p->n_ids = (int32_t)loom_tokenize_spans(srv->model, text, len, 1, special,
+                                            srv->parse_special ? NULL : plain,
+                                            srv->parse_special ? 0 : n_plain, p->ids, n, err,
+                                            sizeof err);
     return 0;
 }
 
 /* A chat message's content: a string, or an array of {"type": "text", "text": ...} parts. */
 static char *message_text(const cJSON *content, int index, bad *b)
 {
-    if (cJSON_IsString(content))
-        return strdup(content->valuestring);
+    if (cJSON_IsString(content)) {
+        char *s = strdup(content->valuestring);
+        if (!s)
+            fail(b, 500, NULL, "out of memory");
+        return s;
+    }
     if (!cJSON_IsArray(content)) {
         fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts", index);
         return NULL;
     }
     size_t len = 0, cap = 0;
     char *s = NULL;
-    buf_append(&s, &len, &cap, "", 0);
+    if (buf_append(&s, &len, &cap, "", 0) != 0) {
+        fail(b, 500, NULL, "out of memory");
+        return NULL;
+    }
     for (const cJSON *part = content->child; part; part = part->next) {
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
         const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
@@ -139,7 +210,11 @@ static char *message_text(const cJSON *content, int index, bad *b)
             fail(b, 400, "messages", "messages[%d].content: only text parts are supported", index);
             return NULL;
         }
-        buf_append(&s, &len, &cap, text->valuestring, strlen(text->valuestring));
+        if (buf_append(&s, &len, &cap, text->valuestring, strlen(text->valuestring)) != 0) {
+            free(s);
+            fail(b, 500, NULL, "out of memory");
+            return NULL;
+        }
     }
     return s;
 }
@@ -176,11 +251,15 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
             rc = -1;
     }
     char *prompt = NULL, err[512];
-    if (rc == 0 && loom_chat_render(srv->chat_template, m, n, 1, &prompt, err, sizeof err) != 0)
+    loom_text_span *spans = NULL;
+    int n_spans = 0;
+    if (rc == 0 && loom_chat_render_spans(srv->chat_template, m, n, 1, &prompt, &spans, &n_spans,
+                                          err, sizeof err) != 0)
         rc = fail(b, 400, "messages", "%s", err);
-    if (rc == 0)
-        rc = tokenize_text(srv, prompt, 1, p, b);
+    if (rc == 0) /* the template's special tokens, and (unless --parse-special) no others */
+        rc = tokenize_text(srv, prompt, 1, spans, n_spans, p, b, "messages");
     free(prompt);
+    free(spans);
     for (int k = 0; k < n; k++)
         free((char *)m[k].content);
     free(m);
@@ -194,8 +273,8 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
         return fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
         pr = pr->child; /* ["text"] */
-    if (cJSON_IsString(pr))
-        return tokenize_text(srv, pr->valuestring, 0, p, b);
+    if (cJSON_IsString(pr)) /* plain text, unless --parse-special */
+        return tokenize_text(srv, pr->valuestring, 0, NULL, 0, p, b, "prompt");
     if (cJSON_IsArray(pr) && cJSON_IsArray(pr->child) && cJSON_GetArraySize(pr) == 1)
         pr = pr->child; /* [[ids]] */
     if (cJSON_IsArray(pr) && pr->child && cJSON_IsNumber(pr->child)) {
@@ -284,6 +363,10 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0) return -1;
     if (r) p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
     if (get_bool(body, "stream", &p->stream, b) < 0) return -1;
+    const cJSON *user = cJSON_GetObjectItemCaseSensitive(body, "user");
+    if (user && !cJSON_IsNull(user) && !cJSON_IsString(user))
+        return fail(b, 400, "user", "'user' must be a string, not %s", json_type(user));
+    p->user = cJSON_IsString(user) ? user->valuestring : NULL;
     if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0) return -1;
     if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)
         p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */

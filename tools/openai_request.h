@@ -19,6 +19,11 @@ typedef struct openai_model {
     const char *model_name;
     const char *chat_template;
     int32_t n_ctx;
+    size_t max_prompt_bytes; /* longer prompt text cannot fit n_ctx: refused untokenized */
+    /* special tokens ("<|im_start|>") written in message text or a prompt string are parsed
+     * as such; off (the default), only the chat template's own are, so a user cannot forge
+     * another role's turn */
+    int parse_special;
 } openai_model;
 
 /* A valid request (ids malloc'd; stops point into the request's JSON). */
@@ -32,6 +37,7 @@ typedef struct parsed {
     int seed_given;
     const char *stops[OPENAI_MAX_STOPS];
     int n_stops;
+    const char *user; /* the request's "user" field, or NULL */
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */
@@ -42,6 +48,11 @@ typedef struct bad {
     const char *code;
     unsigned status;
 } bad;
+
+/* Parses a request body as JSON, strictly: UTF-8 throughout, no NUL byte raw or escaped as
+ * \u0000 in a string (loom's text is C strings), nothing but whitespace after the object.
+ * NULL with b filled when it is not. */
+cJSON *openai_parse_body(const char *body, size_t len, bad *b);
 
 /* Checks and reads body (chat: /v1/chat/completions). 0, or -1 with b filled. */
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b);

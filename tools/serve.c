@@ -12,6 +12,7 @@
 #include <loom/loom.h>
 
 #include "args.h"
+#include "json_text.h"
 #include "openai_request.h"
 
 #include <arpa/inet.h>
@@ -35,6 +36,9 @@ typedef struct server {
     openai_model api; /* the model, its name, chat template and context */
     loom_engine *engine;
     const char *api_key;
+    size_t api_key_len;
+    int metrics_auth;      /* /metrics wants the key too */
+    int partition_by_user; /* --prefix-cache per-user */
     size_t max_body;
     volatile int shutting_down;
     time_t started;
@@ -104,7 +108,10 @@ static void on_event(void *user, const loom_event *ev)
         c->n_generated = ev->n_generated;
         if (t->index == 0)
             j->n_cached = ev->n_cached;
-        snprintf(c->finish, sizeof c->finish, "%s", ev->finish_reason ? ev->finish_reason : "stop");
+        /* the engine's "cancelled" (cut off by a shutdown past its timeout) is no value OpenAI
+         * clients know; "length" is theirs for an answer cut short */
+        const char *why = ev->finish_reason ? ev->finish_reason : "stop";
+        snprintf(c->finish, sizeof c->finish, "%s", strcmp(why, "cancelled") ? why : "length");
         if (ev->kind == LOOM_EVENT_ERROR)
             snprintf(c->error, sizeof c->error, "%s", ev->error ? ev->error : "generation failed");
     }
@@ -134,6 +141,9 @@ static void cancel_job(job *j)
 
 /* ---- responses ---------------------------------------------------------------------------- */
 
+/* seconds a client told 503 (the server is draining) should wait before it tries again */
+#define RETRY_AFTER "5"
+
 static enum MHD_Result send_text(struct MHD_Connection *con, unsigned status, const char *type,
                                  const char *body)
 {
@@ -142,6 +152,8 @@ static enum MHD_Result send_text(struct MHD_Connection *con, unsigned status, co
     if (!r)
         return MHD_NO;
     MHD_add_response_header(r, "Content-Type", type);
+    if (status == 503)
+        MHD_add_response_header(r, "Retry-After", RETRY_AFTER);
     enum MHD_Result ok = MHD_queue_response(con, status, r);
     MHD_destroy_response(r);
     return ok;
@@ -171,13 +183,13 @@ static enum MHD_Result send_error(server *srv, struct MHD_Connection *con, unsig
     srv->http_errors++;
     pthread_mutex_unlock(&srv->count_lock);
     cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
-    cJSON_AddStringToObject(e, "message", msg);
+    json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
     cJSON_AddStringToObject(e, "type", status == 401   ? "authentication_error"
                                        : status >= 500 ? "server_error"
                                        : status == 404 ? "not_found_error"
                                                        : "invalid_request_error");
     if (param)
-        cJSON_AddStringToObject(e, "param", param);
+        json_add_text(e, "param", param, strlen(param));
     else
         cJSON_AddNullToObject(e, "param");
     if (code)
@@ -207,7 +219,7 @@ static cJSON *response_head(const job *j, const char *object)
     cJSON_AddStringToObject(o, "id", j->id);
     cJSON_AddStringToObject(o, "object", object);
     cJSON_AddNumberToObject(o, "created", (double)j->created);
-    cJSON_AddStringToObject(o, "model", j->srv->api.model_name);
+    json_add_text(o, "model", j->srv->api.model_name, strlen(j->srv->api.model_name));
     cJSON_AddStringToObject(o, "system_fingerprint", "loom");
     return o;
 }
@@ -226,17 +238,15 @@ static cJSON *choice_json(const job *j, int index, const char *text, size_t len,
 {
     cJSON *c = cJSON_CreateObject();
     cJSON_AddNumberToObject(c, "index", index);
-    char *t = strndup(text ? text : "", text ? len : 0);
     if (j->chat) {
         cJSON *m = cJSON_AddObjectToObject(c, chunk ? "delta" : "message");
         if (with_role || !chunk)
             cJSON_AddStringToObject(m, "role", "assistant");
         if (text || !chunk)
-            cJSON_AddStringToObject(m, "content", t ? t : "");
+            json_add_text(m, "content", text, text ? len : 0);
     } else {
-        cJSON_AddStringToObject(c, "text", t ? t : "");
+        json_add_text(c, "text", text, text ? len : 0);
     }
-    free(t);
     cJSON_AddNullToObject(c, "logprobs");
     add_finish(c, finish);
     return c;
@@ -266,18 +276,21 @@ static void stream_format(job *j)
             sse(j, o);
             j->role_sent |= 1 << i;
         }
-        if (c->sent < c->len) {
+        /* a character whose last bytes are still to come waits for them (or for the end,
+         * when what is left is sent with U+FFFD for it) */
+        size_t ready = c->done ? c->len : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
+        if (c->sent < ready) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToArray(a, choice_json(j, i, c->text + c->sent, c->len - c->sent, NULL, 1, 0));
+            cJSON_AddItemToArray(a, choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0));
             sse(j, o);
-            c->sent = c->len;
+            c->sent = ready;
         }
         if (c->done && !c->final_sent) {
             cJSON *o;
             if (c->error[0]) {
                 o = cJSON_CreateObject();
                 cJSON *e = cJSON_AddObjectToObject(o, "error");
-                cJSON_AddStringToObject(e, "message", c->error);
+                json_add_text(e, "message", c->error, strlen(c->error));
                 cJSON_AddStringToObject(e, "type", "server_error");
             } else {
                 o = response_head(j, object);
@@ -409,18 +422,29 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
 
 /* ---- endpoints ---------------------------------------------------------------------------- */
 
+/* The prefix-cache partition of a request: the common one, or with --prefix-cache per-user
+ * one per "user" field (a request without one shares with nobody). */
+static uint64_t cache_partition(const server *srv, const char *user)
+{
+    static uint64_t anonymous;
+    if (!srv->partition_by_user)
+        return 0;
+    uint64_t h = 1469598103934665603ull;
+    if (!user)
+        return __atomic_add_fetch(&anonymous, 1, __ATOMIC_RELAXED) << 1 | 1; /* odd: no user */
+    for (const char *c = user; *c; c++)
+        h = (h ^ (unsigned char)*c) * 1099511628211ull;
+    return h << 1; /* even, and 0 only for the common partition's sake by chance (2^-63) */
+}
+
 static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, const char *body,
                                        size_t len, int chat)
 {
-    cJSON *req = cJSON_ParseWithLength(body, len);
-    if (!req) {
-        const char *at = cJSON_GetErrorPtr();
-        return send_error(srv, con, 400, NULL, NULL,
-                          "the request body is not valid JSON (near byte %ld)",
-                          at && at >= body && at <= body + len ? (long)(at - body) : 0L);
-    }
     parsed p = {0};
     bad b = {0};
+    cJSON *req = openai_parse_body(body, len, &b);
+    if (!req)
+        return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
     if (openai_parse_request(&srv->api, req, chat, &p, &b) != 0) {
         free(p.ids);
         cJSON_Delete(req);
@@ -455,7 +479,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
             break;
         }
         *t = (event_target){j, i};
-        loom_request r = {p.ids, p.n_ids, p.max_tokens, p.s, p.stops, p.n_stops};
+        loom_request r = {p.ids, p.n_ids, p.max_tokens, p.s, p.stops, p.n_stops,
+                          cache_partition(srv, p.user)};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;
@@ -558,7 +583,7 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
     cJSON_AddStringToObject(o, "object", "list");
     d = cJSON_AddArrayToObject(o, "data");
     cJSON *m = cJSON_CreateObject();
-    cJSON_AddStringToObject(m, "id", srv->api.model_name);
+    json_add_text(m, "id", srv->api.model_name, strlen(srv->api.model_name));
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)srv->started);
     cJSON_AddStringToObject(m, "owned_by", "loom");
@@ -567,7 +592,11 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
     return send_json(con, 200, o);
 }
 
+typedef enum route { ROUTE_NONE, ROUTE_HEALTH, ROUTE_METRICS, ROUTE_MODELS, ROUTE_COMPLETIONS,
+                     ROUTE_CHAT } route;
+
 typedef struct conn_state {
+    route to;
     char *body;
     size_t len, cap;
     int too_big;
@@ -585,12 +614,102 @@ static void request_completed(void *cls, struct MHD_Connection *con, void **con_
     *con_cls = NULL;
 }
 
+/* Equal in time that does not depend on where a guess first differs. */
+static int same_secret(const char *given, size_t n, const char *key, size_t key_len)
+{
+    unsigned diff = n != key_len;
+    for (size_t i = 0; i < key_len; i++)
+        diff |= (unsigned char)(i < n ? given[i] : 0) ^ (unsigned char)key[i];
+    return diff == 0;
+}
+
+typedef struct auth_header {
+    int count;
+    const char *value;
+    size_t len;
+} auth_header;
+
+static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *key,
+                                size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind;
+    auth_header *a = cls;
+    if (key_size == 13 && !strncasecmp(key, "Authorization", 13)) {
+        a->count++;
+        a->value = value, a->len = value ? value_size : 0;
+    }
+    return MHD_YES;
+}
+
+/* The request carries the key, read exactly: one Authorization header, the scheme "Bearer" in
+ * any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or tabs. */
 static int authorised(server *srv, struct MHD_Connection *con)
 {
     if (!srv->api_key)
         return 1;
-    const char *h = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Authorization");
-    return h && !strncmp(h, "Bearer ", 7) && !strcmp(h + 7, srv->api_key);
+    auth_header a = {0};
+    MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_auth, &a);
+    if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
+        return 0;
+    size_t start = 7, end = a.len;
+    while (start < end && a.value[start] == ' ')
+        start++;
+    while (end > start && (a.value[end - 1] == ' ' || a.value[end - 1] == '\t'))
+        end--;
+    return same_secret(a.value + start, end - start, srv->api_key, srv->api_key_len);
+}
+
+static enum MHD_Result refuse_key(server *srv, struct MHD_Connection *con)
+{
+    return send_error(srv, con, 401, NULL, "invalid_api_key",
+                      "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key "
+                      "the server was started with (--api-key-file, LOOM_API_KEY or --api-key)");
+}
+
+/* The first call for a request: its route, method and key (and whether the server is still
+ * taking work) are known from the headers, so a request that will be refused is refused now,
+ * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
+static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, conn_state *cs,
+                                     const char *url, const char *method)
+{
+    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET");
+    route to = !strcmp(url, "/health")                 ? ROUTE_HEALTH
+               : !strcmp(url, "/metrics")              ? ROUTE_METRICS
+               : !strcmp(url, "/v1/models")            ? ROUTE_MODELS
+               : !strcmp(url, "/v1/completions")       ? ROUTE_COMPLETIONS
+               : !strcmp(url, "/v1/chat/completions")  ? ROUTE_CHAT
+                                                       : ROUTE_NONE;
+    switch (to) {
+    case ROUTE_NONE:
+        return send_error(srv, con, 404, NULL, NULL, "no such endpoint: %s %s (loom serves "
+                          "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+                          method, url);
+    case ROUTE_HEALTH:
+        if (!get)
+            return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        return srv->shutting_down ? send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}")
+                                  : send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+    case ROUTE_METRICS:
+        if (!get)
+            return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        if (srv->metrics_auth && !authorised(srv, con))
+            return refuse_key(srv, con);
+        return handle_metrics(srv, con);
+    default:
+        break;
+    }
+    if (!authorised(srv, con))
+        return refuse_key(srv, con);
+    if (to == ROUTE_MODELS)
+        return get ? handle_models(srv, con)
+                   : send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+    if (!post)
+        return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+    if (srv->shutting_down)
+        return send_error(srv, con, 503, NULL, NULL, "the server is shutting down; retry "
+                          "against another instance or after a restart");
+    cs->to = to;
+    return MHD_YES;
 }
 
 static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *url,
@@ -607,7 +726,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
         pthread_mutex_lock(&srv->count_lock);
         srv->http_requests++;
         pthread_mutex_unlock(&srv->count_lock);
-        return MHD_YES;
+        return route_request(srv, con, cs, url, method);
     }
     if (*upload_size) {
         if (cs->len + *upload_size > srv->max_body)
@@ -617,39 +736,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
         *upload_size = 0;
         return MHD_YES;
     }
-    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET");
-    if (!strcmp(url, "/health")) {
-        if (!get)
-            return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        return srv->shutting_down ? send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}")
-                                  : send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
-    }
-    if (!strcmp(url, "/metrics")) {
-        if (!get)
-            return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        return handle_metrics(srv, con);
-    }
-    int is_models = !strcmp(url, "/v1/models"), is_compl = !strcmp(url, "/v1/completions"),
-        is_chat = !strcmp(url, "/v1/chat/completions");
-    if (!is_models && !is_compl && !is_chat)
-        return send_error(srv, con, 404, NULL, NULL, "no such endpoint: %s %s (loom serves "
-                          "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
-                          method, url);
-    if (!authorised(srv, con))
-        return send_error(srv, con, 401, NULL, "invalid_api_key",
-                          "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the "
-                          "key the server was started with (--api-key)");
-    if (is_models)
-        return get ? handle_models(srv, con)
-                   : send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-    if (!post)
-        return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
     if (cs->too_big)
         return send_error(srv, con, 413, NULL, NULL, "the request body is larger than the "
                           "server's limit of %zu bytes (--max-body)", srv->max_body);
     if (!cs->len)
         return send_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
-    return handle_generate(srv, con, cs->body, cs->len, is_chat);
+    return handle_generate(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT);
 }
 
 /* ---- main --------------------------------------------------------------------------------- */
@@ -660,7 +752,10 @@ static void serve_usage(FILE *out)
             "usage: loom serve -m MODEL [options]\n"
             "  --host ADDR             address to listen on (default 127.0.0.1)\n"
             "  --port N                port (default 8080; 0 picks a free one)\n"
-            "  --api-key KEY           require 'Authorization: Bearer KEY' on /v1/*\n"
+            "  --api-key-file FILE     require 'Authorization: Bearer KEY' on /v1/*, KEY being the\n"
+            "                          file's first line (or set LOOM_API_KEY; --api-key KEY also\n"
+            "                          works, but shows the key to anyone who can run ps)\n"
+            "  --metrics-auth          /metrics wants the key too\n"
             "  --model-name NAME       the model id clients send (default: the file's name)\n"
             "  --max-batch N           sequences run together (default 16)\n"
             "  --max-tokens-per-step N tokens in one forward pass (default 256)\n"
@@ -672,7 +767,47 @@ static void serve_usage(FILE *out)
             "  --chat-template NAME    override the model's chat template\n"
             "  --threads N             CPU backend threads\n"
             "  --max-body BYTES        largest request body accepted (default 1048576)\n"
-            "  --shutdown-timeout S    on SIGTERM, let running requests finish this long (default 10)\n");
+            "  --shutdown-timeout S    on SIGTERM, let running requests finish this long (default 10);\n"
+            "                          meanwhile new requests get 503 with Retry-After\n"
+            "  --parse-special         special tokens written in messages or prompts ('<|im_start|>')\n"
+            "                          are parsed as such (default: plain text; only the chat\n"
+            "                          template's own are special). For trusted clients only.\n"
+            "  --prefix-cache shared|per-user\n"
+            "                          share cached prompt prefixes between all requests (default),\n"
+            "                          or only between requests with the same 'user' field, so that\n"
+            "                          cache hits tell no client about another's prompts\n"
+            "  --max-connections N     open connections in all (default 512)\n"
+            "  --max-connections-per-client N\n"
+            "                          open connections from one address (default 64)\n"
+            "  --idle-timeout S        close a connection idle this long, headers or body half sent\n"
+            "                          included (default 30)\n");
+}
+
+/* The key is the file's first line (a trailing newline, and CR, dropped). */
+static int read_key_file(const char *path, char *key, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "loom serve: --api-key-file %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    int ok = fgets(key, (int)cap, f) != NULL;
+    fclose(f);
+    key[ok ? strcspn(key, "\r\n") : 0] = '\0';
+    if (!key[0]) {
+        fprintf(stderr, "loom serve: --api-key-file %s: the first line is empty\n", path);
+        return -1;
+    }
+    return 0;
+}
+
+static int valid_key(const char *key)
+{
+    size_t n = strlen(key);
+    for (size_t i = 0; i < n; i++)
+        if (key[i] <= ' ' || key[i] > '~')
+            return 0;
+    return n >= 1 && n <= 1024;
 }
 
 static int parse_int(const char *flag, const char *v, long lo, long hi, long *out)
@@ -683,15 +818,22 @@ static int parse_int(const char *flag, const char *v, long lo, long hi, long *ou
 int loom_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *api_key = NULL, *name = NULL, *kv = NULL,
-               *tmpl = NULL;
+               *tmpl = NULL, *key_file = NULL, *prefix_cache = "shared";
     long port = 8080, max_batch = 16, max_step = 256, n_ctx = 0, kv_blocks = 0, block = 16,
-         threads = 0, max_body = 1 << 20, drain_s = 10;
+         threads = 0, max_body = 1 << 20, drain_s = 10, max_conn = 512, max_per_client = 64,
+         idle_s = 30;
+    int metrics_auth = 0, parse_special = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         int bad = 0;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             serve_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--metrics-auth") || !strcmp(a, "--parse-special")) { /* flags */
+            metrics_auth |= !strcmp(a, "--metrics-auth");
+            parse_special |= !strcmp(a, "--parse-special");
+            continue;
         }
         if (!v) {
             fprintf(stderr, "loom serve: %s needs a value (or is unknown)\n", a);
@@ -701,6 +843,11 @@ int loom_serve_main(int argc, char **argv)
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--api-key")) api_key = v;
+        else if (!strcmp(a, "--api-key-file")) key_file = v;
+        else if (!strcmp(a, "--prefix-cache")) prefix_cache = v;
+        else if (!strcmp(a, "--max-connections")) bad = parse_int(a, v, 1, 1 << 20, &max_conn);
+        else if (!strcmp(a, "--max-connections-per-client")) bad = parse_int(a, v, 1, 1 << 20, &max_per_client);
+        else if (!strcmp(a, "--idle-timeout")) bad = parse_int(a, v, 1, 86400, &idle_s);
         else if (!strcmp(a, "--model-name")) name = v;
         else if (!strcmp(a, "--kv-type")) kv = v;
         else if (!strcmp(a, "--chat-template")) tmpl = v;
@@ -724,6 +871,32 @@ int loom_serve_main(int argc, char **argv)
     }
     if (!model) {
         fprintf(stderr, "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
+        return 2;
+    }
+    if (strcmp(prefix_cache, "shared") && strcmp(prefix_cache, "per-user")) {
+        fprintf(stderr, "loom serve: --prefix-cache is shared or per-user, not '%s'\n", prefix_cache);
+        return 2;
+    }
+    char key_buf[4096];
+    const char *env_key = getenv("LOOM_API_KEY");
+    if (!!api_key + !!key_file + !!(env_key && *env_key) > 1) {
+        fprintf(stderr, "loom serve: give the API key one way: --api-key-file, LOOM_API_KEY or "
+                        "--api-key\n");
+        return 2;
+    }
+    if (key_file && read_key_file(key_file, key_buf, sizeof key_buf) != 0)
+        return 2;
+    if (key_file)
+        api_key = key_buf;
+    else if (env_key && *env_key)
+        api_key = env_key;
+    if (api_key && !valid_key(api_key)) {
+        fprintf(stderr, "loom serve: the API key must be 1 to 1024 visible ASCII characters (no "
+                        "spaces or controls)\n");
+        return 2;
+    }
+    if (metrics_auth && !api_key) {
+        fprintf(stderr, "loom serve: --metrics-auth needs an API key (--api-key-file or LOOM_API_KEY)\n");
         return 2;
     }
     if (tmpl && !loom_chat_template_valid(tmpl)) {
@@ -767,7 +940,11 @@ int loom_serve_main(int argc, char **argv)
         loom_model_close(m);
         return 2;
     }
-    server srv = {.api = {.model = m, .n_ctx = ctx}, .api_key = api_key,
+    server srv = {.api = {.model = m, .n_ctx = ctx, .parse_special = parse_special,
+                          .max_prompt_bytes = loom_model_max_prompt_bytes(m)},
+                  .api_key = api_key, .api_key_len = api_key ? strlen(api_key) : 0,
+                  .metrics_auth = metrics_auth,
+                  .partition_by_user = !strcmp(prefix_cache, "per-user"),
                   .max_body = (size_t)max_body, .started = time(NULL)};
     pthread_mutex_init(&srv.count_lock, NULL);
     srv.api.model_name = name ? name : loom_model_name(m);
@@ -783,12 +960,16 @@ int loom_serve_main(int argc, char **argv)
         loom_model_close(m);
         return 2;
     }
+    /* poll(), not select(): select stops at descriptor 1024 and locks every client out once
+     * that many sockets are open; limits in total and per address, and a short idle timeout,
+     * keep stalled or slow connections from holding the server */
     struct MHD_Daemon *d = MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC |
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC |
             MHD_USE_ERROR_LOG,
         0, NULL, NULL, on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
         MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)300, MHD_OPTION_END);
+        (unsigned)idle_s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn,
+        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)max_per_client, MHD_OPTION_END);
     if (!d) {
         fprintf(stderr, "loom serve: cannot listen on %s:%ld: %s (is the port in use? try --port)\n",
                 host, port, strerror(errno));
@@ -807,8 +988,7 @@ int loom_serve_main(int argc, char **argv)
     sigwait(&sigs, &sig);
     fprintf(stderr, "loom serve: %s: no new requests; finishing running ones (up to %ld s)\n",
             sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_s);
-    srv.shutting_down = 1;
-    MHD_socket listen_fd = MHD_quiesce_daemon(d);
+    srv.shutting_down = 1; /* new requests now get 503 with Retry-After */
     loom_engine_stop(srv.engine, (int)drain_s * 1000);
     /* every job is done now; give the connections a moment to send their last bytes (an idle
      * keep-alive connection just waits out the moment) before the daemon closes them */
@@ -820,8 +1000,6 @@ int loom_serve_main(int argc, char **argv)
     }
     MHD_stop_daemon(d);
     loom_engine_free(srv.engine);
-    if (listen_fd != MHD_INVALID_SOCKET)
-        close(listen_fd);
     loom_model_close(m);
     pthread_mutex_destroy(&srv.count_lock);
     fprintf(stderr, "loom serve: stopped\n");

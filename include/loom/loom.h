@@ -89,6 +89,15 @@ int32_t loom_model_n_ctx(const loom_model *m);
  * or -1 with err. */
 int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
                       int32_t *ids, int64_t cap, char *err, size_t err_size);
+/* As loom_tokenize, for len bytes of text (NUL is a character like any other), with special
+ * tokens parsed only outside the n_plain spans (sorted, not overlapping; NULL: none). */
+struct loom_text_span;
+int64_t loom_tokenize_spans(loom_model *m, const char *text, size_t len, int add_special,
+                            int parse_special, const struct loom_text_span *plain, int n_plain,
+                            int32_t *ids, int64_t cap, char *err, size_t err_size);
+/* The longest prompt in bytes that could still fit the context: n_ctx times the longest
+ * token's text. A longer one is refused without tokenizing it. */
+size_t loom_model_max_prompt_bytes(const loom_model *m);
 
 /* Runs the prompt from position 0 (a fresh sequence) and generates up to n_predict tokens,
  * stopping at the model's EOS. Returns 0, or -1 with err. */
@@ -163,6 +172,10 @@ typedef struct loom_request {
     loom_sampling sampling;
     const char *const *stop;    /* stop strings (copied), none when n_stop is 0 */
     int n_stop;
+    /* the prefix cache shares KV blocks only between requests of one partition (0: the
+     * common one); a server gives each client its own so that cache hits (and their timing)
+     * say nothing about other clients' prompts */
+    uint64_t cache_partition;
 } loom_request;
 
 typedef struct loom_engine_stats {
@@ -189,6 +202,18 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
 void loom_engine_cancel(loom_engine *e, int64_t id);
 loom_engine_stats loom_engine_get_stats(loom_engine *e);
 
+/* ---- Text ------------------------------------------------------------------------------ */
+
+/* How many leading bytes of text are well-formed UTF-8 (len when all are). */
+size_t loom_utf8_valid_prefix(const char *text, size_t len);
+/* A malloc'd, NUL-terminated copy of len bytes of text in which every ill-formed UTF-8
+ * sequence is U+FFFD, one per maximal subpart as Python's and ICU's decoders replace them;
+ * its length in *out_len. NULL when out of memory. */
+char *loom_utf8_sanitize(const char *text, size_t len, size_t *out_len);
+/* How many leading bytes of s (n bytes) end on a character boundary: what a stream can send
+ * now, holding back a character whose last bytes have not come yet. */
+size_t loom_utf8_complete(const char *s, size_t n);
+
 /* ---- Chat templates -------------------------------------------------------------------- */
 
 typedef struct loom_chat_message {
@@ -200,6 +225,16 @@ typedef struct loom_chat_message {
  * add_generation_prompt, ends with the opening of the assistant's turn. *out is malloc'd. */
 int loom_chat_render(const char *name, const loom_chat_message *msgs, int n,
                      int add_generation_prompt, char **out, char *err, size_t err_size);
+/* Bytes [start, end) of a text. */
+typedef struct loom_text_span {
+    size_t start, end;
+} loom_text_span;
+/* As loom_chat_render, and where the messages' own text lies in *out (*spans malloc'd, in
+ * order, *n_spans of them): tokenized as plain text (loom_tokenize_spans), a message cannot
+ * forge the template's control tokens ("<|im_start|>system" typed by a user stays text). */
+int loom_chat_render_spans(const char *name, const loom_chat_message *msgs, int n,
+                           int add_generation_prompt, char **out, loom_text_span **spans,
+                           int *n_spans, char *err, size_t err_size);
 const char *loom_chat_templates(void);
 int loom_chat_template_valid(const char *name);
 /* The template a model wants: recognised from the template text its file carries, else by its

@@ -1,0 +1,23 @@
+# tests/serve_lib.sh - sourced by the `loom serve` tests (after lib.sh, with MODEL and KEY set):
+# starting a server on a free loopback port and talking to it.
+
+start_server() { # LOG ARGS...: starts loom serve on a free port; sets PID, port and URL
+    log=$1; shift
+    "$LOOM" serve -m "$MODEL" --port 0 ${KEY:+--api-key "$KEY"} "$@" >"$log" 2>&1 &
+    PID=$!
+    port=
+    for _ in $(seq 100); do
+        port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' "$log")
+        [ -n "$port" ] && break
+        sleep 0.1
+    done
+    [ -n "$port" ] || { fail "server did not start:"; cat "$log" >&2; finish; }
+    URL=http://127.0.0.1:$port
+}
+post() { # PATH JSON [curl args]: prints the body, then the status on its own line
+    p=$1 body=$2; shift 2
+    curl -s -w '\n%{http_code}' -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' \
+        "$@" --data-binary "$body" "$URL$p"
+}
+metric() { curl -s "$URL/metrics" | awk -v m="$1" '$1 == m { print $2 }'; }
+stop_server() { kill -TERM "$PID" 2>/dev/null; wait "$PID" 2>/dev/null; }
