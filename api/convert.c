@@ -31,6 +31,17 @@ int conv_fail(conv *c, const char *fmt, ...)
     return -1;
 }
 
+char *loom_strf(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    char *s = NULL;
+    if (vasprintf(&s, fmt, ap) < 0)
+        s = NULL;
+    va_end(ap);
+    return s;
+}
+
 cJSON *conv_read_json(const char *dir, const char *name, int required, conv *c)
 {
     char path[4096];
@@ -409,7 +420,7 @@ static int chatglm(conv *c)
         } else if (i < n_sp + 9) {
             tokens[i] = specials[i - n_sp], types[i] = 3;
         } else {
-            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+            if (!(pads[i] = loom_strf("[PAD%d]", i)))
                 rc = conv_fail(c, "out of memory");
             tokens[i] = pads[i], types[i] = 5, scores[i] = -1000.0f;
         }

@@ -62,7 +62,7 @@ static int tokenizer(conv *c)
             scores[i] = c->spm.scores[i];
             types[i] = c->spm.types[i];
         } else {
-            if (asprintf(&pads[i], "[PAD%d]", i) < 0)
+            if (!(pads[i] = loom_strf("[PAD%d]", i)))
                 rc = conv_fail(c, "out of memory");
             tokens[i] = pads[i];
             scores[i] = -1000.0f;
@@ -194,7 +194,7 @@ static int bpe_vocab_write(conv *c, bpe_vocab *v, const char *pre, int add_bos)
 {
     for (int32_t i = 0; i < v->n; i++)
         if (!v->tokens[i]) {
-            if (asprintf(&v->owned[i], "[PAD%d]", i) < 0)
+            if (!(v->owned[i] = loom_strf("[PAD%d]", i)))
                 return conv_fail(c, "out of memory");
             v->tokens[i] = v->owned[i], v->types[i] = 5;
         }
@@ -332,14 +332,15 @@ static int tokenizer_json(conv *c, cJSON *tj)
         if (rc)
             break;
         char *text = NULL;
+        const cJSON *l = cJSON_GetArrayItem(m, 0), *r = cJSON_GetArrayItem(m, 1);
+        int pair = cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2 && cJSON_IsString(l) &&
+                   cJSON_IsString(r); /* newer files: [left, right] */
         if (cJSON_IsString(m))
             text = strdup(m->valuestring);
-        else if (cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2) /* newer files: [left, right] */
-            if (asprintf(&text, "%s %s", cJSON_GetArrayItem(m, 0)->valuestring,
-                         cJSON_GetArrayItem(m, 1)->valuestring) < 0)
-                text = NULL;
-        if (!cJSON_IsString(m) && !cJSON_IsArray(m))
-            rc = conv_fail(c, "%s/tokenizer.json: merge %d is not a pair", c->dir, i);
+        else if (pair)
+            text = loom_strf("%s %s", l->valuestring, r->valuestring);
+        if (!cJSON_IsString(m) && !pair)
+            rc = conv_fail(c, "%s/tokenizer.json: merge %d is not a pair of strings", c->dir, i);
         else
             rc = bpe_vocab_merge(c, &v, text);
         i++;
@@ -533,7 +534,7 @@ static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, const tiktoke
         int32_t id = first + i;
         if (i < f->n_named)
             v->tokens[id] = f->named[i];
-        else if (asprintf(&v->owned[id], f->filler_fmt, f->filler_base + i) < 0)
+        else if (!(v->owned[id] = loom_strf(f->filler_fmt, f->filler_base + i)))
             return conv_fail(c, "out of memory");
         else
             v->tokens[id] = v->owned[id];

@@ -16,6 +16,10 @@ int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
 /* A weight type by its name (f32, f16, bf16, q8_0, q4_0, q4_1): 0, or -1 when it is none. */
 int loom_parse_weight_type(const char *name, loom_dtype *t);
 
+/* A malloc'd formatted string, or NULL without memory (asprintf leaves its pointer undefined
+ * then, which a later free would trip over). */
+char *loom_strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
 /* Whether path is a folder (then it is taken as a Hugging Face model). */
 int loom_is_model_dir(const char *path);
 /* A progress bar on stderr, for conversions started on the user's behalf. */

@@ -437,8 +437,9 @@ static int read_number(loom_gguf_type t, const unsigned char *p, int64_t *i, dou
             return -1;
         *i = (int64_t)v.u64; *f = (double)v.u64; break;
     case LOOM_GGUF_INT64: *i = v.i64; *f = (double)v.i64; break;
-    case LOOM_GGUF_FLOAT32: *f = v.f32; *i = (int64_t)v.f32; return 1; /* 1: not integral */
-    case LOOM_GGUF_FLOAT64: *f = v.f64; *i = (int64_t)v.f64; return 1;
+    /* 1: not an integer (and no conversion: a float past INT64_MAX has no int64 value) */
+    case LOOM_GGUF_FLOAT32: *f = v.f32; *i = 0; return 1;
+    case LOOM_GGUF_FLOAT64: *f = v.f64; *i = 0; return 1;
     default: return -1;
     }
     return 0;

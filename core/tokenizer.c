@@ -352,7 +352,9 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
             loom_tokenizer_free(t);
             return NULL;
         }
-        e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 ? (int)v : TOK_NORMAL;
+        /* a type outside GGUF's 1..6 (or not a number at all) is a normal token */
+        e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 && v >= 1 &&
+                          v <= 6 ? (int)v : TOK_NORMAL;
         if (lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
             uint32_t h = hash_bytes(e->text, e->len) & t->table_mask;
             while (t->table[h] >= 0)

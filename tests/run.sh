@@ -108,6 +108,20 @@ else
     expect_grep "does not support attention with f16, and LOOM_STRICT=1 forbids" "$tmpdir/strict.err" \
         "LOOM_STRICT=1 refuses, naming the op"
 fi
+# --json is valid UTF-8 JSON whatever the model emits: random sampling on a byte-level
+# vocabulary ends inside multi-byte characters and emits lone continuation bytes
+qwen=$FIXTURES/tiny-qwen2
+if [ -e "$qwen" ]; then
+    bad=0
+    for seed in 1 2 3 4 5 6 7 8; do
+        "$LOOM" run -m "$qwen" -p "Hello" -n 24 --temp 1.5 --top-k 200 --seed "$seed" --json \
+            >"$tmpdir/q.json" 2>/dev/null || { bad=$((bad + 1)); continue; }
+        iconv -f UTF-8 -t UTF-8 "$tmpdir/q.json" >/dev/null 2>&1 && jq -e .text "$tmpdir/q.json" >/dev/null ||
+            bad=$((bad + 1))
+    done
+    [ "$bad" = 0 ] && pass "run --json: 8 random samples on a byte-level vocabulary, all valid UTF-8 JSON" ||
+        fail "run --json: $bad of 8 outputs are not valid UTF-8 JSON"
+fi
 LOOM_BACKEND=ref LOOM_REF_DENY=matmool "$LOOM" run -m "$gguf" -p "Once" -n 2 > /dev/null 2> "$tmpdir/deny.err" &&
     fail "a misspelt LOOM_REF_DENY was accepted"
 expect_grep "LOOM_REF_DENY: 'matmool' is not OP or OP:DTYPE" "$tmpdir/deny.err" "a bad LOOM_REF_DENY is named"

@@ -1,22 +1,36 @@
 #!/bin/sh
-# tests/fuzz/run.sh SRCDIR SECONDS - builds the libFuzzer harnesses with clang (ASan + UBSan)
-# and runs each for SECONDS, seeded from the shared fixtures when they are there. `make fuzz`.
-# Crashes are left as crash-* files in the working directory, with the input that caused them.
+# tests/fuzz/run.sh SRCDIR SECONDS [BUILDDIR] - builds the libFuzzer harnesses with clang (ASan
+# + UBSan) and runs each for SECONDS, seeded from tests/fuzz/corpus/ and from the shared
+# fixtures when they are there. `make fuzz`; CI runs it when clang is present. A crash fails
+# the run and leaves its input in ./fuzz-crashes/HARNESS/: add it to tests/fuzz/corpus/HARNESS/
+# once fixed, so that every later run tries it first.
 set -eu
-src=${1:-.} seconds=${2:-60}
+src=${1:-.} seconds=${2:-60} build=${3:-.}
 CLANG=${CLANG:-clang}
 command -v "$CLANG" >/dev/null || { echo "make fuzz needs clang (apt-get install clang)"; exit 2; }
+src=$(cd "$src" && pwd) build=$(cd "$build" && pwd)
 fixtures=${LOOM_FIXTURES:-$src/../shared/fixtures}
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom-fuzz.XXXXXX")
-flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I$src/include -I$src"
+trap 'rm -rf "$work"' EXIT
+flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I$src/include -I$src -I$build"
 libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc) -lm"
 cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc)"
-core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c"
-for h in gguf safetensors tokenizer; do
+core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/name_index.c"
+harnesses="gguf safetensors tokenizer chat_template"
+# the request parser tokenizes with a real model: it links the built libloom
+if [ -f "$build/.libs/libloom.so" ]; then harnesses="$harnesses openai_request"
+else echo "fuzz: $build/.libs/libloom.so not built; openai_request skipped"; fi
+for h in $harnesses; do
     echo "fuzz: building fuzz_$h"
+    case $h in
+        chat_template) extra="$src/api/chat.c" ;;
+        openai_request) extra="$src/tools/openai_request.c -L$build/.libs -Wl,-rpath,$build/.libs -lloom" ;;
+        *) extra=$core ;;
+    esac
     # shellcheck disable=SC2086
-    "$CLANG" $flags $cflags -o "$work/fuzz_$h" "$src/tests/fuzz/fuzz_$h.c" $core $libs
+    "$CLANG" $flags $cflags -o "$work/fuzz_$h" "$src/tests/fuzz/fuzz_$h.c" $extra $libs
     mkdir -p "$work/corpus_$h"
+    [ -d "$src/tests/fuzz/corpus/$h" ] && cp "$src/tests/fuzz/corpus/$h"/* "$work/corpus_$h/"
 done
 # seeds: real files and texts, small enough to mutate
 [ -f "$fixtures/stories260K/original/stories260K.gguf" ] && cp "$fixtures/stories260K/original/stories260K.gguf" "$work/corpus_gguf/"
@@ -27,12 +41,23 @@ vocabs=""
 [ -f "$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf" ] && vocabs="$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf"
 [ -f "$fixtures/stories260K/original/stories260K.gguf" ] && vocabs="$vocabs${vocabs:+:}$fixtures/stories260K/original/stories260K.gguf"
 status=0
-for h in gguf safetensors tokenizer; do
+for h in $harnesses; do
     if [ "$h" = tokenizer ] && [ -z "$vocabs" ]; then echo "fuzz: no vocabulary fixtures; tokenizer skipped"; continue; fi
+    if [ "$h" = openai_request ] && [ ! -f "$fixtures/stories260K/original/stories260K.gguf" ]; then
+        echo "fuzz: no stories260K fixture; openai_request skipped"; continue; fi
     echo "fuzz: fuzz_$h for ${seconds}s"
-    LOOM_FUZZ_VOCABS=$vocabs "$work/fuzz_$h" -max_total_time="$seconds" -max_len=65536 -timeout=10 \
-        -print_final_stats=1 "$work/corpus_$h" 2>"$work/$h.log" || { status=1; tail -40 "$work/$h.log"; }
+    mkdir -p "$work/crashes"
+    if ! LOOM_FUZZ_VOCABS=$vocabs LOOM_FUZZ_MODEL="$fixtures/stories260K/original/stories260K.gguf" \
+         LOOM_BACKEND=ref LOOM_BACKEND_PATH="$build/backends/ref/.libs" \
+         ASAN_OPTIONS=detect_leaks=0 "$work/fuzz_$h" -max_total_time="$seconds" -max_len=65536 \
+         -timeout=10 -print_final_stats=1 -artifact_prefix="$work/crashes/" "$work/corpus_$h" \
+         2>"$work/$h.log"; then
+        status=1
+        tail -40 "$work/$h.log"
+        mkdir -p "fuzz-crashes/$h" && cp "$work/crashes"/* "fuzz-crashes/$h/" 2>/dev/null || true
+        echo "fuzz: fuzz_$h failed; its input is in fuzz-crashes/$h/"
+    fi
+    rm -rf "$work/crashes"
     grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$work/$h.log" | sed "s/^/  $h /" || true
 done
-rm -rf "$work"
 exit $status

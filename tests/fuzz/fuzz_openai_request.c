@@ -1,0 +1,61 @@
+/*
+ * tests/fuzz/fuzz_openai_request.c - libFuzzer harness for what `loom serve` does with a
+ * request body before the engine sees it: openai_parse_body (UTF-8, NUL, trailing data), then
+ * openai_parse_request for completions and for chat, which renders the chat template and
+ * tokenizes. Any bytes must give a request or an error with a 4xx/5xx status, never a crash.
+ * The model is LOOM_FUZZ_MODEL (stories260K), opened once on the reference backend.
+ */
+#include "tools/openai_request.h"
+
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int LLVMFuzzerInitialize(int *argc, char ***argv);
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+static openai_model srv;
+
+int LLVMFuzzerInitialize(int *argc, char ***argv)
+{
+    (void)argc, (void)argv;
+    const char *path = getenv("LOOM_FUZZ_MODEL");
+    char err[1024];
+    loom_model_options o = {.n_ctx = 256};
+    if (!path || !(srv.model = loom_model_open(path, &o, err, sizeof err))) {
+        fprintf(stderr, "fuzz_openai_request: LOOM_FUZZ_MODEL: %s\n", path ? err : "not set");
+        exit(1);
+    }
+    int recognised;
+    srv.model_name = "m";
+    srv.chat_template = loom_model_chat_template(srv.model, &recognised);
+    srv.n_ctx = loom_model_n_ctx(srv.model);
+    srv.max_prompt_bytes = loom_model_max_prompt_bytes(srv.model);
+    return 0;
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    bad b = {0};
+    cJSON *root = openai_parse_body((const char *)data, size, &b);
+    if (!root) {
+        if (b.status < 400 || b.status > 599 || !b.msg[0])
+            __builtin_trap(); /* a refusal must say why, with an error status */
+        return 0;
+    }
+    for (int chat = 0; chat < 2; chat++) {
+        srv.parse_special = size > 0 && (data[0] & 1);
+        parsed p = {0};
+        bad pb = {0};
+        if (openai_parse_request(&srv, root, chat, &p, &pb) != 0) {
+            if (pb.status < 400 || pb.status > 599 || !pb.msg[0])
+                __builtin_trap();
+        } else if (p.n_ids <= 0 || p.n_ids >= srv.n_ctx || !p.ids) {
+            __builtin_trap(); /* an accepted request has a prompt that fits */
+        }
+        free(p.ids);
+    }
+    cJSON_Delete(root);
+    return 0;
+}
