@@ -22,6 +22,7 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -30,9 +31,11 @@
 
 typedef enum { RES_NONE = 0, RES_PASS, RES_FAIL, RES_UNSUPPORTED } result;
 
-#define N_DTYPES 7
-static const loom_dtype all_dtypes[N_DTYPES] = {LOOM_F32, LOOM_F16,  LOOM_BF16, LOOM_Q8_0,
-                                                LOOM_Q4_0, LOOM_Q4_1, LOOM_I32};
+/* every dtype of ABI 1.2; the matrix shows all but the last (i32 is only an index type) */
+#define N_DTYPES 16
+static const loom_dtype all_dtypes[N_DTYPES] = {
+    LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0,   LOOM_Q4_1,  LOOM_Q5_0,   LOOM_Q5_1,
+    LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS, LOOM_I32};
 static const char *const op_names[LOOM_OP_COUNT_V1_0] = {
     "matmul", "get_rows", "rms_norm", "layer_norm", "rope",      "add",        "mul",    "scale",
     "silu_mul", "gelu",   "kv_store", "attention",  "quantize", "dequantize", "convert"};
@@ -173,9 +176,46 @@ static void get_row(const spec *s, const unsigned char *image, int64_t r, float 
     loom_row_to_f32(s->dtype, image + s->offset + (uint64_t)r * spec_row_stride(s), out, s->ne[0]);
 }
 
+/* A type loom reads but does not write (ABI 1.2's): blocks of random bytes, every bit pattern
+ * of quants and packed sub-block scales, with the f16 super-scales set to sane values of
+ * either sign (random bytes there would be infinities and NaNs). */
+static void fill_random_blocks(spec *s, float amp)
+{
+    int64_t rb = loom_row_bytes(s->dtype, s->ne[0]), bb = loom_dtype_block_bytes(s->dtype);
+    size_t d = 0, dmin = (size_t)-1; /* offsets of the f16 scale and second scale/min */
+    switch (s->dtype) {
+    case LOOM_Q5_1: dmin = offsetof(loom_block_q5_1, m); break;
+    case LOOM_Q2_K: d = offsetof(loom_block_q2_k, d), dmin = offsetof(loom_block_q2_k, dmin); break;
+    case LOOM_Q3_K: d = offsetof(loom_block_q3_k, d); break;
+    case LOOM_Q4_K: dmin = offsetof(loom_block_q4_k, dmin); break;
+    case LOOM_Q5_K: dmin = offsetof(loom_block_q5_k, dmin); break;
+    case LOOM_Q6_K: d = offsetof(loom_block_q6_k, d); break;
+    default: break; /* q5_0, iq4_nl, iq4_xs: d first */
+    }
+    /* per-element magnitude: the K types multiply a 6-bit scale by up to 63-ish quants */
+    float unit = amp / (loom_dtype_block_elems(s->dtype) > 32 ? 2000.0f : 16.0f);
+    for (int64_t r = 0; r < spec_rows(s); r++) {
+        unsigned char *row = spec_row(s, r);
+        for (int64_t i = 0; i < rb; i++)
+            row[i] = (unsigned char)rng_u32();
+        for (int64_t b = 0; b < rb / bb; b++) {
+            uint16_t h = loom_f32_to_f16(unit * rng_uniform());
+            memcpy(row + b * bb + d, &h, 2);
+            if (dmin != (size_t)-1) {
+                h = loom_f32_to_f16(unit * rng_uniform());
+                memcpy(row + b * bb + dmin, &h, 2);
+            }
+        }
+    }
+}
+
 /* Fills every row with uniform values in [-amp, amp) (+ bias), converted to the dtype. */
 static void fill_random(spec *s, float amp, float bias)
 {
+    if (loom_dtype_is_quantized(s->dtype) && !loom_dtype_is_block(s->dtype)) {
+        fill_random_blocks(s, amp);
+        return;
+    }
     float *v = malloc((size_t)s->ne[0] * sizeof *v);
     for (int64_t r = 0; r < spec_rows(s); r++) {
         for (int64_t i = 0; i < s->ne[0]; i++)
@@ -418,10 +458,11 @@ static void make_matmul_shape(test_case *tc, loom_dtype dt, int64_t M, int64_t K
 static void make_matmul(test_case *tc, loom_dtype dt, int v)
 {
     /* M, K, N; K odd only where the dtype allows it */
-    static const int64_t shapes[][3] = {{1, 64, 1},  {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
-                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7}};
+    static const int64_t shapes[][3] = {{1, 64, 1},    {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
+                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7},  {2, 512, 19},
+                                        {17, 768, 5}};
     int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
-    if (K % LOOM_QK && loom_dtype_block_elems(dt) > 1) {
+    if (K % loom_dtype_block_elems(dt)) { /* check_partial_blocks tries those */
         tc->op = LOOM_OP_COUNT_V1_0; /* not applicable */
         return;
     }
@@ -430,7 +471,11 @@ static void make_matmul(test_case *tc, loom_dtype dt, int v)
 
 static void make_get_rows(test_case *tc, loom_dtype dt, int v)
 {
-    int64_t K = v ? 64 : 32, rows = 9, n = v ? 5 : 1;
+    int64_t K = v == 2 ? 512 : v ? 64 : 32, rows = 9, n = v ? 5 : 1;
+    if (K % loom_dtype_block_elems(dt)) {
+        tc->op = LOOM_OP_COUNT_V1_0;
+        return;
+    }
     int32_t ids[5] = {8, 0, 3, 3, 7};
     snprintf(tc->label, sizeof tc->label, "%lld ids from [%lld, %lld]", (long long)n,
              (long long)rows, (long long)K);
@@ -564,8 +609,12 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
 
 static void make_quant(test_case *tc, loom_dtype dt, int v)
 {
-    static const int64_t shapes[][2] = {{1, 32}, {3, 96}, {17, 4096}};
+    static const int64_t shapes[][2] = {{1, 32}, {3, 96}, {17, 4096}, {2, 768}};
     int64_t rows = shapes[v][0], n = shapes[v][1];
+    if (n % loom_dtype_block_elems(dt)) {
+        tc->op = LOOM_OP_COUNT_V1_0;
+        return;
+    }
     snprintf(tc->label, sizeof tc->label, "[%lld, %lld]", (long long)rows, (long long)n);
     if (tc->op == LOOM_OP_QUANTIZE) {
         spec *src = add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1);
@@ -593,13 +642,13 @@ static void make_convert(test_case *tc, loom_dtype dt, int v)
 }
 
 static const case_family families[] = {
-    {LOOM_OP_MATMUL, 7, make_matmul},         {LOOM_OP_GET_ROWS, 2, make_get_rows},
+    {LOOM_OP_MATMUL, 9, make_matmul},         {LOOM_OP_GET_ROWS, 3, make_get_rows},
     {LOOM_OP_RMS_NORM, 6, make_norm},         {LOOM_OP_LAYER_NORM, 6, make_norm},
     {LOOM_OP_ROPE, 5, make_rope},             {LOOM_OP_ADD, 4, make_elementwise},
     {LOOM_OP_MUL, 4, make_elementwise},       {LOOM_OP_SCALE, 3, make_elementwise},
     {LOOM_OP_SILU_MUL, 3, make_elementwise},  {LOOM_OP_GELU, 3, make_elementwise},
     {LOOM_OP_KV_STORE, 2, make_kv_store},     {LOOM_OP_ATTENTION, 4, make_attention},
-    {LOOM_OP_QUANTIZE, 3, make_quant},        {LOOM_OP_DEQUANTIZE, 3, make_quant},
+    {LOOM_OP_QUANTIZE, 4, make_quant},        {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},
 };
 
@@ -607,12 +656,12 @@ static const case_family families[] = {
 static int op_dtype_applies(loom_op op, loom_dtype dt)
 {
     int is_float = dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_BF16;
-    int is_block = dt == LOOM_Q8_0 || dt == LOOM_Q4_0 || dt == LOOM_Q4_1;
     switch (op) {
-    case LOOM_OP_MATMUL: case LOOM_OP_GET_ROWS: return is_float || is_block;
+    case LOOM_OP_MATMUL: case LOOM_OP_GET_ROWS: return is_float || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE: case LOOM_OP_ATTENTION:
         return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;
-    case LOOM_OP_QUANTIZE: case LOOM_OP_DEQUANTIZE: return is_block;
+    case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with quantisers */
+    case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return is_float;
     default: return dt == LOOM_F32;
     }
@@ -718,6 +767,60 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
     }
 }
 
+/* A row of a quantised type must be whole blocks: a W (or get_rows source) whose rows are 128
+ * elements of a 256-element type is malformed, and the module must refuse it with an error,
+ * not read past its rows or crash. */
+static void check_partial_blocks(loom_device *target, report *r)
+{
+    for (int di = 0; di < N_DTYPES; di++) {
+        loom_dtype dt = all_dtypes[di];
+        if (loom_dtype_block_elems(dt) <= LOOM_QK)
+            continue;
+        for (int get_rows = 0; get_rows < 2; get_rows++) {
+            loom_op op = get_rows ? LOOM_OP_GET_ROWS : LOOM_OP_MATMUL;
+            if (!loom_device_supports(target, op, dt))
+                continue;
+            enum { K = 128, N = 4 };
+            loom_buffer *bx = NULL, *bw = NULL, *by = NULL;
+            loom_status st = target->ops.buffer_alloc(target->be, 4096, &bx);
+            if (st == LOOM_OK)
+                st = target->ops.buffer_alloc(target->be, 4096, &bw);
+            if (st == LOOM_OK)
+                st = target->ops.buffer_alloc(target->be, 4096, &by);
+            int32_t ids[1] = {1};
+            if (st == LOOM_OK && get_rows)
+                st = target->ops.copy_from_host(target->be, bx, 0, ids, sizeof ids);
+            loom_tensor x = {bx, 0, get_rows ? LOOM_I32 : LOOM_F32, 2, {get_rows ? 1 : K, 1, 1, 1},
+                             {4, get_rows ? 4 : 4 * K, 4 * K, 4 * K}};
+            loom_tensor w = {bw, 0, dt, 2, {K, N, 1, 1},
+                             {(uint64_t)loom_dtype_block_bytes(dt), 256, 256 * N, 256 * N}};
+            loom_tensor y = {by, 0, LOOM_F32, 2, {get_rows ? K : N, 1, 1, 1},
+                             {4, 4 * K, 4 * K, 4 * K}};
+            if (st == LOOM_OK) {
+                if (get_rows) {
+                    loom_get_rows_params p = {sizeof p, &w, &x, &y};
+                    st = loom_device_run(target, op, &p);
+                } else {
+                    loom_matmul_params p = {sizeof p, &x, &w, &y, NULL};
+                    st = loom_device_run(target, op, &p);
+                }
+                if (st == LOOM_OK)
+                    st = target->ops.synchronize(target->be);
+            }
+            char name[160];
+            snprintf(name, sizeof name, "%s %s with rows of %d elements (not whole %lld-element "
+                     "blocks) is refused", op_names[op], loom_dtype_name(dt), K,
+                     (long long)loom_dtype_block_elems(dt));
+            record(r, name, st != LOOM_OK, st != LOOM_OK ? NULL : "%s",
+                   "the module ran it (status 0)");
+            loom_buffer *bufs[3] = {bx, bw, by};
+            for (int i = 0; i < 3; i++)
+                if (bufs[i])
+                    target->ops.buffer_free(target->be, bufs[i]);
+        }
+    }
+}
+
 /* Matmuls whose W first went through the module's prepare_weight, against the reference with
  * W as it is: shapes whose rows come in multiples of 8 and 16 (what interleaving layouts want),
  * odd block counts, and some that a module may decline. */
@@ -737,7 +840,7 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
             continue;
         int n_prepared = 0, n_tried = 0;
         for (size_t v = 0; v < sizeof shapes / sizeof shapes[0]; v++) {
-            if (shapes[v][1] % LOOM_QK && loom_dtype_block_elems(dt) > 1)
+            if (shapes[v][1] % loom_dtype_block_elems(dt))
                 continue; /* K must be whole blocks */
             n_tried++;
             test_case tc;
@@ -872,8 +975,13 @@ static void check_reload(const char *path, const loom_device *ref, report *r)
 
 static void print_matrix(const report *r, const char *label)
 {
-    printf("\n| %s | f32 | f16 | bf16 | q8_0 | q4_0 | q4_1 |\n|---|---|---|---|---|---|---|\n",
-           label);
+    printf("\n| %s |", label);
+    for (int di = 0; di < N_DTYPES - 1; di++)
+        printf(" %s |", loom_dtype_name(all_dtypes[di]));
+    printf("\n|---|");
+    for (int di = 0; di < N_DTYPES - 1; di++)
+        printf("---|");
+    printf("\n");
     for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
         printf("| %s |", op_names[op]);
         for (int di = 0; di < N_DTYPES - 1; di++) {
@@ -989,6 +1097,7 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
         check_oom(&target, &r);
         if (have_ref) {
             check_ops(&target, &ref, &r);
+            check_partial_blocks(&target, &r);
             check_prepared(&target, &ref, &r);
         }
         loom_device_close(&target);

@@ -43,6 +43,9 @@ typedef struct mm_job {
     const float *bias;
     int split_m;              /* too few W rows to share: split X's rows instead */
     int nr_max;               /* weight rows per tile */
+    int dequant_w;            /* a type without int8 kernels yet (the ABI 1.2 ones): each
+                               * chunk of W rows is decoded to f32 once, then run as f32 */
+    float *wf;                /* per thread, CHUNK_ROWS x K floats for those chunks */
 } mm_job;
 
 static unsigned char *data(const loom_tensor *t)
@@ -149,15 +152,21 @@ static void mm_rows(void *ctx, int ith, int nth)
     else
         pool_split((long)j->N, ith, nth, &n0, &n1);
     float out[KERN_NR * KERN_MR];
+    float *wf = j->wf ? j->wf + (size_t)ith * CHUNK_ROWS * (size_t)j->K : NULL;
     for (long c0 = n0; c0 < n1; c0 += CHUNK_ROWS) {
         long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
+        for (long n = c0; wf && n < c1; n++)
+            cpu_load_row(w->dtype, cpu_row(w, data(w), n), wf + (n - c0) * j->K, j->K);
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
             int nr;
             for (long n = c0; n < c1; n += nr) {
                 nr = c1 - n < j->nr_max ? (int)(c1 - n) : j->nr_max;
                 const unsigned char *wrow = cpu_row(w, data(w), n);
-                if (j->kq)
+                if (wf)
+                    j->kf(LOOM_F32, (const unsigned char *)(wf + (n - c0) * j->K),
+                          (size_t)j->K * sizeof *wf, nr, j->xrows + m0, mr, j->K, out);
+                else if (j->kq)
                     j->kq(wrow, w->nb[1], nr, &j->act, m0, mr, out);
                 else
                     j->kf(w->dtype, wrow, w->nb[1], nr, j->xrows + m0, mr, j->K, out);
@@ -259,7 +268,8 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                     (p->w->nb[2] == p->w->nb[1] * (uint64_t)p->w->ne[1] &&
                      p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
-    j.nr_max = uniform_w && !decode_quant ? KERN_NR : 1;
+    j.dequant_w = loom_dtype_is_quantized(p->w->dtype) && !loom_dtype_is_block(p->w->dtype);
+    j.nr_max = (uniform_w || j.dequant_w) && !decode_quant ? KERN_NR : 1;
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
@@ -312,6 +322,11 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     if (!scratch)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
                         (long long)j.M);
+    if (j.dequant_w && !(j.wf = malloc((size_t)nth * CHUNK_ROWS * (size_t)j.K * sizeof *j.wf))) {
+        free(scratch);
+        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to decode %s rows of %lld",
+                        loom_dtype_name(wt), (long long)j.K);
+    }
     if (!j.kf) { /* quantise X, or round it to BF16 */
         if (j.M * j.K >= 16384)
             pool_run(cb->pool, prepare_x, &j);
@@ -323,6 +338,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     else
         body(&j, 0, 1);
     free(scratch);
+    free(j.wf);
     return LOOM_OK;
 }
 

@@ -329,6 +329,7 @@ static inline void cpu_load_row(loom_dtype t, const void *src, float *dst, int64
             dst[i] = (float)v;
         }
         break;
+    default: loom_row_to_f32(t, src, dst, n); break; /* the ABI 1.2 types, by reference */
     }
 }
 
@@ -345,7 +346,7 @@ static inline void cpu_store_row(loom_dtype t, const float *src, void *dst, int6
     case LOOM_Q8_0: loom_quantize_row_q8_0(src, dst, n); break;
     case LOOM_Q4_0: loom_quantize_row_q4_0(src, dst, n); break;
     case LOOM_Q4_1: loom_quantize_row_q4_1(src, dst, n); break;
-    case LOOM_I32: break;
+    default: break; /* i32, and the types only read */
     }
 }
 

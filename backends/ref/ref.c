@@ -590,8 +590,8 @@ static loom_status ref_quantize(loom_backend *be, const loom_convert_params *p)
 
 static loom_status ref_dequantize(loom_backend *be, const loom_convert_params *p)
 {
-    if (!p->src || !p->dst || !is_block_dtype(p->src->dtype) || p->dst->dtype != LOOM_F32)
-        return fail(be, LOOM_ERR_INVALID, "dequantize: needs a block-type src and f32 dst");
+    if (!p->src || !p->dst || !loom_dtype_is_quantized(p->src->dtype) || p->dst->dtype != LOOM_F32)
+        return fail(be, LOOM_ERR_INVALID, "dequantize: needs a quantised src and f32 dst");
     return convert_rows(be, p, "dequantize");
 }
 
@@ -717,11 +717,11 @@ static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
         return 0;
     switch (op) {
     case LOOM_OP_MATMUL:
-    case LOOM_OP_GET_ROWS: return is_float_dtype(dt) || is_block_dtype(dt);
+    case LOOM_OP_GET_ROWS: return is_float_dtype(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return is_cache_dtype(dt);
     case LOOM_OP_QUANTIZE:
-    case LOOM_OP_DEQUANTIZE: return is_block_dtype(dt);
+    case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return is_float_dtype(dt);
     case LOOM_OP_RMS_NORM:
     case LOOM_OP_LAYER_NORM:

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 1
+#define LOOM_BACKEND_ABI_MINOR 2
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -72,75 +72,19 @@ typedef enum loom_dtype {
     LOOM_F16 = 1,   /* IEEE binary16 */
     LOOM_Q4_0 = 2,  /* blocks of 32: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d */
     LOOM_Q4_1 = 3,  /* blocks of 32: f16 scale d, f16 min m, 16 bytes of nibbles; x = q * d + m */
+    LOOM_Q5_0 = 6,  /* ABI 1.2 on: the types below, laid out in <loom/quants.h> */
+    LOOM_Q5_1 = 7,
     LOOM_Q8_0 = 8,  /* blocks of 32: f16 scale d, 32 int8; x = q * d */
+    LOOM_Q2_K = 10,
+    LOOM_Q3_K = 11,
+    LOOM_Q4_K = 12,
+    LOOM_Q5_K = 13,
+    LOOM_Q6_K = 14,
+    LOOM_IQ4_NL = 20,
+    LOOM_IQ4_XS = 23,
     LOOM_I32 = 26,
     LOOM_BF16 = 30, /* the upper half of an IEEE binary32 */
 } loom_dtype;
-
-#define LOOM_QK 32 /* elements per block of every block-quantised type */
-
-/* Nibble order in Q4_0/Q4_1: byte j holds element j in its low nibble and element j + 16 in
- * its high nibble. */
-typedef struct loom_block_q4_0 {
-    uint16_t d;               /* f16 scale */
-    uint8_t qs[LOOM_QK / 2];
-} loom_block_q4_0;
-
-typedef struct loom_block_q4_1 {
-    uint16_t d;               /* f16 scale */
-    uint16_t m;               /* f16 minimum */
-    uint8_t qs[LOOM_QK / 2];
-} loom_block_q4_1;
-
-typedef struct loom_block_q8_0 {
-    uint16_t d;               /* f16 scale */
-    int8_t qs[LOOM_QK];
-} loom_block_q8_0;
-
-/* Elements per storage unit (1 or LOOM_QK) and bytes per unit; 0 for an unknown dtype. */
-static inline int64_t loom_dtype_block_elems(loom_dtype t)
-{
-    switch (t) {
-    case LOOM_F32: case LOOM_F16: case LOOM_BF16: case LOOM_I32: return 1;
-    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q8_0: return LOOM_QK;
-    }
-    return 0;
-}
-
-static inline int64_t loom_dtype_block_bytes(loom_dtype t)
-{
-    switch (t) {
-    case LOOM_F32: case LOOM_I32: return 4;
-    case LOOM_F16: case LOOM_BF16: return 2;
-    case LOOM_Q4_0: return (int64_t)sizeof(loom_block_q4_0);
-    case LOOM_Q4_1: return (int64_t)sizeof(loom_block_q4_1);
-    case LOOM_Q8_0: return (int64_t)sizeof(loom_block_q8_0);
-    }
-    return 0;
-}
-
-static inline const char *loom_dtype_name(loom_dtype t)
-{
-    switch (t) {
-    case LOOM_F32: return "f32";
-    case LOOM_F16: return "f16";
-    case LOOM_BF16: return "bf16";
-    case LOOM_I32: return "i32";
-    case LOOM_Q4_0: return "q4_0";
-    case LOOM_Q4_1: return "q4_1";
-    case LOOM_Q8_0: return "q8_0";
-    }
-    return "unknown";
-}
-
-/* Bytes of one row of n elements, or -1 when n is not a whole number of blocks. */
-static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
-{
-    int64_t be = loom_dtype_block_elems(t), bb = loom_dtype_block_bytes(t);
-    if (be <= 0 || bb <= 0 || n < 0 || n % be != 0 || n / be > INT64_MAX / bb)
-        return -1;
-    return n / be * bb;
-}
 
 /* Reference scalar conversions, exact and round-to-nearest-even, shared so that every backend
  * and loom itself agree bit for bit on what a half-precision value means. */
@@ -218,107 +162,78 @@ static inline uint16_t loom_f32_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
-/* Reference block quantisers and dequantisers (the algorithms GGUF files are written with). A
- * backend may quantise differently inside a kernel, but what it stores as Q8_0/Q4_0/Q4_1 must
- * decode with these. n is a multiple of LOOM_QK. */
-static inline void loom_quantize_row_q8_0(const float *x, loom_block_q8_0 *y, int64_t n)
+#include "quants.h"
+
+/* Elements per storage unit (1, LOOM_QK or LOOM_QK_K) and bytes per unit; 0 for an unknown
+ * dtype. */
+static inline int64_t loom_dtype_block_elems(loom_dtype t)
 {
-    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
-        float amax = 0.0f;
-        for (int j = 0; j < LOOM_QK; j++) {
-            float a = x[j] < 0 ? -x[j] : x[j];
-            if (a > amax)
-                amax = a;
-        }
-        float d = amax / 127.0f;
-        float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = loom_f32_to_f16(d);
-        for (int j = 0; j < LOOM_QK; j++) {
-            double v = (double)(x[j] * id); /* round half away from zero, like roundf */
-            y[b].qs[j] = (int8_t)(v < 0 ? (int)(v - 0.5) : (int)(v + 0.5));
-        }
+    switch (t) {
+    case LOOM_F32: case LOOM_F16: case LOOM_BF16: case LOOM_I32: return 1;
+    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q5_0: case LOOM_Q5_1: case LOOM_Q8_0:
+    case LOOM_IQ4_NL: return LOOM_QK;
+    case LOOM_Q2_K: case LOOM_Q3_K: case LOOM_Q4_K: case LOOM_Q5_K: case LOOM_Q6_K:
+    case LOOM_IQ4_XS: return LOOM_QK_K;
     }
+    return 0;
 }
 
-static inline void loom_quantize_row_q4_0(const float *x, loom_block_q4_0 *y, int64_t n)
+static inline int64_t loom_dtype_block_bytes(loom_dtype t)
 {
-    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
-        float amax = 0.0f, max = 0.0f; /* max: the value of largest magnitude, with its sign */
-        for (int j = 0; j < LOOM_QK; j++) {
-            float a = x[j] < 0 ? -x[j] : x[j];
-            if (a > amax) {
-                amax = a;
-                max = x[j];
-            }
-        }
-        float d = max / -8.0f;
-        float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = loom_f32_to_f16(d);
-        for (int j = 0; j < LOOM_QK / 2; j++) {
-            int q0 = (int)(x[j] * id + 8.5f), q1 = (int)(x[j + LOOM_QK / 2] * id + 8.5f);
-            q0 = q0 > 15 ? 15 : q0;
-            q1 = q1 > 15 ? 15 : q1;
-            y[b].qs[j] = (uint8_t)(q0 | (q1 << 4));
-        }
+    switch (t) {
+    case LOOM_F32: case LOOM_I32: return 4;
+    case LOOM_F16: case LOOM_BF16: return 2;
+    case LOOM_Q4_0: return (int64_t)sizeof(loom_block_q4_0);
+    case LOOM_Q4_1: return (int64_t)sizeof(loom_block_q4_1);
+    case LOOM_Q5_0: return (int64_t)sizeof(loom_block_q5_0);
+    case LOOM_Q5_1: return (int64_t)sizeof(loom_block_q5_1);
+    case LOOM_Q8_0: return (int64_t)sizeof(loom_block_q8_0);
+    case LOOM_IQ4_NL: return (int64_t)sizeof(loom_block_iq4_nl);
+    case LOOM_Q2_K: return (int64_t)sizeof(loom_block_q2_k);
+    case LOOM_Q3_K: return (int64_t)sizeof(loom_block_q3_k);
+    case LOOM_Q4_K: return (int64_t)sizeof(loom_block_q4_k);
+    case LOOM_Q5_K: return (int64_t)sizeof(loom_block_q5_k);
+    case LOOM_Q6_K: return (int64_t)sizeof(loom_block_q6_k);
+    case LOOM_IQ4_XS: return (int64_t)sizeof(loom_block_iq4_xs);
     }
+    return 0;
 }
 
-static inline void loom_quantize_row_q4_1(const float *x, loom_block_q4_1 *y, int64_t n)
+static inline const char *loom_dtype_name(loom_dtype t)
 {
-    for (int64_t b = 0; b < n / LOOM_QK; b++, x += LOOM_QK) {
-        float min = x[0], max = x[0];
-        for (int j = 1; j < LOOM_QK; j++) {
-            min = x[j] < min ? x[j] : min;
-            max = x[j] > max ? x[j] : max;
-        }
-        float d = (max - min) / 15.0f;
-        float id = d != 0.0f ? 1.0f / d : 0.0f;
-        y[b].d = loom_f32_to_f16(d);
-        y[b].m = loom_f32_to_f16(min);
-        for (int j = 0; j < LOOM_QK / 2; j++) {
-            int q0 = (int)((x[j] - min) * id + 0.5f);
-            int q1 = (int)((x[j + LOOM_QK / 2] - min) * id + 0.5f);
-            q0 = q0 > 15 ? 15 : q0;
-            q1 = q1 > 15 ? 15 : q1;
-            y[b].qs[j] = (uint8_t)(q0 | (q1 << 4));
-        }
+    switch (t) {
+    case LOOM_F32: return "f32";
+    case LOOM_F16: return "f16";
+    case LOOM_BF16: return "bf16";
+    case LOOM_I32: return "i32";
+    case LOOM_Q4_0: return "q4_0";
+    case LOOM_Q4_1: return "q4_1";
+    case LOOM_Q5_0: return "q5_0";
+    case LOOM_Q5_1: return "q5_1";
+    case LOOM_Q8_0: return "q8_0";
+    case LOOM_IQ4_NL: return "iq4_nl";
+    case LOOM_Q2_K: return "q2_K";
+    case LOOM_Q3_K: return "q3_K";
+    case LOOM_Q4_K: return "q4_K";
+    case LOOM_Q5_K: return "q5_K";
+    case LOOM_Q6_K: return "q6_K";
+    case LOOM_IQ4_XS: return "iq4_xs";
     }
+    return "unknown";
 }
 
-static inline void loom_dequantize_row_q8_0(const loom_block_q8_0 *x, float *y, int64_t n)
+/* Bytes of one row of n elements, or -1 when n is not a whole number of blocks. */
+static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
 {
-    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
-        float d = loom_f16_to_f32(x[b].d);
-        for (int j = 0; j < LOOM_QK; j++)
-            y[j] = x[b].qs[j] * d;
-    }
-}
-
-static inline void loom_dequantize_row_q4_0(const loom_block_q4_0 *x, float *y, int64_t n)
-{
-    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
-        float d = loom_f16_to_f32(x[b].d);
-        for (int j = 0; j < LOOM_QK / 2; j++) {
-            y[j] = ((x[b].qs[j] & 0x0f) - 8) * d;
-            y[j + LOOM_QK / 2] = ((x[b].qs[j] >> 4) - 8) * d;
-        }
-    }
-}
-
-static inline void loom_dequantize_row_q4_1(const loom_block_q4_1 *x, float *y, int64_t n)
-{
-    for (int64_t b = 0; b < n / LOOM_QK; b++, y += LOOM_QK) {
-        float d = loom_f16_to_f32(x[b].d), m = loom_f16_to_f32(x[b].m);
-        for (int j = 0; j < LOOM_QK / 2; j++) {
-            y[j] = (x[b].qs[j] & 0x0f) * d + m;
-            y[j + LOOM_QK / 2] = (x[b].qs[j] >> 4) * d + m;
-        }
-    }
+    int64_t be = loom_dtype_block_elems(t), bb = loom_dtype_block_bytes(t);
+    if (be <= 0 || bb <= 0 || n < 0 || n % be != 0 || n / be > INT64_MAX / bb)
+        return -1;
+    return n / be * bb;
 }
 
 /* A row of n elements of dtype t to and from f32, little-endian as GGUF stores them, with the
- * reference conversions above (i32 converts by value). For block types n is a multiple of
- * LOOM_QK. */
+ * reference conversions of <loom/quants.h> (i32 converts by value). For block types n is a
+ * multiple of the block. loom_row_from_f32 writes the float types and Q8_0, Q4_0 and Q4_1. */
 static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, int64_t n)
 {
     const unsigned char *p = (const unsigned char *)src;
@@ -326,6 +241,15 @@ static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, in
     case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)src, dst, n); return;
     case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)src, dst, n); return;
     case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)src, dst, n); return;
+    case LOOM_Q5_0: loom_dequantize_row_q5_0((const loom_block_q5_0 *)src, dst, n); return;
+    case LOOM_Q5_1: loom_dequantize_row_q5_1((const loom_block_q5_1 *)src, dst, n); return;
+    case LOOM_IQ4_NL: loom_dequantize_row_iq4_nl((const loom_block_iq4_nl *)src, dst, n); return;
+    case LOOM_Q2_K: loom_dequantize_row_q2_k((const loom_block_q2_k *)src, dst, n); return;
+    case LOOM_Q3_K: loom_dequantize_row_q3_k((const loom_block_q3_k *)src, dst, n); return;
+    case LOOM_Q4_K: loom_dequantize_row_q4_k((const loom_block_q4_k *)src, dst, n); return;
+    case LOOM_Q5_K: loom_dequantize_row_q5_k((const loom_block_q5_k *)src, dst, n); return;
+    case LOOM_Q6_K: loom_dequantize_row_q6_k((const loom_block_q6_k *)src, dst, n); return;
+    case LOOM_IQ4_XS: loom_dequantize_row_iq4_xs((const loom_block_iq4_xs *)src, dst, n); return;
     default: break;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -367,7 +291,7 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
 /* ---- Tensors ------------------------------------------------------------------------------
  * Dimension 0 is the innermost (fastest varying), as in GGUF: a matrix X[M,K] of M rows of K
  * elements has ne = {K, M, 1, 1}. Rows are contiguous: nb[0] is the element size, or the block
- * size for block types (ne[0] must then be a multiple of LOOM_QK). nb[1..3] are byte strides and
+ * size for block types (ne[0] must then be a multiple of the type's block). nb[1..3] are byte strides and
  * may be larger than dense, so a tensor can view every other row or one half of each row of a
  * wider matrix. Unused dimensions have ne = 1. */
 
@@ -558,9 +482,19 @@ static inline int loom_dtype_is_float(loom_dtype t)
     return t == LOOM_F32 || t == LOOM_F16 || t == LOOM_BF16;
 }
 
+/* The block types of ABI 1.0 (Q8_0, Q4_0, Q4_1): what every block-type op accepts. */
 static inline int loom_dtype_is_block(loom_dtype t)
 {
     return t == LOOM_Q8_0 || t == LOOM_Q4_0 || t == LOOM_Q4_1;
+}
+
+/* Any quantised weight type (ABI 1.2): the 1.0 block types and Q5_0, Q5_1, IQ4_NL, the K
+ * types and IQ4_XS. A module's `supports` claims the newer ones one by one, as it implements
+ * them; this helper keeps its 1.0 meaning above so that a recompiled module claims nothing
+ * new by accident. */
+static inline int loom_dtype_is_quantized(loom_dtype t)
+{
+    return loom_dtype_block_elems(t) > 1;
 }
 
 static inline int loom_dtype_is_cache(loom_dtype t)
@@ -574,8 +508,8 @@ static inline const char *loom_check_matmul(const loom_matmul_params *p)
         return "matmul: x, w and y are required";
     if (p->x->dtype != LOOM_F32 || p->y->dtype != LOOM_F32)
         return "matmul: x and y must be f32";
-    if (!loom_dtype_is_float(p->w->dtype) && !loom_dtype_is_block(p->w->dtype))
-        return "matmul: w must be f32, f16, bf16, q8_0, q4_0 or q4_1";
+    if (!loom_dtype_is_float(p->w->dtype) && !loom_dtype_is_quantized(p->w->dtype))
+        return "matmul: w must be f32, f16, bf16 or a quantised type";
     if (p->w->ne[0] != p->x->ne[0] || p->y->ne[0] != loom_tensor_rows(p->w) ||
         loom_tensor_rows(p->y) != loom_tensor_rows(p->x))
         return "matmul: shapes disagree (want x [M,K], w [N,K], y [M,N])";
@@ -689,8 +623,8 @@ static inline const char *loom_check_convert(const loom_convert_params *p, loom_
         (p->src->dtype != LOOM_F32 || !loom_dtype_is_block(p->dst->dtype)))
         return "quantize: src must be f32 and dst q8_0, q4_0 or q4_1";
     if (which == LOOM_OP_DEQUANTIZE &&
-        (!loom_dtype_is_block(p->src->dtype) || p->dst->dtype != LOOM_F32))
-        return "dequantize: src must be q8_0, q4_0 or q4_1 and dst f32";
+        (!loom_dtype_is_quantized(p->src->dtype) || p->dst->dtype != LOOM_F32))
+        return "dequantize: src must be a quantised type and dst f32";
     if (which == LOOM_OP_CONVERT &&
         (!loom_dtype_is_float(p->src->dtype) || !loom_dtype_is_float(p->dst->dtype)))
         return "convert: src and dst must be f32, f16 or bf16";

@@ -1,0 +1,193 @@
+/*
+ * tests/test_kquants.c - community GGUF files: the kquants fixture's 16 files, written by
+ * llama.cpp's own quantizer in its default mixes (q6_K output beside q4_0 layers, q3_K/q4_K/
+ * q5_K mixes, IQ4), on every usable backend.
+ *
+ * Two independent expectations:
+ *   - the fixture's dequant_ref_logits: a float64 forward over the file's weights dequantised
+ *     by gguf-py (llama.cpp's Python package). Per case, max |loom - ref| <= 0.04 max |ref|, and
+ *     the same top-1 token wherever the reference's top-1 leads the second by >= 0.15 (the
+ *     fixture README's bounds: llama.cpp itself lands 1-2.3% away, as it quantises activations);
+ *   - base-f32.gguf, the weights before quantisation: every tensor of every file, decoded with
+ *     the header's reference dequantisers, lies within a relative RMS error typical of its type
+ *     of the original. A wrong bit layout gives errors near 1 (or far above), not a few percent.
+ */
+#define _GNU_SOURCE
+#include "core/gguf.h"
+
+#include <loom/loom.h>
+
+#include "backends.h"
+#include "check.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+static char err[4096];
+static char dir[4096];
+
+static float *read_floats(const char *name, size_t n)
+{
+    char path[8300];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    size_t len = 0;
+    float *v = (float *)slurp(path, &len);
+    if (v && len != n * sizeof(float)) {
+        free(v);
+        return NULL;
+    }
+    return v;
+}
+
+/* The largest relative RMS error a correct decoding of each type shows against the original
+ * weights, with a third to spare: on this fixture the worst tensors measure q8_0 0.0054,
+ * q6_K 0.0179, q5_0 0.0429, q5_1 0.0380, q5_K 0.0363, q4_0 0.0864, q4_1 0.0785, q4_K 0.0717,
+ * iq4_nl 0.0764, iq4_xs 0.0770, q3_K 0.152, q2_K 0.297. A wrong layout lands near 1 or far
+ * above: a Q4_K min whose top bits come from the wrong byte gives 0.36. */
+static double rms_bound(loom_dtype t)
+{
+    switch (t) {
+    case LOOM_Q8_0: return 0.0075;
+    case LOOM_Q6_K: return 0.024;
+    case LOOM_Q5_0: case LOOM_Q5_1: case LOOM_Q5_K: return 0.057;
+    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q4_K: case LOOM_IQ4_NL: case LOOM_IQ4_XS: return 0.115;
+    case LOOM_Q3_K: return 0.2;
+    case LOOM_Q2_K: return 0.4;
+    default: return 1e-6; /* f32 kept as it was */
+    }
+}
+
+/* Every tensor of the file against base-f32's, decoded with loom_row_to_f32. */
+static void check_weights(const loom_gguf *base, const char *file, const char *type)
+{
+    char path[8300];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    loom_gguf g;
+    if (loom_gguf_open(&g, path, err, sizeof err) != 0) {
+        CHECK(0, "open %s: %s", file, err);
+        return;
+    }
+    int checked = 0;
+    for (uint64_t i = 0; i < g.n_tensors; i++) {
+        const loom_gguf_tensor *t = &g.tensors[i];
+        const loom_gguf_tensor *o = loom_gguf_find_tensor(base, t->name);
+        loom_dtype dt = (loom_dtype)t->type;
+        int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3];
+        if (!o || o->type != LOOM_F32 || loom_dtype_block_elems(dt) == 0) {
+            CHECK(0, "%s: tensor %s (type %u) has no f32 original or an unknown type", file,
+                  t->name, t->type);
+            continue;
+        }
+        float *dec = malloc((size_t)n * sizeof *dec);
+        int64_t rows = n / t->ne[0], rb = loom_row_bytes(dt, t->ne[0]);
+        const unsigned char *src = loom_gguf_tensor_data(&g, t);
+        for (int64_t r = 0; r < rows; r++)
+            loom_row_to_f32(dt, src + r * rb, dec + r * t->ne[0], t->ne[0]);
+        const float *ref = loom_gguf_tensor_data(base, o);
+        double se = 0, ss = 0;
+        for (int64_t k = 0; k < n; k++) {
+            se += ((double)dec[k] - ref[k]) * ((double)dec[k] - ref[k]);
+            ss += (double)ref[k] * ref[k];
+        }
+        double rel = sqrt(se / (ss > 0 ? ss : 1));
+        CHECK(rel <= rms_bound(dt), "%s: %s (%s) decodes %.4f (relative RMS) from the original, "
+              "over %.3f for its type", type, t->name, loom_dtype_name(dt), rel, rms_bound(dt));
+        free(dec);
+        checked++;
+    }
+    CHECK(checked > 0, "%s: no tensors", file);
+    loom_gguf_close(&g);
+}
+
+/* Last-position logits of every case, on one backend, against the dequantised reference. */
+static void check_logits(const char *backend, const char *type, const cJSON *entry)
+{
+    char path[8300];
+    snprintf(path, sizeof path, "%s/%s", dir, cJSON_GetObjectItem(entry, "file")->valuestring);
+    setenv("LOOM_BACKEND", backend, 1);
+    loom_model_options o = {.n_ctx = 128};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    if (!m) {
+        CHECK(0, "%s on %s: %s", type, backend, err);
+        return;
+    }
+    int32_t nv = loom_model_n_vocab(m);
+    const cJSON *c;
+    cJSON_ArrayForEach(c, cJSON_GetObjectItem(entry, "cases"))
+    {
+        const cJSON *ids = cJSON_GetObjectItem(c, "prompt_ids");
+        int32_t prompt[64], n = 0;
+        const cJSON *x;
+        cJSON_ArrayForEach(x, ids) prompt[n++] = x->valueint;
+        float *want = read_floats(cJSON_GetObjectItem(c, "dequant_ref_logits")->valuestring,
+                                  (size_t)nv);
+        loom_sampling greedy = loom_sampling_defaults();
+        greedy.temperature = 0;
+        if (!want || loom_generate(m, prompt, n, 1, &greedy, NULL, NULL, NULL, err, sizeof err)) {
+            CHECK(0, "%s on %s, case %s: %s", type, backend,
+                  cJSON_GetObjectItem(c, "name")->valuestring, want ? err : "reference missing");
+            free(want);
+            continue;
+        }
+        const float *got = loom_prompt_logits(m);
+        double amax = 0, worst = 0;
+        int top = 0, top_got = 0, second = -1;
+        for (int32_t i = 0; i < nv; i++) {
+            amax = fabs(want[i]) > amax ? fabs(want[i]) : amax;
+            worst = fabs(got[i] - want[i]) > worst ? fabs(got[i] - want[i]) : worst;
+            top = want[i] > want[top] ? i : top;
+            top_got = got[i] > got[top_got] ? i : top_got;
+        }
+        for (int32_t i = 0; i < nv; i++)
+            if (i != top && (second < 0 || want[i] > want[second]))
+                second = i;
+        const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
+        CHECK(worst <= 0.04 * amax, "%s on %s, case %s: logits %.4f from the reference (bound "
+              "%.4f)", type, backend, name, worst, 0.04 * amax);
+        CHECK(want[top] - want[second] < 0.15 || top_got == top,
+              "%s on %s, case %s: top token %d, the reference's %d (margin %.3f)", type, backend,
+              name, top_got, top, want[top] - want[second]);
+        free(want);
+    }
+    loom_model_close(m);
+}
+
+int main(void)
+{
+    snprintf(dir, sizeof dir, "%s/kquants/kq-llama", fixtures_dir());
+    char epath[8300], bpath[8300];
+    snprintf(epath, sizeof epath, "%s/expected.json", dir);
+    snprintf(bpath, sizeof bpath, "%s/base-f32.gguf", dir);
+    if (access(epath, R_OK) != 0) {
+        const char *ci = getenv("CI");
+        CHECK(!(ci && !strcmp(ci, "true")), "fixture missing under CI=true: %s", epath);
+        printf("SKIP: %s not found\n", epath);
+        return check_failures ? 1 : 77;
+    }
+    char *json = slurp(epath, NULL);
+    cJSON *root = cJSON_Parse(json);
+    loom_gguf base;
+    CHECK(root && loom_gguf_open(&base, bpath, err, sizeof err) == 0, "open the fixture: %s", err);
+    if (!root)
+        return check_finish("test_kquants");
+    char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    const cJSON *f;
+    int files = 0;
+    cJSON_ArrayForEach(f, cJSON_GetObjectItem(root, "files"))
+    {
+        if (strcmp(f->string, "f32") != 0)
+            check_weights(&base, cJSON_GetObjectItem(f, "file")->valuestring, f->string);
+        for (int b = 0; b < n_backends; b++)
+            check_logits(backends[b], f->string, f);
+        files++;
+    }
+    printf("%d files on %d backends\n", files, n_backends);
+    CHECK(files == 17, "the fixture lists 17 files, read %d", files);
+    loom_gguf_close(&base);
+    cJSON_Delete(root);
+    free(json);
+    return check_finish("test_kquants");
+}
