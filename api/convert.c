@@ -535,8 +535,28 @@ int loom_convert(const char *dir, const char *out, const char *type,
               .err = err, .err_size = err_size};
     loom_dtype dummy;
     if (strcmp(c.type, "auto") != 0 && loom_parse_weight_type(c.type, &dummy) != 0) {
-        snprintf(err, err_size, "--type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1", c.type);
-        return -1;
+        if (loom_quant_mix_find(c.type) < 0) {
+            snprintf(err, err_size, "--type %s is not auto or one of %s", c.type,
+                     loom_quant_mix_names());
+            return -1;
+        }
+        /* a type convert does not write itself (the ABI 1.2 types, the mixes): convert as
+         * stored into a file beside out, then quantise that, as `loom quantize` would */
+        char *tmp = loom_strf("%s.converting-XXXXXX", out);
+        int fd = tmp ? mkstemp(tmp) : -1;
+        if (fd < 0) {
+            snprintf(err, err_size, "%s: cannot create a file beside it: %s", out,
+                     tmp ? strerror(errno) : "out of memory");
+            free(tmp);
+            return -1;
+        }
+        close(fd);
+        int rc = loom_convert(dir, tmp, "auto", progress, user, err, err_size);
+        if (rc == 0)
+            rc = loom_quantize(tmp, out, c.type, progress, user, err, err_size);
+        unlink(tmp);
+        free(tmp);
+        return rc;
     }
     int rc = -1;
     if (!(c.config = conv_read_json(dir, "config.json", 1, &c)))
@@ -631,75 +651,4 @@ void loom_progress_bar(void *user, int done, int total, const char *what)
             "##############################", width - filled, "", done, total, what);
     if (done == total)
         fprintf(stderr, "\n");
-}
-
-int loom_quantize(const char *in, const char *out, const char *type,
-                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
-{
-    loom_dtype target;
-    if (!type || loom_parse_weight_type(type, &target) != 0) {
-        snprintf(err, err_size, "type %s is not one of f32, f16, bf16, q8_0, q4_0, q4_1",
-                 type ? type : "(none)");
-        return -1;
-    }
-    loom_gguf g;
-    if (loom_gguf_open(&g, in, err, err_size) != 0)
-        return -1;
-    loom_gguf_writer *w = loom_gguf_writer_create();
-    void **owned = calloc(g.n_tensors + 1, sizeof *owned);
-    int rc = w && owned ? 0 : -1;
-    if (rc)
-        snprintf(err, err_size, "out of memory");
-    for (uint64_t i = 0; rc == 0 && i < g.n_kv; i++)
-        if (strcmp(g.kv[i].key, "general.alignment") != 0 && loom_gguf_copy_kv(w, &g, &g.kv[i]))
-            rc = -1, snprintf(err, err_size, "out of memory copying metadata");
-    for (uint64_t i = 0; rc == 0 && i < g.n_tensors; i++) {
-        const loom_gguf_tensor *t = &g.tensors[i];
-        const void *src = loom_gguf_tensor_data(&g, t);
-        loom_dtype from = (loom_dtype)t->type;
-        int is_float = t->type == LOOM_F32 || t->type == LOOM_F16 || t->type == LOOM_BF16;
-        int64_t rows = t->ne[1] * t->ne[2] * t->ne[3], cols = t->ne[0];
-        int convert = is_float && t->n_dims >= 2 && (int)from != (int)target &&
-                      !(loom_dtype_block_elems(target) > 1 && cols % LOOM_QK);
-        if (t->n_dims >= 2 && !convert && (int)from != (int)target)
-            fprintf(stderr, "note: %s stays %s (%s)\n", t->name, loom_ggml_type_name(t->type),
-                    !is_float ? "already quantised; loom does not requantise"
-                              : "rows are not whole blocks");
-        const void *data = src;
-        uint32_t out_type = t->type;
-        if (convert) {
-            int64_t rb = loom_row_bytes(target, cols);
-            unsigned char *dst = malloc((size_t)(rb * rows));
-            float *row = malloc((size_t)cols * sizeof *row);
-            if (!dst || !row) {
-                free(dst), free(row);
-                rc = -1;
-                snprintf(err, err_size, "out of memory quantising %s", t->name);
-                break;
-            }
-            int64_t sb = loom_row_bytes(from, cols);
-            for (int64_t r = 0; r < rows; r++) {
-                loom_row_to_f32(from, (const unsigned char *)src + r * sb, row, cols);
-                loom_row_from_f32(target, row, dst + r * rb, cols);
-            }
-            free(row);
-            owned[i] = dst;
-            data = dst;
-            out_type = target;
-        }
-        if (loom_gguf_add_tensor(w, t->name, out_type, t->n_dims, t->ne, data) != 0) {
-            rc = -1;
-            snprintf(err, err_size, "cannot add %s", t->name);
-        }
-        if (progress)
-            progress(user, (int)i + 1, (int)g.n_tensors, t->name);
-    }
-    if (rc == 0)
-        rc = loom_gguf_write(w, out, err, err_size);
-    for (uint64_t i = 0; owned && i < g.n_tensors; i++)
-        free(owned[i]);
-    free(owned);
-    loom_gguf_writer_free(w);
-    loom_gguf_close(&g);
-    return rc;
 }

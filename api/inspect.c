@@ -161,6 +161,14 @@ int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_si
         fprintf(out, "  %-40s %-22s %-6s %12llu\n", t->name, shape, loom_ggml_type_name(t->type),
                 (unsigned long long)t->size);
     }
+    /* the mix: how many tensors of each type, as llama.cpp's quantizer summarises a file */
+    unsigned counts[32] = {0};
+    for (uint64_t i = 0; i < g.n_tensors; i++)
+        counts[g.tensors[i].type & 31]++;
+    fprintf(out, "\ntypes:");
+    for (int t = 0; t < 32; t++)
+        if (counts[t])
+            fprintf(out, " %u %s", counts[t], loom_ggml_type_name((uint32_t)t));
     fprintf(out, "\n%llu bytes of tensor data, all inside the file\n", (unsigned long long)total);
     loom_gguf_close(&g);
     return 0;

@@ -16,6 +16,15 @@ int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
 /* A weight type by its name (f32, f16, bf16, q8_0, q4_0, q4_1): 0, or -1 when it is none. */
 int loom_parse_weight_type(const char *name, loom_dtype *t);
 
+/* api/quant_mix.c: the types and llama.cpp-style mixes loom quantises to. A mix is found by
+ * name (-1: none); its type for a tensor depends on the tensor's name and row length, the
+ * model's layer count and query heads per KV head. */
+const char *loom_quant_mix_names(void);
+int loom_quant_mix_find(const char *name);
+int loom_quant_mix_file_type(int mix);
+loom_dtype loom_quant_mix_base(int mix);
+loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa);
+
 /* A malloc'd formatted string, or NULL without memory (asprintf leaves its pointer undefined
  * then, which a later free would trip over). */
 char *loom_strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

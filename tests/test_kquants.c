@@ -11,6 +11,10 @@
  *   - base-f32.gguf, the weights before quantisation: every tensor of every file, decoded with
  *     the header's reference dequantisers, lies within a relative RMS error typical of its type
  *     of the original. A wrong bit layout gives errors near 1 (or far above), not a few percent.
+ * And round trips: `loom_quantize` of base-f32 to each type chooses every tensor's type as
+ * llama.cpp's file of that type has it, stays within the same per-type error bounds (so its
+ * quantisers are as good as llama.cpp's), and its file runs on every backend with logits close
+ * to those of the same file decoded to f32 (with the header's dequantisers) run on ref.
  */
 #define _GNU_SOURCE
 #include "core/gguf.h"
@@ -60,10 +64,9 @@ static double rms_bound(loom_dtype t)
 }
 
 /* Every tensor of the file against base-f32's, decoded with loom_row_to_f32. */
-static void check_weights(const loom_gguf *base, const char *file, const char *type)
+static void check_weights(const loom_gguf *base, const char *path, const char *type)
 {
-    char path[8300];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
+    const char *file = strrchr(path, '/') ? strrchr(path, '/') + 1 : path;
     loom_gguf g;
     if (loom_gguf_open(&g, path, err, sizeof err) != 0) {
         CHECK(0, "open %s: %s", file, err);
@@ -101,6 +104,47 @@ static void check_weights(const loom_gguf *base, const char *file, const char *t
     loom_gguf_close(&g);
 }
 
+/* Last-position logits of one prompt (n_vocab floats, malloc'd), or NULL with err. */
+static float *logits_of(const char *path, const char *backend, const int32_t *prompt, int n,
+                        int32_t *nv)
+{
+    setenv("LOOM_BACKEND", backend, 1);
+    loom_model_options o = {.n_ctx = 128};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    if (!m)
+        return NULL;
+    *nv = loom_model_n_vocab(m);
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    float *out = NULL;
+    if (loom_generate(m, prompt, n, 1, &greedy, NULL, NULL, NULL, err, sizeof err) == 0 &&
+        (out = malloc((size_t)*nv * sizeof *out)))
+        memcpy(out, loom_prompt_logits(m), (size_t)*nv * sizeof *out);
+    loom_model_close(m);
+    return out;
+}
+
+/* max |got - want| <= 0.04 max |want|, and the same top-1 where want's leads by >= 0.15 */
+static void compare_logits(const float *got, const float *want, int32_t nv, const char *what)
+{
+    double amax = 0, worst = 0;
+    int top = 0, top_got = 0, second = -1;
+    for (int32_t i = 0; i < nv; i++) {
+        amax = fabs(want[i]) > amax ? fabs(want[i]) : amax;
+        worst = fabs(got[i] - want[i]) > worst ? fabs(got[i] - want[i]) : worst;
+        top = want[i] > want[top] ? i : top;
+        top_got = got[i] > got[top_got] ? i : top_got;
+    }
+    for (int32_t i = 0; i < nv; i++)
+        if (i != top && (second < 0 || want[i] > want[second]))
+            second = i;
+    CHECK(worst <= 0.04 * amax, "%s: logits %.4f from the reference (bound %.4f)", what, worst,
+          0.04 * amax);
+    CHECK(want[top] - want[second] < 0.15 || top_got == top,
+          "%s: top token %d, the reference's %d (margin %.3f)", what, top_got, top,
+          want[top] - want[second]);
+}
+
 /* Last-position logits of every case, on one backend, against the dequantised reference. */
 static void check_logits(const char *backend, const char *type, const cJSON *entry)
 {
@@ -131,27 +175,108 @@ static void check_logits(const char *backend, const char *type, const cJSON *ent
             free(want);
             continue;
         }
-        const float *got = loom_prompt_logits(m);
-        double amax = 0, worst = 0;
-        int top = 0, top_got = 0, second = -1;
-        for (int32_t i = 0; i < nv; i++) {
-            amax = fabs(want[i]) > amax ? fabs(want[i]) : amax;
-            worst = fabs(got[i] - want[i]) > worst ? fabs(got[i] - want[i]) : worst;
-            top = want[i] > want[top] ? i : top;
-            top_got = got[i] > got[top_got] ? i : top_got;
-        }
-        for (int32_t i = 0; i < nv; i++)
-            if (i != top && (second < 0 || want[i] > want[second]))
-                second = i;
-        const char *name = cJSON_GetObjectItem(c, "name")->valuestring;
-        CHECK(worst <= 0.04 * amax, "%s on %s, case %s: logits %.4f from the reference (bound "
-              "%.4f)", type, backend, name, worst, 0.04 * amax);
-        CHECK(want[top] - want[second] < 0.15 || top_got == top,
-              "%s on %s, case %s: top token %d, the reference's %d (margin %.3f)", type, backend,
-              name, top_got, top, want[top] - want[second]);
+        char what[256];
+        snprintf(what, sizeof what, "%s on %s, case %s", type, backend,
+                 cJSON_GetObjectItem(c, "name")->valuestring);
+        compare_logits(loom_prompt_logits(m), want, nv, what);
         free(want);
     }
     loom_model_close(m);
+}
+
+static int by_string(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+/* The per-tensor types of a file, "name type;..." sorted by name (malloc'd). */
+static char *type_list(const char *path)
+{
+    loom_gguf g;
+    if (loom_gguf_open(&g, path, err, sizeof err) != 0)
+        return NULL;
+    char **items = calloc(g.n_tensors + 1, sizeof *items);
+    size_t cap = 1, used = 0;
+    for (uint64_t i = 0; i < g.n_tensors; i++) {
+        if (asprintf(&items[i], "%s %s;", g.tensors[i].name, loom_ggml_type_name(g.tensors[i].type)) < 0)
+            items[i] = NULL;
+        cap += items[i] ? strlen(items[i]) : 0;
+    }
+    qsort(items, g.n_tensors, sizeof *items, by_string);
+    char *out = malloc(cap);
+    for (uint64_t i = 0; out && i < g.n_tensors; i++)
+        used += (size_t)snprintf(out + used, cap - used, "%s", items[i] ? items[i] : "");
+    for (uint64_t i = 0; i < g.n_tensors; i++)
+        free(items[i]);
+    free(items);
+    loom_gguf_close(&g);
+    return out;
+}
+
+/* base-f32 quantised by loom to `type`: the mix llama.cpp chose, errors within bounds, and
+ * the file's logits against its own weights decoded to f32 and run on ref. */
+static void check_round_trip(const loom_gguf *base, const char *type, const cJSON *entry,
+                             char backends[][160], int n_backends)
+{
+    char src[8300], ours[] = "/tmp/loom-kq-XXXXXX", plain[] = "/tmp/loom-kq-f32-XXXXXX";
+    close(mkstemp(ours));
+    close(mkstemp(plain));
+    snprintf(src, sizeof src, "%s/%s", dir, cJSON_GetObjectItem(entry, "file")->valuestring);
+    char *bpath = NULL;
+    if (asprintf(&bpath, "%s/base-f32.gguf", dir) < 0 ||
+        loom_quantize(bpath, ours, type, NULL, NULL, err, sizeof err) != 0) {
+        CHECK(0, "loom quantize to %s: %s", type, err);
+        free(bpath);
+        unlink(ours), unlink(plain);
+        return;
+    }
+    char *want = type_list(src), *got = type_list(ours);
+    CHECK(want && got && !strcmp(want, got), "loom's %s mix differs from llama.cpp's:\n  loom  %s"
+          "\n  llama %s", type, got ? got : "?", want ? want : "?");
+    free(want), free(got);
+    check_weights(base, ours, type);
+    /* the expected forward: loom's file decoded to f32 by the header's dequantisers */
+    loom_gguf q;
+    if (loom_gguf_open(&q, ours, err, sizeof err) == 0) {
+        loom_gguf_writer *w = loom_gguf_writer_create();
+        float **rows = calloc(q.n_tensors + 1, sizeof *rows);
+        for (uint64_t i = 0; i < q.n_kv; i++)
+            if (strcmp(q.kv[i].key, "general.alignment"))
+                loom_gguf_copy_kv(w, &q, &q.kv[i]);
+        for (uint64_t i = 0; i < q.n_tensors; i++) {
+            const loom_gguf_tensor *t = &q.tensors[i];
+            int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3], rb = loom_row_bytes(t->type, t->ne[0]);
+            rows[i] = malloc((size_t)n * sizeof(float));
+            const unsigned char *p = loom_gguf_tensor_data(&q, t);
+            for (int64_t r = 0; r < n / t->ne[0]; r++)
+                loom_row_to_f32((loom_dtype)t->type, p + r * rb, rows[i] + r * t->ne[0], t->ne[0]);
+            loom_gguf_add_tensor(w, t->name, LOOM_F32, t->n_dims, t->ne, rows[i]);
+        }
+        CHECK(loom_gguf_write(w, plain, err, sizeof err) == 0, "write %s: %s", plain, err);
+        for (uint64_t i = 0; i < q.n_tensors; i++)
+            free(rows[i]);
+        free(rows);
+        loom_gguf_writer_free(w);
+        loom_gguf_close(&q);
+    }
+    const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(entry, "cases"), 2); /* "long" */
+    int32_t prompt[64], n = 0, nv = 0;
+    const cJSON *x;
+    cJSON_ArrayForEach(x, cJSON_GetObjectItem(c, "prompt_ids")) prompt[n++] = x->valueint;
+    float *ref = logits_of(plain, "ref", prompt, n, &nv);
+    CHECK(ref != NULL, "%s round trip: the decoded file on ref: %s", type, err);
+    for (int b = 0; ref && b < n_backends; b++) {
+        float *out = logits_of(ours, backends[b], prompt, n, &nv);
+        char what[256];
+        snprintf(what, sizeof what, "loom's %s file on %s", type, backends[b]);
+        CHECK(out != NULL, "%s: %s", what, err);
+        if (out)
+            compare_logits(out, ref, nv, what);
+        free(out);
+    }
+    free(ref);
+    free(bpath);
+    unlink(ours), unlink(plain);
 }
 
 int main(void)
@@ -178,8 +303,12 @@ int main(void)
     int files = 0;
     cJSON_ArrayForEach(f, cJSON_GetObjectItem(root, "files"))
     {
-        if (strcmp(f->string, "f32") != 0)
-            check_weights(&base, cJSON_GetObjectItem(f, "file")->valuestring, f->string);
+        char path[8300];
+        snprintf(path, sizeof path, "%s/%s", dir, cJSON_GetObjectItem(f, "file")->valuestring);
+        if (strcmp(f->string, "f32") != 0) {
+            check_weights(&base, path, f->string);
+            check_round_trip(&base, f->string, f, backends, n_backends);
+        }
         for (int b = 0; b < n_backends; b++)
             check_logits(backends[b], f->string, f);
         files++;

@@ -46,7 +46,8 @@ static void usage(FILE *out)
             "                                                   text to token ids (--count: how\n"
             "                                                   many, and how long it took)\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
-            "  quantize IN.gguf OUT.gguf TYPE   requantise a GGUF file's matrices\n"
+            "  quantize IN.gguf OUT.gguf --type TYPE   requantise a GGUF file's float matrices\n"
+            "                      to a type or a llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
             "  inspect FILE [--json]\n"
             "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
             "                      tokenizer, chat template, tensors; checks the data is all there\n"
@@ -407,20 +408,35 @@ static int cmd_detokenize(int argc, char **argv)
 
 static int cmd_quantize(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf TYPE (q8_0, q4_0, q4_1, f16, bf16, f32)\n");
+    const char *files[2] = {NULL, NULL}, *type = NULL;
+    int n_files = 0, bad = 0;
+    for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--type") && i + 1 < argc)
+            type = argv[++i];
+        else if (argv[i][0] == '-' && argv[i][1])
+            bad = 1;
+        else if (n_files < 2)
+            files[n_files++] = argv[i];
+        else if (!type)
+            type = argv[i]; /* the older form: IN OUT TYPE */
+        else
+            bad = 1;
+    }
+    if (bad || n_files != 2 || !type) {
+        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE\n  TYPE: %s\n",
+                loom_quantize_types());
         return 2;
     }
-    if (strcmp(argv[0], argv[1]) == 0) {
+    if (strcmp(files[0], files[1]) == 0) {
         fprintf(stderr, "loom quantize: the output would overwrite the input; choose another name\n");
         return 2;
     }
     char err[4096];
-    if (loom_quantize(argv[0], argv[1], argv[2], progress, NULL, err, sizeof err) != 0) {
+    if (loom_quantize(files[0], files[1], type, progress, NULL, err, sizeof err) != 0) {
         fprintf(stderr, "\nloom quantize: %s\n", err);
         return 2;
     }
-    fprintf(stderr, "wrote %s\n", argv[1]);
+    fprintf(stderr, "wrote %s\n", files[1]);
     return 0;
 }
 

@@ -233,7 +233,7 @@ static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
 
 /* A row of n elements of dtype t to and from f32, little-endian as GGUF stores them, with the
  * reference conversions of <loom/quants.h> (i32 converts by value). For block types n is a
- * multiple of the block. loom_row_from_f32 writes the float types and Q8_0, Q4_0 and Q4_1. */
+ * multiple of the block. */
 static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, int64_t n)
 {
     const unsigned char *p = (const unsigned char *)src;
@@ -271,6 +271,15 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
     case LOOM_Q8_0: loom_quantize_row_q8_0(src, (loom_block_q8_0 *)dst, n); return;
     case LOOM_Q4_0: loom_quantize_row_q4_0(src, (loom_block_q4_0 *)dst, n); return;
     case LOOM_Q4_1: loom_quantize_row_q4_1(src, (loom_block_q4_1 *)dst, n); return;
+    case LOOM_Q5_0: loom_quantize_row_q5_0(src, (loom_block_q5_0 *)dst, n); return;
+    case LOOM_Q5_1: loom_quantize_row_q5_1(src, (loom_block_q5_1 *)dst, n); return;
+    case LOOM_IQ4_NL: loom_quantize_row_iq4_nl(src, (loom_block_iq4_nl *)dst, n); return;
+    case LOOM_Q2_K: loom_quantize_row_q2_k(src, (loom_block_q2_k *)dst, n); return;
+    case LOOM_Q3_K: loom_quantize_row_q3_k(src, (loom_block_q3_k *)dst, n); return;
+    case LOOM_Q4_K: loom_quantize_row_q4_k(src, (loom_block_q4_k *)dst, n); return;
+    case LOOM_Q5_K: loom_quantize_row_q5_k(src, (loom_block_q5_k *)dst, n); return;
+    case LOOM_Q6_K: loom_quantize_row_q6_k(src, (loom_block_q6_k *)dst, n); return;
+    case LOOM_IQ4_XS: loom_quantize_row_iq4_xs(src, (loom_block_iq4_xs *)dst, n); return;
     default: break;
     }
     for (int64_t i = 0; i < n; i++) {

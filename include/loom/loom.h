@@ -271,11 +271,16 @@ int loom_convert(const char *dir, const char *out, const char *type,
  * vocab.json + merges.txt, with tokenizer_config.json): for loom_vocab_open and tests. */
 int loom_convert_tokenizer(const char *dir, const char *out, char *err, size_t err_size);
 
-/* Requantises a GGUF file: every matrix stored as f32, f16 or bf16 becomes type (q8_0, q4_0,
- * q4_1, f16, bf16 or f32); 1-D tensors, matrices whose rows are not whole blocks, and tensors
- * already quantised are copied unchanged (with a note on stderr). Metadata is copied. */
+/* Requantises a GGUF file: every matrix stored as f32, f16 or bf16 becomes `type`, a type or
+ * a mix (loom_quantize_types() lists them). A mix chooses per tensor as llama.cpp's quantizer
+ * does (q4_k_m: q4_K, with q6_K for the output and some attn_v / ffn_down layers; a row that
+ * its blocks do not divide gets a 32-element type). 1-D tensors and tensors already quantised
+ * are copied unchanged; metadata is copied, general.file_type set to the mix's number. A line
+ * on stderr says how many tensors got each type. */
 int loom_quantize(const char *in, const char *out, const char *type,
                   loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
+/* "f32, f16, ..., q4_k_m, ...": what loom_quantize takes. */
+const char *loom_quantize_types(void);
 
 /* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
  * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,
