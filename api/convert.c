@@ -325,7 +325,8 @@ static int qwen1(conv *c)
                       (uint32_t)conv_num(cf, "seq_length", conv_num(cf, "max_position_embeddings", 2048)));
     loom_gguf_set_u32(c->w, "qwen.embedding_length", (uint32_t)n_embd);
     loom_gguf_set_u32(c->w, "qwen.block_count", (uint32_t)n_layer);
-    loom_gguf_set_u32(c->w, "qwen.feed_forward_length", (uint32_t)(n_ff2 / 2));
+    /* GGUF's qwen convention (llama.cpp's converter and loader): both halves counted */
+    loom_gguf_set_u32(c->w, "qwen.feed_forward_length", (uint32_t)n_ff2);
     loom_gguf_set_u32(c->w, "qwen.attention.head_count", (uint32_t)n_head);
     loom_gguf_set_u32(c->w, "qwen.attention.head_count_kv", (uint32_t)n_head);
     if (hd != n_embd / n_head) {
@@ -551,9 +552,14 @@ int loom_convert(const char *dir, const char *out, const char *type,
             return -1;
         }
         close(fd);
+        /* a type (q5_0, q6_k, ...) is every matrix that type, as --type q4_0 always was; a
+         * _S/_M/_L or q2_k mix is llama.cpp's mix */
+        int mix = loom_quant_mix_find(c.type);
         int rc = loom_convert(dir, tmp, "auto", progress, user, err, err_size);
         if (rc == 0)
-            rc = loom_quantize(tmp, out, c.type, progress, user, err, err_size);
+            rc = loom_quantize_opts(tmp, out, c.type,
+                                    loom_quant_mix_is_plain(mix) ? LOOM_QUANTIZE_PURE : 0,
+                                    progress, user, err, err_size);
         unlink(tmp);
         free(tmp);
         return rc;

@@ -23,7 +23,12 @@ const char *loom_quant_mix_names(void);
 int loom_quant_mix_find(const char *name);
 int loom_quant_mix_file_type(int mix);
 loom_dtype loom_quant_mix_base(int mix);
-loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa);
+/* pure: every matrix the mix's base type (llama-quantize's --pure), still with row fallbacks */
+loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa,
+                               int pure);
+/* the mix is one type throughout but for the output tensor (q4_0, q6_k, ...), not a _S/_M/_L
+ * or q2_k mix */
+int loom_quant_mix_is_plain(int mix);
 
 /* A malloc'd formatted string, or NULL without memory (asprintf leaves its pointer undefined
  * then, which a later free would trip over). */

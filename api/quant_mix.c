@@ -113,10 +113,18 @@ static loom_dtype fitting(loom_dtype t, int64_t cols)
     return cols % loom_dtype_block_elems(t) == 0 ? t : LOOM_F16;
 }
 
-loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa)
+int loom_quant_mix_is_plain(int mix)
+{
+    return mixes[mix].kind == MIX_PLAIN;
+}
+
+loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa,
+                               int pure)
 {
     loom_dtype base = mixes[mix].base, t = base;
     mix_kind k = mixes[mix].kind;
+    if (pure)
+        return loom_dtype_is_quantized(base) ? fitting(base, cols) : base;
     int layer = layer_of(name);
     int quantised = loom_dtype_is_quantized(base);
     if (!strcmp(name, "output.weight")) {

@@ -78,6 +78,12 @@ static int64_t gguf_int(const loom_gguf *g, const char *arch, const char *suffix
 int loom_quantize(const char *in, const char *out, const char *type,
                   loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
 {
+    return loom_quantize_opts(in, out, type, 0, progress, user, err, err_size);
+}
+
+int loom_quantize_opts(const char *in, const char *out, const char *type, int flags,
+                       loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
+{
     int mix = type ? loom_quant_mix_find(type) : -1;
     if (mix < 0) {
         snprintf(err, err_size, "type '%s' is not one loom writes; use one of %s",
@@ -122,7 +128,8 @@ int loom_quantize(const char *in, const char *out, const char *type,
         int is_float = from == LOOM_F32 || from == LOOM_F16 || from == LOOM_BF16;
         int64_t rows = t->ne[1] * t->ne[2] * t->ne[3], cols = t->ne[0];
         if (t->n_dims >= 2 && is_float)
-            to = loom_quant_mix_type(mix, t->name, cols, n_layer, n_gqa);
+            to = loom_quant_mix_type(mix, t->name, cols, n_layer, n_gqa,
+                                     (flags & LOOM_QUANTIZE_PURE) != 0);
         else if (t->n_dims >= 2 && !is_float)
             kept_quantised++;
         const void *data = src;
@@ -153,7 +160,7 @@ int loom_quantize(const char *in, const char *out, const char *type,
     if (rc == 0)
         rc = loom_gguf_write(w, out, err, err_size);
     if (rc == 0) { /* what the mix chose, as llama.cpp's quantizer reports it */
-        fprintf(stderr, "%s: %s:", out, type);
+        fprintf(stderr, "%s: %s%s:", out, type, flags & LOOM_QUANTIZE_PURE ? " (pure)" : "");
         for (int t = 0; t < 32; t++)
             if (counts[t])
                 fprintf(stderr, " %d %s", counts[t], loom_ggml_type_name((uint32_t)t));

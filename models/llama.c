@@ -74,6 +74,14 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
                  arch, hp->n_embd, hp->n_layer, hp->n_head, hp->n_head_kv, hp->n_ff);
         return -1;
     }
+    if (!strcmp(arch, "qwen")) {
+        /* GGUF's qwen.feed_forward_length counts the two FFN halves together (the config's
+         * intermediate_size); files loom wrote before it followed that store one half. The
+         * FFN's shape says which. */
+        const loom_gguf_tensor *up = loom_gguf_find_tensor(g, "blk.0.ffn_up.weight");
+        if (!up || up->ne[1] * 2 == hp->n_ff)
+            hp->n_ff /= 2;
+    }
     hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length", hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
     int fused = strcmp(arch, "qwen") == 0, head_norms = strcmp(arch, "qwen3") == 0;

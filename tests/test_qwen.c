@@ -17,6 +17,7 @@
 #include "core/safetensors.h"
 #include "backends.h"
 #include "fixture_model.h"
+#include "gguf_conventions.h"
 
 #include "check.h"
 
@@ -231,6 +232,26 @@ static void test_qwen1(const loom_safetensors *st, const shape *s)
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "qwen"), "the converted file is GGUF 'qwen', not '%s'",
           gguf_arch(gguf));
+    check_gguf_conventions(gguf, "Qwen v1 (converted)");
+    /* a file of the older convention (feed_forward_length = one FFN half) still loads */
+    char legacy[4300];
+    snprintf(legacy, sizeof legacy, "%s/qwen1-legacy.gguf", tmp);
+    loom_gguf g;
+    if (loom_gguf_open(&g, gguf, err, sizeof err) == 0) {
+        loom_gguf_writer *w = loom_gguf_writer_create();
+        for (uint64_t i = 0; i < g.n_kv; i++)
+            if (strcmp(g.kv[i].key, "general.alignment") && strcmp(g.kv[i].key, "qwen.feed_forward_length"))
+                loom_gguf_copy_kv(w, &g, &g.kv[i]);
+        int64_t ff = 0;
+        loom_gguf_get_i64(&g, "qwen.feed_forward_length", &ff);
+        loom_gguf_set_u32(w, "qwen.feed_forward_length", (uint32_t)(ff / 2));
+        for (uint64_t i = 0; i < g.n_tensors; i++)
+            loom_gguf_add_tensor(w, g.tensors[i].name, g.tensors[i].type, g.tensors[i].n_dims,
+                                 g.tensors[i].ne, loom_gguf_tensor_data(&g, &g.tensors[i]));
+        CHECK(loom_gguf_write(w, legacy, err, sizeof err) == 0, "legacy file: %s", err);
+        loom_gguf_writer_free(w);
+        loom_gguf_close(&g);
+    }
     static char backends[MAX_TEST_BACKENDS][160];
     int n = usable_backends(backends, MAX_TEST_BACKENDS);
     for (int i = 0; i < n; i++) {
@@ -239,6 +260,10 @@ static void test_qwen1(const loom_safetensors *st, const shape *s)
         check_model(fixtures, "tiny-qwen2", folder, backends[i], "last_logits", 1e-3, 1,
                     "Qwen v1 (folder, f16)");
     }
+    if (n > 0)
+        check_model(fixtures, "tiny-qwen2", legacy, backends[0], "last_logits", 1e-4, 1,
+                    "Qwen v1 (a file of loom's older feed_forward_length convention)");
+    unlink(legacy);
     unlink(gguf);
 }
 
@@ -480,6 +505,7 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "qwen3"), "the converted file is GGUF 'qwen3', not '%s'",
           gguf_arch(gguf));
+    check_gguf_conventions(gguf, "Qwen3 (converted)");
     int best = 0;
     for (int i = 1; i < s->vocab; i++)
         best = ref3[i] > ref3[best] ? i : best;

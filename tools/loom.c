@@ -409,10 +409,12 @@ static int cmd_detokenize(int argc, char **argv)
 static int cmd_quantize(int argc, char **argv)
 {
     const char *files[2] = {NULL, NULL}, *type = NULL;
-    int n_files = 0, bad = 0;
+    int n_files = 0, bad = 0, flags = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--type") && i + 1 < argc)
             type = argv[++i];
+        else if (!strcmp(argv[i], "--pure"))
+            flags |= LOOM_QUANTIZE_PURE;
         else if (argv[i][0] == '-' && argv[i][1])
             bad = 1;
         else if (n_files < 2)
@@ -423,8 +425,11 @@ static int cmd_quantize(int argc, char **argv)
             bad = 1;
     }
     if (bad || n_files != 2 || !type) {
-        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE\n  TYPE: %s\n",
-                loom_quantize_types());
+        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure]\n"
+                        "  TYPE: %s\n"
+                        "  each as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
+                        "  more bits for some attn_v / ffn_down layers in the _m and _l mixes);\n"
+                        "  --pure: every matrix TYPE's base type\n", loom_quantize_types());
         return 2;
     }
     if (strcmp(files[0], files[1]) == 0) {
@@ -432,7 +437,7 @@ static int cmd_quantize(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    if (loom_quantize(files[0], files[1], type, progress, NULL, err, sizeof err) != 0) {
+    if (loom_quantize_opts(files[0], files[1], type, flags, progress, NULL, err, sizeof err) != 0) {
         fprintf(stderr, "\nloom quantize: %s\n", err);
         return 2;
     }

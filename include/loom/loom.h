@@ -281,6 +281,11 @@ int loom_quantize(const char *in, const char *out, const char *type,
                   loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 /* "f32, f16, ..., q4_k_m, ...": what loom_quantize takes. */
 const char *loom_quantize_types(void);
+/* loom_quantize with flags: LOOM_QUANTIZE_PURE gives every float matrix the type's base type,
+ * output included (llama-quantize's --pure). */
+enum { LOOM_QUANTIZE_PURE = 1 };
+int loom_quantize_opts(const char *in, const char *out, const char *type, int flags,
+                       loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 
 /* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
  * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,

@@ -1,0 +1,127 @@
+/*
+ * tests/gguf_conventions.h - the GGUF conventions a file loom writes must follow, per
+ * architecture, as another reader (llama.cpp) expects them: the hyper-parameter keys it
+ * requires, and every tensor's shape in terms of them. Written from llama.cpp's model loader
+ * (src/llama-model.cpp at c392e50: the create_tensor shapes) and its converter's keys; the same
+ * table is in docs/gguf.md. Shapes are GGUF's, innermost first: {n_embd, n_vocab} is n_vocab
+ * rows of n_embd.
+ *
+ * `chatglm1` (ChatGLM-6B) is loom's own architecture (llama.cpp has none) and is not checked.
+ */
+#ifndef LOOM_TESTS_GGUF_CONVENTIONS_H
+#define LOOM_TESTS_GGUF_CONVENTIONS_H
+
+#include "core/gguf.h"
+
+#include "check.h"
+
+#include <stdio.h>
+#include <string.h>
+
+static int64_t convention_key(const loom_gguf *g, const char *arch, const char *key,
+                              int64_t fallback, int required, const char *label)
+{
+    char full[160];
+    int64_t v;
+    snprintf(full, sizeof full, "%s.%s", arch, key);
+    if (loom_gguf_get_i64(g, full, &v) == 0)
+        return v;
+    CHECK(!required, "%s: the file has no %s, which GGUF readers require", label, full);
+    return fallback;
+}
+
+/* Tensor name (printf-style with the layer) has shape {ne0, ne1} (ne1 0: one dimension). */
+static void convention_shape(const loom_gguf *g, const char *label, int required, int64_t ne0,
+                             int64_t ne1, const char *fmt, int layer)
+{
+    char name[160];
+    snprintf(name, sizeof name, fmt, layer);
+    const loom_gguf_tensor *t = loom_gguf_find_tensor(g, name);
+    if (!t) {
+        CHECK(!required, "%s: no tensor %s", label, name);
+        return;
+    }
+    int64_t want_dims = ne1 ? 2 : 1;
+    CHECK((int64_t)t->n_dims == want_dims && t->ne[0] == ne0 && (!ne1 || t->ne[1] == ne1),
+          "%s: %s is {%lld, %lld}, the convention says {%lld, %lld}", label, name,
+          (long long)t->ne[0], (long long)(t->n_dims > 1 ? t->ne[1] : 0), (long long)ne0,
+          (long long)ne1);
+}
+
+static void check_gguf_conventions(const char *path, const char *label)
+{
+    loom_gguf g;
+    char err[512];
+    if (loom_gguf_open(&g, path, err, sizeof err) != 0) {
+        CHECK(0, "%s: %s", label, err);
+        return;
+    }
+    const char *s;
+    uint64_t len;
+    char arch[32] = "";
+    if (loom_gguf_get_str(&g, "general.architecture", &s, &len) == 0 && len < sizeof arch)
+        memcpy(arch, s, len), arch[len] = '\0';
+    int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3");
+    int qwen1 = !strcmp(arch, "qwen"), glm = !strcmp(arch, "chatglm");
+    CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'",
+          label, arch);
+    if (!llama_like && !qwen1 && !glm) {
+        loom_gguf_close(&g);
+        return;
+    }
+    int64_t E = convention_key(&g, arch, "embedding_length", 0, 1, label);
+    int64_t L = convention_key(&g, arch, "block_count", 0, 1, label);
+    int64_t F = convention_key(&g, arch, "feed_forward_length", 0, 1, label);
+    int64_t H = convention_key(&g, arch, "attention.head_count", 1, 1, label);
+    int64_t Hkv = convention_key(&g, arch, "attention.head_count_kv", H, 0, label);
+    int64_t hd = convention_key(&g, arch, "attention.key_length", H ? E / H : 0, 0, label);
+    convention_key(&g, arch, "context_length", 0, 1, label);
+    double eps;
+    char key[160];
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", arch);
+    CHECK(loom_gguf_get_f64(&g, key, &eps) == 0 && eps > 0, "%s: %s is required", label, key);
+    const loom_gguf_kv *tokens = loom_gguf_find(&g, "tokenizer.ggml.tokens");
+    int64_t V = tokens ? (int64_t)tokens->count : 0;
+    CHECK(V > 0, "%s: no tokenizer.ggml.tokens", label);
+
+    convention_shape(&g, label, 1, E, V, "token_embd.weight", 0);
+    convention_shape(&g, label, 1, E, 0, "output_norm.weight", 0);
+    convention_shape(&g, label, 0, E, V, "output.weight", 0); /* absent when tied */
+    for (int l = 0; l < (int)L; l++) {
+        convention_shape(&g, label, 1, E, 0, "blk.%d.attn_norm.weight", l);
+        convention_shape(&g, label, 1, E, 0, "blk.%d.ffn_norm.weight", l);
+        if (llama_like) {
+            convention_shape(&g, label, 1, E, hd * H, "blk.%d.attn_q.weight", l);
+            convention_shape(&g, label, 1, E, hd * Hkv, "blk.%d.attn_k.weight", l);
+            convention_shape(&g, label, 1, E, hd * Hkv, "blk.%d.attn_v.weight", l);
+            convention_shape(&g, label, 1, hd * H, E, "blk.%d.attn_output.weight", l);
+            convention_shape(&g, label, 1, E, F, "blk.%d.ffn_gate.weight", l);
+            convention_shape(&g, label, 1, E, F, "blk.%d.ffn_up.weight", l);
+            convention_shape(&g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
+            int qwen2 = !strcmp(arch, "qwen2");
+            convention_shape(&g, label, qwen2, hd * H, 0, "blk.%d.attn_q.bias", l);
+            convention_shape(&g, label, qwen2, hd * Hkv, 0, "blk.%d.attn_k.bias", l);
+            convention_shape(&g, label, qwen2, hd * Hkv, 0, "blk.%d.attn_v.bias", l);
+            if (!strcmp(arch, "qwen3")) {
+                convention_shape(&g, label, 1, hd, 0, "blk.%d.attn_q_norm.weight", l);
+                convention_shape(&g, label, 1, hd, 0, "blk.%d.attn_k_norm.weight", l);
+            }
+        } else if (qwen1) { /* feed_forward_length counts both halves: each matrix is F / 2 */
+            convention_shape(&g, label, 1, E, 3 * E, "blk.%d.attn_qkv.weight", l);
+            convention_shape(&g, label, 1, 3 * E, 0, "blk.%d.attn_qkv.bias", l);
+            convention_shape(&g, label, 1, E, E, "blk.%d.attn_output.weight", l);
+            convention_shape(&g, label, 1, E, F / 2, "blk.%d.ffn_gate.weight", l);
+            convention_shape(&g, label, 1, E, F / 2, "blk.%d.ffn_up.weight", l);
+            convention_shape(&g, label, 1, F / 2, E, "blk.%d.ffn_down.weight", l);
+        } else { /* chatglm: fused QKV (Q heads, then K and V groups) and [gate; up] */
+            convention_shape(&g, label, 1, E, E + 2 * hd * Hkv, "blk.%d.attn_qkv.weight", l);
+            convention_shape(&g, label, 0, E + 2 * hd * Hkv, 0, "blk.%d.attn_qkv.bias", l);
+            convention_shape(&g, label, 1, E, E, "blk.%d.attn_output.weight", l);
+            convention_shape(&g, label, 1, E, 2 * F, "blk.%d.ffn_up.weight", l);
+            convention_shape(&g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
+        }
+    }
+    loom_gguf_close(&g);
+}
+
+#endif
