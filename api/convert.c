@@ -649,11 +649,16 @@ int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
     return fd; /* the caller keeps it open while the model is mapped, then closes it */
 }
 
-void loom_progress_bar(void *user, int done, int total, const char *what)
+void loom_progress_stderr(void *user, int done, int total, const char *what)
 {
-    (void)user;
+    const char *label = user ? (const char *)user : "converting";
+    if (!isatty(STDERR_FILENO)) { /* a log: one line per stage, not hundreds of frames */
+        if (done == total)
+            fprintf(stderr, "%s: %d of %d done\n", label, done, total);
+        return;
+    }
     int width = 30, filled = total > 0 ? done * width / total : width;
-    fprintf(stderr, "\rconverting [%.*s%*s] %d/%d %-40.40s", filled,
+    fprintf(stderr, "\r%s [%.*s%*s] %d/%d %-40.40s", label, filled,
             "##############################", width - filled, "", done, total, what);
     if (done == total)
         fprintf(stderr, "\n");

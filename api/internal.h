@@ -36,8 +36,6 @@ char *loom_strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Whether path is a folder (then it is taken as a Hugging Face model). */
 int loom_is_model_dir(const char *path);
-/* A progress bar on stderr, for conversions started on the user's behalf. */
-void loom_progress_bar(void *user, int done, int total, const char *what);
 
 /* The template for a stored template text and architecture (either may be NULL). */
 /* pre: tokenizer.ggml.pre (GLM-4 shares the chatglm architecture with ChatGLM2/3) */

@@ -14,6 +14,11 @@ const char *loom_version(void)
     return PACKAGE_VERSION;
 }
 
+const char *loom_git_commit(void)
+{
+    return LOOM_GIT_COMMIT;
+}
+
 int loom_backends_report(FILE *out, int json, char *err, size_t err_size)
 {
     loom_registry reg;

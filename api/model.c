@@ -82,7 +82,7 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     }
     if (loom_is_model_dir(path)) {
         char mem[64];
-        int fd = loom_convert_in_memory(path, mem, sizeof mem, loom_progress_bar, NULL, err, err_size);
+        int fd = loom_convert_in_memory(path, mem, sizeof mem, loom_progress_stderr, NULL, err, err_size);
         if (fd < 0)
             goto fail;
         int rc = loom_gguf_open(&m->gguf, mem, err, err_size);

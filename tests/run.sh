@@ -122,6 +122,43 @@ if [ -e "$qwen" ]; then
     [ "$bad" = 0 ] && pass "run --json: 8 random samples on a byte-level vocabulary, all valid UTF-8 JSON" ||
         fail "run --json: $bad of 8 outputs are not valid UTF-8 JSON"
 fi
+# ... and so is the terminal output, by the same rule (U+FFFD for what is no character)
+if [ -e "$qwen" ]; then
+    bad=0
+    for seed in 1 2 3 4; do
+        "$LOOM" run -m "$qwen" -p "Hello" -n 24 --temp 1.5 --top-k 200 --seed "$seed" \
+            >"$tmpdir/q.txt" 2>/dev/null || bad=$((bad + 1))
+        iconv -f UTF-8 -t UTF-8 "$tmpdir/q.txt" >/dev/null 2>&1 || bad=$((bad + 1))
+    done
+    [ "$bad" = 0 ] && pass "run: terminal output of random byte-level samples is valid UTF-8" ||
+        fail "run: $bad of 4 terminal outputs are not valid UTF-8"
+fi
+
+# progress: a bar only on a terminal; in a log one line, and nothing with --quiet
+tl=$FIXTURES/tiny-llama
+if [ -e "$tl" ]; then
+    "$LOOM" convert "$tl" -o "$tmpdir/tl.gguf" --type q8_0 2>"$tmpdir/conv.err" || fail "convert exit $?"
+    if grep -q "$(printf '\r')" "$tmpdir/conv.err"; then fail "a progress bar was drawn into a log"
+    else pass "convert into a log: no bar frames"; fi
+    expect_grep "converting: 21 of 21 done" "$tmpdir/conv.err" "convert into a log: one line when done"
+    "$LOOM" quantize "$tmpdir/tl.gguf" "$tmpdir/tl2.gguf" --type q4_k_m --quiet 2>"$tmpdir/q.err" ||
+        fail "quantize exit $?"
+    ! grep -q "quantizing" "$tmpdir/q.err" && pass "quantize --quiet: no progress" ||
+        fail "quantize --quiet printed progress: $(cat "$tmpdir/q.err")"
+    "$LOOM" inspect "$tmpdir/tl2.gguf" >"$tmpdir/insp.txt" 2>&1
+    expect_grep "^types: .*q8_0" "$tmpdir/insp.txt" "inspect shows the mix"
+fi
+
+# the help says what the commands accept; --version what was built
+"$LOOM" help >"$tmpdir/help.txt"
+expect_grep "ChatGLM" "$tmpdir/help.txt" "help: convert names every family, not only Llama"
+"$LOOM" convert 2>"$tmpdir/chelp.txt"
+expect_grep "q4_k_m" "$tmpdir/chelp.txt" "convert's usage lists the mixes"
+"$LOOM" --version >"$tmpdir/ver.txt"
+expect_grep "^git commit " "$tmpdir/ver.txt" "--version names the git commit"
+expect_grep "^backend ABI 1\.[0-9]" "$tmpdir/ver.txt" "--version names the backend ABI"
+expect_grep "^backend modules: .*backends" "$tmpdir/ver.txt" "--version names the module directories"
+
 LOOM_BACKEND=ref LOOM_REF_DENY=matmool "$LOOM" run -m "$gguf" -p "Once" -n 2 > /dev/null 2> "$tmpdir/deny.err" &&
     fail "a misspelt LOOM_REF_DENY was accepted"
 expect_grep "LOOM_REF_DENY: 'matmool' is not OP or OP:DTYPE" "$tmpdir/deny.err" "a bad LOOM_REF_DENY is named"

@@ -4,6 +4,8 @@
 #define _POSIX_C_SOURCE 200809L
 #include "args.h"
 
+#include <loom/loom.h>
+
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -88,4 +90,13 @@ double loom_now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
+
+void loom_print_text(FILE *out, const char *text, size_t len)
+{
+    size_t n;
+    char *valid = loom_utf8_sanitize(text, len, &n);
+    fwrite(valid ? valid : text, 1, valid ? n : len, out);
+    free(valid);
+    fflush(out);
 }

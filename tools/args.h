@@ -7,6 +7,7 @@
 #define LOOM_TOOLS_ARGS_H
 
 #include <stddef.h>
+#include <stdio.h>
 
 /* 0 with *out set, or -1 after printing the error to stderr (v may be NULL: missing). */
 int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out);
@@ -16,6 +17,11 @@ int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, 
 /* The whole of a text file (path "-": standard input), NUL-terminated, its length in *len;
  * NULL after printing why (unreadable, too large, or holding a NUL byte, which no prompt may). */
 char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, size_t *len);
+
+/* Writes model output to a terminal or file: ill-formed UTF-8 (a byte the model emitted that
+ * is no character, a character cut off at the end) as U+FFFD, as the JSON outputs do. The
+ * text streams hold back a character split over tokens, so chunks never cut one. */
+void loom_print_text(FILE *out, const char *text, size_t len);
 
 /* Milliseconds on a monotonic clock. */
 double loom_now_ms(void);

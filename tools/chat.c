@@ -39,8 +39,7 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
     answer *a = user;
     if (interrupted)
         return 1;
-    fwrite(text, 1, len, stdout);
-    fflush(stdout);
+    loom_print_text(stdout, text, len);
     if (a->len + len + 1 > a->cap) {
         size_t cap = (a->len + len + 1) * 2;
         char *t = realloc(a->text, cap);

@@ -4,6 +4,8 @@
  */
 #include <loom/loom.h>
 
+#include "core/loader.h"
+
 #include "args.h"
 #include "bench_ops.h"
 #include "json_text.h"
@@ -37,21 +39,24 @@ static void usage(FILE *out)
             "                      continuous batching: N concurrent clients against one at a time\n"
             "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
             "                      generate text (loom run --help for the options)\n"
-            "  convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n"
-            "                      a Hugging Face folder to GGUF (Llama family)\n"
+            "  convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
+            "                      a Hugging Face folder (Llama 1-3, Qwen v1/2/3, ChatGLM-6B/2/3,\n"
+            "                      GLM-4) to GGUF (loom convert --help for the types)\n"
             "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
-            "  serve -m MODEL [--port 8080] [--api-key KEY] [--max-batch N]\n"
+            "  serve -m MODEL [--port 8080] [--api-key-file FILE] [--max-batch N]\n"
             "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
             "  tokenize -m MODEL [--json] [--no-special] [--count] (TEXT | -f FILE)\n"
             "                                                   text to token ids (--count: how\n"
             "                                                   many, and how long it took)\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
-            "  quantize IN.gguf OUT.gguf --type TYPE   requantise a GGUF file's float matrices\n"
-            "                      to a type or a llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
-            "  inspect FILE [--json]\n"
-            "                      what a GGUF model file holds: architecture, hyper-parameters,\n"
-            "                      tokenizer, chat template, tensors; checks the data is all there\n"
-            "  version             print loom's version\n"
+            "  quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
+            "                      requantise a GGUF file's float matrices to a type or a\n"
+            "                      llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
+            "  inspect MODEL [--json]\n"
+            "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
+            "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
+            "                      types; checks the data is all there\n"
+            "  version             loom's version, git commit, backend ABI and module directories\n"
             "  help                this text\n"
             "\n"
             "environment:\n"
@@ -59,7 +64,10 @@ static void usage(FILE *out)
             "  LOOM_BACKEND_PATH=DIRS   colon-separated directories searched first for modules\n"
             "  LOOM_CPU_VARIANT=NAME    force a CPU variant (baseline, avx2, avx512)\n"
             "  LOOM_CPU_MAX_ISA=NAME    never pick a CPU variant above this ISA\n"
-            "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n");
+            "  LOOM_CPU_MASK=LIST       act as a CPU without these features (avx512,avx2,...)\n"
+            "  LOOM_THREADS=N           CPU backend threads\n"
+            "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n"
+            "  (README.md lists the rest)\n");
 }
 
 /* ---- loom run ------------------------------------------------------------------------------ */
@@ -99,8 +107,7 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
         o->len += len;
         o->text[o->len] = '\0';
     } else {
-        fwrite(text, 1, len, stdout);
-        fflush(stdout);
+        loom_print_text(stdout, text, len);
     }
     return 0;
 }
@@ -255,25 +262,18 @@ static int cmd_run(int argc, char **argv)
     return rc == 0 ? 0 : 1;
 }
 
-static void progress(void *user, int done, int total, const char *what)
-{
-    (void)user;
-    int width = 30, filled = total > 0 ? done * width / total : width;
-    fprintf(stderr, "\r[%.*s%*s] %d/%d %-40.40s", filled, "##############################",
-            width - filled, "", done, total, what);
-    if (done == total)
-        fprintf(stderr, "\n");
-}
-
 static int cmd_convert(int argc, char **argv)
 {
     const char *dir = NULL, *out = NULL, *type = "auto";
+    int quiet = 0;
     for (int i = 0; i < argc; i++) {
         if ((!strcmp(argv[i], "-o") || !strcmp(argv[i], "--type")) && i + 1 >= argc) {
             fprintf(stderr, "loom convert: %s needs a value\n", argv[i]);
             return 2;
         }
-        if (!strcmp(argv[i], "-o"))
+        if (!strcmp(argv[i], "--quiet"))
+            quiet = 1;
+        else if (!strcmp(argv[i], "-o"))
             out = argv[++i];
         else if (!strcmp(argv[i], "--type"))
             type = argv[++i];
@@ -285,11 +285,19 @@ static int cmd_convert(int argc, char **argv)
             dir = argv[i];
     }
     if (!dir || !out) {
-        fprintf(stderr, "usage: loom convert HF_DIR -o OUT.gguf [--type auto|f32|f16|bf16|q8_0|q4_0|q4_1]\n");
+        fprintf(stderr, "usage: loom convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
+                        "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
+                        "          (6B, 2, 3) or GLM-4\n"
+                        "  TYPE: auto (each matrix as stored), or every matrix one type: f32, f16,\n"
+                        "        bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q6_k; or a\n"
+                        "        llama.cpp mix: q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,\n"
+                        "        q5_k_s, q5_k_m\n"
+                        "  --quiet: no progress (a bar on a terminal, one line in a log)\n");
         return 2;
     }
     char err[4096];
-    if (loom_convert(dir, out, type, progress, NULL, err, sizeof err) != 0) {
+    if (loom_convert(dir, out, type, quiet ? NULL : loom_progress_stderr, "converting", err,
+                     sizeof err) != 0) {
         fprintf(stderr, "\nloom convert: %s\n", err);
         return 2;
     }
@@ -409,12 +417,14 @@ static int cmd_detokenize(int argc, char **argv)
 static int cmd_quantize(int argc, char **argv)
 {
     const char *files[2] = {NULL, NULL}, *type = NULL;
-    int n_files = 0, bad = 0, flags = 0;
+    int n_files = 0, bad = 0, flags = 0, quiet = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "--type") && i + 1 < argc)
             type = argv[++i];
         else if (!strcmp(argv[i], "--pure"))
             flags |= LOOM_QUANTIZE_PURE;
+        else if (!strcmp(argv[i], "--quiet"))
+            quiet = 1;
         else if (argv[i][0] == '-' && argv[i][1])
             bad = 1;
         else if (n_files < 2)
@@ -425,7 +435,7 @@ static int cmd_quantize(int argc, char **argv)
             bad = 1;
     }
     if (bad || n_files != 2 || !type) {
-        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure]\n"
+        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
                         "  TYPE: %s\n"
                         "  each as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
                         "  more bits for some attn_v / ffn_down layers in the _m and _l mixes);\n"
@@ -437,7 +447,8 @@ static int cmd_quantize(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    if (loom_quantize_opts(files[0], files[1], type, flags, progress, NULL, err, sizeof err) != 0) {
+    if (loom_quantize_opts(files[0], files[1], type, flags, quiet ? NULL : loom_progress_stderr,
+                           "quantizing", err, sizeof err) != 0) {
         fprintf(stderr, "\nloom quantize: %s\n", err);
         return 2;
     }
@@ -531,7 +542,14 @@ int main(int argc, char **argv)
         return loom_bench_main(argc - 2, argv + 2, n > 0 ? self : argv[0]);
     }
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
-        printf("loom %s\n", loom_version());
+        loom_registry reg;
+        char err[512];
+        int scanned = loom_registry_scan(&reg, err, sizeof err) == 0;
+        printf("loom %s\ngit commit %s\nbackend ABI %d.%d\nbackend modules: %s\n", loom_version(),
+               loom_git_commit(), LOOM_BACKEND_ABI_MAJOR, LOOM_BACKEND_ABI_MINOR,
+               scanned ? reg.search_path : err);
+        if (scanned)
+            loom_registry_free(&reg);
         return 0;
     }
     if (strcmp(cmd, "help") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0) {

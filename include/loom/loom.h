@@ -16,6 +16,8 @@ extern "C" {
 
 /* The library's version, "MAJOR.MINOR.PATCH". */
 const char *loom_version(void);
+/* The git commit loom was configured from ("not a git checkout" for a release tarball). */
+const char *loom_git_commit(void);
 
 /* Finds every backend module, chooses one as a run would (LOOM_BACKEND, LOOM_CPU_VARIANT,
  * LOOM_CPU_MAX_ISA, scores), and writes the report to out: human-readable, or JSON when json
@@ -260,6 +262,9 @@ int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, i
 
 /* Called after each tensor: done of total, and its GGUF name. */
 typedef void (*loom_convert_progress_fn)(void *user, int done, int total, const char *what);
+/* A progress callback for commands: on a terminal a bar on stderr labelled with `user` (a
+ * string; NULL: "converting"), redrawn in place; otherwise (a log, CI) one line when done. */
+void loom_progress_stderr(void *user, int done, int total, const char *what);
 
 /* Converts a Hugging Face folder (config.json, *.safetensors, tokenizer files) to a GGUF file.
  * type: "auto" (keep f32/f16/bf16 as stored), f32, f16, bf16, q8_0, q4_0, q4_1. Returns 0,
