@@ -8,12 +8,17 @@
 #include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <poll.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef LOOM_PKGLIBDIR
@@ -43,6 +48,7 @@ const char *loom_candidate_state_name(loom_candidate_state s)
     case LOOM_CAND_NOT_LOADABLE: return "not loadable";
     case LOOM_CAND_NO_ENTRY: return "no entry point";
     case LOOM_CAND_BAD_ABI: return "incompatible ABI";
+    case LOOM_CAND_PROBE_FAILED: return "probe failed";
     case LOOM_CAND_UNUSABLE: return "unusable here";
     case LOOM_CAND_EXCLUDED: return "excluded";
     case LOOM_CAND_USABLE: return "usable";
@@ -114,6 +120,126 @@ static void copy_str(char *dst, size_t n, const char *src)
     snprintf(dst, n, "%s", src ? src : "");
 }
 
+/* What vetting one file learns: everything a candidate keeps, copied out of the module. */
+typedef struct vet_result {
+    loom_candidate_state state;
+    char reason[512];
+    char name[64], variant[64], description[256];
+    uint32_t abi_major, abi_minor;
+    loom_probe_result probe;
+} vet_result;
+
+/* Loads path, checks it and runs its probe, in this process. */
+static void vet_here(const char *path, vet_result *r)
+{
+    memset(r, 0, sizeof *r);
+    loom_backend_module mod;
+    void *h = load_module(path, &mod, &r->state, r->reason, sizeof r->reason);
+    if (!h)
+        return;
+    copy_str(r->name, sizeof r->name, mod.name);
+    copy_str(r->variant, sizeof r->variant, mod.variant);
+    copy_str(r->description, sizeof r->description, mod.description);
+    r->abi_major = mod.abi_major;
+    r->abi_minor = mod.abi_minor;
+    r->probe.struct_size = sizeof r->probe;
+    mod.probe(&r->probe);
+    r->state = LOOM_CAND_USABLE; /* judged by the caller from the probe result */
+    dlclose(h);
+}
+
+static long env_long(const char *name, long fallback, long lo, long hi)
+{
+    const char *s = getenv(name);
+    char *end;
+    long v = s && *s ? strtol(s, &end, 10) : fallback;
+    return s && *s && !*end && v >= lo && v <= hi ? v : fallback;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* vet_here in a child process, so that a module that crashes, aborts, exits or hangs while
+ * loading or probing costs only the child: the result comes back over a pipe, and a child that
+ * sends none is reported with what became of it. */
+static void vet_isolated(const char *path, vet_result *r)
+{
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) {
+        vet_here(path, r); /* no pipe: probe here rather than not at all */
+        return;
+    }
+    fflush(NULL); /* the child must not repeat buffered output */
+    pid_t pid = fork();
+    if (pid < 0) {
+        close(fds[0]), close(fds[1]);
+        vet_here(path, r);
+        return;
+    }
+    if (pid == 0) {
+        close(fds[0]);
+        vet_result mine;
+        vet_here(path, &mine);
+        const char *p = (const char *)&mine;
+        for (size_t left = sizeof mine; left > 0;) {
+            ssize_t n = write(fds[1], p, left);
+            if (n <= 0)
+                _exit(2);
+            p += n, left -= (size_t)n;
+        }
+        _exit(0); /* not exit(): the parent's atexit handlers and buffers are not ours */
+    }
+    close(fds[1]);
+    long timeout = env_long("LOOM_PROBE_TIMEOUT", 5, 1, 3600);
+    double deadline = now_s() + (double)timeout;
+    size_t got = 0;
+    int timed_out = 0;
+    while (got < sizeof *r) {
+        int wait_ms = (int)((deadline - now_s()) * 1000);
+        if (wait_ms <= 0) {
+            timed_out = 1;
+            break;
+        }
+        struct pollfd pf = {fds[0], POLLIN, 0};
+        int ready = poll(&pf, 1, wait_ms);
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready <= 0) {
+            timed_out = ready == 0;
+            break;
+        }
+        ssize_t n = read(fds[0], (char *)r + got, sizeof *r - got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        got += (size_t)n;
+    }
+    close(fds[0]);
+    if (timed_out)
+        kill(pid, SIGKILL);
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (got == sizeof *r)
+        return;
+    memset(r, 0, sizeof *r);
+    r->state = LOOM_CAND_PROBE_FAILED;
+    if (timed_out)
+        set_err(r->reason, sizeof r->reason, "probe timed out after %ld s (LOOM_PROBE_TIMEOUT): "
+                "loading or probing the module hangs", timeout);
+    else if (WIFSIGNALED(status))
+        set_err(r->reason, sizeof r->reason, "probe crashed (signal %d, %s) while loading or "
+                "probing the module", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    else
+        set_err(r->reason, sizeof r->reason, "probe exited (status %d) without an answer while "
+                "loading or probing the module", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+}
+
 int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size_t err_size)
 {
     loom_candidate *items = realloc(reg->items, (size_t)(reg->count + 1) * sizeof *items);
@@ -126,17 +252,23 @@ int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size
     memset(c, 0, sizeof *c);
     copy_str(c->path, sizeof c->path, path);
 
-    loom_backend_module mod;
-    void *h = load_module(path, &mod, &c->state, c->reason, sizeof c->reason);
-    if (!h)
+    vet_result r;
+    if (env_long("LOOM_PROBE_ISOLATION", 1, 0, 1))
+        vet_isolated(path, &r);
+    else
+        vet_here(path, &r);
+    c->state = r.state;
+    copy_str(c->reason, sizeof c->reason, r.reason);
+    if (r.state != LOOM_CAND_USABLE)
         return 0;
-    copy_str(c->name, sizeof c->name, mod.name);
-    copy_str(c->variant, sizeof c->variant, mod.variant);
-    copy_str(c->description, sizeof c->description, mod.description);
-    c->abi_major = mod.abi_major;
-    c->abi_minor = mod.abi_minor;
-    c->probe.struct_size = sizeof c->probe;
-    mod.probe(&c->probe);
+    r.name[sizeof r.name - 1] = r.variant[sizeof r.variant - 1] = '\0';
+    r.description[sizeof r.description - 1] = '\0';
+    copy_str(c->name, sizeof c->name, r.name);
+    copy_str(c->variant, sizeof c->variant, r.variant);
+    copy_str(c->description, sizeof c->description, r.description);
+    c->abi_major = r.abi_major;
+    c->abi_minor = r.abi_minor;
+    c->probe = r.probe;
     c->probe.reason[sizeof c->probe.reason - 1] = '\0';
     if (c->probe.n_devices > LOOM_MAX_DEVICES)
         c->probe.n_devices = LOOM_MAX_DEVICES;
@@ -151,7 +283,6 @@ int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size
     } else {
         c->state = LOOM_CAND_USABLE;
     }
-    dlclose(h);
     return 0;
 }
 

@@ -3,7 +3,10 @@
  *
  * A scan looks at every candidate file in the search path, dlopens it, checks the ABI version
  * its entry point declares, runs its probe and unloads it again, keeping only what it learnt
- * (loom_candidate). Selection then applies LOOM_BACKEND, LOOM_CPU_VARIANT and LOOM_CPU_MAX_ISA
+ * (loom_candidate). All of that happens in a child process (fork), so a module that crashes,
+ * aborts or hangs while loading or probing is listed as such and loom goes on
+ * (LOOM_PROBE_TIMEOUT seconds, default 5; LOOM_PROBE_ISOLATION=0 probes in-process, for a
+ * debugger). Selection then applies LOOM_BACKEND, LOOM_CPU_VARIANT and LOOM_CPU_MAX_ISA
  * and the scores, and records for every candidate why it was or was not chosen. Opening loads
  * the chosen file again and keeps it loaded until loom_device_close.
  *
@@ -20,6 +23,7 @@ typedef enum loom_candidate_state {
     LOOM_CAND_NOT_LOADABLE, /* dlopen failed: not a shared object, missing dependency, ... */
     LOOM_CAND_NO_ENTRY,     /* loaded, but no LOOM_BACKEND_ENTRY_SYMBOL or it returned NULL */
     LOOM_CAND_BAD_ABI,      /* ABI major differs, or minor is newer than loom's */
+    LOOM_CAND_PROBE_FAILED, /* loading or probing it crashed, aborted or hung (in a child) */
     LOOM_CAND_UNUSABLE,     /* the probe scored 0 */
     LOOM_CAND_EXCLUDED,     /* usable, but an env var or the preference rules it out */
     LOOM_CAND_USABLE,       /* usable and eligible, not chosen */

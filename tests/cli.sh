@@ -84,6 +84,19 @@ jq -e '.candidates[] | select(.name == "cpu" and .variant == "avx512") | .usable
 LOOM_CPU_MASK=avx2,sse9 "$LOOM" backends > /dev/null 2> "$tmpdir/err.txt" && fail "LOOM_CPU_MASK=avx2,sse9 accepted"
 expect_grep "LOOM_CPU_MASK=avx2,sse9: 'sse9' is not a CPU feature" "$tmpdir/err.txt" "a bad LOOM_CPU_MASK is an error naming the word"
 
+# modules whose probe aborts, segfaults, hangs or exits are listed with what happened; loom goes on
+LOOM_PROBE_TIMEOUT=1 LOOM_BACKEND_PATH="$PROBEFAIL_DIR" "$LOOM" backends > "$tmpdir/pf.txt" 2>&1 ||
+    fail "loom backends with crashing probes: exit $?"
+expect_grep "probe crashed (signal 6, Aborted)" "$tmpdir/pf.txt" "an aborting probe is named"
+expect_grep "probe crashed (signal 11, Segmentation fault)" "$tmpdir/pf.txt" "a crashing probe is named"
+expect_grep "probe timed out after 1 s" "$tmpdir/pf.txt" "a hanging probe is named"
+expect_grep "probe exited (status 3)" "$tmpdir/pf.txt" "an exiting probe is named"
+expect_grep "^\* $best\$" "$tmpdir/pf.txt" "and the best real backend is still chosen"
+LOOM_PROBE_TIMEOUT=1 "$CONFORMANCE" "$PROBEFAIL_DIR/fake-probe-segv.so" > "$tmpdir/pfc.txt" 2>&1
+[ $? -eq 1 ] && pass "conformance fails a crashing probe (exit 1)" || fail "conformance on a crashing probe: exit $?"
+expect_grep "FAIL loads, declares a compatible ABI and probes usable: probe failed: probe crashed" \
+    "$tmpdir/pfc.txt" "conformance names the crash"
+
 # bad usage
 "$LOOM" backends --frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad flag accepted"
 expect_grep "unknown argument '--frobnicate'" "$tmpdir/err.txt" "bad flag named"

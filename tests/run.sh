@@ -108,6 +108,11 @@ else
     expect_grep "does not support attention with f16, and LOOM_STRICT=1 forbids" "$tmpdir/strict.err" \
         "LOOM_STRICT=1 refuses, naming the op"
 fi
+# modules that crash or hang in their probe, in the search path, do not stop a run
+LOOM_PROBE_TIMEOUT=1 LOOM_BACKEND_PATH="$PROBEFAIL_DIR" "$LOOM" run -m "$gguf" -p "Once upon a time" \
+    -n 8 --temp 0 > "$tmpdir/pf.txt" 2>&1 && pass "loom run works beside modules whose probes crash" ||
+    { fail "loom run with crashing probes in the path: exit $?"; cat "$tmpdir/pf.txt" >&2; }
+
 # --json is valid UTF-8 JSON whatever the model emits: random sampling on a byte-level
 # vocabulary ends inside multi-byte characters and emits lone continuation bytes
 qwen=$FIXTURES/tiny-qwen2

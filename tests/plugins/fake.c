@@ -1,8 +1,8 @@
 /*
  * tests/plugins/fake.c - one source, built as several small modules that each misbehave (or
  * behave) in one way the loader must handle: a newer ABI minor, another major, no entry
- * symbol, no device, an op table from an older header, a missing library dependency, and
- * three "cpu" variants for the selection rules. The macros set by tests/Makefile.inc pick the
+ * symbol, no device, an op table from an older header, a missing library dependency, a probe
+ * that aborts, crashes, hangs or exits, and three "cpu" variants for the selection rules. The macros set by tests/Makefile.inc pick the
  * behaviour. Buffers are plain malloc; no op is implemented.
  */
 #include <loom/backend.h>
@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef FAKE_NAME
 #define FAKE_NAME "fake"
@@ -141,6 +142,19 @@ int loom_test_gone_function(void); /* in a library that is not on the loader's p
 
 static void fake_probe(loom_probe_result *out)
 {
+    /* the probes that must not take loom down: FAKE_PROBE_FAULT abort, segv, hang or exit */
+#if defined(FAKE_PROBE_FAULT)
+    const char *fault = FAKE_PROBE_FAULT;
+    if (!strcmp(fault, "abort"))
+        abort();
+    if (!strcmp(fault, "segv"))
+        *(volatile int *)(uintptr_t)8 = 1;
+    if (!strcmp(fault, "hang"))
+        for (;;)
+            sleep(1);
+    if (!strcmp(fault, "exit"))
+        exit(3);
+#endif
 #ifdef FAKE_NEEDS_GONE
     out->score = loom_test_gone_function();
 #else
