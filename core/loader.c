@@ -890,8 +890,9 @@ void loom_device_close(loom_device *dev)
 }
 
 /* Whether the module's table (host copy, zero past its declared size) has the op. */
-static int op_present(const loom_backend_ops *o, loom_op op)
+int loom_device_op_present(const loom_device *dev, loom_op op)
 {
+    const loom_backend_ops *o = &dev->ops;
     switch (op) {
     case LOOM_OP_MATMUL: return o->matmul != NULL;
     case LOOM_OP_GET_ROWS: return o->get_rows != NULL;
@@ -915,7 +916,7 @@ static int op_present(const loom_backend_ops *o, loom_op op)
 
 int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype)
 {
-    return op_present(&dev->ops, op) && dev->ops.supports(dev->be, op, dtype);
+    return loom_device_op_present(dev, op) && dev->ops.supports(dev->be, op, dtype);
 }
 
 loom_status loom_device_run(const loom_device *d, loom_op op, const void *p)

@@ -94,5 +94,7 @@ int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype);
 /* Calls op's entry in dev's table with params, the op's ABI parameter struct. The caller has
  * checked loom_device_supports. */
 loom_status loom_device_run(const loom_device *dev, loom_op op, const void *params);
+/* Whether the module's table has a function for op (supports() may claim one it has not). */
+int loom_device_op_present(const loom_device *dev, loom_op op);
 
 #endif

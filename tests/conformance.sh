@@ -68,6 +68,23 @@ if jq -e '.modules[0].matrix.matmul.f32 == "fail" and .modules[0].matrix.rms_nor
 then pass "the broken ops, and only those, fail"; else fail "broken report:"; cat "$tmpdir/broken.txt" >&2; fi
 expect_grep "matmul f32 M=3 K=128 N=17 +bias: normalised error" "$tmpdir/broken.txt" "the bias case is the one named"
 
+# one bug each: every one is caught, with the op named, and nothing else fails
+check_broken() { # KIND OP PATTERN
+    "$CONFORMANCE" --json "$tmpdir/b-$1.json" "$PLUGIN_DIR/broken-$1.so" > "$tmpdir/b-$1.txt" 2>&1
+    rc=$?
+    if [ "$rc" -eq 1 ] && grep -q -- "$3" "$tmpdir/b-$1.txt" &&
+       jq -e --arg op "$2" '[.modules[0].matrix | to_entries[] | select(.value.f32 == "fail") | .key] == [$op]' \
+          "$tmpdir/b-$1.json" > /dev/null; then
+        pass "broken-$1 is caught, in $2 only"
+    else
+        fail "broken-$1 (exit $rc):"; grep -E "FAIL|\\*\\*FAIL" "$tmpdir/b-$1.txt" >&2
+    fi
+}
+check_broken eps rms_norm "rms_norm f32 \[96, 3, 2, 2\] weight+bias, rms 0.0001, eps 1e-05: normalised error"
+check_broken strides rms_norm "rms_norm f32 \[96, 3, 2, 2\].*normalised error"
+check_broken kvdense kv_store "kv_store f32 .* the runner's head-major cache: normalised error"
+check_broken nullop gelu "gelu f32: supports() says yes: but the ops table has no gelu function"
+
 "$CONFORMANCE" "$PLUGIN_DIR/fake-major2.so" > "$tmpdir/major.txt" 2>&1 && fail "ABI 2 module passed"
 expect_grep "incompatible ABI" "$tmpdir/major.txt" "ABI mismatch reported by conformance"
 

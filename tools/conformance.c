@@ -79,6 +79,9 @@ typedef struct spec {
     int64_t ne[4];
     uint64_t offset;   /* leading bytes in the buffer */
     uint64_t row_pad;  /* extra bytes between rows */
+    uint64_t plane_pad, volume_pad; /* and between planes (dim 2) and volumes (dim 3) */
+    int head_major;    /* dims 1 and 2 swapped in memory: a KV cache laid out as the runner
+                        * lays it ([block][head][slot], a head's slots of a block together) */
     unsigned char *host;
     uint64_t bytes;    /* buffer size: offset + extent */
 } spec;
@@ -124,6 +127,23 @@ static int64_t spec_rows(const spec *s)
     return s->ne[1] * s->ne[2] * s->ne[3];
 }
 
+/* Byte strides: rows, then planes, then volumes, each with its padding; or, head_major, a
+ * plane's rows (dim 2) adjacent and dim 1 outside them. */
+static void spec_nb(const spec *s, uint64_t nb[4])
+{
+    uint64_t rs = spec_row_stride(s);
+    nb[0] = (uint64_t)loom_dtype_block_bytes(s->dtype);
+    if (s->head_major) {
+        nb[2] = rs;
+        nb[1] = rs * (uint64_t)s->ne[2] + s->plane_pad;
+        nb[3] = nb[1] * (uint64_t)s->ne[1] + s->volume_pad;
+    } else {
+        nb[1] = rs;
+        nb[2] = rs * (uint64_t)s->ne[1] + s->plane_pad;
+        nb[3] = nb[2] * (uint64_t)s->ne[2] + s->volume_pad;
+    }
+}
+
 static void spec_tensor(const spec *s, loom_buffer *buf, loom_tensor *t)
 {
     memset(t, 0, sizeof *t);
@@ -133,15 +153,32 @@ static void spec_tensor(const spec *s, loom_buffer *buf, loom_tensor *t)
     t->n_dims = 4;
     for (int i = 0; i < 4; i++)
         t->ne[i] = s->ne[i];
-    t->nb[0] = (uint64_t)loom_dtype_block_bytes(s->dtype);
-    t->nb[1] = spec_row_stride(s);
-    t->nb[2] = t->nb[1] * (uint64_t)s->ne[1];
-    t->nb[3] = t->nb[2] * (uint64_t)s->ne[2];
+    spec_nb(s, t->nb);
+}
+
+/* Byte offset of row r (counting over dims 1..3, dim 1 fastest, as backends number rows). */
+static uint64_t spec_row_at(const spec *s, int64_t r)
+{
+    uint64_t nb[4];
+    spec_nb(s, nb);
+    int64_t i1 = r % s->ne[1], i2 = r / s->ne[1] % s->ne[2], i3 = r / s->ne[1] / s->ne[2];
+    return s->offset + (uint64_t)i1 * nb[1] + (uint64_t)i2 * nb[2] + (uint64_t)i3 * nb[3];
 }
 
 static unsigned char *spec_row(const spec *s, int64_t r)
 {
-    return s->host + s->offset + (uint64_t)r * spec_row_stride(s);
+    return s->host + spec_row_at(s, r);
+}
+
+/* Sets the buffer size from the layout: the end of the furthest row, and 8 spare bytes. */
+static void spec_size(spec *s)
+{
+    uint64_t end = s->offset;
+    for (int64_t r = 0; r < spec_rows(s); r++) {
+        uint64_t e = spec_row_at(s, r) + (uint64_t)loom_row_bytes(s->dtype, s->ne[0]);
+        end = e > end ? e : end;
+    }
+    s->bytes = end + 8;
 }
 
 /* Allocates the host image: padding bytes are filled with a pattern so reads of them show. */
@@ -155,7 +192,25 @@ static spec *add_spec(test_case *tc, int idx, loom_dtype dt, int64_t n0, int64_t
     s->ne[0] = n0, s->ne[1] = n1, s->ne[2] = n2, s->ne[3] = n3;
     s->offset = padded ? 48 : 0;
     s->row_pad = padded ? 16 : 0;
-    s->bytes = s->offset + spec_row_stride(s) * (uint64_t)spec_rows(s) + 8;
+    s->plane_pad = padded ? 64 : 0;  /* outer strides are not dense either: a backend that */
+    s->volume_pad = padded ? 96 : 0; /* numbers rows as r * nb[1] fails here */
+    spec_size(s);
+    s->host = malloc(s->bytes);
+    if (!s->host) {
+        fprintf(stderr, "loom-conformance: out of memory\n");
+        exit(2);
+    }
+    memset(s->host, 0xA5, s->bytes);
+    return s;
+}
+
+/* Lays s out as the runner lays out its KV cache (dims 1 and 2 swapped in memory); call it
+ * right after add_spec, before filling. */
+static spec *head_major(spec *s)
+{
+    s->head_major = 1;
+    spec_size(s);
+    free(s->host);
     s->host = malloc(s->bytes);
     if (!s->host) {
         fprintf(stderr, "loom-conformance: out of memory\n");
@@ -173,7 +228,7 @@ static void put_row(spec *s, int64_t r, const float *v)
 
 static void get_row(const spec *s, const unsigned char *image, int64_t r, float *out)
 {
-    loom_row_to_f32(s->dtype, image + s->offset + (uint64_t)r * spec_row_stride(s), out, s->ne[0]);
+    loom_row_to_f32(s->dtype, image + spec_row_at(s, r), out, s->ne[0]);
 }
 
 /* A type loom reads but does not write (ABI 1.2's): blocks of random bytes, every bit pattern
@@ -396,15 +451,13 @@ static cmp compare(const spec *s, const unsigned char *a, const unsigned char *b
     c.nerr = den > 0 ? sqrt(num / den) : sqrt(num);
     /* bytes outside the rows must be as uploaded */
     uint64_t rb_bytes = (uint64_t)loom_row_bytes(s->dtype, s->ne[0]);
-    for (uint64_t i = 0; i < s->bytes && !c.pad_written; i++) {
-        int in_row = 0;
-        if (i >= s->offset && spec_rows(s) > 0) {
-            uint64_t rel = i - s->offset, stride = spec_row_stride(s);
-            in_row = rel / stride < (uint64_t)spec_rows(s) && rel % stride < rb_bytes;
-        }
-        if (!in_row && a[i] != input_image[i])
+    unsigned char *in_row = calloc(s->bytes, 1);
+    for (int64_t r = 0; in_row && r < spec_rows(s); r++)
+        memset(in_row + spec_row_at(s, r), 1, rb_bytes);
+    for (uint64_t i = 0; in_row && i < s->bytes && !c.pad_written; i++)
+        if (!in_row[i] && a[i] != input_image[i])
             c.pad_written = 1;
-    }
+    free(in_row);
     free(ra), free(rb);
     return c;
 }
@@ -488,19 +541,35 @@ static void make_get_rows(test_case *tc, loom_dtype dt, int v)
 static void make_norm(test_case *tc, loom_dtype dt, int v)
 {
     (void)dt;
+    /* v0-5: rows of mean square near 1 (v3-5 without weight); v6-8: 4-D [n, 3, 2, 2] rows of
+     * mean square 1e-8, 1e-2 and 1e6 against eps 1e-5, 1e-2 and 1e-6, where eps outside the
+     * square root, or none, or the wrong one shows */
     static const int64_t shapes[][2] = {{1, 64}, {7, 33}, {3, 4096}};
+    static const float amps[] = {1e-4f, 0.1f, 1000.0f}, epss[] = {1e-5f, 1e-2f, 1e-6f};
     int64_t rows = shapes[v % 3][0], n = shapes[v % 3][1];
-    int with_params = v < 3;
-    snprintf(tc->label, sizeof tc->label, "[%lld, %lld]%s", (long long)rows, (long long)n,
-             with_params ? " weight+bias" : " no weight");
-    fill_random(add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1), 2.0f, 0.5f);
+    int with_params = v < 3 || v >= 6, four_d = v >= 6;
+    float amp = four_d ? amps[v - 6] : 2.0f;
+    tc->eps = four_d ? epss[v - 6] : 1e-5f;
+    if (four_d)
+        rows = 12, n = 96;
+    snprintf(tc->label, sizeof tc->label, "%s%s, rms %g, eps %g", four_d ? "[96, 3, 2, 2]" :
+             "", with_params ? " weight+bias" : " no weight", (double)amp, (double)tc->eps);
+    if (!four_d)
+        snprintf(tc->label, sizeof tc->label, "[%lld, %lld]%s", (long long)rows, (long long)n,
+                 with_params ? " weight+bias" : " no weight");
+    if (four_d)
+        fill_random(add_spec(tc, 0, LOOM_F32, n, 3, 2, 2, 1), amp, 0.0f);
+    else
+        fill_random(add_spec(tc, 0, LOOM_F32, n, rows, 1, 1, 1), 2.0f, 0.5f);
     if (with_params) {
         fill_random(add_spec(tc, 1, LOOM_F32, n, 1, 1, 1, 0), 0.5f, 1.0f);
         if (tc->op == LOOM_OP_LAYER_NORM)
             fill_random(add_spec(tc, 2, LOOM_F32, n, 1, 1, 1, 0), 0.5f, 0.0f);
     }
-    add_spec(tc, 3, LOOM_F32, n, rows, 1, 1, 1)->output = 1;
-    tc->eps = 1e-5f;
+    if (four_d)
+        add_spec(tc, 3, LOOM_F32, n, 3, 2, 2, 1)->output = 1;
+    else
+        add_spec(tc, 3, LOOM_F32, n, rows, 1, 1, 1)->output = 1;
     tc->tol = 1e-5;
 }
 
@@ -539,9 +608,19 @@ static void make_elementwise(test_case *tc, loom_dtype dt, int v)
     static const int64_t shapes[][2] = {{1, 1}, {5, 37}, {16, 4096}};
     int64_t rows = shapes[v % 3][0], n = shapes[v % 3][1];
     int binary = tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL || tc->op == LOOM_OP_SILU_MUL;
-    int broadcast = v == 3 && tc->op != LOOM_OP_SILU_MUL;
+    int broadcast = v == 3 && binary && tc->op != LOOM_OP_SILU_MUL;
     if (v == 3 && !broadcast) {
         tc->op = LOOM_OP_COUNT_V1_0;
+        return;
+    }
+    if (v == 4) { /* 4-D [40, 3, 2, 2] with padding in every dimension */
+        snprintf(tc->label, sizeof tc->label, "[40, 3, 2, 2]");
+        fill_random(add_spec(tc, 0, LOOM_F32, 40, 3, 2, 2, 1), 4.0f, 0.0f);
+        if (binary)
+            fill_random(add_spec(tc, 1, LOOM_F32, 40, 3, 2, 2, 1), 2.0f, 0.0f);
+        add_spec(tc, 2, LOOM_F32, 40, 3, 2, 2, 1)->output = 1;
+        tc->scale = 0.37f;
+        tc->tol = 1e-5;
         return;
     }
     if (v == 3)
@@ -566,6 +645,11 @@ static void make_kv_store(test_case *tc, loom_dtype dt, int v)
     int32_t slots[7] = {0, 5, (int32_t)(blocks * bs - 1), -1, 17, 18, 3};
     fill_i32(add_spec(tc, 1, LOOM_I32, tokens, 1, 1, 1, 0), slots);
     spec *c = add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0);
+    if (v == 2) { /* the runner's layout: a block's slots of one head together */
+        head_major(c);
+        snprintf(tc->label + strlen(tc->label), sizeof tc->label - strlen(tc->label),
+                 ", the runner's head-major cache");
+    }
     fill_random(c, 1.0f, 0.0f);
     c->output = 1;
     tc->tol = dt == LOOM_Q8_0 ? 1e-2 : 1e-6;
@@ -595,8 +679,12 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
         pos[3] = 4;
     }
     fill_random(add_spec(tc, 0, LOOM_F32, hd, heads, ntok, 1, 1), 1.0f, 0.0f);
-    fill_random(add_spec(tc, 1, dt, hd, kvh, bs, blocks, 0), 1.0f, 0.0f);
-    fill_random(add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0), 1.0f, 0.0f);
+    /* even variants read the caches in the runner's head-major layout */
+    spec *kc = add_spec(tc, 1, dt, hd, kvh, bs, blocks, 0), *vc = add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0);
+    if (v % 2 == 0)
+        head_major(kc), head_major(vc);
+    fill_random(kc, 1.0f, 0.0f);
+    fill_random(vc, 1.0f, 0.0f);
     memcpy(spec_row(add_spec(tc, 3, LOOM_I32, max_blocks, 2, 1, 1, 0), 0), table, sizeof table);
     fill_i32(add_spec(tc, 4, LOOM_I32, ntok, 1, 1, 1, 0), seq);
     fill_i32(add_spec(tc, 5, LOOM_I32, ntok, 1, 1, 1, 0), pos);
@@ -643,11 +731,11 @@ static void make_convert(test_case *tc, loom_dtype dt, int v)
 
 static const case_family families[] = {
     {LOOM_OP_MATMUL, 9, make_matmul},         {LOOM_OP_GET_ROWS, 3, make_get_rows},
-    {LOOM_OP_RMS_NORM, 6, make_norm},         {LOOM_OP_LAYER_NORM, 6, make_norm},
-    {LOOM_OP_ROPE, 5, make_rope},             {LOOM_OP_ADD, 4, make_elementwise},
-    {LOOM_OP_MUL, 4, make_elementwise},       {LOOM_OP_SCALE, 3, make_elementwise},
-    {LOOM_OP_SILU_MUL, 3, make_elementwise},  {LOOM_OP_GELU, 3, make_elementwise},
-    {LOOM_OP_KV_STORE, 2, make_kv_store},     {LOOM_OP_ATTENTION, 4, make_attention},
+    {LOOM_OP_RMS_NORM, 9, make_norm},         {LOOM_OP_LAYER_NORM, 9, make_norm},
+    {LOOM_OP_ROPE, 5, make_rope},             {LOOM_OP_ADD, 5, make_elementwise},
+    {LOOM_OP_MUL, 5, make_elementwise},       {LOOM_OP_SCALE, 5, make_elementwise},
+    {LOOM_OP_SILU_MUL, 5, make_elementwise},  {LOOM_OP_GELU, 5, make_elementwise},
+    {LOOM_OP_KV_STORE, 3, make_kv_store},     {LOOM_OP_ATTENTION, 4, make_attention},
     {LOOM_OP_QUANTIZE, 4, make_quant},        {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},
 };
@@ -738,6 +826,16 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
             loom_dtype dt = all_dtypes[di];
             if (!op_dtype_applies(fam->op, dt))
                 continue;
+            if (!loom_device_op_present(target, fam->op) &&
+                target->ops.supports(target->be, fam->op, dt)) {
+                char name[160];
+                snprintf(name, sizeof name, "%s %s: supports() says yes", op_names[fam->op],
+                         loom_dtype_name(dt));
+                record(r, name, 0, "but the ops table has no %s function (NULL): loom runs it "
+                       "on the CPU instead; say no, or fill the pointer", op_names[fam->op]);
+                r->matrix[fam->op][di] = RES_FAIL;
+                continue;
+            }
             if (!loom_device_supports(target, fam->op, dt)) {
                 r->matrix[fam->op][di] = RES_UNSUPPORTED;
                 continue;

@@ -1,9 +1,20 @@
 /*
- * tests/plugins/broken.c - a backend that is well-formed but computes wrong answers, so the
- * suite can assert that loom-conformance catches it: its matmul forgets the bias and
- * its rms_norm forgets the weight. Everything else is honestly unsupported.
+ * tests/plugins/broken.c - backends that are well-formed but wrong in one way each, so the
+ * suite can assert that loom-conformance catches every kind of bug a model would suffer from.
+ * BROKEN_KIND (set by tests/Makefile.inc) picks the bug:
+ *   bias     (the default) matmul forgets the bias, rms_norm the weight
+ *   eps      rms_norm adds eps outside the square root: 1 / (sqrt(ms) + eps)
+ *   strides  rms_norm numbers rows as r * nb[1], ignoring the strides of dims 2 and 3
+ *   kvdense  kv_store writes the cache as if it were dense [slot][head], not by its strides
+ *   nullop   supports() claims gelu, whose pointer is NULL
+ * Everything else is honestly unsupported (or, for the single-bug kinds, right).
  */
 #include <loom/backend.h>
+
+#ifndef BROKEN_KIND
+#define BROKEN_KIND "bias"
+#endif
+#define KIND(k) (strcmp(BROKEN_KIND, k) == 0)
 
 #include <math.h>
 #include <stdio.h>
@@ -68,9 +79,14 @@ static loom_status b_sync(loom_backend *be)
     return LOOM_OK;
 }
 
+/* Row r, counting over dims 1..3: the dense numbering (r * nb[1]) is the strides bug. */
 static const float *row_f32(const loom_tensor *t, int64_t r)
 {
-    return (const float *)(t->buf->data + t->offset + (uint64_t)r * t->nb[1]);
+    if (KIND("bias") || KIND("strides"))
+        return (const float *)(t->buf->data + t->offset + (uint64_t)r * t->nb[1]);
+    int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
+    return (const float *)(t->buf->data + t->offset + (uint64_t)i1 * t->nb[1] +
+                           (uint64_t)i2 * t->nb[2] + (uint64_t)i3 * t->nb[3]);
 }
 
 static loom_status b_matmul(loom_backend *be, const loom_matmul_params *p)
@@ -79,9 +95,11 @@ static loom_status b_matmul(loom_backend *be, const loom_matmul_params *p)
     int64_t M = p->x->ne[1], K = p->x->ne[0], N = p->w->ne[1];
     for (int64_t m = 0; m < M; m++)
         for (int64_t n = 0; n < N; n++) {
-            float acc = 0; /* BUG (deliberate): p->bias is ignored */
+            float acc = 0; /* BUG (deliberate, kind bias): p->bias is ignored */
             for (int64_t k = 0; k < K; k++)
                 acc += row_f32(p->x, m)[k] * row_f32(p->w, n)[k];
+            if (p->bias && !KIND("bias"))
+                acc += row_f32(p->bias, 0)[n];
             ((float *)row_f32(p->y, m))[n] = acc;
         }
     return LOOM_OK;
@@ -97,9 +115,35 @@ static loom_status b_rms_norm(loom_backend *be, const loom_norm_params *p)
         double sq = 0;
         for (int64_t i = 0; i < n; i++)
             sq += (double)x[i] * x[i];
-        float inv = (float)(1.0 / sqrt(sq / (double)n + p->eps));
-        for (int64_t i = 0; i < n; i++)
-            y[i] = x[i] * inv; /* BUG (deliberate): p->weight is ignored */
+        float inv = KIND("eps") ? (float)(1.0 / (sqrt(sq / (double)n) + p->eps)) /* BUG */
+                                : (float)(1.0 / sqrt(sq / (double)n + p->eps));
+        for (int64_t i = 0; i < n; i++) /* BUG (kind bias): p->weight is ignored */
+            y[i] = x[i] * inv * (p->weight && !KIND("bias") ? row_f32(p->weight, 0)[i] : 1.0f);
+    }
+    return LOOM_OK;
+}
+
+/* kv_store into an f32 cache: slot s of head h is row (s % bs) of head h in block s / bs,
+ * wherever the cache's strides put it. BUG (kind kvdense): rows as if [slot][head] dense. */
+static loom_status b_kv_store(loom_backend *be, const loom_kv_store_params *p)
+{
+    (void)be;
+    const loom_tensor *c = p->cache;
+    int64_t hd = p->src->ne[0], kvh = p->src->ne[1], tokens = p->src->ne[2];
+    for (int64_t t = 0; t < tokens; t++) {
+        int32_t slot;
+        memcpy(&slot, p->slots->buf->data + p->slots->offset + 4 * (uint64_t)t, 4);
+        if (slot < 0)
+            continue;
+        for (int64_t h = 0; h < kvh; h++) {
+            uint64_t at = KIND("kvdense") /* rows of hd floats, [slot][head], no padding */
+                              ? c->offset + ((uint64_t)slot * (uint64_t)kvh + (uint64_t)h) *
+                                                (uint64_t)hd * sizeof(float)
+                              : c->offset + (uint64_t)h * c->nb[1] +
+                                    (uint64_t)(slot % c->ne[2]) * c->nb[2] +
+                                    (uint64_t)(slot / c->ne[2]) * c->nb[3];
+            memcpy(c->buf->data + at, row_f32(p->src, t * kvh + h), (size_t)hd * sizeof(float));
+        }
     }
     return LOOM_OK;
 }
@@ -107,7 +151,13 @@ static loom_status b_rms_norm(loom_backend *be, const loom_norm_params *p)
 static int b_supports(loom_backend *be, loom_op op, loom_dtype dt)
 {
     (void)be;
-    return (op == LOOM_OP_MATMUL || op == LOOM_OP_RMS_NORM) && dt == LOOM_F32;
+    if (dt != LOOM_F32)
+        return 0;
+    if (KIND("kvdense"))
+        return op == LOOM_OP_KV_STORE;
+    if (KIND("nullop"))
+        return op == LOOM_OP_GELU || op == LOOM_OP_RMS_NORM;
+    return op == LOOM_OP_MATMUL || op == LOOM_OP_RMS_NORM;
 }
 
 static const char *b_last_error(loom_backend *be)
@@ -132,6 +182,7 @@ static const loom_backend_ops broken_ops = {
     .synchronize = b_sync,
     .matmul = b_matmul,
     .rms_norm = b_rms_norm,
+    .kv_store = b_kv_store,
 };
 
 static void b_probe(loom_probe_result *out)
@@ -158,7 +209,7 @@ static const loom_backend_module broken_module = {
     .abi_major = LOOM_BACKEND_ABI_MAJOR,
     .abi_minor = LOOM_BACKEND_ABI_MINOR,
     .name = "broken",
-    .variant = "",
+    .variant = BROKEN_KIND,
     .description = "deliberately wrong test backend",
     .probe = b_probe,
     .open = b_open,
