@@ -436,6 +436,7 @@ static int chatglm(conv *c)
         loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)conv_num(cf, "eos_token_id", 2));
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", 0);
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
+        conv_spm_normalizer(c);
         loom_gguf_set_bool(c->w, "tokenizer.loom.strip_special", 0); /* encode_special_tokens */
         loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", prefix, 2);
         cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");

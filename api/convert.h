@@ -37,6 +37,9 @@ cJSON *conv_read_json(const char *dir, const char *name, int required, conv *c);
 double conv_num(cJSON *o, const char *key, double fallback);
 /* The folder's tokenizer, whichever form it ships, into c->w. */
 int conv_tokenizer(conv *c);
+/* Writes the keys of a SentencePiece model's normaliser (c->spm): its character map, whether
+ * it collapses whitespace, whether it escapes spaces. */
+void conv_spm_normalizer(conv *c);
 /* generation_config.json's list of end tokens, as tokenizer.loom.stop_token_ids. */
 void conv_stop_tokens(conv *c);
 /* whether the folder's tokenizer.model is a tiktoken rank file (Llama-3, GLM-4) */

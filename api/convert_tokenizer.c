@@ -34,6 +34,20 @@ static int32_t piece_id(const loom_spm_model *m, const char *piece)
     return -1;
 }
 
+void conv_spm_normalizer(conv *c)
+{
+    /* what SentencePiece's normaliser does before the model sees the text: its precompiled
+     * character map (llama.cpp's key, as for T5), whitespace collapsing and trimming (which
+     * sentencepiece applies whatever the map, identity included), and the spaces' escape */
+    if (c->spm.charsmap)
+        loom_gguf_set_u8_array(c->w, "tokenizer.ggml.precompiled_charsmap", c->spm.charsmap,
+                               c->spm.charsmap_size);
+    loom_gguf_set_bool(c->w, "tokenizer.loom.remove_extra_whitespaces",
+                       c->spm.remove_extra_whitespaces);
+    if (!c->spm.escape_whitespaces)
+        loom_gguf_set_bool(c->w, "tokenizer.loom.escape_whitespaces", 0);
+}
+
 static int tokenizer(conv *c)
 {
     char path[4096];
@@ -72,14 +86,7 @@ static int tokenizer(conv *c)
     if (rc == 0) {
         /* llama.cpp's names: "llama" for SentencePiece BPE, "t5" for unigram */
         loom_gguf_set_str(c->w, "tokenizer.ggml.model", c->spm.model_type == 1 ? "t5" : "llama");
-        if (c->spm.normalizer[0] && strcmp(c->spm.normalizer, "identity") != 0) {
-            /* nmt_nfkc and the like: loom normalises with NFKC; identity-normalised models are
-             * tokenized as llama.cpp does, which ignores remove_extra_whitespaces */
-            if (strstr(c->spm.normalizer, "nfkc"))
-                loom_gguf_set_str(c->w, "tokenizer.loom.normalizer", "nfkc");
-            loom_gguf_set_bool(c->w, "tokenizer.loom.remove_extra_whitespaces",
-                               c->spm.remove_extra_whitespaces);
-        }
+        conv_spm_normalizer(c);
         if (ice) {
             /* ChatGLM-6B: text rewriting, and [gMASK] <sop> after the prompt; <eop> ends */
             int32_t gmask = piece_id(&c->spm, "[gMASK]"), sop = piece_id(&c->spm, "<sop>");

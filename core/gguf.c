@@ -646,6 +646,11 @@ int loom_gguf_set_i32_array(loom_gguf_writer *w, const char *key, const int32_t 
     return add_kv(w, key, LOOM_GGUF_ARRAY, LOOM_GGUF_INT32, n, v, n * 4);
 }
 
+int loom_gguf_set_u8_array(loom_gguf_writer *w, const char *key, const uint8_t *v, uint64_t n)
+{
+    return add_kv(w, key, LOOM_GGUF_ARRAY, LOOM_GGUF_UINT8, n, v, n);
+}
+
 int loom_gguf_add_tensor(loom_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
                          const int64_t *ne, const void *data)
 {

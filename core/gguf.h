@@ -113,6 +113,7 @@ int loom_gguf_set_str_array(loom_gguf_writer *w, const char *key, const char *co
                             uint64_t n);
 int loom_gguf_set_f32_array(loom_gguf_writer *w, const char *key, const float *v, uint64_t n);
 int loom_gguf_set_i32_array(loom_gguf_writer *w, const char *key, const int32_t *v, uint64_t n);
+int loom_gguf_set_u8_array(loom_gguf_writer *w, const char *key, const uint8_t *v, uint64_t n);
 /* Copies a metadata entry of an open file, whatever its type. */
 int loom_gguf_copy_kv(loom_gguf_writer *w, const loom_gguf *g, const loom_gguf_kv *kv);
 /* A tensor; data (size bytes for its type and shape) must stay valid until write. */

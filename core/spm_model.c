@@ -3,7 +3,8 @@
  * (number << 3 | wire type) then its value: 0 varint, 1 fixed 64 bits, 2 a varint length and
  * that many bytes, 5 fixed 32 bits. ModelProto: 1 pieces (repeated SentencePiece: 1 piece,
  * 2 score, 3 type), 2 trainer_spec (3 model_type, 35 byte_fallback, 40 unk_id, 41 bos_id,
- * 42 eos_id, 43 pad_id), 3 normalizer_spec (3 add_dummy_prefix, 4 remove_extra_whitespaces).
+ * 42 eos_id, 43 pad_id), 3 normalizer_spec (1 name, 2 precompiled_charsmap, 3 add_dummy_prefix,
+ * 4 remove_extra_whitespaces, 5 escape_whitespaces).
  * Unknown fields are skipped, as protobuf requires.
  */
 #include "spm_model.h"
@@ -70,6 +71,7 @@ void loom_spm_model_free(loom_spm_model *m)
     for (int32_t i = 0; m->pieces && i < m->n; i++)
         free(m->pieces[i]);
     free(m->pieces), free(m->scores), free(m->types);
+    free(m->charsmap);
     memset(m, 0, sizeof *m);
 }
 
@@ -129,7 +131,8 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
 {
     memset(m, 0, sizeof *m);
     m->unk_id = 0, m->bos_id = 1, m->eos_id = 2, m->pad_id = -1;
-    m->add_dummy_prefix = 1, m->remove_extra_whitespaces = 1, m->model_type = 1;
+    m->add_dummy_prefix = 1, m->remove_extra_whitespaces = 1, m->escape_whitespaces = 1;
+    m->model_type = 1;
     FILE *f = fopen(path, "rb");
     if (!f) {
         snprintf(err, err_size, "%s: %s", path, strerror(errno));
@@ -175,6 +178,14 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
                     memcpy(m->normalizer, s3.p, k);
                     m->normalizer[k] = '\0';
                 }
+                if (num == 3 && n2 == 2 && w2 == 2 && v2 > 0 && !m->charsmap) {
+                    if (!(m->charsmap = malloc((size_t)v2))) {
+                        rc = -1;
+                        break;
+                    }
+                    memcpy(m->charsmap, s3.p, (size_t)v2);
+                    m->charsmap_size = (size_t)v2;
+                }
                 if (w2 != 0)
                     continue;
                 if (num == 2) {
@@ -187,6 +198,7 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
                 } else {
                     if (n2 == 3) m->add_dummy_prefix = v2 != 0;
                     else if (n2 == 4) m->remove_extra_whitespaces = v2 != 0;
+                    else if (n2 == 5) m->escape_whitespaces = v2 != 0;
                 }
             }
         }

@@ -24,6 +24,7 @@
 #include "tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <pcre2.h>
@@ -57,6 +58,13 @@ struct loom_tokenizer {
     int n_suffix;
     int unigram;         /* SentencePiece unigram: Viterbi instead of merges */
     int nfkc, collapse_ws; /* normalise: NFKC; collapse whitespace runs and trim the ends */
+    int escape_ws;         /* spaces become U+2581 (every SentencePiece model loom has met) */
+    /* SentencePiece's precompiled normaliser: a double-array trie over UTF-8 (darts-clone's
+     * unit format) whose values index NUL-terminated replacements in charsmap_strings */
+    uint32_t *charsmap_units;
+    size_t charsmap_n_units;
+    char *charsmap_strings;
+    size_t charsmap_n_strings;
     int glm_text;        /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
     uint32_t max_piece;  /* longest piece, bytes (unigram) */
     /* unigram: a bit per hash of every prefix of every piece, so that the search for pieces
@@ -64,7 +72,8 @@ struct loom_tokenizer {
     uint64_t *prefix_bits;
     uint32_t prefix_mask;
     unsigned char special_first[256]; /* some special token's text starts with this byte */
-    float min_score;     /* lowest piece score (unigram: an unknown costs 10 less) */
+    float min_score, max_score; /* lowest and highest normal piece's score (unigram: an
+                                 * unknown costs 10 less than the lowest) */
     int32_t stops[16];   /* further tokens that end a generation */
     int n_stops;
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
@@ -132,6 +141,8 @@ void loom_tokenizer_free(loom_tokenizer *t)
     free(t->table);
     free(t->specials);
     free(t->prefix_bits);
+    free(t->charsmap_units);
+    free(t->charsmap_strings);
     free(t);
 }
 
@@ -274,6 +285,72 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
     return 0;
 }
 
+/* tokenizer.ggml.precompiled_charsmap: a little-endian uint32 with the trie's size in bytes,
+ * the trie (uint32 units), then the replacement strings. Checked here, so that lookups can
+ * trust it; a map that does not hold together is an error, not a silent identity. */
+static int charsmap_load(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size)
+{
+    const loom_gguf_kv *kv = loom_gguf_find(g, "tokenizer.ggml.precompiled_charsmap");
+    if (!kv)
+        return 0;
+    if (kv->type != LOOM_GGUF_ARRAY || (kv->array_type != LOOM_GGUF_UINT8 &&
+                                        kv->array_type != LOOM_GGUF_INT8) || kv->count < 4) {
+        snprintf(err, err_size, "tokenizer.ggml.precompiled_charsmap is not a byte array");
+        return -1;
+    }
+    const unsigned char *b = g->map + kv->offset;
+    uint32_t trie = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    if (trie % 4 || trie == 0 || trie > kv->count - 4) {
+        snprintf(err, err_size, "tokenizer.ggml.precompiled_charsmap: a trie of %u bytes does not "
+                 "fit its %llu bytes", trie, (unsigned long long)kv->count);
+        return -1;
+    }
+    t->charsmap_n_units = trie / 4;
+    t->charsmap_n_strings = (size_t)kv->count - 4 - trie;
+    t->charsmap_units = malloc(trie);
+    t->charsmap_strings = malloc(t->charsmap_n_strings + 1);
+    if (!t->charsmap_units || !t->charsmap_strings) {
+        snprintf(err, err_size, "out of memory for the normaliser");
+        return -1;
+    }
+    for (size_t i = 0; i < t->charsmap_n_units; i++) {
+        const unsigned char *u = b + 4 + 4 * i;
+        t->charsmap_units[i] = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16 |
+                               (uint32_t)u[3] << 24;
+    }
+    memcpy(t->charsmap_strings, b + 4 + trie, t->charsmap_n_strings);
+    t->charsmap_strings[t->charsmap_n_strings] = '\0'; /* the last replacement ends */
+    return 0;
+}
+
+/* The longest prefix of s (n bytes) the normaliser maps, and its replacement in *repl; 0 when
+ * none. A unit holds: bit 8 has_leaf, bits 0-7 (with bit 31) the label, bits 10-31 an offset
+ * shifted left by 8 when bit 9 is set; a leaf's unit holds its value in bits 0-30. */
+static size_t charsmap_match(const loom_tokenizer *t, const unsigned char *s, size_t n,
+                             const char **repl)
+{
+    const uint32_t *u = t->charsmap_units;
+    size_t nu = t->charsmap_n_units, best = 0;
+#define UNIT_OFFSET(x) (((x) >> 10) << (((x) & (1u << 9)) >> 6))
+    uint32_t id = UNIT_OFFSET(u[0]);
+    for (size_t i = 0; i < n; i++) {
+        id ^= s[i];
+        if (id >= nu || (u[id] & (0x80000000u | 0xffu)) != s[i])
+            break;
+        uint32_t unit = u[id];
+        id ^= UNIT_OFFSET(unit);
+        if (id >= nu)
+            break;
+        if ((unit >> 8) & 1) { /* a key ends here: its value is in the unit at the new id */
+            uint32_t value = u[id] & 0x7fffffffu;
+            if (value < t->charsmap_n_strings)
+                best = i + 1, *repl = t->charsmap_strings + value;
+        }
+    }
+#undef UNIT_OFFSET
+    return best;
+}
+
 static int cmp_special_len(const void *a, const void *b, void *ctx)
 {
     const loom_tokenizer *t = ctx;
@@ -334,6 +411,7 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     memset(t->table, 0xff, cap * sizeof *t->table);
     memset(t->byte_ids, 0xff, sizeof t->byte_ids);
     char *p = t->arena;
+    int seen_normal = 0;
     for (int32_t i = 0; i < t->n_vocab; i++) {
         const char *s;
         uint64_t len;
@@ -364,9 +442,16 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         unsigned byte;
         if (e->type == TOK_BYTE && len == 6 && sscanf(e->text, "<0x%02X>", &byte) == 1)
             t->byte_ids[byte] = i;
-        if (e->type == TOK_NORMAL || e->type == TOK_USER) {
+        if (e->type == TOK_NORMAL || e->type == TOK_USER)
             t->max_piece = e->len > t->max_piece ? e->len : t->max_piece;
-            t->min_score = i == 0 || e->score < t->min_score ? e->score : t->min_score;
+        if (e->type == TOK_NORMAL) {
+            t->min_score = !seen_normal || e->score < t->min_score ? e->score : t->min_score;
+            /* sentencepiece starts its maximum at FLT_MIN, the smallest positive float, so
+             * with the usual negative scores the "maximum" stays that (and a user-defined
+             * piece's bonus is about -0.1) */
+            t->max_score = !seen_normal ? FLT_MIN : t->max_score;
+            t->max_score = e->score > t->max_score ? e->score : t->max_score;
+            seen_normal = 1;
         }
     }
     t->bos = (int32_t)get_int(g, "tokenizer.ggml.bos_token_id", -1);
@@ -416,7 +501,12 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     uint64_t norm_len;
     t->nfkc = loom_gguf_get_str(g, "tokenizer.loom.normalizer", &norm, &norm_len) == 0 &&
               norm_len == 4 && memcmp(norm, "nfkc", 4) == 0;
+    if (charsmap_load(t, g, err, err_size) != 0) {
+        loom_tokenizer_free(t);
+        return NULL;
+    }
     t->collapse_ws = get_flag(g, "tokenizer.loom.remove_extra_whitespaces", 0);
+    t->escape_ws = get_flag(g, "tokenizer.loom.escape_whitespaces", 1);
     t->glm_text = get_flag(g, "tokenizer.loom.glm_text", 0);
     if (bpe && bpe_setup(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
@@ -621,13 +711,25 @@ static int spm_pair_score(const pair_scorer *ps, const symbol *a, const symbol *
     return 0;
 }
 
-/* SentencePiece's escaping: a leading U+2581 when asked, and every space as U+2581. Returns
- * the malloc'd text (NUL-terminated; NULL when out of memory) and its length in *n. */
-static char *escape_spaces(const char *raw, size_t len, int prefix, size_t *n)
+/* SentencePiece's escaping: a leading U+2581 when asked, and every space as U+2581 (a model
+ * that does not escape whitespace keeps spaces, and its dummy prefix is one). Returns the
+ * malloc'd text (NUL-terminated; NULL when out of memory) and its length in *n. */
+static char *escape_spaces(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
+                           size_t *n)
 {
     size_t spaces = 0;
     for (size_t i = 0; i < len; i++)
         spaces += raw[i] == ' ';
+    if (!t->escape_ws) {
+        *n = len + (prefix ? 1 : 0);
+        char *text = malloc(*n + 1);
+        if (text) {
+            text[0] = ' ';
+            memcpy(text + (prefix ? 1 : 0), raw, len);
+            text[*n] = '\0';
+        }
+        return text;
+    }
     *n = len + 2 * spaces + (prefix ? 3 : 0);
     char *text = malloc(*n + 1);
     if (!text)
@@ -652,7 +754,7 @@ static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, in
     if (len > MAX_FRAGMENT)
         return -1;
     size_t n;
-    char *text = escape_spaces(raw, len, prefix, &n);
+    char *text = escape_spaces(t, raw, len, prefix, &n);
     symbol *sym = malloc((n + 1) * sizeof *sym);
     if (!text || !sym) {
         free(text), free(sym);
@@ -689,20 +791,25 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
                             out_ids *o)
 {
     size_t n;
-    char *text = escape_spaces(raw, len, prefix, &n);
-    double *best = malloc((n + 1) * sizeof *best);
-    int32_t *from = calloc(n + 1, sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
+    char *text = escape_spaces(t, raw, len, prefix, &n);
+    /* Scores add up as sentencepiece's Viterbi adds them, so that equal segmentations (three
+     * "NN" and an "N", or an "N" and three "NN") tie or not exactly as there: a piece's
+     * candidate is the double sum of its float score and the float best so far, compared
+     * with the float kept, which is the candidate rounded; an unknown's sum is float. The
+     * earliest start wins a tie. from[e] < 0: e not reached yet. */
+    float *best = malloc((n + 1) * sizeof *best);
+    int32_t *from = malloc((n + 1) * sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
     if (!text || !best || !from || !piece) {
         free(text), free(best), free(from), free(piece);
         return -1;
     }
-    /* user-defined pieces always win where they match, as in SentencePiece */
-    const double unknown = (double)t->min_score - 10.0, user = 0.0;
-    best[0] = 0;
+    /* user-defined pieces get a bonus that makes them win where they match, as there */
+    const float unknown = t->min_score - 10.0f;
+    best[0] = 0, from[0] = 0;
     for (size_t i = 1; i <= n; i++)
-        best[i] = -1e300;
+        from[i] = -1;
     for (size_t i = 0; i < n; i++) {
-        if (best[i] <= -1e300)
+        if (from[i] < 0)
             continue;
         size_t cl = utf8_len((unsigned char)text[i]);
         if (cl > n - i)
@@ -717,16 +824,20 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
                 break; /* no piece starts with text[i, i + l) */
             int32_t id = lookup_hashed(t, text + i, l, hash);
             if (id >= 0 && (t->vocab[id].type == TOK_NORMAL || t->vocab[id].type == TOK_USER)) {
-                double sc = best[i] + (t->vocab[id].type == TOK_USER ? user : t->vocab[id].score);
-                if (sc > best[i + l])
-                    best[i + l] = sc, from[i + l] = (int32_t)i, piece[i + l] = id;
+                /* the bonus as sentencepiece computes it: length times the best score in
+                 * float, then less 0.1 in double */
+                double sc = (t->vocab[id].type == TOK_USER ? (double)((float)l * t->max_score) - 0.1
+                                                            : (double)t->vocab[id].score) +
+                            best[i];
+                if (from[i + l] < 0 || sc > best[i + l])
+                    best[i + l] = (float)sc, from[i + l] = (int32_t)i, piece[i + l] = id;
                 covered |= l == cl;
             }
             if (i + l >= n)
                 break;
         }
-        if (!covered && best[i] + unknown > best[i + cl])
-            best[i + cl] = best[i] + unknown, from[i + cl] = (int32_t)i, piece[i + cl] = -1;
+        if (!covered && (from[i + cl] < 0 || unknown + best[i] > best[i + cl]))
+            best[i + cl] = unknown + best[i], from[i + cl] = (int32_t)i, piece[i + cl] = -1;
     }
     /* walk back, then emit in order */
     int32_t *path = malloc((n + 1) * sizeof *path);
@@ -746,40 +857,105 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
     return rc;
 }
 
-/* NFKC and whitespace collapsing, as the file's normaliser asks; *out is malloc'd (or NULL:
- * use the text as it is). first/last: the piece starts/ends the whole text (trim there). */
+/* The length of the longest user-defined piece text starts with, or 0. */
+static size_t user_piece_at(const loom_tokenizer *t, const char *text, size_t len)
+{
+    if (!t->special_first[(unsigned char)text[0]])
+        return 0;
+    for (int s = 0; s < t->n_specials; s++) { /* longest first */
+        const vocab_entry *e = &t->vocab[t->specials[s]];
+        if (e->type == TOK_USER && e->len <= len && memcmp(text, e->text, e->len) == 0)
+            return e->len;
+    }
+    return 0;
+}
+
+typedef struct norm_buf {
+    char *s;
+    size_t n, cap;
+    int prev_space, oom;
+} norm_buf;
+
+/* Appends one normalised piece as sentencepiece does: with whitespace collapsing, a piece
+ * after one that ended in a space loses its leading spaces. */
+static void norm_put(norm_buf *o, const char *p, size_t n, int collapse)
+{
+    if (collapse && o->prev_space)
+        while (n && *p == ' ')
+            p++, n--;
+    if (!n)
+        return;
+    if (o->n + n + 1 > o->cap) {
+        size_t cap = (o->n + n + 1) * 2;
+        char *grown = realloc(o->s, cap);
+        if (!grown) {
+            o->oom = 1;
+            return;
+        }
+        o->s = grown, o->cap = cap;
+    }
+    memcpy(o->s + o->n, p, n);
+    o->n += n;
+    o->prev_space = collapse && p[n - 1] == ' ';
+}
+
+/* The file's normaliser over a run of text, as SentencePiece's Normalizer does it: each
+ * position's longest match in the character map (or, without one, the character itself;
+ * files loom wrote before it carried the map ask for NFKC instead), whitespace collapsed
+ * between pieces and trimmed at the ends of the whole text (first/last) when the model says
+ * so. *out is malloc'd, or NULL when the text stays as it is. */
 static size_t normalise(const loom_tokenizer *t, const char *raw, size_t len, int first, int last,
                         char **out)
 {
     *out = NULL;
-    if (!t->nfkc && !t->collapse_ws)
+    if (!t->charsmap_units && !t->nfkc && !t->collapse_ws)
         return len;
-    utf8proc_uint8_t *norm = NULL;
-    if (t->nfkc) {
-        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len, &norm,
-                                          UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
-        if (n < 0)
-            norm = NULL; /* not valid UTF-8: the bytes as they are */
+    utf8proc_uint8_t *nfkc = NULL;
+    if (!t->charsmap_units && t->nfkc) {
+        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len,
+                                          &nfkc, UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+        if (n >= 0)
+            raw = (const char *)nfkc, len = (size_t)n;
         else
-            raw = (const char *)norm, len = (size_t)n;
+            nfkc = NULL;
     }
-    char *s = malloc(len + 1);
-    if (!s) {
-        free(norm);
-        return len;
-    }
-    size_t k = 0;
-    for (size_t i = 0; i < len; i++) {
-        if (t->collapse_ws && raw[i] == ' ' && ((k == 0 && first) || (k > 0 && s[k - 1] == ' ')))
+    norm_buf o = {.prev_space = t->collapse_ws && first};
+    for (size_t i = 0; i < len && !o.oom;) {
+        const char *repl = NULL;
+        size_t used = user_piece_at(t, raw + i, len - i);
+        if (used) { /* sentencepiece's user-defined symbols bypass the normaliser */
+            norm_put(&o, raw + i, used, t->collapse_ws);
+            i += used;
             continue;
-        s[k++] = raw[i];
+        }
+        used = t->charsmap_units
+                   ? charsmap_match(t, (const unsigned char *)raw + i, len - i, &repl) : 0;
+        if (used) {
+            norm_put(&o, repl, strlen(repl), t->collapse_ws);
+        } else {
+            used = utf8_len((unsigned char)raw[i]);
+            used = used > len - i ? len - i : used;
+            norm_put(&o, raw + i, used, t->collapse_ws);
+        }
+        i += used;
     }
+    free(nfkc);
+    if (o.oom) {
+        free(o.s);
+        return len; /* no memory: the text as it is, rather than none */
+    }
+    /* sentencepiece trims the end after escaping, so a literal U+2581 there goes too */
     if (t->collapse_ws && last)
-        while (k > 0 && s[k - 1] == ' ')
-            k--;
-    free(norm);
-    *out = s;
-    return k;
+        for (;;) {
+            if (o.n > 0 && o.s[o.n - 1] == ' ')
+                o.n--;
+            else if (t->escape_ws && o.n >= 3 && !memcmp(o.s + o.n - 3, "\xe2\x96\x81", 3))
+                o.n -= 3;
+            else
+                break;
+        }
+    *out = o.s ? o.s : calloc(1, 1);
+    return o.n;
 }
 
 /* SentencePiece on one run of text without special tokens: normalised, then BPE or unigram.
@@ -793,56 +969,50 @@ static int spm_text(const loom_tokenizer *t, const char *raw, size_t len, int pr
     int rc = 0;
     if (n > 0 || (prefix && !t->collapse_ws))
         rc = t->unigram ? unigram_fragment(t, text, n, prefix, o) : spm_fragment(t, text, n, prefix, o);
-    else if (prefix && (len > 0 || !last))
+    else if (prefix && !last) /* the whole text goes on past this run: it has the prefix */
         rc = t->unigram ? unigram_fragment(t, text, 0, 1, o) : spm_fragment(t, text, 0, 1, o);
     free(norm);
     return rc;
 }
 
-/* ChatGLM-6B: newlines, tabs and runs of 2..80 spaces become <n>, <|tab|> and <|blank_N|>
- * tokens (a run over 80 is cut into 80s; a single space left over stays a space); the text
- * between them goes through SentencePiece, the dummy prefix only at the very start. */
+/* ChatGLM-6B, as its Hugging Face tokenizer does it: newlines, tabs and runs of 80 down to 2
+ * spaces are replaced by the user-defined pieces <n>, <|tab|> and <|blank_N|> (a run over 80
+ * is cut into 80s; a single space left over stays a space), then the whole text goes through
+ * SentencePiece in one pass, those pieces passing the normaliser untouched and winning where
+ * they stand. One pass, not one per stretch between markers: the Viterbi's float sums, and so
+ * its choice between equally good segmentations, depend on everything before. */
 static int glm_text(const loom_tokenizer *t, const char *raw, size_t len, int prefix, out_ids *o)
 {
-    size_t start = 0;
-    int first = 1;
-    for (size_t i = 0; i <= len;) {
+    size_t cap = len * 14 + 1; /* a space may become "<|blank_N|>" at worst... per two */
+    char *s = len < SIZE_MAX / 14 ? malloc(cap) : NULL;
+    if (!s)
+        return -1;
+    size_t k = 0;
+    for (size_t i = 0; i < len;) {
         size_t run = 0;
-        if (i < len && raw[i] == ' ')
-            while (i + run < len && raw[i + run] == ' ')
-                run++;
-        int marker = i < len && (raw[i] == '\n' || raw[i] == '\t' || run >= 2);
-        if (i < len && !marker) {
-            i += run ? run : 1;
-            continue;
-        }
-        if (i > start || first) {
-            int rc = spm_text(t, raw + start, i - start, prefix && first, first, i == len, o);
-            if (rc)
-                return rc;
-        }
-        first = 0;
-        if (i == len)
-            break;
-        if (raw[i] == '\n' || raw[i] == '\t') {
-            int32_t id = lookup(t, raw[i] == '\n' ? "<n>" : "<|tab|>", raw[i] == '\n' ? 3 : 7);
-            emit(o, id >= 0 ? id : t->unk);
-            i++;
-        } else {
+        while (i + run < len && raw[i + run] == ' ')
+            run++;
+        if (run >= 2) {
             size_t left = run;
             while (left >= 2) {
-                size_t k = left > 80 ? 80 : left;
-                char name[16];
-                int nl = snprintf(name, sizeof name, "<|blank_%zu|>", k);
-                int32_t id = lookup(t, name, (size_t)nl);
-                emit(o, id >= 0 ? id : t->unk);
-                left -= k;
+                size_t n = left > 80 ? 80 : left;
+                k += (size_t)snprintf(s + k, cap - k, "<|blank_%zu|>", n);
+                left -= n;
             }
-            i += run - left; /* a single space left over begins the next text */
+            if (left)
+                s[k++] = ' ';
+            i += run;
+        } else if (raw[i] == '\n') {
+            memcpy(s + k, "<n>", 3), k += 3, i++;
+        } else if (raw[i] == '\t') {
+            memcpy(s + k, "<|tab|>", 7), k += 7, i++;
+        } else {
+            s[k++] = raw[i++];
         }
-        start = i;
     }
-    return 0;
+    int rc = spm_text(t, s, k, prefix, 1, 1, o);
+    free(s);
+    return rc;
 }
 
 /* ---- Byte-level BPE: encoding ------------------------------------------------------------ */
@@ -1113,7 +1283,7 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
                 rc = bpe_fragment(t, text + start, end - start, &o);
             else if (t->glm_text)
                 rc = glm_text(t, text + start, end - start, prefix, &o);
-            else if (t->unigram || t->nfkc || t->collapse_ws)
+            else if (t->unigram || t->nfkc || t->collapse_ws || t->charsmap_units)
                 rc = spm_text(t, text + start, end - start, prefix, start == 0, found < 0, &o);
             else
                 rc = spm_fragment(t, text + start, end - start, prefix, &o);
