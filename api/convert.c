@@ -439,6 +439,12 @@ static int chatglm(conv *c)
         conv_spm_normalizer(c);
         loom_gguf_set_bool(c->w, "tokenizer.loom.strip_special", 0); /* encode_special_tokens */
         loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", prefix, 2);
+        /* in a user's text ChatGLM's tokenizer reads its role tokens, and only when
+         * tokenizer_config.json says encode_special_tokens (ChatGLM3's does); [gMASK], sop and
+         * the like never come from text */
+        int32_t roles[4] = {n_sp + 5, n_sp + 6, n_sp + 7, n_sp + 8};
+        int by_text = cJSON_IsTrue(cJSON_GetObjectItem(c->tok_config, "encode_special_tokens"));
+        loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", roles, by_text ? 4 : 0);
         cJSON *tmpl = cJSON_GetObjectItem(c->tok_config, "chat_template");
         if (cJSON_IsString(tmpl))
             loom_gguf_set_str(c->w, "tokenizer.chat_template", tmpl->valuestring);

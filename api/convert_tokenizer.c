@@ -95,6 +95,8 @@ static int tokenizer(conv *c)
                 rc = conv_fail(c, "%s: no [gMASK], <sop> or <eop> piece: not ChatGLM-6B's tokenizer", path);
             int32_t suffix[2] = {gmask, sop};
             loom_gguf_set_bool(c->w, "tokenizer.loom.glm_text", 1);
+            /* chatglm.cpp reads no special token from text: [gMASK] typed is characters */
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", NULL, 0);
             loom_gguf_set_i32_array(c->w, "tokenizer.loom.suffix_tokens", suffix, 2);
             loom_gguf_set_u32(c->w, "tokenizer.ggml.gmask_token_id", (uint32_t)(gmask < 0 ? 0 : gmask));
             c->spm.bos_id = sop, c->spm.eos_id = eop;

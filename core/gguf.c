@@ -570,7 +570,8 @@ static int add_kv(loom_gguf_writer *w, const char *key, loom_gguf_type type,
         free(kv->key), free(kv->bytes);
         return -1;
     }
-    memcpy(kv->bytes, bytes, n);
+    if (n)
+        memcpy(kv->bytes, bytes, n);
     kv->n_bytes = n;
     kv->type = type;
     kv->array_type = array_type;

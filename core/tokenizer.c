@@ -79,6 +79,10 @@ struct loom_tokenizer {
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
     int32_t *specials;   /* control and user-defined ids, longest text first */
     int n_specials;
+    /* those of them a user's text may name (parse_special 1; tokenizer.loom.text_specials),
+     * longest first; NULL: all of them */
+    int32_t *text_specials;
+    int n_text_specials;
     /* byte-level BPE */
     int bpe;
     char *merge_arena;         /* "left right" strings */
@@ -140,6 +144,7 @@ void loom_tokenizer_free(loom_tokenizer *t)
     free(t->arena);
     free(t->table);
     free(t->specials);
+    free(t->text_specials);
     free(t->prefix_bits);
     free(t->charsmap_units);
     free(t->charsmap_strings);
@@ -357,6 +362,31 @@ static int cmp_special_len(const void *a, const void *b, void *ctx)
     return (int)t->vocab[*(const int32_t *)b].len - (int)t->vocab[*(const int32_t *)a].len;
 }
 
+/* tokenizer.loom.text_specials: which special tokens a user's text may name, as the family's
+ * reference tokenizer parses them (ChatGLM3: its four role tokens; ChatGLM-6B: none). Kept
+ * in the specials' longest-first order. Absent: every control and user-defined token. */
+static int text_specials_load(loom_tokenizer *t, const loom_gguf *g)
+{
+    const loom_gguf_kv *kv = loom_gguf_find(g, "tokenizer.loom.text_specials");
+    if (!kv)
+        return 0;
+    unsigned char *named = calloc((size_t)t->n_vocab, 1);
+    if (!named || !(t->text_specials = malloc(((size_t)t->n_specials + 1) * sizeof *t->text_specials))) {
+        free(named);
+        return -1;
+    }
+    for (uint64_t i = 0; i < kv->count; i++) {
+        double v;
+        if (loom_gguf_array_f64(g, kv, i, &v) == 0 && v >= 0 && v < t->n_vocab)
+            named[(int32_t)v] = 1;
+    }
+    for (int s = 0; s < t->n_specials; s++)
+        if (named[t->specials[s]])
+            t->text_specials[t->n_text_specials++] = t->specials[s];
+    free(named);
+    return 0;
+}
+
 loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t err_size)
 {
     const char *model;
@@ -533,6 +563,8 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         }
     }
     qsort_r(t->specials, (size_t)t->n_specials, sizeof *t->specials, cmp_special_len, t);
+    if (text_specials_load(t, g) != 0)
+        goto oom;
     return t;
 oom:
     loom_tokenizer_free(t);
@@ -705,7 +737,9 @@ static int merge_symbols(const pair_scorer *ps, symbol *sym, int count)
 static int spm_pair_score(const pair_scorer *ps, const symbol *a, const symbol *b, float *score)
 {
     int32_t id = lookup(ps->t, ps->text + a->start, a->n + b->n);
-    if (id < 0)
+    /* as in sentencepiece, merges make only ordinary and user-defined pieces: ChatGLM3's
+     * control token "sop" is not what "s" + "op" becomes */
+    if (id < 0 || (ps->t->vocab[id].type != TOK_NORMAL && ps->t->vocab[id].type != TOK_USER))
         return -1;
     *score = ps->t->vocab[id].score;
     return 0;
@@ -1238,9 +1272,18 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
     out_ids o = {ids, 0, cap};
     /* a text that already starts with what the family prepends (a rendered chat prompt) does
      * not get it twice */
+    /* parse_special 1: the specials the family's reference parses in a user's text; 2: all
+     * (a chat template's own text) */
+    const int32_t *specials = t->specials;
+    int n_specials = parse_special ? t->n_specials : 0;
+    if (parse_special == 1 && t->text_specials)
+        specials = t->text_specials, n_specials = t->n_text_specials;
     int32_t first = t->n_prefix ? t->prefix[0] : t->add_bos ? t->bos : -1;
-    const vocab_entry *lead = first >= 0 ? &t->vocab[first] : NULL;
-    int starts_with_it = parse_special && lead && lead->len && lead->len <= len &&
+    const vocab_entry *lead = NULL;
+    for (int s = 0; first >= 0 && s < n_specials && !lead; s++)
+        if (specials[s] == first)
+            lead = &t->vocab[first];
+    int starts_with_it = lead && lead->len && lead->len <= len &&
                          !(n_plain > 0 && plain[0] < lead->len) &&
                          memcmp(text, lead->text, lead->len) == 0;
     if (add_special && !starts_with_it) {
@@ -1258,11 +1301,11 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
             span++;
         /* a special token may not start inside a plain span, nor run into the next one */
         size_t room = span < n_plain ? (plain[2 * span] > i ? plain[2 * span] - i : 0) : len - i;
-        if (parse_special && i < len && room && t->special_first[(unsigned char)text[i]])
-            for (int s = 0; s < t->n_specials && found < 0; s++) {
-                const vocab_entry *e = &t->vocab[t->specials[s]];
+        if (n_specials && i < len && room && t->special_first[(unsigned char)text[i]])
+            for (int s = 0; s < n_specials && found < 0; s++) {
+                const vocab_entry *e = &t->vocab[specials[s]];
                 if (e->len <= room && memcmp(text + i, e->text, e->len) == 0)
-                    found = t->specials[s];
+                    found = specials[s];
             }
         if (found < 0 && i < len) {
             i++;

@@ -21,7 +21,9 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
 void loom_tokenizer_free(loom_tokenizer *t);
 
 /* Encodes text. add_special: prepend what the family adds (BOS when the file says so);
- * parse_special: text like "<s>" becomes the special token instead of characters. Writes up to
+ * parse_special: text like "<s>" becomes the special token instead of characters: 1 the
+ * specials the file lets a user's text name (tokenizer.loom.text_specials; absent: all),
+ * 2 every control and user-defined token (a chat template's output). Writes up to
  * cap ids and returns how many the text needs (call again with a bigger buffer when larger),
  * or -1 on an error. */
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,

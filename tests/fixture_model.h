@@ -61,10 +61,11 @@ static void check_model(const char *fixtures, const char *fixture, const char *p
         /* the prompt as loom's tokenizer encodes the text, which must give the fixture's ids */
         cJSON *pids = cJSON_GetObjectItem(cs, "prompt_ids");
         cJSON *text = cJSON_GetObjectItem(cs, "text");
+        int special = LOOM_SPECIAL_TEXT; /* a user's text, or a chat template's output */
         if (!cJSON_IsString(text))
-            text = cJSON_GetObjectItem(cs, "rendered_prompt");
+            text = cJSON_GetObjectItem(cs, "rendered_prompt"), special = LOOM_SPECIAL_ALL;
         int32_t ids[512];
-        int n = (int)loom_tokenize(m, text->valuestring, 1, 1, ids, 512, err, sizeof err);
+        int n = (int)loom_tokenize(m, text->valuestring, 1, special, ids, 512, err, sizeof err);
         int same_ids = n == cJSON_GetArraySize(pids);
         for (int i = 0; same_ids && i < n; i++)
             same_ids = ids[i] == cJSON_GetArrayItem(pids, i)->valueint;

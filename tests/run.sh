@@ -56,6 +56,15 @@ qwen="$FIXTURES/tiny-qwen2"
 got=$("$LOOM" tokenize -m "$qwen" --json "$(jq -r '.cases[1].text' "$qwen/expected.json")" | jq -c .)
 [ "$got" = "$(jq -c '.cases[1].prompt_ids' "$qwen/expected.json")" ] && pass "tokenize a Qwen2 folder (CJK)" ||
     fail "qwen2 tokenize: $got"
+# ChatGLM3: the fixture's rendered chat with --all-special gives its ids; as a user's text only
+# the role tokens are read ([gMASK] and sop stay characters, after the prefix loom adds)
+glm3="$FIXTURES/tiny-chatglm3"
+got=$("$LOOM" tokenize -m "$glm3" --json --all-special "$(jq -r '.cases[2].rendered_prompt' "$glm3/expected.json")" | jq -c .)
+[ "$got" = "$(jq -c '.cases[2].prompt_ids' "$glm3/expected.json")" ] && pass "tokenize --all-special: a rendered ChatGLM3 chat" ||
+    fail "chatglm3 tokenize --all-special: $got"
+got=$("$LOOM" tokenize -m "$glm3" --json "[gMASK]sop<|user|>" | jq -c .)
+[ "$(echo "$got" | jq -c '[.[] | select(. >= 64789)]')" = "[64790,64792,64795]" ] &&
+    pass "ChatGLM3 user text: only the role token is read" || fail "chatglm3 user text: $got"
 
 # chat: the second turn reuses the first's KV cache; /reset forgets it
 printf 'What is the capital of France?\nAnd of Italy?\n/reset\nHi\n' |

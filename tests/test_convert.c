@@ -470,7 +470,7 @@ static void test_llama3_tokenizer(void)
         char *prompt = NULL;
         CHECK(loom_chat_render("llama3", m, nm, 1, &prompt, err, sizeof err) == 0, "render: %s", err);
         int32_t got[128];
-        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, 1, got, 128) : -1;
+        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, LOOM_SPECIAL_ALL, got, 128) : -1;
         cJSON *ids = cJSON_GetObjectItem(c, "ids");
         int same = n == cJSON_GetArraySize(ids);
         for (int i = 0; same && i < n; i++)
@@ -578,7 +578,7 @@ static void test_glm4_tokenizer(void)
         char *prompt = NULL;
         CHECK(ok && loom_chat_render("glm4", m, nm, 1, &prompt, err, sizeof err) == 0,
               "render a GLM-4 chat: %s", err);
-        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, 1, got, 512) : -1;
+        int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, LOOM_SPECIAL_ALL, got, 512) : -1;
         int same = ok && n == nw;
         for (int i = 0; same && i < nw; i++)
             same = got[i] == want[i];

@@ -72,11 +72,12 @@ static void run_backend(const char *backend, const char *label)
     {
         const char *name = cJSON_GetObjectItem(cs, "name")->valuestring;
         cJSON *text = cJSON_GetObjectItem(cs, "text");
+        int special = LOOM_SPECIAL_TEXT;
         if (!cJSON_IsString(text))
-            text = cJSON_GetObjectItem(cs, "rendered_prompt");
+            text = cJSON_GetObjectItem(cs, "rendered_prompt"), special = LOOM_SPECIAL_ALL;
         cJSON *pids = cJSON_GetObjectItem(cs, "prompt_ids");
         int32_t ids[1024];
-        int64_t n = loom_tokenize(m, text->valuestring, 1, 1, ids, 1024, err, sizeof err);
+        int64_t n = loom_tokenize(m, text->valuestring, 1, special, ids, 1024, err, sizeof err);
         int same = n == cJSON_GetArraySize(pids);
         for (int64_t i = 0; same && i < n; i++)
             same = ids[i] == cJSON_GetArrayItem(pids, (int)i)->valueint;

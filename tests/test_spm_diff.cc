@@ -107,8 +107,57 @@ static std::vector<std::string> fixed_corpus(const char *path)
     return out;
 }
 
+/* Which special-token strings a user's text may name, and what the reference does with them:
+ * `inject` are written into the generated strings; `parsed` (text, id) are the ones the
+ * family's reference tokenizer reads as the token, splitting the text there and encoding each
+ * stretch on its own (ChatGLM3's tokenizer with encode_special_tokens). */
+struct special_rule {
+    std::vector<std::string> inject;
+    std::vector<std::pair<std::string, int>> parsed;
+};
+
+static std::string with_specials(std::mt19937 &g, const special_rule &r)
+{
+    std::string s = random_text(g);
+    for (int k = (int)(g() % 3) + 1; k > 0; k--)
+        s += r.inject[g() % r.inject.size()] + (g() % 2 ? random_text(g) : std::string());
+    return s;
+}
+
+static std::vector<int> reference_ids(sentencepiece::SentencePieceProcessor &sp, const std::string &s,
+                                      bool glm, const special_rule *rule)
+{
+    std::vector<int> out, part;
+    size_t at = 0;
+    while (rule) {
+        size_t best = std::string::npos, best_len = 0;
+        int id = -1;
+        for (const auto &p : rule->parsed) {
+            size_t f = s.find(p.first, at);
+            if (f < best || (f == best && p.first.size() > best_len))
+                best = f, best_len = p.first.size(), id = p.second;
+        }
+        if (best == std::string::npos)
+            break;
+        if (best > at) {
+            sp.Encode(s.substr(at, best - at), &part);
+            out.insert(out.end(), part.begin(), part.end());
+        }
+        out.push_back(id);
+        at = best + best_len;
+    }
+    if (at < s.size() || !rule) {
+        sp.Encode(glm ? glm_rewrite(s.substr(at)) : s.substr(at), &part);
+        out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+}
+
+/* special: LOOM_SPECIAL_NONE or _TEXT (the family's rule for a user's text); rule: NULL for
+ * plain generated strings, else strings with its special-token strings written in */
 static void compare(const char *name, const char *model, const char *loom_path, bool glm,
-                    const std::vector<std::string> &corpus, int n_random)
+                    const std::vector<std::string> &corpus, int n_random, int special,
+                    const special_rule *rule)
 {
     sentencepiece::SentencePieceProcessor sp;
     char err[1024];
@@ -122,11 +171,13 @@ static void compare(const char *name, const char *model, const char *loom_path, 
     std::mt19937 g(2026);
     int differ = 0, total = 0;
     for (int i = 0; i < (int)corpus.size() + n_random; i++) {
-        std::string s = i < (int)corpus.size() ? corpus[(size_t)i] : random_text(g);
-        std::vector<int> want;
-        sp.Encode(glm ? glm_rewrite(s) : s, &want);
+        std::string s = i < (int)corpus.size() ? corpus[(size_t)i]
+                        : rule                 ? with_specials(g, *rule)
+                                               : random_text(g);
+        std::vector<int> want = reference_ids(sp, s, glm, special ? rule : nullptr);
         std::vector<int32_t> got(s.size() * 4 + 16);
-        int64_t n = loom_vocab_encode(v, s.c_str(), 0, 0, got.data(), (int64_t)got.size());
+        int64_t n = loom_vocab_encode(v, s.c_str(), 0, special,
+                                      got.data(), (int64_t)got.size());
         bool same = n == (int64_t)want.size();
         for (size_t k = 0; same && k < want.size(); k++)
             same = got[k] == want[k];
@@ -135,7 +186,7 @@ static void compare(const char *name, const char *model, const char *loom_path, 
             fprintf(stderr, "%s: the string %s (hex) tokenizes as", name, hex(s).c_str());
             for (int w : want)
                 fprintf(stderr, " %d", w);
-            fprintf(stderr, "\n  in sentencepiece, and in loom as");
+            fprintf(stderr, "\n  in the reference, and in loom as");
             for (int64_t k = 0; k < n && k < (int64_t)got.size(); k++)
                 fprintf(stderr, " %d", got[(size_t)k]);
             fprintf(stderr, "\n");
@@ -146,7 +197,7 @@ static void compare(const char *name, const char *model, const char *loom_path, 
         fprintf(stderr, "FAIL: %s: %d of %d strings tokenize differently\n", name, differ, total);
         failures++;
     } else {
-        printf("ok: %s: %d strings, each as sentencepiece tokenizes it\n", name, total);
+        printf("ok: %s: %d strings, each as the reference tokenizes it\n", name, total);
     }
     loom_vocab_close(v);
 }
@@ -168,9 +219,25 @@ int main()
     }
     std::vector<std::string> corpus = fixed_corpus((top + "/tests/spm_corpus.txt").c_str());
     int n = getenv("LOOM_SPM_DIFF_N") ? atoi(getenv("LOOM_SPM_DIFF_N")) : 3000;
-    for (const char *m : {"tiny-llama", "stories260K", "tiny-chatglm3"})
-        compare(m, (dir + "/" + m + "/tokenizer.model").c_str(), (dir + "/" + m).c_str(), false,
-                corpus, n);
+    /* plain text, then text with special-token strings that must stay characters */
+    special_rule llama = {{"<s>", "</s>", "<unk>", "<0x41>", "[INST]", "<<SYS>>"}, {}};
+    for (const char *m : {"tiny-llama", "stories260K", "tiny-chatglm3"}) {
+        std::string spm = dir + "/" + m + "/tokenizer.model", path = dir + "/" + m;
+        compare(m, spm.c_str(), path.c_str(), false, corpus, n, LOOM_SPECIAL_NONE, nullptr);
+        compare((std::string(m) + ", specials as text").c_str(), spm.c_str(), path.c_str(), false,
+                {}, n / 3, LOOM_SPECIAL_NONE, &llama);
+    }
+    /* ChatGLM3 (tokenizer_config.json: encode_special_tokens): the four role tokens are read
+     * in text, the other five of ChatGLM's specials never are (the fixture's README) */
+    const int glm3_pieces = 64789;
+    special_rule glm3 = {{"[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>",
+                          "<|assistant|>", "<|observation|>", "<s>", "</s>"},
+                         {{"<|system|>", glm3_pieces + 5}, {"<|user|>", glm3_pieces + 6},
+                          {"<|assistant|>", glm3_pieces + 7}, {"<|observation|>", glm3_pieces + 8}}};
+    compare("tiny-chatglm3, specials in text", (dir + "/tiny-chatglm3/tokenizer.model").c_str(),
+            (dir + "/tiny-chatglm3").c_str(), false, {}, n / 3, LOOM_SPECIAL_TEXT, &glm3);
+    compare("tiny-chatglm3, its specials as text", (dir + "/tiny-chatglm3/tokenizer.model").c_str(),
+            (dir + "/tiny-chatglm3").c_str(), false, {}, n / 3, LOOM_SPECIAL_NONE, &glm3);
     /* ChatGLM-6B's tokenizer alone (no model): through loom's converter */
     char gguf[] = "/tmp/loom-spm-diff-XXXXXX", err[1024];
     int fd = mkstemp(gguf);
@@ -180,10 +247,14 @@ int main()
         fprintf(stderr, "FAIL: converting ice_text.model: %s\n", err);
         failures++;
     } else {
-        compare("ChatGLM-6B (ice_text.model)",
-                (dir + "/tokenizers/chatglm1/ice_text.model").c_str(), gguf, true, corpus, n);
+        std::string ice = dir + "/tokenizers/chatglm1/ice_text.model";
+        compare("ChatGLM-6B (ice_text.model)", ice.c_str(), gguf, true, corpus, n,
+                LOOM_SPECIAL_NONE, nullptr);
+        /* chatglm.cpp reads no special token in text: all of it goes through SentencePiece */
+        special_rule glm1 = {{"[MASK]", "[gMASK]", "<sop>", "<eop>", "<s>", "</s>", "<n>"}, {}};
+        compare("ChatGLM-6B, specials in text", ice.c_str(), gguf, true, {}, n / 3,
+                LOOM_SPECIAL_TEXT, &glm1);
     }
-    unlink(gguf);
-    printf("test_spm_diff: %d models, %d failed\n", checks, failures);
+    printf("test_spm_diff: %d comparisons, %d failed\n", checks, failures);
     return failures ? 1 : 0;
 }

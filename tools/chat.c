@@ -187,14 +187,25 @@ int loom_chat_main(int argc, char **argv)
         }
         add_msg(&c, "user", line);
         char *prompt = NULL;
-        if (loom_chat_render(tmpl, c.msgs, c.n, 1, &prompt, err, sizeof err) != 0) {
+        loom_text_span *spans = NULL;
+        int n_spans = 0;
+        if (loom_chat_render_spans(tmpl, c.msgs, c.n, 1, &prompt, &spans, &n_spans, err,
+                                   sizeof err) != 0) {
             fprintf(stderr, "loom chat: %s\n", err);
             free((char *)c.msgs[--c.n].content);
             continue;
         }
-        int64_t n = loom_tokenize(m, prompt, 1, 1, ids, n_ctx_max, err, sizeof err);
+        /* the template's special tokens; what was typed is text, "<|user|>" included */
+        int64_t n = loom_tokenize_spans(m, prompt, strlen(prompt), 1, LOOM_SPECIAL_ALL, spans,
+                                        n_spans, ids, n_ctx_max, err, sizeof err);
         free(prompt);
-        if (n < 0 || n >= n_ctx_max) {
+        free(spans);
+        if (n < 0) {
+            fprintf(stderr, "loom chat: %s\n", err);
+            free((char *)c.msgs[--c.n].content);
+            continue;
+        }
+        if (n >= n_ctx_max) {
             fprintf(stderr, "loom chat: the conversation no longer fits the context of %d tokens; "
                             "/reset to start over\n", n_ctx_max);
             free((char *)c.msgs[--c.n].content);

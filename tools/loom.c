@@ -45,9 +45,9 @@ static void usage(FILE *out)
             "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
             "  serve -m MODEL [--port 8080] [--api-key-file FILE] [--max-batch N]\n"
             "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
-            "  tokenize -m MODEL [--json] [--no-special] [--count] (TEXT | -f FILE)\n"
-            "                                                   text to token ids (--count: how\n"
-            "                                                   many, and how long it took)\n"
+            "  tokenize -m MODEL [--json] [--no-special | --all-special] [--count] (TEXT | -f FILE)\n"
+            "                      text to token ids (--count: how many, and how long it took;\n"
+            "                      --all-special: the text is a rendered chat prompt)\n"
             "  detokenize -m MODEL IDS                          token ids to text\n"
             "  quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
             "                      requantise a GGUF file's float matrices to a type or a\n"
@@ -196,13 +196,13 @@ static int cmd_run(int argc, char **argv)
             p = *end ? end + 1 : end;
         }
     } else {
-        n = loom_tokenize(m, prompt, 1, 1, ids, cap, err, sizeof err);
+        n = loom_tokenize(m, prompt, 1, LOOM_SPECIAL_TEXT, ids, cap, err, sizeof err);
         if (n > cap) {
             int32_t *more = realloc(ids, (size_t)n * sizeof *ids);
             if (more) {
                 ids = more;
                 cap = n;
-                n = loom_tokenize(m, prompt, 1, 1, ids, cap, err, sizeof err);
+                n = loom_tokenize(m, prompt, 1, LOOM_SPECIAL_TEXT, ids, cap, err, sizeof err);
             }
         }
     }
@@ -310,7 +310,7 @@ static int cmd_convert(int argc, char **argv)
 static int cmd_tokenize(int argc, char **argv)
 {
     const char *model = NULL, *text = NULL, *file = NULL;
-    int json = 0, no_special = 0, count = 0;
+    int json = 0, special = LOOM_SPECIAL_TEXT, count = 0;
     for (int i = 0; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc)
             model = argv[++i];
@@ -319,7 +319,9 @@ static int cmd_tokenize(int argc, char **argv)
         else if (!strcmp(argv[i], "--json"))
             json = 1;
         else if (!strcmp(argv[i], "--no-special"))
-            no_special = 1;
+            special = LOOM_SPECIAL_NONE;
+        else if (!strcmp(argv[i], "--all-special"))
+            special = LOOM_SPECIAL_ALL;
         else if (!strcmp(argv[i], "--count"))
             count = 1;
         else if ((argv[i][0] == '-' && argv[i][1]) || text) {
@@ -329,7 +331,7 @@ static int cmd_tokenize(int argc, char **argv)
             text = argv[i];
     }
     if (!model || !text == !file) {
-        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special] [--count] "
+        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special | --all-special] [--count] "
                         "(TEXT | -f FILE)\n");
         return 2;
     }
@@ -344,13 +346,14 @@ static int cmd_tokenize(int argc, char **argv)
         free(owned);
         return 2;
     }
-    /* --no-special: the text alone, with "<s>" and the like taken as plain characters */
+    /* --no-special: the text alone, with "<s>" and the like taken as plain characters;
+     * --all-special: a rendered chat prompt, every special token's text read as the token */
     double t0 = loom_now_ms();
-    int64_t n = loom_vocab_encode(v, text, !no_special, !no_special, NULL, 0);
+    int64_t n = loom_vocab_encode(v, text, special != LOOM_SPECIAL_NONE, special, NULL, 0);
     double took = loom_now_ms() - t0;
     int32_t *ids = n > 0 && !count ? malloc((size_t)n * sizeof *ids) : NULL;
     if (ids)
-        loom_vocab_encode(v, text, !no_special, !no_special, ids, n);
+        loom_vocab_encode(v, text, special != LOOM_SPECIAL_NONE, special, ids, n);
     if (n < 0)
         fprintf(stderr, "loom tokenize: out of memory, or a piece of text too long to tokenize\n");
     else if (count)

@@ -167,7 +167,7 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
                     srv->max_prompt_bytes);
     }
     char err[512];
-    int special = srv->parse_special || rendered;
+    int special = srv->parse_special || rendered ? LOOM_SPECIAL_ALL : LOOM_SPECIAL_NONE;
     int64_t n = loom_tokenize_spans(srv->model, text, len, 1, special,
                                     srv->parse_special ? NULL : plain,
                                     srv->parse_special ? 0 : n_plain, NULL, 0, err, sizeof err);

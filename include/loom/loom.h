@@ -87,12 +87,22 @@ const char *loom_model_backend(const loom_model *m);
 int32_t loom_model_n_vocab(const loom_model *m);
 int32_t loom_model_n_ctx(const loom_model *m);
 
+/* How special-token strings in text ("<s>", "<|user|>") are read: parse_special. */
+enum {
+    LOOM_SPECIAL_NONE = 0, /* as plain characters */
+    LOOM_SPECIAL_TEXT = 1, /* those the family's reference tokenizer recognises in a user's text
+                            * (docs/tokenizers.md: ChatGLM3 its role tokens, ChatGLM-6B none,
+                            * Llama and Qwen all of them) */
+    LOOM_SPECIAL_ALL = 2,  /* every control and user-defined token: a chat template's output */
+};
+
 /* Text to ids; add_special: BOS and the like. Returns the count (may exceed cap: call again),
  * or -1 with err. */
 int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
                       int32_t *ids, int64_t cap, char *err, size_t err_size);
 /* As loom_tokenize, for len bytes of text (NUL is a character like any other), with special
- * tokens parsed only outside the n_plain spans (sorted, not overlapping; NULL: none). */
+ * tokens parsed only outside the n_plain spans (sorted, not overlapping; NULL: none): a
+ * rendered chat, LOOM_SPECIAL_ALL, with the messages' own text as the spans. */
 struct loom_text_span;
 int64_t loom_tokenize_spans(loom_model *m, const char *text, size_t len, int add_special,
                             int parse_special, const struct loom_text_span *plain, int n_plain,
