@@ -57,6 +57,39 @@ void loom_model_close(loom_model *m)
     free(m);
 }
 
+/* The device a model runs on: opts->backend_module's file, or the module chosen among those
+ * found (opts->backend, LOOM_BACKEND, scores). */
+static int open_device(loom_model *m, const loom_model_options *opts, char *err, size_t err_size)
+{
+    loom_registry reg = {.chosen = -1};
+    int rc;
+    if (opts->backend_module) {
+        rc = loom_registry_add_file(&reg, opts->backend_module, err, err_size);
+        const loom_candidate *c = rc == 0 ? &reg.items[0] : NULL;
+        if (c && c->state != LOOM_CAND_USABLE) {
+            snprintf(err, err_size, "%s: %s%s%s", opts->backend_module,
+                     loom_candidate_state_name(c->state), c->reason[0] ? ": " : "", c->reason);
+            rc = -1;
+        }
+        reg.chosen = 0, reg.chosen_device = 0;
+    } else {
+        rc = loom_registry_scan(&reg, err, err_size) != 0 ||
+                     loom_registry_select(&reg, opts->backend, err, err_size) != 0
+                 ? -1
+                 : 0;
+    }
+    if (rc == 0)
+        rc = loom_device_open_chosen(&m->dev, &reg, opts->n_threads, err, err_size);
+    if (rc == 0) {
+        const loom_candidate *c = &reg.items[reg.chosen];
+        snprintf(m->backend, sizeof m->backend, "%s%s%s (device %d: %s)", c->name,
+                 c->variant[0] ? "-" : "", c->variant, reg.chosen_device,
+                 c->probe.devices[reg.chosen_device].name);
+    }
+    loom_registry_free(&reg);
+    return rc;
+}
+
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size)
 {
@@ -112,18 +145,8 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!(m->tok = loom_tokenizer_from_gguf(&m->gguf, err, err_size)))
         goto fail;
 
-    loom_registry reg;
-    if (loom_registry_scan(&reg, err, err_size) != 0 ||
-        loom_registry_select(&reg, opts->backend, err, err_size) != 0 ||
-        loom_device_open_chosen(&m->dev, &reg, opts->n_threads, err, err_size) != 0) {
-        loom_registry_free(&reg);
+    if (open_device(m, opts, err, err_size) != 0)
         goto fail;
-    }
-    const loom_candidate *c = &reg.items[reg.chosen];
-    snprintf(m->backend, sizeof m->backend, "%s%s%s (device %d: %s)", c->name,
-             c->variant[0] ? "-" : "", c->variant, reg.chosen_device,
-             c->probe.devices[reg.chosen_device].name);
-    loom_registry_free(&reg);
     m->dev_open = 1;
     if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, &ro, err, err_size)))
         goto fail;

@@ -4,12 +4,30 @@
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
 
-if "$CONFORMANCE" --quiet --json "$tmpdir/all.json" > "$tmpdir/all.txt" 2>&1; then
-    pass "every usable backend conforms"
+# model-level conformance on the fixtures: one per family's graph (Llama, Qwen2, ChatGLM3)
+models=""
+n_models=0
+for m in "$FIXTURES/stories260K/original/stories260K.gguf" "$FIXTURES/tiny-qwen2" "$FIXTURES/tiny-chatglm3"; do
+    if [ -e "$m" ]; then
+        models="$models --model $m"; n_models=$((n_models + 1))
+    elif [ "${CI:-}" = true ]; then
+        fail "fixture $m is missing (CI=true)"
+    else
+        echo "not checked here: model-level conformance on $m (fixture not found)"
+    fi
+done
+# shellcheck disable=SC2086
+if "$CONFORMANCE" --quiet --json "$tmpdir/all.json" $models > "$tmpdir/all.txt" 2>&1; then
+    pass "every usable backend conforms, ops and $n_models model(s)"
 else
     fail "conformance of the built backends:"; cat "$tmpdir/all.txt" >&2
 fi
 jq -e '.pass and (.modules | length >= 1)' "$tmpdir/all.json" > /dev/null || fail "json says pass"
+jq -e --argjson n "$n_models" '[.modules[] | select(.skipped | not)
+       | [.checks[] | select(.check | test("^model .*logits against ref")) | .status == "pass"]
+       | length == $n and all] | all' "$tmpdir/all.json" > /dev/null &&
+    pass "each module ran every model, logits within tolerance of ref's" ||
+    { fail "model checks missing or failed:"; grep "model" "$tmpdir/all.txt" >&2; }
 
 # the CPU variants split work over threads; an odd count catches split bugs. `cpu` names every
 # variant; those this machine cannot run are skipped with their probe's reason.
@@ -84,6 +102,13 @@ check_broken eps rms_norm "rms_norm f32 \[96, 3, 2, 2\] weight+bias, rms 0.0001,
 check_broken strides rms_norm "rms_norm f32 \[96, 3, 2, 2\].*normalised error"
 check_broken kvdense kv_store "kv_store f32 .* the runner's head-major cache: normalised error"
 check_broken nullop gelu "gelu f32: supports() says yes: but the ops table has no gelu function"
+# and what the op cases catch, a model shows too: the dense-cache kv_store garbles the text
+if [ -e "$FIXTURES/stories260K/original/stories260K.gguf" ]; then
+    "$CONFORMANCE" --quiet --model "$FIXTURES/stories260K/original/stories260K.gguf" \
+        "$PLUGIN_DIR/broken-kvdense.so" > "$tmpdir/kvmodel.txt" 2>&1
+    expect_grep "FAIL model stories260K.gguf (f32 cache): 12 steps' logits against ref: worst difference" \
+        "$tmpdir/kvmodel.txt" "model-level conformance catches the dense-cache kv_store"
+fi
 
 "$CONFORMANCE" "$PLUGIN_DIR/fake-major2.so" > "$tmpdir/major.txt" 2>&1 && fail "ABI 2 module passed"
 expect_grep "incompatible ABI" "$tmpdir/major.txt" "ABI mismatch reported by conformance"

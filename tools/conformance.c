@@ -2,7 +2,8 @@
  * tools/conformance.c - `loom-conformance`: checks a backend module against the ABI contract
  * and against the reference backend, without loom's source tree.
  *
- *   loom-conformance [--json FILE] [--ref PATH] [--quiet] [--require-usable] [BACKEND.so | NAME ...]
+ *   loom-conformance [--json FILE] [--ref PATH] [--model MODEL ...] [--quiet] [--require-usable]
+ *                    [BACKEND.so | NAME ...]
  *
  * With no backend given it checks every usable module the loader finds. A module whose probe
  * finds nothing to run on here (the AVX-512 variant on an AVX2 machine, CUDA without a GPU) is
@@ -10,7 +11,8 @@
  * checked no module at all fails. For each it checks
  * ABI negotiation, copies, allocation failure, every op x dtype x awkward shape against `ref`
  * (the same inputs on both, outputs compared by normalised error with a threshold per dtype),
- * and repeated load/unload. It prints a markdown support matrix, optionally a JSON report, and
+ * and repeated load/unload; with --model, a model's logits step by step against ref's (what
+ * op cases cannot foresee shows there). It prints a markdown support matrix, optionally a JSON report, and
  * exits 1 when any check fails (2 on a usage error).
  *
  * Inputs are placed at odd offsets inside their buffers and, for matrices, with padded row
@@ -18,6 +20,7 @@
  */
 #define _GNU_SOURCE
 #include "core/loader.h"
+#include "loom/loom.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -1107,23 +1110,202 @@ static cJSON *matrix_json(const report *r)
     return m;
 }
 
+/* ---- Model-level conformance ------------------------------------------------------------- */
+
+/* What op cases can miss shows in a model: a short prefill and greedy decode on the module
+ * (ops it lacks fall back to the CPU, as in a run) and on ref, compared step by step. Each
+ * step's logits are taken from the same tokens on both (ref's greedy choice fed to both), so
+ * one early difference cannot hide the later ones. */
+#define MODEL_PROMPT "Once upon a time, there was a little robot who"
+#define MODEL_STEPS 12
+/* the worst logit difference allowed, relative to the spread of ref's logits at that step:
+ * float accumulation and a backend's int8 activations stay far below it, wrong attention or
+ * a lost stride far above */
+#define MODEL_TOLERANCE 2e-2
+
+typedef struct model_run {
+    loom_model *m;
+    int32_t n_vocab;
+    float *logits; /* (MODEL_STEPS + 1) x n_vocab: the prompt's last position, then each step */
+    int32_t greedy[MODEL_STEPS];
+    int n_greedy;
+} model_run;
+
+static int collect_greedy(void *user, int32_t id, const char *text, size_t len)
+{
+    (void)text, (void)len;
+    model_run *run = user;
+    if (run->n_greedy < MODEL_STEPS)
+        run->greedy[run->n_greedy++] = id;
+    return 0;
+}
+
+static void model_run_free(model_run *run)
+{
+    if (run->m)
+        loom_model_close(run->m);
+    free(run->logits);
+}
+
+/* Opens the model on one module and runs it: its own greedy tokens, then the logits of the
+ * prompt and of each step fed `feed` (NULL: its own greedy tokens). */
+static int model_run_open(model_run *run, const char *model, const char *module,
+                          const char *kv_type, char *err, size_t err_size)
+{
+    memset(run, 0, sizeof *run);
+    loom_model_options o = {.n_ctx = 256, .backend_module = module, .kv_type = kv_type};
+    if (!(run->m = loom_model_open(model, &o, err, err_size)))
+        return -1;
+    run->n_vocab = loom_model_n_vocab(run->m);
+    if (!(run->logits = malloc((size_t)(MODEL_STEPS + 1) * (size_t)run->n_vocab * sizeof(float)))) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
+static int model_run_steps(model_run *run, const int32_t *prompt, int n_prompt,
+                           const int32_t *feed, int n_feed, char *err, size_t err_size)
+{
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0, greedy.ignore_eos = 1;
+    run->n_greedy = 0;
+    if (loom_generate(run->m, prompt, n_prompt, MODEL_STEPS, &greedy, collect_greedy, run, NULL,
+                      err, err_size) != 0 ||
+        loom_generate(run->m, prompt, n_prompt, 0, &greedy, NULL, NULL, NULL, err, err_size) != 0)
+        return -1;
+    size_t nv = (size_t)run->n_vocab;
+    memcpy(run->logits, loom_prompt_logits(run->m), nv * sizeof(float));
+    if (!feed)
+        feed = run->greedy, n_feed = run->n_greedy;
+    if (!loom_model_extends_cache(run->m))
+        return 0; /* ChatGLM-6B: only the prompt's logits and the greedy tokens */
+    for (int k = 0; k < n_feed; k++) {
+        if (loom_generate_from(run->m, &feed[k], 1, n_prompt + k, 0, &greedy, NULL, NULL, NULL, err,
+                               err_size) != 0)
+            return -1;
+        memcpy(run->logits + (size_t)(k + 1) * nv, loom_prompt_logits(run->m), nv * sizeof(float));
+    }
+    return 0;
+}
+
+static int argmax(const float *x, int32_t n, float *margin)
+{
+    int best = 0;
+    float second = -INFINITY;
+    for (int32_t i = 1; i < n; i++) {
+        if (x[i] > x[best])
+            second = x[best], best = (int)i;
+        else if (x[i] > second)
+            second = x[i];
+    }
+    *margin = x[best] - second;
+    return best;
+}
+
+/* kv_type: the cache the module keeps itself (its own kv_store and attention run) */
+static void check_model(const char *module, const char *ref_path, const char *model,
+                        const char *kv_type, report *r)
+{
+    char what[512], err[4096] = "";
+    const char *base = strrchr(model, '/') && strrchr(model, '/')[1] ? strrchr(model, '/') + 1 : model;
+    snprintf(what, sizeof what, "model %s", base);
+    model_run ref, mod;
+    int ok = model_run_open(&ref, model, ref_path, kv_type, err, sizeof err) == 0;
+    if (!ok) {
+        record(r, what, 0, "on the reference backend: %s", err);
+        model_run_free(&ref);
+        return;
+    }
+    if (model_run_open(&mod, model, module, kv_type, err, sizeof err) != 0) {
+        record(r, what, 0, "opening it on this module: %s", err);
+        model_run_free(&mod), model_run_free(&ref);
+        return;
+    }
+    int32_t prompt[256];
+    int64_t n_prompt = loom_tokenize(ref.m, MODEL_PROMPT, 1, LOOM_SPECIAL_TEXT, prompt, 256, err,
+                                     sizeof err);
+    if (n_prompt <= 0 || n_prompt > 256 ||
+        model_run_steps(&ref, prompt, (int)n_prompt, NULL, 0, err, sizeof err) != 0) {
+        record(r, what, 0, "running it on the reference backend: %s", err);
+        model_run_free(&mod), model_run_free(&ref);
+        return;
+    }
+    if (model_run_steps(&mod, prompt, (int)n_prompt, ref.greedy, ref.n_greedy - 1, err,
+                        sizeof err) != 0) {
+        record(r, what, 0, "running it on this module: %s", err);
+        model_run_free(&mod), model_run_free(&ref);
+        return;
+    }
+    /* logits, step by step, relative to the spread of ref's */
+    int steps = loom_model_extends_cache(ref.m) ? ref.n_greedy : 1;
+    double worst = 0;
+    int worst_step = 0, choices_differ = 0, first_differ = -1;
+    size_t nv = (size_t)ref.n_vocab;
+    for (int k = 0; k < steps; k++) {
+        const float *a = ref.logits + (size_t)k * nv, *b = mod.logits + (size_t)k * nv;
+        float lo = a[0], hi = a[0];
+        double d = 0;
+        for (size_t i = 0; i < nv; i++) {
+            lo = fminf(lo, a[i]), hi = fmaxf(hi, a[i]);
+            double e = fabs((double)a[i] - b[i]);
+            d = e > d || isnan(e) ? e : d;
+        }
+        d /= hi > lo ? hi - lo : 1;
+        if (!(d <= worst))
+            worst = d, worst_step = k;
+        /* the same greedy choice wherever ref's is clear of the tolerance */
+        float ma, mb;
+        int ca = argmax(a, (int32_t)nv, &ma), cb = argmax(b, (int32_t)nv, &mb);
+        if (ca != cb && ma > 2 * MODEL_TOLERANCE * (hi - lo)) {
+            choices_differ++;
+            if (first_differ < 0)
+                first_differ = k;
+        }
+    }
+    int same_tokens = 0;
+    while (same_tokens < ref.n_greedy && same_tokens < mod.n_greedy &&
+           ref.greedy[same_tokens] == mod.greedy[same_tokens])
+        same_tokens++;
+    snprintf(what, sizeof what, "model %s (%s cache): %d steps' logits against ref", base,
+             kv_type, steps);
+    char where[64] = "the prompt";
+    if (worst_step)
+        snprintf(where, sizeof where, "decode step %d", worst_step);
+    record(r, what, worst <= MODEL_TOLERANCE,
+           "worst difference %.2g of the logits' spread, at %s (limit %.0e)%s", worst, where,
+           MODEL_TOLERANCE, worst <= MODEL_TOLERANCE ? "" : ": the module computes something else");
+    snprintf(what, sizeof what, "model %s: greedy choices as ref's", base);
+    if (first_differ >= 0)
+        snprintf(where, sizeof where, "; the first clear difference at step %d", first_differ);
+    else
+        where[0] = '\0';
+    record(r, what, choices_differ == 0, "%d of %d steps; its own greedy run shares %d of %d tokens "
+           "with ref's%s", steps - choices_differ, steps, same_tokens, ref.n_greedy, where);
+    model_run_free(&mod), model_run_free(&ref);
+}
+
 /* ---- Main ------------------------------------------------------------------------------- */
 
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: loom-conformance [--json FILE] [--ref PATH] [--quiet] [--require-usable]\n"
-            "                        [BACKEND.so|NAME ...]\n"
+            "usage: loom-conformance [--json FILE] [--ref PATH] [--model MODEL ...] [--quiet]\n"
+            "                        [--require-usable] [BACKEND.so|NAME ...]\n"
             "Checks backend modules against loom's backend ABI and the reference backend.\n"
             "With no BACKEND, checks every usable module found (see `loom backends`). NAME is\n"
             "a backend name (every variant: `cpu`) or NAME-VARIANT (`cpu-avx2`).\n"
             "  --json FILE       also write a JSON report to FILE ('-' for stdout)\n"
             "  --ref PATH        the reference module to compare with (default: the one found)\n"
+            "  --model MODEL     also run a model (GGUF file or Hugging Face folder; repeatable)\n"
+            "                    on each module and on ref: a short prefill and %d greedy steps,\n"
+            "                    logits compared at each (ops the module lacks run on the CPU)\n"
             "  --quiet           print only failures, the matrix and the summary\n"
             "  --require-usable  a module unusable on this machine fails (default: skipped, with\n"
             "                    its probe's reason)\n"
             "Exit status: 0 when every module checked passes (and at least one was checked),\n"
-            "1 when a check fails or nothing could be checked, 2 on a usage error.\n");
+            "1 when a check fails or nothing could be checked, 2 on a usage error.\n",
+            MODEL_STEPS);
 }
 
 typedef enum { MODULE_PASSED, MODULE_FAILED, MODULE_SKIPPED } module_outcome;
@@ -1147,7 +1329,8 @@ static module_outcome skip_module(const char *path, const loom_candidate *c, cJS
 /* Checks one module file. A module that is unusable on this machine is skipped unless
  * require_usable; one that does not load or declares another ABI always fails. */
 static module_outcome check_module(const char *path, const char *ref_path, int quiet,
-                                   int require_usable, cJSON *json_out)
+                                   int require_usable, const char *const *models, int n_models,
+                                   cJSON *json_out)
 {
     report r;
     memset(&r, 0, sizeof r);
@@ -1198,8 +1381,15 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
             check_partial_blocks(&target, &r);
             check_prepared(&target, &ref, &r);
         }
+        /* models run with a cache the module stores itself, so its kv_store and attention
+         * are the ones tested */
+        const char *kv_type = loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F16) ? "f16"
+                              : loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F32) ? "f32"
+                                                                                          : "f16";
         loom_device_close(&target);
         check_reload(path, &ref, &r);
+        for (int i = 0; have_ref && i < n_models; i++)
+            check_model(path, ref_path, models[i], kv_type, &r);
     }
     if (have_ref)
         loom_device_close(&ref);
@@ -1220,13 +1410,19 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
 
 int main(int argc, char **argv)
 {
-    const char *json_path = NULL, *ref_path = NULL;
-    int quiet = 0, require_usable = 0, first = argc;
+    const char *json_path = NULL, *ref_path = NULL, *models[8];
+    int quiet = 0, require_usable = 0, first = argc, n_models = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
             json_path = argv[++i];
         } else if (strcmp(argv[i], "--ref") == 0 && i + 1 < argc) {
             ref_path = argv[++i];
+        } else if (strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
+            if (n_models == 8) {
+                fprintf(stderr, "loom-conformance: at most 8 --model files\n");
+                return 2;
+            }
+            models[n_models++] = argv[++i];
         } else if (strcmp(argv[i], "--quiet") == 0) {
             quiet = 1;
         } else if (strcmp(argv[i], "--require-usable") == 0) {
@@ -1301,7 +1497,8 @@ int main(int argc, char **argv)
     cJSON *json = cJSON_CreateArray();
     int outcomes[3] = {0};
     for (int i = 0; i < n_targets; i++)
-        outcomes[check_module(targets[i], ref_path, quiet, require_usable, json)]++;
+        outcomes[check_module(targets[i], ref_path, quiet, require_usable, models, n_models,
+                              json)]++;
     int checked = outcomes[MODULE_PASSED] + outcomes[MODULE_FAILED];
     printf("\n%d module(s) checked, %d failed, %d skipped (unusable here)\n", checked,
            outcomes[MODULE_FAILED], outcomes[MODULE_SKIPPED]);

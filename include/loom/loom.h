@@ -47,6 +47,8 @@ typedef struct loom_model_options {
                            * tokens (or n_ctx if shorter), never less than one whole context;
                            * 0: one sequence of n_ctx */
     int32_t block_size;   /* tokens per KV block; 0: 16 */
+    const char *backend_module; /* a backend module file to run on, found or not (conformance,
+                                 * a module under development); NULL: choose as above */
 } loom_model_options;
 
 typedef struct loom_sampling {
