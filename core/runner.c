@@ -71,6 +71,11 @@ struct loom_runner {
     int status;
     char err[512];
 
+    /* LOOM_STRICT=1's check at load: one token through the graph, noting (not running) every
+     * op x dtype the device lacks */
+    int census;
+    unsigned char lacking[LOOM_OP_COUNT_V1_0][32];
+
     int profile;
     double prof_ms[LOOM_OP_COUNT_V1_0];
     uint64_t prof_calls[LOOM_OP_COUNT_V1_0], passes;
@@ -280,9 +285,6 @@ static double prof_now(void)
 
 static void print_profile(const loom_runner *r)
 {
-    static const char *names[LOOM_OP_COUNT_V1_0] = {
-        "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
-        "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
     double total = 0;
     for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
         total += r->prof_ms[i];
@@ -290,7 +292,7 @@ static void print_profile(const loom_runner *r)
             r->dev->variant[0] ? "-" : "", r->dev->variant, total, (unsigned long long)r->passes);
     for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
         if (r->prof_calls[i])
-            fprintf(stderr, "  %-10s %9.1f ms %5.1f%%  %8llu calls\n", names[i], r->prof_ms[i],
+            fprintf(stderr, "  %-10s %9.1f ms %5.1f%%  %8llu calls\n", loom_op_name((loom_op)i), r->prof_ms[i],
                     total > 0 ? 100 * r->prof_ms[i] / total : 0, (unsigned long long)r->prof_calls[i]);
 }
 
@@ -315,6 +317,9 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
     if (loom_device_supports(r->dev, op, dt)) {
         if (loom_device_run(r->dev, op, params) != LOOM_OK)
             OP_NAME_FAIL(r, what);
+    } else if (r->census) {
+        r->lacking[op][dt & 31] = 1;
+        return;
     } else if (loom_fallback_strict()) {
         fail(r, "backend %s%s%s does not support %s with %s, and LOOM_STRICT=1 forbids running "
              "it on the CPU instead", r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
@@ -460,6 +465,35 @@ void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b
 
 /* ---- Lifetime ----------------------------------------------------------------------------- */
 
+/* LOOM_STRICT=1: refuse a model at load when the device lacks any op it needs, naming them
+ * all, rather than the first one met mid-generation. The graph's ops do not depend on the
+ * values, so one token with the lacking ops skipped meets every op a decode step runs. */
+static int strict_census(loom_runner *r, char *err, size_t err_size)
+{
+    int32_t token = 0;
+    r->census = 1;
+    int rc = loom_runner_eval(r, &token, 1, 0, err, err_size);
+    r->census = 0;
+    if (rc != 0)
+        return rc;
+    char list[1024] = "";
+    size_t used = 0;
+    int n = 0;
+    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++)
+        for (int dt = 0; dt < 32; dt++)
+            if (r->lacking[op][dt] && used < sizeof list) {
+                used += (size_t)snprintf(list + used, sizeof list - used, "%s%s with %s",
+                                         n++ ? ", " : "", loom_op_name((loom_op)op),
+                                         loom_dtype_name((loom_dtype)dt));
+            }
+    if (!n)
+        return 0;
+    snprintf(err, err_size, "LOOM_STRICT=1: backend %s%s%s lacks %d op(s) this model needs: %s "
+             "(without LOOM_STRICT they run on the CPU)", r->dev->name,
+             r->dev->variant[0] ? "-" : "", r->dev->variant, n, list);
+    return -1;
+}
+
 loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const loom_arch *arch,
                                 const loom_runner_options *opts, char *err, size_t err_size)
 {
@@ -542,6 +576,10 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         r->kc[l].nb[1] = r->kc[l].nb[2] * (uint64_t)r->opt.block_size;
         r->vc[l] = r->kc[l];
         r->vc[l].offset += per_cache;
+    }
+    if (loom_fallback_strict() && strict_census(r, err, err_size) != 0) {
+        loom_runner_free(r);
+        return NULL;
     }
     return r;
 }

@@ -110,13 +110,16 @@ for op in matmul kv_store attention; do
     [ "$(grep -c "ref does not support $op with .*; running it on cpu" "$tmpdir/fb.err")" = 1 ] &&
         pass "the $op fallback is announced once" || { fail "$op warning not exactly once:"; cat "$tmpdir/fb.err" >&2; }
 done
-if LOOM_STRICT=1 LOOM_BACKEND=ref LOOM_REF_DENY=attention "$LOOM" run -m "$gguf" -p "Once" -n 2 \
+if LOOM_STRICT=1 LOOM_BACKEND=ref LOOM_REF_DENY=attention,rms_norm "$LOOM" run -m "$gguf" -p "Once" -n 2 \
     > /dev/null 2> "$tmpdir/strict.err"; then
     fail "LOOM_STRICT=1 should refuse a backend that lacks attention"
 else
-    expect_grep "does not support attention with f16, and LOOM_STRICT=1 forbids" "$tmpdir/strict.err" \
-        "LOOM_STRICT=1 refuses, naming the op"
+    expect_grep "LOOM_STRICT=1: backend ref lacks 2 op(s) this model needs: rms_norm with f32, attention with f16" \
+        "$tmpdir/strict.err" "LOOM_STRICT=1 refuses at load, naming every op it lacks"
 fi
+LOOM_STRICT=1 LOOM_BACKEND=ref "$LOOM" run -m "$gguf" -p "Once" -n 2 > /dev/null 2> "$tmpdir/strict-ok.err" &&
+    pass "LOOM_STRICT=1 runs a backend that has every op" ||
+    { fail "LOOM_STRICT=1 with everything supported: exit $?"; cat "$tmpdir/strict-ok.err" >&2; }
 # modules that crash or hang in their probe, in the search path, do not stop a run
 LOOM_PROBE_TIMEOUT=1 LOOM_BACKEND_PATH="$PROBEFAIL_DIR" "$LOOM" run -m "$gguf" -p "Once upon a time" \
     -n 8 --temp 0 > "$tmpdir/pf.txt" 2>&1 && pass "loom run works beside modules whose probes crash" ||

@@ -39,9 +39,6 @@ typedef enum { RES_NONE = 0, RES_PASS, RES_FAIL, RES_UNSUPPORTED } result;
 static const loom_dtype all_dtypes[N_DTYPES] = {
     LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0,   LOOM_Q4_1,  LOOM_Q5_0,   LOOM_Q5_1,
     LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS, LOOM_I32};
-static const char *const op_names[LOOM_OP_COUNT_V1_0] = {
-    "matmul", "get_rows", "rms_norm", "layer_norm", "rope",      "add",        "mul",    "scale",
-    "silu_mul", "gelu",   "kv_store", "attention",  "quantize", "dequantize", "convert"};
 
 typedef struct report {
     cJSON *checks;  /* array of {check, status, detail} */
@@ -832,10 +829,10 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
             if (!loom_device_op_present(target, fam->op) &&
                 target->ops.supports(target->be, fam->op, dt)) {
                 char name[160];
-                snprintf(name, sizeof name, "%s %s: supports() says yes", op_names[fam->op],
+                snprintf(name, sizeof name, "%s %s: supports() says yes", loom_op_name(fam->op),
                          loom_dtype_name(dt));
                 record(r, name, 0, "but the ops table has no %s function (NULL): loom runs it "
-                       "on the CPU instead; say no, or fill the pointer", op_names[fam->op]);
+                       "on the CPU instead; say no, or fill the pointer", loom_op_name(fam->op));
                 r->matrix[fam->op][di] = RES_FAIL;
                 continue;
             }
@@ -855,7 +852,7 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
                     continue;
                 }
                 char name[256], why[1024] = "";
-                snprintf(name, sizeof name, "%s %s %s", op_names[fam->op], loom_dtype_name(dt),
+                snprintf(name, sizeof name, "%s %s %s", loom_op_name(fam->op), loom_dtype_name(dt),
                          tc.label);
                 int ok = judge_case(target, ref, &tc, why, sizeof why);
                 record(r, name, ok, ok ? NULL : "%s", why);
@@ -910,7 +907,7 @@ static void check_partial_blocks(loom_device *target, report *r)
             }
             char name[160];
             snprintf(name, sizeof name, "%s %s with rows of %d elements (not whole %lld-element "
-                     "blocks) is refused", op_names[op], loom_dtype_name(dt), K,
+                     "blocks) is refused", loom_op_name((loom_op)op), loom_dtype_name(dt), K,
                      (long long)loom_dtype_block_elems(dt));
             record(r, name, st != LOOM_OK, st != LOOM_OK ? NULL : "%s",
                    "the module ran it (status 0)");
@@ -1084,7 +1081,7 @@ static void print_matrix(const report *r, const char *label)
         printf("---|");
     printf("\n");
     for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
-        printf("| %s |", op_names[op]);
+        printf("| %s |", loom_op_name((loom_op)op));
         for (int di = 0; di < N_DTYPES - 1; di++) {
             static const char *cell[] = {"", "pass", "**FAIL**", "-"};
             printf(" %s |", cell[r->matrix[op][di]]);
@@ -1099,7 +1096,7 @@ static cJSON *matrix_json(const report *r)
 {
     cJSON *m = cJSON_CreateObject();
     for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
-        cJSON *row = cJSON_AddObjectToObject(m, op_names[op]);
+        cJSON *row = cJSON_AddObjectToObject(m, loom_op_name((loom_op)op));
         for (int di = 0; di < N_DTYPES; di++) {
             static const char *cell[] = {NULL, "pass", "fail", "unsupported"};
             if (r->matrix[op][di] != RES_NONE)

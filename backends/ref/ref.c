@@ -808,10 +808,6 @@ static void ref_probe(loom_probe_result *out)
              opaque_requested() ? "opaque (LOOM_REF_OPAQUE)" : "host-visible");
 }
 
-static const char *const op_names[LOOM_OP_COUNT_V1_0] = {
-    "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
-    "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
-
 /* LOOM_REF_DENY: "matmul,attention:f16" denies matmul for every dtype and f16 attention. */
 static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_size)
 {
@@ -821,7 +817,7 @@ static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_s
         size_t len = strcspn(spec, ","), name_len = strcspn(spec, ",:");
         int op = -1, dt = -1;
         for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
-            if (strlen(op_names[i]) == name_len && strncmp(spec, op_names[i], name_len) == 0)
+            if (strlen(loom_op_name((loom_op)i)) == name_len && strncmp(spec, loom_op_name((loom_op)i), name_len) == 0)
                 op = i;
         if (name_len < len) {
             const char *d = spec + name_len + 1;

@@ -340,6 +340,15 @@ typedef enum loom_op {
     LOOM_OP_COUNT_V1_0 /* number of ops in ABI 1.0; later minors append after it */
 } loom_op;
 
+/* "matmul", "kv_store"...: the names reports and LOOM_REF_DENY use; "?" past the known ops. */
+static inline const char *loom_op_name(loom_op op)
+{
+    static const char *const names[LOOM_OP_COUNT_V1_0] = {
+        "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
+        "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
+    return (unsigned)op < LOOM_OP_COUNT_V1_0 ? names[op] : "?";
+}
+
 /* Y[M,N] = X[M,K] * W[N,K]^T (+ bias[N]). W: F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (K a multiple
  * of 32 for block types). M may be 0 (nothing to do). */
 typedef struct loom_matmul_params {
