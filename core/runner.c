@@ -659,18 +659,32 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
 {
     const loom_backend_ops *ops = &r->dev->ops;
     uint64_t block = r->kc[0].nb[3];
+    /* copy_buffer is optional: without it, through host memory */
+    unsigned char *staging = ops->copy_buffer || !n ? NULL : malloc((size_t)block);
+    if (!ops->copy_buffer && n && !staging) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
     for (int i = 0; i < n; i++)
         for (int l = 0; l < r->hp.n_layer; l++)
             for (int kv = 0; kv < 2; kv++) {
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
-                uint64_t src = (uint64_t)copies[i].src, dst = (uint64_t)copies[i].dst;
-                if (ops->copy_buffer(r->dev->be, r->kv, c->offset + dst * block, r->kv,
-                                     c->offset + src * block, block) != LOOM_OK) {
+                uint64_t src = c->offset + (uint64_t)copies[i].src * block;
+                uint64_t dst = c->offset + (uint64_t)copies[i].dst * block;
+                loom_status st =
+                    ops->copy_buffer
+                        ? ops->copy_buffer(r->dev->be, r->kv, dst, r->kv, src, block)
+                        : ops->copy_to_host(r->dev->be, staging, r->kv, src, block);
+                if (st == LOOM_OK && !ops->copy_buffer)
+                    st = ops->copy_from_host(r->dev->be, r->kv, dst, staging, block);
+                if (st != LOOM_OK) {
                     snprintf(err, err_size, "copying KV block %d to %d on %s: %s", copies[i].src,
                              copies[i].dst, r->dev->name, ops->last_error(r->dev->be));
+                    free(staging);
                     return -1;
                 }
             }
+    free(staging);
     return 0;
 }
 

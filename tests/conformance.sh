@@ -102,6 +102,17 @@ check_broken eps rms_norm "rms_norm f32 \[96, 3, 2, 2\] weight+bias, rms 0.0001,
 check_broken strides rms_norm "rms_norm f32 \[96, 3, 2, 2\].*normalised error"
 check_broken kvdense kv_store "kv_store f32 .* the runner's head-major cache: normalised error"
 check_broken nullop gelu "gelu f32: supports() says yes: but the ops table has no gelu function"
+# a copy_to_host that reads one byte late is a copy failure, not a memset one
+"$CONFORMANCE" --json "$tmpdir/b-copyout.json" "$PLUGIN_DIR/broken-copyout.so" > "$tmpdir/b-copyout.txt" 2>&1
+rc=$?
+if [ "$rc" -eq 1 ] && jq -e '[.modules[0].checks[] | select(.status == "fail") | .check]
+        | length > 0 and all(startswith("copy round trip"))' "$tmpdir/b-copyout.json" > /dev/null; then
+    pass "broken-copyout is caught as a copy fault, and memset is not blamed"
+else
+    fail "broken-copyout (exit $rc):"; grep -E "FAIL|not checked" "$tmpdir/b-copyout.txt" >&2
+fi
+expect_grep "memset 5 bytes not checked: copies, which it is read back with, are wrong" \
+    "$tmpdir/b-copyout.txt" "the memset check says why it was not run"
 # and what the op cases catch, a model shows too: the dense-cache kv_store garbles the text
 if [ -e "$FIXTURES/stories260K/original/stories260K.gguf" ]; then
     "$CONFORMANCE" --quiet --model "$FIXTURES/stories260K/original/stories260K.gguf" \

@@ -26,9 +26,4 @@ static const loom_backend_module emulated_module = {
     .open = loom_gpu_open,
 };
 
-LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,
-                                                                  uint32_t host_minor)
-{
-    (void)host_major, (void)host_minor;
-    return &emulated_module;
-}
+LOOM_BACKEND_DEFINE_ENTRY(emulated_module)

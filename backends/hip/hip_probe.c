@@ -71,9 +71,4 @@ static const loom_backend_module hip_module = {
     .open = loom_gpu_open,
 };
 
-LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,
-                                                                  uint32_t host_minor)
-{
-    (void)host_major, (void)host_minor;
-    return &hip_module;
-}
+LOOM_BACKEND_DEFINE_ENTRY(hip_module)

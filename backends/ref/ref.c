@@ -887,9 +887,4 @@ static const loom_backend_module ref_module = {
     .open = ref_open,
 };
 
-LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,
-                                                                  uint32_t host_minor)
-{
-    (void)host_major, (void)host_minor;
-    return &ref_module;
-}
+LOOM_BACKEND_DEFINE_ENTRY(ref_module)

@@ -302,7 +302,13 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
  * elements has ne = {K, M, 1, 1}. Rows are contiguous: nb[0] is the element size, or the block
  * size for block types (ne[0] must then be a multiple of the type's block). nb[1..3] are byte strides and
  * may be larger than dense, so a tensor can view every other row or one half of each row of a
- * wider matrix. Unused dimensions have ne = 1. */
+ * wider matrix. Unused dimensions have ne = 1.
+ *
+ * Row ops (norms, elementwise, get_rows' dst, quantize/dequantize/convert) see a 3-D or 4-D
+ * tensor as ne[1] * ne[2] * ne[3] rows of ne[0]: row (i1, i2, i3) starts at byte
+ * offset + i1*nb[1] + i2*nb[2] + i3*nb[3], and two tensors' rows pair up by the same
+ * (i1, i2, i3) (x with dst, a with b). Read every row through all three strides: loom passes
+ * padded and non-dense ones (loom-conformance has cases with each dimension padded). */
 
 typedef struct loom_buffer loom_buffer; /* opaque, owned by the backend */
 
@@ -420,7 +426,10 @@ typedef struct loom_elementwise_params {
 } loom_elementwise_params;
 
 /* Paged KV cache: cache[blocks, block_size, kv_heads, head_dim] in F32, F16 or Q8_0 (head_dim
- * a multiple of 32 for Q8_0, each (slot, head) row quantised on its own).
+ * a multiple of 32 for Q8_0, each (slot, head) row quantised on its own). The cache's strides
+ * need not be dense and are not in this order in memory: loom's runner keeps one head's slots
+ * of a block together (nb[2] = one row, nb[1] = block_size rows, nb[3] = a whole block), so
+ * address (block, slot, head) as block*nb[3] + slot*nb[2] + head*nb[1] from cache's offset.
  * kv_store writes src row t into cache slot slots[t] = block * block_size + offset. A negative
  * slot skips the row (padding). */
 typedef struct loom_kv_store_params {
@@ -453,7 +462,9 @@ typedef struct loom_attention_params {
 /* quantize:   dst (Q8_0, Q4_0 or Q4_1) from src F32, row by row (row length a multiple of 32)
  * dequantize: dst F32 from src of any block type
  * convert:    between F32, F16 and BF16 (round to nearest even)
- * Same element shape on both sides. */
+ * Same element shape on both sides. `supports` is asked about the quantised type for quantize
+ * and dequantize, and about the target type for convert (saying yes means from every one of
+ * F32, F16 and BF16). */
 typedef struct loom_convert_params {
     uint32_t struct_size;
     const loom_tensor *src;
@@ -679,9 +690,17 @@ typedef struct loom_backend_options {
 } loom_backend_options;
 
 /* ---- The opened backend ------------------------------------------------------------------
- * Every function takes the loom_backend it belongs to. Members marked (optional) may be NULL;
- * loom then assumes the default given. Ops return LOOM_ERR_UNSUPPORTED for what `supports`
- * denies. On an error, last_error describes it until the next call. */
+ * Every function takes the loom_backend it belongs to.
+ *
+ * Required: close, last_error, supports, buffer_alloc, buffer_free, copy_from_host,
+ * copy_to_host and synchronize. loom refuses a module whose table lacks one (and
+ * loom-conformance says which). Everything else may be NULL: members marked (optional) then
+ * take the default given, and a NULL op is an unsupported op, which loom runs on the CPU. An op
+ * that `supports` claims must have its pointer (conformance fails the module otherwise). Ops
+ * return LOOM_ERR_UNSUPPORTED for what `supports` denies.
+ *
+ * last_error never returns NULL (an empty string before any failure); it describes the most
+ * recent call that failed, and successful calls need not clear it. */
 
 typedef struct loom_backend loom_backend;
 
@@ -701,7 +720,9 @@ typedef struct loom_backend_ops {
                                                              F32 otherwise) */
     loom_status (*set_threads)(loom_backend *be, int32_t n); /* (optional) default: ignored */
 
-    /* buffers */
+    /* buffers. buffer_alloc(0) succeeds with a buffer of no bytes that buffer_free takes. A
+     * copy or memset whose range does not lie inside its buffer(s) returns LOOM_ERR_INVALID and
+     * changes nothing (buffers and host memory alike). */
     loom_status (*buffer_alloc)(loom_backend *be, uint64_t size, loom_buffer **out);
     void (*buffer_free)(loom_backend *be, loom_buffer *buf);
     void *(*buffer_host_ptr)(loom_backend *be, loom_buffer *buf);
@@ -712,13 +733,16 @@ typedef struct loom_backend_ops {
                                                              weight file) in place; freed with
                                                              buffer_free, which leaves ptr alone */
     loom_status (*buffer_memset)(loom_backend *be, loom_buffer *buf, uint64_t offset, int value,
-                                 uint64_t size);
+                                 uint64_t size);  /* (optional) */
     loom_status (*copy_from_host)(loom_backend *be, loom_buffer *dst, uint64_t offset,
                                   const void *src, uint64_t size);
     loom_status (*copy_to_host)(loom_backend *be, void *dst, loom_buffer *src, uint64_t offset,
                                 uint64_t size);
     loom_status (*copy_buffer)(loom_backend *be, loom_buffer *dst, uint64_t dst_offset,
                                loom_buffer *src, uint64_t src_offset, uint64_t size);
+                                                          /* (optional) default: through host
+                                                             memory, copy_to_host then
+                                                             copy_from_host */
     loom_status (*synchronize)(loom_backend *be);          /* wait for every enqueued op */
 
     /* ops, in loom_op order */
@@ -778,6 +802,17 @@ typedef struct loom_backend_module {
  * adapt; most ignore them. Must not run foreign-ISA code, start threads or allocate. */
 typedef const loom_backend_module *(*loom_backend_entry_fn)(uint32_t host_major,
                                                             uint32_t host_minor);
+
+/* Defines the entry point returning &module (a static loom_backend_module), exported under
+ * LOOM_BACKEND_ENTRY_SYMBOL: write LOOM_BACKEND_DEFINE_ENTRY(my_module) once in the module
+ * and build it with -fvisibility=hidden, so that is all it exports. */
+#define LOOM_BACKEND_DEFINE_ENTRY(module)                                                      \
+    LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,    \
+                                                                      uint32_t host_minor)    \
+    {                                                                                          \
+        (void)host_major, (void)host_minor;                                                    \
+        return &(module);                                                                      \
+    }
 
 #ifdef __cplusplus
 }
