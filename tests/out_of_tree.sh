@@ -1,6 +1,7 @@
-# tests/out_of_tree.sh - what a third party does: install loom (into a DESTDIR), build a backend
-# against the installed header alone via `pkg-config --cflags loom-backend`, and check it with
-# the installed loom-conformance. Also: the installed `loom` finds the installed backends.
+# tests/out_of_tree.sh - what a third party does: install loom (into a DESTDIR), copy the
+# installed backend template, build it with its own Makefile against the installed header alone
+# (`pkg-config loom-backend`), check it with the installed loom-conformance (ops and a model),
+# install it and run a model on it. Also: the installed `loom` finds the installed backends.
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
 
@@ -15,16 +16,23 @@ cflags=$(PKG_CONFIG_PATH="$pcdir" pkg-config --define-variable=prefix="$dest$pre
 echo "cflags: $cflags"
 case "$cflags" in *"$dest"*) pass "cflags point into the install";; *) fail "cflags: $cflags";; esac
 
-# the third party's source: a copy of ref outside the tree, so no loom-internal path can leak in
-mkdir -p "$tmpdir/thirdparty"
-cp "$top_srcdir/backends/ref/ref.c" "$tmpdir/thirdparty/mybackend.c"
-# shellcheck disable=SC2086
-if ${CC:-cc} -std=c11 -O1 -fPIC -shared $cflags -o "$tmpdir/thirdparty/mybackend.so" \
-        "$tmpdir/thirdparty/mybackend.c" -lm 2> "$tmpdir/cc.log"; then
-    pass "built against the installed header"
+# the third party's source: the backend template as installed, built by its own Makefile with
+# pkg-config alone (pointed into the DESTDIR install), outside the tree
+template="$dest$prefix/share/loom/backend-template"
+[ -f "$template/example.c" ] && [ -f "$template/Makefile" ] && [ -f "$template/README.md" ] &&
+    pass "the backend template is installed" || { fail "no template in $template"; finish; }
+cp -r "$template" "$tmpdir/thirdparty"
+if PKG_CONFIG_PATH="$pcdir" MAKEFLAGS= ${MAKE:-make} -C "$tmpdir/thirdparty" CC="${CC:-cc}" \
+        PKG_CONFIG="pkg-config --define-variable=prefix=$dest$prefix" > "$tmpdir/cc.log" 2>&1; then
+    pass "the template builds from the installed header alone"
 else
     fail "out-of-tree build:"; cat "$tmpdir/cc.log" >&2; finish
 fi
+grep -q -- "-Wall -Wextra" "$tmpdir/cc.log" && ! grep -v "^make" "$tmpdir/cc.log" | grep -q "warning:" &&
+    pass "without warnings" || { fail "template warnings:"; grep "warning:" "$tmpdir/cc.log" >&2; }
+nm -D --defined-only "$tmpdir/thirdparty/loom-example.so" | awk '{print $3}' > "$tmpdir/exports.txt"
+[ "$(cat "$tmpdir/exports.txt")" = loom_backend_entry ] && pass "it exports only loom_backend_entry" ||
+    { fail "template exports:"; cat "$tmpdir/exports.txt" >&2; }
 
 bindir="$dest$prefix/bin"
 "$bindir/loom" backends > "$tmpdir/installed.txt" 2>&1 || fail "installed loom backends exit $?"
@@ -37,9 +45,24 @@ case $(jq -r .chosen "$tmpdir/installed.json") in
     *) fail "chosen module outside the install: $(jq -r .chosen "$tmpdir/installed.json")";;
 esac
 
-if "$bindir/loom-conformance" --quiet "$tmpdir/thirdparty/mybackend.so" > "$tmpdir/conf.txt" 2>&1; then
-    pass "out-of-tree module passes the installed conformance tool"
+# conformance and model-level conformance on it, with the installed tool, as `make check` does
+model="$FIXTURES/stories260K/original/stories260K.gguf"
+need_fixture "$model"
+if MAKEFLAGS= ${MAKE:-make} -C "$tmpdir/thirdparty" check CONFORMANCE="$bindir/loom-conformance --quiet" \
+        MODEL="$model" PKG_CONFIG=true BACKENDDIR=unused > "$tmpdir/conf.txt" 2>&1; then
+    pass "the template passes the installed conformance tool, ops and a model"
 else
-    fail "out-of-tree conformance:"; cat "$tmpdir/conf.txt" >&2
+    fail "out-of-tree conformance:"; grep -E "FAIL|error" "$tmpdir/conf.txt" >&2
 fi
+expect_grep "example (ABI [0-9.]*): 0 check(s) failed" "$tmpdir/conf.txt" "the report names the template"
+# installed next to loom's own backends, loom lists it and LOOM_BACKEND=example runs it
+MAKEFLAGS= ${MAKE:-make} -C "$tmpdir/thirdparty" install BACKENDDIR="$dest$prefix/lib/loom/backends" \
+    PKG_CONFIG=true > /dev/null 2>&1 || fail "make install of the template"
+"$bindir/loom" backends > "$tmpdir/with-example.txt" 2>&1
+expect_grep "example" "$tmpdir/with-example.txt" "the installed loom lists the template"
+LOOM_BACKEND=example "$bindir/loom" run -m "$model" -p "Once upon a time" -n 8 --temp 0 --json \
+    > "$tmpdir/example-run.json" 2> "$tmpdir/example-run.err" || fail "loom run on the template: exit $?"
+jq -e '.backend | startswith("example")' "$tmpdir/example-run.json" > /dev/null &&
+    pass "LOOM_BACKEND=example runs a model on it" ||
+    { fail "run on the template:"; cat "$tmpdir/example-run.json" "$tmpdir/example-run.err" >&2; }
 finish
