@@ -182,6 +182,11 @@ static void vet_isolated(const char *path, vet_result *r)
     }
     if (pid == 0) {
         close(fds[0]);
+        /* a crash must end the child by its signal, whatever handlers the host installed (a
+         * sanitizer's would report it and exit 1, hiding which signal it was) */
+        static const int fatal[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
+        for (size_t i = 0; i < sizeof fatal / sizeof fatal[0]; i++)
+            signal(fatal[i], SIG_DFL);
         vet_result mine;
         vet_here(path, &mine);
         const char *p = (const char *)&mine;
