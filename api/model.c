@@ -231,6 +231,23 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
                               err_size);
 }
 
+int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, char *err,
+                     size_t err_size)
+{
+    if (n <= 0 || n > loom_runner_n_ctx(m->runner)) {
+        snprintf(err, err_size, "%d tokens do not fit the context of %d (raise it with -c)", n,
+                 loom_runner_n_ctx(m->runner));
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= loom_model_n_vocab(m)) {
+            snprintf(err, err_size, "token id %d is not below the vocabulary's %d", ids[i],
+                     loom_model_n_vocab(m));
+            return -1;
+        }
+    return loom_runner_eval_all(m->runner, ids, n, 0, out, err, err_size);
+}
+
 const char *loom_model_chat_template(const loom_model *m, int *recognised)
 {
     const char *stored, *arch, *pre;

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 typedef struct shape {
     const char *name, *about;
@@ -58,6 +59,26 @@ static void *random_matrix(loom_dtype t, int64_t rows, int64_t cols, float amp)
     return out;
 }
 
+static const loom_dtype synthetic_types[] = {
+    LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1,  LOOM_Q5_0,   LOOM_Q5_1,
+    LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS};
+
+const char *loom_synthetic_types(void)
+{
+    return "f32 f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 iq4_nl q2_K q3_K q4_K q5_K q6_K iq4_xs";
+}
+
+/* a type name as loom_dtype_name spells it, or lower case (q4_k) */
+static int synthetic_type(const char *name, loom_dtype *t)
+{
+    for (size_t i = 0; i < sizeof synthetic_types / sizeof synthetic_types[0]; i++)
+        if (strcasecmp(name, loom_dtype_name(synthetic_types[i])) == 0) {
+            *t = synthetic_types[i];
+            return 0;
+        }
+    return -1;
+}
+
 int loom_write_synthetic_model(const char *path, const char *shape_name, const char *type_name,
                                char *err, size_t err_size)
 {
@@ -71,9 +92,15 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
                  loom_synthetic_shapes());
         return -1;
     }
-    if (loom_parse_weight_type(type_name, &wt)) {
-        snprintf(err, err_size, "weight type '%s' is not one of f32, f16, bf16, q8_0, q4_0, q4_1",
-                 type_name);
+    if (synthetic_type(type_name, &wt)) {
+        snprintf(err, err_size, "weight type '%s' is not one of %s", type_name,
+                 loom_synthetic_types());
+        return -1;
+    }
+    if (sh->n_embd % loom_dtype_block_elems(wt) || sh->n_ff % loom_dtype_block_elems(wt)) {
+        snprintf(err, err_size, "the %s shape's rows (%d and %d wide) are not whole %s blocks of "
+                 "%lld: choose a wider shape", sh->name, sh->n_embd, sh->n_ff, type_name,
+                 (long long)loom_dtype_block_elems(wt));
         return -1;
     }
     const int32_t hd = sh->n_embd / sh->n_head, kv = sh->n_head_kv * hd;

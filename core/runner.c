@@ -799,8 +799,9 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     return 0;
 }
 
-int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
-                     size_t err_size)
+/* loom_runner_eval and loom_runner_eval_all: out NULL keeps the last token's logits only */
+static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out, char *err,
+                size_t err_size)
 {
     if (n <= 0) {
         snprintf(err, err_size, "nothing to evaluate");
@@ -819,14 +820,20 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
     }
     int32_t nb = r->opt.n_batch;
     if (!r->eval_host) { /* once per runner: decoding calls this for every token */
-        if (!(r->eval_host = malloc((size_t)(3 * nb + n_table) * sizeof *r->eval_host))) {
+        if (!(r->eval_host = malloc((size_t)(4 * nb + n_table) * sizeof *r->eval_host))) {
             snprintf(err, err_size, "out of memory");
             return -1;
         }
         for (int32_t i = 0; i < n_table; i++)
-            r->eval_host[3 * nb + i] = i; /* one sequence over blocks 0, 1, 2... */
+            r->eval_host[4 * nb + i] = i; /* one sequence over blocks 0, 1, 2... */
+        for (int32_t i = 0; i < nb; i++)
+            r->eval_host[3 * nb + i] = i; /* every row's logits, for eval_all */
     }
-    int32_t *pos = r->eval_host, *seq = pos + nb, *slots = seq + nb, *table = slots + nb;
+    int32_t *pos = r->eval_host, *seq = pos + nb, *slots = seq + nb, *every = slots + nb,
+            *table = every + nb;
+    /* every position's logits cost n_vocab floats each on the host: smaller batches then */
+    if (out && nb > 64)
+        nb = 64;
     if (pos0 == 0)
         r->seq_prefix_len = loom_runner_prefix_len(r, ids, n);
     int rc = 0;
@@ -838,8 +845,24 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
         }
         int32_t last = m - 1;
         loom_step st = {m, ids + c0, pos, seq, slots, 1, n_table, table,
-                        c0 + m == n ? 1 : 0, &last, r->seq_prefix_len ? &r->seq_prefix_len : NULL};
+                        out ? m : c0 + m == n ? 1 : 0, out ? every : &last,
+                        r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
+        if (rc == 0 && out)
+            memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,
+                   (size_t)m * (size_t)r->hp.n_vocab * sizeof *out);
     }
     return rc;
+}
+
+int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
+                     size_t err_size)
+{
+    return eval(r, ids, n, pos0, NULL, err, err_size);
+}
+
+int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
+                         char *err, size_t err_size)
+{
+    return eval(r, ids, n, pos0, out, err, err_size);
 }

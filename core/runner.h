@@ -80,6 +80,10 @@ int32_t loom_runner_n_ctx(const loom_runner *r);
  * want_logits, the last token's logits are in loom_runner_logits. Returns 0 or -1 with err. */
 int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
                      size_t err_size);
+/* As loom_runner_eval, writing every token's logits to out (n rows of n_vocab floats):
+ * perplexity. */
+int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
+                         char *err, size_t err_size);
 /* The logits of the last eval or step: n_logits rows of n_vocab floats. */
 const float *loom_runner_logits(const loom_runner *r);
 

@@ -35,13 +35,14 @@ static void usage(FILE *out)
             "usage: loom bench [-m MODEL.gguf | --synthetic SHAPE [--type TYPE]] [--backends LIST]\n"
             "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
             "  --synthetic SHAPE  %s (default 1b, the TinyLlama-1.1B shape)\n"
-            "  --type TYPE        weights of the synthetic model: f32 f16 bf16 q8_0 q4_0 q4_1 (q4_0)\n"
+            "  --type TYPE        weights of the synthetic model (q4_0): %s\n"
             "  --backends LIST    all, or comma-separated names / name-variants (default: all but ref)\n"
             "  -p N  prompt tokens for the prefill test (0 skips it); -n N  tokens to generate\n"
             "  -r N  repetitions; tokens/s is their mean +- sd\n"
             "  --no-roofline      skip measuring memory bandwidth (no roofline column)\n"
+            "  --write FILE       only write the synthetic model to FILE (to bench it elsewhere)\n"
             "also: loom bench ops (per-op timings)\n",
-            loom_synthetic_shapes());
+            loom_synthetic_shapes(), loom_synthetic_types());
 }
 
 /* ---- child: one backend ----------------------------------------------------------------- */
@@ -143,7 +144,7 @@ int loom_bench_main(int argc, char **argv, const char *self);
 int loom_bench_main(int argc, char **argv, const char *self)
 {
     bench_args a = {NULL, "1b", "q4_0", NULL, 128, 32, 5, 0, 0, 0};
-    const char *child_backend = NULL;
+    const char *child_backend = NULL, *write_to = NULL;
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--json")) { a.json = 1; continue; }
@@ -161,6 +162,7 @@ int loom_bench_main(int argc, char **argv, const char *self)
         else if (!strcmp(f, "--type")) a.type = v;
         else if (!strcmp(f, "--backends")) a.backends = v;
         else if (!strcmp(f, "--child")) child_backend = v;
+        else if (!strcmp(f, "--write")) write_to = v;
         else if (!strcmp(f, "-p")) { if (parse_count(f, v, 0, 1 << 16, &a.pp)) return 2; }
         else if (!strcmp(f, "-n")) { if (parse_count(f, v, 0, 1 << 16, &a.tg)) return 2; }
         else if (!strcmp(f, "-r")) { if (parse_count(f, v, 1, 64, &a.reps)) return 2; }
@@ -172,6 +174,16 @@ int loom_bench_main(int argc, char **argv, const char *self)
     }
     if (child_backend)
         return child(child_backend, &a);
+    if (write_to) { /* the synthetic model alone, to run elsewhere (llama.cpp) or again */
+        char err[1024];
+        if (a.model || loom_write_synthetic_model(write_to, a.synthetic, a.type, err, sizeof err)) {
+            fprintf(stderr, "loom bench: %s\n", a.model ? "--write writes a synthetic model; "
+                    "-m has one already" : err);
+            return 2;
+        }
+        fprintf(stderr, "wrote the synthetic %s model (%s) to %s\n", a.synthetic, a.type, write_to);
+        return 0;
+    }
     if (a.json && a.csv) {
         fprintf(stderr, "loom bench: choose one of --json and --csv\n");
         return 2;

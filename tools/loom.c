@@ -11,6 +11,7 @@
 #include "json_text.h"
 
 int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
+int loom_perplexity_main(int argc, char **argv, const char *self); /* tools/perplexity.c */
 int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
 int loom_serve_main(int argc, char **argv);                    /* tools/serve.c */
 int loom_bench_serve_main(int argc, char **argv);              /* tools/bench_serve.c */
@@ -52,6 +53,9 @@ static void usage(FILE *out)
             "  quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
             "                      requantise a GGUF file's float matrices to a type or a\n"
             "                      llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
+            "  perplexity -m MODEL -f TEXT [-c 512] [--kl-base FILE] [--backends LIST]\n"
+            "                      how well the model predicts a text, as llama.cpp measures it;\n"
+            "                      KL divergence against a base run; backends side by side\n"
             "  inspect MODEL [--json]\n"
             "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
             "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
@@ -530,20 +534,20 @@ int main(int argc, char **argv)
         return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
+    /* commands that run themselves again in child processes, one per backend */
+    char self[PATH_MAX];
+    ssize_t self_len = readlink("/proc/self/exe", self, sizeof self - 1);
+    self[self_len > 0 ? self_len : 0] = '\0';
+    const char *me = self_len > 0 ? self : argv[0];
     if (strcmp(cmd, "bench") == 0) {
         if (argc >= 3 && strcmp(argv[2], "serve") == 0)
             return loom_bench_serve_main(argc - 3, argv + 3);
-        if (argc >= 3 && strcmp(argv[2], "ops") == 0) {
-            char self[PATH_MAX];
-            ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-            self[n > 0 ? n : 0] = '\0';
-            return loom_bench_ops_main(argc - 3, argv + 3, n > 0 ? self : argv[0]);
-        }
-        char self[PATH_MAX];
-        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-        self[n > 0 ? n : 0] = '\0';
-        return loom_bench_main(argc - 2, argv + 2, n > 0 ? self : argv[0]);
+        if (argc >= 3 && strcmp(argv[2], "ops") == 0)
+            return loom_bench_ops_main(argc - 3, argv + 3, me);
+        return loom_bench_main(argc - 2, argv + 2, me);
     }
+    if (strcmp(cmd, "perplexity") == 0)
+        return loom_perplexity_main(argc - 2, argv + 2, me);
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         loom_registry reg;
         char err[512];

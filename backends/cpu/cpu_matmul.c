@@ -9,6 +9,9 @@
  *
  * Q4_0 W that went through cpu_prepare_weight has its rows interleaved (kern.h): threads then
  * take groups of KERN_RI rows, each a contiguous run of bytes, and X is quantised per block.
+ *
+ * The ABI 1.2 types (K-quants, IQ4, Q5) have X quantised per block the same way; each chunk of
+ * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X.
  */
 #include "cpu.h"
 #include "kern.h"
@@ -43,9 +46,10 @@ typedef struct mm_job {
     const float *bias;
     int split_m;              /* too few W rows to share: split X's rows instead */
     int nr_max;               /* weight rows per tile */
-    int dequant_w;            /* a type without int8 kernels yet (the ABI 1.2 ones): each
-                               * chunk of W rows is decoded to f32 once, then run as f32 */
-    float *wf;                /* per thread, CHUNK_ROWS x K floats for those chunks */
+    int unpacked;             /* an ABI 1.2 type: chunks of W rows unpacked (kern_kq.c) */
+    int kq_min;               /* its values have minimums */
+    unsigned char *kq_space;  /* per thread, CHUNK_ROWS unpacked rows */
+    size_t kq_thread_bytes;
 } mm_job;
 
 static unsigned char *data(const loom_tensor *t)
@@ -60,7 +64,7 @@ static void prepare_x(void *ctx, int ith, int nth)
     pool_split((long)j->M, ith, nth, &m0, &m1);
     for (long m = m0; m < m1; m++) {
         const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
-        if (j->kri)
+        if (j->kri || j->unpacked)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
 #if defined(LOOM_CPU_VARIANT_AVX512)
         else if (j->xpairs)
@@ -152,20 +156,29 @@ static void mm_rows(void *ctx, int ith, int nth)
     else
         pool_split((long)j->N, ith, nth, &n0, &n1);
     float out[KERN_NR * KERN_MR];
-    float *wf = j->wf ? j->wf + (size_t)ith * CHUNK_ROWS * (size_t)j->K : NULL;
+    int64_t nb = j->K / LOOM_QK;
+    kq_row rows[CHUNK_ROWS];
+    if (j->unpacked) { /* this thread's unpacked rows: chunks, then d, then dmin */
+        unsigned char *space = j->kq_space + (size_t)ith * j->kq_thread_bytes;
+        for (int r = 0; r < CHUNK_ROWS; r++) {
+            rows[r].c = (kq_chunk *)(void *)space + (size_t)(r * nb);
+            rows[r].d = (float *)(void *)(space + CHUNK_ROWS * (size_t)nb * sizeof(kq_chunk)) +
+                        (size_t)(r * nb);
+            rows[r].dmin = rows[r].d + CHUNK_ROWS * (size_t)nb;
+        }
+    }
     for (long c0 = n0; c0 < n1; c0 += CHUNK_ROWS) {
         long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
-        for (long n = c0; wf && n < c1; n++)
-            cpu_load_row(w->dtype, cpu_row(w, data(w), n), wf + (n - c0) * j->K, j->K);
+        for (long n = c0; j->unpacked && n < c1; n++)
+            kern_kq_unpack(w->dtype, cpu_row(w, data(w), n), j->K, &rows[n - c0]);
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
             int nr;
             for (long n = c0; n < c1; n += nr) {
                 nr = c1 - n < j->nr_max ? (int)(c1 - n) : j->nr_max;
                 const unsigned char *wrow = cpu_row(w, data(w), n);
-                if (wf)
-                    j->kf(LOOM_F32, (const unsigned char *)(wf + (n - c0) * j->K),
-                          (size_t)j->K * sizeof *wf, nr, j->xrows + m0, mr, j->K, out);
+                if (j->unpacked)
+                    kern_kq(&rows[n - c0], nr, j->kq_min, j->blocks + m0 * nb, nb, mr, out);
                 else if (j->kq)
                     j->kq(wrow, w->nb[1], nr, &j->act, m0, mr, out);
                 else
@@ -268,19 +281,22 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                     (p->w->nb[2] == p->w->nb[1] * (uint64_t)p->w->ne[1] &&
                      p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
-    j.dequant_w = loom_dtype_is_quantized(p->w->dtype) && !loom_dtype_is_block(p->w->dtype);
-    j.nr_max = (uniform_w || j.dequant_w) && !decode_quant ? KERN_NR : 1;
+    /* unpacked rows sit in cache, where several at a time only help */
+    j.unpacked = kern_kq_handles(p->w->dtype);
+    j.nr_max = (uniform_w && !decode_quant) || j.unpacked ? KERN_NR : 1;
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
-    if (prepared && wt == LOOM_Q4_0) {
+    if ((prepared && wt == LOOM_Q4_0) || j.unpacked) { /* X as act_blocks */
 #if KERN_RI
-        j.kri = VNNI_OR(cb, kern_q4_0_ri);
+        if (prepared)
+            j.kri = VNNI_OR(cb, kern_q4_0_ri);
+#endif
+        j.kq_min = kern_kq_has_min(wt);
         size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
         scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         j.blocks = scratch;
-#endif
     } else if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
         size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
         scratch = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);
@@ -322,10 +338,14 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     if (!scratch)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
                         (long long)j.M);
-    if (j.dequant_w && !(j.wf = malloc((size_t)nth * CHUNK_ROWS * (size_t)j.K * sizeof *j.wf))) {
-        free(scratch);
-        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to decode %s rows of %lld",
-                        loom_dtype_name(wt), (long long)j.K);
+    if (j.unpacked) {
+        j.kq_thread_bytes = CHUNK_ROWS * (size_t)(j.K / LOOM_QK) * (sizeof(kq_chunk) + 2 * sizeof(float));
+        j.kq_space = aligned_alloc(64, ((size_t)nth * j.kq_thread_bytes + 63) & ~(size_t)63);
+        if (!j.kq_space) {
+            free(scratch);
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to unpack %s rows "
+                            "of %lld", loom_dtype_name(wt), (long long)j.K);
+        }
     }
     if (!j.kf) { /* quantise X, or round it to BF16 */
         if (j.M * j.K >= 16384)
@@ -338,7 +358,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     else
         body(&j, 0, 1);
     free(scratch);
-    free(j.wf);
+    free(j.kq_space);
     return LOOM_OK;
 }
 

@@ -126,6 +126,28 @@ void kern_bf16_pack_x(const float *x, int64_t K, uint32_t *pairs);
 void kern_bf16_dp(const unsigned char *w, size_t gstride, int ng, int64_t K,
                   const uint32_t *const *x, int mr, float *out);
 
+/* ---- The ABI 1.2 weight types (kern_kq.c) ---------------------------------------------------
+ * Q2_K..Q6_K, IQ4_XS, Q5_0, Q5_1 and IQ4_NL rows are unpacked into one shape, 32 values at a
+ * time: the values as int8 (offsets folded in), an integer scale and minimum per 16 of them
+ * (vectors of 16, lanes 0-7 for values 0-15, 8-15 for 16-31), and float factors: value =
+ * d (sc v) - dmin mn. Then one kernel takes them all, against act_blocks. */
+typedef struct kq_chunk {
+    int8_t v[32];
+    int16_t sc[16];
+    int16_t mn[16]; /* only for types with a minimum (kern_kq_has_min) */
+} kq_chunk;
+typedef struct kq_row {
+    kq_chunk *c;     /* [K / 32] */
+    float *d, *dmin; /* [K / 32] */
+} kq_row;
+int kern_kq_handles(loom_dtype wt);
+int kern_kq_has_min(loom_dtype wt);
+void kern_kq_unpack(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *r);
+/* out[r * KERN_NR + i] = dot(row w[i], activation row r), i < nr, r < mr <= KERN_MR; a: the
+ * first activation row's nb blocks, rows nb blocks apart. */
+void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, int mr,
+             float *out);
+
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);
 /* The layout the kernels for weight type wt (with VNNI or not) expect. */

@@ -120,6 +120,10 @@ int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_
                   loom_generation *stats, char *err, size_t err_size);
 /* The logits of the last prompt position of the last loom_generate (n_vocab floats). */
 const float *loom_prompt_logits(const loom_model *m);
+/* Evaluates ids from position 0 of a fresh sequence and writes every position's logits to out
+ * (n rows of loom_model_n_vocab floats): what perplexity needs. Returns 0, or -1 with err. */
+int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, char *err,
+                     size_t err_size);
 
 /* Bytes of weights one decode step reads (all tensors but the embedding table, of which it
  * reads a row): what a memory-bandwidth roofline divides by. */
@@ -305,11 +309,14 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
                        loom_convert_progress_fn progress, void *user, char *err, size_t err_size);
 
 /* Writes a deterministic synthetic Llama-shaped model (random weights, a placeholder
- * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: f32, f16, bf16, q8_0,
- * q4_0, q4_1. Returns 0, or -1 with err. */
+ * vocabulary) to path. shape: one of loom_synthetic_shapes(); type: one of
+ * loom_synthetic_types() (every weight type; rows must be whole blocks of it). Returns 0, or -1
+ * with err. */
 int loom_write_synthetic_model(const char *path, const char *shape, const char *type, char *err,
                                size_t err_size);
 const char *loom_synthetic_shapes(void);
+/* The weight types it writes, space-separated. */
+const char *loom_synthetic_types(void);
 
 #ifdef __cplusplus
 }
