@@ -51,6 +51,16 @@ jq -e '.kl_base.kld_mean < 1e-6 and .kl_base.same_top == 1 and (.kl_base.ppl_rat
 jq -e '.kl_base.kld_mean > 0.001 and .kl_base.same_top < 1' "$tmpdir/q4.json" > /dev/null &&
     pass "q4_0 against f32: KLD $(jq -r '.kl_base.kld_mean' "$tmpdir/q4.json"), same top token $(jq -r '.kl_base.same_top' "$tmpdir/q4.json")" ||
     { fail "q4 KLD:"; cat "$tmpdir/q4.json" >&2; }
+# a base keeping only the top 8 logits: the rest is one bucket, so the KLD is a lower bound
+"$LOOM" perplexity -m "$model" -f "$text" -c 32 --save-logits "$tmpdir/top8.kld" --kl-top 8 --quiet > /dev/null ||
+    fail "--kl-top 8: exit $?"
+"$LOOM" perplexity -m "$tmpdir/q4.gguf" -f "$text" -c 32 --kl-base "$tmpdir/top8.kld" --json > "$tmpdir/q4top8.json" ||
+    fail "--kl-base (top 8): exit $?"
+jq -e --slurpfile full "$tmpdir/q4.json" '.kl_base.kld_exact == false and $full[0].kl_base.kld_exact == true
+        and .kl_base.kld_mean > 0 and .kl_base.kld_mean <= $full[0].kl_base.kld_mean
+        and .kl_base.same_top == $full[0].kl_base.same_top' "$tmpdir/q4top8.json" > /dev/null &&
+    pass "a top-8 base gives a lower bound ($(jq -r .kl_base.kld_mean "$tmpdir/q4top8.json")) of the exact KLD" ||
+    { fail "top-8 KLD is no lower bound:"; cat "$tmpdir/q4top8.json" >&2; }
 "$LOOM" perplexity -m "$tmpdir/q4.gguf" -f "$text" -c 16 --kl-base "$tmpdir/base.kld" > /dev/null 2> "$tmpdir/e1" &&
     fail "a base from another -c accepted"
 expect_grep "was saved from another run" "$tmpdir/e1" "a base from another run is refused, saying why"

@@ -9,11 +9,13 @@
  *   method from the NLL's standard error.
  *
  * KL divergence against a base run: --save-logits keeps, for every scored position, the base
- * model's 128 largest logits (ids and values), its log-sum-exp and the log-probability of the
- * actual next token (a full-vocabulary dump would be 4 x n_vocab bytes a position); --kl-base
- * reads it back on the run under test and compares the distributions over those 128 tokens plus
- * one bucket for the rest of the vocabulary (a coarsening, so the figure is a lower bound of
- * the full KL divergence; with the base's mass concentrated in its top 128 it is close).
+ * model's K largest logits (ids and values; K = --kl-top, 512 unless told, at most the
+ * vocabulary), its log-sum-exp and the log-probability of the actual next token (a
+ * full-vocabulary dump of a 150k vocabulary would be 600 KB a position); --kl-base reads it back
+ * on the run under test and compares the distributions over those K tokens plus one bucket for
+ * the rest of the vocabulary. Where K covers the vocabulary the figure is exact; otherwise the
+ * bucket is a coarsening, so the figure is a lower bound of the full KL divergence (close when
+ * the base's mass sits in its top K).
  *
  * --backends runs the same measurement on each backend in a child process of its own and
  * prints one table.
@@ -36,12 +38,12 @@
 
 extern char **environ;
 
-#define TOP_K 128
+#define DEFAULT_KL_TOP 512
 #define KLD_MAGIC "LOOMKLD1"
 
 typedef struct ppl_args {
     const char *model, *text, *save, *base, *backends, *backend, *kv;
-    long ctx, chunks, threads;
+    long ctx, chunks, threads, kl_top;
     int json, quiet;
 } ppl_args;
 
@@ -54,7 +56,9 @@ static void usage(FILE *out)
             "                     hold at least 2 x CTX tokens\n"
             "  -c CTX             tokens per chunk (default 512); each chunk's second half is scored\n"
             "  --chunks N         score only the first N chunks (default: all the text holds)\n"
-            "  --save-logits FILE keep this run's top-%d logits per scored position: the base\n"
+            "  --save-logits FILE keep this run's top-K logits per scored position: the base\n"
+            "  --kl-top K         K for --save-logits (default %d; a K as large as the\n"
+            "                     vocabulary makes the KL divergence exact, at 8 x K bytes a position)\n"
             "  --kl-base FILE     compare with a base run saved so: KL divergence, same top token,\n"
             "                     probability of the base's top token, PPL ratio\n"
             "  --backends LIST    all, or comma-separated names: each in its own process, one table\n"
@@ -62,7 +66,7 @@ static void usage(FILE *out)
             "  --kv-type f16|f32|q8_0  --threads N  --quiet (no running estimate)\n"
             "The method is llama.cpp's llama-perplexity's; the same file and text give the same\n"
             "figure within float noise.\n",
-            TOP_K);
+            DEFAULT_KL_TOP);
 }
 
 /* ---- The base run's logits ---------------------------------------------------------------- */
@@ -73,12 +77,20 @@ typedef struct kld_header {
     uint32_t tokens_hash; /* of every evaluated token: the same text, tokenised the same way */
 } kld_header;
 
+/* One scored position of the base run; its top_k ids and logits follow it in the file. */
 typedef struct kld_position {
-    float lse;          /* log-sum-exp of the logits */
-    float logp_next;    /* log-probability of the token that came next */
-    int32_t ids[TOP_K]; /* the largest logits, largest first */
-    float logits[TOP_K];
+    float lse;       /* log-sum-exp of the logits */
+    float logp_next; /* log-probability of the token that came next */
 } kld_position;
+
+static size_t kld_position_bytes(uint32_t top_k)
+{
+    return sizeof(kld_position) + (size_t)top_k * (sizeof(int32_t) + sizeof(float));
+}
+
+/* the largest logits, largest first, and their token ids */
+static int32_t *kld_ids(kld_position *p) { return (int32_t *)(p + 1); }
+static float *kld_logits(kld_position *p, uint32_t top_k) { return (float *)(kld_ids(p) + top_k); }
 
 static uint32_t hash_tokens(const int32_t *t, size_t n)
 {
@@ -89,14 +101,14 @@ static uint32_t hash_tokens(const int32_t *t, size_t n)
     return h;
 }
 
-/* the top k of x (n floats), largest first */
-static void top_k(const float *x, int32_t n, int32_t *ids, float *vals)
+/* the top want of x (n floats), largest first */
+static void top_k(const float *x, int32_t n, uint32_t want, int32_t *ids, float *vals)
 {
-    int k = 0;
+    uint32_t k = 0;
     for (int32_t i = 0; i < n; i++) {
-        if (k == TOP_K && x[i] <= vals[TOP_K - 1])
+        if (k == want && x[i] <= vals[want - 1])
             continue;
-        int at = k < TOP_K ? k++ : TOP_K - 1;
+        uint32_t at = k < want ? k++ : want - 1;
         while (at > 0 && vals[at - 1] < x[i]) {
             vals[at] = vals[at - 1], ids[at] = ids[at - 1];
             at--;
@@ -126,24 +138,28 @@ typedef struct kld_stats {
     long n;
 } kld_stats;
 
-static void compare_base(const kld_position *b, const float *logits, int32_t nv, double lse,
-                         kld_stats *k)
+static void compare_base(kld_position *b, uint32_t top_k, const float *logits, int32_t nv,
+                         double lse, kld_stats *k)
 {
+    const int32_t *ids = kld_ids(b);
+    const float *base_logits = kld_logits(b, top_k);
     double kl = 0, pb_rest = 1, pt_rest = 1;
-    for (int i = 0; i < TOP_K; i++) {
-        double pb = exp((double)b->logits[i] - b->lse), pt = exp((double)logits[b->ids[i]] - lse);
+    for (uint32_t i = 0; i < top_k; i++) {
+        double pb = exp((double)base_logits[i] - b->lse), pt = exp((double)logits[ids[i]] - lse);
         if (pb > 0)
             kl += pb * (log(pb) - log(pt > 1e-30 ? pt : 1e-30));
         pb_rest -= pb, pt_rest -= pt;
     }
-    if (pb_rest > 1e-12)
+    /* the rest of the vocabulary as one bucket; none where every token was kept (the float
+     * log-sum-exp would leave a phantom rest of its rounding error) */
+    if (top_k < (uint32_t)nv && pb_rest > 1e-12)
         kl += pb_rest * (log(pb_rest) - log(pt_rest > 1e-30 ? pt_rest : 1e-30));
     int32_t top = 0;
     for (int32_t i = 1; i < nv; i++)
         top = logits[i] > logits[top] ? i : top;
-    double dp = exp((double)logits[b->ids[0]] - lse) - exp((double)b->logits[0] - b->lse);
+    double dp = exp((double)logits[ids[0]] - lse) - exp((double)base_logits[0] - b->lse);
     k->sum += kl, k->sum2 += kl * kl;
-    k->same_top += top == b->ids[0];
+    k->same_top += top == ids[0];
     k->dp_sum += dp;
     k->dp_max = fabs(dp) > fabs(k->dp_max) ? dp : k->dp_max;
     k->base_nll += -b->logp_next;
@@ -181,7 +197,7 @@ static int run_one(const ppl_args *a)
     int32_t *tokens = NULL, *chunk = NULL;
     float *logits = NULL;
     FILE *save = NULL, *base = NULL;
-    kld_position *pos = NULL;
+    unsigned char *pos = NULL; /* a chunk's scored positions, pos_bytes each */
     kld_stats ks = {0};
     if (loom_model_n_ctx(m) < a->ctx) {
         fail("%s's context is %d tokens, less than -c %ld", a->model, loom_model_n_ctx(m), a->ctx);
@@ -208,11 +224,12 @@ static int run_one(const ppl_args *a)
     uint32_t hash = hash_tokens(tokens, (size_t)n_chunks * (size_t)ctx);
     if (!(chunk = malloc((size_t)ctx * sizeof *chunk)) ||
         !(logits = malloc((size_t)ctx * (size_t)nv * sizeof *logits)) ||
-        !(pos = malloc((size_t)per_chunk * sizeof *pos))) {
+        !(logits = malloc((size_t)ctx * (size_t)nv * sizeof *logits))) {
         fail("out of memory for %d x %d logits", ctx, nv);
         goto done;
     }
-    kld_header h = {KLD_MAGIC, (uint32_t)nv, (uint32_t)ctx, (uint32_t)n_chunks, TOP_K,
+    uint32_t kl_top = (uint32_t)(a->kl_top < nv ? a->kl_top : nv);
+    kld_header h = {KLD_MAGIC, (uint32_t)nv, (uint32_t)ctx, (uint32_t)n_chunks, kl_top,
                     (uint32_t)(n_chunks * per_chunk), hash};
     if (a->save && (!(save = fopen(a->save, "wb")) || fwrite(&h, sizeof h, 1, save) != 1)) {
         fail("cannot write %s: %s", a->save, strerror(errno));
@@ -225,13 +242,19 @@ static int run_one(const ppl_args *a)
             fail("%s is not a file --save-logits wrote", a->base);
             goto done;
         }
-        if (bh.n_vocab != h.n_vocab || bh.ctx != h.ctx || bh.top_k != TOP_K ||
+        if (bh.n_vocab != h.n_vocab || bh.ctx != h.ctx || bh.top_k < 1 || bh.top_k > bh.n_vocab ||
             bh.n_chunks < h.n_chunks || bh.tokens_hash != hash) {
             fail("%s was saved from another run (a vocabulary of %u, -c %u, %u chunks; this "
                  "run: %u, %u, %u, and the same text)", a->base, bh.n_vocab, bh.ctx, bh.n_chunks,
                  h.n_vocab, h.ctx, h.n_chunks);
             goto done;
         }
+        kl_top = bh.top_k; /* the base decides what was kept */
+    }
+    size_t pos_bytes = kld_position_bytes(kl_top);
+    if ((save || base) && !(pos = malloc((size_t)per_chunk * pos_bytes))) {
+        fail("out of memory for %d x %u saved logits", per_chunk, kl_top);
+        goto done;
     }
     double nll = 0, nll2 = 0;
     long count = 0;
@@ -246,7 +269,7 @@ static int run_one(const ppl_args *a)
             cJSON_Delete(per);
             goto done;
         }
-        if (base && fread(pos, sizeof *pos, (size_t)per_chunk, base) != (size_t)per_chunk) {
+        if (base && fread(pos, pos_bytes, (size_t)per_chunk, base) != (size_t)per_chunk) {
             fail("%s ends early", a->base);
             cJSON_Delete(per);
             goto done;
@@ -258,15 +281,15 @@ static int run_one(const ppl_args *a)
             double lp = (double)lg[next] - lse;
             nll += -lp, nll2 += lp * lp;
             count++;
-            kld_position *p = &pos[j - first];
+            kld_position *p = pos ? (kld_position *)(pos + (size_t)(j - first) * pos_bytes) : NULL;
             if (base)
-                compare_base(p, lg, nv, lse, &ks);
+                compare_base(p, kl_top, lg, nv, lse, &ks);
             if (save) {
                 p->lse = (float)lse, p->logp_next = (float)lp;
-                top_k(lg, nv, p->ids, p->logits);
+                top_k(lg, nv, kl_top, kld_ids(p), kld_logits(p, kl_top));
             }
         }
-        if (save && fwrite(pos, sizeof *pos, (size_t)per_chunk, save) != (size_t)per_chunk) {
+        if (save && fwrite(pos, pos_bytes, (size_t)per_chunk, save) != (size_t)per_chunk) {
             fail("cannot write %s: %s", a->save, strerror(errno));
             cJSON_Delete(per);
             goto done;
@@ -302,6 +325,8 @@ static int run_one(const ppl_args *a)
         if (ks.n) {
             cJSON *k = cJSON_AddObjectToObject(o, "kl_base");
             cJSON_AddNumberToObject(k, "kld_mean", kld);
+            cJSON_AddNumberToObject(k, "kld_top", kl_top);
+            cJSON_AddBoolToObject(k, "kld_exact", kl_top == (uint32_t)nv);
             cJSON_AddNumberToObject(k, "kld_error", kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0);
             cJSON_AddNumberToObject(k, "same_top", ks.same_top / (double)ks.n);
             cJSON_AddNumberToObject(k, "top_p_diff_mean", ks.dp_sum / (double)ks.n);
@@ -319,10 +344,15 @@ static int run_one(const ppl_args *a)
         printf("Final estimate: PPL = %.4f +/- %.5f\n", ppl, ppl_err);
         if (ks.n) {
             double pb = exp(ks.base_nll / (double)ks.n);
-            printf("against %s: PPL ratio %.4f (base %.4f), mean KLD %.6f +/- %.6f (top %d + rest), "
+            char over[64];
+            if (kl_top == (uint32_t)nv)
+                snprintf(over, sizeof over, "the whole vocabulary");
+            else
+                snprintf(over, sizeof over, "top %u + rest: a lower bound", kl_top);
+            printf("against %s: PPL ratio %.4f (base %.4f), mean KLD %.6f +/- %.6f (%s), "
                    "same top token %.2f%%, p(base top) %+.4f mean, %+.4f at most\n", a->base,
                    ppl / pb, pb, kld, kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0,
-                   TOP_K, 100 * ks.same_top / (double)ks.n, ks.dp_sum / (double)ks.n, ks.dp_max);
+                   over, 100 * ks.same_top / (double)ks.n, ks.dp_sum / (double)ks.n, ks.dp_max);
         }
     }
     cJSON_Delete(per);
@@ -439,7 +469,7 @@ static int run_backends(const char *self, const ppl_args *a)
 int loom_perplexity_main(int argc, char **argv, const char *self);
 int loom_perplexity_main(int argc, char **argv, const char *self)
 {
-    ppl_args a = {.ctx = 512};
+    ppl_args a = {.ctx = 512, .kl_top = DEFAULT_KL_TOP};
     for (int i = 0; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--json")) { a.json = 1; continue; }
@@ -454,6 +484,7 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
         else if (!strcmp(f, "--backend")) a.backend = v;
         else if (!strcmp(f, "--kv-type")) a.kv = v;
         else if (!strcmp(f, "-c")) { if (loom_arg_long("loom perplexity", f, v, 4, 1 << 20, &a.ctx)) return 2; }
+        else if (!strcmp(f, "--kl-top")) { if (loom_arg_long("loom perplexity", f, v, 1, 1 << 24, &a.kl_top)) return 2; }
         else if (!strcmp(f, "--chunks")) { if (loom_arg_long("loom perplexity", f, v, 0, 1 << 30, &a.chunks)) return 2; }
         else if (!strcmp(f, "--threads")) { if (loom_arg_long("loom perplexity", f, v, 1, 1024, &a.threads)) return 2; }
         else {

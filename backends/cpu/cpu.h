@@ -83,6 +83,16 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
 void cpu_detect(cpu_features *f);
 int cpu_level_supported(const cpu_features *f, int level, char *why, size_t why_size);
 
+/* cpu_threads.c (baseline code): the thread count when neither the caller nor LOOM_THREADS
+ * says: physical cores in the affinity mask, capped by the cgroup CPU quota rounded up */
+typedef struct cpu_thread_default {
+    int threads, cores;
+    double quota;           /* CPUs the cgroup quota allows; 0 when unlimited */
+    char quota_source[40];  /* which file set it: "cgroup cpu.max", ... */
+} cpu_thread_default;
+void cpu_default_threads(cpu_thread_default *out);
+void cpu_describe_threads(const cpu_thread_default *t, char *out, size_t n);
+
 /* cpu_backend.c (variant code): called only when the level is supported */
 loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,
                                loom_backend **out, char *err, size_t err_size);

@@ -13,7 +13,6 @@
 
 #include <errno.h>
 #include <math.h>
-#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -748,45 +747,6 @@ static void cpu_close(loom_backend *be)
     free(be);
 }
 
-/* Physical cores this process may run on: distinct (package, core) pairs in its affinity
- * mask, so SMT siblings, which share the core's SIMD units, do not count twice. */
-static int physical_cores(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) != 0)
-        return 1;
-    long seen[CPU_SETSIZE];
-    int n = 0;
-    for (int c = 0; c < CPU_SETSIZE; c++) {
-        if (!CPU_ISSET(c, &set))
-            continue;
-        long core = c, pkg = 0;
-        char path[128];
-        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/core_id", c);
-        FILE *f = fopen(path, "r");
-        if (f) {
-            if (fscanf(f, "%ld", &core) != 1)
-                core = c;
-            fclose(f);
-        }
-        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/physical_package_id",
-                 c);
-        f = fopen(path, "r");
-        if (f) {
-            if (fscanf(f, "%ld", &pkg) != 1)
-                pkg = 0;
-            fclose(f);
-        }
-        long key = pkg * 100000 + core;
-        int dup = 0;
-        for (int i = 0; i < n && !dup; i++)
-            dup = seen[i] == key;
-        if (!dup)
-            seen[n++] = key;
-    }
-    return n > 0 ? n : 1;
-}
-
 static const loom_backend_ops cpu_ops = {
     .struct_size = sizeof(loom_backend_ops),
     .close = cpu_close,
@@ -836,8 +796,11 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         }
         n = (int)v;
     }
-    if (n <= 0)
-        n = physical_cores();
+    if (n <= 0) {
+        cpu_thread_default t;
+        cpu_default_threads(&t);
+        n = t.threads;
+    }
     cpu_backend *cb = calloc(1, sizeof *cb);
     if (!cb) {
         snprintf(err, err_size, "out of host memory");

@@ -160,10 +160,21 @@ int cpu_level_supported(const cpu_features *f, int level, char *why, size_t why_
 
 static void describe(const cpu_features *f, char *out, size_t n)
 {
-    snprintf(out, n, "%s%s%s%s%s%s", f->avx512f ? "avx512" : f->avx2 ? "avx2" : "baseline",
-             f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
-             f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
-             f->masked ? getenv("LOOM_CPU_MASK") : "");
+    char threads[96];
+    const char *env = getenv("LOOM_THREADS");
+    if (env && *env) {
+        snprintf(threads, sizeof threads, "LOOM_THREADS=%s", env);
+    } else {
+        cpu_thread_default t;
+        cpu_default_threads(&t);
+        cpu_describe_threads(&t, threads, sizeof threads);
+    }
+    int used = snprintf(out, n, "%s%s%s%s%s%s", f->avx512f ? "avx512" : f->avx2 ? "avx2" : "baseline",
+                        f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
+                        f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
+                        f->masked ? getenv("LOOM_CPU_MASK") : "");
+    if (used >= 0 && (size_t)used + 3 < n) /* a long mask may leave no room: it matters more */
+        snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), threads);
 }
 
 static void cpu_probe(loom_probe_result *out)
