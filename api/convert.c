@@ -656,6 +656,20 @@ int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
     return fd; /* the caller keeps it open while the model is mapped, then closes it */
 }
 
+int loom_open_model_file(const char *path, loom_gguf *g, loom_convert_progress_fn progress,
+                         void *user, char *err, size_t err_size)
+{
+    if (!loom_is_model_dir(path))
+        return loom_gguf_open(g, path, err, err_size);
+    char mem[64];
+    int fd = loom_convert_in_memory(path, mem, sizeof mem, progress, user, err, err_size);
+    if (fd < 0)
+        return -1;
+    int rc = loom_gguf_open(g, mem, err, err_size);
+    close(fd); /* the mapping keeps the in-memory file alive */
+    return rc;
+}
+
 void loom_progress_stderr(void *user, int done, int total, const char *what)
 {
     const char *label = user ? (const char *)user : "converting";

@@ -69,24 +69,16 @@ static void shape_text(const loom_gguf_tensor *t, char *out, size_t n)
 int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size)
 {
     loom_gguf g;
-    if (loom_is_model_dir(path)) {
-        char mem[64];
-        int fd = loom_convert_in_memory(path, mem, sizeof mem, NULL, NULL, err, err_size);
-        if (fd < 0)
-            return -1;
-        int rc = loom_gguf_open(&g, mem, err, err_size);
-        close(fd);
-        if (rc != 0)
-            return -1;
-    } else if (loom_gguf_open(&g, path, err, err_size) != 0) {
+    if (loom_open_model_file(path, &g, NULL, NULL, err, err_size) != 0)
         return -1;
-    }
     const char *arch = "unknown";
     uint64_t arch_len = 7;
     loom_gguf_get_str(&g, "general.architecture", &arch, &arch_len);
     uint64_t total = 0;
     for (uint64_t i = 0; i < g.n_tensors; i++)
         total += g.tensors[i].size;
+    uint64_t first_bad = 0;
+    int64_t bad = loom_gguf_check_checksums(&g, &first_bad);
 
     if (json) {
         cJSON *root = cJSON_CreateObject();
@@ -116,6 +108,14 @@ int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_si
         }
         cJSON_AddNumberToObject(root, "tensor_bytes", (double)total);
         cJSON_AddBoolToObject(root, "data_inside_file", 1);
+        cJSON *sum = cJSON_AddObjectToObject(root, "checksum");
+        cJSON_AddBoolToObject(sum, "stored", bad != -2);
+        if (bad != -2) {
+            cJSON_AddStringToObject(sum, "algorithm", LOOM_GGUF_CHECKSUM_ALGORITHM);
+            cJSON_AddBoolToObject(sum, "matches", bad == 0);
+            if (bad > 0)
+                cJSON_AddStringToObject(sum, "first_mismatch", g.tensors[first_bad].name);
+        }
         char *s = cJSON_Print(root);
         fprintf(out, "%s\n", s ? s : "{}");
         free(s);
@@ -170,6 +170,18 @@ int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_si
         if (counts[t])
             fprintf(out, " %u %s", counts[t], loom_ggml_type_name((uint32_t)t));
     fprintf(out, "\n%llu bytes of tensor data, all inside the file\n", (unsigned long long)total);
+    if (bad == -2)
+        fprintf(out, "checksums: none stored (loom stores them in the files it writes)\n");
+    else if (bad == -1)
+        fprintf(out, "checksums: %s is damaged\n", LOOM_GGUF_CHECKSUM_KEY);
+    else if (bad == 0)
+        fprintf(out, "checksums: %s per tensor, all %llu match\n", LOOM_GGUF_CHECKSUM_ALGORITHM,
+                (unsigned long long)g.n_tensors);
+    else
+        fprintf(out, "checksums: %lld of %llu tensors DIFFER from the stored %s sums, the first "
+                "'%s': the file was damaged (loom verify says more)\n", (long long)bad,
+                (unsigned long long)g.n_tensors, LOOM_GGUF_CHECKSUM_ALGORITHM,
+                g.tensors[first_bad].name);
     loom_gguf_close(&g);
     return 0;
 }

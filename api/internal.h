@@ -13,6 +13,11 @@
 int loom_convert_in_memory(const char *dir, char *out, size_t out_size,
                            loom_convert_progress_fn progress, void *user, char *err,
                            size_t err_size);
+/* A GGUF file, or a Hugging Face folder converted in memory, opened as a GGUF. Returns 0, or -1
+ * with err. */
+struct loom_gguf;
+int loom_open_model_file(const char *path, struct loom_gguf *g, loom_convert_progress_fn progress,
+                         void *user, char *err, size_t err_size);
 /* A weight type by its name (f32, f16, bf16, q8_0, q4_0, q4_1): 0, or -1 when it is none. */
 int loom_parse_weight_type(const char *name, loom_dtype *t);
 

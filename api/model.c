@@ -113,18 +113,8 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (loom_is_model_dir(path)) {
-        char mem[64];
-        int fd = loom_convert_in_memory(path, mem, sizeof mem, loom_progress_stderr, NULL, err, err_size);
-        if (fd < 0)
-            goto fail;
-        int rc = loom_gguf_open(&m->gguf, mem, err, err_size);
-        close(fd);
-        if (rc != 0)
-            goto fail;
-    } else if (loom_gguf_open(&m->gguf, path, err, err_size) != 0) {
+    if (loom_open_model_file(path, &m->gguf, loom_progress_stderr, NULL, err, err_size) != 0)
         goto fail;
-    }
     const char *arch;
     uint64_t arch_len;
     char arch_name[64] = "";
@@ -389,16 +379,7 @@ loom_vocab *loom_vocab_open(const char *path, char *err, size_t err_size)
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    int rc;
-    if (loom_is_model_dir(path)) {
-        char mem[64];
-        int fd = loom_convert_in_memory(path, mem, sizeof mem, NULL, NULL, err, err_size);
-        rc = fd < 0 ? -1 : loom_gguf_open(&v->gguf, mem, err, err_size);
-        if (fd >= 0)
-            close(fd);
-    } else {
-        rc = loom_gguf_open(&v->gguf, path, err, err_size);
-    }
+    int rc = loom_open_model_file(path, &v->gguf, NULL, NULL, err, err_size);
     if (rc != 0 || !(v->tok = loom_tokenizer_from_gguf(&v->gguf, err, err_size))) {
         loom_vocab_close(v);
         return NULL;

@@ -21,6 +21,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #define GGUF_MAGIC 0x46554747u /* "GGUF" */
 #define GGUF_DEFAULT_ALIGNMENT 32
@@ -512,6 +513,46 @@ int loom_gguf_array_f64(const loom_gguf *g, const loom_gguf_kv *kv, uint64_t i, 
     return 0;
 }
 
+/* ---- Checksums ---------------------------------------------------------------------------- */
+
+uint64_t loom_gguf_checksum(const void *data, uint64_t size)
+{
+    return XXH3_64bits(data, (size_t)size);
+}
+
+
+int loom_gguf_stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv)
+{
+    *kv = loom_gguf_find(g, LOOM_GGUF_CHECKSUM_KEY);
+    if (!*kv)
+        return 0;
+    const char *algo;
+    uint64_t len;
+    if (loom_gguf_get_str(g, LOOM_GGUF_CHECKSUM_ALGORITHM_KEY, &algo, &len) != 0 ||
+        len != strlen(LOOM_GGUF_CHECKSUM_ALGORITHM) ||
+        memcmp(algo, LOOM_GGUF_CHECKSUM_ALGORITHM, len) != 0 || (*kv)->type != LOOM_GGUF_ARRAY ||
+        (*kv)->array_type != LOOM_GGUF_UINT64 || (*kv)->count != g->n_tensors)
+        return -1;
+    return 1;
+}
+
+int64_t loom_gguf_check_checksums(const loom_gguf *g, uint64_t *first)
+{
+    const loom_gguf_kv *kv;
+    int has = loom_gguf_stored_checksums(g, &kv);
+    if (has <= 0)
+        return has == 0 ? -2 : -1;
+    int64_t bad = 0;
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const loom_gguf_tensor *t = &g->tensors[i];
+        uint64_t stored;
+        memcpy(&stored, g->map + kv->offset + 8 * i, 8);
+        if (loom_gguf_checksum(g->map + t->offset, t->size) != stored && !bad++)
+            *first = i;
+    }
+    return bad;
+}
+
 /* ---- Writing ------------------------------------------------------------------------------ */
 
 typedef struct wkv {
@@ -697,9 +738,38 @@ static int pad(FILE *f, uint64_t *pos, uint32_t alignment)
     return 0;
 }
 
+/* Drops the checksum keys a copied header brought and adds this file's. */
+static int add_checksums(loom_gguf_writer *w)
+{
+    uint64_t kept = 0;
+    for (uint64_t i = 0; i < w->n_kv; i++) {
+        if (!strcmp(w->kv[i].key, LOOM_GGUF_CHECKSUM_KEY) ||
+            !strcmp(w->kv[i].key, LOOM_GGUF_CHECKSUM_ALGORITHM_KEY)) {
+            free(w->kv[i].key), free(w->kv[i].bytes);
+            continue;
+        }
+        w->kv[kept++] = w->kv[i];
+    }
+    w->n_kv = kept;
+    uint64_t *sums = malloc((w->n_t ? w->n_t : 1) * sizeof *sums);
+    if (!sums)
+        return -1;
+    for (uint64_t i = 0; i < w->n_t; i++)
+        sums[i] = loom_gguf_checksum(w->t[i].data, w->t[i].size);
+    int rc = loom_gguf_set_str(w, LOOM_GGUF_CHECKSUM_ALGORITHM_KEY, LOOM_GGUF_CHECKSUM_ALGORITHM) |
+             add_kv(w, LOOM_GGUF_CHECKSUM_KEY, LOOM_GGUF_ARRAY, LOOM_GGUF_UINT64, w->n_t, sums,
+                    w->n_t * 8);
+    free(sums);
+    return rc;
+}
+
 int loom_gguf_write(loom_gguf_writer *w, const char *path, char *err, size_t err_size)
 {
     const uint32_t alignment = GGUF_DEFAULT_ALIGNMENT;
+    if (add_checksums(w) != 0) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
     FILE *f = fopen(path, "wb");
     if (!f) {
         snprintf(err, err_size, "%s: %s", path, strerror(errno));

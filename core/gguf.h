@@ -97,6 +97,22 @@ const char *loom_gguf_type_name(loom_gguf_type t);
 const char *loom_ggml_type_name(uint32_t type);
 int loom_ggml_type_size(uint32_t type, int64_t *block_elems, int64_t *block_bytes);
 
+/* ---- Checksums ------------------------------------------------------------------------- */
+
+/* Every file loom_gguf_write writes carries one XXH3-64 per tensor, of its data bytes, in tensor
+ * order (other readers ignore `loom.` keys), so that `loom verify` can say which tensor a
+ * damaged file lost. */
+#define LOOM_GGUF_CHECKSUM_ALGORITHM_KEY "loom.checksum.algorithm"
+#define LOOM_GGUF_CHECKSUM_ALGORITHM "xxh3-64"
+#define LOOM_GGUF_CHECKSUM_KEY "loom.checksum.tensors"
+uint64_t loom_gguf_checksum(const void *data, uint64_t size);
+/* The checksums stored in g: 1 with *kv the u64 array (one per tensor), 0 when there are none,
+ * -1 when they are malformed (another algorithm, or a count that is not the tensors'). */
+int loom_gguf_stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv);
+/* Recomputes every tensor's checksum: the number that differ from the stored ones (*first: the
+ * first of them), or loom_gguf_stored_checksums's 0 / -1 as -2 (none) / -1 (malformed). */
+int64_t loom_gguf_check_checksums(const loom_gguf *g, uint64_t *first);
+
 /* ---- Writing --------------------------------------------------------------------------- */
 
 typedef struct loom_gguf_writer loom_gguf_writer;
@@ -119,7 +135,8 @@ int loom_gguf_copy_kv(loom_gguf_writer *w, const loom_gguf *g, const loom_gguf_k
 /* A tensor; data (size bytes for its type and shape) must stay valid until write. */
 int loom_gguf_add_tensor(loom_gguf_writer *w, const char *name, uint32_t type, uint32_t n_dims,
                          const int64_t *ne, const void *data);
-/* Writes the file (version 3, alignment 32). Returns 0, or -1 with err. */
+/* Writes the file (version 3, alignment 32) with fresh tensor checksums (replacing any the
+ * metadata copied from another file). Returns 0, or -1 with err. */
 int loom_gguf_write(loom_gguf_writer *w, const char *path, char *err, size_t err_size);
 
 #endif

@@ -1,6 +1,8 @@
 # tests/deployment.sh - what production machines do to loom: a container's CPU quota caps the
 # CPU backend's default thread count (fake cgroup v1 and v2 files stand in for a container,
-# through the test-only LOOM_TEST_SYSROOT prefix).
+# through the test-only LOOM_TEST_SYSROOT prefix); `loom verify` finds a truncated file, a
+# flipped byte (by the checksum loom stores), a NaN weight and a special id past the vocabulary,
+# each named with its location.
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH LOOM_THREADS LOOM_CPU_MASK
 
@@ -58,4 +60,68 @@ expect_threads "unreadable cgroup files: no cap" 100000 "cores in the affinity m
 fake_cgroup "0::/" sys/fs/cgroup/cpu.max "50000 100000"
 LOOM_THREADS=3 LOOM_TEST_SYSROOT=$root "$LOOM" backends | grep -q "LOOM_THREADS=3" &&
     pass "LOOM_THREADS is named on the device line when set" || fail "LOOM_THREADS not shown"
+
+# ---- loom verify: a damaged file is found and the damage located
+src="$FIXTURES/stories260K/original/stories260K.gguf"
+need_fixture "$src"
+good="$tmpdir/good.gguf"
+"$LOOM" quantize "$src" "$good" --type f32 --quiet > /dev/null 2>&1 || fail "quantize to f32"
+"$LOOM" verify "$good" > "$tmpdir/v0.txt" 2>&1 && pass "a file loom wrote verifies" ||
+    { fail "a sound file: exit $?"; cat "$tmpdir/v0.txt" >&2; }
+expect_grep "^ok *checksum *all 48 tensors match" "$tmpdir/v0.txt" "its checksums are checked"
+"$LOOM" verify "$src" > "$tmpdir/v1.txt" 2>&1 && grep -q "^skipped *checksum" "$tmpdir/v1.txt" &&
+    pass "a file written elsewhere verifies, its missing checksums said" ||
+    { fail "the fixture itself:"; cat "$tmpdir/v1.txt" >&2; }
+"$LOOM" inspect "$good" | grep -q "checksums: xxh3-64 per tensor, all 48 match" &&
+    pass "loom inspect shows the checksums match" || fail "loom inspect: no checksum line"
+
+# a tensor's offset in the file (from loom inspect --json)
+offset_of() { "$LOOM" inspect "$1" --json | jq -r --arg n "$2" '.tensors[] | select(.name == $n) | .offset'; }
+# poke FILE OFFSET HEXBYTES: overwrite bytes in place
+poke() { printf "$(echo "$3" | sed 's/../\\x&/g')" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none; }
+
+# a download cut short
+size=$(wc -c < "$good")
+head -c $((size - 5000)) "$good" > "$tmpdir/cut.gguf"
+"$LOOM" verify "$tmpdir/cut.gguf" > "$tmpdir/v2.txt" 2>&1
+[ $? -eq 1 ] && grep -q "^PROBLEM *file .*truncated" "$tmpdir/v2.txt" &&
+    pass "a truncated file: $(grep PROBLEM "$tmpdir/v2.txt" | cut -c 21-140)" ||
+    { fail "truncated file:"; cat "$tmpdir/v2.txt" >&2; }
+
+# a flipped byte inside a weight: only the checksum can tell
+cp "$good" "$tmpdir/flip.gguf"
+off=$(offset_of "$good" blk.3.ffn_up.weight)
+poke "$tmpdir/flip.gguf" $((off + 101)) 3f
+"$LOOM" verify "$tmpdir/flip.gguf" > "$tmpdir/v3.txt" 2>&1
+[ $? -eq 1 ] && grep -q "^PROBLEM *checksum *tensor 'blk.3.ffn_up.weight'" "$tmpdir/v3.txt" &&
+    pass "a flipped byte: the checksum names blk.3.ffn_up.weight" ||
+    { fail "flipped byte:"; cat "$tmpdir/v3.txt" >&2; }
+"$LOOM" inspect "$tmpdir/flip.gguf" | grep -q "DIFFER.*blk.3.ffn_up.weight" &&
+    pass "loom inspect says the checksum no longer matches" || fail "loom inspect missed the flip"
+
+# a NaN weight (f32 quiet NaN, little-endian), element 5 of a norm
+cp "$good" "$tmpdir/nan.gguf"
+off=$(offset_of "$good" blk.1.attn_norm.weight)
+poke "$tmpdir/nan.gguf" $((off + 20)) 0000c07f
+"$LOOM" verify "$tmpdir/nan.gguf" > "$tmpdir/v4.txt" 2>&1
+[ $? -eq 1 ] && grep -q "^PROBLEM *values *tensor 'blk.1.attn_norm.weight' holds NaN at element 5 " "$tmpdir/v4.txt" &&
+    pass "a NaN weight: named with its tensor and element" ||
+    { fail "NaN weight:"; cat "$tmpdir/v4.txt" >&2; }
+
+# a special id past the vocabulary (the u32 after the key and its type)
+cp "$good" "$tmpdir/bos.gguf"
+key=tokenizer.ggml.bos_token_id
+at=$(grep -obUa "$key" "$good" | head -1 | cut -d: -f1)
+poke "$tmpdir/bos.gguf" $((at + ${#key} + 4)) 0f270000
+"$LOOM" verify "$tmpdir/bos.gguf" > "$tmpdir/v5.txt" 2>&1
+[ $? -eq 1 ] && grep -q "^PROBLEM *tokenizer *$key is 9999, but the vocabulary has 512 tokens" "$tmpdir/v5.txt" &&
+    pass "a special id past the vocabulary is named" || { fail "bos id 9999:"; cat "$tmpdir/v5.txt" >&2; }
+
+"$LOOM" verify "$tmpdir/nan.gguf" --json > "$tmpdir/v6.json"
+jq -e '.ok == false and .problems >= 1 and ([.checks[] | select(.status == "problem") | .check] | index("values") != null)' \
+    "$tmpdir/v6.json" > /dev/null && pass "--json: ok false, the problem checks listed" ||
+    { fail "--json:"; cat "$tmpdir/v6.json" >&2; }
+"$LOOM" verify "$tmpdir/nosuch.gguf" > "$tmpdir/v7.txt" 2>&1
+[ $? -eq 1 ] && expect_grep "nosuch.gguf" "$tmpdir/v7.txt" "a missing file is named" || fail "missing file: exit not 1"
+"$LOOM" verify > /dev/null 2>&1; [ $? -eq 2 ] && pass "no file: usage error" || fail "no file: exit not 2"
 finish

@@ -60,6 +60,9 @@ static void usage(FILE *out)
             "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
             "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
             "                      types; checks the data is all there\n"
+            "  verify MODEL [--json]\n"
+            "                      read every byte: structure, loom's checksums, NaN/Inf weights,\n"
+            "                      layer shapes, hyper-parameters, tokenizer against vocabulary\n"
             "  version             loom's version, git commit, backend ABI and module directories\n"
             "  help                this text\n"
             "\n"
@@ -489,6 +492,64 @@ static int cmd_inspect(int argc, char **argv)
     return 0;
 }
 
+typedef struct verify_out {
+    int json;
+    cJSON *checks;
+} verify_out;
+
+static void verify_line(void *user, const char *check, loom_check_status st, const char *message)
+{
+    verify_out *o = user;
+    static const char *const names[] = {"ok", "PROBLEM", "skipped"};
+    if (!o->json) {
+        printf("%-8s %-10s %s\n", names[st], check, message);
+        fflush(stdout);
+        return;
+    }
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddStringToObject(c, "check", check);
+    cJSON_AddStringToObject(c, "status", st == LOOM_CHECK_PROBLEM ? "problem" : names[st]);
+    cJSON_AddStringToObject(c, "message", message);
+    cJSON_AddItemToArray(o->checks, c);
+}
+
+static int cmd_verify(int argc, char **argv)
+{
+    verify_out o = {0};
+    const char *path = NULL;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0)
+            o.json = 1;
+        else if (argv[i][0] == '-' || path) {
+            fprintf(stderr, "loom verify: unexpected argument '%s' (usage: loom verify MODEL "
+                            "[--json])\n", argv[i]);
+            return 2;
+        } else
+            path = argv[i];
+    }
+    if (!path) {
+        fprintf(stderr, "loom verify: which model? (usage: loom verify MODEL [--json])\n");
+        return 2;
+    }
+    o.checks = cJSON_CreateArray();
+    int problems = loom_verify(path, verify_line, &o);
+    if (o.json) {
+        cJSON *root = cJSON_CreateObject();
+        cJSON_AddStringToObject(root, "file", path);
+        cJSON_AddBoolToObject(root, "ok", problems == 0);
+        cJSON_AddNumberToObject(root, "problems", problems);
+        cJSON_AddItemToObject(root, "checks", o.checks);
+        char *s = cJSON_Print(root);
+        printf("%s\n", s ? s : "{}");
+        free(s);
+        cJSON_Delete(root);
+    } else {
+        cJSON_Delete(o.checks);
+        printf("%s: %s\n", path, problems ? "DAMAGED (see PROBLEM above)" : "verified");
+    }
+    return problems ? 1 : 0;
+}
+
 static int cmd_backends(int argc, char **argv)
 {
     int json = 0;
@@ -534,6 +595,8 @@ int main(int argc, char **argv)
         return cmd_convert(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
+    if (strcmp(cmd, "verify") == 0)
+        return cmd_verify(argc - 2, argv + 2);
     /* commands that run themselves again in child processes, one per backend */
     char self[PATH_MAX];
     ssize_t self_len = readlink("/proc/self/exe", self, sizeof self - 1);

@@ -31,6 +31,20 @@ int loom_backends_report(FILE *out, int json, char *err, size_t err_size);
  * written then). */
 int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size);
 
+/* Checks that a model file (or a Hugging Face folder) is whole, reading every byte: the GGUF
+ * structure, the per-tensor checksums loom stores when it writes a file, that no weight is NaN
+ * or Inf, that every layer is shaped as layer 0 and the family's hyper-parameters agree, and
+ * that the tokenizer's size and special ids fit the vocabulary. Each check is reported through
+ * report once, with the first problem's location. Returns the number of problems (0: whole). */
+typedef enum loom_check_status {
+    LOOM_CHECK_OK,
+    LOOM_CHECK_PROBLEM,
+    LOOM_CHECK_SKIPPED, /* does not apply to this file (the message says why) */
+} loom_check_status;
+typedef void (*loom_verify_fn)(void *user, const char *check, loom_check_status status,
+                               const char *message);
+int loom_verify(const char *path, loom_verify_fn report, void *user);
+
 /* ---- Running a model ------------------------------------------------------------------- */
 
 #include <stdint.h>
