@@ -555,13 +555,13 @@ static int apply_cpu_env(loom_registry *reg, char *err, size_t err_size)
             return -1;
         }
     }
-    /* LOOM_CPU_MASK is read by the CPU modules' probes; a value they could not read makes
-     * every variant unusable with that reason, which must stop loom rather than let it fall
-     * back quietly to another backend */
+    /* LOOM_CPU_MASK and LOOM_NUMA are read by the CPU modules' probes; a value they could not
+     * read makes every variant unusable with that reason, which must stop loom rather than let
+     * it fall back quietly to another backend */
     for (int i = 0; i < reg->count; i++) {
         const loom_candidate *c = &reg->items[i];
         if (!strcmp(c->name, "cpu") && c->state == LOOM_CAND_UNUSABLE &&
-            !strncmp(c->reason, "LOOM_CPU_MASK=", 14)) {
+            (!strncmp(c->reason, "LOOM_CPU_MASK=", 14) || !strncmp(c->reason, "LOOM_NUMA=", 10))) {
             set_err(err, err_size, "%s", c->reason);
             return -1;
         }

@@ -1,6 +1,6 @@
 # tests/deployment.sh - what production machines do to loom: a container's CPU quota caps the
 # CPU backend's default thread count (fake cgroup v1 and v2 files stand in for a container,
-# through the test-only LOOM_TEST_SYSROOT prefix); `loom verify` finds a truncated file, a
+# through the test-only LOOM_TEST_SYSROOT prefix); a fake two-node NUMA machine; `loom verify` finds a truncated file, a
 # flipped byte (by the checksum loom stores), a NaN weight and a special id past the vocabulary,
 # each named with its location.
 . "$top_srcdir/tests/lib.sh"
@@ -60,6 +60,35 @@ expect_threads "unreadable cgroup files: no cap" 100000 "cores in the affinity m
 fake_cgroup "0::/" sys/fs/cgroup/cpu.max "50000 100000"
 LOOM_THREADS=3 LOOM_TEST_SYSROOT=$root "$LOOM" backends | grep -q "LOOM_THREADS=3" &&
     pass "LOOM_THREADS is named on the device line when set" || fail "LOOM_THREADS not shown"
+
+# ---- NUMA: a fake two-node machine (one CPU per node) is shown, and LOOM_NUMA=local binds the
+# workers without changing a token (tests/test_numa checks the plan and the binding itself)
+story="$FIXTURES/stories260K/original/stories260K.gguf"
+need_fixture "$story"
+if [ "$(nproc)" -ge 2 ]; then
+    fake_cgroup "0::/"
+    cpus=$(sed -n 's/^Cpus_allowed_list:[[:space:]]*//p' /proc/self/status)
+    first=$(echo "$cpus" | sed 's/[-,].*//')
+    mkdir -p "$root/sys/devices/system/node/node0" "$root/sys/devices/system/node/node1"
+    echo "$first" > "$root/sys/devices/system/node/node0/cpulist"
+    echo "$cpus" | sed "s/^$first,//; s/^$first-/$((first + 1))-/" > "$root/sys/devices/system/node/node1/cpulist"
+    case "$(device_detail)" in
+        *"2 NUMA nodes ("*"cpus), interleave (simulated)"*) pass "two fake NUMA nodes shown, interleave by default: $(device_detail | sed 's/.*; //')" ;;
+        *) fail "fake NUMA nodes: '$(device_detail)'" ;;
+    esac
+    LOOM_NUMA=local device_detail | grep -q "local (simulated)" && pass "LOOM_NUMA=local is shown" ||
+        fail "LOOM_NUMA=local not shown"
+    "$LOOM" run -m "$story" -p "Once upon a time" -n 24 --temp 0 > "$tmpdir/plain.txt" 2>/dev/null
+    LOOM_NUMA=local LOOM_TEST_SYSROOT=$root "$LOOM" run -m "$story" -p "Once upon a time" -n 24 --temp 0 \
+        > "$tmpdir/local.txt" 2>/dev/null
+    [ -s "$tmpdir/plain.txt" ] && cmp -s "$tmpdir/plain.txt" "$tmpdir/local.txt" &&
+        pass "threads bound per node: the same text" || fail "LOOM_NUMA=local changed the text"
+else
+    echo "one CPU: the fake two-node checks need two (tests/test_numa still runs)"
+fi
+LOOM_NUMA=nearby "$LOOM" run -m "$story" -p "Once" -n 2 > /dev/null 2> "$tmpdir/numa.err"
+[ $? -ne 0 ] && expect_grep "LOOM_NUMA=nearby is not one of off, interleave, local" "$tmpdir/numa.err" \
+    "a bad LOOM_NUMA stops loom, naming the choices" || fail "LOOM_NUMA=nearby accepted"
 
 # ---- loom verify: a damaged file is found and the damage located
 src="$FIXTURES/stories260K/original/stories260K.gguf"

@@ -8,7 +8,11 @@
 #ifndef LOOM_CPU_H
 #define LOOM_CPU_H
 
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* cpu_set_t; every file of the module includes this header first */
+#endif
 #include <loom/backend.h>
+#include <sched.h>
 
 /* OpenBLAS takes prefill-sized f32 matmuls where it beats loom's own kernels: measured, that
  * is every variant but avx512 (see cpu_matmul.c) */
@@ -44,6 +48,27 @@ typedef struct cpu_variant_desc {
 
 extern const cpu_variant_desc loom_cpu_variant;
 
+/* cpu_numa.c (baseline code): the NUMA nodes this process may run on, and LOOM_NUMA */
+#define CPU_NUMA_MAX_NODES 64
+enum { CPU_NUMA_OFF = 0, CPU_NUMA_INTERLEAVE, CPU_NUMA_LOCAL };
+typedef struct cpu_numa {
+    int n_nodes;
+    int simulated; /* read under LOOM_TEST_SYSROOT: memory policy is not applied */
+    int node_id[CPU_NUMA_MAX_NODES];
+    cpu_set_t cpus[CPU_NUMA_MAX_NODES]; /* of the affinity mask */
+} cpu_numa;
+int cpu_parse_cpulist(const char *s, cpu_set_t *set);
+void cpu_numa_read(cpu_numa *t);
+/* LOOM_NUMA, or the default for t (interleave with several nodes); -1 with err when invalid */
+int cpu_numa_mode(const cpu_numa *t, char *err, size_t err_size);
+const char *cpu_numa_mode_name(int mode);
+/* which node (index into t) each of n_threads threads works on: in proportion to the nodes'
+ * CPUs, in node order */
+void cpu_numa_plan(const cpu_numa *t, int n_threads, int *node_of_thread);
+void cpu_numa_describe(const cpu_numa *t, int mode, char *out, size_t n);
+/* Spreads [p, p + size) over the nodes before it is touched; 1 when applied. */
+int cpu_numa_interleave(const cpu_numa *t, void *p, size_t size);
+
 /* ---- The opened backend (variant code only below this line) ---------------------------- */
 
 #include "pool.h"
@@ -67,6 +92,8 @@ typedef struct cpu_backend {
     loom_backend base;
     pool *pool;
     cpu_features feat;
+    cpu_numa numa;
+    int numa_mode; /* CPU_NUMA_* */
     char error[512];
 } cpu_backend;
 
@@ -75,6 +102,10 @@ loom_status cpu_fail(cpu_backend *cb, loom_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* OK when t lies inside its buffer; names it `what` otherwise. */
 loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *what);
+/* A host buffer of size bytes. Large ones ask for huge pages and, with several NUMA nodes, are
+ * interleaved over them, except a weight prepared under LOOM_NUMA=local (thread_local: its
+ * rows' pages go where the thread that writes them first runs). */
+loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out);
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
 loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out);

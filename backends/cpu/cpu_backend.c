@@ -608,7 +608,7 @@ static loom_status cpu_convert(loom_backend *be, const loom_convert_params *p)
 #define HUGE_PAGE ((uint64_t)2 << 20)
 #define HUGE_BUFFER ((uint64_t)8 << 20)
 
-static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer **out)
+loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out)
 {
     loom_buffer *b = calloc(1, sizeof *b);
     /* 64-byte aligned, rounded up so a vector load at the end stays inside. Large buffers (the
@@ -625,12 +625,21 @@ static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer
 #endif
     if (!b || !b->data) {
         free(b);
-        return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY,
+        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY,
                         "cannot allocate %llu bytes of host memory", (unsigned long long)size);
     }
+    /* before the first touch, which is what places a page */
+    if (align == HUGE_PAGE && cb->numa_mode != CPU_NUMA_OFF &&
+        !(thread_local && cb->numa_mode == CPU_NUMA_LOCAL))
+        cpu_numa_interleave(&cb->numa, b->data, (size_t)rounded);
     b->size = size;
     *out = b;
     return LOOM_OK;
+}
+
+static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer **out)
+{
+    return cpu_alloc(CB(be), size, 0, out);
 }
 
 static void cpu_buffer_free(loom_backend *be, loom_buffer *b)
@@ -814,11 +823,27 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         cb->feat.avx512vnni = 0;
     if (off && strstr(off, "bf16")) /* likewise the BF16 dot product */
         cb->feat.avx512bf16 = 0;
+    cpu_numa_read(&cb->numa);
+    if ((cb->numa_mode = cpu_numa_mode(&cb->numa, err, err_size)) < 0) {
+        free(cb);
+        return LOOM_ERR_INVALID;
+    }
     cb->pool = pool_create(n);
     if (!cb->pool) {
         snprintf(err, err_size, "cannot start %d threads: %s", n, strerror(errno));
         free(cb);
         return LOOM_ERR_INTERNAL;
+    }
+    if (cb->numa_mode == CPU_NUMA_LOCAL && cb->numa.n_nodes > 1) {
+        /* pool_split gives thread i the i-th contiguous share of every op's rows, so threads
+         * bound node by node read node-local rows of each prepared weight */
+        int *node = malloc((size_t)n * sizeof *node);
+        if (node) {
+            cpu_numa_plan(&cb->numa, n, node);
+            for (int i = 1; i < n; i++)
+                pool_bind_worker(cb->pool, i, &cb->numa.cpus[node[i]], sizeof(cpu_set_t));
+            free(node);
+        }
     }
 #if defined(CPU_USE_BLAS)
     openblas_set_num_threads(n); /* its own pool, used for prefill-sized f32 matmuls */

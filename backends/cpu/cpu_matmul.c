@@ -465,7 +465,9 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
                             (unsigned long long)(PREPARE_MARGIN >> 20),
                             (unsigned long long)(avail >> 20));
         loom_buffer *buf;
-        if ((st = be->ops->buffer_alloc(be, bytes, &buf)))
+        /* thread-local pages under LOOM_NUMA=local: repack_groups splits the groups as the
+         * matmul kernels do, so each thread first touches the rows it will read */
+        if ((st = cpu_alloc(cb, bytes, 1, &buf)))
             return st;
         j.dst = buf->data;
         pool_run(cb->pool, repack_groups, &j);

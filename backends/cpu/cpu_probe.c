@@ -173,8 +173,16 @@ static void describe(const cpu_features *f, char *out, size_t n)
                         f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
                         f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
                         f->masked ? getenv("LOOM_CPU_MASK") : "");
-    if (used >= 0 && (size_t)used + 3 < n) /* a long mask may leave no room: it matters more */
-        snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), threads);
+    cpu_numa numa;
+    cpu_numa_read(&numa);
+    char numa_text[96], unused[8];
+    int mode = cpu_numa_mode(&numa, unused, sizeof unused);
+    cpu_numa_describe(&numa, mode, numa_text, sizeof numa_text);
+    /* a long mask may leave no room for the rest: it matters more */
+    if (used >= 0 && (size_t)used + 3 < n)
+        used += snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), threads);
+    if (used >= 0 && (size_t)used + 3 < n)
+        snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), numa_text);
 }
 
 static void cpu_probe(loom_probe_result *out)
@@ -183,6 +191,12 @@ static void cpu_probe(loom_probe_result *out)
     cpu_detect(&f);
     if (!cpu_level_supported(&f, loom_cpu_variant.level, out->reason, sizeof out->reason)) {
         out->score = 0;
+        return;
+    }
+    cpu_numa numa;
+    cpu_numa_read(&numa);
+    if (cpu_numa_mode(&numa, out->reason, sizeof out->reason) < 0) {
+        out->score = 0; /* cpu_open would refuse it */
         return;
     }
     out->score = 100 * (loom_cpu_variant.level + 1);

@@ -10,6 +10,7 @@
 #define _GNU_SOURCE
 #include "pool.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -102,6 +103,13 @@ pool *pool_create(int n)
         }
     }
     return p;
+}
+
+int pool_bind_worker(pool *p, int ith, const void *cpu_set, size_t set_size)
+{
+    if (ith < 1 || ith >= p->n)
+        return EINVAL;
+    return pthread_setaffinity_np(p->threads[ith], set_size, (const cpu_set_t *)cpu_set);
 }
 
 int pool_size(const pool *p)

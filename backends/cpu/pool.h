@@ -6,6 +6,8 @@
 #ifndef LOOM_CPU_POOL_H
 #define LOOM_CPU_POOL_H
 
+#include <stddef.h>
+
 typedef void (*pool_fn)(void *ctx, int ith, int nth);
 
 typedef struct pool pool;
@@ -15,6 +17,9 @@ pool *pool_create(int n);
 /* Runs fn(ctx, i, n) for i in [0, n) and returns when all have finished. */
 void pool_run(pool *p, pool_fn fn, void *ctx);
 int pool_size(const pool *p);
+/* Binds worker ith (>= 1; thread 0 is the caller, left alone) to a cpu_set_t of set_size
+ * bytes. Returns 0, or an errno value. */
+int pool_bind_worker(pool *p, int ith, const void *cpu_set, size_t set_size);
 /* Joins every thread. */
 void pool_free(pool *p);
 
