@@ -1480,6 +1480,10 @@ int main(int argc, char **argv)
         } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             usage(stdout);
             return 0;
+        } else if (strcmp(argv[i], "--version") == 0) {
+            printf("loom-conformance (loom) %s\nbackend ABI %d.%d\n", loom_version(),
+                   LOOM_BACKEND_ABI_MAJOR, LOOM_BACKEND_ABI_MINOR);
+            return 0;
         } else if (argv[i][0] == '-') {
             fprintf(stderr, "loom-conformance: unknown option '%s'\n", argv[i]);
             usage(stderr);
