@@ -147,6 +147,11 @@ void kern_kq_unpack(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *r)
  * first activation row's nb blocks, rows nb blocks apart. */
 void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, int mr,
              float *out);
+/* Decode (a few activation rows): Q4_K, Q5_K and Q6_K rows dotted straight from the file's
+ * layout, no unpacking (which pays only when many activation rows share it). 1 when wt is one
+ * of them and this variant has the kernel; out[r * KERN_NR] for r < mr. */
+int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_block *a, int mr,
+                   float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);
