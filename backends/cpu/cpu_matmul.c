@@ -48,6 +48,7 @@ typedef struct mm_job {
     int nr_max;               /* weight rows per tile */
     int unpacked;             /* an ABI 1.2 type: chunks of W rows unpacked (kern_kq.c) */
     int direct;               /* ... or, at decode sizes, dotted in the file's layout */
+    act_k *kblocks;           /* X for direct: quantised per 256 */
     int kq_min;               /* its values have minimums */
     unsigned char *kq_space;  /* per thread, CHUNK_ROWS unpacked rows */
     size_t kq_thread_bytes;
@@ -65,7 +66,9 @@ static void prepare_x(void *ctx, int ith, int nth)
     pool_split((long)j->M, ith, nth, &m0, &m1);
     for (long m = m0; m < m1; m++) {
         const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
-        if (j->kri || j->unpacked)
+        if (j->direct)
+            kern_prep_k(x, j->K, j->kblocks + m * (j->K / LOOM_QK_K));
+        else if (j->kri || j->unpacked)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
 #if defined(LOOM_CPU_VARIANT_AVX512)
         else if (j->xpairs)
@@ -168,11 +171,14 @@ static void mm_rows(void *ctx, int ith, int nth)
             rows[r].dmin = rows[r].d + CHUNK_ROWS * (size_t)nb;
         }
     }
-    if (j->direct) { /* decode: each row straight from the file's layout */
-        int mr = (int)(mb - ma);
+    if (j->direct) { /* each row straight from the file's layout, against every X row */
         for (long n = n0; n < n1; n++) {
-            kern_kq_direct(w->dtype, cpu_row(w, data(w), n), j->K, j->blocks + ma * nb, mr, out);
-            store_tile(j, ma, mr, n, 1, out, KERN_NR);
+            const unsigned char *wrow = cpu_row(w, data(w), n);
+            for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
+                int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
+                kern_kq_direct(w->dtype, wrow, j->K, j->kblocks + m0 * (j->K / LOOM_QK_K), mr, out);
+                store_tile(j, m0, mr, n, 1, out, KERN_NR);
+            }
         }
         return;
     }
@@ -295,7 +301,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     j.nr_max = (uniform_w && !decode_quant) || j.unpacked ? KERN_NR : 1;
     /* below a tile of X rows, unpacking costs more than it saves (1B Q4_K_M decode, measured:
      * 2.2 tokens/s unpacked); asked with mr 0, kern_kq_direct only says whether it can */
-    j.direct = j.unpacked && j.M < KERN_MR && kern_kq_direct(p->w->dtype, NULL, j.K, NULL, 0, NULL);
+    j.direct = j.unpacked && !j.split_m && kern_kq_direct(p->w->dtype, NULL, j.K, NULL, 0, NULL);
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
@@ -306,9 +312,13 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             j.kri = VNNI_OR(cb, kern_q4_0_ri);
 #endif
         j.kq_min = kern_kq_has_min(wt);
-        size_t bytes = (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
+        size_t bytes = j.direct ? (size_t)(j.M * (j.K / LOOM_QK_K)) * sizeof(act_k)
+                                : (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
         scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-        j.blocks = scratch;
+        if (j.direct)
+            j.kblocks = scratch;
+        else
+            j.blocks = scratch;
     } else if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
         size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
         scratch = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);

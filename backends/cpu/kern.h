@@ -148,9 +148,18 @@ void kern_kq_unpack(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *r)
 void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, int mr,
              float *out);
 /* Decode (a few activation rows): Q4_K, Q5_K and Q6_K rows dotted straight from the file's
- * layout, no unpacking (which pays only when many activation rows share it). 1 when wt is one
- * of them and this variant has the kernel; out[r * KERN_NR] for r < mr. */
-int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_block *a, int mr,
+ * layout, no unpacking (which pays only when many activation rows share it), against
+ * activations quantised per 256 (one scale per super-block, so a super-block's products stay
+ * integers until one FMA) with the sums of each 16 for the minimums and offsets. */
+typedef struct act_k {
+    int8_t qs[LOOM_QK_K];
+    float d;
+    int16_t bsums[16]; /* sum of qs[16 i .. 16 i + 15] */
+} act_k;
+void kern_prep_k(const float *x, int64_t K, act_k *out);
+/* 1 when wt is one of the types and this variant has the kernel (with mr 0: only says so);
+ * out[r * KERN_NR] for r < mr, a: the first activation row's K / 256 blocks, rows adjacent. */
+int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
                    float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */

@@ -19,6 +19,7 @@
 
 #include <loom/quants.h>
 
+#include <math.h>
 #include <string.h>
 
 #if defined(__AVX2__)
@@ -421,17 +422,44 @@ void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t n
 }
 
 /* ---- Decode straight from the file's layout ---------------------------------------------------
- * Per 32 values: the nibbles (plus Q5_K's fifth bit / Q6_K's two high bits) multiplied into the
- * activation block as unsigned x signed bytes, summed to int32 by the sub-block scale(s), one
- * FMA by d x the block's scale. Q4_K/Q5_K's minimums go in as scalars: dmin m d_x sum(x), the
- * activation block's sum being known (act_block.neg8sum). */
-#if defined(__AVX2__)
-static inline float dot_q4_k_like(const unsigned char *w, int64_t K, const act_block *a, int five)
+ * Per super-block of 256: the nibbles (plus Q5_K's fifth bit / Q6_K's two high bits) multiplied
+ * into the activations as unsigned x signed bytes, summed to int32 by the sub-block scales, and
+ * one FMA by d x the activations' scale. Minimums (Q4_K/Q5_K) and Q6_K's offset of 32 come from
+ * the activations' sums per 16 (act_k.bsums), once per super-block. */
+void kern_prep_k(const float *x, int64_t K, act_k *out)
 {
-    __m256 acc = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(15), ones16 = _mm256_set1_epi16(1);
-    float mins = 0;
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
+        const float *xb = x + b * LOOM_QK_K;
+        act_k *y = &out[b];
+        float amax = 0;
+        for (int i = 0; i < LOOM_QK_K; i++)
+            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        y->d = d;
+        for (int i = 0; i < LOOM_QK_K; i++)
+            y->qs[i] = (int8_t)loom_round_nearest(xb[i] * id);
+        for (int g = 0; g < 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++)
+                sum += y->qs[16 * g + i];
+            y->bsums[g] = (int16_t)sum;
+        }
+    }
+}
+
+#if defined(__AVX2__)
+/* mr activation rows (a constant after inlining, so the accumulators stay in registers), each
+ * super-block's bits unpacked once for all of them */
+static inline __attribute__((always_inline)) void
+dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
+{
+    const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    const int64_t nb = K / LOOM_QK_K;
+    __m256 acc[KERN_MR];
+    float mins[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm256_setzero_ps(), mins[r] = 0;
+    for (int64_t b = 0; b < nb; b++) {
         const uint8_t *scales, *qs, *qh = NULL;
         float d, dmin;
         if (five) {
@@ -443,44 +471,76 @@ static inline float dot_q4_k_like(const unsigned char *w, int64_t K, const act_b
             scales = x->scales, qs = x->qs;
             d = loom_f16_to_f32(x->d), dmin = loom_f16_to_f32(x->dmin);
         }
+        /* the 12 bytes of 6-bit scales and minimums, as 8 + 8 bytes: sub-blocks 0-3 hold theirs
+         * in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take their low 4
+         * bits from bytes 8-11 (low nibble: scale, high: minimum) and their top 2 bits from
+         * the top of bytes 0-3 (scales) and 4-7 (minimums) */
+        uint32_t q[3], sm[4];
+        memcpy(q, scales, 12);
+        sm[0] = q[0] & 0x3f3f3f3f;
+        sm[1] = (q[2] & 0x0f0f0f0f) | ((q[0] >> 6) & 0x03030303) << 4;
+        sm[2] = q[1] & 0x3f3f3f3f;
+        sm[3] = ((q[2] >> 4) & 0x0f0f0f0f) | ((q[1] >> 6) & 0x03030303) << 4;
+        const uint8_t *sc = (const uint8_t *)sm;
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8)));
         __m256i h = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
+        __m256i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++)
+            sumi[r] = _mm256_setzero_si256();
         for (int pair = 0; pair < 4; pair++) {
-            const act_block *a0 = &a[b * 8 + 2 * pair], *a1 = a0 + 1;
             __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
             __m256i lo = _mm256_and_si256(bytes, low);
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
             if (five) {
-                const __m256i one = _mm256_set1_epi8(1);
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(
-                                             _mm256_and_si256(_mm256_srli_epi16(h, 2 * pair), one), 4));
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                                             _mm256_and_si256(_mm256_srli_epi16(h, 2 * pair + 1), one), 4));
+                                             _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                h = _mm256_srli_epi16(h, 2);
             }
-            int sc0, m0, sc1, m1;
-            loom_k_scale_min(scales, 2 * pair, &sc0, &m0);
-            loom_k_scale_min(scales, 2 * pair + 1, &sc1, &m1);
-            __m256i p0 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)a0->qs)), ones16);
-            __m256i p1 = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)a1->qs)), ones16);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d * (float)sc0 * a0->d), acc);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d * (float)sc1 * a1->d), acc);
-            /* neg8sum = -8 sum(qs) */
-            mins += dmin * ((float)m0 * a0->d * (float)(-a0->neg8sum / 8) +
-                            (float)m1 * a1->d * (float)(-a1->neg8sum / 8));
+            const __m256i s0 = _mm256_set1_epi16((short)sc[2 * pair]);
+            const __m256i s1 = _mm256_set1_epi16((short)sc[2 * pair + 1]);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *yq = a[r * nb + b].qs + 64 * pair;
+                __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)yq));
+                __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(yq + 32)));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(p0, s0),
+                                                                     _mm256_madd_epi16(p1, s1)));
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            /* sum over the 8 sub-blocks of minimum x the activations' sum there */
+            __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            __m128i mp = _mm_madd_epi16(pairs, m8);
+            mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0x4e));
+            mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0xb1));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * y->d), acc[r]);
+            mins[r] += dmin * y->d * (float)_mm_cvtsi128_si32(mp);
         }
     }
-    return hsum(acc) - mins;
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum(acc[r]) - mins[r];
 }
 
-static inline float dot_q6_k(const unsigned char *w, int64_t K, const act_block *a)
+static inline __attribute__((always_inline)) void
+dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
-    __m256 acc = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-    const __m256i off = _mm256_set1_epi8(32);
-    for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
+    const int64_t nb = K / LOOM_QK_K;
+    __m256 acc[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
-        float d = loom_f16_to_f32(x->d);
+        /* the offset of 32: -32 x the sum over 16-groups of scale x the activations' sum */
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+        __m256i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++) {
+            __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
+            sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                       _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
+        }
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = x->ql + 64 * half, *qh = x->qh + 32 * half;
             const int8_t *sc = x->scales + 8 * half;
@@ -491,38 +551,53 @@ static inline float dot_q6_k(const unsigned char *w, int64_t K, const act_block 
                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
             for (int k = 0; k < 4; k++) {
-                const act_block *ak = &a[b * 8 + 4 * half + k];
-                __m256i hi2 = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), three);
-                __m256i v = _mm256_sub_epi8(_mm256_or_si256(nib[k], _mm256_slli_epi16(hi2, 4)), off);
-                __m256i q = _mm256_loadu_si256((const __m256i *)ak->qs);
-                __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(v), _mm256_sign_epi8(q, v));
+                __m256i v = _mm256_or_si256(
+                    nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), three), 4));
                 __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
-                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv)),
-                                      _mm256_set1_ps(d * ak->d), acc);
+                for (int r = 0; r < mr; r++) {
+                    __m256i q = _mm256_loadu_si256(
+                        (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * k));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), scv));
+                }
             }
         }
+        float d = loom_f16_to_f32(x->d);
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a[r * nb + b].d),
+                                     acc[r]);
     }
-    return hsum(acc);
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum(acc[r]);
 }
 #endif
 
-int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_block *a, int mr,
+_Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows");
+
+int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
                    float *out)
 {
 #if defined(__AVX2__)
-    int64_t nb = K / LOOM_QK;
     switch (wt) {
     case LOOM_Q4_K:
-        for (int r = 0; r < mr; r++)
-            out[r * KERN_NR] = dot_q4_k_like(w, K, a + r * nb, 0);
+    case LOOM_Q5_K: {
+        int five = wt == LOOM_Q5_K;
+        switch (mr) { /* constants, see dot_q4_k_like */
+        case 0: break;
+        case 1: five ? dot_q4_k_like(w, K, a, 1, 1, out) : dot_q4_k_like(w, K, a, 1, 0, out); break;
+        case 2: five ? dot_q4_k_like(w, K, a, 2, 1, out) : dot_q4_k_like(w, K, a, 2, 0, out); break;
+        case 3: five ? dot_q4_k_like(w, K, a, 3, 1, out) : dot_q4_k_like(w, K, a, 3, 0, out); break;
+        default: five ? dot_q4_k_like(w, K, a, 4, 1, out) : dot_q4_k_like(w, K, a, 4, 0, out); break;
+        }
         return 1;
-    case LOOM_Q5_K:
-        for (int r = 0; r < mr; r++)
-            out[r * KERN_NR] = dot_q4_k_like(w, K, a + r * nb, 1);
-        return 1;
+    }
     case LOOM_Q6_K:
-        for (int r = 0; r < mr; r++)
-            out[r * KERN_NR] = dot_q6_k(w, K, a + r * nb);
+        switch (mr) {
+        case 0: break;
+        case 1: dot_q6_k(w, K, a, 1, out); break;
+        case 2: dot_q6_k(w, K, a, 2, out); break;
+        case 3: dot_q6_k(w, K, a, 3, out); break;
+        default: dot_q6_k(w, K, a, 4, out); break;
+        }
         return 1;
     default: return 0;
     }
