@@ -13,8 +13,8 @@ fixtures=${LOOM_FIXTURES:-$src/../shared/fixtures}
 work=$(mktemp -d "${TMPDIR:-/tmp}/loom-fuzz.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I$src/include -I$src -I$build"
-libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc) -lm"
-cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc)"
+libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc libxxhash) -lm"
+cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc libxxhash)"
 core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/name_index.c"
 harnesses="gguf safetensors tokenizer chat_template"
 # the request parser tokenizes with a real model: it links the built libloom
