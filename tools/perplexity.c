@@ -223,7 +223,6 @@ static int run_one(const ppl_args *a)
     int32_t ctx = (int32_t)a->ctx, first = ctx / 2, per_chunk = ctx - 1 - first;
     uint32_t hash = hash_tokens(tokens, (size_t)n_chunks * (size_t)ctx);
     if (!(chunk = malloc((size_t)ctx * sizeof *chunk)) ||
-        !(logits = malloc((size_t)ctx * (size_t)nv * sizeof *logits)) ||
         !(logits = malloc((size_t)ctx * (size_t)nv * sizeof *logits))) {
         fail("out of memory for %d x %d logits", ctx, nv);
         goto done;
