@@ -521,7 +521,8 @@ uint64_t loom_gguf_checksum(const void *data, uint64_t size)
 }
 
 
-int loom_gguf_stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv)
+/* 1 with *kv the stored sums, 0 when there are none, -1 when malformed */
+static int stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv)
 {
     *kv = loom_gguf_find(g, LOOM_GGUF_CHECKSUM_KEY);
     if (!*kv)
@@ -539,7 +540,7 @@ int loom_gguf_stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv)
 int64_t loom_gguf_check_checksums(const loom_gguf *g, uint64_t *first)
 {
     const loom_gguf_kv *kv;
-    int has = loom_gguf_stored_checksums(g, &kv);
+    int has = stored_checksums(g, &kv);
     if (has <= 0)
         return has == 0 ? -2 : -1;
     int64_t bad = 0;

@@ -106,11 +106,9 @@ int loom_ggml_type_size(uint32_t type, int64_t *block_elems, int64_t *block_byte
 #define LOOM_GGUF_CHECKSUM_ALGORITHM "xxh3-64"
 #define LOOM_GGUF_CHECKSUM_KEY "loom.checksum.tensors"
 uint64_t loom_gguf_checksum(const void *data, uint64_t size);
-/* The checksums stored in g: 1 with *kv the u64 array (one per tensor), 0 when there are none,
- * -1 when they are malformed (another algorithm, or a count that is not the tensors'). */
-int loom_gguf_stored_checksums(const loom_gguf *g, const loom_gguf_kv **kv);
 /* Recomputes every tensor's checksum: the number that differ from the stored ones (*first: the
- * first of them), or loom_gguf_stored_checksums's 0 / -1 as -2 (none) / -1 (malformed). */
+ * first of them), -2 when the file stores none, -1 when they are malformed (another algorithm,
+ * or a count that is not the tensors'). */
 int64_t loom_gguf_check_checksums(const loom_gguf *g, uint64_t *first);
 
 /* ---- Writing --------------------------------------------------------------------------- */
