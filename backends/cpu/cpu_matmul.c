@@ -67,7 +67,7 @@ static void prepare_x(void *ctx, int ith, int nth)
     for (long m = m0; m < m1; m++) {
         const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
         if (j->direct)
-            kern_prep_k(x, j->K, j->kblocks + m * (j->K / LOOM_QK_K));
+            kern_prep_k(x, j->K, kern_kq_swapped(j->p->w->dtype), j->kblocks + m * (j->K / LOOM_QK_K));
         else if (j->kri || j->unpacked)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -171,17 +171,21 @@ static void mm_rows(void *ctx, int ith, int nth)
             rows[r].dmin = rows[r].d + CHUNK_ROWS * (size_t)nb;
         }
     }
-    if (j->direct) { /* each row straight from the file's layout, against every X row */
-        for (long n = n0; n < n1; n++) {
-            const unsigned char *wrow = cpu_row(w, data(w), n);
-            for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
-                int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
-                kern_kq_direct(w->dtype, wrow, j->K, j->kblocks + m0 * (j->K / LOOM_QK_K), mr, out);
-                store_tile(j, m0, mr, n, 1, out, KERN_NR);
+    for (long c0 = n0; j->direct && c0 < n1; c0 += CHUNK_ROWS) {
+        /* a chunk of rows (in L1) against every tile of X, so X streams from L2 once a chunk */
+        long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
+        for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
+            int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR, nr;
+            for (long n = c0; n < c1; n += nr) {
+                nr = c1 - n < j->nr_max ? (int)(c1 - n) : j->nr_max;
+                kern_kq_direct(w->dtype, cpu_row(w, data(w), n), w->nb[1], nr, j->K,
+                               j->kblocks + m0 * (j->K / LOOM_QK_K), mr, out);
+                store_tile(j, m0, mr, n, nr, out, KERN_NR);
             }
         }
-        return;
     }
+    if (j->direct)
+        return;
     for (long c0 = n0; c0 < n1; c0 += CHUNK_ROWS) {
         long c1 = c0 + CHUNK_ROWS < n1 ? c0 + CHUNK_ROWS : n1;
         for (long n = c0; j->unpacked && n < c1; n++)
@@ -298,10 +302,9 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
     /* unpacked rows sit in cache, where several at a time only help */
     j.unpacked = kern_kq_handles(p->w->dtype);
-    j.nr_max = (uniform_w && !decode_quant) || j.unpacked ? KERN_NR : 1;
-    /* below a tile of X rows, unpacking costs more than it saves (1B Q4_K_M decode, measured:
-     * 2.2 tokens/s unpacked); asked with mr 0, kern_kq_direct only says whether it can */
-    j.direct = j.unpacked && !j.split_m && kern_kq_direct(p->w->dtype, NULL, j.K, NULL, 0, NULL);
+    j.direct = !j.split_m && kern_kq_direct_has(p->w->dtype);
+    /* the direct kernels take the rows of a call one after another, as memory likes */
+    j.nr_max = (uniform_w && (!decode_quant || j.direct)) || (j.unpacked && !j.direct) ? KERN_NR : 1;
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;

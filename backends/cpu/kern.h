@@ -147,20 +147,23 @@ void kern_kq_unpack(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *r)
  * first activation row's nb blocks, rows nb blocks apart. */
 void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, int mr,
              float *out);
-/* Decode (a few activation rows): Q4_K, Q5_K and Q6_K rows dotted straight from the file's
- * layout, no unpacking (which pays only when many activation rows share it), against
+/* Q4_K, Q5_K and Q6_K rows dotted straight from the file's layout, no unpacking, against
  * activations quantised per 256 (one scale per super-block, so a super-block's products stay
  * integers until one FMA) with the sums of each 16 for the minimums and offsets. */
 typedef struct act_k {
-    int8_t qs[LOOM_QK_K];
+    int8_t qs[LOOM_QK_K]; /* in value order, or swapped (kern_kq_swapped) */
     float d;
-    int16_t bsums[16]; /* sum of qs[16 i .. 16 i + 15] */
+    int16_t bsums[16]; /* sum of the values 16 i .. 16 i + 15 (value order) */
 } act_k;
-void kern_prep_k(const float *x, int64_t K, act_k *out);
-/* 1 when wt is one of the types and this variant has the kernel (with mr 0: only says so);
- * out[r * KERN_NR] for r < mr, a: the first activation row's K / 256 blocks, rows adjacent. */
-int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
-                   float *out);
+/* 1 when this variant has a direct kernel for wt */
+int kern_kq_direct_has(loom_dtype wt);
+/* 1 when wt's direct kernel wants each 128 activations' second and third 32 swapped */
+int kern_kq_swapped(loom_dtype wt);
+void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out);
+/* out[r * KERN_NR + i] = dot(weight row i at w + i row_bytes, activation row r), i < nr <=
+ * KERN_NR, r < mr <= KERN_MR; a: the first activation row's K / 256 blocks, rows adjacent. */
+void kern_kq_direct(loom_dtype wt, const unsigned char *w, size_t row_bytes, int nr, int64_t K,
+                    const act_k *a, int mr, float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);

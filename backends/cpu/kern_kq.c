@@ -112,7 +112,7 @@ static void unpack_q4_k_like(const unsigned char *w, int64_t K, kq_row *r, int f
             const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
             scales = x->scales, qs = x->qs, d = x->d, dmin = x->dmin;
         }
-        float fd = loom_f16_to_f32(d), fmin = loom_f16_to_f32(dmin);
+        float fd = CPU_F16(d), fmin = CPU_F16(dmin);
         for (int pair = 0; pair < 4; pair++) {
             int64_t c = b * 8 + 2 * pair;
             const uint8_t *q = qs + 32 * pair;
@@ -152,7 +152,7 @@ static void unpack_q6_k(const unsigned char *w, int64_t K, kq_row *r)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
-        float d = loom_f16_to_f32(x->d);
+        float d = CPU_F16(x->d);
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = x->ql + 64 * half, *qh = x->qh + 32 * half;
             const int8_t *sc = x->scales + 8 * half;
@@ -191,7 +191,7 @@ static void unpack_q3_k(const unsigned char *w, int64_t K, kq_row *r)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
         const loom_block_q3_k *x = (const loom_block_q3_k *)(const void *)w + b;
-        float d = loom_f16_to_f32(x->d);
+        float d = CPU_F16(x->d);
         int bit = 0;
         for (int half = 0; half < 2; half++) {
             const uint8_t *q = x->qs + 32 * half;
@@ -221,7 +221,7 @@ static void unpack_q2_k(const unsigned char *w, int64_t K, kq_row *r)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
         const loom_block_q2_k *x = (const loom_block_q2_k *)(const void *)w + b;
-        float d = loom_f16_to_f32(x->d), dmin = loom_f16_to_f32(x->dmin);
+        float d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
         for (int half = 0; half < 2; half++) {
             const uint8_t *q = x->qs + 32 * half;
             for (int s = 0; s < 4; s++) {
@@ -245,7 +245,7 @@ static void unpack_iq4_xs(const unsigned char *w, int64_t K, kq_row *r)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
         const loom_block_iq4_xs *x = (const loom_block_iq4_xs *)(const void *)w + b;
-        float d = loom_f16_to_f32(x->d);
+        float d = CPU_F16(x->d);
         for (int s = 0; s < 8; s++) {
             int64_t c = b * 8 + s;
             iq4_nibbles(x->qs + 16 * s, r->c[c].v);
@@ -262,16 +262,16 @@ static void unpack_32(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *
         if (wt == LOOM_IQ4_NL) {
             const loom_block_iq4_nl *x = (const loom_block_iq4_nl *)(const void *)w + c;
             iq4_nibbles(x->qs, r->c[c].v);
-            r->d[c] = loom_f16_to_f32(x->d);
+            r->d[c] = CPU_F16(x->d);
         } else { /* Q5_0 (q - 16) d, Q5_1 q d + m */
             const uint8_t *qs, *qh;
             if (wt == LOOM_Q5_0) {
                 const loom_block_q5_0 *x = (const loom_block_q5_0 *)(const void *)w + c;
-                qs = x->qs, qh = x->qh, r->d[c] = loom_f16_to_f32(x->d);
+                qs = x->qs, qh = x->qh, r->d[c] = CPU_F16(x->d);
             } else {
                 const loom_block_q5_1 *x = (const loom_block_q5_1 *)(const void *)w + c;
-                qs = x->qs, qh = x->qh, r->d[c] = loom_f16_to_f32(x->d);
-                r->dmin[c] = -loom_f16_to_f32(x->m); /* + m sum(x): a minimum of -m */
+                qs = x->qs, qh = x->qh, r->d[c] = CPU_F16(x->d);
+                r->dmin[c] = -CPU_F16(x->m); /* + m sum(x): a minimum of -m */
             }
             q5_values(qs, qh, wt == LOOM_Q5_0 ? -16 : 0, r->c[c].v);
         }
@@ -421,12 +421,31 @@ void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t n
         dot_row_n(&w[i], has_min, a, nb, mr, out + i);
 }
 
-/* ---- Decode straight from the file's layout ---------------------------------------------------
- * Per super-block of 256: the nibbles (plus Q5_K's fifth bit / Q6_K's two high bits) multiplied
- * into the activations as unsigned x signed bytes, summed to int32 by the sub-block scales, and
- * one FMA by d x the activations' scale. Minimums (Q4_K/Q5_K) and Q6_K's offset of 32 come from
- * the activations' sums per 16 (act_k.bsums), once per super-block. */
-void kern_prep_k(const float *x, int64_t K, act_k *out)
+/* ---- Straight from the file's layout ----------------------------------------------------------
+ * Q4_K, Q5_K and Q6_K rows are dotted without unpacking, against activations quantised per
+ * super-block of 256 (act_k). Per super-block: the nibbles (plus Q5_K's fifth bit, Q6_K's two
+ * high bits) meet the activations as unsigned x signed bytes, are summed to int32 by the
+ * sub-block scales, and take one FMA by d x the activations' scale. Minimums (Q4_K/Q5_K) and
+ * Q6_K's offset of 32 come from the activations' sums per 16 (act_k.bsums), once per
+ * super-block.
+ *
+ * The AVX-512 kernels take 64 values an instruction. A 64-byte load of Q4_K/Q5_K's nibbles
+ * holds two sub-block pairs, whose low nibbles are sub-blocks 0 and 2 of those 128 values and
+ * whose high nibbles are 1 and 3; their activations are stored in that order (kern_kq_swapped)
+ * so that each meets its weights in one load. Q6_K's low nibbles are already in value order. */
+
+#if defined(__AVX512BW__)
+#define SWAPPED_ORDER 1
+#else
+#define SWAPPED_ORDER 0
+#endif
+
+int kern_kq_swapped(loom_dtype wt)
+{
+    return SWAPPED_ORDER && (wt == LOOM_Q4_K || wt == LOOM_Q5_K);
+}
+
+void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
         const float *xb = x + b * LOOM_QK_K;
@@ -436,18 +455,158 @@ void kern_prep_k(const float *x, int64_t K, act_k *out)
             amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
         y->d = d;
+        int8_t q[LOOM_QK_K];
         for (int i = 0; i < LOOM_QK_K; i++)
-            y->qs[i] = (int8_t)loom_round_nearest(xb[i] * id);
+            q[i] = (int8_t)loom_round_nearest(xb[i] * id);
         for (int g = 0; g < 16; g++) {
             int sum = 0;
             for (int i = 0; i < 16; i++)
-                sum += y->qs[16 * g + i];
+                sum += q[16 * g + i];
             y->bsums[g] = (int16_t)sum;
+        }
+        /* swapped: the second and third 32 of each 128 trade places */
+        for (int s = 0; s < 8; s++) {
+            int to = swapped && s % 4 == 1 ? s + 1 : swapped && s % 4 == 2 ? s - 1 : s;
+            memcpy(y->qs + 32 * to, q + 32 * s, 32);
         }
     }
 }
 
-#if defined(__AVX2__)
+#if defined(__AVX512BW__)
+/* 128-bit lane j of the result: word wj of w8 (which holds the same 8 words in every lane),
+ * in all 8 places */
+static inline __m512i lane_words(__m512i w8, int w0, int w1, int w2, int w3)
+{
+#define PICK(w) (0x01000100 * (2 * (w) + 1) + 0x00020002 * (w))
+    return _mm512_shuffle_epi8(w8, _mm512_set_epi32(PICK(w3), PICK(w3), PICK(w3), PICK(w3),
+                                                    PICK(w2), PICK(w2), PICK(w2), PICK(w2),
+                                                    PICK(w1), PICK(w1), PICK(w1), PICK(w1),
+                                                    PICK(w0), PICK(w0), PICK(w0), PICK(w0)));
+#undef PICK
+}
+
+/* a 256-bit vector as the low half of a 512-bit one, the high half zero */
+static inline __m512i widen(__m256i v)
+{
+    return _mm512_inserti64x4(_mm512_setzero_si512(), v, 0);
+}
+
+/* mr activation rows (a constant after inlining, so the accumulators stay in registers); the
+ * super-block's nibbles and scales are unpacked once for all of them */
+static inline __attribute__((always_inline)) void
+dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
+{
+    const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+    const int64_t nb = K / LOOM_QK_K;
+    __m512 acc[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *scales, *qs, *qh = NULL;
+        uint16_t hd, hdmin;
+        if (five) {
+            const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
+            scales = x->scales, qs = x->qs, qh = x->qh, hd = x->d, hdmin = x->dmin;
+        } else {
+            const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
+            scales = x->scales, qs = x->qs, hd = x->d, hdmin = x->dmin;
+        }
+        float d = CPU_F16(hd), dmin = CPU_F16(hdmin);
+        uint32_t q[3], sm[4];
+        memcpy(q, scales, 12);
+        /* the 6-bit scales into bytes 0-7, the minimums into 8-15 (loom_k_scale_min's packing) */
+        sm[0] = q[0] & 0x3f3f3f3f;
+        sm[1] = (q[2] & 0x0f0f0f0f) | ((q[0] >> 6) & 0x03030303) << 4;
+        sm[2] = q[1] & 0x3f3f3f3f;
+        sm[3] = ((q[2] >> 4) & 0x0f0f0f0f) | ((q[1] >> 6) & 0x03030303) << 4;
+        __m128i sm16 = _mm_loadu_si128((const __m128i *)(const void *)sm);
+        __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm16));
+        __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm16, 8));
+        /* one minimum per 32 values, so each twice against the sums per 16 */
+        __m256i mins16 = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins), _mm_unpacklo_epi16(mins, mins));
+        __m512i hz = _mm512_setzero_si512();
+        if (five) { /* qh bit 2 p (2 p + 1) is sub-block 2 p's (2 p + 1's) fifth; the high half
+                     * shifted by 2 so that both halves test the same bits */
+            __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+            hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+        }
+        __m512i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++)
+            sumi[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 2; i++) {
+            __m512i bytes = _mm512_loadu_si512((const void *)(qs + 64 * i));
+            __m512i lo = _mm512_and_si512(bytes, low);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+            if (five) {
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(1 << 4 * i))), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(2 << 4 * i))), hi, sixteen);
+            }
+            int j = 4 * i; /* low nibbles: sub-blocks j, j + 2; high: j + 1, j + 3 */
+            __m512i s_lo = lane_words(scw, j, j, j + 2, j + 2);
+            __m512i s_hi = lane_words(scw, j + 1, j + 1, j + 3, j + 3);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *yq = a[r * nb + b].qs + 128 * i;
+                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)yq)), s_lo);
+                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(yq + 64))), s_hi);
+                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mins16);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y->d), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(widen(m)), _mm512_set1_ps(dmin * y->d), acc[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
+}
+
+static inline __attribute__((always_inline)) void
+dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
+{
+    const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
+    const int64_t nb = K / LOOM_QK_K;
+    __m512 acc[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
+        __m512i scw[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16)),
+                          _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1))};
+        __m512i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++) { /* the offset of 32: -32 sum_16 scale x activations' sum */
+            __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
+            sumi[r] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                       widen(_mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5)));
+        }
+        for (int half = 0; half < 2; half++) {
+            /* ql's low nibbles are values 0-63 of the half, high nibbles 64-127; qh's bit pairs
+             * 0-3 are their high bits, 32 values each */
+            __m512i l = _mm512_loadu_si512((const void *)(x->ql + 64 * half));
+            __m256i h = _mm256_loadu_si256((const __m256i *)(x->qh + 32 * half));
+            __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
+            __m512i v0 = _mm512_or_si512(_mm512_and_si512(l, low),
+                                         _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
+            __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hz, 4), three), 4));
+            __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *yq = a[r * nb + b].qs + 128 * half;
+                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)yq)), s0);
+                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(yq + 64))), s1);
+                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+            }
+        }
+        float d = CPU_F16(x->d);
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * a[r * nb + b].d), acc[r]);
+    }
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
+}
+#elif defined(__AVX2__)
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers), each
  * super-block's bits unpacked once for all of them */
 static inline __attribute__((always_inline)) void
@@ -465,11 +624,11 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
         if (five) {
             const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
             scales = x->scales, qs = x->qs, qh = x->qh;
-            d = loom_f16_to_f32(x->d), dmin = loom_f16_to_f32(x->dmin);
+            d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
         } else {
             const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
             scales = x->scales, qs = x->qs;
-            d = loom_f16_to_f32(x->d), dmin = loom_f16_to_f32(x->dmin);
+            d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
         }
         /* the 12 bytes of 6-bit scales and minimums, as 8 + 8 bytes: sub-blocks 0-3 hold theirs
          * in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take their low 4
@@ -561,7 +720,7 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
                 }
             }
         }
-        float d = loom_f16_to_f32(x->d);
+        float d = CPU_F16(x->d);
         for (int r = 0; r < mr; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a[r * nb + b].d),
                                      acc[r]);
@@ -571,38 +730,53 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 }
 #endif
 
-_Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows");
-
-int kern_kq_direct(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
-                   float *out)
+int kern_kq_direct_has(loom_dtype wt)
 {
 #if defined(__AVX2__)
-    switch (wt) {
-    case LOOM_Q4_K:
-    case LOOM_Q5_K: {
-        int five = wt == LOOM_Q5_K;
-        switch (mr) { /* constants, see dot_q4_k_like */
-        case 0: break;
-        case 1: five ? dot_q4_k_like(w, K, a, 1, 1, out) : dot_q4_k_like(w, K, a, 1, 0, out); break;
-        case 2: five ? dot_q4_k_like(w, K, a, 2, 1, out) : dot_q4_k_like(w, K, a, 2, 0, out); break;
-        case 3: five ? dot_q4_k_like(w, K, a, 3, 1, out) : dot_q4_k_like(w, K, a, 3, 0, out); break;
-        default: five ? dot_q4_k_like(w, K, a, 4, 1, out) : dot_q4_k_like(w, K, a, 4, 0, out); break;
-        }
-        return 1;
-    }
-    case LOOM_Q6_K:
-        switch (mr) {
-        case 0: break;
-        case 1: dot_q6_k(w, K, a, 1, out); break;
-        case 2: dot_q6_k(w, K, a, 2, out); break;
-        case 3: dot_q6_k(w, K, a, 3, out); break;
-        default: dot_q6_k(w, K, a, 4, out); break;
-        }
-        return 1;
-    default: return 0;
-    }
+    return wt == LOOM_Q4_K || wt == LOOM_Q5_K || wt == LOOM_Q6_K;
 #else
-    (void)wt, (void)w, (void)K, (void)a, (void)mr, (void)out;
+    (void)wt;
     return 0;
+#endif
+}
+
+_Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows");
+
+#if defined(__AVX2__)
+/* one row; mr is made a constant for the kernels (see dot_q4_k_like) */
+static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
+                       float *out)
+{
+#define BY_MR(call_with)                                                                         \
+    switch (mr) {                                                                                \
+    case 1: call_with(1); break;                                                                 \
+    case 2: call_with(2); break;                                                                 \
+    case 3: call_with(3); break;                                                                 \
+    default: call_with(4); break;                                                                \
+    }
+#define Q4_K(n) dot_q4_k_like(w, K, a, n, 0, out)
+#define Q5_K(n) dot_q4_k_like(w, K, a, n, 1, out)
+#define Q6_K(n) dot_q6_k(w, K, a, n, out)
+    if (wt == LOOM_Q4_K)
+        BY_MR(Q4_K)
+    else if (wt == LOOM_Q5_K)
+        BY_MR(Q5_K)
+    else
+        BY_MR(Q6_K)
+#undef Q4_K
+#undef Q5_K
+#undef Q6_K
+#undef BY_MR
+}
+#endif
+
+void kern_kq_direct(loom_dtype wt, const unsigned char *w, size_t row_bytes, int nr, int64_t K,
+                    const act_k *a, int mr, float *out)
+{
+#if defined(__AVX2__)
+    for (int i = 0; i < nr; i++)
+        direct_row(wt, w + (size_t)i * row_bytes, K, a, mr, out + i);
+#else
+    (void)wt, (void)w, (void)row_bytes, (void)nr, (void)K, (void)a, (void)mr, (void)out;
 #endif
 }
