@@ -434,6 +434,18 @@ void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t n
  * whose high nibbles are 1 and 3; their activations are stored in that order (kern_kq_swapped)
  * so that each meets its weights in one load. Q6_K's low nibbles are already in value order. */
 
+/* Decode streams the rows once, and the hardware prefetcher alone left these kernels waiting on
+ * memory (as it did the interleaved Q4_0 kernel, kernels.h): each super-block asks for the
+ * bytes this far ahead of it. */
+#ifndef KQ_PREFETCH
+#define KQ_PREFETCH 4096
+#endif
+static inline void prefetch_ahead(const void *block, size_t bytes)
+{
+    for (size_t l = 0; l < bytes; l += 64)
+        __builtin_prefetch((const char *)block + KQ_PREFETCH + l);
+}
+
 #if defined(__AVX512BW__)
 #define SWAPPED_ORDER 1
 #else
@@ -472,12 +484,34 @@ void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out)
     }
 }
 
+#if defined(__AVX2__)
+/* Q4_K/Q5_K's 12 bytes of 6-bit scales and minimums as 16 bytes: scales in 0-7, minimums in
+ * 8-15. Sub-blocks 0-3 hold theirs in the low 6 bits of bytes 0-3 (scales) and 4-7
+ * (minimums); 4-7 take their low 4 bits from bytes 8-11 (low nibble: scale, high: minimum)
+ * and their top 2 bits from the top of bytes 0-3 (scales) and 4-7 (minimums). In vector
+ * registers: built in scalar ones and stored, they stalled each super-block on a failed
+ * store-to-load forward. Reads 4 bytes past the 12 (the block goes on). */
+static inline __m128i k_scales_mins(const uint8_t *scales)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)scales); /* dwords q0 q1 q2 */
+    __m128i a = _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 1, 2, 0)); /* q0 q2 q1 q2 */
+    __m128i b = _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 1, 0, 0)); /* q0 q0 q1 q1 */
+    __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
+                                _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    __m128i top = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, top);
+}
+
+/* the 16-bit word w of each 128-bit lane, in all 8 places */
+#define PICK_WORD(w) (0x01000100 * (2 * (w) + 1) + 0x00020002 * (w))
+#endif
+
 #if defined(__AVX512BW__)
 /* 128-bit lane j of the result: word wj of w8 (which holds the same 8 words in every lane),
  * in all 8 places */
 static inline __m512i lane_words(__m512i w8, int w0, int w1, int w2, int w3)
 {
-#define PICK(w) (0x01000100 * (2 * (w) + 1) + 0x00020002 * (w))
+#define PICK PICK_WORD
     return _mm512_shuffle_epi8(w8, _mm512_set_epi32(PICK(w3), PICK(w3), PICK(w3), PICK(w3),
                                                     PICK(w2), PICK(w2), PICK(w2), PICK(w2),
                                                     PICK(w1), PICK(w1), PICK(w1), PICK(w1),
@@ -511,15 +545,12 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
             scales = x->scales, qs = x->qs, hd = x->d, hdmin = x->dmin;
         }
-        float d = CPU_F16(hd), dmin = CPU_F16(hdmin);
-        uint32_t q[3], sm[4];
-        memcpy(q, scales, 12);
-        /* the 6-bit scales into bytes 0-7, the minimums into 8-15 (loom_k_scale_min's packing) */
-        sm[0] = q[0] & 0x3f3f3f3f;
-        sm[1] = (q[2] & 0x0f0f0f0f) | ((q[0] >> 6) & 0x03030303) << 4;
-        sm[2] = q[1] & 0x3f3f3f3f;
-        sm[3] = ((q[2] >> 4) & 0x0f0f0f0f) | ((q[1] >> 6) & 0x03030303) << 4;
-        __m128i sm16 = _mm_loadu_si128((const __m128i *)(const void *)sm);
+        size_t bytes = five ? sizeof(loom_block_q5_k) : sizeof(loom_block_q4_k);
+        prefetch_ahead(w + (size_t)b * bytes, bytes);
+        /* d and dmin, broadcast */
+        __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(hd | (uint32_t)hdmin << 16)));
+        __m512 d = _mm512_broadcastss_ps(dd), dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
+        __m128i sm16 = k_scales_mins(scales);
         __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm16));
         __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm16, 8));
         /* one minimum per 32 values, so each twice against the sums per 16 */
@@ -554,8 +585,9 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
         for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
             __m256i m = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mins16);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y->d), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(widen(m)), _mm512_set1_ps(dmin * y->d), acc[r]);
+            __m512 yd = _mm512_set1_ps(y->d);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, yd), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(widen(m)), _mm512_mul_ps(dmin, yd), acc[r]);
         }
     }
     for (int r = 0; r < mr; r++)
@@ -572,6 +604,7 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
         acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
+        prefetch_ahead(x, sizeof *x);
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
         __m512i scw[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16)),
                           _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1))};
@@ -630,18 +663,9 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             scales = x->scales, qs = x->qs;
             d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
         }
-        /* the 12 bytes of 6-bit scales and minimums, as 8 + 8 bytes: sub-blocks 0-3 hold theirs
-         * in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); 4-7 take their low 4
-         * bits from bytes 8-11 (low nibble: scale, high: minimum) and their top 2 bits from
-         * the top of bytes 0-3 (scales) and 4-7 (minimums) */
-        uint32_t q[3], sm[4];
-        memcpy(q, scales, 12);
-        sm[0] = q[0] & 0x3f3f3f3f;
-        sm[1] = (q[2] & 0x0f0f0f0f) | ((q[0] >> 6) & 0x03030303) << 4;
-        sm[2] = q[1] & 0x3f3f3f3f;
-        sm[3] = ((q[2] >> 4) & 0x0f0f0f0f) | ((q[1] >> 6) & 0x03030303) << 4;
-        const uint8_t *sc = (const uint8_t *)sm;
-        const __m128i m8 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+        __m128i sm16 = k_scales_mins(scales);
+        const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm16));
+        const __m128i m8 = _mm_cvtepu8_epi16(_mm_srli_si128(sm16, 8));
         __m256i h = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         __m256i sumi[KERN_MR];
         for (int r = 0; r < mr; r++)
@@ -656,8 +680,8 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
                                              _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                 h = _mm256_srli_epi16(h, 2);
             }
-            const __m256i s0 = _mm256_set1_epi16((short)sc[2 * pair]);
-            const __m256i s1 = _mm256_set1_epi16((short)sc[2 * pair + 1]);
+            const __m256i s0 = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(2 * pair)));
+            const __m256i s1 = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(2 * pair + 1)));
             for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 64 * pair;
                 __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)yq));
