@@ -154,6 +154,8 @@ typedef struct act_k {
     int8_t qs[LOOM_QK_K]; /* in value order, or swapped (kern_kq_swapped) */
     float d;
     int16_t bsums[16]; /* sum of the values 16 i .. 16 i + 15 (value order) */
+    float dsums[8];    /* d x the sum of the values 32 i .. 32 i + 31: a minimum per 32 meets
+                        * it in one FMA */
 } act_k;
 /* 1 when this variant has a direct kernel for wt */
 int kern_kq_direct_has(loom_dtype wt);
