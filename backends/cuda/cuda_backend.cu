@@ -265,6 +265,9 @@ static loom_status gemv(cuda_backend *cb, const loom_matmul_params *p, int64_t M
     case LOOM_Q8_0: launch_gemv<LOOM_Q8_0>(cb, vec, p, M, K, N); break;
     case LOOM_Q4_0: launch_gemv<LOOM_Q4_0>(cb, vec, p, M, K, N); break;
     case LOOM_Q4_1: launch_gemv<LOOM_Q4_1>(cb, vec, p, M, K, N); break;
+#define GEMV(T) case T: launch_gemv<T>(cb, vec, p, M, K, N); break;
+    LOOM_GPU_NEW_QUANTS(GEMV)
+#undef GEMV
     default: return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(wt));
     }
     return launched(cb, "matmul (gemv)");
@@ -400,6 +403,9 @@ static loom_status tiled_gemm(cuda_backend *cb, const loom_matmul_params *p, int
     case LOOM_Q8_0: launch_tiled<LOOM_Q8_0>(cb, p, M, K, N); break;
     case LOOM_Q4_0: launch_tiled<LOOM_Q4_0>(cb, p, M, K, N); break;
     case LOOM_Q4_1: launch_tiled<LOOM_Q4_1>(cb, p, M, K, N); break;
+#define TILED(T) case T: launch_tiled<T>(cb, p, M, K, N); break;
+    LOOM_GPU_NEW_QUANTS(TILED)
+#undef TILED
     default: return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(p->w->dtype));
     }
     return launched(cb, "matmul (tiled)");
@@ -441,7 +447,7 @@ static loom_status cuda_get_rows(loom_backend *be, const loom_get_rows_params *p
     const char *bad = loom_check_get_rows(p);
     if (bad)
         return fail(cb, LOOM_ERR_INVALID, "%s", bad);
-    if (!loom_dtype_is_float(p->src->dtype) && !loom_dtype_is_block(p->src->dtype))
+    if (!loom_dtype_is_float(p->src->dtype) && !loom_dtype_is_quantized(p->src->dtype))
         return fail(cb, LOOM_ERR_UNSUPPORTED, "get_rows: %s rows", loom_dtype_name(p->src->dtype));
     TRY(check_tensor(cb, p->src, "get_rows src"));
     TRY(check_tensor(cb, p->ids, "get_rows ids"));
@@ -894,11 +900,11 @@ static int cuda_supports(loom_backend *be, loom_op op, loom_dtype dt)
     (void)be;
     switch (op) {
     case LOOM_OP_MATMUL:
-    case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_block(dt);
+    case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
-    case LOOM_OP_QUANTIZE:
-    case LOOM_OP_DEQUANTIZE: return loom_dtype_is_block(dt);
+    case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt);
+    case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return loom_dtype_is_float(dt);
     case LOOM_OP_RMS_NORM:
     case LOOM_OP_LAYER_NORM:

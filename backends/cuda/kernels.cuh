@@ -74,12 +74,119 @@ __device__ __forceinline__ uint16_t u16_at(const char *p)
     return *(const uint16_t *)p;
 }
 
-/* Bytes per block of a block dtype (the header's helper is host-only). */
+/* The ABI 1.2 weight types, for the switches that instantiate a kernel per type */
+#define LOOM_GPU_NEW_QUANTS(X)                                                                   \
+    X(LOOM_Q5_0) X(LOOM_Q5_1) X(LOOM_IQ4_NL) X(LOOM_Q2_K) X(LOOM_Q3_K) X(LOOM_Q4_K) X(LOOM_Q5_K) \
+    X(LOOM_Q6_K) X(LOOM_IQ4_XS)
+
+/* Bytes per block of a quantised dtype (the header's helper is host-only). */
 __host__ __device__ __forceinline__ int64_t block_bytes(int dt)
 {
-    return dt == LOOM_Q8_0 ? sizeof(loom_block_q8_0)
-           : dt == LOOM_Q4_1 ? sizeof(loom_block_q4_1)
-                             : sizeof(loom_block_q4_0);
+    switch (dt) {
+    case LOOM_Q8_0: return sizeof(loom_block_q8_0);
+    case LOOM_Q4_1: return sizeof(loom_block_q4_1);
+    case LOOM_Q5_0: return sizeof(loom_block_q5_0);
+    case LOOM_Q5_1: return sizeof(loom_block_q5_1);
+    case LOOM_IQ4_NL: return sizeof(loom_block_iq4_nl);
+    case LOOM_Q2_K: return sizeof(loom_block_q2_k);
+    case LOOM_Q3_K: return sizeof(loom_block_q3_k);
+    case LOOM_Q4_K: return sizeof(loom_block_q4_k);
+    case LOOM_Q5_K: return sizeof(loom_block_q5_k);
+    case LOOM_Q6_K: return sizeof(loom_block_q6_k);
+    case LOOM_IQ4_XS: return sizeof(loom_block_iq4_xs);
+    default: return sizeof(loom_block_q4_0);
+    }
+}
+
+/* Element i of a row of an ABI 1.2 quantised type: the reference dequantisers of
+ * <loom/quants.h> for one element, in their order of operations (the _rn intrinsics keep a
+ * multiply and an add from fusing, which would round differently), with the header's own
+ * helpers for the packed scales and bits. */
+template <typename B>
+__device__ __forceinline__ const B *block_of(const char *row, int64_t i, int64_t per)
+{
+    return (const B *)row + i / per;
+}
+
+__device__ __forceinline__ float iq4_value(int k)
+{
+    const int8_t values[16] = LOOM_IQ4_VALUES;
+    return (float)values[k & 15];
+}
+
+__device__ float quant_elem(int dt, const char *row, int64_t i)
+{
+    int j = (int)(i % (dt == LOOM_Q5_0 || dt == LOOM_Q5_1 || dt == LOOM_IQ4_NL ? LOOM_QK : LOOM_QK_K));
+    switch (dt) {
+    case LOOM_Q5_0:
+    case LOOM_Q5_1: { /* byte j % 16: element j % 16 low, j % 16 + 16 high; qh: the fifth bits */
+        const uint8_t *qh, *qs;
+        uint16_t d, m = 0;
+        if (dt == LOOM_Q5_0) {
+            const loom_block_q5_0 *b = block_of<loom_block_q5_0>(row, i, LOOM_QK);
+            qh = b->qh, qs = b->qs, d = b->d;
+        } else {
+            const loom_block_q5_1 *b = block_of<loom_block_q5_1>(row, i, LOOM_QK);
+            qh = b->qh, qs = b->qs, d = b->d, m = b->m;
+        }
+        int q = (j < 16 ? qs[j] & 0x0f : qs[j - 16] >> 4) | loom_q5_high(qh, j) << 4;
+        return dt == LOOM_Q5_0 ? (float)(q - 16) * f16_bits(d)
+                               : __fadd_rn(__fmul_rn((float)q, f16_bits(d)), f16_bits(m));
+    }
+    case LOOM_IQ4_NL: {
+        const loom_block_iq4_nl *b = block_of<loom_block_iq4_nl>(row, i, LOOM_QK);
+        return f16_bits(b->d) * iq4_value(j < 16 ? b->qs[j] & 0x0f : b->qs[j - 16] >> 4);
+    }
+    case LOOM_Q2_K: { /* 128-element halves; bit pair s of byte l: sub-block 2 s (+1) */
+        const loom_block_q2_k *b = block_of<loom_block_q2_k>(row, i, LOOM_QK_K);
+        int half = j / 128, s = j % 128 / 32, l = j % 32;
+        uint8_t sc = b->scales[8 * half + 2 * s + l / 16];
+        float dl = f16_bits(b->d) * (float)(sc & 0x0f), ml = f16_bits(b->dmin) * (float)(sc >> 4);
+        return __fsub_rn(__fmul_rn(dl, (float)((b->qs[32 * half + l] >> (2 * s)) & 3)), ml);
+    }
+    case LOOM_Q3_K: {
+        const loom_block_q3_k *b = block_of<loom_block_q3_k>(row, i, LOOM_QK_K);
+        int half = j / 128, s = j % 128 / 32, l = j % 32;
+        float dl = f16_bits(b->d) * (float)loom_q3_k_scale(b->scales, 8 * half + 2 * s + l / 16);
+        int low = (b->qs[32 * half + l] >> (2 * s)) & 3, high = (b->hmask[l] >> (4 * half + s)) & 1;
+        return dl * (float)(low - (high ? 0 : 4));
+    }
+    case LOOM_Q4_K:
+    case LOOM_Q5_K: { /* 64-element pairs of sub-blocks, one 32-byte run: low then high nibbles */
+        const uint8_t *scales, *qs, *qh = NULL;
+        uint16_t d, dmin;
+        if (dt == LOOM_Q4_K) {
+            const loom_block_q4_k *b = block_of<loom_block_q4_k>(row, i, LOOM_QK_K);
+            scales = b->scales, qs = b->qs, d = b->d, dmin = b->dmin;
+        } else {
+            const loom_block_q5_k *b = block_of<loom_block_q5_k>(row, i, LOOM_QK_K);
+            scales = b->scales, qs = b->qs, qh = b->qh, d = b->d, dmin = b->dmin;
+        }
+        int sub = j / 32, l = j % 32, sc, m;
+        loom_k_scale_min(scales, sub, &sc, &m);
+        int q = sub % 2 ? qs[32 * (sub / 2) + l] >> 4 : qs[32 * (sub / 2) + l] & 0x0f;
+        if (qh)
+            q += ((qh[l] >> sub) & 1) << 4;
+        float dl = f16_bits(d) * (float)sc, ml = f16_bits(dmin) * (float)m;
+        return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+    }
+    case LOOM_Q6_K: { /* element l + 32 k of a half: nibble k / 2 of ql[l + 32 (k % 2)], bit
+                       * pair k of qh[l] */
+        const loom_block_q6_k *b = block_of<loom_block_q6_k>(row, i, LOOM_QK_K);
+        int half = j / 128, k = j % 128 / 32, l = j % 32;
+        uint8_t lo = b->ql[64 * half + l + 32 * (k % 2)];
+        int q = ((k < 2 ? lo & 0x0f : lo >> 4) | ((b->qh[32 * half + l] >> (2 * k)) & 3) << 4) - 32;
+        return f16_bits(b->d) * (float)b->scales[8 * half + l / 16 + 2 * k] * (float)q;
+    }
+    case LOOM_IQ4_XS: {
+        const loom_block_iq4_xs *b = block_of<loom_block_iq4_xs>(row, i, LOOM_QK_K);
+        int s = j / 32, l = j % 32;
+        int ls = ((b->scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) | ((b->scales_h >> (2 * s)) & 3) << 4;
+        const uint8_t *q = b->qs + 16 * s;
+        return f16_bits(b->d) * (float)(ls - 32) * iq4_value(l < 16 ? q[l] & 0x0f : q[l - 16] >> 4);
+    }
+    }
+    return 0.0f;
 }
 
 /* Element i of a row of any dtype, as f32 (the reference dequantisation). */
@@ -106,8 +213,8 @@ __device__ __forceinline__ float load_elem(int dt, const char *row, int64_t i)
         uint8_t q = (uint8_t)b[4 + (j & 15)];
         return (float)(j < 16 ? q & 15 : q >> 4) * f16_bits(u16_at(b)) + f16_bits(u16_at(b + 2));
     }
+    default: return quant_elem(dt, row, i);
     }
-    return 0.0f;
 }
 
 /* bf16 rounding exactly as loom_f32_to_bf16 (nearest even; NaN stays a quiet NaN). */
@@ -414,7 +521,7 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
                     acc[j] += s;
                 }
             }
-        } else if (VEC) {
+        } else if (VEC && (WT == LOOM_F32 || WT == LOOM_F16 || WT == LOOM_BF16)) {
             const int per = WT == LOOM_F32 ? 4 : 8; /* elements in 16 bytes */
             for (int64_t k = (int64_t)lane * per; k < K; k += WARP * per) {
                 uint4 raw = *(const uint4 *)(wr + k * (WT == LOOM_F32 ? 4 : 2));
@@ -439,7 +546,7 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
                     }
                 }
             }
-        } else {
+        } else { /* and the ABI 1.2 types, element by element for now (issue: tune on a GPU) */
             for (int64_t k = lane; k < K; k += WARP) {
                 float v = load_elem(WT, wr, k);
                 for (int j = 0; j < GEMV_MR; j++)

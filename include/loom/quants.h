@@ -19,6 +19,14 @@
 #error "include <loom/backend.h>, not <loom/quants.h>"
 #endif
 
+/* The small helpers below that decode packed scales and bits are also GPU device code: a
+ * CUDA or HIP backend calls the same ones, so that its kernels decode exactly as these do. */
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define LOOM_QUANT_HD __host__ __device__
+#else
+#define LOOM_QUANT_HD
+#endif
+
 #define LOOM_QK 32    /* elements per block of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL */
 #define LOOM_QK_K 256 /* elements per super-block of the K types and IQ4_XS */
 
@@ -107,8 +115,8 @@ typedef struct loom_block_iq4_xs {
 } loom_block_iq4_xs;          /* x = d * (sc - 32) * loom_iq4_values[q] */
 
 /* IQ4's 16 non-linear levels (the published table of the IQ4_NL / IQ4_XS formats). */
-static const int8_t loom_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                           1,    13,   25,  38,  53,  69,  89,  113};
+#define LOOM_IQ4_VALUES {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+static const int8_t loom_iq4_values[16] = LOOM_IQ4_VALUES;
 
 /* ---- Reference quantisers -------------------------------------------------------------------
  * A backend may quantise differently inside a kernel, but what it stores must decode with the
@@ -653,7 +661,7 @@ static inline void loom_dequantize_row_q4_1(const loom_block_q4_1 *x, float *y, 
 }
 
 /* The fifth bit of element j of a Q5 block, from its 32-bit qh field (little-endian). */
-static inline int loom_q5_high(const uint8_t qh[4], int j)
+LOOM_QUANT_HD static inline int loom_q5_high(const uint8_t qh[4], int j)
 {
     return (qh[j / 8] >> (j % 8)) & 1;
 }
@@ -716,7 +724,7 @@ static inline void loom_dequantize_row_q2_k(const loom_block_q2_k *x, float *y, 
 
 /* Q3_K's 16 six-bit scales: the low 4 bits of scale s in nibble s/8 of byte s%8, the high 2
  * bits in bit pair s/4 of byte 8 + s%4. */
-static inline int loom_q3_k_scale(const uint8_t scales[12], int s)
+LOOM_QUANT_HD static inline int loom_q3_k_scale(const uint8_t scales[12], int s)
 {
     int lo = (scales[s % 8] >> (4 * (s / 8))) & 0x0f;
     int hi = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
@@ -747,7 +755,7 @@ static inline void loom_dequantize_row_q3_k(const loom_block_q3_k *x, float *y, 
 /* Q4_K / Q5_K: sub-block j's 6-bit scale and min from the 12 packed bytes. j < 4: the low 6
  * bits of bytes j and j + 4; j >= 4: a nibble of byte j + 4 with the top 2 bits of bytes j - 4
  * and j. */
-static inline void loom_k_scale_min(const uint8_t q[12], int j, int *sc, int *m)
+LOOM_QUANT_HD static inline void loom_k_scale_min(const uint8_t q[12], int j, int *sc, int *m)
 {
     if (j < 4) {
         *sc = q[j] & 63;
