@@ -100,3 +100,26 @@ void loom_print_text(FILE *out, const char *text, size_t len)
     free(valid);
     fflush(out);
 }
+
+int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
+                       const char **path, int *json)
+{
+    *path = NULL;
+    *json = 0;
+    for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--json") == 0)
+            *json = 1;
+        else if (argv[i][0] == '-' || *path) {
+            fprintf(stderr, "loom %s: unexpected argument '%s' (usage: loom %s %s [--json])\n",
+                    cmd, argv[i], cmd, what);
+            return 2;
+        } else
+            *path = argv[i];
+    }
+    if (!*path) {
+        fprintf(stderr, "loom %s: which %s? (usage: loom %s %s [--json])\n", cmd,
+                strcmp(what, "MODEL") == 0 ? "model" : "file", cmd, what);
+        return 2;
+    }
+    return 0;
+}

@@ -14,6 +14,11 @@ int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, lon
 int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
                    float *out);
 
+/* The commands that take one FILE and an optional --json (`loom inspect`, `loom verify`):
+ * 0 with *path and *json set, or 2 after printing the usage error ("which model?"). */
+int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
+                       const char **path, int *json);
+
 /* The whole of a text file (path "-": standard input), NUL-terminated, its length in *len;
  * NULL after printing why (unreadable, too large, or holding a NUL byte, which no prompt may). */
 char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, size_t *len);

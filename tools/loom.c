@@ -468,22 +468,10 @@ static int cmd_quantize(int argc, char **argv)
 
 static int cmd_inspect(int argc, char **argv)
 {
-    int json = 0;
-    const char *path = NULL;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0)
-            json = 1;
-        else if (argv[i][0] == '-' || path) {
-            fprintf(stderr, "loom inspect: unexpected argument '%s' (usage: loom inspect FILE "
-                            "[--json])\n", argv[i]);
-            return 2;
-        } else
-            path = argv[i];
-    }
-    if (!path) {
-        fprintf(stderr, "loom inspect: which file? (usage: loom inspect FILE [--json])\n");
+    int json;
+    const char *path;
+    if (loom_arg_file_json("inspect", "FILE", argc, argv, &path, &json))
         return 2;
-    }
     char err[1024];
     if (loom_inspect(path, stdout, json, err, sizeof err) != 0) {
         fprintf(stderr, "loom inspect: %s\n", err);
@@ -516,21 +504,9 @@ static void verify_line(void *user, const char *check, loom_check_status st, con
 static int cmd_verify(int argc, char **argv)
 {
     verify_out o = {0};
-    const char *path = NULL;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0)
-            o.json = 1;
-        else if (argv[i][0] == '-' || path) {
-            fprintf(stderr, "loom verify: unexpected argument '%s' (usage: loom verify MODEL "
-                            "[--json])\n", argv[i]);
-            return 2;
-        } else
-            path = argv[i];
-    }
-    if (!path) {
-        fprintf(stderr, "loom verify: which model? (usage: loom verify MODEL [--json])\n");
+    const char *path;
+    if (loom_arg_file_json("verify", "MODEL", argc, argv, &path, &o.json))
         return 2;
-    }
     o.checks = cJSON_CreateArray();
     int problems = loom_verify(path, verify_line, &o);
     if (o.json) {
