@@ -148,6 +148,23 @@ static void unpack_q4_k_like(const unsigned char *w, int64_t K, kq_row *r, int f
     }
 }
 
+#if defined(__AVX2__)
+/* The 128 values of a Q6_K half-block as four runs of 32, 0..63 (the offset of 32 not taken):
+ * run k is nibble k / 2 of ql[l + 32 (k % 2)] with bit pair k of qh[l] above it */
+static inline void q6_k_runs(const uint8_t *ql, const uint8_t *qh, __m256i v[4])
+{
+    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+    __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+    __m256i h = _mm256_loadu_si256((const __m256i *)qh);
+    __m256i nib[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                      _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                      _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+    for (int k = 0; k < 4; k++)
+        v[k] = _mm256_or_si256(nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three), 4));
+}
+#endif
+
 static void unpack_q6_k(const unsigned char *w, int64_t K, kq_row *r)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
@@ -159,19 +176,10 @@ static void unpack_q6_k(const unsigned char *w, int64_t K, kq_row *r)
             int64_t c = b * 8 + 4 * half;
             /* chunk k of the half: nibble k / 2 of ql[l + 32 (k % 2)], bit pair k of qh[l] */
 #if defined(__AVX2__)
-            const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
-            const __m256i off = _mm256_set1_epi8(32);
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i nib[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-            for (int k = 0; k < 4; k++) {
-                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three);
-                __m256i v = _mm256_or_si256(nib[k], _mm256_slli_epi16(hb, 4));
-                _mm256_storeu_si256((__m256i *)r->c[c + k].v, _mm256_sub_epi8(v, off));
-            }
+            __m256i v[4];
+            q6_k_runs(ql, qh, v);
+            for (int k = 0; k < 4; k++)
+                _mm256_storeu_si256((__m256i *)r->c[c + k].v, _mm256_sub_epi8(v[k], _mm256_set1_epi8(32)));
 #else
             for (int l = 0; l < 32; l++)
                 for (int k = 0; k < 4; k++) {
@@ -715,7 +723,6 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
 static inline __attribute__((always_inline)) void
 dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
-    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR];
     for (int r = 0; r < mr; r++)
@@ -733,20 +740,14 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = x->ql + 64 * half, *qh = x->qh + 32 * half;
             const int8_t *sc = x->scales + 8 * half;
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)qh);
-            __m256i nib[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                              _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                              _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            __m256i v[4];
+            q6_k_runs(ql, qh, v);
             for (int k = 0; k < 4; k++) {
-                __m256i v = _mm256_or_si256(
-                    nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * k), three), 4));
                 __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
                 for (int r = 0; r < mr; r++) {
                     __m256i q = _mm256_loadu_si256(
                         (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * k));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v, q), scv));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], q), scv));
                 }
             }
         }
