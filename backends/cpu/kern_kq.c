@@ -100,19 +100,29 @@ static void q5_values(const uint8_t *q, const uint8_t qh[4], int offset, int8_t 
 #endif
 }
 
+/* Super-block b of a Q4_K or Q5_K row (the same but for Q5_K's fifth bits, qh) */
+typedef struct k_block {
+    const uint8_t *scales, *qs, *qh; /* qh: NULL for Q4_K */
+    uint16_t d, dmin;
+    size_t bytes;
+} k_block;
+
+static inline k_block q4_k_like_block(const unsigned char *w, int64_t b, int five)
+{
+    if (five) {
+        const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
+        return (k_block){x->scales, x->qs, x->qh, x->d, x->dmin, sizeof *x};
+    }
+    const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
+    return (k_block){x->scales, x->qs, NULL, x->d, x->dmin, sizeof *x};
+}
+
 static void unpack_q4_k_like(const unsigned char *w, int64_t K, kq_row *r, int five)
 {
     for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
-        const uint8_t *scales, *qs, *qh = NULL;
-        uint16_t d, dmin;
-        if (five) {
-            const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs, qh = x->qh, d = x->d, dmin = x->dmin;
-        } else {
-            const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs, d = x->d, dmin = x->dmin;
-        }
-        float fd = CPU_F16(d), fmin = CPU_F16(dmin);
+        k_block x = q4_k_like_block(w, b, five);
+        const uint8_t *scales = x.scales, *qs = x.qs, *qh = x.qh;
+        float fd = CPU_F16(x.d), fmin = CPU_F16(x.dmin);
         for (int pair = 0; pair < 4; pair++) {
             int64_t c = b * 8 + 2 * pair;
             const uint8_t *q = qs + 32 * pair;
@@ -552,17 +562,10 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
     UNROLLED for (int r = 0; r < mr; r++)
         acc[r] = _mm512_setzero_ps(), accmin[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *scales, *qs, *qh = NULL;
-        uint16_t hd, hdmin;
-        if (five) {
-            const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs, qh = x->qh, hd = x->d, hdmin = x->dmin;
-        } else {
-            const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs, hd = x->d, hdmin = x->dmin;
-        }
-        size_t bytes = five ? sizeof(loom_block_q5_k) : sizeof(loom_block_q4_k);
-        prefetch_ahead(w + (size_t)b * bytes, bytes);
+        k_block x = q4_k_like_block(w, b, five);
+        const uint8_t *scales = x.scales, *qs = x.qs, *qh = x.qh;
+        uint16_t hd = x.d, hdmin = x.dmin;
+        prefetch_ahead(w + (size_t)b * x.bytes, x.bytes);
         /* d and dmin, broadcast */
         __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)(hd | (uint32_t)hdmin << 16)));
         __m512 d = _mm512_broadcastss_ps(dd), dmin = _mm512_broadcastss_ps(_mm_movehdup_ps(dd));
@@ -666,17 +669,9 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
     for (int r = 0; r < mr; r++)
         acc[r] = _mm256_setzero_ps(), mins[r] = 0;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *scales, *qs, *qh = NULL;
-        float d, dmin;
-        if (five) {
-            const loom_block_q5_k *x = (const loom_block_q5_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs, qh = x->qh;
-            d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
-        } else {
-            const loom_block_q4_k *x = (const loom_block_q4_k *)(const void *)w + b;
-            scales = x->scales, qs = x->qs;
-            d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
-        }
+        k_block x = q4_k_like_block(w, b, five);
+        const uint8_t *scales = x.scales, *qs = x.qs, *qh = x.qh;
+        float d = CPU_F16(x.d), dmin = CPU_F16(x.dmin);
         __m128i sm16 = k_scales_mins(scales);
         const __m256i scw = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(sm16));
         const __m128i m8 = _mm_cvtepu8_epi16(_mm_srli_si128(sm16, 8));
