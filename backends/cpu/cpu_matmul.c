@@ -11,7 +11,9 @@
  * take groups of KERN_RI rows, each a contiguous run of bytes, and X is quantised per block.
  *
  * The ABI 1.2 types (K-quants, IQ4, Q5) have X quantised per block the same way; each chunk of
- * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X.
+ * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X. Q4_K,
+ * Q5_K and Q6_K (avx2 and avx512) skip the unpacking: X is quantised per 256 (act_k) and
+ * kern_kq_direct reads the file's layout, a chunk of W rows against every tile of X.
  */
 #include "cpu.h"
 #include "kern.h"
