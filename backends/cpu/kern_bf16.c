@@ -14,8 +14,6 @@
 #include <immintrin.h>
 #include <string.h>
 
-#define INLINE static inline __attribute__((always_inline))
-#define UNROLL _Pragma("GCC unroll 4")
 /* as RI_PREFETCH in kernels.h: one sequential stream per thread, asked for ahead */
 #define BF16_PREFETCH 8192
 

@@ -325,7 +325,7 @@ static inline float hsum(__m256 v)
  * mr (dot_row_n below), so that the accumulators stay in registers: with mr known only at run
  * time GCC kept them on the stack, and each chunk waited on a store and a reload (measured: a
  * third of q4_K decode's time). */
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr, float *out)
 {
     __m256 acc[KERN_MR] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
@@ -377,7 +377,7 @@ static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
 #if defined(__AVX2__)
 /* decode: nr rows against one activation row, the rows' chunks interleaved so that their
  * independent accumulations overlap */
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_rows_1(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, float *out)
 {
     enum { R = 4 };
@@ -526,11 +526,6 @@ static inline __m128i k_scales_mins(const uint8_t *scales)
 #define PICK_WORD(w) (0x01000100 * (2 * (w) + 1) + 0x00020002 * (w))
 #endif
 
-/* Loops over the activation rows fully unrolled, so that the per-row accumulator arrays stay
- * in registers: GCC put them on the stack once a second accumulator per row came in (measured:
- * 20 -> 33 cycles per super-block and row; unrolled, 15-21). */
-#define UNROLLED _Pragma("GCC unroll 8")
-
 #if defined(__AVX512BW__)
 /* 128-bit lane j of the result: word wj of w8 (which holds the same 8 words in every lane),
  * in all 8 places */
@@ -552,14 +547,14 @@ static inline __m512i widen(__m256i v)
 
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers); the
  * super-block's nibbles and scales are unpacked once for all of them */
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
 {
     const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const int64_t nb = K / LOOM_QK_K;
     __m512 acc[KERN_MR];
     __m256 accmin[KERN_MR];
-    UNROLLED for (int r = 0; r < mr; r++)
+    UNROLL for (int r = 0; r < mr; r++)
         acc[r] = _mm512_setzero_ps(), accmin[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         k_block x = q4_k_like_block(w, b, five);
@@ -581,7 +576,7 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
         }
         __m512i sumi[KERN_MR];
-        UNROLLED for (int r = 0; r < mr; r++)
+        UNROLL for (int r = 0; r < mr; r++)
             sumi[r] = _mm512_setzero_si512();
         for (int i = 0; i < 2; i++) {
             __m512i bytes = _mm512_loadu_si512((const void *)(qs + 64 * i));
@@ -594,30 +589,30 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             int j = 4 * i; /* low nibbles: sub-blocks j, j + 2; high: j + 1, j + 3 */
             __m512i s_lo = lane_words(scw, j, j, j + 2, j + 2);
             __m512i s_hi = lane_words(scw, j + 1, j + 1, j + 3, j + 3);
-            UNROLLED for (int r = 0; r < mr; r++) {
+            UNROLL for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 128 * i;
                 __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)yq)), s_lo);
                 __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(yq + 64))), s_hi);
                 sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
             }
         }
-        UNROLLED for (int r = 0; r < mr; r++) {
+        UNROLL for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, _mm512_set1_ps(y->d)), acc[r]);
             accmin[r] = _mm256_fmadd_ps(wmin, _mm256_loadu_ps(y->dsums), accmin[r]);
         }
     }
-    UNROLLED for (int r = 0; r < mr; r++)
+    UNROLL for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
 }
 
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
     const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     const int64_t nb = K / LOOM_QK_K;
     __m512 acc[KERN_MR];
-    UNROLLED for (int r = 0; r < mr; r++)
+    UNROLL for (int r = 0; r < mr; r++)
         acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
@@ -626,7 +621,7 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
         __m512i scw[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16)),
                           _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1))};
         __m512i sumi[KERN_MR];
-        UNROLLED for (int r = 0; r < mr; r++) { /* the offset of 32: -32 sum_16 scale x activations' sum */
+        UNROLL for (int r = 0; r < mr; r++) { /* the offset of 32: -32 sum_16 scale x activations' sum */
             __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
             sumi[r] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                        widen(_mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5)));
@@ -642,7 +637,7 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
             __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
                                          _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hz, 4), three), 4));
             __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
-            UNROLLED for (int r = 0; r < mr; r++) {
+            UNROLL for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 128 * half;
                 __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)yq)), s0);
                 __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(yq + 64))), s1);
@@ -650,16 +645,16 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
             }
         }
         float d = CPU_F16(x->d);
-        UNROLLED for (int r = 0; r < mr; r++)
+        UNROLL for (int r = 0; r < mr; r++)
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * a[r * nb + b].d), acc[r]);
     }
-    UNROLLED for (int r = 0; r < mr; r++)
+    UNROLL for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
 }
 #elif defined(__AVX2__)
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers), each
  * super-block's bits unpacked once for all of them */
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
 {
     const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
@@ -715,7 +710,7 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
         out[r * KERN_NR] = hsum(acc[r]) - mins[r];
 }
 
-static inline __attribute__((always_inline)) void
+INLINE void
 dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
     const int64_t nb = K / LOOM_QK_K;

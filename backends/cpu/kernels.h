@@ -31,9 +31,6 @@
 #define KERN(name) name
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
-/* the tile loops run a compile-time number of times: unrolled, their arrays become registers */
-#define UNROLL _Pragma("GCC unroll 4")
 
 INLINE float f16(uint16_t h)
 {
