@@ -444,8 +444,8 @@ void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t n
  * super-block of 256 (act_k). Per super-block: the nibbles (plus Q5_K's fifth bit, Q6_K's two
  * high bits) meet the activations as unsigned x signed bytes, are summed to int32 by the
  * sub-block scales, and take one FMA by d x the activations' scale. Minimums (Q4_K/Q5_K) and
- * Q6_K's offset of 32 come from the activations' sums per 16 (act_k.bsums), once per
- * super-block.
+ * Q6_K's offset of 32 come from the activations' sums, once per super-block: per 16
+ * (act_k.bsums), or for the AVX-512 Q4_K/Q5_K minimums d x the sums per 32 (act_k.dsums).
  *
  * The AVX-512 kernels take 64 values an instruction. A 64-byte load of Q4_K/Q5_K's nibbles
  * holds two sub-block pairs, whose low nibbles are sub-blocks 0 and 2 of those 128 values and
