@@ -276,6 +276,12 @@ static void fill_random(spec *s, float amp, float bias)
         for (int64_t i = 0; i < s->ne[0]; i++)
             v[i] = bias + amp * rng_uniform();
         put_row(s, r, v);
+        /* any int8 is a valid Q8_0 quant, and -128 (which quantising never writes) is where
+         * kernels that move w's sign onto x can go wrong: one in every row */
+        if (s->dtype == LOOM_Q8_0) {
+            loom_block_q8_0 *blocks = (loom_block_q8_0 *)(void *)spec_row(s, r);
+            blocks[r % (s->ne[0] / LOOM_QK)].qs[r % LOOM_QK] = -128;
+        }
     }
     free(v);
 }

@@ -734,6 +734,15 @@ typedef __m256 vflt;
 #define RI_PREFETCH 8192
 #endif
 
+/* one instantiation of an interleaved tile per count of activation rows */
+#define RI_MR_CASES(tile)                                                                         \
+    switch (mr) {                                                                                 \
+    case 1: tile(w, nb, a, out, 1); break;                                                        \
+    case 2: tile(w, nb, a, out, 2); break;                                                        \
+    case 3: tile(w, nb, a, out, 3); break;                                                        \
+    default: tile(w, nb, a, out, 4); break;                                                       \
+    }
+
 INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
                          const int MR)
 {
@@ -776,12 +785,76 @@ INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
 
 void KERN(kern_q4_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
 {
-    switch (mr) {
-    case 1: q4_0_ri_tile(w, nb, a, out, 1); break;
-    case 2: q4_0_ri_tile(w, nb, a, out, 2); break;
-    case 3: q4_0_ri_tile(w, nb, a, out, 3); break;
-    default: q4_0_ri_tile(w, nb, a, out, 4); break;
+    RI_MR_CASES(q4_0_ri_tile)
+}
+
+/* ---- Q8_0, interleaved rows (layout in kern.h) ---------------------------------------------- */
+
+/* |w| is the unsigned operand and w's sign moves onto the broadcast x, as in q8_0_tile: exact
+ * for every int8 w, -128 included (|-128| is 128 unsigned). Both are worked out once per weight
+ * vector and shared by the activation rows. */
+#if defined(__AVX512F__)
+typedef __mmask64 vsign;
+#define V_SIGNS(w) _mm512_movepi8_mask(w)
+#define V_ABS8(w) _mm512_abs_epi8(w)
+#define V_APPLY_SIGN(x, k) _mm512_mask_sub_epi8((x), (k), _mm512_setzero_si512(), (x))
+#else
+typedef __m256i vsign;
+#define V_SIGNS(w) (w)
+#define V_ABS8(w) _mm256_abs_epi8(w)
+#define V_APPLY_SIGN(x, w) _mm256_sign_epi8((x), (w)) /* zeroes x where w is 0: |w| is 0 too */
+#endif
+
+INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                         const int MR)
+{
+    vflt acc[KERN_MR];
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        acc[r] = V_ZERO_F();
+    /* two chains per row, so the dot products of a block overlap, where the registers hold
+     * them: not AVX2's 16 with more than two rows */
+    const int CHAINS = KERN_RI == 8 && MR > 2 ? 1 : 2;
+    const q8_0_ri_record *rec = (const q8_0_ri_record *)(const void *)w;
+    for (int64_t b = 0; b < nb; b++) {
+        const q8_0_ri_record *o = rec + b / 2;
+        int h = (int)(b & 1);
+        if (!h)
+            for (size_t l = 0; l < sizeof *o; l += 64)
+                __builtin_prefetch((const char *)o + RI_PREFETCH + l);
+        vflt wd = V_F16(o->d[h]);
+        vint s0[KERN_MR], s1[KERN_MR];
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            s0[r] = s1[r] = V_ZERO_I();
+        UNROLL
+        for (int c = 0; c < 8; c += 2) {
+            vint w0 = V_LOAD_I(o->q[h][c]), w1 = V_LOAD_I(o->q[h][c + 1]);
+            vint u0 = V_ABS8(w0), u1 = V_ABS8(w1);
+            vsign k0 = V_SIGNS(w0), k1 = V_SIGNS(w1);
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_block *x = a + r * nb + b;
+                s0[r] = V_DOT(s0[r], u0, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c), k0));
+                if (CHAINS == 2)
+                    s1[r] = V_DOT(s1[r], u1, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c + 4), k1));
+                else
+                    s0[r] = V_DOT(s0[r], u1, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c + 4), k1));
+            }
+        }
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[r] = V_FMA(V_CVT(V_ADD_I(s0[r], s1[r])), V_MUL(wd, V_SET1_F(a[r * nb + b].d)),
+                           acc[r]);
     }
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        V_STORE_F(out + r * KERN_RI, acc[r]);
+}
+
+void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+{
+    RI_MR_CASES(q8_0_ri_tile)
 }
 
 #ifndef KERN_VNNI
