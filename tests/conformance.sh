@@ -37,6 +37,13 @@ else
     fail "cpu with LOOM_THREADS=3:"; cat "$tmpdir/threads.txt" >&2
 fi
 grep "skipped:" "$tmpdir/threads.txt" | sed 's/^ */not checked here: /'
+# more threads than (token, kv head) pairs: attention cuts each pair's keys into parts and
+# combines them (the decode and prefix cases have enough key blocks to be cut)
+if LOOM_THREADS=16 "$CONFORMANCE" --quiet cpu > "$tmpdir/threads16.txt" 2>&1; then
+    pass "cpu variants usable here conform with 16 threads (attention's keys split)"
+else
+    fail "cpu with LOOM_THREADS=16:"; cat "$tmpdir/threads16.txt" >&2
+fi
 if LOOM_CPU_DISABLE=vnni,bf16 "$CONFORMANCE" --quiet cpu > "$tmpdir/novnni.txt" 2>&1; then
     pass "cpu variants conform without their VNNI and BF16 kernels"
 else

@@ -96,6 +96,18 @@ if "$LOOM" bench serve --synthetic tiny --clients 4 --requests 6 --prompt-tokens
 else
     fail "bench serve exit:"; cat "$tmpdir/serve.err" >&2
 fi
+# the per-op benchmark, attention only: every shape measured, none failed
+if "$LOOM" bench ops --quick --op attention --backends cpu --json > "$tmpdir/ops.json" \
+        2> "$tmpdir/ops.err"; then
+    jq -e '([.results[] | select(.op == "attention" and .gbps > 0 and (.error | not))] | length >= 4)
+           and ([.results[] | select(.op != "attention")] | length == 0)' "$tmpdir/ops.json" \
+        > /dev/null && pass "bench ops --op attention: every attention shape, nothing else" ||
+        { fail "bench ops results:"; cat "$tmpdir/ops.json" >&2; }
+else
+    fail "bench ops exit:"; cat "$tmpdir/ops.err" >&2
+fi
+"$LOOM" bench ops --op softmax > /dev/null 2> "$tmpdir/e7" && fail "bench ops --op softmax accepted"
+expect_grep "measured ops are matmul and attention" "$tmpdir/e7" "an op bench ops does not measure is named"
 "$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
 expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
 # a backend that lacks ops: loom runs those ops on the CPU (copies there and back), says so

@@ -404,14 +404,16 @@ static void run_attention(loom_device *d, void *ctx)
     d->ops.attention(d->be, &((attn_ctx *)ctx)->p);
 }
 
-/* Attention of `tokens` new tokens at the end of one sequence of `context` keys: Llama-3-8B
- * heads (32 query, 8 kv, head_dim 128), block size 16. Bytes: the K and V rows read. */
-static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens, int64_t context)
+/* Attention of `tokens` new tokens at the end of one sequence of `context` keys, with `heads`
+ * query heads over `kvh` kv heads of `hd` (Llama-3-8B: 32/8, 128), block size 16. Bytes: the K
+ * and V rows read. */
+static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens, int64_t context,
+                            int64_t heads, int64_t kvh, int64_t hd)
 {
     char shape[96];
-    const int64_t heads = 32, kvh = 8, hd = 128, bs = 16, blocks = (context + bs - 1) / bs;
-    snprintf(shape, sizeof shape, "tokens=%lld ctx=%lld h=32/8 hd=128", (long long)tokens,
-             (long long)context);
+    const int64_t bs = 16, blocks = (context + bs - 1) / bs;
+    snprintf(shape, sizeof shape, "tokens=%lld ctx=%lld h=%lld/%lld hd=%lld", (long long)tokens,
+             (long long)context, (long long)heads, (long long)kvh, (long long)hd);
     const char *kind = tokens == 1 ? "decode" : "prefill";
     if (!loom_device_supports(d, LOOM_OP_ATTENTION, cache_dt)) {
         emit_error("attention", loom_dtype_name(cache_dt), shape, "unsupported");
@@ -439,7 +441,7 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
         loom_tensor seq = dense(ib, LOOM_I32, tokens, 1, 1), pos = seq;
         seq.offset = (uint64_t)blocks * 4;
         pos.offset = (uint64_t)(blocks + tokens) * 4;
-        attn_ctx c = {{sizeof c.p, &q, &k, &v, &bt, &seq, &pos, NULL, &o, 0.088388f}};
+        attn_ctx c = {{sizeof c.p, &q, &k, &v, &bt, &seq, &pos, NULL, &o, 1.0f / sqrtf((float)hd)}};
         double mean, sd, bw = tokens == 1 ? adjacent_bandwidth() : 0.0;
         repeat(d, run_attention, &c, 0.3, &mean, &sd);
         double bw_after = tokens == 1 ? adjacent_bandwidth() : 0.0;
@@ -456,7 +458,10 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
     free(ch), free(qh), free(ints);
 }
 
-static int child(const char *path, int quick)
+/* which ops a run measures: both, or the one named by --op */
+typedef enum { OPS_ALL, OPS_MATMUL, OPS_ATTENTION } ops_wanted;
+
+static int child(const char *path, int quick, ops_wanted ops)
 {
     loom_device d;
     char err[1024];
@@ -474,7 +479,9 @@ static int child(const char *path, int quick)
     adjacent.words = (size_t)(arena_bytes / 8);
     adjacent.threads = loom_bench_threads();
     loom_buffer *arena = NULL;
-    if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
+    if (ops == OPS_ATTENTION) {
+        /* no matmuls */
+    } else if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
         emit_error("matmul", "", "", "cannot allocate the decode working set");
     } else {
         for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
@@ -486,13 +493,19 @@ static int child(const char *path, int quick)
     }
     /* prefill, then a serving step: one decode token from each of 16 sequences */
     const int64_t prefill_m[] = {quick ? 16 : 64, 16};
-    for (int pm = 0; pm < 2; pm++)
+    for (int pm = 0; pm < 2 && ops != OPS_ATTENTION; pm++)
         for (int prepared = 0; prepared < 2; prepared++)
             for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
                 bench_matmul_prefill(&d, wtypes[i], prefill_m[pm], dim, dim, prepared);
-    bench_attention(&d, LOOM_F16, 1, quick ? 256 : 2048);
-    bench_attention(&d, LOOM_Q8_0, 1, quick ? 256 : 2048);
-    bench_attention(&d, LOOM_F16, quick ? 16 : 128, quick ? 256 : 2048);
+    int64_t ctx = quick ? 256 : 2048;
+    if (ops != OPS_MATMUL) {
+        bench_attention(&d, LOOM_F16, 1, ctx, 32, 8, 128);
+        bench_attention(&d, LOOM_Q8_0, 1, ctx, 32, 8, 128);
+        bench_attention(&d, LOOM_F16, quick ? 16 : 128, ctx, 32, 8, 128);
+        /* one kv head (Gemma-2B, Falcon): one decode token is one (token, kv head) pair, so
+         * only cutting the keys into parts gives every thread work */
+        bench_attention(&d, LOOM_F16, 1, 4 * ctx, 8, 1, 256);
+    }
     free(adjacent.buf);
     loom_device_close(&d);
     return 0;
@@ -518,22 +531,36 @@ static double share_base(const cJSON *o, double parent_bw)
 
 static void usage(FILE *out)
 {
-    fprintf(out, "usage: loom bench ops [--backends LIST] [--json] [--quick]\n"
+    fprintf(out, "usage: loom bench ops [--backends LIST] [--op matmul|attention] [--json] [--quick]\n"
                  "  --backends LIST  comma-separated backend names or name-variant (default: every\n"
                  "                   usable backend but ref)\n"
+                 "  --op OP          measure only matmul or only attention (default: both)\n"
                  "  --json           print the measurements as JSON instead of a table\n"
                  "  --quick          small shapes, for a smoke test\n");
 }
 
 int loom_bench_ops_main(int argc, char **argv, const char *self)
 {
-    const char *list = NULL;
+    const char *list = NULL, *child_path = NULL;
     int json = 0, quick = 0;
+    ops_wanted ops = OPS_ALL;
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--child") == 0 && i + 1 < argc)
-            return child(argv[i + 1], i + 2 < argc && strcmp(argv[i + 2], "--quick") == 0);
-        if (strcmp(argv[i], "--backends") == 0 && i + 1 < argc)
+            child_path = argv[++i];
+        else if (strcmp(argv[i], "--backends") == 0 && i + 1 < argc)
             list = argv[++i];
+        else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
+            i++;
+            if (strcmp(argv[i], "matmul") == 0)
+                ops = OPS_MATMUL;
+            else if (strcmp(argv[i], "attention") == 0)
+                ops = OPS_ATTENTION;
+            else {
+                fprintf(stderr, "loom bench ops: --op %s: measured ops are matmul and "
+                        "attention\n", argv[i]);
+                return 2;
+            }
+        }
         else if (strcmp(argv[i], "--json") == 0)
             json = 1;
         else if (strcmp(argv[i], "--quick") == 0)
@@ -547,6 +574,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
             return 2;
         }
     }
+    if (child_path)
+        return child(child_path, quick, ops);
 
     loom_registry reg;
     char err[4096];
@@ -600,8 +629,9 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
     for (int b = 0; b < n; b++) {
         fprintf(stderr, "running %s...\n", labels[b]);
         char cmd[8192];
-        snprintf(cmd, sizeof cmd, "'%s' bench ops --child '%s'%s", self, paths[b],
-                 quick ? " --quick" : "");
+        snprintf(cmd, sizeof cmd, "'%s' bench ops --child '%s'%s%s", self, paths[b],
+                 quick ? " --quick" : "",
+                 ops == OPS_MATMUL ? " --op matmul" : ops == OPS_ATTENTION ? " --op attention" : "");
         FILE *f = popen(cmd, "r");
         char line[2048];
         while (f && fgets(line, sizeof line, f)) {

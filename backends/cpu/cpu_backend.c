@@ -374,12 +374,27 @@ static loom_status cpu_kv_store(loom_backend *be, const loom_kv_store_params *p)
 /* Fused paged attention with an online softmax: for one (token, kv head), every query head of
  * the group walks the keys block by block; each K and V row is converted once per group and
  * used by all its heads; scores of one block are exponentiated against the running maximum,
- * so no score matrix is ever stored. */
+ * so no score matrix is ever stored.
+ * (token, kv head) pairs are the unit of work. When there are fewer of them than threads (one
+ * decode token of a model with 8 kv heads is 8 pairs), each pair's key blocks are cut into
+ * parts: a part leaves its heads' running maximum, sum and unnormalised output, and a second
+ * pass combines the parts of a pair, each rescaled to the largest maximum. */
 typedef struct attn_job {
     const loom_attention_params *p;
-    int64_t max_key_blocks; /* keys per sequence the block table can address */
+    int splits;             /* parts each pair's keys are cut into (1: none) */
+    float *partial;         /* splits > 1: per part, per head of its group, m, l, acc[head_dim] */
     volatile int bad_block; /* set by a thread that met an out-of-range block id */
 } attn_job;
+
+/* The last key a token attends to: its own position, or the end of its sequence's
+ * bidirectional prefix (ChatGLM-6B) */
+static int64_t last_key(const loom_attention_params *p, int64_t t)
+{
+    int64_t last = i32_at(p->pos, t);
+    if (p->prefix_len && i32_at(p->prefix_len, i32_at(p->seq, t)) - 1 > last)
+        last = i32_at(p->prefix_len, i32_at(p->seq, t)) - 1;
+    return last;
+}
 
 
 /* The keys (or values) of kv head g in cache block blk: a cache is [head_dim, kv_heads,
@@ -418,13 +433,14 @@ static void attn_pairs(void *ctx, int ith, int nth)
     float *v = k + hd * rows, *acc = v + hd * rows, *scores = acc + group * hd;
     float *m = scores + group * bs, *l = m + group;
     long i0, i1;
-    pool_split((long)(tokens * kvh), ith, nth, &i0, &i1);
+    pool_split((long)(tokens * kvh * j->splits), ith, nth, &i0, &i1);
     for (long idx = i0; idx < i1; idx++) {
-        int64_t t = idx / kvh, g = idx % kvh;
+        int64_t pair = idx / j->splits, part = idx % j->splits;
+        int64_t t = pair / kvh, g = pair % kvh;
         int32_t s = i32_at(p->seq, t);
-        int64_t last = i32_at(p->pos, t);
-        if (p->prefix_len && i32_at(p->prefix_len, s) - 1 > last)
-            last = i32_at(p->prefix_len, s) - 1;
+        int64_t last = last_key(p, t), n_key_blocks = last / bs + 1;
+        /* this part's key blocks (all of them without a split) */
+        int64_t kb0 = part * n_key_blocks / j->splits, kb1 = (part + 1) * n_key_blocks / j->splits;
         const unsigned char *bt = cpu_row(p->block_table, base(p->block_table), s);
         const float *q[256]; /* the group's query rows (heads / kv_heads <= 256, checked) */
         for (int64_t h = 0; h < group; h++) {
@@ -433,7 +449,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
             l[h] = 0.0f;
             memset(acc + h * hd, 0, (size_t)hd * sizeof(float));
         }
-        for (int64_t j0 = 0; j0 <= last; j0 += bs) {
+        for (int64_t j0 = kb0 * bs; j0 < kb1 * bs; j0 += bs) {
             int32_t blk;
             memcpy(&blk, bt + (j0 / bs) * p->block_table->nb[0], 4);
             if (blk < 0 || blk >= n_blocks) {
@@ -444,7 +460,7 @@ static void attn_pairs(void *ctx, int ith, int nth)
             /* key jj of this block and head lies at kb + jj * nb[2] (cpu_row's divisions per
              * key cost more than the dot product at head_dim 64) */
             const unsigned char *kb = head_block(kc, g, blk), *vb = head_block(vc, g, blk);
-            if (j0 + bs <= last) {
+            if (j0 + bs < kb1 * bs) {
                 /* the next block's rows of this head: fetch them while this one is worked on */
                 int32_t nxt;
                 memcpy(&nxt, bt + (j0 / bs + 1) * p->block_table->nb[0], 4);
@@ -504,7 +520,13 @@ static void attn_pairs(void *ctx, int ith, int nth)
                     cpu_axpy(scores[h * bs + jj], v, acc + h * hd, hd);
             }
         }
-        for (int64_t h = 0; h < group; h++) {
+        for (int64_t h = 0; h < group && j->splits > 1; h++) {
+            float *part_h = j->partial + (idx * group + h) * (hd + 2);
+            part_h[0] = m[h];
+            part_h[1] = l[h];
+            memcpy(part_h + 2, acc + h * hd, (size_t)hd * sizeof(float));
+        }
+        for (int64_t h = 0; h < group && j->splits == 1; h++) {
             float *y = (float *)cpu_row(p->dst, base(p->dst), t * heads + g * group + h);
             float inv = 1.0f / l[h];
             for (int64_t i = 0; i < hd; i++)
@@ -513,6 +535,53 @@ static void attn_pairs(void *ctx, int ith, int nth)
     }
 out:
     free(k);
+}
+
+/* The second pass of a split: each head's parts, rescaled to their largest maximum and summed.
+ * A part without keys (a short sequence's, in a batch cut for a longer one) has m = -inf and
+ * weighs nothing; every pair's last part holds keys. */
+static void attn_combine(void *ctx, int ith, int nth)
+{
+    attn_job *j = ctx;
+    const loom_attention_params *p = j->p;
+    int64_t hd = p->q->ne[0], heads = p->q->ne[1], kvh = p->k_cache->ne[1], group = heads / kvh;
+    long r0, r1; /* query rows: (token, head) */
+    pool_split((long)(p->q->ne[2] * p->q->ne[3] * heads), ith, nth, &r0, &r1);
+    for (long row = r0; row < r1; row++) {
+        int64_t pair = row / group, h = row % group; /* heads of a pair are adjacent rows */
+        const float *first = j->partial + (pair * j->splits * group + h) * (hd + 2);
+        size_t part_stride = (size_t)group * (hd + 2);
+        float mx = -INFINITY, total = 0.0f;
+        for (int s = 0; s < j->splits; s++)
+            mx = first[s * part_stride] > mx ? first[s * part_stride] : mx;
+        float *y = (float *)cpu_row(p->dst, base(p->dst), row);
+        memset(y, 0, (size_t)hd * sizeof(float));
+        for (int s = 0; s < j->splits; s++) {
+            const float *part = first + s * part_stride;
+            if (part[1] == 0.0f)
+                continue;
+            float w = expf(part[0] - mx);
+            total += part[1] * w;
+            cpu_axpy(w, part + 2, y, hd);
+        }
+        for (int64_t i = 0; i < hd; i++)
+            y[i] /= total;
+    }
+}
+
+/* Parts to cut each pair's keys into: enough that every thread has work, none without keys */
+static int attn_splits(const loom_attention_params *p, int nth)
+{
+    int64_t tokens = p->q->ne[2] * p->q->ne[3], pairs = tokens * p->k_cache->ne[1];
+    if (pairs >= nth)
+        return 1;
+    int64_t fewest_blocks = INT64_MAX;
+    for (int64_t t = 0; t < tokens; t++) {
+        int64_t n = last_key(p, t) / p->k_cache->ne[2] + 1;
+        fewest_blocks = n < fewest_blocks ? n : fewest_blocks;
+    }
+    int64_t splits = (nth + pairs - 1) / pairs;
+    return (int)(splits < fewest_blocks ? splits : fewest_blocks);
 }
 
 static loom_status cpu_attention(loom_backend *be, const loom_attention_params *p)
@@ -542,8 +611,17 @@ static loom_status cpu_attention(loom_backend *be, const loom_attention_params *
     }
     if (p->q->ne[1] / p->k_cache->ne[1] > 256)
         return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED, "attention: more than 256 query heads per kv head");
-    attn_job j = {p, reach, 0};
+    attn_job j = {p, attn_splits(p, pool_size(CB(be)->pool)), NULL, 0};
+    if (j.splits > 1) {
+        size_t floats = (size_t)(tokens * p->q->ne[1] * j.splits * (p->q->ne[0] + 2));
+        if (!(j.partial = malloc(floats * sizeof(float))))
+            return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "attention: no memory for %d parts "
+                            "of %lld tokens' keys", j.splits, (long long)tokens);
+    }
     pool_run(CB(be)->pool, attn_pairs, &j);
+    if (j.splits > 1 && !j.bad_block)
+        pool_run(CB(be)->pool, attn_combine, &j);
+    free(j.partial);
     if (j.bad_block == -2)
         return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "attention: no memory for scratch rows");
     if (j.bad_block)
