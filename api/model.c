@@ -90,6 +90,16 @@ static int open_device(loom_model *m, const loom_model_options *opts, char *err,
     return rc;
 }
 
+/* A loom_model_options behaviour: 1 on, -1 off, 0 as env says (unset or empty: fallback; "0":
+ * off; anything else: on). The environment is read here, once a model, never by the core. */
+static int behaviour(int32_t option, const char *env, int fallback)
+{
+    if (option)
+        return option > 0;
+    const char *s = getenv(env);
+    return s && *s ? strcmp(s, "0") != 0 : fallback;
+}
+
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size)
 {
@@ -97,6 +107,9 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!opts)
         opts = &none;
     loom_runner_options ro = {.n_ctx = opts->n_ctx, .n_kv_blocks = opts->kv_blocks,
+                              .profile = behaviour(opts->profile, "LOOM_PROFILE", 0),
+                              .no_repack = !behaviour(opts->repack, "LOOM_REPACK", 1),
+                              .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
                               .n_kv_seqs = opts->kv_sequences, .block_size = opts->block_size};
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;

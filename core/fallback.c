@@ -26,12 +26,6 @@ struct loom_fallback {
     unsigned char warned[LOOM_OP_COUNT_V1_0][32];
 };
 
-int loom_fallback_strict(void)
-{
-    const char *s = getenv("LOOM_STRICT");
-    return s && *s && strcmp(s, "0") != 0;
-}
-
 loom_fallback *loom_fallback_new(loom_device *main, loom_fallback_constant_fn constant, void *ctx)
 {
     loom_fallback *fb = calloc(1, sizeof *fb);

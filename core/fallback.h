@@ -27,7 +27,4 @@ void loom_fallback_free(loom_fallback *fb);
 int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *params,
                       const char *what, char *err, size_t err_size);
 
-/* 1 when LOOM_STRICT asks to refuse instead of falling back. */
-int loom_fallback_strict(void);
-
 #endif

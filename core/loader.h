@@ -12,6 +12,9 @@
  *
  * Invariant: nothing from a module (pointers, strings) outlives the dlopen that produced it;
  * everything kept is copied into host-owned memory, zero-filled past what the module declared.
+ *
+ * One file per idea: module_scan.c (finding and vetting), module_policy.c (choosing),
+ * module_report.c (the text and JSON report), device.c (opening a device, dispatching ops).
  */
 #ifndef LOOM_CORE_LOADER_H
 #define LOOM_CORE_LOADER_H

@@ -308,7 +308,7 @@ static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 }
 
 /* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
- * core/fallback, unless LOOM_STRICT=1. LOOM_PROFILE=1 times it, synchronising after. */
+ * core/fallback, unless in strict mode. With profiling on, times it, synchronising after. */
 static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
@@ -320,9 +320,9 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
     } else if (r->census) {
         r->lacking[op][dt & 31] = 1;
         return;
-    } else if (loom_fallback_strict()) {
-        fail(r, "backend %s%s%s does not support %s with %s, and LOOM_STRICT=1 forbids running "
-             "it on the CPU instead", r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
+    } else if (r->opt.strict) {
+        fail(r, "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
+             "forbids running it on the CPU instead", r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
              what, loom_dtype_name(dt));
         return;
     } else {
@@ -488,8 +488,8 @@ static int strict_census(loom_runner *r, char *err, size_t err_size)
             }
     if (!n)
         return 0;
-    snprintf(err, err_size, "LOOM_STRICT=1: backend %s%s%s lacks %d op(s) this model needs: %s "
-             "(without LOOM_STRICT they run on the CPU)", r->dev->name,
+    snprintf(err, err_size, "strict mode (LOOM_STRICT=1): backend %s%s%s lacks %d op(s) this "
+             "model needs: %s (without it they run on the CPU)", r->dev->name,
              r->dev->variant[0] ? "-" : "", r->dev->variant, n, list);
     return -1;
 }
@@ -504,8 +504,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     }
     r->dev = dev;
     r->gguf = gguf;
-    const char *prof = getenv("LOOM_PROFILE");
-    r->profile = prof && *prof && strcmp(prof, "0") != 0;
+    r->profile = opts->profile;
     r->arch = arch;
     r->opt = *opts;
     if (r->opt.block_size <= 0)
@@ -519,8 +518,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->weight_ready = calloc(gguf->n_tensors + 1, 1);
     r->prepared = calloc(gguf->n_tensors + 1, sizeof *r->prepared);
     r->prep = calloc(gguf->n_tensors + 1, 1);
-    const char *repack = getenv("LOOM_REPACK");
-    r->repack = !repack || strcmp(repack, "0") != 0;
+    r->repack = !opts->no_repack;
     if (!r->weights || !r->weight_bufs || !r->weight_ready || !r->prepared || !r->prep) {
         snprintf(err, err_size, "out of memory");
         loom_runner_free(r);
@@ -577,7 +575,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         r->vc[l] = r->kc[l];
         r->vc[l].offset += per_cache;
     }
-    if (loom_fallback_strict() && strict_census(r, err, err_size) != 0) {
+    if (r->opt.strict && strict_census(r, err, err_size) != 0) {
         loom_runner_free(r);
         return NULL;
     }

@@ -67,6 +67,11 @@ typedef struct loom_runner_options {
     int32_t n_kv_blocks; /* KV cache blocks; 0: see n_kv_seqs */
     int32_t n_kv_seqs;   /* with n_kv_blocks 0: blocks for this many sequences of up to 1024
                           * tokens (n_ctx if shorter), at least one of n_ctx; 0: one of n_ctx */
+    /* Behaviours the API layer takes from loom.h's options or the environment (the core reads
+     * no environment variables); zero is the default of each. */
+    int profile;   /* time every op (synchronising after it), print the table at free */
+    int no_repack; /* do not offer weights to the backend's prepare_weight */
+    int strict;    /* an op the backend lacks is an error, not a run on the CPU */
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */

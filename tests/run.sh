@@ -126,7 +126,7 @@ if LOOM_STRICT=1 LOOM_BACKEND=ref LOOM_REF_DENY=attention,rms_norm "$LOOM" run -
     > /dev/null 2> "$tmpdir/strict.err"; then
     fail "LOOM_STRICT=1 should refuse a backend that lacks attention"
 else
-    expect_grep "LOOM_STRICT=1: backend ref lacks 2 op(s) this model needs: rms_norm with f32, attention with f16" \
+    expect_grep "strict mode (LOOM_STRICT=1): backend ref lacks 2 op(s) this model needs: rms_norm with f32, attention with f16" \
         "$tmpdir/strict.err" "LOOM_STRICT=1 refuses at load, naming every op it lacks"
 fi
 LOOM_STRICT=1 LOOM_BACKEND=ref "$LOOM" run -m "$gguf" -p "Once" -n 2 > /dev/null 2> "$tmpdir/strict-ok.err" &&

@@ -348,6 +348,30 @@ static void run_q8_kv(const char *backend)
     unlink(path);
 }
 
+/* loom.h's per-model behaviours: 0 follows the environment variable, 1 and -1 override it */
+static void check_behaviours(const char *gguf)
+{
+    char err[512] = "";
+    setenv("LOOM_REF_DENY", "matmul", 1); /* ref then lacks an op every model needs */
+    unsetenv("LOOM_STRICT");
+    static const struct { const char *env; int32_t strict; int opens; } cases[] = {
+        {NULL, 0, 1}, {NULL, 1, 0}, {"1", 0, 0}, {"1", -1, 1}, {"0", 1, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (cases[i].env)
+            setenv("LOOM_STRICT", cases[i].env, 1);
+        loom_model_options o = {.n_ctx = 64, .backend = "ref", .strict = cases[i].strict};
+        err[0] = '\0';
+        loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+        CHECK((m != NULL) == cases[i].opens && (m || strstr(err, "strict mode")),
+              "LOOM_STRICT=%s, strict = %d: %s", cases[i].env ? cases[i].env : "(unset)",
+              cases[i].strict, m ? "opened" : err);
+        loom_model_close(m);
+    }
+    unsetenv("LOOM_STRICT");
+    unsetenv("LOOM_REF_DENY");
+}
+
 int main(void)
 {
     char gguf[4200];
@@ -367,6 +391,7 @@ int main(void)
     }
     run(gguf, NULL); /* the best backend here */
     run_q8_kv(NULL);
+    check_behaviours(gguf);
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");
     return check_finish("test_engine");

@@ -63,6 +63,11 @@ typedef struct loom_model_options {
     int32_t block_size;   /* tokens per KV block; 0: 16 */
     const char *backend_module; /* a backend module file to run on, found or not (conformance,
                                  * a module under development); NULL: choose as above */
+    /* Three behaviours, each 1 (on), -1 (off) or 0: as its environment variable says. */
+    int32_t profile; /* time every op, print the table when the model closes (LOOM_PROFILE=1) */
+    int32_t repack;  /* offer weights to the backend's own layout, prepare_weight (LOOM_REPACK,
+                      * default on) */
+    int32_t strict;  /* an op the backend lacks is an error, not run on the CPU (LOOM_STRICT=1) */
 } loom_model_options;
 
 typedef struct loom_sampling {

@@ -1,0 +1,122 @@
+/*
+ * core/device.c - opening a module's device (loading the file again and keeping it loaded) and
+ * calling its ops through the host copy of its table. See loader.h.
+ */
+#include "loader_internal.h"
+
+#include <dlfcn.h>
+#include <string.h>
+
+int loom_device_open(loom_device *dev, const char *path, int device, int n_threads, char *err,
+                     size_t err_size)
+{
+    memset(dev, 0, sizeof *dev);
+    loom_candidate_state state;
+    char reason[512];
+    dev->handle = loader_load_module(path, &dev->module, &state, reason, sizeof reason);
+    if (!dev->handle) {
+        loader_set_err(err, err_size, "%s: %s", path, reason);
+        return -1;
+    }
+    loader_copy_str(dev->name, sizeof dev->name, dev->module.name);
+    loader_copy_str(dev->variant, sizeof dev->variant, dev->module.variant);
+    dev->device = device;
+    loom_backend_options opts = {.struct_size = sizeof opts, .device = device,
+                                 .n_threads = n_threads};
+    char msg[512] = "";
+    loom_status st = dev->module.open(&opts, &dev->be, msg, sizeof msg);
+    if (st != LOOM_OK || !dev->be || !dev->be->ops) {
+        loader_set_err(err, err_size, "%s: cannot open device %d: %s", path, device,
+                       msg[0] ? msg : "open failed without a message");
+        dlclose(dev->handle);
+        memset(dev, 0, sizeof *dev);
+        return -1;
+    }
+    const loom_backend_ops *ops = dev->be->ops;
+    loader_copy_declared(&dev->ops, sizeof dev->ops, ops, ops->struct_size);
+    if (!dev->ops.close || !dev->ops.last_error || !dev->ops.supports || !dev->ops.buffer_alloc ||
+        !dev->ops.buffer_free || !dev->ops.copy_from_host || !dev->ops.copy_to_host ||
+        !dev->ops.synchronize) {
+        loader_set_err(err, err_size, "%s: its op table lacks a required member (close, "
+                       "last_error, supports, buffers, copies or synchronize)", path);
+        if (dev->ops.close)
+            dev->ops.close(dev->be);
+        dlclose(dev->handle);
+        memset(dev, 0, sizeof *dev);
+        return -1;
+    }
+    return 0;
+}
+
+int loom_device_open_chosen(loom_device *dev, const loom_registry *reg, int n_threads, char *err,
+                            size_t err_size)
+{
+    if (reg->chosen < 0) {
+        loader_set_err(err, err_size, "no backend was chosen");
+        return -1;
+    }
+    return loom_device_open(dev, reg->items[reg->chosen].path, reg->chosen_device, n_threads, err,
+                            err_size);
+}
+
+void loom_device_close(loom_device *dev)
+{
+    if (dev->be)
+        dev->ops.close(dev->be);
+    if (dev->handle)
+        dlclose(dev->handle);
+    memset(dev, 0, sizeof *dev);
+}
+
+/* Whether the module's table (host copy, zero past its declared size) has the op. */
+int loom_device_op_present(const loom_device *dev, loom_op op)
+{
+    const loom_backend_ops *o = &dev->ops;
+    switch (op) {
+    case LOOM_OP_MATMUL: return o->matmul != NULL;
+    case LOOM_OP_GET_ROWS: return o->get_rows != NULL;
+    case LOOM_OP_RMS_NORM: return o->rms_norm != NULL;
+    case LOOM_OP_LAYER_NORM: return o->layer_norm != NULL;
+    case LOOM_OP_ROPE: return o->rope != NULL;
+    case LOOM_OP_ADD: return o->add != NULL;
+    case LOOM_OP_MUL: return o->mul != NULL;
+    case LOOM_OP_SCALE: return o->scale != NULL;
+    case LOOM_OP_SILU_MUL: return o->silu_mul != NULL;
+    case LOOM_OP_GELU: return o->gelu != NULL;
+    case LOOM_OP_KV_STORE: return o->kv_store != NULL;
+    case LOOM_OP_ATTENTION: return o->attention != NULL;
+    case LOOM_OP_QUANTIZE: return o->quantize != NULL;
+    case LOOM_OP_DEQUANTIZE: return o->dequantize != NULL;
+    case LOOM_OP_CONVERT: return o->convert != NULL;
+    case LOOM_OP_COUNT_V1_0: break;
+    }
+    return 0;
+}
+
+int loom_device_supports(const loom_device *dev, loom_op op, loom_dtype dtype)
+{
+    return loom_device_op_present(dev, op) && dev->ops.supports(dev->be, op, dtype);
+}
+
+loom_status loom_device_run(const loom_device *d, loom_op op, const void *p)
+{
+    const loom_backend_ops *o = &d->ops;
+    switch (op) {
+    case LOOM_OP_MATMUL: return o->matmul(d->be, p);
+    case LOOM_OP_GET_ROWS: return o->get_rows(d->be, p);
+    case LOOM_OP_RMS_NORM: return o->rms_norm(d->be, p);
+    case LOOM_OP_LAYER_NORM: return o->layer_norm(d->be, p);
+    case LOOM_OP_ROPE: return o->rope(d->be, p);
+    case LOOM_OP_ADD: return o->add(d->be, p);
+    case LOOM_OP_MUL: return o->mul(d->be, p);
+    case LOOM_OP_SCALE: return o->scale(d->be, p);
+    case LOOM_OP_SILU_MUL: return o->silu_mul(d->be, p);
+    case LOOM_OP_GELU: return o->gelu(d->be, p);
+    case LOOM_OP_KV_STORE: return o->kv_store(d->be, p);
+    case LOOM_OP_ATTENTION: return o->attention(d->be, p);
+    case LOOM_OP_QUANTIZE: return o->quantize(d->be, p);
+    case LOOM_OP_DEQUANTIZE: return o->dequantize(d->be, p);
+    case LOOM_OP_CONVERT: return o->convert(d->be, p);
+    default: return LOOM_ERR_UNSUPPORTED;
+    }
+}
