@@ -97,6 +97,21 @@ LOOM_PROBE_TIMEOUT=1 "$CONFORMANCE" "$PROBEFAIL_DIR/fake-probe-segv.so" > "$tmpd
 expect_grep "FAIL loads, declares a compatible ABI and probes usable: probe failed: probe crashed" \
     "$tmpdir/pfc.txt" "conformance names the crash"
 
+# every command has --help: its usage on stdout, exit 0
+for c in backends run chat serve tokenize detokenize quantize convert inspect verify bench perplexity; do
+    "$LOOM" $c --help > "$tmpdir/help.txt" 2> "$tmpdir/help.err"; rc=$?
+    [ "$rc" = 0 ] && grep -q "^usage: loom $c" "$tmpdir/help.txt" ||
+        fail "loom $c --help: exit $rc, $(head -c 200 "$tmpdir/help.txt" "$tmpdir/help.err")"
+done
+pass "every command's --help prints its usage"
+# run, chat and serve take the sampling flags from one table: the same flags, the same errors
+for c in run chat serve; do
+    "$LOOM" $c --help | grep -q -- "--frequency-penalty X" || fail "loom $c --help lacks the sampling flags"
+    "$LOOM" $c -m /nonexistent --top-k many > /dev/null 2> "$tmpdir/err.txt" && fail "$c: bad --top-k accepted"
+    expect_grep "loom $c: --top-k wants a whole number from 0 to 16777216, not 'many'" "$tmpdir/err.txt" \
+        "loom $c names a bad sampling value"
+done
+
 # bad usage
 "$LOOM" backends --frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad flag accepted"
 expect_grep "unknown argument '--frobnicate'" "$tmpdir/err.txt" "bad flag named"

@@ -178,6 +178,25 @@ kill -TERM "$bpid"; wait "$bpid"
     fail "port in use: rc $rc $(cat "$tmpdir/busy2.log")"
 "$LOOM" serve -m "$MODEL" --max-batch 0 >"$tmpdir/flag.log" 2>&1
 expect_grep "max-batch wants a whole number" "$tmpdir/flag.log" "bad flag value named"
+"$LOOM" serve -m "$MODEL" --top-p 2 >"$tmpdir/topp.log" 2>&1
+expect_grep "loom serve: --top-p wants a number from 0 to 1, not '2'" "$tmpdir/topp.log" \
+    "a bad sampling flag is named as loom run names it"
+
+# ---- sampling flags set what a request leaves out: loom run's defaults (temperature 0.8,
+# top-k 40, top-p 0.95, min-p 0.05) given to the server answer as loom run does, seed for seed
+start_server "$tmpdir/server2.log" --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05
+"$LOOM" run -m "$MODEL" -p "Once upon a time, there was a" -n 40 --seed 42 --json 2>/dev/null |
+    jq -r .text >"$tmpdir/run2.txt"
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time, there was a\",
+    \"max_tokens\":40,\"seed\":42}" | sed '$d' | jq -j '.choices[0].text' >"$tmpdir/c2.txt"
+echo >>"$tmpdir/c2.txt"
+if cmp -s "$tmpdir/run2.txt" "$tmpdir/c2.txt"; then
+    pass "serve --temp/--top-k/--top-p/--min-p are a request's defaults: equal to loom run"
+else
+    fail "serve with sampling flags differs from loom run:"; diff "$tmpdir/run2.txt" "$tmpdir/c2.txt" >&2
+fi
+cmp -s "$tmpdir/run.txt" "$tmpdir/run2.txt" && fail "loom run's defaults gave the OpenAI-default text"
+stop_server
 "$LOOM" serve -m "$MODEL" --kv-blocks 10 >"$tmpdir/kv.log" 2>&1
 expect_grep "kv-blocks 10 holds 160 tokens, less than one 2048-token context" "$tmpdir/kv.log" \
     "a KV pool smaller than one context is refused with the numbers"

@@ -7,7 +7,10 @@
 #include <loom/loom.h>
 
 #include <errno.h>
+#include <limits.h>
 #include <math.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,6 +28,70 @@ int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, lon
     }
     *out = x;
     return 0;
+}
+
+/* The sampling flags: name, another spelling, what the value is (f: float, i: int32, u: the
+ * seed), its range, the field it sets, and its help. */
+static const struct sampling_flag {
+    const char *flag, *alias;
+    char kind;
+    double lo, hi;
+    size_t field;
+    const char *help;
+} sampling_flags[] = {
+    {"--temp", "--temperature", 'f', 0, 100, offsetof(loom_sampling, temperature),
+     "temperature; 0 = greedy"},
+    {"--top-k", NULL, 'i', 0, 1 << 24, offsetof(loom_sampling, top_k), "0 = off"},
+    {"--top-p", NULL, 'f', 0, 1, offsetof(loom_sampling, top_p), "1 = off"},
+    {"--min-p", NULL, 'f', 0, 1, offsetof(loom_sampling, min_p), "0 = off"},
+    {"--repeat-penalty", NULL, 'f', 0.01, 100, offsetof(loom_sampling, repeat_penalty),
+     "1 = off"},
+    {"--repeat-last-n", NULL, 'i', 0, 1 << 20, offsetof(loom_sampling, repeat_last_n),
+     "tokens the repeat penalty looks back over"},
+    {"--presence-penalty", NULL, 'f', -100, 100, offsetof(loom_sampling, presence_penalty),
+     "0 = off"},
+    {"--frequency-penalty", NULL, 'f', -100, 100, offsetof(loom_sampling, frequency_penalty),
+     "0 = off"},
+    /* up to LONG_MAX, which a double cannot hold */
+    {"--seed", NULL, 'u', 0, 0, offsetof(loom_sampling, seed), "reproducible sampling"},
+};
+
+int loom_arg_sampling(const char *cmd, const char *flag, const char *v, loom_sampling *s)
+{
+    for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
+        const struct sampling_flag *f = &sampling_flags[i];
+        if (strcmp(flag, f->flag) != 0 && (!f->alias || strcmp(flag, f->alias) != 0))
+            continue;
+        void *field = (char *)s + f->field;
+        long x;
+        if (f->kind == 'f')
+            return loom_arg_float(cmd, flag, v, f->lo, f->hi, field) ? -1 : 1;
+        if (loom_arg_long(cmd, flag, v, (long)f->lo, f->kind == 'u' ? LONG_MAX : (long)f->hi, &x))
+            return -1;
+        if (f->kind == 'i')
+            *(int32_t *)field = (int32_t)x;
+        else
+            *(uint64_t *)field = (uint64_t)x;
+        return 1;
+    }
+    return 0;
+}
+
+void loom_arg_sampling_usage(FILE *out, const loom_sampling *s)
+{
+    for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
+        const struct sampling_flag *f = &sampling_flags[i];
+        const void *field = (const char *)s + f->field;
+        char flag[64], def[32];
+        snprintf(flag, sizeof flag, "%s %s", f->flag, f->kind == 'f' ? "X" : "N");
+        if (f->kind == 'f')
+            snprintf(def, sizeof def, "%g", *(const float *)field);
+        else if (f->kind == 'i')
+            snprintf(def, sizeof def, "%d", (int)*(const int32_t *)field);
+        else
+            snprintf(def, sizeof def, "%llu", (unsigned long long)*(const uint64_t *)field);
+        fprintf(out, "  %-23s %s (default %s)\n", flag, f->help, def);
+    }
 }
 
 int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
@@ -107,6 +174,10 @@ int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
     *path = NULL;
     *json = 0;
     for (int i = 0; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: loom %s %s [--json]\n", cmd, what);
+            return -1;
+        }
         if (strcmp(argv[i], "--json") == 0)
             *json = 1;
         else if (argv[i][0] == '-' || *path) {

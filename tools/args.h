@@ -14,8 +14,17 @@ int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, lon
 int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
                    float *out);
 
+/* ---- Sampling flags: one table for every command that generates (run, chat, serve) ---- */
+struct loom_sampling;
+/* 1 when flag is a sampling flag (value v parsed into *s), 0 when it is not one, -1 after
+ * printing why v is wrong for it. */
+int loom_arg_sampling(const char *cmd, const char *flag, const char *v, struct loom_sampling *s);
+/* Prints the sampling flags' usage lines, with the defaults in s. */
+void loom_arg_sampling_usage(FILE *out, const struct loom_sampling *s);
+
 /* The commands that take one FILE and an optional --json (`loom inspect`, `loom verify`):
- * 0 with *path and *json set, or 2 after printing the usage error ("which model?"). */
+ * 0 with *path and *json set; -1 after --help printed the usage (exit 0); or 2 after printing
+ * the usage error ("which model?"). */
 int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
                        const char **path, int *json);
 

@@ -98,6 +98,18 @@ static void clear(convo *c, const char *system)
         add_msg(c, "system", system);
 }
 
+static void chat_usage(FILE *out)
+{
+    loom_sampling defaults = loom_sampling_defaults();
+    fprintf(out, "usage: loom chat -m MODEL [options]\n"
+                 "  --system TEXT           the system prompt\n"
+                 "  --chat-template NAME    %s (default: the model's)\n"
+                 "  -n N                    longest answer in tokens (default 512)\n"
+                 "  -c N                    context length (default: the model's, up to 4096)\n",
+            loom_chat_templates());
+    loom_arg_sampling_usage(out, &defaults);
+}
+
 int loom_chat_main(int argc, char **argv);
 int loom_chat_main(int argc, char **argv)
 {
@@ -106,31 +118,33 @@ int loom_chat_main(int argc, char **argv)
     long n_predict = 512, n_ctx = 0;
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0;
-        long seed = 0;
+        int bad = 0, sampling;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            chat_usage(stdout);
+            return 0;
+        }
         if (!v) {
             fprintf(stderr, "loom chat: %s needs a value (or is unknown)\n", a);
+            chat_usage(stderr);
             return 2;
         }
         i++;
         if (!strcmp(a, "-m")) model = v;
         else if (!strcmp(a, "--chat-template")) tmpl = v;
         else if (!strcmp(a, "--system")) system = v;
-        else if (!strcmp(a, "--temp")) bad = loom_arg_float("loom chat", a, v, 0, 100, &s.temperature);
-        else if (!strcmp(a, "--seed")) bad = loom_arg_long("loom chat", a, v, 0, LONG_MAX, &seed), s.seed = (uint64_t)seed;
+        else if ((sampling = loom_arg_sampling("loom chat", a, v, &s)) != 0) bad = sampling < 0;
         else if (!strcmp(a, "-n")) bad = loom_arg_long("loom chat", a, v, 1, 1 << 20, &n_predict);
         else if (!strcmp(a, "-c")) bad = loom_arg_long("loom chat", a, v, 2, 1 << 20, &n_ctx);
         else {
             fprintf(stderr, "loom chat: unknown option '%s'\n", a);
+            chat_usage(stderr);
             return 2;
         }
         if (bad)
             return 2;
     }
     if (!model) {
-        fprintf(stderr, "usage: loom chat -m MODEL [--system TEXT] [--chat-template %s]\n"
-                        "                 [--temp T] [--seed S] [-n MAX_ANSWER_TOKENS] [-c CTX]\n",
-                loom_chat_templates());
+        chat_usage(stderr);
         return 2;
     }
     if (tmpl && !loom_chat_template_valid(tmpl)) {

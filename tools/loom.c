@@ -84,11 +84,6 @@ static int parse_long(const char *flag, const char *v, long lo, long hi, long *o
     return loom_arg_long("loom", flag, v, lo, hi, out);
 }
 
-static int parse_float(const char *flag, const char *v, double lo, double hi, float *out)
-{
-    return loom_arg_float("loom", flag, v, lo, hi, out);
-}
-
 typedef struct run_output {
     int json;
     cJSON *ids;
@@ -121,13 +116,12 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
 
 static void run_usage(FILE *out)
 {
+    loom_sampling defaults = loom_sampling_defaults();
     fprintf(out,
             "usage: loom run -m MODEL.gguf (-p PROMPT | --prompt-ids 1,2,3) [options]\n"
-            "  -n N                    tokens to generate (default 128; stops early at EOS)\n"
-            "  --temp T                temperature; 0 = greedy (default 0.8)\n"
-            "  --top-k K --top-p P --min-p P      (defaults 40, 0.95, 0.05)\n"
-            "  --repeat-penalty R --repeat-last-n N --presence-penalty P --frequency-penalty P\n"
-            "  --seed S                reproducible sampling (default 0)\n"
+            "  -n N                    tokens to generate (default 128; stops early at EOS)\n");
+    loom_arg_sampling_usage(out, &defaults);
+    fprintf(out,
             "  -c N                    context length (default: the model's, up to 4096)\n"
             "  --kv-type f16|f32|q8_0  KV cache precision (default f16)\n"
             "  --threads N             CPU backend threads\n"
@@ -138,7 +132,8 @@ static void run_usage(FILE *out)
 static int cmd_run(int argc, char **argv)
 {
     const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *dump = NULL, *kv = NULL;
-    long n_predict = 128, n_ctx = 0, threads = 0, v;
+    long n_predict = 128, n_ctx = 0, threads = 0;
+    int sampling;
     int json = 0;
     loom_sampling s = loom_sampling_defaults();
     for (int i = 0; i < argc; i++) {
@@ -152,15 +147,7 @@ static int cmd_run(int argc, char **argv)
         else if (!strcmp(a, "-n")) { if (parse_long(a, val, 0, 1 << 20, &n_predict)) return 2; }
         else if (!strcmp(a, "-c")) { if (parse_long(a, val, 1, 1 << 20, &n_ctx)) return 2; }
         else if (!strcmp(a, "--threads")) { if (parse_long(a, val, 1, 1024, &threads)) return 2; }
-        else if (!strcmp(a, "--top-k")) { if (parse_long(a, val, 0, 1 << 24, &v)) return 2; s.top_k = (int32_t)v; }
-        else if (!strcmp(a, "--repeat-last-n")) { if (parse_long(a, val, 0, 1 << 20, &v)) return 2; s.repeat_last_n = (int32_t)v; }
-        else if (!strcmp(a, "--seed")) { if (parse_long(a, val, 0, LONG_MAX, &v)) return 2; s.seed = (uint64_t)v; }
-        else if (!strcmp(a, "--temp") || !strcmp(a, "--temperature")) { if (parse_float(a, val, 0, 100, &s.temperature)) return 2; }
-        else if (!strcmp(a, "--top-p")) { if (parse_float(a, val, 0, 1, &s.top_p)) return 2; }
-        else if (!strcmp(a, "--min-p")) { if (parse_float(a, val, 0, 1, &s.min_p)) return 2; }
-        else if (!strcmp(a, "--repeat-penalty")) { if (parse_float(a, val, 0.01, 100, &s.repeat_penalty)) return 2; }
-        else if (!strcmp(a, "--presence-penalty")) { if (parse_float(a, val, -100, 100, &s.presence_penalty)) return 2; }
-        else if (!strcmp(a, "--frequency-penalty")) { if (parse_float(a, val, -100, 100, &s.frequency_penalty)) return 2; }
+        else if ((sampling = loom_arg_sampling("loom run", a, val, &s)) != 0) { if (sampling < 0) return 2; }
         else if (!strcmp(a, "--json")) { json = 1; takes = 0; }
         else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { run_usage(stdout); return 0; }
         else {
@@ -269,11 +256,27 @@ static int cmd_run(int argc, char **argv)
     return rc == 0 ? 0 : 1;
 }
 
+static void convert_usage(FILE *f)
+{
+    fprintf(f, "usage: loom convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
+               "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
+               "          (6B, 2, 3) or GLM-4\n"
+               "  TYPE: auto (each matrix as stored), or every matrix one type: f32, f16,\n"
+               "        bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q6_k; or a\n"
+               "        llama.cpp mix: q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,\n"
+               "        q5_k_s, q5_k_m\n"
+               "  --quiet: no progress (a bar on a terminal, one line in a log)\n");
+}
+
 static int cmd_convert(int argc, char **argv)
 {
     const char *dir = NULL, *out = NULL, *type = "auto";
     int quiet = 0;
     for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            convert_usage(stdout);
+            return 0;
+        }
         if ((!strcmp(argv[i], "-o") || !strcmp(argv[i], "--type")) && i + 1 >= argc) {
             fprintf(stderr, "loom convert: %s needs a value\n", argv[i]);
             return 2;
@@ -292,14 +295,7 @@ static int cmd_convert(int argc, char **argv)
             dir = argv[i];
     }
     if (!dir || !out) {
-        fprintf(stderr, "usage: loom convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
-                        "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
-                        "          (6B, 2, 3) or GLM-4\n"
-                        "  TYPE: auto (each matrix as stored), or every matrix one type: f32, f16,\n"
-                        "        bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q6_k; or a\n"
-                        "        llama.cpp mix: q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,\n"
-                        "        q5_k_s, q5_k_m\n"
-                        "  --quiet: no progress (a bar on a terminal, one line in a log)\n");
+        convert_usage(stderr);
         return 2;
     }
     char err[4096];
@@ -314,11 +310,21 @@ static int cmd_convert(int argc, char **argv)
 
 /* ---- loom tokenize / detokenize -------------------------------------------------------------- */
 
+static void tokenize_usage(FILE *f)
+{
+    fprintf(f, "usage: loom tokenize -m MODEL [--json] [--no-special | --all-special] [--count] "
+               "(TEXT | -f FILE)\n");
+}
+
 static int cmd_tokenize(int argc, char **argv)
 {
     const char *model = NULL, *text = NULL, *file = NULL;
     int json = 0, special = LOOM_SPECIAL_TEXT, count = 0;
     for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            tokenize_usage(stdout);
+            return 0;
+        }
         if (!strcmp(argv[i], "-m") && i + 1 < argc)
             model = argv[++i];
         else if (!strcmp(argv[i], "-f") && i + 1 < argc)
@@ -338,8 +344,7 @@ static int cmd_tokenize(int argc, char **argv)
             text = argv[i];
     }
     if (!model || !text == !file) {
-        fprintf(stderr, "usage: loom tokenize -m MODEL [--json] [--no-special | --all-special] [--count] "
-                        "(TEXT | -f FILE)\n");
+        tokenize_usage(stderr);
         return 2;
     }
     char *owned = NULL;
@@ -383,6 +388,10 @@ static int cmd_detokenize(int argc, char **argv)
     const char *model = NULL;
     int first = argc;
     for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("usage: loom detokenize -m MODEL ID [ID ...] (or one comma-separated list)\n");
+            return 0;
+        }
         if (!strcmp(argv[i], "-m") && i + 1 < argc) {
             model = argv[++i];
         } else {
@@ -424,11 +433,24 @@ static int cmd_detokenize(int argc, char **argv)
     return rc;
 }
 
+static void quantize_usage(FILE *f)
+{
+    fprintf(f, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
+               "  TYPE: %s\n"
+               "  each as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
+               "  more bits for some attn_v / ffn_down layers in the _m and _l mixes);\n"
+               "  --pure: every matrix TYPE's base type\n", loom_quantize_types());
+}
+
 static int cmd_quantize(int argc, char **argv)
 {
     const char *files[2] = {NULL, NULL}, *type = NULL;
     int n_files = 0, bad = 0, flags = 0, quiet = 0;
     for (int i = 0; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            quantize_usage(stdout);
+            return 0;
+        }
         if (!strcmp(argv[i], "--type") && i + 1 < argc)
             type = argv[++i];
         else if (!strcmp(argv[i], "--pure"))
@@ -445,11 +467,7 @@ static int cmd_quantize(int argc, char **argv)
             bad = 1;
     }
     if (bad || n_files != 2 || !type) {
-        fprintf(stderr, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
-                        "  TYPE: %s\n"
-                        "  each as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
-                        "  more bits for some attn_v / ffn_down layers in the _m and _l mixes);\n"
-                        "  --pure: every matrix TYPE's base type\n", loom_quantize_types());
+        quantize_usage(stderr);
         return 2;
     }
     if (strcmp(files[0], files[1]) == 0) {
@@ -470,8 +488,9 @@ static int cmd_inspect(int argc, char **argv)
 {
     int json;
     const char *path;
-    if (loom_arg_file_json("inspect", "FILE", argc, argv, &path, &json))
-        return 2;
+    int rc = loom_arg_file_json("inspect", "FILE", argc, argv, &path, &json);
+    if (rc)
+        return rc < 0 ? 0 : rc;
     char err[1024];
     if (loom_inspect(path, stdout, json, err, sizeof err) != 0) {
         fprintf(stderr, "loom inspect: %s\n", err);
@@ -505,8 +524,9 @@ static int cmd_verify(int argc, char **argv)
 {
     verify_out o = {0};
     const char *path;
-    if (loom_arg_file_json("verify", "MODEL", argc, argv, &path, &o.json))
-        return 2;
+    int rc = loom_arg_file_json("verify", "MODEL", argc, argv, &path, &o.json);
+    if (rc)
+        return rc < 0 ? 0 : rc;
     o.checks = cJSON_CreateArray();
     int problems = loom_verify(path, verify_line, &o);
     if (o.json) {
@@ -532,6 +552,11 @@ static int cmd_backends(int argc, char **argv)
     for (int i = 0; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) {
             json = 1;
+        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+            printf("usage: loom backends [--json]\n"
+                   "  every backend module found, whether it is usable here, and which one a run\n"
+                   "  would choose and why (LOOM_BACKEND, LOOM_CPU_VARIANT, the probes' scores)\n");
+            return 0;
         } else {
             fprintf(stderr, "loom backends: unknown argument '%s' (the only option is --json)\n",
                     argv[i]);

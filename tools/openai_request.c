@@ -298,6 +298,13 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
                 "array of either; got %s", json_type(pr));
 }
 
+loom_sampling openai_default_sampling(void)
+{
+    loom_sampling s = loom_sampling_defaults();
+    s.temperature = 1, s.top_p = 1, s.top_k = 0, s.min_p = 0;
+    return s;
+}
+
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b)
 {
     static const char *const completion_fields[] = {
@@ -334,8 +341,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
                     model->valuestring, srv->model_name);
     }
-    p->s = loom_sampling_defaults();
-    p->s.temperature = 1, p->s.top_p = 1, p->s.top_k = 0, p->s.min_p = 0; /* OpenAI's defaults */
+    p->s = srv->defaults;
     p->max_tokens = chat ? -1 : 16;
     p->n = 1;
     double x;

@@ -24,7 +24,13 @@ typedef struct openai_model {
      * as such; off (the default), only the chat template's own are, so a user cannot forge
      * another role's turn */
     int parse_special;
+    /* where a request's sampling starts: OpenAI's defaults (openai_default_sampling), or
+     * what loom serve's sampling flags made of them */
+    loom_sampling defaults;
 } openai_model;
+
+/* OpenAI's defaults on loom's: temperature 1, top_p 1, no top_k, no min_p. */
+loom_sampling openai_default_sampling(void);
 
 /* A valid request (ids malloc'd; stops point into the request's JSON). */
 typedef struct parsed {

@@ -748,6 +748,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
 
 static void serve_usage(FILE *out)
 {
+    loom_sampling defaults = openai_default_sampling();
     fprintf(out,
             "usage: loom serve -m MODEL [options]\n"
             "  --host ADDR             address to listen on (default 127.0.0.1)\n"
@@ -780,7 +781,9 @@ static void serve_usage(FILE *out)
             "  --max-connections-per-client N\n"
             "                          open connections from one address (default 64)\n"
             "  --idle-timeout S        close a connection idle this long, headers or body half sent\n"
-            "                          included (default 30)\n");
+            "                          included (default 30)\n"
+            "sampling, for the fields a request leaves out (OpenAI's defaults unless set here):\n");
+    loom_arg_sampling_usage(out, &defaults);
 }
 
 /* The key is the file's first line (a trailing newline, and CR, dropped). */
@@ -823,9 +826,10 @@ int loom_serve_main(int argc, char **argv)
          threads = 0, max_body = 1 << 20, drain_s = 10, max_conn = 512, max_per_client = 64,
          idle_s = 30;
     int metrics_auth = 0, parse_special = 0;
+    loom_sampling sampling = openai_default_sampling();
     for (int i = 0; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0;
+        int bad = 0, is_sampling;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             serve_usage(stdout);
             return 0;
@@ -841,6 +845,8 @@ int loom_serve_main(int argc, char **argv)
             return 2;
         }
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
+        else if ((is_sampling = loom_arg_sampling("loom serve", a, v, &sampling)) != 0)
+            bad = is_sampling < 0;
         else if (!strcmp(a, "--host")) host = v;
         else if (!strcmp(a, "--api-key")) api_key = v;
         else if (!strcmp(a, "--api-key-file")) key_file = v;
@@ -941,7 +947,8 @@ int loom_serve_main(int argc, char **argv)
         return 2;
     }
     server srv = {.api = {.model = m, .n_ctx = ctx, .parse_special = parse_special,
-                          .max_prompt_bytes = loom_model_max_prompt_bytes(m)},
+                          .max_prompt_bytes = loom_model_max_prompt_bytes(m),
+                          .defaults = sampling},
                   .api_key = api_key, .api_key_len = api_key ? strlen(api_key) : 0,
                   .metrics_auth = metrics_auth,
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),

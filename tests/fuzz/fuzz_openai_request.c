@@ -27,6 +27,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         fprintf(stderr, "fuzz_openai_request: LOOM_FUZZ_MODEL: %s\n", path ? err : "not set");
         exit(1);
     }
+    srv.defaults = openai_default_sampling();
     int recognised;
     srv.model_name = "m";
     srv.chat_template = loom_model_chat_template(srv.model, &recognised);
