@@ -7,9 +7,9 @@
  * tiles of KERN_MR rows (and KERN_NR weight rows at a time), so prefill reuses each weight row from cache rather than memory.
  * Float W works the same way without the quantisation step.
  *
- * Q4_0 and Q8_0 W that went through cpu_prepare_weight have their rows interleaved (kern.h):
- * threads then take groups of KERN_RI rows, each a contiguous run of bytes, and X is quantised
- * per block.
+ * Q4_0, Q4_1 and Q8_0 W that went through cpu_prepare_weight have their rows interleaved
+ * (kern.h): threads then take groups of KERN_RI rows, each a contiguous run of bytes, and X is
+ * quantised per block.
  *
  * The ABI 1.2 types (K-quants, IQ4, Q5) have X quantised per block the same way; each chunk of
  * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X. Q4_K,
@@ -106,6 +106,8 @@ static uint64_t group_bytes(loom_dtype wt, cpu_layout layout, int64_t K)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
     if (wt == LOOM_Q8_0)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q8_0_ri_record);
+    if (wt == LOOM_Q4_1)
+        return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_1_ri_record);
     return (uint64_t)K * KERN_RI * 2; /* F16, BF16 */
 }
 
@@ -314,10 +316,12 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
-    if ((prepared && (wt == LOOM_Q4_0 || wt == LOOM_Q8_0)) || j.unpacked) { /* X as act_blocks */
+    if ((prepared && loom_dtype_is_block(wt)) || j.unpacked) { /* X as act_blocks */
 #if KERN_RI
         if (prepared)
-            j.kri = wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0_ri) : VNNI_OR(cb, kern_q8_0_ri);
+            j.kri = wt == LOOM_Q4_0   ? VNNI_OR(cb, kern_q4_0_ri)
+                    : wt == LOOM_Q4_1 ? VNNI_OR(cb, kern_q4_1_ri)
+                                      : VNNI_OR(cb, kern_q8_0_ri);
 #endif
         j.kq_min = kern_kq_has_min(wt);
         size_t bytes = j.direct ? (size_t)(j.M * (j.K / LOOM_QK_K)) * sizeof(act_k)
@@ -424,13 +428,15 @@ static void repack_half(const repack_job *j, long g)
             *dst++ = rows[r][k];
 }
 
-/* Q4_0 and Q8_0 (kern.h's records): a block is an f16 scale then its quants, which go into the
- * record 4 bytes (a chunk) at a time, so every block type of that shape shares this. */
-static void repack_blocks(const repack_job *j, long g, int chunks)
+/* Q4_0, Q4_1 and Q8_0 (kern.h's records): a block is `scales` f16 values (d, and Q4_1's m) then
+ * its quants, which go into the record 4 bytes (a chunk) at a time, so every block type of that
+ * shape shares this. */
+static void repack_blocks(const repack_job *j, long g, int scales, int chunks)
 {
     int64_t nb = j->w->ne[0] / LOOM_QK;
-    size_t block_bytes = 2 + 4 * (size_t)chunks;
-    size_t record_bytes = 2 * (2 * KERN_RI + (size_t)chunks * KERN_RI * 4);
+    size_t block_bytes = 2 * (size_t)scales + 4 * (size_t)chunks;
+    size_t scale_bytes = 2 * KERN_RI * 2 * (size_t)scales; /* a record's scales, both blocks */
+    size_t record_bytes = scale_bytes + 2 * (size_t)chunks * KERN_RI * 4;
     unsigned char *rec = j->dst + (uint64_t)g * j->group_bytes;
     if (nb % 2) /* the unused half of the last record */
         memset(rec + (size_t)(nb / 2) * record_bytes, 0, record_bytes);
@@ -439,15 +445,17 @@ static void repack_blocks(const repack_job *j, long g, int chunks)
         for (int64_t b = 0; b < nb; b++, src += block_bytes) {
             unsigned char *o = rec + (size_t)(b / 2) * record_bytes;
             int h = (int)(b & 1);
-            memcpy(o + (size_t)(h * KERN_RI + r) * 2, src, 2); /* d[h][r] */
-            unsigned char *q = o + 2 * KERN_RI * 2 + (size_t)h * chunks * KERN_RI * 4;
+            for (int sc = 0; sc < scales; sc++) /* d[h][r], then m[h][r] */
+                memcpy(o + (size_t)((sc * 2 + h) * KERN_RI + r) * 2, src + 2 * sc, 2);
+            unsigned char *q = o + scale_bytes + (size_t)h * chunks * KERN_RI * 4;
             for (int c = 0; c < chunks; c++) /* q[h][c][r] */
-                memcpy(q + ((size_t)c * KERN_RI + r) * 4, src + 2 + 4 * c, 4);
+                memcpy(q + ((size_t)c * KERN_RI + r) * 4, src + 2 * scales + 4 * c, 4);
         }
     }
 }
 
 _Static_assert(sizeof(q4_0_ri_record) == 2 * (2 * KERN_RI + 4 * KERN_RI * 4) &&
+               sizeof(q4_1_ri_record) == 2 * (4 * KERN_RI + 4 * KERN_RI * 4) &&
                sizeof(q8_0_ri_record) == 2 * (2 * KERN_RI + 8 * KERN_RI * 4),
                "repack_blocks writes the records as kern.h declares them");
 
@@ -458,8 +466,8 @@ static void repack_groups(void *ctx, int ith, int nth)
     pool_split((long)(loom_tensor_rows(j->w) / KERN_RI), ith, nth, &g0, &g1);
     loom_dtype wt = j->w->dtype;
     for (long g = g0; g < g1; g++)
-        if (wt == LOOM_Q4_0 || wt == LOOM_Q8_0)
-            repack_blocks(j, g, wt == LOOM_Q4_0 ? 4 : 8);
+        if (loom_dtype_is_block(wt))
+            repack_blocks(j, g, wt == LOOM_Q4_1 ? 2 : 1, wt == LOOM_Q8_0 ? 8 : 4);
         else
             repack_half(j, g);
 }
@@ -494,7 +502,7 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         return st;
 #if KERN_RI
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
-    int interleaves = w->dtype == LOOM_Q4_0 || w->dtype == LOOM_Q8_0 || w->dtype == LOOM_F16 ||
+    int interleaves = loom_dtype_is_block(w->dtype) || w->dtype == LOOM_F16 ||
                       w->dtype == LOOM_BF16;
     if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
         cpu_layout layout = CPU_LAYOUT_ROWS;

@@ -63,14 +63,16 @@ typedef enum kern_layout {
 } kern_layout;
 
 /* ---- Interleaved weights (cpu_prepare_weight) ----------------------------------------------
- * Q4_0 and Q8_0 weights rearranged at load so that one vector lane holds one weight row: the
- * integer dot product of a lane is then that row's partial sum, and a block's KERN_RI scales
- * are one vector, so no lane has to be summed across or scale broadcast per block. Rows go in
- * groups of KERN_RI (the int32 lanes of a vector); a group is a run of records of two blocks:
+ * Q4_0, Q4_1 and Q8_0 weights rearranged at load so that one vector lane holds one weight row:
+ * the integer dot product of a lane is then that row's partial sum, and a block's KERN_RI
+ * scales are one vector, so no lane has to be summed across or scale broadcast per block. Rows
+ * go in groups of KERN_RI (the int32 lanes of a vector); a group is a run of records of two
+ * blocks:
  *   d[2][KERN_RI]      the f16 scales of block 2j and 2j + 1 of each row
  *   q[2][4][KERN_RI][4] chunk c of a block, lane r: bytes 4c..4c+3 of row r's nibbles, so its
  *                      low nibbles are elements 4c..4c+3 and its high ones 16+4c..16+4c+3
- *                      (Q8_0: q[2][8][KERN_RI][4], chunk c being quants 4c..4c+3)
+ *                      (Q8_0: q[2][8][KERN_RI][4], chunk c being quants 4c..4c+3;
+ *                      Q4_1: m[2][KERN_RI], the minimums, between d and q)
  * An odd last block leaves its record's second half unused. F16 and BF16 groups are simpler:
  * K columns of KERN_RI values, column k holding element k of each row. Only the SIMD variants
  * interleave. */
@@ -87,6 +89,11 @@ typedef struct q4_0_ri_record {
     uint16_t d[2][KERN_RI];
     uint8_t q[2][4][KERN_RI][4];
 } q4_0_ri_record;
+typedef struct q4_1_ri_record {
+    uint16_t d[2][KERN_RI];
+    uint16_t m[2][KERN_RI];
+    uint8_t q[2][4][KERN_RI][4];
+} q4_1_ri_record;
 typedef struct q8_0_ri_record {
     uint16_t d[2][KERN_RI];
     int8_t q[2][8][KERN_RI][4];
@@ -108,6 +115,8 @@ typedef void (*kern_ri_fn)(const unsigned char *w, int64_t nb, const act_block *
                            float *out);
 void kern_q4_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q4_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q4_1_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q4_1_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 /* The same for F16/BF16 weights interleaved the same way (a group: K columns of KERN_RI values,

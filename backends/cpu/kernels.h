@@ -743,39 +743,46 @@ typedef __m256 vflt;
     default: tile(w, nb, a, out, 4); break;                                                       \
     }
 
-INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
-                         const int MR)
+/* Q4_0 and Q4_1 (HAS_MIN) records (kern.h): the scales, Q4_1's minimums, then the nibbles */
+INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                       const int MR, const int HAS_MIN)
 {
+    /* d[2][KERN_RI] (and m[2][KERN_RI]), then the nibbles of each of the two blocks */
+    const size_t scale_bytes = 2 * KERN_RI * 2, quant_bytes = 4 * KERN_RI * 4;
+    const size_t record = scale_bytes * (HAS_MIN ? 2 : 1) + 2 * quant_bytes;
     vflt acc[KERN_MR];
     UNROLL
     for (int r = 0; r < MR; r++)
         acc[r] = V_ZERO_F();
-    const q4_0_ri_record *rec = (const q4_0_ri_record *)(const void *)w;
     for (int64_t b = 0; b < nb; b++) {
-        const q4_0_ri_record *o = rec + b / 2;
+        const unsigned char *o = w + (size_t)(b / 2) * record;
         int h = (int)(b & 1);
         if (!h)
-            for (size_t l = 0; l < sizeof *o; l += 64)
-                __builtin_prefetch((const char *)o + RI_PREFETCH + l);
+            for (size_t l = 0; l < record; l += 64)
+                __builtin_prefetch(o + RI_PREFETCH + l);
+        const unsigned char *q = o + scale_bytes * (HAS_MIN ? 2 : 1) + (size_t)h * quant_bytes;
         vint lo[4], hi[4];
         UNROLL
         for (int c = 0; c < 4; c++) {
-            vint v = V_LOAD_I(o->q[h][c]);
+            vint v = V_LOAD_I(q + (size_t)c * KERN_RI * 4);
             lo[c] = V_NIB_LO(v);
             hi[c] = V_NIB_HI(v);
         }
-        vflt wd = V_F16(o->d[h]);
+        vflt wd = V_F16(o + (size_t)h * KERN_RI * 2);
+        vflt wm = HAS_MIN ? V_F16(o + scale_bytes + (size_t)h * KERN_RI * 2) : V_ZERO_F();
         UNROLL
         for (int r = 0; r < MR; r++) {
             const act_block *x = a + r * nb + b;
-            /* two chains, so the dot products of a block overlap */
-            vint s0 = V_SET1_I(x->neg8sum), s1 = V_ZERO_I();
+            /* two chains, so the dot products of a block overlap; Q4_0's -8 starts the first */
+            vint s0 = HAS_MIN ? V_ZERO_I() : V_SET1_I(x->neg8sum), s1 = V_ZERO_I();
             UNROLL
             for (int c = 0; c < 4; c++) {
                 s0 = V_DOT(s0, lo[c], V_BCAST4(x->qs + 4 * c));
                 s1 = V_DOT(s1, hi[c], V_BCAST4(x->qs + 16 + 4 * c));
             }
             acc[r] = V_FMA(V_CVT(V_ADD_I(s0, s1)), V_MUL(wd, V_SET1_F(x->d)), acc[r]);
+            if (HAS_MIN) /* m x d_x x the sum of x's quants (neg8sum is -8 x that sum) */
+                acc[r] = V_FMA(wm, V_SET1_F(x->d * (float)x->neg8sum * -0.125f), acc[r]);
         }
     }
     UNROLL
@@ -783,9 +790,26 @@ INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         V_STORE_F(out + r * KERN_RI, acc[r]);
 }
 
+INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                         const int MR)
+{
+    q4_ri_tile(w, nb, a, out, MR, 0);
+}
+
+INLINE void q4_1_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                         const int MR)
+{
+    q4_ri_tile(w, nb, a, out, MR, 1);
+}
+
 void KERN(kern_q4_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
 {
     RI_MR_CASES(q4_0_ri_tile)
+}
+
+void KERN(kern_q4_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+{
+    RI_MR_CASES(q4_1_ri_tile)
 }
 
 /* ---- Q8_0, interleaved rows (layout in kern.h) ---------------------------------------------- */
