@@ -520,13 +520,14 @@ static void attn_pairs(void *ctx, int ith, int nth)
                     cpu_axpy(scores[h * bs + jj], v, acc + h * hd, hd);
             }
         }
-        for (int64_t h = 0; h < group && j->splits > 1; h++) {
-            float *part_h = j->partial + (idx * group + h) * (hd + 2);
-            part_h[0] = m[h];
-            part_h[1] = l[h];
-            memcpy(part_h + 2, acc + h * hd, (size_t)hd * sizeof(float));
-        }
-        for (int64_t h = 0; h < group && j->splits == 1; h++) {
+        for (int64_t h = 0; h < group; h++) {
+            if (j->splits > 1) { /* this part's state, for attn_combine */
+                float *part_h = j->partial + (idx * group + h) * (hd + 2);
+                part_h[0] = m[h];
+                part_h[1] = l[h];
+                memcpy(part_h + 2, acc + h * hd, (size_t)hd * sizeof(float));
+                continue;
+            }
             float *y = (float *)cpu_row(p->dst, base(p->dst), t * heads + g * group + h);
             float inv = 1.0f / l[h];
             for (int64_t i = 0; i < hd; i++)

@@ -31,7 +31,6 @@
 #define KERN(name) name
 #endif
 
-
 INLINE float f16(uint16_t h)
 {
     return CPU_F16(h);
@@ -747,29 +746,28 @@ typedef __m256 vflt;
 INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
                        const int MR, const int HAS_MIN)
 {
-    /* d[2][KERN_RI] (and m[2][KERN_RI]), then the nibbles of each of the two blocks */
-    const size_t scale_bytes = 2 * KERN_RI * 2, quant_bytes = 4 * KERN_RI * 4;
-    const size_t record = scale_bytes * (HAS_MIN ? 2 : 1) + 2 * quant_bytes;
+    const size_t record = HAS_MIN ? sizeof(q4_1_ri_record) : sizeof(q4_0_ri_record);
     vflt acc[KERN_MR];
     UNROLL
     for (int r = 0; r < MR; r++)
         acc[r] = V_ZERO_F();
     for (int64_t b = 0; b < nb; b++) {
         const unsigned char *o = w + (size_t)(b / 2) * record;
+        const q4_0_ri_record *o0 = (const q4_0_ri_record *)(const void *)o;
+        const q4_1_ri_record *o1 = (const q4_1_ri_record *)(const void *)o;
         int h = (int)(b & 1);
         if (!h)
             for (size_t l = 0; l < record; l += 64)
                 __builtin_prefetch(o + RI_PREFETCH + l);
-        const unsigned char *q = o + scale_bytes * (HAS_MIN ? 2 : 1) + (size_t)h * quant_bytes;
         vint lo[4], hi[4];
         UNROLL
         for (int c = 0; c < 4; c++) {
-            vint v = V_LOAD_I(q + (size_t)c * KERN_RI * 4);
+            vint v = V_LOAD_I(HAS_MIN ? o1->q[h][c] : o0->q[h][c]);
             lo[c] = V_NIB_LO(v);
             hi[c] = V_NIB_HI(v);
         }
-        vflt wd = V_F16(o + (size_t)h * KERN_RI * 2);
-        vflt wm = HAS_MIN ? V_F16(o + scale_bytes + (size_t)h * KERN_RI * 2) : V_ZERO_F();
+        vflt wd = V_F16(HAS_MIN ? o1->d[h] : o0->d[h]);
+        vflt wm = HAS_MIN ? V_F16(o1->m[h]) : V_ZERO_F();
         UNROLL
         for (int r = 0; r < MR; r++) {
             const act_block *x = a + r * nb + b;
@@ -922,10 +920,6 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
         V_STORE_F(out + r * KERN_RI, V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
 }
 
-/* NG adjacent groups (gstride bytes apart) against two or more activation rows: each broadcast
- * activation then feeds NG FMAs, which takes the load ports out of the way (prefill, and
- * serving steps of many sequences). Results: row r's NG x KERN_RI columns at
- * out + r NG KERN_RI. */
 /* column k (at p) of NG groups against MR activation rows */
 INLINE void half_ri_column_n(loom_dtype wt, const unsigned char *p, size_t gstride,
                              const float *const *x, int64_t k, vflt acc[][KERN_RI_GROUPS],
@@ -944,6 +938,10 @@ INLINE void half_ri_column_n(loom_dtype wt, const unsigned char *p, size_t gstri
     }
 }
 
+/* NG adjacent groups (gstride bytes apart) against two or more activation rows: each broadcast
+ * activation then feeds NG FMAs, which takes the load ports out of the way (prefill, and
+ * serving steps of many sequences). Results: row r's NG x KERN_RI columns at
+ * out + r NG KERN_RI. */
 INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride, int64_t K,
                            const float *const *x, float *out, const int NG, const int MR)
 {
