@@ -76,8 +76,7 @@ struct loom_runner {
     int census;
     unsigned char lacking[LOOM_OP_COUNT_V1_0][32];
 
-    int profile;
-    double prof_ms[LOOM_OP_COUNT_V1_0];
+    double prof_ms[LOOM_OP_COUNT_V1_0]; /* with opt.profile */
     uint64_t prof_calls[LOOM_OP_COUNT_V1_0], passes;
 };
 
@@ -313,7 +312,7 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
 {
     if (r->status)
         return;
-    double t0 = r->profile ? prof_now() : 0;
+    double t0 = r->opt.profile ? prof_now() : 0;
     if (loom_device_supports(r->dev, op, dt)) {
         if (loom_device_run(r->dev, op, params) != LOOM_OK)
             OP_NAME_FAIL(r, what);
@@ -322,8 +321,8 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
         return;
     } else if (r->opt.strict) {
         fail(r, "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
-             "forbids running it on the CPU instead", r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
-             what, loom_dtype_name(dt));
+             "forbids running it on the CPU instead", r->dev->name,
+             r->dev->variant[0] ? "-" : "", r->dev->variant, what, loom_dtype_name(dt));
         return;
     } else {
         char err[512];
@@ -334,7 +333,7 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
         else if (loom_fallback_run(r->fallback, op, dt, params, what, err, sizeof err) != 0)
             fail(r, "%s", err);
     }
-    if (r->profile) {
+    if (r->opt.profile) {
         r->dev->ops.synchronize(r->dev->be);
         r->prof_ms[op] += prof_now() - t0;
         r->prof_calls[op]++;
@@ -504,7 +503,6 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     }
     r->dev = dev;
     r->gguf = gguf;
-    r->profile = opts->profile;
     r->arch = arch;
     r->opt = *opts;
     if (r->opt.block_size <= 0)
@@ -587,7 +585,7 @@ void loom_runner_free(loom_runner *r)
     if (!r)
         return;
     loom_fallback_free(r->fallback);
-    if (r->profile && r->passes)
+    if (r->opt.profile && r->passes)
         print_profile(r);
     if (r->arch && r->state)
         r->arch->free_state(r->state);
