@@ -59,7 +59,8 @@ void loom_model_close(loom_model *m)
 
 /* The device a model runs on: opts->backend_module's file, or the module chosen among those
  * found (opts->backend, LOOM_BACKEND, scores). */
-static int open_device(loom_model *m, const loom_model_options *opts, char *err, size_t err_size)
+static int open_device(loom_model *m, const loom_model_options *opts, const char *trace,
+                       char *err, size_t err_size)
 {
     loom_registry reg = {.chosen = -1};
     int rc;
@@ -69,6 +70,10 @@ static int open_device(loom_model *m, const loom_model_options *opts, char *err,
         if (c && c->state != LOOM_CAND_USABLE) {
             snprintf(err, err_size, "%s: %s%s%s", opts->backend_module,
                      loom_candidate_state_name(c->state), c->reason[0] ? ": " : "", c->reason);
+            rc = -1;
+        } else if (c && c->kind != LOOM_MODULE_BACKEND) {
+            snprintf(err, err_size, "%s: %s is a decorator, not a backend: it wraps one (the "
+                     "trace plugin: LOOM_TRACE=FILE)", opts->backend_module, c->name);
             rc = -1;
         }
         reg.chosen = 0, reg.chosen_device = 0;
@@ -85,6 +90,18 @@ static int open_device(loom_model *m, const loom_model_options *opts, char *err,
         snprintf(m->backend, sizeof m->backend, "%s%s%s (device %d: %s)", c->name,
                  c->variant[0] ? "-" : "", c->variant, reg.chosen_device,
                  c->probe.devices[reg.chosen_device].name);
+        m->dev_open = 1;
+    }
+    if (rc == 0 && trace) {
+        /* the trace plugin is found like a backend; a registry of one file has to look */
+        if (opts->backend_module) {
+            loom_registry_free(&reg);
+            rc = loom_registry_scan(&reg, err, err_size);
+        }
+        int i = rc == 0 ? loom_registry_find_decorator(&reg, "trace", err, err_size) : -1;
+        rc = i < 0 ? -1 : loom_device_decorate(&m->dev, reg.items[i].path, trace, err, err_size);
+        if (rc != 0)
+            m->dev_open = 0; /* decorating closes the device when it fails */
     }
     loom_registry_free(&reg);
     return rc;
@@ -107,7 +124,6 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!opts)
         opts = &none;
     loom_runner_options ro = {.n_ctx = opts->n_ctx, .n_kv_blocks = opts->kv_blocks,
-                              .profile = behaviour(opts->profile, "LOOM_PROFILE", 0),
                               .no_repack = !behaviour(opts->repack, "LOOM_REPACK", 1),
                               .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
                               .n_kv_seqs = opts->kv_sequences, .block_size = opts->block_size};
@@ -148,9 +164,15 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!(m->tok = loom_tokenizer_from_gguf(&m->gguf, err, err_size)))
         goto fail;
 
-    if (open_device(m, opts, err, err_size) != 0)
+    /* the trace plugin: a Chrome trace and a summary table (LOOM_TRACE=FILE), or the table
+     * alone (LOOM_PROFILE=1, config "") */
+    const char *trace = opts->trace ? opts->trace : getenv("LOOM_TRACE");
+    if (trace && !*trace)
+        trace = NULL;
+    if (!trace && behaviour(opts->profile, "LOOM_PROFILE", 0))
+        trace = "";
+    if (open_device(m, opts, trace, err, err_size) != 0)
         goto fail;
-    m->dev_open = 1;
     if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, &ro, err, err_size)))
         goto fail;
     int32_t nv = loom_runner_hparams(m->runner)->n_vocab;

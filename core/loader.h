@@ -39,6 +39,7 @@ typedef struct loom_candidate {
     char variant[64];
     char description[256];
     uint32_t abi_major, abi_minor;
+    uint32_t kind;        /* loom_module_kind: decorators are never chosen, only wrapped around */
     loom_probe_result probe;
     loom_candidate_state state;
     char reason[512]; /* why this state */
@@ -65,6 +66,11 @@ int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size
  * LOOM_EXPLAIN=1 the report goes to stderr either way. */
 int loom_registry_select(loom_registry *reg, const char *preference, char *err, size_t err_size);
 
+/* The first usable decorator module called name (kind LOOM_MODULE_DECORATOR), or -1 with an
+ * error saying why there is none. */
+int loom_registry_find_decorator(const loom_registry *reg, const char *name, char *err,
+                                 size_t err_size);
+
 void loom_registry_print(const loom_registry *reg, FILE *out);
 /* Returns a malloc'd JSON document, or NULL when out of memory. */
 char *loom_registry_json(const loom_registry *reg);
@@ -73,7 +79,9 @@ void loom_registry_free(loom_registry *reg);
 
 const char *loom_candidate_state_name(loom_candidate_state s);
 
-/* An opened backend: the module kept loaded, and host copies of its tables. */
+/* An opened backend: the module kept loaded, and host copies of its tables. A decorated
+ * device calls the decorator's table, which forwards to the backend's; name, variant and
+ * module stay the backend's, since that is what runs the ops. */
 typedef struct loom_device {
     void *handle;                 /* dlopen handle */
     loom_backend *be;
@@ -81,6 +89,8 @@ typedef struct loom_device {
     loom_backend_module module;   /* likewise */
     char name[64], variant[64];
     int device;
+    void *decorator_handle;       /* the decorator's dlopen handle, or NULL */
+    char decorator[64];           /* its name ("trace"), or "" */
 } loom_device;
 
 /* Loads path, vets it as scan does, and opens device `device`. */
@@ -89,6 +99,11 @@ int loom_device_open(loom_device *dev, const char *path, int device, int n_threa
 /* Opens the candidate the registry chose. */
 int loom_device_open_chosen(loom_device *dev, const loom_registry *reg, int n_threads, char *err,
                             size_t err_size);
+/* Wraps an opened device in the decorator module at path (LOOM_MODULE_DECORATOR), passing it
+ * config. On success dev's calls go through the decorator, which owns the backend from then
+ * on; on failure dev is closed, with err saying why. */
+int loom_device_decorate(loom_device *dev, const char *path, const char *config, char *err,
+                         size_t err_size);
 void loom_device_close(loom_device *dev);
 
 /* Whether the module implements op at all (present in its table) and supports dtype with it. */

@@ -130,7 +130,8 @@ static int best_usable(const loom_registry *reg, const char *want)
     int best = -1;
     for (int i = 0; i < reg->count; i++) {
         const loom_candidate *c = &reg->items[i];
-        if (c->state != LOOM_CAND_USABLE || (want && !name_matches(c, want)))
+        if (c->state != LOOM_CAND_USABLE || c->kind != LOOM_MODULE_BACKEND ||
+            (want && !name_matches(c, want)))
             continue;
         if (best < 0 || c->probe.score > reg->items[best].probe.score)
             best = i;
@@ -184,7 +185,13 @@ static int select_by_preference(loom_registry *reg, const char *pref, char *err,
             goto out;
         }
         for (int i = 0; i < reg->count; i++)
-            known |= name_matches(&reg->items[i], name);
+            known |= name_matches(&reg->items[i], name) ? 1 + (int)reg->items[i].kind : 0;
+        if (known == 1 + LOOM_MODULE_DECORATOR) {
+            loader_set_err(err, err_size, "LOOM_BACKEND: '%s' is a decorator, not a backend: it "
+                           "wraps the chosen one when asked (LOOM_TRACE=FILE for the trace "
+                           "plugin); name a backend here", name);
+            goto out;
+        }
         if (!known) {
             loader_set_err(err, err_size, "LOOM_BACKEND: no backend named '%s'. Backends found:",
                            name);
@@ -258,7 +265,10 @@ int loom_registry_select(loom_registry *reg, const char *preference, char *err, 
             loom_candidate *c = &reg->items[i];
             if (c->state != LOOM_CAND_USABLE)
                 continue;
-            if (pref && *pref)
+            if (c->kind == LOOM_MODULE_DECORATOR)
+                loader_set_err(c->reason, sizeof c->reason, "a decorator: wraps the chosen "
+                               "backend when asked, never runs alone");
+            else if (pref && *pref)
                 loader_set_err(c->reason, sizeof c->reason, "LOOM_BACKEND=%s picked %s", pref, l);
             else
                 loader_set_err(c->reason, sizeof c->reason, "score %d is below %s's %d",
@@ -271,4 +281,27 @@ int loom_registry_select(loom_registry *reg, const char *preference, char *err, 
             fprintf(stderr, "loom: %s\n", err);
     }
     return rc;
+}
+
+int loom_registry_find_decorator(const loom_registry *reg, const char *name, char *err,
+                                 size_t err_size)
+{
+    const loom_candidate *seen = NULL;
+    for (int i = 0; i < reg->count; i++) {
+        const loom_candidate *c = &reg->items[i];
+        if (c->kind != LOOM_MODULE_DECORATOR || strcmp(c->name, name) != 0)
+            continue;
+        if (c->state == LOOM_CAND_USABLE || c->state == LOOM_CAND_CHOSEN)
+            return i;
+        if (!seen)
+            seen = c;
+    }
+    if (seen)
+        loader_set_err(err, err_size, "the %s plugin (%s) cannot be used: %s: %s", name,
+                       seen->path, loom_candidate_state_name(seen->state), seen->reason);
+    else
+        loader_set_err(err, err_size, "no %s plugin was found (loom-%s.so in LOOM_BACKEND_PATH "
+                       "or loom's backend directory, %s)", name, name,
+                       reg->search_path[0] ? reg->search_path : "nothing searched");
+    return -1;
 }

@@ -44,14 +44,19 @@ void loom_registry_print(const loom_registry *reg, FILE *out)
         if (c->name[0]) {
             fprintf(out, "    about:   %s\n", c->description);
             fprintf(out, "    abi:     %u.%u\n", c->abi_major, c->abi_minor);
+            if (c->kind == LOOM_MODULE_DECORATOR)
+                fprintf(out, "    kind:    decorator (LOOM_TRACE=FILE wraps the chosen backend)\n");
             fprintf(out, "    score:   %d\n", c->probe.score);
         }
         fprintf(out, "    status:  %s%s%s\n", loom_candidate_state_name(c->state),
                 c->reason[0] ? ": " : "", c->reason);
         for (uint32_t d = 0; d < c->probe.n_devices; d++) {
-            char mem[32];
-            format_bytes(c->probe.devices[d].memory_bytes, mem, sizeof mem);
-            fprintf(out, "    device %u: %s, %s%s%s%s\n", d, c->probe.devices[d].name, mem,
+            char mem[40] = "";
+            if (c->probe.devices[d].memory_bytes) {
+                strcpy(mem, ", ");
+                format_bytes(c->probe.devices[d].memory_bytes, mem + 2, sizeof mem - 2);
+            }
+            fprintf(out, "    device %u: %s%s%s%s%s\n", d, c->probe.devices[d].name, mem,
                     c->probe.devices[d].detail[0] ? " (" : "", c->probe.devices[d].detail,
                     c->probe.devices[d].detail[0] ? ")" : "");
         }
@@ -81,6 +86,8 @@ char *loom_registry_json(const loom_registry *reg)
         char v[32];
         snprintf(v, sizeof v, "%u.%u", c->abi_major, c->abi_minor);
         cJSON_AddStringToObject(o, "abi_version", c->name[0] ? v : "");
+        cJSON_AddStringToObject(o, "kind", c->kind == LOOM_MODULE_DECORATOR ? "decorator"
+                                                                           : "backend");
         cJSON_AddStringToObject(o, "status", loom_candidate_state_name(c->state));
         cJSON_AddBoolToObject(o, "usable",
                               c->state >= LOOM_CAND_EXCLUDED);

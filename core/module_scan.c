@@ -108,6 +108,13 @@ void *loader_load_module(const char *path, loom_backend_module *mod, loom_candid
         return NULL;
     }
     loader_copy_declared(mod, sizeof *mod, m, m->struct_size);
+    if (mod->kind > LOOM_MODULE_DECORATOR) {
+        *state = LOOM_CAND_BAD_ABI;
+        loader_set_err(reason, reason_size, "module kind %u is none this loom knows (0 backend, "
+                       "1 decorator)", mod->kind);
+        dlclose(h);
+        return NULL;
+    }
     return h;
 }
 
@@ -117,6 +124,7 @@ typedef struct vet_result {
     char reason[512];
     char name[64], variant[64], description[256];
     uint32_t abi_major, abi_minor;
+    uint32_t kind;
     loom_probe_result probe;
 } vet_result;
 
@@ -133,6 +141,7 @@ static void vet_here(const char *path, vet_result *r)
     loader_copy_str(r->description, sizeof r->description, mod.description);
     r->abi_major = mod.abi_major;
     r->abi_minor = mod.abi_minor;
+    r->kind = mod.kind;
     r->probe.struct_size = sizeof r->probe;
     mod.probe(&r->probe);
     r->state = LOOM_CAND_USABLE; /* judged by the caller from the probe result */
@@ -266,6 +275,7 @@ int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size
     loader_copy_str(c->description, sizeof c->description, r.description);
     c->abi_major = r.abi_major;
     c->abi_minor = r.abi_minor;
+    c->kind = r.kind;
     c->probe = r.probe;
     c->probe.reason[sizeof c->probe.reason - 1] = '\0';
     if (c->probe.n_devices > LOOM_MAX_DEVICES)
@@ -399,7 +409,26 @@ static int exe_dir(char *out, size_t n)
     return 0;
 }
 
-/* In an uninstalled build, modules sit in backends/<name>/.libs/ under the build tree. */
+/* Scans <top>/<each folder>/.libs: where libtool leaves an uninstalled build's modules. */
+static int scan_libs_dirs(loom_registry *reg, const char *top, char *err, size_t err_size)
+{
+    char **subs;
+    int n = sorted_names(top, is_visible_name, &subs), rc = n < 0 ? -1 : 0;
+    for (int i = 0; i < n && rc == 0; i++) {
+        char dir[PATH_MAX];
+        struct stat st;
+        if (path_fits(snprintf(dir, sizeof dir, "%s/%s/.libs", top, subs[i]), sizeof dir) &&
+            stat(dir, &st) == 0 && S_ISDIR(st.st_mode))
+            rc = scan_dir(reg, dir, err, err_size);
+    }
+    free_names(subs, n);
+    if (rc)
+        loader_set_err(err, err_size, "out of memory listing backends");
+    return rc;
+}
+
+/* In an uninstalled build, modules sit in backends/<name>/.libs/ and plugins/<name>/.libs/
+ * under the build tree. */
 static int scan_build_tree(loom_registry *reg, const char *exe, char *err, size_t err_size)
 {
     char build[PATH_MAX];
@@ -408,21 +437,14 @@ static int scan_build_tree(loom_registry *reg, const char *exe, char *err, size_
     size_t bl = strlen(build);
     if (strncmp(exe, build, bl) != 0 || (exe[bl] != '/' && exe[bl] != '\0'))
         return 0;
-    char backends[PATH_MAX], **subs;
-    if (!path_fits(snprintf(backends, sizeof backends, "%s/backends", build), sizeof backends))
-        return 0;
-    int n = sorted_names(backends, is_visible_name, &subs), rc = n < 0 ? -1 : 0;
-    for (int i = 0; i < n && rc == 0; i++) {
-        char dir[PATH_MAX];
-        struct stat st;
-        if (path_fits(snprintf(dir, sizeof dir, "%s/%s/.libs", backends, subs[i]), sizeof dir) &&
-            stat(dir, &st) == 0 && S_ISDIR(st.st_mode))
-            rc = scan_dir(reg, dir, err, err_size);
+    static const char *const folders[] = {"backends", "plugins"};
+    for (size_t i = 0; i < sizeof folders / sizeof folders[0]; i++) {
+        char top[PATH_MAX];
+        if (path_fits(snprintf(top, sizeof top, "%s/%s", build, folders[i]), sizeof top) &&
+            scan_libs_dirs(reg, top, err, err_size))
+            return -1;
     }
-    free_names(subs, n);
-    if (rc)
-        loader_set_err(err, err_size, "out of memory listing backends");
-    return rc;
+    return 0;
 }
 
 int loom_registry_scan(loom_registry *reg, char *err, size_t err_size)

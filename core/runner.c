@@ -76,8 +76,6 @@ struct loom_runner {
     int census;
     unsigned char lacking[LOOM_OP_COUNT_V1_0][32];
 
-    double prof_ms[LOOM_OP_COUNT_V1_0]; /* with opt.profile */
-    uint64_t prof_calls[LOOM_OP_COUNT_V1_0], passes;
 };
 
 static int fail(loom_runner *r, const char *fmt, ...)
@@ -273,28 +271,6 @@ int loom_rt_status(const loom_runner *r)
     fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",      \
          r->dev->variant, r->dev->ops.last_error(r->dev->be))
 
-/* LOOM_PROFILE=1: time every op (synchronising after each) and print where a model's time
- * went when the runner is freed. */
-static double prof_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
-static void print_profile(const loom_runner *r)
-{
-    double total = 0;
-    for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
-        total += r->prof_ms[i];
-    fprintf(stderr, "loom profile (%s%s%s): %.1f ms in ops over %llu passes\n", r->dev->name,
-            r->dev->variant[0] ? "-" : "", r->dev->variant, total, (unsigned long long)r->passes);
-    for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
-        if (r->prof_calls[i])
-            fprintf(stderr, "  %-10s %9.1f ms %5.1f%%  %8llu calls\n", loom_op_name((loom_op)i), r->prof_ms[i],
-                    total > 0 ? 100 * r->prof_ms[i] / total : 0, (unsigned long long)r->prof_calls[i]);
-}
-
 static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 {
     const loom_runner *r = ctx;
@@ -307,12 +283,11 @@ static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 }
 
 /* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
- * core/fallback, unless in strict mode. With profiling on, times it, synchronising after. */
+ * core/fallback, unless in strict mode. */
 static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
         return;
-    double t0 = r->opt.profile ? prof_now() : 0;
     if (loom_device_supports(r->dev, op, dt)) {
         if (loom_device_run(r->dev, op, params) != LOOM_OK)
             OP_NAME_FAIL(r, what);
@@ -332,11 +307,6 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
             fail(r, "out of memory");
         else if (loom_fallback_run(r->fallback, op, dt, params, what, err, sizeof err) != 0)
             fail(r, "%s", err);
-    }
-    if (r->opt.profile) {
-        r->dev->ops.synchronize(r->dev->be);
-        r->prof_ms[op] += prof_now() - t0;
-        r->prof_calls[op]++;
     }
 }
 
@@ -585,8 +555,6 @@ void loom_runner_free(loom_runner *r)
     if (!r)
         return;
     loom_fallback_free(r->fallback);
-    if (r->opt.profile && r->passes)
-        print_profile(r);
     if (r->arch && r->state)
         r->arch->free_state(r->state);
     const loom_backend_ops *ops = &r->dev->ops;
@@ -777,7 +745,6 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             r->logits = lg, r->logits_cap = s->n_logits;
     }
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
-    r->passes++;
     if (!r->status)
         r->arch->forward(r, r->state, &b);
     if (!r->status && s->n_logits) {

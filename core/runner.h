@@ -69,7 +69,6 @@ typedef struct loom_runner_options {
                           * tokens (n_ctx if shorter), at least one of n_ctx; 0: one of n_ctx */
     /* Behaviours the API layer takes from loom.h's options or the environment (the core reads
      * no environment variables); zero is the default of each. */
-    int profile;   /* time every op (synchronising after it), print the table at free */
     int no_repack; /* do not offer weights to the backend's prepare_weight */
     int strict;    /* an op the backend lacks is an error, not a run on the CPU */
 } loom_runner_options;

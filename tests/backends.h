@@ -32,8 +32,8 @@ static inline int usable_backends(char labels[][160], int max)
         snprintf(labels[n], 160, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
         if (c->state == LOOM_CAND_UNUSABLE) /* a machine of another kind runs these */
             printf("skipped on this machine: %s (%s)\n", labels[n], c->reason);
-        if (c->state != LOOM_CAND_USABLE)
-            continue;
+        if (c->state != LOOM_CAND_USABLE || c->kind != LOOM_MODULE_BACKEND)
+            continue; /* a decorator (the trace plugin) runs around a backend, not alone */
         if (only && *only) {
             size_t len = strlen(labels[n]);
             const char *p = only;

@@ -12,7 +12,7 @@ tmpdir=$(mktemp -d "${TMPDIR:-/tmp}/loom-test.XXXXXX")
 trap 'rm -rf "$tmpdir"' EXIT
 # best_of JSON_FILE: the label (name or name-variant) of the highest-scoring usable candidate
 best_of() {
-    jq -r '[.candidates[] | select(.usable)] | max_by(.score)
+    jq -r '[.candidates[] | select(.usable and .kind == "backend")] | max_by(.score)
            | .name + (if .variant != "" then "-" + .variant else "" end)' "$1"
 }
 # need_fixture PATH: skip (exit 77) when a fixture is absent, except under CI=true, where a

@@ -201,6 +201,8 @@ int loom_bench_main(int argc, char **argv, const char *self)
     int all = a.backends && !strcmp(a.backends, "all");
     for (int i = 0; i < reg.count && n < 32; i++) {
         const loom_candidate *c = &reg.items[i];
+        if (c->kind != LOOM_MODULE_BACKEND)
+            continue; /* the trace plugin wraps what is measured (LOOM_TRACE) */
         char l[160];
         snprintf(l, sizeof l, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
         int wanted = all || (!a.backends && strcmp(c->name, "ref") != 0);

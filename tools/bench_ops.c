@@ -588,6 +588,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
     int n = 0;
     for (int i = 0; i < reg.count && n < 16; i++) {
         loom_candidate *c = &reg.items[i];
+        if (c->kind != LOOM_MODULE_BACKEND)
+            continue; /* a decorator runs only around a backend */
         snprintf(label_buf[n], sizeof label_buf[n], "%s%s%s", c->name, c->variant[0] ? "-" : "",
                  c->variant);
         int wanted;

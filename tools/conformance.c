@@ -1104,15 +1104,27 @@ static void check_oom(loom_device *d, report *r)
         d->ops.buffer_free(d->be, b);
 }
 
-static void check_reload(const char *path, const loom_device *ref, report *r)
+/* Opens the module under test: a backend as it is, a decorator (ABI 1.3) around a fresh ref,
+ * with no config (a decorator's quietest setting), so that every check sees what passes
+ * through it. */
+static int open_target(loom_device *d, const char *path, uint32_t kind, const char *ref_path,
+                       char *err, size_t err_size)
 {
-    (void)ref;
+    if (kind != LOOM_MODULE_DECORATOR)
+        return loom_device_open(d, path, 0, 0, err, err_size);
+    return loom_device_open(d, ref_path, 0, 0, err, err_size) != 0
+               ? -1
+               : loom_device_decorate(d, path, NULL, err, err_size);
+}
+
+static void check_reload(const char *path, uint32_t kind, const char *ref_path, report *r)
+{
     const int rounds = 20;
     char err[1024] = "";
     int i;
     for (i = 0; i < rounds; i++) {
         loom_device d;
-        if (loom_device_open(&d, path, 0, 0, err, sizeof err) != 0)
+        if (open_target(&d, path, kind, ref_path, err, sizeof err) != 0)
             break;
         loom_buffer *b = NULL;
         float v[64] = {0};
@@ -1407,6 +1419,7 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
         return skipped;
     }
     int usable = c && c->state == LOOM_CAND_USABLE;
+    uint32_t kind = c ? c->kind : LOOM_MODULE_BACKEND; /* kept past the registry's free */
     record(&r, "loads, declares a compatible ABI and probes usable", usable, "%s%s%s",
            c ? loom_candidate_state_name(c->state) : err, c && c->reason[0] ? ": " : "",
            c ? c->reason : "");
@@ -1418,8 +1431,10 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
     loom_device target, ref;
     int have_target = 0, have_ref = 0;
     if (usable) {
-        have_target = loom_device_open(&target, path, 0, 0, err, sizeof err) == 0;
-        record(&r, "opens device 0", have_target, have_target ? NULL : "%s", err);
+        have_target = open_target(&target, path, kind, ref_path, err, sizeof err) == 0;
+        record(&r, kind == LOOM_MODULE_DECORATOR ? "opens around ref (a decorator)"
+                                                    : "opens device 0",
+               have_target, have_target ? NULL : "%s", err);
     }
     if (have_target) {
         have_ref = loom_device_open(&ref, ref_path, 0, 0, err, sizeof err) == 0;
@@ -1443,8 +1458,9 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
                               : loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F32) ? "f32"
                                                                                           : "f16";
         loom_device_close(&target);
-        check_reload(path, &ref, &r);
-        for (int i = 0; have_ref && i < n_models; i++)
+        check_reload(path, kind, ref_path, &r);
+        /* a model runs on a backend module; a decorator wraps one only when loom opens it */
+        for (int i = 0; have_ref && kind == LOOM_MODULE_BACKEND && i < n_models; i++)
             check_model(path, ref_path, models[i], kv_type, &r);
     }
     if (have_ref)
@@ -1456,6 +1472,7 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "path", path);
     cJSON_AddStringToObject(o, "backend", label);
+    cJSON_AddStringToObject(o, "kind", kind == LOOM_MODULE_DECORATOR ? "decorator" : "backend");
     cJSON_AddBoolToObject(o, "pass", r.failures == 0);
     cJSON_AddNumberToObject(o, "failures", r.failures);
     cJSON_AddItemToObject(o, "matrix", matrix_json(&r));

@@ -428,7 +428,9 @@ static int run_backends(const char *self, const ppl_args *a)
         {
             const char *name = cJSON_GetStringValue(cJSON_GetObjectItem(c, "name"));
             const char *variant = cJSON_GetStringValue(cJSON_GetObjectItem(c, "variant"));
-            if (names && cJSON_IsTrue(cJSON_GetObjectItem(c, "usable")) && name && used + 160 < cap)
+            const char *kind = cJSON_GetStringValue(cJSON_GetObjectItem(c, "kind"));
+            if (names && cJSON_IsTrue(cJSON_GetObjectItem(c, "usable")) && name &&
+                kind && !strcmp(kind, "backend") && used + 160 < cap)
                 used += (size_t)snprintf(names + used, cap - used, "%s%s%s%s", used ? "," : "",
                                          name, variant && *variant ? "-" : "",
                                          variant ? variant : "");

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 2
+#define LOOM_BACKEND_ABI_MINOR 3
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -682,11 +682,17 @@ typedef struct loom_probe_result {
     loom_device_info devices[LOOM_MAX_DEVICES];
 } loom_probe_result;
 
+typedef struct loom_backend loom_backend;
+
 /* Options for open. The caller zeroes it and sets struct_size. */
 typedef struct loom_backend_options {
     uint32_t struct_size;
     int32_t device;      /* device index, 0-based */
     int32_t n_threads;   /* host threads to use; 0 = the backend's default */
+    /* ABI 1.3, for decorator modules only (NULL for a backend): */
+    loom_backend *inner; /* the opened backend to wrap. The decorator owns it once its open
+                          * returns LOOM_OK (its close closes inner), and not before. */
+    const char *config;  /* the decorator's setting (a trace file's path), or NULL */
 } loom_backend_options;
 
 /* ---- The opened backend ------------------------------------------------------------------
@@ -701,8 +707,6 @@ typedef struct loom_backend_options {
  *
  * last_error never returns NULL (an empty string before any failure); it describes the most
  * recent call that failed, and successful calls need not clear it. */
-
-typedef struct loom_backend loom_backend;
 
 typedef struct loom_backend_ops {
     uint32_t struct_size;
@@ -781,6 +785,15 @@ struct loom_backend {
 /* ---- The module ---------------------------------------------------------------------------
  * Returned by the entry point; static, valid until the module is unloaded. */
 
+typedef enum loom_module_kind {
+    LOOM_MODULE_BACKEND = 0,   /* runs ops on a device: what selection chooses among */
+    /* ABI 1.3: wraps another opened backend (loom_backend_options.inner) and forwards every
+     * call to it, doing something on the way (plugins/trace records each call). Never chosen on
+     * its own: loom opens one around the chosen backend when asked to (LOOM_TRACE). Its probe
+     * says whether it can run here, like a backend's. */
+    LOOM_MODULE_DECORATOR = 1,
+} loom_module_kind;
+
 typedef struct loom_backend_module {
     uint32_t struct_size;
     uint32_t abi_major;        /* LOOM_BACKEND_ABI_MAJOR the module was built with */
@@ -796,6 +809,9 @@ typedef struct loom_backend_module {
     /* Open device opts->device. On failure return non-OK and write a message to err. */
     loom_status (*open)(const loom_backend_options *opts, loom_backend **out, char *err,
                         size_t err_size);
+
+    /* ABI 1.3 */
+    uint32_t kind; /* loom_module_kind; a module of an older minor reads as a backend */
 } loom_backend_module;
 
 /* The entry point. host_major/host_minor are loom's ABI version, for a module that wants to

@@ -64,10 +64,14 @@ typedef struct loom_model_options {
     const char *backend_module; /* a backend module file to run on, found or not (conformance,
                                  * a module under development); NULL: choose as above */
     /* Three behaviours, each 1 (on), -1 (off) or 0: as its environment variable says. */
-    int32_t profile; /* time every op, print the table when the model closes (LOOM_PROFILE=1) */
+    int32_t profile; /* time every backend call (the trace plugin, no file), print a per-op
+                      * table when the model closes (LOOM_PROFILE=1) */
     int32_t repack;  /* offer weights to the backend's own layout, prepare_weight (LOOM_REPACK,
                       * default on) */
     int32_t strict;  /* an op the backend lacks is an error, not run on the CPU (LOOM_STRICT=1) */
+    const char *trace; /* record every backend call into this Chrome trace-event JSON file
+                        * (Perfetto, chrome://tracing) and print the per-op table at close,
+                        * through the trace plugin; NULL: LOOM_TRACE, if set */
 } loom_model_options;
 
 typedef struct loom_sampling {
