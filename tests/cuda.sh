@@ -4,7 +4,7 @@
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
 
-module="$top_builddir/backends/cuda/.libs/loom-cuda.so"
+module="$top_builddir/backends/gpu/.libs/loom-cuda.so"
 if [ "$LOOM_BUILT_CUDA" != yes ]; then
     echo "SKIP: the CUDA backend was not configured (no nvcc/cuBLAS; see ./configure's summary)"
     exit 77

@@ -4,17 +4,17 @@
 . "$top_srcdir/tests/lib.sh"
 unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_PATH
 
-module="$top_builddir/backends/hip/.libs/loom-hip.so"
+module="$top_builddir/backends/gpu/.libs/loom-hip.so"
 if [ "$LOOM_BUILT_HIP" != yes ]; then
     echo "SKIP: the HIP backend was not configured (no hipcc/libamdhip64; see ./configure's summary)"
     exit 77
 fi
 [ -f "$module" ] || { fail "configure enabled HIP but $module was not built"; finish; }
 
-# one kernel source: the module's device code comes from backends/cuda/cuda_backend.cu
-grep -q "backends/cuda/cuda_backend.cu" "$top_builddir/Makefile" &&
-    [ ! -e "$top_srcdir/backends/hip/kernels.cuh" ] && pass "HIP kernels are the CUDA backend's source" ||
-    fail "the HIP module has kernels of its own"
+# one kernel source: both modules' device code comes from backends/gpu/gpu_backend.cu
+[ "$(grep -c -- '-c $(top_srcdir)/backends/gpu/gpu_backend.cu' "$top_builddir/Makefile")" -eq 2 ] &&
+    [ "$(find "$top_srcdir/backends" -name '*.cu' -o -name '*.cuh' | wc -l)" -eq 2 ] &&
+    pass "HIP and CUDA kernels are one source" || fail "the GPU modules have kernels of their own"
 nm -D --defined-only "$module" | awk '{print $3}' > "$tmpdir/exports.txt"
 [ "$(cat "$tmpdir/exports.txt")" = loom_backend_entry ] && pass "exports only loom_backend_entry" ||
     { fail "exports more than the entry point:"; head "$tmpdir/exports.txt" >&2; }

@@ -1,5 +1,5 @@
 /*
- * backends/cuda/cuda_backend.cu - the CUDA backend's host half: device state, buffers, copies,
+ * backends/gpu/gpu_backend.cu - the GPU backend's host half: device state, buffers, copies,
  * and one checked launcher per ABI op. Device code lives in kernels.cuh.
  *
  * One stream per opened device; every op is enqueued on it, so ordering needs no events.
@@ -12,7 +12,7 @@
  * cuBLAS (activations converted to the weights' f16/bf16, block weights dequantised to f16 in
  * slices); smaller ones, the decode case, use loom's GEMV kernels.
  */
-#include "cuda_module.h"
+#include "gpu_module.h"
 #include "kernels.cuh"
 
 #if LOOM_GPU_BLAS && defined(LOOM_GPU_EMULATED)

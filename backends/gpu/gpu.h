@@ -1,5 +1,5 @@
 /*
- * backends/cuda/gpu.h - the one portability header between CUDA and HIP.
+ * backends/gpu/gpu.h - the one portability header between CUDA and HIP.
  *
  * The GPU backend's source is written once, in CUDA's spelling, and compiled by nvcc for the
  * cuda module and by hipcc for the hip module. Under HIP this header maps each CUDA name the

@@ -1,9 +1,9 @@
 /*
- * backends/cuda/emulated_probe.c - the entry point of the GPU backend built for HIP-CPU
+ * tests/gpuemu/emulated_probe.c - the entry point of the GPU backend built for HIP-CPU
  * (scripts/gpu-emulate): the CUDA backend's own source, its kernels run on the host. A
  * developer's check of the kernels where no GPU is lent; never built by make or installed.
  */
-#include "cuda_module.h"
+#include "gpu_module.h"
 
 #include <stdio.h>
 

@@ -1,12 +1,12 @@
 /*
- * backends/hip/hip_probe.c - the HIP module's entry point and probe, in plain C.
+ * backends/gpu/hip_probe.c - the HIP module's entry point and probe, in plain C.
  *
- * The module's kernels and host code are the CUDA backend's own source (backends/cuda/),
- * compiled by hipcc through backends/cuda/gpu.h; only this probe is HIP's. The module links
+ * The module's kernels and host code are the GPU backend's source (backends/gpu/),
+ * compiled by hipcc through gpu.h; only this probe is HIP's. The module links
  * libamdhip64, so on a machine without ROCm's runtime the loader already reports that missing
  * library as the reason; here the runtime is present and is asked what it sees.
  */
-#include "../cuda/cuda_module.h"
+#include "gpu_module.h"
 
 #include <hip/hip_runtime_api.h>
 #include <stdio.h>

@@ -1,5 +1,5 @@
 /*
- * backends/cuda/kernels.cuh - the CUDA backend's device code.
+ * backends/gpu/kernels.cuh - the GPU backend's device code (CUDA and HIP).
  *
  * Every kernel takes its tensors as tview (base pointer plus the strides of the ABI's 4-d
  * tensor), so strided views (every other row, half of each row, the head-major KV blocks) work

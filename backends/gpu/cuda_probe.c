@@ -1,5 +1,5 @@
 /*
- * backends/cuda/cuda_probe.c - the CUDA module's entry point and probe, in plain C.
+ * backends/gpu/cuda_probe.c - the CUDA module's entry point and probe, in plain C.
  *
  * The probe must work on every machine the package is installed on, most of which have no
  * NVIDIA driver. So it links nothing from CUDA: it dlopens the driver library, asks it for
@@ -7,7 +7,7 @@
  * driver too old for this build, a GPU older than the architectures compiled in, no cuBLAS).
  * Only open() reaches the CUDA runtime, which is linked statically into the module.
  */
-#include "cuda_module.h"
+#include "gpu_module.h"
 
 #include <cuda.h>
 #include <dlfcn.h>

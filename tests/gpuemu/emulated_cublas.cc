@@ -1,5 +1,5 @@
 /*
- * backends/cuda/emulated_cublas.cc - cuBLAS's GemmEx for the HIP-CPU build, from its documented
+ * tests/gpuemu/emulated_cublas.cc - cuBLAS's GemmEx for the HIP-CPU build, from its documented
  * semantics: column-major C (m x n, leading dimension ldc) = alpha op(A) op(B) + beta C, op(X)
  * = X or X^T, A/B of type f32, f16 or bf16, C f32. Device memory is host memory under HIP-CPU,
  * so it reads the operands directly, after waiting for the stream's earlier work.

@@ -1,5 +1,5 @@
 /*
- * backends/cuda/emulated_cublas.h - the part of cuBLAS's API the GPU backend calls, for the
+ * tests/gpuemu/emulated_cublas.h - the part of cuBLAS's API the GPU backend calls, for the
  * HIP-CPU build (scripts/gpu-emulate), where the real cublas_v2.h cannot be included. The
  * functions are a plain host implementation of their documented semantics
  * (emulated_cublas.cc), so the backend's GEMM path (operand order, leading dimensions, weight
