@@ -98,7 +98,9 @@ expect_grep "FAIL loads, declares a compatible ABI and probes usable: probe fail
     "$tmpdir/pfc.txt" "conformance names the crash"
 
 # every command has --help: its usage on stdout, exit 0
-for c in backends run chat serve tokenize detokenize quantize convert inspect verify bench perplexity; do
+for c in backends run chat serve tokenize detokenize quantize convert inspect verify bench perplexity \
+         "bench ops" "bench serve"; do
+    # shellcheck disable=SC2086
     "$LOOM" $c --help > "$tmpdir/help.txt" 2> "$tmpdir/help.err"; rc=$?
     [ "$rc" = 0 ] && grep -q "^usage: loom $c" "$tmpdir/help.txt" ||
         fail "loom $c --help: exit $rc, $(head -c 200 "$tmpdir/help.txt" "$tmpdir/help.err")"
@@ -112,9 +114,33 @@ for c in run chat serve; do
         "loom $c names a bad sampling value"
 done
 
+# one parser for every command's flags (tools/args.c): an unknown flag, a flag without its
+# value and a value outside a flag's choices are each named with the command, exit 2
+for c in backends run chat serve tokenize detokenize quantize convert bench perplexity "bench ops" \
+         "bench serve"; do
+    # shellcheck disable=SC2086
+    "$LOOM" $c --frobnicate > /dev/null 2> "$tmpdir/err.txt"; rc=$?
+    [ "$rc" = 2 ] && grep -q "^loom $c: unknown option '--frobnicate'" "$tmpdir/err.txt" &&
+        grep -q "^usage: loom $c" "$tmpdir/err.txt" ||
+        fail "loom $c --frobnicate: exit $rc, $(head -c 300 "$tmpdir/err.txt")"
+done
+pass "every command names an unknown option and shows its usage"
+"$CONFORMANCE" --frobnicate > /dev/null 2> "$tmpdir/err.txt"; rc=$?
+[ "$rc" = 2 ] && expect_grep "^loom-conformance: unknown option '--frobnicate'" "$tmpdir/err.txt" \
+    "loom-conformance names an unknown option" || fail "loom-conformance --frobnicate: exit $rc"
+for c in "run -m" "chat -m" "serve --port" "convert -o" "bench -p" "perplexity -f"; do
+    # shellcheck disable=SC2086
+    "$LOOM" $c > /dev/null 2> "$tmpdir/err.txt" && fail "loom $c without a value accepted"
+    expect_grep "^loom ${c% *}: ${c#* } needs a value" "$tmpdir/err.txt" "loom $c: the missing value named"
+done
+for c in run chat serve perplexity; do
+    "$LOOM" $c -m /nonexistent --kv-type f8 > /dev/null 2> "$tmpdir/err.txt" &&
+        fail "$c: --kv-type f8 accepted"
+    expect_grep "^loom $c: --kv-type is one of f16|f32|q8_0, not 'f8'" "$tmpdir/err.txt" \
+        "loom $c names a --kv-type outside its choices"
+done
+
 # bad usage
-"$LOOM" backends --frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad flag accepted"
-expect_grep "unknown argument '--frobnicate'" "$tmpdir/err.txt" "bad flag named"
 "$LOOM" frobnicate > /dev/null 2> "$tmpdir/err.txt" && fail "bad command accepted"
 expect_grep "unknown command 'frobnicate'" "$tmpdir/err.txt" "bad command named"
 finish

@@ -107,7 +107,8 @@ else
     fail "bench ops exit:"; cat "$tmpdir/ops.err" >&2
 fi
 "$LOOM" bench ops --op softmax > /dev/null 2> "$tmpdir/e7" && fail "bench ops --op softmax accepted"
-expect_grep "measured ops are matmul and attention" "$tmpdir/e7" "an op bench ops does not measure is named"
+expect_grep "^loom bench ops: --op is one of matmul|attention, not 'softmax'" "$tmpdir/e7" \
+    "an op bench ops does not measure is named"
 "$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
 expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
 # a backend that lacks ops: loom runs those ops on the CPU (copies there and back), says so

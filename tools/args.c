@@ -168,6 +168,136 @@ void loom_print_text(FILE *out, const char *text, size_t len)
     fflush(out);
 }
 
+/* "-n N", "-m, --model FILE", "--json" */
+static void flag_label(const loom_flag *f, char *buf, size_t n)
+{
+    snprintf(buf, n, "%s%s%s%s%s", f->name, f->alias ? ", " : "", f->alias ? f->alias : "",
+             f->metavar ? " " : "", f->metavar ? f->metavar : "");
+}
+
+void loom_args_usage(const loom_command *cmd, FILE *out)
+{
+    fprintf(out, "usage: %s %s\n", cmd->name, cmd->synopsis);
+    for (int i = 0; i < cmd->n_flags; i++) {
+        if (!cmd->flags[i].help)
+            continue;
+        char label[96];
+        flag_label(&cmd->flags[i], label, sizeof label);
+        if (strlen(label) > 23)
+            fprintf(out, "  %s\n  %-23s ", label, "");
+        else
+            fprintf(out, "  %-23s ", label);
+        /* a help of several lines ('\n') continues under the first */
+        for (const char *h = cmd->flags[i].help; *h;) {
+            size_t n = strcspn(h, "\n");
+            fprintf(out, "%.*s\n", (int)n, h);
+            h += n;
+            if (*h == '\n' && *++h)
+                fprintf(out, "%26s", "");
+        }
+    }
+    if (cmd->sampling) {
+        if (cmd->sampling_title)
+            fprintf(out, "%s\n", cmd->sampling_title);
+        loom_arg_sampling_usage(out, cmd->sampling);
+    }
+    if (cmd->epilogue)
+        fprintf(out, "%s\n", cmd->epilogue);
+}
+
+/* Whether v is one of the '|'-separated choices. */
+static int is_choice(const char *choices, const char *v)
+{
+    size_t n = strlen(v);
+    for (const char *p = choices; *p; p += strcspn(p, "|"), p += *p == '|')
+        if (strncmp(p, v, n) == 0 && (p[n] == '|' || p[n] == '\0') && n > 0)
+            return 1;
+    return 0;
+}
+
+static int usage_error(const loom_command *cmd)
+{
+    loom_args_usage(cmd, stderr);
+    return 2;
+}
+
+int loom_args_parse(const loom_command *cmd, int argc, char **argv)
+{
+    int given = 0;
+    if (cmd->n_positional)
+        *cmd->n_positional = 0;
+    for (int i = 0; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            loom_args_usage(cmd, stdout);
+            return 1;
+        }
+        const loom_flag *f = NULL;
+        for (int k = 0; k < cmd->n_flags && !f; k++)
+            if (!strcmp(a, cmd->flags[k].name) ||
+                (cmd->flags[k].alias && !strcmp(a, cmd->flags[k].alias)))
+                f = &cmd->flags[k];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!f && cmd->sampling && a[0] == '-') {
+            int took = loom_arg_sampling(cmd->name, a, v, cmd->sampling);
+            if (took < 0)
+                return 2;
+            if (took > 0) {
+                i++;
+                continue;
+            }
+        }
+        if (!f) {
+            if (cmd->positional && given < cmd->max_positional && (a[0] != '-' || !a[1])) {
+                cmd->positional[given++] = a;
+                if (cmd->n_positional)
+                    *cmd->n_positional = given;
+                continue;
+            }
+            fprintf(stderr, "%s: %s '%s'\n", cmd->name,
+                    a[0] == '-' ? "unknown option" : "unexpected argument", a);
+            return usage_error(cmd);
+        }
+        if (f->kind == LOOM_FLAG_SWITCH) {
+            *(int *)f->dest = 1;
+            continue;
+        }
+        if (!v) {
+            fprintf(stderr, "%s: %s needs a value (%s)\n", cmd->name, a, f->metavar);
+            return usage_error(cmd);
+        }
+        i++;
+        switch (f->kind) {
+        case LOOM_FLAG_CHOICE:
+            if (!is_choice(f->metavar, v)) {
+                fprintf(stderr, "%s: %s is one of %s, not '%s'\n", cmd->name, a, f->metavar, v);
+                return 2;
+            }
+            /* fall through */
+        case LOOM_FLAG_TEXT: *(const char **)f->dest = v; break;
+        case LOOM_FLAG_REPEAT: {
+            loom_flag_list *list = f->dest;
+            if (list->n == list->max) {
+                fprintf(stderr, "%s: at most %d %s\n", cmd->name, list->max, a);
+                return 2;
+            }
+            list->items[list->n++] = v;
+            break;
+        }
+        case LOOM_FLAG_LONG:
+            if (loom_arg_long(cmd->name, a, v, (long)f->lo, (long)f->hi, f->dest))
+                return 2;
+            break;
+        case LOOM_FLAG_FLOAT:
+            if (loom_arg_float(cmd->name, a, v, f->lo, f->hi, f->dest))
+                return 2;
+            break;
+        case LOOM_FLAG_SWITCH: break;
+        }
+    }
+    return 0;
+}
+
 int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
                        const char **path, int *json)
 {

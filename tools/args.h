@@ -14,8 +14,66 @@ int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, lon
 int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
                    float *out);
 
-/* ---- Sampling flags: one table for every command that generates (run, chat, serve) ---- */
+/* ---- One table-driven parser for the commands' flags -------------------------------------
+ * A command lists its flags in a table; loom_args_parse reads argv against it (and against the
+ * sampling table, for the commands that generate), and the usage is printed from the same
+ * table, so a flag and its help cannot drift apart. */
+typedef enum loom_flag_kind {
+    LOOM_FLAG_SWITCH, /* no value: *(int *)dest = 1 */
+    LOOM_FLAG_TEXT,   /* *(const char **)dest = the value */
+    LOOM_FLAG_CHOICE, /* as TEXT, but the value must be one of metavar's "a|b|c" */
+    LOOM_FLAG_LONG,   /* *(long *)dest = a whole number in [lo, hi] */
+    LOOM_FLAG_FLOAT,  /* *(float *)dest = a number in [lo, hi] */
+    LOOM_FLAG_REPEAT, /* each value appended to the loom_flag_list at dest */
+} loom_flag_kind;
+
+typedef struct loom_flag_list {
+    const char **items;
+    int n, max;
+} loom_flag_list;
+
+typedef struct loom_flag {
+    const char *name;    /* "-n", "--kv-type" */
+    const char *alias;   /* another spelling ("--model" for "-m"), or NULL */
+    loom_flag_kind kind;
+    void *dest;
+    double lo, hi;       /* LONG and FLOAT */
+    const char *metavar; /* "N", "FILE", the choices; NULL for a switch */
+    const char *help;    /* one line (or several, '\n'), with the default; NULL: not listed
+                          * (an internal flag) */
+} loom_flag;
+
 struct loom_sampling;
+typedef struct loom_command {
+    const char *name;       /* "loom run": how errors and the usage start */
+    const char *synopsis;   /* what follows the name in the usage line */
+    const loom_flag *flags;
+    int n_flags;
+    struct loom_sampling *sampling; /* the sampling flags too, into this, or NULL */
+    const char *sampling_title;     /* a line above the sampling flags in the usage, or NULL */
+    const char *epilogue;           /* lines after the flags in the usage, or NULL */
+    const char **positional;        /* where positional arguments go, in order, or NULL: none */
+    int max_positional;             /* room in positional; one more is an error */
+    int *n_positional;              /* how many were given, or NULL */
+} loom_command;
+
+#define LOOM_N_FLAGS(table) ((int)(sizeof(table) / sizeof((table)[0])))
+
+/* The flags every command that opens a model spells the same way. */
+#define LOOM_FLAG_MODEL(dest)                                                                  \
+    {"-m", "--model", LOOM_FLAG_TEXT, (dest), 0, 0, "MODEL", "a GGUF file or a Hugging Face folder"}
+#define LOOM_FLAG_KV_TYPE(dest)                                                                \
+    {"--kv-type", NULL, LOOM_FLAG_CHOICE, (dest), 0, 0, "f16|f32|q8_0",                          \
+     "KV cache precision (default f16)"}
+#define LOOM_FLAG_THREADS(dest)                                                                \
+    {"--threads", NULL, LOOM_FLAG_LONG, (dest), 1, 1024, "N", "CPU backend threads"}
+
+/* 0: argv parsed; 1: --help printed the usage on stdout (exit 0); 2: an error was printed,
+ * naming the flag and what was wrong, with the usage (exit 2). */
+int loom_args_parse(const loom_command *cmd, int argc, char **argv);
+void loom_args_usage(const loom_command *cmd, FILE *out);
+
+/* ---- Sampling flags: one table for every command that generates (run, chat, serve) ---- */
 /* 1 when flag is a sampling flag (value v parsed into *s), 0 when it is not one, -1 after
  * printing why v is wrong for it. */
 int loom_arg_sampling(const char *cmd, const char *flag, const char *v, struct loom_sampling *s);

@@ -29,22 +29,6 @@ typedef struct bench_args {
     int json, csv, no_roofline;
 } bench_args;
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: loom bench [-m MODEL.gguf | --synthetic SHAPE [--type TYPE]] [--backends LIST]\n"
-            "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
-            "  --synthetic SHAPE  %s (default 1b, the TinyLlama-1.1B shape)\n"
-            "  --type TYPE        weights of the synthetic model (q4_0): %s\n"
-            "  --backends LIST    all, or comma-separated names / name-variants (default: all but ref)\n"
-            "  -p N  prompt tokens for the prefill test (0 skips it); -n N  tokens to generate\n"
-            "  -r N  repetitions; tokens/s is their mean +- sd\n"
-            "  --no-roofline      skip measuring memory bandwidth (no roofline column)\n"
-            "  --write FILE       only write the synthetic model to FILE (to bench it elsewhere)\n"
-            "also: loom bench ops (per-op timings)\n",
-            loom_synthetic_shapes(), loom_synthetic_types());
-}
-
 /* ---- child: one backend ----------------------------------------------------------------- */
 
 static double mean_of(const double *x, int n, double *sd)
@@ -135,43 +119,44 @@ static int child(const char *backend, const bench_args *a)
 
 /* ---- parent ------------------------------------------------------------------------------ */
 
-static int parse_count(const char *flag, const char *v, long lo, long hi, long *out)
-{
-    return loom_arg_long("loom bench", flag, v, lo, hi, out);
-}
-
 int loom_bench_main(int argc, char **argv, const char *self);
 int loom_bench_main(int argc, char **argv, const char *self)
 {
     bench_args a = {NULL, "1b", "q4_0", NULL, 128, 32, 5, 0, 0, 0};
     const char *child_backend = NULL, *write_to = NULL;
-    for (int i = 0; i < argc; i++) {
-        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(f, "--json")) { a.json = 1; continue; }
-        if (!strcmp(f, "--csv")) { a.csv = 1; continue; }
-        if (!strcmp(f, "--no-roofline")) { a.no_roofline = 1; continue; }
-        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { usage(stdout); return 0; }
-        if (!v) {
-            fprintf(stderr, "loom bench: %s needs a value (or is unknown)\n", f);
-            usage(stderr);
-            return 2;
-        }
-        i++;
-        if (!strcmp(f, "-m")) a.model = v;
-        else if (!strcmp(f, "--synthetic")) a.synthetic = v;
-        else if (!strcmp(f, "--type")) a.type = v;
-        else if (!strcmp(f, "--backends")) a.backends = v;
-        else if (!strcmp(f, "--child")) child_backend = v;
-        else if (!strcmp(f, "--write")) write_to = v;
-        else if (!strcmp(f, "-p")) { if (parse_count(f, v, 0, 1 << 16, &a.pp)) return 2; }
-        else if (!strcmp(f, "-n")) { if (parse_count(f, v, 0, 1 << 16, &a.tg)) return 2; }
-        else if (!strcmp(f, "-r")) { if (parse_count(f, v, 1, 64, &a.reps)) return 2; }
-        else {
-            fprintf(stderr, "loom bench: unknown option '%s'\n", f);
-            usage(stderr);
-            return 2;
-        }
-    }
+    char shape_help[512], type_help[512];
+    snprintf(shape_help, sizeof shape_help, "%s (default 1b, the TinyLlama-1.1B shape)",
+             loom_synthetic_shapes());
+    snprintf(type_help, sizeof type_help, "weights of the synthetic model (q4_0): %s",
+             loom_synthetic_types());
+    const loom_flag flags[] = {
+        {"-m", "--model", LOOM_FLAG_TEXT, &a.model, 0, 0, "MODEL.gguf", "the model to run"},
+        {"--synthetic", NULL, LOOM_FLAG_TEXT, &a.synthetic, 0, 0, "SHAPE", shape_help},
+        {"--type", NULL, LOOM_FLAG_TEXT, &a.type, 0, 0, "TYPE", type_help},
+        {"--backends", NULL, LOOM_FLAG_TEXT, &a.backends, 0, 0, "LIST",
+         "all, or comma-separated names / name-variants (default: all but ref)"},
+        {"-p", NULL, LOOM_FLAG_LONG, &a.pp, 0, 1 << 16, "N",
+         "prompt tokens for the prefill test (default 128; 0 skips it)"},
+        {"-n", NULL, LOOM_FLAG_LONG, &a.tg, 0, 1 << 16, "N", "tokens to generate (default 32)"},
+        {"-r", NULL, LOOM_FLAG_LONG, &a.reps, 1, 64, "N",
+         "repetitions; tokens/s is their mean +- sd (default 5)"},
+        {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON document"},
+        {"--csv", NULL, LOOM_FLAG_SWITCH, &a.csv, 0, 0, NULL, "CSV rows"},
+        {"--no-roofline", NULL, LOOM_FLAG_SWITCH, &a.no_roofline, 0, 0, NULL,
+         "skip measuring memory bandwidth (no roofline column)"},
+        {"--write", NULL, LOOM_FLAG_TEXT, &write_to, 0, 0, "FILE",
+         "only write the synthetic model to FILE (to bench it elsewhere)"},
+        {"--child", NULL, LOOM_FLAG_TEXT, &child_backend, 0, 0, "BACKEND", NULL},
+    };
+    const loom_command cmd = {
+        .name = "loom bench",
+        .synopsis = "[-m MODEL.gguf | --synthetic SHAPE [--type TYPE]] [--backends LIST]\n"
+                    "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
+                    "also: loom bench ops (per-op timings), loom bench serve (a server under load)",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (child_backend)
         return child(child_backend, &a);
     if (write_to) { /* the synthetic model alone, to run elsewhere (llama.cpp) or again */

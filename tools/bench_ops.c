@@ -529,51 +529,29 @@ static double share_base(const cJSON *o, double parent_bw)
     return adj > 0 ? adj : parent_bw;
 }
 
-static void usage(FILE *out)
-{
-    fprintf(out, "usage: loom bench ops [--backends LIST] [--op matmul|attention] [--json] [--quick]\n"
-                 "  --backends LIST  comma-separated backend names or name-variant (default: every\n"
-                 "                   usable backend but ref)\n"
-                 "  --op OP          measure only matmul or only attention (default: both)\n"
-                 "  --json           print the measurements as JSON instead of a table\n"
-                 "  --quick          small shapes, for a smoke test\n");
-}
-
 int loom_bench_ops_main(int argc, char **argv, const char *self)
 {
-    const char *list = NULL, *child_path = NULL;
+    const char *list = NULL, *child_path = NULL, *op = NULL;
     int json = 0, quick = 0;
-    ops_wanted ops = OPS_ALL;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--child") == 0 && i + 1 < argc)
-            child_path = argv[++i];
-        else if (strcmp(argv[i], "--backends") == 0 && i + 1 < argc)
-            list = argv[++i];
-        else if (strcmp(argv[i], "--op") == 0 && i + 1 < argc) {
-            i++;
-            if (strcmp(argv[i], "matmul") == 0)
-                ops = OPS_MATMUL;
-            else if (strcmp(argv[i], "attention") == 0)
-                ops = OPS_ATTENTION;
-            else {
-                fprintf(stderr, "loom bench ops: --op %s: measured ops are matmul and "
-                        "attention\n", argv[i]);
-                return 2;
-            }
-        }
-        else if (strcmp(argv[i], "--json") == 0)
-            json = 1;
-        else if (strcmp(argv[i], "--quick") == 0)
-            quick = 1;
-        else if (strcmp(argv[i], "--help") == 0) {
-            usage(stdout);
-            return 0;
-        } else {
-            fprintf(stderr, "loom bench ops: unknown argument '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
-        }
-    }
+    const loom_flag flags[] = {
+        {"--backends", NULL, LOOM_FLAG_TEXT, &list, 0, 0, "LIST",
+         "comma-separated backend names or name-variant (default: every\n"
+         "usable backend but ref)"},
+        {"--op", NULL, LOOM_FLAG_CHOICE, &op, 0, 0, "matmul|attention",
+         "measure only matmul or only attention (default: both)"},
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
+         "print the measurements as JSON instead of a table"},
+        {"--quick", NULL, LOOM_FLAG_SWITCH, &quick, 0, 0, NULL, "small shapes, for a smoke test"},
+        {"--child", NULL, LOOM_FLAG_TEXT, &child_path, 0, 0, "MODULE", NULL},
+    };
+    const loom_command cmd = {.name = "loom bench ops",
+                              .synopsis = "[--backends LIST] [--op matmul|attention] [--json] "
+                                          "[--quick]",
+                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
+    ops_wanted ops = !op ? OPS_ALL : !strcmp(op, "matmul") ? OPS_MATMUL : OPS_ATTENTION;
     if (child_path)
         return child(child_path, quick, ops);
 

@@ -145,55 +145,41 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
     return r;
 }
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: loom bench serve [-m MODEL | --synthetic SHAPE [--type TYPE]] [--clients 16]\n"
-            "                        [--requests N] [--prompt-tokens 64] [--gen-tokens 64]\n"
-            "                        [--max-batch N] [--json] [--concurrent-only]\n"
-            "  runs the requests one at a time, then from --clients concurrent clients, through the\n"
-            "  serving engine (continuous batching); defaults: synthetic 160m f16, requests = clients\n"
-            "  shapes: %s\n",
-            loom_synthetic_shapes());
-}
-
-static int parse_pos(const char *flag, const char *v, long hi, long *out)
-{
-    return loom_arg_long("loom bench serve", flag, v, 1, hi, out);
-}
-
 int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
     int json = 0, concurrent_only = 0;
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0, takes = 1;
-        if (!strcmp(a, "-m")) model = v;
-        else if (!strcmp(a, "--synthetic")) shape = v;
-        else if (!strcmp(a, "--type")) type = v;
-        else if (!strcmp(a, "--clients")) bad = parse_pos(a, v, 1024, &clients);
-        else if (!strcmp(a, "--requests")) bad = parse_pos(a, v, 1 << 20, &requests);
-        else if (!strcmp(a, "--prompt-tokens")) bad = parse_pos(a, v, 1 << 16, &n_prompt);
-        else if (!strcmp(a, "--gen-tokens")) bad = parse_pos(a, v, 1 << 16, &n_gen);
-        else if (!strcmp(a, "--max-batch")) bad = parse_pos(a, v, 4096, &max_batch);
-        else if (!strcmp(a, "--json")) json = 1, takes = 0;
-        else if (!strcmp(a, "--concurrent-only")) concurrent_only = 1, takes = 0;
-        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { usage(stdout); return 0; }
-        else {
-            fprintf(stderr, "loom bench serve: unknown option '%s'\n", a);
-            usage(stderr);
-            return 2;
-        }
-        if (bad)
-            return 2;
-        if (takes && !v) {
-            fprintf(stderr, "loom bench serve: %s needs a value\n", a);
-            return 2;
-        }
-        i += takes;
-    }
+    char shape_help[512];
+    snprintf(shape_help, sizeof shape_help, "%s (default 160m)", loom_synthetic_shapes());
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&model),
+        {"--synthetic", NULL, LOOM_FLAG_TEXT, &shape, 0, 0, "SHAPE", shape_help},
+        {"--type", NULL, LOOM_FLAG_TEXT, &type, 0, 0, "TYPE",
+         "weights of the synthetic model (default f16)"},
+        {"--clients", NULL, LOOM_FLAG_LONG, &clients, 1, 1024, "N",
+         "concurrent clients (default 16)"},
+        {"--requests", NULL, LOOM_FLAG_LONG, &requests, 1, 1 << 20, "N",
+         "requests in all (default: as many as clients)"},
+        {"--prompt-tokens", NULL, LOOM_FLAG_LONG, &n_prompt, 1, 1 << 16, "N",
+         "prompt tokens a request (default 64)"},
+        {"--gen-tokens", NULL, LOOM_FLAG_LONG, &n_gen, 1, 1 << 16, "N",
+         "tokens generated a request (default 64)"},
+        {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
+         "sequences run together (default: as many as clients)"},
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "one JSON object"},
+        {"--concurrent-only", NULL, LOOM_FLAG_SWITCH, &concurrent_only, 0, 0, NULL,
+         "skip the serial run"},
+    };
+    const loom_command cmd = {
+        .name = "loom bench serve",
+        .synopsis = "[-m MODEL | --synthetic SHAPE [--type TYPE]] [--clients 16] [options]\n"
+                    "  runs the requests one at a time, then from --clients concurrent clients, "
+                    "through the\n  serving engine (continuous batching)",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!requests)
         requests = clients;
     if (!max_batch)

@@ -98,53 +98,34 @@ static void clear(convo *c, const char *system)
         add_msg(c, "system", system);
 }
 
-static void chat_usage(FILE *out)
-{
-    loom_sampling defaults = loom_sampling_defaults();
-    fprintf(out, "usage: loom chat -m MODEL [options]\n"
-                 "  --system TEXT           the system prompt\n"
-                 "  --chat-template NAME    %s (default: the model's)\n"
-                 "  -n N                    longest answer in tokens (default 512)\n"
-                 "  -c N                    context length (default: the model's, up to 4096)\n",
-            loom_chat_templates());
-    loom_arg_sampling_usage(out, &defaults);
-}
-
 int loom_chat_main(int argc, char **argv);
 int loom_chat_main(int argc, char **argv)
 {
-    const char *model = NULL, *tmpl = NULL, *system = NULL;
+    const char *model = NULL, *tmpl = NULL, *system = NULL, *kv = NULL;
     loom_sampling s = loom_sampling_defaults();
-    long n_predict = 512, n_ctx = 0;
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0, sampling;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            chat_usage(stdout);
-            return 0;
-        }
-        if (!v) {
-            fprintf(stderr, "loom chat: %s needs a value (or is unknown)\n", a);
-            chat_usage(stderr);
-            return 2;
-        }
-        i++;
-        if (!strcmp(a, "-m")) model = v;
-        else if (!strcmp(a, "--chat-template")) tmpl = v;
-        else if (!strcmp(a, "--system")) system = v;
-        else if ((sampling = loom_arg_sampling("loom chat", a, v, &s)) != 0) bad = sampling < 0;
-        else if (!strcmp(a, "-n")) bad = loom_arg_long("loom chat", a, v, 1, 1 << 20, &n_predict);
-        else if (!strcmp(a, "-c")) bad = loom_arg_long("loom chat", a, v, 2, 1 << 20, &n_ctx);
-        else {
-            fprintf(stderr, "loom chat: unknown option '%s'\n", a);
-            chat_usage(stderr);
-            return 2;
-        }
-        if (bad)
-            return 2;
-    }
+    long n_predict = 512, n_ctx = 0, threads = 0;
+    char template_help[512];
+    snprintf(template_help, sizeof template_help, "%s (default: the model's)",
+             loom_chat_templates());
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&model),
+        {"--system", NULL, LOOM_FLAG_TEXT, &system, 0, 0, "TEXT", "the system prompt"},
+        {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME", template_help},
+        {"-n", NULL, LOOM_FLAG_LONG, &n_predict, 1, 1 << 20, "N",
+         "longest answer in tokens (default 512)"},
+        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 2, 1 << 20, "N",
+         "context length (default: the model's, up to 4096)"},
+        LOOM_FLAG_KV_TYPE(&kv),
+        LOOM_FLAG_THREADS(&threads),
+    };
+    const loom_command cmd = {.name = "loom chat", .synopsis = "-m MODEL [options]",
+                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .sampling = &s};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!model) {
-        chat_usage(stderr);
+        fprintf(stderr, "loom chat: give the model with -m MODEL\n");
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
     if (tmpl && !loom_chat_template_valid(tmpl)) {
@@ -153,7 +134,8 @@ int loom_chat_main(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    loom_model_options o = {.n_ctx = (int32_t)n_ctx};
+    loom_model_options o = {.n_ctx = (int32_t)n_ctx, .kv_type = kv,
+                            .n_threads = (int32_t)threads};
     loom_model *m = loom_model_open(model, &o, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom chat: %s\n", err);

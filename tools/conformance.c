@@ -19,6 +19,7 @@
  * strides, so a backend that assumes dense or aligned tensors fails here, not in a model.
  */
 #define _GNU_SOURCE
+#include "args.h"
 #include "core/loader.h"
 #include "loom/loom.h"
 
@@ -1355,27 +1356,6 @@ static void check_model(const char *module, const char *ref_path, const char *mo
 
 /* ---- Main ------------------------------------------------------------------------------- */
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: loom-conformance [--json FILE] [--ref PATH] [--model MODEL ...] [--quiet]\n"
-            "                        [--require-usable] [BACKEND.so|NAME ...]\n"
-            "Checks backend modules against loom's backend ABI and the reference backend.\n"
-            "With no BACKEND, checks every usable module found (see `loom backends`). NAME is\n"
-            "a backend name (every variant: `cpu`) or NAME-VARIANT (`cpu-avx2`).\n"
-            "  --json FILE       also write a JSON report to FILE ('-' for stdout)\n"
-            "  --ref PATH        the reference module to compare with (default: the one found)\n"
-            "  --model MODEL     also run a model (GGUF file or Hugging Face folder; repeatable)\n"
-            "                    on each module and on ref: a short prefill and %d greedy steps,\n"
-            "                    logits compared at each (ops the module lacks run on the CPU)\n"
-            "  --quiet           print only failures, the matrix and the summary\n"
-            "  --require-usable  a module unusable on this machine fails (default: skipped, with\n"
-            "                    its probe's reason)\n"
-            "Exit status: 0 when every module checked passes (and at least one was checked),\n"
-            "1 when a check fails or nothing could be checked, 2 on a usage error.\n",
-            MODEL_STEPS);
-}
-
 typedef enum { MODULE_PASSED, MODULE_FAILED, MODULE_SKIPPED } module_outcome;
 
 /* Writes a skipped module's entry: the probe found nothing for it to run on here. */
@@ -1484,43 +1464,56 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
 int main(int argc, char **argv)
 {
     const char *json_path = NULL, *ref_path = NULL, *models[8];
-    int quiet = 0, require_usable = 0, first = argc, n_models = 0;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0 && i + 1 < argc) {
-            json_path = argv[++i];
-        } else if (strcmp(argv[i], "--ref") == 0 && i + 1 < argc) {
-            ref_path = argv[++i];
-        } else if (strcmp(argv[i], "--model") == 0 && i + 1 < argc) {
-            if (n_models == 8) {
-                fprintf(stderr, "loom-conformance: at most 8 --model files\n");
-                return 2;
-            }
-            models[n_models++] = argv[++i];
-        } else if (strcmp(argv[i], "--quiet") == 0) {
-            quiet = 1;
-        } else if (strcmp(argv[i], "--require-usable") == 0) {
-            require_usable = 1;
-        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            usage(stdout);
-            return 0;
-        } else if (strcmp(argv[i], "--version") == 0) {
+    int quiet = 0, require_usable = 0, version = 0, n_named = 0;
+    loom_flag_list model_list = {models, 0, 8};
+    const char **named = calloc((size_t)argc + 1, sizeof *named);
+    char model_help[256];
+    snprintf(model_help, sizeof model_help,
+             "also run a model (GGUF file or Hugging Face folder; repeatable)\n"
+             "on each module and on ref: a short prefill and %d greedy steps,\n"
+             "logits compared at each (ops the module lacks run on the CPU)", MODEL_STEPS);
+    const loom_flag flags[] = {
+        {"--json", NULL, LOOM_FLAG_TEXT, &json_path, 0, 0, "FILE",
+         "also write a JSON report to FILE ('-' for stdout)"},
+        {"--ref", NULL, LOOM_FLAG_TEXT, &ref_path, 0, 0, "PATH",
+         "the reference module to compare with (default: the one found)"},
+        {"--model", NULL, LOOM_FLAG_REPEAT, &model_list, 0, 0, "MODEL", model_help},
+        {"--quiet", NULL, LOOM_FLAG_SWITCH, &quiet, 0, 0, NULL,
+         "print only failures, the matrix and the summary"},
+        {"--require-usable", NULL, LOOM_FLAG_SWITCH, &require_usable, 0, 0, NULL,
+         "a module unusable on this machine fails (default: skipped, with\n"
+         "its probe's reason)"},
+        {"--version", NULL, LOOM_FLAG_SWITCH, &version, 0, 0, NULL,
+         "loom's version and backend ABI"},
+    };
+    const loom_command cmd = {
+        .name = "loom-conformance",
+        .synopsis = "[--json FILE] [--ref PATH] [--model MODEL ...] [--quiet]\n"
+                    "                        [--require-usable] [BACKEND.so|NAME ...]\n"
+                    "Checks backend modules against loom's backend ABI and the reference "
+                    "backend.\nWith no BACKEND, checks every usable module found (see `loom "
+                    "backends`). NAME is\na backend name (every variant: `cpu`) or NAME-VARIANT "
+                    "(`cpu-avx2`).",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = named,
+        .max_positional = argc, .n_positional = &n_named,
+        .epilogue = "Exit status: 0 when every module checked passes (and at least one was "
+                    "checked),\n1 when a check fails or nothing could be checked, 2 on a usage "
+                    "error."};
+    int parsed = named ? loom_args_parse(&cmd, argc - 1, argv + 1) : 2;
+    if (parsed || version) {
+        if (version)
             printf("loom-conformance (loom) %s\nbackend ABI %d.%d\n", loom_version(),
                    LOOM_BACKEND_ABI_MAJOR, LOOM_BACKEND_ABI_MINOR);
-            return 0;
-        } else if (argv[i][0] == '-') {
-            fprintf(stderr, "loom-conformance: unknown option '%s'\n", argv[i]);
-            usage(stderr);
-            return 2;
-        } else {
-            first = i;
-            break;
-        }
+        free(named);
+        return parsed == 1 ? 0 : parsed;
     }
+    int n_models = model_list.n;
 
     loom_registry reg;
     char err[4096];
     if (loom_registry_scan(&reg, err, sizeof err) != 0) {
         fprintf(stderr, "loom-conformance: %s\n", err);
+        free(named);
         return 2;
     }
     if (!ref_path) {
@@ -1532,6 +1525,7 @@ int main(int argc, char **argv)
                             "install loom's backends or pass --ref PATH/loom-ref.so\n",
                     reg.search_path);
             loom_registry_free(&reg);
+            free(named);
             return 2;
         }
     }
@@ -1539,10 +1533,10 @@ int main(int argc, char **argv)
     /* the modules to check: paths as given, names resolved through the registry */
     const char **targets = calloc((size_t)(argc + reg.count + 1), sizeof *targets);
     int n_targets = 0;
-    if (first < argc) {
-        for (int i = first; i < argc; i++) {
-            if (strchr(argv[i], '/') || strstr(argv[i], ".so")) {
-                targets[n_targets++] = argv[i];
+    if (n_named > 0) {
+        for (int i = 0; i < n_named; i++) {
+            if (strchr(named[i], '/') || strstr(named[i], ".so")) {
+                targets[n_targets++] = named[i];
                 continue;
             }
             int found = 0;
@@ -1550,15 +1544,16 @@ int main(int argc, char **argv)
                 const loom_candidate *c = &reg.items[k];
                 char full[160];
                 snprintf(full, sizeof full, "%s-%s", c->name, c->variant);
-                if (strcmp(c->name, argv[i]) == 0 || strcmp(full, argv[i]) == 0) {
+                if (strcmp(c->name, named[i]) == 0 || strcmp(full, named[i]) == 0) {
                     targets[n_targets++] = c->path;
                     found = 1;
                 }
             }
             if (!found) {
                 fprintf(stderr, "loom-conformance: no backend named '%s' (see `loom backends`)\n",
-                        argv[i]);
+                        named[i]);
                 free(targets);
+                free(named);
                 loom_registry_free(&reg);
                 return 2;
             }
@@ -1605,6 +1600,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "loom-conformance: no module could be checked on this machine%s\n",
                 outcomes[MODULE_SKIPPED] ? " (every one named is unusable here; see above)" : "");
     free(targets);
+    free(named);
     loom_registry_free(&reg);
     return rc;
 }

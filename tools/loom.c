@@ -79,11 +79,6 @@ static void usage(FILE *out)
 
 /* ---- loom run ------------------------------------------------------------------------------ */
 
-static int parse_long(const char *flag, const char *v, long lo, long hi, long *out)
-{
-    return loom_arg_long("loom", flag, v, lo, hi, out);
-}
-
 typedef struct run_output {
     int json;
     cJSON *ids;
@@ -114,56 +109,37 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
     return 0;
 }
 
-static void run_usage(FILE *out)
-{
-    loom_sampling defaults = loom_sampling_defaults();
-    fprintf(out,
-            "usage: loom run -m MODEL.gguf (-p PROMPT | --prompt-ids 1,2,3) [options]\n"
-            "  -n N                    tokens to generate (default 128; stops early at EOS)\n");
-    loom_arg_sampling_usage(out, &defaults);
-    fprintf(out,
-            "  -c N                    context length (default: the model's, up to 4096)\n"
-            "  --kv-type f16|f32|q8_0  KV cache precision (default f16)\n"
-            "  --threads N             CPU backend threads\n"
-            "  --json                  print one JSON object: ids, text, timings\n"
-            "  --dump-logits FILE      write the last prompt position's logits (float32 LE)\n");
-}
-
 static int cmd_run(int argc, char **argv)
 {
     const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *dump = NULL, *kv = NULL;
     long n_predict = 128, n_ctx = 0, threads = 0;
-    int sampling;
     int json = 0;
     loom_sampling s = loom_sampling_defaults();
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
-        int takes = 1;
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = val;
-        else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) prompt = val;
-        else if (!strcmp(a, "--prompt-ids")) prompt_ids = val;
-        else if (!strcmp(a, "--dump-logits")) dump = val;
-        else if (!strcmp(a, "--kv-type")) kv = val;
-        else if (!strcmp(a, "-n")) { if (parse_long(a, val, 0, 1 << 20, &n_predict)) return 2; }
-        else if (!strcmp(a, "-c")) { if (parse_long(a, val, 1, 1 << 20, &n_ctx)) return 2; }
-        else if (!strcmp(a, "--threads")) { if (parse_long(a, val, 1, 1024, &threads)) return 2; }
-        else if ((sampling = loom_arg_sampling("loom run", a, val, &s)) != 0) { if (sampling < 0) return 2; }
-        else if (!strcmp(a, "--json")) { json = 1; takes = 0; }
-        else if (!strcmp(a, "--help") || !strcmp(a, "-h")) { run_usage(stdout); return 0; }
-        else {
-            fprintf(stderr, "loom run: unknown option '%s'\n", a);
-            run_usage(stderr);
-            return 2;
-        }
-        if (takes && !val) {
-            fprintf(stderr, "loom run: %s needs a value\n", a);
-            return 2;
-        }
-        i += takes;
-    }
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&model),
+        {"-p", "--prompt", LOOM_FLAG_TEXT, &prompt, 0, 0, "TEXT", "the prompt"},
+        {"--prompt-ids", NULL, LOOM_FLAG_TEXT, &prompt_ids, 0, 0, "1,2,3",
+         "the prompt as token ids instead"},
+        {"-n", NULL, LOOM_FLAG_LONG, &n_predict, 0, 1 << 20, "N",
+         "tokens to generate (default 128; stops early at EOS)"},
+        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 1, 1 << 20, "N",
+         "context length (default: the model's, up to 4096)"},
+        LOOM_FLAG_KV_TYPE(&kv),
+        LOOM_FLAG_THREADS(&threads),
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
+         "print one JSON object: ids, text, timings"},
+        {"--dump-logits", NULL, LOOM_FLAG_TEXT, &dump, 0, 0, "FILE",
+         "write the last prompt position's logits (float32 LE)"},
+    };
+    const loom_command cmd = {.name = "loom run",
+                              .synopsis = "-m MODEL (-p PROMPT | --prompt-ids 1,2,3) [options]",
+                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .sampling = &s};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!model || (!prompt && !prompt_ids) || (prompt && prompt_ids)) {
         fprintf(stderr, "loom run: give -m MODEL and one of -p PROMPT or --prompt-ids LIST\n");
-        run_usage(stderr);
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
     char err[4096];
@@ -256,46 +232,32 @@ static int cmd_run(int argc, char **argv)
     return rc == 0 ? 0 : 1;
 }
 
-static void convert_usage(FILE *f)
-{
-    fprintf(f, "usage: loom convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
-               "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
-               "          (6B, 2, 3) or GLM-4\n"
-               "  TYPE: auto (each matrix as stored), or every matrix one type: f32, f16,\n"
-               "        bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q6_k; or a\n"
-               "        llama.cpp mix: q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,\n"
-               "        q5_k_s, q5_k_m\n"
-               "  --quiet: no progress (a bar on a terminal, one line in a log)\n");
-}
-
 static int cmd_convert(int argc, char **argv)
 {
     const char *dir = NULL, *out = NULL, *type = "auto";
     int quiet = 0;
-    for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            convert_usage(stdout);
-            return 0;
-        }
-        if ((!strcmp(argv[i], "-o") || !strcmp(argv[i], "--type")) && i + 1 >= argc) {
-            fprintf(stderr, "loom convert: %s needs a value\n", argv[i]);
-            return 2;
-        }
-        if (!strcmp(argv[i], "--quiet"))
-            quiet = 1;
-        else if (!strcmp(argv[i], "-o"))
-            out = argv[++i];
-        else if (!strcmp(argv[i], "--type"))
-            type = argv[++i];
-        else if (argv[i][0] == '-' || dir) {
-            fprintf(stderr, "loom convert: unexpected argument '%s'\n", argv[i]);
-            dir = NULL;
-            break;
-        } else
-            dir = argv[i];
-    }
+    const loom_flag flags[] = {
+        {"-o", NULL, LOOM_FLAG_TEXT, &out, 0, 0, "OUT.gguf", "the GGUF file to write"},
+        {"--type", NULL, LOOM_FLAG_TEXT, &type, 0, 0, "TYPE",
+         "auto (each matrix as stored), or every matrix one type: f32, f16,\n"
+         "bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, iq4_xs, q6_k; or a\n"
+         "llama.cpp mix: q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m,\n"
+         "q5_k_s, q5_k_m"},
+        {"--quiet", NULL, LOOM_FLAG_SWITCH, &quiet, 0, 0, NULL,
+         "no progress (a bar on a terminal, one line in a log)"},
+    };
+    const loom_command cmd = {
+        .name = "loom convert",
+        .synopsis = "HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
+                    "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
+                    "          (6B, 2, 3) or GLM-4",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = &dir, .max_positional = 1};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!dir || !out) {
-        convert_usage(stderr);
+        fprintf(stderr, "loom convert: give the folder and -o OUT.gguf\n");
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
     char err[4096];
@@ -310,43 +272,38 @@ static int cmd_convert(int argc, char **argv)
 
 /* ---- loom tokenize / detokenize -------------------------------------------------------------- */
 
-static void tokenize_usage(FILE *f)
-{
-    fprintf(f, "usage: loom tokenize -m MODEL [--json] [--no-special | --all-special] [--count] "
-               "(TEXT | -f FILE)\n");
-}
-
 static int cmd_tokenize(int argc, char **argv)
 {
     const char *model = NULL, *text = NULL, *file = NULL;
-    int json = 0, special = LOOM_SPECIAL_TEXT, count = 0;
-    for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            tokenize_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(argv[i], "-m") && i + 1 < argc)
-            model = argv[++i];
-        else if (!strcmp(argv[i], "-f") && i + 1 < argc)
-            file = argv[++i];
-        else if (!strcmp(argv[i], "--json"))
-            json = 1;
-        else if (!strcmp(argv[i], "--no-special"))
-            special = LOOM_SPECIAL_NONE;
-        else if (!strcmp(argv[i], "--all-special"))
-            special = LOOM_SPECIAL_ALL;
-        else if (!strcmp(argv[i], "--count"))
-            count = 1;
-        else if ((argv[i][0] == '-' && argv[i][1]) || text) {
-            fprintf(stderr, "loom tokenize: unexpected argument '%s'\n", argv[i]);
-            return 2;
-        } else
-            text = argv[i];
-    }
-    if (!model || !text == !file) {
-        tokenize_usage(stderr);
+    int json = 0, count = 0, no_special = 0, all_special = 0;
+    const loom_flag flags[] = {
+        {"-m", "--model", LOOM_FLAG_TEXT, &model, 0, 0, "MODEL",
+         "a GGUF file, a Hugging Face folder or a tokenizer file"},
+        {"-f", NULL, LOOM_FLAG_TEXT, &file, 0, 0, "FILE", "the text from a file (- : stdin)"},
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "the ids as a JSON array"},
+        {"--no-special", NULL, LOOM_FLAG_SWITCH, &no_special, 0, 0, NULL,
+         "no BOS, and \"<s>\" and the like read as plain characters"},
+        {"--all-special", NULL, LOOM_FLAG_SWITCH, &all_special, 0, 0, NULL,
+         "a rendered chat prompt: every special token's text is the token"},
+        {"--count", NULL, LOOM_FLAG_SWITCH, &count, 0, 0, NULL,
+         "only the number of bytes and tokens, and the time taken"},
+    };
+    const loom_command cmd = {.name = "loom tokenize",
+                              .synopsis = "-m MODEL [options] (TEXT | -f FILE)", .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags), .positional = &text,
+                              .max_positional = 1};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
+    if (!model || !text == !file || (no_special && all_special)) {
+        fprintf(stderr, "loom tokenize: give -m MODEL, one of TEXT and -f FILE, and at most one "
+                        "of --no-special and --all-special\n");
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
+    int special = no_special    ? LOOM_SPECIAL_NONE
+                  : all_special ? LOOM_SPECIAL_ALL
+                                : LOOM_SPECIAL_TEXT;
     char *owned = NULL;
     size_t len;
     if (file && !(text = owned = loom_arg_text_file("loom tokenize", "-f", file, &len)))
@@ -386,33 +343,38 @@ static int cmd_tokenize(int argc, char **argv)
 static int cmd_detokenize(int argc, char **argv)
 {
     const char *model = NULL;
-    int first = argc;
-    for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            printf("usage: loom detokenize -m MODEL ID [ID ...] (or one comma-separated list)\n");
-            return 0;
-        }
-        if (!strcmp(argv[i], "-m") && i + 1 < argc) {
-            model = argv[++i];
-        } else {
-            first = i;
-            break;
-        }
+    const char **ids = calloc((size_t)argc + 1, sizeof *ids);
+    int n_ids = 0;
+    const loom_flag flags[] = {
+        {"-m", "--model", LOOM_FLAG_TEXT, &model, 0, 0, "MODEL",
+         "a GGUF file, a Hugging Face folder or a tokenizer file"},
+    };
+    const loom_command cmd = {.name = "loom detokenize",
+                              .synopsis = "-m MODEL ID [ID ...] (or one comma-separated list)",
+                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = ids,
+                              .max_positional = argc, .n_positional = &n_ids};
+    int parsed = ids ? loom_args_parse(&cmd, argc, argv) : 2;
+    if (parsed) {
+        free(ids);
+        return parsed == 1 ? 0 : parsed;
     }
-    if (!model || first >= argc) {
-        fprintf(stderr, "usage: loom detokenize -m MODEL ID [ID ...] (or one comma-separated list)\n");
+    if (!model || n_ids == 0) {
+        fprintf(stderr, "loom detokenize: give -m MODEL and the ids\n");
+        loom_args_usage(&cmd, stderr);
+        free(ids);
         return 2;
     }
     char err[4096];
     loom_vocab *v = loom_vocab_open(model, err, sizeof err);
     if (!v) {
         fprintf(stderr, "loom detokenize: %s\n", err);
+        free(ids);
         return 2;
     }
     int32_t prev = -1;
     int rc = 0;
-    for (int i = first; i < argc && !rc; i++)
-        for (const char *p = argv[i]; *p && !rc;) {
+    for (int i = 0; i < n_ids && !rc; i++)
+        for (const char *p = ids[i]; *p && !rc;) {
             char *end;
             long id = strtol(p, &end, 10);
             char piece[512];
@@ -430,52 +392,46 @@ static int cmd_detokenize(int argc, char **argv)
     if (!rc)
         printf("\n");
     loom_vocab_close(v);
+    free(ids);
     return rc;
-}
-
-static void quantize_usage(FILE *f)
-{
-    fprintf(f, "usage: loom quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
-               "  TYPE: %s\n"
-               "  each as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
-               "  more bits for some attn_v / ffn_down layers in the _m and _l mixes);\n"
-               "  --pure: every matrix TYPE's base type\n", loom_quantize_types());
 }
 
 static int cmd_quantize(int argc, char **argv)
 {
-    const char *files[2] = {NULL, NULL}, *type = NULL;
-    int n_files = 0, bad = 0, flags = 0, quiet = 0;
-    for (int i = 0; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            quantize_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(argv[i], "--type") && i + 1 < argc)
-            type = argv[++i];
-        else if (!strcmp(argv[i], "--pure"))
-            flags |= LOOM_QUANTIZE_PURE;
-        else if (!strcmp(argv[i], "--quiet"))
-            quiet = 1;
-        else if (argv[i][0] == '-' && argv[i][1])
-            bad = 1;
-        else if (n_files < 2)
-            files[n_files++] = argv[i];
-        else if (!type)
-            type = argv[i]; /* the older form: IN OUT TYPE */
-        else
-            bad = 1;
-    }
-    if (bad || n_files != 2 || !type) {
-        quantize_usage(stderr);
+    const char *files[3] = {NULL, NULL, NULL}, *type = NULL;
+    int n_files = 0, pure = 0, quiet = 0;
+    char type_help[1024];
+    snprintf(type_help, sizeof type_help,
+             "%s\neach as llama.cpp's quantizer mixes it (the output tensor q6_K, and\n"
+             "more bits for some attn_v / ffn_down layers in the _m and _l mixes)",
+             loom_quantize_types());
+    const loom_flag flags[] = {
+        {"--type", NULL, LOOM_FLAG_TEXT, &type, 0, 0, "TYPE", type_help},
+        {"--pure", NULL, LOOM_FLAG_SWITCH, &pure, 0, 0, NULL, "every matrix TYPE's base type"},
+        {"--quiet", NULL, LOOM_FLAG_SWITCH, &quiet, 0, 0, NULL, "no progress"},
+    };
+    /* a third positional is the older form's type: IN OUT TYPE */
+    const loom_command cmd = {.name = "loom quantize",
+                              .synopsis = "IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]",
+                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = files,
+                              .max_positional = 3, .n_positional = &n_files};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
+    if (n_files == 3 && !type)
+        type = files[2];
+    if (n_files < 2 || (n_files == 3 && type != files[2]) || !type) {
+        fprintf(stderr, "loom quantize: give IN.gguf, OUT.gguf and --type TYPE\n");
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
+    int how = pure ? LOOM_QUANTIZE_PURE : 0;
     if (strcmp(files[0], files[1]) == 0) {
         fprintf(stderr, "loom quantize: the output would overwrite the input; choose another name\n");
         return 2;
     }
     char err[4096];
-    if (loom_quantize_opts(files[0], files[1], type, flags, quiet ? NULL : loom_progress_stderr,
+    if (loom_quantize_opts(files[0], files[1], type, how, quiet ? NULL : loom_progress_stderr,
                            "quantizing", err, sizeof err) != 0) {
         fprintf(stderr, "\nloom quantize: %s\n", err);
         return 2;
@@ -549,20 +505,18 @@ static int cmd_verify(int argc, char **argv)
 static int cmd_backends(int argc, char **argv)
 {
     int json = 0;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--json") == 0) {
-            json = 1;
-        } else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            printf("usage: loom backends [--json]\n"
-                   "  every backend module found, whether it is usable here, and which one a run\n"
-                   "  would choose and why (LOOM_BACKEND, LOOM_CPU_VARIANT, the probes' scores)\n");
-            return 0;
-        } else {
-            fprintf(stderr, "loom backends: unknown argument '%s' (the only option is --json)\n",
-                    argv[i]);
-            return 2;
-        }
-    }
+    const loom_flag flags[] = {
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "the report as JSON"},
+    };
+    const loom_command cmd = {
+        .name = "loom backends",
+        .synopsis = "[--json]\n"
+                    "  every backend module found, whether it is usable here, and which one a run\n"
+                    "  would choose and why (LOOM_BACKEND, LOOM_CPU_VARIANT, the probes' scores)",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     char err[4096];
     if (loom_backends_report(stdout, json, err, sizeof err) != 0) {
         fprintf(stderr, "loom: %s\n", err);

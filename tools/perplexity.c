@@ -47,28 +47,6 @@ typedef struct ppl_args {
     int json, quiet;
 } ppl_args;
 
-static void usage(FILE *out)
-{
-    fprintf(out,
-            "usage: loom perplexity -m MODEL -f TEXT [-c 512] [--chunks N] [--json]\n"
-            "                       [--save-logits FILE | --kl-base FILE] [--backends LIST]\n"
-            "  -f TEXT            the text to score (a file; '-' reads standard input); it must\n"
-            "                     hold at least 2 x CTX tokens\n"
-            "  -c CTX             tokens per chunk (default 512); each chunk's second half is scored\n"
-            "  --chunks N         score only the first N chunks (default: all the text holds)\n"
-            "  --save-logits FILE keep this run's top-K logits per scored position: the base\n"
-            "  --kl-top K         K for --save-logits (default %d; a K as large as the\n"
-            "                     vocabulary makes the KL divergence exact, at 8 x K bytes a position)\n"
-            "  --kl-base FILE     compare with a base run saved so: KL divergence, same top token,\n"
-            "                     probability of the base's top token, PPL ratio\n"
-            "  --backends LIST    all, or comma-separated names: each in its own process, one table\n"
-            "  --backend NAME     run on this backend (as LOOM_BACKEND)\n"
-            "  --kv-type f16|f32|q8_0  --threads N  --quiet (no running estimate)\n"
-            "The method is llama.cpp's llama-perplexity's; the same file and text give the same\n"
-            "figure within float noise.\n",
-            DEFAULT_KL_TOP);
-}
-
 /* ---- The base run's logits ---------------------------------------------------------------- */
 
 typedef struct kld_header {
@@ -471,36 +449,49 @@ int loom_perplexity_main(int argc, char **argv, const char *self);
 int loom_perplexity_main(int argc, char **argv, const char *self)
 {
     ppl_args a = {.ctx = 512, .kl_top = DEFAULT_KL_TOP};
-    for (int i = 0; i < argc; i++) {
-        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(f, "--json")) { a.json = 1; continue; }
-        if (!strcmp(f, "--quiet")) { a.quiet = 1; continue; }
-        if (!strcmp(f, "--help") || !strcmp(f, "-h")) { usage(stdout); return 0; }
-        i++;
-        if (!strcmp(f, "-m")) a.model = v;
-        else if (!strcmp(f, "-f")) a.text = v;
-        else if (!strcmp(f, "--save-logits")) a.save = v;
-        else if (!strcmp(f, "--kl-base")) a.base = v;
-        else if (!strcmp(f, "--backends")) a.backends = v;
-        else if (!strcmp(f, "--backend")) a.backend = v;
-        else if (!strcmp(f, "--kv-type")) a.kv = v;
-        else if (!strcmp(f, "-c")) { if (loom_arg_long("loom perplexity", f, v, 4, 1 << 20, &a.ctx)) return 2; }
-        else if (!strcmp(f, "--kl-top")) { if (loom_arg_long("loom perplexity", f, v, 1, 1 << 24, &a.kl_top)) return 2; }
-        else if (!strcmp(f, "--chunks")) { if (loom_arg_long("loom perplexity", f, v, 0, 1 << 30, &a.chunks)) return 2; }
-        else if (!strcmp(f, "--threads")) { if (loom_arg_long("loom perplexity", f, v, 1, 1024, &a.threads)) return 2; }
-        else {
-            fprintf(stderr, "loom perplexity: unknown option '%s'\n", f);
-            usage(stderr);
-            return 2;
-        }
-        if (!v) {
-            fprintf(stderr, "loom perplexity: %s needs a value\n", f);
-            return 2;
-        }
-    }
+    char kl_top_help[256];
+    snprintf(kl_top_help, sizeof kl_top_help,
+             "K for --save-logits (default %d; a K as large as the\n"
+             "vocabulary makes the KL divergence exact, at 8 x K bytes a position)",
+             DEFAULT_KL_TOP);
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&a.model),
+        {"-f", NULL, LOOM_FLAG_TEXT, &a.text, 0, 0, "TEXT",
+         "the text to score (a file; '-' reads standard input); it must\n"
+         "hold at least 2 x CTX tokens"},
+        {"-c", NULL, LOOM_FLAG_LONG, &a.ctx, 4, 1 << 20, "CTX",
+         "tokens per chunk (default 512); each chunk's second half is scored"},
+        {"--chunks", NULL, LOOM_FLAG_LONG, &a.chunks, 0, 1 << 30, "N",
+         "score only the first N chunks (default: all the text holds)"},
+        {"--save-logits", NULL, LOOM_FLAG_TEXT, &a.save, 0, 0, "FILE",
+         "keep this run's top-K logits per scored position: the base"},
+        {"--kl-top", NULL, LOOM_FLAG_LONG, &a.kl_top, 1, 1 << 24, "K", kl_top_help},
+        {"--kl-base", NULL, LOOM_FLAG_TEXT, &a.base, 0, 0, "FILE",
+         "compare with a base run saved so: KL divergence, same top token,\n"
+         "probability of the base's top token, PPL ratio"},
+        {"--backends", NULL, LOOM_FLAG_TEXT, &a.backends, 0, 0, "LIST",
+         "all, or comma-separated names: each in its own process, one table"},
+        {"--backend", NULL, LOOM_FLAG_TEXT, &a.backend, 0, 0, "NAME",
+         "run on this backend (as LOOM_BACKEND)"},
+        LOOM_FLAG_KV_TYPE(&a.kv),
+        LOOM_FLAG_THREADS(&a.threads),
+        {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON object"},
+        {"--quiet", NULL, LOOM_FLAG_SWITCH, &a.quiet, 0, 0, NULL, "no running estimate"},
+    };
+    const loom_command cmd = {
+        .name = "loom perplexity",
+        .synopsis = "-m MODEL -f TEXT [-c 512] [--chunks N] [--json]\n"
+                    "                       [--save-logits FILE | --kl-base FILE] "
+                    "[--backends LIST]",
+        .flags = flags, .n_flags = LOOM_N_FLAGS(flags),
+        .epilogue = "The method is llama.cpp's llama-perplexity's; the same file and text give "
+                    "the same\nfigure within float noise."};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!a.model || !a.text) {
         fprintf(stderr, "loom perplexity: give -m MODEL and -f TEXT\n");
-        usage(stderr);
+        loom_args_usage(&cmd, stderr);
         return 2;
     }
     if (a.save && a.base)

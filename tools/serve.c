@@ -746,46 +746,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-static void serve_usage(FILE *out)
-{
-    loom_sampling defaults = openai_default_sampling();
-    fprintf(out,
-            "usage: loom serve -m MODEL [options]\n"
-            "  --host ADDR             address to listen on (default 127.0.0.1)\n"
-            "  --port N                port (default 8080; 0 picks a free one)\n"
-            "  --api-key-file FILE     require 'Authorization: Bearer KEY' on /v1/*, KEY being the\n"
-            "                          file's first line (or set LOOM_API_KEY; --api-key KEY also\n"
-            "                          works, but shows the key to anyone who can run ps)\n"
-            "  --metrics-auth          /metrics wants the key too\n"
-            "  --model-name NAME       the model id clients send (default: the file's name)\n"
-            "  --max-batch N           sequences run together (default 16)\n"
-            "  --max-tokens-per-step N tokens in one forward pass (default 256)\n"
-            "  -c N                    context length per request (default: the model's, up to 4096)\n"
-            "  --kv-blocks N           KV cache blocks shared by all requests (default: enough for\n"
-            "                          max-batch sequences of 1024 tokens, at least one context)\n"
-            "  --block-size N          tokens per KV block (default 16)\n"
-            "  --kv-type f16|q8_0|f32  KV cache precision (default f16)\n"
-            "  --chat-template NAME    override the model's chat template\n"
-            "  --threads N             CPU backend threads\n"
-            "  --max-body BYTES        largest request body accepted (default 1048576)\n"
-            "  --shutdown-timeout S    on SIGTERM, let running requests finish this long (default 10);\n"
-            "                          meanwhile new requests get 503 with Retry-After\n"
-            "  --parse-special         special tokens written in messages or prompts ('<|im_start|>')\n"
-            "                          are parsed as such (default: plain text; only the chat\n"
-            "                          template's own are special). For trusted clients only.\n"
-            "  --prefix-cache shared|per-user\n"
-            "                          share cached prompt prefixes between all requests (default),\n"
-            "                          or only between requests with the same 'user' field, so that\n"
-            "                          cache hits tell no client about another's prompts\n"
-            "  --max-connections N     open connections in all (default 512)\n"
-            "  --max-connections-per-client N\n"
-            "                          open connections from one address (default 64)\n"
-            "  --idle-timeout S        close a connection idle this long, headers or body half sent\n"
-            "                          included (default 30)\n"
-            "sampling, for the fields a request leaves out (OpenAI's defaults unless set here):\n");
-    loom_arg_sampling_usage(out, &defaults);
-}
-
 /* The key is the file's first line (a trailing newline, and CR, dropped). */
 static int read_key_file(const char *path, char *key, size_t cap)
 {
@@ -813,11 +773,6 @@ static int valid_key(const char *key)
     return n >= 1 && n <= 1024;
 }
 
-static int parse_int(const char *flag, const char *v, long lo, long hi, long *out)
-{
-    return loom_arg_long("loom serve", flag, v, lo, hi, out);
-}
-
 int loom_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *host = "127.0.0.1", *api_key = NULL, *name = NULL, *kv = NULL,
@@ -827,60 +782,67 @@ int loom_serve_main(int argc, char **argv)
          idle_s = 30;
     int metrics_auth = 0, parse_special = 0;
     loom_sampling sampling = openai_default_sampling();
-    for (int i = 0; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0, is_sampling;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            serve_usage(stdout);
-            return 0;
-        }
-        if (!strcmp(a, "--metrics-auth") || !strcmp(a, "--parse-special")) { /* flags */
-            metrics_auth |= !strcmp(a, "--metrics-auth");
-            parse_special |= !strcmp(a, "--parse-special");
-            continue;
-        }
-        if (!v) {
-            fprintf(stderr, "loom serve: %s needs a value (or is unknown)\n", a);
-            serve_usage(stderr);
-            return 2;
-        }
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) model = v;
-        else if ((is_sampling = loom_arg_sampling("loom serve", a, v, &sampling)) != 0)
-            bad = is_sampling < 0;
-        else if (!strcmp(a, "--host")) host = v;
-        else if (!strcmp(a, "--api-key")) api_key = v;
-        else if (!strcmp(a, "--api-key-file")) key_file = v;
-        else if (!strcmp(a, "--prefix-cache")) prefix_cache = v;
-        else if (!strcmp(a, "--max-connections")) bad = parse_int(a, v, 1, 1 << 20, &max_conn);
-        else if (!strcmp(a, "--max-connections-per-client")) bad = parse_int(a, v, 1, 1 << 20, &max_per_client);
-        else if (!strcmp(a, "--idle-timeout")) bad = parse_int(a, v, 1, 86400, &idle_s);
-        else if (!strcmp(a, "--model-name")) name = v;
-        else if (!strcmp(a, "--kv-type")) kv = v;
-        else if (!strcmp(a, "--chat-template")) tmpl = v;
-        else if (!strcmp(a, "--port")) bad = parse_int(a, v, 0, 65535, &port);
-        else if (!strcmp(a, "--max-batch")) bad = parse_int(a, v, 1, 4096, &max_batch);
-        else if (!strcmp(a, "--max-tokens-per-step")) bad = parse_int(a, v, 1, 1 << 20, &max_step);
-        else if (!strcmp(a, "-c")) bad = parse_int(a, v, 2, 1 << 20, &n_ctx);
-        else if (!strcmp(a, "--kv-blocks")) bad = parse_int(a, v, 1, 1 << 26, &kv_blocks);
-        else if (!strcmp(a, "--block-size")) bad = parse_int(a, v, 1, 4096, &block);
-        else if (!strcmp(a, "--threads")) bad = parse_int(a, v, 1, 1024, &threads);
-        else if (!strcmp(a, "--max-body")) bad = parse_int(a, v, 1024, 1L << 30, &max_body);
-        else if (!strcmp(a, "--shutdown-timeout")) bad = parse_int(a, v, 0, 3600, &drain_s);
-        else {
-            fprintf(stderr, "loom serve: unknown option '%s'\n", a);
-            serve_usage(stderr);
-            return 2;
-        }
-        if (bad)
-            return 2;
-        i++;
-    }
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&model),
+        {"--host", NULL, LOOM_FLAG_TEXT, &host, 0, 0, "ADDR",
+         "address to listen on (default 127.0.0.1)"},
+        {"--port", NULL, LOOM_FLAG_LONG, &port, 0, 65535, "N",
+         "port (default 8080; 0 picks a free one)"},
+        {"--api-key-file", NULL, LOOM_FLAG_TEXT, &key_file, 0, 0, "FILE",
+         "require 'Authorization: Bearer KEY' on /v1/*, KEY being the\n"
+         "file's first line (or set LOOM_API_KEY)"},
+        {"--api-key", NULL, LOOM_FLAG_TEXT, &api_key, 0, 0, "KEY",
+         "the key itself: works, but shows it to anyone who can run ps"},
+        {"--metrics-auth", NULL, LOOM_FLAG_SWITCH, &metrics_auth, 0, 0, NULL,
+         "/metrics wants the key too"},
+        {"--model-name", NULL, LOOM_FLAG_TEXT, &name, 0, 0, "NAME",
+         "the model id clients send (default: the file's name)"},
+        {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
+         "sequences run together (default 16)"},
+        {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
+         "tokens in one forward pass (default 256)"},
+        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 2, 1 << 20, "N",
+         "context length per request (default: the model's, up to 4096)"},
+        {"--kv-blocks", NULL, LOOM_FLAG_LONG, &kv_blocks, 1, 1 << 26, "N",
+         "KV cache blocks shared by all requests (default: enough for\n"
+         "max-batch sequences of 1024 tokens, at least one context)"},
+        {"--block-size", NULL, LOOM_FLAG_LONG, &block, 1, 4096, "N",
+         "tokens per KV block (default 16)"},
+        LOOM_FLAG_KV_TYPE(&kv),
+        {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME",
+         "override the model's chat template"},
+        LOOM_FLAG_THREADS(&threads),
+        {"--max-body", NULL, LOOM_FLAG_LONG, &max_body, 1024, 1L << 30, "BYTES",
+         "largest request body accepted (default 1048576)"},
+        {"--shutdown-timeout", NULL, LOOM_FLAG_LONG, &drain_s, 0, 3600, "S",
+         "on SIGTERM, let running requests finish this long (default 10);\n"
+         "meanwhile new requests get 503 with Retry-After"},
+        {"--parse-special", NULL, LOOM_FLAG_SWITCH, &parse_special, 0, 0, NULL,
+         "special tokens written in messages or prompts ('<|im_start|>')\n"
+         "are parsed as such (default: plain text; only the chat\n"
+         "template's own are special). For trusted clients only."},
+        {"--prefix-cache", NULL, LOOM_FLAG_CHOICE, &prefix_cache, 0, 0, "shared|per-user",
+         "share cached prompt prefixes between all requests (default),\n"
+         "or only between requests with the same 'user' field, so that\n"
+         "cache hits tell no client about another's prompts"},
+        {"--max-connections", NULL, LOOM_FLAG_LONG, &max_conn, 1, 1 << 20, "N",
+         "open connections in all (default 512)"},
+        {"--max-connections-per-client", NULL, LOOM_FLAG_LONG, &max_per_client, 1, 1 << 20, "N",
+         "open connections from one address (default 64)"},
+        {"--idle-timeout", NULL, LOOM_FLAG_LONG, &idle_s, 1, 86400, "S",
+         "close a connection idle this long, headers or body half sent\n"
+         "included (default 30)"},
+    };
+    const loom_command cmd = {
+        .name = "loom serve", .synopsis = "-m MODEL [options]", .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags), .sampling = &sampling,
+        .sampling_title = "sampling, for the fields a request leaves out (OpenAI's defaults "
+                          "unless set here):"};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
     if (!model) {
         fprintf(stderr, "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
-        return 2;
-    }
-    if (strcmp(prefix_cache, "shared") && strcmp(prefix_cache, "per-user")) {
-        fprintf(stderr, "loom serve: --prefix-cache is shared or per-user, not '%s'\n", prefix_cache);
         return 2;
     }
     char key_buf[4096];
