@@ -16,7 +16,9 @@
 #include <string.h>
 #include <time.h>
 
-int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out)
+/* 0 with *out set, or -1 after printing the error to stderr (v may be NULL: missing). */
+static int arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi,
+                    long *out)
 {
     char *end;
     errno = 0;
@@ -27,6 +29,20 @@ int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, lon
         return -1;
     }
     *out = x;
+    return 0;
+}
+
+static int arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
+                     float *out)
+{
+    char *end;
+    double x = v ? strtod(v, &end) : 0;
+    if (!v || !*v || *end || !isfinite(x) || x < lo || x > hi) {
+        fprintf(stderr, "%s: %s wants a number from %g to %g, not '%s'\n", cmd, flag, lo, hi,
+                v ? v : "(nothing)");
+        return -1;
+    }
+    *out = (float)x;
     return 0;
 }
 
@@ -56,7 +72,9 @@ static const struct sampling_flag {
     {"--seed", NULL, 'u', 0, 0, offsetof(loom_sampling, seed), "reproducible sampling"},
 };
 
-int loom_arg_sampling(const char *cmd, const char *flag, const char *v, loom_sampling *s)
+/* 1 when flag is a sampling flag (value v parsed into *s), 0 when it is not one, -1 after
+ * printing why v is wrong for it. */
+static int arg_sampling(const char *cmd, const char *flag, const char *v, loom_sampling *s)
 {
     for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
         const struct sampling_flag *f = &sampling_flags[i];
@@ -65,8 +83,8 @@ int loom_arg_sampling(const char *cmd, const char *flag, const char *v, loom_sam
         void *field = (char *)s + f->field;
         long x;
         if (f->kind == 'f')
-            return loom_arg_float(cmd, flag, v, f->lo, f->hi, field) ? -1 : 1;
-        if (loom_arg_long(cmd, flag, v, (long)f->lo, f->kind == 'u' ? LONG_MAX : (long)f->hi, &x))
+            return arg_float(cmd, flag, v, f->lo, f->hi, field) ? -1 : 1;
+        if (arg_long(cmd, flag, v, (long)f->lo, f->kind == 'u' ? LONG_MAX : (long)f->hi, &x))
             return -1;
         if (f->kind == 'i')
             *(int32_t *)field = (int32_t)x;
@@ -77,7 +95,8 @@ int loom_arg_sampling(const char *cmd, const char *flag, const char *v, loom_sam
     return 0;
 }
 
-void loom_arg_sampling_usage(FILE *out, const loom_sampling *s)
+/* The sampling flags' usage lines, with the defaults in s. */
+static void sampling_usage(FILE *out, const loom_sampling *s)
 {
     for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
         const struct sampling_flag *f = &sampling_flags[i];
@@ -92,20 +111,6 @@ void loom_arg_sampling_usage(FILE *out, const loom_sampling *s)
             snprintf(def, sizeof def, "%llu", (unsigned long long)*(const uint64_t *)field);
         fprintf(out, "  %-23s %s (default %s)\n", flag, f->help, def);
     }
-}
-
-int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
-                   float *out)
-{
-    char *end;
-    double x = v ? strtod(v, &end) : 0;
-    if (!v || !*v || *end || !isfinite(x) || x < lo || x > hi) {
-        fprintf(stderr, "%s: %s wants a number from %g to %g, not '%s'\n", cmd, flag, lo, hi,
-                v ? v : "(nothing)");
-        return -1;
-    }
-    *out = (float)x;
-    return 0;
 }
 
 char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, size_t *len)
@@ -199,7 +204,7 @@ void loom_args_usage(const loom_command *cmd, FILE *out)
     if (cmd->sampling) {
         if (cmd->sampling_title)
             fprintf(out, "%s\n", cmd->sampling_title);
-        loom_arg_sampling_usage(out, cmd->sampling);
+        sampling_usage(out, cmd->sampling);
     }
     if (cmd->epilogue)
         fprintf(out, "%s\n", cmd->epilogue);
@@ -239,7 +244,7 @@ int loom_args_parse(const loom_command *cmd, int argc, char **argv)
                 f = &cmd->flags[k];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!f && cmd->sampling && a[0] == '-') {
-            int took = loom_arg_sampling(cmd->name, a, v, cmd->sampling);
+            int took = arg_sampling(cmd->name, a, v, cmd->sampling);
             if (took < 0)
                 return 2;
             if (took > 0) {
@@ -285,11 +290,11 @@ int loom_args_parse(const loom_command *cmd, int argc, char **argv)
             break;
         }
         case LOOM_FLAG_LONG:
-            if (loom_arg_long(cmd->name, a, v, (long)f->lo, (long)f->hi, f->dest))
+            if (arg_long(cmd->name, a, v, (long)f->lo, (long)f->hi, f->dest))
                 return 2;
             break;
         case LOOM_FLAG_FLOAT:
-            if (loom_arg_float(cmd->name, a, v, f->lo, f->hi, f->dest))
+            if (arg_float(cmd->name, a, v, f->lo, f->hi, f->dest))
                 return 2;
             break;
         case LOOM_FLAG_SWITCH: break;
@@ -301,25 +306,23 @@ int loom_args_parse(const loom_command *cmd, int argc, char **argv)
 int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
                        const char **path, int *json)
 {
+    char name[64], synopsis[64];
+    snprintf(name, sizeof name, "loom %s", cmd);
+    snprintf(synopsis, sizeof synopsis, "%s [--json]", what);
     *path = NULL;
     *json = 0;
-    for (int i = 0; i < argc; i++) {
-        if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-            printf("usage: loom %s %s [--json]\n", cmd, what);
-            return -1;
-        }
-        if (strcmp(argv[i], "--json") == 0)
-            *json = 1;
-        else if (argv[i][0] == '-' || *path) {
-            fprintf(stderr, "loom %s: unexpected argument '%s' (usage: loom %s %s [--json])\n",
-                    cmd, argv[i], cmd, what);
-            return 2;
-        } else
-            *path = argv[i];
-    }
+    const loom_flag flags[] = {
+        {"--json", NULL, LOOM_FLAG_SWITCH, json, 0, 0, NULL, "the report as JSON"},
+    };
+    const loom_command c = {.name = name, .synopsis = synopsis, .flags = flags,
+                            .n_flags = LOOM_N_FLAGS(flags), .positional = path,
+                            .max_positional = 1};
+    int parsed = loom_args_parse(&c, argc, argv);
+    if (parsed)
+        return parsed == 1 ? -1 : parsed;
     if (!*path) {
-        fprintf(stderr, "loom %s: which %s? (usage: loom %s %s [--json])\n", cmd,
-                strcmp(what, "MODEL") == 0 ? "model" : "file", cmd, what);
+        fprintf(stderr, "%s: which %s? (usage: %s %s)\n", name,
+                strcmp(what, "MODEL") == 0 ? "model" : "file", name, synopsis);
         return 2;
     }
     return 0;

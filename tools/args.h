@@ -9,11 +9,6 @@
 #include <stddef.h>
 #include <stdio.h>
 
-/* 0 with *out set, or -1 after printing the error to stderr (v may be NULL: missing). */
-int loom_arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out);
-int loom_arg_float(const char *cmd, const char *flag, const char *v, double lo, double hi,
-                   float *out);
-
 /* ---- One table-driven parser for the commands' flags -------------------------------------
  * A command lists its flags in a table; loom_args_parse reads argv against it (and against the
  * sampling table, for the commands that generate), and the usage is printed from the same
@@ -72,13 +67,6 @@ typedef struct loom_command {
  * naming the flag and what was wrong, with the usage (exit 2). */
 int loom_args_parse(const loom_command *cmd, int argc, char **argv);
 void loom_args_usage(const loom_command *cmd, FILE *out);
-
-/* ---- Sampling flags: one table for every command that generates (run, chat, serve) ---- */
-/* 1 when flag is a sampling flag (value v parsed into *s), 0 when it is not one, -1 after
- * printing why v is wrong for it. */
-int loom_arg_sampling(const char *cmd, const char *flag, const char *v, struct loom_sampling *s);
-/* Prints the sampling flags' usage lines, with the defaults in s. */
-void loom_arg_sampling_usage(FILE *out, const struct loom_sampling *s);
 
 /* The commands that take one FILE and an optional --json (`loom inspect`, `loom verify`):
  * 0 with *path and *json set; -1 after --help printed the usage (exit 0); or 2 after printing
