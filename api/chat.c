@@ -13,6 +13,8 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include "models/models.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -201,10 +203,12 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, const
             return "chatglm3";
         *recognised = 0; /* a template loom cannot run: fall back, and say so */
     }
-    if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") || !strcmp(arch, "qwen")))
-        return "chatml";
-    if (arch && !strcmp(arch, "chatglm"))
-        return pre && !strcmp(pre, "chatglm-bpe") ? "glm4" : "chatglm3";
+    /* the family's own: models/<family>.c declares it */
+    const loom_family *f = arch ? loom_family_find(arch) : NULL;
+    if (f && f->chat_template_tiktoken && f->tiktoken && pre && !strcmp(pre, f->tiktoken->pre))
+        return f->chat_template_tiktoken;
+    if (f && f->chat_template)
+        return f->chat_template;
     if (!stored)
         *recognised = 0;
     return "llama2";

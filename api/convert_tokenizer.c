@@ -5,7 +5,7 @@
  * and GLM-4's tokenizer.model). docs/gguf.md lists the keys.
  */
 #define _GNU_SOURCE
-#include "convert.h"
+#include "convert_tokenizer.h"
 
 #include "core/tokenizer.h"
 
@@ -34,7 +34,7 @@ static int32_t piece_id(const loom_spm_model *m, const char *piece)
     return -1;
 }
 
-void conv_spm_normalizer(conv *c)
+static void conv_spm_normalizer(conv *c)
 {
     /* what SentencePiece's normaliser does before the model sees the text: its precompiled
      * character map (llama.cpp's key, as for T5), whitespace collapsing and trimming (which
@@ -48,8 +48,11 @@ void conv_spm_normalizer(conv *c)
         loom_gguf_set_bool(c->w, "tokenizer.loom.escape_whitespaces", 0);
 }
 
+/* A SentencePiece model's pieces, then the specials the family appends after them (ChatGLM2/3),
+ * then placeholders up to the embedding's rows. */
 static int tokenizer(conv *c)
 {
+    const loom_hf_specials *sp = c->family ? c->family->spm_specials : NULL;
     char path[4096];
     int ice = is_ice_text(c);
     snprintf(path, sizeof path, "%s/%s", c->dir, ice ? "ice_text.model" : "tokenizer.model");
@@ -61,9 +64,10 @@ static int tokenizer(conv *c)
     if (c->spm.model_type != 1 && c->spm.model_type != 2)
         return conv_fail(c, "%s: a SentencePiece model of type %d; loom runs BPE and unigram ones",
                     path, c->spm.model_type);
-    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size", c->spm.n);
-    if (n_vocab < c->spm.n)
-        n_vocab = c->spm.n;
+    int32_t n_sp = c->spm.n, n_special = sp ? sp->total : 0;
+    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size|padded_vocab_size", n_sp);
+    if (n_vocab < n_sp + n_special)
+        n_vocab = n_sp + n_special;
     /* llama.cpp wants one token per embedding row: pad with unused placeholders */
     const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
     float *scores = calloc((size_t)n_vocab, sizeof *scores);
@@ -71,10 +75,13 @@ static int tokenizer(conv *c)
     char **pads = calloc((size_t)n_vocab, sizeof *pads);
     int rc = tokens && scores && types && pads ? 0 : conv_fail(c, "out of memory");
     for (int32_t i = 0; rc == 0 && i < n_vocab; i++) {
-        if (i < c->spm.n) {
+        if (i < n_sp) {
             tokens[i] = c->spm.pieces[i];
             scores[i] = c->spm.scores[i];
             types[i] = c->spm.types[i];
+        } else if (i < n_sp + n_special && i - n_sp < sp->n_named) {
+            tokens[i] = sp->named[i - n_sp];
+            types[i] = 3;
         } else {
             if (!(pads[i] = loom_strf("[PAD%d]", i)))
                 rc = conv_fail(c, "out of memory");
@@ -101,6 +108,21 @@ static int tokenizer(conv *c)
             loom_gguf_set_u32(c->w, "tokenizer.ggml.gmask_token_id", (uint32_t)(gmask < 0 ? 0 : gmask));
             c->spm.bos_id = sop, c->spm.eos_id = eop;
         }
+        if (sp) {
+            /* the family's specials start and end text: no BOS; EOS as config.json says */
+            int32_t ids[4];
+            for (int i = 0; i < sp->n_prefix; i++)
+                ids[i] = n_sp + sp->prefix[i];
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", ids, (uint64_t)sp->n_prefix);
+            int by_text = sp->text_specials_when &&
+                          loom_hf_true(c->tok_config, sp->text_specials_when);
+            for (int i = 0; i < sp->n_text_specials; i++)
+                ids[i] = n_sp + sp->text_specials[i];
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", ids,
+                                    by_text ? (uint64_t)sp->n_text_specials : 0);
+            c->spm.bos_id = -1;
+            c->spm.eos_id = (int32_t)loom_hf_num(c->config, "eos_token_id", c->spm.eos_id);
+        }
         loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
         loom_gguf_set_f32_array(c->w, "tokenizer.ggml.scores", scores, (uint64_t)n_vocab);
         loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", types, (uint64_t)n_vocab);
@@ -110,11 +132,12 @@ static int tokenizer(conv *c)
         if (c->spm.eos_id >= 0)
             loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)c->spm.eos_id);
         cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
-        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token", ice ? 0 : ab ? cJSON_IsTrue(ab) : 1);
+        loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token",
+                           ice || sp ? 0 : ab ? cJSON_IsTrue(ab) : 1);
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
         /* special tokens declared with lstrip/rstrip false keep the whitespace beside them;
-         * undeclared ones lose it (see core/tokenizer.c) */
-        int strip = 1;
+         * undeclared ones lose it (see core/tokenizer.c); ChatGLM's keep it always */
+        int strip = !sp;
         cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder"), *a;
         cJSON_ArrayForEach(a, added)
             if (cJSON_IsFalse(cJSON_GetObjectItem(a, "lstrip")) &&
@@ -239,7 +262,7 @@ static int tokenizer_bpe(conv *c)
         cJSON_Delete(vocab);
         return conv_fail(c, "%s: %s (a byte-level BPE tokenizer needs its merges)", path, strerror(errno));
     }
-    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size", 0);
+    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
     cJSON *e;
     cJSON_ArrayForEach(e, vocab)
         if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
@@ -253,7 +276,7 @@ static int tokenizer_bpe(conv *c)
     cJSON_ArrayForEach(e, vocab)
         if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
             v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
-    v.eos = (int32_t)conv_num(c->config, "eos_token_id", -1);
+    v.eos = (int32_t)loom_hf_num(c->config, "eos_token_id", -1);
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON *pad_name = cJSON_GetObjectItem(c->tok_config, "pad_token");
     cJSON_ArrayForEach(e, added)
@@ -277,7 +300,7 @@ static int tokenizer_bpe(conv *c)
             rc = bpe_vocab_merge(c, &v, strdup(line));
     }
     fclose(mf);
-    v.bos = (int32_t)conv_num(c->config, "bos_token_id", -1);
+    v.bos = (int32_t)loom_hf_num(c->config, "bos_token_id", -1);
     cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
     if (rc == 0)
         rc = bpe_vocab_write(c, &v, "qwen2", ab && cJSON_IsTrue(ab));
@@ -306,14 +329,14 @@ static int tokenizer_json(conv *c, cJSON *tj)
     if (!pre || !byte_level)
         return conv_fail(c, "%s/tokenizer.json: a pre-tokenizer loom does not know (it knows the "
                        "byte-level ones of Llama-3 and Qwen2)", c->dir);
-    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size", 0);
+    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
     cJSON *e, *added = cJSON_GetObjectItem(tj, "added_tokens");
     cJSON_ArrayForEach(e, vocab)
         if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
             n_vocab = e->valueint + 1;
     cJSON_ArrayForEach(e, added)
-        if ((int)conv_num(e, "id", -1) >= n_vocab)
-            n_vocab = (int)conv_num(e, "id", -1) + 1;
+        if ((int)loom_hf_num(e, "id", -1) >= n_vocab)
+            n_vocab = (int)loom_hf_num(e, "id", -1) + 1;
     bpe_vocab v;
     int rc = bpe_vocab_init(c, &v, n_vocab);
     cJSON_ArrayForEach(e, vocab)
@@ -323,7 +346,7 @@ static int tokenizer_json(conv *c, cJSON *tj)
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON_ArrayForEach(e, added)
     {
-        int id = (int)conv_num(e, "id", -1);
+        int id = (int)loom_hf_num(e, "id", -1);
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || id < 0 || !cJSON_IsString(content))
             continue;
@@ -502,42 +525,9 @@ static int cmp_pair(const void *a, const void *b)
     return x[0] != y[0] ? (x[0] > y[0]) - (x[0] < y[0]) : (x[1] > y[1]) - (x[1] < y[1]);
 }
 
-/* What each family appends after its ranks, and how it starts and ends text. Indexes are
- * among the specials (0 = the first id after the ranks). */
-typedef struct tiktoken_family {
-    const char *pre;              /* tokenizer.ggml.pre */
-    const char *const *named;     /* the first specials, by name */
-    int n_named, total;           /* the rest are filler_fmt with filler_base + their index */
-    const char *filler_fmt;
-    int filler_base;
-    int bos, eos;                 /* -1: none */
-    int stops[3], n_stops;
-    int prefix[2], n_prefix;      /* what every prompt starts with (GLM-4: [gMASK] <sop>) */
-} tiktoken_family;
-
-static const char *const llama3_named[] = {
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-    "<|image|>"};
-static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
-static const char *const glm4_named[] = {
-    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
-    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
-    "<|begin_of_video|>", "<|end_of_video|>"};
-
-/* Llama-3.1 (Meta's tokenizer.py order; stops <|eom_id|>, <|eot_id|>), Qwen v1 (stop
- * <|im_end|>), GLM-4 (stops <|endoftext|>, <|user|>, <|observation|>, as its
- * generation_config.json lists them) */
-static const tiktoken_family llama3_family = {"llama-bpe", llama3_named, 12, 256,
-                                              "<|reserved_special_token_%d|>", 2 - 12, 0, 1,
-                                              {8, 9}, 2, {0}, 0};
-static const tiktoken_family qwen_family = {"qwen2", qwen_named, 3, 3 + 205, "<|extra_%d|>", -3,
-                                            -1, 0, {2}, 1, {0}, 0};
-static const tiktoken_family glm4_family = {"chatglm-bpe", glm4_named, 14, 14, NULL, 0,
-                                            -1, 0, {0, 7, 9}, 3, {2, 4}, 2};
-
-static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, const tiktoken_family *f)
+/* The family's specials after the ranks (first = their count), and the ids it starts and ends
+ * text with. */
+static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, const loom_hf_specials *f)
 {
     for (int i = 0; i < f->total && first + i < v->n; i++) {
         int32_t id = first + i;
@@ -562,7 +552,7 @@ static int tiktoken_specials(conv *c, bpe_vocab *v, int32_t first, const tiktoke
     return 0;
 }
 
-static int tokenizer_tiktoken(conv *c, const char *path, const tiktoken_family *f)
+static int tokenizer_tiktoken(conv *c, const char *path, const loom_hf_specials *f)
 {
     rank_table t;
     if (read_ranks(c, path, &t) != 0) {
@@ -570,8 +560,7 @@ static int tokenizer_tiktoken(conv *c, const char *path, const tiktoken_family *
         return -1;
     }
     /* ChatGLM configs call it padded_vocab_size */
-    int32_t n_vocab = (int32_t)conv_num(c->config, "vocab_size",
-                                        conv_num(c->config, "padded_vocab_size", 0));
+    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size|padded_vocab_size", 0);
     int32_t want = t.n + f->total;
     if (n_vocab < want)
         n_vocab = want;
@@ -612,11 +601,13 @@ static int tokenizer_tiktoken(conv *c, const char *path, const tiktoken_family *
     return rc;
 }
 
-int conv_is_tiktoken_dir(const conv *c)
+/* What a tiktoken vocabulary appends: the family's list, or (a folder of a family that
+ * declares none, or a tokenizer without its model) the named family's. */
+static const loom_hf_specials *tiktoken_specials_of(const conv *c, const char *fallback)
 {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
-    return is_tiktoken(path);
+    if (c->family && c->family->tiktoken)
+        return c->family->tiktoken;
+    return loom_family_find(fallback)->tiktoken;
 }
 
 /* The folder's tokenizer, whichever form it ships: tokenizer.json (byte-level BPE), a
@@ -624,6 +615,12 @@ int conv_is_tiktoken_dir(const conv *c)
  * model (tokenizer.model, ice_text.model), or vocab.json + merges.txt. */
 int conv_tokenizer(conv *c)
 {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
+    /* ChatGLM2/3: their SentencePiece model and the specials the family appends, whatever
+     * else the folder carries */
+    if (c->family && c->family->spm_specials && !is_tiktoken(path))
+        return tokenizer(c);
     /* a byte-level tokenizer.json wins (Llama-3 folders also carry a tokenizer.model, in
      * tiktoken's format); a SentencePiece-style one defers to tokenizer.model */
     cJSON *tj = conv_read_json(c->dir, "tokenizer.json", 0, c);
@@ -636,17 +633,12 @@ int conv_tokenizer(conv *c)
         return rc;
     }
     cJSON_Delete(tj);
-    char path[4096];
     snprintf(path, sizeof path, "%s/qwen.tiktoken", c->dir);
     if (access(path, R_OK) == 0)
-        return tokenizer_tiktoken(c, path, &qwen_family);
+        return tokenizer_tiktoken(c, path, tiktoken_specials_of(c, "qwen"));
     snprintf(path, sizeof path, "%s/tokenizer.model", c->dir);
-    if (is_tiktoken(path)) {
-        /* GLM-4 ships its tiktoken ranks as tokenizer.model too; its config says chatglm */
-        const char *mt = cJSON_GetStringValue(cJSON_GetObjectItem(c->config, "model_type"));
-        int glm4 = mt && !strcmp(mt, "chatglm");
-        return tokenizer_tiktoken(c, path, glm4 ? &glm4_family : &llama3_family);
-    }
+    if (is_tiktoken(path)) /* Llama-3's and GLM-4's tokenizer.model */
+        return tokenizer_tiktoken(c, path, tiktoken_specials_of(c, "llama"));
     int has_model = access(path, R_OK) == 0 || is_ice_text(c);
     snprintf(path, sizeof path, "%s/vocab.json", c->dir);
     if (!has_model && access(path, R_OK) == 0)

@@ -325,3 +325,130 @@ static int glm1_forward(loom_runner *r, void *state, const loom_batch *b)
 
 const loom_arch loom_arch_chatglm1 = {.name = "chatglm1", .load = glm1_load, .forward = glm1_forward,
                                       .free_state = glm1_free, .prefix_len = glm1_prefix_len};
+
+/* ---- Hugging Face forms ----------------------------------------------------------------------
+ *
+ * ChatGLM2/3 and GLM-4 (model_type "chatglm"): llama.cpp's "chatglm" names. ChatGLM2/3 ship a
+ * SentencePiece model, and their tokenizer appends nine specials after its pieces, "[gMASK]
+ * sop" starting every prompt; GLM-4 ships tiktoken ranks as tokenizer.model. */
+static const loom_hf_param glm_params[] = {
+    {"context_length", "seq_length", LOOM_HF_U32, 8192},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"feed_forward_length", "ffn_hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_rms_epsilon", "layernorm_epsilon", LOOM_HF_F32, 1e-5},
+    {0}};
+
+static int glm_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (!loom_hf_true(cf, "rmsnorm")) {
+        snprintf(err, err_size, "a ChatGLM with LayerNorm but without ChatGLM-6B's config keys "
+                 "(position_encoding_2d, inner_hidden_size): loom does not know it");
+        return -1;
+    }
+    int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
+    int32_t n_kv = loom_hf_true(cf, "multi_query_attention")
+                       ? (int32_t)loom_hf_num(cf, "multi_query_group_num", 1)
+                       : n_head;
+    int32_t hd = (int32_t)loom_hf_num(cf, "kv_channels",
+                                      (int32_t)loom_hf_get(v, "embedding_length") / n_head);
+    if (n_kv <= 0 || hd <= 0) {
+        snprintf(err, err_size, "multi_query_group_num and kv_channels must be positive");
+        return -1;
+    }
+    loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_kv);
+    loom_hf_set(v, "attention.key_length", LOOM_HF_U32, hd);
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, hd / 2); /* the first half rotates */
+    loom_hf_set(v, "rope.freq_base", LOOM_HF_F32, 10000.0 * loom_hf_num(cf, "rope_ratio", 1.0));
+    return 0;
+}
+
+static const loom_hf_tensor glm_tensors[] = {
+    {"transformer.embedding.word_embeddings.weight", "token_embd.weight", 0, NULL},
+    {"transformer.encoder.final_layernorm.weight", "output_norm.weight", 0, NULL},
+    {"transformer.output_layer.weight", "output.weight", 0, NULL},
+    {"transformer.encoder.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL},
+    {"transformer.encoder.layers.%d.self_attention.query_key_value.weight",
+     "blk.%d.attn_qkv.weight", 0, NULL},
+    {"transformer.encoder.layers.%d.self_attention.query_key_value.bias", "blk.%d.attn_qkv.bias",
+     LOOM_HF_OPTIONAL, NULL},
+    {"transformer.encoder.layers.%d.self_attention.dense.weight", "blk.%d.attn_output.weight", 0,
+     NULL},
+    {"transformer.encoder.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0,
+     NULL},
+    {"transformer.encoder.layers.%d.mlp.dense_h_to_4h.weight", "blk.%d.ffn_up.weight", 0, NULL},
+    {"transformer.encoder.layers.%d.mlp.dense_4h_to_h.weight", "blk.%d.ffn_down.weight", 0, NULL},
+    {0}};
+
+/* ChatGLM2/3's appended specials; in a user's text its tokenizer reads the four role tokens,
+ * and only when tokenizer_config.json says encode_special_tokens (ChatGLM3's does). */
+static const char *const glm3_named[] = {"[MASK]",     "[gMASK]",  "[sMASK]",
+                                         "sop",        "eop",      "<|system|>",
+                                         "<|user|>",   "<|assistant|>", "<|observation|>"};
+static const loom_hf_specials glm3_specials = {
+    .named = glm3_named, .n_named = 9, .total = 9, .bos = -1, .eos = -1, .prefix = {1, 3},
+    .n_prefix = 2, .text_specials = {5, 6, 7, 8}, .n_text_specials = 4,
+    .text_specials_when = "encode_special_tokens"};
+/* GLM-4's, after its ranks; stops <|endoftext|>, <|user|>, <|observation|>, as its
+ * generation_config.json lists them */
+static const char *const glm4_named[] = {
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
+    "<|begin_of_video|>", "<|end_of_video|>"};
+static const loom_hf_specials glm4_specials = {
+    .pre = "chatglm-bpe", .named = glm4_named, .n_named = 14, .total = 14, .bos = -1, .eos = 0,
+    .stops = {0, 7, 9}, .n_stops = 3, .prefix = {2, 4}, .n_prefix = 2};
+
+const loom_family loom_family_chatglm = {
+    .arch = &loom_arch_chatglm, .chat_template = "chatglm3", .chat_template_tiktoken = "glm4",
+    .hf_model_type = "chatglm", .hf_params = glm_params, .hf_derive = glm_derive,
+    .hf_tensors = glm_tensors, .tiktoken = &glm4_specials, .spm_specials = &glm3_specials};
+
+/* ChatGLM-6B (model_type "chatglm" with position_encoding_2d): loom's "chatglm1" convention
+ * (docs/gguf.md), its tokenizer from ice_text.model; Q, K, V interleaved per head in the fused
+ * projection are reordered to [Q; K; V]. */
+static const loom_hf_param glm1_params[] = {
+    {"context_length", "max_sequence_length", LOOM_HF_U32, 2048},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_epsilon", "layernorm_epsilon", LOOM_HF_F32, 1e-5},
+    {"rope.freq_base", NULL, LOOM_HF_F32, 10000.0},
+    {0}};
+
+static int glm1_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
+    double n_ff = loom_hf_num(cf, "inner_hidden_size", 4.0 * n_embd);
+    if (n_embd % (int32_t)loom_hf_get(v, "attention.head_count") || !(n_ff > 0)) {
+        snprintf(err, err_size, "hidden_size must be a multiple of num_attention_heads and "
+                 "inner_hidden_size positive");
+        return -1;
+    }
+    loom_hf_set(v, "feed_forward_length", LOOM_HF_U32, n_ff);
+    /* Hugging Face's GLMBlock never receives the real layer count: alpha is 28 layers' */
+    loom_hf_set(v, "residual_scale", LOOM_HF_F32, sqrt(2.0 * 28));
+    return 0;
+}
+
+#define GLM1_LAYER(hf, gg, flags)                                                              \
+    {"transformer.layers.%d." hf ".weight", "blk.%d." gg ".weight", flags, NULL},               \
+        {"transformer.layers.%d." hf ".bias", "blk.%d." gg ".bias", flags, NULL}
+static const loom_hf_tensor glm1_tensors[] = {
+    {"transformer.word_embeddings.weight", "token_embd.weight", 0, NULL},
+    {"transformer.final_layernorm.weight", "output_norm.weight", 0, NULL},
+    {"transformer.final_layernorm.bias", "output_norm.bias", 0, NULL},
+    {"lm_head.weight", "output.weight", 0, "transformer.word_embeddings.weight"},
+    GLM1_LAYER("input_layernorm", "attn_norm", 0),
+    GLM1_LAYER("attention.query_key_value", "attn_qkv", LOOM_HF_QKV_PER_HEAD),
+    GLM1_LAYER("attention.dense", "attn_output", 0),
+    GLM1_LAYER("post_attention_layernorm", "ffn_norm", 0),
+    GLM1_LAYER("mlp.dense_h_to_4h", "ffn_up", 0),
+    GLM1_LAYER("mlp.dense_4h_to_h", "ffn_down", 0),
+    {0}};
+
+const loom_family loom_family_chatglm1 = {
+    .arch = &loom_arch_chatglm1, .hf_model_type = "chatglm",
+    .hf_when = "position_encoding_2d|inner_hidden_size", .hf_params = glm1_params,
+    .hf_derive = glm1_derive, .hf_tensors = glm1_tensors};

@@ -233,3 +233,186 @@ const loom_arch loom_arch_qwen3 = {.name = "qwen3", .load = qwen3_load, .forward
                                    .free_state = llama_free};
 const loom_arch loom_arch_qwen = {.name = "qwen", .load = qwen_load, .forward = llama_forward,
                                   .free_state = llama_free};
+
+/* ---- Hugging Face forms ----------------------------------------------------------------------
+ *
+ * LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM share a config and a layout; names
+ * and keys follow the convention llama.cpp uses for these GGUF architectures, so the files
+ * load there too. Only "llama" permutes Q and K into adjacent-pair order; Qwen2/3 keep rotate
+ * half. Qwen2 always has q/k/v biases, Qwen3 only with attention_bias, and adds a per-head
+ * RMSNorm of Q and K (q_norm, k_norm). */
+static const loom_hf_param decoder_params[] = {
+    {"context_length", "max_position_embeddings", LOOM_HF_U32, 2048},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-5},
+    {"rope.freq_base", "rope_theta", LOOM_HF_F32, 10000.0},
+    {0}};
+
+/* The heads' width where it is not the embedding's share (Qwen3 states head_dim). */
+static void head_width(loom_hf_values *v, int32_t hd)
+{
+    int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
+    int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
+    if (hd != n_embd / n_head) {
+        loom_hf_set(v, "attention.key_length", LOOM_HF_U32, hd);
+        loom_hf_set(v, "attention.value_length", LOOM_HF_U32, hd);
+    }
+}
+
+static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
+    int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
+    double n_kv = loom_hf_num(cf, "num_key_value_heads", n_head);
+    double hd = loom_hf_num(cf, "head_dim", n_embd / n_head);
+    if (!(n_kv > 0) || !(hd > 0)) {
+        snprintf(err, err_size, "num_key_value_heads and head_dim must be positive");
+        return -1;
+    }
+    loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_kv);
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, hd);
+    head_width(v, (int32_t)hd);
+    if (cJSON_IsObject(cJSON_GetObjectItem(cf, "rope_scaling"))) {
+        const char *type = loom_hf_str(cf, "rope_scaling.type|rope_scaling.rope_type");
+        if (!type || strcmp(type, "linear") != 0) {
+            snprintf(err, err_size, "rope_scaling type '%s' is not supported (linear is)",
+                     type ? type : "?");
+            return -1;
+        }
+        loom_hf_set_str(v, "rope.scaling.type", "linear");
+        loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32, loom_hf_num(cf, "rope_scaling.factor", 1.0));
+    }
+    return 0;
+}
+
+#define DECODER_HEAD                                                                          \
+    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},                              \
+        {"model.norm.weight", "output_norm.weight", 0, NULL},                                 \
+        {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                          \
+        {"model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL}
+#define DECODER_TAIL                                                                          \
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},        \
+        {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL}, \
+        {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},          \
+        {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},              \
+        {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
+#define QKV_BIASES                                                                            \
+    {"model.layers.%d.self_attn.q_proj.bias", "blk.%d.attn_q.bias", LOOM_HF_OPTIONAL, NULL},  \
+        {"model.layers.%d.self_attn.k_proj.bias", "blk.%d.attn_k.bias", LOOM_HF_OPTIONAL, NULL}, \
+        {"model.layers.%d.self_attn.v_proj.bias", "blk.%d.attn_v.bias", LOOM_HF_OPTIONAL, NULL}
+
+static const loom_hf_tensor llama_tensors[] = {
+    DECODER_HEAD,
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", LOOM_HF_ROPE_Q, NULL},
+    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", LOOM_HF_ROPE_K, NULL},
+    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_proj.bias", "Llama q/k/v biases are not supported",
+     LOOM_HF_UNSUPPORTED, NULL},
+    DECODER_TAIL,
+    {0}};
+
+static const loom_hf_tensor qwen2_tensors[] = {
+    DECODER_HEAD,
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
+    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    QKV_BIASES,
+    DECODER_TAIL,
+    {0}};
+
+static const loom_hf_tensor qwen3_tensors[] = {
+    DECODER_HEAD,
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
+    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
+    QKV_BIASES,
+    DECODER_TAIL,
+    {0}};
+
+/* Qwen v1 (QWenLMHeadModel): llama.cpp's "qwen" names. The config counts intermediate_size
+ * over w1 and w2 together (22016 for Qwen-7B's two halves of 11008), as GGUF's qwen
+ * convention does; the MLP is c_proj(w1(x) * silu(w2(x))), so w2 is the gate. use_dynamic_ntk
+ * and use_logn_attn change nothing until a sequence passes seq_length, which loom's context
+ * length is capped at. */
+static const loom_hf_param qwen_params[] = {
+    {"context_length", "seq_length|max_position_embeddings", LOOM_HF_U32, 2048},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"rope.freq_base", "rotary_emb_base", LOOM_HF_F32, 10000.0},
+    {"attention.layer_norm_rms_epsilon", "layer_norm_epsilon", LOOM_HF_F32, 1e-6},
+    {0}};
+
+static int qwen_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
+    int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
+    int32_t hd = (int32_t)loom_hf_num(cf, "kv_channels", n_embd / n_head);
+    double pct = loom_hf_num(cf, "rotary_pct", 1.0);
+    int32_t n_rot = (int32_t)(hd * pct);
+    if (hd <= 0 || (int64_t)loom_hf_get(v, "feed_forward_length") % 2) {
+        snprintf(err, err_size, "kv_channels must be positive and intermediate_size even");
+        return -1;
+    }
+    if (n_rot <= 0 || n_rot % 2 || n_rot > hd) {
+        snprintf(err, err_size, "rotary_pct %g of kv_channels %d is not an even number of "
+                 "dimensions", pct, hd);
+        return -1;
+    }
+    loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_head);
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, n_rot);
+    head_width(v, hd);
+    return 0;
+}
+
+static const loom_hf_tensor qwen_tensors[] = {
+    {"transformer.wte.weight", "token_embd.weight", 0, NULL},
+    {"transformer.ln_f.weight", "output_norm.weight", 0, NULL},
+    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
+    {"transformer.h.%d.ln_1.weight", "blk.%d.attn_norm.weight", 0, NULL},
+    {"transformer.h.%d.attn.c_attn.weight", "blk.%d.attn_qkv.weight", 0, NULL},
+    {"transformer.h.%d.attn.c_attn.bias", "blk.%d.attn_qkv.bias", 0, NULL},
+    {"transformer.h.%d.attn.c_proj.weight", "blk.%d.attn_output.weight", 0, NULL},
+    {"transformer.h.%d.ln_2.weight", "blk.%d.ffn_norm.weight", 0, NULL},
+    {"transformer.h.%d.mlp.w1.weight", "blk.%d.ffn_up.weight", 0, NULL},
+    {"transformer.h.%d.mlp.w2.weight", "blk.%d.ffn_gate.weight", 0, NULL},
+    {"transformer.h.%d.mlp.c_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
+    {0}};
+
+/* What the tiktoken-ranked vocabularies append. Llama-3.1: Meta's tokenizer.py order, stops
+ * <|eom_id|> and <|eot_id|>; Qwen v1: stop <|im_end|>. */
+static const char *const llama3_named[] = {
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+    "<|image|>"};
+static const loom_hf_specials llama3_specials = {
+    .pre = "llama-bpe", .named = llama3_named, .n_named = 12, .total = 256,
+    .filler_fmt = "<|reserved_special_token_%d|>", .filler_base = 2 - 12, .bos = 0, .eos = 1,
+    .stops = {8, 9}, .n_stops = 2};
+static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+static const loom_hf_specials qwen_specials = {
+    .pre = "qwen2", .named = qwen_named, .n_named = 3, .total = 3 + 205,
+    .filler_fmt = "<|extra_%d|>", .filler_base = -3, .bos = -1, .eos = 0, .stops = {2},
+    .n_stops = 1};
+
+const loom_family loom_family_llama = {
+    .arch = &loom_arch_llama, .chat_template_tiktoken = "llama3",
+    .hf_model_type = "llama", .hf_params = decoder_params, .hf_derive = decoder_derive,
+    .hf_tensors = llama_tensors, .tiktoken = &llama3_specials};
+const loom_family loom_family_qwen2 = {
+    .arch = &loom_arch_qwen2, .chat_template = "chatml", .hf_model_type = "qwen2",
+    .hf_params = decoder_params, .hf_derive = decoder_derive, .hf_tensors = qwen2_tensors};
+const loom_family loom_family_qwen3 = {
+    .arch = &loom_arch_qwen3, .chat_template = "chatml", .hf_model_type = "qwen3",
+    .hf_params = decoder_params, .hf_derive = decoder_derive, .hf_tensors = qwen3_tensors};
+const loom_family loom_family_qwen = {
+    .arch = &loom_arch_qwen, .chat_template = "chatml", .hf_model_type = "qwen",
+    .hf_params = qwen_params, .hf_derive = qwen_derive, .hf_tensors = qwen_tensors,
+    .tiktoken = &qwen_specials};

@@ -4,7 +4,7 @@
 #ifndef LOOM_MODELS_H
 #define LOOM_MODELS_H
 
-#include "core/runner.h"
+#include "family.h"
 
 extern const loom_arch loom_arch_llama; /* GGUF "llama": Llama-2/3, TinyLlama, stories260K */
 extern const loom_arch loom_arch_qwen2; /* GGUF "qwen2": Qwen2/2.5 */
@@ -17,9 +17,24 @@ extern const loom_arch loom_arch_chatglm1; /* GGUF "chatglm1" (loom's own): Chat
 int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suffix, int64_t fallback);
 double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suffix, double fallback);
 
+/* Each family's whole declaration (models/family.h), in the file of its forward pass. */
+extern const loom_family loom_family_llama, loom_family_qwen2, loom_family_qwen3,
+    loom_family_qwen, loom_family_chatglm, loom_family_chatglm1;
+
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);
-/* "llama, qwen2": for messages that list what loom knows. */
+/* The family of GGUF architecture name, or NULL. */
+const loom_family *loom_family_find(const char *name);
+/* The family a Hugging Face config.json describes (model_type, then hf_when), or NULL. */
+const loom_family *loom_family_for_hf(const cJSON *config);
+/* "llama, qwen2": for messages that list what loom knows: GGUF architectures, or (hf) the
+ * Hugging Face model types loom converts. */
 const char *loom_models_known(void);
+const char *loom_models_known_hf(void);
+/* Adds a family beside the built-in ones (a program's own, or a test's): 0, or -1 when the
+ * table is full or another family claims its Hugging Face model_type (converting none: its
+ * architecture). An architecture may serve several Hugging Face forms; loom_family_find gives
+ * the first. Not thread-safe: call before loading a model. */
+int loom_models_register(const loom_family *family);
 
 #endif

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
+#include "api/internal.h"
 #include "check.h"
 
 #include <cjson/cJSON.h>
@@ -66,5 +67,29 @@ int main(void)
     CHECK(loom_chat_render("jinja9", &one, 1, 1, &out, err, sizeof err) != 0 && strstr(err, "jinja9"),
           "unknown template named: %s", err);
     CHECK(loom_chat_template_valid("chatml") && !loom_chat_template_valid("chatXL"), "valid names");
+    /* without a template it knows, a file gets its family's (models/<family>.c); the names are
+     * the formats the families' own Jinja templates write */
+    static const struct {
+        const char *stored, *arch, *pre, *want;
+        int recognised;
+    } guesses[] = {
+        {"{{ '<|im_start|>' + message['role'] }}", "llama", "", "chatml", 1},
+        {"{% for m in messages %}{{ m.content }}{% endfor %}", "llama", "", "llama2", 0},
+        {NULL, "llama", "", "llama2", 0},
+        {NULL, "llama", "llama-bpe", "llama3", 1},
+        {NULL, "qwen2", "qwen2", "chatml", 1},
+        {NULL, "qwen", "qwen2", "chatml", 1},
+        {NULL, "chatglm", "", "chatglm3", 1},
+        {NULL, "chatglm", "chatglm-bpe", "glm4", 1},
+    };
+    for (size_t i = 0; i < sizeof guesses / sizeof guesses[0]; i++) {
+        int recognised = -1;
+        const char *got = loom_chat_template_guess(guesses[i].stored, guesses[i].arch,
+                                                   guesses[i].pre, &recognised);
+        CHECK(!strcmp(got, guesses[i].want) && recognised == guesses[i].recognised,
+              "%s (pre '%s', %s): %s, recognised %d; want %s, %d", guesses[i].arch,
+              guesses[i].pre, guesses[i].stored ? "a stored template" : "none", got, recognised,
+              guesses[i].want, guesses[i].recognised);
+    }
     return check_finish("test_chat");
 }

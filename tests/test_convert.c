@@ -653,21 +653,10 @@ static void test_errors(void)
 
 int main(void)
 {
-    const char *f = getenv("LOOM_FIXTURES");
-    snprintf(dir, sizeof dir, "%s", f && *f ? f : "");
-    if (!dir[0])
-        snprintf(dir, sizeof dir, "%s/../shared/fixtures", env_or("top_srcdir", "."));
+    snprintf(dir, sizeof dir, "%s", fixtures_dir());
     char probe[4200];
     snprintf(probe, sizeof probe, "%s/tiny-llama/config.json", dir);
-    if (access(probe, R_OK) != 0) {
-        const char *ci = getenv("CI");
-        if (ci && strcmp(ci, "true") == 0) {
-            fprintf(stderr, "fixture %s missing (CI=true)\n", probe);
-            return 1;
-        }
-        printf("SKIP: %s not found\n", probe);
-        return 77;
-    }
+    need_fixture(probe);
     unsetenv("LOOM_BACKEND");
     if (!mkdtemp(tmp))
         return 1;

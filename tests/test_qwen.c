@@ -20,6 +20,7 @@
 #include "gguf_conventions.h"
 
 #include "check.h"
+#include "hf_writer.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -28,83 +29,6 @@
 #include <unistd.h>
 
 static char err[4096], fixtures[4096], tmp[] = "/tmp/loom-qwen-XXXXXX";
-
-/* ---- A safetensors writer (tensors appended in order, offsets 8-aligned) ------------------ */
-
-typedef struct st_out {
-    cJSON *header;
-    unsigned char *data;
-    size_t n, cap;
-} st_out;
-
-static void st_add(st_out *o, const char *name, const char *dtype, int n_dims, const int64_t *shape,
-                   const void *bytes, size_t size)
-{
-    size_t at = (o->n + 7) & ~(size_t)7;
-    if (at + size > o->cap) {
-        o->cap = (at + size) * 2;
-        o->data = realloc(o->data, o->cap);
-    }
-    memset(o->data + o->n, 0, at - o->n);
-    memcpy(o->data + at, bytes, size);
-    o->n = at + size;
-    cJSON *t = cJSON_AddObjectToObject(o->header, name);
-    cJSON_AddStringToObject(t, "dtype", dtype);
-    cJSON *s = cJSON_AddArrayToObject(t, "shape");
-    for (int i = 0; i < n_dims; i++)
-        cJSON_AddItemToArray(s, cJSON_CreateNumber((double)shape[i]));
-    cJSON *off = cJSON_AddArrayToObject(t, "data_offsets");
-    cJSON_AddItemToArray(off, cJSON_CreateNumber((double)at));
-    cJSON_AddItemToArray(off, cJSON_CreateNumber((double)(at + size)));
-}
-
-/* Copies a source tensor under a new name. */
-static void st_copy(st_out *o, const loom_safetensors *src, const char *from, const char *to)
-{
-    const loom_st_tensor *t = loom_safetensors_find(src, from);
-    CHECK(t != NULL, "tiny-qwen2 has no %s", from);
-    if (t)
-        st_add(o, to, t->dtype, t->n_dims, t->shape, t->data, t->size);
-}
-
-static int st_write(st_out *o, const char *path)
-{
-    char *json = cJSON_PrintUnformatted(o->header);
-    size_t len = strlen(json), padded = (len + 7) & ~(size_t)7;
-    FILE *f = fopen(path, "wb");
-    int ok = f != NULL;
-    if (f) {
-        unsigned char le[8];
-        for (int i = 0; i < 8; i++)
-            le[i] = (unsigned char)((uint64_t)padded >> (8 * i));
-        ok = fwrite(le, 1, 8, f) == 8 && fwrite(json, 1, len, f) == len;
-        for (size_t i = len; ok && i < padded; i++)
-            ok = fputc(' ', f) != EOF;
-        ok = ok && fwrite(o->data, 1, o->n, f) == o->n;
-        ok = fclose(f) == 0 && ok;
-    }
-    free(json);
-    cJSON_Delete(o->header);
-    free(o->data);
-    memset(o, 0, sizeof *o);
-    return ok ? 0 : -1;
-}
-
-static void write_text(const char *folder, const char *name, const char *text)
-{
-    char p[4400];
-    snprintf(p, sizeof p, "%s/%s", folder, name);
-    FILE *f = fopen(p, "w");
-    CHECK(f && fputs(text, f) >= 0 && fclose(f) == 0, "writing %s", p);
-}
-
-/* A link to target (made absolute: the fixtures may be named relative to here) */
-static void link_file(const char *folder, const char *name, const char *target)
-{
-    char p[4400], abs[4096];
-    snprintf(p, sizeof p, "%s/%s", folder, name);
-    CHECK(realpath(target, abs) && symlink(abs, p) == 0, "symlink %s to %s", p, target);
-}
 
 /* general.architecture of a GGUF file, or "" */
 static const char *gguf_arch(const char *path)

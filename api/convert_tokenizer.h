@@ -1,0 +1,15 @@
+/*
+ * api/convert_tokenizer.h - a Hugging Face folder's tokenizer as GGUF keys.
+ */
+#ifndef LOOM_API_CONVERT_TOKENIZER_H
+#define LOOM_API_CONVERT_TOKENIZER_H
+
+#include "hf_folder.h"
+
+/* The folder's tokenizer, whichever form it ships, into c->w, with the special tokens
+ * c->family appends. */
+int conv_tokenizer(conv *c);
+/* generation_config.json's list of end tokens, as tokenizer.loom.stop_token_ids. */
+void conv_stop_tokens(conv *c);
+
+#endif

@@ -1,0 +1,41 @@
+/*
+ * api/hf_folder.h - a Hugging Face folder being converted: the state the converter's files
+ * share, and reading the folder's JSON files (hf_folder.c). convert_tokenizer.c writes the
+ * tokenizer keys, convert.c the rest; both build on this, neither on the other's internals.
+ */
+#ifndef LOOM_API_HF_FOLDER_H
+#define LOOM_API_HF_FOLDER_H
+
+#include "internal.h"
+
+#include "models/models.h"
+
+#include "core/gguf.h"
+#include "core/safetensors.h"
+#include "core/spm_model.h"
+
+#include <cjson/cJSON.h>
+
+typedef struct conv {
+    const char *dir;
+    const loom_family *family; /* what config.json describes; NULL converting a tokenizer alone */
+    cJSON *config, *tok_config;
+    loom_safetensors st;
+    loom_spm_model spm;
+    loom_gguf_writer *w;
+    void **owned;
+    int n_owned, cap_owned;
+    const char *type; /* requested: auto, f32, f16, bf16, q8_0, q4_0, q4_1 */
+    loom_convert_progress_fn progress;
+    void *user;
+    int done, total;
+    char *err;
+    size_t err_size;
+} conv;
+
+/* Records an error in c->err; returns -1. */
+int conv_fail(conv *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* dir/name as JSON; NULL when absent or invalid (an error only when required). */
+cJSON *conv_read_json(const char *dir, const char *name, int required, conv *c);
+
+#endif

@@ -1,0 +1,104 @@
+/*
+ * models/family.h - what a model family declares in its one file (models/<family>.c): its GGUF
+ * architecture (the runner's function table), the chat template it falls back on, and its
+ * Hugging Face form as data: which config.json selects it, which config keys become which
+ * GGUF hyper-parameters, which tensor becomes which and how its rows are reordered, and the
+ * special tokens its tokenizer appends. api/convert.c is the one writer that reads the tables;
+ * docs/ARCHITECTURE.md ("Adding a model family") walks through a new one.
+ */
+#ifndef LOOM_MODELS_FAMILY_H
+#define LOOM_MODELS_FAMILY_H
+
+#include "core/runner.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+
+typedef enum { LOOM_HF_U32, LOOM_HF_F32, LOOM_HF_STR } loom_hf_kind;
+
+/* A hyper-parameter "<arch>.<gguf>" read from config.json. */
+typedef struct loom_hf_param {
+    const char *gguf;
+    const char *config; /* keys tried in turn, '|' between ("a.b" reads b in object a); NULL:
+                         * the fallback alone */
+    loom_hf_kind kind;  /* LOOM_HF_U32 or LOOM_HF_F32 */
+    double fallback;    /* when config.json has none; LOOM_HF_REQUIRED: it must be there, > 0 */
+} loom_hf_param;
+#define LOOM_HF_REQUIRED (-HUGE_VAL)
+
+/* The hyper-parameters about to be written, by their key after "<arch>.". */
+#define LOOM_HF_MAX_VALUES 32
+typedef struct loom_hf_values {
+    struct {
+        const char *key; /* a string literal */
+        loom_hf_kind kind;
+        double num;
+        const char *str; /* LOOM_HF_STR: a string literal */
+    } v[LOOM_HF_MAX_VALUES];
+    int n;
+} loom_hf_values;
+
+/* Sets (or replaces) key's value. */
+void loom_hf_set(loom_hf_values *v, const char *key, loom_hf_kind kind, double num);
+void loom_hf_set_str(loom_hf_values *v, const char *key, const char *str);
+/* key's number; 0 when unset */
+double loom_hf_get(const loom_hf_values *v, const char *key);
+
+/* config.json lookups: keys as in loom_hf_param.config. */
+double loom_hf_num(const cJSON *config, const char *keys, double fallback);
+const char *loom_hf_str(const cJSON *config, const char *keys); /* NULL when none is a string */
+int loom_hf_true(const cJSON *config, const char *key);
+
+/* How a tensor is carried over. */
+enum {
+    LOOM_HF_OPTIONAL = 1 << 0,     /* some checkpoints lack it: skipped when absent */
+    LOOM_HF_ROPE_Q = 1 << 1,       /* rows from rotate-half to adjacent-pair order, per query
+                                    * head (attention.head_count): the llama convention's Q */
+    LOOM_HF_ROPE_K = 1 << 2,       /* the same per KV head (attention.head_count_kv) */
+    LOOM_HF_QKV_PER_HEAD = 1 << 3, /* fused [q k v] per head -> [Q; K; V] (rows, or a bias) */
+    LOOM_HF_UNSUPPORTED = 1 << 4,  /* present: an error, and .gguf says why */
+};
+
+typedef struct loom_hf_tensor {
+    const char *hf;      /* the Hugging Face name; "%d" where a layer's index goes */
+    const char *gguf;    /* the GGUF name, "%d" likewise (per layer when hf has one) */
+    unsigned flags;
+    const char *instead; /* when hf is absent, this tensor (a tied output head) */
+} loom_hf_tensor;
+
+/* The special tokens a family's tokenizer appends after its ordinary vocabulary (tiktoken
+ * ranks, or SentencePiece pieces). Indexes count from the first id after that vocabulary. */
+typedef struct loom_hf_specials {
+    const char *pre;          /* tokenizer.ggml.pre, for tiktoken ranks */
+    const char *const *named; /* the first specials, by name */
+    int n_named, total;       /* the rest are filler_fmt with filler_base + their index */
+    const char *filler_fmt;
+    int filler_base;
+    int bos, eos;             /* -1: none (eos then from config.json's eos_token_id) */
+    int stops[3], n_stops;    /* 0: generation_config.json's list */
+    int prefix[2], n_prefix;  /* what every prompt starts with (ChatGLM: [gMASK] sop) */
+    int text_specials[4], n_text_specials; /* read from a user's text, when ... */
+    const char *text_specials_when;        /* ... tokenizer_config.json has this key true */
+} loom_hf_specials;
+
+typedef struct loom_family {
+    const loom_arch *arch; /* the GGUF side: general.architecture, hyper-parameters, weights,
+                            * forward pass */
+    /* the built-in chat template (api/chat.c) for a file whose own template loom does not
+     * recognise or that has none; with a tiktoken vocabulary (its pre as .tiktoken's) the
+     * second; NULL: llama2, and a note that it is a guess */
+    const char *chat_template, *chat_template_tiktoken;
+
+    /* The Hugging Face form; hf_model_type NULL: loom does not convert this family. */
+    const char *hf_model_type; /* config.json's model_type */
+    const char *hf_when;       /* NULL, or: only when config.json has one of these keys ('|') */
+    const loom_hf_param *hf_params; /* ends with {0} */
+    /* Hyper-parameters that are not one key each (defaults computed from others, checks
+     * across keys); NULL when none. Messages name the config.json keys. */
+    int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
+    const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
+    const loom_hf_specials *tiktoken; /* after tiktoken ranks; NULL: Llama-3's */
+    const loom_hf_specials *spm_specials; /* after SentencePiece pieces (ChatGLM2/3) */
+} loom_family;
+
+#endif
