@@ -48,12 +48,14 @@ INLINE void bf16_tile(const unsigned char *w, size_t gstride, int64_t np, const 
     const int U = MR == 1 ? 4 : 1;
     __m512 acc[KERN_MR][4][4];
     UNROLL
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
         UNROLL
-        for (int g = 0; g < NG; g++)
+        for (int g = 0; g < NG; g++) {
             UNROLL
             for (int u = 0; u < U; u++)
                 acc[r][g][u] = _mm512_setzero_ps();
+        }
+    }
     int64_t j = 0;
     for (; j + U <= np; j += U) {
         UNROLL
@@ -86,7 +88,7 @@ INLINE void bf16_tile(const unsigned char *w, size_t gstride, int64_t np, const 
         }
     }
     UNROLL
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
         UNROLL
         for (int g = 0; g < NG; g++) {
             __m512 s = acc[r][g][0];
@@ -95,6 +97,7 @@ INLINE void bf16_tile(const unsigned char *w, size_t gstride, int64_t np, const 
                 s = _mm512_add_ps(s, acc[r][g][u]);
             _mm512_storeu_ps(out + (r * NG + g) * 16, s);
         }
+    }
 }
 
 #define BF16_MR(NG)                                                                                \

@@ -253,10 +253,11 @@ INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
 #if defined(__AVX512F__)
     __m512 acc[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc[i][r] = _mm512_setzero_ps();
+    }
     for (; b + 2 <= nb; b += 2) {
         __m512i wv[KERN_NR];
         __m512 wd[KERN_NR];
@@ -279,18 +280,20 @@ INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+    }
 #endif
 #if defined(__AVX2__)
     __m256 acc2[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc2[i][r] = _mm256_setzero_ps();
+    }
     for (; b < nb; b++) { /* every block with AVX2; with AVX-512, only an odd last one */
         UNROLL
         for (int i = 0; i < NR; i++) {
@@ -309,10 +312,11 @@ INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
+    }
 #else
     for (; b < nb; b++) {
         UNROLL
@@ -333,10 +337,11 @@ INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
     }
 #endif
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             out[r * KERN_NR + i] = sums[i][r];
+    }
 }
 
 /* ---- Q4_1 ---------------------------------------------------------------------------------- */
@@ -350,10 +355,11 @@ INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
 #if defined(__AVX512F__)
     __m512 acc[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc[i][r] = _mm512_setzero_ps();
+    }
     for (; b + 2 <= nb; b += 2) {
         __m512i wv[KERN_NR];
         __m512 wd[KERN_NR], wm[KERN_NR];
@@ -378,18 +384,20 @@ INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+    }
 #endif
 #if defined(__AVX2__)
     __m256 acc2[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc2[i][r] = _mm256_setzero_ps();
+    }
     for (; b < nb; b++) {
         UNROLL
         for (int i = 0; i < NR; i++) {
@@ -409,10 +417,11 @@ INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
+    }
 #else
     for (; b < nb; b++) {
         UNROLL
@@ -431,10 +440,11 @@ INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
     }
 #endif
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             out[r * KERN_NR + i] = sums[i][r];
+    }
 }
 
 /* ---- Q8_0 ---------------------------------------------------------------------------------- */
@@ -448,10 +458,11 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
 #if defined(__AVX512F__)
     __m512 acc[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc[i][r] = _mm512_setzero_ps();
+    }
     for (; b + 2 <= nb; b += 2) {
         __m512i wv[KERN_NR], wc[KERN_NR];
         __m512 wd[KERN_NR];
@@ -492,18 +503,20 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+    }
 #endif
 #if defined(__AVX2__)
     __m256 acc2[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc2[i][r] = _mm256_setzero_ps();
+    }
     for (; b < nb; b++) {
         UNROLL
         for (int i = 0; i < NR; i++) {
@@ -526,10 +539,11 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
+    }
 #else
     for (; b < nb; b++) {
         UNROLL
@@ -548,10 +562,11 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
     }
 #endif
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             out[r * KERN_NR + i] = sums[i][r];
+    }
 }
 
 /* ---- Float weights ------------------------------------------------------------------------- */
@@ -594,10 +609,11 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
 #if defined(__AVX512F__)
     __m512 acc[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc[i][r] = _mm512_setzero_ps();
+    }
     for (; k + 16 <= K; k += 16) {
         __m512 wv[KERN_NR];
         UNROLL
@@ -612,17 +628,19 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = _mm512_reduce_add_ps(acc[i][r]);
+    }
 #elif defined(__AVX2__)
     __m256 acc[KERN_NR][KERN_MR];
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             acc[i][r] = _mm256_setzero_ps();
+    }
     for (; k + 8 <= K; k += 8) {
         __m256 wv[KERN_NR];
         UNROLL
@@ -637,10 +655,11 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
         }
     }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             sums[i][r] = hsum256(acc[i][r]);
+    }
 #else
     /* no SIMD of our own: convert a stretch of each weight row, then the compiler's vectorised
      * four-way dot product */
@@ -657,7 +676,7 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
         }
     }
 #endif
-    for (; k < K; k++)
+    for (; k < K; k++) {
         UNROLL
         for (int i = 0; i < NR; i++) {
             float wv = w_at(wt, w + (size_t)i * wstride, k);
@@ -665,11 +684,13 @@ INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
             for (int r = 0; r < MR; r++)
                 sums[i][r] += wv * x[r][k];
         }
+    }
     UNROLL
-    for (int i = 0; i < NR; i++)
+    for (int i = 0; i < NR; i++) {
         UNROLL
         for (int r = 0; r < MR; r++)
             out[r * KERN_NR + i] = sums[i][r];
+    }
 }
 #endif
 
@@ -890,10 +911,11 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
     const int U = KERN_RI == 8 && MR > 1 ? 2 : 4;
     vflt acc[KERN_MR][4];
     UNROLL
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
         UNROLL
         for (int u = 0; u < 4; u++)
             acc[r][u] = V_ZERO_F();
+    }
     int64_t k = 0;
     for (; k + 4 <= K; k += 4) {
         const unsigned char *p = w + (size_t)k * col;
@@ -904,10 +926,11 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
         for (int u = 0; u < 4; u++)
             wv[u] = V_LOAD_W(wt, p + u * col);
         UNROLL
-        for (int r = 0; r < MR; r++)
+        for (int r = 0; r < MR; r++) {
             UNROLL
             for (int u = 0; u < 4; u++)
                 acc[r][u % U] = V_FMA(wv[u], V_SET1_F(x[r][k + u]), acc[r][u % U]);
+        }
     }
     for (; k < K; k++) {
         vflt wv = V_LOAD_W(wt, w + (size_t)k * col);
@@ -948,10 +971,11 @@ INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride
     const size_t col = KERN_RI * 2;
     vflt acc[KERN_MR][KERN_RI_GROUPS];
     UNROLL
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
         UNROLL
         for (int g = 0; g < NG; g++)
             acc[r][g] = V_ZERO_F();
+    }
     /* four columns a step, so a step's prefetches are whole lines and no branch asks, column
      * by column, whether one is due (that loop ran at a third of the FMA peak) */
     int64_t k = 0;
@@ -968,10 +992,11 @@ INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride
     for (; k < K; k++)
         half_ri_column_n(wt, w + (size_t)k * col, gstride, x, k, acc, NG, MR);
     UNROLL
-    for (int r = 0; r < MR; r++)
+    for (int r = 0; r < MR; r++) {
         UNROLL
         for (int g = 0; g < NG; g++)
             V_STORE_F(out + (r * NG + g) * KERN_RI, acc[r][g]);
+    }
 }
 
 #define HALF_RI_CASES(WT)                                                                          \
