@@ -16,15 +16,17 @@ flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefine
 libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc libxxhash) -lm"
 cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc libxxhash)"
 core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/name_index.c"
-harnesses="gguf safetensors tokenizer chat_template"
-# the request parser tokenizes with a real model: it links the built libloom
-if [ -f "$build/.libs/libloom.so" ]; then harnesses="$harnesses openai_request"
-else echo "fuzz: $build/.libs/libloom.so not built; openai_request skipped"; fi
+harnesses="gguf safetensors tokenizer"
+# the request parser tokenizes with a real model, and the chat templates ask the model
+# families for their defaults: they link the built libloom
+if [ -f "$build/.libs/libloom.so" ]; then harnesses="$harnesses chat_template openai_request"
+else echo "fuzz: $build/.libs/libloom.so not built; chat_template and openai_request skipped"; fi
+libloom="-L$build/.libs -Wl,-rpath,$build/.libs -lloom"
 for h in $harnesses; do
     echo "fuzz: building fuzz_$h"
     case $h in
-        chat_template) extra="$src/api/chat.c" ;;
-        openai_request) extra="$src/tools/openai_request.c -L$build/.libs -Wl,-rpath,$build/.libs -lloom" ;;
+        chat_template) extra="$src/api/chat.c $libloom" ;;
+        openai_request) extra="$src/tools/openai_request.c $libloom" ;;
         *) extra=$core ;;
     esac
     # shellcheck disable=SC2086
