@@ -94,8 +94,8 @@ const char *loom_chat_templates(void)
     return "llama2, llama3, chatml, chatglm3";
 }
 
-int loom_chat_render(const char *name, const loom_chat_message *msgs, int n, int add_generation_prompt,
-                     char **out, char *err, size_t err_size)
+int loom_chat_render(const char *name, const loom_chat_message *msgs, int n,
+                     int add_generation_prompt, char **out, char *err, size_t err_size)
 {
     return loom_chat_render_spans(name, msgs, n, add_generation_prompt, out, NULL, NULL, err,
                                   err_size);
@@ -133,8 +133,10 @@ int loom_chat_render_spans(const char *name, const loom_chat_message *msgs, int 
             } else {
                 free(b.s);
                 free(b.spans);
-                snprintf(err, err_size, "the llama2 template has no role '%s' (system comes first, "
-                                        "then user and assistant in turn)", msgs[i].role);
+                snprintf(err, err_size,
+                         "the llama2 template has no role '%s' (system comes first, "
+                         "then user and assistant in turn)",
+                         msgs[i].role);
                 return -1;
             }
         }

@@ -38,7 +38,8 @@ static void *own(conv *c, size_t bytes)
 
 int loom_parse_weight_type(const char *s, loom_dtype *t)
 {
-    static const loom_dtype all[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
+    static const loom_dtype all[] = {LOOM_F32,  LOOM_F16,  LOOM_BF16,
+                                     LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         if (strcmp(s, loom_dtype_name(all[i])) == 0) {
             *t = all[i];
@@ -94,14 +95,16 @@ static float *load_f32(const loom_st_tensor *t, int64_t rows, int64_t cols, row_
 static int add(conv *c, const loom_st_tensor *t, const char *src, const char *dst, row_order order)
 {
     if (t->loom_type < 0 || t->n_dims < 1 || t->n_dims > 2)
-        return conv_fail(c, "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
-                       "vectors and matrices", c->dir, src, t->dtype, t->n_dims);
+        return conv_fail(c,
+                         "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
+                         "vectors and matrices",
+                         c->dir, src, t->dtype, t->n_dims);
     int64_t rows = t->n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
     int64_t units = rows == 1 ? cols : rows;
     if ((order.kind == ROWS_ROPE_PAIRS && (units % order.heads || (units / order.heads) % 2)) ||
         (order.kind == ROWS_QKV_PER_HEAD && units % (3 * order.heads)))
         return conv_fail(c, "%s: '%s' has %lld rows, not a whole number of heads", c->dir, src,
-                    (long long)units);
+                         (long long)units);
     loom_dtype out_type = LOOM_F32;
     if (t->n_dims == 2) {
         if (strcmp(c->type, "auto") == 0)
@@ -140,8 +143,10 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
     for (const loom_hf_param *p = f->hf_params; p && p->gguf; p++) {
         double x = loom_hf_num(c->config, p->config, p->fallback);
         if (p->fallback == LOOM_HF_REQUIRED && !(x > 0 && x <= UINT32_MAX))
-            return conv_fail(c, "%s/config.json: %s must be a positive number (the %s family's "
-                           "%s)", c->dir, p->config, f->hf_model_type, p->gguf);
+            return conv_fail(c,
+                             "%s/config.json: %s must be a positive number (the %s family's "
+                             "%s)",
+                             c->dir, p->config, f->hf_model_type, p->gguf);
         loom_hf_set(v, p->gguf, p->kind, x);
     }
     char why[512] = "";
@@ -213,15 +218,18 @@ static int tensors(conv *c, const loom_hf_values *v)
                 if (!t && (e->flags & LOOM_HF_OPTIONAL))
                     continue;
                 if (!t)
-                    return conv_fail(c, "%s: the weights have no tensor '%s' (the %s family "
-                                     "needs it)", c->dir, src, c->family->hf_model_type);
+                    return conv_fail(c,
+                                     "%s: the weights have no tensor '%s' (the %s family "
+                                     "needs it)",
+                                     c->dir, src, c->family->hf_model_type);
                 if (pass == 0) {
                     c->total++;
                     continue;
                 }
                 row_order order = {ROWS_AS_STORED, 0};
                 if (e->flags & LOOM_HF_ROPE_Q)
-                    order = (row_order){ROWS_ROPE_PAIRS, (int)loom_hf_get(v, "attention.head_count")};
+                    order = (row_order){ROWS_ROPE_PAIRS,
+                                        (int)loom_hf_get(v, "attention.head_count")};
                 else if (e->flags & LOOM_HF_ROPE_K)
                     order = (row_order){ROWS_ROPE_PAIRS,
                                         (int)loom_hf_get(v, "attention.head_count_kv")};
@@ -250,8 +258,12 @@ static int convert_family(conv *c)
 int loom_convert(const char *dir, const char *out, const char *type,
                  loom_convert_progress_fn progress, void *user, char *err, size_t err_size)
 {
-    conv c = {.dir = dir, .type = type ? type : "auto", .progress = progress, .user = user,
-              .err = err, .err_size = err_size};
+    conv c = {.dir = dir,
+              .type = type ? type : "auto",
+              .progress = progress,
+              .user = user,
+              .err = err,
+              .err_size = err_size};
     loom_dtype dummy;
     if (strcmp(c.type, "auto") != 0 && loom_parse_weight_type(c.type, &dummy) != 0) {
         if (loom_quant_mix_find(c.type) < 0) {
@@ -276,8 +288,8 @@ int loom_convert(const char *dir, const char *out, const char *type,
         int rc = loom_convert(dir, tmp, "auto", progress, user, err, err_size);
         if (rc == 0)
             rc = loom_quantize_opts(tmp, out, c.type,
-                                    loom_quant_mix_is_plain(mix) ? LOOM_QUANTIZE_PURE : 0,
-                                    progress, user, err, err_size);
+                                    loom_quant_mix_is_plain(mix) ? LOOM_QUANTIZE_PURE : 0, progress,
+                                    user, err, err_size);
         unlink(tmp);
         free(tmp);
         return rc;

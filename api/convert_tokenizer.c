@@ -57,13 +57,15 @@ static int tokenizer(conv *c)
     int ice = is_ice_text(c);
     snprintf(path, sizeof path, "%s/%s", c->dir, ice ? "ice_text.model" : "tokenizer.model");
     if (access(path, R_OK) != 0)
-        return conv_fail(c, "%s: no tokenizer.model (loom reads the SentencePiece model of the Llama "
-                       "family; tokenizer.json-only folders are not supported yet)", c->dir);
+        return conv_fail(c,
+                         "%s: no tokenizer.model (loom reads the SentencePiece model of the Llama "
+                         "family; tokenizer.json-only folders are not supported yet)",
+                         c->dir);
     if (loom_spm_model_read(&c->spm, path, c->err, c->err_size) != 0)
         return -1;
     if (c->spm.model_type != 1 && c->spm.model_type != 2)
         return conv_fail(c, "%s: a SentencePiece model of type %d; loom runs BPE and unigram ones",
-                    path, c->spm.model_type);
+                         path, c->spm.model_type);
     int32_t n_sp = c->spm.n, n_special = sp ? sp->total : 0;
     int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size|padded_vocab_size", n_sp);
     if (n_vocab < n_sp + n_special)
@@ -99,13 +101,15 @@ static int tokenizer(conv *c)
             int32_t gmask = piece_id(&c->spm, "[gMASK]"), sop = piece_id(&c->spm, "<sop>");
             int32_t eop = piece_id(&c->spm, "<eop>");
             if (gmask < 0 || sop < 0 || eop < 0)
-                rc = conv_fail(c, "%s: no [gMASK], <sop> or <eop> piece: not ChatGLM-6B's tokenizer", path);
+                rc = conv_fail(
+                    c, "%s: no [gMASK], <sop> or <eop> piece: not ChatGLM-6B's tokenizer", path);
             int32_t suffix[2] = {gmask, sop};
             loom_gguf_set_bool(c->w, "tokenizer.loom.glm_text", 1);
             /* chatglm.cpp reads no special token from text: [gMASK] typed is characters */
             loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", NULL, 0);
             loom_gguf_set_i32_array(c->w, "tokenizer.loom.suffix_tokens", suffix, 2);
-            loom_gguf_set_u32(c->w, "tokenizer.ggml.gmask_token_id", (uint32_t)(gmask < 0 ? 0 : gmask));
+            loom_gguf_set_u32(c->w, "tokenizer.ggml.gmask_token_id",
+                              (uint32_t)(gmask < 0 ? 0 : gmask));
             c->spm.bos_id = sop, c->spm.eos_id = eop;
         }
         if (sp) {
@@ -113,9 +117,10 @@ static int tokenizer(conv *c)
             int32_t ids[4];
             for (int i = 0; i < sp->n_prefix; i++)
                 ids[i] = n_sp + sp->prefix[i];
-            loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", ids, (uint64_t)sp->n_prefix);
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.prefix_tokens", ids,
+                                    (uint64_t)sp->n_prefix);
             int by_text = sp->text_specials_when &&
-                          loom_hf_true(c->tok_config, sp->text_specials_when);
+                loom_hf_true(c->tok_config, sp->text_specials_when);
             for (int i = 0; i < sp->n_text_specials; i++)
                 ids[i] = n_sp + sp->text_specials[i];
             loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", ids,
@@ -133,13 +138,15 @@ static int tokenizer(conv *c)
             loom_gguf_set_u32(c->w, "tokenizer.ggml.eos_token_id", (uint32_t)c->spm.eos_id);
         cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_bos_token",
-                           ice || sp ? 0 : ab ? cJSON_IsTrue(ab) : 1);
+                           ice || sp ? 0
+                               : ab  ? cJSON_IsTrue(ab)
+                                     : 1);
         loom_gguf_set_bool(c->w, "tokenizer.ggml.add_space_prefix", c->spm.add_dummy_prefix);
         /* special tokens declared with lstrip/rstrip false keep the whitespace beside them;
          * undeclared ones lose it (see core/tokenizer.c); ChatGLM's keep it always */
         int strip = !sp;
         cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder"), *a;
-        cJSON_ArrayForEach(a, added)
+        cJSON_ArrayForEach (a, added)
             if (cJSON_IsFalse(cJSON_GetObjectItem(a, "lstrip")) &&
                 cJSON_IsFalse(cJSON_GetObjectItem(a, "rstrip")))
                 strip = 0;
@@ -164,7 +171,7 @@ void conv_stop_tokens(conv *c)
         int32_t ids[16];
         int n = 0;
         cJSON *e;
-        cJSON_ArrayForEach(e, eos)
+        cJSON_ArrayForEach (e, eos)
             if (cJSON_IsNumber(e) && n < 16)
                 ids[n++] = e->valueint;
         loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", ids, (uint64_t)n);
@@ -178,8 +185,8 @@ typedef struct bpe_vocab {
     int32_t n;
     const char **tokens;
     int32_t *types;
-    char **owned;        /* per id: a string this vocabulary allocated */
-    char **merges;       /* "left right", owned */
+    char **owned;  /* per id: a string this vocabulary allocated */
+    char **merges; /* "left right", owned */
     size_t n_merges, cap;
     int32_t bos, eos, pad;
 } bpe_vocab;
@@ -234,7 +241,8 @@ static int bpe_vocab_write(conv *c, bpe_vocab *v, const char *pre, int add_bos)
     loom_gguf_set_str(c->w, "tokenizer.ggml.pre", pre);
     loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", v->tokens, (uint64_t)v->n);
     loom_gguf_set_i32_array(c->w, "tokenizer.ggml.token_type", v->types, (uint64_t)v->n);
-    loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)v->merges, v->n_merges);
+    loom_gguf_set_str_array(c->w, "tokenizer.ggml.merges", (const char *const *)v->merges,
+                            v->n_merges);
     if (v->bos >= 0)
         loom_gguf_set_u32(c->w, "tokenizer.ggml.bos_token_id", (uint32_t)v->bos);
     if (v->eos >= 0)
@@ -260,27 +268,27 @@ static int tokenizer_bpe(conv *c)
     FILE *mf = fopen(path, "r");
     if (!mf) {
         cJSON_Delete(vocab);
-        return conv_fail(c, "%s: %s (a byte-level BPE tokenizer needs its merges)", path, strerror(errno));
+        return conv_fail(c, "%s: %s (a byte-level BPE tokenizer needs its merges)", path,
+                         strerror(errno));
     }
     int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
     cJSON *e;
-    cJSON_ArrayForEach(e, vocab)
+    cJSON_ArrayForEach (e, vocab)
         if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
             n_vocab = e->valueint + 1;
     cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder");
-    cJSON_ArrayForEach(e, added)
+    cJSON_ArrayForEach (e, added)
         if (atoi(e->string) >= n_vocab)
             n_vocab = atoi(e->string) + 1;
     bpe_vocab v;
     int rc = bpe_vocab_init(c, &v, n_vocab);
-    cJSON_ArrayForEach(e, vocab)
+    cJSON_ArrayForEach (e, vocab)
         if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
             v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
     v.eos = (int32_t)loom_hf_num(c->config, "eos_token_id", -1);
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON *pad_name = cJSON_GetObjectItem(c->tok_config, "pad_token");
-    cJSON_ArrayForEach(e, added)
-    {
+    cJSON_ArrayForEach (e, added) {
         int id = atoi(e->string);
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || id < 0 || !cJSON_IsString(content))
@@ -315,37 +323,40 @@ static int tokenizer_json(conv *c, cJSON *tj)
 {
     cJSON *model = cJSON_GetObjectItem(tj, "model");
     cJSON *type = cJSON_GetObjectItem(model, "type");
-    cJSON *vocab = cJSON_GetObjectItem(model, "vocab"), *merges = cJSON_GetObjectItem(model, "merges");
+    cJSON *vocab = cJSON_GetObjectItem(model, "vocab"),
+          *merges = cJSON_GetObjectItem(model, "merges");
     if (!cJSON_IsString(type) || strcmp(type->valuestring, "BPE") || !cJSON_IsObject(vocab) ||
         !cJSON_IsArray(merges))
-        return conv_fail(c, "%s/tokenizer.json: not a BPE tokenizer with a vocab and merges", c->dir);
+        return conv_fail(c, "%s/tokenizer.json: not a BPE tokenizer with a vocab and merges",
+                         c->dir);
     char *pre_json = cJSON_PrintUnformatted(cJSON_GetObjectItem(tj, "pre_tokenizer"));
-    const char *pre = !pre_json ? NULL
-                      : strstr(pre_json, "\\\\p{N}{1,3}") ? "llama-bpe"
-                      : strstr(pre_json, "\\\\p{N}|") ? "qwen2"
-                                                      : NULL;
+    const char *pre = !pre_json             ? NULL
+        : strstr(pre_json, "\\\\p{N}{1,3}") ? "llama-bpe"
+        : strstr(pre_json, "\\\\p{N}|")     ? "qwen2"
+                                            : NULL;
     int byte_level = pre_json && strstr(pre_json, "ByteLevel");
     free(pre_json);
     if (!pre || !byte_level)
-        return conv_fail(c, "%s/tokenizer.json: a pre-tokenizer loom does not know (it knows the "
-                       "byte-level ones of Llama-3 and Qwen2)", c->dir);
+        return conv_fail(c,
+                         "%s/tokenizer.json: a pre-tokenizer loom does not know (it knows the "
+                         "byte-level ones of Llama-3 and Qwen2)",
+                         c->dir);
     int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
     cJSON *e, *added = cJSON_GetObjectItem(tj, "added_tokens");
-    cJSON_ArrayForEach(e, vocab)
+    cJSON_ArrayForEach (e, vocab)
         if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
             n_vocab = e->valueint + 1;
-    cJSON_ArrayForEach(e, added)
+    cJSON_ArrayForEach (e, added)
         if ((int)loom_hf_num(e, "id", -1) >= n_vocab)
             n_vocab = (int)loom_hf_num(e, "id", -1) + 1;
     bpe_vocab v;
     int rc = bpe_vocab_init(c, &v, n_vocab);
-    cJSON_ArrayForEach(e, vocab)
+    cJSON_ArrayForEach (e, vocab)
         if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
             v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
     cJSON *bos_name = cJSON_GetObjectItem(c->tok_config, "bos_token");
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
-    cJSON_ArrayForEach(e, added)
-    {
+    cJSON_ArrayForEach (e, added) {
         int id = (int)loom_hf_num(e, "id", -1);
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || id < 0 || !cJSON_IsString(content))
@@ -359,14 +370,14 @@ static int tokenizer_json(conv *c, cJSON *tj)
     }
     int i = 0;
     cJSON *m;
-    cJSON_ArrayForEach(m, merges) /* a linked list: walking it by index would be quadratic */
+    cJSON_ArrayForEach (m, merges) /* a linked list: walking it by index would be quadratic */
     {
         if (rc)
             break;
         char *text = NULL;
         const cJSON *l = cJSON_GetArrayItem(m, 0), *r = cJSON_GetArrayItem(m, 1);
         int pair = cJSON_IsArray(m) && cJSON_GetArraySize(m) == 2 && cJSON_IsString(l) &&
-                   cJSON_IsString(r); /* newer files: [left, right] */
+            cJSON_IsString(r); /* newer files: [left, right] */
         if (cJSON_IsString(m))
             text = strdup(m->valuestring);
         else if (pair)
@@ -395,9 +406,11 @@ static int is_tiktoken(const char *path)
 {
     FILE *f = fopen(path, "r");
     char line[512];
-    int yes = f && fgets(line, sizeof line, f) && strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") > 0;
+    int yes = f && fgets(line, sizeof line, f) &&
+        strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") > 0;
     if (yes) {
-        size_t b = strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=");
+        size_t b = strspn(line,
+                          "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=");
         yes = line[b] == ' ' && line[b + 1] >= '0' && line[b + 1] <= '9';
     }
     if (f)
@@ -407,7 +420,8 @@ static int is_tiktoken(const char *path)
 
 static int base64_decode(const char *in, size_t n, unsigned char *out)
 {
-    static const char alphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    static const char alphabet[] =
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     uint32_t acc = 0;
     int bits = 0, k = 0;
     for (size_t i = 0; i < n && in[i] != '='; i++) {
@@ -645,4 +659,3 @@ int conv_tokenizer(conv *c)
         return tokenizer_bpe(c);
     return tokenizer(c);
 }
-

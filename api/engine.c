@@ -26,13 +26,13 @@
 
 typedef struct ereq {
     int64_t id;
-    struct ereq *next;          /* in incoming / waiting */
+    struct ereq *next; /* in incoming / waiting */
     int32_t *toks;
     int32_t n_toks, cap;
     int32_t n_prompt, max_tokens, n_generated, n_cached;
-    int32_t prefix_len;         /* bidirectional prefix (ChatGLM-6B), 0: causal */
-    int admitted;               /* has been admitted once (n_cached is known) */
-    int cancelled;              /* set under the lock */
+    int32_t prefix_len; /* bidirectional prefix (ChatGLM-6B), 0: causal */
+    int admitted;       /* has been admitted once (n_cached is known) */
+    int cancelled;      /* set under the lock */
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
@@ -54,14 +54,14 @@ struct loom_engine {
 
     pthread_t thread;
     pthread_mutex_t lock;
-    pthread_cond_t wake;       /* work arrived / stop */
-    pthread_cond_t idle;       /* nothing left (for the drain) */
+    pthread_cond_t wake; /* work arrived / stop */
+    pthread_cond_t idle; /* nothing left (for the drain) */
     ereq *incoming, *incoming_tail;
-    ereq **live;               /* every unretired request, for cancel by id (under the lock) */
+    ereq **live; /* every unretired request, for cancel by id (under the lock) */
     int n_live, cap_live;
     int64_t next_id;
-    int stopping;              /* no new requests */
-    int joined;                /* the thread has been joined */
+    int stopping; /* no new requests */
+    int joined;   /* the thread has been joined */
     int cancel_all;
     int has_cancels;
 
@@ -69,16 +69,16 @@ struct loom_engine {
     ereq *waiting;
     ereq **running;
     int n_running;
-    float *logits;             /* one row, for the sampler to modify */
-    struct planned *plan;      /* a step's work: allocated at start, so that a failure there is
-                                * the caller's error, not a thread that quits quietly */
+    float *logits;        /* one row, for the sampler to modify */
+    struct planned *plan; /* a step's work: allocated at start, so that a failure there is
+                           * the caller's error, not a thread that quits quietly */
     loom_kvcopy *copies;
     int32_t *step_buf;
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
     double rate_t0;
     uint64_t rate_n0;
 
-    loom_engine_stats stats;   /* under the lock: published after each step */
+    loom_engine_stats stats; /* under the lock: published after each step */
 };
 
 static double now_ms(void)
@@ -116,7 +116,8 @@ static void remove_running(loom_engine *e, ereq *q)
 {
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == q) {
-            memmove(e->running + i, e->running + i + 1, (size_t)(e->n_running - i - 1) * sizeof *e->running);
+            memmove(e->running + i, e->running + i + 1,
+                    (size_t)(e->n_running - i - 1) * sizeof *e->running);
             e->n_running--;
             return;
         }
@@ -136,8 +137,12 @@ static void retire(loom_engine *e, ereq *q, const char *finish, const char *erro
 {
     loom_kvblocks_release(e->kv, &q->kv);
     loom_text_stream_flush(&q->ts);
-    loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = -1, .n_prompt = q->n_prompt,
-                     .n_generated = q->n_generated, .n_cached = q->n_cached, .ttft_ms = q->ttft_ms};
+    loom_event ev = {.kind = LOOM_EVENT_TEXT,
+                     .token = -1,
+                     .n_prompt = q->n_prompt,
+                     .n_generated = q->n_generated,
+                     .n_cached = q->n_cached,
+                     .ttft_ms = q->ttft_ms};
     if (q->ts.n_out && !error) {
         ev.text = q->ts.out, ev.len = q->ts.n_out;
         q->fn(q->user, &ev);
@@ -161,8 +166,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         return -1;
     }
     if (r->n_prompt >= e->n_ctx) {
-        snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (including at "
-                 "least one generated token)", r->n_prompt, e->n_ctx);
+        snprintf(err, err_size,
+                 "the prompt has %d tokens but the context holds %d (including at "
+                 "least one generated token)",
+                 r->n_prompt, e->n_ctx);
         return -1;
     }
     for (int32_t i = 0; i < r->n_prompt; i++)
@@ -172,8 +179,8 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
             return -1;
         }
     int32_t max_tokens = r->max_tokens < 0 || r->max_tokens > e->n_ctx - r->n_prompt
-                             ? e->n_ctx - r->n_prompt
-                             : r->max_tokens;
+        ? e->n_ctx - r->n_prompt
+        : r->max_tokens;
     ereq *q = calloc(1, sizeof *q);
     if (!q)
         goto oom;
@@ -192,8 +199,15 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
     const loom_sampling *s = &r->sampling;
-    q->sp = (loom_sampler_params){s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
-                                  s->repeat_last_n, s->presence_penalty, s->frequency_penalty, s->seed};
+    q->sp = (loom_sampler_params){s->temperature,
+                                  s->top_k,
+                                  s->top_p,
+                                  s->min_p,
+                                  s->repeat_penalty,
+                                  s->repeat_last_n,
+                                  s->presence_penalty,
+                                  s->frequency_penalty,
+                                  s->seed};
     q->rng = s->seed;
     q->ignore_eos = s->ignore_eos;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
@@ -269,7 +283,7 @@ static void preempt(loom_engine *e, ereq *q)
 
 typedef struct planned {
     ereq *q;
-    int32_t k;     /* tokens computed this step */
+    int32_t k; /* tokens computed this step */
 } planned;
 
 /* Makes room for k more tokens of q, preempting newer requests (or q itself, when it is the
@@ -358,8 +372,12 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
     int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
     /* one event per token, even when all its bytes are held back (part of a UTF-8 character
      * or of a possible stop string), so every id reaches the caller */
-    loom_event ev = {.kind = LOOM_EVENT_TEXT, .token = next, .text = q->ts.out ? q->ts.out : "",
-                     .len = q->ts.n_out, .n_prompt = q->n_prompt, .n_generated = q->n_generated};
+    loom_event ev = {.kind = LOOM_EVENT_TEXT,
+                     .token = next,
+                     .text = q->ts.out ? q->ts.out : "",
+                     .len = q->ts.n_out,
+                     .n_prompt = q->n_prompt,
+                     .n_generated = q->n_generated};
     q->fn(q->user, &ev);
     q->ts.n_out = 0;
     if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
@@ -403,7 +421,16 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     int rc = 0;
     if (n_copies)
         rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
-    loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
+    loom_step st = {n_tok,
+                    ids,
+                    pos,
+                    seq,
+                    slots,
+                    n_plan,
+                    max_blocks,
+                    table,
+                    n_logits,
+                    rows,
                     any_prefix ? prefix : NULL};
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
@@ -424,7 +451,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k);
         if (!wants)
             continue;
-        memcpy(e->logits, logits + (size_t)li++ * (size_t)e->n_vocab, (size_t)e->n_vocab * sizeof *e->logits);
+        memcpy(e->logits, logits + (size_t)li++ * (size_t)e->n_vocab,
+               (size_t)e->n_vocab * sizeof *e->logits);
         sample_next(e, q, e->logits);
     }
 }
@@ -544,16 +572,20 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->max_batch = o->max_batch > 0 ? o->max_batch : 16;
     e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
     if (e->max_step < e->max_batch) {
-        snprintf(err, err_size, "max tokens per step (%d) must be at least the batch size (%d): "
-                 "every running sequence needs one token a step", e->max_step, e->max_batch);
+        snprintf(err, err_size,
+                 "max tokens per step (%d) must be at least the batch size (%d): "
+                 "every running sequence needs one token a step",
+                 e->max_step, e->max_batch);
         free(e);
         return NULL;
     }
     int32_t n_blocks = loom_runner_kv_blocks(e->runner);
     int32_t per_seq = (e->n_ctx + e->bs - 1) / e->bs;
     if (n_blocks < per_seq) {
-        snprintf(err, err_size, "the KV cache has %d blocks of %d tokens, fewer than one %d-token "
-                 "context needs (%d)", n_blocks, e->bs, e->n_ctx, per_seq);
+        snprintf(err, err_size,
+                 "the KV cache has %d blocks of %d tokens, fewer than one %d-token "
+                 "context needs (%d)",
+                 n_blocks, e->bs, e->n_ctx, per_seq);
         free(e);
         return NULL;
     }

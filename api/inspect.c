@@ -135,8 +135,10 @@ int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_si
         for (uint64_t i = 0; i < g.n_kv; i++) {
             const char *k = g.kv[i].key;
             int is_arch = strncmp(k, arch, (size_t)arch_len) == 0 && k[arch_len] == '.';
-            int which = is_arch ? 0 : strncmp(k, "general.", 8) == 0 ? 1
-                                    : strncmp(k, "tokenizer.", 10) == 0 ? 2 : 3;
+            int which = is_arch                     ? 0
+                : strncmp(k, "general.", 8) == 0    ? 1
+                : strncmp(k, "tokenizer.", 10) == 0 ? 2
+                                                    : 3;
             if (which != sec || strcmp(k, "tokenizer.chat_template") == 0)
                 continue;
             if (!printed++)
@@ -178,9 +180,10 @@ int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_si
         fprintf(out, "checksums: %s per tensor, all %llu match\n", LOOM_GGUF_CHECKSUM_ALGORITHM,
                 (unsigned long long)g.n_tensors);
     else
-        fprintf(out, "checksums: %lld of %llu tensors DIFFER from the stored %s sums, the first "
-                "'%s': the file was damaged (loom verify says more)\n", (long long)bad,
-                (unsigned long long)g.n_tensors, LOOM_GGUF_CHECKSUM_ALGORITHM,
+        fprintf(out,
+                "checksums: %lld of %llu tensors DIFFER from the stored %s sums, the first "
+                "'%s': the file was damaged (loom verify says more)\n",
+                (long long)bad, (unsigned long long)g.n_tensors, LOOM_GGUF_CHECKSUM_ALGORITHM,
                 g.tensors[first_bad].name);
     loom_gguf_close(&g);
     return 0;

@@ -39,8 +39,16 @@ static double now_ms(void)
 loom_sampling loom_sampling_defaults(void)
 {
     loom_sampler_params d = loom_sampler_defaults();
-    loom_sampling s = {d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty,
-                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed, 0};
+    loom_sampling s = {d.temperature,
+                       d.top_k,
+                       d.top_p,
+                       d.min_p,
+                       d.repeat_penalty,
+                       d.repeat_last_n,
+                       d.presence_penalty,
+                       d.frequency_penalty,
+                       d.seed,
+                       0};
     return s;
 }
 
@@ -59,8 +67,8 @@ void loom_model_close(loom_model *m)
 
 /* The device a model runs on: opts->backend_module's file, or the module chosen among those
  * found (opts->backend, LOOM_BACKEND, scores). */
-static int open_device(loom_model *m, const loom_model_options *opts, const char *trace,
-                       char *err, size_t err_size)
+static int open_device(loom_model *m, const loom_model_options *opts, const char *trace, char *err,
+                       size_t err_size)
 {
     loom_registry reg = {.chosen = -1};
     int rc;
@@ -72,16 +80,18 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
                      loom_candidate_state_name(c->state), c->reason[0] ? ": " : "", c->reason);
             rc = -1;
         } else if (c && c->kind != LOOM_MODULE_BACKEND) {
-            snprintf(err, err_size, "%s: %s is a decorator, not a backend: it wraps one (the "
-                     "trace plugin: LOOM_TRACE=FILE)", opts->backend_module, c->name);
+            snprintf(err, err_size,
+                     "%s: %s is a decorator, not a backend: it wraps one (the "
+                     "trace plugin: LOOM_TRACE=FILE)",
+                     opts->backend_module, c->name);
             rc = -1;
         }
         reg.chosen = 0, reg.chosen_device = 0;
     } else {
         rc = loom_registry_scan(&reg, err, err_size) != 0 ||
-                     loom_registry_select(&reg, opts->backend, err, err_size) != 0
-                 ? -1
-                 : 0;
+                loom_registry_select(&reg, opts->backend, err, err_size) != 0
+            ? -1
+            : 0;
     }
     if (rc == 0)
         rc = loom_device_open_chosen(&m->dev, &reg, opts->n_threads, err, err_size);
@@ -123,10 +133,12 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     loom_model_options none = {0};
     if (!opts)
         opts = &none;
-    loom_runner_options ro = {.n_ctx = opts->n_ctx, .n_kv_blocks = opts->kv_blocks,
+    loom_runner_options ro = {.n_ctx = opts->n_ctx,
+                              .n_kv_blocks = opts->kv_blocks,
                               .no_repack = !behaviour(opts->repack, "LOOM_REPACK", 1),
                               .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
-                              .n_kv_seqs = opts->kv_sequences, .block_size = opts->block_size};
+                              .n_kv_seqs = opts->kv_sequences,
+                              .block_size = opts->block_size};
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;
     else if (strcmp(opts->kv_type, "f32") == 0)
@@ -219,8 +231,8 @@ const float *loom_prompt_logits(const loom_model *m)
 int64_t loom_tokenize(loom_model *m, const char *text, int add_special, int parse_special,
                       int32_t *ids, int64_t cap, char *err, size_t err_size)
 {
-    return loom_tokenize_spans(m, text, strlen(text), add_special, parse_special, NULL, 0, ids,
-                               cap, err, err_size);
+    return loom_tokenize_spans(m, text, strlen(text), add_special, parse_special, NULL, 0, ids, cap,
+                               err, err_size);
 }
 
 int64_t loom_tokenize_spans(loom_model *m, const char *text, size_t len, int add_special,
@@ -238,8 +250,9 @@ int64_t loom_tokenize_spans(loom_model *m, const char *text, size_t len, int add
                                             n_plain, ids, cap);
     free(bounds);
     if (n < 0)
-        snprintf(err, err_size, "cannot tokenize the text: out of memory, a piece too long, or "
-                                "plain spans out of order");
+        snprintf(err, err_size,
+                 "cannot tokenize the text: out of memory, a piece too long, or "
+                 "plain spans out of order");
     return n;
 }
 
@@ -300,20 +313,30 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         return -1;
     }
     if (pos0 > 0 && !loom_model_extends_cache(m)) {
-        snprintf(err, err_size, "%s cannot continue a cached sequence (its prompt prefix attends "
-                 "both ways): run the whole prompt from position 0", m->name);
+        snprintf(err, err_size,
+                 "%s cannot continue a cached sequence (its prompt prefix attends "
+                 "both ways): run the whole prompt from position 0",
+                 m->name);
         return -1;
     }
     if (pos0 < 0 || pos0 + n_prompt > n_ctx) {
-        snprintf(err, err_size, "the prompt has %d tokens but the context holds %d (raise it with "
-                                "-c, up to the model's training context)",
+        snprintf(err, err_size,
+                 "the prompt has %d tokens but the context holds %d (raise it with "
+                 "-c, up to the model's training context)",
                  pos0 + n_prompt, n_ctx);
         return -1;
     }
     if (n_predict < 0 || pos0 + n_prompt + n_predict > n_ctx)
         n_predict = n_ctx - pos0 - n_prompt;
-    loom_sampler_params sp = {s->temperature, s->top_k, s->top_p, s->min_p, s->repeat_penalty,
-                              s->repeat_last_n, s->presence_penalty, s->frequency_penalty, s->seed};
+    loom_sampler_params sp = {s->temperature,
+                              s->top_k,
+                              s->top_p,
+                              s->min_p,
+                              s->repeat_penalty,
+                              s->repeat_last_n,
+                              s->presence_penalty,
+                              s->frequency_penalty,
+                              s->seed};
     uint64_t rng = s->seed;
     int32_t *history = malloc((size_t)(n_prompt + n_predict + 1) * sizeof *history);
     float *logits = malloc((size_t)n_vocab * sizeof *logits);
@@ -356,7 +379,8 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
     loom_text_stream_free(&ts);
     double t_decode = now_ms() - t_decode0;
     st.prefill_tok_s = t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0;
-    st.decode_tok_s = t_decode > 0 && st.n_generated > 1 ? (st.n_generated - 1) / (t_decode / 1e3) : 0;
+    st.decode_tok_s = t_decode > 0 && st.n_generated > 1 ? (st.n_generated - 1) / (t_decode / 1e3)
+                                                         : 0;
     if (stats)
         *stats = st;
     free(history), free(logits);
@@ -436,8 +460,8 @@ int32_t loom_vocab_size(const loom_vocab *v)
     return loom_tokenizer_vocab_size(v->tok);
 }
 
-int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special,
-                          int parse_special, int32_t *ids, int64_t cap)
+int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special, int parse_special,
+                          int32_t *ids, int64_t cap)
 {
     return loom_tokenizer_encode(v->tok, text, strlen(text), add_special, parse_special, ids, cap);
 }

@@ -26,8 +26,17 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef enum { MIX_PLAIN, MIX_Q2_K, MIX_Q3_K_S, MIX_Q3_K_M, MIX_Q3_K_L, MIX_Q4_K_S, MIX_Q4_K_M,
-               MIX_Q5_K_S, MIX_Q5_K_M } mix_kind;
+typedef enum {
+    MIX_PLAIN,
+    MIX_Q2_K,
+    MIX_Q3_K_S,
+    MIX_Q3_K_M,
+    MIX_Q3_K_L,
+    MIX_Q4_K_S,
+    MIX_Q4_K_M,
+    MIX_Q5_K_S,
+    MIX_Q5_K_M
+} mix_kind;
 
 static const struct {
     const char *name;
@@ -35,15 +44,15 @@ static const struct {
     mix_kind kind;
     int file_type; /* llama.cpp's general.file_type for the mix */
 } mixes[] = {
-    {"f32", LOOM_F32, MIX_PLAIN, 0},       {"f16", LOOM_F16, MIX_PLAIN, 1},
-    {"bf16", LOOM_BF16, MIX_PLAIN, 32},    {"q8_0", LOOM_Q8_0, MIX_PLAIN, 7},
-    {"q4_0", LOOM_Q4_0, MIX_PLAIN, 2},     {"q4_1", LOOM_Q4_1, MIX_PLAIN, 3},
-    {"q5_0", LOOM_Q5_0, MIX_PLAIN, 8},     {"q5_1", LOOM_Q5_1, MIX_PLAIN, 9},
+    {"f32", LOOM_F32, MIX_PLAIN, 0},        {"f16", LOOM_F16, MIX_PLAIN, 1},
+    {"bf16", LOOM_BF16, MIX_PLAIN, 32},     {"q8_0", LOOM_Q8_0, MIX_PLAIN, 7},
+    {"q4_0", LOOM_Q4_0, MIX_PLAIN, 2},      {"q4_1", LOOM_Q4_1, MIX_PLAIN, 3},
+    {"q5_0", LOOM_Q5_0, MIX_PLAIN, 8},      {"q5_1", LOOM_Q5_1, MIX_PLAIN, 9},
     {"iq4_nl", LOOM_IQ4_NL, MIX_PLAIN, 25}, {"iq4_xs", LOOM_IQ4_XS, MIX_PLAIN, 30},
-    {"q2_k", LOOM_Q2_K, MIX_Q2_K, 10},     {"q3_k_s", LOOM_Q3_K, MIX_Q3_K_S, 11},
-    {"q3_k_m", LOOM_Q3_K, MIX_Q3_K_M, 12}, {"q3_k_l", LOOM_Q3_K, MIX_Q3_K_L, 13},
-    {"q4_k_s", LOOM_Q4_K, MIX_Q4_K_S, 14}, {"q4_k_m", LOOM_Q4_K, MIX_Q4_K_M, 15},
-    {"q5_k_s", LOOM_Q5_K, MIX_Q5_K_S, 16}, {"q5_k_m", LOOM_Q5_K, MIX_Q5_K_M, 17},
+    {"q2_k", LOOM_Q2_K, MIX_Q2_K, 10},      {"q3_k_s", LOOM_Q3_K, MIX_Q3_K_S, 11},
+    {"q3_k_m", LOOM_Q3_K, MIX_Q3_K_M, 12},  {"q3_k_l", LOOM_Q3_K, MIX_Q3_K_L, 13},
+    {"q4_k_s", LOOM_Q4_K, MIX_Q4_K_S, 14},  {"q4_k_m", LOOM_Q4_K, MIX_Q4_K_M, 15},
+    {"q5_k_s", LOOM_Q5_K, MIX_Q5_K_S, 16},  {"q5_k_m", LOOM_Q5_K, MIX_Q5_K_M, 17},
     {"q6_k", LOOM_Q6_K, MIX_PLAIN, 18},
 };
 #define N_MIXES (sizeof mixes / sizeof mixes[0])
@@ -104,7 +113,9 @@ static loom_dtype fitting(loom_dtype t, int64_t cols)
     if (cols % loom_dtype_block_elems(t) == 0)
         return t;
     switch (t) {
-    case LOOM_Q2_K: case LOOM_Q3_K: case LOOM_IQ4_XS: t = LOOM_IQ4_NL; break;
+    case LOOM_Q2_K:
+    case LOOM_Q3_K:
+    case LOOM_IQ4_XS: t = LOOM_IQ4_NL; break;
     case LOOM_Q4_K: t = LOOM_Q5_0; break;
     case LOOM_Q5_K: t = LOOM_Q5_1; break;
     case LOOM_Q6_K: t = LOOM_Q8_0; break;

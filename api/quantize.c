@@ -118,8 +118,9 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
         if (loom_gguf_copy_kv(w, &g, &g.kv[i]))
             rc = -1, snprintf(err, err_size, "out of memory copying metadata");
     }
-    if (rc == 0 && (loom_gguf_set_u32(w, "general.file_type", (uint32_t)loom_quant_mix_file_type(mix)) ||
-                    loom_gguf_set_u32(w, "general.quantization_version", 2)))
+    if (rc == 0 &&
+        (loom_gguf_set_u32(w, "general.file_type", (uint32_t)loom_quant_mix_file_type(mix)) ||
+         loom_gguf_set_u32(w, "general.quantization_version", 2)))
         rc = -1, snprintf(err, err_size, "out of memory");
     for (uint64_t i = 0; rc == 0 && i < g.n_tensors; i++) {
         const loom_gguf_tensor *t = &g.tensors[i];
@@ -136,7 +137,8 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
         if (to != from) {
             int64_t rb = loom_row_bytes(to, cols);
             unsigned char *dst = rb > 0 ? malloc((size_t)(rb * rows)) : NULL;
-            quant_job job = {src, dst, from, to, rows, cols, loom_row_bytes(from, cols), rb, 1, 0, 0};
+            quant_job job = {src, dst, from, to, rows, cols, loom_row_bytes(from, cols),
+                             rb,  1,   0,    0};
             if (!dst || quantise_tensor(job, (int)(cpus > 0 ? cpus : 1)) != 0) {
                 free(dst);
                 rc = -1;
@@ -166,8 +168,10 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
                 fprintf(stderr, " %d %s", counts[t], loom_ggml_type_name((uint32_t)t));
         fprintf(stderr, " tensors\n");
         if (kept_quantised)
-            fprintf(stderr, "note: %d matrices were quantised already and are copied as they are "
-                            "(loom does not requantise)\n", kept_quantised);
+            fprintf(stderr,
+                    "note: %d matrices were quantised already and are copied as they are "
+                    "(loom does not requantise)\n",
+                    kept_quantised);
     }
     for (uint64_t i = 0; owned && i < g.n_tensors; i++)
         free(owned[i]);

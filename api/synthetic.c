@@ -21,7 +21,8 @@ typedef struct shape {
 } shape;
 
 static const shape shapes[] = {
-    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", 64, 2, 2, 1, 192, 512, 512},
+    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", 64, 2, 2, 1,
+     192, 512, 512},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)", 768, 12, 12, 12, 3072, 32000, 2048},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", 2048, 22, 32, 4, 5632, 32000, 2048},
     {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", 4096, 32, 32, 8, 14336, 128256, 8192},
@@ -60,7 +61,7 @@ static void *random_matrix(loom_dtype t, int64_t rows, int64_t cols, float amp)
 }
 
 static const loom_dtype synthetic_types[] = {
-    LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1,  LOOM_Q5_0,   LOOM_Q5_1,
+    LOOM_F32,    LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1, LOOM_Q5_0,  LOOM_Q5_1,
     LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS};
 
 const char *loom_synthetic_types(void)
@@ -98,9 +99,10 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
         return -1;
     }
     if (sh->n_embd % loom_dtype_block_elems(wt) || sh->n_ff % loom_dtype_block_elems(wt)) {
-        snprintf(err, err_size, "the %s shape's rows (%d and %d wide) are not whole %s blocks of "
-                 "%lld: choose a wider shape", sh->name, sh->n_embd, sh->n_ff, type_name,
-                 (long long)loom_dtype_block_elems(wt));
+        snprintf(err, err_size,
+                 "the %s shape's rows (%d and %d wide) are not whole %s blocks of "
+                 "%lld: choose a wider shape",
+                 sh->name, sh->n_embd, sh->n_ff, type_name, (long long)loom_dtype_block_elems(wt));
         return -1;
     }
     const int32_t hd = sh->n_embd / sh->n_head, kv = sh->n_head_kv * hd;
@@ -163,7 +165,8 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
     loom_gguf_set_u32(w, "llama.rope.dimension_count", (uint32_t)hd);
     loom_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
     loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
-    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", (const char *const *)tokens, (uint64_t)sh->n_vocab);
+    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", (const char *const *)tokens,
+                            (uint64_t)sh->n_vocab);
     loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, (uint64_t)sh->n_vocab);
     loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, (uint64_t)sh->n_vocab);
     loom_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
@@ -176,8 +179,9 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
     bad |= loom_gguf_add_tensor(w, "output.weight", wt, 2, ne_embd, out);
     for (int l = 0; l < sh->n_layer; l++) {
         char t[64];
-#define ADD(suffix, type, nd, ne, data)                                                        \
-    (snprintf(t, sizeof t, "blk.%d.%s", l, suffix), bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data))
+#define ADD(suffix, type, nd, ne, data)                                                            \
+    (snprintf(t, sizeof t, "blk.%d.%s", l, suffix),                                                \
+     bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data))
         ADD("attn_norm.weight", LOOM_F32, 1, ne_norm, norm);
         ADD("attn_q.weight", wt, 2, ne_q, wq);
         ADD("attn_k.weight", wt, 2, ne_kv, wk);

@@ -47,7 +47,8 @@ static void check_checksums(verifier *v, const loom_gguf *g)
     uint64_t first = 0;
     int64_t bad = loom_gguf_check_checksums(g, &first);
     if (bad == -2) {
-        say(v, "checksum", LOOM_CHECK_SKIPPED, "none stored (files loom convert and loom quantize "
+        say(v, "checksum", LOOM_CHECK_SKIPPED,
+            "none stored (files loom convert and loom quantize "
             "write carry one per tensor; this one was written elsewhere)");
     } else if (bad < 0) {
         say(v, "checksum", LOOM_CHECK_PROBLEM, "%s is not %llu %s sums: the metadata is damaged",
@@ -99,9 +100,10 @@ static void check_values(verifier *v, const loom_gguf *g)
         checked++, elems_checked += (uint64_t)n;
         if (at >= 0 && !bad++) {
             int64_t b = at / be;
-            snprintf(first, sizeof first, "tensor '%s' holds %s at element %lld (row %lld, column "
-                     "%lld; file bytes %llu..%llu hold its block)", t->name,
-                     isnan(buf[at % CHUNK]) ? "NaN" : "Inf", (long long)at,
+            snprintf(first, sizeof first,
+                     "tensor '%s' holds %s at element %lld (row %lld, column "
+                     "%lld; file bytes %llu..%llu hold its block)",
+                     t->name, isnan(buf[at % CHUNK]) ? "NaN" : "Inf", (long long)at,
                      (long long)(at / t->ne[0]), (long long)(at % t->ne[0]),
                      (unsigned long long)(t->offset + (uint64_t)(b * bb)),
                      (unsigned long long)(t->offset + (uint64_t)((b + 1) * bb) - 1));
@@ -144,8 +146,10 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
         per_layer0 += l == 0;
     }
     if (n_layer >= 0 && max_layer + 1 != n_layer) {
-        say(v, "shapes", LOOM_CHECK_PROBLEM, "%s says %lld layers, the tensors hold %ld (blk.0 .. "
-            "blk.%ld)", key, (long long)n_layer, max_layer + 1, max_layer);
+        say(v, "shapes", LOOM_CHECK_PROBLEM,
+            "%s says %lld layers, the tensors hold %ld (blk.0 .. "
+            "blk.%ld)",
+            key, (long long)n_layer, max_layer + 1, max_layer);
         return;
     }
     /* every layer: the same tensors as layer 0, shaped and typed alike but for the type (mixes
@@ -168,9 +172,11 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
             return;
         }
         if (memcmp(t->ne, t0->ne, sizeof t->ne) != 0) {
-            say(v, "shapes", LOOM_CHECK_PROBLEM, "tensor '%s' is %lld x %lld x %lld where layer "
-                "0's is %lld x %lld x %lld", t->name, (long long)t->ne[0], (long long)t->ne[1],
-                (long long)t->ne[2], (long long)t0->ne[0], (long long)t0->ne[1], (long long)t0->ne[2]);
+            say(v, "shapes", LOOM_CHECK_PROBLEM,
+                "tensor '%s' is %lld x %lld x %lld where layer "
+                "0's is %lld x %lld x %lld",
+                t->name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                (long long)t0->ne[0], (long long)t0->ne[1], (long long)t0->ne[2]);
             return;
         }
     }
@@ -201,15 +207,17 @@ static void check_tokenizer(verifier *v, const loom_gguf *g, int32_t n_vocab)
 {
     const loom_gguf_kv *tokens = loom_gguf_find(g, "tokenizer.ggml.tokens");
     if (!tokens) {
-        say(v, "tokenizer", LOOM_CHECK_PROBLEM, "no tokenizer.ggml.tokens: the file has no "
+        say(v, "tokenizer", LOOM_CHECK_PROBLEM,
+            "no tokenizer.ggml.tokens: the file has no "
             "vocabulary");
         return;
     }
     int64_t n = (int64_t)tokens->count;
     if (n > n_vocab) {
-        say(v, "tokenizer", LOOM_CHECK_PROBLEM, "the tokenizer has %lld tokens, the model's "
-            "output only %d rows: ids %d..%lld have no logits", (long long)n, n_vocab, n_vocab,
-            (long long)(n - 1));
+        say(v, "tokenizer", LOOM_CHECK_PROBLEM,
+            "the tokenizer has %lld tokens, the model's "
+            "output only %d rows: ids %d..%lld have no logits",
+            (long long)n, n_vocab, n_vocab, (long long)(n - 1));
         return;
     }
     static const char *const keys[] = {"tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
@@ -233,11 +241,15 @@ static void check_tokenizer(verifier *v, const loom_gguf *g, int32_t n_vocab)
         }
     }
     if (n < n_vocab)
-        say(v, "tokenizer", LOOM_CHECK_OK, "%lld tokens and special ids within them; the output's "
-            "%d rows include %lld of padding", (long long)n, n_vocab, (long long)(n_vocab - n));
+        say(v, "tokenizer", LOOM_CHECK_OK,
+            "%lld tokens and special ids within them; the output's "
+            "%d rows include %lld of padding",
+            (long long)n, n_vocab, (long long)(n_vocab - n));
     else
-        say(v, "tokenizer", LOOM_CHECK_OK, "%lld tokens, as many as the output's rows, and special "
-            "ids within them", (long long)n);
+        say(v, "tokenizer", LOOM_CHECK_OK,
+            "%lld tokens, as many as the output's rows, and special "
+            "ids within them",
+            (long long)n);
 }
 
 int loom_verify(const char *path, loom_verify_fn report, void *user)
@@ -252,11 +264,14 @@ int loom_verify(const char *path, loom_verify_fn report, void *user)
     uint64_t bytes = 0;
     for (uint64_t i = 0; i < g.n_tensors; i++)
         bytes += g.tensors[i].size;
-    say(&v, "file", LOOM_CHECK_OK, "GGUF v%u, %llu metadata keys, %llu tensors (%llu bytes), all "
-        "inside the file's %llu bytes", g.version, (unsigned long long)g.n_kv,
-        (unsigned long long)g.n_tensors, (unsigned long long)bytes, (unsigned long long)g.size);
+    say(&v, "file", LOOM_CHECK_OK,
+        "GGUF v%u, %llu metadata keys, %llu tensors (%llu bytes), all "
+        "inside the file's %llu bytes",
+        g.version, (unsigned long long)g.n_kv, (unsigned long long)g.n_tensors,
+        (unsigned long long)bytes, (unsigned long long)g.size);
     if (loom_is_model_dir(path)) /* the GGUF was written just now, from the folder */
-        say(&v, "checksum", LOOM_CHECK_SKIPPED, "a Hugging Face folder: its safetensors files "
+        say(&v, "checksum", LOOM_CHECK_SKIPPED,
+            "a Hugging Face folder: its safetensors files "
             "carry no checksums; every value is checked below");
     else
         check_checksums(&v, &g);

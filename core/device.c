@@ -16,8 +16,10 @@ static int copy_table(loom_backend_ops *ops, loom_backend *be, const char *path,
     if (ops->close && ops->last_error && ops->supports && ops->buffer_alloc && ops->buffer_free &&
         ops->copy_from_host && ops->copy_to_host && ops->synchronize)
         return 0;
-    loader_set_err(err, err_size, "%s: its op table lacks a required member (close, last_error, "
-                   "supports, buffers, copies or synchronize)", path);
+    loader_set_err(err, err_size,
+                   "%s: its op table lacks a required member (close, last_error, "
+                   "supports, buffers, copies or synchronize)",
+                   path);
     return -1;
 }
 
@@ -35,8 +37,8 @@ int loom_device_open(loom_device *dev, const char *path, int device, int n_threa
     loader_copy_str(dev->name, sizeof dev->name, dev->module.name);
     loader_copy_str(dev->variant, sizeof dev->variant, dev->module.variant);
     dev->device = device;
-    loom_backend_options opts = {.struct_size = sizeof opts, .device = device,
-                                 .n_threads = n_threads};
+    loom_backend_options opts = {
+        .struct_size = sizeof opts, .device = device, .n_threads = n_threads};
     char msg[512] = "";
     loom_status st = dev->module.open(&opts, &dev->be, msg, sizeof msg);
     if (st != LOOM_OK || !dev->be || !dev->be->ops) {
@@ -74,8 +76,8 @@ int loom_device_decorate(loom_device *dev, const char *path, const char *config,
         loom_device_close(dev);
         return -1;
     }
-    loom_backend_options opts = {.struct_size = sizeof opts, .device = dev->device,
-                                 .inner = dev->be, .config = config};
+    loom_backend_options opts = {
+        .struct_size = sizeof opts, .device = dev->device, .inner = dev->be, .config = config};
     loom_backend *be = NULL;
     char msg[512] = "";
     loom_status st = mod.open(&opts, &be, msg, sizeof msg);

@@ -102,7 +102,10 @@ static int op_tensors(loom_op op, void *params, const loom_tensor **slots[], int
         SLOT(p->x), SLOT(p->pos), SLOT(p->pos2), SLOT(p->dst);
         break;
     }
-    case LOOM_OP_ADD: case LOOM_OP_MUL: case LOOM_OP_SCALE: case LOOM_OP_SILU_MUL:
+    case LOOM_OP_ADD:
+    case LOOM_OP_MUL:
+    case LOOM_OP_SCALE:
+    case LOOM_OP_SILU_MUL:
     case LOOM_OP_GELU: {
         loom_elementwise_params *p = params;
         SLOT(p->a), SLOT(p->b), SLOT(p->dst);
@@ -119,7 +122,9 @@ static int op_tensors(loom_op op, void *params, const loom_tensor **slots[], int
             SLOT(p->pos), SLOT(p->prefix_len), SLOT(p->dst);
         break;
     }
-    case LOOM_OP_QUANTIZE: case LOOM_OP_DEQUANTIZE: case LOOM_OP_CONVERT: {
+    case LOOM_OP_QUANTIZE:
+    case LOOM_OP_DEQUANTIZE:
+    case LOOM_OP_CONVERT: {
         loom_convert_params *p = params;
         SLOT(p->src), SLOT(p->dst);
         break;
@@ -196,7 +201,8 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
     loom_device *m = fb->main, *f = &fb->dev;
     if (!fb->warned[op][dtype & 31]) {
         fb->warned[op][dtype & 31] = 1;
-        fprintf(stderr, "loom: %s%s%s does not support %s with %s; running it on %s%s%s instead "
+        fprintf(stderr,
+                "loom: %s%s%s does not support %s with %s; running it on %s%s%s instead "
                 "(its tensors are copied there and back each time; LOOM_STRICT=1 refuses)\n",
                 m->name, m->variant[0] ? "-" : "", m->variant, what, loom_dtype_name(dtype),
                 f->name, f->variant[0] ? "-" : "", f->variant);

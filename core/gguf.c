@@ -43,22 +43,35 @@ const char *loom_gguf_type_name(loom_gguf_type t)
 static uint64_t scalar_size(loom_gguf_type t)
 {
     switch (t) {
-    case LOOM_GGUF_UINT8: case LOOM_GGUF_INT8: case LOOM_GGUF_BOOL: return 1;
-    case LOOM_GGUF_UINT16: case LOOM_GGUF_INT16: return 2;
-    case LOOM_GGUF_UINT32: case LOOM_GGUF_INT32: case LOOM_GGUF_FLOAT32: return 4;
-    case LOOM_GGUF_UINT64: case LOOM_GGUF_INT64: case LOOM_GGUF_FLOAT64: return 8;
+    case LOOM_GGUF_UINT8:
+    case LOOM_GGUF_INT8:
+    case LOOM_GGUF_BOOL: return 1;
+    case LOOM_GGUF_UINT16:
+    case LOOM_GGUF_INT16: return 2;
+    case LOOM_GGUF_UINT32:
+    case LOOM_GGUF_INT32:
+    case LOOM_GGUF_FLOAT32: return 4;
+    case LOOM_GGUF_UINT64:
+    case LOOM_GGUF_INT64:
+    case LOOM_GGUF_FLOAT64: return 8;
     default: return 0;
     }
 }
 
 /* GGML's tensor types (the ids GGUF files use): name, block elements, block bytes. */
-static const struct { uint32_t id; const char *name; int64_t elems, bytes; } ggml_types[] = {
-    {0, "f32", 1, 4},       {1, "f16", 1, 2},       {2, "q4_0", 32, 18},   {3, "q4_1", 32, 20},
-    {6, "q5_0", 32, 22},    {7, "q5_1", 32, 24},    {8, "q8_0", 32, 34},   {9, "q8_1", 32, 36},
-    {10, "q2_K", 256, 84},  {11, "q3_K", 256, 110}, {12, "q4_K", 256, 144}, {13, "q5_K", 256, 176},
-    {14, "q6_K", 256, 210}, {15, "q8_K", 256, 292}, {24, "i8", 1, 1},      {25, "i16", 1, 2},
-    {20, "iq4_nl", 32, 18}, {23, "iq4_xs", 256, 136}, {26, "i32", 1, 4},    {27, "i64", 1, 8},
-    {28, "f64", 1, 8},      {30, "bf16", 1, 2},
+static const struct {
+    uint32_t id;
+    const char *name;
+    int64_t elems, bytes;
+} ggml_types[] = {
+    {0, "f32", 1, 4},       {1, "f16", 1, 2},       {2, "q4_0", 32, 18},
+    {3, "q4_1", 32, 20},    {6, "q5_0", 32, 22},    {7, "q5_1", 32, 24},
+    {8, "q8_0", 32, 34},    {9, "q8_1", 32, 36},    {10, "q2_K", 256, 84},
+    {11, "q3_K", 256, 110}, {12, "q4_K", 256, 144}, {13, "q5_K", 256, 176},
+    {14, "q6_K", 256, 210}, {15, "q8_K", 256, 292}, {24, "i8", 1, 1},
+    {25, "i16", 1, 2},      {20, "iq4_nl", 32, 18}, {23, "iq4_xs", 256, 136},
+    {26, "i32", 1, 4},      {27, "i64", 1, 8},      {28, "f64", 1, 8},
+    {30, "bf16", 1, 2},
 };
 
 int loom_ggml_type_size(uint32_t type, int64_t *block_elems, int64_t *block_bytes)
@@ -104,8 +117,9 @@ static int fail_at(cursor *c, uint64_t at, const char *fmt, ...)
 static int need(cursor *c, uint64_t n, const char *what)
 {
     if (n > c->size - c->pos)
-        return fail_at(c, c->pos, "%s needs %llu bytes but the file ends %llu bytes later "
-                                  "(truncated or corrupt)",
+        return fail_at(c, c->pos,
+                       "%s needs %llu bytes but the file ends %llu bytes later "
+                       "(truncated or corrupt)",
                        what, (unsigned long long)n, (unsigned long long)(c->size - c->pos));
     return 0;
 }
@@ -180,8 +194,10 @@ static int rd_value(cursor *c, loom_gguf_kv *kv, const char *key)
     if (at == LOOM_GGUF_STRING) {
         /* each element at least 8 bytes: bound the count before allocating for it */
         if (kv->count > (c->size - c->pos) / 8)
-            return fail_at(c, type_pos, "array '%.80s' claims %llu strings, more than the file "
-                                        "can hold", key, (unsigned long long)kv->count);
+            return fail_at(c, type_pos,
+                           "array '%.80s' claims %llu strings, more than the file "
+                           "can hold",
+                           key, (unsigned long long)kv->count);
         kv->str_offsets = malloc((kv->count ? kv->count : 1) * sizeof *kv->str_offsets);
         if (!kv->str_offsets)
             return fail_at(c, type_pos, "out of memory for array '%.80s'", key);
@@ -195,12 +211,15 @@ static int rd_value(cursor *c, loom_gguf_kv *kv, const char *key)
     }
     uint64_t es = scalar_size((loom_gguf_type)at);
     if (!es)
-        return fail_at(c, type_pos, "array '%.80s' has element type %u; GGUF allows no nested "
-                                    "arrays or unknown types", key, at);
+        return fail_at(c, type_pos,
+                       "array '%.80s' has element type %u; GGUF allows no nested "
+                       "arrays or unknown types",
+                       key, at);
     if (kv->count > (c->size - c->pos) / es)
-        return fail_at(c, type_pos, "array '%.80s' claims %llu elements of %llu bytes, more than "
-                                    "the file holds", key, (unsigned long long)kv->count,
-                       (unsigned long long)es);
+        return fail_at(c, type_pos,
+                       "array '%.80s' claims %llu elements of %llu bytes, more than "
+                       "the file holds",
+                       key, (unsigned long long)kv->count, (unsigned long long)es);
     c->pos += kv->count * es;
     return 0;
 }
@@ -323,16 +342,18 @@ int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *n
             return fail_at(&c, type_at, "tensor '%.80s' has type %u, which loom does not know",
                            t->name, t->type);
         if (t->ne[0] % be)
-            return fail_at(&c, dims_at, "tensor '%.80s': rows of %lld elements are not whole "
-                                        "%s blocks of %lld",
-                           t->name, (long long)t->ne[0], loom_ggml_type_name(t->type), (long long)be);
+            return fail_at(&c, dims_at,
+                           "tensor '%.80s': rows of %lld elements are not whole "
+                           "%s blocks of %lld",
+                           t->name, (long long)t->ne[0], loom_ggml_type_name(t->type),
+                           (long long)be);
         if (elems / (uint64_t)be > UINT64_MAX / (uint64_t)bb)
-            return fail_at(&c, dims_at, "tensor '%.80s' is larger than any file can hold",
-                           t->name);
+            return fail_at(&c, dims_at, "tensor '%.80s' is larger than any file can hold", t->name);
         t->size = elems / (uint64_t)be * (uint64_t)bb;
         if (rel % g->alignment)
-            return fail_at(&c, type_at + 4, "tensor '%.80s' offset %llu is not a multiple of the "
-                                            "alignment %u",
+            return fail_at(&c, type_at + 4,
+                           "tensor '%.80s' offset %llu is not a multiple of the "
+                           "alignment %u",
                            t->name, (unsigned long long)rel, g->alignment);
         t->offset = rel; /* made absolute below, once the data section is known */
         int added = loom_name_index_add(&g->tensor_index, t->name, (int64_t)i);
@@ -421,27 +442,67 @@ const void *loom_gguf_tensor_data(const loom_gguf *g, const loom_gguf_tensor *t)
 /* A number of type t at p, widened; returns 0 for numeric types. */
 static int read_number(loom_gguf_type t, const unsigned char *p, int64_t *i, double *f)
 {
-    union { uint8_t u8; int8_t i8; uint16_t u16; int16_t i16; uint32_t u32; int32_t i32;
-            float f32; uint64_t u64; int64_t i64; double f64; } v;
+    union {
+        uint8_t u8;
+        int8_t i8;
+        uint16_t u16;
+        int16_t i16;
+        uint32_t u32;
+        int32_t i32;
+        float f32;
+        uint64_t u64;
+        int64_t i64;
+        double f64;
+    } v;
     uint64_t n = scalar_size(t);
     if (!n || t == LOOM_GGUF_STRING || t == LOOM_GGUF_ARRAY)
         return -1;
     memcpy(&v, p, n);
     switch (t) {
-    case LOOM_GGUF_UINT8: case LOOM_GGUF_BOOL: *i = v.u8; *f = v.u8; break;
-    case LOOM_GGUF_INT8: *i = v.i8; *f = v.i8; break;
-    case LOOM_GGUF_UINT16: *i = v.u16; *f = v.u16; break;
-    case LOOM_GGUF_INT16: *i = v.i16; *f = v.i16; break;
-    case LOOM_GGUF_UINT32: *i = v.u32; *f = v.u32; break;
-    case LOOM_GGUF_INT32: *i = v.i32; *f = v.i32; break;
+    case LOOM_GGUF_UINT8:
+    case LOOM_GGUF_BOOL:
+        *i = v.u8;
+        *f = v.u8;
+        break;
+    case LOOM_GGUF_INT8:
+        *i = v.i8;
+        *f = v.i8;
+        break;
+    case LOOM_GGUF_UINT16:
+        *i = v.u16;
+        *f = v.u16;
+        break;
+    case LOOM_GGUF_INT16:
+        *i = v.i16;
+        *f = v.i16;
+        break;
+    case LOOM_GGUF_UINT32:
+        *i = v.u32;
+        *f = v.u32;
+        break;
+    case LOOM_GGUF_INT32:
+        *i = v.i32;
+        *f = v.i32;
+        break;
     case LOOM_GGUF_UINT64:
         if (v.u64 > INT64_MAX)
             return -1;
-        *i = (int64_t)v.u64; *f = (double)v.u64; break;
-    case LOOM_GGUF_INT64: *i = v.i64; *f = (double)v.i64; break;
+        *i = (int64_t)v.u64;
+        *f = (double)v.u64;
+        break;
+    case LOOM_GGUF_INT64:
+        *i = v.i64;
+        *f = (double)v.i64;
+        break;
     /* 1: not an integer (and no conversion: a float past INT64_MAX has no int64 value) */
-    case LOOM_GGUF_FLOAT32: *f = v.f32; *i = 0; return 1;
-    case LOOM_GGUF_FLOAT64: *f = v.f64; *i = 0; return 1;
+    case LOOM_GGUF_FLOAT32:
+        *f = v.f32;
+        *i = 0;
+        return 1;
+    case LOOM_GGUF_FLOAT64:
+        *f = v.f64;
+        *i = 0;
+        return 1;
     default: return -1;
     }
     return 0;
@@ -452,7 +513,8 @@ int loom_gguf_get_i64(const loom_gguf *g, const char *key, int64_t *out)
     const loom_gguf_kv *kv = loom_gguf_find(g, key);
     int64_t i;
     double f;
-    if (!kv || kv->type == LOOM_GGUF_BOOL || read_number(kv->type, g->map + kv->offset, &i, &f) != 0)
+    if (!kv || kv->type == LOOM_GGUF_BOOL ||
+        read_number(kv->type, g->map + kv->offset, &i, &f) != 0)
         return -1;
     *out = i;
     return 0;
@@ -758,8 +820,8 @@ static int add_checksums(loom_gguf_writer *w)
     for (uint64_t i = 0; i < w->n_t; i++)
         sums[i] = loom_gguf_checksum(w->t[i].data, w->t[i].size);
     int rc = loom_gguf_set_str(w, LOOM_GGUF_CHECKSUM_ALGORITHM_KEY, LOOM_GGUF_CHECKSUM_ALGORITHM) |
-             add_kv(w, LOOM_GGUF_CHECKSUM_KEY, LOOM_GGUF_ARRAY, LOOM_GGUF_UINT64, w->n_t, sums,
-                    w->n_t * 8);
+        add_kv(w, LOOM_GGUF_CHECKSUM_KEY, LOOM_GGUF_ARRAY, LOOM_GGUF_UINT64, w->n_t, sums,
+               w->n_t * 8);
     free(sums);
     return rc;
 }

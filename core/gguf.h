@@ -44,10 +44,10 @@ typedef struct loom_gguf_kv {
 typedef struct loom_gguf_tensor {
     char *name;
     uint32_t n_dims;
-    int64_t ne[4];     /* innermost first; unused dims are 1 */
-    uint32_t type;     /* GGML type id; a loom_dtype when loom supports it */
-    uint64_t offset;   /* absolute file offset of the data */
-    uint64_t size;     /* bytes */
+    int64_t ne[4];   /* innermost first; unused dims are 1 */
+    uint32_t type;   /* GGML type id; a loom_dtype when loom supports it */
+    uint64_t offset; /* absolute file offset of the data */
+    uint64_t size;   /* bytes */
 } loom_gguf_tensor;
 
 typedef struct loom_gguf {
@@ -59,7 +59,7 @@ typedef struct loom_gguf {
     loom_gguf_tensor *tensors;
     uint32_t alignment;
     uint64_t data_offset;
-    int mapped; /* map is ours to unmap (loom_gguf_open) */
+    int mapped;                             /* map is ours to unmap (loom_gguf_open) */
     loom_name_index kv_index, tensor_index; /* key / name -> position */
 } loom_gguf;
 
@@ -123,8 +123,7 @@ int loom_gguf_set_i32(loom_gguf_writer *w, const char *key, int32_t v);
 int loom_gguf_set_f32(loom_gguf_writer *w, const char *key, float v);
 int loom_gguf_set_bool(loom_gguf_writer *w, const char *key, int v);
 int loom_gguf_set_str(loom_gguf_writer *w, const char *key, const char *v);
-int loom_gguf_set_str_array(loom_gguf_writer *w, const char *key, const char *const *v,
-                            uint64_t n);
+int loom_gguf_set_str_array(loom_gguf_writer *w, const char *key, const char *const *v, uint64_t n);
 int loom_gguf_set_f32_array(loom_gguf_writer *w, const char *key, const float *v, uint64_t n);
 int loom_gguf_set_i32_array(loom_gguf_writer *w, const char *key, const int32_t *v, uint64_t n);
 int loom_gguf_set_u8_array(loom_gguf_writer *w, const char *key, const uint8_t *v, uint64_t n);

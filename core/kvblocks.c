@@ -15,21 +15,21 @@ typedef struct kv_block {
     uint32_t gen;
     int hashed;
     uint64_t hash;
-    uint64_t partition;   /* a first block's (later ones are tied to it through parent) */
-    int32_t parent;       /* previous block of the chain, -1 for the first */
+    uint64_t partition; /* a first block's (later ones are tied to it through parent) */
+    int32_t parent;     /* previous block of the chain, -1 for the first */
     uint32_t parent_gen;
-    int32_t hnext;        /* hash bucket chain */
-    int32_t prev, next;   /* LRU list, while cached */
+    int32_t hnext;      /* hash bucket chain */
+    int32_t prev, next; /* LRU list, while cached */
 } kv_block;
 
 struct loom_kvblocks {
     int32_t n, bs;
     kv_block *b;
-    int32_t *tokens;      /* [n][bs]: a hashed block's ids */
+    int32_t *tokens; /* [n][bs]: a hashed block's ids */
     int32_t *free_stack, n_free;
     int32_t lru_head, lru_tail, n_cached;
     int32_t *bucket;
-    uint32_t n_buckets;   /* a power of two */
+    uint32_t n_buckets; /* a power of two */
     uint64_t prompt_tokens, hit_tokens, evictions, copies;
 };
 
@@ -329,8 +329,9 @@ int32_t loom_kvblocks_slot(const loom_kvblocks *kv, const loom_kvseq *seq, int32
 
 loom_kvstats loom_kvblocks_stats(const loom_kvblocks *kv)
 {
-    loom_kvstats s = {kv->n, kv->bs, kv->n - kv->n_free - kv->n_cached, kv->n_cached, kv->n_free,
-                      kv->prompt_tokens, kv->hit_tokens, kv->evictions, kv->copies};
+    loom_kvstats s = {kv->n,          kv->bs,        kv->n - kv->n_free - kv->n_cached,
+                      kv->n_cached,   kv->n_free,    kv->prompt_tokens,
+                      kv->hit_tokens, kv->evictions, kv->copies};
     return s;
 }
 

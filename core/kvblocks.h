@@ -29,8 +29,8 @@ typedef struct loom_kvblocks loom_kvblocks;
 typedef struct loom_kvseq {
     int32_t *blocks;
     int32_t n_blocks, cap;
-    int32_t n_tokens; /* positions whose K/V are stored (or about to be, after advance) */
-    int32_t n_hashed; /* leading full blocks that are registered in the prefix cache */
+    int32_t n_tokens;   /* positions whose K/V are stored (or about to be, after advance) */
+    int32_t n_hashed;   /* leading full blocks that are registered in the prefix cache */
     int private_blocks; /* set by the caller: never share through the prefix cache (K/V that
                          * depend on later tokens, as in a bidirectional prefix) */
     uint64_t partition; /* set by the caller: blocks are shared only between sequences of the
@@ -89,6 +89,7 @@ loom_kvstats loom_kvblocks_stats(const loom_kvblocks *kv);
 
 /* Checks every invariant against the live sequences (reference counts, lists, hash table).
  * Returns NULL when consistent, else a description of the first problem. For tests. */
-const char *loom_kvblocks_verify(const loom_kvblocks *kv, const loom_kvseq *const *seqs, int n_seqs);
+const char *loom_kvblocks_verify(const loom_kvblocks *kv, const loom_kvseq *const *seqs,
+                                 int n_seqs);
 
 #endif

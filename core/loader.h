@@ -39,7 +39,7 @@ typedef struct loom_candidate {
     char variant[64];
     char description[256];
     uint32_t abi_major, abi_minor;
-    uint32_t kind;        /* loom_module_kind: decorators are never chosen, only wrapped around */
+    uint32_t kind; /* loom_module_kind: decorators are never chosen, only wrapped around */
     loom_probe_result probe;
     loom_candidate_state state;
     char reason[512]; /* why this state */
@@ -48,8 +48,8 @@ typedef struct loom_candidate {
 typedef struct loom_registry {
     loom_candidate *items;
     int count;
-    int chosen;           /* index into items, or -1 */
-    int chosen_device;    /* device index within the chosen module */
+    int chosen;             /* index into items, or -1 */
+    int chosen_device;      /* device index within the chosen module */
     char search_path[8192]; /* the directories searched, ':'-separated, for the report */
 } loom_registry;
 
@@ -83,14 +83,14 @@ const char *loom_candidate_state_name(loom_candidate_state s);
  * device calls the decorator's table, which forwards to the backend's; name, variant and
  * module stay the backend's, since that is what runs the ops. */
 typedef struct loom_device {
-    void *handle;                 /* dlopen handle */
+    void *handle; /* dlopen handle */
     loom_backend *be;
-    loom_backend_ops ops;         /* zero past the module's struct_size: NULL = unsupported */
-    loom_backend_module module;   /* likewise */
+    loom_backend_ops ops;       /* zero past the module's struct_size: NULL = unsupported */
+    loom_backend_module module; /* likewise */
     char name[64], variant[64];
     int device;
-    void *decorator_handle;       /* the decorator's dlopen handle, or NULL */
-    char decorator[64];           /* its name ("trace"), or "" */
+    void *decorator_handle; /* the decorator's dlopen handle, or NULL */
+    char decorator[64];     /* its name ("trace"), or "" */
 } loom_device;
 
 /* Loads path, vets it as scan does, and opens device `device`. */

@@ -30,7 +30,7 @@ static int name_matches(const loom_candidate *c, const char *want)
         return 1;
     size_t n = strlen(c->name);
     return c->variant[0] && strncmp(want, c->name, n) == 0 && want[n] == '-' &&
-           strcmp(want + n + 1, c->variant) == 0;
+        strcmp(want + n + 1, c->variant) == 0;
 }
 
 void loader_list_candidates(const loom_registry *reg, char *buf, size_t n)
@@ -81,8 +81,10 @@ static int apply_cpu_env(loom_registry *reg, char *err, size_t err_size)
     if (cap && *cap) {
         cap_rank = isa_rank(cap);
         if (cap_rank < 0) {
-            loader_set_err(err, err_size, "LOOM_CPU_MAX_ISA=%s is not an ISA level; use "
-                           "baseline, avx2 or avx512", cap);
+            loader_set_err(err, err_size,
+                           "LOOM_CPU_MAX_ISA=%s is not an ISA level; use "
+                           "baseline, avx2 or avx512",
+                           cap);
             return -1;
         }
     }
@@ -101,10 +103,12 @@ static int apply_cpu_env(loom_registry *reg, char *err, size_t err_size)
         int found = 0;
         for (int i = 0; i < reg->count; i++)
             found |= strcmp(reg->items[i].name, "cpu") == 0 &&
-                     strcmp(reg->items[i].variant, force) == 0;
+                strcmp(reg->items[i].variant, force) == 0;
         if (!found) {
-            loader_set_err(err, err_size, "LOOM_CPU_VARIANT=%s: no CPU module has that "
-                           "variant. Backends found:", force);
+            loader_set_err(err, err_size,
+                           "LOOM_CPU_VARIANT=%s: no CPU module has that "
+                           "variant. Backends found:",
+                           force);
             loader_list_candidates(reg, err, err_size);
             return -1;
         }
@@ -187,14 +191,16 @@ static int select_by_preference(loom_registry *reg, const char *pref, char *err,
         for (int i = 0; i < reg->count; i++)
             known |= name_matches(&reg->items[i], name) ? 1 + (int)reg->items[i].kind : 0;
         if (known == 1 + LOOM_MODULE_DECORATOR) {
-            loader_set_err(err, err_size, "LOOM_BACKEND: '%s' is a decorator, not a backend: it "
+            loader_set_err(err, err_size,
+                           "LOOM_BACKEND: '%s' is a decorator, not a backend: it "
                            "wraps the chosen one when asked (LOOM_TRACE=FILE for the trace "
-                           "plugin); name a backend here", name);
+                           "plugin); name a backend here",
+                           name);
             goto out;
         }
         if (!known) {
-            loader_set_err(err, err_size, "LOOM_BACKEND: no backend named '%s'. Backends found:",
-                           name);
+            loader_set_err(err, err_size,
+                           "LOOM_BACKEND: no backend named '%s'. Backends found:", name);
             loader_list_candidates(reg, err, err_size);
             goto out;
         }
@@ -266,7 +272,8 @@ int loom_registry_select(loom_registry *reg, const char *preference, char *err, 
             if (c->state != LOOM_CAND_USABLE)
                 continue;
             if (c->kind == LOOM_MODULE_DECORATOR)
-                loader_set_err(c->reason, sizeof c->reason, "a decorator: wraps the chosen "
+                loader_set_err(c->reason, sizeof c->reason,
+                               "a decorator: wraps the chosen "
                                "backend when asked, never runs alone");
             else if (pref && *pref)
                 loader_set_err(c->reason, sizeof c->reason, "LOOM_BACKEND=%s picked %s", pref, l);
@@ -297,11 +304,12 @@ int loom_registry_find_decorator(const loom_registry *reg, const char *name, cha
             seen = c;
     }
     if (seen)
-        loader_set_err(err, err_size, "the %s plugin (%s) cannot be used: %s: %s", name,
-                       seen->path, loom_candidate_state_name(seen->state), seen->reason);
+        loader_set_err(err, err_size, "the %s plugin (%s) cannot be used: %s: %s", name, seen->path,
+                       loom_candidate_state_name(seen->state), seen->reason);
     else
-        loader_set_err(err, err_size, "no %s plugin was found (loom-%s.so in LOOM_BACKEND_PATH "
-                       "or loom's backend directory, %s)", name, name,
-                       reg->search_path[0] ? reg->search_path : "nothing searched");
+        loader_set_err(err, err_size,
+                       "no %s plugin was found (loom-%s.so in LOOM_BACKEND_PATH "
+                       "or loom's backend directory, %s)",
+                       name, name, reg->search_path[0] ? reg->search_path : "nothing searched");
     return -1;
 }

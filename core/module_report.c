@@ -13,8 +13,7 @@ void loader_label(const loom_candidate *c, char *out, size_t n)
     if (!c->name[0]) {
         const char *base = strrchr(c->path, '/');
         snprintf(out, n, "%.100s", base ? base + 1 : c->path);
-    }
-    else if (c->variant[0])
+    } else if (c->variant[0])
         snprintf(out, n, "%s-%s", c->name, c->variant);
     else
         snprintf(out, n, "%s", c->name);
@@ -33,8 +32,9 @@ void loom_registry_print(const loom_registry *reg, FILE *out)
     fprintf(out, "loom backend modules (ABI %d.%d), searched: %s\n", LOOM_BACKEND_ABI_MAJOR,
             LOOM_BACKEND_ABI_MINOR, reg->search_path[0] ? reg->search_path : "(nothing)");
     if (reg->count == 0)
-        fprintf(out, "  none found. Build loom's backends, or point LOOM_BACKEND_PATH at a "
-                     "directory holding backend .so files.\n");
+        fprintf(out,
+                "  none found. Build loom's backends, or point LOOM_BACKEND_PATH at a "
+                "directory holding backend .so files.\n");
     for (int i = 0; i < reg->count; i++) {
         const loom_candidate *c = &reg->items[i];
         char l[160];
@@ -86,11 +86,10 @@ char *loom_registry_json(const loom_registry *reg)
         char v[32];
         snprintf(v, sizeof v, "%u.%u", c->abi_major, c->abi_minor);
         cJSON_AddStringToObject(o, "abi_version", c->name[0] ? v : "");
-        cJSON_AddStringToObject(o, "kind", c->kind == LOOM_MODULE_DECORATOR ? "decorator"
-                                                                           : "backend");
+        cJSON_AddStringToObject(o, "kind",
+                                c->kind == LOOM_MODULE_DECORATOR ? "decorator" : "backend");
         cJSON_AddStringToObject(o, "status", loom_candidate_state_name(c->state));
-        cJSON_AddBoolToObject(o, "usable",
-                              c->state >= LOOM_CAND_EXCLUDED);
+        cJSON_AddBoolToObject(o, "usable", c->state >= LOOM_CAND_EXCLUDED);
         cJSON_AddBoolToObject(o, "chosen", c->state == LOOM_CAND_CHOSEN);
         cJSON_AddNumberToObject(o, "score", c->probe.score);
         cJSON_AddStringToObject(o, "reason", c->reason);

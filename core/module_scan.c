@@ -110,8 +110,10 @@ void *loader_load_module(const char *path, loom_backend_module *mod, loom_candid
     loader_copy_declared(mod, sizeof *mod, m, m->struct_size);
     if (mod->kind > LOOM_MODULE_DECORATOR) {
         *state = LOOM_CAND_BAD_ABI;
-        loader_set_err(reason, reason_size, "module kind %u is none this loom knows (0 backend, "
-                       "1 decorator)", mod->kind);
+        loader_set_err(reason, reason_size,
+                       "module kind %u is none this loom knows (0 backend, "
+                       "1 decorator)",
+                       mod->kind);
         dlclose(h);
         return NULL;
     }
@@ -235,14 +237,18 @@ static void vet_isolated(const char *path, vet_result *r)
     memset(r, 0, sizeof *r);
     r->state = LOOM_CAND_PROBE_FAILED;
     if (timed_out)
-        loader_set_err(r->reason, sizeof r->reason, "probe timed out after %ld s "
-                       "(LOOM_PROBE_TIMEOUT): loading or probing the module hangs", timeout);
+        loader_set_err(r->reason, sizeof r->reason,
+                       "probe timed out after %ld s "
+                       "(LOOM_PROBE_TIMEOUT): loading or probing the module hangs",
+                       timeout);
     else if (WIFSIGNALED(status))
-        loader_set_err(r->reason, sizeof r->reason, "probe crashed (signal %d, %s) while "
-                       "loading or probing the module", WTERMSIG(status),
-                       strsignal(WTERMSIG(status)));
+        loader_set_err(r->reason, sizeof r->reason,
+                       "probe crashed (signal %d, %s) while "
+                       "loading or probing the module",
+                       WTERMSIG(status), strsignal(WTERMSIG(status)));
     else
-        loader_set_err(r->reason, sizeof r->reason, "probe exited (status %d) without an answer "
+        loader_set_err(r->reason, sizeof r->reason,
+                       "probe exited (status %d) without an answer "
                        "while loading or probing the module",
                        WIFEXITED(status) ? WEXITSTATUS(status) : -1);
 }
@@ -374,8 +380,7 @@ static void free_names(char **names, int n)
 static int scan_dir(loom_registry *reg, const char *dir, char *err, size_t err_size)
 {
     size_t used = strlen(reg->search_path);
-    snprintf(reg->search_path + used, sizeof reg->search_path - used, "%s%s", used ? ":" : "",
-             dir);
+    snprintf(reg->search_path + used, sizeof reg->search_path - used, "%s%s", used ? ":" : "", dir);
     char **names;
     int n = sorted_names(dir, is_module_name, &names), rc = n < 0 ? -1 : 0;
     for (int i = 0; i < n && rc == 0; i++) {

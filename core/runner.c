@@ -39,34 +39,34 @@ struct loom_runner {
     loom_runner_options opt;
     int32_t n_blocks;
 
-    loom_buffer *weights_map;   /* the whole file, wrapped (zero copy), or NULL */
-    loom_buffer **weight_bufs;  /* per GGUF tensor, when uploaded */
-    loom_tensor *weights;       /* per GGUF tensor, once looked up */
+    loom_buffer *weights_map;  /* the whole file, wrapped (zero copy), or NULL */
+    loom_buffer **weight_bufs; /* per GGUF tensor, when uploaded */
+    loom_tensor *weights;      /* per GGUF tensor, once looked up */
     unsigned char *weight_ready;
-    loom_tensor *prepared;      /* per GGUF tensor: its matmul layout, when prep is PREP_DONE */
+    loom_tensor *prepared; /* per GGUF tensor: its matmul layout, when prep is PREP_DONE */
     unsigned char *prep;
-    int repack;                 /* offer weights to prepare_weight (LOOM_REPACK != 0) */
+    int repack; /* offer weights to prepare_weight (LOOM_REPACK != 0) */
 
     loom_buffer *kv;
-    loom_tensor *kc, *vc;       /* per layer */
+    loom_tensor *kc, *vc; /* per layer */
 
-    loom_buffer *in_buf;        /* ids | pos | slots | seq | block table | logit rows, I32 */
-    uint64_t in_cap;            /* its size in int32s */
+    loom_buffer *in_buf; /* ids | pos | slots | seq | block table | logit rows, I32 */
+    uint64_t in_cap;     /* its size in int32s */
     int32_t *in_host;
     loom_rt_inputs in;
-    int has_prefix;             /* this step has in.prefix_len */
-    int32_t seq_prefix_len;     /* loom_runner_eval's one sequence */
-    int32_t *eval_host;         /* loom_runner_eval's positions, slots and block table */
+    int has_prefix;         /* this step has in.prefix_len */
+    int32_t seq_prefix_len; /* loom_runner_eval's one sequence */
+    int32_t *eval_host;     /* loom_runner_eval's positions, slots and block table */
 
     scratch_slot scratch[MAX_SCRATCH];
     int n_scratch_used;
 
     loom_tensor logits_src;
     int has_logits;
-    float *logits;              /* [n_logits][n_vocab] */
-    int32_t logits_cap;         /* rows */
+    float *logits;      /* [n_logits][n_vocab] */
+    int32_t logits_cap; /* rows */
 
-    loom_fallback *fallback;    /* for ops the device lacks; opened on first need */
+    loom_fallback *fallback; /* for ops the device lacks; opened on first need */
 
     int status;
     char err[512];
@@ -75,7 +75,6 @@ struct loom_runner {
      * op x dtype the device lacks */
     int census;
     unsigned char lacking[LOOM_OP_COUNT_V1_0][32];
-
 };
 
 static int fail(loom_runner *r, const char *fmt, ...)
@@ -129,15 +128,16 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
     loom_buffer *buf;
     uint64_t offset;
     if (ops->buffer_wrap_host && !r->weights_map &&
-        ops->buffer_wrap_host(r->dev->be, (void *)r->gguf->map, r->gguf->size, &r->weights_map) != LOOM_OK)
+        ops->buffer_wrap_host(r->dev->be, (void *)r->gguf->map, r->gguf->size, &r->weights_map) !=
+            LOOM_OK)
         r->weights_map = NULL;
     if (r->weights_map) {
         buf = r->weights_map;
         offset = gt->offset;
     } else {
         if (ops->buffer_alloc(r->dev->be, gt->size, &r->weight_bufs[i]) != LOOM_OK ||
-            ops->copy_from_host(r->dev->be, r->weight_bufs[i], 0, loom_gguf_tensor_data(r->gguf, gt),
-                                gt->size) != LOOM_OK) {
+            ops->copy_from_host(r->dev->be, r->weight_bufs[i], 0,
+                                loom_gguf_tensor_data(r->gguf, gt), gt->size) != LOOM_OK) {
             fail(r, "uploading '%s' (%llu bytes) to %s: %s", name, (unsigned long long)gt->size,
                  r->dev->name, ops->last_error(r->dev->be));
             return NULL;
@@ -145,7 +145,8 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
         buf = r->weight_bufs[i];
         offset = 0;
     }
-    r->weights[i] = dense(buf, offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2], gt->ne[3]);
+    r->weights[i] = dense(buf, offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2],
+                          gt->ne[3]);
     r->weights[i].n_dims = (int32_t)gt->n_dims;
     r->weight_ready[i] = 1;
     return &r->weights[i];
@@ -267,8 +268,8 @@ int loom_rt_status(const loom_runner *r)
 
 /* ---- Verbs -------------------------------------------------------------------------------- */
 
-#define OP_NAME_FAIL(r, what)                                                                  \
-    fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",      \
+#define OP_NAME_FAIL(r, what)                                                                      \
+    fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",          \
          r->dev->variant, r->dev->ops.last_error(r->dev->be))
 
 static int is_weight_buffer(void *ctx, const loom_buffer *buf)
@@ -295,9 +296,11 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
         r->lacking[op][dt & 31] = 1;
         return;
     } else if (r->opt.strict) {
-        fail(r, "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
-             "forbids running it on the CPU instead", r->dev->name,
-             r->dev->variant[0] ? "-" : "", r->dev->variant, what, loom_dtype_name(dt));
+        fail(r,
+             "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
+             "forbids running it on the CPU instead",
+             r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant, what,
+             loom_dtype_name(dt));
         return;
     } else {
         char err[512];
@@ -310,7 +313,8 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
     }
 }
 
-void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst)
+void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,
+                      const loom_tensor *dst)
 {
     loom_get_rows_params p = {sizeof p, w, ids, dst};
     exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
@@ -337,13 +341,15 @@ static const loom_tensor *matmul_weight(loom_runner *r, const loom_tensor *w)
             if (w->buf == r->weights_map) /* matmuls no longer read the file's copy */
                 loom_gguf_release_pages(r->gguf, gt->offset, gt->size);
         } else if (st == LOOM_ERR_OUT_OF_MEMORY) { /* the rest stay as they are too */
-            fprintf(stderr, "loom: no memory to prepare '%s' and later weights for %s (%s); they "
-                    "run in the file's layout\n", gt->name, r->dev->name,
-                    r->dev->ops.last_error(r->dev->be));
+            fprintf(stderr,
+                    "loom: no memory to prepare '%s' and later weights for %s (%s); they "
+                    "run in the file's layout\n",
+                    gt->name, r->dev->name, r->dev->ops.last_error(r->dev->be));
             r->repack = 0;
         } else if (st != LOOM_ERR_UNSUPPORTED) {
             fail(r, "preparing weight '%s' on %s%s%s failed: %s", gt->name, r->dev->name,
-                 r->dev->variant[0] ? "-" : "", r->dev->variant, r->dev->ops.last_error(r->dev->be));
+                 r->dev->variant[0] ? "-" : "", r->dev->variant,
+                 r->dev->ops.last_error(r->dev->be));
         }
     }
     return r->prep[i] == PREP_DONE ? &r->prepared[i] : w;
@@ -357,8 +363,8 @@ int64_t loom_runner_prepared_weights(const loom_runner *r)
     return n;
 }
 
-void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
-                    const loom_tensor *y)
+void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                    const loom_tensor *bias, const loom_tensor *y)
 {
     if (r->status)
         return;
@@ -388,8 +394,8 @@ void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
 void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
                      const loom_tensor *pos, const loom_tensor *pos2)
 {
-    loom_rope_params p = {sizeof p, x, pos, pos2, x, hp->rope_mode, hp->n_rot,
-                          hp->rope_base, hp->rope_scale};
+    loom_rope_params p = {sizeof p,      x,         pos,           pos2,          x,
+                          hp->rope_mode, hp->n_rot, hp->rope_base, hp->rope_scale};
     exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 
@@ -402,9 +408,16 @@ void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor 
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
                        const loom_tensor *dst)
 {
-    loom_attention_params p = {sizeof p, q, &r->kc[layer], &r->vc[layer], &r->in.block_table,
-                               &r->in.seq, &r->in.pos, r->has_prefix ? &r->in.prefix_len : NULL,
-                               dst, scale};
+    loom_attention_params p = {sizeof p,
+                               q,
+                               &r->kc[layer],
+                               &r->vc[layer],
+                               &r->in.block_table,
+                               &r->in.seq,
+                               &r->in.pos,
+                               r->has_prefix ? &r->in.prefix_len : NULL,
+                               dst,
+                               scale};
     exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
 }
 
@@ -426,7 +439,8 @@ void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_ten
     exec_op(r, LOOM_OP_SCALE, LOOM_F32, "scale", &p);
 }
 
-void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
+void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
+                      const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
     exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
@@ -457,9 +471,10 @@ static int strict_census(loom_runner *r, char *err, size_t err_size)
             }
     if (!n)
         return 0;
-    snprintf(err, err_size, "strict mode (LOOM_STRICT=1): backend %s%s%s lacks %d op(s) this "
-             "model needs: %s (without it they run on the CPU)", r->dev->name,
-             r->dev->variant[0] ? "-" : "", r->dev->variant, n, list);
+    snprintf(err, err_size,
+             "strict mode (LOOM_STRICT=1): backend %s%s%s lacks %d op(s) this "
+             "model needs: %s (without it they run on the CPU)",
+             r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant, n, list);
     return -1;
 }
 
@@ -510,7 +525,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     } else if (r->opt.n_kv_seqs > 0) {
         int64_t each = ((n_ctx < 1024 ? n_ctx : 1024) + r->opt.block_size - 1) / r->opt.block_size;
         int64_t total = each * r->opt.n_kv_seqs;
-        r->n_blocks = total > seq_blocks ? (total < INT32_MAX ? (int32_t)total : INT32_MAX) : seq_blocks;
+        r->n_blocks = total > seq_blocks ? (total < INT32_MAX ? (int32_t)total : INT32_MAX)
+                                         : seq_blocks;
     }
     if (r->opt.kv_type == LOOM_Q8_0 && hp->head_dim % LOOM_QK) {
         snprintf(err, err_size, "a q8_0 KV cache needs head_dim to be a multiple of 32 (it is %d)",
@@ -520,13 +536,15 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     }
     uint64_t row = (uint64_t)loom_row_bytes(r->opt.kv_type, hp->head_dim);
     uint64_t per_cache = row * (uint64_t)hp->n_head_kv * (uint64_t)r->opt.block_size *
-                         (uint64_t)r->n_blocks;
+        (uint64_t)r->n_blocks;
     r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
     r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
     if (!r->kc || !r->vc ||
         dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)hp->n_layer, &r->kv) != LOOM_OK) {
-        snprintf(err, err_size, "out of memory on %s for a KV cache of %d blocks of %d tokens "
-                 "(%llu bytes): %s", dev->name, r->n_blocks, r->opt.block_size,
+        snprintf(err, err_size,
+                 "out of memory on %s for a KV cache of %d blocks of %d tokens "
+                 "(%llu bytes): %s",
+                 dev->name, r->n_blocks, r->opt.block_size,
                  (unsigned long long)(per_cache * 2 * (uint64_t)hp->n_layer),
                  dev->ops.last_error(dev->be));
         loom_runner_free(r);
@@ -635,10 +653,9 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
                 uint64_t src = c->offset + (uint64_t)copies[i].src * block;
                 uint64_t dst = c->offset + (uint64_t)copies[i].dst * block;
-                loom_status st =
-                    ops->copy_buffer
-                        ? ops->copy_buffer(r->dev->be, r->kv, dst, r->kv, src, block)
-                        : ops->copy_to_host(r->dev->be, staging, r->kv, src, block);
+                loom_status st = ops->copy_buffer
+                    ? ops->copy_buffer(r->dev->be, r->kv, dst, r->kv, src, block)
+                    : ops->copy_to_host(r->dev->be, staging, r->kv, src, block);
                 if (st == LOOM_OK && !ops->copy_buffer)
                     st = ops->copy_from_host(r->dev->be, r->kv, dst, staging, block);
                 if (st != LOOM_OK) {
@@ -727,8 +744,8 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     r->in.pos = dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
     r->in.slots = dense(r->in_buf, (uint64_t)(2 * n) * 4, LOOM_I32, n, 1, 1, 1);
     r->in.seq = dense(r->in_buf, (uint64_t)(3 * n) * 4, LOOM_I32, n, 1, 1, 1);
-    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * n) * 4, LOOM_I32, s->max_blocks,
-                              s->n_seqs, 1, 1);
+    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * n) * 4, LOOM_I32, s->max_blocks, s->n_seqs,
+                              1, 1);
     r->in.logit_rows = dense(r->in_buf, (uint64_t)(4 * n + table) * 4, LOOM_I32,
                              s->n_logits ? s->n_logits : 1, 1, 1, 1);
     r->has_prefix = n_prefix > 0;
@@ -771,14 +788,15 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
         return -1;
     }
     if ((int64_t)pos0 + n > r->opt.n_ctx) {
-        snprintf(err, err_size, "%d tokens at position %d do not fit the context of %d tokens",
-                 n, pos0, r->opt.n_ctx);
+        snprintf(err, err_size, "%d tokens at position %d do not fit the context of %d tokens", n,
+                 pos0, r->opt.n_ctx);
         return -1;
     }
     int32_t bs = r->opt.block_size, n_table = (r->opt.n_ctx + bs - 1) / bs;
     if (n_table > r->n_blocks) {
-        snprintf(err, err_size, "the KV cache has %d blocks, fewer than one %d-token sequence needs",
-                 r->n_blocks, r->opt.n_ctx);
+        snprintf(err, err_size,
+                 "the KV cache has %d blocks, fewer than one %d-token sequence needs", r->n_blocks,
+                 r->opt.n_ctx);
         return -1;
     }
     int32_t nb = r->opt.n_batch;
@@ -807,8 +825,18 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
             seq[i] = 0;
         }
         int32_t last = m - 1;
-        loom_step st = {m, ids + c0, pos, seq, slots, 1, n_table, table,
-                        out ? m : c0 + m == n ? 1 : 0, out ? every : &last,
+        loom_step st = {m,
+                        ids + c0,
+                        pos,
+                        seq,
+                        slots,
+                        1,
+                        n_table,
+                        table,
+                        out               ? m
+                            : c0 + m == n ? 1
+                                          : 0,
+                        out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
         if (rc == 0 && out)

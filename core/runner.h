@@ -29,7 +29,7 @@ typedef struct loom_hparams {
     int32_t n_ctx_train;
     float norm_eps;
     float rope_base;
-    float rope_scale;  /* linear position scaling, 1 = none */
+    float rope_scale; /* linear position scaling, 1 = none */
     int32_t n_rot;
     int32_t rope_mode; /* loom_rope_mode */
 } loom_hparams;
@@ -158,9 +158,10 @@ void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *output);
 
 /* The verbs; each records the first failure. */
-void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids, const loom_tensor *dst);
-void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w, const loom_tensor *bias,
-                    const loom_tensor *y);
+void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,
+                      const loom_tensor *dst);
+void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                    const loom_tensor *bias, const loom_tensor *y);
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
                       const loom_tensor *dst);
 void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
@@ -172,8 +173,10 @@ void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *h
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache);
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
                        const loom_tensor *dst);
-void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
-void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst);
+void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
+                 const loom_tensor *dst);
+void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
+                      const loom_tensor *dst);
 void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst);
 void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst);
 int loom_rt_status(const loom_runner *r);

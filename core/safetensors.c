@@ -30,9 +30,12 @@ static int fail(char *err, size_t n, const char *fmt, ...)
 
 static int element_size(const char *dtype, int *loom_type)
 {
-    static const struct { const char *name; int size, loom; } types[] = {
+    static const struct {
+        const char *name;
+        int size, loom;
+    } types[] = {
         {"F32", 4, LOOM_F32}, {"F16", 2, LOOM_F16}, {"BF16", 2, LOOM_BF16}, {"F64", 8, -1},
-        {"I64", 8, -1},       {"I32", 4, -1},       {"I16", 2, -1},        {"I8", 1, -1},
+        {"I64", 8, -1},       {"I32", 4, -1},       {"I16", 2, -1},         {"I8", 1, -1},
         {"U8", 1, -1},        {"BOOL", 1, -1},
     };
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
@@ -71,9 +74,10 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
     uint64_t hlen;
     memcpy(&hlen, f->map, 8);
     if (hlen > f->size - 8 || hlen > (100u << 20))
-        return fail(err, n, "%s: header length %llu does not fit a %llu-byte file (truncated or "
-                            "not safetensors)", f->path, (unsigned long long)hlen,
-                    (unsigned long long)f->size);
+        return fail(err, n,
+                    "%s: header length %llu does not fit a %llu-byte file (truncated or "
+                    "not safetensors)",
+                    f->path, (unsigned long long)hlen, (unsigned long long)f->size);
     cJSON *root = cJSON_ParseWithLength((const char *)f->map + 8, (size_t)hlen);
     if (!root || !cJSON_IsObject(root)) {
         cJSON_Delete(root);
@@ -121,8 +125,9 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
         double b = cJSON_GetArrayItem(offs, 0)->valuedouble;
         double end = cJSON_GetArrayItem(offs, 1)->valuedouble;
         if (rc == 0 && (b < 0 || end < b || end > (double)data_size))
-            rc = fail(err, n, "%s: tensor '%s' spans bytes [%.0f, %.0f) but the data section has "
-                              "%llu: the file is truncated or corrupt",
+            rc = fail(err, n,
+                      "%s: tensor '%s' spans bytes [%.0f, %.0f) but the data section has "
+                      "%llu: the file is truncated or corrupt",
                       f->path, e->string, b, end, (unsigned long long)data_size);
         if (rc == 0 && elems > UINT64_MAX / (uint64_t)es)
             rc = fail(err, n, "%s: tensor '%s' is larger than any file can hold", f->path,
@@ -142,8 +147,8 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
         if (st->n_tensors == st->cap_tensors) {
             int cap = st->cap_tensors ? 2 * st->cap_tensors : 256;
             loom_st_tensor *grown = cap > st->cap_tensors
-                                        ? realloc(st->tensors, (size_t)cap * sizeof *grown)
-                                        : NULL;
+                ? realloc(st->tensors, (size_t)cap * sizeof *grown)
+                : NULL;
             if (!grown) {
                 rc = fail(err, n, "out of memory");
                 break;
@@ -255,8 +260,9 @@ int loom_safetensors_open(loom_safetensors *st, const char *path, char *err, siz
         } else {
             snprintf(p, sizeof p, "%s/model.safetensors", path);
             if (access(p, R_OK) != 0) {
-                rc = fail(err, n, "%s: no model.safetensors or model.safetensors.index.json in "
-                                  "this folder (loom reads safetensors weights, not .bin or .pt)",
+                rc = fail(err, n,
+                          "%s: no model.safetensors or model.safetensors.index.json in "
+                          "this folder (loom reads safetensors weights, not .bin or .pt)",
                           path);
             } else {
                 rc = add_file(st, p, err, n);

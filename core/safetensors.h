@@ -16,13 +16,13 @@
 
 typedef struct loom_st_tensor {
     char *name;
-    char dtype[8];        /* as the file says: "F32", "F16", "BF16", "I64", ... */
-    int loom_type;        /* the loom_dtype for F32/F16/BF16, else -1 */
+    char dtype[8]; /* as the file says: "F32", "F16", "BF16", "I64", ... */
+    int loom_type; /* the loom_dtype for F32/F16/BF16, else -1 */
     int n_dims;
     int64_t shape[LOOM_ST_MAX_DIMS]; /* outermost first, as PyTorch writes it */
     const void *data;
     uint64_t size;
-    int file;             /* index of the shard holding it */
+    int file; /* index of the shard holding it */
 } loom_st_tensor;
 
 typedef struct loom_st_file {

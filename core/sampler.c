@@ -25,7 +25,9 @@ void loom_sampler_penalize(float *logits, int32_t n, const loom_sampler_params *
 {
     if (p->repeat_penalty == 1.0f && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f)
         return;
-    int32_t from = p->repeat_last_n > 0 && n_history > p->repeat_last_n ? n_history - p->repeat_last_n : 0;
+    int32_t from = p->repeat_last_n > 0 && n_history > p->repeat_last_n
+        ? n_history - p->repeat_last_n
+        : 0;
     int32_t w = n_history - from;
     /* The window sorted, so each token's occurrences lie together: O(w log w) per step where
      * looking back for each occurrence was O(w^2), and a server's window is the whole

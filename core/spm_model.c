@@ -174,7 +174,8 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
                     break;
                 }
                 if (num == 3 && n2 == 1 && w2 == 2) {
-                    size_t k = v2 < sizeof m->normalizer - 1 ? (size_t)v2 : sizeof m->normalizer - 1;
+                    size_t k = v2 < sizeof m->normalizer - 1 ? (size_t)v2
+                                                             : sizeof m->normalizer - 1;
                     memcpy(m->normalizer, s3.p, k);
                     m->normalizer[k] = '\0';
                 }
@@ -189,16 +190,25 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
                 if (w2 != 0)
                     continue;
                 if (num == 2) {
-                    if (n2 == 3) m->model_type = (int32_t)v2;
-                    else if (n2 == 35) m->byte_fallback = v2 != 0;
-                    else if (n2 == 40) m->unk_id = (int32_t)v2;
-                    else if (n2 == 41) m->bos_id = (int32_t)v2;
-                    else if (n2 == 42) m->eos_id = (int32_t)v2;
-                    else if (n2 == 43) m->pad_id = (int32_t)v2;
+                    if (n2 == 3)
+                        m->model_type = (int32_t)v2;
+                    else if (n2 == 35)
+                        m->byte_fallback = v2 != 0;
+                    else if (n2 == 40)
+                        m->unk_id = (int32_t)v2;
+                    else if (n2 == 41)
+                        m->bos_id = (int32_t)v2;
+                    else if (n2 == 42)
+                        m->eos_id = (int32_t)v2;
+                    else if (n2 == 43)
+                        m->pad_id = (int32_t)v2;
                 } else {
-                    if (n2 == 3) m->add_dummy_prefix = v2 != 0;
-                    else if (n2 == 4) m->remove_extra_whitespaces = v2 != 0;
-                    else if (n2 == 5) m->escape_whitespaces = v2 != 0;
+                    if (n2 == 3)
+                        m->add_dummy_prefix = v2 != 0;
+                    else if (n2 == 4)
+                        m->remove_extra_whitespaces = v2 != 0;
+                    else if (n2 == 5)
+                        m->escape_whitespaces = v2 != 0;
                 }
             }
         }

@@ -10,9 +10,9 @@
 
 typedef struct loom_spm_model {
     int32_t n;
-    char **pieces;     /* NUL-terminated UTF-8 */
+    char **pieces; /* NUL-terminated UTF-8 */
     float *scores;
-    int32_t *types;    /* 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte */
+    int32_t *types;     /* 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte */
     int32_t model_type; /* 1 unigram, 2 BPE */
     int32_t unk_id, bos_id, eos_id, pad_id;
     int add_dummy_prefix, remove_extra_whitespaces, escape_whitespaces, byte_fallback;

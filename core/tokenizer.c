@@ -33,7 +33,14 @@
 #include <string.h>
 #include <utf8proc.h>
 
-enum { TOK_NORMAL = 1, TOK_UNKNOWN = 2, TOK_CONTROL = 3, TOK_USER = 4, TOK_UNUSED = 5, TOK_BYTE = 6 };
+enum {
+    TOK_NORMAL = 1,
+    TOK_UNKNOWN = 2,
+    TOK_CONTROL = 3,
+    TOK_USER = 4,
+    TOK_UNUSED = 5,
+    TOK_BYTE = 6
+};
 
 typedef struct vocab_entry {
     const char *text; /* NUL-terminated, in the tokenizer's arena */
@@ -47,16 +54,16 @@ struct loom_tokenizer {
     vocab_entry *vocab;
     int32_t n_vocab;
     char *arena;
-    int32_t *table;      /* open-addressing hash of text -> id, -1 empty */
+    int32_t *table; /* open-addressing hash of text -> id, -1 empty */
     uint32_t table_mask;
     int32_t bos, eos, unk;
     int add_bos, add_space_prefix;
-    int strip_special;   /* whitespace next to a special token belongs to neither side */
-    int32_t prefix[4];   /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
+    int strip_special; /* whitespace next to a special token belongs to neither side */
+    int32_t prefix[4]; /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
     int n_prefix;
-    int32_t suffix[4];   /* what add_special appends (ChatGLM-6B: [gMASK] <sop>) */
+    int32_t suffix[4]; /* what add_special appends (ChatGLM-6B: [gMASK] <sop>) */
     int n_suffix;
-    int unigram;         /* SentencePiece unigram: Viterbi instead of merges */
+    int unigram;           /* SentencePiece unigram: Viterbi instead of merges */
     int nfkc, collapse_ws; /* normalise: NFKC; collapse whitespace runs and trim the ends */
     int escape_ws;         /* spaces become U+2581 (every SentencePiece model loom has met) */
     /* SentencePiece's precompiled normaliser: a double-array trie over UTF-8 (darts-clone's
@@ -65,19 +72,19 @@ struct loom_tokenizer {
     size_t charsmap_n_units;
     char *charsmap_strings;
     size_t charsmap_n_strings;
-    int glm_text;        /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
-    uint32_t max_piece;  /* longest piece, bytes (unigram) */
+    int glm_text;       /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
+    uint32_t max_piece; /* longest piece, bytes (unigram) */
     /* unigram: a bit per hash of every prefix of every piece, so that the search for pieces
      * at a position stops as soon as no piece can start with what it has read */
     uint64_t *prefix_bits;
     uint32_t prefix_mask;
     unsigned char special_first[256]; /* some special token's text starts with this byte */
-    float min_score, max_score; /* lowest and highest normal piece's score (unigram: an
-                                 * unknown costs 10 less than the lowest) */
-    int32_t stops[16];   /* further tokens that end a generation */
+    float min_score, max_score;       /* lowest and highest normal piece's score (unigram: an
+                                       * unknown costs 10 less than the lowest) */
+    int32_t stops[16];                /* further tokens that end a generation */
     int n_stops;
     int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
-    int32_t *specials;   /* control and user-defined ids, longest text first */
+    int32_t *specials;     /* control and user-defined ids, longest text first */
     int n_specials;
     /* those of them a user's text may name (parse_special 1; tokenizer.loom.text_specials),
      * longest first; NULL: all of them */
@@ -85,18 +92,18 @@ struct loom_tokenizer {
     int n_text_specials;
     /* byte-level BPE */
     int bpe;
-    char *merge_arena;         /* "left right" strings */
-    const char **merge_text;   /* by rank */
+    char *merge_arena;       /* "left right" strings */
+    const char **merge_text; /* by rank */
     uint32_t *merge_len;
     int32_t n_merges;
-    int32_t *merge_table;      /* hash of merge text -> rank, -1 empty */
+    int32_t *merge_table; /* hash of merge text -> rank, -1 empty */
     uint32_t merge_mask;
-    pcre2_code *re;            /* the pre-tokenizer */
+    pcre2_code *re; /* the pre-tokenizer */
     int nfc;
-    int ignore_merges;         /* Llama-3: a pre-token that is a whole vocabulary entry stays one */
-    char byte_chars[256][3];   /* GPT-2's byte -> character map, UTF-8 */
+    int ignore_merges;       /* Llama-3: a pre-token that is a whole vocabulary entry stays one */
+    char byte_chars[256][3]; /* GPT-2's byte -> character map, UTF-8 */
     unsigned char byte_chars_len[256];
-    int16_t char_byte[324];    /* and back: code point (< 324) -> byte, -1 none */
+    int16_t char_byte[324]; /* and back: code point (< 324) -> byte, -1 none */
 };
 
 #define HASH_SEED 2166136261u
@@ -166,11 +173,16 @@ static int get_flag(const loom_gguf *g, const char *key, int fallback)
 /* ---- Byte-level BPE: setup --------------------------------------------------------------- */
 
 /* Pre-tokenizer patterns, by tokenizer.ggml.pre (the regexes the models were trained with). */
-static const struct { const char *name, *pattern; } pretokenizers[] = {
-    {"qwen2", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    {"llama-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+static const struct {
+    const char *name, *pattern;
+} pretokenizers[] = {
+    {"qwen2",
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"llama-bpe",
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     /* GLM-4: Llama-3's pattern (both come from tiktoken's cl100k) */
-    {"chatglm-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"chatglm-bpe",
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"},
 };
 
@@ -209,7 +221,8 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
     memset(t->char_byte, 0xff, sizeof t->char_byte);
     for (int b = 0; b < 256; b++) {
         int cp = byte_codepoint(b);
-        t->byte_chars_len[b] = (unsigned char)utf8proc_encode_char(cp, (utf8proc_uint8_t *)t->byte_chars[b]);
+        t->byte_chars_len[b] = (unsigned char)utf8proc_encode_char(
+            cp, (utf8proc_uint8_t *)t->byte_chars[b]);
         t->char_byte[cp] = (int16_t)b;
     }
     const loom_gguf_kv *merges = loom_gguf_find(g, "tokenizer.ggml.merges");
@@ -265,17 +278,20 @@ static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t er
     loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len);
     const char *pattern = NULL;
     for (size_t i = 0; i < sizeof pretokenizers / sizeof pretokenizers[0]; i++)
-        if (strlen(pretokenizers[i].name) == pre_len && memcmp(pre, pretokenizers[i].name, pre_len) == 0)
+        if (strlen(pretokenizers[i].name) == pre_len &&
+            memcmp(pre, pretokenizers[i].name, pre_len) == 0)
             pattern = pretokenizers[i].pattern;
     if (!pattern) {
-        snprintf(err, err_size, "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
-                                "llama-bpe, chatglm-bpe, gpt2)", (int)(pre_len < 40 ? pre_len : 40), pre);
+        snprintf(err, err_size,
+                 "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
+                 "llama-bpe, chatglm-bpe, gpt2)",
+                 (int)(pre_len < 40 ? pre_len : 40), pre);
         return -1;
     }
     t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
     /* tiktoken-trained vocabularies: a pre-token that is a token is emitted whole */
     t->ignore_merges = (pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0) ||
-                       (pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0);
+        (pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0);
     int code;
     PCRE2_SIZE off;
     t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,
@@ -298,16 +314,19 @@ static int charsmap_load(loom_tokenizer *t, const loom_gguf *g, char *err, size_
     const loom_gguf_kv *kv = loom_gguf_find(g, "tokenizer.ggml.precompiled_charsmap");
     if (!kv)
         return 0;
-    if (kv->type != LOOM_GGUF_ARRAY || (kv->array_type != LOOM_GGUF_UINT8 &&
-                                        kv->array_type != LOOM_GGUF_INT8) || kv->count < 4) {
+    if (kv->type != LOOM_GGUF_ARRAY ||
+        (kv->array_type != LOOM_GGUF_UINT8 && kv->array_type != LOOM_GGUF_INT8) || kv->count < 4) {
         snprintf(err, err_size, "tokenizer.ggml.precompiled_charsmap is not a byte array");
         return -1;
     }
     const unsigned char *b = g->map + kv->offset;
-    uint32_t trie = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    uint32_t trie = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+        (uint32_t)b[3] << 24;
     if (trie % 4 || trie == 0 || trie > kv->count - 4) {
-        snprintf(err, err_size, "tokenizer.ggml.precompiled_charsmap: a trie of %u bytes does not "
-                 "fit its %llu bytes", trie, (unsigned long long)kv->count);
+        snprintf(err, err_size,
+                 "tokenizer.ggml.precompiled_charsmap: a trie of %u bytes does not "
+                 "fit its %llu bytes",
+                 trie, (unsigned long long)kv->count);
         return -1;
     }
     t->charsmap_n_units = trie / 4;
@@ -321,7 +340,7 @@ static int charsmap_load(loom_tokenizer *t, const loom_gguf *g, char *err, size_
     for (size_t i = 0; i < t->charsmap_n_units; i++) {
         const unsigned char *u = b + 4 + 4 * i;
         t->charsmap_units[i] = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16 |
-                               (uint32_t)u[3] << 24;
+            (uint32_t)u[3] << 24;
     }
     memcpy(t->charsmap_strings, b + 4 + trie, t->charsmap_n_strings);
     t->charsmap_strings[t->charsmap_n_strings] = '\0'; /* the last replacement ends */
@@ -371,7 +390,8 @@ static int text_specials_load(loom_tokenizer *t, const loom_gguf *g)
     if (!kv)
         return 0;
     unsigned char *named = calloc((size_t)t->n_vocab, 1);
-    if (!named || !(t->text_specials = malloc(((size_t)t->n_specials + 1) * sizeof *t->text_specials))) {
+    if (!named ||
+        !(t->text_specials = malloc(((size_t)t->n_specials + 1) * sizeof *t->text_specials))) {
         free(named);
         return -1;
     }
@@ -398,8 +418,9 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     int bpe = model_len == 4 && memcmp(model, "gpt2", 4) == 0;
     int unigram = model_len == 2 && memcmp(model, "t5", 2) == 0;
     if (!bpe && !unigram && (model_len != 5 || memcmp(model, "llama", 5) != 0)) {
-        snprintf(err, err_size, "tokenizer model '%.*s' is not supported yet (loom runs: llama, "
-                                "t5, gpt2)",
+        snprintf(err, err_size,
+                 "tokenizer model '%.*s' is not supported yet (loom runs: llama, "
+                 "t5, gpt2)",
                  (int)(model_len < 32 ? model_len : 32), model);
         return NULL;
     }
@@ -455,14 +476,17 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         p += len + 1;
         e->score = scores && loom_gguf_array_f64(g, scores, (uint64_t)i, &v) == 0 ? (float)v : 0.0f;
         if (!isfinite(e->score)) { /* the merge order and Viterbi's sums need real numbers */
-            snprintf(err, err_size, "tokenizer.ggml.scores[%d] (token '%.40s') is not a finite "
-                     "number", i, e->text);
+            snprintf(err, err_size,
+                     "tokenizer.ggml.scores[%d] (token '%.40s') is not a finite "
+                     "number",
+                     i, e->text);
             loom_tokenizer_free(t);
             return NULL;
         }
         /* a type outside GGUF's 1..6 (or not a number at all) is a normal token */
-        e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 && v >= 1 &&
-                          v <= 6 ? (int)v : TOK_NORMAL;
+        e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 && v >= 1 && v <= 6
+            ? (int)v
+            : TOK_NORMAL;
         if (lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
             uint32_t h = hash_bytes(e->text, e->len) & t->table_mask;
             while (t->table[h] >= 0)
@@ -530,7 +554,7 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     const char *norm;
     uint64_t norm_len;
     t->nfkc = loom_gguf_get_str(g, "tokenizer.loom.normalizer", &norm, &norm_len) == 0 &&
-              norm_len == 4 && memcmp(norm, "nfkc", 4) == 0;
+        norm_len == 4 && memcmp(norm, "nfkc", 4) == 0;
     if (charsmap_load(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
         return NULL;
@@ -578,8 +602,8 @@ oom:
 #define MAX_FRAGMENT ((size_t)INT_MAX / 4)
 
 typedef struct symbol {
-    int prev, next;       /* neighbours in the list, -1 at the ends */
-    uint32_t start, n;    /* bytes in the escaped text; n == 0 once merged into the left one */
+    int prev, next;    /* neighbours in the list, -1 at the ends */
+    uint32_t start, n; /* bytes in the escaped text; n == 0 once merged into the left one */
 } symbol;
 
 typedef struct bigram {
@@ -861,8 +885,8 @@ static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len
                 /* the bonus as sentencepiece computes it: length times the best score in
                  * float, then less 0.1 in double */
                 double sc = (t->vocab[id].type == TOK_USER ? (double)((float)l * t->max_score) - 0.1
-                                                            : (double)t->vocab[id].score) +
-                            best[i];
+                                                           : (double)t->vocab[id].score) +
+                    best[i];
                 if (from[i + l] < 0 || sc > best[i + l])
                     best[i + l] = (float)sc, from[i + l] = (int32_t)i, piece[i + l] = id;
                 covered |= l == cl;
@@ -947,7 +971,8 @@ static size_t normalise(const loom_tokenizer *t, const char *raw, size_t len, in
     utf8proc_uint8_t *nfkc = NULL;
     if (!t->charsmap_units && t->nfkc) {
         utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len,
-                                          &nfkc, UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
+                                          &nfkc,
+                                          UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
         if (n >= 0)
             raw = (const char *)nfkc, len = (size_t)n;
         else
@@ -962,8 +987,8 @@ static size_t normalise(const loom_tokenizer *t, const char *raw, size_t len, in
             i += used;
             continue;
         }
-        used = t->charsmap_units
-                   ? charsmap_match(t, (const unsigned char *)raw + i, len - i, &repl) : 0;
+        used = t->charsmap_units ? charsmap_match(t, (const unsigned char *)raw + i, len - i, &repl)
+                                 : 0;
         if (used) {
             norm_put(&o, repl, strlen(repl), t->collapse_ws);
         } else {
@@ -1002,7 +1027,8 @@ static int spm_text(const loom_tokenizer *t, const char *raw, size_t len, int pr
     const char *text = norm ? norm : raw;
     int rc = 0;
     if (n > 0 || (prefix && !t->collapse_ws))
-        rc = t->unigram ? unigram_fragment(t, text, n, prefix, o) : spm_fragment(t, text, n, prefix, o);
+        rc = t->unigram ? unigram_fragment(t, text, n, prefix, o)
+                        : spm_fragment(t, text, n, prefix, o);
     else if (prefix && !last) /* the whole text goes on past this run: it has the prefix */
         rc = t->unigram ? unigram_fragment(t, text, 0, 1, o) : spm_fragment(t, text, 0, 1, o);
     free(norm);
@@ -1212,15 +1238,14 @@ static int is_space(char c)
     return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
 
-static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
-                            int add_special, int parse_special, const size_t *plain, int n_plain,
-                            int32_t *ids, int64_t cap);
+static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len, int add_special,
+                            int parse_special, const size_t *plain, int n_plain, int32_t *ids,
+                            int64_t cap);
 
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
                               int add_special, int parse_special, int32_t *ids, int64_t cap)
 {
-    return loom_tokenizer_encode_spans(t, text, len, add_special, parse_special, NULL, 0, ids,
-                                       cap);
+    return loom_tokenizer_encode_spans(t, text, len, add_special, parse_special, NULL, 0, ids, cap);
 }
 
 int64_t loom_tokenizer_encode_spans(const loom_tokenizer *t, const char *text, size_t len,
@@ -1265,9 +1290,9 @@ int64_t loom_tokenizer_encode_spans(const loom_tokenizer *t, const char *text, s
     return n;
 }
 
-static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len,
-                            int add_special, int parse_special, const size_t *plain, int n_plain,
-                            int32_t *ids, int64_t cap)
+static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t len, int add_special,
+                            int parse_special, const size_t *plain, int n_plain, int32_t *ids,
+                            int64_t cap)
 {
     out_ids o = {ids, 0, cap};
     /* a text that already starts with what the family prepends (a rendered chat prompt) does
@@ -1284,8 +1309,7 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
         if (specials[s] == first)
             lead = &t->vocab[first];
     int starts_with_it = lead && lead->len && lead->len <= len &&
-                         !(n_plain > 0 && plain[0] < lead->len) &&
-                         memcmp(text, lead->text, lead->len) == 0;
+        !(n_plain > 0 && plain[0] < lead->len) && memcmp(text, lead->text, lead->len) == 0;
     if (add_special && !starts_with_it) {
         for (int i = 0; i < t->n_prefix; i++)
             emit(&o, t->prefix[i]);
@@ -1357,10 +1381,11 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     unsigned blanks;
     if (e->type == TOK_CONTROL) {
         n = 0;
-    } else if (t->glm_text && e->type == TOK_USER && (!strcmp(e->text, "<n>") || !strcmp(e->text, "<|tab|>"))) {
+    } else if (t->glm_text && e->type == TOK_USER &&
+               (!strcmp(e->text, "<n>") || !strcmp(e->text, "<|tab|>"))) {
         buf[n++] = e->text[1] == 'n' ? '\n' : '\t';
-    } else if (t->glm_text && e->type == TOK_USER && sscanf(e->text, "<|blank_%u|>", &blanks) == 1 &&
-               blanks <= 80) {
+    } else if (t->glm_text && e->type == TOK_USER &&
+               sscanf(e->text, "<|blank_%u|>", &blanks) == 1 && blanks <= 80) {
         memset(buf, ' ', blanks);
         n = (int)blanks;
     } else if (t->bpe) {
@@ -1449,7 +1474,11 @@ size_t loom_utf8_complete(const char *s, size_t n)
         unsigned char c = (unsigned char)s[n - back];
         if ((c & 0xc0) == 0x80)
             continue; /* a continuation byte: keep looking for the lead */
-        size_t need = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+        size_t need = c < 0x80 ? 1
+            : (c >> 5) == 6    ? 2
+            : (c >> 4) == 14   ? 3
+            : (c >> 3) == 30   ? 4
+                               : 1;
         return need > back ? n - back : n;
     }
     return n;

@@ -17,13 +17,13 @@
 #include <string.h>
 
 typedef struct glm_layer {
-    const loom_tensor *attn_norm;  /* [n_embd] */
-    const loom_tensor *wqkv;       /* [(n_head + 2 * n_head_kv) * head_dim, n_embd] */
-    const loom_tensor *bqkv;       /* [(n_head + 2 * n_head_kv) * head_dim] or NULL */
-    const loom_tensor *wo;         /* [n_embd, n_head * head_dim] */
-    const loom_tensor *ffn_norm;   /* [n_embd] */
-    const loom_tensor *w_up;       /* [2 * n_ff, n_embd]: gate rows, then up rows */
-    const loom_tensor *w_down;     /* [n_embd, n_ff] */
+    const loom_tensor *attn_norm; /* [n_embd] */
+    const loom_tensor *wqkv;      /* [(n_head + 2 * n_head_kv) * head_dim, n_embd] */
+    const loom_tensor *bqkv;      /* [(n_head + 2 * n_head_kv) * head_dim] or NULL */
+    const loom_tensor *wo;        /* [n_embd, n_head * head_dim] */
+    const loom_tensor *ffn_norm;  /* [n_embd] */
+    const loom_tensor *w_up;      /* [2 * n_ff, n_embd]: gate rows, then up rows */
+    const loom_tensor *w_down;    /* [n_embd, n_ff] */
 } glm_layer;
 
 typedef struct glm_model {
@@ -49,7 +49,8 @@ static int glm_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
     hp->n_head_kv = (int32_t)loom_model_kv_int(g, "chatglm", "attention.head_count_kv", hp->n_head);
     hp->n_ff = (int32_t)loom_model_kv_int(g, "chatglm", "feed_forward_length", 0);
     hp->n_ctx_train = (int32_t)loom_model_kv_int(g, "chatglm", "context_length", 8192);
-    hp->norm_eps = (float)loom_model_kv_float(g, "chatglm", "attention.layer_norm_rms_epsilon", 1e-5);
+    hp->norm_eps = (float)loom_model_kv_float(g, "chatglm", "attention.layer_norm_rms_epsilon",
+                                              1e-5);
     hp->rope_base = (float)loom_model_kv_float(g, "chatglm", "rope.freq_base", 10000.0);
     hp->rope_scale = 1.0f;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
@@ -57,7 +58,8 @@ static int glm_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
         snprintf(err, err_size, "chatglm: missing or inconsistent hyper-parameters");
         return -1;
     }
-    hp->head_dim = (int32_t)loom_model_kv_int(g, "chatglm", "attention.key_length", hp->n_embd / hp->n_head);
+    hp->head_dim = (int32_t)loom_model_kv_int(g, "chatglm", "attention.key_length",
+                                              hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, "chatglm", "rope.dimension_count", hp->head_dim / 2);
     hp->rope_mode = LOOM_ROPE_ADJACENT;
     glm_model *m = calloc(1, sizeof *m);
@@ -70,7 +72,7 @@ static int glm_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
     m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
     m->output = loom_rt_weight(r, "output.weight", 1);
     char name[96];
-#define W(field, fmt, req)                                                                     \
+#define W(field, fmt, req)                                                                         \
     (snprintf(name, sizeof name, fmt, l), m->layers[l].field = loom_rt_weight(r, name, req))
     for (int l = 0; l < hp->n_layer; l++) {
         W(attn_norm, "blk.%d.attn_norm.weight", 1);
@@ -139,8 +141,8 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
     return loom_rt_status(r);
 }
 
-const loom_arch loom_arch_chatglm = {.name = "chatglm", .load = glm_load, .forward = glm_forward,
-                                     .free_state = glm_free};
+const loom_arch loom_arch_chatglm = {
+    .name = "chatglm", .load = glm_load, .forward = glm_forward, .free_state = glm_free};
 
 /* ---- ChatGLM-6B (v1) -------------------------------------------------------------------------
  *
@@ -187,7 +189,8 @@ static int32_t find_gmask(const loom_gguf *g)
     for (uint64_t i = 0; tokens && tokens->type == LOOM_GGUF_ARRAY && i < tokens->count; i++) {
         const char *t;
         uint64_t len;
-        if (loom_gguf_array_str(g, tokens, i, &t, &len) == 0 && len == 7 && memcmp(t, "[gMASK]", 7) == 0)
+        if (loom_gguf_array_str(g, tokens, i, &t, &len) == 0 && len == 7 &&
+            memcmp(t, "[gMASK]", 7) == 0)
             return (int32_t)i;
     }
     return -1;
@@ -227,7 +230,7 @@ static int glm1_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
     m->out_norm_b = loom_rt_weight(r, "output_norm.bias", 1);
     m->output = loom_rt_weight(r, "output.weight", 1);
     char name[96];
-#define W(field, fmt)                                                                          \
+#define W(field, fmt)                                                                              \
     (snprintf(name, sizeof name, fmt, l), m->layers[l].field = loom_rt_weight(r, name, 1))
     for (int l = 0; l < hp->n_layer; l++) {
         W(attn_norm, "blk.%d.attn_norm.weight");
@@ -249,7 +252,8 @@ static int glm1_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
         return -1;
     }
     hp->n_vocab = (int32_t)m->output->ne[1];
-    if (m->layers[0].wqkv->ne[1] != 3 * (int64_t)hp->n_embd || m->layers[0].w_up->ne[1] != hp->n_ff) {
+    if (m->layers[0].wqkv->ne[1] != 3 * (int64_t)hp->n_embd ||
+        m->layers[0].w_up->ne[1] != hp->n_ff) {
         glm1_free(m);
         snprintf(err, err_size, "chatglm1: tensor shapes disagree with the hyper-parameters");
         return -1;
@@ -323,8 +327,11 @@ static int glm1_forward(loom_runner *r, void *state, const loom_batch *b)
     return loom_rt_status(r);
 }
 
-const loom_arch loom_arch_chatglm1 = {.name = "chatglm1", .load = glm1_load, .forward = glm1_forward,
-                                      .free_state = glm1_free, .prefix_len = glm1_prefix_len};
+const loom_arch loom_arch_chatglm1 = {.name = "chatglm1",
+                                      .load = glm1_load,
+                                      .forward = glm1_forward,
+                                      .free_state = glm1_free,
+                                      .prefix_len = glm1_prefix_len};
 
 /* ---- Hugging Face forms ----------------------------------------------------------------------
  *
@@ -343,14 +350,15 @@ static const loom_hf_param glm_params[] = {
 static int glm_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
     if (!loom_hf_true(cf, "rmsnorm")) {
-        snprintf(err, err_size, "a ChatGLM with LayerNorm but without ChatGLM-6B's config keys "
+        snprintf(err, err_size,
+                 "a ChatGLM with LayerNorm but without ChatGLM-6B's config keys "
                  "(position_encoding_2d, inner_hidden_size): loom does not know it");
         return -1;
     }
     int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
     int32_t n_kv = loom_hf_true(cf, "multi_query_attention")
-                       ? (int32_t)loom_hf_num(cf, "multi_query_group_num", 1)
-                       : n_head;
+        ? (int32_t)loom_hf_num(cf, "multi_query_group_num", 1)
+        : n_head;
     int32_t hd = (int32_t)loom_hf_num(cf, "kv_channels",
                                       (int32_t)loom_hf_get(v, "embedding_length") / n_head);
     if (n_kv <= 0 || hd <= 0) {
@@ -383,27 +391,55 @@ static const loom_hf_tensor glm_tensors[] = {
 
 /* ChatGLM2/3's appended specials; in a user's text its tokenizer reads the four role tokens,
  * and only when tokenizer_config.json says encode_special_tokens (ChatGLM3's does). */
-static const char *const glm3_named[] = {"[MASK]",     "[gMASK]",  "[sMASK]",
-                                         "sop",        "eop",      "<|system|>",
-                                         "<|user|>",   "<|assistant|>", "<|observation|>"};
-static const loom_hf_specials glm3_specials = {
-    .named = glm3_named, .n_named = 9, .total = 9, .bos = -1, .eos = -1, .prefix = {1, 3},
-    .n_prefix = 2, .text_specials = {5, 6, 7, 8}, .n_text_specials = 4,
-    .text_specials_when = "encode_special_tokens"};
+static const char *const glm3_named[] = {"[MASK]",   "[gMASK]",       "[sMASK]",
+                                         "sop",      "eop",           "<|system|>",
+                                         "<|user|>", "<|assistant|>", "<|observation|>"};
+static const loom_hf_specials glm3_specials = {.named = glm3_named,
+                                               .n_named = 9,
+                                               .total = 9,
+                                               .bos = -1,
+                                               .eos = -1,
+                                               .prefix = {1, 3},
+                                               .n_prefix = 2,
+                                               .text_specials = {5, 6, 7, 8},
+                                               .n_text_specials = 4,
+                                               .text_specials_when = "encode_special_tokens"};
 /* GLM-4's, after its ranks; stops <|endoftext|>, <|user|>, <|observation|>, as its
  * generation_config.json lists them */
-static const char *const glm4_named[] = {
-    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
-    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
-    "<|begin_of_video|>", "<|end_of_video|>"};
-static const loom_hf_specials glm4_specials = {
-    .pre = "chatglm-bpe", .named = glm4_named, .n_named = 14, .total = 14, .bos = -1, .eos = 0,
-    .stops = {0, 7, 9}, .n_stops = 3, .prefix = {2, 4}, .n_prefix = 2};
+static const char *const glm4_named[] = {"<|endoftext|>",
+                                         "[MASK]",
+                                         "[gMASK]",
+                                         "[sMASK]",
+                                         "<sop>",
+                                         "<eop>",
+                                         "<|system|>",
+                                         "<|user|>",
+                                         "<|assistant|>",
+                                         "<|observation|>",
+                                         "<|begin_of_image|>",
+                                         "<|end_of_image|>",
+                                         "<|begin_of_video|>",
+                                         "<|end_of_video|>"};
+static const loom_hf_specials glm4_specials = {.pre = "chatglm-bpe",
+                                               .named = glm4_named,
+                                               .n_named = 14,
+                                               .total = 14,
+                                               .bos = -1,
+                                               .eos = 0,
+                                               .stops = {0, 7, 9},
+                                               .n_stops = 3,
+                                               .prefix = {2, 4},
+                                               .n_prefix = 2};
 
-const loom_family loom_family_chatglm = {
-    .arch = &loom_arch_chatglm, .chat_template = "chatglm3", .chat_template_tiktoken = "glm4",
-    .hf_model_type = "chatglm", .hf_params = glm_params, .hf_derive = glm_derive,
-    .hf_tensors = glm_tensors, .tiktoken = &glm4_specials, .spm_specials = &glm3_specials};
+const loom_family loom_family_chatglm = {.arch = &loom_arch_chatglm,
+                                         .chat_template = "chatglm3",
+                                         .chat_template_tiktoken = "glm4",
+                                         .hf_model_type = "chatglm",
+                                         .hf_params = glm_params,
+                                         .hf_derive = glm_derive,
+                                         .hf_tensors = glm_tensors,
+                                         .tiktoken = &glm4_specials,
+                                         .spm_specials = &glm3_specials};
 
 /* ChatGLM-6B (model_type "chatglm" with position_encoding_2d): loom's "chatglm1" convention
  * (docs/gguf.md), its tokenizer from ice_text.model; Q, K, V interleaved per head in the fused
@@ -422,7 +458,8 @@ static int glm1_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err
     int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
     double n_ff = loom_hf_num(cf, "inner_hidden_size", 4.0 * n_embd);
     if (n_embd % (int32_t)loom_hf_get(v, "attention.head_count") || !(n_ff > 0)) {
-        snprintf(err, err_size, "hidden_size must be a multiple of num_attention_heads and "
+        snprintf(err, err_size,
+                 "hidden_size must be a multiple of num_attention_heads and "
                  "inner_hidden_size positive");
         return -1;
     }
@@ -432,9 +469,11 @@ static int glm1_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err
     return 0;
 }
 
-#define GLM1_LAYER(hf, gg, flags)                                                              \
-    {"transformer.layers.%d." hf ".weight", "blk.%d." gg ".weight", flags, NULL},               \
-        {"transformer.layers.%d." hf ".bias", "blk.%d." gg ".bias", flags, NULL}
+#define GLM1_LAYER(hf, gg, flags)                                                                  \
+    {"transformer.layers.%d." hf ".weight", "blk.%d." gg ".weight", flags, NULL},                  \
+    {                                                                                              \
+        "transformer.layers.%d." hf ".bias", "blk.%d." gg ".bias", flags, NULL                     \
+    }
 static const loom_hf_tensor glm1_tensors[] = {
     {"transformer.word_embeddings.weight", "token_embd.weight", 0, NULL},
     {"transformer.final_layernorm.weight", "output_norm.weight", 0, NULL},
@@ -448,7 +487,9 @@ static const loom_hf_tensor glm1_tensors[] = {
     GLM1_LAYER("mlp.dense_4h_to_h", "ffn_down", 0),
     {0}};
 
-const loom_family loom_family_chatglm1 = {
-    .arch = &loom_arch_chatglm1, .hf_model_type = "chatglm",
-    .hf_when = "position_encoding_2d|inner_hidden_size", .hf_params = glm1_params,
-    .hf_derive = glm1_derive, .hf_tensors = glm1_tensors};
+const loom_family loom_family_chatglm1 = {.arch = &loom_arch_chatglm1,
+                                          .hf_model_type = "chatglm",
+                                          .hf_when = "position_encoding_2d|inner_hidden_size",
+                                          .hf_params = glm1_params,
+                                          .hf_derive = glm1_derive,
+                                          .hf_tensors = glm1_tensors};

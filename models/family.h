@@ -60,8 +60,8 @@ enum {
 };
 
 typedef struct loom_hf_tensor {
-    const char *hf;      /* the Hugging Face name; "%d" where a layer's index goes */
-    const char *gguf;    /* the GGUF name, "%d" likewise (per layer when hf has one) */
+    const char *hf;   /* the Hugging Face name; "%d" where a layer's index goes */
+    const char *gguf; /* the GGUF name, "%d" likewise (per layer when hf has one) */
     unsigned flags;
     const char *instead; /* when hf is absent, this tensor (a tied output head) */
 } loom_hf_tensor;
@@ -74,9 +74,9 @@ typedef struct loom_hf_specials {
     int n_named, total;       /* the rest are filler_fmt with filler_base + their index */
     const char *filler_fmt;
     int filler_base;
-    int bos, eos;             /* -1: none (eos then from config.json's eos_token_id) */
-    int stops[3], n_stops;    /* 0: generation_config.json's list */
-    int prefix[2], n_prefix;  /* what every prompt starts with (ChatGLM: [gMASK] sop) */
+    int bos, eos;            /* -1: none (eos then from config.json's eos_token_id) */
+    int stops[3], n_stops;   /* 0: generation_config.json's list */
+    int prefix[2], n_prefix; /* what every prompt starts with (ChatGLM: [gMASK] sop) */
     int text_specials[4], n_text_specials; /* read from a user's text, when ... */
     const char *text_specials_when;        /* ... tokenizer_config.json has this key true */
 } loom_hf_specials;
@@ -96,8 +96,8 @@ typedef struct loom_family {
     /* Hyper-parameters that are not one key each (defaults computed from others, checks
      * across keys); NULL when none. Messages name the config.json keys. */
     int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
-    const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
-    const loom_hf_specials *tiktoken; /* after tiktoken ranks; NULL: Llama-3's */
+    const loom_hf_tensor *hf_tensors;     /* ends with {0}; the layers' count is block_count */
+    const loom_hf_specials *tiktoken;     /* after tiktoken ranks; NULL: Llama-3's */
     const loom_hf_specials *spm_specials; /* after SentencePiece pieces (ChatGLM2/3) */
 } loom_family;
 

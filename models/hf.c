@@ -54,7 +54,8 @@ static const cJSON *lookup(const cJSON *config, const char *key, size_t len)
 }
 
 /* The first of keys ('|' between) whose value passes is_kind. */
-static const cJSON *first(const cJSON *config, const char *keys, cJSON_bool (*is_kind)(const cJSON *))
+static const cJSON *first(const cJSON *config, const char *keys,
+                          cJSON_bool (*is_kind)(const cJSON *))
 {
     while (keys && *keys) {
         size_t len = strcspn(keys, "|");

@@ -25,21 +25,22 @@
 #include <string.h>
 
 typedef struct llama_layer {
-    const loom_tensor *attn_norm;  /* [n_embd] */
-    const loom_tensor *wq, *wk, *wv; /* [n_head * head_dim, n_embd], [n_head_kv * head_dim, n_embd] */
-    const loom_tensor *bq, *bk, *bv; /* Qwen2 only, else NULL */
-    const loom_tensor *wqkv, *bqkv;  /* Qwen v1: fused instead of wq, wk, wv */
+    const loom_tensor *attn_norm; /* [n_embd] */
+    const loom_tensor *wq, *wk,
+        *wv; /* [n_head * head_dim, n_embd], [n_head_kv * head_dim, n_embd] */
+    const loom_tensor *bq, *bk, *bv;    /* Qwen2 only, else NULL */
+    const loom_tensor *wqkv, *bqkv;     /* Qwen v1: fused instead of wq, wk, wv */
     const loom_tensor *q_norm, *k_norm; /* Qwen3: [head_dim], else NULL */
-    const loom_tensor *wo;         /* [n_embd, n_head * head_dim] */
-    const loom_tensor *ffn_norm;   /* [n_embd] */
-    const loom_tensor *w_gate, *w_up; /* [n_ff, n_embd] */
-    const loom_tensor *w_down;     /* [n_embd, n_ff] */
+    const loom_tensor *wo;              /* [n_embd, n_head * head_dim] */
+    const loom_tensor *ffn_norm;        /* [n_embd] */
+    const loom_tensor *w_gate, *w_up;   /* [n_ff, n_embd] */
+    const loom_tensor *w_down;          /* [n_embd, n_ff] */
 } llama_layer;
 
 typedef struct llama_model {
-    const loom_tensor *tok_embd;   /* [n_vocab, n_embd] */
-    const loom_tensor *out_norm;   /* [n_embd] */
-    const loom_tensor *output;     /* [n_vocab, n_embd]; the embedding when tied */
+    const loom_tensor *tok_embd; /* [n_vocab, n_embd] */
+    const loom_tensor *out_norm; /* [n_embd] */
+    const loom_tensor *output;   /* [n_vocab, n_embd]; the embedding when tied */
     llama_layer *layers;
 } llama_model;
 
@@ -68,9 +69,10 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->rope_scale = factor > 0 ? (float)(1.0 / factor) : 1.0f;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
-        snprintf(err, err_size, "%s: missing or inconsistent hyper-parameters (embedding_length "
-                                "%d, block_count %d, head_count %d, head_count_kv %d, "
-                                "feed_forward_length %d)",
+        snprintf(err, err_size,
+                 "%s: missing or inconsistent hyper-parameters (embedding_length "
+                 "%d, block_count %d, head_count %d, head_count_kv %d, "
+                 "feed_forward_length %d)",
                  arch, hp->n_embd, hp->n_layer, hp->n_head, hp->n_head_kv, hp->n_ff);
         return -1;
     }
@@ -82,7 +84,8 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         if (!up || up->ne[1] * 2 == hp->n_ff)
             hp->n_ff /= 2;
     }
-    hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length", hp->n_embd / hp->n_head);
+    hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length",
+                                              hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
     int fused = strcmp(arch, "qwen") == 0, head_norms = strcmp(arch, "qwen3") == 0;
     hp->rope_mode = strcmp(arch, "llama") == 0 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
@@ -99,7 +102,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     if (!m->output)
         m->output = m->tok_embd;
     char name[96];
-#define W(field, fmt, req)                                                                     \
+#define W(field, fmt, req)                                                                         \
     (snprintf(name, sizeof name, fmt, l), m->layers[l].field = loom_rt_weight(r, name, req))
     for (int l = 0; l < hp->n_layer; l++) {
         W(attn_norm, "blk.%d.attn_norm.weight", 1);
@@ -131,12 +134,12 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     }
     hp->n_vocab = (int32_t)m->output->ne[1];
     const llama_layer *L0 = &m->layers[0];
-    int64_t q_dim = (int64_t)hp->n_head * hp->head_dim, kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
+    int64_t q_dim = (int64_t)hp->n_head * hp->head_dim,
+            kv_dim = (int64_t)hp->n_head_kv * hp->head_dim;
     int shapes_ok = m->tok_embd->ne[0] == hp->n_embd &&
-                    (fused ? L0->wqkv->ne[1] == q_dim + 2 * kv_dim
-                           : L0->wq->ne[1] == q_dim && L0->wk->ne[1] == kv_dim) &&
-                    (!head_norms || (L0->q_norm->ne[0] == hp->head_dim &&
-                                     L0->k_norm->ne[0] == hp->head_dim));
+        (fused ? L0->wqkv->ne[1] == q_dim + 2 * kv_dim
+               : L0->wq->ne[1] == q_dim && L0->wk->ne[1] == kv_dim) &&
+        (!head_norms || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim));
     if (!shapes_ok) {
         llama_free(m);
         snprintf(err, err_size, "%s: tensor shapes disagree with the hyper-parameters", arch);
@@ -174,8 +177,8 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim;
     const int64_t q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
 
-    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1);        /* the residual stream */
-    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1);        /* normed input of a block */
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1); /* the residual stream */
+    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1); /* normed input of a block */
     /* Q, K and V side by side in one row per token: the fused projection writes it whole, the
      * separate ones write their column ranges */
     loom_tensor qkv = loom_rt_scratch(r, LOOM_F32, q_dim + 2 * kv_dim, n, 1);
@@ -225,14 +228,14 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     return loom_rt_status(r);
 }
 
-const loom_arch loom_arch_llama = {.name = "llama", .load = llama_load, .forward = llama_forward,
-                                   .free_state = llama_free};
-const loom_arch loom_arch_qwen2 = {.name = "qwen2", .load = qwen2_load, .forward = llama_forward,
-                                   .free_state = llama_free};
-const loom_arch loom_arch_qwen3 = {.name = "qwen3", .load = qwen3_load, .forward = llama_forward,
-                                   .free_state = llama_free};
-const loom_arch loom_arch_qwen = {.name = "qwen", .load = qwen_load, .forward = llama_forward,
-                                  .free_state = llama_free};
+const loom_arch loom_arch_llama = {
+    .name = "llama", .load = llama_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_qwen2 = {
+    .name = "qwen2", .load = qwen2_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_qwen3 = {
+    .name = "qwen3", .load = qwen3_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_qwen = {
+    .name = "qwen", .load = qwen_load, .forward = llama_forward, .free_state = llama_free};
 
 /* ---- Hugging Face forms ----------------------------------------------------------------------
  *
@@ -283,26 +286,33 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
             return -1;
         }
         loom_hf_set_str(v, "rope.scaling.type", "linear");
-        loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32, loom_hf_num(cf, "rope_scaling.factor", 1.0));
+        loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32,
+                    loom_hf_num(cf, "rope_scaling.factor", 1.0));
     }
     return 0;
 }
 
-#define DECODER_HEAD                                                                          \
-    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},                              \
-        {"model.norm.weight", "output_norm.weight", 0, NULL},                                 \
-        {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                          \
-        {"model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL}
-#define DECODER_TAIL                                                                          \
-    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},        \
-        {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL}, \
-        {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},          \
-        {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},              \
-        {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
-#define QKV_BIASES                                                                            \
-    {"model.layers.%d.self_attn.q_proj.bias", "blk.%d.attn_q.bias", LOOM_HF_OPTIONAL, NULL},  \
-        {"model.layers.%d.self_attn.k_proj.bias", "blk.%d.attn_k.bias", LOOM_HF_OPTIONAL, NULL}, \
-        {"model.layers.%d.self_attn.v_proj.bias", "blk.%d.attn_v.bias", LOOM_HF_OPTIONAL, NULL}
+#define DECODER_HEAD                                                                               \
+    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},                                   \
+        {"model.norm.weight", "output_norm.weight", 0, NULL},                                      \
+        {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                               \
+    {                                                                                              \
+        "model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL               \
+    }
+#define DECODER_TAIL                                                                               \
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},             \
+        {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL},    \
+        {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},               \
+        {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                   \
+    {                                                                                              \
+        "model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL                  \
+    }
+#define QKV_BIASES                                                                                 \
+    {"model.layers.%d.self_attn.q_proj.bias", "blk.%d.attn_q.bias", LOOM_HF_OPTIONAL, NULL},       \
+        {"model.layers.%d.self_attn.k_proj.bias", "blk.%d.attn_k.bias", LOOM_HF_OPTIONAL, NULL},   \
+    {                                                                                              \
+        "model.layers.%d.self_attn.v_proj.bias", "blk.%d.attn_v.bias", LOOM_HF_OPTIONAL, NULL      \
+    }
 
 static const loom_hf_tensor llama_tensors[] = {
     DECODER_HEAD,
@@ -361,8 +371,10 @@ static int qwen_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err
         return -1;
     }
     if (n_rot <= 0 || n_rot % 2 || n_rot > hd) {
-        snprintf(err, err_size, "rotary_pct %g of kv_channels %d is not an even number of "
-                 "dimensions", pct, hd);
+        snprintf(err, err_size,
+                 "rotary_pct %g of kv_channels %d is not an even number of "
+                 "dimensions",
+                 pct, hd);
         return -1;
     }
     loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_head);
@@ -387,32 +399,63 @@ static const loom_hf_tensor qwen_tensors[] = {
 
 /* What the tiktoken-ranked vocabularies append. Llama-3.1: Meta's tokenizer.py order, stops
  * <|eom_id|> and <|eot_id|>; Qwen v1: stop <|im_end|>. */
-static const char *const llama3_named[] = {
-    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
-    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
-    "<|image|>"};
-static const loom_hf_specials llama3_specials = {
-    .pre = "llama-bpe", .named = llama3_named, .n_named = 12, .total = 256,
-    .filler_fmt = "<|reserved_special_token_%d|>", .filler_base = 2 - 12, .bos = 0, .eos = 1,
-    .stops = {8, 9}, .n_stops = 2};
+static const char *const llama3_named[] = {"<|begin_of_text|>",
+                                           "<|end_of_text|>",
+                                           "<|reserved_special_token_0|>",
+                                           "<|reserved_special_token_1|>",
+                                           "<|finetune_right_pad_id|>",
+                                           "<|step_id|>",
+                                           "<|start_header_id|>",
+                                           "<|end_header_id|>",
+                                           "<|eom_id|>",
+                                           "<|eot_id|>",
+                                           "<|python_tag|>",
+                                           "<|image|>"};
+static const loom_hf_specials llama3_specials = {.pre = "llama-bpe",
+                                                 .named = llama3_named,
+                                                 .n_named = 12,
+                                                 .total = 256,
+                                                 .filler_fmt = "<|reserved_special_token_%d|>",
+                                                 .filler_base = 2 - 12,
+                                                 .bos = 0,
+                                                 .eos = 1,
+                                                 .stops = {8, 9},
+                                                 .n_stops = 2};
 static const char *const qwen_named[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
-static const loom_hf_specials qwen_specials = {
-    .pre = "qwen2", .named = qwen_named, .n_named = 3, .total = 3 + 205,
-    .filler_fmt = "<|extra_%d|>", .filler_base = -3, .bos = -1, .eos = 0, .stops = {2},
-    .n_stops = 1};
+static const loom_hf_specials qwen_specials = {.pre = "qwen2",
+                                               .named = qwen_named,
+                                               .n_named = 3,
+                                               .total = 3 + 205,
+                                               .filler_fmt = "<|extra_%d|>",
+                                               .filler_base = -3,
+                                               .bos = -1,
+                                               .eos = 0,
+                                               .stops = {2},
+                                               .n_stops = 1};
 
-const loom_family loom_family_llama = {
-    .arch = &loom_arch_llama, .chat_template_tiktoken = "llama3",
-    .hf_model_type = "llama", .hf_params = decoder_params, .hf_derive = decoder_derive,
-    .hf_tensors = llama_tensors, .tiktoken = &llama3_specials};
-const loom_family loom_family_qwen2 = {
-    .arch = &loom_arch_qwen2, .chat_template = "chatml", .hf_model_type = "qwen2",
-    .hf_params = decoder_params, .hf_derive = decoder_derive, .hf_tensors = qwen2_tensors};
-const loom_family loom_family_qwen3 = {
-    .arch = &loom_arch_qwen3, .chat_template = "chatml", .hf_model_type = "qwen3",
-    .hf_params = decoder_params, .hf_derive = decoder_derive, .hf_tensors = qwen3_tensors};
-const loom_family loom_family_qwen = {
-    .arch = &loom_arch_qwen, .chat_template = "chatml", .hf_model_type = "qwen",
-    .hf_params = qwen_params, .hf_derive = qwen_derive, .hf_tensors = qwen_tensors,
-    .tiktoken = &qwen_specials};
+const loom_family loom_family_llama = {.arch = &loom_arch_llama,
+                                       .chat_template_tiktoken = "llama3",
+                                       .hf_model_type = "llama",
+                                       .hf_params = decoder_params,
+                                       .hf_derive = decoder_derive,
+                                       .hf_tensors = llama_tensors,
+                                       .tiktoken = &llama3_specials};
+const loom_family loom_family_qwen2 = {.arch = &loom_arch_qwen2,
+                                       .chat_template = "chatml",
+                                       .hf_model_type = "qwen2",
+                                       .hf_params = decoder_params,
+                                       .hf_derive = decoder_derive,
+                                       .hf_tensors = qwen2_tensors};
+const loom_family loom_family_qwen3 = {.arch = &loom_arch_qwen3,
+                                       .chat_template = "chatml",
+                                       .hf_model_type = "qwen3",
+                                       .hf_params = decoder_params,
+                                       .hf_derive = decoder_derive,
+                                       .hf_tensors = qwen3_tensors};
+const loom_family loom_family_qwen = {.arch = &loom_arch_qwen,
+                                      .chat_template = "chatml",
+                                      .hf_model_type = "qwen",
+                                      .hf_params = qwen_params,
+                                      .hf_derive = qwen_derive,
+                                      .hf_tensors = qwen_tensors,
+                                      .tiktoken = &qwen_specials};

@@ -6,7 +6,8 @@
 #include <stdio.h>
 #include <string.h>
 
-int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suffix, int64_t fallback)
+int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suffix,
+                          int64_t fallback)
 {
     char key[160];
     int64_t v;
@@ -14,7 +15,8 @@ int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suff
     return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
 }
 
-double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suffix, double fallback)
+double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suffix,
+                           double fallback)
 {
     char key[160];
     double v;
@@ -22,8 +24,8 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
     return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
 }
 
-static const loom_family *families[16] = {&loom_family_llama, &loom_family_qwen2,
-                                          &loom_family_qwen3, &loom_family_qwen,
+static const loom_family *families[16] = {&loom_family_llama,    &loom_family_qwen2,
+                                          &loom_family_qwen3,    &loom_family_qwen,
                                           &loom_family_chatglm1, &loom_family_chatglm};
 static int n_families = 6;
 
@@ -103,10 +105,9 @@ int loom_models_register(const loom_family *family)
         return -1;
     for (int i = 0; i < n_families; i++) {
         const loom_family *f = families[i];
-        int same = family->hf_model_type
-                       ? f->hf_model_type && !strcmp(f->hf_model_type, family->hf_model_type) &&
-                             !f->hf_when && !family->hf_when
-                       : !strcmp(f->arch->name, family->arch->name);
+        int same = family->hf_model_type ? f->hf_model_type &&
+                !strcmp(f->hf_model_type, family->hf_model_type) && !f->hf_when && !family->hf_when
+                                         : !strcmp(f->arch->name, family->arch->name);
         if (f == family || same)
             return -1;
     }

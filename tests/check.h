@@ -12,19 +12,19 @@
 static int check_failures;
 static int check_count;
 
-#define CHECK(cond, ...)                                                                       \
-    do {                                                                                       \
-        check_count++;                                                                         \
-        if (!(cond)) {                                                                         \
-            fprintf(stderr, "%s:%d: FAIL: %s: ", __FILE__, __LINE__, #cond);                   \
-            fprintf(stderr, __VA_ARGS__);                                                      \
-            fputc('\n', stderr);                                                               \
-            check_failures++;                                                                  \
-        }                                                                                      \
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        check_count++;                                                                             \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: FAIL: %s: ", __FILE__, __LINE__, #cond);                       \
+            fprintf(stderr, __VA_ARGS__);                                                          \
+            fputc('\n', stderr);                                                                   \
+            check_failures++;                                                                      \
+        }                                                                                          \
     } while (0)
 
-#define CHECK_NEAR(got, want, tol, what)                                                       \
-    CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g, want %.9g", what,      \
+#define CHECK_NEAR(got, want, tol, what)                                                           \
+    CHECK(fabs((double)(got) - (double)(want)) <= (tol), "%s: got %.9g, want %.9g", what,          \
           (double)(got), (double)(want))
 
 static inline int check_finish(const char *name)

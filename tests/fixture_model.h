@@ -50,12 +50,14 @@ static void check_model(const char *fixtures, const char *fixture, const char *p
     loom_sampling g = loom_sampling_defaults();
     g.temperature = 0;
     g.ignore_eos = 1;
-    cJSON_ArrayForEach(cs, cJSON_GetObjectItem(root, "cases"))
-    {
+    cJSON_ArrayForEach (cs, cJSON_GetObjectItem(root, "cases")) {
         const char *name = cJSON_GetObjectItem(cs, "name")->valuestring;
         cJSON *ref_logits = strcmp(logits_of, "last_logits") == 0
-                                ? cJSON_GetObjectItem(cs, "last_logits")
-                                : cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"), logits_of), "last_logits");
+            ? cJSON_GetObjectItem(cs, "last_logits")
+            : cJSON_GetObjectItem(
+                  cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"),
+                                      logits_of),
+                  "last_logits");
         if (!ref_logits)
             continue; /* quantised references exist for the plain case only */
         /* the prompt as loom's tokenizer encodes the text, which must give the fixture's ids */
@@ -84,19 +86,24 @@ static void check_model(const char *fixtures, const char *fixture, const char *p
         CHECK(ref && worst <= tol, "%s on %s, %s: logits off by %g (> %g)", what, backend, name,
               worst, tol);
         cJSON *top5 = strcmp(logits_of, "last_logits") == 0
-                          ? cJSON_GetObjectItem(cs, "top5")
-                          : cJSON_GetObjectItem(cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"), logits_of), "top5");
+            ? cJSON_GetObjectItem(cs, "top5")
+            : cJSON_GetObjectItem(
+                  cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "quantized_weights_reference"),
+                                      logits_of),
+                  "top5");
         int best = 0;
         for (int i = 1; i < loom_model_n_vocab(m); i++)
             if (got[i] > got[best])
                 best = i;
         /* the top token must agree, unless the reference's own margin between its first two
          * is smaller than this run's logit error (then either may legitimately win) */
-        double margin = top5 ? cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "logit")->valuedouble -
-                                   cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 1), "logit")->valuedouble
-                             : 0;
-        CHECK(top5 && (best == cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "id")->valueint ||
-                       margin < worst),
+        double margin = top5
+            ? cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "logit")->valuedouble -
+                cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 1), "logit")->valuedouble
+            : 0;
+        CHECK(top5 &&
+                  (best == cJSON_GetObjectItem(cJSON_GetArrayItem(top5, 0), "id")->valueint ||
+                   margin < worst),
               "%s on %s, %s: top-1 token %d differs from the reference's (margin %g, error %g)",
               what, backend, name, best, margin, worst);
         free(ref);

@@ -63,8 +63,8 @@ static void check_gguf_conventions(const char *path, const char *label)
         memcpy(arch, s, len), arch[len] = '\0';
     int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3");
     int qwen1 = !strcmp(arch, "qwen"), glm = !strcmp(arch, "chatglm");
-    CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'",
-          label, arch);
+    CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'", label,
+          arch);
     if (!llama_like && !qwen1 && !glm) {
         loom_gguf_close(&g);
         return;

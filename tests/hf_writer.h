@@ -24,8 +24,8 @@ typedef struct st_out {
     size_t n, cap;
 } st_out;
 
-static inline void st_add(st_out *o, const char *name, const char *dtype, int n_dims, const int64_t *shape,
-                   const void *bytes, size_t size)
+static inline void st_add(st_out *o, const char *name, const char *dtype, int n_dims,
+                          const int64_t *shape, const void *bytes, size_t size)
 {
     size_t at = (o->n + 7) & ~(size_t)7;
     if (at + size > o->cap) {

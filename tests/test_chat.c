@@ -20,8 +20,9 @@ int main(void)
     snprintf(dir, sizeof dir, "%s", f && *f ? f : "");
     if (!dir[0])
         snprintf(dir, sizeof dir, "%s/../shared/fixtures", env_or("top_srcdir", "."));
-    static const struct { const char *fixture, *template; } cases[] = {
-        {"tiny-llama", "llama2"}, {"tiny-qwen2", "chatml"}, {"tiny-chatglm3", "chatglm3"}};
+    static const struct {
+        const char *fixture, *template;
+    } cases[] = {{"tiny-llama", "llama2"}, {"tiny-qwen2", "chatml"}, {"tiny-chatglm3", "chatglm3"}};
     char err[1024];
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         char path[4200];
@@ -37,16 +38,14 @@ int main(void)
             return 77;
         }
         cJSON *root = cJSON_Parse(json), *cs;
-        cJSON_ArrayForEach(cs, cJSON_GetObjectItem(root, "cases"))
-        {
+        cJSON_ArrayForEach (cs, cJSON_GetObjectItem(root, "cases")) {
             cJSON *msgs = cJSON_GetObjectItem(cs, "messages");
             if (!msgs)
                 continue;
             loom_chat_message m[16];
             int n = 0;
             cJSON *msg;
-            cJSON_ArrayForEach(msg, msgs)
-            {
+            cJSON_ArrayForEach (msg, msgs) {
                 m[n].role = cJSON_GetObjectItem(msg, "role")->valuestring;
                 m[n].content = cJSON_GetObjectItem(msg, "content")->valuestring;
                 n++;
@@ -64,7 +63,8 @@ int main(void)
     /* matching by stored template text, by architecture, and saying when it is a guess */
     char *out = NULL;
     loom_chat_message one = {"user", "hi"};
-    CHECK(loom_chat_render("jinja9", &one, 1, 1, &out, err, sizeof err) != 0 && strstr(err, "jinja9"),
+    CHECK(loom_chat_render("jinja9", &one, 1, 1, &out, err, sizeof err) != 0 &&
+              strstr(err, "jinja9"),
           "unknown template named: %s", err);
     CHECK(loom_chat_template_valid("chatml") && !loom_chat_template_valid("chatXL"), "valid names");
     /* without a template it knows, a file gets its family's (models/<family>.c); the names are
@@ -87,9 +87,9 @@ int main(void)
         const char *got = loom_chat_template_guess(guesses[i].stored, guesses[i].arch,
                                                    guesses[i].pre, &recognised);
         CHECK(!strcmp(got, guesses[i].want) && recognised == guesses[i].recognised,
-              "%s (pre '%s', %s): %s, recognised %d; want %s, %d", guesses[i].arch,
-              guesses[i].pre, guesses[i].stored ? "a stored template" : "none", got, recognised,
-              guesses[i].want, guesses[i].recognised);
+              "%s (pre '%s', %s): %s, recognised %d; want %s, %d", guesses[i].arch, guesses[i].pre,
+              guesses[i].stored ? "a stored template" : "none", got, recognised, guesses[i].want,
+              guesses[i].recognised);
     }
     return check_finish("test_chat");
 }

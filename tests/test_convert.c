@@ -49,7 +49,8 @@ static void test_stories_bytes(void)
         const loom_gguf_tensor *tb = loom_gguf_find_tensor(&b, name);
         CHECK(tb && tb->type == ta->type && tb->ne[0] == ta->ne[0] && tb->ne[1] == ta->ne[1] &&
                   tb->size == ta->size &&
-                  memcmp(loom_gguf_tensor_data(&a, ta), loom_gguf_tensor_data(&b, tb), ta->size) == 0,
+                  memcmp(loom_gguf_tensor_data(&a, ta), loom_gguf_tensor_data(&b, tb), ta->size) ==
+                      0,
               "tensor %s differs from llama.cpp's conversion", name);
         compared++;
     }
@@ -167,7 +168,8 @@ static void test_tiny_llama(void)
         const char *label = backends[i];
         int exact = strcmp(label, "ref") == 0; /* f32 activations into quantised matmuls */
         check_model(dir, "tiny-llama", f32, label, "last_logits", 1e-4, 1, "tiny-llama f32");
-        check_model(dir, "tiny-llama", hf, label, "last_logits", 0.05, 1, "tiny-llama folder (bf16)");
+        check_model(dir, "tiny-llama", hf, label, "last_logits", 0.05, 1,
+                    "tiny-llama folder (bf16)");
         /* Q8_0: loom's quantiser is ggml's quantize_row_q8_0_ref (x * (1/d), roundf); the
          * fixture's q8_0 reference differs from it by 0.013 in the logits (its q4_0 reference
          * agrees within 1e-6), so the bound here is the README's for quantised activations,
@@ -188,12 +190,14 @@ static void test_tiny_llama(void)
     CHECK(loom_quantize_opts(f32, rq, "q4_0", LOOM_QUANTIZE_PURE, NULL, NULL, err, sizeof err) == 0,
           "quantize: %s", err);
     loom_gguf a, b;
-    if (loom_gguf_open(&a, rq, err, sizeof err) == 0 && loom_gguf_open(&b, q4, err, sizeof err) == 0) {
+    if (loom_gguf_open(&a, rq, err, sizeof err) == 0 &&
+        loom_gguf_open(&b, q4, err, sizeof err) == 0) {
         int same = a.n_tensors == b.n_tensors;
         for (uint64_t i = 0; same && i < a.n_tensors; i++) {
             const loom_gguf_tensor *tb = loom_gguf_find_tensor(&b, a.tensors[i].name);
             same = tb && tb->type == a.tensors[i].type && tb->size == a.tensors[i].size &&
-                   !memcmp(loom_gguf_tensor_data(&a, &a.tensors[i]), loom_gguf_tensor_data(&b, tb), tb->size);
+                !memcmp(loom_gguf_tensor_data(&a, &a.tensors[i]), loom_gguf_tensor_data(&b, tb),
+                        tb->size);
         }
         CHECK(same, "quantize and convert --type q4_0 disagree");
         loom_gguf_close(&a);
@@ -227,8 +231,10 @@ static void test_tiny_qwen2(void)
     snprintf(glm4, sizeof glm4, "%s/chatglm3-q4_0.gguf", tmp);
     CHECK(loom_convert(glm, glmf, "f32", NULL, NULL, err, sizeof err) == 0, "chatglm3: %s", err);
     check_gguf_conventions(glmf, "tiny-chatglm3 (converted)");
-    CHECK(loom_convert(glm, glm8, "q8_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q8_0: %s", err);
-    CHECK(loom_convert(glm, glm4, "q4_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q4_0: %s", err);
+    CHECK(loom_convert(glm, glm8, "q8_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q8_0: %s",
+          err);
+    CHECK(loom_convert(glm, glm4, "q4_0", NULL, NULL, err, sizeof err) == 0, "chatglm3 q4_0: %s",
+          err);
     static char backends[MAX_TEST_BACKENDS][160];
     int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
     if (n_backends < 0)
@@ -238,16 +244,20 @@ static void test_tiny_qwen2(void)
         int exact = strcmp(label, "ref") == 0; /* f32 activations into quantised matmuls */
         check_model(dir, "tiny-qwen2", f32, label, "last_logits", 1e-4, 1, "tiny-qwen2 f32");
         /* opened as a folder: its f16 weights used as they are */
-        check_model(dir, "tiny-qwen2", hf, label, "last_logits", 1e-3, 1, "tiny-qwen2 folder (f16)");
+        check_model(dir, "tiny-qwen2", hf, label, "last_logits", 1e-3, 1,
+                    "tiny-qwen2 folder (f16)");
         check_prepared_same(hf, label, !strcmp(label, "cpu-avx2") || !strcmp(label, "cpu-avx512"));
         check_model(dir, "tiny-qwen2", q8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-qwen2 q8_0");
         check_model(dir, "tiny-qwen2", q4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-qwen2 q4_0");
         /* ChatGLM3: fused qkv with bias, multi-query groups, half-head adjacent RoPE, fused
          * gate/up, [gMASK] sop prefix; bf16 weights upcast exactly */
         check_model(dir, "tiny-chatglm3", glmf, label, "last_logits", 1e-4, 1, "tiny-chatglm3 f32");
-        check_model(dir, "tiny-chatglm3", glm, label, "last_logits", 0.05, 1, "tiny-chatglm3 folder (bf16)");
-        check_model(dir, "tiny-chatglm3", glm8, label, "q8_0", exact ? 0.05 : 0.2, 0, "tiny-chatglm3 q8_0");
-        check_model(dir, "tiny-chatglm3", glm4, label, "q4_0", exact ? 1e-3 : 0.2, 0, "tiny-chatglm3 q4_0");
+        check_model(dir, "tiny-chatglm3", glm, label, "last_logits", 0.05, 1,
+                    "tiny-chatglm3 folder (bf16)");
+        check_model(dir, "tiny-chatglm3", glm8, label, "q8_0", exact ? 0.05 : 0.2, 0,
+                    "tiny-chatglm3 q8_0");
+        check_model(dir, "tiny-chatglm3", glm4, label, "q4_0", exact ? 1e-3 : 0.2, 0,
+                    "tiny-chatglm3 q4_0");
     }
     unlink(glmf), unlink(glm8), unlink(glm4), unlink(q8), unlink(q4);
 
@@ -287,12 +297,14 @@ static void vocab_vectors(loom_vocab *v, const char *name)
         }
         int64_t ng = loom_vocab_encode(v, cs, 0, 0, got, 512);
         if (!(ng == nw && memcmp(got, want, (size_t)nw * 4) == 0) && wrong++ < 5)
-            fprintf(stderr, "%s case %d '%s': %lld ids, want %d\n", name, cases, cs, (long long)ng, nw);
+            fprintf(stderr, "%s case %d '%s': %lld ids, want %d\n", name, cases, cs, (long long)ng,
+                    nw);
         *end = '\n';
         line = eol + 1;
         cases++;
     }
-    CHECK(cases > 40 && wrong == 0, "%s vectors: %d of %d differ from llama.cpp", name, wrong, cases);
+    CHECK(cases > 40 && wrong == 0, "%s vectors: %d of %d differ from llama.cpp", name, wrong,
+          cases);
     free(in), free(exp);
 }
 
@@ -334,7 +346,8 @@ static void test_tiktoken(void)
     llama3_ranks_folder(folder, sizeof folder, "llama3-tiktoken");
     snprintf(link, sizeof link, "%s/tokenizer.model", folder);
     snprintf(out, sizeof out, "%s/llama3-tiktoken.gguf", tmp);
-    CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "llama3 tokenizer.model: %s", err);
+    CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "llama3 tokenizer.model: %s",
+          err);
     if ((v = loom_vocab_open(out, err, sizeof err))) {
         vocab_vectors(v, "llama-bpe");
         /* the special tokens, against the names Meta's tokenizer.py gives them */
@@ -343,8 +356,7 @@ static void test_tiktoken(void)
         char *json = slurp(spath, NULL);
         cJSON *root = cJSON_Parse(json), *e;
         int named = 0, wrong = 0;
-        cJSON_ArrayForEach(e, cJSON_GetObjectItem(root, "special_tokens"))
-        {
+        cJSON_ArrayForEach (e, cJSON_GetObjectItem(root, "special_tokens")) {
             int32_t ids[4];
             int64_t n = loom_vocab_encode(v, e->string, 0, 1, ids, 4);
             wrong += !(n == 1 && ids[0] == e->valueint);
@@ -360,7 +372,8 @@ static void test_tiktoken(void)
     loom_gguf g;
     if (loom_gguf_open(&g, out, err, sizeof err) == 0) {
         const loom_gguf_kv *m = loom_gguf_find(&g, "tokenizer.ggml.merges");
-        CHECK(m && m->count == 280147, "merges derived from the ranks: %llu, transformers has 280147",
+        CHECK(m && m->count == 280147,
+              "merges derived from the ranks: %llu, transformers has 280147",
               m ? (unsigned long long)m->count : 0ULL);
         loom_gguf_close(&g);
     }
@@ -382,8 +395,8 @@ static void test_chatglm1_tokenizer(void)
     cJSON *root = cJSON_Parse(json), *c;
     CHECK(v && root, "open ice_text tokenizer (%s) and %s", err, epath);
     int cases = 0;
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(cJSON_GetObjectItem(root, "chatglm1_ice_text"), "encode"))
-    {
+    cJSON_ArrayForEach (
+        c, cJSON_GetObjectItem(cJSON_GetObjectItem(root, "chatglm1_ice_text"), "encode")) {
         if (!v)
             break;
         const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
@@ -411,7 +424,8 @@ static void test_chatglm1_tokenizer(void)
         char back[512];
         size_t used = 0;
         for (int64_t i = 0; i < n && n <= 128; i++) {
-            int k = loom_vocab_piece(v, i ? ids[i - 1] : -1, ids[i], back + used, (int)(sizeof back - used - 1));
+            int k = loom_vocab_piece(v, i ? ids[i - 1] : -1, ids[i], back + used,
+                                     (int)(sizeof back - used - 1));
             used += k > 0 ? (size_t)k : 0;
         }
         back[used] = 0;
@@ -442,33 +456,32 @@ static void test_llama3_tokenizer(void)
     snprintf(mpath, sizeof mpath, "%s/peers/meta-llama-llama3/expected_tokenizer_ids.json", dir);
     char *json = slurp(mpath, NULL);
     cJSON *root = cJSON_Parse(json), *c;
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "encode"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(root, "encode")) {
         /* Meta's ids with its BOS and EOS flags; loom's core encoding is what lies between */
         cJSON *ids = cJSON_GetObjectItem(c, "ids");
         int32_t got[128];
         const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
         int64_t n = loom_vocab_encode(v, text, 0, 0, got, 128);
         int first = cJSON_IsTrue(cJSON_GetObjectItem(c, "bos")) ? 1 : 0;
-        int len = cJSON_GetArraySize(ids) - first - (cJSON_IsTrue(cJSON_GetObjectItem(c, "eos")) ? 1 : 0);
+        int len = cJSON_GetArraySize(ids) - first -
+            (cJSON_IsTrue(cJSON_GetObjectItem(c, "eos")) ? 1 : 0);
         int same = n == len;
         for (int i = 0; same && i < len; i++)
             same = got[i] == cJSON_GetArrayItem(ids, first + i)->valueint;
         CHECK(same, "Meta's encode of '%s'", text);
     }
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "encode_dialog_prompt"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(root, "encode_dialog_prompt")) {
         loom_chat_message m[8];
         int nm = 0;
         cJSON *msg;
-        cJSON_ArrayForEach(msg, cJSON_GetObjectItem(c, "messages"))
-        {
+        cJSON_ArrayForEach (msg, cJSON_GetObjectItem(c, "messages")) {
             m[nm].role = cJSON_GetObjectItem(msg, "role")->valuestring;
             m[nm].content = cJSON_GetObjectItem(msg, "content")->valuestring;
             nm++;
         }
         char *prompt = NULL;
-        CHECK(loom_chat_render("llama3", m, nm, 1, &prompt, err, sizeof err) == 0, "render: %s", err);
+        CHECK(loom_chat_render("llama3", m, nm, 1, &prompt, err, sizeof err) == 0, "render: %s",
+              err);
         int32_t got[128];
         int64_t n = prompt ? loom_vocab_encode(v, prompt, 0, LOOM_SPECIAL_ALL, got, 128) : -1;
         cJSON *ids = cJSON_GetObjectItem(c, "ids");
@@ -519,13 +532,13 @@ static void test_glm4_tokenizer(void)
     cJSON *root = cJSON_Parse(json), *glm4 = cJSON_GetObjectItem(root, "glm4_tiktoken"), *c;
     CHECK(glm4 != NULL, "%s: glm4_tiktoken", epath);
     int cases = 0;
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(glm4, "encode"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(glm4, "encode")) {
         /* add_special: the two specials, then the text's ids */
         const char *text = cJSON_GetObjectItem(c, "text")->valuestring;
         cJSON *ids = cJSON_GetObjectItem(c, "ids");
         int32_t got[64], plain[64];
-        int64_t n = loom_vocab_encode(v, text, 1, 0, got, 64), np = loom_vocab_encode(v, text, 0, 0, plain, 64);
+        int64_t n = loom_vocab_encode(v, text, 1, 0, got, 64),
+                np = loom_vocab_encode(v, text, 0, 0, plain, 64);
         int same = n == np + 2 && np > 0;
         for (int i = 0; same && i < 2; i++)
             same = got[i] == cJSON_GetArrayItem(ids, i)->valueint - glm4_ranks + ranks;
@@ -534,13 +547,11 @@ static void test_glm4_tokenizer(void)
         CHECK(same, "GLM-4 encode of '%s' with its specials", text);
         cases++;
     }
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(glm4, "chat"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(glm4, "chat")) {
         loom_chat_message m[8];
         int nm = 0;
         cJSON *msg;
-        cJSON_ArrayForEach(msg, cJSON_GetObjectItem(c, "messages"))
-        {
+        cJSON_ArrayForEach (msg, cJSON_GetObjectItem(c, "messages")) {
             if (nm < 8) {
                 m[nm].role = cJSON_GetObjectItem(msg, "role")->valuestring;
                 m[nm].content = cJSON_GetObjectItem(msg, "content")->valuestring;
@@ -552,8 +563,7 @@ static void test_glm4_tokenizer(void)
         int32_t want[512], got[512];
         int nw = 0, turn = -1, ok = nm <= 8;
         cJSON *ids = cJSON_GetObjectItem(c, "ids"), *e;
-        cJSON_ArrayForEach(e, ids)
-        {
+        cJSON_ArrayForEach (e, ids) {
             int32_t id = e->valueint;
             if (id >= glm4_ranks) {
                 want[nw++] = id - glm4_ranks + ranks;
@@ -621,7 +631,8 @@ static void test_errors(void)
 {
     char out[4200];
     snprintf(out, sizeof out, "%s/x.gguf", tmp);
-    CHECK(loom_convert(tmp, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "config.json"),
+    CHECK(loom_convert(tmp, out, "f32", NULL, NULL, err, sizeof err) != 0 &&
+              strstr(err, "config.json"),
           "folder without config.json: %s", err);
     char hf[4200];
     /* a folder whose model_type loom does not convert */
@@ -638,8 +649,8 @@ static void test_errors(void)
     fwrite(&hl, 8, 1, f);
     fputs("{}", f);
     fclose(f);
-    CHECK(loom_convert(odd, out, "f32", NULL, NULL, err, sizeof err) != 0 && strstr(err, "'mamba'") &&
-              strstr(err, "chatglm"),
+    CHECK(loom_convert(odd, out, "f32", NULL, NULL, err, sizeof err) != 0 &&
+              strstr(err, "'mamba'") && strstr(err, "chatglm"),
           "model type not converted is named, with the ones that are: %s", err);
     unlink(hf);
     snprintf(hf, sizeof hf, "%s/config.json", odd);

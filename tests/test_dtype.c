@@ -49,9 +49,9 @@ static void test_f16(void)
     CHECK(bad == 0, "%d f32 values encode differently from F16C (first: bits 0x%08x)", bad,
           first_bad);
     /* the rounding boundaries, exactly */
-    static const float edges[] = {65504.0f, 65519.99f, 65520.0f, 5.9604645e-8f, 2.9802322e-8f,
-                                  2.9802326e-8f, 6.1035156e-5f, 6.1035152e-5f, 1.0009766f,
-                                  1.00048828125f, 1.00146484375f, -0.0f};
+    static const float edges[] = {65504.0f,      65519.99f,      65520.0f,       5.9604645e-8f,
+                                  2.9802322e-8f, 2.9802326e-8f,  6.1035156e-5f,  6.1035152e-5f,
+                                  1.0009766f,    1.00048828125f, 1.00146484375f, -0.0f};
     for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++)
         CHECK(loom_f32_to_f16(edges[i]) == hw_f32_to_f16(edges[i]), "edge %.10g: 0x%04x vs 0x%04x",
               edges[i], loom_f32_to_f16(edges[i]), hw_f32_to_f16(edges[i]));
@@ -131,8 +131,8 @@ static void test_quantisers(void)
         for (int j = 0; j < LOOM_QK; j++) {
             int i = b * LOOM_QK + j;
             /* a whole step: the side opposite the largest magnitude reaches only 7d and clamps */
-            CHECK(fabsf(y[i] - x[i]) <= d + 8.0f * f16_error(d),
-                  "q4_0 element %d: %g -> %g (d %g)", i, x[i], y[i], d);
+            CHECK(fabsf(y[i] - x[i]) <= d + 8.0f * f16_error(d), "q4_0 element %d: %g -> %g (d %g)",
+                  i, x[i], y[i], d);
         }
     }
     loom_block_q4_1 q41[4];

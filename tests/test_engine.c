@@ -128,8 +128,8 @@ static int collect_ref(void *user, int32_t id, const char *text, size_t len)
 static void check_same(const collector *c, const prompt *p, const char *what, int i)
 {
     int same = c->n_ids == p->n_want && memcmp(c->ids, p->want, (size_t)p->n_want * 4) == 0;
-    CHECK(same && !c->errored, "%s: request %d got %d tokens (finish %s), alone it gives %d%s", what,
-          i, c->n_ids, c->finish, p->n_want, same ? "" : " and they differ");
+    CHECK(same && !c->errored, "%s: request %d got %d tokens (finish %s), alone it gives %d%s",
+          what, i, c->n_ids, c->finish, p->n_want, same ? "" : " and they differ");
 }
 
 static void check_idle(const char *what)
@@ -153,7 +153,8 @@ static void submit_all(collector *c, int n, const char *const *stop, int n_stop)
     loom_sampling greedy = loom_sampling_defaults();
     greedy.temperature = 0;
     for (int i = 0; i < n; i++) {
-        loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, stop, n_stop};
+        loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens,
+                          greedy,         stop,         n_stop};
         submit(&c[i], &r, i);
     }
 }
@@ -182,7 +183,8 @@ static void run(const char *gguf, const char *backend)
         p->n_want = 0;
         p->n_want_text = 0;
         CHECK(loom_generate(m, p->ids, p->n, p->max_tokens, &greedy, collect_ref, p, NULL, err,
-                            sizeof err) == 0, "%s", err);
+                            sizeof err) == 0,
+              "%s", err);
     }
     loom_model_close(m);
 
@@ -212,7 +214,8 @@ static void run(const char *gguf, const char *backend)
     for (int i = 0; i < 4; i++) {
         check_same(&c[i], &prompts[i], "cached prefix", i);
         int32_t full = (prompts[i].n - 1) / 16 * 16;
-        CHECK(c[i].n_cached == full, "request %d: %d prompt tokens cached, want %d", i, c[i].n_cached, full);
+        CHECK(c[i].n_cached == full, "request %d: %d prompt tokens cached, want %d", i,
+              c[i].n_cached, full);
     }
     CHECK(loom_engine_get_stats(engine).cached_prompt_tokens > 0, "prefix hits are counted");
 
@@ -227,7 +230,8 @@ static void run(const char *gguf, const char *backend)
         size_t want = at ? (size_t)(at - prompts[i].want_text) : prompts[i].n_want_text;
         c[i].text[c[i].n_text] = 0;
         CHECK(c[i].n_text == want && memcmp(c[i].text, prompts[i].want_text, want) == 0,
-              "request %d: with stop ' the' got '%s', alone '%s'", i, c[i].text, prompts[i].want_text);
+              "request %d: with stop ' the' got '%s', alone '%s'", i, c[i].text,
+              prompts[i].want_text);
         CHECK(!at || strcmp(c[i].finish, "stop") == 0, "request %d: finish %s", i, c[i].finish);
         n_stopped += at != NULL;
     }
@@ -242,7 +246,8 @@ static void run(const char *gguf, const char *backend)
     for (int i = 0; i < 8; i++)
         if (c[i].cancel_after && prompts[i].n_want > 3)
             CHECK(strcmp(c[i].finish, "cancelled") == 0 && c[i].n_ids <= 4,
-                  "request %d: cancelled after 3 tokens, finished %s with %d", i, c[i].finish, c[i].n_ids);
+                  "request %d: cancelled after 3 tokens, finished %s with %d", i, c[i].finish,
+                  c[i].n_ids);
         else
             check_same(&c[i], &prompts[i], "beside cancelled ones", i);
     check_idle("after cancellation");
@@ -253,7 +258,8 @@ static void run(const char *gguf, const char *backend)
         longp[i] = 1;
     loom_request lr = {longp, 300, 4, greedy, NULL, 0};
     CHECK(loom_engine_submit(engine, &lr, on_event, &c[0], err, sizeof err) == -1 &&
-          strstr(err, "300") && strstr(err, "256"), "too long: %s", err);
+              strstr(err, "300") && strstr(err, "256"),
+          "too long: %s", err);
     loom_engine_stop(engine, 1000);
     loom_engine_free(engine);
     loom_model_close(m);
@@ -270,8 +276,8 @@ static void run(const char *gguf, const char *backend)
     s = loom_engine_get_stats(engine);
     CHECK(s.preemptions > 0, "a 16-block pool forced no preemption");
     check_idle("after preemption");
-    printf("%s: %d requests, %llu steps, %llu preemptions\n", backend ? backend : "best backend", n_prompts,
-           (unsigned long long)s.steps, (unsigned long long)s.preemptions);
+    printf("%s: %d requests, %llu steps, %llu preemptions\n", backend ? backend : "best backend",
+           n_prompts, (unsigned long long)s.steps, (unsigned long long)s.preemptions);
     loom_engine_stop(engine, 0);
     loom_engine_free(engine);
     loom_model_close(m);
@@ -289,7 +295,8 @@ static void run_q8_kv(const char *backend)
     if (fd < 0)
         return;
     close(fd);
-    CHECK(loom_write_synthetic_model(path, "tiny", "q8_0", err, sizeof err) == 0, "synthetic: %s", err);
+    CHECK(loom_write_synthetic_model(path, "tiny", "q8_0", err, sizeof err) == 0, "synthetic: %s",
+          err);
     loom_sampling greedy = loom_sampling_defaults();
     greedy.temperature = 0;
     greedy.ignore_eos = 1;
@@ -308,12 +315,13 @@ static void run_q8_kv(const char *backend)
         for (int k = 0; k < p->n; k++) { /* every third prompt opens like the first */
             seed = seed * 1103515245u + 12345u;
             p->ids[k] = (i % 3 == 0 && k < 40 && i > 0) ? prompts[0].ids[k % prompts[0].n]
-                                                       : (int32_t)(seed >> 16) % 500 + 4;
+                                                        : (int32_t)(seed >> 16) % 500 + 4;
         }
         p->max_tokens = 8 + (i * 7) % 24;
         p->n_want = 0, p->n_want_text = 0;
         CHECK(loom_generate(m, p->ids, p->n, p->max_tokens, &greedy, collect_ref, p, NULL, err,
-                            sizeof err) == 0, "%s", err);
+                            sizeof err) == 0,
+              "%s", err);
     }
     loom_model_close(m);
     for (int pool = 0; pool < 2; pool++) {
@@ -330,7 +338,8 @@ static void run_q8_kv(const char *backend)
         for (int round = 0; round < (pool ? 1 : 2); round++) { /* round 2: prefixes cached */
             memset(c, 0, sizeof c);
             for (int i = 0; i < n_prompts; i++) {
-                loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens, greedy, NULL, 0};
+                loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens,
+                                  greedy,         NULL,         0};
                 submit(&c[i], &r, i);
             }
             wait_all(c, n_prompts);
@@ -338,8 +347,8 @@ static void run_q8_kv(const char *backend)
                 check_same(&c[i], &prompts[i], pool ? "q8_0 KV, preempted" : "q8_0 KV, batched", i);
         }
         loom_engine_stats s = loom_engine_get_stats(engine);
-        CHECK(pool ? s.preemptions > 0 : s.cached_prompt_tokens > 0,
-              "q8_0 KV: %s", pool ? "an 8-block pool forced no preemption" : "no prefix was reused");
+        CHECK(pool ? s.preemptions > 0 : s.cached_prompt_tokens > 0, "q8_0 KV: %s",
+              pool ? "an 8-block pool forced no preemption" : "no prefix was reused");
         check_idle("q8_0 KV");
         loom_engine_stop(engine, 0);
         loom_engine_free(engine);
@@ -354,7 +363,11 @@ static void check_behaviours(const char *gguf)
     char err[512] = "";
     setenv("LOOM_REF_DENY", "matmul", 1); /* ref then lacks an op every model needs */
     unsetenv("LOOM_STRICT");
-    static const struct { const char *env; int32_t strict; int opens; } cases[] = {
+    static const struct {
+        const char *env;
+        int32_t strict;
+        int opens;
+    } cases[] = {
         {NULL, 0, 1}, {NULL, 1, 0}, {"1", 0, 0}, {"1", -1, 1}, {"0", 1, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {

@@ -76,10 +76,10 @@ static int make_toylm(const char *folder, int with_bias, const char *config)
     st_copy(&o, &st, "model.norm.weight", "final_norm.weight");
     st_copy(&o, &st, "lm_head.weight", "unembed.weight");
     static const char *const names[][2] = {
-        {"input_layernorm", "pre_attn"},        {"self_attn.q_proj", "attn.wq"},
-        {"self_attn.k_proj", "attn.wk"},        {"self_attn.v_proj", "attn.wv"},
-        {"self_attn.o_proj", "attn.wo"},        {"post_attention_layernorm", "pre_mlp"},
-        {"mlp.gate_proj", "mlp.gate"},          {"mlp.up_proj", "mlp.up"},
+        {"input_layernorm", "pre_attn"}, {"self_attn.q_proj", "attn.wq"},
+        {"self_attn.k_proj", "attn.wk"}, {"self_attn.v_proj", "attn.wv"},
+        {"self_attn.o_proj", "attn.wo"}, {"post_attention_layernorm", "pre_mlp"},
+        {"mlp.gate_proj", "mlp.gate"},   {"mlp.up_proj", "mlp.up"},
         {"mlp.down_proj", "mlp.down"}};
     for (int l = 0; l < 2; l++)
         for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -128,8 +128,10 @@ static void test_registration(void)
     loom_family llama_again = toylm;
     llama_again.hf_model_type = "llama";
     CHECK(loom_models_register(&llama_again) != 0, "a second claim to model_type llama is refused");
-    CHECK(strstr(loom_models_known_hf(), "toylm") != NULL, "toylm is listed among the converted "
-          "types: %s", loom_models_known_hf());
+    CHECK(strstr(loom_models_known_hf(), "toylm") != NULL,
+          "toylm is listed among the converted "
+          "types: %s",
+          loom_models_known_hf());
 }
 
 static void test_toylm_runs(void)
@@ -165,8 +167,9 @@ static void test_toylm_errors(void)
     remove_folder(folder);
 
     snprintf(folder, sizeof folder, "%s/toylm-no-d_model", tmp);
-    if (make_toylm(folder, 0, "{\"model_type\": \"toylm\", \"n_layers\": 2, \"n_heads\": 4, "
-                              "\"d_ff\": 192}") != 0)
+    if (make_toylm(folder, 0,
+                   "{\"model_type\": \"toylm\", \"n_layers\": 2, \"n_heads\": 4, "
+                   "\"d_ff\": 192}") != 0)
         return;
     CHECK(loom_convert(folder, out, "f32", NULL, NULL, err, sizeof err) != 0 &&
               strstr(err, "config.json") && strstr(err, "d_model"),

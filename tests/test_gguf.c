@@ -135,8 +135,10 @@ static unsigned char *make_file(const char *path, uint64_t *size)
     CHECK(tk && loom_gguf_array_str(&g, tk, 1, &s, &len) == 0 && len == 0, "empty string");
     const loom_gguf_kv *sc = loom_gguf_find(&g, "tokenizer.ggml.scores");
     CHECK(sc && loom_gguf_array_f64(&g, sc, 1, &d) == 0 && d == -1.0, "f32 array element");
-    const loom_gguf_tensor *ta = loom_gguf_find_tensor(&g, "a"), *tq = loom_gguf_find_tensor(&g, "q");
-    CHECK(ta && ta->ne[0] == 5 && ta->ne[1] == 3 && memcmp(loom_gguf_tensor_data(&g, ta), a, 60) == 0,
+    const loom_gguf_tensor *ta = loom_gguf_find_tensor(&g, "a"),
+                           *tq = loom_gguf_find_tensor(&g, "q");
+    CHECK(ta && ta->ne[0] == 5 && ta->ne[1] == 3 &&
+              memcmp(loom_gguf_tensor_data(&g, ta), a, 60) == 0,
           "f32 tensor data");
     CHECK(tq && tq->size == sizeof q && memcmp(loom_gguf_tensor_data(&g, tq), q, sizeof q) == 0,
           "q4_0 tensor data");
@@ -193,7 +195,8 @@ static void test_corruption(const unsigned char *good, uint64_t size)
     loom_gguf_close(&g);
     memcpy(buf, good, size);
     buf[4] = 1;
-    CHECK(loom_gguf_parse(&g, buf, size, "t.gguf", err, sizeof err) != 0 && strstr(err, "version 1"),
+    CHECK(loom_gguf_parse(&g, buf, size, "t.gguf", err, sizeof err) != 0 &&
+              strstr(err, "version 1"),
           "version 1: %s", err);
     loom_gguf_close(&g);
     memcpy(buf, good, size);
@@ -264,7 +267,8 @@ static void test_hostile_sizes(void)
     b = craft(300000, 1, 1, 0, &size);
     alarm(60); /* a quadratic duplicate check takes many minutes here; the default action of
                 * SIGALRM ends the test as failed */
-    CHECK(loom_gguf_parse(&g, b, size, "many.gguf", err, sizeof err) != 0 && strstr(err, "truncated"),
+    CHECK(loom_gguf_parse(&g, b, size, "many.gguf", err, sizeof err) != 0 &&
+              strstr(err, "truncated"),
           "300000 tensors are read (and found to lack their data): %s", err);
     alarm(0);
     loom_gguf_close(&g);

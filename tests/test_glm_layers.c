@@ -132,7 +132,8 @@ enum { FFN1 = 128 };
 typedef struct glm1_file {
     float embd[VOCAB][HIDDEN], n1w[HIDDEN], n1b[HIDDEN], qkv_w[96][HIDDEN], qkv_b[96];
     float dense_w[HIDDEN][HIDDEN], dense_b[HIDDEN], n2w[HIDDEN], n2b[HIDDEN];
-    float up_w[FFN1][HIDDEN], up_b[FFN1], down_w[HIDDEN][FFN1], down_b[HIDDEN], fw[HIDDEN], fb[HIDDEN];
+    float up_w[FFN1][HIDDEN], up_b[FFN1], down_w[HIDDEN][FFN1], down_b[HIDDEN], fw[HIDDEN],
+        fb[HIDDEN];
     int32_t x1[3];
     float y1[3][HIDDEN];
     int32_t x2[1];
@@ -148,7 +149,8 @@ static void deinterleave(const glm1_file *f, float w[96][HIDDEN], float b[96])
     for (int h = 0; h < HEADS; h++)
         for (int part = 0; part < 3; part++)
             for (int i = 0; i < HEAD_DIM; i++) {
-                int from = h * 3 * HEAD_DIM + part * HEAD_DIM + i, to = part * HIDDEN + h * HEAD_DIM + i;
+                int from = h * 3 * HEAD_DIM + part * HEAD_DIM + i,
+                    to = part * HIDDEN + h * HEAD_DIM + i;
                 memcpy(w[to], f->qkv_w[from], sizeof w[to]);
                 b[to] = f->qkv_b[from];
             }
@@ -193,7 +195,11 @@ static double max_err(const float *got, const float *want);
  * the per-head interleaved QKV, ice_text.model), for loom convert to turn into chatglm1. */
 static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ice_text)
 {
-    static const struct { const char *name; int r, c; size_t off; } t[] = {
+    static const struct {
+        const char *name;
+        int r, c;
+        size_t off;
+    } t[] = {
 #define AT(field) offsetof(glm1_file, field)
         {"transformer.word_embeddings.weight", VOCAB, HIDDEN, AT(embd)},
         {"transformer.layers.0.input_layernorm.weight", 0, HIDDEN, AT(n1w)},
@@ -220,15 +226,17 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
     for (int i = 0; i < N; i++) {
         uint64_t bytes = (uint64_t)(t[i].r ? t[i].r : 1) * (uint64_t)t[i].c * 4;
         if (t[i].r)
-            k += snprintf(header + k, sizeof header - (size_t)k,
-                          "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],\"data_offsets\":[%llu,%llu]}",
-                          i ? "," : "", t[i].name, t[i].r, t[i].c, (unsigned long long)at,
-                          (unsigned long long)(at + bytes));
+            k += snprintf(
+                header + k, sizeof header - (size_t)k,
+                "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d,%d],\"data_offsets\":[%llu,%llu]}",
+                i ? "," : "", t[i].name, t[i].r, t[i].c, (unsigned long long)at,
+                (unsigned long long)(at + bytes));
         else
-            k += snprintf(header + k, sizeof header - (size_t)k,
-                          "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d],\"data_offsets\":[%llu,%llu]}",
-                          i ? "," : "", t[i].name, t[i].c, (unsigned long long)at,
-                          (unsigned long long)(at + bytes));
+            k += snprintf(
+                header + k, sizeof header - (size_t)k,
+                "%s\"%s\":{\"dtype\":\"F32\",\"shape\":[%d],\"data_offsets\":[%llu,%llu]}",
+                i ? "," : "", t[i].name, t[i].c, (unsigned long long)at,
+                (unsigned long long)(at + bytes));
         at += bytes;
     }
     k += snprintf(header + k, sizeof header - (size_t)k, "}");
@@ -244,17 +252,20 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
     fwrite(header, 1, (size_t)k, out);
     for (int i = 0; i < N; i++) {
         size_t bytes = (size_t)(t[i].r ? t[i].r : 1) * (size_t)t[i].c * 4;
-        fwrite(t[i].off == (size_t)-1 ? (const void *)identity_matrix() : (const char *)f + t[i].off, 1,
-               bytes, out);
+        fwrite(t[i].off == (size_t)-1 ? (const void *)identity_matrix()
+                                      : (const char *)f + t[i].off,
+               1, bytes, out);
     }
     fclose(out);
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (!(out = fopen(path, "w")))
         return -1;
-    fprintf(out, "{\"model_type\": \"chatglm\", \"hidden_size\": %d, \"num_layers\": 1, "
-                 "\"num_attention_heads\": %d, \"inner_hidden_size\": %d, \"vocab_size\": %d, "
-                 "\"max_sequence_length\": 64, \"layernorm_epsilon\": 1e-05, "
-                 "\"position_encoding_2d\": true}\n", HIDDEN, HEADS, FFN1, VOCAB);
+    fprintf(out,
+            "{\"model_type\": \"chatglm\", \"hidden_size\": %d, \"num_layers\": 1, "
+            "\"num_attention_heads\": %d, \"inner_hidden_size\": %d, \"vocab_size\": %d, "
+            "\"max_sequence_length\": 64, \"layernorm_epsilon\": 1e-05, "
+            "\"position_encoding_2d\": true}\n",
+            HIDDEN, HEADS, FFN1, VOCAB);
     fclose(out);
     snprintf(path, sizeof path, "%s/ice_text.model", dir);
     char *target = realpath(ice_text, NULL); /* the link must not depend on our directory */
@@ -266,8 +277,8 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
 /* ChatGLM-6B needs every prefill row at once (tokens 0 and 1 see each other), so this drives
  * the runner directly: one step of the three prompt tokens wanting all their logits, then two
  * decode steps, all with the bidirectional prefix the model derives from [gMASK]. */
-static void check_glm1(const char *gguf_path, const glm1_file *f, const char *backend, const char *label,
-                       int32_t forced_prefix)
+static void check_glm1(const char *gguf_path, const glm1_file *f, const char *backend,
+                       const char *label, int32_t forced_prefix)
 {
     char err[512];
     loom_gguf g;
@@ -278,8 +289,8 @@ static void check_glm1(const char *gguf_path, const glm1_file *f, const char *ba
         return;
     }
     int ok = loom_registry_scan(&reg, err, sizeof err) == 0 &&
-             loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
-             loom_device_open_chosen(&dev, &reg, 0, err, sizeof err) == 0;
+        loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
+        loom_device_open_chosen(&dev, &reg, 0, err, sizeof err) == 0;
     loom_registry_free(&reg);
     CHECK(ok, "ChatGLM-6B on %s: %s", label, err);
     if (!ok) {
@@ -287,7 +298,8 @@ static void check_glm1(const char *gguf_path, const glm1_file *f, const char *ba
         return;
     }
     loom_runner_options ro = {.n_ctx = 16, .kv_type = LOOM_F32};
-    loom_runner *r = loom_runner_create(&dev, &g, loom_models_find("chatglm1"), &ro, err, sizeof err);
+    loom_runner *r = loom_runner_create(&dev, &g, loom_models_find("chatglm1"), &ro, err,
+                                        sizeof err);
     CHECK(r != NULL, "ChatGLM-6B runner on %s: %s", label, err);
     if (r) {
         int32_t prefix = forced_prefix ? forced_prefix : loom_runner_prefix_len(r, f->x1, 3);
@@ -311,7 +323,8 @@ static void check_glm1(const char *gguf_path, const glm1_file *f, const char *ba
             CHECK(e < 5e-4, "ChatGLM-6B on %s: decode step %d differs by %g", label, k + 1, e);
             worst = e > worst ? e : worst;
         }
-        printf("ChatGLM-6B on %s: max error %.2g over prefill and two decode steps\n", label, worst);
+        printf("ChatGLM-6B on %s: max error %.2g over prefill and two decode steps\n", label,
+               worst);
         loom_runner_free(r);
     }
     loom_device_close(&dev);
@@ -352,7 +365,8 @@ static void check_model(const char *what, const char *gguf, const glm_file *f, c
     CHECK(loom_generate_from(m, f->x3, 1, 4, 0, &greedy, NULL, NULL, NULL, err, sizeof err) == 0,
           "%s decode 2: %s", what, err);
     double e3 = max_err(loom_prompt_logits(m), f->y3);
-    CHECK(e2 < 5e-4 && e3 < 5e-4, "%s on %s: decode steps differ by %g and %g", what, label, e2, e3);
+    CHECK(e2 < 5e-4 && e3 < 5e-4, "%s on %s: decode steps differ by %g and %g", what, label, e2,
+          e3);
     worst = e2 > worst ? e2 : worst;
     worst = e3 > worst ? e3 : worst;
     printf("%s on %s: max error %.2g over prefill and two decode steps\n", what, label, worst);

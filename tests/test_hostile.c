@@ -23,12 +23,17 @@ static char err[1024];
 /* Python's bytes.decode("utf-8", "replace"), re-encoded: one U+FFFD per maximal subpart. */
 static void test_sanitize(void)
 {
-    static const struct { const char *in, *want; } cases[] = {
-        {"a\xff" "b", "a\xef\xbf\xbd" "b"},
-        {"\xe0\x80", "\xef\xbf\xbd\xef\xbf\xbd"},                   /* E0 needs A0..BF next */
-        {"\xf0\x9f\xa6", "\xef\xbf\xbd"},                           /* a cut 4-byte character */
-        {"\xed\xa0\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"},   /* a surrogate */
-        {"\xc0\xaf", "\xef\xbf\xbd\xef\xbf\xbd"},                   /* overlong */
+    static const struct {
+        const char *in, *want;
+    } cases[] = {
+        {"a\xff"
+         "b",
+         "a\xef\xbf\xbd"
+         "b"},
+        {"\xe0\x80", "\xef\xbf\xbd\xef\xbf\xbd"},                 /* E0 needs A0..BF next */
+        {"\xf0\x9f\xa6", "\xef\xbf\xbd"},                         /* a cut 4-byte character */
+        {"\xed\xa0\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* a surrogate */
+        {"\xc0\xaf", "\xef\xbf\xbd\xef\xbf\xbd"},                 /* overlong */
         {"\xf4\x90\x80\x80", "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd"}, /* > U+10FFFF */
         {"\xe2\x82", "\xef\xbf\xbd"},
         {"\xf0\x9f\xa6\xe2\x82\xac", "\xef\xbf\xbd\xe2\x82\xac"},
@@ -40,8 +45,8 @@ static void test_sanitize(void)
         CHECK(got && n == strlen(cases[i].want) && memcmp(got, cases[i].want, n) == 0,
               "sanitize case %zu: %zu bytes, want %zu", i, got ? n : 0, strlen(cases[i].want));
         int valid = strcmp(cases[i].in, cases[i].want) == 0;
-        CHECK((loom_utf8_valid_prefix(cases[i].in, len) == len) == valid,
-              "case %zu is %s UTF-8", i, valid ? "valid" : "not");
+        CHECK((loom_utf8_valid_prefix(cases[i].in, len) == len) == valid, "case %zu is %s UTF-8", i,
+              valid ? "valid" : "not");
         free(got);
     }
 }
@@ -94,7 +99,10 @@ static void test_long_inputs(loom_vocab *v, const char *name)
         int32_t *ids;
         int64_t n = encode(v, text, &ids);
         CHECK(n > 0 && ids, "%s: %s input of %zu bytes gives tokens (%lld)", name,
-              kind == 0 ? "one-letter" : kind == 1 ? "CJK" : "random-byte", k, (long long)n);
+              kind == 0       ? "one-letter"
+                  : kind == 1 ? "CJK"
+                              : "random-byte",
+              k, (long long)n);
         free(ids);
     }
     free(text);
@@ -110,8 +118,8 @@ static void test_invalid_bytes(loom_vocab *v, const char *name)
     int same = na == nb && na > 0;
     for (int64_t i = 0; same && i < na; i++)
         same = a[i] == b[i];
-    CHECK(same, "%s: an invalid byte tokenizes as U+FFFD (%lld vs %lld ids)", name,
-          (long long)na, (long long)nb);
+    CHECK(same, "%s: an invalid byte tokenizes as U+FFFD (%lld vs %lld ids)", name, (long long)na,
+          (long long)nb);
     /* the tail after a bad byte splits into its usual pieces */
     int64_t nc = encode(v, " world, how are you?", &c), nd = encode(v, "\xff", &d);
     CHECK(nc > 0 && nd > 0 && na >= nc, "%s: tail tokens", name);

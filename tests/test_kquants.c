@@ -55,8 +55,14 @@ static double rms_bound(loom_dtype t)
     switch (t) {
     case LOOM_Q8_0: return 0.0075;
     case LOOM_Q6_K: return 0.024;
-    case LOOM_Q5_0: case LOOM_Q5_1: case LOOM_Q5_K: return 0.057;
-    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q4_K: case LOOM_IQ4_NL: case LOOM_IQ4_XS: return 0.115;
+    case LOOM_Q5_0:
+    case LOOM_Q5_1:
+    case LOOM_Q5_K: return 0.057;
+    case LOOM_Q4_0:
+    case LOOM_Q4_1:
+    case LOOM_Q4_K:
+    case LOOM_IQ4_NL:
+    case LOOM_IQ4_XS: return 0.115;
     case LOOM_Q3_K: return 0.2;
     case LOOM_Q2_K: return 0.4;
     default: return 1e-6; /* f32 kept as it was */
@@ -95,8 +101,10 @@ static void check_weights(const loom_gguf *base, const char *path, const char *t
             ss += (double)ref[k] * ref[k];
         }
         double rel = sqrt(se / (ss > 0 ? ss : 1));
-        CHECK(rel <= rms_bound(dt), "%s: %s (%s) decodes %.4f (relative RMS) from the original, "
-              "over %.3f for its type", type, t->name, loom_dtype_name(dt), rel, rms_bound(dt));
+        CHECK(rel <= rms_bound(dt),
+              "%s: %s (%s) decodes %.4f (relative RMS) from the original, "
+              "over %.3f for its type",
+              type, t->name, loom_dtype_name(dt), rel, rms_bound(dt));
         free(dec);
         checked++;
     }
@@ -159,12 +167,12 @@ static void check_logits(const char *backend, const char *type, const cJSON *ent
     }
     int32_t nv = loom_model_n_vocab(m);
     const cJSON *c;
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(entry, "cases"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(entry, "cases")) {
         const cJSON *ids = cJSON_GetObjectItem(c, "prompt_ids");
         int32_t prompt[64], n = 0;
         const cJSON *x;
-        cJSON_ArrayForEach(x, ids) prompt[n++] = x->valueint;
+        cJSON_ArrayForEach (x, ids)
+            prompt[n++] = x->valueint;
         float *want = read_floats(cJSON_GetObjectItem(c, "dequant_ref_logits")->valuestring,
                                   (size_t)nv);
         loom_sampling greedy = loom_sampling_defaults();
@@ -198,7 +206,8 @@ static char *type_list(const char *path)
     char **items = calloc(g.n_tensors + 1, sizeof *items);
     size_t cap = 1, used = 0;
     for (uint64_t i = 0; i < g.n_tensors; i++) {
-        if (asprintf(&items[i], "%s %s;", g.tensors[i].name, loom_ggml_type_name(g.tensors[i].type)) < 0)
+        if (asprintf(&items[i], "%s %s;", g.tensors[i].name,
+                     loom_ggml_type_name(g.tensors[i].type)) < 0)
             items[i] = NULL;
         cap += items[i] ? strlen(items[i]) : 0;
     }
@@ -231,8 +240,10 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
         return;
     }
     char *want = type_list(src), *got = type_list(ours);
-    CHECK(want && got && !strcmp(want, got), "loom's %s mix differs from llama.cpp's:\n  loom  %s"
-          "\n  llama %s", type, got ? got : "?", want ? want : "?");
+    CHECK(want && got && !strcmp(want, got),
+          "loom's %s mix differs from llama.cpp's:\n  loom  %s"
+          "\n  llama %s",
+          type, got ? got : "?", want ? want : "?");
     free(want), free(got);
     check_weights(base, ours, type);
     /* the expected forward: loom's file decoded to f32 by the header's dequantisers */
@@ -245,7 +256,8 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
                 loom_gguf_copy_kv(w, &q, &q.kv[i]);
         for (uint64_t i = 0; i < q.n_tensors; i++) {
             const loom_gguf_tensor *t = &q.tensors[i];
-            int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3], rb = loom_row_bytes(t->type, t->ne[0]);
+            int64_t n = t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3],
+                    rb = loom_row_bytes(t->type, t->ne[0]);
             rows[i] = malloc((size_t)n * sizeof(float));
             const unsigned char *p = loom_gguf_tensor_data(&q, t);
             for (int64_t r = 0; r < n / t->ne[0]; r++)
@@ -262,7 +274,8 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
     const cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(entry, "cases"), 2); /* "long" */
     int32_t prompt[64], n = 0, nv = 0;
     const cJSON *x;
-    cJSON_ArrayForEach(x, cJSON_GetObjectItem(c, "prompt_ids")) prompt[n++] = x->valueint;
+    cJSON_ArrayForEach (x, cJSON_GetObjectItem(c, "prompt_ids"))
+        prompt[n++] = x->valueint;
     float *ref = logits_of(plain, "ref", prompt, n, &nv);
     CHECK(ref != NULL, "%s round trip: the decoded file on ref: %s", type, err);
     for (int b = 0; ref && b < n_backends; b++) {
@@ -301,8 +314,7 @@ int main(void)
     int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
     const cJSON *f;
     int files = 0;
-    cJSON_ArrayForEach(f, cJSON_GetObjectItem(root, "files"))
-    {
+    cJSON_ArrayForEach (f, cJSON_GetObjectItem(root, "files")) {
         char path[8300];
         snprintf(path, sizeof path, "%s/%s", dir, cJSON_GetObjectItem(f, "file")->valuestring);
         if (strcmp(f->string, "f32") != 0) {

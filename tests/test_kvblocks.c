@@ -92,7 +92,8 @@ static void test_basics(void)
     tf[10] = 7;
     loom_kvcopy cp[1];
     int nc = loom_kvblocks_reserve(kv, &f, 1, cp);
-    CHECK(nc == 1 && cp[0].src == a.blocks[2] && cp[0].dst != a.blocks[2], "one copy of the shared block");
+    CHECK(nc == 1 && cp[0].src == a.blocks[2] && cp[0].dst != a.blocks[2],
+          "one copy of the shared block");
     run_copies(cp, nc);
     shadow[loom_kvblocks_slot(kv, &f, 10)] = content(tf[10], 10);
     loom_kvblocks_advance(kv, &f, tf, 11);
@@ -267,7 +268,8 @@ static void test_random(void)
         for (int i = 0; i < MAX_LIVE; i++)
             if (live[i]) {
                 ptrs[n_live++] = &seqs[i];
-                CHECK(reads_back(kv, &seqs[i], toks[i]), "step %d: sequence %d reads wrong K/V", step, i);
+                CHECK(reads_back(kv, &seqs[i], toks[i]), "step %d: sequence %d reads wrong K/V",
+                      step, i);
             }
         const char *why = loom_kvblocks_verify(kv, ptrs, n_live);
         CHECK(!why, "step %d: %s", step, why);

@@ -29,10 +29,9 @@ static void expect_state(const char *file, loom_candidate_state want, const char
 {
     loom_registry reg = {.chosen = -1};
     const loom_candidate *c = vet(&reg, file);
-    CHECK(c->state == want, "%s: state %s, want %s (%s)", file,
-          loom_candidate_state_name(c->state), loom_candidate_state_name(want), c->reason);
-    CHECK(strstr(c->reason, needle) != NULL, "%s: reason '%s' lacks '%s'", file, c->reason,
-          needle);
+    CHECK(c->state == want, "%s: state %s, want %s (%s)", file, loom_candidate_state_name(c->state),
+          loom_candidate_state_name(want), c->reason);
+    CHECK(strstr(c->reason, needle) != NULL, "%s: reason '%s' lacks '%s'", file, c->reason, needle);
     loom_registry_free(&reg);
 }
 
@@ -133,13 +132,14 @@ static void test_selection(void)
 
     got = select_with(NULL, NULL, NULL, &dev, &reg);
     CHECK(strcmp(got, "avx512") == 0 && dev == 0, "default: got %s", got);
-    CHECK(strstr(reg.items[0].reason, "score 100 is below cpu-avx512's 300"),
-          "loser's reason: %s", reg.items[0].reason);
+    CHECK(strstr(reg.items[0].reason, "score 100 is below cpu-avx512's 300"), "loser's reason: %s",
+          reg.items[0].reason);
     loom_registry_free(&reg);
 
     got = select_with(NULL, "avx2", NULL, &dev, &reg);
     CHECK(strcmp(got, "avx2") == 0, "cap avx2: got %s", got);
-    CHECK(reg.items[2].state == LOOM_CAND_EXCLUDED && strstr(reg.items[2].reason, "LOOM_CPU_MAX_ISA"),
+    CHECK(reg.items[2].state == LOOM_CAND_EXCLUDED &&
+              strstr(reg.items[2].reason, "LOOM_CPU_MAX_ISA"),
           "avx512 under a cap: %s", reg.items[2].reason);
     loom_registry_free(&reg);
 
@@ -168,8 +168,8 @@ static void test_selection(void)
     loom_registry_free(&reg);
 
     got = select_with(NULL, NULL, "cuda,cpu", &dev, &reg);
-    CHECK(strcmp(got, "error") == 0 && strstr(err, "no backend named 'cuda'"),
-          "unknown name: %s", err);
+    CHECK(strcmp(got, "error") == 0 && strstr(err, "no backend named 'cuda'"), "unknown name: %s",
+          err);
     loom_registry_free(&reg);
 
     got = select_with(NULL, NULL, "cpu:1", &dev, &reg);
@@ -215,8 +215,8 @@ static void test_reload_ref(void)
         loom_buffer *b = NULL;
         float x[32] = {1}, y[32];
         int ok = dev.ops.buffer_alloc(dev.be, sizeof x, &b) == LOOM_OK &&
-                 dev.ops.copy_from_host(dev.be, b, 0, x, sizeof x) == LOOM_OK &&
-                 dev.ops.copy_to_host(dev.be, y, b, 0, sizeof y) == LOOM_OK && y[0] == 1.0f;
+            dev.ops.copy_from_host(dev.be, b, 0, x, sizeof x) == LOOM_OK &&
+            dev.ops.copy_to_host(dev.be, y, b, 0, sizeof y) == LOOM_OK && y[0] == 1.0f;
         dev.ops.buffer_free(dev.be, b);
         loom_device_close(&dev);
         if (!ok) {

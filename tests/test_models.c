@@ -62,14 +62,14 @@ static void run_backend(const char *backend, const char *label)
     int rc = loom_generate(m, &bos, 1, 200, &greedy, on_token, &c, &st, err, sizeof err);
     CHECK(rc == 0, "%s: generate: %s", label, err);
     CHECK(want && c.len == want_len && memcmp(c.text, want, want_len) == 0,
-          "%s: 200 tokens from BOS differ from llama2.c's (%zu vs %zu bytes)", label, c.len, want_len);
+          "%s: 200 tokens from BOS differ from llama2.c's (%zu vs %zu bytes)", label, c.len,
+          want_len);
     free(want);
 
     snprintf(path, sizeof path, "%s/stories260K/expected.json", dir);
     char *json = slurp(path, NULL);
     cJSON *root = cJSON_Parse(json), *cs;
-    cJSON_ArrayForEach(cs, cJSON_GetObjectItem(root, "cases"))
-    {
+    cJSON_ArrayForEach (cs, cJSON_GetObjectItem(root, "cases")) {
         const char *name = cJSON_GetObjectItem(cs, "name")->valuestring;
         cJSON *text = cJSON_GetObjectItem(cs, "text");
         int special = LOOM_SPECIAL_TEXT;
@@ -118,7 +118,8 @@ static void test_errors(void)
     CHECK(m != NULL, "open: %s", err);
     if (m) {
         int32_t ids[16];
-        int64_t n = loom_tokenize(m, "Once upon a time there was a girl", 1, 1, ids, 16, err, sizeof err);
+        int64_t n = loom_tokenize(m, "Once upon a time there was a girl", 1, 1, ids, 16, err,
+                                  sizeof err);
         loom_sampling s = loom_sampling_defaults();
         CHECK(loom_generate(m, ids, (int32_t)n, 4, &s, NULL, NULL, NULL, err, sizeof err) != 0 &&
                   strstr(err, "context holds 8"),
@@ -126,7 +127,8 @@ static void test_errors(void)
         loom_model_close(m);
     }
     o.kv_type = "f8";
-    CHECK(!loom_model_open(gguf, &o, err, sizeof err) && strstr(err, "'f8'"), "bad kv type: %s", err);
+    CHECK(!loom_model_open(gguf, &o, err, sizeof err) && strstr(err, "'f8'"), "bad kv type: %s",
+          err);
     o.kv_type = NULL;
     o.backend = "nosuch";
     CHECK(!loom_model_open(gguf, &o, err, sizeof err) && strstr(err, "no backend named 'nosuch'"),

@@ -35,7 +35,8 @@ int main(void)
 {
     cpu_set_t s;
     CHECK(cpu_parse_cpulist("0-3,8-11\n", &s) == 0 && CPU_COUNT(&s) == 8 && CPU_ISSET(9, &s) &&
-          !CPU_ISSET(4, &s), "0-3,8-11");
+              !CPU_ISSET(4, &s),
+          "0-3,8-11");
     CHECK(cpu_parse_cpulist("5", &s) == 0 && CPU_COUNT(&s) == 1 && CPU_ISSET(5, &s), "5");
     CHECK(cpu_parse_cpulist("3-1", &s) != 0, "a backwards range is malformed");
     CHECK(cpu_parse_cpulist("x", &s) != 0, "not a number");
@@ -70,15 +71,18 @@ int main(void)
     CHECK(sched_getaffinity(0, sizeof mine, &mine) == 0, "sched_getaffinity");
     int first = -1, last = -1;
     for (int c = 0; c < CPU_SETSIZE; c++)
-        if (CPU_ISSET(c, &mine))
-        {
+        if (CPU_ISSET(c, &mine)) {
             last = c;
             first = first < 0 ? c : first;
         }
     char root[] = "/tmp/loom-numa.XXXXXX", path[256], text[64];
     CHECK(mkdtemp(root) != NULL, "mkdtemp");
-    const char *dirs[] = {"/sys", "/sys/devices", "/sys/devices/system", "/sys/devices/system/node",
-                          "/sys/devices/system/node/node0", "/sys/devices/system/node/node2",
+    const char *dirs[] = {"/sys",
+                          "/sys/devices",
+                          "/sys/devices/system",
+                          "/sys/devices/system/node",
+                          "/sys/devices/system/node/node0",
+                          "/sys/devices/system/node/node2",
                           "/sys/devices/system/node/node3"};
     for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
         snprintf(path, sizeof path, "%s%s", root, dirs[i]);
@@ -98,10 +102,12 @@ int main(void)
         CHECK(t.n_nodes == 2 && t.node_id[0] == 0 && t.node_id[1] == 2 && t.simulated,
               "two nodes with CPUs (0 and 2), got %d", t.n_nodes);
         CHECK(t.n_nodes == 2 && CPU_COUNT(&t.cpus[0]) == 1 &&
-              CPU_COUNT(&t.cpus[1]) == CPU_COUNT(&mine) - 1, "the nodes' CPUs, within the affinity mask");
+                  CPU_COUNT(&t.cpus[1]) == CPU_COUNT(&mine) - 1,
+              "the nodes' CPUs, within the affinity mask");
         char err[128];
         unsetenv("LOOM_NUMA");
-        CHECK(cpu_numa_mode(&t, err, sizeof err) == CPU_NUMA_INTERLEAVE, "default with 2 nodes: interleave");
+        CHECK(cpu_numa_mode(&t, err, sizeof err) == CPU_NUMA_INTERLEAVE,
+              "default with 2 nodes: interleave");
         setenv("LOOM_NUMA", "local", 1);
         CHECK(cpu_numa_mode(&t, err, sizeof err) == CPU_NUMA_LOCAL, "LOOM_NUMA=local");
         setenv("LOOM_NUMA", "nearby", 1);
@@ -109,8 +115,10 @@ int main(void)
               "a bad LOOM_NUMA is named");
         unsetenv("LOOM_NUMA");
         cpu_numa_describe(&t, CPU_NUMA_LOCAL, text, sizeof text);
-        CHECK(strstr(text, "2 NUMA nodes") && strstr(text, "local (simulated)"), "describe: %s", text);
-        CHECK(cpu_numa_interleave(&t, text, sizeof text) == 0, "no memory policy on a simulated topology");
+        CHECK(strstr(text, "2 NUMA nodes") && strstr(text, "local (simulated)"), "describe: %s",
+              text);
+        CHECK(cpu_numa_interleave(&t, text, sizeof text) == 0,
+              "no memory policy on a simulated topology");
 
         /* the pool binds worker 1 to the second node's CPUs, as LOOM_NUMA=local does */
         pool *p = pool_create(2);

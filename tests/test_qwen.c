@@ -76,7 +76,8 @@ static shape read_shape(const char *folder)
 
 /* q, then k and v with kv head h / group repeated as head h: [3 * heads * hd] rows (or elements
  * of a bias) in c_attn's order. */
-static void fused_qkv(st_out *o, const loom_safetensors *st, const shape *s, int l, const char *what)
+static void fused_qkv(st_out *o, const loom_safetensors *st, const shape *s, int l,
+                      const char *what)
 {
     char q[128], k[128], v[128], name[128];
     snprintf(q, sizeof q, "model.layers.%d.self_attn.q_proj.%s", l, what);
@@ -110,10 +111,12 @@ static int make_qwen1(const loom_safetensors *st, const shape *s, const char *fo
     st_copy(&o, st, "model.embed_tokens.weight", "transformer.wte.weight");
     st_copy(&o, st, "model.embed_tokens.weight", "lm_head.weight"); /* v1 does not tie */
     st_copy(&o, st, "model.norm.weight", "transformer.ln_f.weight");
-    static const char *const same[][2] = {
-        {"input_layernorm.weight", "ln_1.weight"},     {"self_attn.o_proj.weight", "attn.c_proj.weight"},
-        {"post_attention_layernorm.weight", "ln_2.weight"}, {"mlp.up_proj.weight", "mlp.w1.weight"},
-        {"mlp.gate_proj.weight", "mlp.w2.weight"},     {"mlp.down_proj.weight", "mlp.c_proj.weight"}};
+    static const char *const same[][2] = {{"input_layernorm.weight", "ln_1.weight"},
+                                          {"self_attn.o_proj.weight", "attn.c_proj.weight"},
+                                          {"post_attention_layernorm.weight", "ln_2.weight"},
+                                          {"mlp.up_proj.weight", "mlp.w1.weight"},
+                                          {"mlp.gate_proj.weight", "mlp.w2.weight"},
+                                          {"mlp.down_proj.weight", "mlp.c_proj.weight"}};
     for (int l = 0; l < s->layers; l++) {
         for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
             char from[128], to[128];
@@ -164,7 +167,8 @@ static void test_qwen1(const loom_safetensors *st, const shape *s)
     if (loom_gguf_open(&g, gguf, err, sizeof err) == 0) {
         loom_gguf_writer *w = loom_gguf_writer_create();
         for (uint64_t i = 0; i < g.n_kv; i++)
-            if (strcmp(g.kv[i].key, "general.alignment") && strcmp(g.kv[i].key, "qwen.feed_forward_length"))
+            if (strcmp(g.kv[i].key, "general.alignment") &&
+                strcmp(g.kv[i].key, "qwen.feed_forward_length"))
                 loom_gguf_copy_kv(w, &g, &g.kv[i]);
         int64_t ff = 0;
         loom_gguf_get_i64(&g, "qwen.feed_forward_length", &ff);
@@ -244,8 +248,10 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
 {
     int D = s->d, H = s->heads, KV = s->kv, hd = s->hd, F = s->ff, group = H / KV;
     double *x = calloc((size_t)T * D, sizeof *x), *h = malloc((size_t)D * sizeof *h);
-    double *q = malloc((size_t)T * H * hd * sizeof *q), *k = malloc((size_t)T * KV * hd * sizeof *k);
-    double *v = malloc((size_t)T * KV * hd * sizeof *v), *att = malloc((size_t)H * hd * sizeof *att);
+    double *q = malloc((size_t)T * H * hd * sizeof *q),
+           *k = malloc((size_t)T * KV * hd * sizeof *k);
+    double *v = malloc((size_t)T * KV * hd * sizeof *v),
+           *att = malloc((size_t)H * hd * sizeof *att);
     double *o = malloc((size_t)D * sizeof *o), *g = malloc((size_t)F * sizeof *g);
     double *u = malloc((size_t)F * sizeof *u), *p = malloc((size_t)T * sizeof *p);
     double *emb = load_f64(st, "model.embed_tokens.weight", 0, NULL);
@@ -342,10 +348,12 @@ static int make_qwen3(const loom_safetensors *st, const shape *s, double **norms
         for (int which = 0; which < 2; which++) {
             float w[256];
             for (int i = 0; i < s->hd; i++) /* stored f32; the reference reads back the same */
-                norms[2 * l + which][i] = w[i] = (float)(1.0 + 0.5 * sin(7.0 * l + 3.0 * which + i));
+                norms[2 * l + which][i] = w[i] = (float)(1.0 +
+                                                         0.5 * sin(7.0 * l + 3.0 * which + i));
             char name[128];
             int64_t shp[1] = {s->hd};
-            snprintf(name, sizeof name, "model.layers.%d.self_attn.%s_norm.weight", l, which ? "k" : "q");
+            snprintf(name, sizeof name, "model.layers.%d.self_attn.%s_norm.weight", l,
+                     which ? "k" : "q");
             st_add(&o, name, "F32", 1, shp, w, (size_t)s->hd * sizeof(float));
         }
     char p[4400], cfg[1024];
@@ -378,8 +386,10 @@ static int plain_prompt(int32_t *ids, int max)
     char *text = slurp(p, NULL);
     cJSON *root = cJSON_Parse(text), *id;
     int n = 0;
-    cJSON_ArrayForEach(id, cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "cases"), 0),
-                                               "prompt_ids"))
+    cJSON_ArrayForEach (
+        id,
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(root, "cases"), 0),
+                            "prompt_ids"))
         if (n < max)
             ids[n++] = id->valueint;
     cJSON_Delete(root);
@@ -446,7 +456,8 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
             if (!m)
                 continue;
             int32_t enc[64];
-            int64_t ne = loom_tokenize(m, "Hello! My name is Loom and I can count: 1, 2, 3, 1234567.",
+            int64_t ne = loom_tokenize(m,
+                                       "Hello! My name is Loom and I can count: 1, 2, 3, 1234567.",
                                        1, 1, enc, 64, err, sizeof err);
             CHECK(ne == T && !memcmp(enc, ids, (size_t)T * sizeof *ids),
                   "Qwen3's tokenizer (tiny-qwen2's files) gives the fixture's ids");

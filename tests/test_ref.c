@@ -73,8 +73,8 @@ static void test_matmul(void)
     loom_matmul_params p = {sizeof p, &X, &W, &B, &Y};
     STATUS_OK(dev.ops.matmul(dev.be, &p));
     read_back(&Y, y, sizeof y);
-    CHECK(y[0] == 8 && y[1] == 24 && y[2] == 8 && y[3] == 33, "f32 matmul: %g %g %g %g", y[0],
-          y[1], y[2], y[3]);
+    CHECK(y[0] == 8 && y[1] == 24 && y[2] == 8 && y[3] == 33, "f32 matmul: %g %g %g %g", y[0], y[1],
+          y[2], y[3]);
 
     /* block weights against all-ones activations: y = sum of the decoded row */
     float ones[LOOM_QK];
@@ -88,8 +88,11 @@ static void test_matmul(void)
     loom_block_q4_1 q41 = {.d = 0x4000, .m = 0xbc00}; /* d = 2, m = -1; low 3 -> 5, high 0 -> -1:
                                                          sum 16 * 5 - 16 = 64 */
     memset(q41.qs, 0x03, sizeof q41.qs);
-    struct { loom_dtype dt; const void *blk; float want; } cases[] = {
-        {LOOM_Q8_0, &q8, 264}, {LOOM_Q4_0, &q40, 16}, {LOOM_Q4_1, &q41, 64}};
+    struct {
+        loom_dtype dt;
+        const void *blk;
+        float want;
+    } cases[] = {{LOOM_Q8_0, &q8, 264}, {LOOM_Q4_0, &q40, 16}, {LOOM_Q4_1, &q41, 64}};
     for (int c = 0; c < 3; c++) {
         loom_tensor Xo = f32(ones, LOOM_QK, 1), Yo = f32(NULL, 1, 1);
         loom_tensor Wq = make(cases[c].dt, cases[c].blk, LOOM_QK, 1, 1, 1);
@@ -168,7 +171,8 @@ static void test_rope(void)
     /* head_dim 4, base 10000: pair 0 turns by pos, pair 1 by pos / 100 */
     float x[] = {1, 0, 0, 0, 1, 0, 1, 0}, y[8];
     int32_t pos[] = {1, 2};
-    loom_tensor X = make(LOOM_F32, x, 4, 1, 2, 1), P = i32(pos, 2), Y = make(LOOM_F32, NULL, 4, 1, 2, 1);
+    loom_tensor X = make(LOOM_F32, x, 4, 1, 2, 1), P = i32(pos, 2),
+                Y = make(LOOM_F32, NULL, 4, 1, 2, 1);
     /* neox pairs (0,2), (1,3): token 0 [1,0,0,0] -> [cos 1, 0, sin 1, 0] */
     loom_rope_params p = {sizeof p, &X, &P, NULL, &Y, LOOM_ROPE_NEOX, 4, 10000.0f, 1.0f};
     STATUS_OK(dev.ops.rope(dev.be, &p));

@@ -60,13 +60,16 @@ static void test_fixtures(void)
         loom_gguf g;
         if (e && loom_gguf_open(&g, gpath, err, sizeof err) == 0) {
             const loom_gguf_tensor *t = loom_gguf_find_tensor(&g, "token_embd.weight");
-            CHECK(t && t->size == e->size && memcmp(loom_gguf_tensor_data(&g, t), e->data, e->size) == 0,
+            CHECK(t && t->size == e->size &&
+                      memcmp(loom_gguf_tensor_data(&g, t), e->data, e->size) == 0,
                   "safetensors and GGUF embeddings agree");
             loom_gguf_close(&g);
         }
         loom_safetensors_close(&st);
     }
-    static const struct { const char *folder, *tensor, *dtype; } typed[] = {
+    static const struct {
+        const char *folder, *tensor, *dtype;
+    } typed[] = {
         {"tiny-llama", "lm_head.weight", "BF16"},
         {"tiny-qwen2", "model.embed_tokens.weight", "F16"},
         {"tiny-chatglm3", "transformer.embedding.word_embeddings.weight", "BF16"},
@@ -104,7 +107,8 @@ static void test_shards_and_errors(void)
     int rc = loom_safetensors_open(&st, dir, err, sizeof err);
     CHECK(rc == 0, "sharded folder: %s", err);
     if (rc == 0) {
-        const loom_st_tensor *ta = loom_safetensors_find(&st, "a"), *tb = loom_safetensors_find(&st, "b");
+        const loom_st_tensor *ta = loom_safetensors_find(&st, "a"),
+                             *tb = loom_safetensors_find(&st, "b");
         CHECK(st.n_files == 2 && ta && tb && ta->file != tb->file, "two shards");
         CHECK(ta && memcmp(ta->data, a, sizeof a) == 0 && ta->shape[0] == 2 && ta->shape[1] == 3,
               "shard data");
@@ -112,17 +116,22 @@ static void test_shards_and_errors(void)
         loom_safetensors_close(&st);
     }
 
-    struct { const char *header; size_t data; const char *want; } bad[] = {
+    struct {
+        const char *header;
+        size_t data;
+        const char *want;
+    } bad[] = {
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2,3],\"data_offsets\":[0,24]}}", 20, "truncated"},
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2,4],\"data_offsets\":[0,24]}}", 24, "need 32"},
         {"{\"x\":{\"dtype\":\"Q9\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2, "unknown dtype"},
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[-2],\"data_offsets\":[0,8]}}", 8, "bad shape"},
         {"{\"x\":{\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "lacks dtype"},
         /* 2^31 x 2^31 floats are 2^64 bytes, which wraps to 0 and would match [0, 0) */
-        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}",
-         0, "larger than any file"},
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],\"data_offsets\":[0,0]}}", 0,
+         "larger than any file"},
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
-         "\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8, "appears twice"},
+         "\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+         8, "appears twice"},
         {"[1,2,3]", 0, "not a JSON object"},
         {"{\"x\":", 0, "not a JSON object"},
     };
@@ -142,8 +151,9 @@ static void test_shards_and_errors(void)
     CHECK(loom_safetensors_open(&st, path, err, sizeof err) != 0 && strstr(err, "header length"),
           "absurd header length: %s", err);
     /* an index naming a shard that is not there */
-    write_text("model.safetensors.index.json",
-               "{\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\",\"c\":\"gone.safetensors\"}}");
+    write_text(
+        "model.safetensors.index.json",
+        "{\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\",\"c\":\"gone.safetensors\"}}");
     CHECK(loom_safetensors_open(&st, dir, err, sizeof err) != 0 && strstr(err, "gone.safetensors"),
           "missing shard: %s", err);
     write_text("model.safetensors.index.json",
@@ -154,7 +164,8 @@ static void test_shards_and_errors(void)
     char empty[600];
     snprintf(empty, sizeof empty, "%s/empty", dir);
     mkdir(empty, 0700);
-    CHECK(loom_safetensors_open(&st, empty, err, sizeof err) != 0 && strstr(err, "no model.safetensors"),
+    CHECK(loom_safetensors_open(&st, empty, err, sizeof err) != 0 &&
+              strstr(err, "no model.safetensors"),
           "empty folder: %s", err);
     rmdir(empty);
     const char *names[] = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",

@@ -203,8 +203,8 @@ int main(void)
         saw1 += s == 1;
         saw2 += s == 2;
     }
-    CHECK(saw2 == 0 && saw1 > 100 && saw1 < 300, "min-p: token 1 drawn %d times, token 2 %d",
-          saw1, saw2);
+    CHECK(saw2 == 0 && saw1 > 100 && saw1 < 300, "min-p: token 1 drawn %d times, token 2 %d", saw1,
+          saw2);
     float even[2] = {1.0f, 1.0f};
     int ones = 0;
     p = plain();

@@ -47,9 +47,9 @@ static std::string utf8(uint32_t cp)
 static std::string random_text(std::mt19937 &g)
 {
     static const uint32_t ranges[][2] = {
-        {0x20, 0x7e},     {0x4e00, 0x9fff},   {0x3040, 0x30ff}, {0x400, 0x4ff},  {0x600, 0x6ff},
-        {0x1f300, 0x1f64f}, {0x200b, 0x200f}, {0x1f3fb, 0x1f3ff}, {0x1, 0x1f},  {0xff01, 0xff5e},
-        {0xa0, 0xff},     {0x300, 0x36f},     {0xac00, 0xd7a3}, {0x30, 0x39}};
+        {0x20, 0x7e},       {0x4e00, 0x9fff}, {0x3040, 0x30ff},   {0x400, 0x4ff}, {0x600, 0x6ff},
+        {0x1f300, 0x1f64f}, {0x200b, 0x200f}, {0x1f3fb, 0x1f3ff}, {0x1, 0x1f},    {0xff01, 0xff5e},
+        {0xa0, 0xff},       {0x300, 0x36f},   {0xac00, 0xd7a3},   {0x30, 0x39}};
     const size_t n_ranges = sizeof ranges / sizeof ranges[0];
     std::string s;
     int n = (int)(g() % 24) + 1;
@@ -124,8 +124,8 @@ static std::string with_specials(std::mt19937 &g, const special_rule &r)
     return s;
 }
 
-static std::vector<int> reference_ids(sentencepiece::SentencePieceProcessor &sp, const std::string &s,
-                                      bool glm, const special_rule *rule)
+static std::vector<int> reference_ids(sentencepiece::SentencePieceProcessor &sp,
+                                      const std::string &s, bool glm, const special_rule *rule)
 {
     std::vector<int> out, part;
     size_t at = 0;
@@ -172,12 +172,11 @@ static void compare(const char *name, const char *model, const char *loom_path, 
     int differ = 0, total = 0;
     for (int i = 0; i < (int)corpus.size() + n_random; i++) {
         std::string s = i < (int)corpus.size() ? corpus[(size_t)i]
-                        : rule                 ? with_specials(g, *rule)
+            : rule                             ? with_specials(g, *rule)
                                                : random_text(g);
         std::vector<int> want = reference_ids(sp, s, glm, special ? rule : nullptr);
         std::vector<int32_t> got(s.size() * 4 + 16);
-        int64_t n = loom_vocab_encode(v, s.c_str(), 0, special,
-                                      got.data(), (int64_t)got.size());
+        int64_t n = loom_vocab_encode(v, s.c_str(), 0, special, got.data(), (int64_t)got.size());
         bool same = n == (int64_t)want.size();
         for (size_t k = 0; same && k < want.size(); k++)
             same = got[k] == want[k];
@@ -205,8 +204,9 @@ static void compare(const char *name, const char *model, const char *loom_path, 
 int main()
 {
     const char *fx = getenv("LOOM_FIXTURES");
-    std::string dir = fx && *fx ? fx : std::string(getenv("top_srcdir") ? getenv("top_srcdir") : ".") +
-                                           "/../shared/fixtures";
+    std::string dir = fx && *fx
+        ? fx
+        : std::string(getenv("top_srcdir") ? getenv("top_srcdir") : ".") + "/../shared/fixtures";
     std::string top = getenv("top_srcdir") ? getenv("top_srcdir") : ".";
     if (!std::ifstream(dir + "/stories260K/tokenizer.model")) {
         const char *ci = getenv("CI");
@@ -232,8 +232,10 @@ int main()
     const int glm3_pieces = 64789;
     special_rule glm3 = {{"[MASK]", "[gMASK]", "[sMASK]", "sop", "eop", "<|system|>", "<|user|>",
                           "<|assistant|>", "<|observation|>", "<s>", "</s>"},
-                         {{"<|system|>", glm3_pieces + 5}, {"<|user|>", glm3_pieces + 6},
-                          {"<|assistant|>", glm3_pieces + 7}, {"<|observation|>", glm3_pieces + 8}}};
+                         {{"<|system|>", glm3_pieces + 5},
+                          {"<|user|>", glm3_pieces + 6},
+                          {"<|assistant|>", glm3_pieces + 7},
+                          {"<|observation|>", glm3_pieces + 8}}};
     compare("tiny-chatglm3, specials in text", (dir + "/tiny-chatglm3/tokenizer.model").c_str(),
             (dir + "/tiny-chatglm3").c_str(), false, {}, n / 3, LOOM_SPECIAL_TEXT, &glm3);
     compare("tiny-chatglm3, its specials as text", (dir + "/tiny-chatglm3/tokenizer.model").c_str(),
@@ -243,7 +245,8 @@ int main()
     int fd = mkstemp(gguf);
     if (fd >= 0)
         close(fd);
-    if (loom_convert_tokenizer((dir + "/tokenizers/chatglm1").c_str(), gguf, err, sizeof err) != 0) {
+    if (loom_convert_tokenizer((dir + "/tokenizers/chatglm1").c_str(), gguf, err, sizeof err) !=
+        0) {
         fprintf(stderr, "FAIL: converting ice_text.model: %s\n", err);
         failures++;
     } else {

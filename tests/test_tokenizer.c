@@ -114,8 +114,7 @@ static void test_stories_prompts(void)
     char *json = slurp(epath, NULL);
     cJSON *root = cJSON_Parse(json);
     cJSON *c;
-    cJSON_ArrayForEach(c, cJSON_GetObjectItem(root, "cases"))
-    {
+    cJSON_ArrayForEach (c, cJSON_GetObjectItem(root, "cases")) {
         cJSON *text = cJSON_GetObjectItem(c, "text");
         if (!cJSON_IsString(text))
             text = cJSON_GetObjectItem(c, "rendered_prompt");

@@ -39,15 +39,15 @@ static int run_matmul(loom_device *d, const float *x, const float *w, float *y)
 {
     loom_buffer *bx = NULL, *bw = NULL, *by = NULL;
     int ok = d->ops.buffer_alloc(d->be, sizeof(float) * M * K, &bx) == LOOM_OK &&
-             d->ops.buffer_alloc(d->be, sizeof(float) * N * K, &bw) == LOOM_OK &&
-             d->ops.buffer_alloc(d->be, sizeof(float) * M * N, &by) == LOOM_OK &&
-             d->ops.copy_from_host(d->be, bx, 0, x, sizeof(float) * M * K) == LOOM_OK &&
-             d->ops.copy_from_host(d->be, bw, 0, w, sizeof(float) * N * K) == LOOM_OK;
+        d->ops.buffer_alloc(d->be, sizeof(float) * N * K, &bw) == LOOM_OK &&
+        d->ops.buffer_alloc(d->be, sizeof(float) * M * N, &by) == LOOM_OK &&
+        d->ops.copy_from_host(d->be, bx, 0, x, sizeof(float) * M * K) == LOOM_OK &&
+        d->ops.copy_from_host(d->be, bw, 0, w, sizeof(float) * N * K) == LOOM_OK;
     loom_tensor tx = matrix(bx, LOOM_F32, M, K), tw = matrix(bw, LOOM_F32, N, K),
                 ty = matrix(by, LOOM_F32, M, N);
     loom_matmul_params p = {sizeof p, &tx, &tw, NULL, &ty};
     ok = ok && d->ops.matmul(d->be, &p) == LOOM_OK &&
-         d->ops.copy_to_host(d->be, y, by, 0, sizeof(float) * M * N) == LOOM_OK;
+        d->ops.copy_to_host(d->be, y, by, 0, sizeof(float) * M * N) == LOOM_OK;
     loom_buffer *bufs[] = {bx, bw, by};
     for (int i = 0; i < 3; i++)
         if (bufs[i])
@@ -62,8 +62,8 @@ int main(void)
         fprintf(stderr, "scan: %s\n", err);
         return 1;
     }
-    int ref = find(&reg, "ref"), trace = loom_registry_find_decorator(&reg, "trace", err,
-                                                                      sizeof err);
+    int ref = find(&reg, "ref"),
+        trace = loom_registry_find_decorator(&reg, "trace", err, sizeof err);
     CHECK(ref >= 0, "no usable ref module");
     CHECK(trace >= 0, "the trace plugin: %s", err);
     if (ref < 0 || trace < 0)
@@ -90,12 +90,11 @@ int main(void)
     CHECK(fd >= 0, "mkstemp");
     close(fd);
     int opened = loom_device_open(&traced, reg.items[ref].path, 0, 0, err, sizeof err) == 0 &&
-                 loom_device_decorate(&traced, reg.items[trace].path, path, err, sizeof err) == 0;
+        loom_device_decorate(&traced, reg.items[trace].path, path, err, sizeof err) == 0;
     CHECK(opened, "ref wrapped in trace: %s", err);
     if (opened) {
         CHECK(!strcmp(traced.name, "ref") && !strcmp(traced.decorator, "trace"),
-              "a decorated device keeps the backend's name: %s, %s", traced.name,
-              traced.decorator);
+              "a decorated device keeps the backend's name: %s, %s", traced.name, traced.decorator);
         CHECK(run_matmul(&traced, x, w, got) == 0, "matmul through trace: %s",
               traced.ops.last_error(traced.be));
         CHECK(memcmp(got, want, sizeof got) == 0, "traced results differ from ref's");
@@ -103,10 +102,9 @@ int main(void)
     }
 
     /* the file: exactly the calls made, in order */
-    static const char *const calls[] = {"buffer_alloc", "buffer_alloc", "buffer_alloc",
-                                        "copy_from_host", "copy_from_host", "matmul",
-                                        "copy_to_host", "buffer_free", "buffer_free",
-                                        "buffer_free"};
+    static const char *const calls[] = {
+        "buffer_alloc", "buffer_alloc", "buffer_alloc", "copy_from_host", "copy_from_host",
+        "matmul",       "copy_to_host", "buffer_free",  "buffer_free",    "buffer_free"};
     const int n_calls = (int)(sizeof calls / sizeof calls[0]);
     char *text = slurp(path, NULL);
     cJSON *doc = text ? cJSON_Parse(text) : NULL;
@@ -115,8 +113,7 @@ int main(void)
     int n = 0;
     double last_ts = -1;
     cJSON *e;
-    cJSON_ArrayForEach(e, events)
-    {
+    cJSON_ArrayForEach (e, events) {
         const char *ph = cJSON_GetStringValue(cJSON_GetObjectItem(e, "ph"));
         if (!ph || strcmp(ph, "X") != 0)
             continue; /* metadata */

@@ -17,8 +17,7 @@
 #include <time.h>
 
 /* 0 with *out set, or -1 after printing the error to stderr (v may be NULL: missing). */
-static int arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi,
-                    long *out)
+static int arg_long(const char *cmd, const char *flag, const char *v, long lo, long hi, long *out)
 {
     char *end;
     errno = 0;
@@ -60,8 +59,7 @@ static const struct sampling_flag {
     {"--top-k", NULL, 'i', 0, 1 << 24, offsetof(loom_sampling, top_k), "0 = off"},
     {"--top-p", NULL, 'f', 0, 1, offsetof(loom_sampling, top_p), "1 = off"},
     {"--min-p", NULL, 'f', 0, 1, offsetof(loom_sampling, min_p), "0 = off"},
-    {"--repeat-penalty", NULL, 'f', 0.01, 100, offsetof(loom_sampling, repeat_penalty),
-     "1 = off"},
+    {"--repeat-penalty", NULL, 'f', 0.01, 100, offsetof(loom_sampling, repeat_penalty), "1 = off"},
     {"--repeat-last-n", NULL, 'i', 0, 1 << 20, offsetof(loom_sampling, repeat_last_n),
      "tokens the repeat penalty looks back over"},
     {"--presence-penalty", NULL, 'f', -100, 100, offsetof(loom_sampling, presence_penalty),
@@ -147,8 +145,8 @@ char *loom_arg_text_file(const char *cmd, const char *flag, const char *path, si
         fclose(f);
     const char *nul = text ? memchr(text, '\0', n) : NULL;
     if (nul) {
-        fprintf(stderr, "%s: %s %s: a NUL byte at offset %zu; the text must not contain any\n",
-                cmd, flag, path, (size_t)(nul - text));
+        fprintf(stderr, "%s: %s %s: a NUL byte at offset %zu; the text must not contain any\n", cmd,
+                flag, path, (size_t)(nul - text));
         free(text);
         return NULL;
     }
@@ -303,8 +301,8 @@ int loom_args_parse(const loom_command *cmd, int argc, char **argv)
     return 0;
 }
 
-int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
-                       const char **path, int *json)
+int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv, const char **path,
+                       int *json)
 {
     char name[64], synopsis[64];
     snprintf(name, sizeof name, "loom %s", cmd);
@@ -314,8 +312,11 @@ int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
     const loom_flag flags[] = {
         {"--json", NULL, LOOM_FLAG_SWITCH, json, 0, 0, NULL, "the report as JSON"},
     };
-    const loom_command c = {.name = name, .synopsis = synopsis, .flags = flags,
-                            .n_flags = LOOM_N_FLAGS(flags), .positional = path,
+    const loom_command c = {.name = name,
+                            .synopsis = synopsis,
+                            .flags = flags,
+                            .n_flags = LOOM_N_FLAGS(flags),
+                            .positional = path,
                             .max_positional = 1};
     int parsed = loom_args_parse(&c, argc, argv);
     if (parsed)

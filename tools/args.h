@@ -28,8 +28,8 @@ typedef struct loom_flag_list {
 } loom_flag_list;
 
 typedef struct loom_flag {
-    const char *name;    /* "-n", "--kv-type" */
-    const char *alias;   /* another spelling ("--model" for "-m"), or NULL */
+    const char *name;  /* "-n", "--kv-type" */
+    const char *alias; /* another spelling ("--model" for "-m"), or NULL */
     loom_flag_kind kind;
     void *dest;
     double lo, hi;       /* LONG and FLOAT */
@@ -40,8 +40,8 @@ typedef struct loom_flag {
 
 struct loom_sampling;
 typedef struct loom_command {
-    const char *name;       /* "loom run": how errors and the usage start */
-    const char *synopsis;   /* what follows the name in the usage line */
+    const char *name;     /* "loom run": how errors and the usage start */
+    const char *synopsis; /* what follows the name in the usage line */
     const loom_flag *flags;
     int n_flags;
     struct loom_sampling *sampling; /* the sampling flags too, into this, or NULL */
@@ -55,13 +55,20 @@ typedef struct loom_command {
 #define LOOM_N_FLAGS(table) ((int)(sizeof(table) / sizeof((table)[0])))
 
 /* The flags every command that opens a model spells the same way. */
-#define LOOM_FLAG_MODEL(dest)                                                                  \
-    {"-m", "--model", LOOM_FLAG_TEXT, (dest), 0, 0, "MODEL", "a GGUF file or a Hugging Face folder"}
-#define LOOM_FLAG_KV_TYPE(dest)                                                                \
-    {"--kv-type", NULL, LOOM_FLAG_CHOICE, (dest), 0, 0, "f16|f32|q8_0",                          \
-     "KV cache precision (default f16)"}
-#define LOOM_FLAG_THREADS(dest)                                                                \
-    {"--threads", NULL, LOOM_FLAG_LONG, (dest), 1, 1024, "N", "CPU backend threads"}
+#define LOOM_FLAG_MODEL(dest)                                                                      \
+    {                                                                                              \
+        "-m", "--model", LOOM_FLAG_TEXT, (dest), 0, 0, "MODEL",                                    \
+            "a GGUF file or a Hugging Face folder"                                                 \
+    }
+#define LOOM_FLAG_KV_TYPE(dest)                                                                    \
+    {                                                                                              \
+        "--kv-type", NULL, LOOM_FLAG_CHOICE, (dest), 0, 0, "f16|f32|q8_0",                         \
+            "KV cache precision (default f16)"                                                     \
+    }
+#define LOOM_FLAG_THREADS(dest)                                                                    \
+    {                                                                                              \
+        "--threads", NULL, LOOM_FLAG_LONG, (dest), 1, 1024, "N", "CPU backend threads"             \
+    }
 
 /* 0: argv parsed; 1: --help printed the usage on stdout (exit 0); 2: an error was printed,
  * naming the flag and what was wrong, with the usage (exit 2). */
@@ -71,8 +78,8 @@ void loom_args_usage(const loom_command *cmd, FILE *out);
 /* The commands that take one FILE and an optional --json (`loom inspect`, `loom verify`):
  * 0 with *path and *json set; -1 after --help printed the usage (exit 0); or 2 after printing
  * the usage error ("which model?"). */
-int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
-                       const char **path, int *json);
+int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv, const char **path,
+                       int *json);
 
 /* The whole of a text file (path "-": standard input), NUL-terminated, its length in *len;
  * NULL after printing why (unreadable, too large, or holding a NUL byte, which no prompt may). */

@@ -91,9 +91,11 @@ static int child(const char *backend, const bench_args *a)
     char name[32];
     if (pp > 0) {
         loom_generation st;
-        int ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+        int ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) ==
+            0;
         for (int r = 0; r < reps && ok; r++) {
-            ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+            ok = loom_generate(m, ids, (int32_t)pp, 0, &greedy, NULL, NULL, &st, err, sizeof err) ==
+                0;
             t[r] = st.prefill_tok_s;
         }
         snprintf(name, sizeof name, "pp%ld", pp);
@@ -105,7 +107,8 @@ static int child(const char *backend, const bench_args *a)
         loom_generation st;
         int ok = loom_generate(m, &bos, 1, 4, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
         for (int r = 0; r < reps && ok; r++) {
-            ok = loom_generate(m, &bos, 1, (int32_t)tg, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
+            ok = loom_generate(m, &bos, 1, (int32_t)tg, &greedy, NULL, NULL, &st, err,
+                               sizeof err) == 0;
             t[r] = st.decode_tok_s;
         }
         snprintf(name, sizeof name, "tg%ld", tg);
@@ -153,7 +156,8 @@ int loom_bench_main(int argc, char **argv, const char *self)
         .synopsis = "[-m MODEL.gguf | --synthetic SHAPE [--type TYPE]] [--backends LIST]\n"
                     "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
                     "also: loom bench ops (per-op timings), loom bench serve (a server under load)",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags)};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -162,8 +166,10 @@ int loom_bench_main(int argc, char **argv, const char *self)
     if (write_to) { /* the synthetic model alone, to run elsewhere (llama.cpp) or again */
         char err[1024];
         if (a.model || loom_write_synthetic_model(write_to, a.synthetic, a.type, err, sizeof err)) {
-            fprintf(stderr, "loom bench: %s\n", a.model ? "--write writes a synthetic model; "
-                    "-m has one already" : err);
+            fprintf(stderr, "loom bench: %s\n",
+                    a.model ? "--write writes a synthetic model; "
+                              "-m has one already"
+                            : err);
             return 2;
         }
         fprintf(stderr, "wrote the synthetic %s model (%s) to %s\n", a.synthetic, a.type, write_to);
@@ -275,15 +281,15 @@ int loom_bench_main(int argc, char **argv, const char *self)
         return failures ? 1 : 0;
     }
     if (a.csv)
-        printf("backend,device,model,weight_type,test,tokens_per_s,sd,peak_rss_mib,roofline_share\n");
+        printf(
+            "backend,device,model,weight_type,test,tokens_per_s,sd,peak_rss_mib,roofline_share\n");
     else
         printf("streaming read bandwidth: %.1f GB/s (%d threads)\n\n"
                "| backend | device | model | weights | test | tokens/s | peak RSS | roofline |\n"
                "|---|---|---|---|---|---|---|---|\n",
                bw, threads);
     cJSON *o;
-    cJSON_ArrayForEach(o, results)
-    {
+    cJSON_ArrayForEach (o, results) {
         const char *variant = cJSON_GetStringValue(cJSON_GetObjectItem(o, "variant"));
         const char *be = cJSON_GetStringValue(cJSON_GetObjectItem(o, "backend"));
         const char *e = cJSON_GetStringValue(cJSON_GetObjectItem(o, "error"));

@@ -389,9 +389,12 @@ static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64
     } else {
         emit_error("matmul", loom_dtype_name(dt), shape, "out of memory");
     }
-    if (wb) d->ops.buffer_free(d->be, wb);
-    if (xb) d->ops.buffer_free(d->be, xb);
-    if (yb) d->ops.buffer_free(d->be, yb);
+    if (wb)
+        d->ops.buffer_free(d->be, wb);
+    if (xb)
+        d->ops.buffer_free(d->be, xb);
+    if (yb)
+        d->ops.buffer_free(d->be, yb);
     free(wh), free(xh);
 }
 
@@ -420,7 +423,8 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
         return;
     }
     uint64_t cache_bytes = (uint64_t)loom_row_bytes(cache_dt, hd) * (uint64_t)(kvh * bs * blocks);
-    void *ch = make_rows(cache_dt, hd, kvh * bs * blocks), *qh = make_rows(LOOM_F32, hd, heads * tokens);
+    void *ch = make_rows(cache_dt, hd, kvh * bs * blocks),
+         *qh = make_rows(LOOM_F32, hd, heads * tokens);
     int32_t *ints = malloc((size_t)(blocks + 2 * tokens) * 4);
     for (int64_t i = 0; i < blocks; i++)
         ints[i] = (int32_t)i;
@@ -436,7 +440,8 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
         /* head-major inside each block, as the runner lays its cache out */
         k.nb[2] = v.nb[2] = k.nb[1];
         k.nb[1] = v.nb[1] = k.nb[2] * (uint64_t)bs;
-        loom_tensor q = dense(qb, LOOM_F32, hd, heads, tokens), o = dense(ob, LOOM_F32, hd, heads, tokens);
+        loom_tensor q = dense(qb, LOOM_F32, hd, heads, tokens),
+                    o = dense(ob, LOOM_F32, hd, heads, tokens);
         loom_tensor bt = dense(ib, LOOM_I32, blocks, 1, 1);
         loom_tensor seq = dense(ib, LOOM_I32, tokens, 1, 1), pos = seq;
         seq.offset = (uint64_t)blocks * 4;
@@ -469,9 +474,9 @@ static int child(const char *path, int quick, ops_wanted ops)
         emit_error("open", "", "", err);
         return 1;
     }
-    static const loom_dtype wtypes[] = {LOOM_F32,  LOOM_F16,    LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0,
-                                        LOOM_Q4_1, LOOM_Q5_0,   LOOM_Q5_1, LOOM_IQ4_NL, LOOM_Q2_K,
-                                        LOOM_Q3_K, LOOM_Q4_K,   LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS};
+    static const loom_dtype wtypes[] = {LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0,   LOOM_Q4_0,
+                                        LOOM_Q4_1, LOOM_Q5_0, LOOM_Q5_1, LOOM_IQ4_NL, LOOM_Q2_K,
+                                        LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K,   LOOM_IQ4_XS};
     int64_t dim = quick ? 1024 : 4096;
     /* --quick: a smoke test, whose decode figures come partly from cache */
     uint64_t arena_bytes = quick ? 64ull << 20 : loom_bench_working_set();
@@ -547,7 +552,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
     const loom_command cmd = {.name = "loom bench ops",
                               .synopsis = "[--backends LIST] [--op matmul|attention] [--json] "
                                           "[--quick]",
-                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags)};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -611,7 +617,9 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
         char cmd[8192];
         snprintf(cmd, sizeof cmd, "'%s' bench ops --child '%s'%s%s", self, paths[b],
                  quick ? " --quick" : "",
-                 ops == OPS_MATMUL ? " --op matmul" : ops == OPS_ATTENTION ? " --op attention" : "");
+                 ops == OPS_MATMUL          ? " --op matmul"
+                     : ops == OPS_ATTENTION ? " --op attention"
+                                            : "");
         FILE *f = popen(cmd, "r");
         char line[2048];
         while (f && fgets(line, sizeof line, f)) {

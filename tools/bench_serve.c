@@ -82,7 +82,8 @@ static void *client(void *arg)
         while (!w.done)
             pthread_cond_wait(&w.cv, &w.mu);
         pthread_mutex_unlock(&w.mu);
-        s->samples[i] = (sample){w.last.ttft_ms, loom_now_ms() - t0, w.last.n_generated, w.done != 1};
+        s->samples[i] = (sample){w.last.ttft_ms, loom_now_ms() - t0, w.last.n_generated,
+                                 w.done != 1};
     }
     pthread_mutex_destroy(&w.mu);
     pthread_cond_destroy(&w.cv);
@@ -111,8 +112,12 @@ typedef struct result {
 static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32_t n_prompt,
                         int32_t n_gen, int clients)
 {
-    shared s = {.engine = e, .prompts = prompts, .n_prompt = n_prompt, .n_gen = n_gen,
-                .n_requests = n_requests, .samples = calloc((size_t)n_requests, sizeof(sample))};
+    shared s = {.engine = e,
+                .prompts = prompts,
+                .n_prompt = n_prompt,
+                .n_gen = n_gen,
+                .n_requests = n_requests,
+                .samples = calloc((size_t)n_requests, sizeof(sample))};
     pthread_mutex_init(&s.mu, NULL);
     pthread_t *th = calloc((size_t)clients, sizeof *th);
     uint64_t pre0 = loom_engine_get_stats(e).preemptions;
@@ -123,7 +128,8 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
         pthread_join(th[c], NULL);
     double dt = (loom_now_ms() - t0) / 1e3;
     result r = {clients, n_requests, 0, dt, 0, 0, 0, 0, 0, 0, 0, 0};
-    double *ttft = calloc((size_t)n_requests, sizeof *ttft), *lat = calloc((size_t)n_requests, sizeof *lat);
+    double *ttft = calloc((size_t)n_requests, sizeof *ttft),
+           *lat = calloc((size_t)n_requests, sizeof *lat);
     uint64_t gen = 0;
     int n = 0;
     for (int i = 0; i < n_requests; i++) {
@@ -176,7 +182,8 @@ int loom_bench_serve_main(int argc, char **argv)
         .synopsis = "[-m MODEL | --synthetic SHAPE [--type TYPE]] [--clients 16] [options]\n"
                     "  runs the requests one at a time, then from --clients concurrent clients, "
                     "through the\n  serving engine (continuous batching)",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags)};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -231,7 +238,8 @@ int loom_bench_serve_main(int argc, char **argv)
     /* new first tokens: the concurrent run must not reuse the first run's cached blocks */
     for (long i = 0; i < requests; i++)
         prompts[i][0] = 3 + (prompts[i][0] - 2) % (n_vocab - 3);
-    result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, (int)clients);
+    result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen,
+                            (int)clients);
     loom_engine_stats st = loom_engine_get_stats(e);
     result *rs[2] = {&one, &many};
     int first = concurrent_only;
@@ -263,17 +271,21 @@ int loom_bench_serve_main(int argc, char **argv)
         free(s);
         cJSON_Delete(o);
     } else {
-        printf("| clients | requests | seconds | generated tok/s | TTFT p50 / p90 ms | latency p50 / p90 / p99 ms | preemptions |\n");
-        printf("|--------:|---------:|--------:|----------------:|------------------:|---------------------------:|------------:|\n");
+        printf(
+            "| clients | requests | seconds | generated tok/s | TTFT p50 / p90 ms | latency p50 / p90 / p99 ms | preemptions |\n");
+        printf(
+            "|--------:|---------:|--------:|----------------:|------------------:|---------------------------:|------------:|\n");
         for (int k = first; k < 2; k++)
-            printf("| %7d | %8d | %7.2f | %15.1f | %8.0f / %-6.0f | %8.0f / %6.0f / %-7.0f | %11llu |\n",
-                   rs[k]->clients, rs[k]->requests, rs[k]->seconds, rs[k]->tok_s, rs[k]->ttft50,
-                   rs[k]->ttft90, rs[k]->lat50, rs[k]->lat90, rs[k]->lat99,
-                   (unsigned long long)rs[k]->preemptions);
+            printf(
+                "| %7d | %8d | %7.2f | %15.1f | %8.0f / %-6.0f | %8.0f / %6.0f / %-7.0f | %11llu |\n",
+                rs[k]->clients, rs[k]->requests, rs[k]->seconds, rs[k]->tok_s, rs[k]->ttft50,
+                rs[k]->ttft90, rs[k]->lat50, rs[k]->lat90, rs[k]->lat99,
+                (unsigned long long)rs[k]->preemptions);
         if (!concurrent_only)
             printf("\n%ld concurrent clients: %.2fx the generated tokens/s of one at a time "
-               "(%llu engine steps in all)\n", clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
-               (unsigned long long)st.steps);
+                   "(%llu engine steps in all)\n",
+                   clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
+                   (unsigned long long)st.steps);
     }
     rc = one.failed || many.failed ? 1 : 0;
     loom_engine_stop(e, 0);

@@ -118,8 +118,11 @@ int loom_chat_main(int argc, char **argv)
         LOOM_FLAG_KV_TYPE(&kv),
         LOOM_FLAG_THREADS(&threads),
     };
-    const loom_command cmd = {.name = "loom chat", .synopsis = "-m MODEL [options]",
-                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .sampling = &s};
+    const loom_command cmd = {.name = "loom chat",
+                              .synopsis = "-m MODEL [options]",
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags),
+                              .sampling = &s};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -134,8 +137,7 @@ int loom_chat_main(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    loom_model_options o = {.n_ctx = (int32_t)n_ctx, .kv_type = kv,
-                            .n_threads = (int32_t)threads};
+    loom_model_options o = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads};
     loom_model *m = loom_model_open(model, &o, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom chat: %s\n", err);
@@ -145,20 +147,25 @@ int loom_chat_main(int argc, char **argv)
         int recognised;
         tmpl = loom_model_chat_template(m, &recognised);
         if (!recognised)
-            fprintf(stderr, "loom chat: warning: the model's chat template is missing or not one "
-                            "loom knows; using '%s' (choose with --chat-template)\n", tmpl);
+            fprintf(stderr,
+                    "loom chat: warning: the model's chat template is missing or not one "
+                    "loom knows; using '%s' (choose with --chat-template)\n",
+                    tmpl);
     }
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint; /* no SA_RESTART: Ctrl-C at the prompt interrupts the read */
     sigaction(SIGINT, &sa, NULL);
-    fprintf(stderr, "loom chat: %s on %s, template %s. /reset, /system TEXT, /quit; Ctrl-C stops "
-                    "an answer.\n", model, loom_model_backend(m), tmpl);
+    fprintf(stderr,
+            "loom chat: %s on %s, template %s. /reset, /system TEXT, /quit; Ctrl-C stops "
+            "an answer.\n",
+            model, loom_model_backend(m), tmpl);
 
     convo c = {0};
     clear(&c, system);
     int32_t n_ctx_max = loom_model_n_ctx(m);
     int extends = loom_model_extends_cache(m); /* else every turn is evaluated whole */
-    int32_t *cache = malloc((size_t)n_ctx_max * sizeof *cache), *ids = malloc((size_t)n_ctx_max * sizeof *ids);
+    int32_t *cache = malloc((size_t)n_ctx_max * sizeof *cache),
+            *ids = malloc((size_t)n_ctx_max * sizeof *ids);
     int32_t n_cache = 0;
     char line[8192];
     int interactive = isatty(STDIN_FILENO);
@@ -202,8 +209,10 @@ int loom_chat_main(int argc, char **argv)
             continue;
         }
         if (n >= n_ctx_max) {
-            fprintf(stderr, "loom chat: the conversation no longer fits the context of %d tokens; "
-                            "/reset to start over\n", n_ctx_max);
+            fprintf(stderr,
+                    "loom chat: the conversation no longer fits the context of %d tokens; "
+                    "/reset to start over\n",
+                    n_ctx_max);
             free((char *)c.msgs[--c.n].content);
             continue;
         }
@@ -213,8 +222,8 @@ int loom_chat_main(int argc, char **argv)
             keep++;
         answer a = {0};
         loom_generation st;
-        int rc = loom_generate_from(m, ids + keep, (int32_t)(n - keep), keep, (int32_t)n_predict, &s,
-                                    on_token, &a, &st, err, sizeof err);
+        int rc = loom_generate_from(m, ids + keep, (int32_t)(n - keep), keep, (int32_t)n_predict,
+                                    &s, on_token, &a, &st, err, sizeof err);
         printf("\n");
         if (rc != 0) {
             fprintf(stderr, "loom chat: %s\n", err);

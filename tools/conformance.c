@@ -38,11 +38,11 @@ typedef enum { RES_NONE = 0, RES_PASS, RES_FAIL, RES_UNSUPPORTED } result;
 /* every dtype of ABI 1.2; the matrix shows all but the last (i32 is only an index type) */
 #define N_DTYPES 16
 static const loom_dtype all_dtypes[N_DTYPES] = {
-    LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0,   LOOM_Q4_1,  LOOM_Q5_0,   LOOM_Q5_1,
+    LOOM_F32,    LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1, LOOM_Q5_0,   LOOM_Q5_1,
     LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS, LOOM_I32};
 
 typedef struct report {
-    cJSON *checks;  /* array of {check, status, detail} */
+    cJSON *checks; /* array of {check, status, detail} */
     result matrix[LOOM_OP_COUNT_V1_0][N_DTYPES];
     int failures;
     int quiet;
@@ -75,21 +75,21 @@ static void record(report *r, const char *check, int ok, const char *fmt, ...)
 /* One tensor of a test case: its shape, where it sits in its buffer, and its host bytes. */
 typedef struct spec {
     int used;
-    int output;        /* compared after the op */
+    int output; /* compared after the op */
     loom_dtype dtype;
     int64_t ne[4];
-    uint64_t offset;   /* leading bytes in the buffer */
-    uint64_t row_pad;  /* extra bytes between rows */
+    uint64_t offset;                /* leading bytes in the buffer */
+    uint64_t row_pad;               /* extra bytes between rows */
     uint64_t plane_pad, volume_pad; /* and between planes (dim 2) and volumes (dim 3) */
-    int head_major;    /* dims 1 and 2 swapped in memory: a KV cache laid out as the runner
-                        * lays it ([block][head][slot], a head's slots of a block together) */
+    int head_major; /* dims 1 and 2 swapped in memory: a KV cache laid out as the runner
+                     * lays it ([block][head][slot], a head's slots of a block together) */
     unsigned char *host;
-    uint64_t bytes;    /* buffer size: offset + extent */
+    uint64_t bytes; /* buffer size: offset + extent */
 } spec;
 
 typedef struct test_case {
     loom_op op;
-    loom_dtype dtype;     /* the dtype `supports` is asked about */
+    loom_dtype dtype; /* the dtype `supports` is asked about */
     char label[160];
     spec t[MAX_TENSORS];
     double tol;           /* normalised-error threshold */
@@ -321,7 +321,7 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ROPE: {
-        loom_rope_params p = {sizeof p, T(0), T(1), T(2), T(3),
+        loom_rope_params p = {sizeof p,      T(0),      T(1),          T(2),          T(3),
                               tc->rope_mode, tc->n_rot, tc->freq_base, tc->freq_scale};
         return loom_device_run(d, tc->op, &p);
     }
@@ -338,8 +338,8 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ATTENTION: {
-        loom_attention_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4), T(5), T(6), T(7),
-                                   tc->scale};
+        loom_attention_params p = {sizeof p, T(0), T(1), T(2), T(3),
+                                   T(4),     T(5), T(6), T(7), tc->scale};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_QUANTIZE:
@@ -369,11 +369,12 @@ static loom_status prepare_w(loom_device *d, test_case *tc, loom_tensor *t, loom
     tc->prepared = 1;
     if (!prepared->buf || prepared->dtype != t[1].dtype ||
         memcmp(prepared->ne, t[1].ne, sizeof t[1].ne) != 0) {
-        snprintf(msg, msg_size, "prepare_weight returned a %s [%lld, %lld] tensor%s for a %s "
-                 "[%lld, %lld] weight", loom_dtype_name(prepared->dtype),
-                 (long long)prepared->ne[0], (long long)prepared->ne[1],
-                 prepared->buf ? "" : " without a buffer", loom_dtype_name(t[1].dtype),
-                 (long long)t[1].ne[0], (long long)t[1].ne[1]);
+        snprintf(msg, msg_size,
+                 "prepare_weight returned a %s [%lld, %lld] tensor%s for a %s "
+                 "[%lld, %lld] weight",
+                 loom_dtype_name(prepared->dtype), (long long)prepared->ne[0],
+                 (long long)prepared->ne[1], prepared->buf ? "" : " without a buffer",
+                 loom_dtype_name(t[1].dtype), (long long)t[1].ne[0], (long long)t[1].ne[1]);
         return LOOM_ERR_INVALID;
     }
     loom_tensor w = t[1];
@@ -435,7 +436,11 @@ static loom_status run_case(loom_device *d, test_case *tc, unsigned char **out, 
 
 /* Normalised error sqrt(sum (a-b)^2 / sum b^2) of output tensor s, over its rows only (the
  * padding between rows is checked separately: a backend must not write it). */
-typedef struct cmp { double nerr; int nonfinite; int pad_written; } cmp;
+typedef struct cmp {
+    double nerr;
+    int nonfinite;
+    int pad_written;
+} cmp;
 
 static cmp compare(const spec *s, const unsigned char *a, const unsigned char *b,
                    const unsigned char *input_image, const double *magnitude)
@@ -518,12 +523,12 @@ static void make_matmul_shape(test_case *tc, loom_dtype dt, int64_t M, int64_t K
 static void make_matmul(test_case *tc, loom_dtype dt, int v)
 {
     /* M, K, N; K odd only where the dtype allows it */
-    static const int64_t shapes[][3] = {{1, 64, 1},    {1, 96, 33},  {3, 128, 17}, {0, 64, 8},
-                                        {64, 256, 48}, {1027, 64, 7}, {5, 33, 7},  {2, 512, 19},
-                                        {17, 768, 5}};
+    static const int64_t shapes[][3] = {{1, 64, 1}, {1, 96, 33},   {3, 128, 17},
+                                        {0, 64, 8}, {64, 256, 48}, {1027, 64, 7},
+                                        {5, 33, 7}, {2, 512, 19},  {17, 768, 5}};
     int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
     if (K % loom_dtype_block_elems(dt)) { /* check_partial_blocks tries those */
-        tc->op = LOOM_OP_COUNT_V1_0; /* not applicable */
+        tc->op = LOOM_OP_COUNT_V1_0;      /* not applicable */
         return;
     }
     make_matmul_shape(tc, dt, M, K, N, v == 2);
@@ -559,8 +564,8 @@ static void make_norm(test_case *tc, loom_dtype dt, int v)
     tc->eps = four_d ? epss[v - 6] : 1e-5f;
     if (four_d)
         rows = 12, n = 96;
-    snprintf(tc->label, sizeof tc->label, "%s%s, rms %g, eps %g", four_d ? "[96, 3, 2, 2]" :
-             "", with_params ? " weight+bias" : " no weight", (double)amp, (double)tc->eps);
+    snprintf(tc->label, sizeof tc->label, "%s%s, rms %g, eps %g", four_d ? "[96, 3, 2, 2]" : "",
+             with_params ? " weight+bias" : " no weight", (double)amp, (double)tc->eps);
     if (!four_d)
         snprintf(tc->label, sizeof tc->label, "[%lld, %lld]%s", (long long)rows, (long long)n,
                  with_params ? " weight+bias" : " no weight");
@@ -584,10 +589,13 @@ static void make_rope(test_case *tc, loom_dtype dt, int v)
 {
     (void)dt;
     /* mode, head_dim, n_rot, heads, tokens, base, scale */
-    static const struct { int mode, hd, n_rot, heads, tokens; float base, scale; } r[] = {
+    static const struct {
+        int mode, hd, n_rot, heads, tokens;
+        float base, scale;
+    } r[] = {
         {LOOM_ROPE_NEOX, 64, 64, 4, 5, 10000.0f, 1.0f},
         {LOOM_ROPE_ADJACENT, 64, 64, 2, 3, 10000.0f, 1.0f},
-        {LOOM_ROPE_NEOX, 80, 32, 3, 2, 1000000.0f, 0.25f},    /* partial rotary, scaled */
+        {LOOM_ROPE_NEOX, 80, 32, 3, 2, 1000000.0f, 0.25f},   /* partial rotary, scaled */
         {LOOM_ROPE_ADJACENT, 128, 64, 2, 4, 10000.0f, 1.0f}, /* ChatGLM2: half of each head */
         {LOOM_ROPE_GLM_2D, 64, 64, 2, 6, 10000.0f, 1.0f},
     };
@@ -679,7 +687,12 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
     int32_t prefix[2] = {5, 0};
     switch (v) {
     case 0: ntok = 2, seq[0] = 0, pos[0] = 13, seq[1] = 1, pos[1] = 6; break;
-    case 1: case 2: ntok = 6; for (int i = 0; i < 6; i++) seq[i] = 0, pos[i] = i; break;
+    case 1:
+    case 2:
+        ntok = 6;
+        for (int i = 0; i < 6; i++)
+            seq[i] = 0, pos[i] = i;
+        break;
     default:
         ntok = 4;
         seq[0] = 1, pos[0] = 17, seq[1] = 0, pos[1] = 2, seq[2] = 0, pos[2] = 3, seq[3] = 0,
@@ -687,7 +700,8 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
     }
     fill_random(add_spec(tc, 0, LOOM_F32, hd, heads, ntok, 1, 1), 1.0f, 0.0f);
     /* even variants read the caches in the runner's head-major layout */
-    spec *kc = add_spec(tc, 1, dt, hd, kvh, bs, blocks, 0), *vc = add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0);
+    spec *kc = add_spec(tc, 1, dt, hd, kvh, bs, blocks, 0),
+         *vc = add_spec(tc, 2, dt, hd, kvh, bs, blocks, 0);
     if (v % 2 == 0)
         head_major(kc), head_major(vc);
     fill_random(kc, 1.0f, 0.0f);
@@ -737,13 +751,20 @@ static void make_convert(test_case *tc, loom_dtype dt, int v)
 }
 
 static const case_family families[] = {
-    {LOOM_OP_MATMUL, 9, make_matmul},         {LOOM_OP_GET_ROWS, 3, make_get_rows},
-    {LOOM_OP_RMS_NORM, 9, make_norm},         {LOOM_OP_LAYER_NORM, 9, make_norm},
-    {LOOM_OP_ROPE, 5, make_rope},             {LOOM_OP_ADD, 5, make_elementwise},
-    {LOOM_OP_MUL, 5, make_elementwise},       {LOOM_OP_SCALE, 5, make_elementwise},
-    {LOOM_OP_SILU_MUL, 5, make_elementwise},  {LOOM_OP_GELU, 5, make_elementwise},
-    {LOOM_OP_KV_STORE, 3, make_kv_store},     {LOOM_OP_ATTENTION, 4, make_attention},
-    {LOOM_OP_QUANTIZE, 4, make_quant},        {LOOM_OP_DEQUANTIZE, 4, make_quant},
+    {LOOM_OP_MATMUL, 9, make_matmul},
+    {LOOM_OP_GET_ROWS, 3, make_get_rows},
+    {LOOM_OP_RMS_NORM, 9, make_norm},
+    {LOOM_OP_LAYER_NORM, 9, make_norm},
+    {LOOM_OP_ROPE, 5, make_rope},
+    {LOOM_OP_ADD, 5, make_elementwise},
+    {LOOM_OP_MUL, 5, make_elementwise},
+    {LOOM_OP_SCALE, 5, make_elementwise},
+    {LOOM_OP_SILU_MUL, 5, make_elementwise},
+    {LOOM_OP_GELU, 5, make_elementwise},
+    {LOOM_OP_KV_STORE, 3, make_kv_store},
+    {LOOM_OP_ATTENTION, 4, make_attention},
+    {LOOM_OP_QUANTIZE, 4, make_quant},
+    {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},
 };
 
@@ -752,9 +773,10 @@ static int op_dtype_applies(loom_op op, loom_dtype dt)
 {
     int is_float = dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_BF16;
     switch (op) {
-    case LOOM_OP_MATMUL: case LOOM_OP_GET_ROWS: return is_float || loom_dtype_is_quantized(dt);
-    case LOOM_OP_KV_STORE: case LOOM_OP_ATTENTION:
-        return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;
+    case LOOM_OP_MATMUL:
+    case LOOM_OP_GET_ROWS: return is_float || loom_dtype_is_quantized(dt);
+    case LOOM_OP_KV_STORE:
+    case LOOM_OP_ATTENTION: return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;
     case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with quantisers */
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return is_float;
@@ -838,8 +860,10 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
                 char name[160];
                 snprintf(name, sizeof name, "%s %s: supports() says yes", loom_op_name(fam->op),
                          loom_dtype_name(dt));
-                record(r, name, 0, "but the ops table has no %s function (NULL): loom runs it "
-                       "on the CPU instead; say no, or fill the pointer", loom_op_name(fam->op));
+                record(r, name, 0,
+                       "but the ops table has no %s function (NULL): loom runs it "
+                       "on the CPU instead; say no, or fill the pointer",
+                       loom_op_name(fam->op));
                 r->matrix[fam->op][di] = RES_FAIL;
                 continue;
             }
@@ -895,12 +919,18 @@ static void check_partial_blocks(loom_device *target, report *r)
             int32_t ids[1] = {1};
             if (st == LOOM_OK && get_rows)
                 st = target->ops.copy_from_host(target->be, bx, 0, ids, sizeof ids);
-            loom_tensor x = {bx, 0, get_rows ? LOOM_I32 : LOOM_F32, 2, {get_rows ? 1 : K, 1, 1, 1},
+            loom_tensor x = {bx,
+                             0,
+                             get_rows ? LOOM_I32 : LOOM_F32,
+                             2,
+                             {get_rows ? 1 : K, 1, 1, 1},
                              {4, get_rows ? 4 : 4 * K, 4 * K, 4 * K}};
-            loom_tensor w = {bw, 0, dt, 2, {K, N, 1, 1},
-                             {(uint64_t)loom_dtype_block_bytes(dt), 256, 256 * N, 256 * N}};
-            loom_tensor y = {by, 0, LOOM_F32, 2, {get_rows ? K : N, 1, 1, 1},
-                             {4, 4 * K, 4 * K, 4 * K}};
+            loom_tensor w = {
+                bw,           0,
+                dt,           2,
+                {K, N, 1, 1}, {(uint64_t)loom_dtype_block_bytes(dt), 256, 256 * N, 256 * N}};
+            loom_tensor y = {
+                by, 0, LOOM_F32, 2, {get_rows ? K : N, 1, 1, 1}, {4, 4 * K, 4 * K, 4 * K}};
             if (st == LOOM_OK) {
                 if (get_rows) {
                     loom_get_rows_params p = {sizeof p, &w, &x, &y};
@@ -913,8 +943,10 @@ static void check_partial_blocks(loom_device *target, report *r)
                     st = target->ops.synchronize(target->be);
             }
             char name[160];
-            snprintf(name, sizeof name, "%s %s with rows of %d elements (not whole %lld-element "
-                     "blocks) is refused", loom_op_name((loom_op)op), loom_dtype_name(dt), K,
+            snprintf(name, sizeof name,
+                     "%s %s with rows of %d elements (not whole %lld-element "
+                     "blocks) is refused",
+                     loom_op_name((loom_op)op), loom_dtype_name(dt), K,
                      (long long)loom_dtype_block_elems(dt));
             record(r, name, st != LOOM_OK, st != LOOM_OK ? NULL : "%s",
                    "the module ran it (status 0)");
@@ -936,12 +968,13 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
             printf("prepare_weight: not offered (matmuls use weights as they are)\n");
         return;
     }
-    static const int64_t shapes[][3] = {{1, 64, 16}, {1, 96, 32}, {3, 256, 48}, {4, 128, 64},
-                                        {17, 160, 32}, {64, 512, 128}, {2, 64, 8}, {1, 64, 7},
-                                        {3, 37, 16}};
+    static const int64_t shapes[][3] = {{1, 64, 16},  {1, 96, 32},   {3, 256, 48},
+                                        {4, 128, 64}, {17, 160, 32}, {64, 512, 128},
+                                        {2, 64, 8},   {1, 64, 7},    {3, 37, 16}};
     for (int di = 0; di < N_DTYPES; di++) {
         loom_dtype dt = all_dtypes[di];
-        if (!op_dtype_applies(LOOM_OP_MATMUL, dt) || !loom_device_supports(target, LOOM_OP_MATMUL, dt))
+        if (!op_dtype_applies(LOOM_OP_MATMUL, dt) ||
+            !loom_device_supports(target, LOOM_OP_MATMUL, dt))
             continue;
         int n_prepared = 0, n_tried = 0;
         for (size_t v = 0; v < sizeof shapes / sizeof shapes[0]; v++) {
@@ -955,7 +988,8 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
             make_matmul_shape(&tc, dt, shapes[v][0], shapes[v][1], shapes[v][2], v == 4);
             tc.prepare_w = 1;
             char name[256], why[1024] = "";
-            snprintf(name, sizeof name, "matmul %s %s, W offered to prepare_weight", loom_dtype_name(dt), tc.label);
+            snprintf(name, sizeof name, "matmul %s %s, W offered to prepare_weight",
+                     loom_dtype_name(dt), tc.label);
             int ok = judge_case(target, ref, &tc, why, sizeof why);
             n_prepared += tc.prepared;
             record(r, name, ok, ok ? NULL : "%s", why);
@@ -997,8 +1031,10 @@ static void check_copies(loom_device *d, report *r)
         if (st != LOOM_OK)
             record(r, name, 0, "status %d: %s", st, d->ops.last_error(d->be));
         else
-            record(r, name, round_trip, round_trip ? NULL : "copy_from_host then copy_to_host "
-                   "at offset 3 gives other bytes back");
+            record(r, name, round_trip,
+                   round_trip ? NULL
+                              : "copy_from_host then copy_to_host "
+                                "at offset 3 gives other bytes back");
         if (round_trip && d->ops.copy_buffer) { /* a at 3 -> b at 5 -> host */
             snprintf(name, sizeof name, "copy_buffer %llu bytes", (unsigned long long)n);
             st = d->ops.copy_buffer(d->be, b, 5, a, 3, n);
@@ -1007,7 +1043,10 @@ static void check_copies(loom_device *d, report *r)
             if (st == LOOM_OK)
                 st = d->ops.copy_to_host(d->be, back, b, 5, n);
             int ok = st == LOOM_OK && memcmp(src, back, n) == 0;
-            record(r, name, ok, ok ? NULL : st != LOOM_OK ? "status %d: %s" : "other bytes arrive",
+            record(r, name, ok,
+                   ok                  ? NULL
+                       : st != LOOM_OK ? "status %d: %s"
+                                       : "other bytes arrive",
                    st, d->ops.last_error(d->be));
         }
         if (d->ops.buffer_memset && n > 2) {
@@ -1040,8 +1079,10 @@ static void check_copies(loom_device *d, report *r)
     loom_buffer *empty = NULL;
     loom_status st = d->ops.buffer_alloc(d->be, 0, &empty);
     record(r, "buffer_alloc(0) succeeds", st == LOOM_OK && empty,
-           st != LOOM_OK ? "status %d: %s" : empty ? NULL : "LOOM_OK but no buffer", st,
-           d->ops.last_error(d->be));
+           st != LOOM_OK ? "status %d: %s"
+               : empty   ? NULL
+                         : "LOOM_OK but no buffer",
+           st, d->ops.last_error(d->be));
     if (st == LOOM_OK && empty)
         d->ops.buffer_free(d->be, empty);
     /* out-of-range copies are refused with LOOM_ERR_INVALID, and write nothing */
@@ -1056,20 +1097,20 @@ static void check_copies(loom_device *d, report *r)
             memset(tmp, 0x11, sizeof tmp);
             if (c == 2 && !d->ops.copy_buffer)
                 continue;
-            st = c == 0 ? d->ops.copy_from_host(d->be, small, 8, tmp, 64)
-               : c == 1 ? d->ops.copy_to_host(d->be, tmp, small, 8, 64)
-                        : d->ops.copy_buffer(d->be, small, 12, small, 0, 8);
+            st = c == 0  ? d->ops.copy_from_host(d->be, small, 8, tmp, 64)
+                : c == 1 ? d->ops.copy_to_host(d->be, tmp, small, 8, 64)
+                         : d->ops.copy_buffer(d->be, small, 12, small, 0, 8);
             d->ops.synchronize(d->be);
             int intact = d->ops.copy_to_host(d->be, after, small, 0, 16) == LOOM_OK &&
-                         memcmp(after, pattern, 16) == 0;
+                memcmp(after, pattern, 16) == 0;
             for (int k = 0; c == 1 && k < 64; k++)
                 intact &= tmp[k] == 0x11;
             char name[96];
             snprintf(name, sizeof name, "%s past the end of a buffer is refused", what[c]);
             record(r, name, st == LOOM_ERR_INVALID && intact,
                    st == LOOM_OK                ? "it returned LOOM_OK"
-                   : st != LOOM_ERR_INVALID     ? "status %d, not LOOM_ERR_INVALID"
-                   : !intact                    ? "refused, but bytes were written anyway"
+                       : st != LOOM_ERR_INVALID ? "status %d, not LOOM_ERR_INVALID"
+                       : !intact                ? "refused, but bytes were written anyway"
                                                 : NULL,
                    st);
         }
@@ -1099,7 +1140,9 @@ static void check_oom(loom_device *d, report *r)
     const char *msg = d->ops.last_error(d->be);
     int ok = st != LOOM_OK && msg && msg[0];
     record(r, "allocating 2^60 bytes fails with an error", ok,
-           st == LOOM_OK ? "it returned OK" : !ok ? "no message from last_error" : "status %d: %s",
+           st == LOOM_OK ? "it returned OK"
+               : !ok     ? "no message from last_error"
+                         : "status %d: %s",
            st, msg);
     if (st == LOOM_OK && b)
         d->ops.buffer_free(d->be, b);
@@ -1114,8 +1157,8 @@ static int open_target(loom_device *d, const char *path, uint32_t kind, const ch
     if (kind != LOOM_MODULE_DECORATOR)
         return loom_device_open(d, path, 0, 0, err, err_size);
     return loom_device_open(d, ref_path, 0, 0, err, err_size) != 0
-               ? -1
-               : loom_device_decorate(d, path, NULL, err, err_size);
+        ? -1
+        : loom_device_decorate(d, path, NULL, err, err_size);
 }
 
 static void check_reload(const char *path, uint32_t kind, const char *ref_path, report *r)
@@ -1130,8 +1173,8 @@ static void check_reload(const char *path, uint32_t kind, const char *ref_path, 
         loom_buffer *b = NULL;
         float v[64] = {0};
         int ok = d.ops.buffer_alloc(d.be, sizeof v, &b) == LOOM_OK &&
-                 d.ops.copy_from_host(d.be, b, 0, v, sizeof v) == LOOM_OK &&
-                 d.ops.synchronize(d.be) == LOOM_OK;
+            d.ops.copy_from_host(d.be, b, 0, v, sizeof v) == LOOM_OK &&
+            d.ops.synchronize(d.be) == LOOM_OK;
         if (b)
             d.ops.buffer_free(d.be, b);
         loom_device_close(&d);
@@ -1233,8 +1276,8 @@ static int model_run_open(model_run *run, const char *model, const char *module,
     return 0;
 }
 
-static int model_run_steps(model_run *run, const int32_t *prompt, int n_prompt,
-                           const int32_t *feed, int n_feed, char *err, size_t err_size)
+static int model_run_steps(model_run *run, const int32_t *prompt, int n_prompt, const int32_t *feed,
+                           int n_feed, char *err, size_t err_size)
 {
     loom_sampling greedy = loom_sampling_defaults();
     greedy.temperature = 0, greedy.ignore_eos = 1;
@@ -1277,7 +1320,8 @@ static void check_model(const char *module, const char *ref_path, const char *mo
                         const char *kv_type, report *r)
 {
     char what[512], err[4096] = "";
-    const char *base = strrchr(model, '/') && strrchr(model, '/')[1] ? strrchr(model, '/') + 1 : model;
+    const char *base = strrchr(model, '/') && strrchr(model, '/')[1] ? strrchr(model, '/') + 1
+                                                                     : model;
     snprintf(what, sizeof what, "model %s", base);
     model_run ref, mod;
     int ok = model_run_open(&ref, model, ref_path, kv_type, err, sizeof err) == 0;
@@ -1336,8 +1380,8 @@ static void check_model(const char *module, const char *ref_path, const char *mo
     while (same_tokens < ref.n_greedy && same_tokens < mod.n_greedy &&
            ref.greedy[same_tokens] == mod.greedy[same_tokens])
         same_tokens++;
-    snprintf(what, sizeof what, "model %s (%s cache): %d steps' logits against ref", base,
-             kv_type, steps);
+    snprintf(what, sizeof what, "model %s (%s cache): %d steps' logits against ref", base, kv_type,
+             steps);
     char where[64] = "the prompt";
     if (worst_step)
         snprintf(where, sizeof where, "decode step %d", worst_step);
@@ -1349,8 +1393,10 @@ static void check_model(const char *module, const char *ref_path, const char *mo
         snprintf(where, sizeof where, "; the first clear difference at step %d", first_differ);
     else
         where[0] = '\0';
-    record(r, what, choices_differ == 0, "%d of %d steps; its own greedy run shares %d of %d tokens "
-           "with ref's%s", steps - choices_differ, steps, same_tokens, ref.n_greedy, where);
+    record(r, what, choices_differ == 0,
+           "%d of %d steps; its own greedy run shares %d of %d tokens "
+           "with ref's%s",
+           steps - choices_differ, steps, same_tokens, ref.n_greedy, where);
     model_run_free(&mod), model_run_free(&ref);
 }
 
@@ -1412,8 +1458,8 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
     int have_target = 0, have_ref = 0;
     if (usable) {
         have_target = open_target(&target, path, kind, ref_path, err, sizeof err) == 0;
-        record(&r, kind == LOOM_MODULE_DECORATOR ? "opens around ref (a decorator)"
-                                                    : "opens device 0",
+        record(&r,
+               kind == LOOM_MODULE_DECORATOR ? "opens around ref (a decorator)" : "opens device 0",
                have_target, have_target ? NULL : "%s", err);
     }
     if (have_target) {
@@ -1435,8 +1481,8 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
         /* models run with a cache the module stores itself, so its kv_store and attention
          * are the ones tested */
         const char *kv_type = loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F16) ? "f16"
-                              : loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F32) ? "f32"
-                                                                                          : "f16";
+            : loom_device_supports(&target, LOOM_OP_KV_STORE, LOOM_F32)                 ? "f32"
+                                                                                        : "f16";
         loom_device_close(&target);
         check_reload(path, kind, ref_path, &r);
         /* a model runs on a backend module; a decorator wraps one only when loom opens it */
@@ -1471,7 +1517,8 @@ int main(int argc, char **argv)
     snprintf(model_help, sizeof model_help,
              "also run a model (GGUF file or Hugging Face folder; repeatable)\n"
              "on each module and on ref: a short prefill and %d greedy steps,\n"
-             "logits compared at each (ops the module lacks run on the CPU)", MODEL_STEPS);
+             "logits compared at each (ops the module lacks run on the CPU)",
+             MODEL_STEPS);
     const loom_flag flags[] = {
         {"--json", NULL, LOOM_FLAG_TEXT, &json_path, 0, 0, "FILE",
          "also write a JSON report to FILE ('-' for stdout)"},
@@ -1494,8 +1541,11 @@ int main(int argc, char **argv)
                     "backend.\nWith no BACKEND, checks every usable module found (see `loom "
                     "backends`). NAME is\na backend name (every variant: `cpu`) or NAME-VARIANT "
                     "(`cpu-avx2`).",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = named,
-        .max_positional = argc, .n_positional = &n_named,
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags),
+        .positional = named,
+        .max_positional = argc,
+        .n_positional = &n_named,
         .epilogue = "Exit status: 0 when every module checked passes (and at least one was "
                     "checked),\n1 when a check fails or nothing could be checked, 2 on a usage "
                     "error."};
@@ -1521,8 +1571,9 @@ int main(int argc, char **argv)
             if (strcmp(reg.items[i].name, "ref") == 0 && reg.items[i].state == LOOM_CAND_USABLE)
                 ref_path = reg.items[i].path;
         if (!ref_path) {
-            fprintf(stderr, "loom-conformance: the reference backend (ref) was not found in %s; "
-                            "install loom's backends or pass --ref PATH/loom-ref.so\n",
+            fprintf(stderr,
+                    "loom-conformance: the reference backend (ref) was not found in %s; "
+                    "install loom's backends or pass --ref PATH/loom-ref.so\n",
                     reg.search_path);
             loom_registry_free(&reg);
             free(named);

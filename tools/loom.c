@@ -10,11 +10,11 @@
 #include "bench_ops.h"
 #include "json_text.h"
 
-int loom_bench_main(int argc, char **argv, const char *self); /* tools/bench.c */
+int loom_bench_main(int argc, char **argv, const char *self);      /* tools/bench.c */
 int loom_perplexity_main(int argc, char **argv, const char *self); /* tools/perplexity.c */
-int loom_chat_main(int argc, char **argv);                     /* tools/chat.c */
-int loom_serve_main(int argc, char **argv);                    /* tools/serve.c */
-int loom_bench_serve_main(int argc, char **argv);              /* tools/bench_serve.c */
+int loom_chat_main(int argc, char **argv);                         /* tools/chat.c */
+int loom_serve_main(int argc, char **argv);                        /* tools/serve.c */
+int loom_bench_serve_main(int argc, char **argv);                  /* tools/bench_serve.c */
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -27,54 +27,55 @@ int loom_bench_serve_main(int argc, char **argv);              /* tools/bench_se
 
 static void usage(FILE *out)
 {
-    fprintf(out,
-            "usage: loom COMMAND [ARGS]\n"
-            "\n"
-            "commands:\n"
-            "  backends [--json]   list every backend module found, and which one a run would use\n"
-            "  bench [-m MODEL | --synthetic 1b --type q4_0] [--backends LIST] [-p 128] [-n 32]\n"
-            "                      prefill and decode tokens/s per backend (loom bench --help)\n"
-            "  bench ops [--backends LIST] [--json]\n"
-            "                      time each op on each backend (and CPU variant) side by side\n"
-            "  bench serve [--clients 16] [-m MODEL]\n"
-            "                      continuous batching: N concurrent clients against one at a time\n"
-            "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
-            "                      generate text (loom run --help for the options)\n"
-            "  convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
-            "                      a Hugging Face folder (Llama 1-3, Qwen v1/2/3, ChatGLM-6B/2/3,\n"
-            "                      GLM-4) to GGUF (loom convert --help for the types)\n"
-            "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
-            "  serve -m MODEL [--port 8080] [--api-key-file FILE] [--max-batch N]\n"
-            "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
-            "  tokenize -m MODEL [--json] [--no-special | --all-special] [--count] (TEXT | -f FILE)\n"
-            "                      text to token ids (--count: how many, and how long it took;\n"
-            "                      --all-special: the text is a rendered chat prompt)\n"
-            "  detokenize -m MODEL IDS                          token ids to text\n"
-            "  quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
-            "                      requantise a GGUF file's float matrices to a type or a\n"
-            "                      llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
-            "  perplexity -m MODEL -f TEXT [-c 512] [--kl-base FILE] [--backends LIST]\n"
-            "                      how well the model predicts a text, as llama.cpp measures it;\n"
-            "                      KL divergence against a base run; backends side by side\n"
-            "  inspect MODEL [--json]\n"
-            "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
-            "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
-            "                      types; checks the data is all there\n"
-            "  verify MODEL [--json]\n"
-            "                      read every byte: structure, loom's checksums, NaN/Inf weights,\n"
-            "                      layer shapes, hyper-parameters, tokenizer against vocabulary\n"
-            "  version             loom's version, git commit, backend ABI and module directories\n"
-            "  help                this text\n"
-            "\n"
-            "environment:\n"
-            "  LOOM_BACKEND=LIST        preference list, e.g. cuda:1,cpu (NAME or NAME:DEVICE)\n"
-            "  LOOM_BACKEND_PATH=DIRS   colon-separated directories searched first for modules\n"
-            "  LOOM_CPU_VARIANT=NAME    force a CPU variant (baseline, avx2, avx512)\n"
-            "  LOOM_CPU_MAX_ISA=NAME    never pick a CPU variant above this ISA\n"
-            "  LOOM_CPU_MASK=LIST       act as a CPU without these features (avx512,avx2,...)\n"
-            "  LOOM_THREADS=N           CPU backend threads\n"
-            "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n"
-            "  (README.md lists the rest)\n");
+    fprintf(
+        out,
+        "usage: loom COMMAND [ARGS]\n"
+        "\n"
+        "commands:\n"
+        "  backends [--json]   list every backend module found, and which one a run would use\n"
+        "  bench [-m MODEL | --synthetic 1b --type q4_0] [--backends LIST] [-p 128] [-n 32]\n"
+        "                      prefill and decode tokens/s per backend (loom bench --help)\n"
+        "  bench ops [--backends LIST] [--json]\n"
+        "                      time each op on each backend (and CPU variant) side by side\n"
+        "  bench serve [--clients 16] [-m MODEL]\n"
+        "                      continuous batching: N concurrent clients against one at a time\n"
+        "  run -m MODEL -p PROMPT [-n N] [sampling options] [--json]\n"
+        "                      generate text (loom run --help for the options)\n"
+        "  convert HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
+        "                      a Hugging Face folder (Llama 1-3, Qwen v1/2/3, ChatGLM-6B/2/3,\n"
+        "                      GLM-4) to GGUF (loom convert --help for the types)\n"
+        "  chat -m MODEL [--system TEXT] [--chat-template NAME]   talk to a model\n"
+        "  serve -m MODEL [--port 8080] [--api-key-file FILE] [--max-batch N]\n"
+        "                      an OpenAI-compatible HTTP server (loom serve --help)\n"
+        "  tokenize -m MODEL [--json] [--no-special | --all-special] [--count] (TEXT | -f FILE)\n"
+        "                      text to token ids (--count: how many, and how long it took;\n"
+        "                      --all-special: the text is a rendered chat prompt)\n"
+        "  detokenize -m MODEL IDS                          token ids to text\n"
+        "  quantize IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]\n"
+        "                      requantise a GGUF file's float matrices to a type or a\n"
+        "                      llama.cpp mix (q4_k_m, q5_k_m, q6_k, ...)\n"
+        "  perplexity -m MODEL -f TEXT [-c 512] [--kl-base FILE] [--backends LIST]\n"
+        "                      how well the model predicts a text, as llama.cpp measures it;\n"
+        "                      KL divergence against a base run; backends side by side\n"
+        "  inspect MODEL [--json]\n"
+        "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
+        "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
+        "                      types; checks the data is all there\n"
+        "  verify MODEL [--json]\n"
+        "                      read every byte: structure, loom's checksums, NaN/Inf weights,\n"
+        "                      layer shapes, hyper-parameters, tokenizer against vocabulary\n"
+        "  version             loom's version, git commit, backend ABI and module directories\n"
+        "  help                this text\n"
+        "\n"
+        "environment:\n"
+        "  LOOM_BACKEND=LIST        preference list, e.g. cuda:1,cpu (NAME or NAME:DEVICE)\n"
+        "  LOOM_BACKEND_PATH=DIRS   colon-separated directories searched first for modules\n"
+        "  LOOM_CPU_VARIANT=NAME    force a CPU variant (baseline, avx2, avx512)\n"
+        "  LOOM_CPU_MAX_ISA=NAME    never pick a CPU variant above this ISA\n"
+        "  LOOM_CPU_MASK=LIST       act as a CPU without these features (avx512,avx2,...)\n"
+        "  LOOM_THREADS=N           CPU backend threads\n"
+        "  LOOM_EXPLAIN=1           print the backend report to stderr for any command\n"
+        "  (README.md lists the rest)\n");
 }
 
 /* ---- loom run ------------------------------------------------------------------------------ */
@@ -133,7 +134,9 @@ static int cmd_run(int argc, char **argv)
     };
     const loom_command cmd = {.name = "loom run",
                               .synopsis = "-m MODEL (-p PROMPT | --prompt-ids 1,2,3) [options]",
-                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .sampling = &s};
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags),
+                              .sampling = &s};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -155,9 +158,12 @@ static int cmd_run(int argc, char **argv)
         for (const char *p = prompt_ids; ids && *p;) {
             char *end;
             long id = strtol(p, &end, 10);
-            if (end == p || id < 0 || id >= loom_model_n_vocab(m) || (*end && *end != ',') || n == cap) {
-                fprintf(stderr, "loom run: --prompt-ids wants comma-separated ids below %d; "
-                                "'%s' is not\n", loom_model_n_vocab(m), p);
+            if (end == p || id < 0 || id >= loom_model_n_vocab(m) || (*end && *end != ',') ||
+                n == cap) {
+                fprintf(stderr,
+                        "loom run: --prompt-ids wants comma-separated ids below %d; "
+                        "'%s' is not\n",
+                        loom_model_n_vocab(m), p);
                 free(ids);
                 loom_model_close(m);
                 return 2;
@@ -220,8 +226,9 @@ static int cmd_run(int argc, char **argv)
             free(js);
             cJSON_Delete(o);
         } else {
-            fprintf(stderr, "\nloom: %d tokens; time to first token %.1f ms, prefill %.1f tok/s, "
-                            "decode %.1f tok/s\n",
+            fprintf(stderr,
+                    "\nloom: %d tokens; time to first token %.1f ms, prefill %.1f tok/s, "
+                    "decode %.1f tok/s\n",
                     st.n_generated, st.ttft_ms, st.prefill_tok_s, st.decode_tok_s);
         }
     }
@@ -251,7 +258,10 @@ static int cmd_convert(int argc, char **argv)
         .synopsis = "HF_DIR -o OUT.gguf [--type TYPE] [--quiet]\n"
                     "  HF_DIR: a Hugging Face folder of Llama (1-3), Qwen (v1, 2, 3), ChatGLM\n"
                     "          (6B, 2, 3) or GLM-4",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = &dir, .max_positional = 1};
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags),
+        .positional = &dir,
+        .max_positional = 1};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -289,21 +299,24 @@ static int cmd_tokenize(int argc, char **argv)
          "only the number of bytes and tokens, and the time taken"},
     };
     const loom_command cmd = {.name = "loom tokenize",
-                              .synopsis = "-m MODEL [options] (TEXT | -f FILE)", .flags = flags,
-                              .n_flags = LOOM_N_FLAGS(flags), .positional = &text,
+                              .synopsis = "-m MODEL [options] (TEXT | -f FILE)",
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags),
+                              .positional = &text,
                               .max_positional = 1};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
     if (!model || !text == !file || (no_special && all_special)) {
-        fprintf(stderr, "loom tokenize: give -m MODEL, one of TEXT and -f FILE, and at most one "
-                        "of --no-special and --all-special\n");
+        fprintf(stderr,
+                "loom tokenize: give -m MODEL, one of TEXT and -f FILE, and at most one "
+                "of --no-special and --all-special\n");
         loom_args_usage(&cmd, stderr);
         return 2;
     }
-    int special = no_special    ? LOOM_SPECIAL_NONE
-                  : all_special ? LOOM_SPECIAL_ALL
-                                : LOOM_SPECIAL_TEXT;
+    int special = no_special ? LOOM_SPECIAL_NONE
+        : all_special        ? LOOM_SPECIAL_ALL
+                             : LOOM_SPECIAL_TEXT;
     char *owned = NULL;
     size_t len;
     if (file && !(text = owned = loom_arg_text_file("loom tokenize", "-f", file, &len)))
@@ -326,7 +339,8 @@ static int cmd_tokenize(int argc, char **argv)
     if (n < 0)
         fprintf(stderr, "loom tokenize: out of memory, or a piece of text too long to tokenize\n");
     else if (count)
-        printf(json ? "{\"bytes\": %zu, \"tokens\": %lld, \"ms\": %.1f}\n" : "%zu bytes, %lld tokens, %.1f ms\n",
+        printf(json ? "{\"bytes\": %zu, \"tokens\": %lld, \"ms\": %.1f}\n"
+                    : "%zu bytes, %lld tokens, %.1f ms\n",
                strlen(text), (long long)n, took);
     else {
         printf("%s", json ? "[" : "");
@@ -351,8 +365,11 @@ static int cmd_detokenize(int argc, char **argv)
     };
     const loom_command cmd = {.name = "loom detokenize",
                               .synopsis = "-m MODEL ID [ID ...] (or one comma-separated list)",
-                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = ids,
-                              .max_positional = argc, .n_positional = &n_ids};
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags),
+                              .positional = ids,
+                              .max_positional = argc,
+                              .n_positional = &n_ids};
     int parsed = ids ? loom_args_parse(&cmd, argc, argv) : 2;
     if (parsed) {
         free(ids);
@@ -413,8 +430,11 @@ static int cmd_quantize(int argc, char **argv)
     /* a third positional is the older form's type: IN OUT TYPE */
     const loom_command cmd = {.name = "loom quantize",
                               .synopsis = "IN.gguf OUT.gguf --type TYPE [--pure] [--quiet]",
-                              .flags = flags, .n_flags = LOOM_N_FLAGS(flags), .positional = files,
-                              .max_positional = 3, .n_positional = &n_files};
+                              .flags = flags,
+                              .n_flags = LOOM_N_FLAGS(flags),
+                              .positional = files,
+                              .max_positional = 3,
+                              .n_positional = &n_files};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -427,7 +447,8 @@ static int cmd_quantize(int argc, char **argv)
     }
     int how = pure ? LOOM_QUANTIZE_PURE : 0;
     if (strcmp(files[0], files[1]) == 0) {
-        fprintf(stderr, "loom quantize: the output would overwrite the input; choose another name\n");
+        fprintf(stderr,
+                "loom quantize: the output would overwrite the input; choose another name\n");
         return 2;
     }
     char err[4096];
@@ -513,7 +534,8 @@ static int cmd_backends(int argc, char **argv)
         .synopsis = "[--json]\n"
                     "  every backend module found, whether it is usable here, and which one a run\n"
                     "  would choose and why (LOOM_BACKEND, LOOM_CPU_VARIANT, the probes' scores)",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags)};
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags)};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;

@@ -46,12 +46,16 @@ static int fail(bad *b, unsigned status, const char *param, const char *fmt, ...
 
 static const char *json_type(const cJSON *v)
 {
-    return cJSON_IsString(v) ? "a string" : cJSON_IsNumber(v) ? "a number" : cJSON_IsBool(v) ? "a boolean"
-           : cJSON_IsArray(v) ? "an array" : cJSON_IsObject(v) ? "an object" : "null";
+    return cJSON_IsString(v) ? "a string"
+        : cJSON_IsNumber(v)  ? "a number"
+        : cJSON_IsBool(v)    ? "a boolean"
+        : cJSON_IsArray(v)   ? "an array"
+        : cJSON_IsObject(v)  ? "an object"
+                             : "null";
 }
 
-static int get_number(const cJSON *o, const char *key, double lo, double hi, int integer, double *out,
-                      bad *b)
+static int get_number(const cJSON *o, const char *key, double lo, double hi, int integer,
+                      double *out, bad *b)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
     if (!v || cJSON_IsNull(v))
@@ -110,13 +114,16 @@ cJSON *openai_parse_body(const char *body, size_t len, bad *b)
 {
     const char *nul = memchr(body, '\0', len);
     if (nul) {
-        fail(b, 400, NULL, "the request body contains a NUL byte (at byte %zu)", (size_t)(nul - body));
+        fail(b, 400, NULL, "the request body contains a NUL byte (at byte %zu)",
+             (size_t)(nul - body));
         return NULL;
     }
     size_t valid = loom_utf8_valid_prefix(body, len);
     if (valid < len) {
-        fail(b, 400, NULL, "the request body is not valid UTF-8 (at byte %zu); JSON text must be "
-                           "UTF-8", valid);
+        fail(b, 400, NULL,
+             "the request body is not valid UTF-8 (at byte %zu); JSON text must be "
+             "UTF-8",
+             valid);
         return NULL;
     }
     /* \u0000 in a string would end loom's copy of it early: the prompt "\u0000hello" would
@@ -126,8 +133,10 @@ cJSON *openai_parse_body(const char *body, size_t len, bad *b)
             in_string = !in_string;
         } else if (in_string && body[i] == '\\' && i + 1 < len) {
             if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) {
-                fail(b, 400, NULL, "a string in the request holds U+0000 (\\u0000, at byte %zu); "
-                                   "loom does not accept NUL characters in text", i);
+                fail(b, 400, NULL,
+                     "a string in the request holds U+0000 (\\u0000, at byte %zu); "
+                     "loom does not accept NUL characters in text",
+                     i);
                 return NULL;
             }
             i++; /* the escaped character, which may be a quote */
@@ -144,7 +153,8 @@ cJSON *openai_parse_body(const char *body, size_t len, bad *b)
     for (const char *q = end; q && q < body + len; q++)
         if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r') {
             cJSON_Delete(root);
-            fail(b, 400, NULL, "unexpected data after the JSON value (at byte %ld); send one object",
+            fail(b, 400, NULL,
+                 "unexpected data after the JSON value (at byte %ld); send one object",
                  (long)(q - body));
             return NULL;
         }
@@ -161,10 +171,11 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
     size_t len = strlen(text);
     if (len > srv->max_prompt_bytes) {
         b->code = "context_length_exceeded";
-        return fail(b, 400, param, "This model's maximum context length is %d tokens, and the "
+        return fail(b, 400, param,
+                    "This model's maximum context length is %d tokens, and the "
                     "prompt has %zu bytes: more than any %d tokens of this vocabulary spell "
-                    "(%zu bytes at most). Please reduce the prompt.", srv->n_ctx, len, srv->n_ctx,
-                    srv->max_prompt_bytes);
+                    "(%zu bytes at most). Please reduce the prompt.",
+                    srv->n_ctx, len, srv->n_ctx, srv->max_prompt_bytes);
     }
     char err[512];
     int special = srv->parse_special || rendered ? LOOM_SPECIAL_ALL : LOOM_SPECIAL_NONE;
@@ -176,10 +187,9 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
     p->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *p->ids);
     if (!p->ids)
         return fail(b, 500, NULL, "out of memory");
-    p->n_ids = (int32_t)loom_tokenize_spans(srv->model, text, len, 1, special,
-                                            srv->parse_special ? NULL : plain,
-                                            srv->parse_special ? 0 : n_plain, p->ids, n, err,
-                                            sizeof err);
+    p->n_ids = (int32_t)loom_tokenize_spans(
+        srv->model, text, len, 1, special, srv->parse_special ? NULL : plain,
+        srv->parse_special ? 0 : n_plain, p->ids, n, err, sizeof err);
     return 0;
 }
 
@@ -193,7 +203,8 @@ static char *message_text(const cJSON *content, int index, bad *b)
         return s;
     }
     if (!cJSON_IsArray(content)) {
-        fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts", index);
+        fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts",
+             index);
         return NULL;
     }
     size_t len = 0, cap = 0;
@@ -242,8 +253,10 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         if (!strcmp(r, "developer"))
             r = "system";
         if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant")) {
-            rc = fail(b, 400, "messages", "messages[%d].role '%s' is not one of system, developer, "
-                      "user, assistant", i, role->valuestring);
+            rc = fail(b, 400, "messages",
+                      "messages[%d].role '%s' is not one of system, developer, "
+                      "user, assistant",
+                      i, role->valuestring);
             break;
         }
         m[i].role = r;
@@ -253,8 +266,9 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
     char *prompt = NULL, err[512];
     loom_text_span *spans = NULL;
     int n_spans = 0;
-    if (rc == 0 && loom_chat_render_spans(srv->chat_template, m, n, 1, &prompt, &spans, &n_spans,
-                                          err, sizeof err) != 0)
+    if (rc == 0 &&
+        loom_chat_render_spans(srv->chat_template, m, n, 1, &prompt, &spans, &n_spans, err,
+                               sizeof err) != 0)
         rc = fail(b, 400, "messages", "%s", err);
     if (rc == 0) /* the template's special tokens, and (unless --parse-special) no others */
         rc = tokenize_text(srv, prompt, 1, spans, n_spans, p, b, "messages");
@@ -272,7 +286,7 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
     if (!pr)
         return fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
-        pr = pr->child; /* ["text"] */
+        pr = pr->child;     /* ["text"] */
     if (cJSON_IsString(pr)) /* plain text, unless --parse-special */
         return tokenize_text(srv, pr->valuestring, 0, NULL, 0, p, b, "prompt");
     if (cJSON_IsArray(pr) && cJSON_IsArray(pr->child) && cJSON_GetArraySize(pr) == 1)
@@ -284,18 +298,23 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
         if (!p->ids)
             return fail(b, 500, NULL, "out of memory");
         for (const cJSON *x = pr->child; x; x = x->next) {
-            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) || x->valuedouble < 0 ||
-                x->valuedouble >= nv)
-                return fail(b, 400, "prompt", "prompt token ids must be whole numbers from 0 to %d", nv - 1);
+            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) ||
+                x->valuedouble < 0 || x->valuedouble >= nv)
+                return fail(b, 400, "prompt", "prompt token ids must be whole numbers from 0 to %d",
+                            nv - 1);
             p->ids[p->n_ids++] = (int32_t)x->valuedouble;
         }
         return 0;
     }
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) > 1)
-        return fail(b, 400, "prompt", "loom serves one prompt per request; send the %d prompts as "
-                    "separate requests (they run concurrently)", cJSON_GetArraySize(pr));
-    return fail(b, 400, "prompt", "'prompt' must be a string, an array of token ids, or a one-element "
-                "array of either; got %s", json_type(pr));
+        return fail(b, 400, "prompt",
+                    "loom serves one prompt per request; send the %d prompts as "
+                    "separate requests (they run concurrently)",
+                    cJSON_GetArraySize(pr));
+    return fail(b, 400, "prompt",
+                "'prompt' must be a string, an array of token ids, or a one-element "
+                "array of either; got %s",
+                json_type(pr));
 }
 
 loom_sampling openai_default_sampling(void)
@@ -307,22 +326,65 @@ loom_sampling openai_default_sampling(void)
 
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b)
 {
-    static const char *const completion_fields[] = {
-        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-        "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
-        "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        NULL};
-    static const char *const chat_fields[] = {
-        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-        "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
-        "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "store", "metadata",
-        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", NULL};
-    static const char *const completion_unsupported[] = {"echo", "logprobs", "best_of", "logit_bias",
-                                                         "suffix", NULL};
-    static const char *const chat_unsupported[] = {"logprobs", "top_logprobs", "logit_bias",
-                                                   "response_format", "tools", "tool_choice",
-                                                   "functions", "function_call", NULL};
+    static const char *const completion_fields[] = {"model",
+                                                    "prompt",
+                                                    "max_tokens",
+                                                    "temperature",
+                                                    "top_p",
+                                                    "n",
+                                                    "stream",
+                                                    "stream_options",
+                                                    "stop",
+                                                    "seed",
+                                                    "presence_penalty",
+                                                    "frequency_penalty",
+                                                    "user",
+                                                    "echo",
+                                                    "logprobs",
+                                                    "best_of",
+                                                    "logit_bias",
+                                                    "suffix",
+                                                    "top_k",
+                                                    "min_p",
+                                                    "repetition_penalty",
+                                                    "ignore_eos",
+                                                    NULL};
+    static const char *const chat_fields[] = {"model",
+                                              "messages",
+                                              "max_tokens",
+                                              "max_completion_tokens",
+                                              "temperature",
+                                              "top_p",
+                                              "n",
+                                              "stream",
+                                              "stream_options",
+                                              "stop",
+                                              "seed",
+                                              "presence_penalty",
+                                              "frequency_penalty",
+                                              "user",
+                                              "logprobs",
+                                              "top_logprobs",
+                                              "logit_bias",
+                                              "response_format",
+                                              "tools",
+                                              "tool_choice",
+                                              "parallel_tool_calls",
+                                              "functions",
+                                              "function_call",
+                                              "store",
+                                              "metadata",
+                                              "service_tier",
+                                              "top_k",
+                                              "min_p",
+                                              "repetition_penalty",
+                                              "ignore_eos",
+                                              NULL};
+    static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
+                                                         "logit_bias", "suffix",   NULL};
+    static const char *const chat_unsupported[] = {
+        "logprobs",  "top_logprobs",  "logit_bias", "response_format", "tools", "tool_choice",
+        "functions", "function_call", NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
     if (check_known(body, chat ? chat_fields : completion_fields, b))
@@ -347,33 +409,56 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     double x;
     int r;
     const char *mt = chat && cJSON_GetObjectItemCaseSensitive(body, "max_completion_tokens")
-                         ? "max_completion_tokens" : "max_tokens";
-    if ((r = get_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0) return -1;
-    if (r) p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
-    if ((r = get_number(body, "temperature", 0, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.temperature = (float)x;
-    if ((r = get_number(body, "top_p", 0, 1, 0, &x, b)) < 0) return -1;
-    if (r) p->s.top_p = (float)x;
-    if ((r = get_number(body, "top_k", -1, 1 << 24, 1, &x, b)) < 0) return -1;
-    if (r) p->s.top_k = x < 0 ? 0 : (int32_t)x;
-    if ((r = get_number(body, "min_p", 0, 1, 0, &x, b)) < 0) return -1;
-    if (r) p->s.min_p = (float)x;
-    if ((r = get_number(body, "repetition_penalty", 0.01, 100, 0, &x, b)) < 0) return -1;
-    if (r) p->s.repeat_penalty = (float)x;
-    if ((r = get_number(body, "presence_penalty", -2, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.presence_penalty = (float)x;
-    if ((r = get_number(body, "frequency_penalty", -2, 2, 0, &x, b)) < 0) return -1;
-    if (r) p->s.frequency_penalty = (float)x;
-    if ((r = get_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0) return -1;
-    if (r) p->n = (int)x;
-    if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0) return -1;
-    if (r) p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
-    if (get_bool(body, "stream", &p->stream, b) < 0) return -1;
+        ? "max_completion_tokens"
+        : "max_tokens";
+    if ((r = get_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
+    if ((r = get_number(body, "temperature", 0, 2, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.temperature = (float)x;
+    if ((r = get_number(body, "top_p", 0, 1, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.top_p = (float)x;
+    if ((r = get_number(body, "top_k", -1, 1 << 24, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.top_k = x < 0 ? 0 : (int32_t)x;
+    if ((r = get_number(body, "min_p", 0, 1, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.min_p = (float)x;
+    if ((r = get_number(body, "repetition_penalty", 0.01, 100, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.repeat_penalty = (float)x;
+    if ((r = get_number(body, "presence_penalty", -2, 2, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.presence_penalty = (float)x;
+    if ((r = get_number(body, "frequency_penalty", -2, 2, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.frequency_penalty = (float)x;
+    if ((r = get_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->n = (int)x;
+    if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
+    if (get_bool(body, "stream", &p->stream, b) < 0)
+        return -1;
     const cJSON *user = cJSON_GetObjectItemCaseSensitive(body, "user");
     if (user && !cJSON_IsNull(user) && !cJSON_IsString(user))
         return fail(b, 400, "user", "'user' must be a string, not %s", json_type(user));
     p->user = cJSON_IsString(user) ? user->valuestring : NULL;
-    if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0) return -1;
+    if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0)
+        return -1;
     if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)
         p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
@@ -416,7 +501,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
                         srv->n_ctx, want, p->n_ids, p->max_tokens);
         return fail(b, 400, chat ? "messages" : "prompt",
                     "This model's maximum context length is %d tokens, and the prompt has %d "
-                    "(at least one more is needed for the completion).", srv->n_ctx, p->n_ids);
+                    "(at least one more is needed for the completion).",
+                    srv->n_ctx, p->n_ids);
     }
     if (!p->stream && p->include_usage)
         return fail(b, 400, "stream_options", "'stream_options' is only allowed with stream: true");

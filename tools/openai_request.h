@@ -49,7 +49,7 @@ typedef struct parsed {
 /* Why a request is refused, in OpenAI's terms. */
 typedef struct bad {
     char msg[512];
-    char param_buf[64];  /* a copy: the request's JSON is gone when the error is sent */
+    char param_buf[64]; /* a copy: the request's JSON is gone when the error is sent */
     const char *param;
     const char *code;
     unsigned status;

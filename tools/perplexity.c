@@ -67,8 +67,14 @@ static size_t kld_position_bytes(uint32_t top_k)
 }
 
 /* the largest logits, largest first, and their token ids */
-static int32_t *kld_ids(kld_position *p) { return (int32_t *)(p + 1); }
-static float *kld_logits(kld_position *p, uint32_t top_k) { return (float *)(kld_ids(p) + top_k); }
+static int32_t *kld_ids(kld_position *p)
+{
+    return (int32_t *)(p + 1);
+}
+static float *kld_logits(kld_position *p, uint32_t top_k)
+{
+    return (float *)(kld_ids(p) + top_k);
+}
 
 static uint32_t hash_tokens(const int32_t *t, size_t n)
 {
@@ -109,10 +115,10 @@ static double log_sum_exp(const float *x, int32_t n)
 /* ---- One run -------------------------------------------------------------------------------- */
 
 typedef struct kld_stats {
-    double sum, sum2;        /* KL divergence per position */
-    double same_top;         /* positions whose top token is the base's */
-    double dp_sum, dp_max;   /* p(base's top token): target minus base */
-    double base_nll;         /* the base's NLL over the same positions */
+    double sum, sum2;      /* KL divergence per position */
+    double same_top;       /* positions whose top token is the base's */
+    double dp_sum, dp_max; /* p(base's top token): target minus base */
+    double base_nll;       /* the base's NLL over the same positions */
     long n;
 } kld_stats;
 
@@ -163,7 +169,9 @@ static int run_one(const ppl_args *a)
     char *text = loom_arg_text_file("loom perplexity", "-f", a->text, &len);
     if (!text)
         return 2;
-    loom_model_options mo = {.n_ctx = (int32_t)a->ctx, .kv_type = a->kv, .backend = a->backend,
+    loom_model_options mo = {.n_ctx = (int32_t)a->ctx,
+                             .kv_type = a->kv,
+                             .backend = a->backend,
                              .n_threads = (int32_t)a->threads};
     loom_model *m = loom_model_open(a->model, &mo, err, sizeof err);
     if (!m) {
@@ -192,7 +200,8 @@ static int run_one(const ppl_args *a)
     }
     if (n < 2 * a->ctx) {
         fail("%s holds %lld tokens; scoring chunks of %ld needs at least %ld (a longer text, or "
-             "a smaller -c)", a->text, (long long)n, a->ctx, 2 * a->ctx);
+             "a smaller -c)",
+             a->text, (long long)n, a->ctx, 2 * a->ctx);
         goto done;
     }
     long n_chunks = (long)(n / a->ctx);
@@ -206,8 +215,10 @@ static int run_one(const ppl_args *a)
         goto done;
     }
     uint32_t kl_top = (uint32_t)(a->kl_top < nv ? a->kl_top : nv);
-    kld_header h = {KLD_MAGIC, (uint32_t)nv, (uint32_t)ctx, (uint32_t)n_chunks, kl_top,
-                    (uint32_t)(n_chunks * per_chunk), hash};
+    kld_header h = {KLD_MAGIC,     (uint32_t)nv,
+                    (uint32_t)ctx, (uint32_t)n_chunks,
+                    kl_top,        (uint32_t)(n_chunks * per_chunk),
+                    hash};
     if (a->save && (!(save = fopen(a->save, "wb")) || fwrite(&h, sizeof h, 1, save) != 1)) {
         fail("cannot write %s: %s", a->save, strerror(errno));
         goto done;
@@ -222,8 +233,8 @@ static int run_one(const ppl_args *a)
         if (bh.n_vocab != h.n_vocab || bh.ctx != h.ctx || bh.top_k < 1 || bh.top_k > bh.n_vocab ||
             bh.n_chunks < h.n_chunks || bh.tokens_hash != hash) {
             fail("%s was saved from another run (a vocabulary of %u, -c %u, %u chunks; this "
-                 "run: %u, %u, %u, and the same text)", a->base, bh.n_vocab, bh.ctx, bh.n_chunks,
-                 h.n_vocab, h.ctx, h.n_chunks);
+                 "run: %u, %u, %u, and the same text)",
+                 a->base, bh.n_vocab, bh.ctx, bh.n_chunks, h.n_vocab, h.ctx, h.n_chunks);
             goto done;
         }
         kl_top = bh.top_k; /* the base decides what was kept */
@@ -283,7 +294,8 @@ static int run_one(const ppl_args *a)
     if (!a->quiet && !a->json)
         fprintf(stderr, "\n");
     double mean = nll / (double)count, var = nll2 / (double)count - mean * mean;
-    double ppl = exp(mean), ppl_err = var > 0 && count > 1 ? sqrt(var / (double)(count - 1)) * ppl : 0;
+    double ppl = exp(mean),
+           ppl_err = var > 0 && count > 1 ? sqrt(var / (double)(count - 1)) * ppl : 0;
     double kld = ks.n ? ks.sum / (double)ks.n : 0;
     double kld_var = ks.n > 1 ? ks.sum2 / (double)ks.n - kld * kld : 0;
     if (a->json) {
@@ -304,7 +316,8 @@ static int run_one(const ppl_args *a)
             cJSON_AddNumberToObject(k, "kld_mean", kld);
             cJSON_AddNumberToObject(k, "kld_top", kl_top);
             cJSON_AddBoolToObject(k, "kld_exact", kl_top == (uint32_t)nv);
-            cJSON_AddNumberToObject(k, "kld_error", kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0);
+            cJSON_AddNumberToObject(k, "kld_error",
+                                    kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0);
             cJSON_AddNumberToObject(k, "same_top", ks.same_top / (double)ks.n);
             cJSON_AddNumberToObject(k, "top_p_diff_mean", ks.dp_sum / (double)ks.n);
             cJSON_AddNumberToObject(k, "top_p_diff_max", ks.dp_max);
@@ -327,8 +340,8 @@ static int run_one(const ppl_args *a)
             else
                 snprintf(over, sizeof over, "top %u + rest: a lower bound", kl_top);
             printf("against %s: PPL ratio %.4f (base %.4f), mean KLD %.6f +/- %.6f (%s), "
-                   "same top token %.2f%%, p(base top) %+.4f mean, %+.4f at most\n", a->base,
-                   ppl / pb, pb, kld, kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0,
+                   "same top token %.2f%%, p(base top) %+.4f mean, %+.4f at most\n",
+                   a->base, ppl / pb, pb, kld, kld_var > 0 ? sqrt(kld_var / (double)(ks.n - 1)) : 0,
                    over, 100 * ks.same_top / (double)ks.n, ks.dp_sum / (double)ks.n, ks.dp_max);
         }
     }
@@ -354,8 +367,8 @@ static cJSON *run_child(const char *self, const ppl_args *a, const char *backend
     snprintf(ctx, sizeof ctx, "%ld", a->ctx);
     snprintf(chunks, sizeof chunks, "%ld", a->chunks);
     snprintf(threads, sizeof threads, "%ld", a->threads);
-    const char *argv[24] = {self, "perplexity", "-m", a->model, "-f", a->text, "-c", ctx,
-                            "--chunks", chunks, "--backend", backend, "--json"};
+    const char *argv[24] = {self, "perplexity", "-m",   a->model,    "-f",    a->text, "-c",
+                            ctx,  "--chunks",   chunks, "--backend", backend, "--json"};
     int n = 13;
     if (a->kv)
         argv[n++] = "--kv-type", argv[n++] = a->kv;
@@ -376,7 +389,8 @@ static cJSON *run_child(const char *self, const ppl_args *a, const char *backend
     char buf[1 << 16];
     size_t got = 0;
     ssize_t k;
-    while (spawned && got < sizeof buf - 1 && (k = read(out[0], buf + got, sizeof buf - 1 - got)) > 0)
+    while (spawned && got < sizeof buf - 1 &&
+           (k = read(out[0], buf + got, sizeof buf - 1 - got)) > 0)
         got += (size_t)k;
     buf[got] = '\0';
     close(out[0]);
@@ -402,13 +416,12 @@ static int run_backends(const char *self, const ppl_args *a)
         free(report);
         size_t cap = 1024, used = 0;
         names = calloc(1, cap);
-        cJSON_ArrayForEach(c, cJSON_GetObjectItem(r, "candidates"))
-        {
+        cJSON_ArrayForEach (c, cJSON_GetObjectItem(r, "candidates")) {
             const char *name = cJSON_GetStringValue(cJSON_GetObjectItem(c, "name"));
             const char *variant = cJSON_GetStringValue(cJSON_GetObjectItem(c, "variant"));
             const char *kind = cJSON_GetStringValue(cJSON_GetObjectItem(c, "kind"));
-            if (names && cJSON_IsTrue(cJSON_GetObjectItem(c, "usable")) && name &&
-                kind && !strcmp(kind, "backend") && used + 160 < cap)
+            if (names && cJSON_IsTrue(cJSON_GetObjectItem(c, "usable")) && name && kind &&
+                !strcmp(kind, "backend") && used + 160 < cap)
                 used += (size_t)snprintf(names + used, cap - used, "%s%s%s%s", used ? "," : "",
                                          name, variant && *variant ? "-" : "",
                                          variant ? variant : "");
@@ -483,7 +496,8 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
         .synopsis = "-m MODEL -f TEXT [-c 512] [--chunks N] [--json]\n"
                     "                       [--save-logits FILE | --kl-base FILE] "
                     "[--backends LIST]",
-        .flags = flags, .n_flags = LOOM_N_FLAGS(flags),
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags),
         .epilogue = "The method is llama.cpp's llama-perplexity's; the same file and text give "
                     "the same\nfigure within float noise."};
     int parsed = loom_args_parse(&cmd, argc, argv);

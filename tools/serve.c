@@ -184,10 +184,11 @@ static enum MHD_Result send_error(server *srv, struct MHD_Connection *con, unsig
     pthread_mutex_unlock(&srv->count_lock);
     cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
     json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
-    cJSON_AddStringToObject(e, "type", status == 401   ? "authentication_error"
-                                       : status >= 500 ? "server_error"
-                                       : status == 404 ? "not_found_error"
-                                                       : "invalid_request_error");
+    cJSON_AddStringToObject(e, "type",
+                            status == 401       ? "authentication_error"
+                                : status >= 500 ? "server_error"
+                                : status == 404 ? "not_found_error"
+                                                : "invalid_request_error");
     if (param)
         json_add_text(e, "param", param, strlen(param));
     else
@@ -278,10 +279,12 @@ static void stream_format(job *j)
         }
         /* a character whose last bytes are still to come waits for them (or for the end,
          * when what is left is sent with U+FFFD for it) */
-        size_t ready = c->done ? c->len : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
+        size_t ready = c->done ? c->len
+                               : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
         if (c->sent < ready) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToArray(a, choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0));
+            cJSON_AddItemToArray(a,
+                                 choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0));
             sse(j, o);
             c->sent = ready;
         }
@@ -328,7 +331,8 @@ static void wait_briefly(job *j)
 /* Whether the client closed its end while we wait to answer. */
 static int client_gone(struct MHD_Connection *con)
 {
-    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(con, MHD_CONNECTION_INFO_CONNECTION_FD);
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(con,
+                                                                 MHD_CONNECTION_INFO_CONNECTION_FD);
     if (!ci)
         return 0;
     char c;
@@ -412,8 +416,9 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
     cJSON *a = cJSON_AddArrayToObject(o, "choices");
     for (int i = 0; i < j->n; i++)
-        cJSON_AddItemToArray(a, choice_json(j, i, j->ch[i].text ? j->ch[i].text : "", j->ch[i].len,
-                                            j->ch[i].finish, 0, 1));
+        cJSON_AddItemToArray(a,
+                             choice_json(j, i, j->ch[i].text ? j->ch[i].text : "", j->ch[i].len,
+                                         j->ch[i].finish, 0, 1));
     cJSON_AddItemToObject(o, "usage", usage_json(j));
     pthread_mutex_unlock(&j->mu);
     job_unref(j);
@@ -479,8 +484,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
             break;
         }
         *t = (event_target){j, i};
-        loom_request r = {p.ids, p.n_ids, p.max_tokens, p.s, p.stops, p.n_stops,
-                          cache_partition(srv, p.user)};
+        loom_request r = {
+            p.ids, p.n_ids, p.max_tokens, p.s, p.stops, p.n_stops, cache_partition(srv, p.user)};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;
@@ -534,10 +539,11 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     char *out = NULL;
     size_t len = 0, cap = 0;
     char line[512];
-#define METRIC(name, type, help, fmt, ...)                                                     \
-    do {                                                                                       \
-        int k = snprintf(line, sizeof line, "# HELP " name " " help "\n# TYPE " name " " type  \
-                         "\n" name fmt "\n", __VA_ARGS__);                                     \
+#define METRIC(name, type, help, fmt, ...)                                                         \
+    do {                                                                                           \
+        int k = snprintf(line, sizeof line,                                                        \
+                         "# HELP " name " " help "\n# TYPE " name " " type "\n" name fmt "\n",     \
+                         __VA_ARGS__);                                                             \
         buf_append(&out, &len, &cap, line, (size_t)k);                                             \
     } while (0)
     METRIC("loom_requests_running", "gauge", "Requests being generated.", " %d", s.running);
@@ -552,7 +558,8 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
            "Prompt tokens whose KV came from the prefix cache.", " %llu",
            (unsigned long long)s.cached_prompt_tokens);
     METRIC("loom_prefix_cache_hit_rate", "gauge", "Share of prompt tokens served from the cache.",
-           " %.6f", s.prompt_tokens ? (double)s.cached_prompt_tokens / (double)s.prompt_tokens : 0.0);
+           " %.6f",
+           s.prompt_tokens ? (double)s.cached_prompt_tokens / (double)s.prompt_tokens : 0.0);
     METRIC("loom_generation_tokens_per_second", "gauge", "Generated tokens per second, recently.",
            " %.3f", s.tokens_per_s);
     int k = snprintf(line, sizeof line,
@@ -561,8 +568,8 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
                      "loom_kv_blocks{state=\"cached\"} %d\nloom_kv_blocks{state=\"free\"} %d\n",
                      s.block_size, s.kv_used, s.kv_cached, s.kv_free);
     buf_append(&out, &len, &cap, line, (size_t)k);
-    METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.", " %llu",
-           (unsigned long long)s.preemptions);
+    METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.",
+           " %llu", (unsigned long long)s.preemptions);
     METRIC("loom_engine_steps_total", "counter", "Forward passes run.", " %llu",
            (unsigned long long)s.steps);
     METRIC("loom_http_requests_total", "counter", "HTTP requests received.", " %llu",
@@ -592,8 +599,14 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
     return send_json(con, 200, o);
 }
 
-typedef enum route { ROUTE_NONE, ROUTE_HEALTH, ROUTE_METRICS, ROUTE_MODELS, ROUTE_COMPLETIONS,
-                     ROUTE_CHAT } route;
+typedef enum route {
+    ROUTE_NONE,
+    ROUTE_HEALTH,
+    ROUTE_METRICS,
+    ROUTE_MODELS,
+    ROUTE_COMPLETIONS,
+    ROUTE_CHAT
+} route;
 
 typedef struct conn_state {
     route to;
@@ -673,30 +686,31 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
                                      const char *url, const char *method)
 {
     int post = !strcmp(method, "POST"), get = !strcmp(method, "GET");
-    route to = !strcmp(url, "/health")                 ? ROUTE_HEALTH
-               : !strcmp(url, "/metrics")              ? ROUTE_METRICS
-               : !strcmp(url, "/v1/models")            ? ROUTE_MODELS
-               : !strcmp(url, "/v1/completions")       ? ROUTE_COMPLETIONS
-               : !strcmp(url, "/v1/chat/completions")  ? ROUTE_CHAT
-                                                       : ROUTE_NONE;
+    route to = !strcmp(url, "/health")         ? ROUTE_HEALTH
+        : !strcmp(url, "/metrics")             ? ROUTE_METRICS
+        : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
+        : !strcmp(url, "/v1/completions")      ? ROUTE_COMPLETIONS
+        : !strcmp(url, "/v1/chat/completions") ? ROUTE_CHAT
+                                               : ROUTE_NONE;
     switch (to) {
     case ROUTE_NONE:
-        return send_error(srv, con, 404, NULL, NULL, "no such endpoint: %s %s (loom serves "
+        return send_error(srv, con, 404, NULL, NULL,
+                          "no such endpoint: %s %s (loom serves "
                           "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
                           method, url);
     case ROUTE_HEALTH:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        return srv->shutting_down ? send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}")
-                                  : send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+        return srv->shutting_down
+            ? send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}")
+            : send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
     case ROUTE_METRICS:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
         if (srv->metrics_auth && !authorised(srv, con))
             return refuse_key(srv, con);
         return handle_metrics(srv, con);
-    default:
-        break;
+    default: break;
     }
     if (!authorised(srv, con))
         return refuse_key(srv, con);
@@ -706,7 +720,8 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     if (!post)
         return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
     if (srv->shutting_down)
-        return send_error(srv, con, 503, NULL, NULL, "the server is shutting down; retry "
+        return send_error(srv, con, 503, NULL, NULL,
+                          "the server is shutting down; retry "
                           "against another instance or after a restart");
     cs->to = to;
     return MHD_YES;
@@ -737,8 +752,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
         return MHD_YES;
     }
     if (cs->too_big)
-        return send_error(srv, con, 413, NULL, NULL, "the request body is larger than the "
-                          "server's limit of %zu bytes (--max-body)", srv->max_body);
+        return send_error(srv, con, 413, NULL, NULL,
+                          "the request body is larger than the "
+                          "server's limit of %zu bytes (--max-body)",
+                          srv->max_body);
     if (!cs->len)
         return send_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
     return handle_generate(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT);
@@ -834,22 +851,28 @@ int loom_serve_main(int argc, char **argv)
          "included (default 30)"},
     };
     const loom_command cmd = {
-        .name = "loom serve", .synopsis = "-m MODEL [options]", .flags = flags,
-        .n_flags = LOOM_N_FLAGS(flags), .sampling = &sampling,
+        .name = "loom serve",
+        .synopsis = "-m MODEL [options]",
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags),
+        .sampling = &sampling,
         .sampling_title = "sampling, for the fields a request leaves out (OpenAI's defaults "
                           "unless set here):"};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
     if (!model) {
-        fprintf(stderr, "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
+        fprintf(
+            stderr,
+            "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
         return 2;
     }
     char key_buf[4096];
     const char *env_key = getenv("LOOM_API_KEY");
     if (!!api_key + !!key_file + !!(env_key && *env_key) > 1) {
-        fprintf(stderr, "loom serve: give the API key one way: --api-key-file, LOOM_API_KEY or "
-                        "--api-key\n");
+        fprintf(stderr,
+                "loom serve: give the API key one way: --api-key-file, LOOM_API_KEY or "
+                "--api-key\n");
         return 2;
     }
     if (key_file && read_key_file(key_file, key_buf, sizeof key_buf) != 0)
@@ -859,26 +882,32 @@ int loom_serve_main(int argc, char **argv)
     else if (env_key && *env_key)
         api_key = env_key;
     if (api_key && !valid_key(api_key)) {
-        fprintf(stderr, "loom serve: the API key must be 1 to 1024 visible ASCII characters (no "
-                        "spaces or controls)\n");
+        fprintf(stderr,
+                "loom serve: the API key must be 1 to 1024 visible ASCII characters (no "
+                "spaces or controls)\n");
         return 2;
     }
     if (metrics_auth && !api_key) {
-        fprintf(stderr, "loom serve: --metrics-auth needs an API key (--api-key-file or LOOM_API_KEY)\n");
+        fprintf(stderr,
+                "loom serve: --metrics-auth needs an API key (--api-key-file or LOOM_API_KEY)\n");
         return 2;
     }
     if (tmpl && !loom_chat_template_valid(tmpl)) {
-        fprintf(stderr, "loom serve: unknown chat template '%s' (known: %s)\n", tmpl, loom_chat_templates());
+        fprintf(stderr, "loom serve: unknown chat template '%s' (known: %s)\n", tmpl,
+                loom_chat_templates());
         return 2;
     }
     if (max_step < max_batch) {
-        fprintf(stderr, "loom serve: --max-tokens-per-step (%ld) must be at least --max-batch (%ld)\n",
+        fprintf(stderr,
+                "loom serve: --max-tokens-per-step (%ld) must be at least --max-batch (%ld)\n",
                 max_step, max_batch);
         return 2;
     }
     struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     if (inet_pton(AF_INET, host, &addr.sin_addr) != 1) {
-        fprintf(stderr, "loom serve: --host wants an IPv4 address like 127.0.0.1 or 0.0.0.0, not '%s'\n", host);
+        fprintf(stderr,
+                "loom serve: --host wants an IPv4 address like 127.0.0.1 or 0.0.0.0, not '%s'\n",
+                host);
         return 2;
     }
 
@@ -892,8 +921,11 @@ int loom_serve_main(int argc, char **argv)
 
     char err[4096];
     /* the KV pool: --kv-blocks, or room for max-batch sequences of up to 1024 tokens */
-    loom_model_options mo = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads,
-                             .block_size = (int32_t)block, .kv_blocks = (int32_t)kv_blocks,
+    loom_model_options mo = {.n_ctx = (int32_t)n_ctx,
+                             .kv_type = kv,
+                             .n_threads = (int32_t)threads,
+                             .block_size = (int32_t)block,
+                             .kv_blocks = (int32_t)kv_blocks,
                              .kv_sequences = (int32_t)max_batch};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
     if (!m) {
@@ -902,26 +934,33 @@ int loom_serve_main(int argc, char **argv)
     }
     int32_t ctx = loom_model_n_ctx(m);
     if (kv_blocks && kv_blocks * block < ctx) {
-        fprintf(stderr, "loom serve: --kv-blocks %ld holds %ld tokens, less than one %d-token "
-                "context; give at least %ld (or lower -c)\n", kv_blocks, kv_blocks * block, ctx,
-                (ctx + block - 1) / block);
+        fprintf(stderr,
+                "loom serve: --kv-blocks %ld holds %ld tokens, less than one %d-token "
+                "context; give at least %ld (or lower -c)\n",
+                kv_blocks, kv_blocks * block, ctx, (ctx + block - 1) / block);
         loom_model_close(m);
         return 2;
     }
-    server srv = {.api = {.model = m, .n_ctx = ctx, .parse_special = parse_special,
+    server srv = {.api = {.model = m,
+                          .n_ctx = ctx,
+                          .parse_special = parse_special,
                           .max_prompt_bytes = loom_model_max_prompt_bytes(m),
                           .defaults = sampling},
-                  .api_key = api_key, .api_key_len = api_key ? strlen(api_key) : 0,
+                  .api_key = api_key,
+                  .api_key_len = api_key ? strlen(api_key) : 0,
                   .metrics_auth = metrics_auth,
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),
-                  .max_body = (size_t)max_body, .started = time(NULL)};
+                  .max_body = (size_t)max_body,
+                  .started = time(NULL)};
     pthread_mutex_init(&srv.count_lock, NULL);
     srv.api.model_name = name ? name : loom_model_name(m);
     int recognised = 1;
     srv.api.chat_template = tmpl ? tmpl : loom_model_chat_template(m, &recognised);
     if (!recognised)
-        fprintf(stderr, "loom serve: warning: the model's chat template is missing or not one loom "
-                "knows; using '%s' (choose with --chat-template)\n", srv.api.chat_template);
+        fprintf(stderr,
+                "loom serve: warning: the model's chat template is missing or not one loom "
+                "knows; using '%s' (choose with --chat-template)\n",
+                srv.api.chat_template);
     loom_engine_options eo = {(int32_t)max_batch, (int32_t)max_step};
     srv.engine = loom_engine_start(m, &eo, err, sizeof err);
     if (!srv.engine) {
@@ -940,8 +979,9 @@ int loom_serve_main(int argc, char **argv)
         (unsigned)idle_s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn,
         MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)max_per_client, MHD_OPTION_END);
     if (!d) {
-        fprintf(stderr, "loom serve: cannot listen on %s:%ld: %s (is the port in use? try --port)\n",
-                host, port, strerror(errno));
+        fprintf(stderr,
+                "loom serve: cannot listen on %s:%ld: %s (is the port in use? try --port)\n", host,
+                port, strerror(errno));
         loom_engine_stop(srv.engine, 0);
         loom_engine_free(srv.engine);
         loom_model_close(m);
@@ -949,9 +989,11 @@ int loom_serve_main(int argc, char **argv)
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     loom_engine_stats st = loom_engine_get_stats(srv.engine);
-    fprintf(stderr, "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
+    fprintf(stderr,
+            "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
             srv.api.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
-    fprintf(stderr, "loom serve: listening on http://%s:%u\n", host, di ? di->port : (unsigned)port);
+    fprintf(stderr, "loom serve: listening on http://%s:%u\n", host,
+            di ? di->port : (unsigned)port);
 
     int sig = 0;
     sigwait(&sigs, &sig);
@@ -962,7 +1004,8 @@ int loom_serve_main(int argc, char **argv)
     /* every job is done now; give the connections a moment to send their last bytes (an idle
      * keep-alive connection just waits out the moment) before the daemon closes them */
     for (int waited = 0; waited < 3000; waited += 20) {
-        const union MHD_DaemonInfo *ci = MHD_get_daemon_info(d, MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
+        const union MHD_DaemonInfo *ci = MHD_get_daemon_info(d,
+                                                             MHD_DAEMON_INFO_CURRENT_CONNECTIONS);
         if (!ci || ci->num_connections == 0)
             break;
         usleep(20 * 1000);

@@ -24,8 +24,8 @@
 enum { CPU_LEVEL_BASELINE = 0, CPU_LEVEL_AVX2 = 1, CPU_LEVEL_AVX512 = 2 };
 
 typedef struct cpu_features {
-    int avx2, fma, f16c;                        /* with OS support for YMM state */
-    int avx512f, avx512bw, avx512vl, avx512dq;  /* with OS support for ZMM and opmask state */
+    int avx2, fma, f16c;                       /* with OS support for YMM state */
+    int avx512f, avx512bw, avx512vl, avx512dq; /* with OS support for ZMM and opmask state */
     int avx512vnni, avx512bf16;
     char brand[64];
     /* LOOM_CPU_MASK: the features hidden from this process (CPU_MASK_* bits), and the reason
@@ -36,14 +36,18 @@ typedef struct cpu_features {
 
 /* LOOM_CPU_MASK names: what a machine of another kind lacks */
 enum {
-    CPU_MASK_AVX2 = 1u << 0, CPU_MASK_FMA = 1u << 1, CPU_MASK_F16C = 1u << 2,
-    CPU_MASK_AVX512 = 1u << 3, CPU_MASK_VNNI = 1u << 4, CPU_MASK_BF16 = 1u << 5,
+    CPU_MASK_AVX2 = 1u << 0,
+    CPU_MASK_FMA = 1u << 1,
+    CPU_MASK_F16C = 1u << 2,
+    CPU_MASK_AVX512 = 1u << 3,
+    CPU_MASK_VNNI = 1u << 4,
+    CPU_MASK_BF16 = 1u << 5,
 };
 
 /* What a variant's build is: defined (as data only) in cpu_backend.c. */
 typedef struct cpu_variant_desc {
-    const char *name;  /* "baseline", "avx2", "avx512" */
-    int level;         /* CPU_LEVEL_* */
+    const char *name; /* "baseline", "avx2", "avx512" */
+    int level;        /* CPU_LEVEL_* */
 } cpu_variant_desc;
 
 extern const cpu_variant_desc loom_cpu_variant;
@@ -83,7 +87,7 @@ struct loom_buffer {
     int wrapped; /* data belongs to the caller (buffer_wrap_host) */
     /* set on a weight prepared by cpu_prepare_weight: what it holds, in the layout of kern.h;
      * only matmul reads such a buffer */
-    int prepared;          /* a cpu_layout */
+    int prepared; /* a cpu_layout */
     loom_dtype prepared_type;
     int64_t prepared_n, prepared_k;
 };
@@ -118,8 +122,8 @@ int cpu_level_supported(const cpu_features *f, int level, char *why, size_t why_
  * says: physical cores in the affinity mask, capped by the cgroup CPU quota rounded up */
 typedef struct cpu_thread_default {
     int threads, cores;
-    double quota;           /* CPUs the cgroup quota allows; 0 when unlimited */
-    char quota_source[40];  /* which file set it: "cgroup cpu.max", ... */
+    double quota;          /* CPUs the cgroup quota allows; 0 when unlimited */
+    char quota_source[40]; /* which file set it: "cgroup cpu.max", ... */
 } cpu_thread_default;
 void cpu_default_threads(cpu_thread_default *out);
 void cpu_describe_threads(const cpu_thread_default *t, char *out, size_t n);

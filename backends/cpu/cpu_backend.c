@@ -62,8 +62,10 @@ loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *
     if (!t->buf)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s: tensor without a buffer", what);
     if (t->buf->prepared)
-        return cpu_fail(cb, LOOM_ERR_INVALID, "%s: a weight from prepare_weight, which only "
-                        "matmul's w may be", what);
+        return cpu_fail(cb, LOOM_ERR_INVALID,
+                        "%s: a weight from prepare_weight, which only "
+                        "matmul's w may be",
+                        what);
     uint64_t extent = loom_tensor_extent(t);
     if (extent == UINT64_MAX)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s: malformed tensor (%s, ne0 %lld)", what,
@@ -76,23 +78,23 @@ loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *
 }
 
 #define CB(be) ((cpu_backend *)(be))
-#define TRY(expr)                                                                              \
-    do {                                                                                       \
-        loom_status st_ = (expr);                                                              \
-        if (st_ != LOOM_OK)                                                                    \
-            return st_;                                                                        \
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        loom_status st_ = (expr);                                                                  \
+        if (st_ != LOOM_OK)                                                                        \
+            return st_;                                                                            \
     } while (0)
 /* a failed argument check is the caller's error, reported with the helper's message */
-#define CHECK_ARGS(be, msg)                                                                    \
-    do {                                                                                       \
-        const char *m_ = (msg);                                                                \
-        if (m_)                                                                                \
-            return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s", m_);                               \
+#define CHECK_ARGS(be, msg)                                                                        \
+    do {                                                                                           \
+        const char *m_ = (msg);                                                                    \
+        if (m_)                                                                                    \
+            return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s", m_);                                   \
     } while (0)
-#define BOUNDS(be, t, what)                                                                    \
-    do {                                                                                       \
-        if (t)                                                                                 \
-            TRY(cpu_check_bounds(CB(be), (t), (what)));                                        \
+#define BOUNDS(be, t, what)                                                                        \
+    do {                                                                                           \
+        if (t)                                                                                     \
+            TRY(cpu_check_bounds(CB(be), (t), (what)));                                            \
     } while (0)
 
 static unsigned char *base(const loom_tensor *t)
@@ -149,8 +151,7 @@ static void norm_rows(void *ctx, int ith, int nth)
     const loom_norm_params *p = j->p;
     int64_t n = p->x->ne[0];
     const float *w = p->weight ? (const float *)cpu_row(p->weight, base(p->weight), 0) : NULL;
-    const float *b = p->bias && j->layer ? (const float *)cpu_row(p->bias, base(p->bias), 0)
-                                         : NULL;
+    const float *b = p->bias && j->layer ? (const float *)cpu_row(p->bias, base(p->bias), 0) : NULL;
     long r0, r1;
     pool_split((long)loom_tensor_rows(p->x), ith, nth, &r0, &r1);
     for (long r = r0; r < r1; r++) {
@@ -300,13 +301,22 @@ static void ew_rows(void *ctx, int ith, int nth)
     for (long r = r0; r < r1; r++) {
         const float *a = (const float *)cpu_row(p->a, base(p->a), r);
         const float *b = p->b && j->kind != EW_SCALE && j->kind != EW_GELU
-                             ? (const float *)cpu_row(p->b, base(p->b), j->broadcast ? 0 : r)
-                             : NULL;
+            ? (const float *)cpu_row(p->b, base(p->b), j->broadcast ? 0 : r)
+            : NULL;
         float *y = (float *)cpu_row(p->dst, base(p->dst), r);
         switch (j->kind) {
-        case EW_ADD: for (int64_t i = 0; i < n; i++) y[i] = a[i] + b[i]; break;
-        case EW_MUL: for (int64_t i = 0; i < n; i++) y[i] = a[i] * b[i]; break;
-        case EW_SCALE: for (int64_t i = 0; i < n; i++) y[i] = a[i] * p->scale; break;
+        case EW_ADD:
+            for (int64_t i = 0; i < n; i++)
+                y[i] = a[i] + b[i];
+            break;
+        case EW_MUL:
+            for (int64_t i = 0; i < n; i++)
+                y[i] = a[i] * b[i];
+            break;
+        case EW_SCALE:
+            for (int64_t i = 0; i < n; i++)
+                y[i] = a[i] * p->scale;
+            break;
         case EW_SILU_MUL: cpu_silu_mul_row(a, b, y, n); break;
         case EW_GELU: cpu_gelu_row(a, y, n); break;
         }
@@ -465,7 +475,8 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 int32_t nxt;
                 memcpy(&nxt, bt + (j0 / bs + 1) * p->block_table->nb[0], 4);
                 if (nxt >= 0 && nxt < n_blocks) {
-                    const unsigned char *nkb = head_block(kc, g, nxt), *nvb = head_block(vc, g, nxt);
+                    const unsigned char *nkb = head_block(kc, g, nxt),
+                                        *nvb = head_block(vc, g, nxt);
                     for (int64_t jj = 0; jj < bs; jj++)
                         for (uint64_t off = 0; off < row_bytes && off < 512; off += 64) {
                             __builtin_prefetch(nkb + jj * kc->nb[2] + off);
@@ -611,13 +622,16 @@ static loom_status cpu_attention(loom_backend *be, const loom_attention_params *
                             (long long)t, s, pos, (long long)n_seqs, (long long)reach);
     }
     if (p->q->ne[1] / p->k_cache->ne[1] > 256)
-        return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED, "attention: more than 256 query heads per kv head");
+        return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED,
+                        "attention: more than 256 query heads per kv head");
     attn_job j = {p, attn_splits(p, pool_size(CB(be)->pool)), NULL, 0};
     if (j.splits > 1) {
         size_t floats = (size_t)(tokens * p->q->ne[1] * j.splits * (p->q->ne[0] + 2));
         if (!(j.partial = malloc(floats * sizeof(float))))
-            return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "attention: no memory for %d parts "
-                            "of %lld tokens' keys", j.splits, (long long)tokens);
+            return cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY,
+                            "attention: no memory for %d parts "
+                            "of %lld tokens' keys",
+                            j.splits, (long long)tokens);
     }
     pool_run(CB(be)->pool, attn_pairs, &j);
     if (j.splits > 1 && !j.bad_block)
@@ -704,8 +718,8 @@ loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buf
 #endif
     if (!b || !b->data) {
         free(b);
-        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY,
-                        "cannot allocate %llu bytes of host memory", (unsigned long long)size);
+        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "cannot allocate %llu bytes of host memory",
+                        (unsigned long long)size);
     }
     /* before the first touch, which is what places a page */
     if (align == HUGE_PAGE && cb->numa_mode != CPU_NUMA_OFF &&
@@ -758,9 +772,9 @@ static loom_status range(loom_backend *be, const loom_buffer *b, uint64_t off, u
     if (!b)
         return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s: NULL buffer", what);
     if (off > b->size || n > b->size - off)
-        return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s: bytes [%llu, +%llu) outside a %llu-byte buffer",
-                        what, (unsigned long long)off, (unsigned long long)n,
-                        (unsigned long long)b->size);
+        return cpu_fail(
+            CB(be), LOOM_ERR_INVALID, "%s: bytes [%llu, +%llu) outside a %llu-byte buffer", what,
+            (unsigned long long)off, (unsigned long long)n, (unsigned long long)b->size);
     return LOOM_OK;
 }
 

@@ -47,13 +47,13 @@ typedef struct mm_job {
     kern_quant_fn kq;
     kern_float_fn kf;
     const float *bias;
-    int split_m;              /* too few W rows to share: split X's rows instead */
-    int nr_max;               /* weight rows per tile */
-    int unpacked;             /* an ABI 1.2 type: chunks of W rows unpacked (kern_kq.c) */
-    int direct;               /* ... or, at decode sizes, dotted in the file's layout */
-    act_k *kblocks;           /* X for direct: quantised per 256 */
-    int kq_min;               /* its values have minimums */
-    unsigned char *kq_space;  /* per thread, CHUNK_ROWS unpacked rows */
+    int split_m;             /* too few W rows to share: split X's rows instead */
+    int nr_max;              /* weight rows per tile */
+    int unpacked;            /* an ABI 1.2 type: chunks of W rows unpacked (kern_kq.c) */
+    int direct;              /* ... or, at decode sizes, dotted in the file's layout */
+    act_k *kblocks;          /* X for direct: quantised per 256 */
+    int kq_min;              /* its values have minimums */
+    unsigned char *kq_space; /* per thread, CHUNK_ROWS unpacked rows */
     size_t kq_thread_bytes;
 } mm_job;
 
@@ -70,7 +70,8 @@ static void prepare_x(void *ctx, int ith, int nth)
     for (long m = m0; m < m1; m++) {
         const float *x = (const float *)cpu_row(j->p->x, data(j->p->x), m);
         if (j->direct)
-            kern_prep_k(x, j->K, kern_kq_swapped(j->p->w->dtype), j->kblocks + m * (j->K / LOOM_QK_K));
+            kern_prep_k(x, j->K, kern_kq_swapped(j->p->w->dtype),
+                        j->kblocks + m * (j->K / LOOM_QK_K));
         else if (j->kri || j->unpacked)
             kern_prep_blocks(x, j->K, j->blocks + m * (j->K / LOOM_QK));
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -127,7 +128,8 @@ static void mm_groups(void *ctx, int ith, int nth)
         const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
         /* float W against several X rows goes several groups at a time */
         int ng = (j->kfrin || j->xpairs) && mb - ma >= 2
-                     ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS) : 1;
+            ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS)
+            : 1;
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -174,7 +176,7 @@ static void mm_rows(void *ctx, int ith, int nth)
         for (int r = 0; r < CHUNK_ROWS; r++) {
             rows[r].c = (kq_chunk *)(void *)space + (size_t)(r * nb);
             rows[r].d = (float *)(void *)(space + CHUNK_ROWS * (size_t)nb * sizeof(kq_chunk)) +
-                        (size_t)(r * nb);
+                (size_t)(r * nb);
             rows[r].dmin = rows[r].d + CHUNK_ROWS * (size_t)nb;
         }
     }
@@ -222,8 +224,8 @@ static void mm_rows(void *ctx, int ith, int nth)
 #if defined(CPU_USE_BLAS)
 static int64_t leading_dim(const loom_tensor *t)
 {
-    int uniform = t->ne[2] * t->ne[3] == 1 || (t->nb[2] == t->nb[1] * (uint64_t)t->ne[1] &&
-                                                t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
+    int uniform = t->ne[2] * t->ne[3] == 1 ||
+        (t->nb[2] == t->nb[1] * (uint64_t)t->ne[1] && t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
     return uniform && t->nb[1] % sizeof(float) == 0 ? (int64_t)(t->nb[1] / sizeof(float)) : 0;
 }
 #endif
@@ -243,8 +245,8 @@ static int try_blas(cpu_backend *cb, const loom_matmul_params *p, int64_t M, int
     (void)cb;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (blasint)M, (blasint)N, (blasint)K, 1.0f,
                 (const float *)(p->x->buf->data + p->x->offset), (blasint)lx,
-                (const float *)(p->w->buf->data + p->w->offset), (blasint)lw,
-                p->bias ? 1.0f : 0.0f, y, (blasint)ly);
+                (const float *)(p->w->buf->data + p->w->offset), (blasint)lw, p->bias ? 1.0f : 0.0f,
+                y, (blasint)ly);
     return 1;
 #else
     (void)cb, (void)p, (void)M, (void)N, (void)K;
@@ -260,12 +262,14 @@ static loom_status check_weight(cpu_backend *cb, const loom_tensor *w)
         return cpu_check_bounds(cb, w, "matmul w");
     if (w->offset != 0 || w->dtype != b->prepared_type || w->ne[0] != b->prepared_k ||
         loom_tensor_rows(w) != b->prepared_n)
-        return cpu_fail(cb, LOOM_ERR_INVALID, "matmul: w is a prepared %s [%lld, %lld] weight "
+        return cpu_fail(cb, LOOM_ERR_INVALID,
+                        "matmul: w is a prepared %s [%lld, %lld] weight "
                         "seen as %s [%lld, %lld] at offset %llu; pass it whole, as "
-                        "prepare_weight returned it", loom_dtype_name(b->prepared_type),
-                        (long long)b->prepared_n, (long long)b->prepared_k,
-                        loom_dtype_name(w->dtype), (long long)loom_tensor_rows(w),
-                        (long long)w->ne[0], (unsigned long long)w->offset);
+                        "prepare_weight returned it",
+                        loom_dtype_name(b->prepared_type), (long long)b->prepared_n,
+                        (long long)b->prepared_k, loom_dtype_name(w->dtype),
+                        (long long)loom_tensor_rows(w), (long long)w->ne[0],
+                        (unsigned long long)w->offset);
     return LOOM_OK;
 }
 
@@ -304,14 +308,15 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
      * interleaved ones. Float weights keep four rows: their kernel then has four independent
      * accumulator chains, and one row alone is FMA-latency bound (f16: 41 vs 25 GB/s). */
     int uniform_w = p->w->ne[2] * p->w->ne[3] == 1 ||
-                    (p->w->nb[2] == p->w->nb[1] * (uint64_t)p->w->ne[1] &&
-                     p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
+        (p->w->nb[2] == p->w->nb[1] * (uint64_t)p->w->ne[1] &&
+         p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
     /* unpacked rows sit in cache, where several at a time only help */
     j.unpacked = kern_kq_handles(p->w->dtype);
     j.direct = !j.split_m && kern_kq_direct_has(p->w->dtype);
     /* the direct kernels take the rows of a call one after another, as memory likes */
-    j.nr_max = (uniform_w && (!decode_quant || j.direct)) || (j.unpacked && !j.direct) ? KERN_NR : 1;
+    j.nr_max = (uniform_w && (!decode_quant || j.direct)) || (j.unpacked && !j.direct) ? KERN_NR
+                                                                                       : 1;
 
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
@@ -319,9 +324,9 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     if ((prepared && loom_dtype_is_block(wt)) || j.unpacked) { /* X as act_blocks */
 #if KERN_RI
         if (prepared)
-            j.kri = wt == LOOM_Q4_0   ? VNNI_OR(cb, kern_q4_0_ri)
-                    : wt == LOOM_Q4_1 ? VNNI_OR(cb, kern_q4_1_ri)
-                                      : VNNI_OR(cb, kern_q8_0_ri);
+            j.kri = wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0_ri)
+                : wt == LOOM_Q4_1   ? VNNI_OR(cb, kern_q4_1_ri)
+                                    : VNNI_OR(cb, kern_q8_0_ri);
 #endif
         j.kq_min = kern_kq_has_min(wt);
         size_t bytes = j.direct ? (size_t)(j.M * (j.K / LOOM_QK_K)) * sizeof(act_k)
@@ -339,7 +344,8 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             j.xpairs[m] = (uint32_t *)((unsigned char *)scratch + rows) + (size_t)m * np;
     } else if (loom_dtype_is_block(wt)) {
         j.kq = wt == LOOM_Q8_0 ? VNNI_OR(cb, kern_q8_0)
-               : wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0) : VNNI_OR(cb, kern_q4_1);
+            : wt == LOOM_Q4_0  ? VNNI_OR(cb, kern_q4_0)
+                               : VNNI_OR(cb, kern_q4_1);
         j.layout = kern_layout_for(wt, HAS_VNNI(cb));
         j.act.nb = j.K / LOOM_QK;
         j.act.groups = (j.act.nb + KERN_G - 1) / KERN_G;
@@ -373,12 +379,15 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
                         (long long)j.M);
     if (j.unpacked && !j.direct) {
-        j.kq_thread_bytes = CHUNK_ROWS * (size_t)(j.K / LOOM_QK) * (sizeof(kq_chunk) + 2 * sizeof(float));
+        j.kq_thread_bytes = CHUNK_ROWS * (size_t)(j.K / LOOM_QK) *
+            (sizeof(kq_chunk) + 2 * sizeof(float));
         j.kq_space = aligned_alloc(64, ((size_t)nth * j.kq_thread_bytes + 63) & ~(size_t)63);
         if (!j.kq_space) {
             free(scratch);
-            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory to unpack %s rows "
-                            "of %lld", loom_dtype_name(wt), (long long)j.K);
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY,
+                            "matmul: no memory to unpack %s rows "
+                            "of %lld",
+                            loom_dtype_name(wt), (long long)j.K);
         }
     }
     if (!j.kf) { /* quantise X, or round it to BF16 */
@@ -455,8 +464,8 @@ static void repack_blocks(const repack_job *j, long g, int scales, int chunks)
 }
 
 _Static_assert(sizeof(q4_0_ri_record) == 2 * (2 * KERN_RI + 4 * KERN_RI * 4) &&
-               sizeof(q4_1_ri_record) == 2 * (4 * KERN_RI + 4 * KERN_RI * 4) &&
-               sizeof(q8_0_ri_record) == 2 * (2 * KERN_RI + 8 * KERN_RI * 4),
+                   sizeof(q4_1_ri_record) == 2 * (4 * KERN_RI + 4 * KERN_RI * 4) &&
+                   sizeof(q8_0_ri_record) == 2 * (2 * KERN_RI + 8 * KERN_RI * 4),
                "repack_blocks writes the records as kern.h declares them");
 
 static void repack_groups(void *ctx, int ith, int nth)
@@ -503,7 +512,7 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
 #if KERN_RI
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
     int interleaves = loom_dtype_is_block(w->dtype) || w->dtype == LOOM_F16 ||
-                      w->dtype == LOOM_BF16;
+        w->dtype == LOOM_BF16;
     if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
         cpu_layout layout = CPU_LAYOUT_ROWS;
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -513,7 +522,8 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         repack_job j = {w, layout, NULL, group_bytes(w->dtype, layout, K)};
         uint64_t bytes = (uint64_t)(N / KERN_RI) * j.group_bytes, avail = memory_available();
         if (avail != UINT64_MAX && (avail < PREPARE_MARGIN || bytes > avail - PREPARE_MARGIN))
-            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "prepare_weight: %llu MiB more would "
+            return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY,
+                            "prepare_weight: %llu MiB more would "
                             "leave less than %llu MiB of the %llu MiB available",
                             (unsigned long long)(bytes >> 20),
                             (unsigned long long)(PREPARE_MARGIN >> 20),
@@ -538,7 +548,9 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         return LOOM_OK;
     }
 #endif
-    return cpu_fail(cb, LOOM_ERR_UNSUPPORTED, "prepare_weight: the %s variant keeps %s [%lld, "
-                    "%lld] weights as they are", loom_cpu_variant.name, loom_dtype_name(w->dtype),
+    return cpu_fail(cb, LOOM_ERR_UNSUPPORTED,
+                    "prepare_weight: the %s variant keeps %s [%lld, "
+                    "%lld] weights as they are",
+                    loom_cpu_variant.name, loom_dtype_name(w->dtype),
                     (long long)loom_tensor_rows(w), (long long)w->ne[0]);
 }

@@ -142,7 +142,8 @@ void cpu_numa_describe(const cpu_numa *t, int mode, char *out, size_t n)
     }
     int used = snprintf(out, n, "%d NUMA nodes (", t->n_nodes);
     for (int i = 0; i < t->n_nodes && used > 0 && (size_t)used < n; i++)
-        used += snprintf(out + used, n - (size_t)used, "%s%d", i ? "+" : "", CPU_COUNT(&t->cpus[i]));
+        used += snprintf(out + used, n - (size_t)used, "%s%d", i ? "+" : "",
+                         CPU_COUNT(&t->cpus[i]));
     if (used > 0 && (size_t)used < n)
         snprintf(out + used, n - (size_t)used, " cpus), %s%s", cpu_numa_mode_name(mode),
                  t->simulated ? " (simulated)" : "");

@@ -21,11 +21,15 @@ static const struct {
     const char *name;
     unsigned bits;
 } mask_names[] = {
-    {"avx", CPU_MASK_AVX2 | CPU_MASK_FMA | CPU_MASK_F16C | CPU_MASK_AVX512 | CPU_MASK_VNNI |
-                CPU_MASK_BF16},
-    {"avx2", CPU_MASK_AVX2}, {"fma", CPU_MASK_FMA}, {"f16c", CPU_MASK_F16C},
+    {"avx",
+     CPU_MASK_AVX2 | CPU_MASK_FMA | CPU_MASK_F16C | CPU_MASK_AVX512 | CPU_MASK_VNNI |
+         CPU_MASK_BF16},
+    {"avx2", CPU_MASK_AVX2},
+    {"fma", CPU_MASK_FMA},
+    {"f16c", CPU_MASK_F16C},
     {"avx512", CPU_MASK_AVX512 | CPU_MASK_VNNI | CPU_MASK_BF16},
-    {"vnni", CPU_MASK_VNNI}, {"bf16", CPU_MASK_BF16},
+    {"vnni", CPU_MASK_VNNI},
+    {"bf16", CPU_MASK_BF16},
 };
 
 /* Reads LOOM_CPU_MASK (comma-separated names) into f->masked, or an error into f->mask_error. */
@@ -44,7 +48,8 @@ static void read_mask(cpu_features *f)
         if (!bits) {
             snprintf(f->mask_error, sizeof f->mask_error,
                      "LOOM_CPU_MASK=%s: '%.*s' is not a CPU feature; use a comma-separated list "
-                     "of avx, avx2, fma, f16c, avx512, vnni, bf16", env, (int)len, p);
+                     "of avx, avx2, fma, f16c, avx512, vnni, bf16",
+                     env, (int)len, p);
             return;
         }
         f->masked |= bits;
@@ -89,7 +94,7 @@ void cpu_detect(cpu_features *f)
     int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1;
     int fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
     uint64_t xcr0 = osxsave ? xgetbv0() : 0;
-    int os_ymm = (xcr0 & 0x6) == 0x6;          /* SSE and AVX state */
+    int os_ymm = (xcr0 & 0x6) == 0x6;             /* SSE and AVX state */
     int os_zmm = os_ymm && (xcr0 & 0xe0) == 0xe0; /* opmask, ZMM_Hi256, Hi16_ZMM */
     unsigned b7 = 0, c7 = 0, a71 = 0, dummy;
     __get_cpuid_count(7, 0, &dummy, &b7, &c7, &dummy);
@@ -169,7 +174,10 @@ static void describe(const cpu_features *f, char *out, size_t n)
         cpu_default_threads(&t);
         cpu_describe_threads(&t, threads, sizeof threads);
     }
-    int used = snprintf(out, n, "%s%s%s%s%s%s", f->avx512f ? "avx512" : f->avx2 ? "avx2" : "baseline",
+    int used = snprintf(out, n, "%s%s%s%s%s%s",
+                        f->avx512f    ? "avx512"
+                            : f->avx2 ? "avx2"
+                                      : "baseline",
                         f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
                         f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
                         f->masked ? getenv("LOOM_CPU_MASK") : "");
@@ -180,7 +188,8 @@ static void describe(const cpu_features *f, char *out, size_t n)
     cpu_numa_describe(&numa, mode, numa_text, sizeof numa_text);
     /* a long mask may leave no room for the rest: it matters more */
     if (used >= 0 && (size_t)used + 3 < n)
-        used += snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), threads);
+        used += snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3),
+                         threads);
     if (used >= 0 && (size_t)used + 3 < n)
         snprintf(out + used, n - (size_t)used, "; %.*s", (int)(n - (size_t)used - 3), numa_text);
 }

@@ -34,17 +34,17 @@
  * hold the values of the block that lane's quants come from. The order of the quants follows
  * the weights' (kern_layout). */
 typedef struct act_group {
-    int8_t qs[32 * KERN_G];       /* the quants; for Q8_0 weights biased by +128 (see kernels.h) */
-    int32_t neg8sum[8 * KERN_G];  /* -8 x the lane's sum of quants: Q4_0's offset */
-    float d[8 * KERN_G];          /* the block's scale, in each of its lanes */
-    float msum[8 * KERN_G];       /* d x the block's sum of quants / 8, in each lane: Q4_1 */
+    int8_t qs[32 * KERN_G];      /* the quants; for Q8_0 weights biased by +128 (see kernels.h) */
+    int32_t neg8sum[8 * KERN_G]; /* -8 x the lane's sum of quants: Q4_0's offset */
+    float d[8 * KERN_G];         /* the block's scale, in each of its lanes */
+    float msum[8 * KERN_G];      /* d x the block's sum of quants / 8, in each lane: Q4_1 */
 } act_group;
 
 /* Activation rows prepared for a quantised-weight kernel. */
 typedef struct cpu_act {
-    int64_t nb;          /* blocks per row */
-    int64_t groups;      /* act_groups per row: nb / KERN_G rounded up */
-    const act_group *g;  /* [M][groups] */
+    int64_t nb;         /* blocks per row */
+    int64_t groups;     /* act_groups per row: nb / KERN_G rounded up */
+    const act_group *g; /* [M][groups] */
 } cpu_act;
 
 /* out[r * KERN_NR + i] = dot(weight row i, activation row m0 + r), i < nr, r < mr.
@@ -57,9 +57,9 @@ typedef void (*kern_float_fn)(loom_dtype wt, const unsigned char *w, size_t wstr
 /* How kern_prep lays out a pair of blocks A, B (in a group of two; a group of one block is
  * always in natural order). */
 typedef enum kern_layout {
-    KERN_NATURAL,      /* A0..31, B0..31, signed */
+    KERN_NATURAL,        /* A0..31, B0..31, signed */
     KERN_NATURAL_BIASED, /* the same, stored as x + 128: Q8_0 weights with VNNI */
-    KERN_NIBBLE_PAIRS, /* A0..15, B0..15, A16..31, B16..31: Q4 weights unpack into this order */
+    KERN_NIBBLE_PAIRS,   /* A0..15, B0..15, A16..31, B16..31: Q4 weights unpack into this order */
 } kern_layout;
 
 /* ---- Interleaved weights (cpu_prepare_weight) ----------------------------------------------
@@ -135,8 +135,8 @@ void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int 
 #endif
 typedef void (*kern_float_ri_n_fn)(const unsigned char *w, size_t gstride, int ng, int64_t K,
                                    const float *const *x, int mr, float *out);
-void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
-                   const float *const *x, int mr, float *out);
+void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K, const float *const *x,
+                   int mr, float *out);
 void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
                     const float *const *x, int mr, float *out);
 

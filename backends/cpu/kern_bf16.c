@@ -83,8 +83,8 @@ INLINE void bf16_tile(const unsigned char *w, size_t gstride, int64_t np, const 
             __m512bh wv = (__m512bh)_mm512_loadu_si512(p + (size_t)g * gstride);
             UNROLL
             for (int r = 0; r < MR; r++)
-                acc[r][g][0] = _mm512_dpbf16_ps(acc[r][g][0], wv,
-                                                (__m512bh)_mm512_set1_epi32((int)load_pair(x[r] + j)));
+                acc[r][g][0] = _mm512_dpbf16_ps(
+                    acc[r][g][0], wv, (__m512bh)_mm512_set1_epi32((int)load_pair(x[r] + j)));
         }
     }
     UNROLL
@@ -101,11 +101,11 @@ INLINE void bf16_tile(const unsigned char *w, size_t gstride, int64_t np, const 
 }
 
 #define BF16_MR(NG)                                                                                \
-    switch (mr) {                                                                                 \
-    case 1: bf16_tile(w, gstride, np, x, out, NG, 1); break;                                      \
-    case 2: bf16_tile(w, gstride, np, x, out, NG, 2); break;                                      \
-    case 3: bf16_tile(w, gstride, np, x, out, NG, 3); break;                                      \
-    default: bf16_tile(w, gstride, np, x, out, NG, 4); break;                                     \
+    switch (mr) {                                                                                  \
+    case 1: bf16_tile(w, gstride, np, x, out, NG, 1); break;                                       \
+    case 2: bf16_tile(w, gstride, np, x, out, NG, 2); break;                                       \
+    case 3: bf16_tile(w, gstride, np, x, out, NG, 3); break;                                       \
+    default: bf16_tile(w, gstride, np, x, out, NG, 4); break;                                      \
     }
 
 void kern_bf16_dp(const unsigned char *w, size_t gstride, int ng, int64_t K,

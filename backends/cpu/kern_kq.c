@@ -29,8 +29,15 @@
 int kern_kq_handles(loom_dtype wt)
 {
     switch (wt) {
-    case LOOM_Q2_K: case LOOM_Q3_K: case LOOM_Q4_K: case LOOM_Q5_K: case LOOM_Q6_K:
-    case LOOM_IQ4_XS: case LOOM_Q5_0: case LOOM_Q5_1: case LOOM_IQ4_NL: return 1;
+    case LOOM_Q2_K:
+    case LOOM_Q3_K:
+    case LOOM_Q4_K:
+    case LOOM_Q5_K:
+    case LOOM_Q6_K:
+    case LOOM_IQ4_XS:
+    case LOOM_Q5_0:
+    case LOOM_Q5_1:
+    case LOOM_IQ4_NL: return 1;
     default: return 0;
     }
 }
@@ -46,11 +53,11 @@ int kern_kq_has_min(loom_dtype wt)
 static inline void set_scales(kq_row *r, int64_t c, int s0, int s1, int m0, int m1, int has_min)
 {
 #if defined(__AVX2__)
-    _mm256_storeu_si256((__m256i *)r->c[c].sc, _mm256_set_m128i(_mm_set1_epi16((short)s1),
-                                                                 _mm_set1_epi16((short)s0)));
+    _mm256_storeu_si256((__m256i *)r->c[c].sc,
+                        _mm256_set_m128i(_mm_set1_epi16((short)s1), _mm_set1_epi16((short)s0)));
     if (has_min)
-        _mm256_storeu_si256((__m256i *)r->c[c].mn, _mm256_set_m128i(_mm_set1_epi16((short)m1),
-                                                                     _mm_set1_epi16((short)m0)));
+        _mm256_storeu_si256((__m256i *)r->c[c].mn,
+                            _mm256_set_m128i(_mm_set1_epi16((short)m1), _mm_set1_epi16((short)m0)));
 #else
     for (int i = 0; i < 8; i++) {
         r->c[c].sc[i] = (int16_t)s0, r->c[c].sc[8 + i] = (int16_t)s1;
@@ -64,7 +71,8 @@ static inline void set_scales(kq_row *r, int64_t c, int s0, int s1, int m0, int 
 static void iq4_nibbles(const uint8_t *q, int8_t *v)
 {
 #if defined(__AVX2__)
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)loom_iq4_values));
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)loom_iq4_values));
     __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
     __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
     _mm256_storeu_si256((__m256i *)v, _mm256_shuffle_epi8(table, idx));
@@ -85,8 +93,8 @@ static void q5_values(const uint8_t *q, const uint8_t qh[4], int offset, int8_t 
     uint32_t bits;
     memcpy(&bits, qh, 4);
     /* byte j takes qh's byte j / 8, keeps bit j % 8 */
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
-                                          2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
     __m256i h = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
     h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
@@ -171,7 +179,8 @@ static inline void q6_k_runs(const uint8_t *ql, const uint8_t *qh, __m256i v[4])
                       _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
                       _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
     for (int k = 0; k < 4; k++)
-        v[k] = _mm256_or_si256(nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three), 4));
+        v[k] = _mm256_or_si256(
+            nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three), 4));
 }
 #endif
 
@@ -189,7 +198,8 @@ static void unpack_q6_k(const unsigned char *w, int64_t K, kq_row *r)
             __m256i v[4];
             q6_k_runs(ql, qh, v);
             for (int k = 0; k < 4; k++)
-                _mm256_storeu_si256((__m256i *)r->c[c + k].v, _mm256_sub_epi8(v[k], _mm256_set1_epi8(32)));
+                _mm256_storeu_si256((__m256i *)r->c[c + k].v,
+                                    _mm256_sub_epi8(v[k], _mm256_set1_epi8(32)));
 #else
             for (int l = 0; l < 32; l++)
                 for (int k = 0; k < 4; k++) {
@@ -217,8 +227,10 @@ static void unpack_q3_k(const unsigned char *w, int64_t K, kq_row *r)
                 int64_t c = b * 8 + 4 * half + s;
 #if defined(__AVX2__)
                 const __m256i three = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-                __m256i lo = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q), 2 * s), three);
-                __m256i hb = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)x->hmask), bit), one);
+                __m256i lo = _mm256_and_si256(
+                    _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q), 2 * s), three);
+                __m256i hb = _mm256_and_si256(
+                    _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)x->hmask), bit), one);
                 /* a clear high bit subtracts 4 */
                 __m256i minus = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2);
                 _mm256_storeu_si256((__m256i *)r->c[c].v, _mm256_sub_epi8(lo, minus));
@@ -267,7 +279,8 @@ static void unpack_iq4_xs(const unsigned char *w, int64_t K, kq_row *r)
         for (int s = 0; s < 8; s++) {
             int64_t c = b * 8 + s;
             iq4_nibbles(x->qs + 16 * s, r->c[c].v);
-            int ls = ((x->scales_l[s / 2] >> (4 * (s % 2))) & 15) | ((x->scales_h >> (2 * s)) & 3) << 4;
+            int ls = ((x->scales_l[s / 2] >> (4 * (s % 2))) & 15) |
+                ((x->scales_h >> (2 * s)) & 3) << 4;
             set_scales(r, c, ls - 32, ls - 32, 0, 0, 0);
             r->d[c] = d;
         }
@@ -325,8 +338,8 @@ static inline float hsum(__m256 v)
  * mr (dot_row_n below), so that the accumulators stay in registers: with mr known only at run
  * time GCC kept them on the stack, and each chunk waited on a store and a reload (measured: a
  * third of q4_K decode's time). */
-INLINE void
-dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr, float *out)
+INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,
+                    float *out)
 {
     __m256 acc[KERN_MR] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                            _mm256_setzero_ps()};
@@ -377,8 +390,8 @@ static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
 #if defined(__AVX2__)
 /* decode: nr rows against one activation row, the rows' chunks interleaved so that their
  * independent accumulations overlap */
-INLINE void
-dot_rows_1(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, float *out)
+INLINE void dot_rows_1(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb,
+                       float *out)
 {
     enum { R = 4 };
     __m256 acc[R] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
@@ -513,7 +526,7 @@ void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out)
  * store-to-load forward. Reads 4 bytes past the 12 (the block goes on). */
 static inline __m128i k_scales_mins(const uint8_t *scales)
 {
-    __m128i q = _mm_loadu_si128((const __m128i *)scales); /* dwords q0 q1 q2 */
+    __m128i q = _mm_loadu_si128((const __m128i *)scales);      /* dwords q0 q1 q2 */
     __m128i a = _mm_shuffle_epi32(q, _MM_SHUFFLE(2, 1, 2, 0)); /* q0 q2 q1 q2 */
     __m128i b = _mm_shuffle_epi32(q, _MM_SHUFFLE(1, 1, 0, 0)); /* q0 q0 q1 q1 */
     __m128i low = _mm_and_si128(_mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4)),
@@ -532,10 +545,11 @@ static inline __m128i k_scales_mins(const uint8_t *scales)
 static inline __m512i lane_words(__m512i w8, int w0, int w1, int w2, int w3)
 {
 #define PICK PICK_WORD
-    return _mm512_shuffle_epi8(w8, _mm512_set_epi32(PICK(w3), PICK(w3), PICK(w3), PICK(w3),
-                                                    PICK(w2), PICK(w2), PICK(w2), PICK(w2),
-                                                    PICK(w1), PICK(w1), PICK(w1), PICK(w1),
-                                                    PICK(w0), PICK(w0), PICK(w0), PICK(w0)));
+    return _mm512_shuffle_epi8(w8,
+                               _mm512_set_epi32(PICK(w3), PICK(w3), PICK(w3), PICK(w3), PICK(w2),
+                                                PICK(w2), PICK(w2), PICK(w2), PICK(w1), PICK(w1),
+                                                PICK(w1), PICK(w1), PICK(w0), PICK(w0), PICK(w0),
+                                                PICK(w0)));
 #undef PICK
 }
 
@@ -547,14 +561,15 @@ static inline __m512i widen(__m256i v)
 
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers); the
  * super-block's nibbles and scales are unpacked once for all of them */
-INLINE void
-dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
+INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five,
+                          float *out)
 {
     const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
     const int64_t nb = K / LOOM_QK_K;
     __m512 acc[KERN_MR];
     __m256 accmin[KERN_MR];
-    UNROLL for (int r = 0; r < mr; r++)
+    UNROLL
+    for (int r = 0; r < mr; r++)
         acc[r] = _mm512_setzero_ps(), accmin[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         k_block x = q4_k_like_block(w, b, five);
@@ -567,8 +582,9 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
         __m128i sm16 = k_scales_mins(scales);
         __m512i scw = _mm512_broadcast_i32x4(_mm_cvtepu8_epi16(sm16));
         /* dmin x the minimums, against the activations' dsums in one FMA a row */
-        __m256 wmin = _mm256_mul_ps(_mm512_castps512_ps256(dmin),
-                                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm16, 8))));
+        __m256 wmin = _mm256_mul_ps(
+            _mm512_castps512_ps256(dmin),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm16, 8))));
         __m512i hz = _mm512_setzero_si512();
         if (five) { /* qh bit 2 p (2 p + 1) is sub-block 2 p's (2 p + 1's) fifth; the high half
                      * shifted by 2 so that both halves test the same bits */
@@ -576,43 +592,54 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
         }
         __m512i sumi[KERN_MR];
-        UNROLL for (int r = 0; r < mr; r++)
+        UNROLL
+        for (int r = 0; r < mr; r++)
             sumi[r] = _mm512_setzero_si512();
         for (int i = 0; i < 2; i++) {
             __m512i bytes = _mm512_loadu_si512((const void *)(qs + 64 * i));
             __m512i lo = _mm512_and_si512(bytes, low);
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
             if (five) {
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(1 << 4 * i))), lo, sixteen);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(2 << 4 * i))), hi, sixteen);
+                lo = _mm512_mask_add_epi8(
+                    lo, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(1 << 4 * i))), lo,
+                    sixteen);
+                hi = _mm512_mask_add_epi8(
+                    hi, _mm512_test_epi8_mask(hz, _mm512_set1_epi8((char)(2 << 4 * i))), hi,
+                    sixteen);
             }
             int j = 4 * i; /* low nibbles: sub-blocks j, j + 2; high: j + 1, j + 3 */
             __m512i s_lo = lane_words(scw, j, j, j + 2, j + 2);
             __m512i s_hi = lane_words(scw, j + 1, j + 1, j + 3, j + 3);
-            UNROLL for (int r = 0; r < mr; r++) {
+            UNROLL
+            for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 128 * i;
-                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)yq)), s_lo);
-                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(yq + 64))), s_hi);
+                __m512i p0 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)yq)), s_lo);
+                __m512i p1 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(yq + 64))), s_hi);
                 sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
             }
         }
-        UNROLL for (int r = 0; r < mr; r++) {
+        UNROLL
+        for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_mul_ps(d, _mm512_set1_ps(y->d)), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]),
+                                     _mm512_mul_ps(d, _mm512_set1_ps(y->d)), acc[r]);
             accmin[r] = _mm256_fmadd_ps(wmin, _mm256_loadu_ps(y->dsums), accmin[r]);
         }
     }
-    UNROLL for (int r = 0; r < mr; r++)
+    UNROLL
+    for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
 }
 
-INLINE void
-dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
+INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
     const __m512i low = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3);
     const int64_t nb = K / LOOM_QK_K;
     __m512 acc[KERN_MR];
-    UNROLL for (int r = 0; r < mr; r++)
+    UNROLL
+    for (int r = 0; r < mr; r++)
         acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
@@ -621,7 +648,8 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
         __m512i scw[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16)),
                           _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1))};
         __m512i sumi[KERN_MR];
-        UNROLL for (int r = 0; r < mr; r++) { /* the offset of 32: -32 sum_16 scale x activations' sum */
+        UNROLL
+        for (int r = 0; r < mr; r++) { /* the offset of 32: -32 sum_16 scale x activations' sum */
             __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
             sumi[r] = _mm512_sub_epi32(_mm512_setzero_si512(),
                                        widen(_mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5)));
@@ -634,28 +662,35 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
             __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(h), _mm256_srli_epi16(h, 2), 1);
             __m512i v0 = _mm512_or_si512(_mm512_and_si512(l, low),
                                          _mm512_slli_epi16(_mm512_and_si512(hz, three), 4));
-            __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), low),
-                                         _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hz, 4), three), 4));
+            __m512i v1 = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16(l, 4), low),
+                _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hz, 4), three), 4));
             __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
-            UNROLL for (int r = 0; r < mr; r++) {
+            UNROLL
+            for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 128 * half;
-                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)yq)), s0);
-                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(yq + 64))), s1);
+                __m512i p0 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)yq)), s0);
+                __m512i p1 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(yq + 64))), s1);
                 sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
             }
         }
         float d = CPU_F16(x->d);
-        UNROLL for (int r = 0; r < mr; r++)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * a[r * nb + b].d), acc[r]);
+        UNROLL
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]),
+                                     _mm512_set1_ps(d * a[r * nb + b].d), acc[r]);
     }
-    UNROLL for (int r = 0; r < mr; r++)
+    UNROLL
+    for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
 }
 #elif defined(__AVX2__)
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers), each
  * super-block's bits unpacked once for all of them */
-INLINE void
-dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five, float *out)
+INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five,
+                          float *out)
 {
     const __m256i low = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     const int64_t nb = K / LOOM_QK_K;
@@ -680,8 +715,8 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
             if (five) {
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(
-                                             _mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                hi = _mm256_or_si256(
+                    hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
                 h = _mm256_srli_epi16(h, 2);
             }
             const __m256i s0 = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(2 * pair)));
@@ -689,16 +724,19 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
             for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 64 * pair;
                 __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)yq));
-                __m256i p1 = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(yq + 32)));
-                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(_mm256_madd_epi16(p0, s0),
-                                                                     _mm256_madd_epi16(p1, s1)));
+                __m256i p1 = _mm256_maddubs_epi16(hi,
+                                                  _mm256_loadu_si256((const __m256i *)(yq + 32)));
+                sumi[r] = _mm256_add_epi32(
+                    sumi[r],
+                    _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
             }
         }
         for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
             /* sum over the 8 sub-blocks of minimum x the activations' sum there */
             __m256i bs = _mm256_loadu_si256((const __m256i *)y->bsums);
-            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(bs),
+                                           _mm256_extracti128_si256(bs, 1));
             __m128i mp = _mm_madd_epi16(pairs, m8);
             mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0x4e));
             mp = _mm_add_epi32(mp, _mm_shuffle_epi32(mp, 0xb1));
@@ -710,8 +748,7 @@ dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int fiv
         out[r * KERN_NR] = hsum(acc[r]) - mins[r];
 }
 
-INLINE void
-dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
+INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
 {
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR];
@@ -733,18 +770,20 @@ dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
             __m256i v[4];
             q6_k_runs(ql, qh, v);
             for (int k = 0; k < 4; k++) {
-                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]), _mm_set1_epi16(sc[2 * k]));
+                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]),
+                                               _mm_set1_epi16(sc[2 * k]));
                 for (int r = 0; r < mr; r++) {
                     __m256i q = _mm256_loadu_si256(
                         (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * k));
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], q), scv));
+                    sumi[r] = _mm256_add_epi32(
+                        sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(v[k], q), scv));
                 }
             }
         }
         float d = CPU_F16(x->d);
         for (int r = 0; r < mr; r++)
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * a[r * nb + b].d),
-                                     acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
+                                     _mm256_set1_ps(d * a[r * nb + b].d), acc[r]);
     }
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
@@ -768,12 +807,12 @@ _Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows"
 static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
                        float *out)
 {
-#define BY_MR(call_with)                                                                         \
-    switch (mr) {                                                                                \
-    case 1: call_with(1); break;                                                                 \
-    case 2: call_with(2); break;                                                                 \
-    case 3: call_with(3); break;                                                                 \
-    default: call_with(4); break;                                                                \
+#define BY_MR(call_with)                                                                           \
+    switch (mr) {                                                                                  \
+    case 1: call_with(1); break;                                                                   \
+    case 2: call_with(2); break;                                                                   \
+    case 3: call_with(3); break;                                                                   \
+    default: call_with(4); break;                                                                  \
     }
 #define Q4_K(n) dot_q4_k_like(w, K, a, n, 0, out)
 #define Q5_K(n) dot_q4_k_like(w, K, a, n, 1, out)

@@ -53,8 +53,8 @@ INLINE float quantize_block512(const float *xb, __m512i *i0, __m512i *i1)
 {
     const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f);
     __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, x0),
-                                                    _mm512_andnot_ps(sign, x1)));
+    float amax = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_andnot_ps(sign, x0), _mm512_andnot_ps(sign, x1)));
     float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
     __m512 v0 = _mm512_mul_ps(x0, _mm512_set1_ps(id)), v1 = _mm512_mul_ps(x1, _mm512_set1_ps(id));
     *i0 = _mm512_cvttps_epi32(_mm512_add_ps(v0, _mm512_or_ps(_mm512_and_ps(v0, sign), half)));
@@ -77,7 +77,8 @@ INLINE void prep_pair512(const float *x, act_group *gr, kern_layout layout)
     q = _mm512_inserti32x4(q, nib ? A1 : B0, 2);
     q = _mm512_inserti32x4(q, B1, 3);
     /* each lane's sum of its 4 signed quants */
-    __m512i lane = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), q), _mm512_set1_epi16(1));
+    __m512i lane = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), q),
+                                     _mm512_set1_epi16(1));
     _mm512_storeu_si512(gr->neg8sum, _mm512_mullo_epi32(lane, _mm512_set1_epi32(-8)));
     if (layout == KERN_NATURAL_BIASED)
         q = _mm512_xor_si512(q, _mm512_set1_epi8((char)0x80));
@@ -200,7 +201,8 @@ INLINE __m256i nibbles256(const uint8_t *qs)
 /* acc + per 4-byte lane sum of u8 a x s8 b */
 INLINE __m256i dot256(__m256i acc, __m256i a, __m256i b)
 {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc,
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
 #endif
 
@@ -210,7 +212,8 @@ INLINE __m512i dot512(__m512i acc, __m512i a, __m512i b)
 #ifdef KERN_VNNI
     return _mm512_dpbusd_epi32(acc, a, b);
 #else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
+    return _mm512_add_epi32(acc,
+                            _mm512_madd_epi16(_mm512_maddubs_epi16(a, b), _mm512_set1_epi16(1)));
 #endif
 }
 
@@ -238,7 +241,7 @@ INLINE __m512i nibbles_pair(const uint8_t *qa, const uint8_t *qb)
 #endif
 
 /* One tile for one block type. W_T: the block struct; the body macros differ by type. */
-#define BLK(T, w, i, b) ((const T *)((w) + (size_t)(i) * wstride) + (b))
+#define BLK(T, w, i, b) ((const T *)((w) + (size_t)(i)*wstride) + (b))
 
 /* Each tile function below: sums[i][r] over all blocks, then the same scalar tail. */
 
@@ -475,9 +478,9 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
 #ifdef KERN_VNNI
             /* x is stored as x + 128: start each lane at -128 x (sum of its 4 weights) */
             wv[i] = raw;
-            wc[i] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(),
-                                                         _mm512_set1_epi8((char)0x80), raw));
+            wc[i] = _mm512_sub_epi32(
+                _mm512_setzero_si512(),
+                _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8((char)0x80), raw));
 #else
             wv[i] = _mm512_abs_epi8(raw);
             wc[i] = raw; /* keeps the signs */
@@ -579,7 +582,8 @@ INLINE __m512 load_w16(loom_dtype wt, const unsigned char *p, int64_t k)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k)));
     if (wt == LOOM_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k))), 16));
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k))),
+            16));
     return _mm512_loadu_ps((const float *)p + k);
 }
 #elif defined(__AVX2__)
@@ -589,20 +593,21 @@ INLINE __m256 load_w8(loom_dtype wt, const unsigned char *p, int64_t k)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k)));
     if (wt == LOOM_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))), 16));
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + k))),
+            16));
     return _mm256_loadu_ps((const float *)p + k);
 }
 #endif
 
 INLINE float w_at(loom_dtype wt, const unsigned char *p, int64_t k)
 {
-    return wt == LOOM_F16    ? f16(((const uint16_t *)p)[k])
-           : wt == LOOM_BF16 ? loom_bf16_to_f32(((const uint16_t *)p)[k])
-                             : ((const float *)p)[k];
+    return wt == LOOM_F16 ? f16(((const uint16_t *)p)[k])
+        : wt == LOOM_BF16 ? loom_bf16_to_f32(((const uint16_t *)p)[k])
+                          : ((const float *)p)[k];
 }
 
-INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride,
-                       const float *const *x, int64_t K, float *out, const int NR, const int MR)
+INLINE void float_tile(loom_dtype wt, const unsigned char *w, size_t wstride, const float *const *x,
+                       int64_t K, float *out, const int NR, const int MR)
 {
     float sums[KERN_NR][KERN_MR] = {{0}};
     int64_t k = 0;
@@ -755,12 +760,12 @@ typedef __m256 vflt;
 #endif
 
 /* one instantiation of an interleaved tile per count of activation rows */
-#define RI_MR_CASES(tile)                                                                         \
-    switch (mr) {                                                                                 \
-    case 1: tile(w, nb, a, out, 1); break;                                                        \
-    case 2: tile(w, nb, a, out, 2); break;                                                        \
-    case 3: tile(w, nb, a, out, 3); break;                                                        \
-    default: tile(w, nb, a, out, 4); break;                                                       \
+#define RI_MR_CASES(tile)                                                                          \
+    switch (mr) {                                                                                  \
+    case 1: tile(w, nb, a, out, 1); break;                                                         \
+    case 2: tile(w, nb, a, out, 2); break;                                                         \
+    case 3: tile(w, nb, a, out, 3); break;                                                         \
+    default: tile(w, nb, a, out, 4); break;                                                        \
     }
 
 /* Q4_0 and Q4_1 (HAS_MIN) records (kern.h): the scales, Q4_1's minimums, then the nibbles */
@@ -940,7 +945,8 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
     }
     UNROLL
     for (int r = 0; r < MR; r++)
-        V_STORE_F(out + r * KERN_RI, V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
+        V_STORE_F(out + r * KERN_RI,
+                  V_ADD_F(V_ADD_F(acc[r][0], acc[r][1]), V_ADD_F(acc[r][2], acc[r][3])));
 }
 
 /* column k (at p) of NG groups against MR activation rows */
@@ -1000,11 +1006,11 @@ INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride
 }
 
 #define HALF_RI_CASES(WT)                                                                          \
-    switch (mr) {                                                                                 \
-    case 1: half_ri_tile(WT, w, K, x, out, 1); break;                                             \
-    case 2: half_ri_tile(WT, w, K, x, out, 2); break;                                             \
-    case 3: half_ri_tile(WT, w, K, x, out, 3); break;                                             \
-    default: half_ri_tile(WT, w, K, x, out, 4); break;                                            \
+    switch (mr) {                                                                                  \
+    case 1: half_ri_tile(WT, w, K, x, out, 1); break;                                              \
+    case 2: half_ri_tile(WT, w, K, x, out, 2); break;                                              \
+    case 3: half_ri_tile(WT, w, K, x, out, 3); break;                                              \
+    default: half_ri_tile(WT, w, K, x, out, 4); break;                                             \
     }
 
 void kern_f16_ri(const unsigned char *w, int64_t K, const float *const *x, int mr, float *out)
@@ -1018,24 +1024,26 @@ void kern_bf16_ri(const unsigned char *w, int64_t K, const float *const *x, int 
 }
 
 #define HALF_RI_N_MR(WT, NG)                                                                       \
-    switch (mr) {                                                                                 \
-    case 2: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 2); break;                              \
-    case 3: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 3); break;                              \
-    default: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 4); break;                             \
+    switch (mr) {                                                                                  \
+    case 2: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 2); break;                               \
+    case 3: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 3); break;                               \
+    default: half_ri_tile_n(WT, w, gstride, K, x, out, NG, 4); break;                              \
     }
 #if KERN_RI_GROUPS > 2
 #define HALF_RI_N_CASES(WT)                                                                        \
-    switch (ng) {                                                                                 \
-    case 2: HALF_RI_N_MR(WT, 2) break;                                                            \
-    case 3: HALF_RI_N_MR(WT, 3) break;                                                            \
-    default: HALF_RI_N_MR(WT, 4) break;                                                           \
+    switch (ng) {                                                                                  \
+    case 2: HALF_RI_N_MR(WT, 2) break;                                                             \
+    case 3: HALF_RI_N_MR(WT, 3) break;                                                             \
+    default: HALF_RI_N_MR(WT, 4) break;                                                            \
     }
 #else
-#define HALF_RI_N_CASES(WT) (void)ng; HALF_RI_N_MR(WT, 2)
+#define HALF_RI_N_CASES(WT)                                                                        \
+    (void)ng;                                                                                      \
+    HALF_RI_N_MR(WT, 2)
 #endif
 
-void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
-                   const float *const *x, int mr, float *out)
+void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K, const float *const *x,
+                   int mr, float *out)
 {
     HALF_RI_N_CASES(LOOM_F16)
 }
@@ -1050,16 +1058,24 @@ void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
 
 /* ---- Dispatch: one instantiation per tile size --------------------------------------------- */
 
-#define TILE_CASES(CALL)                                                                          \
-    switch ((nr - 1) * KERN_MR + (mr - 1)) {                                                      \
-    case 0: CALL(1, 1); break;  case 1: CALL(1, 2); break;                                        \
-    case 2: CALL(1, 3); break;  case 3: CALL(1, 4); break;                                        \
-    case 4: CALL(2, 1); break;  case 5: CALL(2, 2); break;                                        \
-    case 6: CALL(2, 3); break;  case 7: CALL(2, 4); break;                                        \
-    case 8: CALL(3, 1); break;  case 9: CALL(3, 2); break;                                        \
-    case 10: CALL(3, 3); break; case 11: CALL(3, 4); break;                                       \
-    case 12: CALL(4, 1); break; case 13: CALL(4, 2); break;                                       \
-    case 14: CALL(4, 3); break; default: CALL(4, 4); break;                                       \
+#define TILE_CASES(CALL)                                                                           \
+    switch ((nr - 1) * KERN_MR + (mr - 1)) {                                                       \
+    case 0: CALL(1, 1); break;                                                                     \
+    case 1: CALL(1, 2); break;                                                                     \
+    case 2: CALL(1, 3); break;                                                                     \
+    case 3: CALL(1, 4); break;                                                                     \
+    case 4: CALL(2, 1); break;                                                                     \
+    case 5: CALL(2, 2); break;                                                                     \
+    case 6: CALL(2, 3); break;                                                                     \
+    case 7: CALL(2, 4); break;                                                                     \
+    case 8: CALL(3, 1); break;                                                                     \
+    case 9: CALL(3, 2); break;                                                                     \
+    case 10: CALL(3, 3); break;                                                                    \
+    case 11: CALL(3, 4); break;                                                                    \
+    case 12: CALL(4, 1); break;                                                                    \
+    case 13: CALL(4, 2); break;                                                                    \
+    case 14: CALL(4, 3); break;                                                                    \
+    default: CALL(4, 4); break;                                                                    \
     }
 
 #define Q4_0_CALL(N, M) q4_0_tile(w, wstride, a, m0, out, N, M)

@@ -58,7 +58,8 @@ static void *worker(void *arg)
     pool *p = w->p;
     int ith = w->ith;
     free(w);
-    unsigned seen = 0; /* generation starts at 0; a job posted before this thread ran is not missed */
+    unsigned seen =
+        0; /* generation starts at 0; a job posted before this thread ran is not missed */
     for (;;) {
         long start = now_ns();
         int spins = 0;

@@ -109,11 +109,13 @@ static inline void cpu_axpy(float a, const float *x, float *y, int64_t n)
 #if defined(__AVX512F__)
     __m512 av = _mm512_set1_ps(a);
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+        _mm512_storeu_ps(y + i,
+                         _mm512_fmadd_ps(av, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
 #elif defined(__AVX2__)
     __m256 av = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i,
+                         _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
 #endif
     for (; i < n; i++)
         y[i] += a * x[i];
@@ -150,13 +152,17 @@ static inline void cpu_axpy_f16(float a, const uint16_t *x, float *y, int64_t n)
 #if defined(__AVX512F__)
     __m512 av = _mm512_set1_ps(a);
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(y + i, _mm512_fmadd_ps(av, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
-                                                _mm512_loadu_ps(y + i)));
+        _mm512_storeu_ps(
+            y + i,
+            _mm512_fmadd_ps(av, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + i))),
+                            _mm512_loadu_ps(y + i)));
 #elif defined(__F16C__)
     __m256 av = _mm256_set1_ps(a);
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
-                                                _mm256_loadu_ps(y + i)));
+        _mm256_storeu_ps(y + i,
+                         _mm256_fmadd_ps(av,
+                                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))),
+                                         _mm256_loadu_ps(y + i)));
 #endif
     for (; i < n; i++)
         y[i] += a * CPU_F16(x[i]);
@@ -197,7 +203,8 @@ static inline __m256 cpu_exp256(__m256 x)
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     /* 2^n in two halves, so n = 128 (x near 88.72) still gives finite factors */
     __m256i ni = _mm256_cvtps_epi32(n), h = _mm256_srai_epi32(ni, 1);
-    __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+    __m256 s1 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
     __m256 s2 = _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
     return _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
@@ -252,16 +259,16 @@ static inline void cpu_silu_mul_row(const float *a, const float *b, float *y, in
     for (; i + 16 <= n; i += 16) {
         __m512 x = _mm512_loadu_ps(a + i);
         __m512 e = cpu_exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)),
-                                              _mm512_loadu_ps(b + i)));
+        _mm512_storeu_ps(
+            y + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(b + i)));
     }
 #elif defined(__AVX2__)
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; i + 8 <= n; i += 8) {
         __m256 x = _mm256_loadu_ps(a + i);
         __m256 e = cpu_exp256(_mm256_sub_ps(_mm256_setzero_ps(), x));
-        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)),
-                                              _mm256_loadu_ps(b + i)));
+        _mm256_storeu_ps(
+            y + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(b + i)));
     }
 #endif
     for (; i < n; i++)
@@ -304,8 +311,10 @@ static inline void cpu_q8_0_to_f32(const loom_block_q8_0 *x, float *y, int64_t n
 #if defined(__AVX512F__)
         __m512 dv = _mm512_set1_ps(d);
         for (int h = 0; h < 2; h++)
-            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                               _mm_loadu_si128((const __m128i *)(x[b].qs + 16 * h))))));
+            _mm512_storeu_ps(y + 16 * h,
+                             _mm512_mul_ps(dv,
+                                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                               (const __m128i *)(x[b].qs + 16 * h))))));
 #else
         for (int j = 0; j < LOOM_QK; j++)
             y[j] = x[b].qs[j] * d;
@@ -355,7 +364,7 @@ static inline unsigned char *cpu_row(const loom_tensor *t, unsigned char *base, 
 {
     int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
     return base + t->offset + (uint64_t)i1 * t->nb[1] + (uint64_t)i2 * t->nb[2] +
-           (uint64_t)i3 * t->nb[3];
+        (uint64_t)i3 * t->nb[3];
 }
 
 #endif

@@ -40,8 +40,9 @@ static int load_driver(driver_api *d, char *why, size_t why_size)
     memset(d, 0, sizeof *d);
     d->lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
     if (!d->lib) {
-        snprintf(why, why_size, "no driver: libcuda.so.1 cannot be loaded (no NVIDIA driver "
-                                "installed on this machine)");
+        snprintf(why, why_size,
+                 "no driver: libcuda.so.1 cannot be loaded (no NVIDIA driver "
+                 "installed on this machine)");
         return -1;
     }
     d->init = (cu_init_fn)dlsym(d->lib, "cuInit");
@@ -52,8 +53,8 @@ static int load_driver(driver_api *d, char *why, size_t why_size)
     d->total_mem = (cu_mem_fn)dlsym(d->lib, "cuDeviceTotalMem_v2");
     d->attribute = (cu_attr_fn)dlsym(d->lib, "cuDeviceGetAttribute");
     d->error_string = (cu_err_fn)dlsym(d->lib, "cuGetErrorString");
-    if (!d->init || !d->driver_version || !d->device_count || !d->device_get ||
-        !d->device_name || !d->total_mem || !d->attribute) {
+    if (!d->init || !d->driver_version || !d->device_count || !d->device_get || !d->device_name ||
+        !d->total_mem || !d->attribute) {
         snprintf(why, why_size, "no driver: libcuda.so.1 lacks the driver API this module needs");
         dlclose(d->lib);
         return -1;
@@ -87,7 +88,8 @@ static void probe_devices(const driver_api *d, loom_probe_result *out)
         snprintf(out->reason, sizeof out->reason,
                  "driver too old: it supports CUDA %d.%d, this module was built with CUDA %d.%d "
                  "(update the NVIDIA driver or build loom with an older toolkit)",
-                 version / 1000, version % 1000 / 10, CUDA_VERSION / 1000, CUDA_VERSION % 1000 / 10);
+                 version / 1000, version % 1000 / 10, CUDA_VERSION / 1000,
+                 CUDA_VERSION % 1000 / 10);
         return;
     }
     int count = 0;
@@ -120,7 +122,8 @@ static void probe_devices(const driver_api *d, loom_probe_result *out)
         else if (!too_old[0])
             snprintf(too_old, sizeof too_old,
                      "%s is sm_%d; this module was built for sm_%d and newer "
-                     "(configure --with-cuda-arch)", info->name, sm, LOOM_CUDA_MIN_SM);
+                     "(configure --with-cuda-arch)",
+                     info->name, sm, LOOM_CUDA_MIN_SM);
     }
     if (!usable) {
         snprintf(out->reason, sizeof out->reason, "no usable device: %s", too_old);
@@ -132,7 +135,8 @@ static void probe_devices(const driver_api *d, loom_probe_result *out)
     if (!blas) {
         snprintf(out->reason, sizeof out->reason,
                  "no cuBLAS: %s cannot be loaded (install the CUDA %d runtime libraries or add "
-                 "their directory to LD_LIBRARY_PATH)", LOOM_CUBLAS_SONAME, CUDA_VERSION / 1000);
+                 "their directory to LD_LIBRARY_PATH)",
+                 LOOM_CUBLAS_SONAME, CUDA_VERSION / 1000);
         return;
     }
     dlclose(blas);

@@ -56,7 +56,7 @@
 #define cudaSuccess hipSuccess
 /* HIP has no *_sync shuffles; its wavefront runs all lanes together anyway */
 #define __shfl_xor_sync(mask, v, lane_mask) __shfl_xor((v), (lane_mask), 32)
-#define LOOM_LAUNCH(kernel, grid, block, shared, stream, ...)                                 \
+#define LOOM_LAUNCH(kernel, grid, block, shared, stream, ...)                                      \
     hipLaunchKernelGGL(kernel, grid, block, shared, stream, __VA_ARGS__)
 #define LOOM_DYNAMIC_SHARED(type, name) HIP_DYNAMIC_SHARED(type, name)
 
@@ -65,11 +65,30 @@
 #define LOOM_GPU_PLATFORM "HIP-CPU"
 /* What HIP-CPU lacks: round-to-nearest arithmetic (the emulated build is compiled with
  * -ffp-contract=off, so these are exact) and bit casts. */
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float __fsub_rn(float a, float b) { return a - b; }
-static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+static inline float __fmul_rn(float a, float b)
+{
+    return a * b;
+}
+static inline float __fadd_rn(float a, float b)
+{
+    return a + b;
+}
+static inline float __fsub_rn(float a, float b)
+{
+    return a - b;
+}
+static inline float __uint_as_float(unsigned u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f)
+{
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
 #else
 #define LOOM_GPU_PLATFORM "HIP"
 #endif
@@ -79,7 +98,7 @@ static inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4);
 #include <cuda_runtime.h>
 
 #define LOOM_GPU_PLATFORM "CUDA"
-#define LOOM_LAUNCH(kernel, grid, block, shared, stream, ...)                                 \
+#define LOOM_LAUNCH(kernel, grid, block, shared, stream, ...)                                      \
     kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #define LOOM_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif

@@ -45,8 +45,8 @@ struct scratch {
 
 #if LOOM_GPU_BLAS
 /* spelled out: C++ sees two overloads of cublasGemmEx (compute type as enum or data type) */
-typedef cublasStatus_t (*gemm_ex_fn)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int,
-                                     int, int, const void *, const void *, cudaDataType, int,
+typedef cublasStatus_t (*gemm_ex_fn)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                     int, const void *, const void *, cudaDataType, int,
                                      const void *, cudaDataType, int, const void *, void *,
                                      cudaDataType, int, cublasComputeType_t, cublasGemmAlgo_t);
 
@@ -99,26 +99,27 @@ static loom_status cuda_fail(cuda_backend *cb, cudaError_t e, const char *what)
         size_t free_b = 0, total = 0;
         (void)cudaGetLastError();
         (void)cudaMemGetInfo(&free_b, &total);
-        return fail(cb, LOOM_ERR_OUT_OF_MEMORY, "%s: " LOOM_GPU_PLATFORM " device %d (%s) is out of memory "
-                    "(%zu MiB free of %zu MiB)", what, cb->device, cb->device_name, free_b >> 20,
-                    total >> 20);
+        return fail(cb, LOOM_ERR_OUT_OF_MEMORY,
+                    "%s: " LOOM_GPU_PLATFORM " device %d (%s) is out of memory "
+                    "(%zu MiB free of %zu MiB)",
+                    what, cb->device, cb->device_name, free_b >> 20, total >> 20);
     }
-    return fail(cb, LOOM_ERR_DEVICE, "%s: " LOOM_GPU_PLATFORM " device %d: %s (%s)", what, cb->device,
-                cudaGetErrorString(e), cudaGetErrorName(e));
+    return fail(cb, LOOM_ERR_DEVICE, "%s: " LOOM_GPU_PLATFORM " device %d: %s (%s)", what,
+                cb->device, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
-#define CUDA_TRY(cb, call, what)                                                               \
-    do {                                                                                       \
-        cudaError_t e_ = (call);                                                               \
-        if (e_ != cudaSuccess)                                                                 \
-            return cuda_fail(cb, e_, what);                                                    \
+#define CUDA_TRY(cb, call, what)                                                                   \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return cuda_fail(cb, e_, what);                                                        \
     } while (0)
 
-#define TRY(expr)                                                                              \
-    do {                                                                                       \
-        loom_status st_ = (expr);                                                              \
-        if (st_ != LOOM_OK)                                                                    \
-            return st_;                                                                        \
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        loom_status st_ = (expr);                                                                  \
+        if (st_ != LOOM_OK)                                                                        \
+            return st_;                                                                            \
     } while (0)
 
 /* The runtime's current device is per host thread, and the engine may call from a thread other
@@ -149,14 +150,20 @@ static loom_status collect_device_error(cuda_backend *cb)
         return fail(cb, LOOM_ERR_INVALID, "get_rows: id %lld at %lld is outside [0, %lld)", value,
                     where, limit);
     case LOOM_OP_KV_STORE:
-        return fail(cb, LOOM_ERR_INVALID, "kv_store: slot %lld (token %lld) is outside the "
-                    "cache's %lld slots", value, where, limit);
+        return fail(cb, LOOM_ERR_INVALID,
+                    "kv_store: slot %lld (token %lld) is outside the "
+                    "cache's %lld slots",
+                    value, where, limit);
     default:
         if (where < 0)
-            return fail(cb, LOOM_ERR_INVALID, "attention: block id %lld in the block table is "
-                        "outside the cache's %lld blocks", value, limit);
-        return fail(cb, LOOM_ERR_INVALID, "attention: token %lld has a sequence or position "
-                    "(%lld) outside the block table (limit %lld)", where, value, limit);
+            return fail(cb, LOOM_ERR_INVALID,
+                        "attention: block id %lld in the block table is "
+                        "outside the cache's %lld blocks",
+                        value, limit);
+        return fail(cb, LOOM_ERR_INVALID,
+                    "attention: token %lld has a sequence or position "
+                    "(%lld) outside the block table (limit %lld)",
+                    where, value, limit);
     }
 }
 
@@ -190,16 +197,24 @@ static loom_status check_tensor(cuda_backend *cb, const loom_tensor *t, const ch
         return fail(cb, LOOM_ERR_INVALID, "%s: missing tensor or buffer", what);
     uint64_t extent = loom_tensor_extent(t);
     if (extent == UINT64_MAX)
-        return fail(cb, LOOM_ERR_INVALID, "%s: malformed %s tensor (negative dims or rows of "
-                    "partial blocks)", what, loom_dtype_name(t->dtype));
+        return fail(cb, LOOM_ERR_INVALID,
+                    "%s: malformed %s tensor (negative dims or rows of "
+                    "partial blocks)",
+                    what, loom_dtype_name(t->dtype));
     if (t->offset > t->buf->size || extent > t->buf->size - t->offset)
-        return fail(cb, LOOM_ERR_INVALID, "%s: tensor spans bytes [%llu, %llu) but its buffer "
-                    "holds %llu", what, (unsigned long long)t->offset,
-                    (unsigned long long)(t->offset + extent), (unsigned long long)t->buf->size);
-    uint64_t align = loom_dtype_block_elems(t->dtype) > 1 ? 2 : (uint64_t)loom_dtype_block_bytes(t->dtype);
+        return fail(cb, LOOM_ERR_INVALID,
+                    "%s: tensor spans bytes [%llu, %llu) but its buffer "
+                    "holds %llu",
+                    what, (unsigned long long)t->offset, (unsigned long long)(t->offset + extent),
+                    (unsigned long long)t->buf->size);
+    uint64_t align = loom_dtype_block_elems(t->dtype) > 1
+        ? 2
+        : (uint64_t)loom_dtype_block_bytes(t->dtype);
     if (t->offset % align || t->nb[1] % align || t->nb[2] % align || t->nb[3] % align)
-        return fail(cb, LOOM_ERR_INVALID, "%s: offset and strides must be multiples of %llu bytes "
-                    "for %s", what, (unsigned long long)align, loom_dtype_name(t->dtype));
+        return fail(cb, LOOM_ERR_INVALID,
+                    "%s: offset and strides must be multiples of %llu bytes "
+                    "for %s",
+                    what, (unsigned long long)align, loom_dtype_name(t->dtype));
     return LOOM_OK;
 }
 
@@ -219,7 +234,7 @@ static tview view_of(const loom_tensor *t)
 static int aligned16(const loom_tensor *t)
 {
     return ((uintptr_t)(t->buf->dev + t->offset)) % 16 == 0 && t->nb[1] % 16 == 0 &&
-           t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
+        t->nb[2] % 16 == 0 && t->nb[3] % 16 == 0;
 }
 
 /* A grid for kernels that loop over (rows, elements of a row). */
@@ -227,8 +242,12 @@ static void row_grid(int64_t n, int64_t rows, dim3 *grid, dim3 *block)
 {
     *block = dim3(256);
     int64_t gx = (n + 255) / 256;
-    *grid = dim3((unsigned)(gx < 1 ? 1 : gx > 1024 ? 1024 : gx),
-                 (unsigned)(rows < 1 ? 1 : rows > 65535 ? 65535 : rows));
+    *grid = dim3((unsigned)(gx < 1          ? 1
+                                : gx > 1024 ? 1024
+                                            : gx),
+                 (unsigned)(rows < 1           ? 1
+                                : rows > 65535 ? 65535
+                                               : rows));
 }
 
 static const float *f32_ptr(const loom_tensor *t)
@@ -242,10 +261,11 @@ template <int WT>
 static void launch_gemv(cuda_backend *cb, bool vec, const loom_matmul_params *p, int64_t M,
                         int64_t K, int64_t N)
 {
-    dim3 grid((unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS),
-              (unsigned)(((M + GEMV_MR - 1) / GEMV_MR) > 65535 ? 65535 : (M + GEMV_MR - 1) / GEMV_MR));
-    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t, int64_t) =
-        vec ? k_gemv<WT, true> : k_gemv<WT, false>;
+    dim3 grid(
+        (unsigned)((N + GEMV_WARPS - 1) / GEMV_WARPS),
+        (unsigned)(((M + GEMV_MR - 1) / GEMV_MR) > 65535 ? 65535 : (M + GEMV_MR - 1) / GEMV_MR));
+    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t,
+                   int64_t) = vec ? k_gemv<WT, true> : k_gemv<WT, false>;
     LOOM_LAUNCH(kernel, grid, GEMV_WARPS * WARP, 0, cb->stream, view_of(p->x), view_of(p->w),
                 f32_ptr(p->bias), view_of(p->y), M, K, N);
 }
@@ -257,7 +277,7 @@ static loom_status gemv(cuda_backend *cb, const loom_matmul_params *p, int64_t M
     int64_t elem = loom_dtype_block_bytes(wt);
     /* 16-byte loads need aligned rows of whole 16-byte groups, for weights and activations */
     bool vec = aligned16(p->x) && K % 4 == 0 &&
-               (loom_dtype_is_block(wt) || (aligned16(p->w) && (K * elem) % 16 == 0));
+        (loom_dtype_is_block(wt) || (aligned16(p->w) && (K * elem) % 16 == 0));
     switch (wt) {
     case LOOM_F32: launch_gemv<LOOM_F32>(cb, vec, p, M, K, N); break;
     case LOOM_F16: launch_gemv<LOOM_F16>(cb, vec, p, M, K, N); break;
@@ -265,8 +285,9 @@ static loom_status gemv(cuda_backend *cb, const loom_matmul_params *p, int64_t M
     case LOOM_Q8_0: launch_gemv<LOOM_Q8_0>(cb, vec, p, M, K, N); break;
     case LOOM_Q4_0: launch_gemv<LOOM_Q4_0>(cb, vec, p, M, K, N); break;
     case LOOM_Q4_1: launch_gemv<LOOM_Q4_1>(cb, vec, p, M, K, N); break;
-#define GEMV(T) case T: launch_gemv<T>(cb, vec, p, M, K, N); break;
-    LOOM_GPU_NEW_QUANTS(GEMV)
+#define GEMV(T)                                                                                    \
+    case T: launch_gemv<T>(cb, vec, p, M, K, N); break;
+        LOOM_GPU_NEW_QUANTS(GEMV)
 #undef GEMV
     default: return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(wt));
     }
@@ -299,7 +320,7 @@ static tview dense_view(void *p, int64_t row_bytes, int64_t n, int64_t rows)
 static int uniform_rows(const loom_tensor *t)
 {
     return (t->ne[2] <= 1 || t->nb[2] == t->nb[1] * (uint64_t)t->ne[1]) &&
-           (t->ne[3] <= 1 || t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
+        (t->ne[3] <= 1 || t->nb[3] == t->nb[2] * (uint64_t)t->ne[2]);
 }
 
 /* Y = X W^T through cuBLAS. Column-major view: Y^T (N x M) = W (K x N)^T . X^T (K x M). */
@@ -363,9 +384,10 @@ static loom_status gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M
                                           ab_type, (int)ldx, &zero, y_ptr + n0, CUDA_R_32F,
                                           (int)ldy, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
         if (bs != CUBLAS_STATUS_SUCCESS)
-            return fail(cb, LOOM_ERR_DEVICE, "matmul: cublasGemmEx failed with status %d "
-                        "(M=%lld N=%lld K=%lld, %s weights)", (int)bs, (long long)M,
-                        (long long)nc, (long long)K, loom_dtype_name(wt));
+            return fail(cb, LOOM_ERR_DEVICE,
+                        "matmul: cublasGemmEx failed with status %d "
+                        "(M=%lld N=%lld K=%lld, %s weights)",
+                        (int)bs, (long long)M, (long long)nc, (long long)K, loom_dtype_name(wt));
     }
     if (!y_direct || p->bias) {
         dim3 grid, block;
@@ -373,10 +395,10 @@ static loom_status gemm(cuda_backend *cb, const loom_matmul_params *p, int64_t M
         tview dense = y_direct ? view_of(p->y) : dense_view(y_ptr, N * 4, N, M);
         if (y_direct) /* bias only: y += bias in place */
             LOOM_LAUNCH(k_elementwise, grid, block, 0, cb->stream, EW_ADD, dense, view_of(p->bias),
-                                                          dense, N, M, 1, 0.0f);
+                        dense, N, M, 1, 0.0f);
         else
-            LOOM_LAUNCH(k_store_rows, grid, block, 0, cb->stream, y_ptr, view_of(p->y), f32_ptr(p->bias),
-                                                         N, M);
+            LOOM_LAUNCH(k_store_rows, grid, block, 0, cb->stream, y_ptr, view_of(p->y),
+                        f32_ptr(p->bias), N, M);
         TRY(launched(cb, "matmul (epilogue)"));
     }
     return LOOM_OK;
@@ -387,8 +409,10 @@ template <int WT>
 static void launch_tiled(cuda_backend *cb, const loom_matmul_params *p, int64_t M, int64_t K,
                          int64_t N)
 {
-    dim3 grid((unsigned)((N + GEMM_TILE - 1) / GEMM_TILE), (unsigned)((M + GEMM_TILE - 1) / GEMM_TILE));
-    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t, int64_t) = k_gemm_tiled<WT>;
+    dim3 grid((unsigned)((N + GEMM_TILE - 1) / GEMM_TILE),
+              (unsigned)((M + GEMM_TILE - 1) / GEMM_TILE));
+    void (*kernel)(tview, tview, const float *, tview, int64_t, int64_t,
+                   int64_t) = k_gemm_tiled<WT>;
     LOOM_LAUNCH(kernel, grid, 256, 0, cb->stream, view_of(p->x), view_of(p->w), f32_ptr(p->bias),
                 view_of(p->y), M, K, N);
 }
@@ -403,10 +427,12 @@ static loom_status tiled_gemm(cuda_backend *cb, const loom_matmul_params *p, int
     case LOOM_Q8_0: launch_tiled<LOOM_Q8_0>(cb, p, M, K, N); break;
     case LOOM_Q4_0: launch_tiled<LOOM_Q4_0>(cb, p, M, K, N); break;
     case LOOM_Q4_1: launch_tiled<LOOM_Q4_1>(cb, p, M, K, N); break;
-#define TILED(T) case T: launch_tiled<T>(cb, p, M, K, N); break;
-    LOOM_GPU_NEW_QUANTS(TILED)
+#define TILED(T)                                                                                   \
+    case T: launch_tiled<T>(cb, p, M, K, N); break;
+        LOOM_GPU_NEW_QUANTS(TILED)
 #undef TILED
-    default: return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(p->w->dtype));
+    default:
+        return fail(cb, LOOM_ERR_UNSUPPORTED, "matmul: %s weights", loom_dtype_name(p->w->dtype));
     }
     return launched(cb, "matmul (tiled)");
 }
@@ -430,7 +456,7 @@ static loom_status cuda_matmul(loom_backend *be, const loom_matmul_params *p)
         return gemv(cb, p, M, K, N);
 #if LOOM_GPU_BLAS
     bool fits_blas = M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX &&
-                     (int64_t)p->x->nb[1] / 4 <= INT32_MAX && (int64_t)p->y->nb[1] / 4 <= INT32_MAX;
+        (int64_t)p->x->nb[1] / 4 <= INT32_MAX && (int64_t)p->y->nb[1] / 4 <= INT32_MAX;
     if (fits_blas && uniform_rows(p->w))
         return gemm(cb, p, M, K, N);
 #endif
@@ -458,9 +484,8 @@ static loom_status cuda_get_rows(loom_backend *be, const loom_get_rows_params *p
     TRY(enter(cb));
     dim3 grid, block;
     row_grid(n, n_ids, &grid, &block);
-    LOOM_LAUNCH(k_get_rows, grid, block, 0, cb->stream, view_of(p->src), p->src->dtype, n_rows(p->src),
-                                               view_of(p->ids), view_of(p->dst), n, n_ids,
-                                               cb->err_dev);
+    LOOM_LAUNCH(k_get_rows, grid, block, 0, cb->stream, view_of(p->src), p->src->dtype,
+                n_rows(p->src), view_of(p->ids), view_of(p->dst), n, n_ids, cb->err_dev);
     return launched(cb, "get_rows");
 }
 
@@ -480,9 +505,9 @@ static loom_status norm(cuda_backend *cb, const loom_norm_params *p, int layer)
         return LOOM_OK;
     TRY(enter(cb));
     unsigned grid = (unsigned)(rows > 65535 ? 65535 : rows);
-    LOOM_LAUNCH(k_norm, grid, n >= 1024 ? 512 : 128, 0, cb->stream, 
-        view_of(p->x), f32_ptr(p->weight), layer ? f32_ptr(p->bias) : NULL, view_of(p->dst), n,
-        rows, p->eps, layer);
+    LOOM_LAUNCH(k_norm, grid, n >= 1024 ? 512 : 128, 0, cb->stream, view_of(p->x),
+                f32_ptr(p->weight), layer ? f32_ptr(p->bias) : NULL, view_of(p->dst), n, rows,
+                p->eps, layer);
     return launched(cb, "norm");
 }
 
@@ -513,9 +538,9 @@ static loom_status cuda_rope(loom_backend *be, const loom_rope_params *p)
     TRY(enter(cb));
     int64_t pairs = rows * (hd / 2), blocks = (pairs + 255) / 256;
     tview pos2 = p->mode == LOOM_ROPE_GLM_2D ? view_of(p->pos2) : view_of(p->pos);
-    LOOM_LAUNCH(k_rope, (unsigned)(blocks > 65535 ? 65535 : blocks), 256, 0, cb->stream, 
-        view_of(p->x), view_of(p->dst), view_of(p->pos), pos2, p->mode, p->n_rot, hd, heads, rows,
-        (double)p->freq_base, (double)p->freq_scale);
+    LOOM_LAUNCH(k_rope, (unsigned)(blocks > 65535 ? 65535 : blocks), 256, 0, cb->stream,
+                view_of(p->x), view_of(p->dst), view_of(p->pos), pos2, p->mode, p->n_rot, hd, heads,
+                rows, (double)p->freq_base, (double)p->freq_scale);
     return launched(cb, "rope");
 }
 
@@ -537,8 +562,8 @@ static loom_status elementwise(cuda_backend *cb, const loom_elementwise_params *
     dim3 grid, block;
     row_grid(n, rows, &grid, &block);
     LOOM_LAUNCH(k_elementwise, grid, block, 0, cb->stream, kind, view_of(p->a),
-                                                  binary ? view_of(p->b) : view_of(p->a),
-                                                  view_of(p->dst), n, rows, broadcast, p->scale);
+                binary ? view_of(p->b) : view_of(p->a), view_of(p->dst), n, rows, broadcast,
+                p->scale);
     return launched(cb, "elementwise");
 }
 
@@ -580,14 +605,14 @@ static loom_status cuda_kv_store(loom_backend *be, const loom_kv_store_params *p
     TRY(enter(cb));
     if (c->dtype == LOOM_Q8_0) {
         int64_t warps = tokens * kvh * (hd / LOOM_QK), blocks = (warps + 7) / 8;
-        LOOM_LAUNCH(k_kv_store_q8, (unsigned)(blocks > 65535 ? 65535 : blocks), 8 * WARP, 0, cb->stream, 
-            view_of(p->src), view_of(p->slots), view_of(c), hd, kvh, tokens, n_slots, cb->err_dev);
+        LOOM_LAUNCH(k_kv_store_q8, (unsigned)(blocks > 65535 ? 65535 : blocks), 8 * WARP, 0,
+                    cb->stream, view_of(p->src), view_of(p->slots), view_of(c), hd, kvh, tokens,
+                    n_slots, cb->err_dev);
     } else {
         dim3 grid, block;
         row_grid(hd, tokens * kvh, &grid, &block);
-        LOOM_LAUNCH(k_kv_store, grid, block, 0, cb->stream, view_of(p->src), view_of(p->slots), view_of(c),
-                                                   c->dtype, hd, kvh, tokens, n_slots,
-                                                   cb->err_dev);
+        LOOM_LAUNCH(k_kv_store, grid, block, 0, cb->stream, view_of(p->src), view_of(p->slots),
+                    view_of(c), c->dtype, hd, kvh, tokens, n_slots, cb->err_dev);
     }
     return launched(cb, "kv_store");
 }
@@ -603,11 +628,11 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     const char *bad = loom_check_attention(p);
     if (bad)
         return fail(cb, LOOM_ERR_INVALID, "%s", bad);
-    const loom_tensor *const parts[] = {p->q, p->k_cache, p->v_cache, p->block_table, p->seq,
-                                        p->pos, p->dst};
-    static const char *const names[] = {"attention q", "attention k_cache", "attention v_cache",
-                                        "attention block_table", "attention seq", "attention pos",
-                                        "attention dst"};
+    const loom_tensor *const parts[] = {p->q,   p->k_cache, p->v_cache, p->block_table,
+                                        p->seq, p->pos,     p->dst};
+    static const char *const names[] = {
+        "attention q",   "attention k_cache", "attention v_cache", "attention block_table",
+        "attention seq", "attention pos",     "attention dst"};
     for (int i = 0; i < 7; i++)
         TRY(check_tensor(cb, parts[i], names[i]));
     if (p->prefix_len)
@@ -634,8 +659,10 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     while (attention_shared(a.hd, gb, tile) > ATTN_SHARED_MAX && gb > 1)
         gb /= 2;
     if (attention_shared(a.hd, gb, tile) > ATTN_SHARED_MAX)
-        return fail(cb, LOOM_ERR_UNSUPPORTED, "attention: head_dim %lld is too large for the "
-                    "CUDA kernel", (long long)a.hd);
+        return fail(cb, LOOM_ERR_UNSUPPORTED,
+                    "attention: head_dim %lld is too large for the "
+                    "CUDA kernel",
+                    (long long)a.hd);
     a.gb = gb;
     a.tile = tile;
     a.chunks = (int)((a.group + gb - 1) / gb);
@@ -650,8 +677,10 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     a.split_len = ((max_keys + splits - 1) / splits + tile - 1) / tile * tile;
     a.splits = (int)((max_keys + a.split_len - 1) / a.split_len);
     if (tokens > INT32_MAX || a.kvh * a.chunks > 65535)
-        return fail(cb, LOOM_ERR_UNSUPPORTED, "attention: %lld tokens x %lld kv heads is too "
-                    "large a grid", (long long)tokens, (long long)a.kvh);
+        return fail(cb, LOOM_ERR_UNSUPPORTED,
+                    "attention: %lld tokens x %lld kv heads is too "
+                    "large a grid",
+                    (long long)tokens, (long long)a.kvh);
     TRY(enter(cb));
     if (a.splits > 1)
         TRY(grow(cb, &cb->part, (size_t)(tokens * a.heads * a.splits * (a.hd + 2)) * sizeof(float),
@@ -675,7 +704,8 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     if (a.splits > 1) {
         int64_t rows = tokens * a.heads;
         unsigned threads = a.hd >= 256 ? 256 : (unsigned)((a.hd + WARP - 1) / WARP * WARP);
-        LOOM_LAUNCH(k_attn_combine, (unsigned)(rows > 65535 ? 65535 : rows), threads, 0, cb->stream, a, tokens);
+        LOOM_LAUNCH(k_attn_combine, (unsigned)(rows > 65535 ? 65535 : rows), threads, 0, cb->stream,
+                    a, tokens);
         TRY(launched(cb, "attention (combine)"));
     }
     return LOOM_OK;
@@ -695,8 +725,8 @@ static loom_status cuda_quantize(loom_backend *be, const loom_convert_params *p)
     TRY(enter(cb));
     dim3 grid, block;
     row_grid(n_blocks, rows, &grid, &block);
-    LOOM_LAUNCH(k_quantize, grid, block, 0, cb->stream, view_of(p->src), view_of(p->dst), p->dst->dtype,
-                                               n_blocks, rows);
+    LOOM_LAUNCH(k_quantize, grid, block, 0, cb->stream, view_of(p->src), view_of(p->dst),
+                p->dst->dtype, n_blocks, rows);
     return launched(cb, "quantize");
 }
 
@@ -711,7 +741,8 @@ static loom_status convert_op(cuda_backend *cb, const loom_convert_params *p, lo
     if (n == 0 || rows == 0)
         return LOOM_OK;
     TRY(enter(cb));
-    return convert_rows(cb, view_of(p->src), p->src->dtype, view_of(p->dst), p->dst->dtype, n, rows);
+    return convert_rows(cb, view_of(p->src), p->src->dtype, view_of(p->dst), p->dst->dtype, n,
+                        rows);
 }
 
 static loom_status cuda_dequantize(loom_backend *be, const loom_convert_params *p)
@@ -771,7 +802,7 @@ static loom_status cuda_buffer_alloc(loom_backend *be, uint64_t size, loom_buffe
         return fail(cb, LOOM_ERR_OUT_OF_MEMORY, "out of host memory");
     uint64_t cap = size ? (size + 255) / 256 * 256 : 256;
     cudaError_t e = size > (1ull << 50) ? cudaErrorMemoryAllocation
-                                         : cudaMalloc((void **)&b->dev, (size_t)cap);
+                                        : cudaMalloc((void **)&b->dev, (size_t)cap);
     if (e == cudaErrorMemoryAllocation && cb->cached && size <= (1ull << 50)) {
         (void)cudaGetLastError();
         release_cache(cb); /* cudaFree waits for the device, so nothing cached is in use */
@@ -833,8 +864,10 @@ static loom_status cuda_copy_from_host(loom_backend *be, loom_buffer *dst, uint6
         int slot;
         TRY(take_staging(cb, &slot, "copy_from_host"));
         memcpy(cb->staging[slot], (const char *)src + done, (size_t)n);
-        CUDA_TRY(cb, cudaMemcpyAsync(dst->dev + off + done, cb->staging[slot], (size_t)n,
-                                     cudaMemcpyHostToDevice, cb->stream), "copy_from_host");
+        CUDA_TRY(cb,
+                 cudaMemcpyAsync(dst->dev + off + done, cb->staging[slot], (size_t)n,
+                                 cudaMemcpyHostToDevice, cb->stream),
+                 "copy_from_host");
         CUDA_TRY(cb, cudaEventRecord(cb->staging_done[slot], cb->stream), "copy_from_host");
         cb->staging_busy[slot] = 1;
         done += n;
@@ -852,8 +885,10 @@ static loom_status cuda_copy_to_host(loom_backend *be, void *dst, loom_buffer *s
         uint64_t n = size - done < STAGING_BYTES ? size - done : STAGING_BYTES;
         int slot;
         TRY(take_staging(cb, &slot, "copy_to_host"));
-        CUDA_TRY(cb, cudaMemcpyAsync(cb->staging[slot], src->dev + off + done, (size_t)n,
-                                     cudaMemcpyDeviceToHost, cb->stream), "copy_to_host");
+        CUDA_TRY(cb,
+                 cudaMemcpyAsync(cb->staging[slot], src->dev + off + done, (size_t)n,
+                                 cudaMemcpyDeviceToHost, cb->stream),
+                 "copy_to_host");
         CUDA_TRY(cb, cudaStreamSynchronize(cb->stream), "copy_to_host");
         memcpy((char *)dst + done, cb->staging[slot], (size_t)n);
         done += n;
@@ -876,12 +911,16 @@ static loom_status cuda_copy_buffer(loom_backend *be, loom_buffer *dst, uint64_t
     if (dst == src && doff < soff + size && soff < doff + size) {
         /* overlapping ranges: memmove semantics through scratch */
         TRY(grow(cb, &cb->out, (size_t)size, "copy_buffer"));
-        CUDA_TRY(cb, cudaMemcpyAsync(cb->out.p, from, (size_t)size, cudaMemcpyDeviceToDevice,
-                                     cb->stream), "copy_buffer");
+        CUDA_TRY(
+            cb,
+            cudaMemcpyAsync(cb->out.p, from, (size_t)size, cudaMemcpyDeviceToDevice, cb->stream),
+            "copy_buffer");
         from = cb->out.p;
     }
-    CUDA_TRY(cb, cudaMemcpyAsync(dst->dev + doff, from, (size_t)size, cudaMemcpyDeviceToDevice,
-                                 cb->stream), "copy_buffer");
+    CUDA_TRY(
+        cb,
+        cudaMemcpyAsync(dst->dev + doff, from, (size_t)size, cudaMemcpyDeviceToDevice, cb->stream),
+        "copy_buffer");
     return LOOM_OK;
 }
 
@@ -999,7 +1038,8 @@ static int open_device(cuda_backend *cb, char *err, size_t err_size)
     int count = 0;
     cudaError_t e = cudaGetDeviceCount(&count);
     if (e != cudaSuccess) {
-        snprintf(err, err_size, "no usable " LOOM_GPU_PLATFORM " device: %s", cudaGetErrorString(e));
+        snprintf(err, err_size, "no usable " LOOM_GPU_PLATFORM " device: %s",
+                 cudaGetErrorString(e));
         return -1;
     }
     if (cb->device < 0 || cb->device >= count) {
@@ -1014,7 +1054,8 @@ static int open_device(cuda_backend *cb, char *err, size_t err_size)
         (e = cudaHostAlloc((void **)&cb->err_host, sizeof(dev_error), cudaHostAllocMapped)) !=
             cudaSuccess ||
         (e = cudaHostGetDevicePointer((void **)&cb->err_dev, cb->err_host, 0)) != cudaSuccess) {
-        snprintf(err, err_size, LOOM_GPU_PLATFORM " device %d: %s", cb->device, cudaGetErrorString(e));
+        snprintf(err, err_size, LOOM_GPU_PLATFORM " device %d: %s", cb->device,
+                 cudaGetErrorString(e));
         return -1;
     }
     snprintf(cb->device_name, sizeof cb->device_name, "%s", prop.name);
@@ -1033,7 +1074,7 @@ static int open_device(cuda_backend *cb, char *err, size_t err_size)
 }
 
 extern "C" loom_status loom_gpu_open(const loom_backend_options *opts, loom_backend **out,
-                                      char *err, size_t err_size)
+                                     char *err, size_t err_size)
 {
     cuda_backend *cb = (cuda_backend *)calloc(1, sizeof *cb);
     if (!cb) {

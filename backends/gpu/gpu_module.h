@@ -13,7 +13,7 @@ extern "C" {
 /* Opens device opts->device: the runtime, a stream, the BLAS where there is one. Defined in
  * gpu_backend.cu, which the cuda and hip modules each compile. */
 loom_status loom_gpu_open(const loom_backend_options *opts, loom_backend **out, char *err,
-                           size_t err_size);
+                          size_t err_size);
 
 #ifdef __cplusplus
 }

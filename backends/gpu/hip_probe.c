@@ -50,8 +50,10 @@ static void hip_probe(loom_probe_result *out)
         if (ok)
             usable++;
         else if (!unbuilt[0])
-            snprintf(unbuilt, sizeof unbuilt, "%.64s is %.40s; this module was built for %.60s "
-                     "(configure --with-hip-arch)", prop.name, prop.gcnArchName, LOOM_HIP_ARCHS);
+            snprintf(unbuilt, sizeof unbuilt,
+                     "%.64s is %.40s; this module was built for %.60s "
+                     "(configure --with-hip-arch)",
+                     prop.name, prop.gcnArchName, LOOM_HIP_ARCHS);
     }
     if (!usable) {
         snprintf(out->reason, sizeof out->reason, "no usable device: %s", unbuilt);

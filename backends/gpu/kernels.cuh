@@ -22,13 +22,13 @@
 #define WARP 32
 
 struct tview {
-    char *p;                  /* buffer address + tensor offset */
-    int64_t ne0, ne1, ne2;    /* ne3 is implied by the row count */
+    char *p;               /* buffer address + tensor offset */
+    int64_t ne0, ne1, ne2; /* ne3 is implied by the row count */
     int64_t nb1, nb2, nb3;
 };
 
 struct dev_error {
-    int code;  /* 0: none; else the loom_op that failed */
+    int code; /* 0: none; else the loom_op that failed */
     long long value, limit, where;
 };
 
@@ -75,9 +75,11 @@ __device__ __forceinline__ uint16_t u16_at(const char *p)
 }
 
 /* The ABI 1.2 weight types, for the switches that instantiate a kernel per type */
+/* clang-format off */
 #define LOOM_GPU_NEW_QUANTS(X)                                                                   \
     X(LOOM_Q5_0) X(LOOM_Q5_1) X(LOOM_IQ4_NL) X(LOOM_Q2_K) X(LOOM_Q3_K) X(LOOM_Q4_K) X(LOOM_Q5_K) \
     X(LOOM_Q6_K) X(LOOM_IQ4_XS)
+/* clang-format on */
 
 /* Bytes per block of a quantised dtype (the header's helper is host-only). */
 __host__ __device__ __forceinline__ int64_t block_bytes(int dt)
@@ -116,7 +118,8 @@ __device__ __forceinline__ float iq4_value(int k)
 
 __device__ float quant_elem(int dt, const char *row, int64_t i)
 {
-    int j = (int)(i % (dt == LOOM_Q5_0 || dt == LOOM_Q5_1 || dt == LOOM_IQ4_NL ? LOOM_QK : LOOM_QK_K));
+    int j = (int)(i %
+                  (dt == LOOM_Q5_0 || dt == LOOM_Q5_1 || dt == LOOM_IQ4_NL ? LOOM_QK : LOOM_QK_K));
     switch (dt) {
     case LOOM_Q5_0:
     case LOOM_Q5_1: { /* byte j % 16: element j % 16 low, j % 16 + 16 high; qh: the fifth bits */
@@ -181,7 +184,8 @@ __device__ float quant_elem(int dt, const char *row, int64_t i)
     case LOOM_IQ4_XS: {
         const loom_block_iq4_xs *b = block_of<loom_block_iq4_xs>(row, i, LOOM_QK_K);
         int s = j / 32, l = j % 32;
-        int ls = ((b->scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) | ((b->scales_h >> (2 * s)) & 3) << 4;
+        int ls = ((b->scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) |
+            ((b->scales_h >> (2 * s)) & 3) << 4;
         const uint8_t *q = b->qs + 16 * s;
         return f16_bits(b->d) * (float)(ls - 32) * iq4_value(l < 16 ? q[l] & 0x0f : q[l - 16] >> 4);
     }
@@ -351,8 +355,8 @@ __global__ void k_get_rows(tview src, int sdt, int64_t src_rows, tview ids, tvie
 
 /* One block per row. The mean of squares is taken around the mean (two passes), as the
  * reference does, so rows with a large offset keep their precision. */
-__global__ void k_norm(tview x, const float *w, const float *b, tview dst, int64_t n,
-                       int64_t rows, float eps, int layer)
+__global__ void k_norm(tview x, const float *w, const float *b, tview dst, int64_t n, int64_t rows,
+                       float eps, int layer)
 {
     __shared__ float shared32[WARP];
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -397,8 +401,8 @@ __global__ void k_rope(tview x, tview dst, tview pos, tview pos2, int mode, int 
         } else {
             /* pairs past n_rot/2 copy the unrotated tail, two elements each */
             if (i >= n_rot / 2) {
-                for (int64_t e = n_rot + 2 * (i - n_rot / 2); e < n_rot + 2 * (i - n_rot / 2) + 2 &&
-                                                              e < hd; e++)
+                for (int64_t e = n_rot + 2 * (i - n_rot / 2);
+                     e < n_rot + 2 * (i - n_rot / 2) + 2 && e < hd; e++)
                     dr[e] = xr[e];
                 continue;
             }
@@ -423,8 +427,8 @@ __global__ void k_elementwise(int kind, tview a, tview b, tview dst, int64_t n, 
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const float *ar = (const float *)row_at(a, r);
         const float *br = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL
-                              ? (const float *)row_at(b, broadcast ? 0 : r)
-                              : NULL;
+            ? (const float *)row_at(b, broadcast ? 0 : r)
+            : NULL;
         float *dr = (float *)row_at(dst, r);
         for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n;
              i += (int64_t)gridDim.x * blockDim.x) {
@@ -449,8 +453,7 @@ __global__ void k_elementwise(int kind, tview a, tview b, tview dst, int64_t n, 
  * with a stride of 32 elements (float weights) or 32 blocks (block weights), dequantising in
  * registers; partial sums meet in a shuffle reduction. */
 
-template <int WT>
-__device__ __forceinline__ void dequant_block(const char *blk, float *v)
+template <int WT> __device__ __forceinline__ void dequant_block(const char *blk, float *v)
 {
     if (WT == LOOM_Q8_0) {
         float d = f16_bits(u16_at(blk));
@@ -512,7 +515,7 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
                         for (int e = 0; e < LOOM_QK / 4; e++) {
                             float4 q = xv[e];
                             s += v[4 * e] * q.x + v[4 * e + 1] * q.y + v[4 * e + 2] * q.z +
-                                 v[4 * e + 3] * q.w;
+                                v[4 * e + 3] * q.w;
                         }
                     } else {
                         for (int e = 0; e < LOOM_QK; e++)
@@ -533,8 +536,10 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
                     uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
                     for (int e = 0; e < 4; e++) {
                         uint16_t lo = words[e] & 0xffff, hi = words[e] >> 16;
-                        v[2 * e] = WT == LOOM_F16 ? f16_bits(lo) : __uint_as_float((uint32_t)lo << 16);
-                        v[2 * e + 1] = WT == LOOM_F16 ? f16_bits(hi) : __uint_as_float((uint32_t)hi << 16);
+                        v[2 * e] = WT == LOOM_F16 ? f16_bits(lo)
+                                                  : __uint_as_float((uint32_t)lo << 16);
+                        v[2 * e + 1] = WT == LOOM_F16 ? f16_bits(hi)
+                                                      : __uint_as_float((uint32_t)hi << 16);
                     }
                 }
                 for (int j = 0; j < GEMV_MR; j++) {
@@ -542,7 +547,7 @@ __global__ void __launch_bounds__(GEMV_WARPS *WARP)
                     for (int e = 0; e < per / 4; e++) {
                         float4 q = xv[e];
                         acc[j] += v[4 * e] * q.x + v[4 * e + 1] * q.y + v[4 * e + 2] * q.z +
-                                  v[4 * e + 3] * q.w;
+                            v[4 * e + 3] * q.w;
                     }
                 }
             }
@@ -686,7 +691,7 @@ struct attn_args {
     int gb, chunks, tile, splits;
     int64_t split_len;
     float scale;
-    float *part;       /* [tokens, heads, splits, hd + 2] when splits > 1 */
+    float *part; /* [tokens, heads, splits, hd + 2] when splits > 1 */
     dev_error *err;
 };
 
@@ -724,7 +729,8 @@ __global__ void k_attention(attn_args a)
 
     for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x) {
         int64_t g = i / hd;
-        q_s[i] = g < ng ? ((const float *)row_at(a.q, t * a.heads + h0 + g))[i % hd] * a.scale : 0.0f;
+        q_s[i] = g < ng ? ((const float *)row_at(a.q, t * a.heads + h0 + g))[i % hd] * a.scale
+                        : 0.0f;
         acc_s[i] = 0.0f;
     }
     if (threadIdx.x < G)

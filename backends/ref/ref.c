@@ -36,7 +36,7 @@ struct loom_buffer {
 typedef struct ref_backend {
     loom_backend base;
     char error[512];
-    unsigned char denied[LOOM_OP_COUNT_V1_0][32]; /* LOOM_REF_DENY, by op and dtype */
+    unsigned char denied[LOOM_OP_COUNT_V1_0][32];             /* LOOM_REF_DENY, by op and dtype */
     enum { PREPARE_NONE, PREPARE_COPY, PREPARE_OOM } prepare; /* LOOM_REF_PREPARE */
 } ref_backend;
 
@@ -126,18 +126,18 @@ static float *scratch(size_t n)
     return malloc((n ? n : 1) * sizeof(float));
 }
 
-#define CHECK(expr)                                                                            \
-    do {                                                                                       \
-        loom_status st_ = (expr);                                                              \
-        if (st_ != LOOM_OK)                                                                    \
-            return st_;                                                                        \
+#define CHECK(expr)                                                                                \
+    do {                                                                                           \
+        loom_status st_ = (expr);                                                                  \
+        if (st_ != LOOM_OK)                                                                        \
+            return st_;                                                                            \
     } while (0)
 
-#define REQUIRE_DTYPE(be, t, dt, what)                                                         \
-    do {                                                                                       \
-        if ((t)->dtype != (dt))                                                                \
-            return fail(be, LOOM_ERR_INVALID, "%s must be %s, not %s", what,                   \
-                        loom_dtype_name(dt), loom_dtype_name((t)->dtype));                     \
+#define REQUIRE_DTYPE(be, t, dt, what)                                                             \
+    do {                                                                                           \
+        if ((t)->dtype != (dt))                                                                    \
+            return fail(be, LOOM_ERR_INVALID, "%s must be %s, not %s", what, loom_dtype_name(dt),  \
+                        loom_dtype_name((t)->dtype));                                              \
     } while (0)
 
 #define NO_MEMORY(be) fail(be, LOOM_ERR_OUT_OF_MEMORY, "host out of memory for scratch rows")
@@ -309,8 +309,8 @@ static loom_status ref_rope(loom_backend *be, const loom_rope_params *p)
         return fail(be, LOOM_ERR_INVALID, "rope: %lld positions for %lld tokens",
                     (long long)p->pos->ne[0], (long long)tokens);
     if (p->n_rot <= 0 || p->n_rot % 2 || p->n_rot > hd)
-        return fail(be, LOOM_ERR_INVALID, "rope: n_rot %d must be even and in (0, %lld]",
-                    p->n_rot, (long long)hd);
+        return fail(be, LOOM_ERR_INVALID, "rope: n_rot %d must be even and in (0, %lld]", p->n_rot,
+                    (long long)hd);
     if (p->mode == LOOM_ROPE_GLM_2D) {
         if (!p->pos2 || p->n_rot != hd || hd % 4)
             return fail(be, LOOM_ERR_INVALID,
@@ -473,8 +473,8 @@ static loom_status ref_attention(loom_backend *be, const loom_attention_params *
     REQUIRE_DTYPE(be, p->pos, LOOM_I32, "attention pos");
     const loom_tensor *kc = p->k_cache, *vc = p->v_cache;
     if (!is_cache_dtype(kc->dtype) || vc->dtype != kc->dtype)
-        return fail(be, LOOM_ERR_UNSUPPORTED, "attention: %s/%s cache",
-                    loom_dtype_name(kc->dtype), loom_dtype_name(vc->dtype));
+        return fail(be, LOOM_ERR_UNSUPPORTED, "attention: %s/%s cache", loom_dtype_name(kc->dtype),
+                    loom_dtype_name(vc->dtype));
     int64_t hd = p->q->ne[0], heads = p->q->ne[1], tokens = p->q->ne[2] * p->q->ne[3];
     int64_t kvh = kc->ne[1], bs = kc->ne[2], n_blocks = kc->ne[3];
     int64_t n_seqs = n_rows(p->block_table), max_blocks = p->block_table->ne[0];
@@ -748,7 +748,8 @@ static loom_status ref_prepare_weight(loom_backend *be, const loom_tensor *w, lo
     if (rb->prepare == PREPARE_NONE)
         return fail(be, LOOM_ERR_UNSUPPORTED, "prepare_weight: ref keeps weights as they are");
     if (rb->prepare == PREPARE_OOM)
-        return fail(be, LOOM_ERR_OUT_OF_MEMORY, "prepare_weight: out of memory "
+        return fail(be, LOOM_ERR_OUT_OF_MEMORY,
+                    "prepare_weight: out of memory "
                     "(LOOM_REF_PREPARE=oom)");
     CHECK(check_tensor(be, w, "prepare_weight w"));
     int64_t rows = n_rows(w);
@@ -771,15 +772,15 @@ static void ref_close(loom_backend *be)
     free(be);
 }
 
-#define REF_OPS_COMMON                                                                         \
-    .struct_size = sizeof(loom_backend_ops), .close = ref_close, .last_error = ref_last_error,  \
-    .supports = ref_supports, .buffer_alloc = ref_buffer_alloc, .buffer_free = ref_buffer_free, \
-    .buffer_memset = ref_buffer_memset, .copy_from_host = ref_copy_from_host,                   \
-    .copy_to_host = ref_copy_to_host, .copy_buffer = ref_copy_buffer,                           \
-    .synchronize = ref_synchronize, .matmul = ref_matmul, .get_rows = ref_get_rows,             \
-    .rms_norm = ref_rms_norm, .layer_norm = ref_layer_norm, .rope = ref_rope, .add = ref_add,   \
-    .mul = ref_mul, .scale = ref_scale, .silu_mul = ref_silu_mul, .gelu = ref_gelu,             \
-    .kv_store = ref_kv_store, .attention = ref_attention, .quantize = ref_quantize,             \
+#define REF_OPS_COMMON                                                                             \
+    .struct_size = sizeof(loom_backend_ops), .close = ref_close, .last_error = ref_last_error,     \
+    .supports = ref_supports, .buffer_alloc = ref_buffer_alloc, .buffer_free = ref_buffer_free,    \
+    .buffer_memset = ref_buffer_memset, .copy_from_host = ref_copy_from_host,                      \
+    .copy_to_host = ref_copy_to_host, .copy_buffer = ref_copy_buffer,                              \
+    .synchronize = ref_synchronize, .matmul = ref_matmul, .get_rows = ref_get_rows,                \
+    .rms_norm = ref_rms_norm, .layer_norm = ref_layer_norm, .rope = ref_rope, .add = ref_add,      \
+    .mul = ref_mul, .scale = ref_scale, .silu_mul = ref_silu_mul, .gelu = ref_gelu,                \
+    .kv_store = ref_kv_store, .attention = ref_attention, .quantize = ref_quantize,                \
     .dequantize = ref_dequantize, .convert = ref_convert, .prepare_weight = ref_prepare_weight
 
 static const loom_backend_ops ref_ops_host_visible = {
@@ -811,13 +812,14 @@ static void ref_probe(loom_probe_result *out)
 /* LOOM_REF_DENY: "matmul,attention:f16" denies matmul for every dtype and f16 attention. */
 static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_size)
 {
-    static const loom_dtype dtypes[] = {LOOM_F32, LOOM_F16, LOOM_BF16, LOOM_Q8_0,
+    static const loom_dtype dtypes[] = {LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0,
                                         LOOM_Q4_0, LOOM_Q4_1, LOOM_I32};
     while (*spec) {
         size_t len = strcspn(spec, ","), name_len = strcspn(spec, ",:");
         int op = -1, dt = -1;
         for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
-            if (strlen(loom_op_name((loom_op)i)) == name_len && strncmp(spec, loom_op_name((loom_op)i), name_len) == 0)
+            if (strlen(loom_op_name((loom_op)i)) == name_len &&
+                strncmp(spec, loom_op_name((loom_op)i), name_len) == 0)
                 op = i;
         if (name_len < len) {
             const char *d = spec + name_len + 1;
@@ -828,7 +830,8 @@ static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_s
                     dt = (int)dtypes[i];
         }
         if (op < 0 || (name_len < len && dt < 0)) {
-            snprintf(err, err_size, "LOOM_REF_DENY: '%.*s' is not OP or OP:DTYPE (ops: matmul, "
+            snprintf(err, err_size,
+                     "LOOM_REF_DENY: '%.*s' is not OP or OP:DTYPE (ops: matmul, "
                      "get_rows, rms_norm, ..., convert; dtypes: f32, f16, bf16, q8_0, q4_0, q4_1)",
                      (int)len, spec);
             return -1;

@@ -59,7 +59,7 @@ typedef enum loom_status {
     LOOM_ERR_UNSUPPORTED = 1, /* op, dtype or shape not implemented by this backend */
     LOOM_ERR_INVALID = 2,     /* bad argument: shapes disagree, NULL where required, ... */
     LOOM_ERR_OUT_OF_MEMORY = 3,
-    LOOM_ERR_DEVICE = 4,      /* the device or its driver failed */
+    LOOM_ERR_DEVICE = 4, /* the device or its driver failed */
     LOOM_ERR_INTERNAL = 5,
 } loom_status;
 
@@ -69,12 +69,12 @@ typedef enum loom_status {
 
 typedef enum loom_dtype {
     LOOM_F32 = 0,
-    LOOM_F16 = 1,   /* IEEE binary16 */
-    LOOM_Q4_0 = 2,  /* blocks of 32: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d */
-    LOOM_Q4_1 = 3,  /* blocks of 32: f16 scale d, f16 min m, 16 bytes of nibbles; x = q * d + m */
-    LOOM_Q5_0 = 6,  /* ABI 1.2 on: the types below, laid out in <loom/quants.h> */
+    LOOM_F16 = 1,  /* IEEE binary16 */
+    LOOM_Q4_0 = 2, /* blocks of 32: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d */
+    LOOM_Q4_1 = 3, /* blocks of 32: f16 scale d, f16 min m, 16 bytes of nibbles; x = q * d + m */
+    LOOM_Q5_0 = 6, /* ABI 1.2 on: the types below, laid out in <loom/quants.h> */
     LOOM_Q5_1 = 7,
-    LOOM_Q8_0 = 8,  /* blocks of 32: f16 scale d, 32 int8; x = q * d */
+    LOOM_Q8_0 = 8, /* blocks of 32: f16 scale d, 32 int8; x = q * d */
     LOOM_Q2_K = 10,
     LOOM_Q3_K = 11,
     LOOM_Q4_K = 12,
@@ -90,14 +90,20 @@ typedef enum loom_dtype {
  * and loom itself agree bit for bit on what a half-precision value means. */
 static inline float loom_f32_from_bits(uint32_t u)
 {
-    union { uint32_t u; float f; } v;
+    union {
+        uint32_t u;
+        float f;
+    } v;
     v.u = u;
     return v.f;
 }
 
 static inline uint32_t loom_bits_from_f32(float f)
 {
-    union { float f; uint32_t u; } v;
+    union {
+        float f;
+        uint32_t u;
+    } v;
     v.f = f;
     return v.u;
 }
@@ -169,10 +175,21 @@ static inline uint16_t loom_f32_to_bf16(float f)
 static inline int64_t loom_dtype_block_elems(loom_dtype t)
 {
     switch (t) {
-    case LOOM_F32: case LOOM_F16: case LOOM_BF16: case LOOM_I32: return 1;
-    case LOOM_Q4_0: case LOOM_Q4_1: case LOOM_Q5_0: case LOOM_Q5_1: case LOOM_Q8_0:
+    case LOOM_F32:
+    case LOOM_F16:
+    case LOOM_BF16:
+    case LOOM_I32: return 1;
+    case LOOM_Q4_0:
+    case LOOM_Q4_1:
+    case LOOM_Q5_0:
+    case LOOM_Q5_1:
+    case LOOM_Q8_0:
     case LOOM_IQ4_NL: return LOOM_QK;
-    case LOOM_Q2_K: case LOOM_Q3_K: case LOOM_Q4_K: case LOOM_Q5_K: case LOOM_Q6_K:
+    case LOOM_Q2_K:
+    case LOOM_Q3_K:
+    case LOOM_Q4_K:
+    case LOOM_Q5_K:
+    case LOOM_Q6_K:
     case LOOM_IQ4_XS: return LOOM_QK_K;
     }
     return 0;
@@ -181,8 +198,10 @@ static inline int64_t loom_dtype_block_elems(loom_dtype t)
 static inline int64_t loom_dtype_block_bytes(loom_dtype t)
 {
     switch (t) {
-    case LOOM_F32: case LOOM_I32: return 4;
-    case LOOM_F16: case LOOM_BF16: return 2;
+    case LOOM_F32:
+    case LOOM_I32: return 4;
+    case LOOM_F16:
+    case LOOM_BF16: return 2;
     case LOOM_Q4_0: return (int64_t)sizeof(loom_block_q4_0);
     case LOOM_Q4_1: return (int64_t)sizeof(loom_block_q4_1);
     case LOOM_Q5_0: return (int64_t)sizeof(loom_block_q5_0);
@@ -258,7 +277,7 @@ static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, in
             dst[i] = t == LOOM_F16 ? loom_f16_to_f32(h) : loom_bf16_to_f32(h);
         } else {
             uint32_t u = (uint32_t)p[4 * i] | (uint32_t)p[4 * i + 1] << 8 |
-                         (uint32_t)p[4 * i + 2] << 16 | (uint32_t)p[4 * i + 3] << 24;
+                (uint32_t)p[4 * i + 2] << 16 | (uint32_t)p[4 * i + 3] << 24;
             dst[i] = t == LOOM_I32 ? (float)(int32_t)u : loom_f32_from_bits(u);
         }
     }
@@ -313,12 +332,12 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
 typedef struct loom_buffer loom_buffer; /* opaque, owned by the backend */
 
 typedef struct loom_tensor {
-    loom_buffer *buf;  /* the buffer holding the data */
-    uint64_t offset;   /* byte offset of element (0,0,0,0) in buf */
+    loom_buffer *buf; /* the buffer holding the data */
+    uint64_t offset;  /* byte offset of element (0,0,0,0) in buf */
     loom_dtype dtype;
-    int32_t n_dims;    /* 1..4, for messages; the math uses ne[] */
-    int64_t ne[4];     /* elements per dimension, innermost first */
-    uint64_t nb[4];    /* byte strides per dimension */
+    int32_t n_dims; /* 1..4, for messages; the math uses ne[] */
+    int64_t ne[4];  /* elements per dimension, innermost first */
+    uint64_t nb[4]; /* byte strides per dimension */
 } loom_tensor;
 
 /* ---- Ops ----------------------------------------------------------------------------------
@@ -350,8 +369,9 @@ typedef enum loom_op {
 static inline const char *loom_op_name(loom_op op)
 {
     static const char *const names[LOOM_OP_COUNT_V1_0] = {
-        "matmul", "get_rows", "rms_norm", "layer_norm", "rope", "add", "mul", "scale",
-        "silu_mul", "gelu", "kv_store", "attention", "quantize", "dequantize", "convert"};
+        "matmul",   "get_rows",  "rms_norm", "layer_norm", "rope",
+        "add",      "mul",       "scale",    "silu_mul",   "gelu",
+        "kv_store", "attention", "quantize", "dequantize", "convert"};
     return (unsigned)op < LOOM_OP_COUNT_V1_0 ? names[op] : "?";
 }
 
@@ -368,9 +388,9 @@ typedef struct loom_matmul_params {
 /* dst[i,:] = src[ids[i],:] converted to F32. An id outside [0, rows) is LOOM_ERR_INVALID. */
 typedef struct loom_get_rows_params {
     uint32_t struct_size;
-    const loom_tensor *src;  /* [rows, K] any weight dtype */
-    const loom_tensor *ids;  /* [n] I32 */
-    const loom_tensor *dst;  /* [n, K] F32 */
+    const loom_tensor *src; /* [rows, K] any weight dtype */
+    const loom_tensor *ids; /* [n] I32 */
+    const loom_tensor *dst; /* [n, K] F32 */
 } loom_get_rows_params;
 
 /* Per row of n: rms_norm  y = x / sqrt(mean(x^2) + eps) * weight
@@ -676,8 +696,8 @@ typedef struct loom_device_info {
  * that size. */
 typedef struct loom_probe_result {
     uint32_t struct_size;
-    int32_t score;        /* 0: unusable here; otherwise higher is better (see ARCHITECTURE.md) */
-    char reason[256];     /* when score is 0: why ("no device", "CPU lacks AVX2", ...) */
+    int32_t score;    /* 0: unusable here; otherwise higher is better (see ARCHITECTURE.md) */
+    char reason[256]; /* when score is 0: why ("no device", "CPU lacks AVX2", ...) */
     uint32_t n_devices;
     loom_device_info devices[LOOM_MAX_DEVICES];
 } loom_probe_result;
@@ -687,8 +707,8 @@ typedef struct loom_backend loom_backend;
 /* Options for open. The caller zeroes it and sets struct_size. */
 typedef struct loom_backend_options {
     uint32_t struct_size;
-    int32_t device;      /* device index, 0-based */
-    int32_t n_threads;   /* host threads to use; 0 = the backend's default */
+    int32_t device;    /* device index, 0-based */
+    int32_t n_threads; /* host threads to use; 0 = the backend's default */
     /* ABI 1.3, for decorator modules only (NULL for a backend): */
     loom_backend *inner; /* the opened backend to wrap. The decorator owns it once its open
                           * returns LOOM_OK (its close closes inner), and not before. */
@@ -712,16 +732,13 @@ typedef struct loom_backend_ops {
     uint32_t struct_size;
 
     /* lifetime */
-    void (*close)(loom_backend *be);                      /* stop every thread, free everything */
-    const char *(*last_error)(loom_backend *be);          /* message of the last failure */
+    void (*close)(loom_backend *be);             /* stop every thread, free everything */
+    const char *(*last_error)(loom_backend *be); /* message of the last failure */
 
     /* capabilities */
+    /* nonzero if the op runs with that dtype (W of matmul/get_rows, the cache of
+     * kv_store/attention, the block or target type of quantize/convert, F32 otherwise) */
     int (*supports)(loom_backend *be, loom_op op, loom_dtype weight_or_cache_dtype);
-                                                          /* nonzero if the op runs with that
-                                                             dtype (W of matmul/get_rows, the cache
-                                                             of kv_store/attention, the block or
-                                                             target type of quantize/convert,
-                                                             F32 otherwise) */
     loom_status (*set_threads)(loom_backend *be, int32_t n); /* (optional) default: ignored */
 
     /* buffers. buffer_alloc(0) succeeds with a buffer of no bytes that buffer_free takes. A
@@ -729,25 +746,21 @@ typedef struct loom_backend_ops {
      * changes nothing (buffers and host memory alike). */
     loom_status (*buffer_alloc)(loom_backend *be, uint64_t size, loom_buffer **out);
     void (*buffer_free)(loom_backend *be, loom_buffer *buf);
+    /* (optional) host address of a host-visible buffer, else NULL */
     void *(*buffer_host_ptr)(loom_backend *be, loom_buffer *buf);
-                                                          /* (optional) host address of a
-                                                             host-visible buffer, else NULL */
+    /* (optional) use caller memory (an mmap'd weight file) in place; freed with buffer_free,
+     * which leaves ptr alone */
     loom_status (*buffer_wrap_host)(loom_backend *be, void *ptr, uint64_t size, loom_buffer **out);
-                                                          /* (optional) use caller memory (an mmap'd
-                                                             weight file) in place; freed with
-                                                             buffer_free, which leaves ptr alone */
     loom_status (*buffer_memset)(loom_backend *be, loom_buffer *buf, uint64_t offset, int value,
-                                 uint64_t size);  /* (optional) */
+                                 uint64_t size); /* (optional) */
     loom_status (*copy_from_host)(loom_backend *be, loom_buffer *dst, uint64_t offset,
                                   const void *src, uint64_t size);
     loom_status (*copy_to_host)(loom_backend *be, void *dst, loom_buffer *src, uint64_t offset,
                                 uint64_t size);
+    /* (optional) default: through host memory, copy_to_host then copy_from_host */
     loom_status (*copy_buffer)(loom_backend *be, loom_buffer *dst, uint64_t dst_offset,
                                loom_buffer *src, uint64_t src_offset, uint64_t size);
-                                                          /* (optional) default: through host
-                                                             memory, copy_to_host then
-                                                             copy_from_host */
-    loom_status (*synchronize)(loom_backend *be);          /* wait for every enqueued op */
+    loom_status (*synchronize)(loom_backend *be); /* wait for every enqueued op */
 
     /* ops, in loom_op order */
     loom_status (*matmul)(loom_backend *be, const loom_matmul_params *p);
@@ -768,7 +781,7 @@ typedef struct loom_backend_ops {
 
     /* ABI 1.1 */
     loom_status (*prepare_weight)(loom_backend *be, const loom_tensor *w, loom_tensor *out);
-        /* (optional) A copy of matmul weight w (2-D, dense) in a layout of the backend's own
+    /* (optional) A copy of matmul weight w (2-D, dense) in a layout of the backend's own
          * that its matmul runs faster: rows interleaved to fill vector lanes, say. On LOOM_OK,
          * *out has w's dtype and ne and lives in a new buffer (out->buf, freed with buffer_free);
          * w is untouched and stays usable. A prepared tensor may only be passed whole as
@@ -786,7 +799,7 @@ struct loom_backend {
  * Returned by the entry point; static, valid until the module is unloaded. */
 
 typedef enum loom_module_kind {
-    LOOM_MODULE_BACKEND = 0,   /* runs ops on a device: what selection chooses among */
+    LOOM_MODULE_BACKEND = 0, /* runs ops on a device: what selection chooses among */
     /* ABI 1.3: wraps another opened backend (loom_backend_options.inner) and forwards every
      * call to it, doing something on the way (plugins/trace records each call). Never chosen on
      * its own: loom opens one around the chosen backend when asked to (LOOM_TRACE). Its probe
@@ -796,11 +809,11 @@ typedef enum loom_module_kind {
 
 typedef struct loom_backend_module {
     uint32_t struct_size;
-    uint32_t abi_major;        /* LOOM_BACKEND_ABI_MAJOR the module was built with */
-    uint32_t abi_minor;        /* LOOM_BACKEND_ABI_MINOR the module was built with */
-    const char *name;          /* "cpu", "cuda", "ref": what LOOM_BACKEND matches */
-    const char *variant;       /* "avx2", "" when there is only one build */
-    const char *description;   /* one line for humans */
+    uint32_t abi_major;      /* LOOM_BACKEND_ABI_MAJOR the module was built with */
+    uint32_t abi_minor;      /* LOOM_BACKEND_ABI_MINOR the module was built with */
+    const char *name;        /* "cpu", "cuda", "ref": what LOOM_BACKEND matches */
+    const char *variant;     /* "avx2", "" when there is only one build */
+    const char *description; /* one line for humans */
 
     /* Cheap and free of side effects: no device context, no threads, nothing that outlives the
      * call. Must not execute instructions the probed machine may lack. */
@@ -822,12 +835,12 @@ typedef const loom_backend_module *(*loom_backend_entry_fn)(uint32_t host_major,
 /* Defines the entry point returning &module (a static loom_backend_module), exported under
  * LOOM_BACKEND_ENTRY_SYMBOL: write LOOM_BACKEND_DEFINE_ENTRY(my_module) once in the module
  * and build it with -fvisibility=hidden, so that is all it exports. */
-#define LOOM_BACKEND_DEFINE_ENTRY(module)                                                      \
-    LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,    \
-                                                                      uint32_t host_minor)    \
-    {                                                                                          \
-        (void)host_major, (void)host_minor;                                                    \
-        return &(module);                                                                      \
+#define LOOM_BACKEND_DEFINE_ENTRY(module)                                                          \
+    LOOM_BACKEND_EXPORT const loom_backend_module *loom_backend_entry(uint32_t host_major,         \
+                                                                      uint32_t host_minor)         \
+    {                                                                                              \
+        (void)host_major, (void)host_minor;                                                        \
+        return &(module);                                                                          \
     }
 
 #ifdef __cplusplus

@@ -64,27 +64,27 @@ typedef struct loom_model_options {
     const char *backend_module; /* a backend module file to run on, found or not (conformance,
                                  * a module under development); NULL: choose as above */
     /* Three behaviours, each 1 (on), -1 (off) or 0: as its environment variable says. */
-    int32_t profile; /* time every backend call (the trace plugin, no file), print a per-op
-                      * table when the model closes (LOOM_PROFILE=1) */
-    int32_t repack;  /* offer weights to the backend's own layout, prepare_weight (LOOM_REPACK,
-                      * default on) */
-    int32_t strict;  /* an op the backend lacks is an error, not run on the CPU (LOOM_STRICT=1) */
+    int32_t profile;   /* time every backend call (the trace plugin, no file), print a per-op
+                        * table when the model closes (LOOM_PROFILE=1) */
+    int32_t repack;    /* offer weights to the backend's own layout, prepare_weight (LOOM_REPACK,
+                        * default on) */
+    int32_t strict;    /* an op the backend lacks is an error, not run on the CPU (LOOM_STRICT=1) */
     const char *trace; /* record every backend call into this Chrome trace-event JSON file
                         * (Perfetto, chrome://tracing) and print the per-op table at close,
                         * through the trace plugin; NULL: LOOM_TRACE, if set */
 } loom_model_options;
 
 typedef struct loom_sampling {
-    float temperature;       /* <= 1e-5: greedy */
-    int32_t top_k;           /* 0: off */
-    float top_p;             /* 1: off */
-    float min_p;             /* 0: off */
-    float repeat_penalty;    /* 1: off */
+    float temperature;    /* <= 1e-5: greedy */
+    int32_t top_k;        /* 0: off */
+    float top_p;          /* 1: off */
+    float min_p;          /* 0: off */
+    float repeat_penalty; /* 1: off */
     int32_t repeat_last_n;
     float presence_penalty;
     float frequency_penalty;
     uint64_t seed;
-    int ignore_eos;          /* keep generating past EOS (benchmarks) */
+    int ignore_eos; /* keep generating past EOS (benchmarks) */
 } loom_sampling;
 
 /* The defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no penalties, seed 0. */
@@ -92,7 +92,7 @@ loom_sampling loom_sampling_defaults(void);
 
 typedef struct loom_generation {
     int32_t n_prompt, n_generated;
-    double ttft_ms;          /* time to first token: the prefill plus one sample */
+    double ttft_ms; /* time to first token: the prefill plus one sample */
     double prefill_tok_s, decode_tok_s;
     int stopped_at_eos;
 } loom_generation;
@@ -185,11 +185,11 @@ typedef struct loom_engine_options {
 } loom_engine_options;
 
 typedef enum loom_event_kind {
-    LOOM_EVENT_TEXT,  /* one per generated token (its id), with the text that became final,
+    LOOM_EVENT_TEXT, /* one per generated token (its id), with the text that became final,
                          possibly none (bytes of an unfinished character or of a possible stop
                          string wait); token -1: the held text flushed at the end */
-    LOOM_EVENT_DONE,  /* the last event: finish_reason and counts */
-    LOOM_EVENT_ERROR  /* the last event: error says why */
+    LOOM_EVENT_DONE, /* the last event: finish_reason and counts */
+    LOOM_EVENT_ERROR /* the last event: error says why */
 } loom_event_kind;
 
 typedef struct loom_event {
@@ -209,9 +209,9 @@ typedef void (*loom_event_fn)(void *user, const loom_event *ev);
 typedef struct loom_request {
     const int32_t *prompt;
     int32_t n_prompt;
-    int32_t max_tokens;         /* < 0: up to the end of the context */
+    int32_t max_tokens; /* < 0: up to the end of the context */
     loom_sampling sampling;
-    const char *const *stop;    /* stop strings (copied), none when n_stop is 0 */
+    const char *const *stop; /* stop strings (copied), none when n_stop is 0 */
     int n_stop;
     /* the prefix cache shares KV blocks only between requests of one partition (0: the
      * common one); a server gives each client its own so that cache hits (and their timing)
@@ -224,7 +224,7 @@ typedef struct loom_engine_stats {
     int32_t kv_blocks, kv_used, kv_cached, kv_free, block_size;
     uint64_t prompt_tokens, cached_prompt_tokens, generated_tokens;
     uint64_t requests_done, preemptions, steps;
-    double tokens_per_s;         /* generated, recent average */
+    double tokens_per_s; /* generated, recent average */
 } loom_engine_stats;
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
@@ -258,7 +258,7 @@ size_t loom_utf8_complete(const char *s, size_t n);
 /* ---- Chat templates -------------------------------------------------------------------- */
 
 typedef struct loom_chat_message {
-    const char *role;    /* "system", "user", "assistant" */
+    const char *role; /* "system", "user", "assistant" */
     const char *content;
 } loom_chat_message;
 
@@ -291,8 +291,8 @@ loom_vocab *loom_vocab_open(const char *path, char *err, size_t err_size);
 void loom_vocab_close(loom_vocab *v);
 int32_t loom_vocab_size(const loom_vocab *v);
 /* As loom_tokenize. */
-int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special,
-                          int parse_special, int32_t *ids, int64_t cap);
+int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special, int parse_special,
+                          int32_t *ids, int64_t cap);
 /* The text of token id printed after prev (-1 at the start); bytes written (<= cap), or -1 for
  * an id outside the vocabulary. */
 int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, int cap);

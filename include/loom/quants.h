@@ -35,37 +35,37 @@
  * j + 16 in its high nibble. */
 
 typedef struct loom_block_q4_0 {
-    uint16_t d;               /* f16 scale */
+    uint16_t d; /* f16 scale */
     uint8_t qs[LOOM_QK / 2];
-} loom_block_q4_0;            /* x = (q - 8) * d */
+} loom_block_q4_0; /* x = (q - 8) * d */
 
 typedef struct loom_block_q4_1 {
-    uint16_t d;               /* f16 scale */
-    uint16_t m;               /* f16 minimum */
+    uint16_t d; /* f16 scale */
+    uint16_t m; /* f16 minimum */
     uint8_t qs[LOOM_QK / 2];
-} loom_block_q4_1;            /* x = q * d + m */
+} loom_block_q4_1; /* x = q * d + m */
 
 typedef struct loom_block_q5_0 {
     uint16_t d;
-    uint8_t qh[4];            /* bit j: the fifth bit of element j */
+    uint8_t qh[4]; /* bit j: the fifth bit of element j */
     uint8_t qs[LOOM_QK / 2];
-} loom_block_q5_0;            /* x = (q - 16) * d */
+} loom_block_q5_0; /* x = (q - 16) * d */
 
 typedef struct loom_block_q5_1 {
     uint16_t d, m;
     uint8_t qh[4];
     uint8_t qs[LOOM_QK / 2];
-} loom_block_q5_1;            /* x = q * d + m */
+} loom_block_q5_1; /* x = q * d + m */
 
 typedef struct loom_block_q8_0 {
-    uint16_t d;               /* f16 scale */
+    uint16_t d; /* f16 scale */
     int8_t qs[LOOM_QK];
-} loom_block_q8_0;            /* x = q * d */
+} loom_block_q8_0; /* x = q * d */
 
 typedef struct loom_block_iq4_nl {
     uint16_t d;
     uint8_t qs[LOOM_QK / 2];
-} loom_block_iq4_nl;          /* x = loom_iq4_values[q] * d */
+} loom_block_iq4_nl; /* x = loom_iq4_values[q] * d */
 
 /* Q2_K: 16 sub-blocks of 16; a scale byte each (low nibble: scale, high: min, both times the
  * super-block's d and dmin); 2-bit quants, four sub-blocks' worth per 32 bytes of qs. */
@@ -73,7 +73,7 @@ typedef struct loom_block_q2_k {
     uint8_t scales[LOOM_QK_K / 16];
     uint8_t qs[LOOM_QK_K / 4];
     uint16_t d, dmin;
-} loom_block_q2_k;            /* x = d * sc * q - dmin * m */
+} loom_block_q2_k; /* x = d * sc * q - dmin * m */
 
 /* Q3_K: 16 sub-blocks of 16 with 6-bit signed scales (12 bytes); 2 low bits in qs, the third
  * bit in hmask (set: +0, clear: -4). */
@@ -82,14 +82,14 @@ typedef struct loom_block_q3_k {
     uint8_t qs[LOOM_QK_K / 4];
     uint8_t scales[12];
     uint16_t d;
-} loom_block_q3_k;            /* x = d * (sc - 32) * (q - 4 * !hbit) */
+} loom_block_q3_k; /* x = d * (sc - 32) * (q - 4 * !hbit) */
 
 /* Q4_K and Q5_K: 8 sub-blocks of 32 with a 6-bit scale and a 6-bit min each (12 bytes). */
 typedef struct loom_block_q4_k {
     uint16_t d, dmin;
     uint8_t scales[12];
     uint8_t qs[LOOM_QK_K / 2];
-} loom_block_q4_k;            /* x = d * sc * q - dmin * m */
+} loom_block_q4_k; /* x = d * sc * q - dmin * m */
 
 typedef struct loom_block_q5_k {
     uint16_t d, dmin;
@@ -104,7 +104,7 @@ typedef struct loom_block_q6_k {
     uint8_t qh[LOOM_QK_K / 4];
     int8_t scales[LOOM_QK_K / 16];
     uint16_t d;
-} loom_block_q6_k;            /* x = d * sc * (q - 32) */
+} loom_block_q6_k; /* x = d * sc * (q - 32) */
 
 /* IQ4_XS: 8 sub-blocks of 32 with 6-bit scales (low 4 bits in scales_l, high 2 in scales_h). */
 typedef struct loom_block_iq4_xs {
@@ -112,10 +112,13 @@ typedef struct loom_block_iq4_xs {
     uint16_t scales_h;
     uint8_t scales_l[LOOM_QK_K / 64];
     uint8_t qs[LOOM_QK_K / 2];
-} loom_block_iq4_xs;          /* x = d * (sc - 32) * loom_iq4_values[q] */
+} loom_block_iq4_xs; /* x = d * (sc - 32) * loom_iq4_values[q] */
 
 /* IQ4's 16 non-linear levels (the published table of the IQ4_NL / IQ4_XS formats). */
-#define LOOM_IQ4_VALUES {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+#define LOOM_IQ4_VALUES                                                                            \
+    {                                                                                              \
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113                   \
+    }
 static const int8_t loom_iq4_values[16] = LOOM_IQ4_VALUES;
 
 /* ---- Reference quantisers -------------------------------------------------------------------
@@ -334,7 +337,8 @@ static inline void loom_quantize_row_q5_0(const float *x, loom_block_q5_0 *y, in
             y[b].qh[k] = 0;
         for (int j = 0; j < LOOM_QK / 2; j++) {
             int l0 = d != 0.0f ? loom_clamp_int(loom_round_nearest(x[j] / d), -16, 15) + 16 : 16;
-            int l1 = d != 0.0f ? loom_clamp_int(loom_round_nearest(x[j + 16] / d), -16, 15) + 16 : 16;
+            int l1 = d != 0.0f ? loom_clamp_int(loom_round_nearest(x[j + 16] / d), -16, 15) + 16
+                               : 16;
             y[b].qs[j] = (uint8_t)((l0 & 15) | (l1 & 15) << 4);
             loom_set_q5_high(y[b].qh, j, l0 >> 4);
             loom_set_q5_high(y[b].qh, j + 16, l1 >> 4);
@@ -356,7 +360,8 @@ static inline void loom_quantize_row_q5_1(const float *x, loom_block_q5_1 *y, in
             y[b].qh[k] = 0;
         for (int j = 0; j < LOOM_QK / 2; j++) {
             int l0 = d != 0.0f ? loom_clamp_int(loom_round_nearest((x[j] - mm) / d), 0, 31) : 0;
-            int l1 = d != 0.0f ? loom_clamp_int(loom_round_nearest((x[j + 16] - mm) / d), 0, 31) : 0;
+            int l1 = d != 0.0f ? loom_clamp_int(loom_round_nearest((x[j + 16] - mm) / d), 0, 31)
+                               : 0;
             y[b].qs[j] = (uint8_t)((l0 & 15) | (l1 & 15) << 4);
             loom_set_q5_high(y[b].qh, j, l0 >> 4);
             loom_set_q5_high(y[b].qh, j + 16, l1 >> 4);
@@ -446,9 +451,10 @@ static inline void loom_quantize_row_q2_k(const float *x, loom_block_q2_k *y, in
             y[b].scales[j] = (uint8_t)(qs | qm << 4);
             float dl = d * qs, ml = dmin * qm;
             for (int i = 0; i < 16; i++)
-                L[16 * j + i] = (uint8_t)(dl != 0.0f
-                                    ? loom_clamp_int(loom_round_nearest((x[16 * j + i] + ml) / dl), 0, 3)
-                                    : 0);
+                L[16 * j + i] =
+                    (uint8_t)(dl != 0.0f ? loom_clamp_int(
+                                               loom_round_nearest((x[16 * j + i] + ml) / dl), 0, 3)
+                                         : 0);
         }
         /* element l of sub-block 2s + part of half h sits at bits 2s of qs[32 h + 16 part + l] */
         for (int k = 0; k < LOOM_QK_K / 4; k++)
@@ -482,8 +488,9 @@ static inline void loom_quantize_row_q3_k(const float *x, loom_block_q3_k *y, in
             float dl = d * q;
             for (int i = 0; i < 16; i++)
                 L[16 * j + i] = (int8_t)(dl != 0.0f
-                                    ? loom_clamp_int(loom_round_nearest(x[16 * j + i] / dl), -4, 3)
-                                    : 0);
+                                             ? loom_clamp_int(
+                                                   loom_round_nearest(x[16 * j + i] / dl), -4, 3)
+                                             : 0);
         }
         for (int k = 0; k < LOOM_QK_K / 4; k++)
             y[b].qs[k] = 0;
@@ -504,7 +511,7 @@ static inline void loom_quantize_row_q3_k(const float *x, loom_block_q3_k *y, in
 /* Q4_K / Q5_K: 8 sub-blocks of 32 with unsigned quants (nmax 15 or 31), 6-bit scales and
  * mins packed as loom_k_scale_min reads them. L gets the final quants. */
 static inline void loom_quantize_k_subblocks(const float *x, int nmax, uint16_t *d16,
-                                            uint16_t *dmin16, uint8_t scales[12], uint8_t *L)
+                                             uint16_t *dmin16, uint8_t scales[12], uint8_t *L)
 {
     float w[LOOM_QK_K], sc[8], mn[8];
     loom_fit_weights(x, LOOM_QK_K, w);
@@ -531,9 +538,10 @@ static inline void loom_quantize_k_subblocks(const float *x, int nmax, uint16_t 
         }
         float dl = d * qs, ml = dmin * qm;
         for (int i = 0; i < 32; i++)
-            L[32 * j + i] = (uint8_t)(dl != 0.0f
-                                ? loom_clamp_int(loom_round_nearest((x[32 * j + i] + ml) / dl), 0, nmax)
-                                : 0);
+            L[32 * j + i] =
+                (uint8_t)(dl != 0.0f ? loom_clamp_int(loom_round_nearest((x[32 * j + i] + ml) / dl),
+                                                      0, nmax)
+                                     : 0);
     }
 }
 
@@ -580,8 +588,9 @@ static inline void loom_quantize_row_q6_k(const float *x, loom_block_q6_k *y, in
             float dl = d * q;
             for (int i = 0; i < 16; i++)
                 L[16 * j + i] = (int8_t)(dl != 0.0f
-                                    ? loom_clamp_int(loom_round_nearest(x[16 * j + i] / dl), -32, 31)
-                                    : 0);
+                                             ? loom_clamp_int(
+                                                   loom_round_nearest(x[16 * j + i] / dl), -32, 31)
+                                             : 0);
         }
         /* element l + 32 k of half h: nibble of ql[64 h + l + 32 (k & 1)], low for k < 2; its
          * high bits are pair k of qh[32 h + l] (the inverse of the dequantiser) */
@@ -836,7 +845,7 @@ static inline void loom_dequantize_row_iq4_xs(const loom_block_iq4_xs *x, float 
         float d = loom_f16_to_f32(x[b].d);
         for (int s = 0; s < 8; s++, y += 32) {
             int ls = ((x[b].scales_l[s / 2] >> (4 * (s % 2))) & 0x0f) |
-                     ((x[b].scales_h >> (2 * s)) & 3) << 4;
+                ((x[b].scales_h >> (2 * s)) & 3) << 4;
             float dl = d * (ls - 32);
             const uint8_t *q = x[b].qs + 16 * s;
             for (int j = 0; j < 16; j++) {

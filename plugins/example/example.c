@@ -104,8 +104,8 @@ static loom_status example_copy_from_host(loom_backend *be, loom_buffer *dst, ui
     return st;
 }
 
-static loom_status example_copy_to_host(loom_backend *be, void *dst, loom_buffer *src,
-                                        uint64_t off, uint64_t n)
+static loom_status example_copy_to_host(loom_backend *be, void *dst, loom_buffer *src, uint64_t off,
+                                        uint64_t n)
 {
     loom_status st = in_range(be, src, off, n, "copy_to_host");
     if (st == LOOM_OK && n)
@@ -137,15 +137,15 @@ static unsigned char *row(const loom_tensor *t, int64_t r)
 {
     int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
     return t->buf->data + t->offset + (uint64_t)i1 * t->nb[1] + (uint64_t)i2 * t->nb[2] +
-           (uint64_t)i3 * t->nb[3];
+        (uint64_t)i3 * t->nb[3];
 }
 
 /* The header's argument checks state each op's contract; a malformed call is LOOM_ERR_INVALID. */
-#define CHECK_ARGS(be, what, message)                                                         \
-    do {                                                                                       \
-        const char *m_ = (message);                                                            \
-        if (m_)                                                                                \
-            return fail((be), LOOM_ERR_INVALID, "%s: %s", (what), m_);                         \
+#define CHECK_ARGS(be, what, message)                                                              \
+    do {                                                                                           \
+        const char *m_ = (message);                                                                \
+        if (m_)                                                                                    \
+            return fail((be), LOOM_ERR_INVALID, "%s: %s", (what), m_);                             \
     } while (0)
 
 /* a block type's rows are whole blocks (a file may still claim otherwise) */
@@ -218,12 +218,13 @@ static loom_status binary(loom_backend *be, const loom_elementwise_params *p, lo
     CHECK_ARGS(be, loom_op_name(op), loom_check_elementwise(p, 1, op != LOOM_OP_SILU_MUL));
     int64_t n = p->a->ne[0], rows = loom_tensor_rows(p->a), b_rows = loom_tensor_rows(p->b);
     for (int64_t r = 0; r < rows; r++) {
-        const float *a = (const float *)row(p->a, r), *b = (const float *)row(p->b, b_rows == 1 ? 0 : r);
+        const float *a = (const float *)row(p->a, r),
+                    *b = (const float *)row(p->b, b_rows == 1 ? 0 : r);
         float *y = (float *)row(p->dst, r);
         for (int64_t i = 0; i < n; i++)
-            y[i] = op == LOOM_OP_ADD   ? a[i] + b[i]
-                   : op == LOOM_OP_MUL ? a[i] * b[i]
-                                       : a[i] / (1.0f + expf(-a[i])) * b[i];
+            y[i] = op == LOOM_OP_ADD ? a[i] + b[i]
+                : op == LOOM_OP_MUL  ? a[i] * b[i]
+                                     : a[i] / (1.0f + expf(-a[i])) * b[i];
     }
     return LOOM_OK;
 }

@@ -65,15 +65,15 @@ typedef struct call_stats {
 } call_stats;
 
 typedef struct tracer {
-    loom_backend base;     /* first: loom holds a pointer to this */
-    loom_backend_ops ops;  /* this instance's table: NULL wherever the inner backend's is */
+    loom_backend base;    /* first: loom holds a pointer to this */
+    loom_backend_ops ops; /* this instance's table: NULL wherever the inner backend's is */
     loom_backend *inner;
-    loom_backend_ops in;   /* the inner table, zero past the size it declared */
-    pthread_mutex_t lock;  /* one event at a time, should several threads share the backend */
-    FILE *out;             /* the trace file, or NULL */
-    int summary;           /* print the per-op table at close */
+    loom_backend_ops in;  /* the inner table, zero past the size it declared */
+    pthread_mutex_t lock; /* one event at a time, should several threads share the backend */
+    FILE *out;            /* the trace file, or NULL */
+    int summary;          /* print the per-op table at close */
     char path[1024];
-    double t0_ms;          /* when the trace began */
+    double t0_ms; /* when the trace began */
     uint64_t events;
     call_stats stats[N_CALLS][N_DTYPE_SLOTS];
 } tracer;
@@ -152,7 +152,8 @@ static void record(tracer *t, int call, loom_dtype dtype, double start_ms, const
     s->bytes += a ? a->bytes : 0;
     t->events++;
     if (t->out) {
-        fprintf(t->out, ",\n{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":1,\"tid\":1,"
+        fprintf(t->out,
+                ",\n{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":1,\"tid\":1,"
                 "\"ts\":%.3f,\"dur\":%.3f,\"args\":{",
                 call_name(call), call_category(call), (start_ms - t->t0_ms) * 1e3,
                 (end_ms - start_ms) * 1e3);
@@ -218,8 +219,7 @@ static loom_status t_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer *
     return st;
 }
 
-static loom_status t_buffer_wrap_host(loom_backend *be, void *ptr, uint64_t size,
-                                      loom_buffer **out)
+static loom_status t_buffer_wrap_host(loom_backend *be, void *ptr, uint64_t size, loom_buffer **out)
 {
     tracer *t = as_tracer(be);
     double s = now_ms();
@@ -358,10 +358,12 @@ static loom_status elementwise(loom_backend *be, loom_op op, const loom_elementw
     call_args a = {0};
     arg_tensor(&a, "a", p->a, 1), arg_tensor(&a, "b", p->b, 1);
     arg_tensor(&a, "dst", p->dst, 1);
-    loom_status (*fn)(loom_backend *, const loom_elementwise_params *) =
-        op == LOOM_OP_ADD ? t->in.add : op == LOOM_OP_MUL ? t->in.mul
-        : op == LOOM_OP_SCALE ? t->in.scale : op == LOOM_OP_SILU_MUL ? t->in.silu_mul
-        : t->in.gelu;
+    loom_status (*fn)(loom_backend *, const loom_elementwise_params *) = op == LOOM_OP_ADD
+        ? t->in.add
+        : op == LOOM_OP_MUL      ? t->in.mul
+        : op == LOOM_OP_SCALE    ? t->in.scale
+        : op == LOOM_OP_SILU_MUL ? t->in.silu_mul
+                                 : t->in.gelu;
     double s = now_ms();
     return finish(t, op, LOOM_F32, s, &a, fn(t->inner, p));
 }
@@ -431,9 +433,10 @@ static loom_status convert_like(loom_backend *be, loom_op op, const loom_convert
     tracer *t = as_tracer(be);
     call_args a = {0};
     arg_tensor(&a, "src", p->src, 1), arg_tensor(&a, "dst", p->dst, 1);
-    loom_status (*fn)(loom_backend *, const loom_convert_params *) =
-        op == LOOM_OP_QUANTIZE ? t->in.quantize
-        : op == LOOM_OP_DEQUANTIZE ? t->in.dequantize : t->in.convert;
+    loom_status (*fn)(loom_backend *, const loom_convert_params *) = op == LOOM_OP_QUANTIZE
+        ? t->in.quantize
+        : op == LOOM_OP_DEQUANTIZE ? t->in.dequantize
+                                   : t->in.convert;
     /* the dtype supports() is asked about: the block type, or convert's target */
     const loom_tensor *typed = op == LOOM_OP_DEQUANTIZE ? p->src : p->dst;
     double s = now_ms();
@@ -522,8 +525,8 @@ static void t_close(loom_backend *be)
         fputs("\n],\"otherData\":{\"producer\":\"loom trace plugin\"}}\n", t->out);
         int failed = ferror(t->out);
         if (fclose(t->out) != 0 || failed)
-            fprintf(stderr, "loom trace: writing %s failed: %s; the file is incomplete\n",
-                    t->path, strerror(errno));
+            fprintf(stderr, "loom trace: writing %s failed: %s; the file is incomplete\n", t->path,
+                    strerror(errno));
         t->out = NULL;
     }
     if (t->summary)
@@ -565,7 +568,8 @@ static const loom_backend_ops tracer_ops = {
     .prepare_weight = t_prepare_weight,
 };
 
-static void set_err(char *err, size_t n, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void set_err(char *err, size_t n, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static void set_err(char *err, size_t n, const char *fmt, ...)
 {
     if (!err || !n)
@@ -581,7 +585,8 @@ static loom_status t_open(const loom_backend_options *opts, loom_backend **out, 
 {
     if (opts->struct_size < offsetof(loom_backend_options, config) + sizeof opts->config ||
         !opts->inner || !opts->inner->ops) {
-        set_err(err, err_size, "the trace plugin wraps a backend and cannot run alone: set "
+        set_err(err, err_size,
+                "the trace plugin wraps a backend and cannot run alone: set "
                 "LOOM_TRACE=FILE and loom opens it around the backend it chose");
         return LOOM_ERR_INVALID;
     }
@@ -593,8 +598,7 @@ static loom_status t_open(const loom_backend_options *opts, loom_backend **out, 
     const loom_backend_ops *in = opts->inner->ops;
     memcpy(&t->in, in, in->struct_size < sizeof t->in ? in->struct_size : sizeof t->in);
     if (!t->in.close || !t->in.last_error || !t->in.supports || !t->in.buffer_alloc ||
-        !t->in.buffer_free || !t->in.copy_from_host || !t->in.copy_to_host ||
-        !t->in.synchronize) {
+        !t->in.buffer_free || !t->in.copy_from_host || !t->in.copy_to_host || !t->in.synchronize) {
         set_err(err, err_size, "the backend to trace lacks a required member of its table");
         free(t);
         return LOOM_ERR_INVALID;
@@ -616,22 +620,40 @@ static loom_status t_open(const loom_backend_options *opts, loom_backend **out, 
     t->inner = opts->inner;
     t->ops = tracer_ops;
     /* whatever the inner table lacks, this one lacks too, so loom sees the same capabilities */
-#define SAME_AS_INNER(member)                                                                  \
-    if (!t->in.member)                                                                         \
-        t->ops.member = NULL;
-    SAME_AS_INNER(set_threads) SAME_AS_INNER(buffer_host_ptr) SAME_AS_INNER(buffer_wrap_host)
-    SAME_AS_INNER(buffer_memset) SAME_AS_INNER(copy_buffer) SAME_AS_INNER(matmul)
-    SAME_AS_INNER(get_rows) SAME_AS_INNER(rms_norm) SAME_AS_INNER(layer_norm) SAME_AS_INNER(rope)
-    SAME_AS_INNER(add) SAME_AS_INNER(mul) SAME_AS_INNER(scale) SAME_AS_INNER(silu_mul)
-    SAME_AS_INNER(gelu) SAME_AS_INNER(kv_store) SAME_AS_INNER(attention) SAME_AS_INNER(quantize)
-    SAME_AS_INNER(dequantize) SAME_AS_INNER(convert) SAME_AS_INNER(prepare_weight)
+#define SAME_AS_INNER(member)                                                                      \
+    do {                                                                                           \
+        if (!t->in.member)                                                                         \
+            t->ops.member = NULL;                                                                  \
+    } while (0)
+    SAME_AS_INNER(set_threads);
+    SAME_AS_INNER(buffer_host_ptr);
+    SAME_AS_INNER(buffer_wrap_host);
+    SAME_AS_INNER(buffer_memset);
+    SAME_AS_INNER(copy_buffer);
+    SAME_AS_INNER(matmul);
+    SAME_AS_INNER(get_rows);
+    SAME_AS_INNER(rms_norm);
+    SAME_AS_INNER(layer_norm);
+    SAME_AS_INNER(rope);
+    SAME_AS_INNER(add);
+    SAME_AS_INNER(mul);
+    SAME_AS_INNER(scale);
+    SAME_AS_INNER(silu_mul);
+    SAME_AS_INNER(gelu);
+    SAME_AS_INNER(kv_store);
+    SAME_AS_INNER(attention);
+    SAME_AS_INNER(quantize);
+    SAME_AS_INNER(dequantize);
+    SAME_AS_INNER(convert);
+    SAME_AS_INNER(prepare_weight);
 #undef SAME_AS_INNER
     t->base.ops = &t->ops;
     t->t0_ms = now_ms();
     if (t->out)
         fputs("{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n"
               "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":1,\"tid\":1,"
-              "\"args\":{\"name\":\"loom backend\"}}", t->out);
+              "\"args\":{\"name\":\"loom backend\"}}",
+              t->out);
     *out = &t->base;
     return LOOM_OK;
 }

@@ -54,7 +54,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
                                               ids, 8192);
             char piece[512];
             for (int64_t i = 0; i < n && i < 8192; i++) {
-                int len = loom_tokenizer_piece(toks[k], i ? ids[i - 1] : -1, ids[i], piece, sizeof piece);
+                int len = loom_tokenizer_piece(toks[k], i ? ids[i - 1] : -1, ids[i], piece,
+                                               sizeof piece);
                 if (len < 0)
                     __builtin_trap(); /* an id the encoder produced must decode */
             }

@@ -11,7 +11,8 @@ static void emulated_probe(loom_probe_result *out)
 {
     out->score = 2; /* above ref, below every CPU variant: chosen only by name */
     out->n_devices = 1;
-    snprintf(out->devices[0].name, sizeof out->devices[0].name, "HIP-CPU (GPU kernels on the host)");
+    snprintf(out->devices[0].name, sizeof out->devices[0].name,
+             "HIP-CPU (GPU kernels on the host)");
     snprintf(out->devices[0].detail, sizeof out->devices[0].detail, "emulated, for testing");
 }
 

@@ -149,11 +149,10 @@ static loom_status b_kv_store(loom_backend *be, const loom_kv_store_params *p)
             continue;
         for (int64_t h = 0; h < kvh; h++) {
             uint64_t at = KIND("kvdense") /* rows of hd floats, [slot][head], no padding */
-                              ? c->offset + ((uint64_t)slot * (uint64_t)kvh + (uint64_t)h) *
-                                                (uint64_t)hd * sizeof(float)
-                              : c->offset + (uint64_t)h * c->nb[1] +
-                                    (uint64_t)(slot % c->ne[2]) * c->nb[2] +
-                                    (uint64_t)(slot / c->ne[2]) * c->nb[3];
+                ? c->offset +
+                    ((uint64_t)slot * (uint64_t)kvh + (uint64_t)h) * (uint64_t)hd * sizeof(float)
+                : c->offset + (uint64_t)h * c->nb[1] + (uint64_t)(slot % c->ne[2]) * c->nb[2] +
+                    (uint64_t)(slot / c->ne[2]) * c->nb[3];
             memcpy(c->buf->data + at, row_f32(p->src, t * kvh + h), (size_t)hd * sizeof(float));
         }
     }

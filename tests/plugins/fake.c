@@ -54,8 +54,8 @@ static void fake_free(loom_backend *be, loom_buffer *b)
     free(b);
 }
 
-static loom_status fake_from_host(loom_backend *be, loom_buffer *dst, uint64_t off,
-                                  const void *src, uint64_t n)
+static loom_status fake_from_host(loom_backend *be, loom_buffer *dst, uint64_t off, const void *src,
+                                  uint64_t n)
 {
     (void)be;
     if (off > dst->size || n > dst->size - off)
