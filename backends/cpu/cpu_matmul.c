@@ -42,8 +42,11 @@ typedef struct mm_job {
     kern_ri_fn kri;           /* its kernel (Q4_0), or NULL */
     kern_float_ri_fn kfri;    /* an interleaved F16/BF16 W's kernel, or NULL */
     kern_float_ri_n_fn kfrin; /* its several-group kernel for several X rows */
-    uint32_t **xpairs;        /* X as BF16 pairs, for a W in BF16 column pairs */
-    uint64_t group_bytes;     /* an interleaved W's bytes per group of KERN_RI rows */
+#ifdef KERN_WIDEN_MR
+    kern_half_ri_widen_fn kwiden; /* ... and for many X rows: W widened to f32 a block at a time */
+#endif
+    uint32_t **xpairs;    /* X as BF16 pairs, for a W in BF16 column pairs */
+    uint64_t group_bytes; /* an interleaved W's bytes per group of KERN_RI rows */
     kern_quant_fn kq;
     kern_float_fn kf;
     const float *bias;
@@ -112,6 +115,37 @@ static uint64_t group_bytes(loom_dtype wt, cpu_layout layout, int64_t K)
     return (uint64_t)K * KERN_RI * 2; /* F16, BF16 */
 }
 
+#ifdef KERN_WIDEN_MR
+/* An F16/BF16 W's columns widened per block, and X's rows per pass over the blocks: the
+ * widened block (64 x 4 groups x 16 floats, 16 KiB) and the pass's sums (15 KiB) stay in L1
+ * while the rows' tiles go by. */
+#define WIDEN_COLS 64
+#define WIDEN_ROWS (10 * KERN_WIDEN_MR)
+
+/* ng groups from g (at wg) against X's rows ma .. mb, each block of W's columns widened to f32
+ * once for the pass's rows rather than once per tile of them (kern.h) */
+static void mm_groups_widened(const mm_job *j, const unsigned char *wg, int ng, long g, long ma,
+                              long mb)
+{
+    _Alignas(64) float wf[WIDEN_COLS * KERN_RI_GROUPS * KERN_RI];
+    _Alignas(64) float acc[WIDEN_ROWS * KERN_RI_GROUPS * KERN_RI];
+    const int width = ng * KERN_RI;
+    for (long mc = ma; mc < mb; mc += WIDEN_ROWS) {
+        long me = mb - mc < WIDEN_ROWS ? mb : mc + WIDEN_ROWS;
+        memset(acc, 0, (size_t)(me - mc) * (size_t)width * sizeof *acc);
+        for (int64_t k0 = 0; k0 < j->K; k0 += WIDEN_COLS) {
+            int64_t kc = j->K - k0 < WIDEN_COLS ? j->K - k0 : WIDEN_COLS;
+            j->kwiden(wg, j->group_bytes, ng, k0, kc, wf);
+            for (long m0 = mc; m0 < me; m0 += KERN_WIDEN_MR) {
+                int mr = me - m0 < KERN_WIDEN_MR ? (int)(me - m0) : KERN_WIDEN_MR;
+                kern_f32_ri_n_acc(wf, ng, kc, j->xrows + m0, k0, mr, acc + (m0 - mc) * width);
+            }
+        }
+        store_tile(j, mc, (int)(me - mc), g * KERN_RI, width, acc, width);
+    }
+}
+#endif
+
 /* mm_rows for an interleaved W: a group of KERN_RI rows is the unit of work and stays in cache
  * while every tile of X's rows passes it. */
 static void mm_groups(void *ctx, int ith, int nth)
@@ -130,6 +164,13 @@ static void mm_groups(void *ctx, int ith, int nth)
         int ng = (j->kfrin || j->xpairs) && mb - ma >= 2
             ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS)
             : 1;
+#ifdef KERN_WIDEN_MR
+        if (j->kwiden && mb - ma >= 2 * KERN_WIDEN_MR) { /* prefill */
+            mm_groups_widened(j, wg, ng, g, ma, mb);
+            g += ng;
+            continue;
+        }
+#endif
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -365,6 +406,9 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         if (prepared) { /* F16 or BF16 rows */
             j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
             j.kfrin = wt == LOOM_F16 ? kern_f16_ri_n : kern_bf16_ri_n;
+#ifdef KERN_WIDEN_MR
+            j.kwiden = wt == LOOM_F16 ? kern_f16_ri_widen : kern_bf16_ri_widen;
+#endif
         }
 #endif
     }

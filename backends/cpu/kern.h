@@ -20,6 +20,7 @@
  * arrays of accumulators become registers; GCC left them on the stack otherwise (measured in
  * kern_kq.c: 20 -> 33 cycles per Q4_K super-block and activation row). */
 #define UNROLL _Pragma("GCC unroll 4")
+#define UNROLL8 _Pragma("GCC unroll 8")
 
 /* Blocks of activations per record: two in the AVX-512 build (one 512-bit register holds two
  * blocks), one otherwise. */
@@ -139,6 +140,22 @@ void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K, co
                    int mr, float *out);
 void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
                     const float *const *x, int mr, float *out);
+/* Prefill's pair, where widening W in the tile kernels costs FMA-port uops (AVX-512; on AVX2
+ * the two ways measured the same): columns k0 .. k0 + kc of 1 <= ng <= KERN_RI_GROUPS groups
+ * widened to f32 (column k's ng KERN_RI values at wf + k ng KERN_RI), then
+ * 1 <= mr <= KERN_WIDEN_MR activation rows' columns k0 .. k0 + kc against them, added to
+ * acc[r * ng KERN_RI + i]. */
+#if defined(__AVX512F__)
+#define KERN_WIDEN_MR 6
+typedef void (*kern_half_ri_widen_fn)(const unsigned char *w, size_t gstride, int ng, int64_t k0,
+                                      int64_t kc, float *wf);
+void kern_f16_ri_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                       float *wf);
+void kern_bf16_ri_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                        float *wf);
+void kern_f32_ri_n_acc(const float *wf, int ng, int64_t kc, const float *const *x, int64_t k0,
+                       int mr, float *acc);
+#endif
 
 /* BF16 weights in 16-row groups of column pairs, for the AVX-512 BF16 dot product
  * (kern_bf16.c, avx512 variant only): activation rows as BF16 pairs, K / 2 rounded up. */

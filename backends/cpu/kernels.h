@@ -729,6 +729,7 @@ typedef __m512 vflt;
 #define V_STORE_F(p, v) _mm512_storeu_ps((p), (v))
 #define V_LOAD_W(wt, p) load_w16((wt), (p), 0)
 #define V_ADD_F(a, b) _mm512_add_ps((a), (b))
+#define V_LOAD_F(p) _mm512_loadu_ps(p)
 #else
 typedef __m256i vint;
 typedef __m256 vflt;
@@ -749,6 +750,7 @@ typedef __m256 vflt;
 #define V_STORE_F(p, v) _mm256_storeu_ps((p), (v))
 #define V_LOAD_W(wt, p) load_w8((wt), (p), 0)
 #define V_ADD_F(a, b) _mm256_add_ps((a), (b))
+#define V_LOAD_F(p) _mm256_loadu_ps(p)
 #endif
 
 /* How far ahead of the block being summed the group's bytes are asked for. A decode matmul
@@ -1004,6 +1006,90 @@ INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride
             V_STORE_F(out + (r * NG + g) * KERN_RI, acc[r][g]);
     }
 }
+
+#ifdef KERN_WIDEN_MR
+/* Prefill: a block of columns of several groups widened to f32 once (kern_half_ri_widen),
+ * then every tile of X's rows against it (kern_f32_ri_n_acc). Widening in the tile kernels
+ * above costs two uops per vector per 4 activation rows on the ports the FMAs use; here it is
+ * paid once per block for all of a thread's rows, and the registers it freed hold 6 rows'
+ * sums instead of 4. */
+INLINE void half_ri_widen(loom_dtype wt, const unsigned char *w, size_t gstride, int ng, int64_t k0,
+                          int64_t kc, float *out)
+{
+    const size_t col = KERN_RI * 2;
+    for (int g = 0; g < ng; g++) {
+        const unsigned char *p = w + (size_t)g * gstride + (size_t)k0 * col;
+        for (int64_t k = 0; k < kc; k++)
+            V_STORE_F(out + (k * ng + g) * KERN_RI, V_LOAD_W(wt, p + (size_t)k * col));
+    }
+}
+
+void kern_f16_ri_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                       float *out)
+{
+    half_ri_widen(LOOM_F16, w, gstride, ng, k0, kc, out);
+}
+
+void kern_bf16_ri_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                        float *out)
+{
+    half_ri_widen(LOOM_BF16, w, gstride, ng, k0, kc, out);
+}
+
+/* (every loop over rows or groups unrolled whole, or the sums leave the registers) */
+INLINE void f32_ri_tile_acc(const float *wf, int64_t kc, const float *const *x, int64_t k0,
+                            float *acc, const int NG, const int MR)
+{
+    vflt a[KERN_WIDEN_MR][KERN_RI_GROUPS];
+    UNROLL8
+    for (int r = 0; r < MR; r++) {
+        UNROLL8
+        for (int g = 0; g < NG; g++)
+            a[r][g] = V_LOAD_F(acc + (r * NG + g) * KERN_RI);
+    }
+    UNROLL
+    for (int64_t k = 0; k < kc; k++) {
+        vflt wv[KERN_RI_GROUPS];
+        UNROLL8
+        for (int g = 0; g < NG; g++)
+            wv[g] = V_LOAD_F(wf + (k * NG + g) * KERN_RI);
+        UNROLL8
+        for (int r = 0; r < MR; r++) {
+            vflt xb = V_SET1_F(x[r][k0 + k]);
+            UNROLL8
+            for (int g = 0; g < NG; g++)
+                a[r][g] = V_FMA(wv[g], xb, a[r][g]);
+        }
+    }
+    UNROLL8
+    for (int r = 0; r < MR; r++) {
+        UNROLL8
+        for (int g = 0; g < NG; g++)
+            V_STORE_F(acc + (r * NG + g) * KERN_RI, a[r][g]);
+    }
+}
+
+#define F32_RI_MR(NG)                                                                              \
+    switch (mr) {                                                                                  \
+    case 1: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 1); break;                                     \
+    case 2: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 2); break;                                     \
+    case 3: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 3); break;                                     \
+    case 4: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 4); break;                                     \
+    case 5: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 5); break;                                     \
+    default: f32_ri_tile_acc(wf, kc, x, k0, acc, NG, 6); break;                                    \
+    }
+
+void kern_f32_ri_n_acc(const float *wf, int ng, int64_t kc, const float *const *x, int64_t k0,
+                       int mr, float *acc)
+{
+    switch (ng) {
+    case 1: F32_RI_MR(1) break;
+    case 2: F32_RI_MR(2) break;
+    case 3: F32_RI_MR(3) break;
+    default: F32_RI_MR(4) break;
+    }
+}
+#endif
 
 #define HALF_RI_CASES(WT)                                                                          \
     switch (mr) {                                                                                  \
