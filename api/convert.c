@@ -152,9 +152,10 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
     char why[512] = "";
     if (f->hf_derive && f->hf_derive(c->config, v, why, sizeof why) != 0)
         return conv_fail(c, "%s/config.json: %s", c->dir, why);
-    if (loom_hf_get(v, "block_count") < 1)
-        return conv_fail(c, "%s/config.json: the %s family states no layer count", c->dir,
-                         f->hf_model_type);
+    double n_layer = loom_hf_get(v, "block_count");
+    if (n_layer < 1 || n_layer > LOOM_MAX_LAYERS)
+        return conv_fail(c, "%s/config.json: %.0f layers; loom runs 1 to %d", c->dir, n_layer,
+                         LOOM_MAX_LAYERS);
     const char *arch = f->arch->name;
     loom_gguf_set_str(c->w, "general.architecture", arch);
     const char *slash = strrchr(c->dir, '/');

@@ -6,7 +6,8 @@
  * form, must convert through the generic writer and reproduce tiny-llama's PyTorch logits and
  * greedy tokens (converted to GGUF, and opened as a folder), on every usable backend. The
  * table's rules are checked too: a required key missing is named, a tensor the family
- * declares unsupported is refused, and a second claim to a model_type is refused.
+ * declares unsupported is refused, a layer count no model has is refused before any tensor is
+ * looked for, and a second claim to a model_type is refused.
  */
 #define _GNU_SOURCE
 #include <loom/loom.h>
@@ -174,6 +175,16 @@ static void test_toylm_errors(void)
     CHECK(loom_convert(folder, out, "f32", NULL, NULL, err, sizeof err) != 0 &&
               strstr(err, "config.json") && strstr(err, "d_model"),
           "a required config key missing is named: %s", err);
+    remove_folder(folder);
+
+    snprintf(folder, sizeof folder, "%s/toylm-huge", tmp);
+    if (make_toylm(folder, 0,
+                   "{\"model_type\": \"toylm\", \"d_model\": 64, \"n_layers\": 4000000000, "
+                   "\"n_heads\": 4, \"d_ff\": 192}") != 0)
+        return;
+    CHECK(loom_convert(folder, out, "f32", NULL, NULL, err, sizeof err) != 0 &&
+              strstr(err, "4000000000 layers"),
+          "a layer count past what loom runs is refused at once: %s", err);
     remove_folder(folder);
     unlink(out);
 }
