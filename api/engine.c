@@ -199,15 +199,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
     const loom_sampling *s = &r->sampling;
-    q->sp = (loom_sampler_params){s->temperature,
-                                  s->top_k,
-                                  s->top_p,
-                                  s->min_p,
-                                  s->repeat_penalty,
-                                  s->repeat_last_n,
-                                  s->presence_penalty,
-                                  s->frequency_penalty,
-                                  s->seed};
+    q->sp = loom_sampler_params_of(s);
     q->rng = s->seed;
     q->ignore_eos = s->ignore_eos;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);

@@ -7,6 +7,8 @@
 #include <loom/backend.h>
 #include <loom/loom.h>
 
+#include "core/sampler.h"
+
 /* A Hugging Face folder converted (keeping its weights' precision) into an anonymous in-memory
  * file; writes that file's path to out and returns its descriptor (close it once the file is
  * open: the mapping keeps it alive), or -1 with err. */
@@ -41,6 +43,9 @@ char *loom_strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /* Whether path is a folder (then it is taken as a Hugging Face model). */
 int loom_is_model_dir(const char *path);
+
+/* loom.h's sampling options as the core sampler takes them (model.c, the engine). */
+loom_sampler_params loom_sampler_params_of(const loom_sampling *s);
 
 /* The template for a stored template text and architecture (either may be NULL). */
 /* pre: tokenizer.ggml.pre (GLM-4 shares the chatglm architecture with ChatGLM2/3) */

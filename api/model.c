@@ -36,6 +36,19 @@ static double now_ms(void)
     return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
+loom_sampler_params loom_sampler_params_of(const loom_sampling *s)
+{
+    return (loom_sampler_params){.temperature = s->temperature,
+                                 .top_k = s->top_k,
+                                 .top_p = s->top_p,
+                                 .min_p = s->min_p,
+                                 .repeat_penalty = s->repeat_penalty,
+                                 .repeat_last_n = s->repeat_last_n,
+                                 .presence_penalty = s->presence_penalty,
+                                 .frequency_penalty = s->frequency_penalty,
+                                 .seed = s->seed};
+}
+
 loom_sampling loom_sampling_defaults(void)
 {
     loom_sampler_params d = loom_sampler_defaults();
@@ -328,15 +341,7 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
     }
     if (n_predict < 0 || pos0 + n_prompt + n_predict > n_ctx)
         n_predict = n_ctx - pos0 - n_prompt;
-    loom_sampler_params sp = {s->temperature,
-                              s->top_k,
-                              s->top_p,
-                              s->min_p,
-                              s->repeat_penalty,
-                              s->repeat_last_n,
-                              s->presence_penalty,
-                              s->frequency_penalty,
-                              s->seed};
+    loom_sampler_params sp = loom_sampler_params_of(s);
     uint64_t rng = s->seed;
     int32_t *history = malloc((size_t)(n_prompt + n_predict + 1) * sizeof *history);
     float *logits = malloc((size_t)n_vocab * sizeof *logits);
