@@ -413,17 +413,10 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     int rc = 0;
     if (n_copies)
         rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
-    loom_step st = {n_tok,
-                    ids,
-                    pos,
-                    seq,
-                    slots,
-                    n_plan,
-                    max_blocks,
-                    table,
-                    n_logits,
-                    rows,
+    /* clang-format off */
+    loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
                     any_prefix ? prefix : NULL};
+    /* clang-format on */
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
     if (rc != 0) {

@@ -52,16 +52,10 @@ loom_sampler_params loom_sampler_params_of(const loom_sampling *s)
 loom_sampling loom_sampling_defaults(void)
 {
     loom_sampler_params d = loom_sampler_defaults();
-    loom_sampling s = {d.temperature,
-                       d.top_k,
-                       d.top_p,
-                       d.min_p,
-                       d.repeat_penalty,
-                       d.repeat_last_n,
-                       d.presence_penalty,
-                       d.frequency_penalty,
-                       d.seed,
-                       0};
+    /* clang-format off */
+    loom_sampling s = {d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty,
+                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed, 0};
+    /* clang-format on */
     return s;
 }
 

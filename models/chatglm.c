@@ -406,20 +406,12 @@ static const loom_hf_specials glm3_specials = {.named = glm3_named,
                                                .text_specials_when = "encode_special_tokens"};
 /* GLM-4's, after its ranks; stops <|endoftext|>, <|user|>, <|observation|>, as its
  * generation_config.json lists them */
-static const char *const glm4_named[] = {"<|endoftext|>",
-                                         "[MASK]",
-                                         "[gMASK]",
-                                         "[sMASK]",
-                                         "<sop>",
-                                         "<eop>",
-                                         "<|system|>",
-                                         "<|user|>",
-                                         "<|assistant|>",
-                                         "<|observation|>",
-                                         "<|begin_of_image|>",
-                                         "<|end_of_image|>",
-                                         "<|begin_of_video|>",
-                                         "<|end_of_video|>"};
+/* clang-format off */
+static const char *const glm4_named[] = {
+    "<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+    "<|assistant|>", "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>",
+    "<|begin_of_video|>", "<|end_of_video|>"};
+/* clang-format on */
 static const loom_hf_specials glm4_specials = {.pre = "chatglm-bpe",
                                                .named = glm4_named,
                                                .n_named = 14,

@@ -399,18 +399,13 @@ static const loom_hf_tensor qwen_tensors[] = {
 
 /* What the tiktoken-ranked vocabularies append. Llama-3.1: Meta's tokenizer.py order, stops
  * <|eom_id|> and <|eot_id|>; Qwen v1: stop <|im_end|>. */
-static const char *const llama3_named[] = {"<|begin_of_text|>",
-                                           "<|end_of_text|>",
-                                           "<|reserved_special_token_0|>",
-                                           "<|reserved_special_token_1|>",
-                                           "<|finetune_right_pad_id|>",
-                                           "<|step_id|>",
-                                           "<|start_header_id|>",
-                                           "<|end_header_id|>",
-                                           "<|eom_id|>",
-                                           "<|eot_id|>",
-                                           "<|python_tag|>",
-                                           "<|image|>"};
+/* clang-format off */
+static const char *const llama3_named[] = {
+    "<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
+    "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>",
+    "<|image|>"};
+/* clang-format on */
 static const loom_hf_specials llama3_specials = {.pre = "llama-bpe",
                                                  .named = llama3_named,
                                                  .n_named = 12,

@@ -326,60 +326,21 @@ loom_sampling openai_default_sampling(void)
 
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b)
 {
-    static const char *const completion_fields[] = {"model",
-                                                    "prompt",
-                                                    "max_tokens",
-                                                    "temperature",
-                                                    "top_p",
-                                                    "n",
-                                                    "stream",
-                                                    "stream_options",
-                                                    "stop",
-                                                    "seed",
-                                                    "presence_penalty",
-                                                    "frequency_penalty",
-                                                    "user",
-                                                    "echo",
-                                                    "logprobs",
-                                                    "best_of",
-                                                    "logit_bias",
-                                                    "suffix",
-                                                    "top_k",
-                                                    "min_p",
-                                                    "repetition_penalty",
-                                                    "ignore_eos",
-                                                    NULL};
-    static const char *const chat_fields[] = {"model",
-                                              "messages",
-                                              "max_tokens",
-                                              "max_completion_tokens",
-                                              "temperature",
-                                              "top_p",
-                                              "n",
-                                              "stream",
-                                              "stream_options",
-                                              "stop",
-                                              "seed",
-                                              "presence_penalty",
-                                              "frequency_penalty",
-                                              "user",
-                                              "logprobs",
-                                              "top_logprobs",
-                                              "logit_bias",
-                                              "response_format",
-                                              "tools",
-                                              "tool_choice",
-                                              "parallel_tool_calls",
-                                              "functions",
-                                              "function_call",
-                                              "store",
-                                              "metadata",
-                                              "service_tier",
-                                              "top_k",
-                                              "min_p",
-                                              "repetition_penalty",
-                                              "ignore_eos",
-                                              NULL};
+    /* clang-format off */
+    static const char *const completion_fields[] = {
+        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+        "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
+        "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
+        NULL};
+    /* clang-format on */
+    /* clang-format off */
+    static const char *const chat_fields[] = {
+        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
+        "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
+        "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
+        "parallel_tool_calls", "functions", "function_call", "store", "metadata",
+        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", NULL};
+    /* clang-format on */
     static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
                                                          "logit_bias", "suffix",   NULL};
     static const char *const chat_unsupported[] = {
