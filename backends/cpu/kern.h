@@ -30,6 +30,16 @@
 #define KERN_G 1
 #endif
 
+/* The baseline variant's kernels use SSE2, which every x86-64 CPU has: its integer dot product
+ * multiplies int16 pairs (pmaddwd; the u8 x s8 one is SSSE3), so activations are also kept
+ * widened to int16 (act_group.qw), once per matmul rather than once per weight row. A weight
+ * byte pair becomes an int16 pair most cheaply as its even and odd bytes (a mask and a shift,
+ * no unpacking), so qw holds each half block's even elements, then its odd ones:
+ * x0 x2 .. x14, x1 x3 .. x15, x16 x18 .. x30, x17 .. x31. */
+#if defined(__SSE2__) && !defined(__AVX2__)
+#define KERN_SSE2 1
+#endif
+
 /* KERN_G blocks of 32 activations, quantised to int8 and laid out for the integer kernels.
  * Lane l covers qs[4l..4l+3], as a 4-way integer dot product's lanes do; the per-lane fields
  * hold the values of the block that lane's quants come from. The order of the quants follows
@@ -39,6 +49,10 @@ typedef struct act_group {
     int32_t neg8sum[8 * KERN_G]; /* -8 x the lane's sum of quants: Q4_0's offset */
     float d[8 * KERN_G];         /* the block's scale, in each of its lanes */
     float msum[8 * KERN_G];      /* d x the block's sum of quants / 8, in each lane: Q4_1 */
+#ifdef KERN_SSE2
+    int16_t qw[32];   /* qs widened, even elements before odd ones (above) */
+    int32_t neg8w[4]; /* Q4_0's offset for the four lanes of pmaddwd sums: -8 x the sum, once */
+#endif
 } act_group;
 
 /* Activation rows prepared for a quantised-weight kernel. */

@@ -23,6 +23,8 @@
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(KERN_SSE2)
+#include <emmintrin.h>
 #endif
 
 #ifdef KERN_VNNI
@@ -136,7 +138,13 @@ void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout)
                 gr->qs[pos] = (int8_t)(layout == KERN_NATURAL_BIASED ? (uint8_t)(q[h][e] + 128)
                                                                      : (uint8_t)q[h][e]);
                 owner[pos] = (int8_t)h;
+#ifdef KERN_SSE2
+                gr->qw[e / 16 * 16 + e % 2 * 8 + e % 16 / 2] = q[h][e];
+#endif
             }
+#ifdef KERN_SSE2
+        gr->neg8w[0] = -8 * total[0];
+#endif
         for (int l = 0; l < 8 * n; l++) {
             int h = owner[4 * l], lane = 0;
             for (int k = 0; k < 4; k++)
@@ -240,6 +248,102 @@ INLINE __m512i nibbles_pair(const uint8_t *qa, const uint8_t *qb)
 }
 #endif
 
+#if defined(KERN_SSE2)
+INLINE float hsum128(__m128 v)
+{
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
+
+/* A block's 32 weights as int16 in qw's order (kern.h): Q4 nibbles, byte j holding elements j
+ * and j + 16, or Q8_0 bytes sign-extended by an arithmetic shift from the high half of a word. */
+INLINE void widen_q4(const uint8_t *qs, __m128i v[4])
+{
+    const __m128i low4 = _mm_set1_epi16(0x000f);
+    __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    v[0] = _mm_and_si128(raw, low4);
+    v[1] = _mm_and_si128(_mm_srli_epi16(raw, 8), low4);
+    v[2] = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    v[3] = _mm_srli_epi16(raw, 12);
+}
+
+INLINE void widen_q8(const int8_t *qs, __m128i v[4])
+{
+    __m128i a = _mm_loadu_si128((const __m128i *)qs),
+            b = _mm_loadu_si128((const __m128i *)(qs + 16));
+    v[0] = _mm_srai_epi16(_mm_slli_epi16(a, 8), 8);
+    v[1] = _mm_srai_epi16(a, 8);
+    v[2] = _mm_srai_epi16(_mm_slli_epi16(b, 8), 8);
+    v[3] = _mm_srai_epi16(b, 8);
+}
+
+/* one block's w . x in four int32 lanes */
+INLINE __m128i dot_i16(__m128i acc, const __m128i w[4], const int16_t *x)
+{
+    const __m128i *xv = (const __m128i *)x;
+    __m128i s01 = _mm_add_epi32(_mm_madd_epi16(w[0], _mm_loadu_si128(xv)),
+                                _mm_madd_epi16(w[1], _mm_loadu_si128(xv + 1)));
+    __m128i s23 = _mm_add_epi32(_mm_madd_epi16(w[2], _mm_loadu_si128(xv + 2)),
+                                _mm_madd_epi16(w[3], _mm_loadu_si128(xv + 3)));
+    return _mm_add_epi32(_mm_add_epi32(acc, s01), s23);
+}
+
+/* The baseline variant's tile for all three block types (wt is a constant at each call, so
+ * only one type's code remains): sums[i][r] over blocks b..nb-1. */
+INLINE void quant_tile_sse2(loom_dtype wt, const unsigned char *w, size_t wstride, const cpu_act *a,
+                            int64_t m0, int64_t b, int64_t nb, float sums[KERN_NR][KERN_MR],
+                            const int NR, const int MR)
+{
+    const size_t bsize = wt == LOOM_Q4_0 ? sizeof(loom_block_q4_0)
+        : wt == LOOM_Q4_1                ? sizeof(loom_block_q4_1)
+                                         : sizeof(loom_block_q8_0);
+    __m128 acc[KERN_NR][KERN_MR];
+    UNROLL
+    for (int i = 0; i < NR; i++) {
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[i][r] = _mm_setzero_ps();
+    }
+    for (; b < nb; b++) {
+        UNROLL
+        for (int i = 0; i < NR; i++) {
+            const unsigned char *blk = w + (size_t)i * wstride + (size_t)b * bsize;
+            __m128i wv[4];
+            float wd, wm = 0.0f;
+            if (wt == LOOM_Q4_0) {
+                widen_q4(((const loom_block_q4_0 *)blk)->qs, wv);
+                wd = f16(((const loom_block_q4_0 *)blk)->d);
+            } else if (wt == LOOM_Q4_1) {
+                widen_q4(((const loom_block_q4_1 *)blk)->qs, wv);
+                wd = f16(((const loom_block_q4_1 *)blk)->d);
+                wm = f16(((const loom_block_q4_1 *)blk)->m);
+            } else {
+                widen_q8(((const loom_block_q8_0 *)blk)->qs, wv);
+                wd = f16(((const loom_block_q8_0 *)blk)->d);
+            }
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_group *g = a->g + (m0 + r) * a->groups + b;
+                __m128i start = wt == LOOM_Q4_0 ? _mm_loadu_si128((const __m128i *)g->neg8w)
+                                                : _mm_setzero_si128();
+                __m128 t = _mm_mul_ps(_mm_cvtepi32_ps(dot_i16(start, wv, g->qw)),
+                                      _mm_set1_ps(wd * g->d[0]));
+                if (wt == LOOM_Q4_1) /* m x d_x x (sum of x), a quarter in each lane */
+                    t = _mm_add_ps(t, _mm_set1_ps(wm * g->msum[0] * 2.0f));
+                acc[i][r] = _mm_add_ps(acc[i][r], t);
+            }
+        }
+    }
+    UNROLL
+    for (int i = 0; i < NR; i++) {
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            sums[i][r] = hsum128(acc[i][r]);
+    }
+}
+#endif
+
 /* One tile for one block type. W_T: the block struct; the body macros differ by type. */
 #define BLK(T, w, i, b) ((const T *)((w) + (size_t)(i)*wstride) + (b))
 
@@ -320,6 +424,8 @@ INLINE void q4_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
     }
+#elif defined(KERN_SSE2)
+    quant_tile_sse2(LOOM_Q4_0, w, wstride, a, m0, b, nb, sums, NR, MR);
 #else
     for (; b < nb; b++) {
         UNROLL
@@ -425,6 +531,8 @@ INLINE void q4_1_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
     }
+#elif defined(KERN_SSE2)
+    quant_tile_sse2(LOOM_Q4_1, w, wstride, a, m0, b, nb, sums, NR, MR);
 #else
     for (; b < nb; b++) {
         UNROLL
@@ -547,6 +655,8 @@ INLINE void q8_0_tile(const unsigned char *w, size_t wstride, const cpu_act *a, 
         for (int r = 0; r < MR; r++)
             sums[i][r] += hsum256(acc2[i][r]);
     }
+#elif defined(KERN_SSE2)
+    quant_tile_sse2(LOOM_Q8_0, w, wstride, a, m0, b, nb, sums, NR, MR);
 #else
     for (; b < nb; b++) {
         UNROLL

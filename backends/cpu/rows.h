@@ -362,6 +362,10 @@ static inline void cpu_store_row(loom_dtype t, const float *src, void *dst, int6
 /* Address of row r (counting over dims 1..3) of t, given its buffer's base address. */
 static inline unsigned char *cpu_row(const loom_tensor *t, unsigned char *base, int64_t r)
 {
+    /* matrices, the common case, without the three 64-bit divisions (a matmul asks for a row
+     * every tile: they were 18% of a baseline decode step) */
+    if (t->ne[2] == 1 && t->ne[3] == 1)
+        return base + t->offset + (uint64_t)r * t->nb[1];
     int64_t i1 = r % t->ne[1], i2 = r / t->ne[1] % t->ne[2], i3 = r / t->ne[1] / t->ne[2];
     return base + t->offset + (uint64_t)i1 * t->nb[1] + (uint64_t)i2 * t->nb[2] +
         (uint64_t)i3 * t->nb[3];
