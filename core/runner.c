@@ -48,7 +48,10 @@ struct loom_runner {
     int repack; /* offer weights to prepare_weight (LOOM_REPACK != 0) */
 
     loom_buffer *kv;
-    loom_tensor *kc, *vc; /* per layer */
+    loom_tensor *kc, *vc;      /* per layer; only the stage's layers have a buffer */
+    int32_t layer0, layer_end; /* the layers this runner holds (a pipeline stage's, or all) */
+    float *handoff;            /* host copy of the hidden states a stage receives or sends */
+    uint64_t handoff_cap;      /* its size in floats */
 
     loom_buffer *in_buf; /* ids | pos | slots | seq | block table | logit rows, I32 */
     uint64_t in_cap;     /* its size in int32s */
@@ -108,6 +111,19 @@ const loom_gguf *loom_rt_gguf(const loom_runner *r)
     return r->gguf;
 }
 
+int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int has_prev,
+                            int has_next, const char *name)
+{
+    int layer, used = 0;
+    if (sscanf(name, "blk.%d.%n", &layer, &used) == 1 && used > 0)
+        return layer >= first && layer < end;
+    if (strcmp(name, "token_embd.weight") == 0)
+        return !has_prev || (!has_next && !loom_gguf_find_tensor(g, "output.weight"));
+    if (strncmp(name, "output.", 7) == 0 || strncmp(name, "output_norm.", 12) == 0)
+        return !has_next;
+    return 1;
+}
+
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
 {
     const loom_gguf_tensor *gt = loom_gguf_find_tensor(r->gguf, name);
@@ -119,6 +135,17 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
     uint64_t i = (uint64_t)(gt - r->gguf->tensors);
     if (r->weight_ready[i])
         return &r->weights[i];
+    const loom_stage_link *ln = r->opt.link;
+    if (ln &&
+        !loom_runner_stage_holds(r->gguf, r->opt.first_layer, r->opt.end_layer, !!ln->recv,
+                                 !!ln->send, name)) {
+        /* another stage's: its shape, for the model's checks, and no data */
+        r->weights[i] = dense(NULL, 0, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2],
+                              gt->ne[3]);
+        r->weights[i].n_dims = (int32_t)gt->n_dims;
+        r->weight_ready[i] = 1;
+        return &r->weights[i];
+    }
     if (loom_dtype_block_elems((loom_dtype)gt->type) == 0 || gt->type == LOOM_I32) {
         fail(r, "tensor '%s' has type %s, which loom's backends do not run", name,
              loom_ggml_type_name(gt->type));
@@ -238,6 +265,69 @@ const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer)
     return &r->vc[layer];
 }
 
+void loom_rt_layers(const loom_runner *r, int *first, int *end)
+{
+    *first = r->layer0;
+    *end = r->layer_end;
+}
+
+int loom_runner_is_last_stage(const loom_runner *r)
+{
+    return !r->opt.link || !r->opt.link->send;
+}
+
+/* The host copy of a step's hidden states, [n_embd][n] floats. */
+static float *handoff_space(loom_runner *r, uint64_t count)
+{
+    if (count > r->handoff_cap) {
+        float *h = realloc(r->handoff, (size_t)count * sizeof *h);
+        if (!h) {
+            fail(r, "out of memory");
+            return NULL;
+        }
+        r->handoff = h, r->handoff_cap = count;
+    }
+    return r->handoff;
+}
+
+void loom_rt_embed(loom_runner *r, const loom_tensor *tok_embd, const loom_tensor *x)
+{
+    if (!r->opt.link || !r->opt.link->recv) {
+        loom_rt_get_rows(r, tok_embd, &r->in.ids, x);
+        return;
+    }
+    if (r->status || r->census) /* the census runs one token alone: no neighbour takes part */
+        return;
+    uint64_t count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
+    float *h = handoff_space(r, count);
+    char err[400];
+    const loom_backend_ops *ops = &r->dev->ops;
+    if (!h)
+        return;
+    if (r->opt.link->recv(r->opt.link->ctx, h, count, err, sizeof err) != 0)
+        fail(r, "receiving the hidden states for layer %d: %s", r->layer0, err);
+    else if (ops->copy_from_host(r->dev->be, x->buf, x->offset, h, count * sizeof *h) != LOOM_OK)
+        fail(r, "uploading the hidden states: %s", ops->last_error(r->dev->be));
+}
+
+/* A stage before the last: x goes to the next stage. */
+static void hand_on(loom_runner *r, const loom_tensor *x)
+{
+    if (r->status || r->census)
+        return;
+    uint64_t count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
+    float *h = handoff_space(r, count);
+    char err[400];
+    const loom_backend_ops *ops = &r->dev->ops;
+    if (!h)
+        return;
+    if (ops->synchronize(r->dev->be) != LOOM_OK ||
+        ops->copy_to_host(r->dev->be, h, x->buf, x->offset, count * sizeof *h) != LOOM_OK)
+        fail(r, "reading the hidden states back: %s", ops->last_error(r->dev->be));
+    else if (r->opt.link->send(r->opt.link->ctx, h, count, err, sizeof err) != 0)
+        fail(r, "sending the hidden states after layer %d: %s", r->layer_end - 1, err);
+}
+
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
 {
     r->logits_src = *logits;
@@ -248,6 +338,10 @@ void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
                     const loom_tensor *output)
 {
+    if (!loom_runner_is_last_stage(r)) {
+        hand_on(r, x);
+        return;
+    }
     if (b->n_logits <= 0)
         return;
     loom_tensor rows = loom_rt_scratch(r, LOOM_F32, x->ne[0], b->n_logits, 1);
@@ -313,9 +407,21 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
     }
 }
 
+/* A weight of another pipeline stage has no data here: using it is the model's mistake. */
+static int held(loom_runner *r, const loom_tensor *w, const char *what)
+{
+    if (!w || w->buf || r->status)
+        return 1;
+    fail(r, "%s: a weight of layers [%d, %d) belongs to another pipeline stage", what, r->layer0,
+         r->layer_end);
+    return 0;
+}
+
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,
                       const loom_tensor *dst)
 {
+    if (!held(r, w, "get_rows"))
+        return;
     loom_get_rows_params p = {sizeof p, w, ids, dst};
     exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
 }
@@ -366,7 +472,7 @@ int64_t loom_runner_prepared_weights(const loom_runner *r)
 void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                     const loom_tensor *bias, const loom_tensor *y)
 {
-    if (r->status)
+    if (r->status || !held(r, w, "matmul") || !held(r, bias, "matmul"))
         return;
     loom_matmul_params p = {sizeof p, x, matmul_weight(r, w), bias, y};
     exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
@@ -375,6 +481,8 @@ void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
                       const loom_tensor *dst)
 {
+    if (!held(r, w, "rms_norm"))
+        return;
     loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
     exec_op(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm", &p);
 }
@@ -382,6 +490,8 @@ void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w
 void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                         const loom_tensor *b, float eps, const loom_tensor *dst)
 {
+    if (!held(r, w, "layer_norm") || !held(r, b, "layer_norm"))
+        return;
     loom_norm_params p = {sizeof p, x, w, b, dst, eps};
     exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
 }
@@ -401,6 +511,8 @@ void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *h
 
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
 {
+    if (!held(r, cache, "kv_store"))
+        return;
     loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
     exec_op(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store", &p);
 }
@@ -408,6 +520,11 @@ void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor 
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
                        const loom_tensor *dst)
 {
+    if (layer < r->layer0 || layer >= r->layer_end) {
+        fail(r, "attention over layer %d, which this runner does not hold (it holds [%d, %d))",
+             layer, r->layer0, r->layer_end);
+        return;
+    }
     loom_attention_params p = {sizeof p,
                                q,
                                &r->kc[layer],
@@ -514,6 +631,28 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         return NULL;
     }
     const loom_hparams *hp = &r->hp;
+    r->layer0 = 0, r->layer_end = hp->n_layer;
+    if (r->opt.link) {
+        const loom_stage_link *ln = r->opt.link;
+        if (r->opt.first_layer < 0 || r->opt.first_layer > r->opt.end_layer ||
+            r->opt.end_layer > hp->n_layer) {
+            snprintf(err, err_size, "pipeline stage of layers [%d, %d): the model has %d layers",
+                     r->opt.first_layer, r->opt.end_layer, hp->n_layer);
+            loom_runner_free(r);
+            return NULL;
+        }
+        r->layer0 = r->opt.first_layer, r->layer_end = r->opt.end_layer;
+        /* the first stage embeds, so it starts at layer 0; the last has the head, so it ends
+         * with the last layer */
+        if ((r->layer0 > 0 && !ln->recv) || (r->layer_end < hp->n_layer && !ln->send)) {
+            snprintf(err, err_size, "pipeline stage of layers [%d, %d) of %d: no link to its %s",
+                     r->layer0, r->layer_end, hp->n_layer,
+                     r->layer0 > 0 && !ln->recv ? "previous stage" : "next stage");
+            loom_runner_free(r);
+            return NULL;
+        }
+    }
+    const int32_t n_held = r->layer_end - r->layer0;
     int32_t n_ctx = r->opt.n_ctx > 0 ? r->opt.n_ctx : hp->n_ctx_train > 0 ? hp->n_ctx_train : 2048;
     if (r->opt.n_ctx <= 0 && n_ctx > 4096)
         n_ctx = 4096;
@@ -540,19 +679,20 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
     r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
     if (!r->kc || !r->vc ||
-        dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)hp->n_layer, &r->kv) != LOOM_OK) {
+        (n_held &&
+         dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)n_held, &r->kv) != LOOM_OK)) {
         snprintf(err, err_size,
                  "out of memory on %s for a KV cache of %d blocks of %d tokens "
                  "(%llu bytes): %s",
                  dev->name, r->n_blocks, r->opt.block_size,
-                 (unsigned long long)(per_cache * 2 * (uint64_t)hp->n_layer),
+                 (unsigned long long)(per_cache * 2 * (uint64_t)n_held),
                  dev->ops.last_error(dev->be));
         loom_runner_free(r);
         return NULL;
     }
-    for (int l = 0; l < hp->n_layer; l++) {
-        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)l, r->opt.kv_type, hp->head_dim,
-                         hp->n_head_kv, r->opt.block_size, r->n_blocks);
+    for (int l = r->layer0; l < r->layer_end; l++) {
+        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)(l - r->layer0), r->opt.kv_type,
+                         hp->head_dim, hp->n_head_kv, r->opt.block_size, r->n_blocks);
         /* head-major inside a block: attention walks one head's keys in order, and these then
          * lie together (measured: 16-sequence decode steps spent 17% waiting on strided K/V
          * loads with the slot-major layout). A block stays one contiguous piece. */
@@ -593,6 +733,7 @@ void loom_runner_free(loom_runner *r)
         ops->buffer_free(r->dev->be, r->in_buf);
     free(r->weights), free(r->weight_bufs), free(r->weight_ready), free(r->prepared), free(r->prep);
     free(r->kc), free(r->vc), free(r->logits), free(r->in_host), free(r->eval_host);
+    free(r->handoff);
     free(r);
 }
 
@@ -633,14 +774,18 @@ int32_t loom_runner_block_size(const loom_runner *r)
 
 uint64_t loom_runner_block_bytes(const loom_runner *r)
 {
-    return r->kc[0].nb[3] * 2 * (uint64_t)r->hp.n_layer;
+    return r->layer_end > r->layer0
+        ? r->kc[r->layer0].nb[3] * 2 * (uint64_t)(r->layer_end - r->layer0)
+        : 0;
 }
 
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
                             size_t err_size)
 {
     const loom_backend_ops *ops = &r->dev->ops;
-    uint64_t block = r->kc[0].nb[3];
+    if (r->layer_end == r->layer0) /* a stage of the head alone has no cache */
+        return 0;
+    uint64_t block = r->kc[r->layer0].nb[3];
     /* copy_buffer is optional: without it, through host memory */
     unsigned char *staging = ops->copy_buffer || !n ? NULL : malloc((size_t)block);
     if (!ops->copy_buffer && n && !staging) {
@@ -648,7 +793,7 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
         return -1;
     }
     for (int i = 0; i < n; i++)
-        for (int l = 0; l < r->hp.n_layer; l++)
+        for (int l = r->layer0; l < r->layer_end; l++)
             for (int kv = 0; kv < 2; kv++) {
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
                 uint64_t src = c->offset + (uint64_t)copies[i].src * block;
@@ -764,7 +909,7 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
     if (!r->status)
         r->arch->forward(r, r->state, &b);
-    if (!r->status && s->n_logits) {
+    if (!r->status && s->n_logits && loom_runner_is_last_stage(r)) {
         if (!r->has_logits)
             fail(r, "the model produced no logits");
         else if (ops->synchronize(r->dev->be) != LOOM_OK ||
@@ -839,7 +984,7 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                         out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
-        if (rc == 0 && out)
+        if (rc == 0 && out && loom_runner_is_last_stage(r))
             memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,
                    (size_t)m * (size_t)r->hp.n_vocab * sizeof *out);
     }

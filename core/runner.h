@@ -59,6 +59,15 @@ typedef struct loom_arch {
     int32_t (*prefix_len)(void *state, const int32_t *ids, int32_t n);
 } loom_arch;
 
+/* A pipeline stage's connection to its neighbours (docs/DISTRIBUTED.md): a step's hidden
+ * states, [n_tokens][n_embd] f32, come from the previous stage and go on to the next. The
+ * transport is the caller's (the MPI module between processes; a queue in one process). */
+typedef struct loom_stage_link {
+    void *ctx;
+    int (*recv)(void *ctx, float *x, uint64_t count, char *err, size_t err_size);
+    int (*send)(void *ctx, const float *x, uint64_t count, char *err, size_t err_size);
+} loom_stage_link;
+
 typedef struct loom_runner_options {
     int32_t n_ctx;       /* 0: the model's training context, capped at 4096 */
     int32_t block_size;  /* KV block size, default 16 */
@@ -71,6 +80,13 @@ typedef struct loom_runner_options {
      * no environment variables); zero is the default of each. */
     int no_repack; /* do not offer weights to the backend's prepare_weight */
     int strict;    /* an op the backend lacks is an error, not a run on the CPU */
+    /* A pipeline stage (link non-NULL): layers [first_layer, end_layer) only, maybe none (a
+     * stage of the head alone). Only the stage's weights are loaded (loom_runner_stage_holds)
+     * and only its layers' KV cache allocated. A stage after the first takes its input from
+     * link->recv instead of embedding the ids; one before the last hands its output to
+     * link->send instead of computing logits. */
+    const loom_stage_link *link;
+    int32_t first_layer, end_layer;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */
@@ -111,6 +127,16 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
 int32_t loom_runner_prefix_len(const loom_runner *r, const int32_t *ids, int32_t n);
 int loom_runner_has_prefix(const loom_runner *r);
 
+/* Whether this runner is the pipeline's last stage (no next stage: it has the logits); always
+ * true without a pipeline. */
+int loom_runner_is_last_stage(const loom_runner *r);
+/* Whether a pipeline stage of layers [first, end), with or without a previous and a next
+ * stage, holds the GGUF tensor `name`: blk.N.* belongs to layer N's stage; token_embd to the
+ * first stage, and to the last as well when the file has no output.weight (a tied head);
+ * output and output_norm to the last; any other tensor to every stage. */
+int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int has_prev,
+                            int has_next, const char *name);
+
 /* Weights now used in a layout the backend prepared for them (prepare_weight). */
 int64_t loom_runner_prepared_weights(const loom_runner *r);
 int32_t loom_runner_kv_blocks(const loom_runner *r);
@@ -124,7 +150,8 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
 /* ---- For model code ----------------------------------------------------------------------- */
 
 const loom_gguf *loom_rt_gguf(const loom_runner *r);
-/* A weight by GGUF name, on the device; NULL when absent (required: an error names it). */
+/* A weight by GGUF name, on the device; NULL when absent (required: an error names it). On a
+ * pipeline stage, a weight of another stage has its shape but no data: a verb given it fails. */
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required);
 /* A scratch activation tensor for this pass, dims innermost first (n1, n2 may be 1). */
 loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2);
@@ -152,10 +179,17 @@ loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n);
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);
 /* The usual tail: gathers the wanted rows of the residual stream x, normalises them (RMSNorm
  * with weight norm, or LayerNorm when norm_bias is given) and projects them with output into
- * the logits (a no-op when none are wanted). */
+ * the logits (a no-op when none are wanted). On a pipeline stage before the last, it hands x
+ * to the next stage instead. */
 void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
                     const loom_tensor *output);
+
+/* The layers this runner holds, [*first, *end): every layer, or a pipeline stage's. */
+void loom_rt_layers(const loom_runner *r, int *first, int *end);
+/* The residual stream's input x [n_embd, n_tokens]: the embedding rows of the step's ids, or on
+ * a pipeline stage after the first, the previous stage's output. */
+void loom_rt_embed(loom_runner *r, const loom_tensor *tok_embd, const loom_tensor *x);
 
 /* The verbs; each records the first failure. */
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,

@@ -103,7 +103,6 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const glm_model *m = state;
     const loom_hparams *hp = loom_runner_hparams(r);
-    const loom_rt_inputs *in = loom_rt_inputs_of(r);
     const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim, H = hp->n_head, G = hp->n_head_kv;
 
     loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1);
@@ -119,8 +118,10 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_tensor gate = loom_rt_cols(&up2, 0, hp->n_ff), up = loom_rt_cols(&up2, hp->n_ff, hp->n_ff);
     const float scale = 1.0f / sqrtf((float)hd);
 
-    loom_rt_get_rows(r, m->tok_embd, &in->ids, &x);
-    for (int l = 0; l < hp->n_layer; l++) {
+    int first, end; /* a pipeline stage runs some of the layers */
+    loom_rt_layers(r, &first, &end);
+    loom_rt_embed(r, m->tok_embd, &x);
+    for (int l = first; l < end; l++) {
         const glm_layer *L = &m->layers[l];
         loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
         loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
@@ -276,7 +277,6 @@ static int glm1_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const glm1_model *m = state;
     const loom_hparams *hp = loom_runner_hparams(r);
-    const loom_rt_inputs *in = loom_rt_inputs_of(r);
     const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim, H = hp->n_head;
 
     /* position ids stop at [gMASK]; block positions count from <sop> */
@@ -303,8 +303,10 @@ static int glm1_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_tensor att3 = loom_rt_reshape(&att, hd, H, n);
     const float scale = 1.0f / sqrtf((float)hd);
 
-    loom_rt_get_rows(r, m->tok_embd, &in->ids, &x);
-    for (int l = 0; l < hp->n_layer; l++) {
+    int first, end; /* a pipeline stage runs some of the layers */
+    loom_rt_layers(r, &first, &end);
+    loom_rt_embed(r, m->tok_embd, &x);
+    for (int l = first; l < end; l++) {
         const glm1_layer *L = &m->layers[l];
         loom_rt_layer_norm(r, &x, L->attn_norm, L->attn_norm_b, hp->norm_eps, &h);
         loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);

@@ -173,7 +173,6 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const llama_model *m = state;
     const loom_hparams *hp = loom_runner_hparams(r);
-    const loom_rt_inputs *in = loom_rt_inputs_of(r);
     const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim;
     const int64_t q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
 
@@ -193,8 +192,10 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_tensor att3 = loom_rt_reshape(&att, hd, hp->n_head, n);
     const float scale = 1.0f / sqrtf((float)hd);
 
-    loom_rt_get_rows(r, m->tok_embd, &in->ids, &x);
-    for (int l = 0; l < hp->n_layer; l++) {
+    int first, end; /* a pipeline stage runs some of the layers */
+    loom_rt_layers(r, &first, &end);
+    loom_rt_embed(r, m->tok_embd, &x);
+    for (int l = first; l < end; l++) {
         const llama_layer *L = &m->layers[l];
         /* attention */
         loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
