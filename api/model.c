@@ -5,6 +5,8 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include "distributed.h"
+
 #include "core/gguf.h"
 #include "core/loader.h"
 #include "core/runner.h"
@@ -27,6 +29,10 @@ struct loom_model {
     char backend[192];
     char name[128];
     float *prompt_logits;
+    loom_dist *dist;      /* a pipeline across the ranks of an MPI job, or NULL */
+    loom_stage_link link; /* this rank's stage's, for the runner */
+    int pipeline_running; /* every rank opened its stage */
+    char pipeline[1024];  /* rank 0: every rank's layers, host and backend */
 };
 
 static double now_ms(void)
@@ -63,6 +69,17 @@ void loom_model_close(loom_model *m)
 {
     if (!m)
         return;
+    if (m->dist) {
+        const char *stats = getenv("LOOM_DIST_STATS");
+        uint64_t sent, received;
+        loom_dist_traffic(m->dist, &sent, &received);
+        if (stats && *stats && strcmp(stats, "0") != 0)
+            fprintf(stderr, "loom: rank %d sent %llu bytes and received %llu\n",
+                    loom_dist_rank(m->dist), (unsigned long long)sent,
+                    (unsigned long long)received);
+        /* rank 0 lets the others go; after a failed open every rank leaves on its own */
+        loom_dist_leave(m->dist, m->pipeline_running);
+    }
     loom_runner_free(m->runner);
     loom_tokenizer_free(m->tok);
     if (m->dev_open)
@@ -134,6 +151,55 @@ static int behaviour(int32_t option, const char *env, int fallback)
     return s && *s ? strcmp(s, "0") != 0 : fallback;
 }
 
+/* The file at path (GGUF, or a Hugging Face folder converted in memory), its family and its
+ * tokenizer. */
+static int open_file(loom_model *m, const char *path, const loom_arch **a, char *err,
+                     size_t err_size)
+{
+    if (loom_open_model_file(path, &m->gguf, loom_progress_stderr, NULL, err, err_size) != 0)
+        return -1;
+    const char *arch;
+    uint64_t arch_len;
+    char arch_name[64] = "";
+    if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &arch_len) == 0)
+        snprintf(arch_name, sizeof arch_name, "%.*s", (int)(arch_len < 63 ? arch_len : 63), arch);
+    const char *gname;
+    uint64_t gname_len;
+    if (loom_gguf_get_str(&m->gguf, "general.name", &gname, &gname_len) == 0)
+        snprintf(m->name, sizeof m->name, "%.*s", (int)(gname_len < 127 ? gname_len : 127), gname);
+    else
+        snprintf(m->name, sizeof m->name, "%s", strrchr(path, '/') ? strrchr(path, '/') + 1 : path);
+    if (!(*a = loom_models_find(arch_name))) {
+        snprintf(err, err_size, "%s: architecture '%s' is not one loom knows (it knows: %s)", path,
+                 arch_name[0] ? arch_name : "(none given)", loom_models_known());
+        return -1;
+    }
+    return (m->tok = loom_tokenizer_from_gguf(&m->gguf, err, err_size)) ? 0 : -1;
+}
+
+/* The device (with the trace plugin when asked for) and the runner of arch a on it. */
+static int open_runner(loom_model *m, const loom_model_options *opts, const loom_arch *a,
+                       const loom_runner_options *ro, char *err, size_t err_size)
+{
+    /* the trace plugin: a Chrome trace and a summary table (LOOM_TRACE=FILE), or the table
+     * alone (LOOM_PROFILE=1, config "") */
+    const char *trace = opts->trace ? opts->trace : getenv("LOOM_TRACE");
+    if (trace && !*trace)
+        trace = NULL;
+    if (!trace && behaviour(opts->profile, "LOOM_PROFILE", 0))
+        trace = "";
+    if (open_device(m, opts, trace, err, err_size) != 0)
+        return -1;
+    if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, ro, err, err_size)))
+        return -1;
+    int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
+    if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float)))) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    return 0;
+}
+
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size)
 {
@@ -161,48 +227,37 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (loom_open_model_file(path, &m->gguf, loom_progress_stderr, NULL, err, err_size) != 0)
+    const loom_arch *a = NULL;
+    if (loom_dist_join(opts->distributed, &m->dist, err, err_size) != 0)
         goto fail;
-    const char *arch;
-    uint64_t arch_len;
-    char arch_name[64] = "";
-    if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &arch_len) == 0)
-        snprintf(arch_name, sizeof arch_name, "%.*s", (int)(arch_len < 63 ? arch_len : 63), arch);
-    const char *gname;
-    uint64_t gname_len;
-    if (loom_gguf_get_str(&m->gguf, "general.name", &gname, &gname_len) == 0)
-        snprintf(m->name, sizeof m->name, "%.*s", (int)(gname_len < 127 ? gname_len : 127), gname);
-    else
-        snprintf(m->name, sizeof m->name, "%s", strrchr(path, '/') ? strrchr(path, '/') + 1 : path);
-    const loom_arch *a = loom_models_find(arch_name);
-    if (!a) {
-        snprintf(err, err_size, "%s: architecture '%s' is not one loom knows (it knows: %s)", path,
-                 arch_name[0] ? arch_name : "(none given)", loom_models_known());
-        goto fail;
-    }
-    if (!(m->tok = loom_tokenizer_from_gguf(&m->gguf, err, err_size)))
-        goto fail;
-
-    /* the trace plugin: a Chrome trace and a summary table (LOOM_TRACE=FILE), or the table
-     * alone (LOOM_PROFILE=1, config "") */
-    const char *trace = opts->trace ? opts->trace : getenv("LOOM_TRACE");
-    if (trace && !*trace)
-        trace = NULL;
-    if (!trace && behaviour(opts->profile, "LOOM_PROFILE", 0))
-        trace = "";
-    if (open_device(m, opts, trace, err, err_size) != 0)
-        goto fail;
-    if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, &ro, err, err_size)))
-        goto fail;
-    int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
-    if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float)))) {
-        snprintf(err, err_size, "out of memory");
+    int ok = open_file(m, path, &a, err, err_size) == 0;
+    if (m->dist) {
+        /* every rank takes part whatever failed here, so that all of them learn of it */
+        int32_t n_layer = ok ? (int32_t)loom_model_kv_int(&m->gguf, a->name, "block_count", 0) : 0;
+        int rc = loom_dist_plan(m->dist, ok ? &m->gguf : NULL, n_layer, opts->stage_layers,
+                                &m->link, &ro.first_layer, &ro.end_layer, err, err_size);
+        if (rc < 0)
+            goto fail;
+        ro.link = &m->link;
+        ok = rc == 0 && open_runner(m, opts, a, &ro, err, err_size) == 0;
+        if (loom_dist_agree(m->dist, ok, ok ? m->backend : "", err, err_size, m->pipeline,
+                            sizeof m->pipeline) != 0)
+            goto fail;
+        m->pipeline_running = 1;
+    } else if (!ok || open_runner(m, opts, a, &ro, err, err_size) != 0) {
         goto fail;
     }
     return m;
 fail:
     loom_model_close(m);
     return NULL;
+}
+
+int loom_model_follow(loom_model *m, char *err, size_t err_size)
+{
+    if (!m->dist || loom_dist_rank(m->dist) == 0)
+        return 0;
+    return loom_dist_follow(m->dist, m->runner, err, err_size) == 0 ? 1 : -1;
 }
 
 struct loom_runner *loom_model_runner(loom_model *m)
@@ -217,6 +272,8 @@ struct loom_tokenizer *loom_model_tokenizer(loom_model *m)
 
 const char *loom_model_backend(const loom_model *m)
 {
+    if (m->pipeline[0])
+        return m->pipeline;
     return m->backend;
 }
 

@@ -124,6 +124,44 @@ int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int 
     return 1;
 }
 
+int loom_runner_plan_stages(const loom_gguf *g, int32_t n_layer, int n_stages, int32_t *cut)
+{
+    uint64_t *layer = calloc((size_t)n_layer + 1, sizeof *layer), embd = 0, head = 0;
+    if (!layer || n_stages < 1) {
+        free(layer);
+        return -1;
+    }
+    int tied = !loom_gguf_find_tensor(g, "output.weight");
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const loom_gguf_tensor *t = &g->tensors[i];
+        int l, used = 0;
+        if (sscanf(t->name, "blk.%d.%n", &l, &used) == 1 && used > 0 && l >= 0 && l < n_layer)
+            layer[l] += t->size;
+        else if (strcmp(t->name, "token_embd.weight") == 0)
+            embd += t->size, head += tied ? t->size : 0;
+        else if (!loom_runner_stage_holds(g, 0, 0, 1, 1, t->name))
+            head += t->size; /* output, output_norm */
+    }
+    uint64_t total = embd + head;
+    for (int32_t l = 0; l < n_layer; l++)
+        total += layer[l];
+    /* stage s + 1 starts at the first layer whose middle lies past (s + 1) / n_stages of the
+     * bytes, counting the embeddings first and the head last */
+    int s = 0;
+    uint64_t before = embd;
+    cut[0] = 0;
+    for (int32_t l = 0; l < n_layer; l++) {
+        while (s + 1 < n_stages &&
+               (before + layer[l] / 2) * (uint64_t)n_stages > (uint64_t)(s + 1) * total)
+            cut[++s] = l;
+        before += layer[l];
+    }
+    while (s < n_stages)
+        cut[++s] = n_layer;
+    free(layer);
+    return 0;
+}
+
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
 {
     const loom_gguf_tensor *gt = loom_gguf_find_tensor(r->gguf, name);
@@ -783,6 +821,9 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
                             size_t err_size)
 {
     const loom_backend_ops *ops = &r->dev->ops;
+    const loom_stage_link *ln = r->opt.link;
+    if (ln && ln->announce_copy && n && ln->announce_copy(ln->ctx, copies, n, err, err_size) != 0)
+        return -1;
     if (r->layer_end == r->layer0) /* a stage of the head alone has no cache */
         return 0;
     uint64_t block = r->kc[r->layer0].nb[3];
@@ -866,6 +907,9 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             snprintf(err, err_size, "logit row %d is not a token of the step", s->logit_rows[i]);
             return -1;
         }
+    const loom_stage_link *ln = r->opt.link;
+    if (ln && ln->announce_step && ln->announce_step(ln->ctx, s, err, err_size) != 0)
+        return -1;
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
     uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
     uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix;
@@ -917,6 +961,17 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
                                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab * 4) != LOOM_OK)
             fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
     }
+    /* a pipeline across processes: the logits go from the last stage to the first */
+    uint64_t n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
+    char link_err[400];
+    if (!r->status && ln && ln->send_logits && loom_runner_is_last_stage(r) &&
+        ln->send_logits(ln->ctx, r->logits, n_out, link_err, sizeof link_err) != 0)
+        fail(r, "sending the logits: %s", link_err);
+    if (!r->status && ln && ln->recv_logits && !loom_runner_is_last_stage(r) &&
+        ln->recv_logits(ln->ctx, r->logits, n_out, link_err, sizeof link_err) != 0)
+        fail(r, "%s", link_err);
+    if (r->status && ln && ln->fail)
+        ln->fail(ln->ctx, r->err);
     if (r->status) {
         snprintf(err, err_size, "%s", r->err);
         return -1;
@@ -984,7 +1039,7 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                         out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
-        if (rc == 0 && out && loom_runner_is_last_stage(r))
+        if (rc == 0 && out && (loom_runner_is_last_stage(r) || r->opt.link->recv_logits))
             memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,
                    (size_t)m * (size_t)r->hp.n_vocab * sizeof *out);
     }

@@ -59,13 +59,24 @@ typedef struct loom_arch {
     int32_t (*prefix_len)(void *state, const int32_t *ids, int32_t n);
 } loom_arch;
 
-/* A pipeline stage's connection to its neighbours (docs/DISTRIBUTED.md): a step's hidden
- * states, [n_tokens][n_embd] f32, come from the previous stage and go on to the next. The
- * transport is the caller's (the MPI module between processes; a queue in one process). */
+/* A pipeline stage's connection to the others (docs/DISTRIBUTED.md). recv and send carry a
+ * step's hidden states, [n_tokens][n_embd] f32, from the previous stage and on to the next;
+ * each call is NULL where there is no such neighbour. The rest are for stages in different
+ * processes, NULL when one caller drives every stage (tests): the first stage announces each
+ * step and block copy before running it (the others run what is announced) and receives the
+ * last stage's logits, n_logits x n_vocab floats, maybe none, after every step; the last stage
+ * sends them; a stage whose step failed calls fail with the message, so that the error travels
+ * on to the first stage instead of leaving the others waiting. All return 0 or -1 with err. */
+struct loom_step;
 typedef struct loom_stage_link {
     void *ctx;
     int (*recv)(void *ctx, float *x, uint64_t count, char *err, size_t err_size);
     int (*send)(void *ctx, const float *x, uint64_t count, char *err, size_t err_size);
+    int (*announce_step)(void *ctx, const struct loom_step *s, char *err, size_t err_size);
+    int (*announce_copy)(void *ctx, const loom_kvcopy *c, int n, char *err, size_t err_size);
+    int (*recv_logits)(void *ctx, float *logits, uint64_t count, char *err, size_t err_size);
+    int (*send_logits)(void *ctx, const float *logits, uint64_t count, char *err, size_t err_size);
+    void (*fail)(void *ctx, const char *message);
 } loom_stage_link;
 
 typedef struct loom_runner_options {
@@ -136,6 +147,12 @@ int loom_runner_is_last_stage(const loom_runner *r);
  * output and output_norm to the last; any other tensor to every stage. */
 int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int has_prev,
                             int has_next, const char *name);
+
+/* Cuts a model of n_layer layers into n_stages pipeline stages of about equal weight bytes
+ * (the embeddings count with the first, the head with the last): stage s gets layers
+ * [cut[s], cut[s + 1]), cut[0] = 0, cut[n_stages] = n_layer; a stage may get none. 0, or -1
+ * when out of memory. */
+int loom_runner_plan_stages(const loom_gguf *g, int32_t n_layer, int n_stages, int32_t *cut);
 
 /* Weights now used in a layout the backend prepared for them (prepare_weight). */
 int64_t loom_runner_prepared_weights(const loom_runner *r);

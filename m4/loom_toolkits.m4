@@ -135,3 +135,27 @@ AC_DEFUN([LOOM_CHECK_HIP], [
   AC_SUBST([HIP_OFFLOAD])
   AM_CONDITIONAL([HAVE_HIP], [test $loom_have_hip = yes])
 ])
+
+# LOOM_CHECK_MPI: Open MPI (or another MPI with a pkg-config file) for the distributed module,
+# api/mpi/loom-mpi.so, which loom loads only in an MPI job; the core and tools never link MPI.
+AC_DEFUN([LOOM_CHECK_MPI], [
+  AC_ARG_WITH([mpi],
+    [AS_HELP_STRING([--with-mpi], [build the MPI module for pipeline runs across processes (default: if found)])],
+    [], [with_mpi=check])
+  loom_have_mpi=no
+  AS_IF([test "x$with_mpi" != xno], [
+    PKG_CHECK_MODULES([MPI], [ompi-c], [loom_have_mpi=yes], [
+      PKG_CHECK_MODULES([MPI], [mpich], [loom_have_mpi=yes], [
+        AS_IF([test "x$with_mpi" = xyes],
+          [AC_MSG_ERROR([--with-mpi given but no MPI was found: apt-get install libopenmpi-dev openmpi-bin])])
+      ])
+    ])
+  ])
+  AS_IF([test $loom_have_mpi = yes],
+    [loom_mpi_summary="yes ($MPI_LIBS): mpirun -np N loom run|serve|bench runs a pipeline"],
+    [AS_IF([test "x$with_mpi" = xno],
+       [loom_mpi_summary="no (--without-mpi)"],
+       [loom_mpi_summary="no (apt-get install libopenmpi-dev openmpi-bin)"])])
+  AM_CONDITIONAL([HAVE_MPI], [test $loom_have_mpi = yes])
+  AC_SUBST([LOOM_BUILT_MPI], [$loom_have_mpi])
+])

@@ -67,7 +67,7 @@ for k in $(seq 64); do
     post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$p\",\"max_tokens\":$n,\"temperature\":0}" \
         >"$tmpdir/par$k.out" &
 done
-wait_clients() { for c in $(jobs -p); do [ "$c" = "$PID" ] || wait "$c"; done; }
+wait_clients() { for c in $(jobs -p); do [ "$c" = "$LAUNCHER" ] || wait "$c"; done; }
 wait_clients
 bad=0
 for k in $(seq 64); do
@@ -161,7 +161,7 @@ post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":20
 client=$!
 for _ in $(seq 100); do grep -q '^data: {' "$tmpdir/term.out" 2>/dev/null && break; sleep 0.1; done
 kill -TERM "$PID"
-wait "$PID"; rc=$?
+wait "$LAUNCHER"; rc=$?
 wait "$client"
 [ "$rc" = 0 ] && pass "SIGTERM: exit 0" || fail "SIGTERM: exit $rc"
 grep -q '^data: \[DONE\]' "$tmpdir/term.out" && pass "the running stream was closed properly" ||

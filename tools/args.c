@@ -328,3 +328,15 @@ int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
     }
     return 0;
 }
+
+int loom_args_follow(const char *cmd, loom_model *m)
+{
+    char err[1024];
+    int rc = loom_model_follow(m, err, sizeof err);
+    if (rc == 0)
+        return -1;
+    if (rc < 0)
+        fprintf(stderr, "%s: %s\n", cmd, err);
+    loom_model_close(m);
+    return rc < 0 ? 1 : 0;
+}

@@ -65,6 +65,19 @@ typedef struct loom_command {
         "--kv-type", NULL, LOOM_FLAG_CHOICE, (dest), 0, 0, "f16|f32|q8_0",                         \
             "KV cache precision (default f16)"                                                     \
     }
+/* A command that can run as a pipeline over an MPI job's ranks: with --distributed it must,
+ * else it does when started by mpirun; --layers places the layers. */
+#define LOOM_FLAG_DISTRIBUTED(dest)                                                                \
+    {                                                                                              \
+        "--distributed", NULL, LOOM_FLAG_SWITCH, (dest), 0, 0, NULL,                               \
+            "run as a pipeline over an MPI job's ranks (the default\n"                             \
+            "under mpirun; LOOM_DISTRIBUTED=0: each rank alone)"                                   \
+    }
+#define LOOM_FLAG_LAYERS(dest)                                                                     \
+    {                                                                                              \
+        "--layers", NULL, LOOM_FLAG_TEXT, (dest), 0, 0, "N0,N1,...",                               \
+            "under mpirun: layers per rank (default: balanced by weight bytes)"                    \
+    }
 #define LOOM_FLAG_THREADS(dest)                                                                    \
     {                                                                                              \
         "--threads", NULL, LOOM_FLAG_LONG, (dest), 1, 1024, "N", "CPU backend threads"             \
@@ -92,5 +105,11 @@ void loom_print_text(FILE *out, const char *text, size_t len);
 
 /* Milliseconds on a monotonic clock. */
 double loom_now_ms(void);
+
+/* After a command opened its model: on a distributed job's ranks but 0, serves the pipeline
+ * stage until rank 0 is done, closes the model and returns the command's exit status; on rank
+ * 0 and outside a job returns -1 (go on with the command). */
+struct loom_model;
+int loom_args_follow(const char *cmd, struct loom_model *m);
 
 #endif

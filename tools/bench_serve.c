@@ -154,8 +154,9 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
 int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
+    const char *layers = NULL;
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
-    int json = 0, concurrent_only = 0;
+    int json = 0, concurrent_only = 0, distributed = 0;
     char shape_help[512];
     snprintf(shape_help, sizeof shape_help, "%s (default 160m)", loom_synthetic_shapes());
     const loom_flag flags[] = {
@@ -174,6 +175,8 @@ int loom_bench_serve_main(int argc, char **argv)
         {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
          "sequences run together (default: as many as clients)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "one JSON object"},
+        LOOM_FLAG_DISTRIBUTED(&distributed),
+        LOOM_FLAG_LAYERS(&layers),
         {"--concurrent-only", NULL, LOOM_FLAG_SWITCH, &concurrent_only, 0, 0, NULL,
          "skip the serial run"},
     };
@@ -206,10 +209,18 @@ int loom_bench_serve_main(int argc, char **argv)
     int rc = 1;
     int32_t ctx = (int32_t)(n_prompt + n_gen + 1);
     int32_t per_seq = (ctx + 15) / 16;
-    loom_model_options mo = {.n_ctx = ctx, .kv_blocks = (int32_t)(max_batch * per_seq + per_seq)};
+    loom_model_options mo = {.n_ctx = ctx,
+                             .kv_blocks = (int32_t)(max_batch * per_seq + per_seq),
+                             .distributed = distributed ? 2 : 1,
+                             .stage_layers = layers};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom bench serve: %s\n", err);
+        goto out;
+    }
+    int followed = loom_args_follow("loom bench serve", m);
+    if (followed >= 0) {
+        rc = followed;
         goto out;
     }
     loom_engine_options eo = {(int32_t)max_batch, (int32_t)(max_batch > 256 ? max_batch : 256)};

@@ -101,9 +101,10 @@ static void clear(convo *c, const char *system)
 int loom_chat_main(int argc, char **argv);
 int loom_chat_main(int argc, char **argv)
 {
-    const char *model = NULL, *tmpl = NULL, *system = NULL, *kv = NULL;
+    const char *model = NULL, *tmpl = NULL, *system = NULL, *kv = NULL, *layers = NULL;
     loom_sampling s = loom_sampling_defaults();
     long n_predict = 512, n_ctx = 0, threads = 0;
+    int distributed = 0;
     char template_help[512];
     snprintf(template_help, sizeof template_help, "%s (default: the model's)",
              loom_chat_templates());
@@ -117,6 +118,8 @@ int loom_chat_main(int argc, char **argv)
          "context length (default: the model's, up to 4096)"},
         LOOM_FLAG_KV_TYPE(&kv),
         LOOM_FLAG_THREADS(&threads),
+        LOOM_FLAG_DISTRIBUTED(&distributed),
+        LOOM_FLAG_LAYERS(&layers),
     };
     const loom_command cmd = {.name = "loom chat",
                               .synopsis = "-m MODEL [options]",
@@ -137,12 +140,19 @@ int loom_chat_main(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    loom_model_options o = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads};
+    loom_model_options o = {.n_ctx = (int32_t)n_ctx,
+                            .kv_type = kv,
+                            .n_threads = (int32_t)threads,
+                            .distributed = distributed ? 2 : 1,
+                            .stage_layers = layers};
     loom_model *m = loom_model_open(model, &o, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom chat: %s\n", err);
         return 2;
     }
+    int followed = loom_args_follow("loom chat", m);
+    if (followed >= 0)
+        return followed;
     if (!tmpl) {
         int recognised;
         tmpl = loom_model_chat_template(m, &recognised);

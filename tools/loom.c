@@ -113,8 +113,9 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
 static int cmd_run(int argc, char **argv)
 {
     const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *dump = NULL, *kv = NULL;
+    const char *layers = NULL;
     long n_predict = 128, n_ctx = 0, threads = 0;
-    int json = 0;
+    int json = 0, distributed = 0;
     loom_sampling s = loom_sampling_defaults();
     const loom_flag flags[] = {
         LOOM_FLAG_MODEL(&model),
@@ -127,6 +128,8 @@ static int cmd_run(int argc, char **argv)
          "context length (default: the model's, up to 4096)"},
         LOOM_FLAG_KV_TYPE(&kv),
         LOOM_FLAG_THREADS(&threads),
+        LOOM_FLAG_DISTRIBUTED(&distributed),
+        LOOM_FLAG_LAYERS(&layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
          "print one JSON object: ids, text, timings"},
         {"--dump-logits", NULL, LOOM_FLAG_TEXT, &dump, 0, 0, "FILE",
@@ -146,12 +149,19 @@ static int cmd_run(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    loom_model_options mo = {.n_ctx = (int32_t)n_ctx, .kv_type = kv, .n_threads = (int32_t)threads};
+    loom_model_options mo = {.n_ctx = (int32_t)n_ctx,
+                             .kv_type = kv,
+                             .n_threads = (int32_t)threads,
+                             .distributed = distributed ? 2 : 1,
+                             .stage_layers = layers};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom run: %s\n", err);
         return 2;
     }
+    int followed = loom_args_follow("loom run", m);
+    if (followed >= 0)
+        return followed;
     int64_t cap = 4096, n = 0;
     int32_t *ids = malloc((size_t)cap * sizeof *ids);
     if (prompt_ids) {

@@ -797,7 +797,8 @@ int loom_serve_main(int argc, char **argv)
     long port = 8080, max_batch = 16, max_step = 256, n_ctx = 0, kv_blocks = 0, block = 16,
          threads = 0, max_body = 1 << 20, drain_s = 10, max_conn = 512, max_per_client = 64,
          idle_s = 30;
-    int metrics_auth = 0, parse_special = 0;
+    int metrics_auth = 0, parse_special = 0, distributed = 0;
+    const char *layers = NULL;
     loom_sampling sampling = openai_default_sampling();
     const loom_flag flags[] = {
         LOOM_FLAG_MODEL(&model),
@@ -829,6 +830,8 @@ int loom_serve_main(int argc, char **argv)
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME",
          "override the model's chat template"},
         LOOM_FLAG_THREADS(&threads),
+        LOOM_FLAG_DISTRIBUTED(&distributed),
+        LOOM_FLAG_LAYERS(&layers),
         {"--max-body", NULL, LOOM_FLAG_LONG, &max_body, 1024, 1L << 30, "BYTES",
          "largest request body accepted (default 1048576)"},
         {"--shutdown-timeout", NULL, LOOM_FLAG_LONG, &drain_s, 0, 3600, "S",
@@ -926,12 +929,19 @@ int loom_serve_main(int argc, char **argv)
                              .n_threads = (int32_t)threads,
                              .block_size = (int32_t)block,
                              .kv_blocks = (int32_t)kv_blocks,
-                             .kv_sequences = (int32_t)max_batch};
+                             .kv_sequences = (int32_t)max_batch,
+                             .distributed = distributed ? 2 : 1,
+                             .stage_layers = layers};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom serve: %s\n", err);
         return 2;
     }
+    /* a pipeline's other ranks serve their stage until rank 0 has drained its requests and
+     * closes the model: SIGTERM, which mpirun sends every rank, stays blocked there */
+    int followed = loom_args_follow("loom serve", m);
+    if (followed >= 0)
+        return followed;
     int32_t ctx = loom_model_n_ctx(m);
     if (kv_blocks && kv_blocks * block < ctx) {
         fprintf(stderr,

@@ -72,6 +72,12 @@ typedef struct loom_model_options {
     const char *trace; /* record every backend call into this Chrome trace-event JSON file
                         * (Perfetto, chrome://tracing) and print the per-op table at close,
                         * through the trace plugin; NULL: LOOM_TRACE, if set */
+    /* Run as a pipeline over the ranks of an MPI job (mpirun -np N, docs/DISTRIBUTED.md), rank
+     * r holding stage r's layers on its own best backend; every caller then calls
+     * loom_model_follow. 0: never (each process alone); 1: when in a job of two or more
+     * processes, unless LOOM_DISTRIBUTED=0; 2: always (outside a job, an error). */
+    int32_t distributed;
+    const char *stage_layers; /* "N0,N1,...": layers per rank; NULL: balanced by weight bytes */
 } loom_model_options;
 
 typedef struct loom_sampling {
@@ -107,7 +113,11 @@ typedef int (*loom_token_fn)(void *user, int32_t id, const char *text, size_t le
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size);
 void loom_model_close(loom_model *m);
-/* "cpu-avx512 (device 0)" and the like. */
+/* In a distributed job, every rank but 0 runs no command of its own: this serves its pipeline
+ * stage until rank 0 closes its model, then returns 1 (close the model and exit). Returns 0 on
+ * rank 0 and without a job (run the command), -1 with err when the job broke. */
+int loom_model_follow(loom_model *m, char *err, size_t err_size);
+/* "cpu-avx512 (device 0)" and the like; for a pipeline, every rank's layers, host and backend. */
 const char *loom_model_backend(const loom_model *m);
 int32_t loom_model_n_vocab(const loom_model *m);
 int32_t loom_model_n_ctx(const loom_model *m);
