@@ -42,8 +42,8 @@ struct loom_dist {
     int rank, size;
     char host[64];
     int32_t first, end; /* this rank's layers */
-    /* this step's messages: taken from upstream, sent downstream, rank 0's result taken */
-    int got_upstream, sent_down, got_result;
+    /* this step's messages: taken from upstream, sent downstream */
+    int got_upstream, sent_down;
     char upstream_err[480]; /* the error an upstream stage sent this step */
     int32_t *payload;
     size_t payload_cap; /* int32s */
@@ -248,7 +248,6 @@ static int link_send_logits(void *ctx, const float *x, uint64_t count, char *err
 static int link_recv_logits(void *ctx, float *x, uint64_t count, char *err, size_t err_size)
 {
     loom_dist *d = ctx;
-    d->got_result = 1;
     return recv_msg(d, d->size - 1, x, count, err, err_size);
 }
 
@@ -264,7 +263,7 @@ static const char *layers_text(int32_t first, int32_t end, char *buf, size_t siz
 
 static void new_step(loom_dist *d)
 {
-    d->got_upstream = d->sent_down = d->got_result = 0;
+    d->got_upstream = d->sent_down = 0;
     d->upstream_err[0] = 0;
 }
 
@@ -330,7 +329,8 @@ static int link_announce_copy(void *ctx, const loom_kvcopy *copies, int n, char 
     return 0;
 }
 
-/* This stage's step failed: keep every link at one message a step, and pass the error on. */
+/* This stage's step failed: keep every link at one message a step, and pass the error on (rank
+ * 0's runner still takes the step's result, which is then this error come round). */
 static void link_fail(void *ctx, const char *message)
 {
     loom_dist *d = ctx;
@@ -348,10 +348,6 @@ static void link_fail(void *ctx, const char *message)
                      layers_text(d->first, d->end, err, sizeof err), message);
         d->sent_down = 1;
         send_msg(d, d->rank + 1 < d->size ? d->rank + 1 : 0, &m, NULL, err, sizeof err);
-    }
-    if (d->rank == 0 && !d->got_result) {
-        d->got_result = 1;
-        recv_msg(d, d->size - 1, NULL, 0, err, sizeof err);
     }
 }
 

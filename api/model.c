@@ -239,6 +239,9 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         if (rc < 0)
             goto fail;
         ro.link = &m->link;
+        /* as many parts as stages keeps each busy; LOOM_MICRO_BATCHES=1 runs steps whole */
+        const char *parts = getenv("LOOM_MICRO_BATCHES");
+        ro.micro_batches = parts && *parts ? atoi(parts) : loom_dist_size(m->dist);
         ok = rc == 0 && open_runner(m, opts, a, &ro, err, err_size) == 0;
         if (loom_dist_agree(m->dist, ok, ok ? m->backend : "", err, err_size, m->pipeline,
                             sizeof m->pipeline) != 0)

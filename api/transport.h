@@ -23,6 +23,7 @@ typedef struct loom_transport {
     int (*bcast)(void *buf, uint64_t bytes, char *err, size_t err_size);
     /* Collective: each rank's `bytes` at mine, to rank 0's all[rank * bytes] (all: rank 0's). */
     int (*gather)(const void *mine, uint64_t bytes, void *all, char *err, size_t err_size);
+    /* returns once buf may be reused, without waiting for the receiver */
     int (*send)(int to, const void *buf, uint64_t bytes, char *err, size_t err_size);
     int (*recv)(int from, void *buf, uint64_t bytes, char *err, size_t err_size);
     /* Ends every process of the job with status (for a rank that cannot go on alone). */

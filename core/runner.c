@@ -876,11 +876,9 @@ static int inputs_reserve(loom_runner *r, uint64_t n)
     return 0;
 }
 
-int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size)
+static int check_step(const loom_runner *r, const loom_step *s, char *err, size_t err_size)
 {
-    const loom_backend_ops *ops = &r->dev->ops;
     const int32_t n = s->n_tokens;
-    r->status = 0;
     if (n <= 0 || s->n_seqs <= 0 || s->max_blocks <= 0 || s->n_logits < 0 || s->n_logits > n) {
         snprintf(err, err_size, "an empty or malformed step (%d tokens, %d sequences, %d logits)",
                  n, s->n_seqs, s->n_logits);
@@ -907,28 +905,40 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             snprintf(err, err_size, "logit row %d is not a token of the step", s->logit_rows[i]);
             return -1;
         }
+    return 0;
+}
+
+/* Runs a checked step on this runner's layers: announced to the other stages first (a
+ * pipeline's first stage), its inputs uploaded, the model run, and on the last stage the logits
+ * read back (and sent to the first stage). A failure is in r->status, and the link has passed
+ * it on. Returns whether the step was announced, so that its result will come back. */
+static int run_step(loom_runner *r, const loom_step *s)
+{
+    const loom_backend_ops *ops = &r->dev->ops;
     const loom_stage_link *ln = r->opt.link;
-    if (ln && ln->announce_step && ln->announce_step(ln->ctx, s, err, err_size) != 0)
-        return -1;
+    const int32_t n = s->n_tokens;
+    char link_err[400];
+    if (ln && ln->announce_step && ln->announce_step(ln->ctx, s, link_err, sizeof link_err) != 0) {
+        fail(r, "%s", link_err);
+        return 0;
+    }
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
     uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
     uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix;
-    if (inputs_reserve(r, total) != 0) {
-        snprintf(err, err_size, "%s", r->err);
-        return -1;
+    if (inputs_reserve(r, total) == 0) {
+        int32_t *h = r->in_host;
+        memcpy(h, s->ids, (size_t)n * 4);
+        memcpy(h + n, s->pos, (size_t)n * 4);
+        memcpy(h + 2 * n, s->slots, (size_t)n * 4);
+        memcpy(h + 3 * n, s->seq, (size_t)n * 4);
+        memcpy(h + 4 * n, s->block_table, (size_t)table * 4);
+        if (s->n_logits)
+            memcpy(h + 4 * n + table, s->logit_rows, (size_t)s->n_logits * 4);
+        if (n_prefix)
+            memcpy(h + 4 * n + table + s->n_logits, s->prefix_len, (size_t)n_prefix * 4);
+        if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
+            fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
-    int32_t *h = r->in_host;
-    memcpy(h, s->ids, (size_t)n * 4);
-    memcpy(h + n, s->pos, (size_t)n * 4);
-    memcpy(h + 2 * n, s->slots, (size_t)n * 4);
-    memcpy(h + 3 * n, s->seq, (size_t)n * 4);
-    memcpy(h + 4 * n, s->block_table, (size_t)table * 4);
-    if (s->n_logits)
-        memcpy(h + 4 * n + table, s->logit_rows, (size_t)s->n_logits * 4);
-    if (n_prefix)
-        memcpy(h + 4 * n + table + s->n_logits, s->prefix_len, (size_t)n_prefix * 4);
-    if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
-        fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     r->in.ids = dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
     r->in.pos = dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
     r->in.slots = dense(r->in_buf, (uint64_t)(2 * n) * 4, LOOM_I32, n, 1, 1, 1);
@@ -943,13 +953,6 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
                                  LOOM_I32, s->n_seqs, 1, 1, 1);
     r->n_scratch_used = 0;
     r->has_logits = 0;
-    if (s->n_logits > r->logits_cap) {
-        float *lg = realloc(r->logits, (size_t)s->n_logits * (size_t)r->hp.n_vocab * sizeof *lg);
-        if (!lg)
-            fail(r, "out of memory");
-        else
-            r->logits = lg, r->logits_cap = s->n_logits;
-    }
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
     if (!r->status)
         r->arch->forward(r, r->state, &b);
@@ -961,17 +964,92 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
                                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab * 4) != LOOM_OK)
             fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
     }
-    /* a pipeline across processes: the logits go from the last stage to the first */
     uint64_t n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
-    char link_err[400];
     if (!r->status && ln && ln->send_logits && loom_runner_is_last_stage(r) &&
         ln->send_logits(ln->ctx, r->logits, n_out, link_err, sizeof link_err) != 0)
         fail(r, "sending the logits: %s", link_err);
-    if (!r->status && ln && ln->recv_logits && !loom_runner_is_last_stage(r) &&
-        ln->recv_logits(ln->ctx, r->logits, n_out, link_err, sizeof link_err) != 0)
-        fail(r, "%s", link_err);
     if (r->status && ln && ln->fail)
         ln->fail(ln->ctx, r->err);
+    return ln && ln->announce_step;
+}
+
+/* A pipeline's first stage: an announced step's logits, count floats, from the last stage, into
+ * dst (NULL: the step failed here; its result is taken and dropped). */
+static void take_result(loom_runner *r, float *dst, uint64_t count)
+{
+    char link_err[400];
+    const loom_stage_link *ln = r->opt.link;
+    if (ln->recv_logits(ln->ctx, dst, count, link_err, sizeof link_err) != 0 && !r->status)
+        fail(r, "%s", link_err);
+}
+
+/* A pipeline's first stage with a step of several tokens: it goes down the pipeline in k parts
+ * of consecutive tokens, each announced and sent on before the next is run here, so that stage
+ * r + 1 works on part p while stage r runs part p + 1; then the parts' logits come back in
+ * order. A part's keys may be a later part's context: every stage runs the parts in order, so
+ * they are in its cache first. */
+static void step_in_parts(loom_runner *r, const loom_step *s, int k)
+{
+    const int32_t n = s->n_tokens, nv = r->hp.n_vocab;
+    k = k < n ? k : n;
+    /* part p's logit rows (rebased to it) at rows[first[p]..first[p + 1]), and where each row's
+     * logits go in the step's order at idx[] */
+    int32_t *rows = malloc(((size_t)s->n_logits * 2 + (size_t)k + 2) * sizeof *rows);
+    int32_t *idx = rows ? rows + s->n_logits : NULL, *first = idx ? idx + s->n_logits : NULL;
+    float *part_logits = malloc((size_t)(s->n_logits ? s->n_logits : 1) * (size_t)nv *
+                                sizeof(float));
+    if (!rows || !part_logits) {
+        free(rows), free(part_logits);
+        fail(r, "out of memory");
+        return;
+    }
+    int sent = 0;
+    first[0] = 0;
+    for (int p = 0; p < k && !r->status; p++) {
+        int32_t t0 = (int32_t)((int64_t)n * p / k), t1 = (int32_t)((int64_t)n * (p + 1) / k);
+        int32_t m = first[p];
+        for (int32_t i = 0; i < s->n_logits; i++)
+            if (s->logit_rows[i] >= t0 && s->logit_rows[i] < t1)
+                rows[m] = s->logit_rows[i] - t0, idx[m++] = i;
+        first[p + 1] = m;
+        loom_step part = {t1 - t0,       s->ids + t0,     s->pos + t0,   s->seq + t0,
+                          s->slots + t0, s->n_seqs,       s->max_blocks, s->block_table,
+                          m - first[p],  rows + first[p], NULL};
+        if (!run_step(r, &part))
+            break;
+        sent++;
+    }
+    for (int p = 0; p < sent; p++) {
+        int32_t m = first[p + 1] - first[p];
+        take_result(r, r->status ? NULL : part_logits, (uint64_t)m * (uint64_t)nv);
+        for (int32_t i = 0; !r->status && i < m; i++)
+            memcpy(r->logits + (size_t)idx[first[p] + i] * (size_t)nv,
+                   part_logits + (size_t)i * (size_t)nv, (size_t)nv * sizeof(float));
+    }
+    free(rows), free(part_logits);
+}
+
+int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size)
+{
+    const loom_stage_link *ln = r->opt.link;
+    r->status = 0;
+    if (check_step(r, s, err, err_size) != 0)
+        return -1;
+    if (s->n_logits > r->logits_cap) {
+        float *lg = realloc(r->logits, (size_t)s->n_logits * (size_t)r->hp.n_vocab * sizeof *lg);
+        if (!lg) {
+            snprintf(err, err_size, "out of memory");
+            return -1;
+        }
+        r->logits = lg, r->logits_cap = s->n_logits;
+    }
+    /* the first stage of a pipeline across processes: the logits come from the last stage */
+    int first_of_many = ln && ln->recv_logits && !loom_runner_is_last_stage(r);
+    if (first_of_many && r->opt.micro_batches > 1 && s->n_tokens > 1 && !s->prefix_len)
+        step_in_parts(r, s, r->opt.micro_batches);
+    else if (run_step(r, s) && first_of_many)
+        take_result(r, r->status ? NULL : r->logits,
+                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab);
     if (r->status) {
         snprintf(err, err_size, "%s", r->err);
         return -1;

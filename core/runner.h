@@ -98,6 +98,9 @@ typedef struct loom_runner_options {
      * link->send instead of computing logits. */
     const loom_stage_link *link;
     int32_t first_layer, end_layer;
+    /* A pipeline's first stage: a step of several tokens goes down in up to this many parts,
+     * so that the stages work at the same time (0 or 1: whole). */
+    int32_t micro_batches;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */

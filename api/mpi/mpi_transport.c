@@ -8,6 +8,7 @@
 #include <limits.h>
 #include <mpi.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* MPI counts are ints: larger buffers go in pieces of this many bytes */
@@ -69,13 +70,60 @@ static int mpi_gather(const void *mine, uint64_t bytes, void *all, char *err, si
     return rc == MPI_SUCCESS ? 0 : mpi_fail(rc, "gather", err, err_size);
 }
 
+/* A send returns once its message is on its way, without waiting for the receiver: a copy goes
+ * out with MPI_Isend. Otherwise two ranks that send each other large messages (rank 0 a
+ * micro-batch's hidden states, the last rank the previous one's logits) would each wait for
+ * the other to receive. Sends that completed are let go at each send; leave waits for all. */
+typedef struct pending_send {
+    MPI_Request req;
+    void *copy;
+} pending_send;
+static pending_send *pending;
+static int n_pending, pending_cap;
+
+static void reap(int wait_all)
+{
+    int kept = 0;
+    for (int i = 0; i < n_pending; i++) {
+        int done = 0;
+        if (wait_all)
+            MPI_Wait(&pending[i].req, MPI_STATUS_IGNORE), done = 1;
+        else
+            MPI_Test(&pending[i].req, &done, MPI_STATUS_IGNORE);
+        if (done)
+            free(pending[i].copy);
+        else
+            pending[kept++] = pending[i];
+    }
+    n_pending = kept;
+}
+
 static int mpi_send(int to, const void *buf, uint64_t bytes, char *err, size_t err_size)
 {
+    reap(0);
     for (uint64_t off = 0; off < bytes || off == 0; off += PIECE) {
         int n = bytes - off < PIECE ? (int)(bytes - off) : PIECE;
-        int rc = MPI_Send((const char *)buf + off, n, MPI_BYTE, to, 0, MPI_COMM_WORLD);
-        if (rc != MPI_SUCCESS)
+        if (n_pending == pending_cap) {
+            int cap = pending_cap ? 2 * pending_cap : 16;
+            pending_send *p = realloc(pending, (size_t)cap * sizeof *p);
+            if (!p) {
+                snprintf(err, err_size, "out of memory");
+                return -1;
+            }
+            pending = p, pending_cap = cap;
+        }
+        void *copy = malloc(n ? (size_t)n : 1);
+        if (!copy) {
+            snprintf(err, err_size, "out of memory for a message of %d bytes", n);
+            return -1;
+        }
+        memcpy(copy, (const char *)buf + off, (size_t)n);
+        int rc = MPI_Isend(copy, n, MPI_BYTE, to, 0, MPI_COMM_WORLD, &pending[n_pending].req);
+        if (rc != MPI_SUCCESS) {
+            free(copy);
             return mpi_fail(rc, "send", err, err_size);
+        }
+        pending[n_pending++].copy = copy;
         if (bytes == 0)
             break;
     }
@@ -110,8 +158,12 @@ static void mpi_leave(void)
 {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized)
+    if (!finalized) {
+        reap(1);
         MPI_Finalize();
+    }
+    free(pending);
+    pending = NULL, n_pending = pending_cap = 0;
 }
 
 __attribute__((visibility("default"))) const loom_transport *loom_transport_entry(void)
