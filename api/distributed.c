@@ -14,6 +14,7 @@
 #include "transport.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,6 +89,10 @@ static void *open_module(char *err, size_t err_size)
         if (exe[0])
             snprintf(path[n++], sizeof path[0], "%s/../lib/loom/mpi/loom-mpi.so", exe);
         snprintf(path[n++], sizeof path[0], "%s/mpi/loom-mpi.so", LOOM_PKGLIBDIR);
+    }
+    if (env && *env && access(env, F_OK) != 0) {
+        snprintf(err, err_size, "LOOM_MPI_MODULE=%s: %s", env, strerror(errno));
+        return NULL;
     }
     for (int i = 0; i < n; i++) {
         if (access(path[i], F_OK) != 0)

@@ -110,6 +110,17 @@ rc=$?
     pass "rank 0 names the rank that cannot open its file (exit $rc)" ||
     fail "a rank without its file: rc $rc $(cat "$tmpdir/absent.err")"
 
+LOOM_MPI_MODULE=$tmpdir/none.so $MPIRUN -np 2 -x LOOM_MPI_MODULE "$LOOM" run -m "$STORIES" \
+    --prompt-ids 1 -n 1 >/dev/null 2>"$tmpdir/nomodule.err"
+rc=$?
+[ $rc != 0 ] && grep -q "loom run: LOOM_MPI_MODULE=$tmpdir/none.so: No such file" "$tmpdir/nomodule.err" &&
+    pass "a missing MPI module is named (exit $rc)" ||
+    fail "no MPI module: rc $rc $(cat "$tmpdir/nomodule.err")"
+LOOM_DISTRIBUTED=0 $MPIRUN -np 2 -x LOOM_DISTRIBUTED "$LOOM" run -m "$STORIES" --prompt-ids 1 -n 4 \
+    --temp 0 --json 2>/dev/null >"$tmpdir/alone.json"
+[ "$(jq -s 'length' "$tmpdir/alone.json")" = 2 ] && pass "LOOM_DISTRIBUTED=0: each rank runs alone" ||
+    fail "LOOM_DISTRIBUTED=0: $(cat "$tmpdir/alone.json")"
+
 # ---- a rank that dies mid-generation ends the job, non-zero, within seconds
 $MPIRUN -np 2 sh -c 'echo $$ >"$0.$OMPI_COMM_WORLD_RANK"; exec "$@"' "$tmpdir/pid" \
     "$LOOM" run -m "$tmpdir/160m.gguf" --prompt-ids 1,2,3 -n 2000 --temp 0 \
