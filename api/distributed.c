@@ -555,8 +555,10 @@ int loom_dist_follow(loom_dist *d, loom_runner *r, char *err, size_t err_size)
                             p + 4 * c.n_tokens + table,
                             c.has_prefix ? p + 4 * c.n_tokens + table + c.n_logits : NULL};
             new_step(d);
-            /* a failure has gone down the pipeline to rank 0 (link_fail), which decides */
-            loom_runner_step(r, &st, e, sizeof e);
+            /* a failure goes down the pipeline to rank 0, which decides; the runner passes
+             * on those of a step it ran, this one a step it refused outright */
+            if (loom_runner_step(r, &st, e, sizeof e) != 0)
+                link_fail(d, e);
         } else if (c.kind == CMD_COPY) {
             loom_kvcopy *copies = malloc((size_t)(c.n_copies ? c.n_copies : 1) * sizeof *copies);
             int ok = copies != NULL;

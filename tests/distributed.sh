@@ -116,10 +116,12 @@ rc=$?
 [ $rc != 0 ] && grep -q "loom run: LOOM_MPI_MODULE=$tmpdir/none.so: No such file" "$tmpdir/nomodule.err" &&
     pass "a missing MPI module is named (exit $rc)" ||
     fail "no MPI module: rc $rc $(cat "$tmpdir/nomodule.err")"
-LOOM_DISTRIBUTED=0 $MPIRUN -np 2 -x LOOM_DISTRIBUTED "$LOOM" run -m "$STORIES" --prompt-ids 1 -n 4 \
-    --temp 0 --json 2>/dev/null >"$tmpdir/alone.json"
-[ "$(jq -s 'length' "$tmpdir/alone.json")" = 2 ] && pass "LOOM_DISTRIBUTED=0: each rank runs alone" ||
-    fail "LOOM_DISTRIBUTED=0: $(cat "$tmpdir/alone.json")"
+# each rank its own output file: mpirun interleaves the lines of ranks that share one
+LOOM_DISTRIBUTED=0 $MPIRUN -np 2 -x LOOM_DISTRIBUTED sh -c 'exec "$@" >"$0.$OMPI_COMM_WORLD_RANK"' \
+    "$tmpdir/alone" "$LOOM" run -m "$STORIES" --prompt-ids 1 -n 4 --temp 0 --json 2>/dev/null
+[ "$(cat "$tmpdir/alone.0" "$tmpdir/alone.1" 2>/dev/null | jq -s 'map(.generated_ids | length) | add')" = 8 ] &&
+    pass "LOOM_DISTRIBUTED=0: each rank runs alone" ||
+    fail "LOOM_DISTRIBUTED=0: $(cat "$tmpdir/alone.0" "$tmpdir/alone.1" 2>&1)"
 
 # ---- a rank that dies mid-generation ends the job, non-zero, within seconds
 $MPIRUN -np 2 sh -c 'echo $$ >"$0.$OMPI_COMM_WORLD_RANK"; exec "$@"' "$tmpdir/pid" \
