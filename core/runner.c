@@ -111,6 +111,12 @@ const loom_gguf *loom_rt_gguf(const loom_runner *r)
     return r->gguf;
 }
 
+/* The output head's tensors (GGUF names): the last stage's */
+static int is_head(const char *name)
+{
+    return strncmp(name, "output.", 7) == 0 || strncmp(name, "output_norm.", 12) == 0;
+}
+
 int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int has_prev,
                             int has_next, const char *name)
 {
@@ -119,7 +125,7 @@ int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int 
         return layer >= first && layer < end;
     if (strcmp(name, "token_embd.weight") == 0)
         return !has_prev || (!has_next && !loom_gguf_find_tensor(g, "output.weight"));
-    if (strncmp(name, "output.", 7) == 0 || strncmp(name, "output_norm.", 12) == 0)
+    if (is_head(name))
         return !has_next;
     return 1;
 }
@@ -139,8 +145,8 @@ int loom_runner_plan_stages(const loom_gguf *g, int32_t n_layer, int n_stages, i
             layer[l] += t->size;
         else if (strcmp(t->name, "token_embd.weight") == 0)
             embd += t->size, head += tied ? t->size : 0;
-        else if (!loom_runner_stage_holds(g, 0, 0, 1, 1, t->name))
-            head += t->size; /* output, output_norm */
+        else if (is_head(t->name))
+            head += t->size;
     }
     uint64_t total = embd + head;
     for (int32_t l = 0; l < n_layer; l++)
@@ -314,16 +320,20 @@ int loom_runner_is_last_stage(const loom_runner *r)
     return !r->opt.link || !r->opt.link->send;
 }
 
-/* The host copy of a step's hidden states, [n_embd][n] floats. */
-static float *handoff_space(loom_runner *r, uint64_t count)
+/* The host copy of hidden states x, *count floats; NULL when the pass has failed already, or
+ * is the census (which runs one token alone: no neighbour takes part). */
+static float *handoff_space(loom_runner *r, const loom_tensor *x, uint64_t *count)
 {
-    if (count > r->handoff_cap) {
-        float *h = realloc(r->handoff, (size_t)count * sizeof *h);
+    if (r->status || r->census)
+        return NULL;
+    *count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
+    if (*count > r->handoff_cap) {
+        float *h = realloc(r->handoff, (size_t)*count * sizeof *h);
         if (!h) {
             fail(r, "out of memory");
             return NULL;
         }
-        r->handoff = h, r->handoff_cap = count;
+        r->handoff = h, r->handoff_cap = *count;
     }
     return r->handoff;
 }
@@ -334,10 +344,8 @@ void loom_rt_embed(loom_runner *r, const loom_tensor *tok_embd, const loom_tenso
         loom_rt_get_rows(r, tok_embd, &r->in.ids, x);
         return;
     }
-    if (r->status || r->census) /* the census runs one token alone: no neighbour takes part */
-        return;
-    uint64_t count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
-    float *h = handoff_space(r, count);
+    uint64_t count;
+    float *h = handoff_space(r, x, &count);
     char err[400];
     const loom_backend_ops *ops = &r->dev->ops;
     if (!h)
@@ -351,10 +359,8 @@ void loom_rt_embed(loom_runner *r, const loom_tensor *tok_embd, const loom_tenso
 /* A stage before the last: x goes to the next stage. */
 static void hand_on(loom_runner *r, const loom_tensor *x)
 {
-    if (r->status || r->census)
-        return;
-    uint64_t count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
-    float *h = handoff_space(r, count);
+    uint64_t count;
+    float *h = handoff_space(r, x, &count);
     char err[400];
     const loom_backend_ops *ops = &r->dev->ops;
     if (!h)
