@@ -89,9 +89,11 @@ size_kb=$(($(wc -c <"$tmpdir/160m.gguf") / 1024))
 /usr/bin/time -f 'peak %M' "$LOOM" run -m "$tmpdir/160m.gguf" --prompt-ids 1,2,3 -n 4 \
     >/dev/null 2>"$tmpdir/one.err"
 one_kb=$(sed -n 's/^peak \([0-9]*\)$/\1/p' "$tmpdir/one.err")
-$MPIRUN -np 2 /usr/bin/time -f 'peak %M' "$LOOM" run -m "$tmpdir/160m.gguf" --prompt-ids 1,2,3 \
-    -n 4 >/dev/null 2>"$tmpdir/two.err"
-ranks_kb=$(sed -n 's/^peak \([0-9]*\)$/\1/p' "$tmpdir/two.err" | tr '\n' ' ')
+# each rank's figure in its own file: mpirun may interleave pieces of the ranks' lines
+$MPIRUN -np 2 sh -c 'exec /usr/bin/time -f "peak %M" -o "$0.$OMPI_COMM_WORLD_RANK" "$@"' \
+    "$tmpdir/peak" "$LOOM" run -m "$tmpdir/160m.gguf" --prompt-ids 1,2,3 -n 4 >/dev/null 2>&1
+ranks_kb=$(cat "$tmpdir/peak.0" "$tmpdir/peak.1" 2>/dev/null | sed -n 's/^peak \([0-9]*\)$/\1/p' |
+    tr '\n' ' ')
 limit=$((one_kb - size_kb / 4))
 ok=$([ -n "$one_kb" ] && [ "$(echo $ranks_kb | wc -w)" = 2 ] && echo yes)
 for r in $ranks_kb; do [ "$r" -lt "$limit" ] || ok=; done
