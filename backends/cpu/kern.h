@@ -50,8 +50,8 @@ typedef struct act_group {
     float d[8 * KERN_G];         /* the block's scale, in each of its lanes */
     float msum[8 * KERN_G];      /* d x the block's sum of quants / 8, in each lane: Q4_1 */
 #ifdef KERN_SSE2
-    int16_t qw[32];   /* qs widened, even elements before odd ones (above) */
-    int32_t neg8w[4]; /* Q4_0's offset for the four lanes of pmaddwd sums: -8 x the sum, once */
+    int16_t qw[32]; /* qs widened, even elements before odd ones (above) */
+    int32_t neg8;   /* Q4_0's offset: -8 x the block's sum of quants */
 #endif
 } act_group;
 

@@ -143,7 +143,7 @@ void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout)
 #endif
             }
 #ifdef KERN_SSE2
-        gr->neg8w[0] = -8 * total[0];
+        gr->neg8 = -8 * total[0];
 #endif
         for (int l = 0; l < 8 * n; l++) {
             int h = owner[4 * l], lane = 0;
@@ -325,8 +325,7 @@ INLINE void quant_tile_sse2(loom_dtype wt, const unsigned char *w, size_t wstrid
             UNROLL
             for (int r = 0; r < MR; r++) {
                 const act_group *g = a->g + (m0 + r) * a->groups + b;
-                __m128i start = wt == LOOM_Q4_0 ? _mm_loadu_si128((const __m128i *)g->neg8w)
-                                                : _mm_setzero_si128();
+                __m128i start = wt == LOOM_Q4_0 ? _mm_cvtsi32_si128(g->neg8) : _mm_setzero_si128();
                 __m128 t = _mm_mul_ps(_mm_cvtepi32_ps(dot_i16(start, wv, g->qw)),
                                       _mm_set1_ps(wd * g->d[0]));
                 if (wt == LOOM_Q4_1) /* m x d_x x (sum of x), a quarter in each lane */
