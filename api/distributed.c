@@ -13,6 +13,8 @@
 
 #include "transport.h"
 
+#include "core/loader.h"
+
 #include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
@@ -21,7 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-/* LOOM_PKGLIBDIR and LOOM_BUILD_DIR come from the build (Makefile.am's AM_CPPFLAGS) */
+/* LOOM_PKGLIBDIR comes from the build (Makefile.am's AM_CPPFLAGS) */
 
 enum { CMD_STEP = 1, CMD_COPY, CMD_QUIT };
 
@@ -78,16 +80,11 @@ static void *open_module(char *err, size_t err_size)
     if (env && *env) {
         snprintf(path[n++], sizeof path[0], "%s", env);
     } else {
-        ssize_t len = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        exe[len > 0 ? len : 0] = 0;
-        char *slash = strrchr(exe, '/');
-        if (slash)
-            *slash = 0;
-        if (LOOM_BUILD_DIR[0] && realpath(LOOM_BUILD_DIR, build) &&
-            strncmp(exe, build, strlen(build)) == 0)
-            snprintf(path[n++], sizeof path[0], "%s/api/mpi/.libs/loom-mpi.so", build);
-        if (exe[0])
+        if (loom_exe_dir(exe, sizeof exe) == 0) {
+            if (loom_build_tree(exe, build, sizeof build))
+                snprintf(path[n++], sizeof path[0], "%s/api/mpi/.libs/loom-mpi.so", build);
             snprintf(path[n++], sizeof path[0], "%s/../lib/loom/mpi/loom-mpi.so", exe);
+        }
         snprintf(path[n++], sizeof path[0], "%s/mpi/loom-mpi.so", LOOM_PKGLIBDIR);
     }
     if (env && *env && access(env, F_OK) != 0) {

@@ -53,6 +53,13 @@ typedef struct loom_registry {
     char search_path[8192]; /* the directories searched, ':'-separated, for the report */
 } loom_registry;
 
+/* Where loom's modules lie besides LOOM_BACKEND_PATH: the directory of the running executable
+ * (resolved; 0, or -1), and the build tree loom was configured in when the executable runs
+ * from it (1 with its path in build; 0 otherwise), where libtool leaves uninstalled modules in
+ * <dir>/<name>/.libs. The API layer finds its MPI module the same way. */
+int loom_exe_dir(char *out, size_t n);
+int loom_build_tree(const char *exe_dir, char *build, size_t n);
+
 /* Scans LOOM_BACKEND_PATH, the build tree (when running from it), the install directory next
  * to the executable and the configured install directory. Returns 0, or -1 with err set when
  * memory runs out. Unloadable files are candidates too, with their reason. */

@@ -398,8 +398,7 @@ static int scan_dir(loom_registry *reg, const char *dir, char *err, size_t err_s
     return rc;
 }
 
-/* Directory holding the running executable, resolved. */
-static int exe_dir(char *out, size_t n)
+int loom_exe_dir(char *out, size_t n)
 {
     char buf[PATH_MAX];
     ssize_t len = readlink("/proc/self/exe", buf, sizeof buf - 1);
@@ -434,13 +433,22 @@ static int scan_libs_dirs(loom_registry *reg, const char *top, char *err, size_t
 
 /* In an uninstalled build, modules sit in backends/<name>/.libs/ and plugins/<name>/.libs/
  * under the build tree. */
+int loom_build_tree(const char *exe, char *build, size_t n)
+{
+    char real[PATH_MAX];
+    if (!LOOM_BUILD_DIR[0] || !realpath(LOOM_BUILD_DIR, real))
+        return 0;
+    size_t bl = strlen(real);
+    if (strncmp(exe, real, bl) != 0 || (exe[bl] != '/' && exe[bl] != '\0'))
+        return 0;
+    snprintf(build, n, "%s", real);
+    return 1;
+}
+
 static int scan_build_tree(loom_registry *reg, const char *exe, char *err, size_t err_size)
 {
     char build[PATH_MAX];
-    if (!LOOM_BUILD_DIR[0] || !realpath(LOOM_BUILD_DIR, build))
-        return 0;
-    size_t bl = strlen(build);
-    if (strncmp(exe, build, bl) != 0 || (exe[bl] != '/' && exe[bl] != '\0'))
+    if (!loom_build_tree(exe, build, sizeof build))
         return 0;
     static const char *const folders[] = {"backends", "plugins"};
     for (size_t i = 0; i < sizeof folders / sizeof folders[0]; i++) {
@@ -473,7 +481,7 @@ int loom_registry_scan(loom_registry *reg, char *err, size_t err_size)
             return rc;
     }
     char exe[PATH_MAX];
-    if (exe_dir(exe, sizeof exe) == 0) {
+    if (loom_exe_dir(exe, sizeof exe) == 0) {
         if (scan_build_tree(reg, exe, err, err_size))
             return -1;
         char rel[PATH_MAX], real[PATH_MAX];
