@@ -7,7 +7,7 @@
  * tiles of KERN_MR rows (and KERN_NR weight rows at a time), so prefill reuses each weight row from cache rather than memory.
  * Float W works the same way without the quantisation step.
  *
- * Q4_0, Q4_1 and Q8_0 W that went through cpu_prepare_weight have their rows interleaved
+ * Q4_0, Q4_1, Q8_0 and IQ4_NL W that went through cpu_prepare_weight have their rows interleaved
  * (kern.h): threads then take groups of KERN_RI rows, each a contiguous run of bytes, and X is
  * quantised per block.
  *
@@ -65,6 +65,13 @@ static unsigned char *data(const loom_tensor *t)
     return t->buf->data;
 }
 
+/* the block types whose rows cpu_prepare_weight interleaves into kern.h's records: IQ4_NL's
+ * blocks have Q4_0's shape, so its records too */
+static int interleaves_blocks(loom_dtype wt)
+{
+    return loom_dtype_is_block(wt) || wt == LOOM_IQ4_NL;
+}
+
 static void prepare_x(void *ctx, int ith, int nth)
 {
     mm_job *j = ctx;
@@ -106,7 +113,7 @@ static uint64_t group_bytes(loom_dtype wt, cpu_layout layout, int64_t K)
 {
     if (layout == CPU_LAYOUT_BF16_PAIRS)
         return (uint64_t)((K + 1) / 2) * KERN_RI * 4;
-    if (wt == LOOM_Q4_0)
+    if (wt == LOOM_Q4_0 || wt == LOOM_IQ4_NL)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_0_ri_record);
     if (wt == LOOM_Q8_0)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q8_0_ri_record);
@@ -353,7 +360,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
          p->w->nb[3] == p->w->nb[2] * (uint64_t)p->w->ne[2]);
     int decode_quant = loom_dtype_is_block(p->w->dtype) && j.M < KERN_MR;
     /* unpacked rows sit in cache, where several at a time only help */
-    j.unpacked = kern_kq_handles(p->w->dtype);
+    j.unpacked = !prepared && kern_kq_handles(p->w->dtype);
     j.direct = !j.split_m && kern_kq_direct_has(p->w->dtype);
     /* the direct kernels take the rows of a call one after another, as memory likes */
     j.nr_max = (uniform_w && (!decode_quant || j.direct)) || (j.unpacked && !j.direct) ? KERN_NR
@@ -362,11 +369,12 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     void *scratch = NULL;
     loom_dtype wt = p->w->dtype;
     pool_fn body = mm_rows;
-    if ((prepared && loom_dtype_is_block(wt)) || j.unpacked) { /* X as act_blocks */
+    if ((prepared && interleaves_blocks(wt)) || j.unpacked) { /* X as act_blocks */
 #if KERN_RI
         if (prepared)
             j.kri = wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0_ri)
                 : wt == LOOM_Q4_1   ? VNNI_OR(cb, kern_q4_1_ri)
+                : wt == LOOM_IQ4_NL ? VNNI_OR(cb, kern_iq4_nl_ri)
                                     : VNNI_OR(cb, kern_q8_0_ri);
 #endif
         j.kq_min = kern_kq_has_min(wt);
@@ -519,7 +527,7 @@ static void repack_groups(void *ctx, int ith, int nth)
     pool_split((long)(loom_tensor_rows(j->w) / KERN_RI), ith, nth, &g0, &g1);
     loom_dtype wt = j->w->dtype;
     for (long g = g0; g < g1; g++)
-        if (loom_dtype_is_block(wt))
+        if (interleaves_blocks(wt))
             repack_blocks(j, g, wt == LOOM_Q4_1 ? 2 : 1, wt == LOOM_Q8_0 ? 8 : 4);
         else
             repack_half(j, g);
@@ -555,8 +563,7 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         return st;
 #if KERN_RI
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
-    int interleaves = loom_dtype_is_block(w->dtype) || w->dtype == LOOM_F16 ||
-        w->dtype == LOOM_BF16;
+    int interleaves = interleaves_blocks(w->dtype) || w->dtype == LOOM_F16 || w->dtype == LOOM_BF16;
     if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
         cpu_layout layout = CPU_LAYOUT_ROWS;
 #if defined(LOOM_CPU_VARIANT_AVX512)

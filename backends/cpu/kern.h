@@ -78,7 +78,8 @@ typedef enum kern_layout {
 } kern_layout;
 
 /* ---- Interleaved weights (cpu_prepare_weight) ----------------------------------------------
- * Q4_0, Q4_1 and Q8_0 weights rearranged at load so that one vector lane holds one weight row:
+ * Q4_0, Q4_1, Q8_0 and IQ4_NL (in Q4_0's records) weights rearranged at load so that one
+ * vector lane holds one weight row:
  * the integer dot product of a lane is then that row's partial sum, and a block's KERN_RI
  * scales are one vector, so no lane has to be summed across or scale broadcast per block. Rows
  * go in groups of KERN_RI (the int32 lanes of a vector); a group is a run of records of two
@@ -134,6 +135,10 @@ void kern_q4_1_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr
 void kern_q4_1_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+/* IQ4_NL rows interleaved as Q4_0's are (the same records), the nibbles indexing IQ4's table */
+void kern_iq4_nl_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_iq4_nl_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr,
+                         float *out);
 /* The same for F16/BF16 weights interleaved the same way (a group: K columns of KERN_RI values,
  * column k holding element k of each row); x[r] is activation row r. */
 typedef void (*kern_float_ri_fn)(const unsigned char *w, int64_t K, const float *const *x, int mr,

@@ -18,6 +18,8 @@
 #include "kern.h"
 #include "rows.h"
 
+#include <loom/quants.h>
+
 #include <math.h>
 #include <string.h>
 
@@ -1011,9 +1013,94 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         V_STORE_F(out + r * KERN_RI, acc[r]);
 }
 
-void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr,
+                        float *out){RI_MR_CASES(q8_0_ri_tile)}
+
+/* ---- IQ4_NL, interleaved rows: Q4_0's records, each nibble an index into IQ4's table ---------
+ * The table lookup is one byte shuffle per 4 bytes of nibbles, giving signed weights, which
+ * then meet the activations as Q8_0's do. With VNNI the table is stored biased by +128, so the
+ * weights are the unsigned operand as they are, and each lane starts at -128 x the sum of its
+ * 4 activations (16 x neg8sum); u8 x s8 pairs summed to int16 (no VNNI) would overflow with
+ * weights up to 241, so there |w| is the unsigned operand and w's sign moves onto x. */
+#if defined(__AVX512F__)
+#define V_TABLE16(t) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(const void *)(t)))
+#define V_LOOKUP(t, idx) _mm512_shuffle_epi8((t), (idx))
+#else
+#define V_TABLE16(t)                                                                               \
+    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(t)))
+#define V_LOOKUP(t, idx) _mm256_shuffle_epi8((t), (idx))
+#endif
+
+INLINE void iq4_nl_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                           const int MR)
 {
-    RI_MR_CASES(q8_0_ri_tile)
+#ifdef KERN_VNNI
+    int8_t biased[16];
+    for (int i = 0; i < 16; i++)
+        biased[i] = (int8_t)(loom_iq4_values[i] + 128);
+    const vint table = V_TABLE16(biased);
+#else
+    const vint table = V_TABLE16(loom_iq4_values);
+#endif
+    vflt acc[KERN_MR];
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        acc[r] = V_ZERO_F();
+    const q4_0_ri_record *rec = (const q4_0_ri_record *)(const void *)w;
+    for (int64_t b = 0; b < nb; b++) {
+        const q4_0_ri_record *o = rec + b / 2;
+        int h = (int)(b & 1);
+        if (!h)
+            for (size_t l = 0; l < sizeof *o; l += 64)
+                __builtin_prefetch((const char *)o + RI_PREFETCH + l);
+        vflt wd = V_F16(o->d[h]);
+        vint s0[KERN_MR], s1[KERN_MR];
+        UNROLL
+        for (int r = 0; r < MR; r++) {
+#ifdef KERN_VNNI
+            s0[r] = V_SET1_I(16 * a[r * nb + b].neg8sum);
+#else
+            s0[r] = V_ZERO_I();
+#endif
+            s1[r] = V_ZERO_I();
+        }
+        UNROLL
+        for (int c = 0; c < 4; c++) {
+            vint v = V_LOAD_I(o->q[h][c]);
+            /* chunk c: elements 4c..4c+3 in the low nibbles, 16+4c.. in the high ones */
+            vint lo = V_LOOKUP(table, V_NIB_LO(v)), hi = V_LOOKUP(table, V_NIB_HI(v));
+#ifdef KERN_VNNI
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_block *x = a + r * nb + b;
+                s0[r] = V_DOT(s0[r], lo, V_BCAST4(x->qs + 4 * c));
+                s1[r] = V_DOT(s1[r], hi, V_BCAST4(x->qs + 16 + 4 * c));
+            }
+#else
+            vint ulo = V_ABS8(lo), uhi = V_ABS8(hi);
+            vsign klo = V_SIGNS(lo), khi = V_SIGNS(hi);
+            UNROLL
+            for (int r = 0; r < MR; r++) {
+                const act_block *x = a + r * nb + b;
+                s0[r] = V_DOT(s0[r], ulo, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c), klo));
+                s1[r] = V_DOT(s1[r], uhi, V_APPLY_SIGN(V_BCAST4(x->qs + 16 + 4 * c), khi));
+            }
+#endif
+        }
+        UNROLL
+        for (int r = 0; r < MR; r++)
+            acc[r] = V_FMA(V_CVT(V_ADD_I(s0[r], s1[r])), V_MUL(wd, V_SET1_F(a[r * nb + b].d)),
+                           acc[r]);
+    }
+    UNROLL
+    for (int r = 0; r < MR; r++)
+        V_STORE_F(out + r * KERN_RI, acc[r]);
+}
+
+void KERN(kern_iq4_nl_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr,
+                          float *out)
+{
+    RI_MR_CASES(iq4_nl_ri_tile)
 }
 
 #ifndef KERN_VNNI
