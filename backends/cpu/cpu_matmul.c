@@ -7,7 +7,8 @@
  * tiles of KERN_MR rows (and KERN_NR weight rows at a time), so prefill reuses each weight row from cache rather than memory.
  * Float W works the same way without the quantisation step.
  *
- * Q4_0, Q4_1, Q8_0 and IQ4_NL W that went through cpu_prepare_weight have their rows interleaved
+ * Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL W that went through cpu_prepare_weight have their rows
+ * interleaved
  * (kern.h): threads then take groups of KERN_RI rows, each a contiguous run of bytes, and X is
  * quantised per block.
  *
@@ -19,6 +20,8 @@
 #include "cpu.h"
 #include "kern.h"
 #include "rows.h"
+
+#include <loom/quants.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -69,7 +72,7 @@ static unsigned char *data(const loom_tensor *t)
  * blocks have Q4_0's shape, so its records too */
 static int interleaves_blocks(loom_dtype wt)
 {
-    return loom_dtype_is_block(wt) || wt == LOOM_IQ4_NL;
+    return loom_dtype_is_block(wt) || wt == LOOM_IQ4_NL || wt == LOOM_Q5_0 || wt == LOOM_Q5_1;
 }
 
 static void prepare_x(void *ctx, int ith, int nth)
@@ -119,6 +122,10 @@ static uint64_t group_bytes(loom_dtype wt, cpu_layout layout, int64_t K)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q8_0_ri_record);
     if (wt == LOOM_Q4_1)
         return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q4_1_ri_record);
+    if (wt == LOOM_Q5_0)
+        return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q5_0_ri_record);
+    if (wt == LOOM_Q5_1)
+        return (uint64_t)((K / LOOM_QK + 1) / 2) * sizeof(q5_1_ri_record);
     return (uint64_t)K * KERN_RI * 2; /* F16, BF16 */
 }
 
@@ -375,6 +382,8 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             j.kri = wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0_ri)
                 : wt == LOOM_Q4_1   ? VNNI_OR(cb, kern_q4_1_ri)
                 : wt == LOOM_IQ4_NL ? VNNI_OR(cb, kern_iq4_nl_ri)
+                : wt == LOOM_Q5_0   ? VNNI_OR(cb, kern_q5_0_ri)
+                : wt == LOOM_Q5_1   ? VNNI_OR(cb, kern_q5_1_ri)
                                     : VNNI_OR(cb, kern_q8_0_ri);
 #endif
         j.kq_min = kern_kq_has_min(wt);
@@ -489,15 +498,29 @@ static void repack_half(const repack_job *j, long g)
             *dst++ = rows[r][k];
 }
 
-/* Q4_0, Q4_1 and Q8_0 (kern.h's records): a block is `scales` f16 values (d, and Q4_1's m) then
- * its quants, which go into the record 4 bytes (a chunk) at a time, so every block type of that
- * shape shares this. */
-static void repack_blocks(const repack_job *j, long g, int scales, int chunks)
+/* Q5_0/Q5_1's fifth bits as their records hold them (kern.h): byte c those of the elements in
+ * chunk c's nibbles, 4c..4c+3 then 16+4c..16+4c+3 */
+static uint32_t fifth_bits_by_chunk(const uint8_t qh[4])
+{
+    uint32_t out = 0;
+    for (int c = 0; c < 4; c++)
+        for (int k = 0; k < 4; k++)
+            out |= (uint32_t)loom_q5_high(qh, 4 * c + k) << (8 * c + k) |
+                (uint32_t)loom_q5_high(qh, 16 + 4 * c + k) << (8 * c + 4 + k);
+    return out;
+}
+
+/* Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL (kern.h's records): a block is `scales` f16 values
+ * (d, and Q4_1's or Q5_1's m), Q5's 4 bytes of fifth bits when `fifth`, then its quants, which
+ * go into the record 4 bytes (a chunk) at a time, so every block type of that shape shares
+ * this. */
+static void repack_blocks(const repack_job *j, long g, int scales, int fifth, int chunks)
 {
     int64_t nb = j->w->ne[0] / LOOM_QK;
-    size_t block_bytes = 2 * (size_t)scales + 4 * (size_t)chunks;
+    size_t block_bytes = 2 * (size_t)scales + 4 * (size_t)fifth + 4 * (size_t)chunks;
     size_t scale_bytes = 2 * KERN_RI * 2 * (size_t)scales; /* a record's scales, both blocks */
-    size_t record_bytes = scale_bytes + 2 * (size_t)chunks * KERN_RI * 4;
+    size_t fifth_bytes = 2 * KERN_RI * 4 * (size_t)fifth;
+    size_t record_bytes = scale_bytes + fifth_bytes + 2 * (size_t)chunks * KERN_RI * 4;
     unsigned char *rec = j->dst + (uint64_t)g * j->group_bytes;
     if (nb % 2) /* the unused half of the last record */
         memset(rec + (size_t)(nb / 2) * record_bytes, 0, record_bytes);
@@ -508,16 +531,23 @@ static void repack_blocks(const repack_job *j, long g, int scales, int chunks)
             int h = (int)(b & 1);
             for (int sc = 0; sc < scales; sc++) /* d[h][r], then m[h][r] */
                 memcpy(o + (size_t)((sc * 2 + h) * KERN_RI + r) * 2, src + 2 * sc, 2);
-            unsigned char *q = o + scale_bytes + (size_t)h * chunks * KERN_RI * 4;
+            if (fifth) { /* qh[h][r] */
+                uint32_t bits = fifth_bits_by_chunk(src + 2 * scales);
+                memcpy(o + scale_bytes + (size_t)(h * KERN_RI + r) * 4, &bits, 4);
+            }
+            unsigned char *q = o + scale_bytes + fifth_bytes + (size_t)h * chunks * KERN_RI * 4;
+            const unsigned char *qs = src + 2 * scales + 4 * fifth;
             for (int c = 0; c < chunks; c++) /* q[h][c][r] */
-                memcpy(q + ((size_t)c * KERN_RI + r) * 4, src + 2 * scales + 4 * c, 4);
+                memcpy(q + ((size_t)c * KERN_RI + r) * 4, qs + 4 * c, 4);
         }
     }
 }
 
 _Static_assert(sizeof(q4_0_ri_record) == 2 * (2 * KERN_RI + 4 * KERN_RI * 4) &&
                    sizeof(q4_1_ri_record) == 2 * (4 * KERN_RI + 4 * KERN_RI * 4) &&
-                   sizeof(q8_0_ri_record) == 2 * (2 * KERN_RI + 8 * KERN_RI * 4),
+                   sizeof(q8_0_ri_record) == 2 * (2 * KERN_RI + 8 * KERN_RI * 4) &&
+                   sizeof(q5_0_ri_record) == 2 * (2 * KERN_RI + 4 * KERN_RI + 4 * KERN_RI * 4) &&
+                   sizeof(q5_1_ri_record) == 2 * (4 * KERN_RI + 4 * KERN_RI + 4 * KERN_RI * 4),
                "repack_blocks writes the records as kern.h declares them");
 
 static void repack_groups(void *ctx, int ith, int nth)
@@ -528,7 +558,8 @@ static void repack_groups(void *ctx, int ith, int nth)
     loom_dtype wt = j->w->dtype;
     for (long g = g0; g < g1; g++)
         if (interleaves_blocks(wt))
-            repack_blocks(j, g, wt == LOOM_Q4_1 ? 2 : 1, wt == LOOM_Q8_0 ? 8 : 4);
+            repack_blocks(j, g, wt == LOOM_Q4_1 || wt == LOOM_Q5_1 ? 2 : 1,
+                          wt == LOOM_Q5_0 || wt == LOOM_Q5_1, wt == LOOM_Q8_0 ? 8 : 4);
         else
             repack_half(j, g);
 }

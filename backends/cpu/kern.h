@@ -78,8 +78,8 @@ typedef enum kern_layout {
 } kern_layout;
 
 /* ---- Interleaved weights (cpu_prepare_weight) ----------------------------------------------
- * Q4_0, Q4_1, Q8_0 and IQ4_NL (in Q4_0's records) weights rearranged at load so that one
- * vector lane holds one weight row:
+ * Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 and IQ4_NL (in Q4_0's records) weights rearranged at load so
+ * that one vector lane holds one weight row:
  * the integer dot product of a lane is then that row's partial sum, and a block's KERN_RI
  * scales are one vector, so no lane has to be summed across or scale broadcast per block. Rows
  * go in groups of KERN_RI (the int32 lanes of a vector); a group is a run of records of two
@@ -114,6 +114,20 @@ typedef struct q8_0_ri_record {
     uint16_t d[2][KERN_RI];
     int8_t q[2][8][KERN_RI][4];
 } q8_0_ri_record;
+/* Q5_0 and Q5_1: Q4_0's and Q4_1's records with each row's fifth bits between the scales and
+ * the nibbles, reordered so that byte c holds those of chunk c's elements: 4c..4c+3 in bits
+ * 0-3 (the low nibbles'), 16+4c..16+4c+3 in bits 4-7 (the high nibbles') */
+typedef struct q5_0_ri_record {
+    uint16_t d[2][KERN_RI];
+    uint32_t qh[2][KERN_RI];
+    uint8_t q[2][4][KERN_RI][4];
+} q5_0_ri_record;
+typedef struct q5_1_ri_record {
+    uint16_t d[2][KERN_RI];
+    uint16_t m[2][KERN_RI];
+    uint32_t qh[2][KERN_RI];
+    uint8_t q[2][4][KERN_RI][4];
+} q5_1_ri_record;
 #endif
 
 /* One block of activations, quantised, for the interleaved kernels. */
@@ -135,6 +149,10 @@ void kern_q4_1_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr
 void kern_q4_1_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_q8_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q5_0_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q5_0_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q5_1_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
+void kern_q5_1_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 /* IQ4_NL rows interleaved as Q4_0's are (the same records), the nibbles indexing IQ4's table */
 void kern_iq4_nl_ri(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out);
 void kern_iq4_nl_ri_vnni(const unsigned char *w, int64_t nb, const act_block *a, int mr,

@@ -881,37 +881,72 @@ typedef __m256 vflt;
     default: tile(w, nb, a, out, 4); break;                                                        \
     }
 
-/* Q4_0 and Q4_1 (HAS_MIN) records (kern.h): the scales, Q4_1's minimums, then the nibbles */
+/* Q4_0, Q4_1 (HAS_MIN), Q5_0 (FIVE) and Q5_1 (both) records (kern.h): the scales, the
+ * minimums, the fifth bits, then the nibbles */
+#if defined(__AVX512F__)
+/* 16 in each byte of v that has its bit of pattern set: a fifth bit, as a value to add */
+#define V_FIFTH(v, pattern)                                                                        \
+    _mm512_maskz_mov_epi8(_mm512_test_epi8_mask((v), (pattern)), _mm512_set1_epi8(16))
+#define V_OR_I(a, b) _mm512_or_si512((a), (b))
+#define V_SHUF8(v, idx) _mm512_shuffle_epi8((v), (idx))
+#define V_LANE_BYTE(c)                                                                             \
+    _mm512_add_epi8(_mm512_set4_epi32(0x0c0c0c0c, 0x08080808, 0x04040404, 0), _mm512_set1_epi8(c))
+#else
+#define V_FIFTH(v, pattern)                                                                        \
+    _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256((v), (pattern)), (pattern)),               \
+                     _mm256_set1_epi8(16))
+#define V_OR_I(a, b) _mm256_or_si256((a), (b))
+#define V_SHUF8(v, idx) _mm256_shuffle_epi8((v), (idx))
+#define V_LANE_BYTE(c)                                                                             \
+    _mm256_add_epi8(_mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c, 0, 0x04040404,        \
+                                      0x08080808, 0x0c0c0c0c),                                     \
+                    _mm256_set1_epi8(c))
+#endif
+
 INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
-                       const int MR, const int HAS_MIN)
+                       const int MR, const int HAS_MIN, const int FIVE)
 {
-    const size_t record = HAS_MIN ? sizeof(q4_1_ri_record) : sizeof(q4_0_ri_record);
+    const size_t record = FIVE ? (HAS_MIN ? sizeof(q5_1_ri_record) : sizeof(q5_0_ri_record))
+                               : (HAS_MIN ? sizeof(q4_1_ri_record) : sizeof(q4_0_ri_record));
+    const size_t qh_at = HAS_MIN ? offsetof(q5_1_ri_record, qh) : offsetof(q5_0_ri_record, qh);
+    const size_t q_at = FIVE
+        ? (HAS_MIN ? offsetof(q5_1_ri_record, q) : offsetof(q5_0_ri_record, q))
+        : (HAS_MIN ? offsetof(q4_1_ri_record, q) : offsetof(q4_0_ri_record, q));
+    /* Q4_0's -8 and Q5_0's -16 as lanes' starting sums: -8 (-16) x the sum of their 4 x */
+    const int offset_times = FIVE ? 2 : 1;
     vflt acc[KERN_MR];
     UNROLL
     for (int r = 0; r < MR; r++)
         acc[r] = V_ZERO_F();
     for (int64_t b = 0; b < nb; b++) {
         const unsigned char *o = w + (size_t)(b / 2) * record;
-        const q4_0_ri_record *o0 = (const q4_0_ri_record *)(const void *)o;
-        const q4_1_ri_record *o1 = (const q4_1_ri_record *)(const void *)o;
         int h = (int)(b & 1);
         if (!h)
             for (size_t l = 0; l < record; l += 64)
                 __builtin_prefetch(o + RI_PREFETCH + l);
+        const unsigned char *q = o + q_at + (size_t)h * 4 * KERN_RI * 4;
+        vint qh = FIVE ? V_LOAD_I(o + qh_at + (size_t)h * KERN_RI * 4) : V_ZERO_I();
         vint lo[4], hi[4];
         UNROLL
         for (int c = 0; c < 4; c++) {
-            vint v = V_LOAD_I(HAS_MIN ? o1->q[h][c] : o0->q[h][c]);
+            vint v = V_LOAD_I(q + (size_t)c * KERN_RI * 4);
             lo[c] = V_NIB_LO(v);
             hi[c] = V_NIB_HI(v);
+            if (FIVE) { /* each byte of a lane takes byte c of the lane's fifth bits (chunk c's,
+                         * kern.h): bit k is byte k's low nibble's, bit 4+k its high one's */
+                vint hb = V_SHUF8(qh, V_LANE_BYTE(c));
+                lo[c] = V_OR_I(lo[c], V_FIFTH(hb, V_SET1_I(0x08040201)));
+                hi[c] = V_OR_I(hi[c], V_FIFTH(hb, V_SET1_I((int)0x80402010)));
+            }
         }
-        vflt wd = V_F16(HAS_MIN ? o1->d[h] : o0->d[h]);
-        vflt wm = HAS_MIN ? V_F16(o1->m[h]) : V_ZERO_F();
+        const uint16_t *d = (const uint16_t *)(const void *)o;
+        vflt wd = V_F16(d + h * KERN_RI);
+        vflt wm = HAS_MIN ? V_F16(d + (2 + h) * KERN_RI) : V_ZERO_F();
         UNROLL
         for (int r = 0; r < MR; r++) {
             const act_block *x = a + r * nb + b;
-            /* two chains, so the dot products of a block overlap; Q4_0's -8 starts the first */
-            vint s0 = HAS_MIN ? V_ZERO_I() : V_SET1_I(x->neg8sum), s1 = V_ZERO_I();
+            /* two chains, so the dot products of a block overlap */
+            vint s0 = HAS_MIN ? V_ZERO_I() : V_SET1_I(offset_times * x->neg8sum), s1 = V_ZERO_I();
             UNROLL
             for (int c = 0; c < 4; c++) {
                 s0 = V_DOT(s0, lo[c], V_BCAST4(x->qs + 4 * c));
@@ -930,13 +965,25 @@ INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, f
 INLINE void q4_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
                          const int MR)
 {
-    q4_ri_tile(w, nb, a, out, MR, 0);
+    q4_ri_tile(w, nb, a, out, MR, 0, 0);
 }
 
 INLINE void q4_1_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
                          const int MR)
 {
-    q4_ri_tile(w, nb, a, out, MR, 1);
+    q4_ri_tile(w, nb, a, out, MR, 1, 0);
+}
+
+INLINE void q5_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                         const int MR)
+{
+    q4_ri_tile(w, nb, a, out, MR, 0, 1);
+}
+
+INLINE void q5_1_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
+                         const int MR)
+{
+    q4_ri_tile(w, nb, a, out, MR, 1, 1);
 }
 
 void KERN(kern_q4_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
@@ -947,6 +994,16 @@ void KERN(kern_q4_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, 
 void KERN(kern_q4_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
 {
     RI_MR_CASES(q4_1_ri_tile)
+}
+
+void KERN(kern_q5_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+{
+    RI_MR_CASES(q5_0_ri_tile)
+}
+
+void KERN(kern_q5_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+{
+    RI_MR_CASES(q5_1_ri_tile)
 }
 
 /* ---- Q8_0, interleaved rows (layout in kern.h) ---------------------------------------------- */
