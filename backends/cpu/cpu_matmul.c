@@ -13,9 +13,11 @@
  * quantised per block.
  *
  * The ABI 1.2 types (K-quants, IQ4, Q5) have X quantised per block the same way; each chunk of
- * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X. Q4_K,
- * Q5_K and Q6_K (avx2 and avx512) skip the unpacking: X is quantised per 256 (act_k) and
- * kern_kq_direct reads the file's layout, a chunk of W rows against every tile of X.
+ * W rows is unpacked once into kern_kq.c's common shape and then met by every tile of X (the
+ * baseline variant, and the avx2/avx512 ones where a row split leaves too few W rows). Q2_K..Q6_K
+ * and IQ4_XS (avx2 and avx512) skip the unpacking: X is quantised per 256 (act_k) and
+ * kern_kq_direct reads the file's layout, a chunk of W rows against every tile of X; Q5_0, Q5_1
+ * and IQ4_NL are interleaved (above).
  */
 #include "cpu.h"
 #include "kern.h"

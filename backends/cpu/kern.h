@@ -223,7 +223,7 @@ void kern_kq_unpack(loom_dtype wt, const unsigned char *w, int64_t K, kq_row *r)
  * first activation row's nb blocks, rows nb blocks apart. */
 void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t nb, int mr,
              float *out);
-/* Q4_K, Q5_K and Q6_K rows dotted straight from the file's layout, no unpacking, against
+/* Q2_K..Q6_K and IQ4_XS rows dotted straight from the file's layout, no unpacking, against
  * activations quantised per 256 (one scale per super-block, so a super-block's products stay
  * integers until one FMA) with the sums of each 16 for the minimums and offsets. */
 typedef struct act_k {

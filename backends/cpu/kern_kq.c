@@ -453,12 +453,13 @@ void kern_kq(const kq_row *w, int nr, int has_min, const act_block *a, int64_t n
 }
 
 /* ---- Straight from the file's layout ----------------------------------------------------------
- * Q4_K, Q5_K and Q6_K rows are dotted without unpacking, against activations quantised per
- * super-block of 256 (act_k). Per super-block: the nibbles (plus Q5_K's fifth bit, Q6_K's two
- * high bits) meet the activations as unsigned x signed bytes, are summed to int32 by the
- * sub-block scales, and take one FMA by d x the activations' scale. Minimums (Q4_K/Q5_K) and
- * Q6_K's offset of 32 come from the activations' sums, once per super-block: per 16
- * (act_k.bsums), or for the AVX-512 Q4_K/Q5_K minimums d x the sums per 32 (act_k.dsums).
+ * Q2_K..Q6_K and IQ4_XS rows are dotted without unpacking, against activations quantised per
+ * super-block of 256 (act_k). Per super-block: the quants (plus Q5_K's fifth bit, Q6_K's two
+ * high bits, Q3_K's third; IQ4_XS's through its table, signed) meet the activations as unsigned
+ * x signed bytes, are summed to int32 by the sub-block scales, and take one FMA by d x the
+ * activations' scale. Minimums (Q2_K, Q4_K, Q5_K) and the offsets of Q6_K (32) and Q3_K (4)
+ * come from the activations' sums, once per super-block: per 16 (act_k.bsums), or for the
+ * AVX-512 Q4_K/Q5_K minimums d x the sums per 32 (act_k.dsums).
  *
  * The AVX-512 kernels take 64 values an instruction. A 64-byte load of Q4_K/Q5_K's nibbles
  * holds two sub-block pairs, whose low nibbles are sub-blocks 0 and 2 of those 128 values and
@@ -533,6 +534,43 @@ static inline __m128i k_scales_mins(const uint8_t *scales)
                                 _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
     __m128i top = _mm_and_si128(_mm_srli_epi32(b, 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
     return _mm_or_si128(low, top);
+}
+
+/* Q3_K's 16 6-bit scales (12 bytes), less 32, as int8 in sub-block order: scale s takes its low
+ * 4 bits from byte s % 8 (low nibble for s < 8, high for the rest) and its top 2 bits from
+ * bit pair s / 4 of byte 8 + s % 4 */
+static inline __m128i q3_k_scales(const uint8_t *scales)
+{
+    uint64_t low;
+    uint32_t top;
+    memcpy(&low, scales, 8);
+    memcpy(&top, scales + 8, 4);
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m128i x = _mm_cvtsi64_si128((long long)low);
+    __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(x, nibble),
+                                    _mm_and_si128(_mm_srli_epi16(x, 4), nibble));
+    /* dword j: the 4 top bytes shifted by 2 j, so byte 4 j + k holds scale 4 j + k's pair */
+    __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)top), _mm_setr_epi32(0, 2, 4, 6)),
+                               _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), _mm_set1_epi8(32));
+}
+
+/* IQ4_XS's 8 6-bit scales, less 32, as int16: low 4 bits from scales_l's nibbles (sub-block
+ * 2 i + 1 in byte i's high one), top 2 from bit pair s of scales_h */
+static inline __m128i iq4_xs_scales(const loom_block_iq4_xs *x)
+{
+    uint32_t low;
+    memcpy(&low, x->scales_l, 4);
+    const __m128i nibble = _mm_set1_epi8(15);
+    __m128i b = _mm_cvtsi32_si128((int)low);
+    __m128i l8 = _mm_unpacklo_epi8(_mm_and_si128(b, nibble),
+                                   _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+    __m256i top = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(x->scales_h),
+                                                     _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                   _mm256_set1_epi32(3));
+    __m128i top16 = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    return _mm_sub_epi16(_mm_or_si128(_mm_cvtepu8_epi16(l8), _mm_slli_epi16(top16, 4)),
+                         _mm_set1_epi16(32));
 }
 
 /* the 16-bit word w of each 128-bit lane, in all 8 places */
@@ -686,6 +724,155 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
 }
+/* Q3_K and Q2_K: per half of 128 values, 32 bytes of qs hold four runs of 32 as bit pairs
+ * 0-3 (Q3_K's third bit in hmask, bit 4 half + run). Broadcast to both halves of a register
+ * and shifted by two amounts at once, they give runs 0-1 and 2-3 in value order, as the
+ * activations are stored. Q3_K's values are kept as q + 4 (0..7, unsigned): the -4 comes from
+ * the activations' sums per 16, as Q6_K's -32 does. */
+static inline __m512i shifts16(int a, int b)
+{
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
+INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr, int three_bit,
+                       float *out)
+{
+    const __m512i mask3 = _mm512_set1_epi8(3), one = _mm512_set1_epi8(1);
+    const int64_t nb = K / LOOM_QK_K;
+    __m512 acc[KERN_MR];
+    __m256 accmin[KERN_MR];
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps(), accmin[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_q3_k *x3 = (const loom_block_q3_k *)(const void *)w + b;
+        const loom_block_q2_k *x2 = (const loom_block_q2_k *)(const void *)w + b;
+        const uint8_t *qs = three_bit ? x3->qs : x2->qs;
+        prefetch_ahead(qs, three_bit ? sizeof *x3 : sizeof *x2);
+        __m256i sc16, mn16 = _mm256_setzero_si256();
+        if (three_bit) {
+            sc16 = _mm256_cvtepi8_epi16(q3_k_scales(x3->scales));
+        } else { /* low nibble the scale, high the minimum */
+            __m128i sb = _mm_loadu_si128((const __m128i *)x2->scales);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(sb, _mm_set1_epi8(15)));
+            mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(15)));
+        }
+        __m512i scw[2] = {_mm512_broadcast_i32x4(_mm256_castsi256_si128(sc16)),
+                          _mm512_broadcast_i32x4(_mm256_extracti128_si256(sc16, 1))};
+        __m512i sumi[KERN_MR];
+        UNROLL
+        for (int r = 0; r < mr; r++) { /* Q3_K's -4: -4 sum_16 scale x the activations' sum */
+            __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
+            sumi[r] = three_bit
+                ? _mm512_sub_epi32(_mm512_setzero_si512(),
+                                   widen(_mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 2)))
+                : _mm512_setzero_si512();
+        }
+        __m512i hm = three_bit
+            ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)x3->hmask))
+            : _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            __m512i q = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(qs + 32 * half)));
+            __m512i v01 = _mm512_and_si512(_mm512_srlv_epi16(q, shifts16(0, 2)), mask3);
+            __m512i v23 = _mm512_and_si512(_mm512_srlv_epi16(q, shifts16(4, 6)), mask3);
+            if (three_bit) {
+                int bit = 4 * half;
+                v01 = _mm512_or_si512(
+                    v01,
+                    _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(hm, shifts16(bit, bit + 1)), one), 2));
+                v23 = _mm512_or_si512(
+                    v23,
+                    _mm512_slli_epi16(
+                        _mm512_and_si512(_mm512_srlv_epi16(hm, shifts16(bit + 2, bit + 3)), one),
+                        2));
+            }
+            __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
+            UNROLL
+            for (int r = 0; r < mr; r++) {
+                const int8_t *yq = a[r * nb + b].qs + 128 * half;
+                __m512i p0 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(v01, _mm512_loadu_si512((const void *)yq)), s0);
+                __m512i p1 = _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(v23, _mm512_loadu_si512((const void *)(yq + 64))), s1);
+                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+            }
+        }
+        float d = CPU_F16(three_bit ? x3->d : x2->d), dmin = three_bit ? 0 : CPU_F16(x2->dmin);
+        UNROLL
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]), _mm512_set1_ps(d * y->d), acc[r]);
+            if (!three_bit) /* dmin sum_16 minimum x the activations' sum */
+                accmin[r] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(
+                        _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
+                    _mm256_set1_ps(dmin * y->d), accmin[r]);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
+}
+
+/* IQ4_XS: sub-block s's 16 bytes hold its values 0-15 in the low nibbles and 16-31 in the high
+ * ones. A 64-byte load is four sub-blocks; looked up in IQ4's table, the low and high halves
+ * are interleaved per 128 bits back into value order. The values are signed, so |w| is the
+ * unsigned operand and w's sign moves onto the activations. */
+INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
+{
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)loom_iq4_values));
+    const __m512i nibble = _mm512_set1_epi8(15);
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    const int64_t nb = K / LOOM_QK_K;
+    __m512 acc[KERN_MR];
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_iq4_xs *x = (const loom_block_iq4_xs *)(const void *)w + b;
+        prefetch_ahead(x, sizeof *x);
+        __m512i scw = _mm512_broadcast_i32x4(iq4_xs_scales(x));
+        __m512i sumi[KERN_MR];
+        UNROLL
+        for (int r = 0; r < mr; r++)
+            sumi[r] = _mm512_setzero_si512();
+        for (int i = 0; i < 2; i++) {
+            __m512i bytes = _mm512_loadu_si512((const void *)(x->qs + 64 * i));
+            __m512i lo = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, nibble));
+            __m512i hi = _mm512_shuffle_epi8(table,
+                                             _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+            __m512i v0 = _mm512_permutex2var_epi64(lo, first, hi); /* sub-blocks 4i, 4i+1 */
+            __m512i v1 = _mm512_permutex2var_epi64(lo, second, hi);
+            __m512i u0 = _mm512_abs_epi8(v0), u1 = _mm512_abs_epi8(v1);
+            __mmask64 k0 = _mm512_movepi8_mask(v0), k1 = _mm512_movepi8_mask(v1);
+            int j = 4 * i;
+            __m512i s0 = lane_words(scw, j, j, j + 1, j + 1);
+            __m512i s1 = lane_words(scw, j + 2, j + 2, j + 3, j + 3);
+            UNROLL
+            for (int r = 0; r < mr; r++) {
+                const int8_t *yq = a[r * nb + b].qs + 128 * i;
+                __m512i y0 = _mm512_loadu_si512((const void *)yq);
+                __m512i y1 = _mm512_loadu_si512((const void *)(yq + 64));
+                y0 = _mm512_mask_sub_epi8(y0, k0, _mm512_setzero_si512(), y0);
+                y1 = _mm512_mask_sub_epi8(y1, k1, _mm512_setzero_si512(), y1);
+                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(u0, y0), s0);
+                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(u1, y1), s1);
+                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+            }
+        }
+        float d = CPU_F16(x->d);
+        UNROLL
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sumi[r]),
+                                     _mm512_set1_ps(d * a[r * nb + b].d), acc[r]);
+    }
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
+}
 #elif defined(__AVX2__)
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers), each
  * super-block's bits unpacked once for all of them */
@@ -788,12 +975,126 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
 }
+/* Q3_K and Q2_K (see the AVX-512 kernel): run s of half h is bit pair s of the half's 32 bytes
+ * of qs; its two 16-value groups take scales 8 h + 2 s and 8 h + 2 s + 1 */
+INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr, int three_bit,
+                       float *out)
+{
+    const __m256i mask3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const int64_t nb = K / LOOM_QK_K;
+    __m256 acc[KERN_MR], accmin[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm256_setzero_ps(), accmin[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_q3_k *x3 = (const loom_block_q3_k *)(const void *)w + b;
+        const loom_block_q2_k *x2 = (const loom_block_q2_k *)(const void *)w + b;
+        const uint8_t *qs = three_bit ? x3->qs : x2->qs;
+        prefetch_ahead(qs, three_bit ? sizeof *x3 : sizeof *x2);
+        __m256i sc16, mn16 = _mm256_setzero_si256();
+        if (three_bit) {
+            sc16 = _mm256_cvtepi8_epi16(q3_k_scales(x3->scales));
+        } else {
+            __m128i sb = _mm_loadu_si128((const __m128i *)x2->scales);
+            sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(sb, _mm_set1_epi8(15)));
+            mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(15)));
+        }
+        __m256i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++) {
+            __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
+            sumi[r] = three_bit
+                ? _mm256_sub_epi32(_mm256_setzero_si256(),
+                                   _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 2))
+                : _mm256_setzero_si256();
+        }
+        __m256i hm = three_bit ? _mm256_loadu_si256((const __m256i *)x3->hmask)
+                               : _mm256_setzero_si256();
+        for (int half = 0; half < 2; half++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * half));
+            /* both lanes: scales 8 half .. 8 half + 7 */
+            __m256i sch = half ? _mm256_permute4x64_epi64(sc16, 0xee)
+                               : _mm256_permute4x64_epi64(sc16, 0x44);
+            for (int run = 0; run < 4; run++) {
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * run), mask3);
+                if (three_bit)
+                    v = _mm256_or_si256(
+                        v,
+                        _mm256_slli_epi16(
+                            _mm256_and_si256(_mm256_srli_epi16(hm, 4 * half + run), one), 2));
+                __m256i scv = _mm256_shuffle_epi8(
+                    sch,
+                    _mm256_set_m128i(_mm_set1_epi32(PICK_WORD(2 * run + 1)),
+                                     _mm_set1_epi32(PICK_WORD(2 * run))));
+                for (int r = 0; r < mr; r++) {
+                    __m256i y = _mm256_loadu_si256(
+                        (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * run));
+                    sumi[r] = _mm256_add_epi32(sumi[r],
+                                               _mm256_madd_epi16(_mm256_maddubs_epi16(v, y), scv));
+                }
+            }
+        }
+        float d = CPU_F16(three_bit ? x3->d : x2->d), dmin = three_bit ? 0 : CPU_F16(x2->dmin);
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * y->d), acc[r]);
+            if (!three_bit)
+                accmin[r] = _mm256_fmadd_ps(
+                    _mm256_cvtepi32_ps(
+                        _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
+                    _mm256_set1_ps(dmin * y->d), accmin[r]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum(acc[r]) - hsum(accmin[r]);
+}
+
+/* IQ4_XS: a sub-block's 16 bytes, low nibbles in the low lane and high in the high one, are its
+ * 32 values in order once looked up; |w| x (x with w's sign), as for Q8_0 */
+INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
+{
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)loom_iq4_values));
+    const __m128i nibble = _mm_set1_epi8(15);
+    const int64_t nb = K / LOOM_QK_K;
+    __m256 acc[KERN_MR];
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_iq4_xs *x = (const loom_block_iq4_xs *)(const void *)w + b;
+        prefetch_ahead(x, sizeof *x);
+        __m256i scw = _mm256_broadcastsi128_si256(iq4_xs_scales(x));
+        __m256i sumi[KERN_MR];
+        for (int r = 0; r < mr; r++)
+            sumi[r] = _mm256_setzero_si256();
+        for (int sb = 0; sb < 8; sb++) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(x->qs + 16 * sb));
+            __m256i v = _mm256_shuffle_epi8(
+                table,
+                _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), nibble),
+                                 _mm_and_si128(q, nibble)));
+            __m256i u = _mm256_abs_epi8(v);
+            __m256i scv = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(sb)));
+            for (int r = 0; r < mr; r++) {
+                __m256i y = _mm256_loadu_si256((const __m256i *)(a[r * nb + b].qs + 32 * sb));
+                sumi[r] = _mm256_add_epi32(
+                    sumi[r],
+                    _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(y, v)), scv));
+            }
+        }
+        float d = CPU_F16(x->d);
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
+                                     _mm256_set1_ps(d * a[r * nb + b].d), acc[r]);
+    }
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum(acc[r]);
+}
 #endif
 
 int kern_kq_direct_has(loom_dtype wt)
 {
 #if defined(__AVX2__)
-    return wt == LOOM_Q4_K || wt == LOOM_Q5_K || wt == LOOM_Q6_K;
+    return wt == LOOM_Q4_K || wt == LOOM_Q5_K || wt == LOOM_Q6_K || wt == LOOM_Q2_K ||
+        wt == LOOM_Q3_K || wt == LOOM_IQ4_XS;
 #else
     (void)wt;
     return 0;
@@ -817,15 +1118,23 @@ static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const a
 #define Q4_K(n) dot_q4_k_like(w, K, a, n, 0, out)
 #define Q5_K(n) dot_q4_k_like(w, K, a, n, 1, out)
 #define Q6_K(n) dot_q6_k(w, K, a, n, out)
-    if (wt == LOOM_Q4_K)
-        BY_MR(Q4_K)
-    else if (wt == LOOM_Q5_K)
-        BY_MR(Q5_K)
-    else
-        BY_MR(Q6_K)
+#define Q2_K(n) dot_q2_3_k(w, K, a, n, 0, out)
+#define Q3_K(n) dot_q2_3_k(w, K, a, n, 1, out)
+#define IQ4_XS(n) dot_iq4_xs(w, K, a, n, out)
+    switch (wt) {
+    case LOOM_Q4_K: BY_MR(Q4_K) break;
+    case LOOM_Q5_K: BY_MR(Q5_K) break;
+    case LOOM_Q2_K: BY_MR(Q2_K) break;
+    case LOOM_Q3_K: BY_MR(Q3_K) break;
+    case LOOM_IQ4_XS: BY_MR(IQ4_XS) break;
+    default: BY_MR(Q6_K) break;
+    }
 #undef Q4_K
 #undef Q5_K
 #undef Q6_K
+#undef Q2_K
+#undef Q3_K
+#undef IQ4_XS
 #undef BY_MR
 }
 #endif
