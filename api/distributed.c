@@ -109,11 +109,22 @@ static void *open_module(char *err, size_t err_size)
     return NULL;
 }
 
+/* whether `wanted` (loom_model_options.distributed) asks for a job here at all */
+static int job_wanted(int wanted)
+{
+    const char *env = getenv("LOOM_DISTRIBUTED");
+    return wanted > 1 || (wanted == 1 && !(env && strcmp(env, "0") == 0));
+}
+
+int loom_distributed_job(int32_t distributed)
+{
+    return job_wanted(distributed) && launcher_size() > 1;
+}
+
 int loom_dist_join(int wanted, loom_dist **out, char *err, size_t err_size)
 {
     *out = NULL;
-    const char *env = getenv("LOOM_DISTRIBUTED");
-    if (wanted <= 0 || (wanted == 1 && env && strcmp(env, "0") == 0))
+    if (!job_wanted(wanted))
         return 0;
     int size = launcher_size();
     if (size <= 1) {

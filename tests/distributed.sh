@@ -9,6 +9,7 @@
 #     one process holding every weight peaks at (it maps and touches only its own share);
 #   - mistakes are named: a bad --layers, a rank that cannot open its file;
 #   - a rank killed mid-generation ends the job within seconds, non-zero, naming the rank;
+#   - loom perplexity over 2 ranks gives one process's figure; loom bench measures the pipeline;
 #   - tests/serve.sh passes with the server a pipeline over 2 ranks.
 . "$top_srcdir/tests/lib.sh"
 command -v jq >/dev/null || { echo "SKIP: jq not installed"; exit 77; }
@@ -139,6 +140,33 @@ rc=$? took=$(($(date +%s) - killed))
 [ $rc != 0 ] && [ $took -le 15 ] && grep -q 'rank 1' "$tmpdir/kill.err" &&
     pass "killing rank 1 mid-generation ends the job in ${took} s, exit $rc, naming rank 1" ||
     fail "killing rank 1: rc $rc after $took s: $(tail -n 8 "$tmpdir/kill.err")"
+
+# ---- loom perplexity and loom bench join the job
+TEXT=$FIXTURES/peers/llama2.c/expected_stdout_stories260K_t0_n200.txt
+need_fixture "$TEXT"
+ppl_args="perplexity -m $STORIES -f $TEXT -c 32 --chunks 3 --json --quiet"
+one=$("$LOOM" $ppl_args 2>/dev/null | jq -r '.ppl')
+$MPIRUN -np 1 -x LOOM_BACKEND="$BEST" "$LOOM" $ppl_args : -np 1 -x LOOM_BACKEND=ref "$LOOM" $ppl_args \
+    >"$tmpdir/ppl.json" 2>"$tmpdir/ppl.err"
+rc=$? two=$(jq -r '.ppl' "$tmpdir/ppl.json" 2>/dev/null)
+if [ $rc = 0 ] && awk -v a="$one" -v b="$two" 'BEGIN {d = a - b; exit !(a > 1 && (d < 0 ? -d : d) <= 1e-4 * a)}'; then
+    pass "loom perplexity over 2 ranks: $two, one process $one"
+else
+    fail "loom perplexity over 2 ranks: rc $rc, $two against one process's $one: $(tail -n 5 "$tmpdir/ppl.err")"
+fi
+$MPIRUN -np 2 "$LOOM" perplexity -m "$STORIES" -f "$TEXT" -c 32 --backends all >/dev/null 2>"$tmpdir/pplb.err"
+rc=$?
+[ $rc = 2 ] && grep -q 'cannot join this MPI job' "$tmpdir/pplb.err" &&
+    pass "perplexity --backends under mpirun is refused, saying why (exit 2)" ||
+    fail "perplexity --backends under mpirun: rc $rc $(cat "$tmpdir/pplb.err")"
+$MPIRUN -np 2 "$LOOM" bench -m "$STORIES" -p 16 -n 8 -r 1 --json >"$tmpdir/bench.json" 2>"$tmpdir/bench.err"
+rc=$?
+tests=$(jq -r '[.results[] | select(.variant == "pipeline" and (.error | not) and .tokens_per_s > 0) | .test] | join(",")' \
+    "$tmpdir/bench.json" 2>/dev/null)
+stages=$(jq -r '.results[0].backend' "$tmpdir/bench.json" 2>/dev/null | grep -o 'rank [0-9]' | wc -l)
+[ $rc = 0 ] && [ "$tests" = "pp16,tg8" ] && [ "$stages" = 2 ] &&
+    pass "loom bench over 2 ranks measures the pipeline ($tests)" ||
+    fail "loom bench over 2 ranks: rc $rc, tests '$tests', $stages ranks named: $(tail -n 5 "$tmpdir/bench.err")"
 
 # ---- the serving tests, with the server a pipeline over 2 ranks
 if LOOM_SERVE_MPIRUN="$MPIRUN -np 2" $SHELL "$top_srcdir/tests/serve.sh" >"$tmpdir/serve.out" 2>&1; then

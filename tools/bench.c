@@ -7,6 +7,9 @@
  * token ids, and reports one JSON line per test; the parent tabulates them with the decode
  * roofline: the weight bytes a token reads divided by the decode time, as a share of the
  * streaming read bandwidth measured in the same run.
+ *
+ * Under mpirun (`mpirun -np N loom bench -m MODEL.gguf`) it measures the one model the job's
+ * ranks run as a pipeline, each rank on its own best backend, in the ranks' own processes.
  */
 #define _GNU_SOURCE
 #include <loom/loom.h>
@@ -27,6 +30,8 @@ typedef struct bench_args {
     const char *model, *synthetic, *type, *backends;
     long pp, tg, reps;
     int json, csv, no_roofline;
+    int distributed;    /* --distributed */
+    const char *layers; /* --layers */
 } bench_args;
 
 /* ---- child: one backend ----------------------------------------------------------------- */
@@ -42,7 +47,9 @@ static double mean_of(const double *x, int n, double *sd)
     return m;
 }
 
-static void emit(const loom_model *m, const char *test, double mean, double sd, const char *error)
+/* One test's result, as a JSON object added to `results`. */
+static void emit(cJSON *results, const loom_model *m, const char *test, double mean, double sd,
+                 const char *error)
 {
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
@@ -59,22 +66,27 @@ static void emit(const loom_model *m, const char *test, double mean, double sd, 
     cJSON_AddNumberToObject(o, "tokens_per_s", mean);
     cJSON_AddNumberToObject(o, "sd", sd);
     cJSON_AddNumberToObject(o, "peak_rss_bytes", (double)ru.ru_maxrss * 1024.0);
-    char *s = cJSON_PrintUnformatted(o);
-    printf("%s\n", s);
-    fflush(stdout);
-    free(s);
-    cJSON_Delete(o);
+    cJSON_AddItemToArray(results, o);
 }
 
-static int child(const char *backend, const bench_args *a)
+/* The model on `backend` (NULL: as under mpirun, each rank its own), its tests' results added
+ * to `results`. Returns 1 when the model did not open, -1 when this rank of a pipeline is done
+ * (it has nothing to report), 0 otherwise. */
+static int measure(const char *backend, const bench_args *a, cJSON *results)
 {
     char err[4096];
-    loom_model_options o = {.backend = backend};
+    loom_model_options o = {.backend = backend,
+                            .distributed = backend ? 0
+                                : a->distributed   ? 2
+                                                   : 1,
+                            .stage_layers = a->layers};
     loom_model *m = loom_model_open(a->model, &o, err, sizeof err);
     if (!m) {
-        emit(NULL, "open", 0, 0, err);
+        emit(results, NULL, "open", 0, 0, err);
         return 1;
     }
+    if (!backend && loom_args_follow("loom bench", m) >= 0)
+        return -1;
     int32_t n_vocab = loom_model_n_vocab(m), n_ctx = loom_model_n_ctx(m);
     long pp = a->pp < n_ctx ? a->pp : n_ctx - 1, tg = a->tg < n_ctx - 1 ? a->tg : n_ctx - 2;
     int32_t *ids = malloc((size_t)(pp > 1 ? pp : 1) * sizeof *ids);
@@ -100,7 +112,7 @@ static int child(const char *backend, const bench_args *a)
         }
         snprintf(name, sizeof name, "pp%ld", pp);
         double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
-        emit(m, name, mean, sd, ok ? NULL : err);
+        emit(results, m, name, mean, sd, ok ? NULL : err);
     }
     if (tg > 1) {
         int32_t bos = 1;
@@ -113,19 +125,158 @@ static int child(const char *backend, const bench_args *a)
         }
         snprintf(name, sizeof name, "tg%ld", tg);
         double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
-        emit(m, name, mean, sd, ok ? NULL : err);
+        emit(results, m, name, mean, sd, ok ? NULL : err);
     }
     free(ids);
     loom_model_close(m);
     return 0;
 }
 
+/* `loom bench --child BACKEND`: measure, one JSON line per test on stdout */
+static int child(const char *backend, const bench_args *a)
+{
+    cJSON *results = cJSON_CreateArray(), *o;
+    int rc = measure(backend, a, results);
+    cJSON_ArrayForEach (o, results) {
+        char *s = cJSON_PrintUnformatted(o);
+        printf("%s\n", s);
+        free(s);
+    }
+    fflush(stdout);
+    cJSON_Delete(results);
+    return rc > 0;
+}
+
 /* ---- parent ------------------------------------------------------------------------------ */
+
+/* Each chosen backend in a process of its own (`--child`), their results added to `results`,
+ * after the streaming read bandwidth (*bw) when the roofline is wanted. Returns 0, or the exit
+ * status of a failure before any measurement. */
+static int run_each_backend(const char *self, bench_args *a, cJSON *results, int threads,
+                            double *bw, int *failures)
+{
+    /* which backends */
+    loom_registry reg;
+    char err[4096];
+    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+        fprintf(stderr, "loom bench: %s\n", err);
+        return 1;
+    }
+    char labels[32][160];
+    int n = 0;
+    int all = a->backends && !strcmp(a->backends, "all");
+    for (int i = 0; i < reg.count && n < 32; i++) {
+        const loom_candidate *c = &reg.items[i];
+        if (c->kind != LOOM_MODULE_BACKEND)
+            continue; /* the trace plugin wraps what is measured (LOOM_TRACE) */
+        char l[160];
+        snprintf(l, sizeof l, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
+        int wanted = all || (!a->backends && strcmp(c->name, "ref") != 0);
+        if (a->backends && !all) {
+            char *copy = strdup(a->backends), *save = NULL;
+            for (char *e = strtok_r(copy, ",", &save); e; e = strtok_r(NULL, ",", &save))
+                wanted |= !strcmp(e, c->name) || !strcmp(e, l);
+            free(copy);
+        }
+        if (!wanted)
+            continue;
+        if (c->state != LOOM_CAND_USABLE) {
+            /* said also by default: on a GPU box, why its module is not in the table */
+            fprintf(stderr, "loom bench: skipping %s: %s\n", l, c->reason);
+            continue;
+        }
+        snprintf(labels[n++], sizeof labels[0], "%s", l);
+    }
+    loom_registry_free(&reg);
+    if (n == 0) {
+        fprintf(stderr, "loom bench: no usable backend matches '%s' (see `loom backends`)\n",
+                a->backends ? a->backends : "");
+        return 1;
+    }
+
+    char tmp[4096] = "";
+    if (!a->model) {
+        const char *dir = getenv("TMPDIR");
+        snprintf(tmp, sizeof tmp, "%s/loom-bench-%d-%s-%s.gguf", dir && *dir ? dir : "/tmp",
+                 (int)getpid(), a->synthetic, a->type);
+        fprintf(stderr, "writing the synthetic %s model (%s) to %s...\n", a->synthetic, a->type,
+                tmp);
+        if (loom_write_synthetic_model(tmp, a->synthetic, a->type, err, sizeof err) != 0) {
+            fprintf(stderr, "loom bench: %s\n", err);
+            return 2;
+        }
+        a->model = tmp;
+    } else if (access(a->model, R_OK) != 0) {
+        fprintf(stderr, "loom bench: cannot read %s\n", a->model);
+        return 2;
+    }
+    uint64_t ws = loom_bench_working_set();
+    if (!a->no_roofline) {
+        fprintf(stderr, "measuring streaming read bandwidth (%d threads)...\n", threads);
+        *bw = loom_bench_read_bandwidth(ws, threads);
+    }
+
+    for (int b = 0; b < n; b++) {
+        fprintf(stderr, "running %s...\n", labels[b]);
+        char cmd[8192];
+        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld", self,
+                 labels[b], a->model, a->pp, a->tg, a->reps);
+        FILE *f = popen(cmd, "r");
+        char line[8192];
+        while (f && fgets(line, sizeof line, f)) {
+            cJSON *o = cJSON_Parse(line);
+            if (!o)
+                continue;
+            cJSON_AddStringToObject(o, "variant", labels[b]);
+            const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
+            double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
+            double wb = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "weight_bytes"));
+            if (test && test[0] == 't' && *bw > 0 && tps > 0)
+                cJSON_AddNumberToObject(o, "roofline_share", tps * wb / 1e9 / *bw);
+            *failures += cJSON_GetObjectItem(o, "error") != NULL;
+            cJSON_AddItemToArray(results, o);
+        }
+        if (!f || pclose(f) != 0)
+            (*failures)++;
+    }
+    if (tmp[0])
+        unlink(tmp);
+    return 0;
+}
+
+/* Under mpirun: one model over the job's ranks, each on its own best backend; rank 0 measures
+ * it. Returns 0 on rank 0, -1 on the other ranks once the pipeline is done, or an exit status. */
+static int run_pipeline(const bench_args *a, cJSON *results, int *failures)
+{
+    if (!a->model) {
+        fprintf(stderr,
+                "loom bench: under mpirun, give -m MODEL.gguf: every rank reads the "
+                "same file (`loom bench --synthetic 1b --write FILE` writes one)\n");
+        return 2;
+    }
+    if (a->backends) {
+        fprintf(stderr,
+                "loom bench: --backends runs each backend in a process of its own, "
+                "which cannot join this MPI job; each rank picks its own backend "
+                "(LOOM_BACKEND per rank), so drop --backends\n");
+        return 2;
+    }
+    int rc = measure(NULL, a, results);
+    if (rc < 0)
+        return -1;
+    cJSON *o;
+    cJSON_ArrayForEach (o, results) {
+        cJSON_AddStringToObject(o, "variant", "pipeline");
+        *failures += cJSON_GetObjectItem(o, "error") != NULL;
+    }
+    return 0;
+}
+
 
 int loom_bench_main(int argc, char **argv, const char *self);
 int loom_bench_main(int argc, char **argv, const char *self)
 {
-    bench_args a = {NULL, "1b", "q4_0", NULL, 128, 32, 5, 0, 0, 0};
+    bench_args a = {.synthetic = "1b", .type = "q4_0", .pp = 128, .tg = 32, .reps = 5};
     const char *child_backend = NULL, *write_to = NULL;
     char shape_help[512], type_help[512];
     snprintf(shape_help, sizeof shape_help, "%s (default 1b, the TinyLlama-1.1B shape)",
@@ -149,6 +300,8 @@ int loom_bench_main(int argc, char **argv, const char *self)
          "skip measuring memory bandwidth (no roofline column)"},
         {"--write", NULL, LOOM_FLAG_TEXT, &write_to, 0, 0, "FILE",
          "only write the synthetic model to FILE (to bench it elsewhere)"},
+        LOOM_FLAG_DISTRIBUTED(&a.distributed),
+        LOOM_FLAG_LAYERS(&a.layers),
         {"--child", NULL, LOOM_FLAG_TEXT, &child_backend, 0, 0, "BACKEND", NULL},
     };
     const loom_command cmd = {
@@ -180,96 +333,16 @@ int loom_bench_main(int argc, char **argv, const char *self)
         return 2;
     }
 
-    /* which backends */
-    loom_registry reg;
-    char err[4096];
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
-        fprintf(stderr, "loom bench: %s\n", err);
-        return 1;
-    }
-    char labels[32][160];
-    int n = 0;
-    int all = a.backends && !strcmp(a.backends, "all");
-    for (int i = 0; i < reg.count && n < 32; i++) {
-        const loom_candidate *c = &reg.items[i];
-        if (c->kind != LOOM_MODULE_BACKEND)
-            continue; /* the trace plugin wraps what is measured (LOOM_TRACE) */
-        char l[160];
-        snprintf(l, sizeof l, "%s%s%s", c->name, c->variant[0] ? "-" : "", c->variant);
-        int wanted = all || (!a.backends && strcmp(c->name, "ref") != 0);
-        if (a.backends && !all) {
-            char *copy = strdup(a.backends), *save = NULL;
-            for (char *e = strtok_r(copy, ",", &save); e; e = strtok_r(NULL, ",", &save))
-                wanted |= !strcmp(e, c->name) || !strcmp(e, l);
-            free(copy);
-        }
-        if (!wanted)
-            continue;
-        if (c->state != LOOM_CAND_USABLE) {
-            /* said also by default: on a GPU box, why its module is not in the table */
-            fprintf(stderr, "loom bench: skipping %s: %s\n", l, c->reason);
-            continue;
-        }
-        snprintf(labels[n++], sizeof labels[0], "%s", l);
-    }
-    loom_registry_free(&reg);
-    if (n == 0) {
-        fprintf(stderr, "loom bench: no usable backend matches '%s' (see `loom backends`)\n",
-                a.backends ? a.backends : "");
-        return 1;
-    }
-
-    char tmp[4096] = "";
-    if (!a.model) {
-        const char *dir = getenv("TMPDIR");
-        snprintf(tmp, sizeof tmp, "%s/loom-bench-%d-%s-%s.gguf", dir && *dir ? dir : "/tmp",
-                 (int)getpid(), a.synthetic, a.type);
-        fprintf(stderr, "writing the synthetic %s model (%s) to %s...\n", a.synthetic, a.type, tmp);
-        if (loom_write_synthetic_model(tmp, a.synthetic, a.type, err, sizeof err) != 0) {
-            fprintf(stderr, "loom bench: %s\n", err);
-            return 2;
-        }
-        a.model = tmp;
-    } else if (access(a.model, R_OK) != 0) {
-        fprintf(stderr, "loom bench: cannot read %s\n", a.model);
-        return 2;
-    }
-    int threads = loom_bench_threads();
-    uint64_t ws = loom_bench_working_set();
-    double bw = 0;
-    if (!a.no_roofline) {
-        fprintf(stderr, "measuring streaming read bandwidth (%d threads)...\n", threads);
-        bw = loom_bench_read_bandwidth(ws, threads);
-    }
-
     cJSON *results = cJSON_CreateArray();
-    int failures = 0;
-    for (int b = 0; b < n; b++) {
-        fprintf(stderr, "running %s...\n", labels[b]);
-        char cmd[8192];
-        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld", self,
-                 labels[b], a.model, a.pp, a.tg, a.reps);
-        FILE *f = popen(cmd, "r");
-        char line[8192];
-        while (f && fgets(line, sizeof line, f)) {
-            cJSON *o = cJSON_Parse(line);
-            if (!o)
-                continue;
-            cJSON_AddStringToObject(o, "variant", labels[b]);
-            const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
-            double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
-            double wb = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "weight_bytes"));
-            if (test && test[0] == 't' && bw > 0 && tps > 0)
-                cJSON_AddNumberToObject(o, "roofline_share", tps * wb / 1e9 / bw);
-            failures += cJSON_GetObjectItem(o, "error") != NULL;
-            cJSON_AddItemToArray(results, o);
-        }
-        if (!f || pclose(f) != 0)
-            failures++;
+    int failures = 0, threads = loom_bench_threads();
+    double bw = 0;
+    int rc = a.distributed || loom_distributed_job(1)
+        ? run_pipeline(&a, results, &failures)
+        : run_each_backend(self, &a, results, threads, &bw, &failures);
+    if (rc != 0) {
+        cJSON_Delete(results);
+        return rc < 0 ? 0 : rc;
     }
-    if (tmp[0])
-        unlink(tmp);
-
     if (a.json) {
         cJSON *root = cJSON_CreateObject();
         cJSON_AddNumberToObject(root, "read_bandwidth_gbps", bw);
@@ -293,10 +366,12 @@ int loom_bench_main(int argc, char **argv, const char *self)
         const char *variant = cJSON_GetStringValue(cJSON_GetObjectItem(o, "variant"));
         const char *be = cJSON_GetStringValue(cJSON_GetObjectItem(o, "backend"));
         const char *e = cJSON_GetStringValue(cJSON_GetObjectItem(o, "error"));
-        const char *dev = be && strchr(be, ':') ? strchr(be, ':') + 2 : "";
-        char device[128];
+        /* one backend's device after its name; a pipeline's every rank, as it is */
+        int pipeline = variant && !strcmp(variant, "pipeline");
+        const char *dev = pipeline && be ? be : be && strchr(be, ':') ? strchr(be, ':') + 2 : "";
+        char device[1024];
         snprintf(device, sizeof device, "%s", dev);
-        if (strlen(device) && device[strlen(device) - 1] == ')')
+        if (!pipeline && strlen(device) && device[strlen(device) - 1] == ')')
             device[strlen(device) - 1] = '\0';
         const char *model = cJSON_GetStringValue(cJSON_GetObjectItem(o, "model"));
         const char *wt = cJSON_GetStringValue(cJSON_GetObjectItem(o, "weight_type"));

@@ -43,8 +43,9 @@ extern char **environ;
 
 typedef struct ppl_args {
     const char *model, *text, *save, *base, *backends, *backend, *kv;
+    const char *layers; /* under mpirun: layers per rank */
     long ctx, chunks, threads, kl_top;
-    int json, quiet;
+    int json, quiet, distributed;
 } ppl_args;
 
 /* ---- The base run's logits ---------------------------------------------------------------- */
@@ -172,11 +173,18 @@ static int run_one(const ppl_args *a)
     loom_model_options mo = {.n_ctx = (int32_t)a->ctx,
                              .kv_type = a->kv,
                              .backend = a->backend,
-                             .n_threads = (int32_t)a->threads};
+                             .n_threads = (int32_t)a->threads,
+                             .distributed = a->distributed ? 2 : 1,
+                             .stage_layers = a->layers};
     loom_model *m = loom_model_open(a->model, &mo, err, sizeof err);
     if (!m) {
         free(text);
         return fail("%s", err);
+    }
+    int followed = loom_args_follow("loom perplexity", m); /* ranks 1.. of a pipeline */
+    if (followed >= 0) {
+        free(text);
+        return followed;
     }
     int rc = 2;
     int32_t nv = loom_model_n_vocab(m), prefix[8], n_prefix = 0;
@@ -488,6 +496,8 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
          "run on this backend (as LOOM_BACKEND)"},
         LOOM_FLAG_KV_TYPE(&a.kv),
         LOOM_FLAG_THREADS(&a.threads),
+        LOOM_FLAG_DISTRIBUTED(&a.distributed),
+        LOOM_FLAG_LAYERS(&a.layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON object"},
         {"--quiet", NULL, LOOM_FLAG_SWITCH, &a.quiet, 0, 0, NULL, "no running estimate"},
     };
@@ -515,6 +525,10 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
         if (a.save || a.base || a.backend)
             return fail("--backends runs a plain measurement per backend; --save-logits, "
                         "--kl-base and --backend go with a single run");
+        if (loom_distributed_job(a.distributed ? 2 : 1))
+            return fail("--backends runs each backend in a process of its own, which cannot "
+                        "join this MPI job; under mpirun each rank picks its own backend "
+                        "(LOOM_BACKEND per rank), so drop --backends");
         return run_backends(self, &a);
     }
     return run_one(&a);

@@ -113,6 +113,10 @@ typedef int (*loom_token_fn)(void *user, int32_t id, const char *text, size_t le
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
                             size_t err_size);
 void loom_model_close(loom_model *m);
+/* 1 when loom_model_open with this `distributed` would run a pipeline: the process is one of two
+ * or more that mpirun (or another PMI launcher) started, and LOOM_DISTRIBUTED is not 0 (for
+ * 1). A tool asks before it spawns processes of its own, which could not join the job. */
+int loom_distributed_job(int32_t distributed);
 /* In a distributed job, every rank but 0 runs no command of its own: this serves its pipeline
  * stage until rank 0 closes its model, then returns 1 (close the model and exit). Returns 0 on
  * rank 0 and without a job (run the command), -1 with err when the job broke. */
