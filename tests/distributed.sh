@@ -8,7 +8,8 @@
 #   - each rank of a 2-rank run of a 160M model peaks at least a quarter of the file below what
 #     one process holding every weight peaks at (it maps and touches only its own share);
 #   - mistakes are named: a bad --layers, a rank that cannot open its file;
-#   - a rank killed mid-generation ends the job within seconds, non-zero, naming the rank;
+#   - a rank killed mid-generation ends the job within seconds, non-zero, naming the rank, and
+#     a server's request in flight then gets an error response naming it;
 #   - loom perplexity over 2 ranks gives one process's figure; loom bench measures the pipeline;
 #   - tests/serve.sh passes with the server a pipeline over 2 ranks.
 . "$top_srcdir/tests/lib.sh"
@@ -140,6 +141,30 @@ rc=$? took=$(($(date +%s) - killed))
 [ $rc != 0 ] && [ $took -le 15 ] && grep -q 'rank 1' "$tmpdir/kill.err" &&
     pass "killing rank 1 mid-generation ends the job in ${took} s, exit $rc, naming rank 1" ||
     fail "killing rank 1: rc $rc after $took s: $(tail -n 8 "$tmpdir/kill.err")"
+
+# ---- a request in flight when a rank dies gets an error response naming the rank
+$MPIRUN -np 2 sh -c 'echo $$ >"$0.$OMPI_COMM_WORLD_RANK"; exec "$@"' "$tmpdir/spid" \
+    "$LOOM" serve -m "$tmpdir/160m.gguf" --port 0 --model-name m >"$tmpdir/dead.log" 2>&1 &
+launcher=$!
+port=
+for _ in $(seq 300); do
+    port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' "$tmpdir/dead.log")
+    [ -n "$port" ] && break
+    sleep 0.1
+done
+curl -s -m 60 -o "$tmpdir/dead.json" -w '%{http_code}' "http://127.0.0.1:${port:-1}/v1/completions" \
+    -d '{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": true}' \
+    >"$tmpdir/dead.code" 2>/dev/null &
+client=$!
+for _ in $(seq 50); do [ -s "$tmpdir/spid.1" ] && break; sleep 0.1; done
+sleep 1.5
+kill -9 "$(cat "$tmpdir/spid.1")" 2>/dev/null
+wait $client
+wait $launcher
+rc=$? code=$(cat "$tmpdir/dead.code" 2>/dev/null) msg=$(jq -r '.error.message' "$tmpdir/dead.json" 2>/dev/null)
+[ $rc != 0 ] && [ "${code:-0}" -ge 500 ] && echo "$msg" | grep -q 'rank 1 stopped' &&
+    pass "a request in flight when rank 1 dies gets $code: $msg; the job exits $rc" ||
+    fail "rank 1 killed under a request: job rc $rc, HTTP ${code:-none}, body $(cat "$tmpdir/dead.json" 2>/dev/null); $(tail -n 5 "$tmpdir/dead.log")"
 
 # ---- loom perplexity and loom bench join the job
 TEXT=$FIXTURES/peers/llama2.c/expected_stdout_stories260K_t0_n200.txt

@@ -3,13 +3,20 @@
  * inside an MPI job. Errors return to the caller (MPI_ERRORS_RETURN) so that a failed call
  * becomes a message naming the rank, not an abort inside the library.
  */
+#define _GNU_SOURCE
 #include "api/transport.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <mpi.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 /* MPI counts are ints: larger buffers go in pieces of this many bytes */
 #define PIECE (1 << 30)
@@ -20,6 +27,141 @@ static int mpi_fail(int rc, const char *what, char *err, size_t err_size)
     int len = 0;
     MPI_Error_string(rc, text, &len);
     snprintf(err, err_size, "MPI %s failed: %s", what, text);
+    return -1;
+}
+
+/* ---- Liveness: rank 0 learns at once that another rank's process has ended ----------------
+ * Open MPI 4 does not fail a receive whose peer has died: rank 0 would wait in it until mpirun
+ * ends the job (SIGTERM, then SIGKILL a second later), and the requests in flight would see
+ * their connections close instead of an error. So every other rank holds a TCP connection to
+ * rank 0 that it never writes to: the kernel closes it when the process ends, however it ends,
+ * and rank 0's receives, which poll MPI, poll these sockets too. A rank that cannot connect (a
+ * firewall between hosts) runs without one, and says so. */
+#define LIVENESS_TIMEOUT_MS 3000
+
+static int *live_fd;     /* rank 0: live_fd[r], the connection from rank r, or -1 */
+static int my_link = -1; /* the other ranks: this rank's connection to rank 0 */
+static int n_ranks, dead_rank = -1;
+
+typedef struct liveness_addr {
+    char host[MPI_MAX_PROCESSOR_NAME];
+    int port; /* 0: rank 0 has no listener */
+} liveness_addr;
+
+static int wait_fd(int fd, short events, int ms)
+{
+    struct pollfd p = {fd, events, 0};
+    int rc;
+    while ((rc = poll(&p, 1, ms)) < 0 && errno == EINTR)
+        ;
+    return rc == 1 && !(p.revents & (POLLERR | POLLNVAL));
+}
+
+/* A follower's connection to rank 0's listener, or -1: connected within the timeout, then this
+ * rank's number sent, so that rank 0 knows whose socket it accepted. */
+static int connect_to_root(const liveness_addr *a, int rank)
+{
+    char port[16];
+    snprintf(port, sizeof port, "%d", a->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (getaddrinfo(a->host, port, &hints, &res) != 0)
+        return -1;
+    int fd = -1;
+    for (struct addrinfo *ai = res; ai && fd < 0; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0)
+            continue;
+        int soerr = 0, rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+        socklen_t len = sizeof soerr;
+        if (rc != 0 && errno == EINPROGRESS && wait_fd(fd, POLLOUT, LIVENESS_TIMEOUT_MS) &&
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) == 0 && soerr == 0)
+            rc = 0;
+        if (rc != 0 || write(fd, &rank, sizeof rank) != (ssize_t)sizeof rank)
+            close(fd), fd = -1;
+    }
+    freeaddrinfo(res);
+    return fd;
+}
+
+/* Collective, right after MPI_Init. Never fails the job: without a link, a rank's death is
+ * still noticed, by mpirun ending the job. */
+static void liveness_setup(int rank, int size, const char *host)
+{
+    n_ranks = size;
+    liveness_addr a = {"", 0};
+    int listener = -1;
+    if (rank == 0) {
+        struct sockaddr_in6 sa = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_ANY_INIT};
+        socklen_t len = sizeof sa;
+        int v6only = 0; /* IPv4 peers too */
+        listener = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (listener >= 0 &&
+            (setsockopt(listener, IPPROTO_IPV6, IPV6_V6ONLY, &v6only, sizeof v6only) != 0 ||
+             bind(listener, (struct sockaddr *)&sa, sizeof sa) != 0 ||
+             listen(listener, size) != 0 ||
+             getsockname(listener, (struct sockaddr *)&sa, &len) != 0))
+            close(listener), listener = -1;
+        snprintf(a.host, sizeof a.host, "%s", host);
+        a.port = listener >= 0 ? ntohs(sa.sin6_port) : 0;
+    }
+    MPI_Bcast(&a, sizeof a, MPI_BYTE, 0, MPI_COMM_WORLD);
+    a.host[sizeof a.host - 1] = 0;
+    if (rank != 0) {
+        my_link = a.port ? connect_to_root(&a, rank) : -1;
+        if (a.port && my_link < 0)
+            fprintf(stderr,
+                    "loom: rank %d cannot connect to rank 0 (%s, port %d) for liveness: if this "
+                    "rank dies, requests in flight see their connections close\n",
+                    rank, a.host, a.port);
+    }
+    int linked = my_link >= 0, *all = rank == 0 ? calloc((size_t)size, sizeof *all) : NULL;
+    MPI_Gather(&linked, 1, MPI_INT, all, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (rank == 0 && all && (live_fd = malloc((size_t)size * sizeof *live_fd))) {
+        int expected = 0;
+        for (int r = 0; r < size; r++) {
+            live_fd[r] = -1;
+            expected += r > 0 && all[r];
+        }
+        for (int i = 0; listener >= 0 && i < expected; i++) {
+            int r = -1,
+                fd = wait_fd(listener, POLLIN, LIVENESS_TIMEOUT_MS)
+                ? accept4(listener, NULL, NULL, SOCK_CLOEXEC)
+                : -1;
+            if (fd >= 0 && wait_fd(fd, POLLIN, LIVENESS_TIMEOUT_MS) &&
+                read(fd, &r, sizeof r) == (ssize_t)sizeof r && r > 0 && r < size && live_fd[r] < 0)
+                live_fd[r] = fd;
+            else if (fd >= 0)
+                close(fd);
+        }
+    }
+    if (listener >= 0)
+        close(listener);
+    free(all);
+}
+
+/* rank 0: a rank whose connection has closed, or -1 */
+static int find_dead_rank(void)
+{
+    if (dead_rank >= 0 || !live_fd)
+        return dead_rank;
+    struct pollfd p[64];
+    for (int r0 = 1; r0 < n_ranks; r0 += 64) {
+        int n = 0;
+        for (int r = r0; r < n_ranks && n < 64; r++)
+            p[n++] = (struct pollfd){live_fd[r], POLLIN, 0}; /* fd -1: ignored */
+        if (poll(p, (nfds_t)n, 0) <= 0)
+            continue;
+        for (int i = 0; i < n; i++)
+            if (p[i].revents) /* nothing is ever written to it: readable means closed */
+                return dead_rank = r0 + i;
+    }
+    return -1;
+}
+
+static int dead_rank_error(char *err, size_t err_size)
+{
+    snprintf(err, err_size, "rank %d stopped: its process ended (its connection to rank 0 closed)",
+             dead_rank);
     return -1;
 }
 
@@ -45,6 +187,8 @@ static int mpi_join(int *rank, int *size, char *host, size_t host_size, char *er
     int len = 0;
     MPI_Get_processor_name(name, &len);
     snprintf(host, host_size, "%s", name);
+    if (*size > 1)
+        liveness_setup(*rank, *size, name);
     return 0;
 }
 
@@ -130,12 +274,34 @@ static int mpi_send(int to, const void *buf, uint64_t bytes, char *err, size_t e
     return 0;
 }
 
+/* MPI_Recv, but on rank 0 given up (returning -2) as soon as a rank's liveness link closes */
+static int recv_piece(int from, void *buf, int n, MPI_Status *st)
+{
+    if (!live_fd)
+        return MPI_Recv(buf, n, MPI_BYTE, from, 0, MPI_COMM_WORLD, st);
+    MPI_Request req;
+    int rc = MPI_Irecv(buf, n, MPI_BYTE, from, 0, MPI_COMM_WORLD, &req), done = 0;
+    for (long spins = 0; rc == MPI_SUCCESS && !done; spins++) {
+        rc = MPI_Test(&req, &done, st);
+        if (!done && spins % 64 == 63 && find_dead_rank() >= 0) {
+            MPI_Cancel(&req);
+            MPI_Request_free(&req);
+            return -2;
+        }
+    }
+    return rc;
+}
+
 static int mpi_recv(int from, void *buf, uint64_t bytes, char *err, size_t err_size)
 {
+    if (find_dead_rank() >= 0)
+        return dead_rank_error(err, err_size);
     for (uint64_t off = 0; off < bytes || off == 0; off += PIECE) {
         int n = bytes - off < PIECE ? (int)(bytes - off) : PIECE, got = 0;
         MPI_Status st;
-        int rc = MPI_Recv((char *)buf + off, n, MPI_BYTE, from, 0, MPI_COMM_WORLD, &st);
+        int rc = recv_piece(from, (char *)buf + off, n, &st);
+        if (rc == -2)
+            return dead_rank_error(err, err_size);
         if (rc != MPI_SUCCESS)
             return mpi_fail(rc, "receive", err, err_size);
         MPI_Get_count(&st, MPI_BYTE, &got);
@@ -158,12 +324,21 @@ static void mpi_leave(void)
 {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) {
+    /* with a rank dead, sends to it never complete and MPI_Finalize waits for it: mpirun is
+     * ending the job anyway */
+    if (!finalized && dead_rank < 0) {
         reap(1);
         MPI_Finalize();
     }
     free(pending);
     pending = NULL, n_pending = pending_cap = 0;
+    for (int r = 0; live_fd && r < n_ranks; r++)
+        if (live_fd[r] >= 0)
+            close(live_fd[r]);
+    free(live_fd);
+    live_fd = NULL;
+    if (my_link >= 0)
+        close(my_link), my_link = -1;
 }
 
 __attribute__((visibility("default"))) const loom_transport *loom_transport_entry(void)
