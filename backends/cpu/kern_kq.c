@@ -597,6 +597,23 @@ static inline __m512i widen(__m256i v)
     return _mm512_inserti64x4(_mm512_setzero_si512(), v, 0);
 }
 
+/* sum + 128 values' products summed by their 16-bit scales: unsigned weights w0 against the
+ * activations y[0..63] scaled by s0, w1 against y[64..127] by s1; sign: the activations of
+ * weights whose sign moved onto them (IQ4_XS), in two masks, or NULL */
+INLINE __m512i dot128(__m512i sum, __m512i w0, __m512i w1, const int8_t *y, __m512i s0, __m512i s1,
+                      const __mmask64 *sign)
+{
+    __m512i y0 = _mm512_loadu_si512((const void *)y),
+            y1 = _mm512_loadu_si512((const void *)(y + 64));
+    if (sign) {
+        y0 = _mm512_mask_sub_epi8(y0, sign[0], _mm512_setzero_si512(), y0);
+        y1 = _mm512_mask_sub_epi8(y1, sign[1], _mm512_setzero_si512(), y1);
+    }
+    __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(w0, y0), s0);
+    __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(w1, y1), s1);
+    return _mm512_add_epi32(sum, _mm512_add_epi32(p0, p1));
+}
+
 /* mr activation rows (a constant after inlining, so the accumulators stay in registers); the
  * super-block's nibbles and scales are unpacked once for all of them */
 INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int mr, int five,
@@ -650,12 +667,7 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
             __m512i s_hi = lane_words(scw, j + 1, j + 1, j + 3, j + 3);
             UNROLL
             for (int r = 0; r < mr; r++) {
-                const int8_t *yq = a[r * nb + b].qs + 128 * i;
-                __m512i p0 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(lo, _mm512_loadu_si512((const void *)yq)), s_lo);
-                __m512i p1 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(hi, _mm512_loadu_si512((const void *)(yq + 64))), s_hi);
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+                sumi[r] = dot128(sumi[r], lo, hi, a[r * nb + b].qs + 128 * i, s_lo, s_hi, NULL);
             }
         }
         UNROLL
@@ -706,12 +718,7 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
             __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
             UNROLL
             for (int r = 0; r < mr; r++) {
-                const int8_t *yq = a[r * nb + b].qs + 128 * half;
-                __m512i p0 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(v0, _mm512_loadu_si512((const void *)yq)), s0);
-                __m512i p1 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(v1, _mm512_loadu_si512((const void *)(yq + 64))), s1);
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+                sumi[r] = dot128(sumi[r], v0, v1, a[r * nb + b].qs + 128 * half, s0, s1, NULL);
             }
         }
         float d = CPU_F16(x->d);
@@ -724,6 +731,7 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]);
 }
+
 /* Q3_K and Q2_K: per half of 128 values, 32 bytes of qs hold four runs of 32 as bit pairs
  * 0-3 (Q3_K's third bit in hmask, bit 4 half + run). Broadcast to both halves of a register
  * and shifted by two amounts at once, they give runs 0-1 and 2-3 in value order, as the
@@ -791,12 +799,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
             __m512i s0 = lane_words(scw[half], 0, 1, 2, 3), s1 = lane_words(scw[half], 4, 5, 6, 7);
             UNROLL
             for (int r = 0; r < mr; r++) {
-                const int8_t *yq = a[r * nb + b].qs + 128 * half;
-                __m512i p0 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(v01, _mm512_loadu_si512((const void *)yq)), s0);
-                __m512i p1 = _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(v23, _mm512_loadu_si512((const void *)(yq + 64))), s1);
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+                sumi[r] = dot128(sumi[r], v01, v23, a[r * nb + b].qs + 128 * half, s0, s1, NULL);
             }
         }
         float d = CPU_F16(three_bit ? x3->d : x2->d), dmin = three_bit ? 0 : CPU_F16(x2->dmin);
@@ -847,20 +850,13 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
             __m512i v0 = _mm512_permutex2var_epi64(lo, first, hi); /* sub-blocks 4i, 4i+1 */
             __m512i v1 = _mm512_permutex2var_epi64(lo, second, hi);
             __m512i u0 = _mm512_abs_epi8(v0), u1 = _mm512_abs_epi8(v1);
-            __mmask64 k0 = _mm512_movepi8_mask(v0), k1 = _mm512_movepi8_mask(v1);
+            const __mmask64 sign[2] = {_mm512_movepi8_mask(v0), _mm512_movepi8_mask(v1)};
             int j = 4 * i;
             __m512i s0 = lane_words(scw, j, j, j + 1, j + 1);
             __m512i s1 = lane_words(scw, j + 2, j + 2, j + 3, j + 3);
             UNROLL
             for (int r = 0; r < mr; r++) {
-                const int8_t *yq = a[r * nb + b].qs + 128 * i;
-                __m512i y0 = _mm512_loadu_si512((const void *)yq);
-                __m512i y1 = _mm512_loadu_si512((const void *)(yq + 64));
-                y0 = _mm512_mask_sub_epi8(y0, k0, _mm512_setzero_si512(), y0);
-                y1 = _mm512_mask_sub_epi8(y1, k1, _mm512_setzero_si512(), y1);
-                __m512i p0 = _mm512_madd_epi16(_mm512_maddubs_epi16(u0, y0), s0);
-                __m512i p1 = _mm512_madd_epi16(_mm512_maddubs_epi16(u1, y1), s1);
-                sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(p0, p1));
+                sumi[r] = dot128(sumi[r], u0, u1, a[r * nb + b].qs + 128 * i, s0, s1, sign);
             }
         }
         float d = CPU_F16(x->d);
