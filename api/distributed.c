@@ -54,7 +54,7 @@ struct loom_dist {
 };
 
 static loom_dist job;
-static enum { JOB_NONE, JOB_JOINED, JOB_OVER } job_state;
+static enum { JOB_NONE, JOB_JOINED, JOB_LEAVING, JOB_OVER } job_state;
 
 /* ---- Joining ------------------------------------------------------------------------------ */
 
@@ -168,6 +168,12 @@ int loom_dist_rank(const loom_dist *d)
 int loom_dist_size(const loom_dist *d)
 {
     return d ? d->size : 1;
+}
+
+void loom_dist_watch(loom_dist *d, void (*on_stop)(void *ctx, const char *why), void *ctx)
+{
+    if (d && d->rank == 0 && job_state == JOB_JOINED)
+        d->t->watch(on_stop, ctx);
 }
 
 void loom_dist_traffic(const loom_dist *d, uint64_t *sent, uint64_t *received)
@@ -586,17 +592,31 @@ int loom_dist_follow(loom_dist *d, loom_runner *r, char *err, size_t err_size)
     }
 }
 
+static void leave_now(void)
+{
+    job.t->leave();
+    free(job.payload);
+    job.payload = NULL;
+    job_state = JOB_OVER;
+}
+
 void loom_dist_leave(loom_dist *d, int tell_others)
 {
     if (!d || job_state != JOB_JOINED)
         return;
-    if (d->rank == 0 && tell_others) {
-        command c = {.kind = CMD_QUIT};
-        char e[256];
-        bcast(d, &c, sizeof c, e, sizeof e);
+    if (tell_others) {
+        if (d->rank == 0) {
+            d->t->watch(NULL, NULL); /* the others' exits are no news now */
+            command c = {.kind = CMD_QUIT};
+            char e[256];
+            bcast(d, &c, sizeof c, e, sizeof e);
+        }
+        leave_now();
+        return;
     }
-    d->t->leave();
-    free(d->payload);
-    d->payload = NULL;
-    job_state = JOB_OVER;
+    /* A failed open: every rank has its error to print, and MPI_Finalize waits for all of
+     * them. Finalizing at exit, after the print, keeps a failed follower from exiting (which
+     * makes mpirun kill the job) before rank 0 has named it. */
+    job_state = JOB_LEAVING;
+    atexit(leave_now);
 }

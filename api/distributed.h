@@ -38,6 +38,11 @@ int loom_dist_agree(loom_dist *d, int ok, const char *what, char *err, size_t er
  * cannot go on (-1 with err). */
 int loom_dist_follow(loom_dist *d, loom_runner *r, char *err, size_t err_size);
 
+/* Rank 0 (elsewhere, nothing): on_stop(ctx, why) runs on a thread of its own as soon as
+ * another rank's process ends, even while a step is blocked waiting for that rank; NULL
+ * on_stop ends the watch, once no call is under way. */
+void loom_dist_watch(loom_dist *d, void (*on_stop)(void *ctx, const char *why), void *ctx);
+
 /* Bytes this rank sent and received over the job's links so far. */
 void loom_dist_traffic(const loom_dist *d, uint64_t *sent, uint64_t *received);
 

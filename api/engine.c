@@ -33,6 +33,7 @@ typedef struct ereq {
     int32_t prefix_len; /* bidirectional prefix (ChatGLM-6B), 0: causal */
     int admitted;       /* has been admitted once (n_cached is known) */
     int cancelled;      /* set under the lock */
+    int abandoned;      /* answered by abandon(): no more events (under deliver_lock) */
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
@@ -54,8 +55,12 @@ struct loom_engine {
 
     pthread_t thread;
     pthread_mutex_t lock;
-    pthread_cond_t wake; /* work arrived / stop */
-    pthread_cond_t idle; /* nothing left (for the drain) */
+    /* held around every event, so that abandon() can answer requests that the engine thread
+     * still holds; taken before lock, never while holding it */
+    pthread_mutex_t deliver_lock;
+    char stop_reason[192]; /* why submit refuses, once abandoned (under lock) */
+    pthread_cond_t wake;   /* work arrived / stop */
+    pthread_cond_t idle;   /* nothing left (for the drain) */
     ereq *incoming, *incoming_tail;
     ereq **live; /* every unretired request, for cancel by id (under the lock) */
     int n_live, cap_live;
@@ -132,6 +137,14 @@ static void remove_waiting(loom_engine *e, ereq *q)
         }
 }
 
+static void deliver(loom_engine *e, ereq *q, const loom_event *ev)
+{
+    pthread_mutex_lock(&e->deliver_lock);
+    if (!q->abandoned)
+        q->fn(q->user, ev);
+    pthread_mutex_unlock(&e->deliver_lock);
+}
+
 /* Ends a request (already out of waiting and running): the last text, then DONE or ERROR. */
 static void retire(loom_engine *e, ereq *q, const char *finish, const char *error)
 {
@@ -145,14 +158,14 @@ static void retire(loom_engine *e, ereq *q, const char *finish, const char *erro
                      .ttft_ms = q->ttft_ms};
     if (q->ts.n_out && !error) {
         ev.text = q->ts.out, ev.len = q->ts.n_out;
-        q->fn(q->user, &ev);
+        deliver(e, q, &ev);
     }
     ev.text = NULL, ev.len = 0;
     ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
     ev.finish_reason = finish;
     ev.error = error;
     forget_live(e, q);
-    q->fn(q->user, &ev);
+    deliver(e, q, &ev);
     req_free(q);
 }
 
@@ -208,9 +221,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
 
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
+        snprintf(err, err_size, "%s",
+                 e->stop_reason[0] ? e->stop_reason : "the server is shutting down");
         pthread_mutex_unlock(&e->lock);
         req_free(q);
-        snprintf(err, err_size, "the server is shutting down");
         return -1;
     }
     if (e->n_live == e->cap_live) {
@@ -370,7 +384,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
                      .len = q->ts.n_out,
                      .n_prompt = q->n_prompt,
                      .n_generated = q->n_generated};
-    q->fn(q->user, &ev);
+    deliver(e, q, &ev);
     q->ts.n_out = 0;
     if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
         remove_running(e, q);
@@ -537,6 +551,36 @@ static void *engine_main(void *arg)
 
 /* ---- lifetime ----------------------------------------------------------------------------- */
 
+/* A rank of the pipeline stopped (on the transport's thread): every request is answered now,
+ * since the engine thread may be blocked for good inside the transport, and gets no event
+ * after this one. New requests are refused with the same reason. */
+static void abandon(void *ctx, const char *why)
+{
+    loom_engine *e = ctx;
+    loom_event ev = {.kind = LOOM_EVENT_ERROR, .token = -1, .error = why};
+    pthread_mutex_lock(&e->deliver_lock);
+    pthread_mutex_lock(&e->lock);
+    e->stopping = 1;
+    snprintf(e->stop_reason, sizeof e->stop_reason, "%s", why);
+    pthread_mutex_unlock(&e->lock);
+    for (;;) {
+        /* one at a time, the lock released around each event (it may submit or cancel); no
+         * request is freed meanwhile: that happens only after its last event, which waits */
+        ereq *q = NULL;
+        pthread_mutex_lock(&e->lock);
+        for (int i = 0; i < e->n_live && !q; i++)
+            if (!e->live[i]->abandoned)
+                q = e->live[i];
+        if (q)
+            q->abandoned = 1;
+        pthread_mutex_unlock(&e->lock);
+        if (!q)
+            break;
+        q->fn(q->user, &ev);
+    }
+    pthread_mutex_unlock(&e->deliver_lock);
+}
+
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
                                size_t err_size)
 {
@@ -590,6 +634,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
         return NULL;
     }
     pthread_mutex_init(&e->lock, NULL);
+    pthread_mutex_init(&e->deliver_lock, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->idle, NULL);
     e->rate_t0 = now_ms();
@@ -602,6 +647,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
         free(e);
         return NULL;
     }
+    loom_model_watch_stages(m, abandon, e);
     return e;
 }
 
@@ -634,8 +680,10 @@ void loom_engine_free(loom_engine *e)
     if (!e)
         return;
     loom_engine_stop(e, 0);
+    loom_model_watch_stages(e->model, NULL, NULL);
     loom_kvblocks_free(e->kv);
     pthread_mutex_destroy(&e->lock);
+    pthread_mutex_destroy(&e->deliver_lock);
     pthread_cond_destroy(&e->wake);
     pthread_cond_destroy(&e->idle);
     free(e->running), free(e->live), free(e->logits);

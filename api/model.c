@@ -263,6 +263,11 @@ int loom_model_follow(loom_model *m, char *err, size_t err_size)
     return loom_dist_follow(m->dist, m->runner, err, err_size) == 0 ? 1 : -1;
 }
 
+void loom_model_watch_stages(loom_model *m, void (*on_stop)(void *ctx, const char *why), void *ctx)
+{
+    loom_dist_watch(m->dist, on_stop, ctx);
+}
+
 struct loom_runner *loom_model_runner(loom_model *m)
 {
     return m->runner;

@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define LOOM_TRANSPORT_ABI 1
+#define LOOM_TRANSPORT_ABI 2
 
 typedef struct loom_transport {
     int abi; /* LOOM_TRANSPORT_ABI */
@@ -26,6 +26,10 @@ typedef struct loom_transport {
     /* returns once buf may be reused, without waiting for the receiver */
     int (*send)(int to, const void *buf, uint64_t bytes, char *err, size_t err_size);
     int (*recv)(int from, void *buf, uint64_t bytes, char *err, size_t err_size);
+    /* Rank 0: from now on, on_stop(ctx, why) is called, on a thread of the transport's own,
+     * as soon as another rank's process ends; a call blocked in the transport meanwhile may
+     * never return. NULL on_stop: no more calls (returns once none is under way). */
+    void (*watch)(void (*on_stop)(void *ctx, const char *why), void *ctx);
     /* Ends every process of the job with status (for a rank that cannot go on alone). */
     void (*abort)(int status);
     /* Leaves the job (once a process, after the last call). */

@@ -156,8 +156,11 @@ curl -s -m 60 -o "$tmpdir/dead.json" -w '%{http_code}' "http://127.0.0.1:${port:
     -d '{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1500, "ignore_eos": true}' \
     >"$tmpdir/dead.code" 2>/dev/null &
 client=$!
-for _ in $(seq 50); do [ -s "$tmpdir/spid.1" ] && break; sleep 0.1; done
-sleep 1.5
+# kill rank 1 once the request is generating (bounded wait: 30 s)
+for _ in $(seq 300); do
+    curl -s "http://127.0.0.1:${port:-1}/metrics" | grep -q '^loom_generated_tokens_total [1-9]' && break
+    sleep 0.1
+done
 kill -9 "$(cat "$tmpdir/spid.1")" 2>/dev/null
 wait $client
 wait $launcher

@@ -7,11 +7,14 @@
 #include "api/transport.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <mpi.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,7 +44,8 @@ static int mpi_fail(int rc, const char *what, char *err, size_t err_size)
 
 static int *live_fd;     /* rank 0: live_fd[r], the connection from rank r, or -1 */
 static int my_link = -1; /* the other ranks: this rank's connection to rank 0 */
-static int n_ranks, dead_rank = -1;
+static int n_ranks;
+static atomic_int dead_rank = -1;
 
 typedef struct liveness_addr {
     char host[MPI_MAX_PROCESSOR_NAME];
@@ -142,8 +146,9 @@ static void liveness_setup(int rank, int size, const char *host)
 /* rank 0: a rank whose connection has closed, or -1 */
 static int find_dead_rank(void)
 {
-    if (dead_rank >= 0 || !live_fd)
-        return dead_rank;
+    int known = atomic_load(&dead_rank);
+    if (known >= 0 || !live_fd)
+        return known;
     struct pollfd p[64];
     for (int r0 = 1; r0 < n_ranks; r0 += 64) {
         int n = 0;
@@ -152,8 +157,11 @@ static int find_dead_rank(void)
         if (poll(p, (nfds_t)n, 0) <= 0)
             continue;
         for (int i = 0; i < n; i++)
-            if (p[i].revents) /* nothing is ever written to it: readable means closed */
-                return dead_rank = r0 + i;
+            if (p[i].revents) { /* nothing is ever written to it: readable means closed */
+                int none = -1;
+                atomic_compare_exchange_strong(&dead_rank, &none, r0 + i);
+                return atomic_load(&dead_rank);
+            }
     }
     return -1;
 }
@@ -161,8 +169,74 @@ static int find_dead_rank(void)
 static int dead_rank_error(char *err, size_t err_size)
 {
     snprintf(err, err_size, "rank %d stopped: its process ended (its connection to rank 0 closed)",
-             dead_rank);
+             atomic_load(&dead_rank));
     return -1;
+}
+
+/* ---- Watching: the engine learns of a death even while its thread is inside MPI -----------
+ * When Open MPI's TCP transport sees the dead peer's connection close before rank 0's own
+ * receive loop has looked at the liveness links, the call never returns (it reports the peer
+ * and aborts the process). A thread blocked on the liveness links alone notices in the same
+ * instant, without MPI, and tells its watcher, which answers the requests in flight. */
+static pthread_t watcher;
+static int watching, wake_fd[2] = {-1, -1};
+static void (*on_stop_fn)(void *ctx, const char *why);
+static void *on_stop_ctx;
+
+static void *watch_links(void *unused)
+{
+    (void)unused;
+    struct pollfd *p = calloc((size_t)n_ranks, sizeof *p);
+    if (!p)
+        return NULL;
+    p[0] = (struct pollfd){wake_fd[0], POLLIN, 0};
+    for (int r = 1; r < n_ranks; r++)
+        p[r] = (struct pollfd){live_fd[r], POLLIN, 0}; /* fd -1: ignored */
+    for (;;) {
+        if (poll(p, (nfds_t)n_ranks, -1) < 0 && errno != EINTR)
+            break;
+        if (p[0].revents)
+            break;
+        int r = 1;
+        while (r < n_ranks && !p[r].revents)
+            r++;
+        if (r == n_ranks)
+            continue;
+        int none = -1;
+        atomic_compare_exchange_strong(&dead_rank, &none, r);
+        char why[160];
+        dead_rank_error(why, sizeof why);
+        on_stop_fn(on_stop_ctx, why);
+        break;
+    }
+    free(p);
+    return NULL;
+}
+
+static void mpi_watch(void (*on_stop)(void *ctx, const char *why), void *ctx)
+{
+    if (watching) {
+        char wake = 1;
+        if (write(wake_fd[1], &wake, 1) != 1)
+            perror("loom: waking the liveness watcher");
+        pthread_join(watcher, NULL);
+        close(wake_fd[0]), close(wake_fd[1]);
+        wake_fd[0] = wake_fd[1] = -1;
+        watching = 0;
+    }
+    if (!on_stop || !live_fd)
+        return;
+    if (pipe2(wake_fd, O_CLOEXEC) != 0) {
+        perror("loom: the liveness watcher");
+        return;
+    }
+    on_stop_fn = on_stop, on_stop_ctx = ctx;
+    if (pthread_create(&watcher, NULL, watch_links, NULL) != 0) {
+        close(wake_fd[0]), close(wake_fd[1]);
+        wake_fd[0] = wake_fd[1] = -1;
+        return;
+    }
+    watching = 1;
 }
 
 static int mpi_join(int *rank, int *size, char *host, size_t host_size, char *err, size_t err_size)
@@ -326,7 +400,8 @@ static void mpi_leave(void)
     MPI_Finalized(&finalized);
     /* with a rank dead, sends to it never complete and MPI_Finalize waits for it: mpirun is
      * ending the job anyway */
-    if (!finalized && dead_rank < 0) {
+    mpi_watch(NULL, NULL);
+    if (!finalized && atomic_load(&dead_rank) < 0) {
         reap(1);
         MPI_Finalize();
     }
@@ -350,6 +425,7 @@ __attribute__((visibility("default"))) const loom_transport *loom_transport_entr
                                      .gather = mpi_gather,
                                      .send = mpi_send,
                                      .recv = mpi_recv,
+                                     .watch = mpi_watch,
                                      .abort = mpi_abort,
                                      .leave = mpi_leave};
     return &t;

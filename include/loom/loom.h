@@ -217,7 +217,8 @@ typedef struct loom_event {
     double ttft_ms;
 } loom_event;
 
-/* Called on the engine thread: copy what you keep, return quickly. */
+/* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
+ * on the thread that noticed), never twice at a time: copy what you keep, return quickly. */
 typedef void (*loom_event_fn)(void *user, const loom_event *ev);
 
 typedef struct loom_request {
