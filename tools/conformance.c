@@ -522,11 +522,12 @@ static void make_matmul_shape(test_case *tc, loom_dtype dt, int64_t M, int64_t K
 
 static void make_matmul(test_case *tc, loom_dtype dt, int v)
 {
-    /* M, K, N; K odd only where the dtype allows it; {1, 512, 40}: one token (a decode step)
+    /* M, K, N; K odd only where the dtype allows it; {19, 768, 5}: tiles of 4 activation rows
+     * and one of 3; {1, 512, 40}: one token (a decode step)
      * against whole 256-element super-blocks */
     static const int64_t shapes[][3] = {{1, 64, 1},    {1, 96, 33},   {3, 128, 17}, {0, 64, 8},
                                         {64, 256, 48}, {1027, 64, 7}, {5, 33, 7},   {2, 512, 19},
-                                        {17, 768, 5},  {1, 512, 40}};
+                                        {19, 768, 5},  {1, 512, 40}};
     int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
     if (K % loom_dtype_block_elems(dt)) { /* check_partial_blocks tries those */
         tc->op = LOOM_OP_COUNT_V1_0;      /* not applicable */

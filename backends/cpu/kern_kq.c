@@ -348,6 +348,7 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
         __m256i v = _mm256_loadu_si256((const __m256i *)w->c[c].v);
         __m256i av = _mm256_abs_epi8(v), sc = _mm256_loadu_si256((const __m256i *)w->c[c].sc);
         __m256i mn = has_min ? _mm256_loadu_si256((const __m256i *)w->c[c].mn) : sc;
+        UNROLL
         for (int r = 0; r < mr; r++) {
             const act_block *x = &a[r * nb + c];
             __m256i q = _mm256_loadu_si256((const __m256i *)x->qs);
@@ -361,6 +362,7 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
             }
         }
     }
+    UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
 }
@@ -368,6 +370,7 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
 static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,
                     float *out)
 {
+    UNROLL
     for (int r = 0; r < mr; r++) {
         float sum = 0.0f;
         for (int64_t c = 0; c < nb; c++) {
@@ -401,6 +404,7 @@ INLINE void dot_rows_1(const kq_row *w, int nr, int has_min, const act_block *a,
         const act_block *x = &a[c];
         __m256i q = _mm256_loadu_si256((const __m256i *)x->qs);
         __m256i qsum = has_min ? _mm256_maddubs_epi16(ones, q) : ones;
+        UNROLL
         for (int i = 0; i < R; i++) {
             if (i >= nr)
                 break;
@@ -879,6 +883,7 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR];
     float mins[KERN_MR];
+    UNROLL
     for (int r = 0; r < mr; r++)
         acc[r] = _mm256_setzero_ps(), mins[r] = 0;
     for (int64_t b = 0; b < nb; b++) {
@@ -890,8 +895,10 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
         const __m128i m8 = _mm_cvtepu8_epi16(_mm_srli_si128(sm16, 8));
         __m256i h = five ? _mm256_loadu_si256((const __m256i *)qh) : _mm256_setzero_si256();
         __m256i sumi[KERN_MR];
+        UNROLL
         for (int r = 0; r < mr; r++)
             sumi[r] = _mm256_setzero_si256();
+        UNROLL
         for (int pair = 0; pair < 4; pair++) {
             __m256i bytes = _mm256_loadu_si256((const __m256i *)(qs + 32 * pair));
             __m256i lo = _mm256_and_si256(bytes, low);
@@ -904,6 +911,7 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
             }
             const __m256i s0 = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(2 * pair)));
             const __m256i s1 = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(2 * pair + 1)));
+            UNROLL
             for (int r = 0; r < mr; r++) {
                 const int8_t *yq = a[r * nb + b].qs + 64 * pair;
                 __m256i p0 = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)yq));
@@ -914,6 +922,7 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
                     _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)));
             }
         }
+        UNROLL
         for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
             /* sum over the 8 sub-blocks of minimum x the activations' sum there */
@@ -927,6 +936,7 @@ INLINE void dot_q4_k_like(const unsigned char *w, int64_t K, const act_k *a, int
             mins[r] += dmin * y->d * (float)_mm_cvtsi128_si32(mp);
         }
     }
+    UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]) - mins[r];
 }
@@ -935,6 +945,7 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
 {
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR];
+    UNROLL
     for (int r = 0; r < mr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -942,19 +953,23 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
         /* the offset of 32: -32 x the sum over 16-groups of scale x the activations' sum */
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
         __m256i sumi[KERN_MR];
+        UNROLL
         for (int r = 0; r < mr; r++) {
             __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
             sumi[r] = _mm256_sub_epi32(_mm256_setzero_si256(),
                                        _mm256_slli_epi32(_mm256_madd_epi16(bs, sc16), 5));
         }
+        UNROLL
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql = x->ql + 64 * half, *qh = x->qh + 32 * half;
             const int8_t *sc = x->scales + 8 * half;
             __m256i v[4];
             q6_k_runs(ql, qh, v);
+            UNROLL
             for (int k = 0; k < 4; k++) {
                 __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]),
                                                _mm_set1_epi16(sc[2 * k]));
+                UNROLL
                 for (int r = 0; r < mr; r++) {
                     __m256i q = _mm256_loadu_si256(
                         (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * k));
@@ -964,10 +979,12 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
             }
         }
         float d = CPU_F16(x->d);
+        UNROLL
         for (int r = 0; r < mr; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
                                      _mm256_set1_ps(d * a[r * nb + b].d), acc[r]);
     }
+    UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
 }
@@ -979,6 +996,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
     const __m256i mask3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR], accmin[KERN_MR];
+    UNROLL
     for (int r = 0; r < mr; r++)
         acc[r] = _mm256_setzero_ps(), accmin[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -995,6 +1013,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
             mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(15)));
         }
         __m256i sumi[KERN_MR];
+        UNROLL
         for (int r = 0; r < mr; r++) {
             __m256i bs = _mm256_loadu_si256((const __m256i *)a[r * nb + b].bsums);
             sumi[r] = three_bit
@@ -1004,11 +1023,13 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
         }
         __m256i hm = three_bit ? _mm256_loadu_si256((const __m256i *)x3->hmask)
                                : _mm256_setzero_si256();
+        UNROLL
         for (int half = 0; half < 2; half++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * half));
             /* both lanes: scales 8 half .. 8 half + 7 */
             __m256i sch = half ? _mm256_permute4x64_epi64(sc16, 0xee)
                                : _mm256_permute4x64_epi64(sc16, 0x44);
+            UNROLL
             for (int run = 0; run < 4; run++) {
                 __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * run), mask3);
                 if (three_bit)
@@ -1020,6 +1041,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
                     sch,
                     _mm256_set_m128i(_mm_set1_epi32(PICK_WORD(2 * run + 1)),
                                      _mm_set1_epi32(PICK_WORD(2 * run))));
+                UNROLL
                 for (int r = 0; r < mr; r++) {
                     __m256i y = _mm256_loadu_si256(
                         (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * run));
@@ -1029,6 +1051,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
             }
         }
         float d = CPU_F16(three_bit ? x3->d : x2->d), dmin = three_bit ? 0 : CPU_F16(x2->dmin);
+        UNROLL
         for (int r = 0; r < mr; r++) {
             const act_k *y = &a[r * nb + b];
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * y->d), acc[r]);
@@ -1039,6 +1062,7 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
                     _mm256_set1_ps(dmin * y->d), accmin[r]);
         }
     }
+    UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]) - hsum(accmin[r]);
 }
@@ -1052,6 +1076,7 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
     const __m128i nibble = _mm_set1_epi8(15);
     const int64_t nb = K / LOOM_QK_K;
     __m256 acc[KERN_MR];
+    UNROLL
     for (int r = 0; r < mr; r++)
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -1059,8 +1084,10 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
         prefetch_ahead(x, sizeof *x);
         __m256i scw = _mm256_broadcastsi128_si256(iq4_xs_scales(x));
         __m256i sumi[KERN_MR];
+        UNROLL
         for (int r = 0; r < mr; r++)
             sumi[r] = _mm256_setzero_si256();
+        UNROLL8
         for (int sb = 0; sb < 8; sb++) {
             __m128i q = _mm_loadu_si128((const __m128i *)(x->qs + 16 * sb));
             __m256i v = _mm256_shuffle_epi8(
@@ -1069,6 +1096,7 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
                                  _mm_and_si128(q, nibble)));
             __m256i u = _mm256_abs_epi8(v);
             __m256i scv = _mm256_shuffle_epi8(scw, _mm256_set1_epi32(PICK_WORD(sb)));
+            UNROLL
             for (int r = 0; r < mr; r++) {
                 __m256i y = _mm256_loadu_si256((const __m256i *)(a[r * nb + b].qs + 32 * sb));
                 sumi[r] = _mm256_add_epi32(
@@ -1077,10 +1105,12 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
             }
         }
         float d = CPU_F16(x->d);
+        UNROLL
         for (int r = 0; r < mr; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]),
                                      _mm256_set1_ps(d * a[r * nb + b].d), acc[r]);
     }
+    UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
 }
