@@ -143,6 +143,15 @@ static void liveness_setup(int rank, int size, const char *host)
     free(all);
 }
 
+/* Records r as the dead rank unless one already is (the receive loop and the watcher may both
+ * see it); returns the one recorded. */
+static int mark_dead(int r)
+{
+    int none = -1;
+    atomic_compare_exchange_strong(&dead_rank, &none, r);
+    return atomic_load(&dead_rank);
+}
+
 /* rank 0: a rank whose connection has closed, or -1 */
 static int find_dead_rank(void)
 {
@@ -157,11 +166,8 @@ static int find_dead_rank(void)
         if (poll(p, (nfds_t)n, 0) <= 0)
             continue;
         for (int i = 0; i < n; i++)
-            if (p[i].revents) { /* nothing is ever written to it: readable means closed */
-                int none = -1;
-                atomic_compare_exchange_strong(&dead_rank, &none, r0 + i);
-                return atomic_load(&dead_rank);
-            }
+            if (p[i].revents) /* nothing is ever written to it: readable means closed */
+                return mark_dead(r0 + i);
     }
     return -1;
 }
@@ -202,8 +208,7 @@ static void *watch_links(void *unused)
             r++;
         if (r == n_ranks)
             continue;
-        int none = -1;
-        atomic_compare_exchange_strong(&dead_rank, &none, r);
+        mark_dead(r);
         char why[160];
         dead_rank_error(why, sizeof why);
         on_stop_fn(on_stop_ctx, why);
@@ -226,12 +231,16 @@ static void mpi_watch(void (*on_stop)(void *ctx, const char *why), void *ctx)
     }
     if (!on_stop || !live_fd)
         return;
+    const char *lost = "loom: cannot start the liveness watcher (%s): requests in flight when "
+                       "a rank dies may see their connections close\n";
     if (pipe2(wake_fd, O_CLOEXEC) != 0) {
-        perror("loom: the liveness watcher");
+        fprintf(stderr, lost, strerror(errno));
         return;
     }
     on_stop_fn = on_stop, on_stop_ctx = ctx;
-    if (pthread_create(&watcher, NULL, watch_links, NULL) != 0) {
+    int rc = pthread_create(&watcher, NULL, watch_links, NULL);
+    if (rc != 0) {
+        fprintf(stderr, lost, strerror(rc));
         close(wake_fd[0]), close(wake_fd[1]);
         wake_fd[0] = wake_fd[1] = -1;
         return;
