@@ -370,7 +370,6 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
 static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,
                     float *out)
 {
-    UNROLL
     for (int r = 0; r < mr; r++) {
         float sum = 0.0f;
         for (int64_t c = 0; c < nb; c++) {
