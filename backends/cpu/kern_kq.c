@@ -171,16 +171,19 @@ static void unpack_q4_k_like(const unsigned char *w, int64_t K, kq_row *r, int f
  * run k is nibble k / 2 of ql[l + 32 (k % 2)] with bit pair k of qh[l] above it */
 static inline void q6_k_runs(const uint8_t *ql, const uint8_t *qh, __m256i v[4])
 {
-    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i low = _mm256_set1_epi8(15), high2 = _mm256_set1_epi8(0x30);
     __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
     __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
     __m256i h = _mm256_loadu_si256((const __m256i *)qh);
-    __m256i nib[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
-                      _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
-                      _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-    for (int k = 0; k < 4; k++)
-        v[k] = _mm256_or_si256(
-            nib[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * k), three), 4));
+    /* bit pair k moved to bits 4-5: one shift (none for k = 2) and one mask each */
+    v[0] = _mm256_or_si256(_mm256_and_si256(l0, low),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 4), high2));
+    v[1] = _mm256_or_si256(_mm256_and_si256(l1, low),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 2), high2));
+    v[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                           _mm256_and_si256(h, high2));
+    v[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), high2));
 }
 #endif
 
@@ -1000,6 +1003,7 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
         acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const loom_block_q6_k *x = (const loom_block_q6_k *)(const void *)w + b;
+        prefetch_ahead(x, sizeof *x);
         /* the offset of 32: -32 x the sum over 16-groups of scale x the activations' sum */
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)x->scales));
         __m256i sumi[KERN_MR];
@@ -1011,14 +1015,16 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
         }
         UNROLL
         for (int half = 0; half < 2; half++) {
-            const uint8_t *ql = x->ql + 64 * half, *qh = x->qh + 32 * half;
-            const int8_t *sc = x->scales + 8 * half;
             __m256i v[4];
-            q6_k_runs(ql, qh, v);
+            q6_k_runs(x->ql + 64 * half, x->qh + 32 * half, v);
+            /* both lanes: scales 8 half .. 8 half + 7; run k takes 2 k (low lane), 2 k + 1 */
+            __m256i sch = half ? _mm256_permute4x64_epi64(sc16, 0xee)
+                               : _mm256_permute4x64_epi64(sc16, 0x44);
             UNROLL
             for (int k = 0; k < 4; k++) {
-                __m256i scv = _mm256_set_m128i(_mm_set1_epi16(sc[2 * k + 1]),
-                                               _mm_set1_epi16(sc[2 * k]));
+                __m256i scv = _mm256_shuffle_epi8(
+                    sch, _mm256_set_m128i(_mm_set1_epi32(PICK_WORD(2 * k + 1)),
+                                          _mm_set1_epi32(PICK_WORD(2 * k))));
                 UNROLL
                 for (int r = 0; r < mr; r++) {
                     __m256i q = _mm256_loadu_si256(
