@@ -27,6 +27,7 @@ typedef struct cpu_features {
     int avx2, fma, f16c;                       /* with OS support for YMM state */
     int avx512f, avx512bw, avx512vl, avx512dq; /* with OS support for ZMM and opmask state */
     int avx512vnni, avx512bf16;
+    int avxvnni; /* AVX-VNNI: vpdpbusd on ymm, VEX-encoded (Alder Lake, Zen 5), for the avx2 variant */
     char brand[64];
     /* LOOM_CPU_MASK: the features hidden from this process (CPU_MASK_* bits), and the reason
      * the variable could not be read (then no variant is usable) */

@@ -909,11 +909,11 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         return LOOM_ERR_OUT_OF_MEMORY;
     }
     cb->feat = *f;
-    /* LOOM_CPU_DISABLE=vnni: use the plain AVX-512 kernels even where VNNI exists, so both can
-     * be checked (and compared) on one machine */
+    /* LOOM_CPU_DISABLE=vnni: use the plain AVX-512 or AVX2 kernels even where VNNI exists, so
+     * both can be checked (and compared) on one machine */
     const char *off = getenv("LOOM_CPU_DISABLE");
     if (off && strstr(off, "vnni"))
-        cb->feat.avx512vnni = 0;
+        cb->feat.avx512vnni = cb->feat.avxvnni = 0;
     if (off && strstr(off, "bf16")) /* likewise the BF16 dot product */
         cb->feat.avx512bf16 = 0;
     cpu_numa_read(&cb->numa);

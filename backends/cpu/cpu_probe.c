@@ -70,7 +70,7 @@ static void apply_mask(cpu_features *f)
     if (m & CPU_MASK_AVX512)
         f->avx512f = f->avx512bw = f->avx512vl = f->avx512dq = 0;
     if (m & CPU_MASK_VNNI)
-        f->avx512vnni = 0;
+        f->avx512vnni = f->avxvnni = 0;
     if (m & CPU_MASK_BF16)
         f->avx512bf16 = 0;
 }
@@ -103,6 +103,7 @@ void cpu_detect(cpu_features *f)
         f->avx2 = (b7 >> 5) & 1;
         f->fma = fma;
         f->f16c = f16c;
+        f->avxvnni = (a71 >> 4) & 1;
     }
     if (os_zmm) {
         f->avx512f = (b7 >> 16) & 1;
@@ -178,7 +179,8 @@ static void describe(const cpu_features *f, char *out, size_t n)
                         f->avx512f    ? "avx512"
                             : f->avx2 ? "avx2"
                                       : "baseline",
-                        f->avx512vnni ? " vnni" : "", f->avx512bf16 ? " bf16" : "",
+                        f->avx512vnni || (f->avx2 && f->avxvnni) ? " vnni" : "",
+                        f->avx512bf16 ? " bf16" : "",
                         f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
                         f->masked ? getenv("LOOM_CPU_MASK") : "");
     cpu_numa numa;

@@ -252,7 +252,7 @@ void kern_q4_0(const unsigned char *, size_t, int, const cpu_act *, int64_t, int
 void kern_q4_1(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
 void kern_float(loom_dtype, const unsigned char *, size_t, int, const float *const *, int, int64_t,
                 float *);
-/* the avx512 variant's VNNI builds of the integer kernels */
+/* the VNNI builds of the integer kernels (avx512 and avx2 variants) */
 void kern_q8_0_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
 void kern_q4_0_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);
 void kern_q4_1_vnni(const unsigned char *, size_t, int, const cpu_act *, int64_t, int, float *);

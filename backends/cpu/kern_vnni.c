@@ -1,4 +1,4 @@
-/* backends/cpu/kern_vnni.c - the avx512 variant's kernels again, built with -mavx512vnni, used
- * when the CPU has VNNI (see kernels.h). */
+/* backends/cpu/kern_vnni.c - a variant's integer kernels again, built with -mavx512vnni (avx512)
+ * or -mavxvnni (avx2), used when the CPU has that VNNI (see kernels.h). */
 #define KERN_VNNI 1
 #include "kernels.h"

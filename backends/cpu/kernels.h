@@ -1,7 +1,8 @@
 /*
- * backends/cpu/kernels.h - the matmul kernels (interface in kern.h). Included by kern.c, and in
- * the avx512 variant also by kern_vnni.c with KERN_VNNI defined and -mavx512vnni, so one source
- * becomes the baseline, AVX2, AVX-512 and AVX-512 VNNI kernels.
+ * backends/cpu/kernels.h - the matmul kernels (interface in kern.h). Included by kern.c, and
+ * also by kern_vnni.c with KERN_VNNI defined: with -mavx512vnni in the avx512 variant, with
+ * -mavxvnni in the avx2 one. So one source becomes the baseline, AVX2, AVX2 with AVX-VNNI,
+ * AVX-512 and AVX-512 VNNI kernels.
  *
  * Quantised weights meet activations quantised once per matmul to int8 blocks (act_group):
  * each block's dot product is an integer sum, scaled once by the product of the two scales.
@@ -211,8 +212,14 @@ INLINE __m256i nibbles256(const uint8_t *qs)
 /* acc + per 4-byte lane sum of u8 a x s8 b */
 INLINE __m256i dot256(__m256i acc, __m256i a, __m256i b)
 {
+#if defined(KERN_VNNI) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#elif defined(KERN_VNNI)
+    return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
     return _mm256_add_epi32(acc,
                             _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
 }
 #endif
 
@@ -1070,8 +1077,10 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         V_STORE_F(out + r * KERN_RI, acc[r]);
 }
 
-void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr,
-                        float *out){RI_MR_CASES(q8_0_ri_tile)}
+void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
+{
+    RI_MR_CASES(q8_0_ri_tile)
+}
 
 /* ---- IQ4_NL, interleaved rows: Q4_0's records, each nibble an index into IQ4's table ---------
  * The table lookup is one byte shuffle per 4 bytes of nibbles, giving signed weights, which
