@@ -180,8 +180,8 @@ static void describe(const cpu_features *f, char *out, size_t n)
                             : f->avx2 ? "avx2"
                                       : "baseline",
                         f->avx512vnni || (f->avx2 && f->avxvnni) ? " vnni" : "",
-                        f->avx512bf16 ? " bf16" : "",
-                        f->f16c && !f->avx512f ? " f16c" : "", f->masked ? ", LOOM_CPU_MASK=" : "",
+                        f->avx512bf16 ? " bf16" : "", f->f16c && !f->avx512f ? " f16c" : "",
+                        f->masked ? ", LOOM_CPU_MASK=" : "",
                         f->masked ? getenv("LOOM_CPU_MASK") : "");
     cpu_numa numa;
     cpu_numa_read(&numa);

@@ -528,7 +528,8 @@ static void prep_k_block(const float *xb, int swapped, act_k *y)
         __m256i q32[4];
         for (int k = 0; k < 4; k++) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + 32 * s + 8 * k), id);
-            q32[k] = _mm256_cvttps_epi32(_mm256_add_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), half)));
+            q32[k] = _mm256_cvttps_epi32(
+                _mm256_add_ps(v, _mm256_or_ps(_mm256_and_ps(v, sign), half)));
         }
         sums16[2 * s] = _mm256_add_epi32(q32[0], q32[1]);
         sums16[2 * s + 1] = _mm256_add_epi32(q32[2], q32[3]);
@@ -1023,8 +1024,9 @@ INLINE void dot_q6_k(const unsigned char *w, int64_t K, const act_k *a, int mr, 
             UNROLL
             for (int k = 0; k < 4; k++) {
                 __m256i scv = _mm256_shuffle_epi8(
-                    sch, _mm256_set_m128i(_mm_set1_epi32(PICK_WORD(2 * k + 1)),
-                                          _mm_set1_epi32(PICK_WORD(2 * k))));
+                    sch,
+                    _mm256_set_m128i(_mm_set1_epi32(PICK_WORD(2 * k + 1)),
+                                     _mm_set1_epi32(PICK_WORD(2 * k))));
                 UNROLL
                 for (int r = 0; r < mr; r++) {
                     __m256i q = _mm256_loadu_si256(
@@ -1113,10 +1115,9 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * y->d), acc[r]);
             if (!three_bit) /* into the same accumulator: registers for 4 rows' minimums
                              * would spill */
-                acc[r] = _mm256_fnmadd_ps(
-                    _mm256_cvtepi32_ps(
-                        _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
-                    _mm256_set1_ps(dmin * y->d), acc[r]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                              _mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
+                                          _mm256_set1_ps(dmin * y->d), acc[r]);
         }
     }
     UNROLL

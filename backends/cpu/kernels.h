@@ -1077,10 +1077,8 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         V_STORE_F(out + r * KERN_RI, acc[r]);
 }
 
-void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr, float *out)
-{
-    RI_MR_CASES(q8_0_ri_tile)
-}
+void KERN(kern_q8_0_ri)(const unsigned char *w, int64_t nb, const act_block *a, int mr,
+                        float *out){RI_MR_CASES(q8_0_ri_tile)}
 
 /* ---- IQ4_NL, interleaved rows: Q4_0's records, each nibble an index into IQ4's table ---------
  * The table lookup is one byte shuffle per 4 bytes of nibbles, giving signed weights, which
