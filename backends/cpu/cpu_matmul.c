@@ -334,9 +334,10 @@ static loom_status check_weight(cpu_backend *cb, const loom_tensor *w)
  * (the same instructions on ymm) for the avx2 one; the baseline links none. */
 #if defined(LOOM_CPU_VARIANT_AVX512)
 #define HAS_VNNI(cb) ((cb)->feat.avx512vnni)
-#define VNNI_OR(cb, kernel) (HAS_VNNI(cb) ? kernel##_vnni : kernel)
 #elif defined(LOOM_CPU_VARIANT_AVX2)
 #define HAS_VNNI(cb) ((cb)->feat.avxvnni)
+#endif
+#ifdef HAS_VNNI
 #define VNNI_OR(cb, kernel) (HAS_VNNI(cb) ? kernel##_vnni : kernel)
 #else
 #define HAS_VNNI(cb) 0

@@ -510,8 +510,8 @@ static inline __m128i hsum4_epi32(__m256i a, __m256i b, __m256i c, __m256i d)
     return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-/* kern_prep_k's scalar loop (the definition) in vectors, rounding exactly as it does: the
- * scalar one took a tenth of Q4_K prefill */
+/* one super-block of activations; the scalar prep_k_block below is the definition, this does it
+ * in vectors and rounds exactly as it does (the scalar one took a tenth of Q4_K prefill) */
 static void prep_k_block(const float *xb, int swapped, act_k *y)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
@@ -547,36 +547,34 @@ static void prep_k_block(const float *xb, int swapped, act_k *y)
     __m256i pairs = _mm256_set_m128i(_mm_hadd_epi32(g[2], g[3]), _mm_hadd_epi32(g[0], g[1]));
     _mm256_storeu_ps(y->dsums, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(pairs)));
 }
+#else
+static void prep_k_block(const float *xb, int swapped, act_k *y)
+{
+    float amax = 0;
+    for (int i = 0; i < LOOM_QK_K; i++)
+        amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+    float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+    y->d = d;
+    int8_t q[LOOM_QK_K];
+    for (int i = 0; i < LOOM_QK_K; i++)
+        q[i] = (int8_t)loom_round_nearest(xb[i] * id);
+    for (int g = 0; g < 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++)
+            sum += q[16 * g + i];
+        y->bsums[g] = (int16_t)sum;
+    }
+    for (int s = 0; s < 8; s++)
+        y->dsums[s] = d * (float)(y->bsums[2 * s] + y->bsums[2 * s + 1]);
+    for (int s = 0; s < 8; s++)
+        memcpy(y->qs + 32 * run_slot(s, swapped), q + 32 * s, 32);
+}
 #endif
 
 void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out)
 {
-    for (int64_t b = 0; b < K / LOOM_QK_K; b++) {
-#if defined(__AVX2__)
+    for (int64_t b = 0; b < K / LOOM_QK_K; b++)
         prep_k_block(x + b * LOOM_QK_K, swapped, &out[b]);
-        continue;
-#endif
-        const float *xb = x + b * LOOM_QK_K;
-        act_k *y = &out[b];
-        float amax = 0;
-        for (int i = 0; i < LOOM_QK_K; i++)
-            amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
-        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
-        y->d = d;
-        int8_t q[LOOM_QK_K];
-        for (int i = 0; i < LOOM_QK_K; i++)
-            q[i] = (int8_t)loom_round_nearest(xb[i] * id);
-        for (int g = 0; g < 16; g++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++)
-                sum += q[16 * g + i];
-            y->bsums[g] = (int16_t)sum;
-        }
-        for (int s = 0; s < 8; s++)
-            y->dsums[s] = d * (float)(y->bsums[2 * s] + y->bsums[2 * s + 1]);
-        for (int s = 0; s < 8; s++)
-            memcpy(y->qs + 32 * run_slot(s, swapped), q + 32 * s, 32);
-    }
 }
 
 #if defined(__AVX2__)
