@@ -77,6 +77,18 @@ static int interleaves_blocks(loom_dtype wt)
     return loom_dtype_is_block(wt) || wt == LOOM_IQ4_NL || wt == LOOM_Q5_0 || wt == LOOM_Q5_1;
 }
 
+/* BF16 pairs: the dot product for a few rows of X, where W's bytes set the pace; widened
+ * blocks and f32 tiles (kern_bf16_pairs_widen) when there are enough rows to be compute-bound */
+static int bf16_pairs_widened(int64_t M)
+{
+#ifdef KERN_WIDEN_MR
+    return M >= 2 * KERN_WIDEN_MR;
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
 static void prepare_x(void *ctx, int ith, int nth)
 {
     mm_job *j = ctx;
@@ -176,17 +188,16 @@ static void mm_groups(void *ctx, int ith, int nth)
     float out[KERN_RI_GROUPS * KERN_RI * KERN_MR];
     for (long g = g0; g < g1;) {
         const unsigned char *wg = data(j->p->w) + (uint64_t)g * j->group_bytes;
-        /* float W against several X rows goes several groups at a time */
-        int ng = (j->kfrin || j->xpairs) && mb - ma >= 2
-            ? (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS)
-            : 1;
+        int most = (int)(g1 - g < KERN_RI_GROUPS ? g1 - g : KERN_RI_GROUPS);
 #ifdef KERN_WIDEN_MR
-        if (j->kwiden && mb - ma >= 2 * KERN_WIDEN_MR) { /* prefill */
-            mm_groups_widened(j, wg, ng, g, ma, mb);
-            g += ng;
+        if (j->kwiden && (mb - ma >= 2 * KERN_WIDEN_MR || !j->kfri)) { /* prefill */
+            mm_groups_widened(j, wg, most, g, ma, mb);
+            g += most;
             continue;
         }
 #endif
+        /* float W against several X rows goes several groups at a time */
+        int ng = (j->kfrin || j->xpairs) && mb - ma >= 2 ? most : 1;
         for (long m0 = ma; m0 < mb; m0 += KERN_MR) {
             int mr = mb - m0 < KERN_MR ? (int)(mb - m0) : KERN_MR;
 #if defined(LOOM_CPU_VARIANT_AVX512)
@@ -401,7 +412,8 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             j.kblocks = scratch;
         else
             j.blocks = scratch;
-    } else if (prepared == CPU_LAYOUT_BF16_PAIRS) { /* X rounded to BF16 pairs once */
+    } else if (prepared == CPU_LAYOUT_BF16_PAIRS && !bf16_pairs_widened(j.M)) {
+        /* X rounded to BF16 pairs once */
         size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
         scratch = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);
         j.xpairs = scratch;
@@ -427,7 +439,12 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                 j.xrows[m] = (const float *)cpu_row(p->x, data(p->x), m);
         }
 #if KERN_RI
-        if (prepared) { /* F16 or BF16 rows */
+#if defined(LOOM_CPU_VARIANT_AVX512)
+        if (prepared == CPU_LAYOUT_BF16_PAIRS) /* prefill: f32 tiles over widened blocks */
+            j.kwiden = kern_bf16_pairs_widen;
+        else
+#endif
+            if (prepared) { /* F16 or BF16 rows */
             j.kfri = wt == LOOM_F16 ? kern_f16_ri : kern_bf16_ri;
             j.kfrin = wt == LOOM_F16 ? kern_f16_ri_n : kern_bf16_ri_n;
 #ifdef KERN_WIDEN_MR

@@ -201,6 +201,9 @@ void kern_bf16_pack_x(const float *x, int64_t K, uint32_t *pairs);
  * out[r * ng 16 + i], i < ng 16. */
 void kern_bf16_dp(const unsigned char *w, size_t gstride, int ng, int64_t K,
                   const uint32_t *const *x, int mr, float *out);
+/* kern_half_ri_widen for the pairs layout (k0 even), for prefill (kern_bf16.c) */
+void kern_bf16_pairs_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                           float *wf);
 
 /* ---- The ABI 1.2 weight types (kern_kq.c) ---------------------------------------------------
  * Q2_K..Q6_K, IQ4_XS, Q5_0, Q5_1 and IQ4_NL rows are unpacked into one shape, 32 values at a

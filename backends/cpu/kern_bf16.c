@@ -3,7 +3,8 @@
  * with -mavx512bf16 into the avx512 variant and used when the CPU has the instruction
  * (LOOM_CPU_DISABLE=bf16 turns it off). Activations are rounded to BF16 once per matmul, as
  * ggml does for BF16 weights; each instruction then does 32 multiply-adds where the F32 path
- * needs a conversion and an FMA per 16.
+ * needs a conversion and an FMA per 16. That wins where W's bytes set the pace (decode, a few
+ * rows); prefill widens W's blocks to f32 instead (kern_bf16_pairs_widen, below).
  *
  * Weight layout (cpu_prepare_weight, "BF16 pairs"): rows in groups of 16; per group, per pair
  * of columns j (k = 2j, 2j + 1), 16 lanes of 4 bytes: lane r holds row r's elements 2j and
@@ -117,5 +118,25 @@ void kern_bf16_dp(const unsigned char *w, size_t gstride, int ng, int64_t K,
     case 2: BF16_MR(2) break;
     case 3: BF16_MR(3) break;
     default: BF16_MR(4) break;
+    }
+}
+
+/* Prefill widens instead: vdpbf16ps issues at half the rate of the f32 FMA on the Xeons
+ * measured (Emerald Rapids: one per 2 cycles against two FMAs per cycle), so a compute-bound
+ * matmul does better to widen a block of W once and run the f32 tiles over it. Column k of the
+ * block goes to wf + k ng 16, as kern_bf16_ri_widen's. */
+void kern_bf16_pairs_widen(const unsigned char *w, size_t gstride, int ng, int64_t k0, int64_t kc,
+                           float *wf)
+{
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    for (int g = 0; g < ng; g++) {
+        const unsigned char *p = w + (size_t)g * gstride + (size_t)(k0 / 2) * 64;
+        for (int64_t k = 0; k < kc; k += 2, p += 64) {
+            __m512i v = _mm512_loadu_si512(p);
+            _mm512_storeu_ps(wf + (k * ng + g) * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            if (k + 1 < kc)
+                _mm512_storeu_ps(wf + ((k + 1) * ng + g) * 16,
+                                 _mm512_castsi512_ps(_mm512_and_si512(v, high)));
+        }
     }
 }
