@@ -59,6 +59,7 @@ typedef struct mm_job {
     int nr_max;              /* weight rows per tile */
     int unpacked;            /* an ABI 1.2 type: chunks of W rows unpacked (kern_kq.c) */
     int direct;              /* ... or, at decode sizes, dotted in the file's layout */
+    int vnni;                /* the CPU has this variant's VNNI (kern_kq_direct takes it) */
     act_k *kblocks;          /* X for direct: quantised per 256 */
     int kq_min;              /* its values have minimums */
     unsigned char *kq_space; /* per thread, CHUNK_ROWS unpacked rows */
@@ -256,7 +257,7 @@ static void mm_rows(void *ctx, int ith, int nth)
             for (long n = c0; n < c1; n += nr) {
                 nr = c1 - n < j->nr_max ? (int)(c1 - n) : j->nr_max;
                 kern_kq_direct(w->dtype, cpu_row(w, data(w), n), w->nb[1], nr, j->K,
-                               j->kblocks + m0 * (j->K / LOOM_QK_K), mr, out);
+                               j->kblocks + m0 * (j->K / LOOM_QK_K), mr, j->vnni, out);
                 store_tile(j, m0, mr, n, nr, out, KERN_NR);
             }
         }
@@ -387,6 +388,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     /* unpacked rows sit in cache, where several at a time only help */
     j.unpacked = !prepared && kern_kq_handles(p->w->dtype);
     j.direct = !j.split_m && kern_kq_direct_has(p->w->dtype);
+    j.vnni = HAS_VNNI(cb);
     /* the direct kernels take the rows of a call one after another, as memory likes */
     j.nr_max = (uniform_w && (!decode_quant || j.direct)) || (j.unpacked && !j.direct) ? KERN_NR
                                                                                        : 1;

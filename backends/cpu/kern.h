@@ -242,9 +242,10 @@ int kern_kq_direct_has(loom_dtype wt);
 int kern_kq_swapped(loom_dtype wt);
 void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out);
 /* out[r * KERN_NR + i] = dot(weight row i at w + i row_bytes, activation row r), i < nr <=
- * KERN_NR, r < mr <= KERN_MR; a: the first activation row's K / 256 blocks, rows adjacent. */
+ * KERN_NR, r < mr <= KERN_MR; a: the first activation row's K / 256 blocks, rows adjacent;
+ * vnni: the CPU has AVX512-VNNI (Q2_K then takes it, in the avx512 variant). */
 void kern_kq_direct(loom_dtype wt, const unsigned char *w, size_t row_bytes, int nr, int64_t K,
-                    const act_k *a, int mr, float *out);
+                    const act_k *a, int mr, int vnni, float *out);
 
 /* Prepares activation row x (K floats, K a multiple of 32) into its groups. */
 void kern_prep(const float *x, int64_t K, act_group *g, kern_layout layout);

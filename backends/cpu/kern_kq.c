@@ -878,6 +878,88 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
 }
 
+/* Q2_K with VNNI: a scale (4 bits) times a value (2) fits in a byte, so each 128-bit lane,
+ * one sub-block of 16 values, looks its values up in a table of 0, s, 2s, 3s (vpshufb) and
+ * one vpdpbusd per 64 takes the place of vpmaddubsw, vpmaddwd and vpaddd. The integer sums
+ * are dot_q2_3_k's exactly; the tables are built once per super-block for all mr rows. */
+#define TARGET_VNNI __attribute__((target("avx512vnni")))
+TARGET_VNNI INLINE void dot_q2_k_vnni(const unsigned char *w, int64_t K, const act_k *a, int mr,
+                                      float *out)
+{
+    const __m512i mask3 = _mm512_set1_epi8(3), low4 = _mm512_set1_epi8(15);
+    /* per lane: bytes 1 and 3 take s, bytes 2 and 3 take 2s */
+    const __m512i at13 = _mm512_broadcast_i32x4(
+                      _mm_setr_epi8(0, -1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
+                  at23 = _mm512_broadcast_i32x4(
+                      _mm_setr_epi8(0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
+    const int64_t nb = K / LOOM_QK_K;
+    __m512 acc[KERN_MR];
+    __m256 accmin[KERN_MR];
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm512_setzero_ps(), accmin[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_q2_k *x = (const loom_block_q2_k *)(const void *)w + b;
+        prefetch_ahead(x->qs, sizeof *x);
+        __m128i sb = _mm_loadu_si128((const __m128i *)x->scales);
+        __m256i mn16 = _mm256_cvtepu8_epi16(
+            _mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(15)));
+        __m512i sc = _mm512_and_si512(_mm512_broadcast_i32x4(sb), low4);
+        __m512i sumi[KERN_MR][2];
+        UNROLL
+        for (int r = 0; r < mr; r++)
+            sumi[r][0] = sumi[r][1] = _mm512_setzero_si512();
+        for (int half = 0; half < 2; half++) {
+            __m512i q = _mm512_broadcast_i64x4(
+                _mm256_loadu_si256((const __m256i *)(x->qs + 32 * half)));
+            __m512i v[2] = {_mm512_and_si512(_mm512_srlv_epi16(q, shifts16(0, 2)), mask3),
+                            _mm512_and_si512(_mm512_srlv_epi16(q, shifts16(4, 6)), mask3)};
+            UNROLL
+            for (int i = 0; i < 2; i++) { /* lanes: sub-blocks 8 half + 4 i .. + 3 */
+                int s0 = 8 * half + 4 * i;
+                const int b0 = s0 * 0x01010101, b1 = b0 + 0x01010101, b2 = b1 + 0x01010101,
+                          b3 = b2 + 0x01010101; /* lane l: every byte s0 + l */
+                __m512i s = _mm512_shuffle_epi8(sc,
+                                                _mm512_set_epi32(b3, b3, b3, b3, b2, b2, b2, b2, b1,
+                                                                 b1, b1, b1, b0, b0, b0, b0));
+                __m512i table = _mm512_add_epi8(_mm512_and_si512(s, at13),
+                                                _mm512_and_si512(_mm512_add_epi8(s, s), at23));
+                __m512i wv = _mm512_shuffle_epi8(table, v[i]);
+                UNROLL
+                for (int r = 0; r < mr; r++)
+                    sumi[r][i] = _mm512_dpbusd_epi32(
+                        sumi[r][i], wv,
+                        _mm512_loadu_si512((const void *)(a[r * nb + b].qs + 128 * half + 64 * i)));
+            }
+        }
+        float d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
+        UNROLL
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sumi[r][0], sumi[r][1])),
+                                     _mm512_set1_ps(d * y->d), acc[r]);
+            accmin[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                            _mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
+                                        _mm256_set1_ps(dmin * y->d), accmin[r]);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
+}
+
+/* one row, mr made a constant (inlining needs a caller built for VNNI too) */
+TARGET_VNNI static void q2_k_vnni_row(const unsigned char *w, int64_t K, const act_k *a, int mr,
+                                      float *out)
+{
+    switch (mr) {
+    case 1: dot_q2_k_vnni(w, K, a, 1, out); break;
+    case 2: dot_q2_k_vnni(w, K, a, 2, out); break;
+    case 3: dot_q2_k_vnni(w, K, a, 3, out); break;
+    default: dot_q2_k_vnni(w, K, a, 4, out); break;
+    }
+}
+
 /* IQ4_XS: sub-block s's 16 bytes hold its values 0-15 in the low nibbles and 16-31 in the high
  * ones. A 64-byte load is four sub-blocks; looked up in IQ4's table, the low and high halves
  * are interleaved per 128 bits back into value order. The values are signed, so |w| is the
@@ -1188,8 +1270,16 @@ _Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows"
 #if defined(__AVX2__)
 /* one row; mr is made a constant for the kernels (see dot_q4_k_like) */
 static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
-                       float *out)
+                       int vnni, float *out)
 {
+#if defined(__AVX512BW__)
+    if (wt == LOOM_Q2_K && vnni && mr > 1) { /* one row: the tables cost more than they save */
+        q2_k_vnni_row(w, K, a, mr, out);
+        return;
+    }
+#else
+    (void)vnni;
+#endif
 #define BY_MR(call_with)                                                                           \
     switch (mr) {                                                                                  \
     case 1: call_with(1); break;                                                                   \
@@ -1222,12 +1312,12 @@ static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const a
 #endif
 
 void kern_kq_direct(loom_dtype wt, const unsigned char *w, size_t row_bytes, int nr, int64_t K,
-                    const act_k *a, int mr, float *out)
+                    const act_k *a, int mr, int vnni, float *out)
 {
 #if defined(__AVX2__)
     for (int i = 0; i < nr; i++)
-        direct_row(wt, w + (size_t)i * row_bytes, K, a, mr, out + i);
+        direct_row(wt, w + (size_t)i * row_bytes, K, a, mr, vnni, out + i);
 #else
-    (void)wt, (void)w, (void)row_bytes, (void)nr, (void)K, (void)a, (void)mr, (void)out;
+    (void)wt, (void)w, (void)row_bytes, (void)nr, (void)K, (void)a, (void)mr, (void)vnni, (void)out;
 #endif
 }
