@@ -78,14 +78,15 @@ static int interleaves_blocks(loom_dtype wt)
     return loom_dtype_is_block(wt) || wt == LOOM_IQ4_NL || wt == LOOM_Q5_0 || wt == LOOM_Q5_1;
 }
 
-/* BF16 pairs: the dot product for a few rows of X, where W's bytes set the pace; widened
- * blocks and f32 tiles (kern_bf16_pairs_widen) when there are enough rows to be compute-bound */
-static int bf16_pairs_widened(int64_t M)
+/* BF16 pairs: the dot product for a few rows of X, where W's bytes set the pace, and for
+ * prefill where it runs at full rate (cpu.h); otherwise widened blocks and f32 tiles
+ * (kern_bf16_pairs_widen) when there are enough rows to be compute-bound */
+static int bf16_pairs_widened(const cpu_backend *cb, int64_t M)
 {
 #ifdef KERN_WIDEN_MR
-    return M >= 2 * KERN_WIDEN_MR;
+    return !cb->feat.bf16_dp_full_rate && M >= 2 * KERN_WIDEN_MR;
 #else
-    (void)M;
+    (void)cb, (void)M;
     return 0;
 #endif
 }
@@ -414,7 +415,7 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
             j.kblocks = scratch;
         else
             j.blocks = scratch;
-    } else if (prepared == CPU_LAYOUT_BF16_PAIRS && !bf16_pairs_widened(j.M)) {
+    } else if (prepared == CPU_LAYOUT_BF16_PAIRS && !bf16_pairs_widened(cb, j.M)) {
         /* X rounded to BF16 pairs once */
         size_t np = (size_t)(j.K + 1) / 2, rows = (size_t)j.M * sizeof(uint32_t *);
         scratch = aligned_alloc(64, (rows + (size_t)j.M * np * 4 + 63) & ~(size_t)63);

@@ -113,6 +113,9 @@ void cpu_detect(cpu_features *f)
         f->avx512vnni = (c7 >> 11) & 1;
         f->avx512bf16 = (a71 >> 5) & 1;
     }
+    unsigned vendor[3];
+    __get_cpuid(0, &a, &vendor[0], &vendor[2], &vendor[1]);
+    f->bf16_dp_full_rate = memcmp(vendor, "AuthenticAMD", 12) == 0;
     unsigned brand[12];
     if (__get_cpuid(0x80000000, &a, &b, &c, &d) && a >= 0x80000004) {
         for (unsigned i = 0; i < 3; i++)
