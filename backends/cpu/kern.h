@@ -243,7 +243,7 @@ int kern_kq_swapped(loom_dtype wt);
 void kern_prep_k(const float *x, int64_t K, int swapped, act_k *out);
 /* out[r * KERN_NR + i] = dot(weight row i at w + i row_bytes, activation row r), i < nr <=
  * KERN_NR, r < mr <= KERN_MR; a: the first activation row's K / 256 blocks, rows adjacent;
- * vnni: the CPU has AVX512-VNNI (Q2_K then takes it, in the avx512 variant). */
+ * vnni: the CPU has the variant's VNNI (AVX512-VNNI, AVX-VNNI; Q2_K then takes it). */
 void kern_kq_direct(loom_dtype wt, const unsigned char *w, size_t row_bytes, int nr, int64_t K,
                     const act_k *a, int mr, int vnni, float *out);
 

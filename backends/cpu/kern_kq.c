@@ -948,18 +948,6 @@ TARGET_VNNI INLINE void dot_q2_k_vnni(const unsigned char *w, int64_t K, const a
         out[r * KERN_NR] = _mm512_reduce_add_ps(acc[r]) - hsum(accmin[r]);
 }
 
-/* one row, mr made a constant (inlining needs a caller built for VNNI too) */
-TARGET_VNNI static void q2_k_vnni_row(const unsigned char *w, int64_t K, const act_k *a, int mr,
-                                      float *out)
-{
-    switch (mr) {
-    case 1: dot_q2_k_vnni(w, K, a, 1, out); break;
-    case 2: dot_q2_k_vnni(w, K, a, 2, out); break;
-    case 3: dot_q2_k_vnni(w, K, a, 3, out); break;
-    default: dot_q2_k_vnni(w, K, a, 4, out); break;
-    }
-}
-
 /* IQ4_XS: sub-block s's 16 bytes hold its values 0-15 in the low nibbles and 16-31 in the high
  * ones. A 64-byte load is four sub-blocks; looked up in IQ4's table, the low and high halves
  * are interleaved per 128 bits back into value order. The values are signed, so |w| is the
@@ -1205,6 +1193,68 @@ INLINE void dot_q2_3_k(const unsigned char *w, int64_t K, const act_k *a, int mr
         out[r * KERN_NR] = hsum(acc[r]);
 }
 
+/* Q2_K with AVX-VNNI: as the AVX-512 kernel, a table of 0, s, 2s, 3s per 16-value lane and
+ * one vpdpbusd per 32 values where dot_q2_3_k takes three instructions */
+#define TARGET_VNNI __attribute__((target("avxvnni")))
+TARGET_VNNI INLINE void dot_q2_k_vnni(const unsigned char *w, int64_t K, const act_k *a, int mr,
+                                      float *out)
+{
+    const __m256i mask3 = _mm256_set1_epi8(3), low4 = _mm256_set1_epi8(15);
+    const __m256i at13 = _mm256_broadcastsi128_si256(
+                      _mm_setr_epi8(0, -1, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)),
+                  at23 = _mm256_broadcastsi128_si256(
+                      _mm_setr_epi8(0, 0, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0));
+    const int64_t nb = K / LOOM_QK_K;
+    __m256 acc[KERN_MR];
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const loom_block_q2_k *x = (const loom_block_q2_k *)(const void *)w + b;
+        prefetch_ahead(x->qs, sizeof *x);
+        __m128i sb = _mm_loadu_si128((const __m128i *)x->scales);
+        __m256i mn16 = _mm256_cvtepu8_epi16(
+            _mm_and_si128(_mm_srli_epi16(sb, 4), _mm_set1_epi8(15)));
+        __m256i sc = _mm256_and_si256(_mm256_broadcastsi128_si256(sb), low4);
+        __m256i sumi[KERN_MR];
+        UNROLL
+        for (int r = 0; r < mr; r++)
+            sumi[r] = _mm256_setzero_si256();
+        UNROLL
+        for (int half = 0; half < 2; half++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(x->qs + 32 * half));
+            UNROLL
+            for (int run = 0; run < 4; run++) { /* lanes: sub-blocks 8 half + 2 run, + 1 */
+                int s0 = 8 * half + 2 * run;
+                __m256i v = _mm256_and_si256(_mm256_srli_epi16(q, 2 * run), mask3);
+                __m256i s = _mm256_shuffle_epi8(
+                    sc, _mm256_set_m128i(_mm_set1_epi8((char)(s0 + 1)), _mm_set1_epi8((char)s0)));
+                __m256i table = _mm256_add_epi8(_mm256_and_si256(s, at13),
+                                                _mm256_and_si256(_mm256_add_epi8(s, s), at23));
+                __m256i wv = _mm256_shuffle_epi8(table, v);
+                UNROLL
+                for (int r = 0; r < mr; r++)
+                    sumi[r] = _mm256_dpbusd_avx_epi32(
+                        sumi[r], wv,
+                        _mm256_loadu_si256(
+                            (const __m256i *)(a[r * nb + b].qs + 128 * half + 32 * run)));
+            }
+        }
+        float d = CPU_F16(x->d), dmin = CPU_F16(x->dmin);
+        UNROLL
+        for (int r = 0; r < mr; r++) {
+            const act_k *y = &a[r * nb + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi[r]), _mm256_set1_ps(d * y->d), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(
+                                          _mm256_loadu_si256((const __m256i *)y->bsums), mn16)),
+                                      _mm256_set1_ps(dmin * y->d), acc[r]);
+        }
+    }
+    UNROLL
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum(acc[r]);
+}
+
 /* IQ4_XS: a sub-block's 16 bytes, low nibbles in the low lane and high in the high one, are its
  * 32 values in order once looked up; |w| x (x with w's sign), as for Q8_0 */
 INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr, float *out)
@@ -1254,6 +1304,21 @@ INLINE void dot_iq4_xs(const unsigned char *w, int64_t K, const act_k *a, int mr
 }
 #endif
 
+#if defined(__AVX2__)
+/* one row, mr made a constant (inlining needs a caller built for the VNNI
+ * of the variant, avx512vnni or avxvnni, too) */
+TARGET_VNNI static void q2_k_vnni_row(const unsigned char *w, int64_t K, const act_k *a, int mr,
+                                      float *out)
+{
+    switch (mr) {
+    case 1: dot_q2_k_vnni(w, K, a, 1, out); break;
+    case 2: dot_q2_k_vnni(w, K, a, 2, out); break;
+    case 3: dot_q2_k_vnni(w, K, a, 3, out); break;
+    default: dot_q2_k_vnni(w, K, a, 4, out); break;
+    }
+}
+#endif
+
 int kern_kq_direct_has(loom_dtype wt)
 {
 #if defined(__AVX2__)
@@ -1272,14 +1337,10 @@ _Static_assert(KERN_MR == 4, "kern_kq_direct's cases go up to 4 activation rows"
 static void direct_row(loom_dtype wt, const unsigned char *w, int64_t K, const act_k *a, int mr,
                        int vnni, float *out)
 {
-#if defined(__AVX512BW__)
     if (wt == LOOM_Q2_K && vnni && mr > 1) { /* one row: the tables cost more than they save */
         q2_k_vnni_row(w, K, a, mr, out);
         return;
     }
-#else
-    (void)vnni;
-#endif
 #define BY_MR(call_with)                                                                           \
     switch (mr) {                                                                                  \
     case 1: call_with(1); break;                                                                   \
