@@ -153,8 +153,12 @@ static void submit_all(collector *c, int n, const char *const *stop, int n_stop)
     loom_sampling greedy = loom_sampling_defaults();
     greedy.temperature = 0;
     for (int i = 0; i < n; i++) {
-        loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens,
-                          greedy,         stop,         n_stop};
+        loom_request r = {.prompt = prompts[i].ids,
+                          .n_prompt = prompts[i].n,
+                          .max_tokens = prompts[i].max_tokens,
+                          .sampling = greedy,
+                          .stop = stop,
+                          .n_stop = n_stop};
         submit(&c[i], &r, i);
     }
 }
@@ -256,7 +260,7 @@ static void run(const char *gguf, const char *backend)
     static int32_t longp[300];
     for (int i = 0; i < 300; i++)
         longp[i] = 1;
-    loom_request lr = {longp, 300, 4, greedy, NULL, 0};
+    loom_request lr = {.prompt = longp, .n_prompt = 300, .max_tokens = 4, .sampling = greedy};
     CHECK(loom_engine_submit(engine, &lr, on_event, &c[0], err, sizeof err) == -1 &&
               strstr(err, "300") && strstr(err, "256"),
           "too long: %s", err);
@@ -338,8 +342,10 @@ static void run_q8_kv(const char *backend)
         for (int round = 0; round < (pool ? 1 : 2); round++) { /* round 2: prefixes cached */
             memset(c, 0, sizeof c);
             for (int i = 0; i < n_prompts; i++) {
-                loom_request r = {prompts[i].ids, prompts[i].n, prompts[i].max_tokens,
-                                  greedy,         NULL,         0};
+                loom_request r = {.prompt = prompts[i].ids,
+                                  .n_prompt = prompts[i].n,
+                                  .max_tokens = prompts[i].max_tokens,
+                                  .sampling = greedy};
                 submit(&c[i], &r, i);
             }
             wait_all(c, n_prompts);

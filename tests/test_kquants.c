@@ -183,9 +183,10 @@ static void check_logits(const char *backend, const char *type, const cJSON *ent
             free(want);
             continue;
         }
-        char what[256];
-        snprintf(what, sizeof what, "%s on %s, case %s", type, backend,
-                 cJSON_GetObjectItem(c, "name")->valuestring);
+        char what[256]; /* a label, cut short if the names are long */
+        if (snprintf(what, sizeof what, "%s on %s, case %s", type, backend,
+                     cJSON_GetObjectItem(c, "name")->valuestring) < 0)
+            what[0] = '\0';
         compare_logits(loom_prompt_logits(m), want, nv, what);
         free(want);
     }
@@ -280,8 +281,9 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
     CHECK(ref != NULL, "%s round trip: the decoded file on ref: %s", type, err);
     for (int b = 0; ref && b < n_backends; b++) {
         float *out = logits_of(ours, backends[b], prompt, n, &nv);
-        char what[256];
-        snprintf(what, sizeof what, "loom's %s file on %s", type, backends[b]);
+        char what[256]; /* a label, cut short if the names are long */
+        if (snprintf(what, sizeof what, "loom's %s file on %s", type, backends[b]) < 0)
+            what[0] = '\0';
         CHECK(out != NULL, "%s: %s", what, err);
         if (out)
             compare_logits(out, ref, nv, what);
@@ -294,7 +296,10 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
 
 int main(void)
 {
-    snprintf(dir, sizeof dir, "%s/kquants/kq-llama", fixtures_dir());
+    if (snprintf(dir, sizeof dir, "%s/kquants/kq-llama", fixtures_dir()) >= (int)sizeof dir) {
+        fprintf(stderr, "test_kquants: the fixtures path is too long: %s\n", fixtures_dir());
+        return 1;
+    }
     char epath[8300], bpath[8300];
     snprintf(epath, sizeof epath, "%s/expected.json", dir);
     snprintf(bpath, sizeof bpath, "%s/base-f32.gguf", dir);

@@ -179,8 +179,9 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
             break;
         opened++;
         dx[s] = (duplex){s > 0 ? &q[s - 1] : NULL, s + 1 < n_st ? &q[s] : NULL};
-        link[s] = (loom_stage_link){&dx[s], s > 0 ? duplex_recv : NULL,
-                                    s + 1 < n_st ? duplex_send : NULL};
+        link[s] = (loom_stage_link){.ctx = &dx[s],
+                                    .recv = s > 0 ? duplex_recv : NULL,
+                                    .send = s + 1 < n_st ? duplex_send : NULL};
         loom_runner_options ro = {.n_ctx = 64,
                                   .kv_type = LOOM_F32,
                                   .link = &link[s],

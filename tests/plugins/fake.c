@@ -97,6 +97,7 @@ static void fake_close(loom_backend *be)
     free(be);
 }
 
+#ifdef FAKE_OLD_OPS
 /* Placed in the table past the declared size by FAKE_OLD_OPS: calling it is a host bug. */
 static loom_status fake_trap(loom_backend *be, const loom_matmul_params *p)
 {
@@ -104,6 +105,7 @@ static loom_status fake_trap(loom_backend *be, const loom_matmul_params *p)
     fprintf(stderr, "fake backend: the host called an op beyond the declared table size\n");
     abort();
 }
+#endif
 
 #ifdef FAKE_ABI_1_0_OPS
 /* The table as ABI 1.0 had it, ending after convert; prepare_weight (1.1) holds a trap past
@@ -147,8 +149,10 @@ static void fake_probe(loom_probe_result *out)
     const char *fault = FAKE_PROBE_FAULT;
     if (!strcmp(fault, "abort"))
         abort();
-    if (!strcmp(fault, "segv"))
-        *(volatile int *)(uintptr_t)8 = 1;
+    if (!strcmp(fault, "segv")) {
+        volatile int *volatile bad = (volatile int *)(uintptr_t)8; /* opaque to the compiler */
+        *bad = 1;
+    }
     if (!strcmp(fault, "hang"))
         for (;;)
             sleep(1);
