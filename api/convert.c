@@ -12,6 +12,7 @@
 #include "convert_tokenizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -140,18 +141,36 @@ static int add(conv *c, const loom_st_tensor *t, const char *src, const char *ds
 static int hyper_parameters(conv *c, loom_hf_values *v)
 {
     const loom_family *f = c->family;
+    char why[512] = "";
     for (const loom_hf_param *p = f->hf_params; p && p->gguf; p++) {
-        double x = loom_hf_num(c->config, p->config, p->fallback);
-        if (p->fallback == LOOM_HF_REQUIRED && !(x > 0 && x <= UINT32_MAX))
-            return conv_fail(c,
-                             "%s/config.json: %s must be a positive number (the %s family's "
-                             "%s)",
-                             c->dir, p->config, f->hf_model_type, p->gguf);
+        int required = p->fallback == LOOM_HF_REQUIRED;
+        int64_t n = 0;
+        double x = 0;
+        int rc = p->kind == LOOM_HF_U32
+            ? loom_hf_int(c->config, p->config, required ? 0 : (int64_t)p->fallback, 1, INT32_MAX,
+                          &n, why, sizeof why)
+            : loom_hf_real(c->config, p->config, p->fallback, 0, HUGE_VAL, &x, why, sizeof why);
+        if (rc != 0)
+            return conv_fail(c, "%s/config.json: %s (the %s family's %s)", c->dir, why,
+                             f->hf_model_type, p->gguf);
+        if (p->kind == LOOM_HF_U32)
+            x = (double)n;
+        if (required && x == 0)
+            return conv_fail(c, "%s/config.json: it has no %s (the %s family's %s)", c->dir,
+                             p->config, f->hf_model_type, p->gguf);
         loom_hf_set(v, p->gguf, p->kind, x);
     }
-    char why[512] = "";
     if (f->hf_derive && f->hf_derive(c->config, v, why, sizeof why) != 0)
         return conv_fail(c, "%s/config.json: %s", c->dir, why);
+    /* what the hooks derived is held to the same rule: counts are whole and positive, reals
+     * finite and positive (every hyper-parameter loom writes is one of these) */
+    for (int i = 0; i < v->n; i++) {
+        double x = v->v[i].num;
+        if ((v->v[i].kind == LOOM_HF_U32 && !(x >= 1 && x <= INT32_MAX && x == floor(x))) ||
+            (v->v[i].kind == LOOM_HF_F32 && !(x > 0 && isfinite(x))))
+            return conv_fail(c, "%s/config.json: its keys give %s = %g, which cannot be right",
+                             c->dir, v->v[i].key, x);
+    }
     double n_layer = loom_hf_get(v, "block_count");
     if (n_layer < 1 || n_layer > LOOM_MAX_LAYERS)
         return conv_fail(c, "%s/config.json: %.0f layers; loom runs 1 to %d", c->dir, n_layer,
@@ -250,9 +269,19 @@ static int tensors(conv *c, const loom_hf_values *v)
 static int convert_family(conv *c)
 {
     loom_hf_values v = {0};
-    if (hyper_parameters(c, &v) != 0 || conv_tokenizer(c) != 0)
+    if (hyper_parameters(c, &v) != 0)
         return -1;
-    conv_stop_tokens(c);
+    /* the tokenizer's ids are bounded by the embedding's rows */
+    char src[256], dst[256];
+    for (const loom_hf_tensor *e = c->family->hf_tensors; e->hf; e++) {
+        const loom_st_tensor *t = strcmp(e->gguf, "token_embd.weight")
+            ? NULL
+            : source(c, e, -1, src, sizeof src, dst, sizeof dst);
+        if (t && t->n_dims == 2)
+            c->vocab_rows = t->shape[0];
+    }
+    if (conv_tokenizer(c) != 0 || conv_stop_tokens(c) != 0)
+        return -1;
     return tensors(c, &v);
 }
 
@@ -296,9 +325,9 @@ int loom_convert(const char *dir, const char *out, const char *type,
         return rc;
     }
     int rc = -1;
-    if (!(c.config = conv_read_json(dir, "config.json", 1, &c)))
+    if (conv_read_json(&c, "config.json", 1, &c.config) ||
+        conv_read_json(&c, "tokenizer_config.json", 0, &c.tok_config))
         goto done;
-    c.tok_config = conv_read_json(dir, "tokenizer_config.json", 0, &c);
     if (loom_safetensors_open(&c.st, dir, err, err_size) != 0)
         goto done;
     if (!(c.w = loom_gguf_writer_create())) {
@@ -328,18 +357,20 @@ done:
 int loom_convert_tokenizer(const char *dir, const char *out, char *err, size_t err_size)
 {
     conv c = {.dir = dir, .type = "auto", .err = err, .err_size = err_size};
-    c.config = conv_read_json(dir, "config.json", 0, &c);
-    c.family = c.config ? loom_family_for_hf(c.config) : NULL;
-    c.tok_config = conv_read_json(dir, "tokenizer_config.json", 0, &c);
     int rc = -1;
-    if ((c.w = loom_gguf_writer_create())) {
-        loom_gguf_set_str(c.w, "general.architecture", "tokenizer");
-        rc = conv_tokenizer(&c);
-        if (rc == 0)
-            rc = loom_gguf_write(c.w, out, err, err_size);
-    } else {
+    if (conv_read_json(&c, "config.json", 0, &c.config) ||
+        conv_read_json(&c, "tokenizer_config.json", 0, &c.tok_config))
+        goto done;
+    c.family = c.config ? loom_family_for_hf(c.config) : NULL;
+    if (!(c.w = loom_gguf_writer_create())) {
         conv_fail(&c, "out of memory");
+        goto done;
     }
+    loom_gguf_set_str(c.w, "general.architecture", "tokenizer");
+    rc = conv_tokenizer(&c);
+    if (rc == 0)
+        rc = loom_gguf_write(c.w, out, err, err_size);
+done:
     loom_gguf_writer_free(c.w);
     loom_spm_model_free(&c.spm);
     cJSON_Delete(c.config);

@@ -7,9 +7,11 @@
 #define _GNU_SOURCE
 #include "convert_tokenizer.h"
 
+#include "core/file.h"
 #include "core/tokenizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +34,61 @@ static int32_t piece_id(const loom_spm_model *m, const char *piece)
         if (!strcmp(m->pieces[i], piece))
             return i;
     return -1;
+}
+
+/* ---- ids ------------------------------------------------------------------------------------
+ * Every id a tokenizer file names is checked before it indexes anything: a whole number below
+ * the token embedding's rows (LOOM_MAX_VOCAB converting a tokenizer alone). */
+
+static int64_t id_limit(const conv *c)
+{
+    return c->vocab_rows ? c->vocab_rows : LOOM_MAX_VOCAB;
+}
+
+/* x, read from file (what: where in it), as an id in *id. */
+static int file_token_id(conv *c, const char *file, const char *what, double x, int32_t *id)
+{
+    if (!(x >= 0 && x < (double)id_limit(c) && x == floor(x)))
+        return conv_fail(c, "%s/%s: %s is %.17g, not a token id from 0 to %lld (%s)", c->dir, file,
+                         what, x, (long long)id_limit(c) - 1,
+                         c->vocab_rows ? "the token embedding's rows" : "loom's vocabulary limit");
+    *id = (int32_t)x;
+    return 0;
+}
+
+/* config.json's single id under key (a list there is generation_config.json's business):
+ * fallback when absent. */
+static int config_token_id(conv *c, const char *key, int32_t fallback, int32_t *id)
+{
+    int64_t x = fallback;
+    char why[256];
+    if (!cJSON_IsArray(cJSON_GetObjectItem(c->config, key)) &&
+        loom_hf_int(c->config, key, fallback, 0, id_limit(c) - 1, &x, why, sizeof why))
+        return conv_fail(c, "%s/config.json: %s (a token id)", c->dir, why);
+    *id = (int32_t)x;
+    return 0;
+}
+
+/* How many ids the tokenizer gets: at least `needed` (one past the highest id its files
+ * name), and the vocabulary config.json declares (vocab_size; ChatGLM's padded_vocab_size) or
+ * the embedding's rows, filled with placeholders: llama.cpp wants a token per row. */
+static int vocab_size(conv *c, int64_t needed, int32_t *n)
+{
+    int64_t declared;
+    char why[256];
+    if (loom_hf_int(c->config, "vocab_size|padded_vocab_size", c->vocab_rows, 1, LOOM_MAX_VOCAB,
+                    &declared, why, sizeof why))
+        return conv_fail(c, "%s/config.json: %s", c->dir, why);
+    if (c->vocab_rows && declared != c->vocab_rows)
+        return conv_fail(c,
+                         "%s/config.json: vocab_size %lld, but the token embedding has %lld rows",
+                         c->dir, (long long)declared, (long long)c->vocab_rows);
+    if (needed > id_limit(c))
+        return conv_fail(c, "%s: the tokenizer has %lld ids, more than the %lld %s", c->dir,
+                         (long long)needed, (long long)id_limit(c),
+                         c->vocab_rows ? "rows of the token embedding" : "loom allows");
+    *n = (int32_t)(declared > needed ? declared : needed);
+    return 0;
 }
 
 static void conv_spm_normalizer(conv *c)
@@ -66,10 +123,9 @@ static int tokenizer(conv *c)
     if (c->spm.model_type != 1 && c->spm.model_type != 2)
         return conv_fail(c, "%s: a SentencePiece model of type %d; loom runs BPE and unigram ones",
                          path, c->spm.model_type);
-    int32_t n_sp = c->spm.n, n_special = sp ? sp->total : 0;
-    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size|padded_vocab_size", n_sp);
-    if (n_vocab < n_sp + n_special)
-        n_vocab = n_sp + n_special;
+    int32_t n_sp = c->spm.n, n_special = sp ? sp->total : 0, n_vocab;
+    if (vocab_size(c, (int64_t)n_sp + n_special, &n_vocab) != 0)
+        return -1;
     /* llama.cpp wants one token per embedding row: pad with unused placeholders */
     const char **tokens = calloc((size_t)n_vocab, sizeof *tokens);
     float *scores = calloc((size_t)n_vocab, sizeof *scores);
@@ -126,7 +182,7 @@ static int tokenizer(conv *c)
             loom_gguf_set_i32_array(c->w, "tokenizer.loom.text_specials", ids,
                                     by_text ? (uint64_t)sp->n_text_specials : 0);
             c->spm.bos_id = -1;
-            c->spm.eos_id = (int32_t)loom_hf_num(c->config, "eos_token_id", c->spm.eos_id);
+            rc = config_token_id(c, "eos_token_id", c->spm.eos_id, &c->spm.eos_id);
         }
         loom_gguf_set_str_array(c->w, "tokenizer.ggml.tokens", tokens, (uint64_t)n_vocab);
         loom_gguf_set_f32_array(c->w, "tokenizer.ggml.scores", scores, (uint64_t)n_vocab);
@@ -163,20 +219,26 @@ static int tokenizer(conv *c)
 
 /* generation_config.json's eos_token_id, when it lists several (Qwen2: <|im_end|> and
  * <|endoftext|>; ChatGLM3: </s>, <|user|>, <|observation|>): every one ends a generation. */
-void conv_stop_tokens(conv *c)
+int conv_stop_tokens(conv *c)
 {
-    cJSON *gen = conv_read_json(c->dir, "generation_config.json", 0, c);
+    cJSON *gen;
+    if (conv_read_json(c, "generation_config.json", 0, &gen))
+        return -1;
     cJSON *eos = cJSON_GetObjectItem(gen, "eos_token_id");
+    int rc = 0;
     if (cJSON_IsArray(eos) && cJSON_GetArraySize(eos) > 0 && cJSON_GetArraySize(eos) <= 16) {
         int32_t ids[16];
         int n = 0;
         cJSON *e;
         cJSON_ArrayForEach (e, eos)
-            if (cJSON_IsNumber(e) && n < 16)
-                ids[n++] = e->valueint;
-        loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", ids, (uint64_t)n);
+            if (rc == 0)
+                rc = file_token_id(c, "generation_config.json", "an eos_token_id",
+                                   cJSON_IsNumber(e) ? e->valuedouble : NAN, &ids[n++]);
+        if (rc == 0)
+            loom_gguf_set_i32_array(c->w, "tokenizer.loom.stop_token_ids", ids, (uint64_t)n);
     }
     cJSON_Delete(gen);
+    return rc;
 }
 
 /* A byte-level BPE vocabulary being assembled, whatever the folder ships it as: tokens by id
@@ -260,39 +322,54 @@ static int bpe_vocab_write(conv *c, bpe_vocab *v, const char *pre, int add_bos)
  * config declares. */
 static int tokenizer_bpe(conv *c)
 {
-    cJSON *vocab = conv_read_json(c->dir, "vocab.json", 1, c);
-    if (!vocab)
+    cJSON *vocab;
+    if (conv_read_json(c, "vocab.json", 1, &vocab))
         return -1;
     char path[4096];
     snprintf(path, sizeof path, "%s/merges.txt", c->dir);
-    FILE *mf = fopen(path, "r");
+    char why[4200];
+    FILE *mf = loom_file_fopen(path, why, sizeof why);
     if (!mf) {
         cJSON_Delete(vocab);
-        return conv_fail(c, "%s: %s (a byte-level BPE tokenizer needs its merges)", path,
-                         strerror(errno));
+        return conv_fail(c, "%s (a byte-level BPE tokenizer needs its merges)", why);
     }
-    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
+    /* ids are checked once, on the walk that sizes the table */
+    int64_t needed = 0;
+    int32_t id, n_vocab = 0;
+    int rc = 0;
     cJSON *e;
-    cJSON_ArrayForEach (e, vocab)
-        if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
-            n_vocab = e->valueint + 1;
+    cJSON_ArrayForEach (e, vocab) {
+        if (rc == 0 && !cJSON_IsNumber(e))
+            rc = conv_fail(c, "%s/vocab.json: token '%.80s' has no numeric id", c->dir, e->string);
+        if (rc == 0 && (rc = file_token_id(c, "vocab.json", "an id", e->valuedouble, &id)) == 0)
+            needed = id >= needed ? id + 1 : needed;
+    }
     cJSON *added = cJSON_GetObjectItem(c->tok_config, "added_tokens_decoder");
-    cJSON_ArrayForEach (e, added)
-        if (atoi(e->string) >= n_vocab)
-            n_vocab = atoi(e->string) + 1;
-    bpe_vocab v;
-    int rc = bpe_vocab_init(c, &v, n_vocab);
+    cJSON_ArrayForEach (e, added) {
+        char *end;
+        double x = strtod(e->string, &end);
+        if (rc == 0 && (end == e->string || *end))
+            x = NAN;
+        if (rc == 0 &&
+            (rc = file_token_id(c, "tokenizer_config.json", "an added_tokens_decoder key", x,
+                                &id)) == 0)
+            needed = id >= needed ? id + 1 : needed;
+    }
+    bpe_vocab v = {0};
+    if (rc == 0 && (rc = vocab_size(c, needed, &n_vocab)) == 0)
+        rc = bpe_vocab_init(c, &v, n_vocab);
     cJSON_ArrayForEach (e, vocab)
-        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
-            v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
-    v.eos = (int32_t)loom_hf_num(c->config, "eos_token_id", -1);
+        if (rc == 0)
+            v.tokens[(int32_t)e->valuedouble] = e->string, v.types[(int32_t)e->valuedouble] = 1;
+    if (rc == 0)
+        rc = config_token_id(c, "eos_token_id", -1, &v.eos);
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON *pad_name = cJSON_GetObjectItem(c->tok_config, "pad_token");
     cJSON_ArrayForEach (e, added) {
-        int id = atoi(e->string);
         cJSON *content = cJSON_GetObjectItem(e, "content");
-        if (rc || id < 0 || !cJSON_IsString(content))
+        if (rc || !cJSON_IsString(content))
             continue;
+        id = (int32_t)strtod(e->string, NULL);
         v.tokens[id] = content->valuestring;
         v.types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
         if (cJSON_IsString(eos_name) && !strcmp(eos_name->valuestring, content->valuestring))
@@ -308,7 +385,8 @@ static int tokenizer_bpe(conv *c)
             rc = bpe_vocab_merge(c, &v, strdup(line));
     }
     fclose(mf);
-    v.bos = (int32_t)loom_hf_num(c->config, "bos_token_id", -1);
+    if (rc == 0)
+        rc = config_token_id(c, "bos_token_id", -1, &v.bos);
     cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
     if (rc == 0)
         rc = bpe_vocab_write(c, &v, "qwen2", ab && cJSON_IsTrue(ab));
@@ -341,26 +419,38 @@ static int tokenizer_json(conv *c, cJSON *tj)
                          "%s/tokenizer.json: a pre-tokenizer loom does not know (it knows the "
                          "byte-level ones of Llama-3 and Qwen2)",
                          c->dir);
-    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size", 0);
+    int64_t needed = 0;
+    int32_t id, n_vocab = 0;
+    int rc = 0;
     cJSON *e, *added = cJSON_GetObjectItem(tj, "added_tokens");
+    cJSON_ArrayForEach (e, vocab) {
+        if (rc == 0 && !cJSON_IsNumber(e))
+            rc = conv_fail(c, "%s/tokenizer.json: token '%.80s' has no numeric id", c->dir,
+                           e->string);
+        if (rc == 0 &&
+            (rc = file_token_id(c, "tokenizer.json", "a vocab id", e->valuedouble, &id)) == 0)
+            needed = id >= needed ? id + 1 : needed;
+    }
+    cJSON_ArrayForEach (e, added) {
+        cJSON *num = cJSON_GetObjectItem(e, "id");
+        if (rc == 0 &&
+            (rc = file_token_id(c, "tokenizer.json", "an added token's id",
+                                cJSON_IsNumber(num) ? num->valuedouble : NAN, &id)) == 0)
+            needed = id >= needed ? id + 1 : needed;
+    }
+    bpe_vocab v = {0};
+    if (rc == 0 && (rc = vocab_size(c, needed, &n_vocab)) == 0)
+        rc = bpe_vocab_init(c, &v, n_vocab);
     cJSON_ArrayForEach (e, vocab)
-        if (cJSON_IsNumber(e) && e->valueint >= n_vocab)
-            n_vocab = e->valueint + 1;
-    cJSON_ArrayForEach (e, added)
-        if ((int)loom_hf_num(e, "id", -1) >= n_vocab)
-            n_vocab = (int)loom_hf_num(e, "id", -1) + 1;
-    bpe_vocab v;
-    int rc = bpe_vocab_init(c, &v, n_vocab);
-    cJSON_ArrayForEach (e, vocab)
-        if (rc == 0 && cJSON_IsNumber(e) && e->valueint >= 0)
-            v.tokens[e->valueint] = e->string, v.types[e->valueint] = 1;
+        if (rc == 0)
+            v.tokens[(int32_t)e->valuedouble] = e->string, v.types[(int32_t)e->valuedouble] = 1;
     cJSON *bos_name = cJSON_GetObjectItem(c->tok_config, "bos_token");
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
     cJSON_ArrayForEach (e, added) {
-        int id = (int)loom_hf_num(e, "id", -1);
         cJSON *content = cJSON_GetObjectItem(e, "content");
-        if (rc || id < 0 || !cJSON_IsString(content))
+        if (rc || !cJSON_IsString(content))
             continue;
+        id = (int32_t)cJSON_GetObjectItem(e, "id")->valuedouble;
         v.tokens[id] = content->valuestring;
         v.types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
         if (cJSON_IsString(bos_name) && !strcmp(bos_name->valuestring, content->valuestring))
@@ -404,7 +494,8 @@ static int tokenizer_json(conv *c, cJSON *tj)
 
 static int is_tiktoken(const char *path)
 {
-    FILE *f = fopen(path, "r");
+    char why[4200];
+    FILE *f = loom_file_fopen(path, why, sizeof why);
     char line[512];
     int yes = f && fgets(line, sizeof line, f) &&
         strspn(line, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/=") > 0;
@@ -469,9 +560,10 @@ static void rank_table_free(rank_table *t)
 static int read_ranks(conv *c, const char *path, rank_table *t)
 {
     *t = (rank_table){0};
-    FILE *f = fopen(path, "r");
+    char why[4200];
+    FILE *f = loom_file_fopen(path, why, sizeof why);
     if (!f)
-        return conv_fail(c, "%s: %s", path, strerror(errno));
+        return conv_fail(c, "%s", why);
     int32_t cap = 0;
     char line[1024];
     int rc = 0, lineno = 0;
@@ -573,13 +665,11 @@ static int tokenizer_tiktoken(conv *c, const char *path, const loom_hf_specials 
         rank_table_free(&t);
         return -1;
     }
-    /* ChatGLM configs call it padded_vocab_size */
-    int32_t n_vocab = (int32_t)loom_hf_num(c->config, "vocab_size|padded_vocab_size", 0);
-    int32_t want = t.n + f->total;
-    if (n_vocab < want)
-        n_vocab = want;
-    bpe_vocab v;
-    int rc = bpe_vocab_init(c, &v, n_vocab);
+    int32_t n_vocab = 0;
+    bpe_vocab v = {0};
+    int rc = vocab_size(c, (int64_t)t.n + f->total, &n_vocab);
+    if (rc == 0)
+        rc = bpe_vocab_init(c, &v, n_vocab);
     char *spelled = malloc(2 * 768 + 1);
     int32_t *pairs = malloc(2 * 768 * sizeof *pairs);
     if (rc == 0 && (!spelled || !pairs))
@@ -637,7 +727,9 @@ int conv_tokenizer(conv *c)
         return tokenizer(c);
     /* a byte-level tokenizer.json wins (Llama-3 folders also carry a tokenizer.model, in
      * tiktoken's format); a SentencePiece-style one defers to tokenizer.model */
-    cJSON *tj = conv_read_json(c->dir, "tokenizer.json", 0, c);
+    cJSON *tj;
+    if (conv_read_json(c, "tokenizer.json", 0, &tj))
+        return -1;
     char *pre = tj ? cJSON_PrintUnformatted(cJSON_GetObjectItem(tj, "pre_tokenizer")) : NULL;
     int byte_level = pre && strstr(pre, "ByteLevel");
     free(pre);

@@ -9,7 +9,8 @@
 /* The folder's tokenizer, whichever form it ships, into c->w, with the special tokens
  * c->family appends. */
 int conv_tokenizer(conv *c);
-/* generation_config.json's list of end tokens, as tokenizer.loom.stop_token_ids. */
-void conv_stop_tokens(conv *c);
+/* generation_config.json's list of end tokens, as tokenizer.loom.stop_token_ids; -1 when
+ * the file cannot be read or names an id outside the vocabulary. */
+int conv_stop_tokens(conv *c);
 
 #endif

@@ -4,6 +4,8 @@
 #define _GNU_SOURCE
 #include "hf_folder.h"
 
+#include "core/file.h"
+
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -30,28 +32,22 @@ char *loom_strf(const char *fmt, ...)
     return s;
 }
 
-cJSON *conv_read_json(const char *dir, const char *name, int required, conv *c)
+int conv_read_json(conv *c, const char *name, int required, cJSON **out)
 {
-    char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        if (required)
-            conv_fail(c, "%s: %s (is this a Hugging Face model folder?)", path, strerror(errno));
-        return NULL;
-    }
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *text = n >= 0 && n < (64L << 20) ? malloc((size_t)n + 1) : NULL;
-    cJSON *j = NULL;
-    if (text && fread(text, 1, (size_t)n, f) == (size_t)n) {
-        text[n] = '\0';
-        j = cJSON_Parse(text);
-    }
+    char path[4096], why[4200];
+    snprintf(path, sizeof path, "%s/%s", c->dir, name);
+    *out = NULL;
+    char *text = loom_file_read(path, 64u << 20, NULL, why, sizeof why);
+    if (!text && errno == ENOENT && !required)
+        return 0;
+    if (!text)
+        /* an optional file that is there but cannot be read (a FIFO, a device, too big) is an
+         * error too: the folder is not what it claims to be */
+        return conv_fail(c, "%s%s", why,
+                         errno == ENOENT ? " (is this a Hugging Face model folder?)" : "");
+    *out = cJSON_Parse(text);
     free(text);
-    fclose(f);
-    if (!j && required)
-        conv_fail(c, "%s: not valid JSON", path);
-    return j;
+    if (!*out)
+        return conv_fail(c, "%s: not valid JSON", path);
+    return 0;
 }

@@ -20,6 +20,7 @@ typedef struct conv {
     const char *dir;
     const loom_family *family; /* what config.json describes; NULL converting a tokenizer alone */
     cJSON *config, *tok_config;
+    int64_t vocab_rows; /* the token embedding's rows; 0 converting a tokenizer alone */
     loom_safetensors st;
     loom_spm_model spm;
     loom_gguf_writer *w;
@@ -35,7 +36,8 @@ typedef struct conv {
 
 /* Records an error in c->err; returns -1. */
 int conv_fail(conv *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-/* dir/name as JSON; NULL when absent or invalid (an error only when required). */
-cJSON *conv_read_json(const char *dir, const char *name, int required, conv *c);
+/* The folder's file name as JSON in *out: 0 (*out NULL when it is absent and not required),
+ * or -1 with the error (missing when required, not a regular file, not JSON). */
+int conv_read_json(conv *c, const char *name, int required, cJSON **out);
 
 #endif

@@ -12,6 +12,8 @@
 #define _GNU_SOURCE
 #include "gguf.h"
 
+#include "file.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdarg.h>
@@ -381,17 +383,10 @@ int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *n
 int loom_gguf_open(loom_gguf *g, const char *path, char *err, size_t err_size)
 {
     memset(g, 0, sizeof *g);
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        snprintf(err, err_size, "%s: %s", path, strerror(errno));
-        return -1;
-    }
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        snprintf(err, err_size, "%s: not a regular file", path);
-        close(fd);
+    int fd = loom_file_open(path, &st, err, err_size);
+    if (fd < 0)
         return -1;
-    }
     if (st.st_size == 0) {
         snprintf(err, err_size, "%s: the file is empty", path);
         close(fd);

@@ -8,6 +8,8 @@
 #define _GNU_SOURCE
 #include "safetensors.h"
 
+#include "file.h"
+
 #include <cjson/cJSON.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -48,13 +50,13 @@ static int element_size(const char *dtype, int *loom_type)
 
 static int map_file(const char *path, loom_st_file *f, char *err, size_t n)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return fail(err, n, "%s: %s", path, strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size < 8) {
+    int fd = loom_file_open(path, &st, err, n);
+    if (fd < 0)
+        return -1;
+    if (st.st_size < 8) {
         close(fd);
-        return fail(err, n, "%s: not a safetensors file (too short or not a regular file)", path);
+        return fail(err, n, "%s: not a safetensors file (too short)", path);
     }
     void *map = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
@@ -183,31 +185,11 @@ static int add_file(loom_safetensors *st, const char *path, char *err, size_t n)
     return read_header(st, st->n_files - 1, err, n);
 }
 
-static int read_text(const char *path, char **out, char *err, size_t n)
-{
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return fail(err, n, "%s: %s", path, strerror(errno));
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    *out = len >= 0 && len < (64L << 20) ? malloc((size_t)len + 1) : NULL;
-    if (!*out || fread(*out, 1, (size_t)len, f) != (size_t)len) {
-        fclose(f);
-        free(*out);
-        return fail(err, n, "%s: cannot read it", path);
-    }
-    (*out)[len] = '\0';
-    fclose(f);
-    return 0;
-}
-
 /* The shards an index names, each opened once. */
 static int open_index(loom_safetensors *st, const char *index, char *err, size_t n)
 {
-    char *text = NULL;
-    if (read_text(index, &text, err, n))
+    char *text = loom_file_read(index, 64u << 20, NULL, err, n);
+    if (!text)
         return -1;
     cJSON *root = cJSON_Parse(text);
     free(text);

@@ -9,6 +9,8 @@
  */
 #include "spm_model.h"
 
+#include "file.h"
+
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -133,22 +135,10 @@ int loom_spm_model_read(loom_spm_model *m, const char *path, char *err, size_t e
     m->unk_id = 0, m->bos_id = 1, m->eos_id = 2, m->pad_id = -1;
     m->add_dummy_prefix = 1, m->remove_extra_whitespaces = 1, m->escape_whitespaces = 1;
     m->model_type = 1;
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        snprintf(err, err_size, "%s: %s", path, strerror(errno));
+    size_t size;
+    unsigned char *data = (unsigned char *)loom_file_read(path, 512u << 20, &size, err, err_size);
+    if (!data)
         return -1;
-    }
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    unsigned char *data = size > 0 && size < (512L << 20) ? malloc((size_t)size) : NULL;
-    if (!data || fread(data, 1, (size_t)size, f) != (size_t)size) {
-        fclose(f);
-        free(data);
-        snprintf(err, err_size, "%s: cannot read it (empty or too large for a tokenizer)", path);
-        return -1;
-    }
-    fclose(f);
     pb b = {data, data + size};
     int32_t cap = 0;
     int rc = 0;

@@ -42,6 +42,9 @@ size_t loom_tokenizer_max_token_bytes(const loom_tokenizer *t);
  * (at most cap written), or -1 for an id outside the vocabulary. */
 int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap);
 
+/* The most ids a vocabulary loom converts may have (today's largest have 262,144). */
+#define LOOM_MAX_VOCAB (1 << 20)
+
 int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t);
 int32_t loom_tokenizer_bos(const loom_tokenizer *t); /* -1 when none */
 int32_t loom_tokenizer_eos(const loom_tokenizer *t);

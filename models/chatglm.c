@@ -358,19 +358,24 @@ static int glm_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
         return -1;
     }
     int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
-    int32_t n_kv = loom_hf_true(cf, "multi_query_attention")
-        ? (int32_t)loom_hf_num(cf, "multi_query_group_num", 1)
-        : n_head;
-    int32_t hd = (int32_t)loom_hf_num(cf, "kv_channels",
-                                      (int32_t)loom_hf_get(v, "embedding_length") / n_head);
-    if (n_kv <= 0 || hd <= 0) {
-        snprintf(err, err_size, "multi_query_group_num and kv_channels must be positive");
+    int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
+    int64_t n_kv = n_head, hd;
+    double rope_ratio;
+    if ((loom_hf_true(cf, "multi_query_attention") &&
+         loom_hf_int(cf, "multi_query_group_num", 1, 1, n_head, &n_kv, err, err_size)) ||
+        loom_hf_int(cf, "kv_channels", n_embd / n_head, 2, 65536, &hd, err, err_size) ||
+        loom_hf_real(cf, "rope_ratio", 1.0, 0, 1e6, &rope_ratio, err, err_size))
+        return -1;
+    if (n_head % n_kv) {
+        snprintf(err, err_size,
+                 "num_attention_heads %d is not a multiple of multi_query_group_num %lld", n_head,
+                 (long long)n_kv);
         return -1;
     }
     loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_kv);
     loom_hf_set(v, "attention.key_length", LOOM_HF_U32, hd);
     loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, hd / 2); /* the first half rotates */
-    loom_hf_set(v, "rope.freq_base", LOOM_HF_F32, 10000.0 * loom_hf_num(cf, "rope_ratio", 1.0));
+    loom_hf_set(v, "rope.freq_base", LOOM_HF_F32, 10000.0 * rope_ratio);
     return 0;
 }
 
@@ -450,11 +455,12 @@ static const loom_hf_param glm1_params[] = {
 static int glm1_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
     int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
-    double n_ff = loom_hf_num(cf, "inner_hidden_size", 4.0 * n_embd);
-    if (n_embd % (int32_t)loom_hf_get(v, "attention.head_count") || !(n_ff > 0)) {
-        snprintf(err, err_size,
-                 "hidden_size must be a multiple of num_attention_heads and "
-                 "inner_hidden_size positive");
+    int64_t n_ff;
+    if (loom_hf_int(cf, "inner_hidden_size", 4 * (int64_t)n_embd, 1, INT32_MAX, &n_ff, err,
+                    err_size))
+        return -1;
+    if (n_embd % (int32_t)loom_hf_get(v, "attention.head_count")) {
+        snprintf(err, err_size, "hidden_size must be a multiple of num_attention_heads");
         return -1;
     }
     loom_hf_set(v, "feed_forward_length", LOOM_HF_U32, n_ff);

@@ -13,6 +13,7 @@
 
 #include <cjson/cJSON.h>
 #include <math.h>
+#include <stdint.h>
 
 typedef enum { LOOM_HF_U32, LOOM_HF_F32, LOOM_HF_STR } loom_hf_kind;
 
@@ -47,6 +48,13 @@ double loom_hf_get(const loom_hf_values *v, const char *key);
 /* config.json lookups: keys as in loom_hf_param.config. */
 double loom_hf_num(const cJSON *config, const char *keys, double fallback);
 const char *loom_hf_str(const cJSON *config, const char *keys); /* NULL when none is a string */
+/* Validated numbers: the first of keys present (and not null) in *out, or fallback when none
+ * is; -1 with err naming the key when its value is not a whole number from lo to hi
+ * (loom_hf_int), or not a number above `above` and at most hi (loom_hf_real). */
+int loom_hf_int(const cJSON *config, const char *keys, int64_t fallback, int64_t lo, int64_t hi,
+                int64_t *out, char *err, size_t err_size);
+int loom_hf_real(const cJSON *config, const char *keys, double fallback, double above, double hi,
+                 double *out, char *err, size_t err_size);
 int loom_hf_true(const cJSON *config, const char *key);
 
 /* How a tensor is carried over. */

@@ -4,6 +4,9 @@
  */
 #include "family.h"
 
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 void loom_hf_set(loom_hf_values *v, const char *key, loom_hf_kind kind, double num)
@@ -71,6 +74,62 @@ double loom_hf_num(const cJSON *config, const char *keys, double fallback)
 {
     const cJSON *o = first(config, keys, cJSON_IsNumber);
     return o ? o->valuedouble : fallback;
+}
+
+/* The first of keys present with a value other than null, and its name in name. */
+static const cJSON *first_present(const cJSON *config, const char *keys, char *name,
+                                  size_t name_size)
+{
+    while (keys && *keys) {
+        size_t len = strcspn(keys, "|");
+        const cJSON *o = lookup(config, keys, len);
+        if (o && !cJSON_IsNull(o)) {
+            snprintf(name, name_size, "%.*s", (int)len, keys);
+            return o;
+        }
+        keys += len + (keys[len] == '|');
+    }
+    return NULL;
+}
+
+int loom_hf_int(const cJSON *config, const char *keys, int64_t fallback, int64_t lo, int64_t hi,
+                int64_t *out, char *err, size_t err_size)
+{
+    char name[128];
+    const cJSON *o = first_present(config, keys, name, sizeof name);
+    double x = o && cJSON_IsNumber(o) ? o->valuedouble : NAN;
+    if (!o)
+        *out = fallback;
+    else if (x == floor(x) && x >= (double)lo && x <= (double)hi)
+        *out = (int64_t)x;
+    else {
+        char *text = cJSON_PrintUnformatted(o);
+        snprintf(err, err_size, "%s is %.40s; it must be a whole number from %lld to %lld", name,
+                 text ? text : "not a number", (long long)lo, (long long)hi);
+        free(text);
+        return -1;
+    }
+    return 0;
+}
+
+int loom_hf_real(const cJSON *config, const char *keys, double fallback, double above, double hi,
+                 double *out, char *err, size_t err_size)
+{
+    char name[128];
+    const cJSON *o = first_present(config, keys, name, sizeof name);
+    double x = o && cJSON_IsNumber(o) ? o->valuedouble : NAN;
+    if (!o)
+        *out = fallback;
+    else if (x > above && x <= hi)
+        *out = x;
+    else {
+        char *text = cJSON_PrintUnformatted(o);
+        snprintf(err, err_size, "%s is %.40s; it must be a number above %g, at most %g", name,
+                 text ? text : "not a number", above, hi);
+        free(text);
+        return -1;
+    }
+    return 0;
 }
 
 const char *loom_hf_str(const cJSON *config, const char *keys)

@@ -270,10 +270,14 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
 {
     int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
     int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
-    double n_kv = loom_hf_num(cf, "num_key_value_heads", n_head);
-    double hd = loom_hf_num(cf, "head_dim", n_embd / n_head);
-    if (!(n_kv > 0) || !(hd > 0)) {
-        snprintf(err, err_size, "num_key_value_heads and head_dim must be positive");
+    int64_t n_kv, hd;
+    if (loom_hf_int(cf, "num_key_value_heads", n_head, 1, n_head, &n_kv, err, err_size) ||
+        loom_hf_int(cf, "head_dim", n_embd / n_head, 1, 65536, &hd, err, err_size))
+        return -1;
+    if (n_head % n_kv) {
+        snprintf(err, err_size,
+                 "num_attention_heads %d is not a multiple of num_key_value_heads %lld", n_head,
+                 (long long)n_kv);
         return -1;
     }
     loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_kv);
@@ -286,9 +290,11 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
                      type ? type : "?");
             return -1;
         }
+        double factor;
+        if (loom_hf_real(cf, "rope_scaling.factor", 1.0, 0, 1e6, &factor, err, err_size))
+            return -1;
         loom_hf_set_str(v, "rope.scaling.type", "linear");
-        loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32,
-                    loom_hf_num(cf, "rope_scaling.factor", 1.0));
+        loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32, factor);
     }
     return 0;
 }
@@ -364,18 +370,21 @@ static int qwen_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err
 {
     int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
     int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
-    int32_t hd = (int32_t)loom_hf_num(cf, "kv_channels", n_embd / n_head);
-    double pct = loom_hf_num(cf, "rotary_pct", 1.0);
-    int32_t n_rot = (int32_t)(hd * pct);
-    if (hd <= 0 || (int64_t)loom_hf_get(v, "feed_forward_length") % 2) {
-        snprintf(err, err_size, "kv_channels must be positive and intermediate_size even");
+    int64_t hd;
+    double pct;
+    if (loom_hf_int(cf, "kv_channels", n_embd / n_head, 1, 65536, &hd, err, err_size) ||
+        loom_hf_real(cf, "rotary_pct", 1.0, 0, 1, &pct, err, err_size))
+        return -1;
+    int32_t n_rot = (int32_t)((double)hd * pct);
+    if ((int64_t)loom_hf_get(v, "feed_forward_length") % 2) {
+        snprintf(err, err_size, "intermediate_size must be even");
         return -1;
     }
     if (n_rot <= 0 || n_rot % 2 || n_rot > hd) {
         snprintf(err, err_size,
-                 "rotary_pct %g of kv_channels %d is not an even number of "
+                 "rotary_pct %g of kv_channels %lld is not an even number of "
                  "dimensions",
-                 pct, hd);
+                 pct, (long long)hd);
         return -1;
     }
     loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, n_head);
