@@ -300,8 +300,11 @@ int loom_gguf_parse(loom_gguf *g, const void *data, uint64_t size, const char *n
     const loom_gguf_kv *al = loom_gguf_find(g, "general.alignment");
     if (al) {
         int64_t a;
-        if (loom_gguf_get_i64(g, "general.alignment", &a) || a <= 0 || a > 65536 || (a & (a - 1)))
-            return fail_at(&c, al->offset, "general.alignment must be a power of two up to 65536");
+        /* the format asks for a multiple of 8: less would place f32 (and block) data at
+         * addresses the backends may not load from */
+        if (loom_gguf_get_i64(g, "general.alignment", &a) || a < 8 || a > 65536 || (a & (a - 1)))
+            return fail_at(&c, al->offset,
+                           "general.alignment must be a power of two from 8 to 65536");
         g->alignment = (uint32_t)a;
     }
 

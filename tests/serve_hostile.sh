@@ -102,6 +102,12 @@ printf '{"model":"%s","prompt":"%s"}' "$NAME" "$(cat "$tmpdir/word")" >"$tmpdir/
 expect_refusal 400 "a 1 MB one-word prompt" "$tmpdir/b8"
 jq -e '.error.code == "context_length_exceeded"' "$tmpdir/err.out" >/dev/null &&
     pass "... as context_length_exceeded" || fail "long prompt code: $(cat "$tmpdir/err.out")"
+# max_tokens near INT_MAX: prompt + completion overflowed 32 bits and passed the check
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon\",\"max_tokens\":2147483647}" \
+    >"$tmpdir/mt.out" 2>/dev/null
+sed '$d' "$tmpdir/mt.out" | jq -e '.error.code == "context_length_exceeded" and
+    (.error.message | contains("2147483647 for the completion"))' >/dev/null && pass "max_tokens 2^31-1 is past the context, counted in 64 bits" ||
+    fail "max_tokens 2^31-1: $(head -c 300 "$tmpdir/mt.out")"
 
 # ---- the Authorization header, exactly
 auth_status() { curl -s -o /dev/null -w '%{http_code}' "$@" "$URL/v1/models"; }

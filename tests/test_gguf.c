@@ -275,6 +275,41 @@ static void test_hostile_sizes(void)
     free(b);
 }
 
+/* general.alignment below 8 (the format's minimum) would place f32 data at addresses a
+ * backend may not load from; 1 was accepted, and UBSan saw the misaligned loads. */
+static void test_alignment(void)
+{
+    static const struct {
+        uint32_t alignment;
+        int ok;
+    } cases[] = {{1, 0}, {4, 0}, {24, 0}, {32, 1}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        loom_gguf_writer *w = loom_gguf_writer_create();
+        loom_gguf_set_str(w, "general.architecture", "llama");
+        loom_gguf_set_u32(w, "general.alignment", cases[i].alignment);
+        static const float a[3] = {1, 2, 3};
+        int64_t ne[] = {3};
+        loom_gguf_add_tensor(w, "a", LOOM_F32, 1, ne, a);
+        char path[] = "/tmp/loom-align-XXXXXX";
+        int fd = mkstemp(path);
+        close(fd);
+        CHECK(loom_gguf_write(w, path, err, sizeof err) == 0, "write: %s", err);
+        loom_gguf_writer_free(w);
+        size_t n;
+        unsigned char *b = (unsigned char *)slurp(path, &n);
+        unlink(path);
+        loom_gguf g;
+        int rc = b ? loom_gguf_parse(&g, b, n, "align.gguf", err, sizeof err) : -1;
+        if (cases[i].ok)
+            CHECK(rc == 0, "general.alignment %u is read: %s", cases[i].alignment, err);
+        else
+            CHECK(rc != 0 && strstr(err, "general.alignment"),
+                  "general.alignment %u is refused: %s", cases[i].alignment, rc ? err : "accepted");
+        loom_gguf_close(&g);
+        free(b);
+    }
+}
+
 int main(void)
 {
     int skipped = 0;
@@ -288,5 +323,6 @@ int main(void)
     free(bytes);
     unlink(path);
     test_hostile_sizes();
+    test_alignment();
     return check_finish("test_gguf");
 }

@@ -451,15 +451,16 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         return -1;
     if (p->n_ids <= 0)
         return fail(b, 400, "prompt", "the prompt gives no tokens");
-    int32_t want = p->n_ids + (p->max_tokens_given ? p->max_tokens : 1);
+    /* 64 bits: max_tokens may be up to INT_MAX */
+    int64_t want = (int64_t)p->n_ids + (p->max_tokens_given ? p->max_tokens : 1);
     if (want > srv->n_ctx) {
         b->code = "context_length_exceeded";
         if (p->max_tokens_given)
             return fail(b, 400, chat ? "messages" : "prompt",
                         "This model's maximum context length is %d tokens. However, you requested "
-                        "%d tokens (%d in the prompt, %d for the completion). Please reduce the "
+                        "%lld tokens (%d in the prompt, %d for the completion). Please reduce the "
                         "prompt or the completion length.",
-                        srv->n_ctx, want, p->n_ids, p->max_tokens);
+                        srv->n_ctx, (long long)want, p->n_ids, p->max_tokens);
         return fail(b, 400, chat ? "messages" : "prompt",
                     "This model's maximum context length is %d tokens, and the prompt has %d "
                     "(at least one more is needed for the completion).",
