@@ -362,6 +362,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
  * retired. */
 static int sample_next(loom_engine *e, ereq *q, float *logits)
 {
+    loom_model_mask_unsampled(e->model, logits);
     int32_t next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
     if (q->n_generated == 0)
         q->ttft_ms = now_ms() - q->t_submit;

@@ -55,6 +55,9 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, const
 /* The parts of an open model the engine drives. */
 struct loom_runner *loom_model_runner(loom_model *m);
 struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
+/* Sets the logits of the ids the model must never produce (placeholder rows: token type
+ * UNUSED, or no token at all) to -inf before sampling. */
+void loom_model_mask_unsampled(const loom_model *m, float *logits);
 /* In a distributed job, on rank 0: on_stop(ctx, why) on another thread when a rank's process
  * ends (NULL: no more calls). Elsewhere, nothing. */
 void loom_model_watch_stages(loom_model *m, void (*on_stop)(void *ctx, const char *why), void *ctx);

@@ -14,6 +14,7 @@
 #include "core/tokenizer.h"
 #include "models/models.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,6 +34,8 @@ struct loom_model {
     loom_stage_link link; /* this rank's stage's, for the runner */
     int pipeline_running; /* every rank opened its stage */
     char pipeline[1024];  /* rank 0: every rank's layers, host and backend */
+    int32_t *unsampled;   /* the ids loom_model_mask_unsampled bans */
+    int32_t n_unsampled;
 };
 
 static double now_ms(void)
@@ -86,6 +89,7 @@ void loom_model_close(loom_model *m)
         loom_device_close(&m->dev);
     loom_gguf_close(&m->gguf);
     free(m->prompt_logits);
+    free(m->unsampled);
     free(m);
 }
 
@@ -112,12 +116,27 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
         }
         reg.chosen = 0, reg.chosen_device = 0;
     } else {
-        rc = loom_registry_scan(&reg, err, err_size) != 0 ||
-                loom_registry_select(&reg, opts->backend, err, err_size) != 0
-            ? -1
-            : 0;
+        int scanned = loom_registry_scan(&reg, err, err_size) == 0;
+        rc = -1;
+        /* a module that probes well but cannot open its device gives way to the next choice
+         * (at most every candidate once) */
+        for (int tries = 0; scanned && tries < reg.count; tries++) {
+            if (loom_registry_select(&reg, opts->backend, err, err_size) != 0)
+                break;
+            char why[512];
+            if ((rc = loom_device_open_chosen(&m->dev, &reg, opts->n_threads, why, sizeof why)) ==
+                0)
+                break;
+            snprintf(err, err_size, "%s", why);
+            loom_candidate *c = &reg.items[reg.chosen];
+            fprintf(stderr, "note: backend %s%s%s could not open its device (%s)\n", c->name,
+                    c->variant[0] ? "-" : "", c->variant, why);
+            c->state = LOOM_CAND_UNUSABLE;
+            snprintf(c->reason, sizeof c->reason, "opening its device failed: %.400s", why);
+            reg.chosen = -1;
+        }
     }
-    if (rc == 0)
+    if (rc == 0 && opts->backend_module)
         rc = loom_device_open_chosen(&m->dev, &reg, opts->n_threads, err, err_size);
     if (rc == 0) {
         const loom_candidate *c = &reg.items[reg.chosen];
@@ -193,11 +212,38 @@ static int open_runner(loom_model *m, const loom_model_options *opts, const loom
     if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, ro, err, err_size)))
         return -1;
     int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
-    if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float)))) {
+    if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float))) ||
+        !(m->unsampled = malloc((size_t)nv * sizeof *m->unsampled))) {
         snprintf(err, err_size, "out of memory");
         return -1;
     }
+    /* every token the tokenizer makes needs an embedding row (a shorter output head only
+     * means those tokens are never generated: loom verify reports it) */
+    const loom_gguf_tensor *embd = loom_gguf_find_tensor(&m->gguf, "token_embd.weight");
+    int64_t n_tok = m->tok ? loom_tokenizer_vocab_size(m->tok) : 0;
+    if (embd && embd->n_dims == 2 && (int64_t)embd->ne[1] < n_tok) {
+        snprintf(err, err_size,
+                 "the tokenizer has %lld tokens, but token_embd.weight only %lld rows: ids %lld "
+                 "to %lld would have no embedding",
+                 (long long)n_tok, (long long)embd->ne[1], (long long)embd->ne[1],
+                 (long long)n_tok - 1);
+        return -1;
+    }
+    for (int32_t id = 0; id < nv; id++)
+        if (m->tok && loom_tokenizer_is_unused(m->tok, id))
+            m->unsampled[m->n_unsampled++] = id;
     return 0;
+}
+
+int loom_model_token_unused(const loom_model *m, int32_t id)
+{
+    return !m->tok || loom_tokenizer_is_unused(m->tok, id);
+}
+
+void loom_model_mask_unsampled(const loom_model *m, float *logits)
+{
+    for (int32_t i = 0; i < m->n_unsampled; i++)
+        logits[m->unsampled[i]] = -INFINITY;
 }
 
 loom_model *loom_model_open(const char *path, const loom_model_options *opts, char *err,
@@ -421,6 +467,7 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
         memcpy(m->prompt_logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof(float));
     for (int32_t i = 0; rc == 0 && i < n_predict; i++) {
         memcpy(logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof *logits);
+        loom_model_mask_unsampled(m, logits);
         int32_t next = loom_sampler_sample(logits, n_vocab, &sp, history, n_hist, &rng);
         if (i == 0)
             st.ttft_ms = now_ms() - t0;

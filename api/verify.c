@@ -9,6 +9,9 @@
  *   shapes      every layer's tensors shaped as layer 0's, the layer count as the metadata says
  *   model       the family's own load: hyper-parameters against the tensors
  *   tokenizer   its size and special ids against the model's vocabulary
+ *   forward     two tokens through the whole model: every tensor's shape against the
+ *               hyper-parameters (what the family's load checks lazily), finite logits (a NaN
+ *               epsilon or a zero RoPE base loads and answers garbage)
  * Each check reports once, with the first problem's location and how many more there are.
  */
 #define _GNU_SOURCE
@@ -252,6 +255,20 @@ static void check_tokenizer(verifier *v, const loom_gguf *g, int32_t n_vocab)
             (long long)n);
 }
 
+static void check_forward(verifier *v, loom_model *m)
+{
+    int32_t n_vocab = loom_model_n_vocab(m), ids[2] = {0, n_vocab > 1 ? 1 : 0};
+    float *logits = malloc(2 * (size_t)n_vocab * sizeof *logits);
+    char err[1024] = "out of memory";
+    if (logits && loom_eval_logits(m, ids, 2, logits, err, sizeof err) == 0)
+        say(v, "forward", LOOM_CHECK_OK,
+            "two tokens run through every layer on %s; the logits are finite",
+            loom_model_backend(m));
+    else
+        say(v, "forward", LOOM_CHECK_PROBLEM, "%s", err);
+    free(logits);
+}
+
 int loom_verify(const char *path, loom_verify_fn report, void *user)
 {
     verifier v = {report, user, 0};
@@ -292,6 +309,7 @@ int loom_verify(const char *path, loom_verify_fn report, void *user)
         say(&v, "model", LOOM_CHECK_OK, "%s loads as '%s': %d-token vocabulary", path, arch,
             loom_model_n_vocab(m));
         check_tokenizer(&v, &g, loom_model_n_vocab(m));
+        check_forward(&v, m);
         loom_model_close(m);
     }
     loom_gguf_close(&g);

@@ -184,6 +184,8 @@ static void vet_isolated(const char *path, vet_result *r)
     }
     if (pid == 0) {
         close(fds[0]);
+        /* its own process group: whatever a module's constructor forks is killed with it */
+        setpgid(0, 0);
         /* a crash must end the child by its signal, whatever handlers the host installed (a
          * sanitizer's would report it and exit 1, hiding which signal it was) */
         static const int fatal[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
@@ -200,43 +202,54 @@ static void vet_isolated(const char *path, vet_result *r)
         }
         _exit(0); /* not exit(): the parent's atexit handlers and buffers are not ours */
     }
+    setpgid(pid, pid); /* as the child does: whichever runs first */
     close(fds[1]);
+    fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
     long timeout = env_long("LOOM_PROBE_TIMEOUT", 5, 1, 3600);
     double deadline = now_s() + (double)timeout;
     size_t got = 0;
-    int timed_out = 0;
+    int timed_out = 0, status = 0, reaped = 0;
     while (got < sizeof *r) {
+        ssize_t n = read(fds[0], (char *)r + got, sizeof *r - got);
+        if (n > 0) {
+            got += (size_t)n;
+            continue;
+        }
+        if (n == 0 || (errno != EAGAIN && errno != EINTR))
+            break; /* every writer closed the pipe */
+        if (reaped)
+            break; /* the child is gone and what it left is read: a process it forked may
+                    * hold the pipe open, but will not answer for it */
         int wait_ms = (int)((deadline - now_s()) * 1000);
         if (wait_ms <= 0) {
             timed_out = 1;
             break;
         }
         struct pollfd pf = {fds[0], POLLIN, 0};
-        int ready = poll(&pf, 1, wait_ms);
-        if (ready < 0 && errno == EINTR)
-            continue;
-        if (ready <= 0) {
-            timed_out = ready == 0;
-            break;
-        }
-        ssize_t n = read(fds[0], (char *)r + got, sizeof *r - got);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            break;
-        got += (size_t)n;
+        if (poll(&pf, 1, wait_ms < 50 ? wait_ms : 50) == 0 && waitpid(pid, &status, WNOHANG) == pid)
+            reaped = 1;
     }
     close(fds[0]);
-    if (timed_out)
-        kill(pid, SIGKILL);
-    int status = 0;
-    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    kill(-pid, SIGKILL); /* the child if it still runs, and anything it started */
+    kill(pid, SIGKILL);
+    while (!reaped && waitpid(pid, &status, 0) < 0 && errno == EINTR) {
     }
-    if (got == sizeof *r)
+    if (got == sizeof *r && r->state >= LOOM_CAND_NOT_LOADABLE && r->state <= LOOM_CAND_CHOSEN) {
+        /* the reply came through a pipe a module could also write to: its strings are
+         * bounded here before anything reads them */
+        r->reason[sizeof r->reason - 1] = '\0';
+        r->name[sizeof r->name - 1] = r->variant[sizeof r->variant - 1] = '\0';
+        r->description[sizeof r->description - 1] = '\0';
         return;
+    }
+    int garbled = got == sizeof *r;
     memset(r, 0, sizeof *r);
     r->state = LOOM_CAND_PROBE_FAILED;
-    if (timed_out)
+    if (garbled)
+        loader_set_err(r->reason, sizeof r->reason,
+                       "the probe's answer is not one loom sent (something the module runs "
+                       "wrote to the probe's pipe)");
+    else if (timed_out)
         loader_set_err(r->reason, sizeof r->reason,
                        "probe timed out after %ld s "
                        "(LOOM_PROBE_TIMEOUT): loading or probing the module hangs",

@@ -18,6 +18,7 @@
 
 #include <stdarg.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -639,6 +640,29 @@ static int strict_census(loom_runner *r, char *err, size_t err_size)
     return -1;
 }
 
+/* What every family's forward pass assumes of the hyper-parameters its load read: a value
+ * outside these (a NaN epsilon, a zero RoPE base) would not fail, it would answer garbage. */
+static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
+{
+    const char *bad = !(hp->norm_eps > 0 && hp->norm_eps < 1)
+        ? "the norm epsilon (attention.layer_norm_rms_epsilon or layer_norm_epsilon) must be "
+          "above 0 and below 1"
+        : !(hp->rope_base > 0 && isfinite(hp->rope_base))
+        ? "the RoPE base (rope.freq_base) must be finite and above 0"
+        : !(hp->rope_scale > 0 && isfinite(hp->rope_scale))
+        ? "the RoPE scaling (rope.scaling.factor) must be finite and above 0"
+        : hp->head_dim <= 0 || hp->head_dim > 65536
+        ? "the head width (attention.key_length) must be from 1 to 65536"
+        : hp->n_rot < 0 || hp->n_rot > hp->head_dim || hp->n_rot % 2
+        ? "the rotated dimensions (rope.dimension_count) must be even and at most the head width"
+        : NULL;
+    if (bad)
+        snprintf(err, err_size, "%s: %s (epsilon %g, base %g, scale %g, head %d, rotated %d)",
+                 hp->arch, bad, (double)hp->norm_eps, (double)hp->rope_base, (double)hp->rope_scale,
+                 hp->head_dim, hp->n_rot);
+    return bad ? -1 : 0;
+}
+
 loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const loom_arch *arch,
                                 const loom_runner_options *opts, char *err, size_t err_size)
 {
@@ -668,7 +692,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         loom_runner_free(r);
         return NULL;
     }
-    if (arch->load(r, &r->hp, &r->state, err, err_size) != 0 || r->status) {
+    if (arch->load(r, &r->hp, &r->state, err, err_size) != 0 || r->status ||
+        check_hparams(&r->hp, err, err_size) != 0) {
         if (r->status)
             snprintf(err, err_size, "%s", r->err);
         loom_runner_free(r);
@@ -969,6 +994,14 @@ static int run_step(loom_runner *r, const loom_step *s)
                  ops->copy_to_host(r->dev->be, r->logits, r->logits_src.buf, r->logits_src.offset,
                                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab * 4) != LOOM_OK)
             fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
+        for (uint64_t i = 0, n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
+             !r->status && !r->census && i < n_out; i++)
+            if (!isfinite(r->logits[i]))
+                fail(r,
+                     "the model's logits are not finite (%g for token %llu of position %d): its "
+                     "weights or hyper-parameters are broken ('loom verify FILE' checks them)",
+                     (double)r->logits[i], (unsigned long long)(i % (uint64_t)r->hp.n_vocab),
+                     s->pos[s->logit_rows[i / (uint64_t)r->hp.n_vocab]]);
     }
     uint64_t n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
     if (!r->status && ln && ln->send_logits && loom_runner_is_last_stage(r) &&

@@ -1442,6 +1442,11 @@ int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t)
     return t->n_vocab;
 }
 
+int loom_tokenizer_is_unused(const loom_tokenizer *t, int32_t id)
+{
+    return id < 0 || id >= t->n_vocab || t->vocab[id].type == TOK_UNUSED;
+}
+
 int32_t loom_tokenizer_bos(const loom_tokenizer *t)
 {
     return t->bos;

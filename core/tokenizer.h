@@ -47,6 +47,9 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
 
 int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t);
 int32_t loom_tokenizer_bos(const loom_tokenizer *t); /* -1 when none */
+/* 1 when id stands for no text a model should produce: outside the vocabulary, or a
+ * placeholder (token type UNUSED: the padding that gives every embedding row a token). */
+int loom_tokenizer_is_unused(const loom_tokenizer *t, int32_t id);
 int32_t loom_tokenizer_eos(const loom_tokenizer *t);
 /* Whether id ends a generation: EOS, or one of the file's tokenizer.loom.stop_token_ids. */
 int loom_tokenizer_is_stop(const loom_tokenizer *t, int32_t id);

@@ -66,7 +66,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->norm_eps = (float)loom_model_kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-5);
     hp->rope_base = (float)loom_model_kv_float(g, arch, "rope.freq_base", 10000.0);
     double factor = loom_model_kv_float(g, arch, "rope.scaling.factor", 1.0);
-    hp->rope_scale = factor > 0 ? (float)(1.0 / factor) : 1.0f;
+    hp->rope_scale = (float)(1.0 / factor); /* the runner refuses a factor of 0 or less */
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
         snprintf(err, err_size,

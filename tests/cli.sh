@@ -92,6 +92,35 @@ expect_grep "probe crashed (signal 11, Segmentation fault)" "$tmpdir/pf.txt" "a 
 expect_grep "probe timed out after 1 s" "$tmpdir/pf.txt" "a hanging probe is named"
 expect_grep "probe exited (status 3)" "$tmpdir/pf.txt" "an exiting probe is named"
 expect_grep "^\* $best\$" "$tmpdir/pf.txt" "and the best real backend is still chosen"
+# modules that attack the loader: 8 KiB written into the probe's pipe (read past a buffer once),
+# a probe that exits leaving a process holding the pipe (the full timeout once, and that
+# process left running)
+start=$(date +%s)
+FAKE_PIDFILE="$tmpdir/orphan.pid" LOOM_PROBE_TIMEOUT=60 LOOM_BACKEND_PATH="$PROBEHOSTILE_DIR" \
+    "$LOOM" backends --json > "$tmpdir/ph.json" 2> "$tmpdir/ph.err" || fail "loom backends beside hostile modules: exit $?"
+took=$(( $(date +%s) - start ))
+[ "$took" -lt 20 ] && pass "a probe that leaves a process holding its pipe costs no timeout ($took s of 60)" ||
+    fail "hostile probes took $took s"
+jq -e '.candidates[] | select(.name == "" or .name == null) | select(.reason | test("not one loom sent"))' \
+    "$tmpdir/ph.json" > /dev/null && pass "a probe whose pipe a module wrote into is refused, its bytes unread" ||
+    { fail "the flooded probe:"; jq -c '.candidates[]' "$tmpdir/ph.json" >&2; }
+jq -e '.candidates[] | select(.reason | test("probe exited \\(status 4\\)"))' "$tmpdir/ph.json" > /dev/null &&
+    pass "the probe that left a process behind is reported as exiting" ||
+    { fail "the orphaning probe:"; jq -c '.candidates[]' "$tmpdir/ph.json" >&2; }
+if [ -s "$tmpdir/orphan.pid" ]; then
+    orphan=$(cat "$tmpdir/orphan.pid")
+    for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do # SIGKILL takes a moment
+        { [ -e "/proc/$orphan" ] && [ "$(cut -d' ' -f3 "/proc/$orphan/stat" 2>/dev/null)" != Z ]; } || break
+        sleep 0.1
+    done
+    if [ -e "/proc/$orphan" ] && [ "$(cut -d' ' -f3 "/proc/$orphan/stat" 2>/dev/null)" != Z ]; then
+        fail "the process the probe left ($orphan) still runs"; kill -9 "$orphan"
+    else
+        pass "the process the probe left is killed with the probe"
+    fi
+else
+    fail "the orphaning probe wrote no pid file"
+fi
 LOOM_PROBE_TIMEOUT=1 "$CONFORMANCE" "$PROBEFAIL_DIR/fake-probe-segv.so" > "$tmpdir/pfc.txt" 2>&1
 [ $? -eq 1 ] && pass "conformance fails a crashing probe (exit 1)" || fail "conformance on a crashing probe: exit $?"
 expect_grep "FAIL loads, declares a compatible ABI and probes usable: probe failed: probe crashed" \

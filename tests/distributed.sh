@@ -3,8 +3,8 @@
 # Open MPI on loopback only:
 #   - every fixture family (stories260K; tiny-llama, tiny-qwen2 and tiny-chatglm3 converted to
 #     f32) over 2 and 3 ranks, neighbouring ranks on different backends (the best CPU variant
-#     and ref), gives the fixture's 16 greedy tokens and the one-process logits within 1e-3 of
-#     their scale;
+#     and ref), gives one process's 16 greedy tokens (the fixture's, up to a placeholder id)
+#     and its logits within 1e-3 of their scale;
 #   - each rank of a 2-rank run of a 160M model peaks at least a quarter of the file below what
 #     one process holding every weight peaks at (it maps and touches only its own share);
 #   - mistakes are named: a bad --layers, a rank that cannot open its file;
@@ -48,10 +48,12 @@ logits_close() {
 check_family() { # LABEL MODEL FIXTURE_DIR
     label=$1 model=$2 fixture=$3
     ids=$(jq -r '.cases[0].prompt_ids | map(tostring) | join(",")' "$fixture/expected.json")
-    want=$(jq -c '.cases[0].greedy.ids[:16]' "$fixture/expected.json")
     n_layer=$(jq '.num_hidden_layers // .num_layers' "$fixture/config.json")
     args="run -m $model --prompt-ids $ids -n 16 --temp 0 --json"
     "$LOOM" $args --dump-logits "$tmpdir/one.f32" 2>/dev/null >"$tmpdir/one.json"
+    # one process's greedy tokens: the fixture's (test_convert checks that) up to its first
+    # placeholder id, which PyTorch may pick on a random model and loom never generates
+    want=$(jq -c '.generated_ids' "$tmpdir/one.json")
     for np in 2 3; do
         # 2 ranks as planned by weight bytes; 3 as given: one layer, the rest, the head alone
         if [ $np = 2 ]; then
@@ -66,8 +68,9 @@ check_family() { # LABEL MODEL FIXTURE_DIR
         rc=$?
         got=$(jq -c '.generated_ids' "$tmpdir/pp.json" 2>/dev/null)
         stages=$(jq -r '.backend' "$tmpdir/pp.json" 2>/dev/null | sed -E 's/ \(device [0-9]+: [^;]*\)//g')
-        if [ $rc = 0 ] && [ "$got" = "$want" ] && logits_close "$tmpdir/one.f32" "$tmpdir/pp.f32"; then
-            pass "$label over $np ranks: the fixture's greedy tokens, logits within $(cat "$tmpdir/diff.txt") of one process ($stages)"
+        if [ $rc = 0 ] && [ "$got" = "$want" ] && [ "$(printf '%s' "$want" | jq length)" = 16 ] &&
+            logits_close "$tmpdir/one.f32" "$tmpdir/pp.f32"; then
+            pass "$label over $np ranks: one process's greedy tokens, logits within $(cat "$tmpdir/diff.txt") of one process ($stages)"
         else
             fail "$label over $np ranks: rc $rc, tokens $got (want $want), logits differ by $(cat "$tmpdir/diff.txt" 2>/dev/null)"
             sed 's/^/    /' "$tmpdir/pp.err" | tail -n 20 >&2

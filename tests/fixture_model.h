@@ -108,11 +108,20 @@ static void check_model(const char *fixtures, const char *fixture, const char *p
               what, backend, name, best, margin, worst);
         free(ref);
         if (greedy_too) {
+            /* up to the reference's first placeholder id (a random model's padding rows win
+             * now and then in PyTorch): loom never generates those, and differs from there */
             cJSON *gids = cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "greedy"), "ids");
-            int same = c.n == cJSON_GetArraySize(gids);
-            for (int i = 0; same && i < c.n; i++)
+            int n_ref = cJSON_GetArraySize(gids), cut = n_ref;
+            for (int i = 0; i < n_ref && cut == n_ref; i++)
+                if (loom_model_token_unused(m, cJSON_GetArrayItem(gids, i)->valueint))
+                    cut = i;
+            int same = cut < n_ref ? c.n >= cut : c.n == n_ref;
+            for (int i = 0; same && i < cut; i++)
                 same = c.ids[i] == cJSON_GetArrayItem(gids, i)->valueint;
-            CHECK(same, "%s on %s, %s: greedy tokens differ", what, backend, name);
+            if (cut < n_ref && same && c.n > cut)
+                same = !loom_model_token_unused(m, c.ids[cut]);
+            CHECK(same, "%s on %s, %s: greedy tokens differ%s", what, backend, name,
+                  cut < n_ref ? " (before the reference's first placeholder id)" : "");
         }
     }
     cJSON_Delete(root);

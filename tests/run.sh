@@ -138,6 +138,18 @@ LOOM_PROBE_TIMEOUT=1 LOOM_BACKEND_PATH="$PROBEFAIL_DIR" "$LOOM" run -m "$gguf" -
     -n 8 --temp 0 > "$tmpdir/pf.txt" 2>&1 && pass "loom run works beside modules whose probes crash" ||
     { fail "loom run with crashing probes in the path: exit $?"; cat "$tmpdir/pf.txt" >&2; }
 
+# the best score with a device that will not open: the next best runs, with a note
+LOOM_BACKEND_PATH="$PROBEHOSTILE_DIR" FAKE_PIDFILE="$tmpdir/orphan.pid" "$LOOM" run -m "$gguf" \
+    -p "Once upon a time" -n 8 --temp 0 --json > "$tmpdir/of.json" 2> "$tmpdir/of.err" &&
+    jq -e '.backend | test("openfails") | not' "$tmpdir/of.json" > /dev/null &&
+    pass "a module that cannot open its device gives way to the next ($(jq -r .backend "$tmpdir/of.json"))" ||
+    { fail "loom run beside a module whose open fails: exit $?"; cat "$tmpdir/of.err" >&2; }
+expect_grep "note: backend openfails could not open its device (.*would not open)" \
+    "$tmpdir/of.err" "... and says so"
+LOOM_BACKEND=openfails LOOM_BACKEND_PATH="$PROBEHOSTILE_DIR" "$LOOM" run -m "$gguf" -p "Once" -n 2 \
+    > /dev/null 2> "$tmpdir/of1.err" && fail "LOOM_BACKEND=openfails alone ran"
+expect_grep "opening its device failed: .*would not open" "$tmpdir/of1.err" \
+    "asked for by name alone, its failure is the error"
 # --json is valid UTF-8 JSON whatever the model emits: random sampling on a byte-level
 # vocabulary ends inside multi-byte characters and emits lone continuation bytes
 qwen=$FIXTURES/tiny-qwen2

@@ -78,6 +78,15 @@ static void add_f32(loom_gguf_writer *w, const char *name, const void *data, int
     loom_gguf_add_tensor(w, name, LOOM_F32, n1 > 1 ? 2 : 1, ne, data);
 }
 
+/* The data's VOCAB embedding rows, padded with zero rows to the placeholder vocabulary's
+ * HIDDEN tokens (every token must have a row). */
+static void add_embedding(loom_gguf_writer *w, const float (*embd)[HIDDEN])
+{
+    static float padded[HIDDEN][HIDDEN];
+    memcpy(padded, embd, VOCAB * sizeof *padded);
+    add_f32(w, "token_embd.weight", padded, HIDDEN, HIDDEN);
+}
+
 /* The output matrix that makes logits equal the final hidden states. */
 static const float *identity_matrix(void)
 {
@@ -114,7 +123,7 @@ static int write_gguf(const glm_file *f, float eps, const char *out)
     loom_gguf_set_f32(w, "chatglm.attention.layer_norm_rms_epsilon", eps);
     placeholder_vocab(w, -1, -1);
     loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", HIDDEN - 1);
-    add_f32(w, "token_embd.weight", f->embd, HIDDEN, VOCAB);
+    add_embedding(w, f->embd);
     add_f32(w, "blk.0.attn_norm.weight", f->norm1, HIDDEN, 1);
     add_f32(w, "blk.0.attn_qkv.weight", f->qkv_w, HIDDEN, 48);
     add_f32(w, "blk.0.attn_qkv.bias", f->qkv_b, 48, 1);
@@ -170,7 +179,7 @@ static int write_glm1_gguf(const glm1_file *f, const char *out)
     loom_gguf_set_f32(w, "chatglm1.attention.layer_norm_epsilon", 1e-5f);
     loom_gguf_set_f32(w, "chatglm1.rope.freq_base", 10000.0f);
     placeholder_vocab(w, 1, 2); /* the fixture's ids 1 and 2 stand for [gMASK] and <sop> */
-    add_f32(w, "token_embd.weight", f->embd, HIDDEN, VOCAB);
+    add_embedding(w, f->embd);
     add_f32(w, "blk.0.attn_norm.weight", f->n1w, HIDDEN, 1);
     add_f32(w, "blk.0.attn_norm.bias", f->n1b, HIDDEN, 1);
     add_f32(w, "blk.0.attn_qkv.weight", qkv_w, HIDDEN, 96);
@@ -191,8 +200,12 @@ static int write_glm1_gguf(const glm1_file *f, const char *out)
 
 static double max_err(const float *got, const float *want);
 
+/* ChatGLM-6B's vocab_size: the embedding's rows, as many as ice_text.model's pieces or more */
+enum { GLM1_ROWS = 130528 };
+
 /* The fixture as the Hugging Face folder it came from (config.json, model.safetensors with
- * the per-head interleaved QKV, ice_text.model), for loom convert to turn into chatglm1. */
+ * the per-head interleaved QKV, ice_text.model), for loom convert to turn into chatglm1. The
+ * embedding has the data's VOCAB rows, then zero rows up to GLM1_ROWS. */
 static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ice_text)
 {
     static const struct {
@@ -201,7 +214,7 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
         size_t off;
     } t[] = {
 #define AT(field) offsetof(glm1_file, field)
-        {"transformer.word_embeddings.weight", VOCAB, HIDDEN, AT(embd)},
+        {"transformer.word_embeddings.weight", GLM1_ROWS, HIDDEN, AT(embd)},
         {"transformer.layers.0.input_layernorm.weight", 0, HIDDEN, AT(n1w)},
         {"transformer.layers.0.input_layernorm.bias", 0, HIDDEN, AT(n1b)},
         {"transformer.layers.0.attention.query_key_value.weight", 96, HIDDEN, AT(qkv_w)},
@@ -252,6 +265,12 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
     fwrite(header, 1, (size_t)k, out);
     for (int i = 0; i < N; i++) {
         size_t bytes = (size_t)(t[i].r ? t[i].r : 1) * (size_t)t[i].c * 4;
+        if (t[i].off == offsetof(glm1_file, embd)) {
+            fwrite(f->embd, 1, sizeof f->embd, out);
+            for (size_t z = sizeof f->embd; z < bytes; z++)
+                fputc(0, out);
+            continue;
+        }
         fwrite(t[i].off == (size_t)-1 ? (const void *)identity_matrix()
                                       : (const char *)f + t[i].off,
                1, bytes, out);
@@ -265,7 +284,7 @@ static int write_glm1_folder(const glm1_file *f, const char *dir, const char *ic
             "\"num_attention_heads\": %d, \"inner_hidden_size\": %d, \"vocab_size\": %d, "
             "\"max_sequence_length\": 64, \"layernorm_epsilon\": 1e-05, "
             "\"position_encoding_2d\": true}\n",
-            HIDDEN, HEADS, FFN1, VOCAB);
+            HIDDEN, HEADS, FFN1, GLM1_ROWS);
     fclose(out);
     snprintf(path, sizeof path, "%s/ice_text.model", dir);
     char *target = realpath(ice_text, NULL); /* the link must not depend on our directory */

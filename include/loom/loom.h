@@ -124,6 +124,9 @@ int loom_model_follow(loom_model *m, char *err, size_t err_size);
 /* "cpu-avx512 (device 0)" and the like; for a pipeline, every rank's layers, host and backend. */
 const char *loom_model_backend(const loom_model *m);
 int32_t loom_model_n_vocab(const loom_model *m);
+/* 1 when loom never generates id: outside the tokenizer's vocabulary, or a placeholder row
+ * (token type UNUSED: the padding that gives every embedding row a token). */
+int loom_model_token_unused(const loom_model *m, int32_t id);
 int32_t loom_model_n_ctx(const loom_model *m);
 
 /* How special-token strings in text ("<s>", "<|user|>") are read: parse_special. */

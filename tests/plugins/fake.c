@@ -2,14 +2,17 @@
  * tests/plugins/fake.c - one source, built as several small modules that each misbehave (or
  * behave) in one way the loader must handle: a newer ABI minor, another major, no entry
  * symbol, no device, an op table from an older header, a missing library dependency, a probe
- * that aborts, crashes, hangs or exits, and three "cpu" variants for the selection rules. The macros set by tests/Makefile.inc pick the
+ * that aborts, crashes, hangs or exits, one that writes into the probe's pipe or leaves a
+ * process behind, one whose device does not open, and three "cpu" variants for the selection rules. The macros set by tests/Makefile.inc pick the
  * behaviour. Buffers are plain malloc; no op is implemented.
  */
+#define _GNU_SOURCE
 #include <loom/backend.h>
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 #ifndef FAKE_NAME
@@ -158,6 +161,29 @@ static void fake_probe(loom_probe_result *out)
             sleep(1);
     if (!strcmp(fault, "exit"))
         exit(3);
+    if (!strcmp(fault, "flood")) {
+        /* 8 KiB of 'A' into every descriptor that may be the probe's pipe */
+        static char junk[8192];
+        memset(junk, 'A', sizeof junk);
+        for (int fd = 3; fd < 256; fd++)
+            if (write(fd, junk, sizeof junk) < 0) {
+            }
+    }
+    if (!strcmp(fault, "orphan")) {
+        /* a process that outlives the probe, holding its pipe, and writes its pid where
+         * FAKE_PIDFILE says; the probe itself exits without answering */
+        pid_t child = fork();
+        if (child == 0) {
+            const char *pidfile = getenv("FAKE_PIDFILE");
+            FILE *f = pidfile ? fopen(pidfile, "w") : NULL;
+            if (f)
+                fprintf(f, "%d\n", (int)getpid()), fclose(f);
+            for (;;)
+                sleep(1);
+        }
+        sleep(1); /* let it write the file */
+        _exit(4);
+    }
 #endif
 #ifdef FAKE_NEEDS_GONE
     out->score = loom_test_gone_function();
@@ -178,6 +204,11 @@ static void fake_probe(loom_probe_result *out)
 static loom_status fake_open(const loom_backend_options *opts, loom_backend **out, char *err,
                              size_t err_size)
 {
+#ifdef FAKE_OPEN_FAILS
+    (void)out;
+    snprintf(err, err_size, "the fake device %d would not open", opts->device);
+    return LOOM_ERR_DEVICE;
+#endif
     if (opts->device < 0 || opts->device > 1) {
         snprintf(err, err_size, "no device %d", opts->device);
         return LOOM_ERR_INVALID;
