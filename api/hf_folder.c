@@ -5,6 +5,7 @@
 #include "hf_folder.h"
 
 #include "core/file.h"
+#include "core/tokenizer.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -18,6 +19,7 @@ int conv_fail(conv *c, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(c->err, c->err_size, fmt, ap);
     va_end(ap);
+    loom_text_printable(c->err); /* it may quote a folder's tokens or keys */
     return -1;
 }
 

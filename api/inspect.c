@@ -5,6 +5,7 @@
 #include "internal.h"
 
 #include "core/gguf.h"
+#include "core/tokenizer.h"
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>
@@ -69,8 +70,10 @@ static void shape_text(const loom_gguf_tensor *t, char *out, size_t n)
 int loom_inspect(const char *path, FILE *out, int json, char *err, size_t err_size)
 {
     loom_gguf g;
-    if (loom_open_model_file(path, &g, NULL, NULL, err, err_size) != 0)
+    if (loom_open_model_file(path, &g, NULL, NULL, err, err_size) != 0) {
+        loom_text_printable(err);
         return -1;
+    }
     const char *arch = "unknown";
     uint64_t arch_len = 7;
     loom_gguf_get_str(&g, "general.architecture", &arch, &arch_len);

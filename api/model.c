@@ -188,6 +188,7 @@ static int open_file(loom_model *m, const char *path, const loom_arch **a, char 
         snprintf(m->name, sizeof m->name, "%.*s", (int)(gname_len < 127 ? gname_len : 127), gname);
     else
         snprintf(m->name, sizeof m->name, "%s", strrchr(path, '/') ? strrchr(path, '/') + 1 : path);
+    loom_text_printable(m->name); /* it reaches logs and terminals */
     if (!(*a = loom_models_find(arch_name))) {
         snprintf(err, err_size, "%s: architecture '%s' is not one loom knows (it knows: %s)", path,
                  arch_name[0] ? arch_name : "(none given)", loom_models_known());
@@ -298,6 +299,7 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     }
     return m;
 fail:
+    loom_text_printable(err); /* it may quote the file's strings */
     loom_model_close(m);
     return NULL;
 }
@@ -551,6 +553,7 @@ loom_vocab *loom_vocab_open(const char *path, char *err, size_t err_size)
     }
     int rc = loom_open_model_file(path, &v->gguf, NULL, NULL, err, err_size);
     if (rc != 0 || !(v->tok = loom_tokenizer_from_gguf(&v->gguf, err, err_size))) {
+        loom_text_printable(err);
         loom_vocab_close(v);
         return NULL;
     }

@@ -18,6 +18,7 @@
 #include "internal.h"
 
 #include "core/gguf.h"
+#include "core/tokenizer.h"
 #include "models/models.h"
 
 #include <math.h>
@@ -41,6 +42,7 @@ static void say(verifier *v, const char *check, loom_check_status st, const char
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
+    loom_text_printable(msg); /* it may quote the file's strings */
     v->problems += st == LOOM_CHECK_PROBLEM;
     v->report(v->user, check, st, msg);
 }

@@ -1196,6 +1196,20 @@ static size_t utf8_char(const unsigned char *s, size_t n, int *whole)
     return k;
 }
 
+void loom_text_printable(char *s)
+{
+    size_t len = strlen(s);
+    for (size_t i = 0; i < len;) {
+        size_t ok = loom_utf8_valid_prefix(s + i, len - i);
+        for (size_t k = i; k < i + ok; k++)
+            if (((unsigned char)s[k] < 0x20 && s[k] != '\n' && s[k] != '\t') || s[k] == 0x7f)
+                s[k] = '?';
+        i += ok;
+        if (i < len)
+            s[i++] = '?'; /* one byte of an ill-formed sequence; the walk resumes after it */
+    }
+}
+
 size_t loom_utf8_valid_prefix(const char *text, size_t len)
 {
     const unsigned char *s = (const unsigned char *)text;

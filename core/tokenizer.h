@@ -68,6 +68,11 @@ size_t loom_utf8_valid_prefix(const char *text, size_t len);
  * of memory. */
 char *loom_utf8_sanitize(const char *text, size_t len, size_t *out_len);
 
+/* Makes s (NUL-terminated) safe to print in place: control bytes other than newline and tab
+ * (ESC sequences a file or a client wrote into a name or a message) and the bytes of
+ * ill-formed UTF-8 become '?'. For text loom prints that came from outside. */
+void loom_text_printable(char *s);
+
 /* How many leading bytes of s (n bytes) form complete UTF-8 characters: what a streaming
  * printer can emit now without splitting a character. */
 size_t loom_utf8_complete(const char *s, size_t n);

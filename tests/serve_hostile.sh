@@ -109,6 +109,27 @@ sed '$d' "$tmpdir/mt.out" | jq -e '.error.code == "context_length_exceeded" and
     (.error.message | contains("2147483647 for the completion"))' >/dev/null && pass "max_tokens 2^31-1 is past the context, counted in 64 bits" ||
     fail "max_tokens 2^31-1: $(head -c 300 "$tmpdir/mt.out")"
 
+# a body of half a million tiny values is refused before cJSON spends a node on each (26x
+# the body's size once: 16 such bodies at once took hundreds of MB)
+awk -v name="$NAME" 'BEGIN { printf "{\"model\":\"%s\",\"prompt\":[", name
+    for (i = 0; i < 500000; i++) printf "%s1", i ? "," : ""; printf "]}" }' >"$tmpdir/ids.json"
+hwm0=$(awk '/^VmHWM/ { print $2 }' "/proc/$PID/status")
+amp=""
+for k in $(seq 16); do
+    curl -s -o "$tmpdir/amp$k.out" -w '%{http_code}' -H "Authorization: Bearer $KEY" \
+        --data-binary @"$tmpdir/ids.json" "$URL/v1/completions" >"$tmpdir/amp$k.code" &
+    amp="$amp $!"
+done
+wait $amp
+hwm1=$(awk '/^VmHWM/ { print $2 }' "/proc/$PID/status")
+bad=0
+for k in $(seq 16); do
+    [ "$(cat "$tmpdir/amp$k.code")" = 400 ] && jq -e '.error.message | test("JSON values")' \
+        "$tmpdir/amp$k.out" >/dev/null || bad=$((bad + 1))
+done
+[ "$bad" = 0 ] && [ $((hwm1 - hwm0)) -lt 200000 ] &&
+    pass "16 bodies of 500000 token ids at once: refused by count, peak memory +$(((hwm1 - hwm0) / 1024)) MB" ||
+    fail "value-count cap: $bad of 16 not refused so; peak memory +$(((hwm1 - hwm0) / 1024)) MB ($(head -c 200 "$tmpdir/amp1.out"))"
 # ---- the Authorization header, exactly
 auth_status() { curl -s -o /dev/null -w '%{http_code}' "$@" "$URL/v1/models"; }
 [ "$(auth_status -H "Authorization: bearer $KEY")" = 200 ] && pass "scheme 'bearer' (any case) accepted" ||
@@ -132,6 +153,18 @@ case $st in *" 401 "*) pass "a wrong key is refused before the 100 MB body arriv
             *) fail "no early refusal: '$st'" ;; esac
 st=$(raw_status "POST /v2/nothing HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
 case $st in *" 404 "*) pass "an unknown path is refused before its body ($st)" ;; *) fail "unknown path: '$st'" ;; esac
+# ---- a body framed two ways (request smuggling behind a proxy) is refused; both framings
+# here give a valid request, so only the framing check refuses them
+body="{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":1}  "
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nConnection: close\r\nContent-Length: $((${#body} - 2))\r\nContent-Length: ${#body}\r\n\r\n$body")
+case $st in *" 400 "*) pass "two different Content-Length headers are refused ($st)" ;;
+            *) fail "two Content-Lengths: '$st'" ;; esac
+chunk=$(printf '%x' ${#body})
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nConnection: close\r\nContent-Length: ${#body}\r\nTransfer-Encoding: chunked\r\n\r\n$chunk\r\n$body\r\n0\r\n\r\n")
+case $st in *" 400 "*) pass "Content-Length with Transfer-Encoding is refused ($st)" ;;
+            *) fail "Content-Length + Transfer-Encoding: '$st'" ;; esac
+st=$(raw_status "HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+case $st in *" 200 "*) pass "HEAD /health answers as GET does ($st)" ;; *) fail "HEAD /health: '$st'" ;; esac
 
 # ---- draining: new requests get 503 + Retry-After; a generation cut off says "length"
 post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2000,\"ignore_eos\":true,\"stream\":true}" \
@@ -209,6 +242,39 @@ if ulimit -n 4096 2>/dev/null; then
 else
     echo "not checked here: the socket-count cases need 'ulimit -n 4096'"
 fi
+
+# ---- slowloris: connections that send a header byte now and then hold no slot for long, and
+# when every slot is taken a new client evicts the oldest of them instead of being refused
+start_server "$tmpdir/slow.log" -c 256 --max-connections 16 --max-connections-per-client 64 \
+    --header-timeout 3 --idle-timeout 30
+bash -c '
+    for i in $(seq 16); do
+        exec {fd}<>"/dev/tcp/127.0.0.1/$1" || exit 1
+        printf "GET /health HTTP/1.1\r\nHost: x\r\n" >&$fd   # never finished
+        eval "fd$i=$fd"
+    done
+    sleep 0.5
+    t0=$(date +%s%N)
+    curl -s -o /dev/null -w "%{http_code}" --max-time 5 -H "Authorization: Bearer $2" \
+        "http://127.0.0.1:$1/v1/models" >"$3/slow.code"
+    echo $(( ($(date +%s%N) - t0) / 1000000 )) >"$3/slow.ms"
+    trap "" PIPE
+    for i in $(seq 40); do   # 10 s of header lines, never finishing: cut at the deadline
+        printf "X-Slow: 1\r\n" >&$fd16 2>/dev/null || break
+        sleep 0.25
+    done
+    echo $(( ($(date +%s%N) - t0) / 1000000000 )) >"$3/slow.closed"
+' _ "$port" "$KEY" "$tmpdir"
+[ "$(cat "$tmpdir/slow.code")" = 200 ] &&
+    pass "16 of 16 slots held by unfinished headers: a new client is served in $(cat "$tmpdir/slow.ms") ms" ||
+    fail "slowloris: a new client got $(cat "$tmpdir/slow.code") after $(cat "$tmpdir/slow.ms") ms"
+[ "$(metric loom_connections_evicted_total)" -ge 1 ] && [ "$(metric loom_connections_timed_out_total)" -ge 1 ] &&
+    pass "... by evicting the oldest; the rest closed at --header-timeout (metrics: $(metric loom_connections_evicted_total) evicted, $(metric loom_connections_timed_out_total) timed out)" ||
+    fail "slowloris metrics: evicted $(metric loom_connections_evicted_total), timed out $(metric loom_connections_timed_out_total)"
+[ "$(cat "$tmpdir/slow.closed")" -lt 9 ] &&
+    pass "a connection that keeps sending header lines is closed at the deadline all the same ($(cat "$tmpdir/slow.closed") s)" ||
+    fail "a trickling connection stayed open (closed after $(cat "$tmpdir/slow.closed") s)"
+stop_server
 
 # ---- the key from a file or the environment, not the command line; /metrics behind it
 printf '%s\n' "$KEY" >"$tmpdir/key"

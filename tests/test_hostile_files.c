@@ -296,6 +296,7 @@ typedef struct gguf_edit {
     int64_t keep;        /* ... by its first `keep` rows (a matrix) or elements (a vector), */
     float fill;          /* ... or, with keep 0, by one of the same shape filled with this */
     int32_t unused_from; /* > 0: the tokens from this id on are placeholders (type UNUSED) */
+    const char *str_key, *str_value; /* a string key to set, or NULL */
 } gguf_edit;
 
 static int write_edited(const char *out, const gguf_edit *e)
@@ -308,6 +309,7 @@ static int write_edited(const char *out, const gguf_edit *e)
     loom_gguf_writer *w = loom_gguf_writer_create();
     for (uint64_t i = 0; i < g.n_kv; i++)
         if ((!e->key || strcmp(g.kv[i].key, e->key)) &&
+            (!e->str_key || strcmp(g.kv[i].key, e->str_key)) &&
             (!e->unused_from || strcmp(g.kv[i].key, "tokenizer.ggml.token_type")))
             loom_gguf_copy_kv(w, &g, &g.kv[i]);
     if (e->unused_from) {
@@ -318,6 +320,8 @@ static int write_edited(const char *out, const gguf_edit *e)
     }
     if (e->key)
         loom_gguf_set_f32(w, e->key, e->value);
+    if (e->str_key)
+        loom_gguf_set_str(w, e->str_key, e->str_value);
     float *filled = NULL;
     for (uint64_t i = 0; i < g.n_tensors; i++) {
         const loom_gguf_tensor *t = &g.tensors[i];
@@ -441,6 +445,38 @@ static int note_id(void *user, int32_t id, const char *text, size_t len)
  * temperature 2 once answered "[PAD151770]". Here stories260K's ids from 384 on are marked
  * so (the model gives them real mass: they were words); before, 1000 tokens at temperature
  * 2 held dozens of them. */
+/* Bytes a file controls reach terminals and logs printable: an ESC sequence in general.name
+ * (loom serve logs it) or in the architecture (an error quotes it) becomes '?'. */
+static int printable(const char *s)
+{
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++)
+        if (*p < 0x20 || *p == 0x7f || *p == 0xff)
+            return 0;
+    return 1;
+}
+
+static void test_escapes(void)
+{
+    char path[4200], err[2048] = "";
+    snprintf(path, sizeof path, "%s/escapes.gguf", tmp);
+    static const gguf_edit name = {.str_key = "general.name",
+                                   .str_value = "\x1b[2J\x1b]0;owned\x07story\xff"};
+    CHECK(write_edited(path, &name) == 0, "writing the file");
+    loom_model_options mo = {.n_ctx = 64};
+    loom_model *m = loom_model_open(path, &mo, err, sizeof err);
+    CHECK(m && printable(loom_model_name(m)) && strstr(loom_model_name(m), "story"),
+          "general.name with ESC sequences is printable: '%s'", m ? loom_model_name(m) : err);
+    loom_model_close(m);
+    static const gguf_edit arch = {.str_key = "general.architecture",
+                                   .str_value = "ll\x1b[31mama\xfe"};
+    CHECK(write_edited(path, &arch) == 0, "writing the file");
+    m = loom_model_open(path, &mo, err, sizeof err);
+    CHECK(!m && strstr(err, "ll?[31mama?") && printable(err),
+          "an architecture with ESC and 0xfe is quoted printable: %s", err);
+    loom_model_close(m);
+    unlink(path);
+}
+
 static void test_placeholders_unsampled(void)
 {
     char path[4200], err[2048] = "";
@@ -487,6 +523,7 @@ int main(void)
     need_fixture(probe);
     test_gguf_files();
     test_placeholders_unsampled();
+    test_escapes();
     rmdir(tmp);
     return check_finish("test_hostile_files");
 }

@@ -110,7 +110,7 @@ static int check_known(const cJSON *body, const char *const *known, bad *b)
     return 0;
 }
 
-cJSON *openai_parse_body(const char *body, size_t len, bad *b)
+cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b)
 {
     const char *nul = memchr(body, '\0', len);
     if (nul) {
@@ -127,10 +127,21 @@ cJSON *openai_parse_body(const char *body, size_t len, bad *b)
         return NULL;
     }
     /* \u0000 in a string would end loom's copy of it early: the prompt "\u0000hello" would
-     * silently become empty */
+     * silently become empty. The same walk counts the values (commas and containers outside
+     * strings): cJSON spends a node of ~64 bytes on each, so a 1 MB "prompt": [1, 1, ...]
+     * would cost 30 MB before any check could look at it. */
+    size_t values = 0;
     for (size_t i = 0, in_string = 0; i < len; i++) {
         if (body[i] == '"') {
             in_string = !in_string;
+        } else if (!in_string && (body[i] == ',' || body[i] == '[' || body[i] == '{')) {
+            if (++values > max_values) {
+                fail(b, 400, NULL,
+                     "the request holds more than %zu JSON values (a prompt of token ids "
+                     "longer than the context cannot run anyway)",
+                     max_values);
+                return NULL;
+            }
         } else if (in_string && body[i] == '\\' && i + 1 < len) {
             if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) {
                 fail(b, 400, NULL,

@@ -56,9 +56,10 @@ typedef struct bad {
 } bad;
 
 /* Parses a request body as JSON, strictly: UTF-8 throughout, no NUL byte raw or escaped as
- * \u0000 in a string (loom's text is C strings), nothing but whitespace after the object.
- * NULL with b filled when it is not. */
-cJSON *openai_parse_body(const char *body, size_t len, bad *b);
+ * \u0000 in a string (loom's text is C strings), nothing but whitespace after the object,
+ * at most max_values values (counted before the tree is built). NULL with b filled when it
+ * is not. */
+cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b);
 
 /* Checks and reads body (chat: /v1/chat/completions). 0, or -1 with b filled. */
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b);

@@ -12,6 +12,7 @@
 #include <loom/loom.h>
 
 #include "args.h"
+#include "conn_guard.h"
 #include "json_text.h"
 #include "openai_request.h"
 
@@ -22,6 +23,7 @@
 #include <math.h>
 #include <microhttpd.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -44,6 +46,8 @@ typedef struct server {
     time_t started;
     pthread_mutex_t count_lock;
     uint64_t http_requests, http_errors, disconnects;
+    conn_guard *guard;
+    sem_t parsing; /* bodies parsed and tokenized at once: each costs memory and a core */
 } server;
 
 /* ---- jobs: one HTTP request's generations ------------------------------------------------- */
@@ -447,10 +451,14 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
 {
     parsed p = {0};
     bad b = {0};
-    cJSON *req = openai_parse_body(body, len, &b);
-    if (!req)
-        return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
-    if (openai_parse_request(&srv->api, req, chat, &p, &b) != 0) {
+    /* a prompt of ids holds at most a context's worth; the rest of a request is small */
+    size_t max_values = 2 * (size_t)srv->api.n_ctx + 4096;
+    while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
+    }
+    cJSON *req = openai_parse_body(body, len, max_values, &b);
+    int parsed_ok = req && openai_parse_request(&srv->api, req, chat, &p, &b) == 0;
+    sem_post(&srv->parsing);
+    if (!parsed_ok) {
         free(p.ids);
         cJSON_Delete(req);
         return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
@@ -578,6 +586,12 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
            (unsigned long long)errors);
     METRIC("loom_client_disconnects_total", "counter", "Clients gone before their answer ended.",
            " %llu", (unsigned long long)gone);
+    METRIC("loom_connections_timed_out_total", "counter",
+           "Connections closed for sending headers, a body or the next request too slowly.",
+           " %llu", (unsigned long long)conn_guard_timed_out(srv->guard));
+    METRIC("loom_connections_evicted_total", "counter",
+           "Connections closed to make room for a new one when every slot was taken.", " %llu",
+           (unsigned long long)conn_guard_evicted(srv->guard));
 #undef METRIC
     enum MHD_Result ok = send_text(con, 200, "text/plain; version=0.0.4", out ? out : "");
     free(out);
@@ -618,7 +632,8 @@ typedef struct conn_state {
 static void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
                               enum MHD_RequestTerminationCode toe)
 {
-    (void)cls, (void)con, (void)toe;
+    (void)cls, (void)toe;
+    conn_guard_request_done(con);
     conn_state *cs = *con_cls;
     if (cs) {
         free(cs->body);
@@ -679,13 +694,58 @@ static enum MHD_Result refuse_key(server *srv, struct MHD_Connection *con)
                       "the server was started with (--api-key-file, LOOM_API_KEY or --api-key)");
 }
 
+typedef struct framing {
+    int content_lengths, transfer_encodings;
+} framing;
+
+static enum MHD_Result see_framing(void *cls, enum MHD_ValueKind kind, const char *key,
+                                   size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind, (void)value, (void)value_size;
+    framing *f = cls;
+    f->content_lengths += key_size == 14 && !strncasecmp(key, "Content-Length", 14);
+    f->transfer_encodings += key_size == 17 && !strncasecmp(key, "Transfer-Encoding", 17);
+    return MHD_YES;
+}
+
+/* A body framed two ways (two Content-Length headers, or one with Transfer-Encoding) is how
+ * requests are smuggled past a proxy that reads the other framing: refused, and the
+ * connection closed, since where this request ends is not known. */
+static int refused_ambiguous_framing(server *srv, struct MHD_Connection *con)
+{
+    framing f = {0};
+    MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_framing, &f);
+    if (f.content_lengths <= 1 && !(f.content_lengths && f.transfer_encodings))
+        return 0;
+    pthread_mutex_lock(&srv->count_lock);
+    srv->http_errors++;
+    pthread_mutex_unlock(&srv->count_lock);
+    static const char body[] =
+        "{\"error\":{\"message\":\"the request's body length is given twice (two "
+        "Content-Length headers, or Content-Length with Transfer-Encoding): send one\","
+        "\"type\":\"invalid_request_error\",\"param\":null,\"code\":null}}";
+    struct MHD_Response *r = MHD_create_response_from_buffer(sizeof body - 1, (void *)body,
+                                                             MHD_RESPMEM_PERSISTENT);
+    if (r) {
+        MHD_add_response_header(r, "Content-Type", "application/json");
+        MHD_add_response_header(r, "Connection", "close");
+        MHD_queue_response(con, 400, r);
+        MHD_destroy_response(r);
+    }
+    return r ? 1 : -1;
+}
+
 /* The first call for a request: its route, method and key (and whether the server is still
  * taking work) are known from the headers, so a request that will be refused is refused now,
  * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
 static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, conn_state *cs,
                                      const char *url, const char *method)
 {
-    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET");
+    int refused = refused_ambiguous_framing(srv, con);
+    if (refused)
+        return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
+    /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
+    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     route to = !strcmp(url, "/health")         ? ROUTE_HEALTH
         : !strcmp(url, "/metrics")             ? ROUTE_METRICS
         : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
@@ -741,7 +801,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
         pthread_mutex_lock(&srv->count_lock);
         srv->http_requests++;
         pthread_mutex_unlock(&srv->count_lock);
-        return route_request(srv, con, cs, url, method);
+        conn_guard_headers_done(con);
+        enum MHD_Result r = route_request(srv, con, cs, url, method);
+        if (!cs->to) /* answered from the headers: no body to wait for */
+            conn_guard_body_done(con);
+        return r;
     }
     if (*upload_size) {
         if (cs->len + *upload_size > srv->max_body)
@@ -751,6 +815,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
         *upload_size = 0;
         return MHD_YES;
     }
+    conn_guard_body_done(con);
     if (cs->too_big)
         return send_error(srv, con, 413, NULL, NULL,
                           "the request body is larger than the "
@@ -796,7 +861,7 @@ int loom_serve_main(int argc, char **argv)
                *tmpl = NULL, *key_file = NULL, *prefix_cache = "shared";
     long port = 8080, max_batch = 16, max_step = 256, n_ctx = 0, kv_blocks = 0, block = 16,
          threads = 0, max_body = 1 << 20, drain_s = 10, max_conn = 512, max_per_client = 64,
-         idle_s = 30;
+         idle_s = 30, header_s = 10, body_s = 60;
     int metrics_auth = 0, parse_special = 0, distributed = 0;
     const char *layers = NULL;
     loom_sampling sampling = openai_default_sampling();
@@ -852,6 +917,11 @@ int loom_serve_main(int argc, char **argv)
         {"--idle-timeout", NULL, LOOM_FLAG_LONG, &idle_s, 1, 86400, "S",
          "close a connection idle this long, headers or body half sent\n"
          "included (default 30)"},
+        {"--header-timeout", NULL, LOOM_FLAG_LONG, &header_s, 1, 86400, "S",
+         "a new connection must send its request's headers within this\n"
+         "(default 10); slow senders cannot hold connections"},
+        {"--body-timeout", NULL, LOOM_FLAG_LONG, &body_s, 1, 86400, "S",
+         "a request's body must arrive within this of its headers (default 60)"},
     };
     const loom_command cmd = {
         .name = "loom serve",
@@ -963,6 +1033,7 @@ int loom_serve_main(int argc, char **argv)
                   .max_body = (size_t)max_body,
                   .started = time(NULL)};
     pthread_mutex_init(&srv.count_lock, NULL);
+    sem_init(&srv.parsing, 0, 4);
     srv.api.model_name = name ? name : loom_model_name(m);
     int recognised = 1;
     srv.api.chat_template = tmpl ? tmpl : loom_model_chat_template(m, &recognised);
@@ -981,14 +1052,21 @@ int loom_serve_main(int argc, char **argv)
     /* poll(), not select(): select stops at descriptor 1024 and locks every client out once
      * that many sockets are open; limits in total and per address, and a short idle timeout,
      * keep stalled or slow connections from holding the server */
-    struct MHD_Daemon *d = MHD_start_daemon(
-        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC |
-            MHD_USE_ERROR_LOG,
-        0, NULL, NULL, on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
-        MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_CONNECTION_TIMEOUT,
-        (unsigned)idle_s, MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn,
-        MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)max_per_client, MHD_OPTION_END);
+    /* the daemon accepts a few past --max-connections so that the guard can evict a slow
+     * connection for a new one rather than the daemon refusing it */
+    srv.guard = conn_guard_start(max_conn, header_s, body_s, idle_s);
+    struct MHD_Daemon *d = !srv.guard
+        ? NULL
+        : MHD_start_daemon(
+              MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC |
+                  MHD_USE_ERROR_LOG,
+              0, NULL, NULL, on_request, &srv, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
+              MHD_OPTION_NOTIFY_COMPLETED, request_completed, NULL, MHD_OPTION_NOTIFY_CONNECTION,
+              conn_guard_notify, srv.guard, MHD_OPTION_CONNECTION_TIMEOUT, (unsigned)idle_s,
+              MHD_OPTION_CONNECTION_LIMIT, (unsigned)max_conn + 16,
+              MHD_OPTION_PER_IP_CONNECTION_LIMIT, (unsigned)max_per_client, MHD_OPTION_END);
     if (!d) {
+        conn_guard_stop(srv.guard);
         fprintf(stderr,
                 "loom serve: cannot listen on %s:%ld: %s (is the port in use? try --port)\n", host,
                 port, strerror(errno));
@@ -1021,9 +1099,11 @@ int loom_serve_main(int argc, char **argv)
         usleep(20 * 1000);
     }
     MHD_stop_daemon(d);
+    conn_guard_stop(srv.guard);
     loom_engine_free(srv.engine);
     loom_model_close(m);
     pthread_mutex_destroy(&srv.count_lock);
+    sem_destroy(&srv.parsing);
     fprintf(stderr, "loom serve: stopped\n");
     return 0;
 }
