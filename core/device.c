@@ -128,22 +128,11 @@ int loom_device_op_present(const loom_device *dev, loom_op op)
 {
     const loom_backend_ops *o = &dev->ops;
     switch (op) {
-    case LOOM_OP_MATMUL: return o->matmul != NULL;
-    case LOOM_OP_GET_ROWS: return o->get_rows != NULL;
-    case LOOM_OP_RMS_NORM: return o->rms_norm != NULL;
-    case LOOM_OP_LAYER_NORM: return o->layer_norm != NULL;
-    case LOOM_OP_ROPE: return o->rope != NULL;
-    case LOOM_OP_ADD: return o->add != NULL;
-    case LOOM_OP_MUL: return o->mul != NULL;
-    case LOOM_OP_SCALE: return o->scale != NULL;
-    case LOOM_OP_SILU_MUL: return o->silu_mul != NULL;
-    case LOOM_OP_GELU: return o->gelu != NULL;
-    case LOOM_OP_KV_STORE: return o->kv_store != NULL;
-    case LOOM_OP_ATTENTION: return o->attention != NULL;
-    case LOOM_OP_QUANTIZE: return o->quantize != NULL;
-    case LOOM_OP_DEQUANTIZE: return o->dequantize != NULL;
-    case LOOM_OP_CONVERT: return o->convert != NULL;
-    case LOOM_OP_COUNT_V1_0: break;
+#define PRESENT(id, name, params)                                                                  \
+    case LOOM_OP_##id: return o->name != NULL;
+        LOOM_OPS(PRESENT)
+#undef PRESENT
+    case LOOM_OP_COUNT: break;
     }
     return 0;
 }
@@ -157,21 +146,10 @@ loom_status loom_device_run(const loom_device *d, loom_op op, const void *p)
 {
     const loom_backend_ops *o = &d->ops;
     switch (op) {
-    case LOOM_OP_MATMUL: return o->matmul(d->be, p);
-    case LOOM_OP_GET_ROWS: return o->get_rows(d->be, p);
-    case LOOM_OP_RMS_NORM: return o->rms_norm(d->be, p);
-    case LOOM_OP_LAYER_NORM: return o->layer_norm(d->be, p);
-    case LOOM_OP_ROPE: return o->rope(d->be, p);
-    case LOOM_OP_ADD: return o->add(d->be, p);
-    case LOOM_OP_MUL: return o->mul(d->be, p);
-    case LOOM_OP_SCALE: return o->scale(d->be, p);
-    case LOOM_OP_SILU_MUL: return o->silu_mul(d->be, p);
-    case LOOM_OP_GELU: return o->gelu(d->be, p);
-    case LOOM_OP_KV_STORE: return o->kv_store(d->be, p);
-    case LOOM_OP_ATTENTION: return o->attention(d->be, p);
-    case LOOM_OP_QUANTIZE: return o->quantize(d->be, p);
-    case LOOM_OP_DEQUANTIZE: return o->dequantize(d->be, p);
-    case LOOM_OP_CONVERT: return o->convert(d->be, p);
+#define RUN(id, name, params)                                                                      \
+    case LOOM_OP_##id: return o->name(d->be, (const params *)p);
+        LOOM_OPS(RUN)
+#undef RUN
     default: return LOOM_ERR_UNSUPPORTED;
     }
 }

@@ -23,7 +23,7 @@ struct loom_fallback {
     void *ctx;
     kept_copy *kept;
     int n_kept, cap_kept;
-    unsigned char warned[LOOM_OP_COUNT_V1_0][32];
+    unsigned char warned[LOOM_OP_COUNT][32];
 };
 
 loom_fallback *loom_fallback_new(loom_device *main, loom_fallback_constant_fn constant, void *ctx)
@@ -76,59 +76,18 @@ static int open_device(loom_fallback *fb, char *err, size_t err_size)
 }
 
 /* The tensor pointers of an op's parameter struct, and which one the op writes. */
-static int op_tensors(loom_op op, void *params, const loom_tensor **slots[], int *output)
+static int op_tensors(loom_op op, void *parameters, const loom_tensor **slots[], int *output)
 {
     int n = 0;
-#define SLOT(field) slots[n++] = &(field)
     switch (op) {
-    case LOOM_OP_MATMUL: {
-        loom_matmul_params *p = params;
-        SLOT(p->x), SLOT(p->w), SLOT(p->bias), SLOT(p->y);
-        break;
+#define SLOT(field) slots[n++] = &p->field;
+#define TENSORS(id, name, params)                                                                  \
+    case LOOM_OP_##id: {                                                                           \
+        params *p = parameters;                                                                    \
+        LOOM_TENSORS_##params(SLOT) break;                                                         \
     }
-    case LOOM_OP_GET_ROWS: {
-        loom_get_rows_params *p = params;
-        SLOT(p->src), SLOT(p->ids), SLOT(p->dst);
-        break;
-    }
-    case LOOM_OP_RMS_NORM:
-    case LOOM_OP_LAYER_NORM: {
-        loom_norm_params *p = params;
-        SLOT(p->x), SLOT(p->weight), SLOT(p->bias), SLOT(p->dst);
-        break;
-    }
-    case LOOM_OP_ROPE: {
-        loom_rope_params *p = params;
-        SLOT(p->x), SLOT(p->pos), SLOT(p->pos2), SLOT(p->dst);
-        break;
-    }
-    case LOOM_OP_ADD:
-    case LOOM_OP_MUL:
-    case LOOM_OP_SCALE:
-    case LOOM_OP_SILU_MUL:
-    case LOOM_OP_GELU: {
-        loom_elementwise_params *p = params;
-        SLOT(p->a), SLOT(p->b), SLOT(p->dst);
-        break;
-    }
-    case LOOM_OP_KV_STORE: {
-        loom_kv_store_params *p = params;
-        SLOT(p->src), SLOT(p->slots), SLOT(p->cache);
-        break;
-    }
-    case LOOM_OP_ATTENTION: {
-        loom_attention_params *p = params;
-        SLOT(p->q), SLOT(p->k_cache), SLOT(p->v_cache), SLOT(p->block_table), SLOT(p->seq),
-            SLOT(p->pos), SLOT(p->prefix_len), SLOT(p->dst);
-        break;
-    }
-    case LOOM_OP_QUANTIZE:
-    case LOOM_OP_DEQUANTIZE:
-    case LOOM_OP_CONVERT: {
-        loom_convert_params *p = params;
-        SLOT(p->src), SLOT(p->dst);
-        break;
-    }
+        LOOM_OPS(TENSORS)
+#undef TENSORS
     default: return -1;
     }
 #undef SLOT

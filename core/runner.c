@@ -78,7 +78,7 @@ struct loom_runner {
     /* LOOM_STRICT=1's check at load: one token through the graph, noting (not running) every
      * op x dtype the device lacks */
     int census;
-    unsigned char lacking[LOOM_OP_COUNT_V1_0][32];
+    unsigned char lacking[LOOM_OP_COUNT][32];
 };
 
 static int fail(loom_runner *r, const char *fmt, ...)
@@ -624,7 +624,7 @@ static int strict_census(loom_runner *r, char *err, size_t err_size)
     char list[1024] = "";
     size_t used = 0;
     int n = 0;
-    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++)
+    for (int op = 0; op < LOOM_OP_COUNT; op++)
         for (int dt = 0; dt < 32; dt++)
             if (r->lacking[op][dt] && used < sizeof list) {
                 used += (size_t)snprintf(list + used, sizeof list - used, "%s%s with %s",
@@ -985,8 +985,10 @@ static int run_step(loom_runner *r, const loom_step *s)
     r->n_scratch_used = 0;
     r->has_logits = 0;
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
-    if (!r->status)
-        r->arch->forward(r, r->state, &b);
+    /* a forward pass that stops early without saying why (out of host memory) still fails
+     * the step, in its own words rather than as "no logits" */
+    if (!r->status && r->arch->forward(r, r->state, &b) != 0 && !r->status)
+        fail(r, "%s: the forward pass stopped (out of host memory?)", r->arch->name);
     if (!r->status && s->n_logits && loom_runner_is_last_stage(r)) {
         if (!r->has_logits)
             fail(r, "the model produced no logits");

@@ -50,7 +50,8 @@ typedef struct loom_arch {
     const char *name; /* general.architecture */
     /* Reads hyper-parameters and looks up weights (loom_rt_weight) into *state. */
     int (*load)(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size);
-    /* Runs the batch; returns loom_rt_status. */
+    /* Runs the batch; returns loom_rt_status (nonzero fails the step, with the runner's error
+     * when an op set one). */
     int (*forward)(loom_runner *r, void *state, const loom_batch *b);
     void (*free_state)(void *state);
     /* Optional: for a prompt ids[0..n), how many leading tokens attend to each other both

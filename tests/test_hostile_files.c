@@ -13,6 +13,7 @@
  */
 #define _GNU_SOURCE
 #include "core/gguf.h"
+#include "models/models.h"
 
 #include <loom/loom.h>
 
@@ -477,6 +478,39 @@ static void test_escapes(void)
     unlink(path);
 }
 
+/* A family whose forward pass stops early (as ChatGLM-6B's does when out of host memory) fails
+ * the step in those words; the status was ignored and the step ended "the model produced no
+ * logits". The family is llama's load with a forward that returns -1. */
+static int stopping_forward(loom_runner *r, void *state, const loom_batch *b)
+{
+    (void)r, (void)state, (void)b;
+    return -1;
+}
+
+static void test_forward_status(void)
+{
+    static loom_arch stopping;
+    stopping = loom_arch_llama;
+    stopping.name = "stopping";
+    stopping.forward = stopping_forward;
+    static const loom_family family = {.arch = &stopping};
+    CHECK(loom_models_register(&family) == 0, "registering the test family");
+    char path[4200], err[2048] = "";
+    snprintf(path, sizeof path, "%s/stopping.gguf", tmp);
+    static const gguf_edit e = {.str_key = "general.architecture", .str_value = "stopping"};
+    CHECK(write_edited(path, &e) == 0, "writing the file");
+    loom_model_options mo = {.n_ctx = 64};
+    loom_model *m = loom_model_open(path, &mo, err, sizeof err);
+    CHECK(m != NULL, "open: %s", err);
+    int32_t prompt[2] = {1, 400};
+    loom_sampling s = {.temperature = 0};
+    int rc = m ? loom_generate(m, prompt, 2, 2, &s, NULL, NULL, NULL, err, sizeof err) : -1;
+    CHECK(rc != 0 && strstr(err, "stopping: the forward pass stopped"),
+          "a forward pass returning -1 fails the step in its words: %s", rc ? err : "it ran");
+    loom_model_close(m);
+    unlink(path);
+}
+
 static void test_placeholders_unsampled(void)
 {
     char path[4200], err[2048] = "";
@@ -524,6 +558,7 @@ int main(void)
     test_gguf_files();
     test_placeholders_unsampled();
     test_escapes();
+    test_forward_status();
     rmdir(tmp);
     return check_finish("test_hostile_files");
 }

@@ -43,7 +43,7 @@ static const loom_dtype all_dtypes[N_DTYPES] = {
 
 typedef struct report {
     cJSON *checks; /* array of {check, status, detail} */
-    result matrix[LOOM_OP_COUNT_V1_0][N_DTYPES];
+    result matrix[LOOM_OP_COUNT][N_DTYPES];
     int failures;
     int quiet;
 } report;
@@ -348,7 +348,7 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
         loom_convert_params p = {sizeof p, T(0), T(1)};
         return loom_device_run(d, tc->op, &p);
     }
-    case LOOM_OP_COUNT_V1_0: break;
+    case LOOM_OP_COUNT: break;
     }
 #undef T
     return LOOM_ERR_UNSUPPORTED;
@@ -530,7 +530,7 @@ static void make_matmul(test_case *tc, loom_dtype dt, int v)
                                         {19, 768, 5},  {1, 512, 40}};
     int64_t M = shapes[v][0], K = shapes[v][1], N = shapes[v][2];
     if (K % loom_dtype_block_elems(dt)) { /* check_partial_blocks tries those */
-        tc->op = LOOM_OP_COUNT_V1_0;      /* not applicable */
+        tc->op = LOOM_OP_COUNT;           /* not applicable */
         return;
     }
     make_matmul_shape(tc, dt, M, K, N, v == 2);
@@ -540,7 +540,7 @@ static void make_get_rows(test_case *tc, loom_dtype dt, int v)
 {
     int64_t K = v == 2 ? 512 : v ? 64 : 32, rows = 9, n = v ? 5 : 1;
     if (K % loom_dtype_block_elems(dt)) {
-        tc->op = LOOM_OP_COUNT_V1_0;
+        tc->op = LOOM_OP_COUNT;
         return;
     }
     int32_t ids[5] = {8, 0, 3, 3, 7};
@@ -627,7 +627,7 @@ static void make_elementwise(test_case *tc, loom_dtype dt, int v)
     int binary = tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL || tc->op == LOOM_OP_SILU_MUL;
     int broadcast = v == 3 && binary && tc->op != LOOM_OP_SILU_MUL;
     if (v == 3 && !broadcast) {
-        tc->op = LOOM_OP_COUNT_V1_0;
+        tc->op = LOOM_OP_COUNT;
         return;
     }
     if (v == 4) { /* 4-D [40, 3, 2, 2] with padding in every dimension */
@@ -723,7 +723,7 @@ static void make_quant(test_case *tc, loom_dtype dt, int v)
     static const int64_t shapes[][2] = {{1, 32}, {3, 96}, {17, 4096}, {2, 768}};
     int64_t rows = shapes[v][0], n = shapes[v][1];
     if (n % loom_dtype_block_elems(dt)) {
-        tc->op = LOOM_OP_COUNT_V1_0;
+        tc->op = LOOM_OP_COUNT;
         return;
     }
     snprintf(tc->label, sizeof tc->label, "[%lld, %lld]", (long long)rows, (long long)n);
@@ -880,7 +880,7 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
                 tc.op = fam->op;
                 tc.dtype = dt;
                 fam->make(&tc, dt, v);
-                if (tc.op == LOOM_OP_COUNT_V1_0) { /* variant does not apply to this dtype */
+                if (tc.op == LOOM_OP_COUNT) { /* variant does not apply to this dtype */
                     free_case(&tc);
                     continue;
                 }
@@ -1200,7 +1200,7 @@ static void print_matrix(const report *r, const char *label)
     for (int di = 0; di < N_DTYPES - 1; di++)
         printf("---|");
     printf("\n");
-    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
+    for (int op = 0; op < LOOM_OP_COUNT; op++) {
         printf("| %s |", loom_op_name((loom_op)op));
         for (int di = 0; di < N_DTYPES - 1; di++) {
             static const char *cell[] = {"", "pass", "**FAIL**", "-"};
@@ -1215,7 +1215,7 @@ static void print_matrix(const report *r, const char *label)
 static cJSON *matrix_json(const report *r)
 {
     cJSON *m = cJSON_CreateObject();
-    for (int op = 0; op < LOOM_OP_COUNT_V1_0; op++) {
+    for (int op = 0; op < LOOM_OP_COUNT; op++) {
         cJSON *row = cJSON_AddObjectToObject(m, loom_op_name((loom_op)op));
         for (int di = 0; di < N_DTYPES; di++) {
             static const char *cell[] = {NULL, "pass", "fail", "unsupported"};

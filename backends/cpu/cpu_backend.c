@@ -833,7 +833,7 @@ static int cpu_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_QUANTIZE:
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return loom_dtype_is_float(dt);
-    case LOOM_OP_COUNT_V1_0: return 0;
+    case LOOM_OP_COUNT: return 0;
     default: return dt == LOOM_F32;
     }
 }

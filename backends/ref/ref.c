@@ -36,7 +36,7 @@ struct loom_buffer {
 typedef struct ref_backend {
     loom_backend base;
     char error[512];
-    unsigned char denied[LOOM_OP_COUNT_V1_0][32];             /* LOOM_REF_DENY, by op and dtype */
+    unsigned char denied[LOOM_OP_COUNT][32];                  /* LOOM_REF_DENY, by op and dtype */
     enum { PREPARE_NONE, PREPARE_COPY, PREPARE_OOM } prepare; /* LOOM_REF_PREPARE */
 } ref_backend;
 
@@ -713,7 +713,7 @@ static loom_status ref_synchronize(loom_backend *be)
 
 static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
 {
-    if ((unsigned)op < LOOM_OP_COUNT_V1_0 && ((ref_backend *)be)->denied[op][dt & 31])
+    if ((unsigned)op < LOOM_OP_COUNT && ((ref_backend *)be)->denied[op][dt & 31])
         return 0;
     switch (op) {
     case LOOM_OP_MATMUL:
@@ -731,7 +731,7 @@ static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_SCALE:
     case LOOM_OP_SILU_MUL:
     case LOOM_OP_GELU: return dt == LOOM_F32;
-    case LOOM_OP_COUNT_V1_0: break;
+    case LOOM_OP_COUNT: break;
     }
     return 0;
 }
@@ -817,7 +817,7 @@ static int parse_deny(ref_backend *rb, const char *spec, char *err, size_t err_s
     while (*spec) {
         size_t len = strcspn(spec, ","), name_len = strcspn(spec, ",:");
         int op = -1, dt = -1;
-        for (int i = 0; i < LOOM_OP_COUNT_V1_0; i++)
+        for (int i = 0; i < LOOM_OP_COUNT; i++)
             if (strlen(loom_op_name((loom_op)i)) == name_len &&
                 strncmp(spec, loom_op_name((loom_op)i), name_len) == 0)
                 op = i;

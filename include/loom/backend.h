@@ -346,33 +346,48 @@ typedef struct loom_tensor {
  * math is usually written: X[M,K] means M rows of K. Unless a line says otherwise, activations
  * are F32, outputs are F32, and a dst may not overlap its inputs. */
 
+/* Every op once: X(ID, name, parameter struct). The enum, the names, the op table's slots, the
+ * host's dispatch, its CPU fallback and the trace decorator are generated from this list. Its
+ * order is the ABI's: the 1.0 ops fill the table's first op slots in this order; an op a later
+ * minor adds goes in LOOM_OPS_APPENDED, whose slots follow prepare_weight (docs/ARCHITECTURE.md,
+ * "Adding an op"). */
+#define LOOM_OPS_1_0(X)                                                                            \
+    X(MATMUL, matmul, loom_matmul_params)                                                          \
+    X(GET_ROWS, get_rows, loom_get_rows_params)                                                    \
+    X(RMS_NORM, rms_norm, loom_norm_params)                                                        \
+    X(LAYER_NORM, layer_norm, loom_norm_params)                                                    \
+    X(ROPE, rope, loom_rope_params)                                                                \
+    X(ADD, add, loom_elementwise_params)                                                           \
+    X(MUL, mul, loom_elementwise_params)                                                           \
+    X(SCALE, scale, loom_elementwise_params)                                                       \
+    X(SILU_MUL, silu_mul, loom_elementwise_params)                                                 \
+    X(GELU, gelu, loom_elementwise_params)                                                         \
+    X(KV_STORE, kv_store, loom_kv_store_params)                                                    \
+    X(ATTENTION, attention, loom_attention_params)                                                 \
+    X(QUANTIZE, quantize, loom_convert_params)                                                     \
+    X(DEQUANTIZE, dequantize, loom_convert_params)                                                 \
+    X(CONVERT, convert, loom_convert_params)
+#define LOOM_OPS_APPENDED(X) /* none yet */
+#define LOOM_OPS(X) LOOM_OPS_1_0(X) LOOM_OPS_APPENDED(X)
+
+/* clang-format off */
 typedef enum loom_op {
-    LOOM_OP_MATMUL = 0,
-    LOOM_OP_GET_ROWS,
-    LOOM_OP_RMS_NORM,
-    LOOM_OP_LAYER_NORM,
-    LOOM_OP_ROPE,
-    LOOM_OP_ADD,
-    LOOM_OP_MUL,
-    LOOM_OP_SCALE,
-    LOOM_OP_SILU_MUL,
-    LOOM_OP_GELU,
-    LOOM_OP_KV_STORE,
-    LOOM_OP_ATTENTION,
-    LOOM_OP_QUANTIZE,
-    LOOM_OP_DEQUANTIZE,
-    LOOM_OP_CONVERT,
-    LOOM_OP_COUNT_V1_0 /* number of ops in ABI 1.0; later minors append after it */
+#define LOOM_OP_ID_(id, name, params) LOOM_OP_##id,
+    LOOM_OPS(LOOM_OP_ID_)
+#undef LOOM_OP_ID_
+    LOOM_OP_COUNT /* the ops this header knows: an array bound, never an op */
 } loom_op;
+/* clang-format on */
+/* The ops of ABI 1.0 (those whose slots come before prepare_weight). */
+#define LOOM_OP_COUNT_V1_0 (LOOM_OP_CONVERT + 1)
 
 /* "matmul", "kv_store"...: the names reports and LOOM_REF_DENY use; "?" past the known ops. */
 static inline const char *loom_op_name(loom_op op)
 {
-    static const char *const names[LOOM_OP_COUNT_V1_0] = {
-        "matmul",   "get_rows",  "rms_norm", "layer_norm", "rope",
-        "add",      "mul",       "scale",    "silu_mul",   "gelu",
-        "kv_store", "attention", "quantize", "dequantize", "convert"};
-    return (unsigned)op < LOOM_OP_COUNT_V1_0 ? names[op] : "?";
+#define LOOM_OP_NAME_(id, name, params) #name,
+    static const char *const names[LOOM_OP_COUNT] = {LOOM_OPS(LOOM_OP_NAME_)};
+#undef LOOM_OP_NAME_
+    return (unsigned)op < LOOM_OP_COUNT ? names[op] : "?";
 }
 
 /* Y[M,N] = X[M,K] * W[N,K]^T (+ bias[N]). W: F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (K a multiple
@@ -490,6 +505,19 @@ typedef struct loom_convert_params {
     const loom_tensor *src;
     const loom_tensor *dst;
 } loom_convert_params;
+
+/* Each parameter struct's tensors, F(field) in turn, the one the op writes last: what the CPU
+ * fallback copies over (and the output back) and what the trace decorator records. A new
+ * struct gets its line here. */
+#define LOOM_TENSORS_loom_matmul_params(F) F(x) F(w) F(bias) F(y)
+#define LOOM_TENSORS_loom_get_rows_params(F) F(src) F(ids) F(dst)
+#define LOOM_TENSORS_loom_norm_params(F) F(x) F(weight) F(bias) F(dst)
+#define LOOM_TENSORS_loom_rope_params(F) F(x) F(pos) F(pos2) F(dst)
+#define LOOM_TENSORS_loom_elementwise_params(F) F(a) F(b) F(dst)
+#define LOOM_TENSORS_loom_kv_store_params(F) F(src) F(slots) F(cache)
+#define LOOM_TENSORS_loom_attention_params(F)                                                      \
+    F(q) F(k_cache) F(v_cache) F(block_table) F(seq) F(pos) F(prefix_len) F(dst)
+#define LOOM_TENSORS_loom_convert_params(F) F(src) F(dst)
 
 /* ---- Argument checks ---------------------------------------------------------------------
  * Optional helpers that state each op's shape and dtype contract in code. Each returns NULL
@@ -762,22 +790,10 @@ typedef struct loom_backend_ops {
                                loom_buffer *src, uint64_t src_offset, uint64_t size);
     loom_status (*synchronize)(loom_backend *be); /* wait for every enqueued op */
 
-    /* ops, in loom_op order */
-    loom_status (*matmul)(loom_backend *be, const loom_matmul_params *p);
-    loom_status (*get_rows)(loom_backend *be, const loom_get_rows_params *p);
-    loom_status (*rms_norm)(loom_backend *be, const loom_norm_params *p);
-    loom_status (*layer_norm)(loom_backend *be, const loom_norm_params *p);
-    loom_status (*rope)(loom_backend *be, const loom_rope_params *p);
-    loom_status (*add)(loom_backend *be, const loom_elementwise_params *p);
-    loom_status (*mul)(loom_backend *be, const loom_elementwise_params *p);
-    loom_status (*scale)(loom_backend *be, const loom_elementwise_params *p);
-    loom_status (*silu_mul)(loom_backend *be, const loom_elementwise_params *p);
-    loom_status (*gelu)(loom_backend *be, const loom_elementwise_params *p);
-    loom_status (*kv_store)(loom_backend *be, const loom_kv_store_params *p);
-    loom_status (*attention)(loom_backend *be, const loom_attention_params *p);
-    loom_status (*quantize)(loom_backend *be, const loom_convert_params *p);
-    loom_status (*dequantize)(loom_backend *be, const loom_convert_params *p);
-    loom_status (*convert)(loom_backend *be, const loom_convert_params *p);
+    /* ops, in loom_op order: matmul, get_rows, ..., convert (LOOM_OPS_1_0), each
+     *   loom_status (*name)(loom_backend *be, const <its params> *p); */
+#define LOOM_OP_SLOT_(id, name, params) loom_status (*name)(loom_backend * be, const params *p);
+    LOOM_OPS_1_0(LOOM_OP_SLOT_)
 
     /* ABI 1.1 */
     loom_status (*prepare_weight)(loom_backend *be, const loom_tensor *w, loom_tensor *out);
@@ -787,7 +803,9 @@ typedef struct loom_backend_ops {
          * w is untouched and stays usable. A prepared tensor may only be passed whole as
          * matmul's w: no views, no other op, and its bytes are the backend's business.
          * LOOM_ERR_UNSUPPORTED: no better layout for this weight; use w as it is. */
-    /* ABI 1.2 and later append here */
+    /* ABI 1.2 and later append here: the slots of LOOM_OPS_APPENDED */
+    LOOM_OPS_APPENDED(LOOM_OP_SLOT_)
+#undef LOOM_OP_SLOT_
 } loom_backend_ops;
 
 /* A backend's first member; the rest of its state follows in the module's own struct. */

@@ -28,7 +28,7 @@
 
 /* What the table counts: the ops in loom_op order, then the calls that are not ops. */
 enum {
-    CALL_PREPARE_WEIGHT = LOOM_OP_COUNT_V1_0,
+    CALL_PREPARE_WEIGHT = LOOM_OP_COUNT,
     CALL_COPY_FROM_HOST,
     CALL_COPY_TO_HOST,
     CALL_COPY_BUFFER,
@@ -44,13 +44,12 @@ static const char *call_name(int call)
     static const char *const extra[] = {"prepare_weight", "copy_from_host", "copy_to_host",
                                         "copy_buffer",    "buffer_memset",  "synchronize",
                                         "buffer_alloc",   "buffer_free"};
-    return call < LOOM_OP_COUNT_V1_0 ? loom_op_name((loom_op)call)
-                                     : extra[call - LOOM_OP_COUNT_V1_0];
+    return call < LOOM_OP_COUNT ? loom_op_name((loom_op)call) : extra[call - LOOM_OP_COUNT];
 }
 
 static const char *call_category(int call)
 {
-    if (call < LOOM_OP_COUNT_V1_0 || call == CALL_PREPARE_WEIGHT)
+    if (call < LOOM_OP_COUNT || call == CALL_PREPARE_WEIGHT)
         return "op";
     if (call == CALL_ALLOC || call == CALL_FREE)
         return "memory";
@@ -157,7 +156,7 @@ static void record(tracer *t, int call, loom_dtype dtype, double start_ms, const
                 "\"ts\":%.3f,\"dur\":%.3f,\"args\":{",
                 call_name(call), call_category(call), (start_ms - t->t0_ms) * 1e3,
                 (end_ms - start_ms) * 1e3);
-        if (call < LOOM_OP_COUNT_V1_0 || call == CALL_PREPARE_WEIGHT)
+        if (call < LOOM_OP_COUNT || call == CALL_PREPARE_WEIGHT)
             fprintf(t->out, "\"dtype\":\"%s\",", loom_dtype_name(dtype));
         if (a && a->used) {
             fputs("\"tensors\":\"", t->out);
@@ -504,7 +503,7 @@ static void print_summary(const tracer *t)
             "us/call", "GB/s");
     for (int i = 0; i < n; i++) {
         const call_stats *s = rows[i].s;
-        int typed = rows[i].call < LOOM_OP_COUNT_V1_0 || rows[i].call == CALL_PREPARE_WEIGHT;
+        int typed = rows[i].call < LOOM_OP_COUNT || rows[i].call == CALL_PREPARE_WEIGHT;
         char gbs[16] = "-";
         if (s->bytes && s->ms > 0)
             snprintf(gbs, sizeof gbs, "%.2f", (double)s->bytes / (s->ms * 1e6));
