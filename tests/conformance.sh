@@ -110,6 +110,12 @@ check_broken strides rms_norm "rms_norm f32 \[96, 3, 2, 2\].*normalised error"
 check_broken kvdense kv_store "kv_store f32 .* the runner's head-major cache: normalised error"
 check_broken nullop gelu "gelu f32: supports() says yes: but the ops table has no gelu function"
 # a copy_to_host that reads one byte late is a copy failure, not a memset one
+# a supports() that claims what the contract does not define (quantize to a K-quant) is caught
+"$CONFORMANCE" "$PLUGIN_DIR/broken-overclaim.so" > "$tmpdir/b-overclaim.txt" 2>&1
+rc=$?
+[ "$rc" -eq 1 ] && grep -q "quantize q4_K: supports() says yes: but the ABI defines no quantize of q4_K" \
+    "$tmpdir/b-overclaim.txt" && pass "a module claiming quantize for K-quants fails, named" ||
+    { fail "broken-overclaim (exit $rc):"; grep FAIL "$tmpdir/b-overclaim.txt" >&2; }
 "$CONFORMANCE" --json "$tmpdir/b-copyout.json" "$PLUGIN_DIR/broken-copyout.so" > "$tmpdir/b-copyout.txt" 2>&1
 rc=$?
 if [ "$rc" -eq 1 ] && jq -e '[.modules[0].checks[] | select(.status == "fail") | .check]

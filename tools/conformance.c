@@ -855,8 +855,21 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
         const case_family *fam = &families[f];
         for (int di = 0; di < N_DTYPES; di++) {
             loom_dtype dt = all_dtypes[di];
-            if (!op_dtype_applies(fam->op, dt))
+            if (!op_dtype_applies(fam->op, dt)) {
+                /* a claim the contract does not define is a claim the op then refuses (the
+                 * host would route work there and get an error mid-generation) */
+                if (target->ops.supports(target->be, fam->op, dt)) {
+                    char name[160];
+                    snprintf(name, sizeof name, "%s %s: supports() says yes", loom_op_name(fam->op),
+                             loom_dtype_name(dt));
+                    record(r, name, 0,
+                           "but the ABI defines no %s of %s (backend.h's loom_check_* "
+                           "refuses it): say no",
+                           loom_op_name(fam->op), loom_dtype_name(dt));
+                    r->matrix[fam->op][di] = RES_FAIL;
+                }
                 continue;
+            }
             if (!loom_device_op_present(target, fam->op) &&
                 target->ops.supports(target->be, fam->op, dt)) {
                 char name[160];

@@ -830,7 +830,7 @@ static int cpu_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
-    case LOOM_OP_QUANTIZE:
+    case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with a quantiser */
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return loom_dtype_is_float(dt);
     case LOOM_OP_COUNT: return 0;

@@ -720,7 +720,7 @@ static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_GET_ROWS: return is_float_dtype(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return is_cache_dtype(dt);
-    case LOOM_OP_QUANTIZE:
+    case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with a quantiser */
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
     case LOOM_OP_CONVERT: return is_float_dtype(dt);
     case LOOM_OP_RMS_NORM:

@@ -390,8 +390,9 @@ static inline const char *loom_op_name(loom_op op)
     return (unsigned)op < LOOM_OP_COUNT ? names[op] : "?";
 }
 
-/* Y[M,N] = X[M,K] * W[N,K]^T (+ bias[N]). W: F32, F16, BF16, Q8_0, Q4_0 or Q4_1 (K a multiple
- * of 32 for block types). M may be 0 (nothing to do). */
+/* Y[M,N] = X[M,K] * W[N,K]^T (+ bias[N]). W: any float or quantised dtype (K a multiple of the
+ * type's block: 32, or 256 for the K-quants and IQ4_XS), as `supports` says. M may be 0
+ * (nothing to do). */
 typedef struct loom_matmul_params {
     uint32_t struct_size;
     const loom_tensor *x;    /* [M, K] F32 */

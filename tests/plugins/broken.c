@@ -8,6 +8,8 @@
  *   kvdense  kv_store writes the cache as if it were dense [slot][head], not by its strides
  *   nullop   supports() claims gelu, whose pointer is NULL
  *   copyout  copy_to_host reads one byte late (memset, right, must not be blamed for it)
+ *   overclaim supports() claims quantize for every quantised type, as the CPU and ref
+ *            modules once did, though the ABI defines it for q8_0, q4_0 and q4_1 only
  * Everything else is honestly unsupported (or, for the single-bug kinds, right).
  */
 #include <loom/backend.h>
@@ -162,6 +164,8 @@ static loom_status b_kv_store(loom_backend *be, const loom_kv_store_params *p)
 static int b_supports(loom_backend *be, loom_op op, loom_dtype dt)
 {
     (void)be;
+    if (KIND("overclaim") && op == LOOM_OP_QUANTIZE)
+        return loom_dtype_is_quantized(dt);
     if (dt != LOOM_F32)
         return 0;
     if (KIND("kvdense"))
