@@ -153,14 +153,14 @@ case $st in *" 401 "*) pass "a wrong key is refused before the 100 MB body arriv
             *) fail "no early refusal: '$st'" ;; esac
 st=$(raw_status "POST /v2/nothing HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
 case $st in *" 404 "*) pass "an unknown path is refused before its body ($st)" ;; *) fail "unknown path: '$st'" ;; esac
-# ---- a body framed two ways (request smuggling behind a proxy) is refused; both framings
-# here give a valid request, so only the framing check refuses them
+# ---- a body framed two ways (request smuggling behind a proxy) is refused from the headers
+# (the body is not sent: a server closing on unread bytes would reset the connection). Both
+# framings would give a valid request: without the check the server waits for the body.
 body="{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":1}  "
-st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nConnection: close\r\nContent-Length: $((${#body} - 2))\r\nContent-Length: ${#body}\r\n\r\n$body")
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nContent-Length: $((${#body} - 2))\r\nContent-Length: ${#body}\r\n\r\n")
 case $st in *" 400 "*) pass "two different Content-Length headers are refused ($st)" ;;
             *) fail "two Content-Lengths: '$st'" ;; esac
-chunk=$(printf '%x' ${#body})
-st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nConnection: close\r\nContent-Length: ${#body}\r\nTransfer-Encoding: chunked\r\n\r\n$chunk\r\n$body\r\n0\r\n\r\n")
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nContent-Length: ${#body}\r\nTransfer-Encoding: chunked\r\n\r\n")
 case $st in *" 400 "*) pass "Content-Length with Transfer-Encoding is refused ($st)" ;;
             *) fail "Content-Length + Transfer-Encoding: '$st'" ;; esac
 st=$(raw_status "HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
