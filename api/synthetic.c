@@ -60,9 +60,7 @@ static void *random_matrix(loom_dtype t, int64_t rows, int64_t cols, float amp)
     return out;
 }
 
-static const loom_dtype synthetic_types[] = {
-    LOOM_F32,    LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1, LOOM_Q5_0,  LOOM_Q5_1,
-    LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS};
+static const loom_dtype synthetic_types[] = {LOOM_WEIGHT_DTYPES(LOOM_DTYPE_ITEM)};
 
 const char *loom_synthetic_types(void)
 {

@@ -474,9 +474,7 @@ static int child(const char *path, int quick, ops_wanted ops)
         emit_error("open", "", "", err);
         return 1;
     }
-    static const loom_dtype wtypes[] = {LOOM_F32,  LOOM_F16,  LOOM_BF16, LOOM_Q8_0,   LOOM_Q4_0,
-                                        LOOM_Q4_1, LOOM_Q5_0, LOOM_Q5_1, LOOM_IQ4_NL, LOOM_Q2_K,
-                                        LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K,   LOOM_IQ4_XS};
+    static const loom_dtype wtypes[] = {LOOM_WEIGHT_DTYPES(LOOM_DTYPE_ITEM)};
     int64_t dim = quick ? 1024 : 4096;
     /* --quick: a smoke test, whose decode figures come partly from cache */
     uint64_t arena_bytes = quick ? 64ull << 20 : loom_bench_working_set();

@@ -35,11 +35,10 @@
 
 typedef enum { RES_NONE = 0, RES_PASS, RES_FAIL, RES_UNSUPPORTED } result;
 
-/* every dtype of ABI 1.2; the matrix shows all but the last (i32 is only an index type) */
-#define N_DTYPES 16
-static const loom_dtype all_dtypes[N_DTYPES] = {
-    LOOM_F32,    LOOM_F16,  LOOM_BF16, LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_1, LOOM_Q5_0,   LOOM_Q5_1,
-    LOOM_IQ4_NL, LOOM_Q2_K, LOOM_Q3_K, LOOM_Q4_K, LOOM_Q5_K, LOOM_Q6_K, LOOM_IQ4_XS, LOOM_I32};
+/* every dtype; the matrix shows all but the index types, which come last */
+static const loom_dtype all_dtypes[] = {LOOM_WEIGHT_DTYPES(LOOM_DTYPE_ITEM)
+                                            LOOM_INDEX_DTYPES(LOOM_DTYPE_ITEM)};
+#define N_DTYPES ((int)(sizeof all_dtypes / sizeof all_dtypes[0]))
 
 typedef struct report {
     cJSON *checks; /* array of {check, status, detail} */

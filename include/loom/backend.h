@@ -67,24 +67,46 @@ typedef enum loom_status {
  * The numeric values are GGUF's tensor type ids, so a type read from a file needs no mapping,
  * and the block types use GGUF's byte layouts, so weights are used in place. */
 
+/* Every dtype once. Plain types: X(ID, GGUF id, name, bytes per element), the float ones
+ * (weights and activations) and the index type. Quantised types: X(ID, GGUF id, name, elements
+ * per block, layout), the layout naming the block struct loom_block_<layout> and its reference
+ * converters loom_quantize_row_<layout> and loom_dequantize_row_<layout> in <loom/quants.h>.
+ * The enum, names, sizes, row conversions and the lists of every type that reports walk are
+ * generated from these, in this order (docs/ARCHITECTURE.md, "Adding a dtype"). */
+#define LOOM_FLOAT_DTYPES(X)                                                                       \
+    X(F32, 0, "f32", 4)                                                                            \
+    X(F16, 1, "f16", 2)    /* IEEE binary16 */                                                     \
+    X(BF16, 30, "bf16", 2) /* the upper half of an IEEE binary32 */
+#define LOOM_INDEX_DTYPES(X) X(I32, 26, "i32", 4)
+#define LOOM_PLAIN_DTYPES(X) LOOM_FLOAT_DTYPES(X) LOOM_INDEX_DTYPES(X)
+/* Q8_0: blocks of 32, f16 scale d and 32 int8, x = q d; Q4_0: f16 d and 16 bytes of nibbles,
+ * x = (q - 8) d; Q4_1: f16 d and min m, x = q d + m. The rest (ABI 1.2 on) are laid out in
+ * <loom/quants.h>. */
+#define LOOM_QUANT_DTYPES(X)                                                                       \
+    X(Q8_0, 8, "q8_0", LOOM_QK, q8_0)                                                              \
+    X(Q4_0, 2, "q4_0", LOOM_QK, q4_0)                                                              \
+    X(Q4_1, 3, "q4_1", LOOM_QK, q4_1)                                                              \
+    X(Q5_0, 6, "q5_0", LOOM_QK, q5_0)                                                              \
+    X(Q5_1, 7, "q5_1", LOOM_QK, q5_1)                                                              \
+    X(IQ4_NL, 20, "iq4_nl", LOOM_QK, iq4_nl)                                                       \
+    X(Q2_K, 10, "q2_K", LOOM_QK_K, q2_k)                                                           \
+    X(Q3_K, 11, "q3_K", LOOM_QK_K, q3_k)                                                           \
+    X(Q4_K, 12, "q4_K", LOOM_QK_K, q4_k)                                                           \
+    X(Q5_K, 13, "q5_K", LOOM_QK_K, q5_k)                                                           \
+    X(Q6_K, 14, "q6_K", LOOM_QK_K, q6_k)                                                           \
+    X(IQ4_XS, 23, "iq4_xs", LOOM_QK_K, iq4_xs)
+/* The types a weight may have, for lists: {LOOM_WEIGHT_DTYPES(LOOM_DTYPE_ITEM)} */
+#define LOOM_WEIGHT_DTYPES(X) LOOM_FLOAT_DTYPES(X) LOOM_QUANT_DTYPES(X)
+#define LOOM_DTYPE_ITEM(id, ...) LOOM_##id,
+
+/* clang-format off */
 typedef enum loom_dtype {
-    LOOM_F32 = 0,
-    LOOM_F16 = 1,  /* IEEE binary16 */
-    LOOM_Q4_0 = 2, /* blocks of 32: f16 scale d, 16 bytes of nibbles; x = (q - 8) * d */
-    LOOM_Q4_1 = 3, /* blocks of 32: f16 scale d, f16 min m, 16 bytes of nibbles; x = q * d + m */
-    LOOM_Q5_0 = 6, /* ABI 1.2 on: the types below, laid out in <loom/quants.h> */
-    LOOM_Q5_1 = 7,
-    LOOM_Q8_0 = 8, /* blocks of 32: f16 scale d, 32 int8; x = q * d */
-    LOOM_Q2_K = 10,
-    LOOM_Q3_K = 11,
-    LOOM_Q4_K = 12,
-    LOOM_Q5_K = 13,
-    LOOM_Q6_K = 14,
-    LOOM_IQ4_NL = 20,
-    LOOM_IQ4_XS = 23,
-    LOOM_I32 = 26,
-    LOOM_BF16 = 30, /* the upper half of an IEEE binary32 */
+#define LOOM_DTYPE_ID_(id, gguf, ...) LOOM_##id = gguf,
+    LOOM_PLAIN_DTYPES(LOOM_DTYPE_ID_)
+    LOOM_QUANT_DTYPES(LOOM_DTYPE_ID_)
+#undef LOOM_DTYPE_ID_
 } loom_dtype;
+/* clang-format on */
 
 /* Reference scalar conversions, exact and round-to-nearest-even, shared so that every backend
  * and loom itself agree bit for bit on what a half-precision value means. */
@@ -172,25 +194,20 @@ static inline uint16_t loom_f32_to_bf16(float f)
 
 /* Elements per storage unit (1, LOOM_QK or LOOM_QK_K) and bytes per unit; 0 for an unknown
  * dtype. */
+/* clang-format off */
+#define LOOM_PLAIN_ELEMS_(id, gguf, name, bytes) case LOOM_##id: return 1;
+#define LOOM_QUANT_ELEMS_(id, gguf, name, elems, layout) case LOOM_##id: return elems;
+#define LOOM_PLAIN_BYTES_(id, gguf, name, bytes) case LOOM_##id: return bytes;
+#define LOOM_QUANT_BYTES_(id, gguf, name, elems, layout) \
+    case LOOM_##id: return (int64_t)sizeof(loom_block_##layout);
+#define LOOM_DTYPE_NAME_(id, gguf, name, ...) case LOOM_##id: return name;
+/* clang-format on */
+
 static inline int64_t loom_dtype_block_elems(loom_dtype t)
 {
     switch (t) {
-    case LOOM_F32:
-    case LOOM_F16:
-    case LOOM_BF16:
-    case LOOM_I32: return 1;
-    case LOOM_Q4_0:
-    case LOOM_Q4_1:
-    case LOOM_Q5_0:
-    case LOOM_Q5_1:
-    case LOOM_Q8_0:
-    case LOOM_IQ4_NL: return LOOM_QK;
-    case LOOM_Q2_K:
-    case LOOM_Q3_K:
-    case LOOM_Q4_K:
-    case LOOM_Q5_K:
-    case LOOM_Q6_K:
-    case LOOM_IQ4_XS: return LOOM_QK_K;
+        LOOM_PLAIN_DTYPES(LOOM_PLAIN_ELEMS_)
+        LOOM_QUANT_DTYPES(LOOM_QUANT_ELEMS_)
     }
     return 0;
 }
@@ -198,22 +215,8 @@ static inline int64_t loom_dtype_block_elems(loom_dtype t)
 static inline int64_t loom_dtype_block_bytes(loom_dtype t)
 {
     switch (t) {
-    case LOOM_F32:
-    case LOOM_I32: return 4;
-    case LOOM_F16:
-    case LOOM_BF16: return 2;
-    case LOOM_Q4_0: return (int64_t)sizeof(loom_block_q4_0);
-    case LOOM_Q4_1: return (int64_t)sizeof(loom_block_q4_1);
-    case LOOM_Q5_0: return (int64_t)sizeof(loom_block_q5_0);
-    case LOOM_Q5_1: return (int64_t)sizeof(loom_block_q5_1);
-    case LOOM_Q8_0: return (int64_t)sizeof(loom_block_q8_0);
-    case LOOM_IQ4_NL: return (int64_t)sizeof(loom_block_iq4_nl);
-    case LOOM_Q2_K: return (int64_t)sizeof(loom_block_q2_k);
-    case LOOM_Q3_K: return (int64_t)sizeof(loom_block_q3_k);
-    case LOOM_Q4_K: return (int64_t)sizeof(loom_block_q4_k);
-    case LOOM_Q5_K: return (int64_t)sizeof(loom_block_q5_k);
-    case LOOM_Q6_K: return (int64_t)sizeof(loom_block_q6_k);
-    case LOOM_IQ4_XS: return (int64_t)sizeof(loom_block_iq4_xs);
+        LOOM_PLAIN_DTYPES(LOOM_PLAIN_BYTES_)
+        LOOM_QUANT_DTYPES(LOOM_QUANT_BYTES_)
     }
     return 0;
 }
@@ -221,25 +224,16 @@ static inline int64_t loom_dtype_block_bytes(loom_dtype t)
 static inline const char *loom_dtype_name(loom_dtype t)
 {
     switch (t) {
-    case LOOM_F32: return "f32";
-    case LOOM_F16: return "f16";
-    case LOOM_BF16: return "bf16";
-    case LOOM_I32: return "i32";
-    case LOOM_Q4_0: return "q4_0";
-    case LOOM_Q4_1: return "q4_1";
-    case LOOM_Q5_0: return "q5_0";
-    case LOOM_Q5_1: return "q5_1";
-    case LOOM_Q8_0: return "q8_0";
-    case LOOM_IQ4_NL: return "iq4_nl";
-    case LOOM_Q2_K: return "q2_K";
-    case LOOM_Q3_K: return "q3_K";
-    case LOOM_Q4_K: return "q4_K";
-    case LOOM_Q5_K: return "q5_K";
-    case LOOM_Q6_K: return "q6_K";
-    case LOOM_IQ4_XS: return "iq4_xs";
+        LOOM_PLAIN_DTYPES(LOOM_DTYPE_NAME_)
+        LOOM_QUANT_DTYPES(LOOM_DTYPE_NAME_)
     }
     return "unknown";
 }
+#undef LOOM_PLAIN_ELEMS_
+#undef LOOM_QUANT_ELEMS_
+#undef LOOM_PLAIN_BYTES_
+#undef LOOM_QUANT_BYTES_
+#undef LOOM_DTYPE_NAME_
 
 /* Bytes of one row of n elements, or -1 when n is not a whole number of blocks. */
 static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
@@ -250,6 +244,13 @@ static inline int64_t loom_row_bytes(loom_dtype t, int64_t n)
     return n / be * bb;
 }
 
+/* clang-format off */
+#define LOOM_DEQUANTIZE_ROW_(id, gguf, name, elems, layout) \
+    case LOOM_##id: loom_dequantize_row_##layout((const loom_block_##layout *)src, dst, n); return;
+#define LOOM_QUANTIZE_ROW_(id, gguf, name, elems, layout) \
+    case LOOM_##id: loom_quantize_row_##layout(src, (loom_block_##layout *)dst, n); return;
+/* clang-format on */
+
 /* A row of n elements of dtype t to and from f32, little-endian as GGUF stores them, with the
  * reference conversions of <loom/quants.h> (i32 converts by value). For block types n is a
  * multiple of the block. */
@@ -257,18 +258,7 @@ static inline void loom_row_to_f32(loom_dtype t, const void *src, float *dst, in
 {
     const unsigned char *p = (const unsigned char *)src;
     switch (t) {
-    case LOOM_Q8_0: loom_dequantize_row_q8_0((const loom_block_q8_0 *)src, dst, n); return;
-    case LOOM_Q4_0: loom_dequantize_row_q4_0((const loom_block_q4_0 *)src, dst, n); return;
-    case LOOM_Q4_1: loom_dequantize_row_q4_1((const loom_block_q4_1 *)src, dst, n); return;
-    case LOOM_Q5_0: loom_dequantize_row_q5_0((const loom_block_q5_0 *)src, dst, n); return;
-    case LOOM_Q5_1: loom_dequantize_row_q5_1((const loom_block_q5_1 *)src, dst, n); return;
-    case LOOM_IQ4_NL: loom_dequantize_row_iq4_nl((const loom_block_iq4_nl *)src, dst, n); return;
-    case LOOM_Q2_K: loom_dequantize_row_q2_k((const loom_block_q2_k *)src, dst, n); return;
-    case LOOM_Q3_K: loom_dequantize_row_q3_k((const loom_block_q3_k *)src, dst, n); return;
-    case LOOM_Q4_K: loom_dequantize_row_q4_k((const loom_block_q4_k *)src, dst, n); return;
-    case LOOM_Q5_K: loom_dequantize_row_q5_k((const loom_block_q5_k *)src, dst, n); return;
-    case LOOM_Q6_K: loom_dequantize_row_q6_k((const loom_block_q6_k *)src, dst, n); return;
-    case LOOM_IQ4_XS: loom_dequantize_row_iq4_xs((const loom_block_iq4_xs *)src, dst, n); return;
+        LOOM_QUANT_DTYPES(LOOM_DEQUANTIZE_ROW_)
     default: break;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -287,18 +277,7 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
 {
     unsigned char *p = (unsigned char *)dst;
     switch (t) {
-    case LOOM_Q8_0: loom_quantize_row_q8_0(src, (loom_block_q8_0 *)dst, n); return;
-    case LOOM_Q4_0: loom_quantize_row_q4_0(src, (loom_block_q4_0 *)dst, n); return;
-    case LOOM_Q4_1: loom_quantize_row_q4_1(src, (loom_block_q4_1 *)dst, n); return;
-    case LOOM_Q5_0: loom_quantize_row_q5_0(src, (loom_block_q5_0 *)dst, n); return;
-    case LOOM_Q5_1: loom_quantize_row_q5_1(src, (loom_block_q5_1 *)dst, n); return;
-    case LOOM_IQ4_NL: loom_quantize_row_iq4_nl(src, (loom_block_iq4_nl *)dst, n); return;
-    case LOOM_Q2_K: loom_quantize_row_q2_k(src, (loom_block_q2_k *)dst, n); return;
-    case LOOM_Q3_K: loom_quantize_row_q3_k(src, (loom_block_q3_k *)dst, n); return;
-    case LOOM_Q4_K: loom_quantize_row_q4_k(src, (loom_block_q4_k *)dst, n); return;
-    case LOOM_Q5_K: loom_quantize_row_q5_k(src, (loom_block_q5_k *)dst, n); return;
-    case LOOM_Q6_K: loom_quantize_row_q6_k(src, (loom_block_q6_k *)dst, n); return;
-    case LOOM_IQ4_XS: loom_quantize_row_iq4_xs(src, (loom_block_iq4_xs *)dst, n); return;
+        LOOM_QUANT_DTYPES(LOOM_QUANTIZE_ROW_)
     default: break;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -315,6 +294,8 @@ static inline void loom_row_from_f32(loom_dtype t, const float *src, void *dst, 
         }
     }
 }
+#undef LOOM_DEQUANTIZE_ROW_
+#undef LOOM_QUANTIZE_ROW_
 
 /* ---- Tensors ------------------------------------------------------------------------------
  * Dimension 0 is the innermost (fastest varying), as in GGUF: a matrix X[M,K] of M rows of K
