@@ -265,6 +265,23 @@ static int tensors(conv *c, const loom_hf_values *v)
     return 0;
 }
 
+/* The RoPE frequency divisors the family computes from config.json, as rope_freqs.weight. */
+static int rope_freqs(conv *c, const loom_hf_values *v)
+{
+    int n = (int)loom_hf_get(v, "rope.dimension_count") / 2;
+    if (!c->family->hf_rope_freqs || n <= 0)
+        return 0;
+    float *factors = own(c, (size_t)n * sizeof *factors);
+    char why[512] = "";
+    int rc = factors ? c->family->hf_rope_freqs(c->config, v, factors, n, why, sizeof why) : -1;
+    if (rc < 0)
+        return conv_fail(c, "%s/config.json: %s", c->dir, factors ? why : "out of memory");
+    int64_t ne[1] = {n};
+    if (rc > 0 && loom_gguf_add_tensor(c->w, "rope_freqs.weight", LOOM_F32, 1, ne, factors) != 0)
+        return conv_fail(c, "cannot add rope_freqs.weight");
+    return 0;
+}
+
 /* The folder as its family declares it: hyper-parameters, tokenizer, tensors. */
 static int convert_family(conv *c)
 {
@@ -282,7 +299,7 @@ static int convert_family(conv *c)
     }
     if (conv_tokenizer(c) != 0 || conv_stop_tokens(c) != 0)
         return -1;
-    return tensors(c, &v);
+    return rope_freqs(c, &v) != 0 ? -1 : tensors(c, &v);
 }
 
 int loom_convert(const char *dir, const char *out, const char *type,

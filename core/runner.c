@@ -424,11 +424,21 @@ static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 
 /* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
  * core/fallback, unless in strict mode. */
+/* The ABI minor a call's parameters need: a member a later minor added, when set, is one an
+ * older module would not read (it would run the op without it, wrongly). */
+static uint32_t minor_needed(loom_op op, const void *params)
+{
+    if (op == LOOM_OP_ROPE && ((const loom_rope_params *)params)->freq_factors)
+        return 4;
+    return 0;
+}
+
 static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
         return;
-    if (loom_device_supports(r->dev, op, dt)) {
+    if (loom_device_supports(r->dev, op, dt) &&
+        r->dev->module.abi_minor >= minor_needed(op, params)) {
         if (loom_device_run(r->dev, op, params) != LOOM_OK)
             OP_NAME_FAIL(r, what);
     } else if (r->census) {
@@ -541,16 +551,33 @@ void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor 
     exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
 }
 
-void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp)
+void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
+                  const loom_tensor *freq_factors)
 {
-    loom_rt_rope_at(r, x, hp, &r->in.pos, NULL);
+    loom_rope_params p = {.struct_size = sizeof p,
+                          .x = x,
+                          .pos = &r->in.pos,
+                          .dst = x,
+                          .mode = hp->rope_mode,
+                          .n_rot = hp->n_rot,
+                          .freq_base = hp->rope_base,
+                          .freq_scale = hp->rope_scale,
+                          .freq_factors = freq_factors};
+    exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 
 void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
                      const loom_tensor *pos, const loom_tensor *pos2)
 {
-    loom_rope_params p = {sizeof p,      x,         pos,           pos2,          x,
-                          hp->rope_mode, hp->n_rot, hp->rope_base, hp->rope_scale};
+    loom_rope_params p = {.struct_size = sizeof p,
+                          .x = x,
+                          .pos = pos,
+                          .pos2 = pos2,
+                          .dst = x,
+                          .mode = hp->rope_mode,
+                          .n_rot = hp->n_rot,
+                          .freq_base = hp->rope_base,
+                          .freq_scale = hp->rope_scale};
     exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 

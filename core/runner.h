@@ -221,7 +221,10 @@ void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w
                       const loom_tensor *dst);
 void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                         const loom_tensor *b, float eps, const loom_tensor *dst);
-void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp);
+/* RoPE at the step's positions; freq_factors: [n_rot / 2] divisors of the pairs' frequencies
+ * (Llama 3.1's rope_freqs.weight), or NULL. */
+void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
+                  const loom_tensor *freq_factors);
 /* RoPE at explicit positions (pos2: LOOM_ROPE_GLM_2D's block positions, else NULL). */
 void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
                      const loom_tensor *pos, const loom_tensor *pos2);

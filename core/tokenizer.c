@@ -172,6 +172,22 @@ static int get_flag(const loom_gguf *g, const char *key, int fallback)
 
 /* ---- Byte-level BPE: setup --------------------------------------------------------------- */
 
+/* Whether text starts with BOS when the file has no tokenizer.ggml.add_bos_token: SentencePiece
+ * vocabularies do; byte-level ones do not, but for Llama 3's pre-tokenizer, whose files
+ * llama.cpp's converter writes without the key and which llama.cpp then starts with
+ * <|begin_of_text|>. */
+static int default_add_bos(const loom_gguf *g, int bpe)
+{
+    const char *pre = "";
+    uint64_t len = 0;
+    loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &len);
+    static const char *const llama3[] = {"llama-bpe", "llama3", "llama-v3"};
+    for (size_t i = 0; bpe && i < sizeof llama3 / sizeof llama3[0]; i++)
+        if (len == strlen(llama3[i]) && !memcmp(pre, llama3[i], len))
+            return 1;
+    return !bpe;
+}
+
 /* Pre-tokenizer patterns, by tokenizer.ggml.pre (the regexes the models were trained with). */
 static const struct {
     const char *name, *pattern;
@@ -517,7 +533,8 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         t->eos = -1;
     if (t->unk < 0 || t->unk >= t->n_vocab)
         t->unk = 0;
-    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", !bpe) && t->bos >= 0;
+    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", default_add_bos(g, bpe)) &&
+        t->bos >= 0;
     t->add_space_prefix = get_flag(g, "tokenizer.ggml.add_space_prefix", !bpe);
     /* Hugging Face's SentencePiece (slow) tokenizer strips the whitespace around special tokens
      * unless they are declared with lstrip/rstrip false, as tokenizer.json-era configs do;

@@ -125,8 +125,8 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
         const glm_layer *L = &m->layers[l];
         loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
         loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
-        loom_rt_rope(r, &q3, hp);
-        loom_rt_rope(r, &k3, hp);
+        loom_rt_rope(r, &q3, hp, NULL);
+        loom_rt_rope(r, &k3, hp, NULL);
         loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
         loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
         loom_rt_attention(r, &q3, l, scale, &att3);

@@ -104,7 +104,12 @@ typedef struct loom_family {
     /* Hyper-parameters that are not one key each (defaults computed from others, checks
      * across keys); NULL when none. Messages name the config.json keys. */
     int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
-    const loom_hf_tensor *hf_tensors;     /* ends with {0}; the layers' count is block_count */
+    const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
+    /* RoPE frequency divisors the config implies (Llama 3.1's rope_scaling "llama3"), written
+     * as rope_freqs.weight the way llama.cpp's converter does: fills factors[0..n) and returns
+     * 1, or 0 when the config implies none, -1 with err. NULL: never. */
+    int (*hf_rope_freqs)(const cJSON *config, const loom_hf_values *v, float *factors, int n,
+                         char *err, size_t err_size);
     const loom_hf_specials *tiktoken;     /* after tiktoken ranks; NULL: Llama-3's */
     const loom_hf_specials *spm_specials; /* after SentencePiece pieces (ChatGLM2/3) */
 } loom_family;

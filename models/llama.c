@@ -38,9 +38,10 @@ typedef struct llama_layer {
 } llama_layer;
 
 typedef struct llama_model {
-    const loom_tensor *tok_embd; /* [n_vocab, n_embd] */
-    const loom_tensor *out_norm; /* [n_embd] */
-    const loom_tensor *output;   /* [n_vocab, n_embd]; the embedding when tied */
+    const loom_tensor *rope_freqs; /* [n_rot / 2] divisors (Llama 3.1's rope_freqs), or NULL */
+    const loom_tensor *tok_embd;   /* [n_vocab, n_embd] */
+    const loom_tensor *out_norm;   /* [n_embd] */
+    const loom_tensor *output;     /* [n_vocab, n_embd]; the embedding when tied */
     llama_layer *layers;
 } llama_model;
 
@@ -65,7 +66,26 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->n_ctx_train = (int32_t)loom_model_kv_int(g, arch, "context_length", 2048);
     hp->norm_eps = (float)loom_model_kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-5);
     hp->rope_base = (float)loom_model_kv_float(g, arch, "rope.freq_base", 10000.0);
+    /* rope.scaling.type says how rope.scaling.factor applies: linear divides positions;
+     * llama.cpp's files without the type carry no factor either (Llama 3.1's scaling is its
+     * rope_freqs tensor); one loom does not run is refused rather than run as linear */
+    char scaling[32] = "";
+    const char *st;
+    uint64_t st_len;
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", arch);
+    if (loom_gguf_get_str(g, key, &st, &st_len) == 0)
+        snprintf(scaling, sizeof scaling, "%.*s", (int)(st_len < 31 ? st_len : 31), st);
     double factor = loom_model_kv_float(g, arch, "rope.scaling.factor", 1.0);
+    if (scaling[0] && strcmp(scaling, "linear") && strcmp(scaling, "none")) {
+        snprintf(err, err_size,
+                 "%s.rope.scaling.type is '%s'; loom runs linear scaling and Llama 3.1's "
+                 "rope_freqs (YaRN is not supported yet)",
+                 arch, scaling);
+        return -1;
+    }
+    if (!strcmp(scaling, "none"))
+        factor = 1.0;
     hp->rope_scale = (float)(1.0 / factor); /* the runner refuses a factor of 0 or less */
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
         hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
@@ -96,6 +116,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         snprintf(err, err_size, "out of memory");
         return -1;
     }
+    m->rope_freqs = loom_rt_weight(r, "rope_freqs.weight", 0);
     m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
     m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
     m->output = loom_rt_weight(r, "output.weight", 0);
@@ -139,7 +160,9 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     int shapes_ok = m->tok_embd->ne[0] == hp->n_embd &&
         (fused ? L0->wqkv->ne[1] == q_dim + 2 * kv_dim
                : L0->wq->ne[1] == q_dim && L0->wk->ne[1] == kv_dim) &&
-        (!head_norms || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim));
+        (!head_norms || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim)) &&
+        (!m->rope_freqs ||
+         (m->rope_freqs->ne[0] == hp->n_rot / 2 && m->rope_freqs->dtype == LOOM_F32));
     if (!shapes_ok) {
         llama_free(m);
         snprintf(err, err_size, "%s: tensor shapes disagree with the hyper-parameters", arch);
@@ -210,8 +233,8 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
             loom_rt_rms_norm(r, &q3, L->q_norm, hp->norm_eps, &q3);
             loom_rt_rms_norm(r, &k3, L->k_norm, hp->norm_eps, &k3);
         }
-        loom_rt_rope(r, &q3, hp);
-        loom_rt_rope(r, &k3, hp);
+        loom_rt_rope(r, &q3, hp, m->rope_freqs);
+        loom_rt_rope(r, &k3, hp, m->rope_freqs);
         loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
         loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
         loom_rt_attention(r, &q3, l, scale, &att3);
@@ -284,9 +307,12 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
     loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, hd);
     head_width(v, (int32_t)hd);
     if (cJSON_IsObject(cJSON_GetObjectItem(cf, "rope_scaling"))) {
-        const char *type = loom_hf_str(cf, "rope_scaling.type|rope_scaling.rope_type");
+        const char *type = loom_hf_str(cf, "rope_scaling.rope_type|rope_scaling.type");
+        if (type && !strcmp(type, "llama3"))
+            return 0; /* rope_freqs.weight (llama3_rope_freqs) */
         if (!type || strcmp(type, "linear") != 0) {
-            snprintf(err, err_size, "rope_scaling type '%s' is not supported (linear is)",
+            snprintf(err, err_size,
+                     "rope_scaling type '%s' is not supported (linear and llama3 are)",
                      type ? type : "?");
             return -1;
         }
@@ -297,6 +323,44 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
         loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32, factor);
     }
     return 0;
+}
+
+/* Llama 3.1's rope_scaling (rope_type "llama3"), as transformers computes it: a pair whose
+ * wavelength is shorter than original_max_position_embeddings / high_freq_factor keeps its
+ * frequency, one longer than it / low_freq_factor is divided by factor, and those between
+ * blend the two. The divisor of each pair's frequency is what llama.cpp's rope_freqs holds. */
+static int llama3_rope_freqs(const cJSON *cf, const loom_hf_values *v, float *factors, int n,
+                             char *err, size_t err_size)
+{
+    const char *type = loom_hf_str(cf, "rope_scaling.rope_type|rope_scaling.type");
+    if (!type || strcmp(type, "llama3"))
+        return 0;
+    double factor, low, high, old_ctx;
+    if (loom_hf_real(cf, "rope_scaling.factor", 8.0, 0, 1e6, &factor, err, err_size) ||
+        loom_hf_real(cf, "rope_scaling.low_freq_factor", 1.0, 0, 1e6, &low, err, err_size) ||
+        loom_hf_real(cf, "rope_scaling.high_freq_factor", 4.0, 0, 1e6, &high, err, err_size) ||
+        loom_hf_real(cf, "rope_scaling.original_max_position_embeddings", 8192, 0, 1e9, &old_ctx,
+                     err, err_size))
+        return -1;
+    if (!(high > low)) {
+        snprintf(err, err_size, "rope_scaling.high_freq_factor %g must exceed low_freq_factor %g",
+                 high, low);
+        return -1;
+    }
+    double base = loom_hf_get(v, "rope.freq_base");
+    double low_wavelen = old_ctx / low, high_wavelen = old_ctx / high;
+    for (int i = 0; i < n; i++) {
+        double freq = pow(base, -2.0 * i / (2.0 * n)), wavelen = 2 * 3.14159265358979323846 / freq;
+        if (wavelen < high_wavelen) {
+            factors[i] = 1.0f;
+        } else if (wavelen > low_wavelen) {
+            factors[i] = (float)factor;
+        } else {
+            double smooth = (old_ctx / wavelen - low) / (high - low);
+            factors[i] = (float)(1.0 / ((1.0 - smooth) / factor + smooth));
+        }
+    }
+    return 1;
 }
 
 #define DECODER_HEAD                                                                               \
@@ -444,6 +508,7 @@ const loom_family loom_family_llama = {.arch = &loom_arch_llama,
                                        .hf_params = decoder_params,
                                        .hf_derive = decoder_derive,
                                        .hf_tensors = llama_tensors,
+                                       .hf_rope_freqs = llama3_rope_freqs,
                                        .tiktoken = &llama3_specials};
 const loom_family loom_family_qwen2 = {.arch = &loom_arch_qwen2,
                                        .chat_template = "chatml",

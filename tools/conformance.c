@@ -100,6 +100,7 @@ typedef struct test_case {
     /* scalar parameters */
     float eps, scale, freq_base, freq_scale;
     int32_t rope_mode, n_rot;
+    uint32_t abi_minor; /* the ABI minor the case's parameters need (a module below skips it) */
 } test_case;
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -320,8 +321,16 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ROPE: {
-        loom_rope_params p = {sizeof p,      T(0),      T(1),          T(2),          T(3),
-                              tc->rope_mode, tc->n_rot, tc->freq_base, tc->freq_scale};
+        loom_rope_params p = {.struct_size = sizeof p,
+                              .x = T(0),
+                              .pos = T(1),
+                              .pos2 = T(2),
+                              .dst = T(3),
+                              .mode = tc->rope_mode,
+                              .n_rot = tc->n_rot,
+                              .freq_base = tc->freq_base,
+                              .freq_scale = tc->freq_scale,
+                              .freq_factors = T(4)};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ADD:
@@ -599,14 +608,18 @@ static void make_rope(test_case *tc, loom_dtype dt, int v)
         {LOOM_ROPE_NEOX, 80, 32, 3, 2, 1000000.0f, 0.25f},   /* partial rotary, scaled */
         {LOOM_ROPE_ADJACENT, 128, 64, 2, 4, 10000.0f, 1.0f}, /* ChatGLM2: half of each head */
         {LOOM_ROPE_GLM_2D, 64, 64, 2, 6, 10000.0f, 1.0f},
+        /* ABI 1.4: per-pair frequency divisors (Llama 3.1's rope_freqs) */
+        {LOOM_ROPE_NEOX, 64, 64, 3, 5, 500000.0f, 1.0f},
+        {LOOM_ROPE_ADJACENT, 64, 48, 2, 4, 500000.0f, 1.0f},
     };
+    int factors = v >= 5;
     static const char *modes[] = {"neox", "adjacent", "glm_2d"};
     tc->rope_mode = r[v].mode;
     tc->n_rot = r[v].n_rot;
     tc->freq_base = r[v].base;
     tc->freq_scale = r[v].scale;
-    snprintf(tc->label, sizeof tc->label, "%s hd=%d n_rot=%d base=%g scale=%g", modes[r[v].mode],
-             r[v].hd, r[v].n_rot, r[v].base, r[v].scale);
+    snprintf(tc->label, sizeof tc->label, "%s hd=%d n_rot=%d base=%g scale=%g%s", modes[r[v].mode],
+             r[v].hd, r[v].n_rot, r[v].base, r[v].scale, factors ? " freq_factors" : "");
     fill_random(add_spec(tc, 0, LOOM_F32, r[v].hd, r[v].heads, r[v].tokens, 1, 1), 1.0f, 0.0f);
     int32_t pos[8], pos2[8];
     for (int i = 0; i < r[v].tokens; i++)
@@ -615,6 +628,15 @@ static void make_rope(test_case *tc, loom_dtype dt, int v)
     if (r[v].mode == LOOM_ROPE_GLM_2D)
         fill_i32(add_spec(tc, 2, LOOM_I32, r[v].tokens, 1, 1, 1, 0), pos2);
     add_spec(tc, 3, LOOM_F32, r[v].hd, r[v].heads, r[v].tokens, 1, 1)->output = 1;
+    if (factors) {
+        /* 1 for high frequencies, up to 8 for low ones, smooth between: Llama 3.1's shape */
+        float f[64];
+        for (int i = 0; i < r[v].n_rot / 2; i++)
+            f[i] = 1.0f + 7.0f * (float)i / (float)(r[v].n_rot / 2 - 1);
+        memcpy(spec_row(add_spec(tc, 4, LOOM_F32, r[v].n_rot / 2, 1, 1, 1, 0), 0), f,
+               (size_t)(r[v].n_rot / 2) * sizeof f[0]);
+        tc->abi_minor = 4;
+    }
     tc->tol = 1e-5;
 }
 
@@ -756,7 +778,7 @@ static const case_family families[] = {
     {LOOM_OP_GET_ROWS, 3, make_get_rows},
     {LOOM_OP_RMS_NORM, 9, make_norm},
     {LOOM_OP_LAYER_NORM, 9, make_norm},
-    {LOOM_OP_ROPE, 5, make_rope},
+    {LOOM_OP_ROPE, 7, make_rope},
     {LOOM_OP_ADD, 5, make_elementwise},
     {LOOM_OP_MUL, 5, make_elementwise},
     {LOOM_OP_SCALE, 5, make_elementwise},
@@ -892,7 +914,8 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
                 tc.op = fam->op;
                 tc.dtype = dt;
                 fam->make(&tc, dt, v);
-                if (tc.op == LOOM_OP_COUNT) { /* variant does not apply to this dtype */
+                if (tc.op == LOOM_OP_COUNT || tc.abi_minor > target->module.abi_minor) {
+                    /* the variant does not apply to this dtype, or is newer than the module */
                     free_case(&tc);
                     continue;
                 }

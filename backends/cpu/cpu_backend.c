@@ -247,6 +247,11 @@ static void rope_tokens(void *ctx, int ith, int nth)
     int n = glm ? (int)hd / 2 : p->n_rot;
     if (t0 < t1)
         inverse_frequencies(inv, n, p->freq_base);
+    if (t0 < t1 && p->freq_factors) {
+        const float *f = (const float *)cpu_row(p->freq_factors, base(p->freq_factors), 0);
+        for (int i = 0; i < n / 2; i++)
+            inv[i] /= (double)f[i];
+    }
     for (long t = t0; t < t1; t++) {
         double pos = (double)i32_at(p->pos, t) * p->freq_scale;
         angles(cs, n, pos, inv);
@@ -273,6 +278,7 @@ static loom_status cpu_rope(loom_backend *be, const loom_rope_params *p)
     BOUNDS(be, p->x, "rope x");
     BOUNDS(be, p->pos, "rope pos");
     BOUNDS(be, p->pos2, "rope pos2");
+    BOUNDS(be, p->freq_factors, "rope freq_factors");
     BOUNDS(be, p->dst, "rope dst");
     if (p->x->ne[0] > 1024)
         return cpu_fail(CB(be), LOOM_ERR_UNSUPPORTED, "rope: head_dim %lld > 1024",

@@ -532,15 +532,19 @@ static loom_status cuda_rope(loom_backend *be, const loom_rope_params *p)
     TRY(check_tensor(cb, p->dst, "rope dst"));
     if (p->mode == LOOM_ROPE_GLM_2D)
         TRY(check_tensor(cb, p->pos2, "rope pos2"));
+    if (p->freq_factors)
+        TRY(check_tensor(cb, p->freq_factors, "rope freq_factors"));
     int64_t hd = p->x->ne[0], heads = p->x->ne[1], rows = n_rows(p->x);
     if (rows == 0 || hd == 0)
         return LOOM_OK;
     TRY(enter(cb));
     int64_t pairs = rows * (hd / 2), blocks = (pairs + 255) / 256;
     tview pos2 = p->mode == LOOM_ROPE_GLM_2D ? view_of(p->pos2) : view_of(p->pos);
+    tview factors = view_of(p->freq_factors ? p->freq_factors : p->pos);
     LOOM_LAUNCH(k_rope, (unsigned)(blocks > 65535 ? 65535 : blocks), 256, 0, cb->stream,
-                view_of(p->x), view_of(p->dst), view_of(p->pos), pos2, p->mode, p->n_rot, hd, heads,
-                rows, (double)p->freq_base, (double)p->freq_scale);
+                view_of(p->x), view_of(p->dst), view_of(p->pos), pos2, factors,
+                p->freq_factors != NULL, p->mode, p->n_rot, hd, heads, rows, (double)p->freq_base,
+                (double)p->freq_scale);
     return launched(cb, "rope");
 }
 

@@ -380,8 +380,10 @@ __global__ void k_norm(tview x, const float *w, const float *b, tview dst, int64
 
 /* One thread per pair; angles in double as in the reference, since positions reach 10^5 and an
  * f32 angle that large has lost most of its fraction. */
-__global__ void k_rope(tview x, tview dst, tview pos, tview pos2, int mode, int n_rot, int64_t hd,
-                       int64_t heads, int64_t rows, double base, double scale)
+/* factors: n_rot / 2 divisors of the pairs' frequencies (has_factors), else unused */
+__global__ void k_rope(tview x, tview dst, tview pos, tview pos2, tview factors, int has_factors,
+                       int mode, int n_rot, int64_t hd, int64_t heads, int64_t rows, double base,
+                       double scale)
 {
     int64_t half = hd / 2;
     for (int64_t idx = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; idx < rows * half;
@@ -412,6 +414,8 @@ __global__ void k_rope(tview x, tview dst, tview pos, tview pos2, int mode, int 
             p = (double)i32_at(pos, t) * scale;
         }
         double theta = p * pow(base, -2.0 * (double)i / (double)n), s, c;
+        if (has_factors && mode != LOOM_ROPE_GLM_2D)
+            theta /= (double)((const float *)row_at(factors, 0))[i];
         sincos(theta, &s, &c);
         double x0 = xr[a], x1 = xr[b];
         dr[a] = (float)(x0 * c - x1 * s);

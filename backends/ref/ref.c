@@ -282,10 +282,11 @@ static loom_status ref_layer_norm(loom_backend *be, const loom_norm_params *p)
 
 /* Rotates pairs (v[i], v[i + stride]) for i in [0, n/2) when stride > 1 ("rotate half", with
  * stride n/2), or (v[2i], v[2i+1]) when stride is 1 (adjacent pairs). */
-static void rotate(float *v, int n, int adjacent, double pos, double base)
+/* factors: n / 2 divisors of the pairs' frequencies, or NULL */
+static void rotate(float *v, int n, int adjacent, double pos, double base, const float *factors)
 {
     for (int i = 0; i < n / 2; i++) {
-        double theta = pos * pow(base, -2.0 * i / n);
+        double theta = pos * pow(base, -2.0 * i / n) / (factors ? (double)factors[i] : 1.0);
         double c = cos(theta), s = sin(theta);
         int a = adjacent ? 2 * i : i, b = adjacent ? 2 * i + 1 : i + n / 2;
         double x0 = v[a], x1 = v[b];
@@ -322,9 +323,22 @@ static loom_status ref_rope(loom_backend *be, const loom_rope_params *p)
     } else if (p->mode != LOOM_ROPE_NEOX && p->mode != LOOM_ROPE_ADJACENT) {
         return fail(be, LOOM_ERR_INVALID, "rope: unknown mode %d", p->mode);
     }
+    float *factors = NULL;
+    if (p->freq_factors) {
+        if (p->freq_factors->dtype != LOOM_F32 || p->freq_factors->ne[0] != p->n_rot / 2 ||
+            p->mode == LOOM_ROPE_GLM_2D)
+            return fail(be, LOOM_ERR_INVALID,
+                        "rope: freq_factors must be f32 [n_rot / 2], and glm_2d takes none");
+        CHECK(check_tensor(be, p->freq_factors, "rope freq_factors"));
+        if (!(factors = scratch((size_t)p->n_rot / 2)))
+            return NO_MEMORY(be);
+        load_row(p->freq_factors, 0, factors);
+    }
     float *v = scratch((size_t)hd);
-    if (!v)
+    if (!v) {
+        free(factors);
         return NO_MEMORY(be);
+    }
     for (int64_t t = 0; t < tokens; t++) {
         double pos = (double)load_i32(p->pos, t) * p->freq_scale;
         for (int64_t h = 0; h < heads; h++) {
@@ -332,15 +346,16 @@ static loom_status ref_rope(loom_backend *be, const loom_rope_params *p)
             load_row(p->x, r, v);
             if (p->mode == LOOM_ROPE_GLM_2D) {
                 double pos2 = (double)load_i32(p->pos2, t) * p->freq_scale;
-                rotate(v, (int)hd / 2, 0, pos, p->freq_base);
-                rotate(v + hd / 2, (int)hd / 2, 0, pos2, p->freq_base);
+                rotate(v, (int)hd / 2, 0, pos, p->freq_base, NULL);
+                rotate(v + hd / 2, (int)hd / 2, 0, pos2, p->freq_base, NULL);
             } else {
-                rotate(v, p->n_rot, p->mode == LOOM_ROPE_ADJACENT, pos, p->freq_base);
+                rotate(v, p->n_rot, p->mode == LOOM_ROPE_ADJACENT, pos, p->freq_base, factors);
             }
             store_row(p->dst, r, v);
         }
     }
     free(v);
+    free(factors);
     return LOOM_OK;
 }
 

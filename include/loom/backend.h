@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 3
+#define LOOM_BACKEND_ABI_MINOR 4
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -413,8 +413,9 @@ typedef enum loom_rope_mode {
 } loom_rope_mode;
 
 /* Rotary position embedding. The angle of pair i at position p is
- *   p * freq_scale * freq_base^(-2i / n)   (n = n_rot, or head_dim/2 for LOOM_ROPE_GLM_2D).
- * Dims at and beyond n_rot are copied unchanged (partial rotary). dst may equal x. */
+ *   p * freq_scale * freq_base^(-2i / n) / freq_factors[i]
+ * (n = n_rot, or head_dim/2 for LOOM_ROPE_GLM_2D; no freq_factors: / 1). Dims at and beyond
+ * n_rot are copied unchanged (partial rotary). dst may equal x. */
 typedef struct loom_rope_params {
     uint32_t struct_size;
     const loom_tensor *x;    /* [tokens, heads, head_dim] */
@@ -425,6 +426,9 @@ typedef struct loom_rope_params {
     int32_t n_rot;           /* even, <= head_dim */
     float freq_base;         /* 10000 for most models */
     float freq_scale;        /* 1 = none; linear position scaling otherwise */
+    /* ABI 1.4: [n_rot / 2] F32 divisors of each pair's frequency (Llama 3.1's rope_freqs), or
+     * NULL. loom passes it only to a module of minor 4 or later; NEOX and ADJACENT modes. */
+    const loom_tensor *freq_factors;
 } loom_rope_params;
 
 /* Elementwise, by op:
@@ -494,7 +498,7 @@ typedef struct loom_convert_params {
 #define LOOM_TENSORS_loom_matmul_params(F) F(x) F(w) F(bias) F(y)
 #define LOOM_TENSORS_loom_get_rows_params(F) F(src) F(ids) F(dst)
 #define LOOM_TENSORS_loom_norm_params(F) F(x) F(weight) F(bias) F(dst)
-#define LOOM_TENSORS_loom_rope_params(F) F(x) F(pos) F(pos2) F(dst)
+#define LOOM_TENSORS_loom_rope_params(F) F(x) F(pos) F(pos2) F(freq_factors) F(dst)
 #define LOOM_TENSORS_loom_elementwise_params(F) F(a) F(b) F(dst)
 #define LOOM_TENSORS_loom_kv_store_params(F) F(src) F(slots) F(cache)
 #define LOOM_TENSORS_loom_attention_params(F)                                                      \
@@ -616,6 +620,11 @@ static inline const char *loom_check_rope(const loom_rope_params *p)
     } else if (p->mode != LOOM_ROPE_NEOX && p->mode != LOOM_ROPE_ADJACENT) {
         return "rope: unknown mode";
     }
+    if (p->struct_size >= offsetof(loom_rope_params, freq_factors) + sizeof p->freq_factors &&
+        p->freq_factors &&
+        (p->freq_factors->dtype != LOOM_F32 || p->freq_factors->ne[0] != p->n_rot / 2 ||
+         p->mode == LOOM_ROPE_GLM_2D))
+        return "rope: freq_factors must be f32 [n_rot / 2], and glm_2d takes none";
     return NULL;
 }
 
