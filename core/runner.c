@@ -430,6 +430,8 @@ static uint32_t minor_needed(loom_op op, const void *params)
 {
     if (op == LOOM_OP_ROPE && ((const loom_rope_params *)params)->freq_factors)
         return 4;
+    if (op == LOOM_OP_ATTENTION && ((const loom_attention_params *)params)->window)
+        return 4;
     return 0;
 }
 
@@ -597,16 +599,17 @@ void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float sc
              layer, r->layer0, r->layer_end);
         return;
     }
-    loom_attention_params p = {sizeof p,
-                               q,
-                               &r->kc[layer],
-                               &r->vc[layer],
-                               &r->in.block_table,
-                               &r->in.seq,
-                               &r->in.pos,
-                               r->has_prefix ? &r->in.prefix_len : NULL,
-                               dst,
-                               scale};
+    loom_attention_params p = {.struct_size = sizeof p,
+                               .q = q,
+                               .k_cache = &r->kc[layer],
+                               .v_cache = &r->vc[layer],
+                               .block_table = &r->in.block_table,
+                               .seq = &r->in.seq,
+                               .pos = &r->in.pos,
+                               .prefix_len = r->has_prefix ? &r->in.prefix_len : NULL,
+                               .dst = dst,
+                               .scale = scale,
+                               .window = r->hp.n_swa};
     exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
 }
 
@@ -682,7 +685,8 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
         ? "the head width (attention.key_length) must be from 1 to 65536"
         : hp->n_rot < 0 || hp->n_rot > hp->head_dim || hp->n_rot % 2
         ? "the rotated dimensions (rope.dimension_count) must be even and at most the head width"
-        : NULL;
+        : hp->n_swa < 0 ? "the sliding window (attention.sliding_window) must not be negative"
+                        : NULL;
     if (bad)
         snprintf(err, err_size, "%s: %s (epsilon %g, base %g, scale %g, head %d, rotated %d)",
                  hp->arch, bad, (double)hp->norm_eps, (double)hp->rope_base, (double)hp->rope_scale,

@@ -32,6 +32,7 @@ typedef struct loom_hparams {
     float rope_scale; /* linear position scaling, 1 = none */
     int32_t n_rot;
     int32_t rope_mode; /* loom_rope_mode */
+    int32_t n_swa;     /* sliding-window attention: keys within this many positions; 0 = all */
 } loom_hparams;
 
 typedef struct loom_runner loom_runner;

@@ -64,6 +64,9 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->n_head_kv = (int32_t)loom_model_kv_int(g, arch, "attention.head_count_kv", hp->n_head);
     hp->n_ff = (int32_t)loom_model_kv_int(g, arch, "feed_forward_length", 0);
     hp->n_ctx_train = (int32_t)loom_model_kv_int(g, arch, "context_length", 2048);
+    /* Mistral's sliding window, under the key llama.cpp uses for its sliding-window families
+     * (its converter writes none for Mistral, whose files then run without a window there) */
+    hp->n_swa = (int32_t)loom_model_kv_int(g, arch, "attention.sliding_window", 0);
     hp->norm_eps = (float)loom_model_kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-5);
     hp->rope_base = (float)loom_model_kv_float(g, arch, "rope.freq_base", 10000.0);
     /* rope.scaling.type says how rope.scaling.factor applies: linear divides positions;
@@ -291,6 +294,11 @@ static void head_width(loom_hf_values *v, int32_t hd)
 
 static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
+    if (loom_hf_true(cf, "use_sliding_window")) {
+        /* Qwen2's windows apply from layer max_window_layers on: not one window for all */
+        snprintf(err, err_size, "use_sliding_window (per-layer sliding windows) is not supported");
+        return -1;
+    }
     int32_t n_embd = (int32_t)loom_hf_get(v, "embedding_length");
     int32_t n_head = (int32_t)loom_hf_get(v, "attention.head_count");
     int64_t n_kv, hd;
@@ -394,6 +402,20 @@ static const loom_hf_tensor llama_tensors[] = {
      LOOM_HF_UNSUPPORTED, NULL},
     DECODER_TAIL,
     {0}};
+
+/* MistralForCausalLM: Llama's layout and RoPE convention, and sliding_window (null in
+ * Mistral v0.2 on: no window). */
+static int mistral_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (decoder_derive(cf, v, err, err_size) != 0)
+        return -1;
+    int64_t window;
+    if (loom_hf_int(cf, "sliding_window", 0, 1, INT32_MAX, &window, err, err_size) != 0)
+        return -1;
+    if (window)
+        loom_hf_set(v, "attention.sliding_window", LOOM_HF_U32, (double)window);
+    return 0;
+}
 
 static const loom_hf_tensor qwen2_tensors[] = {
     DECODER_HEAD,
@@ -510,6 +532,11 @@ const loom_family loom_family_llama = {.arch = &loom_arch_llama,
                                        .hf_tensors = llama_tensors,
                                        .hf_rope_freqs = llama3_rope_freqs,
                                        .tiktoken = &llama3_specials};
+const loom_family loom_family_mistral = {.arch = &loom_arch_llama,
+                                         .hf_model_type = "mistral",
+                                         .hf_params = decoder_params,
+                                         .hf_derive = mistral_derive,
+                                         .hf_tensors = llama_tensors};
 const loom_family loom_family_qwen2 = {.arch = &loom_arch_qwen2,
                                        .chat_template = "chatml",
                                        .hf_model_type = "qwen2",

@@ -20,8 +20,8 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
                            double fallback);
 
 /* Each family's whole declaration (models/family.h), in the file of its forward pass. */
-extern const loom_family loom_family_llama, loom_family_qwen2, loom_family_qwen3, loom_family_qwen,
-    loom_family_chatglm, loom_family_chatglm1;
+extern const loom_family loom_family_llama, loom_family_mistral, loom_family_qwen2,
+    loom_family_qwen3, loom_family_qwen, loom_family_chatglm, loom_family_chatglm1;
 
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);

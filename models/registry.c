@@ -24,10 +24,10 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
     return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
 }
 
-static const loom_family *families[16] = {&loom_family_llama,    &loom_family_qwen2,
-                                          &loom_family_qwen3,    &loom_family_qwen,
-                                          &loom_family_chatglm1, &loom_family_chatglm};
-static int n_families = 6;
+static const loom_family *families[16] = {
+    &loom_family_llama,    &loom_family_qwen2,   &loom_family_qwen3,  &loom_family_qwen,
+    &loom_family_chatglm1, &loom_family_chatglm, &loom_family_mistral};
+static int n_families = 7;
 
 const loom_family *loom_family_find(const char *name)
 {

@@ -446,7 +446,15 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
         loom_tensor seq = dense(ib, LOOM_I32, tokens, 1, 1), pos = seq;
         seq.offset = (uint64_t)blocks * 4;
         pos.offset = (uint64_t)(blocks + tokens) * 4;
-        attn_ctx c = {{sizeof c.p, &q, &k, &v, &bt, &seq, &pos, NULL, &o, 1.0f / sqrtf((float)hd)}};
+        attn_ctx c = {{.struct_size = sizeof c.p,
+                       .q = &q,
+                       .k_cache = &k,
+                       .v_cache = &v,
+                       .block_table = &bt,
+                       .seq = &seq,
+                       .pos = &pos,
+                       .dst = &o,
+                       .scale = 1.0f / sqrtf((float)hd)}};
         double mean, sd, bw = tokens == 1 ? adjacent_bandwidth() : 0.0;
         repeat(d, run_attention, &c, 0.3, &mean, &sd);
         double bw_after = tokens == 1 ? adjacent_bandwidth() : 0.0;

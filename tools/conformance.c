@@ -101,6 +101,7 @@ typedef struct test_case {
     float eps, scale, freq_base, freq_scale;
     int32_t rope_mode, n_rot;
     uint32_t abi_minor; /* the ABI minor the case's parameters need (a module below skips it) */
+    int32_t window;     /* attention's sliding window (ABI 1.4) */
 } test_case;
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -346,8 +347,17 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_ATTENTION: {
-        loom_attention_params p = {sizeof p, T(0), T(1), T(2), T(3),
-                                   T(4),     T(5), T(6), T(7), tc->scale};
+        loom_attention_params p = {.struct_size = sizeof p,
+                                   .q = T(0),
+                                   .k_cache = T(1),
+                                   .v_cache = T(2),
+                                   .block_table = T(3),
+                                   .seq = T(4),
+                                   .pos = T(5),
+                                   .prefix_len = T(6),
+                                   .dst = T(7),
+                                   .scale = tc->scale,
+                                   .window = tc->window};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_QUANTIZE:
@@ -698,13 +708,18 @@ static void make_attention(test_case *tc, loom_dtype dt, int v)
     /* v0: decode, 2 sequences, GQA 4/2; v1: prefill chunk of one sequence, MQA 4/1;
      * v2: ChatGLM-6B style prefix-bidirectional prefill; v3: mixed batch. Head sizes and
      * block sizes vary so that backends' specialised paths (and the general one) all run. */
+    /* v4, v5 (ABI 1.4): v0 and v3 again with a sliding window of 5 keys, whose first key lies
+     * inside a block (so a backend's per-block walk must mask within it) */
+    int window = v >= 4 ? 5 : 0;
+    if (window)
+        v = v == 4 ? 0 : 3, tc->window = window, tc->abi_minor = 4;
     static const int64_t head_dims[] = {64, 128, 96, 256}, block_sizes[] = {4, 16, 4, 8};
     int64_t hd = head_dims[v], heads = 4, kvh = v == 1 ? 1 : 2, bs = block_sizes[v], blocks = 12,
             max_blocks = 5;
     static const char *what[] = {"decode, 2 seqs, GQA 4/2", "prefill 6 tokens, MQA 4/1",
                                  "prefix-bidirectional prefill", "mixed prefill+decode"};
-    snprintf(tc->label, sizeof tc->label, "%s, head_dim %lld, block %lld", what[v], (long long)hd,
-             (long long)bs);
+    snprintf(tc->label, sizeof tc->label, "%s, head_dim %lld, block %lld%s", what[v], (long long)hd,
+             (long long)bs, window ? ", window 5" : "");
     int32_t seq[8], pos[8], ntok;
     int32_t table[2][5] = {{3, 7, 1, 10, 0}, {11, 2, 5, 4, 9}};
     int32_t prefix[2] = {5, 0};
@@ -785,7 +800,7 @@ static const case_family families[] = {
     {LOOM_OP_SILU_MUL, 5, make_elementwise},
     {LOOM_OP_GELU, 5, make_elementwise},
     {LOOM_OP_KV_STORE, 3, make_kv_store},
-    {LOOM_OP_ATTENTION, 4, make_attention},
+    {LOOM_OP_ATTENTION, 6, make_attention},
     {LOOM_OP_QUANTIZE, 4, make_quant},
     {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},

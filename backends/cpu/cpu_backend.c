@@ -454,9 +454,12 @@ static void attn_pairs(void *ctx, int ith, int nth)
         int64_t pair = idx / j->splits, part = idx % j->splits;
         int64_t t = pair / kvh, g = pair % kvh;
         int32_t s = i32_at(p->seq, t);
-        int64_t last = last_key(p, t), n_key_blocks = last / bs + 1;
+        /* keys [first, last]: a sliding window starts past 0 */
+        int64_t last = last_key(p, t), first = loom_attention_first_key(p, i32_at(p->pos, t));
+        int64_t first_block = first / bs, n_key_blocks = last / bs + 1 - first_block;
         /* this part's key blocks (all of them without a split) */
-        int64_t kb0 = part * n_key_blocks / j->splits, kb1 = (part + 1) * n_key_blocks / j->splits;
+        int64_t kb0 = first_block + part * n_key_blocks / j->splits,
+                kb1 = first_block + (part + 1) * n_key_blocks / j->splits;
         const unsigned char *bt = cpu_row(p->block_table, base(p->block_table), s);
         const float *q[256]; /* the group's query rows (heads / kv_heads <= 256, checked) */
         for (int64_t h = 0; h < group; h++) {
@@ -506,6 +509,9 @@ static void attn_pairs(void *ctx, int ith, int nth)
                 for (int64_t h = 0; h < group; h++)
                     scores[h * bs + jj] = cpu_dot(q[h], k, hd) * p->scale;
             }
+            for (int64_t h = 0; j0 < first && h < group; h++) /* keys before the window */
+                for (int64_t jj = 0; jj < first - j0 && jj < nk; jj++)
+                    scores[h * bs + jj] = -INFINITY;
             for (int64_t h = 0; h < group; h++) {
                 float *sc = scores + h * bs;
                 float bmax = m[h];

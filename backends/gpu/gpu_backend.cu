@@ -696,6 +696,7 @@ static loom_status cuda_attention(loom_backend *be, const loom_attention_params 
     a.seq = view_of(p->seq);
     a.pos = view_of(p->pos);
     a.has_prefix = p->prefix_len != NULL;
+    a.window = p->window; /* loom_check_attention above: 0 or positive */
     a.prefix = p->prefix_len ? view_of(p->prefix_len) : a.pos;
     a.dst = view_of(p->dst);
     a.cdt = p->k_cache->dtype;

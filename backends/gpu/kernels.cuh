@@ -690,6 +690,7 @@ __global__ void k_kv_store_q8(tview src, tview slots, tview cache, int64_t hd, i
 struct attn_args {
     tview q, k, v, table, seq, pos, prefix, dst;
     int has_prefix;
+    int window; /* keys j > pos - window only; 0: all */
     int cdt;
     int64_t hd, heads, kvh, group, bs, n_blocks, n_seqs, max_blocks;
     int gb, chunks, tile, splits;
@@ -728,7 +729,9 @@ __global__ void k_attention(attn_args a)
             report_error(a.err, LOOM_OP_ATTENTION, last, a.max_blocks * a.bs, t);
         return;
     }
-    int64_t j_begin = z * a.split_len, j_end = lmin(j_begin + a.split_len, last + 1);
+    int64_t first = a.window > 0 ? lmax(0, (int64_t)pos - a.window + 1) : 0;
+    int64_t j_begin = lmax(z * a.split_len, first),
+            j_end = lmin(z * a.split_len + a.split_len, last + 1);
     const int32_t *table = (const int32_t *)row_at(a.table, s);
 
     for (int64_t i = threadIdx.x; i < G * hd; i += blockDim.x) {

@@ -508,6 +508,12 @@ static loom_status ref_attention(loom_backend *be, const loom_attention_params *
         if (p->prefix_len->ne[0] != n_seqs)
             return fail(be, LOOM_ERR_INVALID, "attention: prefix_len needs one entry per sequence");
     }
+    int32_t window = p->struct_size >= offsetof(loom_attention_params, window) + sizeof p->window
+        ? p->window
+        : 0;
+    if (window < 0 || (window > 0 && p->prefix_len))
+        return fail(be, LOOM_ERR_INVALID,
+                    "attention: window %d must be 0 or positive, and takes no prefix_len", window);
     int64_t group = heads / (kvh ? kvh : 1);
     float *q = scratch((size_t)hd), *k = scratch((size_t)hd), *v = scratch((size_t)hd);
     double *acc = malloc((size_t)(hd ? hd : 1) * sizeof(double));
@@ -543,7 +549,7 @@ static loom_status ref_attention(loom_backend *be, const loom_attention_params *
             for (int pass = 0; pass < 2; pass++) {
                 for (int64_t i = 0; i < hd; i++)
                     acc[i] = 0.0;
-                for (int64_t j = 0; j <= last; j++) {
+                for (int64_t j = loom_attention_first_key(p, pos); j <= last; j++) {
                     int32_t blk;
                     memcpy(&blk, bt_row + (j / bs) * p->block_table->nb[0], 4);
                     if (blk < 0 || blk >= n_blocks) {

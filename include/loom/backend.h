@@ -478,6 +478,10 @@ typedef struct loom_attention_params {
     const loom_tensor *prefix_len;  /* [seqs] I32, or NULL */
     const loom_tensor *dst;         /* [tokens, heads, head_dim] F32 */
     float scale;                    /* usually 1/sqrt(head_dim) */
+    /* ABI 1.4: a sliding window (Mistral's sliding_window): token t attends only to keys j >
+     * pos[t] - window; 0 = no window. Not combined with prefix_len. loom passes it only to a
+     * module of minor 4 or later. */
+    int32_t window;
 } loom_attention_params;
 
 /* quantize:   dst (Q8_0, Q4_0 or Q4_1) from src F32, row by row (row length a multiple of 32)
@@ -679,7 +683,19 @@ static inline const char *loom_check_attention(const loom_attention_params *p)
         return "attention: q [tokens, heads, head_dim] disagrees with the cache, seq or pos";
     if (p->prefix_len && p->prefix_len->ne[0] != loom_tensor_rows(p->block_table))
         return "attention: prefix_len needs one entry per sequence";
+    if (p->struct_size >= offsetof(loom_attention_params, window) + sizeof p->window &&
+        (p->window < 0 || (p->window > 0 && p->prefix_len)))
+        return "attention: window must be 0 or positive, and not combined with prefix_len";
     return NULL;
+}
+
+/* The first key token t of an attention call sees: past its window, or 0. */
+static inline int64_t loom_attention_first_key(const loom_attention_params *p, int64_t pos)
+{
+    int window = p->struct_size >= offsetof(loom_attention_params, window) + sizeof p->window
+        ? p->window
+        : 0;
+    return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
 }
 
 /* which: LOOM_OP_QUANTIZE, LOOM_OP_DEQUANTIZE or LOOM_OP_CONVERT */
