@@ -243,9 +243,12 @@ int loom_chat_main(int argc, char **argv)
             fprintf(stderr, "(%d tokens, %.1f tok/s; reused %d of %lld prompt tokens%s)\n",
                     st.n_generated, st.decode_tok_s, keep, (long long)n,
                     interrupted ? "; stopped" : "");
+            /* what the KV cache holds: the prompt and every generated token but the last,
+             * which was sampled and never run (its slot was never written: a turn that
+             * reused it attended to stale memory, NaN once it held some) */
             memcpy(cache, ids, (size_t)n * sizeof *cache);
             n_cache = (int32_t)n;
-            for (int i = 0; i < a.n_ids && n_cache < n_ctx_max; i++)
+            for (int i = 0; i + 1 < a.n_ids && n_cache < n_ctx_max; i++)
                 cache[n_cache++] = a.ids[i];
             add_msg(&c, "assistant", a.text ? a.text : "");
         }
