@@ -5,9 +5,37 @@
 
 #include <loom/loom.h>
 
-#include "core/loader.h"
+#include "loader_env.h"
 
 #include <stdlib.h>
+#include <string.h>
+
+static const char *env_text(const char *name)
+{
+    const char *s = getenv(name);
+    return s && *s ? s : NULL;
+}
+
+loom_loader_options loom_loader_options_from_env(void)
+{
+    loom_loader_options o = {.search_path = env_text("LOOM_BACKEND_PATH"),
+                             .cpu_variant = env_text("LOOM_CPU_VARIANT"),
+                             .cpu_max_isa = env_text("LOOM_CPU_MAX_ISA")};
+    const char *explain = env_text("LOOM_EXPLAIN");
+    o.explain = explain && strcmp(explain, "0") != 0;
+    const char *timeout = env_text("LOOM_PROBE_TIMEOUT");
+    char *end;
+    long t = timeout ? strtol(timeout, &end, 10) : 0;
+    o.probe_timeout_s = timeout && !*end && t >= 1 && t <= 3600 ? t : 0;
+    const char *isolation = env_text("LOOM_PROBE_ISOLATION");
+    o.probe_in_process = isolation && !strcmp(isolation, "0");
+    return o;
+}
+
+const char *loom_backend_preference_from_env(void)
+{
+    return env_text("LOOM_BACKEND");
+}
 
 const char *loom_version(void)
 {
@@ -22,11 +50,12 @@ const char *loom_git_commit(void)
 int loom_backends_report(FILE *out, int json, char *err, size_t err_size)
 {
     loom_registry reg;
-    if (loom_registry_scan(&reg, err, err_size) != 0) {
+    loom_loader_options lo = loom_loader_options_from_env();
+    if (loom_registry_scan(&reg, &lo, err, err_size) != 0) {
         loom_registry_free(&reg);
         return -1;
     }
-    int rc = loom_registry_select(&reg, NULL, err, err_size);
+    int rc = loom_registry_select(&reg, loom_backend_preference_from_env(), err, err_size);
     if (json) {
         char *s = loom_registry_json(&reg);
         if (s)

@@ -8,7 +8,7 @@
 #include "distributed.h"
 
 #include "core/gguf.h"
-#include "core/loader.h"
+#include "loader_env.h"
 #include "core/runner.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
@@ -30,11 +30,12 @@ struct loom_model {
     char backend[192];
     char name[128];
     float *prompt_logits;
-    loom_dist *dist;      /* a pipeline across the ranks of an MPI job, or NULL */
-    loom_stage_link link; /* this rank's stage's, for the runner */
-    int pipeline_running; /* every rank opened its stage */
-    char pipeline[1024];  /* rank 0: every rank's layers, host and backend */
-    int32_t *unsampled;   /* the ids loom_model_mask_unsampled bans */
+    loom_dist *dist;            /* a pipeline across the ranks of an MPI job, or NULL */
+    loom_stage_link link;       /* this rank's stage's, for the runner */
+    int pipeline_running;       /* every rank opened its stage */
+    char pipeline[1024];        /* rank 0: every rank's layers, host and backend */
+    loom_loader_options loader; /* from the environment, for the registry and the fallback */
+    int32_t *unsampled;         /* the ids loom_model_mask_unsampled bans */
     int32_t n_unsampled;
 };
 
@@ -99,6 +100,7 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
                        size_t err_size)
 {
     loom_registry reg = {.chosen = -1};
+    reg.opts = m->loader;
     int rc;
     if (opts->backend_module) {
         rc = loom_registry_add_file(&reg, opts->backend_module, err, err_size);
@@ -116,12 +118,13 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
         }
         reg.chosen = 0, reg.chosen_device = 0;
     } else {
-        int scanned = loom_registry_scan(&reg, err, err_size) == 0;
+        int scanned = loom_registry_scan(&reg, &m->loader, err, err_size) == 0;
+        const char *preference = opts->backend ? opts->backend : loom_backend_preference_from_env();
         rc = -1;
         /* a module that probes well but cannot open its device gives way to the next choice
          * (at most every candidate once) */
         for (int tries = 0; scanned && tries < reg.count; tries++) {
-            if (loom_registry_select(&reg, opts->backend, err, err_size) != 0)
+            if (loom_registry_select(&reg, preference, err, err_size) != 0)
                 break;
             char why[512];
             if ((rc = loom_device_open_chosen(&m->dev, &reg, opts->n_threads, why, sizeof why)) ==
@@ -149,7 +152,7 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
         /* the trace plugin is found like a backend; a registry of one file has to look */
         if (opts->backend_module) {
             loom_registry_free(&reg);
-            rc = loom_registry_scan(&reg, err, err_size);
+            rc = loom_registry_scan(&reg, &m->loader, err, err_size);
         }
         int i = rc == 0 ? loom_registry_find_decorator(&reg, "trace", err, err_size) : -1;
         rc = i < 0 ? -1 : loom_device_decorate(&m->dev, reg.items[i].path, trace, err, err_size);
@@ -274,6 +277,8 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
+    m->loader = loom_loader_options_from_env();
+    ro.loader = &m->loader;
     const loom_arch *a = NULL;
     if (loom_dist_join(opts->distributed, &m->dist, err, err_size) != 0)
         goto fail;

@@ -17,6 +17,7 @@ typedef struct kept_copy {
 
 struct loom_fallback {
     loom_device *main;
+    loom_loader_options loader;
     loom_device dev; /* opened on first use */
     int opened;
     loom_fallback_constant_fn constant;
@@ -26,11 +27,14 @@ struct loom_fallback {
     unsigned char warned[LOOM_OP_COUNT][32];
 };
 
-loom_fallback *loom_fallback_new(loom_device *main, loom_fallback_constant_fn constant, void *ctx)
+loom_fallback *loom_fallback_new(loom_device *main, const loom_loader_options *loader,
+                                 loom_fallback_constant_fn constant, void *ctx)
 {
     loom_fallback *fb = calloc(1, sizeof *fb);
     if (fb) {
         fb->main = main;
+        if (loader)
+            fb->loader = *loader;
         fb->constant = constant;
         fb->ctx = ctx;
     }
@@ -53,7 +57,7 @@ void loom_fallback_free(loom_fallback *fb)
 static int open_device(loom_fallback *fb, char *err, size_t err_size)
 {
     loom_registry reg;
-    if (loom_registry_scan(&reg, err, err_size) != 0) {
+    if (loom_registry_scan(&reg, &fb->loader, err, err_size) != 0) {
         loom_registry_free(&reg);
         return -1;
     }

@@ -18,7 +18,9 @@ typedef struct loom_fallback loom_fallback;
 /* Whether buf holds data that never changes (weights), so its copies may be kept. */
 typedef int (*loom_fallback_constant_fn)(void *ctx, const loom_buffer *buf);
 
-loom_fallback *loom_fallback_new(loom_device *main, loom_fallback_constant_fn constant, void *ctx);
+/* loader: where the fallback module is found (NULL: the defaults). */
+loom_fallback *loom_fallback_new(loom_device *main, const loom_loader_options *loader,
+                                 loom_fallback_constant_fn constant, void *ctx);
 void loom_fallback_free(loom_fallback *fb);
 
 /* Runs op with the ABI parameter struct params (whose tensors live on the main device) on the

@@ -45,7 +45,22 @@ typedef struct loom_candidate {
     char reason[512]; /* why this state */
 } loom_candidate;
 
+/* What the loader takes from its caller; core reads no environment. Tools and
+ * loom_model_open fill it from LOOM_BACKEND_PATH, LOOM_CPU_VARIANT, LOOM_CPU_MAX_ISA,
+ * LOOM_EXPLAIN, LOOM_PROBE_TIMEOUT and LOOM_PROBE_ISOLATION (api/loader_env.h); an embedding
+ * program may set them per model. Zero (or NULL) everywhere: the defaults. The strings are
+ * borrowed for the registry's life. */
+typedef struct loom_loader_options {
+    const char *search_path; /* directories searched first, ':' between */
+    const char *cpu_variant; /* the one CPU variant to use ("avx2") */
+    const char *cpu_max_isa; /* no CPU variant above this ISA level */
+    int explain;             /* selection prints every candidate on stderr */
+    long probe_timeout_s;    /* a probe that takes longer failed; 0: 5 s */
+    int probe_in_process;    /* probe in this process, not in a child (debugging) */
+} loom_loader_options;
+
 typedef struct loom_registry {
+    loom_loader_options opts; /* what scan was given; select and add_file use it too */
     loom_candidate *items;
     int count;
     int chosen;             /* index into items, or -1 */
@@ -60,17 +75,19 @@ typedef struct loom_registry {
 int loom_exe_dir(char *out, size_t n);
 int loom_build_tree(const char *exe_dir, char *build, size_t n);
 
-/* Scans LOOM_BACKEND_PATH, the build tree (when running from it), the install directory next
- * to the executable and the configured install directory. Returns 0, or -1 with err set when
- * memory runs out. Unloadable files are candidates too, with their reason. */
-int loom_registry_scan(loom_registry *reg, char *err, size_t err_size);
+/* Scans opts->search_path, the build tree (when running from it), the install directory next
+ * to the executable and the configured install directory (opts NULL: defaults). Returns 0, or
+ * -1 with err set when memory runs out. Unloadable files are candidates too, with their
+ * reason. */
+int loom_registry_scan(loom_registry *reg, const loom_loader_options *opts, char *err,
+                       size_t err_size);
 
 /* Vets one file and adds it as a candidate (used by scan and by the conformance tool). */
 int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size_t err_size);
 
-/* Chooses one candidate by LOOM_BACKEND (or `preference` when not NULL), the CPU variant env
- * vars and the scores. Returns 0, or -1 with an error that lists what is available. With
- * LOOM_EXPLAIN=1 the report goes to stderr either way. */
+/* Chooses one candidate by `preference` (LOOM_BACKEND's syntax; NULL: none), the registry's
+ * CPU variant options and the scores. Returns 0, or -1 with an error that lists what is
+ * available. With opts.explain the report goes to stderr either way. */
 int loom_registry_select(loom_registry *reg, const char *preference, char *err, size_t err_size);
 
 /* The first usable decorator module called name (kind LOOM_MODULE_DECORATOR), or -1 with an

@@ -75,8 +75,8 @@ void loader_exclude_shadowed(loom_registry *reg)
 
 static int apply_cpu_env(loom_registry *reg, char *err, size_t err_size)
 {
-    const char *force = getenv("LOOM_CPU_VARIANT");
-    const char *cap = getenv("LOOM_CPU_MAX_ISA");
+    const char *force = reg->opts.cpu_variant;
+    const char *cap = reg->opts.cpu_max_isa;
     int cap_rank = -1;
     if (cap && *cap) {
         cap_rank = isa_rank(cap);
@@ -143,11 +143,6 @@ static int best_usable(const loom_registry *reg, const char *want)
     return best;
 }
 
-static int explain_wanted(void)
-{
-    const char *s = getenv("LOOM_EXPLAIN");
-    return s && *s && strcmp(s, "0") != 0;
-}
 
 /* Parses "name[:device]" into name and device (-1 when absent). */
 static int parse_entry(const char *entry, char *name, size_t n, int *device)
@@ -244,7 +239,7 @@ out:
 
 int loom_registry_select(loom_registry *reg, const char *preference, char *err, size_t err_size)
 {
-    const char *pref = preference ? preference : getenv("LOOM_BACKEND");
+    const char *pref = preference;
     loader_exclude_shadowed(reg);
     int rc = apply_cpu_env(reg, err, err_size);
     if (rc == 0 && pref && *pref) {
@@ -282,7 +277,7 @@ int loom_registry_select(loom_registry *reg, const char *preference, char *err, 
                                c->probe.score, l, ch->probe.score);
         }
     }
-    if (explain_wanted()) {
+    if (reg->opts.explain) {
         loom_registry_print(reg, stderr);
         if (rc)
             fprintf(stderr, "loom: %s\n", err);

@@ -150,14 +150,6 @@ static void vet_here(const char *path, vet_result *r)
     dlclose(h);
 }
 
-static long env_long(const char *name, long fallback, long lo, long hi)
-{
-    const char *s = getenv(name);
-    char *end;
-    long v = s && *s ? strtol(s, &end, 10) : fallback;
-    return s && *s && !*end && v >= lo && v <= hi ? v : fallback;
-}
-
 static double now_s(void)
 {
     struct timespec ts;
@@ -168,7 +160,7 @@ static double now_s(void)
 /* vet_here in a child process, so that a module that crashes, aborts, exits or hangs while
  * loading or probing costs only the child: the result comes back over a pipe, and a child that
  * sends none is reported with what became of it. */
-static void vet_isolated(const char *path, vet_result *r)
+static void vet_isolated(const char *path, long timeout, vet_result *r)
 {
     int fds[2];
     if (pipe2(fds, O_CLOEXEC) != 0) {
@@ -205,7 +197,6 @@ static void vet_isolated(const char *path, vet_result *r)
     setpgid(pid, pid); /* as the child does: whichever runs first */
     close(fds[1]);
     fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
-    long timeout = env_long("LOOM_PROBE_TIMEOUT", 5, 1, 3600);
     double deadline = now_s() + (double)timeout;
     size_t got = 0;
     int timed_out = 0, status = 0, reaped = 0;
@@ -279,8 +270,8 @@ int loom_registry_add_file(loom_registry *reg, const char *path, char *err, size
     loader_copy_str(c->path, sizeof c->path, path);
 
     vet_result r;
-    if (env_long("LOOM_PROBE_ISOLATION", 1, 0, 1))
-        vet_isolated(path, &r);
+    if (!reg->opts.probe_in_process)
+        vet_isolated(path, reg->opts.probe_timeout_s > 0 ? reg->opts.probe_timeout_s : 5, &r);
     else
         vet_here(path, &r);
     c->state = r.state;
@@ -473,12 +464,15 @@ static int scan_build_tree(loom_registry *reg, const char *exe, char *err, size_
     return 0;
 }
 
-int loom_registry_scan(loom_registry *reg, char *err, size_t err_size)
+int loom_registry_scan(loom_registry *reg, const loom_loader_options *opts, char *err,
+                       size_t err_size)
 {
     memset(reg, 0, sizeof *reg);
     reg->chosen = -1;
+    if (opts)
+        reg->opts = *opts;
 
-    const char *env = getenv("LOOM_BACKEND_PATH");
+    const char *env = reg->opts.search_path;
     if (env && *env) {
         char *copy = strdup(env);
         if (!copy) {

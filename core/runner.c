@@ -456,7 +456,7 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
     } else {
         char err[512];
         if (!r->fallback)
-            r->fallback = loom_fallback_new(r->dev, is_weight_buffer, r);
+            r->fallback = loom_fallback_new(r->dev, r->opt.loader, is_weight_buffer, r);
         if (!r->fallback)
             fail(r, "out of memory");
         else if (loom_fallback_run(r->fallback, op, dt, params, what, err, sizeof err) != 0)

@@ -93,6 +93,8 @@ typedef struct loom_runner_options {
      * no environment variables); zero is the default of each. */
     int no_repack; /* do not offer weights to the backend's prepare_weight */
     int strict;    /* an op the backend lacks is an error, not a run on the CPU */
+    /* where the CPU fallback finds its module (NULL: the loader's defaults) */
+    const struct loom_loader_options *loader;
     /* A pipeline stage (link non-NULL): layers [first_layer, end_layer) only, maybe none (a
      * stage of the head alone). Only the stage's weights are loaded (loom_runner_stage_holds)
      * and only its layers' KV cache allocated. A stage after the first takes its input from

@@ -6,7 +6,7 @@
 #ifndef LOOM_TESTS_BACKENDS_H
 #define LOOM_TESTS_BACKENDS_H
 
-#include "core/loader.h"
+#include "api/loader_env.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,7 +20,8 @@ static inline int usable_backends(char labels[][160], int max)
 {
     char err[512];
     loom_registry reg;
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+    loom_loader_options loader = loom_loader_options_from_env();
+    if (loom_registry_scan(&reg, &loader, err, sizeof err) != 0) {
         fprintf(stderr, "scanning for backends: %s\n", err);
         loom_registry_free(&reg);
         return -1;

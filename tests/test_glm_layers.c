@@ -307,7 +307,8 @@ static void check_glm1(const char *gguf_path, const glm1_file *f, const char *ba
         CHECK(0, "%s", err);
         return;
     }
-    int ok = loom_registry_scan(&reg, err, sizeof err) == 0 &&
+    loom_loader_options loader = loom_loader_options_from_env();
+    int ok = loom_registry_scan(&reg, &loader, err, sizeof err) == 0 &&
         loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
         loom_device_open_chosen(&dev, &reg, 0, err, sizeof err) == 0;
     loom_registry_free(&reg);

@@ -99,7 +99,8 @@ static void test_abi_1_0_module(void)
 }
 
 /* Builds a registry of the three fake cpu variants and the device-less module, then selects
- * with the given env (NULL unsets) and preference. Returns the chosen label or "error". */
+ * with the given CPU variant options (LOOM_CPU_VARIANT, LOOM_CPU_MAX_ISA as the API reads them;
+ * NULL: none) and preference. Returns the chosen label or "error". */
 static const char *select_with(const char *variant_env, const char *cap_env, const char *pref,
                                int *device, loom_registry *reg)
 {
@@ -109,14 +110,8 @@ static const char *select_with(const char *variant_env, const char *cap_env, con
     vet(reg, "fake-cpu-avx2.so");
     vet(reg, "fake-cpu-avx512.so");
     vet(reg, "fake-nodevice.so");
-    if (variant_env)
-        setenv("LOOM_CPU_VARIANT", variant_env, 1);
-    else
-        unsetenv("LOOM_CPU_VARIANT");
-    if (cap_env)
-        setenv("LOOM_CPU_MAX_ISA", cap_env, 1);
-    else
-        unsetenv("LOOM_CPU_MAX_ISA");
+    reg->opts.cpu_variant = variant_env;
+    reg->opts.cpu_max_isa = cap_env;
     err[0] = '\0';
     if (loom_registry_select(reg, pref, err, sizeof err) != 0)
         return "error";
@@ -194,8 +189,6 @@ static void test_selection(void)
 
     /* nothing at all */
     loom_registry empty = {.chosen = -1};
-    unsetenv("LOOM_CPU_VARIANT");
-    unsetenv("LOOM_CPU_MAX_ISA");
     CHECK(loom_registry_select(&empty, NULL, err, sizeof err) != 0 &&
               strstr(err, "no backend modules found"),
           "empty registry: %s", err);

@@ -171,7 +171,8 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
     for (int s = 0; s < n_st && ok; s++) {
         const char *backend = labels[s % n_labels];
         loom_registry reg;
-        ok = loom_registry_scan(&reg, err, sizeof err) == 0 &&
+        loom_loader_options loader = loom_loader_options_from_env();
+        ok = loom_registry_scan(&reg, &loader, err, sizeof err) == 0 &&
             loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
             loom_device_open_chosen(&dev[s], &reg, 0, err, sizeof err) == 0;
         loom_registry_free(&reg);

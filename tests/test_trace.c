@@ -58,7 +58,7 @@ static int run_matmul(loom_device *d, const float *x, const float *w, float *y)
 int main(void)
 {
     loom_registry reg;
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+    if (loom_registry_scan(&reg, NULL, err, sizeof err) != 0) {
         fprintf(stderr, "scan: %s\n", err);
         return 1;
     }

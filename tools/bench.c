@@ -16,7 +16,7 @@
 
 #include "args.h"
 #include "bench_ops.h"
-#include "core/loader.h"
+#include "api/loader_env.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -158,7 +158,8 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
     /* which backends */
     loom_registry reg;
     char err[4096];
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+    loom_loader_options lo = loom_loader_options_from_env();
+    if (loom_registry_scan(&reg, &lo, err, sizeof err) != 0) {
         fprintf(stderr, "loom bench: %s\n", err);
         return 1;
     }

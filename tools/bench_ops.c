@@ -14,7 +14,7 @@
 #include "args.h"
 #include "bench_ops.h"
 
-#include "core/loader.h"
+#include "api/loader_env.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -569,7 +569,8 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
 
     loom_registry reg;
     char err[4096];
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+    loom_loader_options lo = loom_loader_options_from_env();
+    if (loom_registry_scan(&reg, &lo, err, sizeof err) != 0) {
         fprintf(stderr, "loom bench ops: %s\n", err);
         return 1;
     }

@@ -20,7 +20,7 @@
  */
 #define _GNU_SOURCE
 #include "args.h"
-#include "core/loader.h"
+#include "api/loader_env.h"
 #include "loom/loom.h"
 
 #include <cjson/cJSON.h>
@@ -1488,7 +1488,7 @@ static module_outcome check_module(const char *path, const char *ref_path, int q
     printf("\n## %s\n\n", path);
 
     /* ABI negotiation, as the loader does it */
-    loom_registry one = {.chosen = -1};
+    loom_registry one = {.opts = loom_loader_options_from_env(), .chosen = -1};
     char err[4096] = "";
     const loom_candidate *c = NULL;
     if (loom_registry_add_file(&one, path, err, sizeof err) == 0)
@@ -1616,7 +1616,8 @@ int main(int argc, char **argv)
 
     loom_registry reg;
     char err[4096];
-    if (loom_registry_scan(&reg, err, sizeof err) != 0) {
+    loom_loader_options lo = loom_loader_options_from_env();
+    if (loom_registry_scan(&reg, &lo, err, sizeof err) != 0) {
         fprintf(stderr, "loom-conformance: %s\n", err);
         free(named);
         return 2;

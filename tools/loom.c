@@ -4,7 +4,7 @@
  */
 #include <loom/loom.h>
 
-#include "core/loader.h"
+#include "api/loader_env.h"
 
 #include "args.h"
 #include "bench_ops.h"
@@ -601,7 +601,8 @@ int main(int argc, char **argv)
     if (strcmp(cmd, "version") == 0 || strcmp(cmd, "--version") == 0) {
         loom_registry reg;
         char err[512];
-        int scanned = loom_registry_scan(&reg, err, sizeof err) == 0;
+        loom_loader_options lo = loom_loader_options_from_env();
+        int scanned = loom_registry_scan(&reg, &lo, err, sizeof err) == 0;
         printf("loom %s\ngit commit %s\nbackend ABI %d.%d\nbackend modules: %s\n", loom_version(),
                loom_git_commit(), LOOM_BACKEND_ABI_MAJOR, LOOM_BACKEND_ABI_MINOR,
                scanned ? reg.search_path : err);
