@@ -9,6 +9,7 @@
  *     rotary embedding), with base 10000 x rope_ratio; the second half passes unchanged;
  *   - the MLP's first projection is fused too: [gate; up], and silu applies to the gate half.
  */
+#include "blocks.h"
 #include "models.h"
 
 #include <math.h>
@@ -103,40 +104,23 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const glm_model *m = state;
     const loom_hparams *hp = loom_runner_hparams(r);
-    const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim, H = hp->n_head, G = hp->n_head_kv;
-
-    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1);
-    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1);
-    loom_tensor qkv = loom_rt_scratch(r, LOOM_F32, (H + 2 * G) * hd, n, 1);
-    loom_tensor att = loom_rt_scratch(r, LOOM_F32, H * hd, n, 1);
-    loom_tensor up2 = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_ff, n, 1);
-    loom_tensor act = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    loom_tensor q3 = loom_rt_heads(&qkv, 0, hd, H);
-    loom_tensor k3 = loom_rt_heads(&qkv, H * hd, hd, G);
-    loom_tensor v3 = loom_rt_heads(&qkv, (H + G) * hd, hd, G);
-    loom_tensor att3 = loom_rt_reshape(&att, hd, H, n);
-    loom_tensor gate = loom_rt_cols(&up2, 0, hp->n_ff), up = loom_rt_cols(&up2, hp->n_ff, hp->n_ff);
-    const float scale = 1.0f / sqrtf((float)hd);
+    const int64_t n = b->n;
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1);
+    loom_attn_buffers ab = loom_attn_buffers_new(r, hp, n);
+    /* dense_h_to_4h is [gate; up] in one matrix */
+    loom_ffn_buffers fb = {.h = ab.h, .fused = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_ff, n, 1)};
+    fb.gate = loom_rt_cols(&fb.fused, 0, hp->n_ff);
+    fb.up = loom_rt_cols(&fb.fused, hp->n_ff, hp->n_ff);
+    fb.act = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
 
     int first, end; /* a pipeline stage runs some of the layers */
     loom_rt_layers(r, &first, &end);
     loom_rt_embed(r, m->tok_embd, &x);
     for (int l = first; l < end; l++) {
         const glm_layer *L = &m->layers[l];
-        loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
-        loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
-        loom_rt_rope(r, &q3, hp, NULL);
-        loom_rt_rope(r, &k3, hp, NULL);
-        loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
-        loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
-        loom_rt_attention(r, &q3, l, scale, &att3);
-        loom_rt_matmul(r, &att, L->wo, NULL, &h);
-        loom_rt_add(r, &x, &h, &x);
-        loom_rt_rms_norm(r, &x, L->ffn_norm, hp->norm_eps, &h);
-        loom_rt_matmul(r, &h, L->w_up, NULL, &up2);
-        loom_rt_silu_mul(r, &gate, &up, &act);
-        loom_rt_matmul(r, &act, L->w_down, NULL, &h);
-        loom_rt_add(r, &x, &h, &x);
+        loom_attn_weights w = {.norm = L->attn_norm, .wqkv = L->wqkv, .bqkv = L->bqkv, .wo = L->wo};
+        loom_attn_block(r, hp, l, &x, &w, &ab);
+        loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_up, NULL, L->w_down, &fb);
     }
     loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);

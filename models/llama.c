@@ -17,6 +17,7 @@
  * adjacent (the convert tools' permutation of the Hugging Face weights), so they rotate
  * adjacent pairs; the Qwen files keep the Hugging Face order and rotate halves (NeoX style).
  */
+#include "blocks.h"
 #include "models.h"
 
 #include <math.h>
@@ -199,57 +200,34 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const llama_model *m = state;
     const loom_hparams *hp = loom_runner_hparams(r);
-    const int64_t n = b->n, d = hp->n_embd, hd = hp->head_dim;
-    const int64_t q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
-
-    loom_tensor x = loom_rt_scratch(r, LOOM_F32, d, n, 1); /* the residual stream */
-    loom_tensor h = loom_rt_scratch(r, LOOM_F32, d, n, 1); /* normed input of a block */
-    /* Q, K and V side by side in one row per token: the fused projection writes it whole, the
-     * separate ones write their column ranges */
-    loom_tensor qkv = loom_rt_scratch(r, LOOM_F32, q_dim + 2 * kv_dim, n, 1);
-    loom_tensor q = loom_rt_cols(&qkv, 0, q_dim), k = loom_rt_cols(&qkv, q_dim, kv_dim);
-    loom_tensor v = loom_rt_cols(&qkv, q_dim + kv_dim, kv_dim);
-    loom_tensor att = loom_rt_scratch(r, LOOM_F32, q_dim, n, 1);
-    loom_tensor gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    loom_tensor up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    loom_tensor q3 = loom_rt_heads(&qkv, 0, hd, hp->n_head);
-    loom_tensor k3 = loom_rt_heads(&qkv, q_dim, hd, hp->n_head_kv);
-    loom_tensor v3 = loom_rt_heads(&qkv, q_dim + kv_dim, hd, hp->n_head_kv);
-    loom_tensor att3 = loom_rt_reshape(&att, hd, hp->n_head, n);
-    const float scale = 1.0f / sqrtf((float)hd);
+    const int64_t n = b->n;
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1); /* the residual stream */
+    loom_attn_buffers ab = loom_attn_buffers_new(r, hp, n);
+    loom_ffn_buffers fb = {.h = ab.h,
+                           .gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1),
+                           .up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1)};
+    fb.act = fb.gate;
 
     int first, end; /* a pipeline stage runs some of the layers */
     loom_rt_layers(r, &first, &end);
     loom_rt_embed(r, m->tok_embd, &x);
     for (int l = first; l < end; l++) {
         const llama_layer *L = &m->layers[l];
-        /* attention */
-        loom_rt_rms_norm(r, &x, L->attn_norm, hp->norm_eps, &h);
-        if (L->wqkv) {
-            loom_rt_matmul(r, &h, L->wqkv, L->bqkv, &qkv);
-        } else {
-            loom_rt_matmul(r, &h, L->wq, L->bq, &q);
-            loom_rt_matmul(r, &h, L->wk, L->bk, &k);
-            loom_rt_matmul(r, &h, L->wv, L->bv, &v);
-        }
-        if (L->q_norm) {
-            loom_rt_rms_norm(r, &q3, L->q_norm, hp->norm_eps, &q3);
-            loom_rt_rms_norm(r, &k3, L->k_norm, hp->norm_eps, &k3);
-        }
-        loom_rt_rope(r, &q3, hp, m->rope_freqs);
-        loom_rt_rope(r, &k3, hp, m->rope_freqs);
-        loom_rt_kv_store(r, &k3, loom_rt_kcache(r, l));
-        loom_rt_kv_store(r, &v3, loom_rt_vcache(r, l));
-        loom_rt_attention(r, &q3, l, scale, &att3);
-        loom_rt_matmul(r, &att, L->wo, NULL, &h);
-        loom_rt_add(r, &x, &h, &x);
-        /* feed-forward */
-        loom_rt_rms_norm(r, &x, L->ffn_norm, hp->norm_eps, &h);
-        loom_rt_matmul(r, &h, L->w_gate, NULL, &gate);
-        loom_rt_matmul(r, &h, L->w_up, NULL, &up);
-        loom_rt_silu_mul(r, &gate, &up, &gate);
-        loom_rt_matmul(r, &gate, L->w_down, NULL, &h);
-        loom_rt_add(r, &x, &h, &x);
+        loom_attn_weights w = {.norm = L->attn_norm,
+                               .wqkv = L->wqkv,
+                               .bqkv = L->bqkv,
+                               .wq = L->wq,
+                               .wk = L->wk,
+                               .wv = L->wv,
+                               .bq = L->bq,
+                               .bk = L->bk,
+                               .bv = L->bv,
+                               .q_norm = L->q_norm,
+                               .k_norm = L->k_norm,
+                               .wo = L->wo,
+                               .rope_freqs = m->rope_freqs};
+        loom_attn_block(r, hp, l, &x, &w, &ab);
+        loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_gate, L->w_up, L->w_down, &fb);
     }
     loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);

@@ -1,0 +1,65 @@
+/*
+ * models/blocks.c - see blocks.h.
+ */
+#include "blocks.h"
+
+#include <math.h>
+
+loom_attn_buffers loom_attn_buffers_new(loom_runner *r, const loom_hparams *hp, int64_t n)
+{
+    const int64_t hd = hp->head_dim, q_dim = hp->n_head * hd, kv_dim = hp->n_head_kv * hd;
+    loom_attn_buffers b;
+    b.h = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1);
+    /* Q, K and V side by side in one row per token: a fused projection writes it whole, the
+     * separate ones write their column ranges */
+    b.qkv = loom_rt_scratch(r, LOOM_F32, q_dim + 2 * kv_dim, n, 1);
+    b.q = loom_rt_cols(&b.qkv, 0, q_dim);
+    b.k = loom_rt_cols(&b.qkv, q_dim, kv_dim);
+    b.v = loom_rt_cols(&b.qkv, q_dim + kv_dim, kv_dim);
+    b.q3 = loom_rt_heads(&b.qkv, 0, hd, hp->n_head);
+    b.k3 = loom_rt_heads(&b.qkv, q_dim, hd, hp->n_head_kv);
+    b.v3 = loom_rt_heads(&b.qkv, q_dim + kv_dim, hd, hp->n_head_kv);
+    b.att = loom_rt_scratch(r, LOOM_F32, q_dim, n, 1);
+    b.att3 = loom_rt_reshape(&b.att, hd, hp->n_head, n);
+    return b;
+}
+
+void loom_attn_block(loom_runner *r, const loom_hparams *hp, int layer, const loom_tensor *x,
+                     const loom_attn_weights *w, const loom_attn_buffers *b)
+{
+    loom_rt_rms_norm(r, x, w->norm, hp->norm_eps, &b->h);
+    if (w->wqkv) {
+        loom_rt_matmul(r, &b->h, w->wqkv, w->bqkv, &b->qkv);
+    } else {
+        loom_rt_matmul(r, &b->h, w->wq, w->bq, &b->q);
+        loom_rt_matmul(r, &b->h, w->wk, w->bk, &b->k);
+        loom_rt_matmul(r, &b->h, w->wv, w->bv, &b->v);
+    }
+    if (w->q_norm) {
+        loom_rt_rms_norm(r, &b->q3, w->q_norm, hp->norm_eps, &b->q3);
+        loom_rt_rms_norm(r, &b->k3, w->k_norm, hp->norm_eps, &b->k3);
+    }
+    loom_rt_rope(r, &b->q3, hp, w->rope_freqs);
+    loom_rt_rope(r, &b->k3, hp, w->rope_freqs);
+    loom_rt_kv_store(r, &b->k3, loom_rt_kcache(r, layer));
+    loom_rt_kv_store(r, &b->v3, loom_rt_vcache(r, layer));
+    loom_rt_attention(r, &b->q3, layer, 1.0f / sqrtf((float)hp->head_dim), &b->att3);
+    loom_rt_matmul(r, &b->att, w->wo, NULL, &b->h);
+    loom_rt_add(r, x, &b->h, x);
+}
+
+void loom_ffn_swiglu(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
+                     const loom_tensor *norm, const loom_tensor *w_gate, const loom_tensor *w_up,
+                     const loom_tensor *w_down, const loom_ffn_buffers *b)
+{
+    loom_rt_rms_norm(r, x, norm, hp->norm_eps, &b->h);
+    if (w_up) {
+        loom_rt_matmul(r, &b->h, w_gate, NULL, &b->gate);
+        loom_rt_matmul(r, &b->h, w_up, NULL, &b->up);
+    } else {
+        loom_rt_matmul(r, &b->h, w_gate, NULL, &b->fused);
+    }
+    loom_rt_silu_mul(r, &b->gate, &b->up, &b->act);
+    loom_rt_matmul(r, &b->act, w_down, NULL, &b->h);
+    loom_rt_add(r, x, &b->h, x);
+}
