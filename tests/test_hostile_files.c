@@ -21,6 +21,7 @@
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
+#include <pthread.h>
 #include <signal.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -45,7 +46,7 @@ static void remove_folder(const char *folder)
 }
 
 /* tmp/name: links to every file of the fixture but `except` (a name, or NULL). */
-static const char *clone(const char *fixture, const char *name, const char *except)
+static const char *clone_fixture(const char *fixture, const char *name, const char *except)
 {
     static char folder[4200];
     char from[4200], to[8500];
@@ -147,12 +148,12 @@ static void write_tokenizer_json(const char *folder, const char *added)
 
 static void test_token_ids(void)
 {
-    const char *f = clone("tiny-qwen2", "qwen2-as-is", NULL);
+    const char *f = clone_fixture("tiny-qwen2", "qwen2-as-is", NULL);
     expect("the fixture itself", f, WHOLE_MODEL, NULL);
     remove_folder(f);
 
     /* an id that wrapped n_vocab = id + 1 to a negative size, then one written through it */
-    f = clone("tiny-qwen2", "added-id-max", NULL);
+    f = clone_fixture("tiny-qwen2", "added-id-max", NULL);
     write_tokenizer_json(f,
                          "[{\"id\": 2147483647, \"content\": \"x\"}, {\"id\": 5, "
                          "\"content\": \"y\"}]");
@@ -160,46 +161,46 @@ static void test_token_ids(void)
     expect("the same, with the model", f, WHOLE_MODEL, "2147483647");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "added-id-frac", NULL);
+    f = clone_fixture("tiny-qwen2", "added-id-frac", NULL);
     write_tokenizer_json(f, "[{\"id\": 3.5, \"content\": \"x\"}]");
     expect("tokenizer.json added id 3.5", f, TOKENIZER_ONLY, "3.5");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "added-id-past-rows", NULL);
+    f = clone_fixture("tiny-qwen2", "added-id-past-rows", NULL);
     write_tokenizer_json(f, "[{\"id\": 151936, \"content\": \"x\"}]");
     expect("an added id just past the embedding's 151936 rows", f, WHOLE_MODEL, "151936");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "decoder-key-max", NULL);
+    f = clone_fixture("tiny-qwen2", "decoder-key-max", NULL);
     edit_json(f, "tiny-qwen2", "tokenizer_config.json", "added_tokens_decoder",
               "{\"2147483647\": {\"content\": \"x\", \"special\": true}, \"5\": {\"content\": "
               "\"y\"}}");
     expect("added_tokens_decoder key 2^31-1", f, TOKENIZER_ONLY, "2147483647");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "decoder-key-text", NULL);
+    f = clone_fixture("tiny-qwen2", "decoder-key-text", NULL);
     edit_json(f, "tiny-qwen2", "tokenizer_config.json", "added_tokens_decoder",
               "{\"seven\": {\"content\": \"x\"}}");
     expect("added_tokens_decoder key 'seven'", f, TOKENIZER_ONLY, "added_tokens_decoder");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "vocab-huge", NULL);
+    f = clone_fixture("tiny-qwen2", "vocab-huge", NULL);
     edit_json(f, "tiny-qwen2", "config.json", "vocab_size", "2147483647");
     expect("vocab_size 2^31-1 (padded without end, before)", f, TOKENIZER_ONLY, "vocab_size");
     expect("the same, with the model", f, WHOLE_MODEL, "vocab_size");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "vocab-not-rows", NULL);
+    f = clone_fixture("tiny-qwen2", "vocab-not-rows", NULL);
     edit_json(f, "tiny-qwen2", "config.json", "vocab_size", "151000");
     expect("vocab_size other than the embedding's rows", f, WHOLE_MODEL, "151936 rows");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "eos-past", NULL);
+    f = clone_fixture("tiny-qwen2", "eos-past", NULL);
     edit_json(f, "tiny-qwen2", "config.json", "eos_token_id", "99999999");
     expect("config.json eos_token_id past the vocabulary", f, WHOLE_MODEL, "eos_token_id");
     remove_folder(f);
 
-    f = clone("tiny-qwen2", "stops-past", NULL);
+    f = clone_fixture("tiny-qwen2", "stops-past", NULL);
     edit_json(f, "tiny-qwen2", "generation_config.json", "eos_token_id", "[151645, 4000000000]");
     expect("generation_config.json stop id past the vocabulary", f, WHOLE_MODEL, "4000000000");
     remove_folder(f);
@@ -228,7 +229,7 @@ static void test_config_values(void)
         char name[64], what[256];
         snprintf(name, sizeof name, "qwen2-config-%zu", i);
         snprintf(what, sizeof what, "qwen2 %s: %s", cases[i].key, cases[i].value);
-        const char *f = clone("tiny-qwen2", name, NULL);
+        const char *f = clone_fixture("tiny-qwen2", name, NULL);
         edit_json(f, "tiny-qwen2", "config.json", cases[i].key, cases[i].value);
         expect(what, f, WHOLE_MODEL, cases[i].want);
         remove_folder(f);
@@ -247,7 +248,7 @@ static void test_config_values(void)
         char name[64], what[256];
         snprintf(name, sizeof name, "glm-config-%zu", i);
         snprintf(what, sizeof what, "chatglm3 %s: %s", glm[i].key, glm[i].value);
-        const char *f = clone("tiny-chatglm3", name, NULL);
+        const char *f = clone_fixture("tiny-chatglm3", name, NULL);
         edit_json(f, "tiny-chatglm3", "config.json", glm[i].key, glm[i].value);
         expect(what, f, WHOLE_MODEL, glm[i].want);
         remove_folder(f);
@@ -273,7 +274,7 @@ static void test_fifos(void)
         char name[64], what[256], p[4400];
         snprintf(name, sizeof name, "fifo-%zu", i);
         snprintf(what, sizeof what, "%s: a FIFO as %s", cases[i].fixture, cases[i].file);
-        const char *f = clone(cases[i].fixture, name, cases[i].file);
+        const char *f = clone_fixture(cases[i].fixture, name, cases[i].file);
         snprintf(p, sizeof p, "%s/%s", f, cases[i].file);
         if (!strcmp(cases[i].file, "model.safetensors.index.json")) {
             /* the index is read when the folder has one instead of the single file */
@@ -442,6 +443,26 @@ static int note_id(void *user, int32_t id, const char *text, size_t len)
     return 0;
 }
 
+typedef struct engine_seen {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int tokens, placeholders, done;
+} engine_seen;
+
+static void on_engine_event(void *user, const loom_event *ev)
+{
+    engine_seen *s = user;
+    pthread_mutex_lock(&s->mu);
+    if (ev->kind == LOOM_EVENT_TEXT && ev->token >= 0) {
+        s->tokens++;
+        s->placeholders += ev->token >= 384;
+    } else if (ev->kind != LOOM_EVENT_TEXT) {
+        s->done = 1;
+        pthread_cond_broadcast(&s->cv);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
+
 /* Placeholder ids (a converter's [PADn], token type UNUSED) are never sampled: tiny-qwen2 at
  * temperature 2 once answered "[PAD151770]". Here stories260K's ids from 384 on are marked
  * so (the model gives them real mass: they were words); before, 1000 tokens at temperature
@@ -535,6 +556,29 @@ static void test_placeholders_unsampled(void)
     CHECK(normal >= 900 && placeholders == 0,
           "1000 tokens at temperature 2: %d placeholder ids sampled (%d others)", placeholders,
           normal);
+    /* the engine (loom serve's path) samples through the same mask */
+    loom_engine_options eo = {0};
+    loom_engine *engine = m ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
+    CHECK(engine != NULL, "engine: %s", err);
+    engine_seen seen_e = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int32_t prompt[1] = {1};
+    loom_request rq = {.prompt = prompt, .n_prompt = 1, .max_tokens = 200};
+    rq.sampling = loom_sampling_defaults();
+    rq.sampling.temperature = 2, rq.sampling.top_k = 0, rq.sampling.top_p = 1;
+    rq.sampling.min_p = 0, rq.sampling.seed = 9, rq.sampling.ignore_eos = 1;
+    if (engine && loom_engine_submit(engine, &rq, on_engine_event, &seen_e, err, sizeof err) >= 0) {
+        pthread_mutex_lock(&seen_e.mu);
+        while (!seen_e.done)
+            pthread_cond_wait(&seen_e.cv, &seen_e.mu);
+        pthread_mutex_unlock(&seen_e.mu);
+    }
+    CHECK(seen_e.tokens >= 190 && seen_e.placeholders == 0,
+          "the engine, 200 tokens at temperature 2: %d placeholder ids of %d", seen_e.placeholders,
+          seen_e.tokens);
+    if (engine) {
+        loom_engine_stop(engine, 1000);
+        loom_engine_free(engine);
+    }
     loom_model_close(m);
     unlink(path);
 }
