@@ -39,7 +39,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
     bad b = {0};
-    cJSON *root = openai_parse_body((const char *)data, size, &b);
+    /* the value cap loom serve gives a 2048-token context */
+    cJSON *root = openai_parse_body((const char *)data, size, 2 * 2048 + 4096, &b);
     if (!root) {
         if (b.status < 400 || b.status > 599 || !b.msg[0])
             __builtin_trap(); /* a refusal must say why, with an error status */
