@@ -1,2 +1,2 @@
-/* backends/cpu/kern.c - the matmul kernels for this variant's ISA (see kernels.h). */
-#include "kernels.h"
+/* backends/cpu/kern.c - the matmul kernels for this variant's ISA (see kern_template.h). */
+#include "kern_template.h"

@@ -1,5 +1,5 @@
 /*
- * backends/cpu/kern.h - the matmul kernels' interface (implemented in kernels.h).
+ * backends/cpu/kern.h - the matmul kernels' interface (implemented in kern_template.h).
  *
  * A kernel computes a tile: up to KERN_NR weight rows against up to KERN_MR activation rows,
  * so each weight block is loaded (and unpacked) once for KERN_MR activation rows and each
@@ -45,7 +45,7 @@
  * hold the values of the block that lane's quants come from. The order of the quants follows
  * the weights' (kern_layout). */
 typedef struct act_group {
-    int8_t qs[32 * KERN_G];      /* the quants; for Q8_0 weights biased by +128 (see kernels.h) */
+    int8_t qs[32 * KERN_G]; /* the quants; for Q8_0 weights biased by +128 (see kern_template.h) */
     int32_t neg8sum[8 * KERN_G]; /* -8 x the lane's sum of quants: Q4_0's offset */
     float d[8 * KERN_G];         /* the block's scale, in each of its lanes */
     float msum[8 * KERN_G];      /* d x the block's sum of quants / 8, in each lane: Q4_1 */

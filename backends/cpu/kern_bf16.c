@@ -15,7 +15,7 @@
 #include <immintrin.h>
 #include <string.h>
 
-/* as RI_PREFETCH in kernels.h: one sequential stream per thread, asked for ahead */
+/* as RI_PREFETCH in kern_template.h: one sequential stream per thread, asked for ahead */
 #define BF16_PREFETCH 8192
 
 void kern_bf16_pack_x(const float *x, int64_t K, uint32_t *pairs)

@@ -23,7 +23,7 @@
  * so that each meets its weights in one load. Q6_K's low nibbles are already in value order. */
 
 /* Decode streams the rows once, and the hardware prefetcher alone left these kernels waiting on
- * memory (as it did the interleaved Q4_0 kernel, kernels.h): each super-block asks for the
+ * memory (as it did the interleaved Q4_0 kernel, kern_template.h): each super-block asks for the
  * bytes this far ahead of it. */
 #ifndef KQ_PREFETCH
 #define KQ_PREFETCH 4096

@@ -1,4 +1,4 @@
 /* backends/cpu/kern_vnni.c - a variant's integer kernels again, built with -mavx512vnni (avx512)
- * or -mavxvnni (avx2), used when the CPU has that VNNI (see kernels.h). */
+ * or -mavxvnni (avx2), used when the CPU has that VNNI (see kern_template.h). */
 #define KERN_VNNI 1
-#include "kernels.h"
+#include "kern_template.h"

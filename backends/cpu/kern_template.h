@@ -1,8 +1,8 @@
 /*
- * backends/cpu/kernels.h - the matmul kernels (interface in kern.h). Included by kern.c, and
- * also by kern_vnni.c with KERN_VNNI defined: with -mavx512vnni in the avx512 variant, with
- * -mavxvnni in the avx2 one. So one source becomes the baseline, AVX2, AVX2 with AVX-VNNI,
- * AVX-512 and AVX-512 VNNI kernels.
+ * backends/cpu/kern_template.h - the matmul kernels as a template, compiled once per ISA
+ * (interface in kern.h): included by kern.c, and also by kern_vnni.c with KERN_VNNI defined:
+ * with -mavx512vnni in the avx512 variant, with -mavxvnni in the avx2 one. So one source becomes
+ * the baseline, AVX2, AVX2 with AVX-VNNI, AVX-512 and AVX-512 VNNI kernels.
  *
  * Quantised weights meet activations quantised once per matmul to int8 blocks (act_group):
  * each block's dot product is an integer sum, scaled once by the product of the two scales.
