@@ -92,22 +92,39 @@ static const cJSON *first_present(const cJSON *config, const char *keys, char *n
     return NULL;
 }
 
+/* The first of keys present, in *o with its value as a number (NaN when it is not one); 0
+ * when none is present. */
+static int present_number(const cJSON *config, const char *keys, const cJSON **o, double *x,
+                          char *name, size_t name_size)
+{
+    *o = first_present(config, keys, name, name_size);
+    *x = *o && cJSON_IsNumber(*o) ? (*o)->valuedouble : NAN;
+    return *o != NULL;
+}
+
+/* "KEY is VALUE; it must be RULE" in err; returns -1. */
+static int bad_value(const cJSON *o, const char *name, const char *rule, char *err, size_t err_size)
+{
+    char *text = cJSON_PrintUnformatted(o);
+    snprintf(err, err_size, "%s is %.40s; it must be %s", name, text ? text : "not a number", rule);
+    free(text);
+    return -1;
+}
+
 int loom_hf_int(const cJSON *config, const char *keys, int64_t fallback, int64_t lo, int64_t hi,
                 int64_t *out, char *err, size_t err_size)
 {
-    char name[128];
-    const cJSON *o = first_present(config, keys, name, sizeof name);
-    double x = o && cJSON_IsNumber(o) ? o->valuedouble : NAN;
-    if (!o)
+    char name[128], rule[96];
+    const cJSON *o;
+    double x;
+    if (!present_number(config, keys, &o, &x, name, sizeof name))
         *out = fallback;
     else if (x == floor(x) && x >= (double)lo && x <= (double)hi)
         *out = (int64_t)x;
     else {
-        char *text = cJSON_PrintUnformatted(o);
-        snprintf(err, err_size, "%s is %.40s; it must be a whole number from %lld to %lld", name,
-                 text ? text : "not a number", (long long)lo, (long long)hi);
-        free(text);
-        return -1;
+        snprintf(rule, sizeof rule, "a whole number from %lld to %lld", (long long)lo,
+                 (long long)hi);
+        return bad_value(o, name, rule, err, err_size);
     }
     return 0;
 }
@@ -115,19 +132,16 @@ int loom_hf_int(const cJSON *config, const char *keys, int64_t fallback, int64_t
 int loom_hf_real(const cJSON *config, const char *keys, double fallback, double above, double hi,
                  double *out, char *err, size_t err_size)
 {
-    char name[128];
-    const cJSON *o = first_present(config, keys, name, sizeof name);
-    double x = o && cJSON_IsNumber(o) ? o->valuedouble : NAN;
-    if (!o)
+    char name[128], rule[96];
+    const cJSON *o;
+    double x;
+    if (!present_number(config, keys, &o, &x, name, sizeof name))
         *out = fallback;
     else if (x > above && x <= hi)
         *out = x;
     else {
-        char *text = cJSON_PrintUnformatted(o);
-        snprintf(err, err_size, "%s is %.40s; it must be a number above %g, at most %g", name,
-                 text ? text : "not a number", above, hi);
-        free(text);
-        return -1;
+        snprintf(rule, sizeof rule, "a number above %g, at most %g", above, hi);
+        return bad_value(o, name, rule, err, err_size);
     }
     return 0;
 }
