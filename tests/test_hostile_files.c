@@ -123,6 +123,7 @@ static void expect(const char *what, const char *folder, conversion kind, const 
             _exit(3);
         }
         printf("  %s: %s\n", what, want ? err : "converts");
+        fflush(stdout); /* _exit flushes nothing */
         _exit(0);
     }
     int status = 0;
