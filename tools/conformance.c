@@ -891,33 +891,30 @@ static void check_ops(loom_device *target, loom_device *ref, report *r)
         const case_family *fam = &families[f];
         for (int di = 0; di < N_DTYPES; di++) {
             loom_dtype dt = all_dtypes[di];
-            if (!op_dtype_applies(fam->op, dt)) {
-                /* a claim the contract does not define is a claim the op then refuses (the
-                 * host would route work there and get an error mid-generation) */
-                if (target->ops.supports(target->be, fam->op, dt)) {
-                    char name[160];
-                    snprintf(name, sizeof name, "%s %s: supports() says yes", loom_op_name(fam->op),
-                             loom_dtype_name(dt));
-                    record(r, name, 0,
-                           "but the ABI defines no %s of %s (backend.h's loom_check_* "
-                           "refuses it): say no",
-                           loom_op_name(fam->op), loom_dtype_name(dt));
-                    r->matrix[fam->op][di] = RES_FAIL;
-                }
-                continue;
-            }
-            if (!loom_device_op_present(target, fam->op) &&
-                target->ops.supports(target->be, fam->op, dt)) {
+            const char *op = loom_op_name(fam->op), *dtn = loom_dtype_name(dt);
+            int applies = op_dtype_applies(fam->op, dt);
+            /* a claim the contract does not define, or without a function, is one the host
+             * would route work to and then see refused (or run on the CPU) */
+            char why[256] = "";
+            if (!applies)
+                snprintf(why, sizeof why,
+                         "but the ABI defines no %s of %s (backend.h's loom_check_* refuses "
+                         "it): say no",
+                         op, dtn);
+            else if (!loom_device_op_present(target, fam->op))
+                snprintf(why, sizeof why,
+                         "but the ops table has no %s function (NULL): loom runs it on the CPU "
+                         "instead; say no, or fill the pointer",
+                         op);
+            if (why[0] && target->ops.supports(target->be, fam->op, dt)) {
                 char name[160];
-                snprintf(name, sizeof name, "%s %s: supports() says yes", loom_op_name(fam->op),
-                         loom_dtype_name(dt));
-                record(r, name, 0,
-                       "but the ops table has no %s function (NULL): loom runs it "
-                       "on the CPU instead; say no, or fill the pointer",
-                       loom_op_name(fam->op));
+                snprintf(name, sizeof name, "%s %s: supports() says yes", op, dtn);
+                record(r, name, 0, "%s", why);
                 r->matrix[fam->op][di] = RES_FAIL;
                 continue;
             }
+            if (!applies)
+                continue;
             if (!loom_device_supports(target, fam->op, dt)) {
                 r->matrix[fam->op][di] = RES_UNSUPPORTED;
                 continue;
