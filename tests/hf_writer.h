@@ -11,6 +11,7 @@
 #include "check.h"
 
 #include <cjson/cJSON.h>
+#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -91,6 +92,22 @@ static inline void link_file(const char *folder, const char *name, const char *t
     char p[4400], abs[4096];
     snprintf(p, sizeof p, "%s/%s", folder, name);
     CHECK(realpath(target, abs) && symlink(abs, p) == 0, "symlink %s to %s", p, target);
+}
+
+/* A folder a test wrote, with the files (or links) in it */
+static inline void remove_folder(const char *folder)
+{
+    DIR *d = opendir(folder);
+    struct dirent *e;
+    char p[4400];
+    while (d && (e = readdir(d)))
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
+            snprintf(p, sizeof p, "%s/%s", folder, e->d_name);
+            unlink(p);
+        }
+    if (d)
+        closedir(d);
+    rmdir(folder);
 }
 
 #endif

@@ -110,18 +110,6 @@ static const char toylm_config[] =
     "\"n_kv_heads\": 2, \"d_ff\": 192, \"norm_eps\": 1e-05, \"rope\": {\"theta\": 10000.0}, "
     "\"max_seq_len\": 4096, \"vocab_size\": 32000}";
 
-static void remove_folder(const char *folder)
-{
-    static const char *const files[] = {"model.safetensors", "config.json", "tokenizer.model",
-                                        "tokenizer_config.json", "generation_config.json"};
-    char p[4400];
-    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
-        snprintf(p, sizeof p, "%s/%s", folder, files[i]);
-        unlink(p);
-    }
-    rmdir(folder);
-}
-
 static void test_registration(void)
 {
     CHECK(loom_models_register(&toylm) == 0, "toylm registers");

@@ -18,6 +18,7 @@
 #include <loom/loom.h>
 
 #include "check.h"
+#include "hf_writer.h"
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
@@ -29,21 +30,6 @@
 #include <unistd.h>
 
 static char fixtures[4096], tmp[] = "/tmp/loom-hostile-XXXXXX";
-
-static void remove_folder(const char *folder)
-{
-    DIR *d = opendir(folder);
-    struct dirent *e;
-    char p[4400];
-    while (d && (e = readdir(d)))
-        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
-            snprintf(p, sizeof p, "%s/%s", folder, e->d_name);
-            unlink(p);
-        }
-    if (d)
-        closedir(d);
-    rmdir(folder);
-}
 
 /* tmp/name: links to every file of the fixture but `except` (a name, or NULL). */
 static const char *clone_fixture(const char *fixture, const char *name, const char *except)

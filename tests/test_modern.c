@@ -13,6 +13,7 @@
 
 #include "backends.h"
 #include "fixture_model.h"
+#include "hf_writer.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -40,16 +41,6 @@ static int make_folder(const char *folder, const char *fixture, const char *cons
             return -1;
     }
     return 0;
-}
-
-static void remove_folder(const char *folder, const char *const *files, int n_files)
-{
-    char p[4400];
-    for (int i = 0; i < n_files; i++) {
-        snprintf(p, sizeof p, "%s/%s", folder, files[i]);
-        unlink(p);
-    }
-    rmdir(folder);
 }
 
 /* rope_freqs.weight of a GGUF file into out (n floats); the count, or -1. */
@@ -104,7 +95,7 @@ static void test_llama31(void)
                     "tiny-llama31 as llama.cpp converted it (f16)");
     }
     unlink(f32);
-    remove_folder(folder, files, 5);
+    remove_folder(folder);
 }
 
 static void test_mistral(void)
@@ -127,7 +118,7 @@ static void test_mistral(void)
                     "tiny-mistral folder (bf16)");
     }
     unlink(f32);
-    remove_folder(folder, files, 5);
+    remove_folder(folder);
 }
 
 int main(void)
