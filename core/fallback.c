@@ -79,23 +79,24 @@ static int open_device(loom_fallback *fb, char *err, size_t err_size)
     return rc;
 }
 
-/* The tensor pointers of an op's parameter struct, and which one the op writes. */
-static int op_tensors(loom_op op, void *parameters, const loom_tensor **slots[], int *output)
+/* The tensor pointers of an op's parameter struct, and which of them the op writes. */
+static int op_tensors(loom_op op, void *parameters, const loom_tensor **slots[], int written[])
 {
     int n = 0;
     switch (op) {
-#define SLOT(field) slots[n++] = &p->field;
+#define IN(field) written[n] = 0, slots[n++] = &p->field;
+#define OUT(field) written[n] = 1, slots[n++] = &p->field;
 #define TENSORS(id, name, params)                                                                  \
     case LOOM_OP_##id: {                                                                           \
         params *p = parameters;                                                                    \
-        LOOM_TENSORS_##params(SLOT) break;                                                         \
+        LOOM_TENSORS_##params(IN, OUT) break;                                                      \
     }
         LOOM_OPS(TENSORS)
 #undef TENSORS
+#undef IN
+#undef OUT
     default: return -1;
     }
-#undef SLOT
-    *output = n - 1; /* every op's output is its last tensor */
     return n;
 }
 
@@ -154,7 +155,7 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
                       const char *what, char *err, size_t err_size)
 {
     const loom_tensor **slots[MAX_OP_TENSORS];
-    int output, n = op_tensors(op, params, slots, &output);
+    int written[MAX_OP_TENSORS], n = op_tensors(op, params, slots, written);
     if (n < 0) {
         snprintf(err, err_size, "fallback: op %d unknown", (int)op);
         return -1;
@@ -195,17 +196,18 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
         }
         *slots[i] = &copies[i];
     }
-    const loom_tensor *out = original[output];
-    uint64_t out_extent = out ? loom_tensor_extent(out) : 0;
     if (rc == 0 && loom_device_run(f, op, params) != LOOM_OK) {
         snprintf(err, err_size, "%s on %s%s%s (fallback) failed: %s", what, f->name,
                  f->variant[0] ? "-" : "", f->variant, f->ops.last_error(f->be));
         rc = -1;
     }
-    if (rc == 0 && out_extent > 0) {
+    for (int i = 0; i < n && rc == 0; i++) {
+        const loom_tensor *out = original[i];
+        uint64_t out_extent = written[i] && out ? loom_tensor_extent(out) : 0;
+        if (out_extent == 0)
+            continue;
         void *host = malloc(out_extent);
-        if (!host ||
-            f->ops.copy_to_host(f->be, host, copies[output].buf, 0, out_extent) != LOOM_OK ||
+        if (!host || f->ops.copy_to_host(f->be, host, copies[i].buf, 0, out_extent) != LOOM_OK ||
             m->ops.copy_from_host(m->be, out->buf, out->offset, host, out_extent) != LOOM_OK) {
             snprintf(err, err_size, "fallback: copying %s's result back to %s failed", what,
                      m->name);

@@ -638,6 +638,50 @@ void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b
     exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
 }
 
+void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor *logits,
+                       const loom_tensor *bias, const loom_tensor *ids, const loom_tensor *weights)
+{
+    if (!held(r, bias, "moe_route"))
+        return;
+    loom_moe_route_params p = {.struct_size = sizeof p,
+                               .logits = logits,
+                               .bias = bias,
+                               .ids = ids,
+                               .weights = weights,
+                               .gating = hp->moe_gating,
+                               .normalize = hp->moe_normalize,
+                               .scale = hp->moe_scale};
+    exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
+}
+
+void loom_rt_sigmoid_gate(loom_runner *r, const loom_tensor *logits, const loom_tensor *ids,
+                          const loom_tensor *weights)
+{
+    loom_moe_route_params p = {.struct_size = sizeof p,
+                               .logits = logits,
+                               .ids = ids,
+                               .weights = weights,
+                               .gating = LOOM_MOE_SIGMOID,
+                               .scale = 1.0f};
+    exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
+}
+
+void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                       const loom_tensor *ids, const loom_tensor *y)
+{
+    if (r->status || !held(r, w, "matmul_id"))
+        return;
+    loom_matmul_id_params p = {sizeof p, x, w, ids, y};
+    exec_op(r, LOOM_OP_MATMUL_ID, w->dtype, "matmul_id", &p);
+}
+
+void loom_rt_moe_combine(loom_runner *r, const loom_tensor *src, const loom_tensor *weights,
+                         int accumulate, const loom_tensor *dst)
+{
+    loom_moe_combine_params p = {sizeof p, src, weights, dst, accumulate};
+    exec_op(r, LOOM_OP_MOE_COMBINE, LOOM_F32, "moe_combine", &p);
+}
+
 /* ---- Lifetime ----------------------------------------------------------------------------- */
 
 /* LOOM_STRICT=1: refuse a model at load when the device lacks any op it needs, naming them
@@ -674,6 +718,7 @@ static int strict_census(loom_runner *r, char *err, size_t err_size)
  * outside these (a NaN epsilon, a zero RoPE base) would not fail, it would answer garbage. */
 static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
 {
+    _Static_assert(LOOM_MAX_EXPERTS == 1024, "the message below names the limit");
     const char *bad = !(hp->norm_eps > 0 && hp->norm_eps < 1)
         ? "the norm epsilon (attention.layer_norm_rms_epsilon or layer_norm_epsilon) must be "
           "above 0 and below 1"
@@ -686,7 +731,15 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
         : hp->n_rot < 0 || hp->n_rot > hp->head_dim || hp->n_rot % 2
         ? "the rotated dimensions (rope.dimension_count) must be even and at most the head width"
         : hp->n_swa < 0 ? "the sliding window (attention.sliding_window) must not be negative"
-                        : NULL;
+        : hp->n_expert < 0 || hp->n_expert > LOOM_MAX_EXPERTS
+        ? "the expert count (expert_count) must be from 0 to 1024 (LOOM_MAX_EXPERTS)"
+        : hp->n_expert &&
+            (hp->n_expert_used < 1 || hp->n_expert_used > hp->n_expert || hp->n_ff_exp <= 0)
+        ? "the experts chosen per token (expert_used_count) must be from 1 to the expert count, "
+          "and an expert's width (expert_feed_forward_length) above 0"
+        : hp->n_expert && !(hp->moe_scale > 0 && isfinite(hp->moe_scale))
+        ? "the experts' weight scale (expert_weights_scale) must be finite and above 0"
+        : NULL;
     if (bad)
         snprintf(err, err_size, "%s: %s (epsilon %g, base %g, scale %g, head %d, rotated %d)",
                  hp->arch, bad, (double)hp->norm_eps, (double)hp->rope_base, (double)hp->rope_scale,

@@ -15,6 +15,8 @@
 #include "loader.h"
 
 #define LOOM_MAX_LAYERS 512
+/* experts per layer loom runs: today's largest have 256 (DeepSeek-V3) and 512 (Qwen3-Next) */
+#define LOOM_MAX_EXPERTS 1024
 
 /* Hyper-parameters every family fills in (others go in its own state). */
 typedef struct loom_hparams {
@@ -33,6 +35,12 @@ typedef struct loom_hparams {
     int32_t n_rot;
     int32_t rope_mode; /* loom_rope_mode */
     int32_t n_swa;     /* sliding-window attention: keys within this many positions; 0 = all */
+    /* mixture of experts (0 experts: a dense model) */
+    int32_t n_expert, n_expert_used; /* experts per layer, and chosen per token */
+    int32_t n_ff_exp, n_ff_shexp;    /* an expert's and the shared expert's width */
+    int32_t moe_gating;              /* loom_moe_gating */
+    int32_t moe_normalize;           /* the chosen experts' weights sum to one */
+    float moe_scale;                 /* the weights' factor (routed_scaling_factor), 1 = none */
 } loom_hparams;
 
 typedef struct loom_runner loom_runner;
@@ -239,6 +247,17 @@ void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
                       const loom_tensor *dst);
 void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst);
+/* Mixture of experts (backend.h's ops of those names): hp's gating, normalisation and scale;
+ * bias, the choice bias, may be NULL. */
+void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor *logits,
+                       const loom_tensor *bias, const loom_tensor *ids, const loom_tensor *weights);
+/* one sigmoid-gated "expert": weights[t] = sigmoid(logits[t]) (a shared expert's gate) */
+void loom_rt_sigmoid_gate(loom_runner *r, const loom_tensor *logits, const loom_tensor *ids,
+                          const loom_tensor *weights);
+void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
+                       const loom_tensor *ids, const loom_tensor *y);
+void loom_rt_moe_combine(loom_runner *r, const loom_tensor *src, const loom_tensor *weights,
+                         int accumulate, const loom_tensor *dst);
 void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst);
 int loom_rt_status(const loom_runner *r);
 

@@ -44,7 +44,7 @@ jq -e --arg first "$tmpdir/shadow/$(basename "$ref_path")" --arg later "$ref_pat
 LOOM_BACKEND_PATH="$PLUGIN_DIR" "$LOOM" backends --json > "$tmpdir/all.json" || fail "--json exit $?"
 if jq -e '.candidates | length > 5' "$tmpdir/all.json" > /dev/null &&
    jq -e '[.candidates[] | select(.chosen)] | length == 1' "$tmpdir/all.json" > /dev/null &&
-   jq -e '.candidates[] | select(.name == "ref") | .abi_version == "1.4" and .score == 1 and (.devices[0].memory_bytes > 0)' "$tmpdir/all.json" > /dev/null &&
+   jq -e '. as $r | .candidates[] | select(.name == "ref") | .abi_version == "\($r.abi.major).\($r.abi.minor)" and .score == 1 and (.devices[0].memory_bytes > 0)' "$tmpdir/all.json" > /dev/null &&
    jq -e '.candidates[] | select(.name == "nodevice") | .usable == false and (.reason | test("no device"))' "$tmpdir/all.json" > /dev/null
 then pass "json report"; else fail "json report:"; cat "$tmpdir/all.json" >&2; fi
 

@@ -102,6 +102,7 @@ typedef struct test_case {
     int32_t rope_mode, n_rot;
     uint32_t abi_minor; /* the ABI minor the case's parameters need (a module below skips it) */
     int32_t window;     /* attention's sliding window (ABI 1.4) */
+    int32_t gating, normalize, accumulate; /* moe_route's and moe_combine's (ABI 1.5) */
 } test_case;
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
@@ -364,6 +365,25 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     case LOOM_OP_DEQUANTIZE:
     case LOOM_OP_CONVERT: {
         loom_convert_params p = {sizeof p, T(0), T(1)};
+        return loom_device_run(d, tc->op, &p);
+    }
+    case LOOM_OP_MOE_ROUTE: {
+        loom_moe_route_params p = {.struct_size = sizeof p,
+                                   .logits = T(0),
+                                   .bias = T(1),
+                                   .ids = T(2),
+                                   .weights = T(3),
+                                   .gating = tc->gating,
+                                   .normalize = tc->normalize,
+                                   .scale = tc->scale};
+        return loom_device_run(d, tc->op, &p);
+    }
+    case LOOM_OP_MATMUL_ID: {
+        loom_matmul_id_params p = {sizeof p, T(0), T(1), T(2), T(3)};
+        return loom_device_run(d, tc->op, &p);
+    }
+    case LOOM_OP_MOE_COMBINE: {
+        loom_moe_combine_params p = {sizeof p, T(0), T(1), T(2), tc->accumulate};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_COUNT: break;
@@ -788,6 +808,119 @@ static void make_convert(test_case *tc, loom_dtype dt, int v)
     tc->tol = 0; /* exact: round to nearest even is fully specified */
 }
 
+/* Router logits spaced apart (a shuffled ladder, so that no two choice scores are within
+ * rounding of each other and every backend picks the same experts), in [tokens, experts]. */
+static void fill_router_logits(spec *s, float step)
+{
+    int64_t E = s->ne[0];
+    float row[256];
+    for (int64_t t = 0; t < spec_rows(s); t++) {
+        for (int64_t e = 0; e < E; e++)
+            row[e] = ((float)e - (float)E / 2) * step;
+        for (int64_t e = E - 1; e > 0; e--) {
+            int64_t o = (int64_t)(rng_u32() % (uint32_t)(e + 1));
+            float tmp = row[e];
+            row[e] = row[o], row[o] = tmp;
+        }
+        put_row(s, t, row);
+    }
+}
+
+static void make_moe_route(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    /* tokens, experts, k, gating, normalize, scale, bias: Qwen2-MoE (softmax, not normalised),
+     * Qwen3-MoE (128 experts, top 8, normalised), GLM-4.5 (sigmoid, a choice bias, scaled),
+     * a gated shared expert (one sigmoid "expert"), Mixtral (top 2 of 8, normalised) */
+    static const struct {
+        int tokens, experts, k, gating, normalize;
+        float scale;
+        int bias;
+    } r[] = {
+        {5, 8, 2, LOOM_MOE_SOFTMAX, 0, 1.0f, 0},  {3, 128, 8, LOOM_MOE_SOFTMAX, 1, 1.0f, 0},
+        {4, 16, 4, LOOM_MOE_SIGMOID, 1, 2.5f, 1}, {6, 1, 1, LOOM_MOE_SIGMOID, 0, 1.0f, 0},
+        {1, 8, 2, LOOM_MOE_SOFTMAX, 1, 1.0f, 0},
+    };
+    static const char *gatings[] = {"softmax", "sigmoid"};
+    tc->gating = r[v].gating;
+    tc->normalize = r[v].normalize;
+    tc->scale = r[v].scale;
+    snprintf(tc->label, sizeof tc->label, "%d tokens, top %d of %d, %s%s%s scale %g", r[v].tokens,
+             r[v].k, r[v].experts, gatings[r[v].gating], r[v].normalize ? " normalised" : "",
+             r[v].bias ? " +choice bias" : "", (double)r[v].scale);
+    spec *logits = add_spec(tc, 0, LOOM_F32, r[v].experts, r[v].tokens, 1, 1, 1);
+    if (r[v].experts > 1)
+        fill_router_logits(logits, r[v].gating == LOOM_MOE_SIGMOID ? 0.3f : 0.05f);
+    else
+        fill_random(logits, 3.0f, 0.0f);
+    if (r[v].bias) { /* a bias that reorders the choice: steps of 0.5 over scores within 1 */
+        float b[16];
+        for (int e = 0; e < r[v].experts; e++)
+            b[e] = (float)((e * 7) % r[v].experts) * 0.5f;
+        memcpy(spec_row(add_spec(tc, 1, LOOM_F32, r[v].experts, 1, 1, 1, 0), 0), b,
+               (size_t)r[v].experts * sizeof b[0]);
+    }
+    add_spec(tc, 2, LOOM_I32, r[v].k, r[v].tokens, 1, 1, 1)->output = 1;
+    add_spec(tc, 3, LOOM_F32, r[v].k, r[v].tokens, 1, 1, 1)->output = 1;
+    tc->tol = 1e-5; /* an id that differs is an error of order 1 */
+    tc->abi_minor = 5;
+}
+
+static void make_matmul_id(test_case *tc, loom_dtype dt, int v)
+{
+    /* tokens, experts, k, K, N, per-slot x: a decode step (every chosen expert one row), a
+     * prefill chunk whose tokens share experts (gathered rows), the down projection (x per
+     * slot), and an expert stack padded between matrices */
+    static const struct {
+        int tokens, experts, k, K, N, per_slot;
+    } r[] = {
+        {1, 8, 2, 64, 24, 0}, {7, 4, 2, 256, 9, 0}, {5, 6, 3, 32, 40, 1}, {3, 5, 2, 512, 8, 0}};
+    int64_t T = r[v].tokens, E = r[v].experts, k = r[v].k, K = r[v].K, N = r[v].N;
+    if (K % loom_dtype_block_elems(dt)) {
+        tc->op = LOOM_OP_COUNT;
+        return;
+    }
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld of %lld experts [%lld, %lld]%s",
+             (long long)T, (long long)k, (long long)E, (long long)N, (long long)K,
+             r[v].per_slot ? ", x per slot" : "");
+    spec *x = add_spec(tc, 0, LOOM_F32, K, r[v].per_slot ? k : 1, T, 1, 1);
+    fill_random(x, 1.0f, 0.0f);
+    spec *w = add_spec(tc, 1, dt, K, N, E, 1, v == 3);
+    fill_random(w, 0.5f, 0.0f);
+    int32_t ids[32];
+    for (int64_t t = 0; t < T; t++) /* distinct experts per token, some shared across tokens */
+        for (int64_t j = 0; j < k; j++)
+            ids[t * k + j] = (int32_t)((t * 3 + j * (E / k > 1 ? E / k : 1) + (t % 2)) % E);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 1; j < k; j++)
+            if (ids[t * k + j] == ids[t * k])
+                ids[t * k + j] = (ids[t * k + j] + 1) % (int32_t)E;
+    spec *id = add_spec(tc, 2, LOOM_I32, k, T, 1, 1, 0);
+    for (int64_t t = 0; t < T; t++)
+        memcpy(spec_row(id, t), ids + t * k, (size_t)k * sizeof ids[0]);
+    add_spec(tc, 3, LOOM_F32, N, k, T, 1, 1)->output = 1;
+    tc->tol = weight_tolerance(dt);
+    tc->abi_minor = 5;
+}
+
+static void make_moe_combine(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    /* tokens, k, n, accumulate */
+    static const int64_t r[][4] = {{1, 8, 64, 1}, {6, 2, 96, 0}, {3, 1, 4096, 1}};
+    int64_t T = r[v][0], k = r[v][1], n = r[v][2];
+    tc->accumulate = (int32_t)r[v][3];
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld experts, rows of %lld%s", (long long)T,
+             (long long)k, (long long)n, tc->accumulate ? ", accumulated" : "");
+    fill_random(add_spec(tc, 0, LOOM_F32, n, k, T, 1, 1), 2.0f, 0.0f);
+    fill_random(add_spec(tc, 1, LOOM_F32, k, T, 1, 1, 1), 0.5f, 0.5f);
+    spec *dst = add_spec(tc, 2, LOOM_F32, n, T, 1, 1, 1);
+    fill_random(dst, 1.0f, 0.0f); /* what accumulate adds to, and what overwriting ignores */
+    dst->output = 1;
+    tc->tol = 1e-5;
+    tc->abi_minor = 5;
+}
+
 static const case_family families[] = {
     {LOOM_OP_MATMUL, 10, make_matmul},
     {LOOM_OP_GET_ROWS, 3, make_get_rows},
@@ -804,6 +937,9 @@ static const case_family families[] = {
     {LOOM_OP_QUANTIZE, 4, make_quant},
     {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},
+    {LOOM_OP_MOE_ROUTE, 5, make_moe_route},
+    {LOOM_OP_MATMUL_ID, 4, make_matmul_id},
+    {LOOM_OP_MOE_COMBINE, 3, make_moe_combine},
 };
 
 /* The dtypes each op is asked about (what `supports` takes for it). */
@@ -812,6 +948,7 @@ static int op_dtype_applies(loom_op op, loom_dtype dt)
     int is_float = dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_BF16;
     switch (op) {
     case LOOM_OP_MATMUL:
+    case LOOM_OP_MATMUL_ID:
     case LOOM_OP_GET_ROWS: return is_float || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;

@@ -839,6 +839,7 @@ static int cpu_supports(loom_backend *be, loom_op op, loom_dtype dt)
     (void)be;
     switch (op) {
     case LOOM_OP_MATMUL:
+    case LOOM_OP_MATMUL_ID:
     case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
@@ -891,6 +892,9 @@ static const loom_backend_ops cpu_ops = {
     .dequantize = cpu_dequantize,
     .convert = cpu_convert,
     .prepare_weight = cpu_prepare_weight,
+    .moe_route = cpu_moe_route,
+    .matmul_id = cpu_matmul_id,
+    .moe_combine = cpu_moe_combine,
 };
 
 loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,

@@ -623,6 +623,152 @@ static loom_status ref_convert(loom_backend *be, const loom_convert_params *p)
     return convert_rows(be, p, "convert");
 }
 
+/* ---- Mixture of experts ------------------------------------------------------------------ */
+
+#define CHECK_ARGS(be, msg)                                                                        \
+    do {                                                                                           \
+        const char *m_ = (msg);                                                                    \
+        if (m_)                                                                                    \
+            return fail(be, LOOM_ERR_INVALID, "%s", m_);                                           \
+    } while (0)
+
+static int32_t load_i32_at(const loom_tensor *t, int64_t row, int64_t col)
+{
+    int32_t v;
+    memcpy(&v, row_ptr(t, row) + col * (int64_t)t->nb[0], 4);
+    return v;
+}
+
+static void store_i32_row(const loom_tensor *t, int64_t row, const int32_t *v, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        memcpy(row_ptr(t, row) + i * (int64_t)t->nb[0], &v[i], 4);
+}
+
+static loom_status ref_moe_route(loom_backend *be, const loom_moe_route_params *p)
+{
+    CHECK_ARGS(be, loom_check_moe_route(p));
+    CHECK(check_tensor(be, p->logits, "moe_route logits"));
+    CHECK(check_tensor(be, p->ids, "moe_route ids"));
+    CHECK(check_tensor(be, p->weights, "moe_route weights"));
+    if (p->bias)
+        CHECK(check_tensor(be, p->bias, "moe_route bias"));
+    int64_t E = p->logits->ne[0], k = p->ids->ne[0], T = n_rows(p->logits);
+    float *logit = scratch((size_t)E), *bias = scratch((size_t)E), *w = scratch((size_t)k);
+    double *score = malloc((size_t)E * sizeof *score);
+    int32_t *ids = malloc((size_t)k * sizeof *ids);
+    char *taken = malloc((size_t)E);
+    if (!logit || !bias || !w || !score || !ids || !taken) {
+        free(logit), free(bias), free(w), free(score), free(ids), free(taken);
+        return NO_MEMORY(be);
+    }
+    if (p->bias)
+        load_row(p->bias, 0, bias);
+    for (int64_t t = 0; t < T; t++) {
+        load_row(p->logits, t, logit);
+        double max = logit[0], sum = 0;
+        for (int64_t e = 1; e < E; e++)
+            max = logit[e] > max ? logit[e] : max;
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = p->gating == LOOM_MOE_SOFTMAX ? exp((double)logit[e] - max)
+                                                     : 1.0 / (1.0 + exp(-(double)logit[e]));
+            sum += score[e];
+        }
+        if (p->gating == LOOM_MOE_SOFTMAX)
+            for (int64_t e = 0; e < E; e++)
+                score[e] /= sum;
+        memset(taken, 0, (size_t)E);
+        double chosen_sum = 0;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            double best_choice = 0;
+            for (int64_t e = 0; e < E; e++) {
+                double choice = p->bias ? score[e] + bias[e] : logit[e];
+                if (!taken[e] && (best < 0 || choice > best_choice))
+                    best = e, best_choice = choice;
+            }
+            taken[best] = 1;
+            ids[j] = (int32_t)best;
+            chosen_sum += score[best];
+        }
+        for (int64_t j = 0; j < k; j++)
+            w[j] = (float)(score[ids[j]] / (p->normalize ? chosen_sum : 1.0) * p->scale);
+        store_i32_row(p->ids, t, ids, k);
+        store_row(p->weights, t, w);
+    }
+    free(logit), free(bias), free(w), free(score), free(ids), free(taken);
+    return LOOM_OK;
+}
+
+static loom_status ref_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
+{
+    CHECK_ARGS(be, loom_check_matmul_id(p));
+    CHECK(check_tensor(be, p->x, "matmul_id x"));
+    CHECK(check_tensor(be, p->w, "matmul_id w"));
+    CHECK(check_tensor(be, p->ids, "matmul_id ids"));
+    CHECK(check_tensor(be, p->y, "matmul_id y"));
+    int64_t K = p->x->ne[0], N = p->w->ne[1], E = p->w->ne[2], k = p->ids->ne[0];
+    int64_t T = n_rows(p->ids), x_slots = p->x->ne[1];
+    float *x = scratch((size_t)K), *w = scratch((size_t)K), *y = scratch((size_t)N);
+    if (!x || !w || !y) {
+        free(x), free(w), free(y);
+        return NO_MEMORY(be);
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < k; j++) {
+            int32_t e = load_i32_at(p->ids, t, j);
+            if (e < 0 || e >= E) {
+                free(x), free(w), free(y);
+                return fail(be, LOOM_ERR_INVALID,
+                            "matmul_id: expert id %d of token %lld is outside [0, %lld)", e,
+                            (long long)t, (long long)E);
+            }
+            load_row(p->x, t * x_slots + (x_slots > 1 ? j : 0), x);
+            for (int64_t n = 0; n < N; n++) {
+                load_row(p->w, (int64_t)e * N + n, w);
+                double acc = 0;
+                for (int64_t i = 0; i < K; i++)
+                    acc += (double)x[i] * w[i];
+                y[n] = (float)acc;
+            }
+            store_row(p->y, t * k + j, y);
+        }
+    free(x), free(w), free(y);
+    return LOOM_OK;
+}
+
+static loom_status ref_moe_combine(loom_backend *be, const loom_moe_combine_params *p)
+{
+    CHECK_ARGS(be, loom_check_moe_combine(p));
+    CHECK(check_tensor(be, p->src, "moe_combine src"));
+    CHECK(check_tensor(be, p->weights, "moe_combine weights"));
+    CHECK(check_tensor(be, p->dst, "moe_combine dst"));
+    int64_t n = p->src->ne[0], k = p->src->ne[1], T = n_rows(p->dst);
+    float *src = scratch((size_t)n), *w = scratch((size_t)k), *dst = scratch((size_t)n);
+    double *acc = malloc((size_t)(n ? n : 1) * sizeof *acc);
+    if (!src || !w || !dst || !acc) {
+        free(src), free(w), free(dst), free(acc);
+        return NO_MEMORY(be);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        load_row(p->weights, t, w);
+        if (p->accumulate)
+            load_row(p->dst, t, dst);
+        for (int64_t i = 0; i < n; i++)
+            acc[i] = p->accumulate ? dst[i] : 0.0;
+        for (int64_t j = 0; j < k; j++) {
+            load_row(p->src, t * k + j, src);
+            for (int64_t i = 0; i < n; i++)
+                acc[i] += (double)w[j] * src[i];
+        }
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)acc[i];
+        store_row(p->dst, t, dst);
+    }
+    free(src), free(w), free(dst), free(acc);
+    return LOOM_OK;
+}
+
 /* ---- Buffers ---------------------------------------------------------------------------- */
 
 /* Guards the uint64 -> size_t narrowing and keeps absurd requests from reaching malloc. */
@@ -751,7 +897,10 @@ static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_MUL:
     case LOOM_OP_SCALE:
     case LOOM_OP_SILU_MUL:
-    case LOOM_OP_GELU: return dt == LOOM_F32;
+    case LOOM_OP_GELU:
+    case LOOM_OP_MOE_ROUTE:
+    case LOOM_OP_MOE_COMBINE: return dt == LOOM_F32;
+    case LOOM_OP_MATMUL_ID: return is_float_dtype(dt) || loom_dtype_is_quantized(dt);
     case LOOM_OP_COUNT: break;
     }
     return 0;
@@ -802,7 +951,8 @@ static void ref_close(loom_backend *be)
     .rms_norm = ref_rms_norm, .layer_norm = ref_layer_norm, .rope = ref_rope, .add = ref_add,      \
     .mul = ref_mul, .scale = ref_scale, .silu_mul = ref_silu_mul, .gelu = ref_gelu,                \
     .kv_store = ref_kv_store, .attention = ref_attention, .quantize = ref_quantize,                \
-    .dequantize = ref_dequantize, .convert = ref_convert, .prepare_weight = ref_prepare_weight
+    .dequantize = ref_dequantize, .convert = ref_convert, .prepare_weight = ref_prepare_weight,    \
+    .moe_route = ref_moe_route, .matmul_id = ref_matmul_id, .moe_combine = ref_moe_combine
 
 static const loom_backend_ops ref_ops_host_visible = {
     REF_OPS_COMMON,

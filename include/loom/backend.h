@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 4
+#define LOOM_BACKEND_ABI_MINOR 5
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -348,7 +348,11 @@ typedef struct loom_tensor {
     X(QUANTIZE, quantize, loom_convert_params)                                                     \
     X(DEQUANTIZE, dequantize, loom_convert_params)                                                 \
     X(CONVERT, convert, loom_convert_params)
-#define LOOM_OPS_APPENDED(X) /* none yet */
+/* ABI 1.5: mixture-of-experts */
+#define LOOM_OPS_APPENDED(X)                                                                       \
+    X(MOE_ROUTE, moe_route, loom_moe_route_params)                                                 \
+    X(MATMUL_ID, matmul_id, loom_matmul_id_params)                                                 \
+    X(MOE_COMBINE, moe_combine, loom_moe_combine_params)
 #define LOOM_OPS(X) LOOM_OPS_1_0(X) LOOM_OPS_APPENDED(X)
 
 /* clang-format off */
@@ -496,18 +500,72 @@ typedef struct loom_convert_params {
     const loom_tensor *dst;
 } loom_convert_params;
 
-/* Each parameter struct's tensors, F(field) in turn, the one the op writes last: what the CPU
- * fallback copies over (and the output back) and what the trace decorator records. A new
- * struct gets its line here. */
-#define LOOM_TENSORS_loom_matmul_params(F) F(x) F(w) F(bias) F(y)
-#define LOOM_TENSORS_loom_get_rows_params(F) F(src) F(ids) F(dst)
-#define LOOM_TENSORS_loom_norm_params(F) F(x) F(weight) F(bias) F(dst)
-#define LOOM_TENSORS_loom_rope_params(F) F(x) F(pos) F(pos2) F(freq_factors) F(dst)
-#define LOOM_TENSORS_loom_elementwise_params(F) F(a) F(b) F(dst)
-#define LOOM_TENSORS_loom_kv_store_params(F) F(src) F(slots) F(cache)
-#define LOOM_TENSORS_loom_attention_params(F)                                                      \
-    F(q) F(k_cache) F(v_cache) F(block_table) F(seq) F(pos) F(prefix_len) F(dst)
-#define LOOM_TENSORS_loom_convert_params(F) F(src) F(dst)
+/* ---- Mixture of experts (ABI 1.5) ---------------------------------------------------------
+ * A sparse feed-forward layer in three ops: the router's logits (a matmul) -> moe_route picks
+ * k experts per token and their weights -> matmul_id runs each token's rows through its chosen
+ * experts' matrices (gate and up, silu_mul, down) -> moe_combine adds the weighted results to
+ * the residual stream. A gated shared expert (Qwen2-MoE) is moe_route over one "expert" with
+ * sigmoid gating, then moe_combine. */
+
+typedef enum loom_moe_gating {
+    LOOM_MOE_SOFTMAX = 0, /* scores = softmax of the logits over every expert (Qwen, Mixtral) */
+    LOOM_MOE_SIGMOID = 1, /* scores = sigmoid of each logit (GLM-4.5, DeepSeek-V3) */
+} loom_moe_gating;
+
+/* Per token t: the k = ids->ne[0] experts of highest choice score, best first, where the
+ * choice score is the logit itself when bias is NULL, else score + bias (GLM-4.5's
+ * e_score_correction_bias steers the choice only); ties go to the lower expert index. The
+ * weights are the chosen experts' scores, divided by their sum when normalize is set
+ * (norm_topk_prob), then multiplied by scale (GLM-4.5's routed_scaling_factor; 1 for none). */
+typedef struct loom_moe_route_params {
+    uint32_t struct_size;
+    const loom_tensor *logits;  /* [tokens, experts] F32 */
+    const loom_tensor *bias;    /* [experts] F32, or NULL */
+    const loom_tensor *ids;     /* [tokens, k] I32, k <= experts */
+    const loom_tensor *weights; /* [tokens, k] F32 */
+    int32_t gating;             /* loom_moe_gating */
+    int32_t normalize;          /* nonzero: weights divided by their sum */
+    float scale;                /* finite and positive */
+} loom_moe_route_params;
+
+/* y[t, j, :] = x[t, j or 0, :] W[ids[t, j]]^T for every token t and slot j < k: matmul with
+ * each row's own weight matrix out of a stack of experts. W is [experts, N, K] (ne {K, N,
+ * experts}), of any dtype `supports` claims for matmul_id; x has one row per token that every
+ * slot reads (the gate and up projections) or one per slot (the down projection). An id
+ * outside [0, experts) is LOOM_ERR_INVALID. */
+typedef struct loom_matmul_id_params {
+    uint32_t struct_size;
+    const loom_tensor *x;   /* [tokens, 1 or k, K] F32 */
+    const loom_tensor *w;   /* [experts, N, K] */
+    const loom_tensor *ids; /* [tokens, k] I32 */
+    const loom_tensor *y;   /* [tokens, k, N] F32 */
+} loom_matmul_id_params;
+
+/* dst[t, :] = sum over j of weights[t, j] * src[t, j, :], added to what dst holds when
+ * accumulate is nonzero (the residual stream), else written over it. */
+typedef struct loom_moe_combine_params {
+    uint32_t struct_size;
+    const loom_tensor *src;     /* [tokens, k, n] F32 */
+    const loom_tensor *weights; /* [tokens, k] F32 */
+    const loom_tensor *dst;     /* [tokens, n] F32 */
+    int32_t accumulate;
+} loom_moe_combine_params;
+
+/* Each parameter struct's tensors in turn, I(field) those the op only reads and O(field) those
+ * it writes, last: what the CPU fallback copies over (and the outputs back) and what the trace
+ * decorator records. A new struct gets its line here. */
+#define LOOM_TENSORS_loom_matmul_params(I, O) I(x) I(w) I(bias) O(y)
+#define LOOM_TENSORS_loom_get_rows_params(I, O) I(src) I(ids) O(dst)
+#define LOOM_TENSORS_loom_norm_params(I, O) I(x) I(weight) I(bias) O(dst)
+#define LOOM_TENSORS_loom_rope_params(I, O) I(x) I(pos) I(pos2) I(freq_factors) O(dst)
+#define LOOM_TENSORS_loom_elementwise_params(I, O) I(a) I(b) O(dst)
+#define LOOM_TENSORS_loom_kv_store_params(I, O) I(src) I(slots) O(cache)
+#define LOOM_TENSORS_loom_attention_params(I, O)                                                   \
+    I(q) I(k_cache) I(v_cache) I(block_table) I(seq) I(pos) I(prefix_len) O(dst)
+#define LOOM_TENSORS_loom_convert_params(I, O) I(src) O(dst)
+#define LOOM_TENSORS_loom_moe_route_params(I, O) I(logits) I(bias) O(ids) O(weights)
+#define LOOM_TENSORS_loom_matmul_id_params(I, O) I(x) I(w) I(ids) O(y)
+#define LOOM_TENSORS_loom_moe_combine_params(I, O) I(src) I(weights) O(dst)
 
 /* ---- Argument checks ---------------------------------------------------------------------
  * Optional helpers that state each op's shape and dtype contract in code. Each returns NULL
@@ -714,6 +772,53 @@ static inline const char *loom_check_convert(const loom_convert_params *p, loom_
         return "convert: src and dst must be f32, f16 or bf16";
     if (!loom_same_rows(p->src, p->dst))
         return "convert: src and dst shapes differ";
+    return NULL;
+}
+
+static inline const char *loom_check_moe_route(const loom_moe_route_params *p)
+{
+    if (!p->logits || !p->ids || !p->weights || p->logits->dtype != LOOM_F32 ||
+        p->ids->dtype != LOOM_I32 || p->weights->dtype != LOOM_F32)
+        return "moe_route: logits (f32), ids (i32) and weights (f32) are required";
+    int64_t tokens = loom_tensor_rows(p->logits), experts = p->logits->ne[0], k = p->ids->ne[0];
+    if (k < 1 || k > experts || loom_tensor_rows(p->ids) != tokens ||
+        !loom_same_rows(p->ids, p->weights))
+        return "moe_route: ids and weights must be [tokens, k] with 1 <= k <= experts";
+    if (p->bias && (p->bias->dtype != LOOM_F32 || p->bias->ne[0] != experts))
+        return "moe_route: bias must be f32 [experts]";
+    if (p->gating != LOOM_MOE_SOFTMAX && p->gating != LOOM_MOE_SIGMOID)
+        return "moe_route: unknown gating";
+    if (!(p->scale > 0 && p->scale < 1e30f))
+        return "moe_route: scale must be finite and positive";
+    return NULL;
+}
+
+static inline const char *loom_check_matmul_id(const loom_matmul_id_params *p)
+{
+    if (!p->x || !p->w || !p->ids || !p->y)
+        return "matmul_id: x, w, ids and y are required";
+    if (p->x->dtype != LOOM_F32 || p->y->dtype != LOOM_F32 || p->ids->dtype != LOOM_I32)
+        return "matmul_id: x and y must be f32, ids i32";
+    if (!loom_dtype_is_float(p->w->dtype) && !loom_dtype_is_quantized(p->w->dtype))
+        return "matmul_id: w must be f32, f16, bf16 or a quantised type";
+    int64_t tokens = loom_tensor_rows(p->ids), k = p->ids->ne[0];
+    if (p->w->ne[3] != 1 || p->w->ne[0] != p->x->ne[0] || p->y->ne[0] != p->w->ne[1])
+        return "matmul_id: shapes disagree (want x [.., K], w [experts, N, K], y [.., N])";
+    if (p->x->ne[3] != 1 || p->x->ne[2] != tokens || (p->x->ne[1] != 1 && p->x->ne[1] != k) ||
+        p->y->ne[3] != 1 || p->y->ne[2] != tokens || p->y->ne[1] != k)
+        return "matmul_id: want ids [tokens, k], x [tokens, 1 or k, K], y [tokens, k, N]";
+    return NULL;
+}
+
+static inline const char *loom_check_moe_combine(const loom_moe_combine_params *p)
+{
+    if (!p->src || !p->weights || !p->dst || p->src->dtype != LOOM_F32 ||
+        p->weights->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32)
+        return "moe_combine: src, weights and dst are required and must be f32";
+    int64_t tokens = loom_tensor_rows(p->weights), k = p->weights->ne[0];
+    if (p->src->ne[3] != 1 || p->src->ne[2] != tokens || p->src->ne[1] != k ||
+        p->dst->ne[0] != p->src->ne[0] || loom_tensor_rows(p->dst) != tokens)
+        return "moe_combine: want src [tokens, k, n], weights [tokens, k], dst [tokens, n]";
     return NULL;
 }
 

@@ -457,6 +457,39 @@ static loom_status t_convert(loom_backend *be, const loom_convert_params *p)
     return convert_like(be, LOOM_OP_CONVERT, p);
 }
 
+/* The experts matmul_id reads depend on ids, which live on the device: w's bytes are not
+ * counted (x, ids and y are). */
+static loom_status t_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
+{
+    tracer *t = as_tracer(be);
+    call_args a = {0};
+    arg_tensor(&a, "x", p->x, 1), arg_tensor(&a, "w", p->w, 0);
+    arg_tensor(&a, "ids", p->ids, 1), arg_tensor(&a, "y", p->y, 1);
+    double s = now_ms();
+    return finish(t, LOOM_OP_MATMUL_ID, p->w ? p->w->dtype : LOOM_F32, s, &a,
+                  t->in.matmul_id(t->inner, p));
+}
+
+static loom_status t_moe_route(loom_backend *be, const loom_moe_route_params *p)
+{
+    tracer *t = as_tracer(be);
+    call_args a = {0};
+    arg_tensor(&a, "logits", p->logits, 1), arg_tensor(&a, "bias", p->bias, 1);
+    arg_tensor(&a, "ids", p->ids, 1), arg_tensor(&a, "weights", p->weights, 1);
+    double s = now_ms();
+    return finish(t, LOOM_OP_MOE_ROUTE, LOOM_F32, s, &a, t->in.moe_route(t->inner, p));
+}
+
+static loom_status t_moe_combine(loom_backend *be, const loom_moe_combine_params *p)
+{
+    tracer *t = as_tracer(be);
+    call_args a = {0};
+    arg_tensor(&a, "src", p->src, 1), arg_tensor(&a, "weights", p->weights, 1);
+    arg_tensor(&a, "dst", p->dst, 1);
+    double s = now_ms();
+    return finish(t, LOOM_OP_MOE_COMBINE, LOOM_F32, s, &a, t->in.moe_combine(t->inner, p));
+}
+
 static loom_status t_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out)
 {
     tracer *t = as_tracer(be);
@@ -565,6 +598,9 @@ static const loom_backend_ops tracer_ops = {
     .dequantize = t_dequantize,
     .convert = t_convert,
     .prepare_weight = t_prepare_weight,
+    .moe_route = t_moe_route,
+    .matmul_id = t_matmul_id,
+    .moe_combine = t_moe_combine,
 };
 
 static void set_err(char *err, size_t n, const char *fmt, ...)
@@ -629,21 +665,9 @@ static loom_status t_open(const loom_backend_options *opts, loom_backend **out, 
     SAME_AS_INNER(buffer_wrap_host);
     SAME_AS_INNER(buffer_memset);
     SAME_AS_INNER(copy_buffer);
-    SAME_AS_INNER(matmul);
-    SAME_AS_INNER(get_rows);
-    SAME_AS_INNER(rms_norm);
-    SAME_AS_INNER(layer_norm);
-    SAME_AS_INNER(rope);
-    SAME_AS_INNER(add);
-    SAME_AS_INNER(mul);
-    SAME_AS_INNER(scale);
-    SAME_AS_INNER(silu_mul);
-    SAME_AS_INNER(gelu);
-    SAME_AS_INNER(kv_store);
-    SAME_AS_INNER(attention);
-    SAME_AS_INNER(quantize);
-    SAME_AS_INNER(dequantize);
-    SAME_AS_INNER(convert);
+#define SAME_OP_AS_INNER(id, name, params) SAME_AS_INNER(name);
+    LOOM_OPS(SAME_OP_AS_INNER)
+#undef SAME_OP_AS_INNER
     SAME_AS_INNER(prepare_weight);
 #undef SAME_AS_INNER
     t->base.ops = &t->ops;

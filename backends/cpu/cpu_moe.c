@@ -1,0 +1,245 @@
+/*
+ * backends/cpu/cpu_moe.c - the mixture-of-experts ops (ABI 1.5): routing, the per-expert
+ * matmul and the weighted combination.
+ *
+ * matmul_id groups the (token, slot) rows by expert and runs each expert's rows as one matmul
+ * (cpu_matmul, so every weight type and kernel applies): the rows of an expert are gathered
+ * into a dense block and the results scattered back, except where an expert has one row, the
+ * decode step's case, which runs on views without a copy.
+ */
+#define _GNU_SOURCE
+#include "cpu.h"
+#include "rows.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CB(be) ((cpu_backend *)(be))
+#define TRY(expr)                                                                                  \
+    do {                                                                                           \
+        loom_status st_ = (expr);                                                                  \
+        if (st_ != LOOM_OK)                                                                        \
+            return st_;                                                                            \
+    } while (0)
+#define CHECK_ARGS(be, msg)                                                                        \
+    do {                                                                                           \
+        const char *m_ = (msg);                                                                    \
+        if (m_)                                                                                    \
+            return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s", m_);                                   \
+    } while (0)
+#define NO_MEMORY(be) cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "out of host memory")
+
+static unsigned char *base(const loom_tensor *t)
+{
+    return t->buf->data;
+}
+
+static int32_t id_at(const loom_tensor *ids, int64_t t, int64_t j)
+{
+    int32_t v;
+    memcpy(&v, cpu_row(ids, base(ids), t) + (uint64_t)j * ids->nb[0], 4);
+    return v;
+}
+
+/* ---- moe_route ------------------------------------------------------------------------- */
+
+loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p)
+{
+    CHECK_ARGS(be, loom_check_moe_route(p));
+    TRY(cpu_check_bounds(CB(be), p->logits, "moe_route logits"));
+    TRY(cpu_check_bounds(CB(be), p->ids, "moe_route ids"));
+    TRY(cpu_check_bounds(CB(be), p->weights, "moe_route weights"));
+    if (p->bias)
+        TRY(cpu_check_bounds(CB(be), p->bias, "moe_route bias"));
+    int64_t E = p->logits->ne[0], k = p->ids->ne[0], T = loom_tensor_rows(p->logits);
+    float *score = malloc((size_t)E * 2 * sizeof *score), *choice = score + E;
+    char *taken = malloc((size_t)E);
+    if (!score || !taken) {
+        free(score), free(taken);
+        return NO_MEMORY(be);
+    }
+    const float *bias = p->bias ? (const float *)cpu_row(p->bias, base(p->bias), 0) : NULL;
+    for (int64_t t = 0; t < T; t++) {
+        const float *logit = (const float *)cpu_row(p->logits, base(p->logits), t);
+        float max = logit[0];
+        for (int64_t e = 1; e < E; e++)
+            max = logit[e] > max ? logit[e] : max;
+        double sum = 0;
+        for (int64_t e = 0; e < E; e++) {
+            score[e] = p->gating == LOOM_MOE_SOFTMAX ? expf(logit[e] - max)
+                                                     : 1.0f / (1.0f + expf(-logit[e]));
+            sum += score[e];
+        }
+        for (int64_t e = 0; e < E; e++) {
+            if (p->gating == LOOM_MOE_SOFTMAX)
+                score[e] = (float)(score[e] / sum);
+            choice[e] = bias ? score[e] + bias[e] : logit[e];
+        }
+        memset(taken, 0, (size_t)E);
+        int32_t *ids = (int32_t *)cpu_row(p->ids, base(p->ids), t);
+        float *w = (float *)cpu_row(p->weights, base(p->weights), t);
+        double chosen = 0;
+        for (int64_t j = 0; j < k; j++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) /* the first of equals wins: the lower index */
+                if (!taken[e] && (best < 0 || choice[e] > choice[best]))
+                    best = e;
+            taken[best] = 1;
+            int32_t id = (int32_t)best;
+            memcpy((unsigned char *)ids + (uint64_t)j * p->ids->nb[0], &id, 4);
+            chosen += score[best];
+        }
+        for (int64_t j = 0; j < k; j++) {
+            double s = score[id_at(p->ids, t, j)];
+            *(float *)((unsigned char *)w + (uint64_t)j * p->weights->nb[0]) =
+                (float)(s / (p->normalize ? chosen : 1.0) * p->scale);
+        }
+    }
+    free(score), free(taken);
+    return LOOM_OK;
+}
+
+/* ---- matmul_id ------------------------------------------------------------------------- */
+
+/* A dense [rows, n] f32 block in a buffer of its own (the gathered rows of one expert). */
+static loom_tensor dense_f32(struct loom_buffer *b, int64_t n, int64_t rows)
+{
+    loom_tensor t = {.buf = b, .dtype = LOOM_F32, .n_dims = 2, .ne = {n, rows, 1, 1}};
+    t.nb[0] = sizeof(float);
+    t.nb[1] = (uint64_t)n * sizeof(float);
+    t.nb[2] = t.nb[3] = t.nb[1] * (uint64_t)rows;
+    return t;
+}
+
+/* Row r of a 3-D activation [tokens, slots, n] as a one-row matrix. */
+static loom_tensor one_row(const loom_tensor *t, int64_t token, int64_t slot)
+{
+    loom_tensor v = *t;
+    v.offset += (uint64_t)token * t->nb[2] + (uint64_t)slot * t->nb[1];
+    v.ne[1] = v.ne[2] = v.ne[3] = 1;
+    v.n_dims = 2;
+    return v;
+}
+
+loom_status cpu_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
+{
+    CHECK_ARGS(be, loom_check_matmul_id(p));
+    TRY(cpu_check_bounds(CB(be), p->x, "matmul_id x"));
+    TRY(cpu_check_bounds(CB(be), p->w, "matmul_id w"));
+    TRY(cpu_check_bounds(CB(be), p->ids, "matmul_id ids"));
+    TRY(cpu_check_bounds(CB(be), p->y, "matmul_id y"));
+    const int64_t K = p->x->ne[0], N = p->w->ne[1], E = p->w->ne[2], k = p->ids->ne[0];
+    const int64_t T = loom_tensor_rows(p->ids), rows = T * k;
+    const int per_slot = p->x->ne[1] > 1;
+    if (rows == 0 || N == 0)
+        return LOOM_OK;
+    /* the rows by expert: a counting sort of (token, slot) pairs */
+    int64_t *start = calloc((size_t)E + 1, sizeof *start), *order = malloc((size_t)rows * 8);
+    if (!start || !order) {
+        free(start), free(order);
+        return NO_MEMORY(be);
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t j = 0; j < k; j++) {
+            int32_t e = id_at(p->ids, t, j);
+            if (e < 0 || e >= E) {
+                free(start), free(order);
+                return cpu_fail(CB(be), LOOM_ERR_INVALID,
+                                "matmul_id: expert id %d of token %lld is outside [0, %lld)", e,
+                                (long long)t, (long long)E);
+            }
+            start[e + 1]++;
+        }
+    int64_t most = 0;
+    for (int64_t e = 0; e < E; e++) {
+        most = start[e + 1] > most ? start[e + 1] : most;
+        start[e + 1] += start[e];
+    }
+    int64_t *fill = malloc((size_t)E * sizeof *fill);
+    float *xs = most > 1 ? malloc((size_t)(most * (K + N)) * sizeof *xs) : NULL;
+    if (!fill || (most > 1 && !xs)) {
+        free(start), free(order), free(fill), free(xs);
+        return NO_MEMORY(be);
+    }
+    memcpy(fill, start, (size_t)E * sizeof *fill);
+    for (int64_t r = 0; r < rows; r++)
+        order[fill[id_at(p->ids, r / k, r % k)]++] = r;
+
+    loom_status st = LOOM_OK;
+    for (int64_t e = 0; e < E && st == LOOM_OK; e++) {
+        int64_t n_rows = start[e + 1] - start[e];
+        if (n_rows == 0)
+            continue;
+        loom_tensor w = *p->w; /* expert e's [N, K] matrix */
+        w.offset += (uint64_t)e * p->w->nb[2];
+        w.ne[2] = 1;
+        w.n_dims = 2;
+        if (n_rows == 1) {
+            int64_t r = order[start[e]];
+            loom_tensor x = one_row(p->x, r / k, per_slot ? r % k : 0),
+                        y = one_row(p->y, r / k, r % k);
+            loom_matmul_params mp = {sizeof mp, &x, &w, NULL, &y};
+            st = cpu_matmul(be, &mp);
+            continue;
+        }
+        struct loom_buffer xb = {.data = (unsigned char *)xs, .size = (uint64_t)(n_rows * K) * 4};
+        struct loom_buffer yb = {.data = (unsigned char *)(xs + n_rows * K),
+                                 .size = (uint64_t)(n_rows * N) * 4};
+        for (int64_t i = 0; i < n_rows; i++) {
+            int64_t r = order[start[e] + i];
+            loom_tensor src = one_row(p->x, r / k, per_slot ? r % k : 0);
+            memcpy(xs + i * K, base(&src) + src.offset, (size_t)K * sizeof *xs);
+        }
+        loom_tensor x = dense_f32(&xb, K, n_rows), y = dense_f32(&yb, N, n_rows);
+        loom_matmul_params mp = {sizeof mp, &x, &w, NULL, &y};
+        st = cpu_matmul(be, &mp);
+        for (int64_t i = 0; i < n_rows && st == LOOM_OK; i++) {
+            int64_t r = order[start[e] + i];
+            loom_tensor dst = one_row(p->y, r / k, r % k);
+            memcpy(base(&dst) + dst.offset, xs + n_rows * K + i * N, (size_t)N * sizeof *xs);
+        }
+    }
+    free(start), free(order), free(fill), free(xs);
+    return st;
+}
+
+/* ---- moe_combine ----------------------------------------------------------------------- */
+
+typedef struct combine_job {
+    const loom_moe_combine_params *p;
+} combine_job;
+
+static void combine_rows(void *ctx, int ith, int nth)
+{
+    const loom_moe_combine_params *p = ((const combine_job *)ctx)->p;
+    const int64_t n = p->src->ne[0], k = p->src->ne[1];
+    long t0, t1;
+    pool_split((long)loom_tensor_rows(p->dst), ith, nth, &t0, &t1);
+    for (long t = t0; t < t1; t++) {
+        float *dst = (float *)cpu_row(p->dst, base(p->dst), t);
+        const unsigned char *w = cpu_row(p->weights, base(p->weights), t);
+        if (!p->accumulate)
+            memset(dst, 0, (size_t)n * sizeof *dst);
+        for (int64_t j = 0; j < k; j++) {
+            float wj = *(const float *)(w + (uint64_t)j * p->weights->nb[0]);
+            const float *src = (const float *)cpu_row(p->src, base(p->src), t * k + j);
+            for (int64_t i = 0; i < n; i++)
+                dst[i] += wj * src[i];
+        }
+    }
+}
+
+loom_status cpu_moe_combine(loom_backend *be, const loom_moe_combine_params *p)
+{
+    CHECK_ARGS(be, loom_check_moe_combine(p));
+    TRY(cpu_check_bounds(CB(be), p->src, "moe_combine src"));
+    TRY(cpu_check_bounds(CB(be), p->weights, "moe_combine weights"));
+    TRY(cpu_check_bounds(CB(be), p->dst, "moe_combine dst"));
+    combine_job j = {p};
+    if (loom_tensor_rows(p->src) * p->src->ne[0] < 16384)
+        combine_rows(&j, 0, 1);
+    else
+        pool_run(CB(be)->pool, combine_rows, &j);
+    return LOOM_OK;
+}
