@@ -92,14 +92,22 @@ static float *load_f32(const loom_st_tensor *t, int64_t rows, int64_t cols, row_
     return tmp;
 }
 
-/* Adds Hugging Face tensor t (named src) as GGUF dst. */
-static int add(conv *c, const loom_st_tensor *t, const char *src, const char *dst, row_order order)
+/* Adds Hugging Face tensor parts[0] (named src) as GGUF dst; with n_parts > 1, the stack of
+ * parts[0..n_parts) (an expert each, of one shape and type) as one [n_parts, rows, cols]. */
+static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const char *src,
+               const char *dst, row_order order)
 {
+    const loom_st_tensor *t = parts[0];
     if (t->loom_type < 0 || t->n_dims < 1 || t->n_dims > 2)
         return conv_fail(c,
                          "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
                          "vectors and matrices",
                          c->dir, src, t->dtype, t->n_dims);
+    for (int i = 1; i < n_parts; i++)
+        if (parts[i]->loom_type != t->loom_type || parts[i]->n_dims != t->n_dims ||
+            memcmp(parts[i]->shape, t->shape, (size_t)t->n_dims * sizeof t->shape[0]) != 0)
+            return conv_fail(c, "%s: the experts of '%s' differ in shape or type (expert %d)",
+                             c->dir, src, i);
     int64_t rows = t->n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
     int64_t units = rows == 1 ? cols : rows;
     if ((order.kind == ROWS_ROPE_PAIRS && (units % order.heads || (units / order.heads) % 2)) ||
@@ -118,18 +126,21 @@ static int add(conv *c, const loom_st_tensor *t, const char *src, const char *ds
             out_type = LOOM_F32;
         }
     }
-    float *f = load_f32(t, rows, cols, order);
     int64_t rb = loom_row_bytes(out_type, cols);
-    unsigned char *data = f ? own(c, (size_t)(rb * rows)) : NULL;
-    if (!data) {
-        free(f);
+    unsigned char *data = own(c, (size_t)(rb * rows * n_parts));
+    if (!data)
         return conv_fail(c, "out of memory converting '%s'", src);
+    for (int i = 0; i < n_parts; i++) {
+        float *f = load_f32(parts[i], rows, cols, order);
+        if (!f)
+            return conv_fail(c, "out of memory converting '%s'", src);
+        for (int64_t r = 0; r < rows; r++)
+            loom_row_from_f32(out_type, f + r * cols, data + (i * rows + r) * rb, cols);
+        free(f);
     }
-    for (int64_t r = 0; r < rows; r++)
-        loom_row_from_f32(out_type, f + r * cols, data + r * rb, cols);
-    free(f);
-    int64_t ne[2] = {cols, rows};
-    if (loom_gguf_add_tensor(c->w, dst, out_type, (uint32_t)t->n_dims, ne, data) != 0)
+    int64_t ne[3] = {cols, rows, n_parts};
+    uint32_t n_dims = n_parts > 1 ? 3 : (uint32_t)t->n_dims;
+    if (loom_gguf_add_tensor(c->w, dst, out_type, n_dims, ne, data) != 0)
         return conv_fail(c, "cannot add '%s'", dst);
     c->done++;
     if (c->progress)
@@ -185,6 +196,8 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
             return conv_fail(c, "out of memory");
         if (v->v[i].kind == LOOM_HF_STR)
             loom_gguf_set_str(c->w, key, v->v[i].str);
+        else if (v->v[i].kind == LOOM_HF_BOOL)
+            loom_gguf_set_bool(c->w, key, v->v[i].num != 0);
         else if (v->v[i].kind == LOOM_HF_F32)
             loom_gguf_set_f32(c->w, key, (float)v->v[i].num);
         else
@@ -194,15 +207,16 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
     return 0;
 }
 
-/* Entry e of the family's tensor table for layer l (-1: a tensor outside the layers): the
- * Hugging Face tensor it takes (NULL when absent), its source name, and its GGUF name. */
-static const loom_st_tensor *source(conv *c, const loom_hf_tensor *e, int l, char *src,
+/* Entry e of the family's tensor table for layer l (-1: a tensor outside the layers) and
+ * expert x (LOOM_HF_EXPERTS entries): the Hugging Face tensor it takes (NULL when absent),
+ * its source name, and its GGUF name. */
+static const loom_st_tensor *source(conv *c, const loom_hf_tensor *e, int l, int x, char *src,
                                     size_t src_size, char *dst, size_t dst_size)
 {
     /* the names are the family's table: a format string only where it says "%d" */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wformat-nonliteral"
-    snprintf(src, src_size, e->hf, l);
+    snprintf(src, src_size, e->hf, l, x);
     snprintf(dst, dst_size, e->gguf, l);
     const loom_st_tensor *t = loom_safetensors_find(&c->st, src);
     if (!t && e->instead) {
@@ -218,6 +232,28 @@ static int is_per_layer(const loom_hf_tensor *e)
     return strstr(e->hf, "%d") != NULL;
 }
 
+/* The n experts of entry e in layer l, stacked. */
+static int experts(conv *c, const loom_hf_tensor *e, int l, int n, row_order order)
+{
+    char src[256], dst[256], first[256];
+    const loom_st_tensor **parts = n > 0 ? malloc((size_t)n * sizeof *parts) : NULL;
+    if (!parts)
+        return conv_fail(c, "%s: out of memory (%d experts)", c->dir, n);
+    int rc = 0;
+    for (int x = 0; x < n && rc == 0; x++) {
+        parts[x] = source(c, e, l, x, src, sizeof src, dst, sizeof dst);
+        if (x == 0)
+            snprintf(first, sizeof first, "%s", src);
+        if (!parts[x])
+            rc = conv_fail(c, "%s: the weights have no tensor '%s' (num_experts is %d)", c->dir,
+                           src, n);
+    }
+    if (rc == 0)
+        rc = add(c, parts, n, first, dst, order);
+    free(parts);
+    return rc;
+}
+
 /* Every tensor of the family's table, outside the layers first, then layer by layer. */
 static int tensors(conv *c, const loom_hf_values *v)
 {
@@ -229,7 +265,7 @@ static int tensors(conv *c, const loom_hf_values *v)
             for (const loom_hf_tensor *e = table; e->hf; e++) {
                 if (is_per_layer(e) != (l >= 0))
                     continue;
-                const loom_st_tensor *t = source(c, e, l, src, sizeof src, dst, sizeof dst);
+                const loom_st_tensor *t = source(c, e, l, 0, src, sizeof src, dst, sizeof dst);
                 if (e->flags & LOOM_HF_UNSUPPORTED) {
                     if (t)
                         return conv_fail(c, "%s: the weights have '%s': %s", c->dir, src, e->gguf);
@@ -258,8 +294,12 @@ static int tensors(conv *c, const loom_hf_values *v)
                                         (int)loom_hf_get(v, "attention.head_count")};
                 if (order.kind != ROWS_AS_STORED && order.heads <= 0)
                     return conv_fail(c, "%s: reordering '%s' needs the head count", c->dir, src);
-                if (add(c, t, src, dst, order) != 0)
+                if (e->flags & LOOM_HF_EXPERTS) {
+                    if (experts(c, e, l, (int)loom_hf_get(v, "expert_count"), order) != 0)
+                        return -1;
+                } else if (add(c, &t, 1, src, dst, order) != 0) {
                     return -1;
+                }
             }
     }
     return 0;
@@ -293,7 +333,7 @@ static int convert_family(conv *c)
     for (const loom_hf_tensor *e = c->family->hf_tensors; e->hf; e++) {
         const loom_st_tensor *t = strcmp(e->gguf, "token_embd.weight")
             ? NULL
-            : source(c, e, -1, src, sizeof src, dst, sizeof dst);
+            : source(c, e, -1, 0, src, sizeof src, dst, sizeof dst);
         if (t && t->n_dims == 2)
             c->vocab_rows = t->shape[0];
     }

@@ -63,3 +63,53 @@ void loom_ffn_swiglu(loom_runner *r, const loom_hparams *hp, const loom_tensor *
     loom_rt_matmul(r, &b->act, w_down, NULL, &b->h);
     loom_rt_add(r, x, &b->h, x);
 }
+
+loom_moe_buffers loom_moe_buffers_new(loom_runner *r, const loom_hparams *hp, int64_t n, int shared)
+{
+    const int64_t d = hp->n_embd, k = hp->n_expert_used, ff = hp->n_ff_exp;
+    loom_moe_buffers b = {0};
+    b.h = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    b.h3 = loom_rt_reshape(&b.h, d, 1, n); /* one row per token that every slot reads */
+    b.logits = loom_rt_scratch(r, LOOM_F32, hp->n_expert, n, 1);
+    b.ids = loom_rt_scratch(r, LOOM_I32, k, n, 1);
+    b.weights = loom_rt_scratch(r, LOOM_F32, k, n, 1);
+    b.gate = loom_rt_scratch(r, LOOM_F32, ff, k, n);
+    b.up = loom_rt_scratch(r, LOOM_F32, ff, k, n);
+    b.out = loom_rt_scratch(r, LOOM_F32, d, k, n);
+    if (shared) {
+        b.sh_gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff_shexp, n, 1);
+        b.sh_up = loom_rt_scratch(r, LOOM_F32, hp->n_ff_shexp, n, 1);
+        b.sh_out = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+        b.sh_out3 = loom_rt_reshape(&b.sh_out, d, 1, n);
+        b.sh_logit = loom_rt_scratch(r, LOOM_F32, 1, n, 1);
+        b.sh_ids = loom_rt_scratch(r, LOOM_I32, 1, n, 1);
+        b.sh_weight = loom_rt_scratch(r, LOOM_F32, 1, n, 1);
+    }
+    return b;
+}
+
+void loom_ffn_moe(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
+                  const loom_moe_weights *w, const loom_moe_buffers *b)
+{
+    loom_rt_rms_norm(r, x, w->norm, hp->norm_eps, &b->h);
+    loom_rt_matmul(r, &b->h, w->router, NULL, &b->logits);
+    loom_rt_moe_route(r, hp, &b->logits, w->choice_bias, &b->ids, &b->weights);
+    loom_rt_matmul_id(r, &b->h3, w->gate_exps, &b->ids, &b->gate);
+    loom_rt_matmul_id(r, &b->h3, w->up_exps, &b->ids, &b->up);
+    loom_rt_silu_mul(r, &b->gate, &b->up, &b->gate);
+    loom_rt_matmul_id(r, &b->gate, w->down_exps, &b->ids, &b->out);
+    loom_rt_moe_combine(r, &b->out, &b->weights, 1, x);
+    if (!w->shexp_gate)
+        return;
+    loom_rt_matmul(r, &b->h, w->shexp_gate, NULL, &b->sh_gate);
+    loom_rt_matmul(r, &b->h, w->shexp_up, NULL, &b->sh_up);
+    loom_rt_silu_mul(r, &b->sh_gate, &b->sh_up, &b->sh_gate);
+    loom_rt_matmul(r, &b->sh_gate, w->shexp_down, NULL, &b->sh_out);
+    if (w->shexp_router) {
+        loom_rt_matmul(r, &b->h, w->shexp_router, NULL, &b->sh_logit);
+        loom_rt_sigmoid_gate(r, &b->sh_logit, &b->sh_ids, &b->sh_weight);
+        loom_rt_moe_combine(r, &b->sh_out3, &b->sh_weight, 1, x);
+    } else {
+        loom_rt_add(r, x, &b->sh_out, x);
+    }
+}

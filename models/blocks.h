@@ -46,4 +46,32 @@ void loom_ffn_swiglu(loom_runner *r, const loom_hparams *hp, const loom_tensor *
                      const loom_tensor *norm, const loom_tensor *w_gate, const loom_tensor *w_up,
                      const loom_tensor *w_down, const loom_ffn_buffers *b);
 
+/* A mixture-of-experts feed-forward layer's weights (GGUF's names): the router, the experts
+ * stacked [experts, ...], and a shared expert every token runs, NULL where the family has
+ * none (Qwen3-MoE), gated by sigmoid(shexp_router h) where it has that (Qwen2-MoE). */
+typedef struct loom_moe_weights {
+    const loom_tensor *norm;                  /* ffn_norm */
+    const loom_tensor *router;                /* ffn_gate_inp [experts, d] */
+    const loom_tensor *choice_bias;           /* exp_probs_b [experts] (GLM-4.5), or NULL */
+    const loom_tensor *gate_exps, *up_exps;   /* [experts, n_ff_exp, d] */
+    const loom_tensor *down_exps;             /* [experts, d, n_ff_exp] */
+    const loom_tensor *shexp_gate, *shexp_up; /* [n_ff_shexp, d], or NULL */
+    const loom_tensor *shexp_down;            /* [d, n_ff_shexp] */
+    const loom_tensor *shexp_router;          /* ffn_gate_inp_shexp [1, d], or NULL */
+} loom_moe_weights;
+
+/* The step's scratch for n tokens of hp's shape. */
+typedef struct loom_moe_buffers {
+    loom_tensor h, h3, logits, ids, weights, gate, up, out;
+    loom_tensor sh_gate, sh_up, sh_out, sh_out3, sh_logit, sh_ids, sh_weight;
+} loom_moe_buffers;
+
+loom_moe_buffers loom_moe_buffers_new(loom_runner *r, const loom_hparams *hp, int64_t n,
+                                      int shared);
+
+/* x += sum over the k chosen experts e of weight_e * down_e(silu(gate_e h) * up_e h)
+ *      (+ the shared expert, times its gate), h = rms_norm(x) * norm. */
+void loom_ffn_moe(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
+                  const loom_moe_weights *w, const loom_moe_buffers *b);
+
 #endif

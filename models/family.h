@@ -15,7 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 
-typedef enum { LOOM_HF_U32, LOOM_HF_F32, LOOM_HF_STR } loom_hf_kind;
+typedef enum { LOOM_HF_U32, LOOM_HF_F32, LOOM_HF_STR, LOOM_HF_BOOL } loom_hf_kind;
 
 /* A hyper-parameter "<arch>.<gguf>" read from config.json. */
 typedef struct loom_hf_param {
@@ -65,6 +65,8 @@ enum {
     LOOM_HF_ROPE_K = 1 << 2,       /* the same per KV head (attention.head_count_kv) */
     LOOM_HF_QKV_PER_HEAD = 1 << 3, /* fused [q k v] per head -> [Q; K; V] (rows, or a bias) */
     LOOM_HF_UNSUPPORTED = 1 << 4,  /* present: an error, and .gguf says why */
+    LOOM_HF_EXPERTS = 1 << 5,      /* hf has a second "%d", the expert's index: the
+                                    * expert_count matrices stack into one [experts, rows, cols] */
 };
 
 typedef struct loom_hf_tensor {

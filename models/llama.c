@@ -1,6 +1,7 @@
 /*
  * models/llama.c - the Llama family's forward pass (GGUF architectures "llama", "qwen2",
- * "qwen3" and "qwen", the last being Qwen v1).
+ * "qwen3" and "qwen", the last being Qwen v1, and the mixture-of-experts "qwen2moe" and
+ * "qwen3moe").
  *
  * One pre-norm decoder block, repeated: RMSNorm -> Q, K, V projections (Qwen2 adds biases) ->
  * RoPE -> store K, V in the cache -> attention over the cache -> output projection ->
@@ -11,7 +12,10 @@
  *     [head_dim]) after the projection and before RoPE, and states head_dim explicitly;
  *   - Qwen v1 projects Q, K and V with one fused matrix and bias (attn_qkv, [q | k | v] along
  *     the output), and its MLP is silu(w2 x) * w1 x: SiLU goes on w2's output, the reverse of
- *     what the names suggest, so w2 is stored as ffn_gate and w1 as ffn_up (llama.cpp's names).
+ *     what the names suggest, so w2 is stored as ffn_gate and w1 as ffn_up (llama.cpp's names);
+ *   - Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (models/blocks.c,
+ *     loom_ffn_moe): Qwen2-MoE with a sigmoid-gated shared expert, Qwen3-MoE with Qwen3's
+ *     attention and none.
  *
  * RoPE: GGUF "llama" files store Q and K with their rows permuted so that rotation pairs are
  * adjacent (the convert tools' permutation of the Hugging Face weights), so they rotate
@@ -36,6 +40,7 @@ typedef struct llama_layer {
     const loom_tensor *ffn_norm;        /* [n_embd] */
     const loom_tensor *w_gate, *w_up;   /* [n_ff, n_embd] */
     const loom_tensor *w_down;          /* [n_embd, n_ff] */
+    loom_moe_weights moe;               /* Qwen2/3-MoE: when moe.router is set, instead */
 } llama_layer;
 
 typedef struct llama_model {
@@ -52,6 +57,68 @@ static void llama_free(void *state)
     if (m)
         free(m->layers);
     free(m);
+}
+
+/* The experts' hyper-parameters, under llama.cpp's keys. Qwen routes by a softmax over every
+ * expert; Qwen3-MoE renormalises the chosen experts' weights (norm_topk_prob), Qwen2-MoE does
+ * not, unless the file says so (expert_weights_norm, a key of llama.cpp's later families). */
+static int read_moe(const loom_gguf *g, const char *arch, loom_hparams *hp, char *err,
+                    size_t err_size)
+{
+    hp->n_expert = (int32_t)loom_model_kv_int(g, arch, "expert_count", 0);
+    hp->n_expert_used = (int32_t)loom_model_kv_int(g, arch, "expert_used_count", 0);
+    hp->n_ff_exp = (int32_t)loom_model_kv_int(g, arch, "expert_feed_forward_length", 0);
+    hp->n_ff_shexp = (int32_t)loom_model_kv_int(g, arch, "expert_shared_feed_forward_length", 0);
+    hp->moe_gating = LOOM_MOE_SOFTMAX;
+    char key[96];
+    int norm = strcmp(arch, "qwen3moe") == 0;
+    snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
+    loom_gguf_get_bool(g, key, &norm);
+    hp->moe_normalize = norm;
+    hp->moe_scale = (float)loom_model_kv_float(g, arch, "expert_weights_scale", 1.0);
+    if (hp->n_expert <= 0 || hp->n_expert_used <= 0 || hp->n_ff_exp <= 0) {
+        snprintf(err, err_size,
+                 "%s: missing expert hyper-parameters (expert_count %d, expert_used_count %d, "
+                 "expert_feed_forward_length %d)",
+                 arch, hp->n_expert, hp->n_expert_used, hp->n_ff_exp);
+        return -1;
+    }
+    return 0; /* the runner checks the ranges */
+}
+
+/* Whether t is {n0, n1, n2}; if not, a message naming it and both shapes. */
+static int shaped(const loom_tensor *t, const char *name, int l, int64_t n0, int64_t n1, int64_t n2,
+                  const char *why, char *err, size_t err_size)
+{
+    if (t->ne[0] == n0 && t->ne[1] == n1 && t->ne[2] == n2 && t->ne[3] == 1)
+        return 1;
+    snprintf(err, err_size, "blk.%d.%s.weight is {%lld, %lld, %lld}; %s want {%lld, %lld, %lld}", l,
+             name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], why,
+             (long long)n0, (long long)n1, (long long)n2);
+    return 0;
+}
+
+static int moe_shapes_ok(loom_hparams *hp, int l, const loom_moe_weights *w, char *err,
+                         size_t err_size)
+{
+    const int64_t d = hp->n_embd, E = hp->n_expert, ff = hp->n_ff_exp;
+    if (w->shexp_gate && !hp->n_ff_shexp) /* older files state it by the tensor alone */
+        hp->n_ff_shexp = (int32_t)w->shexp_gate->ne[1];
+    const int64_t fs = hp->n_ff_shexp;
+    const char *experts = "embedding_length, expert_feed_forward_length and expert_count",
+               *shared = "embedding_length and expert_shared_feed_forward_length";
+#define SHAPED(t, name, n0, n1, n2, why) shaped(t, name, l, n0, n1, n2, why, err, err_size)
+    return SHAPED(w->router, "ffn_gate_inp", d, E, 1, "embedding_length and expert_count") &&
+        SHAPED(w->gate_exps, "ffn_gate_exps", d, ff, E, experts) &&
+        SHAPED(w->up_exps, "ffn_up_exps", d, ff, E, experts) &&
+        SHAPED(w->down_exps, "ffn_down_exps", ff, d, E, experts) &&
+        (!w->shexp_gate ||
+         (SHAPED(w->shexp_gate, "ffn_gate_shexp", d, fs, 1, shared) &&
+          SHAPED(w->shexp_up, "ffn_up_shexp", d, fs, 1, shared) &&
+          SHAPED(w->shexp_down, "ffn_down_shexp", fs, d, 1, shared))) &&
+        (!w->shexp_router ||
+         SHAPED(w->shexp_router, "ffn_gate_inp_shexp", d, 1, 1, "embedding_length and one gate"));
+#undef SHAPED
 }
 
 static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch, char *err,
@@ -91,8 +158,11 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     if (!strcmp(scaling, "none"))
         factor = 1.0;
     hp->rope_scale = (float)(1.0 / factor); /* the runner refuses a factor of 0 or less */
+    int moe = strstr(arch, "moe") != NULL;
+    if (moe && read_moe(g, arch, hp, err, err_size) != 0)
+        return -1;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
-        hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || hp->n_ff <= 0) {
+        hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || (hp->n_ff <= 0 && !moe)) {
         snprintf(err, err_size,
                  "%s: missing or inconsistent hyper-parameters (embedding_length "
                  "%d, block_count %d, head_count %d, head_count_kv %d, "
@@ -111,7 +181,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length",
                                               hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
-    int fused = strcmp(arch, "qwen") == 0, head_norms = strcmp(arch, "qwen3") == 0;
+    int fused = strcmp(arch, "qwen") == 0, head_norms = strncmp(arch, "qwen3", 5) == 0;
     hp->rope_mode = strcmp(arch, "llama") == 0 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
 
     llama_model *m = calloc(1, sizeof *m);
@@ -148,9 +218,21 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         }
         W(wo, "blk.%d.attn_output.weight", 1);
         W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
-        W(w_gate, "blk.%d.ffn_gate.weight", 1);
-        W(w_up, "blk.%d.ffn_up.weight", 1);
-        W(w_down, "blk.%d.ffn_down.weight", 1);
+        if (moe) {
+            W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
+            W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
+            W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
+            W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
+            W(moe.shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
+            W(moe.shexp_up, "blk.%d.ffn_up_shexp.weight", !!m->layers[l].moe.shexp_gate);
+            W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!m->layers[l].moe.shexp_gate);
+            W(moe.shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", 0);
+            m->layers[l].moe.norm = m->layers[l].ffn_norm;
+        } else {
+            W(w_gate, "blk.%d.ffn_gate.weight", 1);
+            W(w_up, "blk.%d.ffn_up.weight", 1);
+            W(w_down, "blk.%d.ffn_down.weight", 1);
+        }
     }
 #undef W
     if (loom_rt_status(r)) {
@@ -167,6 +249,11 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         (!head_norms || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim)) &&
         (!m->rope_freqs ||
          (m->rope_freqs->ne[0] == hp->n_rot / 2 && m->rope_freqs->dtype == LOOM_F32));
+    for (int l = 0; moe && shapes_ok && l < hp->n_layer; l++)
+        if (!moe_shapes_ok(hp, l, &m->layers[l].moe, err, err_size)) {
+            llama_free(m);
+            return -1;
+        }
     if (!shapes_ok) {
         llama_free(m);
         snprintf(err, err_size, "%s: tensor shapes disagree with the hyper-parameters", arch);
@@ -196,6 +283,16 @@ static int qwen_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
     return load(r, hp, state, "qwen", err, n);
 }
 
+static int qwen2moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t n)
+{
+    return load(r, hp, state, "qwen2moe", err, n);
+}
+
+static int qwen3moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t n)
+{
+    return load(r, hp, state, "qwen3moe", err, n);
+}
+
 static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const llama_model *m = state;
@@ -203,10 +300,15 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     const int64_t n = b->n;
     loom_tensor x = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1); /* the residual stream */
     loom_attn_buffers ab = loom_attn_buffers_new(r, hp, n);
-    loom_ffn_buffers fb = {.h = ab.h,
-                           .gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1),
-                           .up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1)};
-    fb.act = fb.gate;
+    loom_ffn_buffers fb = {.h = ab.h};
+    loom_moe_buffers mb = {0};
+    if (hp->n_expert) {
+        mb = loom_moe_buffers_new(r, hp, n, hp->n_ff_shexp > 0);
+    } else {
+        fb.gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+        fb.up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+        fb.act = fb.gate;
+    }
 
     int first, end; /* a pipeline stage runs some of the layers */
     loom_rt_layers(r, &first, &end);
@@ -227,7 +329,10 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
                                .wo = L->wo,
                                .rope_freqs = m->rope_freqs};
         loom_attn_block(r, hp, l, &x, &w, &ab);
-        loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_gate, L->w_up, L->w_down, &fb);
+        if (L->moe.router)
+            loom_ffn_moe(r, hp, &x, &L->moe, &mb);
+        else
+            loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_gate, L->w_up, L->w_down, &fb);
     }
     loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
@@ -241,6 +346,10 @@ const loom_arch loom_arch_qwen3 = {
     .name = "qwen3", .load = qwen3_load, .forward = llama_forward, .free_state = llama_free};
 const loom_arch loom_arch_qwen = {
     .name = "qwen", .load = qwen_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_qwen2moe = {
+    .name = "qwen2moe", .load = qwen2moe_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_qwen3moe = {
+    .name = "qwen3moe", .load = qwen3moe_load, .forward = llama_forward, .free_state = llama_free};
 
 /* ---- Hugging Face forms ----------------------------------------------------------------------
  *
@@ -249,14 +358,23 @@ const loom_arch loom_arch_qwen = {
  * load there too. Only "llama" permutes Q and K into adjacent-pair order; Qwen2/3 keep rotate
  * half. Qwen2 always has q/k/v biases, Qwen3 only with attention_bias, and adds a per-head
  * RMSNorm of Q and K (q_norm, k_norm). */
-static const loom_hf_param decoder_params[] = {
-    {"context_length", "max_position_embeddings", LOOM_HF_U32, 2048},
-    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-5},
-    {"rope.freq_base", "rope_theta", LOOM_HF_F32, 10000.0},
+#define DECODER_PARAMS                                                                             \
+    {"context_length", "max_position_embeddings", LOOM_HF_U32, 2048},                              \
+        {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},                        \
+        {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},                       \
+        {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},               \
+        {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},            \
+        {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-5},                   \
+    {                                                                                              \
+        "rope.freq_base", "rope_theta", LOOM_HF_F32, 10000.0                                       \
+    }
+static const loom_hf_param decoder_params[] = {DECODER_PARAMS, {0}};
+/* Qwen2-MoE and Qwen3-MoE add the experts' counts and width */
+static const loom_hf_param moe_params[] = {
+    DECODER_PARAMS,
+    {"expert_count", "num_experts", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_used_count", "num_experts_per_tok", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_feed_forward_length", "moe_intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
     {0}};
 
 /* The heads' width where it is not the embedding's share (Qwen3 states head_dim). */
@@ -395,6 +513,83 @@ static int mistral_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
     return 0;
 }
 
+/* Qwen2MoeForCausalLM / Qwen3MoeForCausalLM: every layer sparse (decoder_sparse_step 1, no
+ * mlp_only_layers, as every released checkpoint), top num_experts_per_tok of a softmax,
+ * renormalised when norm_topk_prob says so (transformers' default: not); Qwen2-MoE adds a
+ * shared expert of shared_expert_intermediate_size gated by sigmoid(shared_expert_gate x). */
+static int moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (decoder_derive(cf, v, err, err_size) != 0)
+        return -1;
+    int64_t step, shared;
+    const cJSON *dense = cJSON_GetObjectItem(cf, "mlp_only_layers");
+    if (loom_hf_int(cf, "decoder_sparse_step", 1, 1, INT32_MAX, &step, err, err_size) ||
+        loom_hf_int(cf, "shared_expert_intermediate_size", 0, 0, INT32_MAX, &shared, err, err_size))
+        return -1;
+    const char *why = step != 1 ? "decoder_sparse_step is not 1"
+        : dense && !(cJSON_IsArray(dense) && cJSON_GetArraySize(dense) == 0)
+        ? "mlp_only_layers is not empty"
+        : NULL;
+    if (why) {
+        snprintf(err, err_size,
+                 "%s: some layers would be dense; loom runs mixture-of-experts models whose every "
+                 "layer is sparse (as every released Qwen-MoE)",
+                 why);
+        return -1;
+    }
+    if (loom_hf_get(v, "expert_used_count") > loom_hf_get(v, "expert_count")) {
+        snprintf(err, err_size, "num_experts_per_tok %.0f exceeds num_experts %.0f",
+                 loom_hf_get(v, "expert_used_count"), loom_hf_get(v, "expert_count"));
+        return -1;
+    }
+    if (shared)
+        loom_hf_set(v, "expert_shared_feed_forward_length", LOOM_HF_U32, (double)shared);
+    loom_hf_set(v, "expert_weights_norm", LOOM_HF_BOOL, loom_hf_true(cf, "norm_topk_prob"));
+    return 0;
+}
+
+#define ROUTED_EXPERTS                                                                             \
+    {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", 0, NULL},                    \
+        {"model.layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",         \
+         LOOM_HF_EXPERTS, NULL},                                                                   \
+        {"model.layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",             \
+         LOOM_HF_EXPERTS, NULL},                                                                   \
+    {                                                                                              \
+        "model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",          \
+            LOOM_HF_EXPERTS, NULL                                                                  \
+    }
+#define ATTN_OUT_AND_FFN_NORM                                                                      \
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},             \
+    {                                                                                              \
+        "model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL       \
+    }
+
+static const loom_hf_tensor qwen2moe_tensors[] = {
+    DECODER_HEAD,
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
+    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    QKV_BIASES,
+    ATTN_OUT_AND_FFN_NORM,
+    ROUTED_EXPERTS,
+    {"model.layers.%d.mlp.shared_expert.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight", 0, NULL},
+    {"model.layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", 0, NULL},
+    {"model.layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", 0, NULL},
+    {"model.layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", 0, NULL},
+    {0}};
+
+static const loom_hf_tensor qwen3moe_tensors[] = {
+    DECODER_HEAD,
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
+    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
+    QKV_BIASES,
+    ATTN_OUT_AND_FFN_NORM,
+    ROUTED_EXPERTS,
+    {0}};
+
 static const loom_hf_tensor qwen2_tensors[] = {
     DECODER_HEAD,
     {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
@@ -527,6 +722,18 @@ const loom_family loom_family_qwen3 = {.arch = &loom_arch_qwen3,
                                        .hf_params = decoder_params,
                                        .hf_derive = decoder_derive,
                                        .hf_tensors = qwen3_tensors};
+const loom_family loom_family_qwen2moe = {.arch = &loom_arch_qwen2moe,
+                                          .chat_template = "chatml",
+                                          .hf_model_type = "qwen2_moe",
+                                          .hf_params = moe_params,
+                                          .hf_derive = moe_derive,
+                                          .hf_tensors = qwen2moe_tensors};
+const loom_family loom_family_qwen3moe = {.arch = &loom_arch_qwen3moe,
+                                          .chat_template = "chatml",
+                                          .hf_model_type = "qwen3_moe",
+                                          .hf_params = moe_params,
+                                          .hf_derive = moe_derive,
+                                          .hf_tensors = qwen3moe_tensors};
 const loom_family loom_family_qwen = {.arch = &loom_arch_qwen,
                                       .chat_template = "chatml",
                                       .hf_model_type = "qwen",

@@ -48,6 +48,18 @@ static void convention_shape(const loom_gguf *g, const char *label, int required
           (long long)ne1);
 }
 
+/* The same for a stack of matrices {ne0, ne1, ne2} (the experts' ffn_*_exps). */
+static void convention_shape3(const loom_gguf *g, const char *label, int64_t ne0, int64_t ne1,
+                              int64_t ne2, const char *fmt, int layer)
+{
+    char name[160];
+    snprintf(name, sizeof name, fmt, layer);
+    const loom_gguf_tensor *t = loom_gguf_find_tensor(g, name);
+    CHECK(t && t->n_dims == 3 && t->ne[0] == ne0 && t->ne[1] == ne1 && t->ne[2] == ne2,
+          "%s: %s is not {%lld, %lld, %lld}", label, name, (long long)ne0, (long long)ne1,
+          (long long)ne2);
+}
+
 static void check_gguf_conventions(const char *path, const char *label)
 {
     loom_gguf g;
@@ -61,7 +73,9 @@ static void check_gguf_conventions(const char *path, const char *label)
     char arch[32] = "";
     if (loom_gguf_get_str(&g, "general.architecture", &s, &len) == 0 && len < sizeof arch)
         memcpy(arch, s, len), arch[len] = '\0';
-    int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3");
+    int moe = !strcmp(arch, "qwen2moe") || !strcmp(arch, "qwen3moe");
+    int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") ||
+        moe;
     int qwen1 = !strcmp(arch, "qwen"), glm = !strcmp(arch, "chatglm");
     CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'", label,
           arch);
@@ -71,7 +85,12 @@ static void check_gguf_conventions(const char *path, const char *label)
     }
     int64_t E = convention_key(&g, arch, "embedding_length", 0, 1, label);
     int64_t L = convention_key(&g, arch, "block_count", 0, 1, label);
-    int64_t F = convention_key(&g, arch, "feed_forward_length", 0, 1, label);
+    int64_t F = convention_key(&g, arch, "feed_forward_length", 0, !moe, label);
+    int64_t X = moe ? convention_key(&g, arch, "expert_count", 0, 1, label) : 0;
+    int64_t Fx = moe ? convention_key(&g, arch, "expert_feed_forward_length", 0, 1, label) : 0;
+    int64_t Fs = convention_key(&g, arch, "expert_shared_feed_forward_length", 0, 0, label);
+    if (moe)
+        convention_key(&g, arch, "expert_used_count", 0, 1, label);
     int64_t H = convention_key(&g, arch, "attention.head_count", 1, 1, label);
     int64_t Hkv = convention_key(&g, arch, "attention.head_count_kv", H, 0, label);
     int64_t hd = convention_key(&g, arch, "attention.key_length", H ? E / H : 0, 0, label);
@@ -95,14 +114,26 @@ static void check_gguf_conventions(const char *path, const char *label)
             convention_shape(&g, label, 1, E, hd * Hkv, "blk.%d.attn_k.weight", l);
             convention_shape(&g, label, 1, E, hd * Hkv, "blk.%d.attn_v.weight", l);
             convention_shape(&g, label, 1, hd * H, E, "blk.%d.attn_output.weight", l);
-            convention_shape(&g, label, 1, E, F, "blk.%d.ffn_gate.weight", l);
-            convention_shape(&g, label, 1, E, F, "blk.%d.ffn_up.weight", l);
-            convention_shape(&g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
-            int qwen2 = !strcmp(arch, "qwen2");
+            if (moe) {
+                convention_shape(&g, label, 1, E, X, "blk.%d.ffn_gate_inp.weight", l);
+                convention_shape3(&g, label, E, Fx, X, "blk.%d.ffn_gate_exps.weight", l);
+                convention_shape3(&g, label, E, Fx, X, "blk.%d.ffn_up_exps.weight", l);
+                convention_shape3(&g, label, Fx, E, X, "blk.%d.ffn_down_exps.weight", l);
+                int shared = !strcmp(arch, "qwen2moe");
+                convention_shape(&g, label, shared, E, Fs, "blk.%d.ffn_gate_shexp.weight", l);
+                convention_shape(&g, label, shared, E, Fs, "blk.%d.ffn_up_shexp.weight", l);
+                convention_shape(&g, label, shared, Fs, E, "blk.%d.ffn_down_shexp.weight", l);
+                convention_shape(&g, label, shared, E, 1, "blk.%d.ffn_gate_inp_shexp.weight", l);
+            } else {
+                convention_shape(&g, label, 1, E, F, "blk.%d.ffn_gate.weight", l);
+                convention_shape(&g, label, 1, E, F, "blk.%d.ffn_up.weight", l);
+                convention_shape(&g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
+            }
+            int qwen2 = !strcmp(arch, "qwen2") || !strcmp(arch, "qwen2moe");
             convention_shape(&g, label, qwen2, hd * H, 0, "blk.%d.attn_q.bias", l);
             convention_shape(&g, label, qwen2, hd * Hkv, 0, "blk.%d.attn_k.bias", l);
             convention_shape(&g, label, qwen2, hd * Hkv, 0, "blk.%d.attn_v.bias", l);
-            if (!strcmp(arch, "qwen3")) {
+            if (!strncmp(arch, "qwen3", 5)) {
                 convention_shape(&g, label, 1, hd, 0, "blk.%d.attn_q_norm.weight", l);
                 convention_shape(&g, label, 1, hd, 0, "blk.%d.attn_k_norm.weight", l);
             }

@@ -410,6 +410,94 @@ static void test_gguf_files(void)
     expect_gguf("logits that overflow", &huge_norm, GENERATE_FAILS, "not finite");
 }
 
+/* ---- Mixture-of-experts files ---------------------------------------------------------------
+ * tiny-qwen2moe with one expert count or width wrong, as a folder's config.json and as a
+ * GGUF key: each refused, naming the key, before an expert id can index past the stack. */
+
+static void test_moe_files(void)
+{
+    static const struct {
+        const char *key, *value, *want;
+    } configs[] = {
+        {"num_experts_per_tok", "9", "num_experts_per_tok 9 exceeds num_experts 8"},
+        {"num_experts", "0", "num_experts is 0"},
+        {"num_experts", "9", "no tensor 'model.layers.0.mlp.experts.8.gate_proj.weight'"},
+        {"num_experts", "4", "blk.0.ffn_gate_inp.weight is {12, 8, 1}"}, /* 8 router rows */
+        {"decoder_sparse_step", "2", "decoder_sparse_step is not 1"},
+        {"mlp_only_layers", "[1]", "mlp_only_layers is not empty"},
+        {"moe_intermediate_size", "17", "blk.0.ffn_gate_exps.weight is {12, 16, 8}"},
+    };
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+        char name[64], what[256], p[4400], target[4400], abs[4096];
+        snprintf(name, sizeof name, "moe-config-%zu", i);
+        snprintf(what, sizeof what, "tiny-qwen2moe %s: %s", configs[i].key, configs[i].value);
+        const char *f = clone_fixture("tiny-qwen2moe", name, NULL);
+        /* the fixture's tokenizer files are tiny-qwen2's, by links a copy may have flattened */
+        static const char *const shared[] = {"vocab.json", "merges.txt"};
+        for (int j = 0; j < 2; j++) {
+            snprintf(p, sizeof p, "%s/%s", f, shared[j]);
+            snprintf(target, sizeof target, "%s/tiny-qwen2/%s", fixtures, shared[j]);
+            unlink(p);
+            CHECK(realpath(target, abs) && symlink(abs, p) == 0, "linking %s", p);
+        }
+        edit_json(f, "tiny-qwen2moe", "config.json", configs[i].key, configs[i].value);
+        if (strncmp(configs[i].want, "blk.", 4)) {
+            expect(what, f, WHOLE_MODEL, configs[i].want);
+        } else { /* converts, as the config says; the model then refuses to open */
+            char out[4400], err[2048] = "";
+            snprintf(out, sizeof out, "%s/moe.gguf", tmp);
+            CHECK(loom_convert(f, out, "f32", NULL, NULL, err, sizeof err) == 0, "%s: %s", what,
+                  err);
+            loom_model *m = loom_model_open(out, NULL, err, sizeof err);
+            CHECK(!m && strstr(err, configs[i].want), "%s: refused at open: %s", what,
+                  m ? "it opened" : err);
+            printf("  %s: %s\n", what, err);
+            loom_model_close(m);
+            unlink(out);
+        }
+        remove_folder(f);
+    }
+
+    static const struct {
+        const char *key;
+        uint32_t value;
+        const char *want;
+    } keys[] = {
+        {"qwen2moe.expert_used_count", 9, "expert_used_count"},
+        {"qwen2moe.expert_used_count", 0, "missing expert hyper-parameters"},
+        {"qwen2moe.expert_count", 100000, "blk.0.ffn_gate_inp.weight is {12, 8, 1}"},
+        {"qwen2moe.expert_count", 4, "blk.0.ffn_gate_inp.weight is {12, 8, 1}"},
+        {"qwen2moe.expert_feed_forward_length", 17, "blk.0.ffn_gate_exps.weight is {12, 16, 8}"},
+        {"qwen2moe.expert_shared_feed_forward_length", 31, "blk.0.ffn_gate_shexp.weight"},
+    };
+    char src[4200], out[4400], err[2048];
+    snprintf(src, sizeof src, "%s/tiny-qwen2moe/model.gguf", fixtures);
+    snprintf(out, sizeof out, "%s/moe-edited.gguf", tmp);
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        loom_gguf g;
+        CHECK(loom_gguf_open(&g, src, err, sizeof err) == 0, "%s: %s", src, err);
+        loom_gguf_writer *w = loom_gguf_writer_create();
+        for (uint64_t k = 0; k < g.n_kv; k++)
+            if (strcmp(g.kv[k].key, keys[i].key))
+                loom_gguf_copy_kv(w, &g, &g.kv[k]);
+        loom_gguf_set_u32(w, keys[i].key, keys[i].value);
+        for (uint64_t t = 0; t < g.n_tensors; t++)
+            loom_gguf_add_tensor(w, g.tensors[t].name, g.tensors[t].type, g.tensors[t].n_dims,
+                                 g.tensors[t].ne, loom_gguf_tensor_data(&g, &g.tensors[t]));
+        CHECK(loom_gguf_write(w, out, err, sizeof err) == 0, "writing %s: %s", out, err);
+        loom_gguf_writer_free(w);
+        loom_gguf_close(&g);
+        loom_model *m = loom_model_open(out, NULL, err, sizeof err);
+        CHECK(!m && strstr(err, keys[i].want),
+              "tiny-qwen2moe.gguf with %s = %u: refused, "
+              "saying '%s': %s",
+              keys[i].key, keys[i].value, keys[i].want, m ? "it opened" : err);
+        printf("  tiny-qwen2moe.gguf %s = %u: %s\n", keys[i].key, keys[i].value, err);
+        loom_model_close(m);
+        unlink(out);
+    }
+}
+
 static int note_id(void *user, int32_t id, const char *text, size_t len)
 {
     (void)text, (void)len;
@@ -578,6 +666,9 @@ int main(void)
     test_placeholders_unsampled();
     test_escapes();
     test_forward_status();
+    snprintf(probe, sizeof probe, "%s/tiny-qwen2moe/model.gguf", fixtures);
+    need_fixture(probe);
+    test_moe_files();
     rmdir(tmp);
     return check_finish("test_hostile_files");
 }

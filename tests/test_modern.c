@@ -6,13 +6,18 @@
  *     the folder, and the folder itself. With the scaling ignored the last logits move by up
  *     to 2.0 (the fixture's feature_off), and without <|begin_of_text|> the prompt ids differ;
  *   - Mistral's sliding window (8 keys here): loom's conversion and the folder; without the
- *     window the logits move by up to 5.2.
+ *     window the logits move by up to 5.2;
+ *   - Qwen2-MoE's experts (top 2 of 8 by softmax, not renormalised, and a sigmoid-gated shared
+ *     expert): llama.cpp's GGUF, loom's conversion and the folder; with top 3 instead of top 2
+ *     the logits move by 0.26, with the weights renormalised by 0.63, without the shared
+ *     expert's gate by 0.51 (the fixture's feature_off).
  */
 #define _GNU_SOURCE
 #include "core/gguf.h"
 
 #include "backends.h"
 #include "fixture_model.h"
+#include "gguf_conventions.h"
 #include "hf_writer.h"
 
 #include <stdlib.h>
@@ -22,18 +27,18 @@
 
 static char dir[4096], tmp[] = "/tmp/loom-modern-XXXXXX", err[4096];
 
-/* A fixture's folder of the given files (linked), the last of them linked to the shared
- * tokenizer file `shared` instead (the fixture names it by a relative link, which a copy of
- * the fixtures may hold as a file of its path). */
+/* A fixture's folder of the given files (linked), the last n_shared of them linked to the
+ * shared tokenizer files `shared` instead (the fixture names them by relative links, which a
+ * copy of the fixtures may hold as files of their paths). */
 static int make_folder(const char *folder, const char *fixture, const char *const *files,
-                       int n_files, const char *shared)
+                       int n_files, const char *const *shared, int n_shared)
 {
     if (mkdir(folder, 0700) != 0)
         return -1;
     char from[4300], to[4300], abs[4096];
     for (int i = 0; i < n_files; i++) {
-        if (i == n_files - 1)
-            snprintf(from, sizeof from, "%s/%s", dir, shared);
+        if (i >= n_files - n_shared)
+            snprintf(from, sizeof from, "%s/%s", dir, shared[i - (n_files - n_shared)]);
         else
             snprintf(from, sizeof from, "%s/%s/%s", dir, fixture, files[i]);
         snprintf(to, sizeof to, "%s/%s", folder, files[i]);
@@ -66,8 +71,8 @@ static void test_llama31(void)
     snprintf(folder, sizeof folder, "%s/tiny-llama31", tmp);
     snprintf(f32, sizeof f32, "%s/tiny-llama31-f32.gguf", tmp);
     snprintf(peer, sizeof peer, "%s/tiny-llama31/model.gguf", dir);
-    CHECK(make_folder(folder, "tiny-llama31", files, 5, "tokenizers/llama3/tokenizer.json") == 0,
-          "making the folder");
+    static const char *const shared[] = {"tokenizers/llama3/tokenizer.json"};
+    CHECK(make_folder(folder, "tiny-llama31", files, 5, shared, 1) == 0, "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
 
     /* loom's converter writes the factors llama.cpp's does (from the same formula: transformers'
@@ -106,8 +111,8 @@ static void test_mistral(void)
     char folder[4200], f32[4200];
     snprintf(folder, sizeof folder, "%s/tiny-mistral", tmp);
     snprintf(f32, sizeof f32, "%s/tiny-mistral-f32.gguf", tmp);
-    CHECK(make_folder(folder, "tiny-mistral", files, 5, "tiny-llama/tokenizer.model") == 0,
-          "making the folder");
+    static const char *const shared[] = {"tiny-llama/tokenizer.model"};
+    CHECK(make_folder(folder, "tiny-mistral", files, 5, shared, 1) == 0, "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     static char backends[MAX_TEST_BACKENDS][160];
     int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
@@ -121,12 +126,81 @@ static void test_mistral(void)
     remove_folder(folder);
 }
 
+/* Every tensor of llama.cpp's file is in loom's, of the same shape, and the experts' keys agree:
+ * loom's conversion is the file llama.cpp's converter writes, as far as a reader can tell. */
+static void same_layout(const char *peer_path, const char *ours_path, const char *what)
+{
+    loom_gguf peer, ours;
+    if (loom_gguf_open(&peer, peer_path, err, sizeof err) != 0 ||
+        loom_gguf_open(&ours, ours_path, err, sizeof err) != 0) {
+        CHECK(0, "%s: %s", what, err);
+        return;
+    }
+    for (uint64_t i = 0; i < peer.n_tensors; i++) {
+        const loom_gguf_tensor *p = &peer.tensors[i], *o = loom_gguf_find_tensor(&ours, p->name);
+        CHECK(o && o->n_dims == p->n_dims && !memcmp(o->ne, p->ne, sizeof o->ne),
+              "%s: llama.cpp's %s is missing or shaped otherwise in loom's file", what, p->name);
+    }
+    static const char *const keys[] = {"expert_count", "expert_used_count",
+                                       "expert_feed_forward_length",
+                                       "expert_shared_feed_forward_length", "block_count"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        char key[128];
+        int64_t a = -1, b = -2;
+        snprintf(key, sizeof key, "qwen2moe.%s", keys[i]);
+        loom_gguf_get_i64(&peer, key, &a);
+        loom_gguf_get_i64(&ours, key, &b);
+        CHECK(a == b, "%s: %s is %lld in llama.cpp's file, %lld in loom's", what, key, (long long)a,
+              (long long)b);
+    }
+    loom_gguf_close(&peer);
+    loom_gguf_close(&ours);
+}
+
+static void test_qwen2moe(void)
+{
+    static const char *const files[] = {"config.json",       "generation_config.json",
+                                        "model.safetensors", "tokenizer_config.json",
+                                        "merges.txt",        "vocab.json"};
+    char folder[4200], f32[4200], peer[4200];
+    snprintf(folder, sizeof folder, "%s/tiny-qwen2moe", tmp);
+    snprintf(f32, sizeof f32, "%s/tiny-qwen2moe-f32.gguf", tmp);
+    snprintf(peer, sizeof peer, "%s/tiny-qwen2moe/model.gguf", dir);
+    static const char *const shared[] = {"tiny-qwen2/merges.txt", "tiny-qwen2/vocab.json"};
+    CHECK(make_folder(folder, "tiny-qwen2moe", files, 6, shared, 2) == 0, "making the folder");
+    CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    same_layout(peer, f32, "tiny-qwen2moe");
+    check_gguf_conventions(f32, "tiny-qwen2moe (loom convert)");
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int i = 0; i < n_backends; i++) {
+        check_model(dir, "tiny-qwen2moe", f32, backends[i], "last_logits", 1e-4, 1,
+                    "tiny-qwen2moe (loom convert, f32)");
+        check_model(dir, "tiny-qwen2moe", folder, backends[i], "last_logits", 0.05, 1,
+                    "tiny-qwen2moe folder (bf16)");
+        check_model(dir, "tiny-qwen2moe", peer, backends[i], "last_logits", 1e-2, 1,
+                    "tiny-qwen2moe as llama.cpp converted it (f16)");
+    }
+    /* a module without the experts' ops (one of ABI 1.4, or today's GPU modules) has them run
+     * on the CPU module, its buffers copied there and back: the same answers */
+    setenv("LOOM_REF_DENY", "moe_route,matmul_id,moe_combine", 1);
+    setenv("LOOM_REF_OPAQUE", "1", 1);
+    check_model(dir, "tiny-qwen2moe", f32, "ref", "last_logits", 1e-4, 1,
+                "tiny-qwen2moe on ref without the MoE ops (the CPU fallback)");
+    unsetenv("LOOM_REF_DENY");
+    unsetenv("LOOM_REF_OPAQUE");
+    unlink(f32);
+    remove_folder(folder);
+}
+
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
     static const char *const needed[] = {
         "tiny-llama31/model.safetensors", "tokenizers/llama3/tokenizer.json",
-        "tiny-mistral/model.safetensors", "tiny-llama/tokenizer.model"};
+        "tiny-mistral/model.safetensors", "tiny-llama/tokenizer.model",
+        "tiny-qwen2moe/model.gguf",       "tiny-qwen2/vocab.json",
+        "tiny-qwen2/merges.txt"};
     char probe[4200];
     for (size_t i = 0; i < sizeof needed / sizeof needed[0]; i++) {
         snprintf(probe, sizeof probe, "%s/%s", dir, needed[i]);
@@ -137,6 +211,7 @@ int main(void)
         return 1;
     test_llama31();
     test_mistral();
+    test_qwen2moe();
     rmdir(tmp);
     return check_finish("test_modern");
 }

@@ -9,6 +9,10 @@
  *   - Qwen3: the same weights plus per-head q/k RMSNorm weights. The expectation is a plain
  *     double-precision forward pass written here from the Hugging Face modelling code; that
  *     pass is first checked against tiny-qwen2's PyTorch logits with the norms left out.
+ *   - Qwen3-MoE: Qwen3's folder with each MLP replaced by experts and a router, against the
+ *     same pass with transformers' Qwen3MoeSparseMoeBlock routing (softmax, top k,
+ *     renormalised by norm_topk_prob); the fixtures' tiny-qwen2moe checks the experts' ops
+ *     against PyTorch itself (test_modern).
  */
 #define _GNU_SOURCE
 #include <loom/loom.h>
@@ -241,10 +245,72 @@ static void linear(double *y, const double *w, const double *b, const double *x,
     }
 }
 
+/* A Qwen3-MoE layer's experts (Qwen3MoeSparseMoeBlock), and what the reference saw of its
+ * routing: the least gap between the k-th and the (k+1)-th expert's router logit, over every
+ * token and layer (a gap within rounding would make the choice a coin toss for loom). */
+typedef struct moe_shape {
+    int experts, k, ff, normalize;
+    double least_gap;
+} moe_shape;
+
+static double *load_expert(const loom_safetensors *st, int l, int e, const char *proj)
+{
+    char name[128];
+    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e, proj);
+    return load_f64(st, name, 0, NULL);
+}
+
+/* x += the experts' mixture of h (h is rms_norm(x) * ln2), as transformers computes it:
+ * softmax over the router's logits, the top k, renormalised when normalize says so. */
+static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D, const double *h,
+                          double *x)
+{
+    double *router = load_f64(st, "model.layers.%d.mlp.gate.weight", l, NULL);
+    double prob[64], sum = 0, mx = -INFINITY, chosen_sum = 0;
+    int chosen[64] = {0}, order[64];
+    linear(prob, router, NULL, h, m->experts, D);
+    for (int e = 0; e < m->experts; e++)
+        mx = fmax(mx, prob[e]);
+    for (int e = 0; e < m->experts; e++)
+        sum += (prob[e] = exp(prob[e] - mx));
+    for (int e = 0; e < m->experts; e++)
+        prob[e] /= sum;
+    for (int j = 0; j <= m->k && j < m->experts; j++) { /* the k best, and the next one */
+        int best = -1;
+        for (int e = 0; e < m->experts; e++)
+            if (!chosen[e] && (best < 0 || prob[e] > prob[best]))
+                best = e;
+        chosen[best] = j < m->k;
+        order[j] = best;
+        if (j < m->k)
+            chosen_sum += prob[best];
+    }
+    if (m->k < m->experts)
+        m->least_gap = fmin(m->least_gap, log(prob[order[m->k - 1]] / prob[order[m->k]]));
+    double *g = malloc((size_t)m->ff * sizeof *g), *u = malloc((size_t)m->ff * sizeof *u);
+    double *o = malloc((size_t)D * sizeof *o);
+    for (int j = 0; j < m->k; j++) {
+        int e = order[j];
+        double *wg = load_expert(st, l, e, "gate_proj"), *wu = load_expert(st, l, e, "up_proj"),
+               *wd = load_expert(st, l, e, "down_proj");
+        linear(g, wg, NULL, h, m->ff, D);
+        linear(u, wu, NULL, h, m->ff, D);
+        for (int i = 0; i < m->ff; i++)
+            g[i] = g[i] / (1 + exp(-g[i])) * u[i];
+        linear(o, wd, NULL, g, D, m->ff);
+        double weight = prob[e] / (m->normalize ? chosen_sum : 1.0);
+        for (int i = 0; i < D; i++)
+            x[i] += weight * o[i];
+        free(wg), free(wu), free(wd);
+    }
+    free(g), free(u), free(o), free(router);
+}
+
 /* Hugging Face Qwen2/Qwen3 decoding of ids, in double: the last position's logits. norms:
- * per layer q_norm then k_norm weights ([hd] each), or NULL for Qwen2. */
+ * per layer q_norm then k_norm weights ([hd] each), or NULL for Qwen2; moe: Qwen3-MoE's
+ * experts in place of the MLP, or NULL. */
 static double *reference_logits(const loom_safetensors *st, const shape *s, double **norms,
-                                const int32_t *ids, int T)
+                                moe_shape *moe, const int32_t *ids, int T)
 {
     int D = s->d, H = s->heads, KV = s->kv, hd = s->hd, F = s->ff, group = H / KV;
     double *x = calloc((size_t)T * D, sizeof *x), *h = malloc((size_t)D * sizeof *h);
@@ -267,9 +333,9 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
         double *bv = load_f64(st, "model.layers.%d.self_attn.v_proj.bias", l, NULL);
         double *wo = load_f64(st, "model.layers.%d.self_attn.o_proj.weight", l, NULL);
         double *ln2 = load_f64(st, "model.layers.%d.post_attention_layernorm.weight", l, NULL);
-        double *wg = load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
-        double *wu = load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
-        double *wd = load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
+        double *wg = moe ? NULL : load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
+        double *wu = moe ? NULL : load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
+        double *wd = moe ? NULL : load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
         for (int t = 0; t < T; t++) {
             memcpy(h, x + (size_t)t * D, (size_t)D * sizeof *h);
             rms_norm(h, D, ln1, s->eps);
@@ -316,6 +382,10 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
                 xt[i] += o[i];
             memcpy(h, xt, (size_t)D * sizeof *h);
             rms_norm(h, D, ln2, s->eps);
+            if (moe) {
+                reference_moe(st, moe, l, D, h, xt);
+                continue;
+            }
             linear(g, wg, NULL, h, F, D);
             linear(u, wu, NULL, h, F, D);
             for (int i = 0; i < F; i++)
@@ -336,14 +406,44 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
     return logits;
 }
 
+/* An f32 matrix [rows, cols] of smooth pseudo-random values of amplitude amp, seeded by salt. */
+static void add_matrix(st_out *o, const char *name, int64_t rows, int64_t cols, double amp,
+                       double salt)
+{
+    float *w = malloc((size_t)(rows * cols) * sizeof *w);
+    for (int64_t i = 0; i < rows * cols; i++)
+        w[i] = (float)(amp * sin(salt * 1.618 + (double)i * (0.37 + salt * 0.013)));
+    int64_t shp[2] = {rows, cols};
+    st_add(o, name, "F32", 2, shp, w, (size_t)(rows * cols) * sizeof *w);
+    free(w);
+}
+
+/* tiny-qwen2 plus q/k norms (Qwen3); with moe, its MLPs replaced by moe->experts experts and
+ * a router (Qwen3-MoE). */
 static int make_qwen3(const loom_safetensors *st, const shape *s, double **norms,
-                      const char *folder, const char *qwen2_dir)
+                      const moe_shape *moe, const char *folder, const char *qwen2_dir)
 {
     mkdir(folder, 0755);
     st_out o = {cJSON_CreateObject(), NULL, 0, 0};
     for (int i = 0; i < st->n_tensors; i++)
-        st_add(&o, st->tensors[i].name, st->tensors[i].dtype, st->tensors[i].n_dims,
-               st->tensors[i].shape, st->tensors[i].data, st->tensors[i].size);
+        if (!moe || !strstr(st->tensors[i].name, ".mlp."))
+            st_add(&o, st->tensors[i].name, st->tensors[i].dtype, st->tensors[i].n_dims,
+                   st->tensors[i].shape, st->tensors[i].data, st->tensors[i].size);
+    for (int l = 0; moe && l < s->layers; l++) {
+        char name[128];
+        /* a router of wide logits, so that the top k stand apart */
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+        add_matrix(&o, name, moe->experts, s->d, 1.5, 1.0 + l);
+        for (int e = 0; e < moe->experts; e++) {
+            static const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
+            for (int j = 0; j < 3; j++) {
+                snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e,
+                         proj[j]);
+                add_matrix(&o, name, j == 2 ? s->d : moe->ff, j == 2 ? moe->ff : s->d, 0.4,
+                           3.0 + l * 11 + e * 3 + j);
+            }
+        }
+    }
     for (int l = 0; l < s->layers; l++)
         for (int which = 0; which < 2; which++) {
             float w[256];
@@ -356,18 +456,26 @@ static int make_qwen3(const loom_safetensors *st, const shape *s, double **norms
                      which ? "k" : "q");
             st_add(&o, name, "F32", 1, shp, w, (size_t)s->hd * sizeof(float));
         }
-    char p[4400], cfg[1024];
+    char p[4400], cfg[2048], experts[512] = "";
     snprintf(p, sizeof p, "%s/model.safetensors", folder);
     if (st_write(&o, p) != 0)
         return -1;
+    if (moe) /* Qwen3-30B-A3B's keys */
+        snprintf(experts, sizeof experts,
+                 ", \"num_experts\": %d, \"num_experts_per_tok\": %d, "
+                 "\"moe_intermediate_size\": %d, \"norm_topk_prob\": %s, "
+                 "\"decoder_sparse_step\": 1, \"mlp_only_layers\": [], "
+                 "\"output_router_logits\": false, \"router_aux_loss_coef\": 0.001",
+                 moe->experts, moe->k, moe->ff, moe->normalize ? "true" : "false");
     snprintf(cfg, sizeof cfg,
-             "{\"architectures\": [\"Qwen3ForCausalLM\"], \"model_type\": \"qwen3\", "
+             "{\"architectures\": [\"%s\"], \"model_type\": \"%s\", "
              "\"hidden_size\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d, "
              "\"head_dim\": %d, \"num_hidden_layers\": %d, \"intermediate_size\": %d, "
              "\"rms_norm_eps\": %g, \"rope_theta\": %.1f, \"max_position_embeddings\": 40960, "
              "\"vocab_size\": %d, \"attention_bias\": true, \"tie_word_embeddings\": true, "
-             "\"hidden_act\": \"silu\", \"torch_dtype\": \"float16\"}",
-             s->d, s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab);
+             "\"hidden_act\": \"silu\", \"torch_dtype\": \"float16\"%s}",
+             moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM", moe ? "qwen3_moe" : "qwen3", s->d,
+             s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab, experts);
     write_text(folder, "config.json", cfg);
     static const char *const copied[] = {"vocab.json", "merges.txt", "tokenizer_config.json",
                                          "generation_config.json"};
@@ -418,7 +526,7 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     CHECK(T > 1, "the fixture's prompt ids");
 
     /* the reference pass itself, without norms, against PyTorch's tiny-qwen2 logits */
-    double *ref2 = reference_logits(st, s, NULL, ids, T);
+    double *ref2 = reference_logits(st, s, NULL, NULL, ids, T);
     char p[4400];
     snprintf(p, sizeof p, "%s/logits_plain.f32", qwen2_dir);
     size_t bytes = 0;
@@ -434,8 +542,8 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     char folder[4200], gguf[4200];
     snprintf(folder, sizeof folder, "%s/qwen3", tmp);
     snprintf(gguf, sizeof gguf, "%s/qwen3-f32.gguf", tmp);
-    CHECK(make_qwen3(st, s, norms, folder, qwen2_dir) == 0, "writing the Qwen3 folder");
-    double *ref3 = reference_logits(st, s, norms, ids, T);
+    CHECK(make_qwen3(st, s, norms, NULL, folder, qwen2_dir) == 0, "writing the Qwen3 folder");
+    double *ref3 = reference_logits(st, s, norms, NULL, ids, T);
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "qwen3"), "the converted file is GGUF 'qwen3', not '%s'",
           gguf_arch(gguf));
@@ -492,6 +600,68 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     unlink(gguf);
 }
 
+/* Qwen3-MoE: Qwen3 above with every MLP replaced by 6 experts of width 16, top 3, renormalised
+ * (Qwen3-30B-A3B's norm_topk_prob), against the reference with transformers' routing. */
+static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+{
+    int32_t ids[64];
+    int T = plain_prompt(ids, 64);
+    double *norms[2 * 8];
+    for (int i = 0; i < 2 * s->layers; i++)
+        norms[i] = malloc((size_t)s->hd * sizeof(double));
+    moe_shape moe = {.experts = 6, .k = 3, .ff = 16, .normalize = 1, .least_gap = INFINITY};
+    char folder[4200], gguf[4200];
+    snprintf(folder, sizeof folder, "%s/qwen3moe", tmp);
+    snprintf(gguf, sizeof gguf, "%s/qwen3moe-f32.gguf", tmp);
+    CHECK(make_qwen3(st, s, norms, &moe, folder, qwen2_dir) == 0, "writing the Qwen3-MoE folder");
+    loom_safetensors mst;
+    if (loom_safetensors_open(&mst, folder, err, sizeof err) != 0) {
+        CHECK(0, "the Qwen3-MoE folder: %s", err);
+        return;
+    }
+    double *ref = reference_logits(&mst, s, norms, &moe, ids, T);
+    CHECK(moe.least_gap > 1e-3, "the routing is clear-cut (least gap %g)", moe.least_gap);
+    /* the check could fail: without the renormalisation the logits move */
+    moe_shape plain = moe;
+    plain.normalize = 0;
+    double *unnormalised = reference_logits(&mst, s, norms, &plain, ids, T);
+    double moved = 0;
+    for (int i = 0; i < s->vocab; i++)
+        moved = fmax(moved, fabs(ref[i] - unnormalised[i]));
+    CHECK(moved > 0.01, "norm_topk_prob changes the logits by %g only", moved);
+    free(unnormalised);
+    loom_safetensors_close(&mst);
+
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    CHECK(!strcmp(gguf_arch(gguf), "qwen3moe"), "the converted file is GGUF 'qwen3moe', not '%s'",
+          gguf_arch(gguf));
+    check_gguf_conventions(gguf, "Qwen3-MoE (converted)");
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        for (int which = 0; which < 2; which++) {
+            const char *path = which ? folder : gguf;
+            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
+            loom_model *m = loom_model_open(path, &o, err, sizeof err);
+            CHECK(m != NULL, "Qwen3-MoE %s on %s: %s", which ? "folder" : "gguf", backends[b], err);
+            if (!m)
+                continue;
+            loom_sampling g = loom_sampling_defaults();
+            g.temperature = 0;
+            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+            CHECK(rc == 0, "Qwen3-MoE generate: %s", err);
+            const float *got = loom_prompt_logits(m);
+            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
+            CHECK(d <= 1e-4, "Qwen3-MoE %s on %s: logits off the reference by %g (> 1e-4)",
+                  which ? "folder" : "gguf", backends[b], d);
+            loom_model_close(m);
+        }
+    free(ref);
+    for (int i = 0; i < 2 * s->layers; i++)
+        free(norms[i]);
+    unlink(gguf);
+}
+
 int main(void)
 {
     snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
@@ -514,6 +684,7 @@ int main(void)
     CHECK(s.layers <= 8 && s.hd <= 256, "tiny-qwen2 is tiny");
     test_qwen1(&st, &s);
     test_qwen3(&st, &s, qwen2_dir);
+    test_qwen3moe(&st, &s, qwen2_dir);
     loom_safetensors_close(&st);
     char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
