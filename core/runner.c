@@ -12,9 +12,7 @@
  * so a pass with the same shapes as the last allocates nothing.
  */
 #define _GNU_SOURCE
-#include "runner.h"
-
-#include "fallback.h"
+#include "runner_internal.h"
 
 #include <stdarg.h>
 #include <stdint.h>
@@ -24,64 +22,7 @@
 #include <string.h>
 #include <time.h>
 
-#define MAX_SCRATCH 64
-
-typedef struct scratch_slot {
-    loom_buffer *buf;
-    uint64_t size;
-} scratch_slot;
-
-struct loom_runner {
-    loom_device *dev;
-    const loom_gguf *gguf;
-    const loom_arch *arch;
-    void *state;
-    loom_hparams hp;
-    loom_runner_options opt;
-    int32_t n_blocks;
-
-    loom_buffer *weights_map;  /* the whole file, wrapped (zero copy), or NULL */
-    loom_buffer **weight_bufs; /* per GGUF tensor, when uploaded */
-    loom_tensor *weights;      /* per GGUF tensor, once looked up */
-    unsigned char *weight_ready;
-    loom_tensor *prepared; /* per GGUF tensor: its matmul layout, when prep is PREP_DONE */
-    unsigned char *prep;
-    int repack; /* offer weights to prepare_weight (LOOM_REPACK != 0) */
-
-    loom_buffer *kv;
-    loom_tensor *kc, *vc;      /* per layer; only the stage's layers have a buffer */
-    int32_t layer0, layer_end; /* the layers this runner holds (a pipeline stage's, or all) */
-    float *handoff;            /* host copy of the hidden states a stage receives or sends */
-    uint64_t handoff_cap;      /* its size in floats */
-
-    loom_buffer *in_buf; /* ids | pos | slots | seq | block table | logit rows, I32 */
-    uint64_t in_cap;     /* its size in int32s */
-    int32_t *in_host;
-    loom_rt_inputs in;
-    int has_prefix;         /* this step has in.prefix_len */
-    int32_t seq_prefix_len; /* loom_runner_eval's one sequence */
-    int32_t *eval_host;     /* loom_runner_eval's positions, slots and block table */
-
-    scratch_slot scratch[MAX_SCRATCH];
-    int n_scratch_used;
-
-    loom_tensor logits_src;
-    int has_logits;
-    float *logits;      /* [n_logits][n_vocab] */
-    int32_t logits_cap; /* rows */
-
-    loom_fallback *fallback; /* for ops the device lacks; opened on first need */
-
-    int status;
-    char err[512];
-
-    /* LOOM_STRICT=1's check at load: one token through the graph, noting (not running) every
-     * op x dtype the device lacks */
-    int census;
-    unsigned char lacking[LOOM_OP_COUNT][32];
-};
-
-static int fail(loom_runner *r, const char *fmt, ...)
+int loom_runner_fail(loom_runner *r, const char *fmt, ...)
 {
     if (r->status)
         return -1;
@@ -105,6 +46,7 @@ static loom_tensor dense(loom_buffer *b, uint64_t offset, loom_dtype dt, int64_t
     return t;
 }
 
+
 /* ---- Weights ------------------------------------------------------------------------------ */
 
 const loom_gguf *loom_rt_gguf(const loom_runner *r)
@@ -112,69 +54,12 @@ const loom_gguf *loom_rt_gguf(const loom_runner *r)
     return r->gguf;
 }
 
-/* The output head's tensors (GGUF names): the last stage's */
-static int is_head(const char *name)
-{
-    return strncmp(name, "output.", 7) == 0 || strncmp(name, "output_norm.", 12) == 0;
-}
-
-int loom_runner_stage_holds(const loom_gguf *g, int32_t first, int32_t end, int has_prev,
-                            int has_next, const char *name)
-{
-    int layer, used = 0;
-    if (sscanf(name, "blk.%d.%n", &layer, &used) == 1 && used > 0)
-        return layer >= first && layer < end;
-    if (strcmp(name, "token_embd.weight") == 0)
-        return !has_prev || (!has_next && !loom_gguf_find_tensor(g, "output.weight"));
-    if (is_head(name))
-        return !has_next;
-    return 1;
-}
-
-int loom_runner_plan_stages(const loom_gguf *g, int32_t n_layer, int n_stages, int32_t *cut)
-{
-    uint64_t *layer = calloc((size_t)n_layer + 1, sizeof *layer), embd = 0, head = 0;
-    if (!layer || n_stages < 1) {
-        free(layer);
-        return -1;
-    }
-    int tied = !loom_gguf_find_tensor(g, "output.weight");
-    for (uint64_t i = 0; i < g->n_tensors; i++) {
-        const loom_gguf_tensor *t = &g->tensors[i];
-        int l, used = 0;
-        if (sscanf(t->name, "blk.%d.%n", &l, &used) == 1 && used > 0 && l >= 0 && l < n_layer)
-            layer[l] += t->size;
-        else if (strcmp(t->name, "token_embd.weight") == 0)
-            embd += t->size, head += tied ? t->size : 0;
-        else if (is_head(t->name))
-            head += t->size;
-    }
-    uint64_t total = embd + head;
-    for (int32_t l = 0; l < n_layer; l++)
-        total += layer[l];
-    /* stage s + 1 starts at the first layer whose middle lies past (s + 1) / n_stages of the
-     * bytes, counting the embeddings first and the head last */
-    int s = 0;
-    uint64_t before = embd;
-    cut[0] = 0;
-    for (int32_t l = 0; l < n_layer; l++) {
-        while (s + 1 < n_stages &&
-               (before + layer[l] / 2) * (uint64_t)n_stages > (uint64_t)(s + 1) * total)
-            cut[++s] = l;
-        before += layer[l];
-    }
-    while (s < n_stages)
-        cut[++s] = n_layer;
-    free(layer);
-    return 0;
-}
-
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
 {
     const loom_gguf_tensor *gt = loom_gguf_find_tensor(r->gguf, name);
     if (!gt) {
         if (required)
-            fail(r, "the model file has no tensor '%s'", name);
+            loom_runner_fail(r, "the model file has no tensor '%s'", name);
         return NULL;
     }
     uint64_t i = (uint64_t)(gt - r->gguf->tensors);
@@ -192,8 +77,8 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
         return &r->weights[i];
     }
     if (loom_dtype_block_elems((loom_dtype)gt->type) == 0 || gt->type == LOOM_I32) {
-        fail(r, "tensor '%s' has type %s, which loom's backends do not run", name,
-             loom_ggml_type_name(gt->type));
+        loom_runner_fail(r, "tensor '%s' has type %s, which loom's backends do not run", name,
+                         loom_ggml_type_name(gt->type));
         return NULL;
     }
     const loom_backend_ops *ops = &r->dev->ops;
@@ -210,8 +95,9 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
         if (ops->buffer_alloc(r->dev->be, gt->size, &r->weight_bufs[i]) != LOOM_OK ||
             ops->copy_from_host(r->dev->be, r->weight_bufs[i], 0,
                                 loom_gguf_tensor_data(r->gguf, gt), gt->size) != LOOM_OK) {
-            fail(r, "uploading '%s' (%llu bytes) to %s: %s", name, (unsigned long long)gt->size,
-                 r->dev->name, ops->last_error(r->dev->be));
+            loom_runner_fail(r, "uploading '%s' (%llu bytes) to %s: %s", name,
+                             (unsigned long long)gt->size, r->dev->name,
+                             ops->last_error(r->dev->be));
             return NULL;
         }
         buf = r->weight_bufs[i];
@@ -233,7 +119,8 @@ loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n
     if (r->status)
         return t;
     if (r->n_scratch_used >= MAX_SCRATCH) {
-        fail(r, "the model asked for more than %d scratch tensors in one pass", MAX_SCRATCH);
+        loom_runner_fail(r, "the model asked for more than %d scratch tensors in one pass",
+                         MAX_SCRATCH);
         return t;
     }
     scratch_slot *s = &r->scratch[r->n_scratch_used++];
@@ -243,8 +130,8 @@ loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n
         s->buf = NULL;
         s->size = 0;
         if (r->dev->ops.buffer_alloc(r->dev->be, size, &s->buf) != LOOM_OK) {
-            fail(r, "out of memory on %s: %llu bytes of activations: %s", r->dev->name,
-                 (unsigned long long)size, r->dev->ops.last_error(r->dev->be));
+            loom_runner_fail(r, "out of memory on %s: %llu bytes of activations: %s", r->dev->name,
+                             (unsigned long long)size, r->dev->ops.last_error(r->dev->be));
             return t;
         }
         s->size = size;
@@ -258,8 +145,8 @@ loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n)
     loom_tensor t = loom_rt_scratch(r, LOOM_I32, n, 1, 1);
     if (!r->status &&
         r->dev->ops.copy_from_host(r->dev->be, t.buf, t.offset, host, (uint64_t)n * 4) != LOOM_OK)
-        fail(r, "uploading %lld ints to %s: %s", (long long)n, r->dev->name,
-             r->dev->ops.last_error(r->dev->be));
+        loom_runner_fail(r, "uploading %lld ints to %s: %s", (long long)n, r->dev->name,
+                         r->dev->ops.last_error(r->dev->be));
     return t;
 }
 
@@ -316,61 +203,13 @@ void loom_rt_layers(const loom_runner *r, int *first, int *end)
     *end = r->layer_end;
 }
 
-int loom_runner_is_last_stage(const loom_runner *r)
-{
-    return !r->opt.link || !r->opt.link->send;
-}
-
-/* The host copy of hidden states x, *count floats; NULL when the pass has failed already, or
- * is the census (which runs one token alone: no neighbour takes part). */
-static float *handoff_space(loom_runner *r, const loom_tensor *x, uint64_t *count)
-{
-    if (r->status || r->census)
-        return NULL;
-    *count = (uint64_t)x->ne[0] * (uint64_t)x->ne[1];
-    if (*count > r->handoff_cap) {
-        float *h = realloc(r->handoff, (size_t)*count * sizeof *h);
-        if (!h) {
-            fail(r, "out of memory");
-            return NULL;
-        }
-        r->handoff = h, r->handoff_cap = *count;
-    }
-    return r->handoff;
-}
 
 void loom_rt_embed(loom_runner *r, const loom_tensor *tok_embd, const loom_tensor *x)
 {
-    if (!r->opt.link || !r->opt.link->recv) {
+    if (r->opt.link && r->opt.link->recv)
+        loom_stage_receive(r, x);
+    else
         loom_rt_get_rows(r, tok_embd, &r->in.ids, x);
-        return;
-    }
-    uint64_t count;
-    float *h = handoff_space(r, x, &count);
-    char err[400];
-    const loom_backend_ops *ops = &r->dev->ops;
-    if (!h)
-        return;
-    if (r->opt.link->recv(r->opt.link->ctx, h, count, err, sizeof err) != 0)
-        fail(r, "receiving the hidden states for layer %d: %s", r->layer0, err);
-    else if (ops->copy_from_host(r->dev->be, x->buf, x->offset, h, count * sizeof *h) != LOOM_OK)
-        fail(r, "uploading the hidden states: %s", ops->last_error(r->dev->be));
-}
-
-/* A stage before the last: x goes to the next stage. */
-static void hand_on(loom_runner *r, const loom_tensor *x)
-{
-    uint64_t count;
-    float *h = handoff_space(r, x, &count);
-    char err[400];
-    const loom_backend_ops *ops = &r->dev->ops;
-    if (!h)
-        return;
-    if (ops->synchronize(r->dev->be) != LOOM_OK ||
-        ops->copy_to_host(r->dev->be, h, x->buf, x->offset, count * sizeof *h) != LOOM_OK)
-        fail(r, "reading the hidden states back: %s", ops->last_error(r->dev->be));
-    else if (r->opt.link->send(r->opt.link->ctx, h, count, err, sizeof err) != 0)
-        fail(r, "sending the hidden states after layer %d: %s", r->layer_end - 1, err);
 }
 
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
@@ -384,7 +223,7 @@ void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *output)
 {
     if (!loom_runner_is_last_stage(r)) {
-        hand_on(r, x);
+        loom_stage_hand_on(r, x);
         return;
     }
     if (b->n_logits <= 0)
@@ -408,8 +247,9 @@ int loom_rt_status(const loom_runner *r)
 /* ---- Verbs -------------------------------------------------------------------------------- */
 
 #define OP_NAME_FAIL(r, what)                                                                      \
-    fail(r, "%s on %s%s%s failed: %s", what, r->dev->name, r->dev->variant[0] ? "-" : "",          \
-         r->dev->variant, r->dev->ops.last_error(r->dev->be))
+    loom_runner_fail(r, "%s on %s%s%s failed: %s", what, r->dev->name,                             \
+                     r->dev->variant[0] ? "-" : "", r->dev->variant,                               \
+                     r->dev->ops.last_error(r->dev->be))
 
 static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 {
@@ -447,20 +287,21 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
         r->lacking[op][dt & 31] = 1;
         return;
     } else if (r->opt.strict) {
-        fail(r,
-             "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
-             "forbids running it on the CPU instead",
-             r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant, what,
-             loom_dtype_name(dt));
+        loom_runner_fail(
+            r,
+            "backend %s%s%s does not support %s with %s, and strict mode (LOOM_STRICT=1) "
+            "forbids running it on the CPU instead",
+            r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant, what,
+            loom_dtype_name(dt));
         return;
     } else {
         char err[512];
         if (!r->fallback)
             r->fallback = loom_fallback_new(r->dev, r->opt.loader, is_weight_buffer, r);
         if (!r->fallback)
-            fail(r, "out of memory");
+            loom_runner_fail(r, "out of memory");
         else if (loom_fallback_run(r->fallback, op, dt, params, what, err, sizeof err) != 0)
-            fail(r, "%s", err);
+            loom_runner_fail(r, "%s", err);
     }
 }
 
@@ -469,8 +310,8 @@ static int held(loom_runner *r, const loom_tensor *w, const char *what)
 {
     if (!w || w->buf || r->status)
         return 1;
-    fail(r, "%s: a weight of layers [%d, %d) belongs to another pipeline stage", what, r->layer0,
-         r->layer_end);
+    loom_runner_fail(r, "%s: a weight of layers [%d, %d) belongs to another pipeline stage", what,
+                     r->layer0, r->layer_end);
     return 0;
 }
 
@@ -510,9 +351,9 @@ static const loom_tensor *matmul_weight(loom_runner *r, const loom_tensor *w)
                     gt->name, r->dev->name, r->dev->ops.last_error(r->dev->be));
             r->repack = 0;
         } else if (st != LOOM_ERR_UNSUPPORTED) {
-            fail(r, "preparing weight '%s' on %s%s%s failed: %s", gt->name, r->dev->name,
-                 r->dev->variant[0] ? "-" : "", r->dev->variant,
-                 r->dev->ops.last_error(r->dev->be));
+            loom_runner_fail(r, "preparing weight '%s' on %s%s%s failed: %s", gt->name,
+                             r->dev->name, r->dev->variant[0] ? "-" : "", r->dev->variant,
+                             r->dev->ops.last_error(r->dev->be));
         }
     }
     return r->prep[i] == PREP_DONE ? &r->prepared[i] : w;
@@ -595,8 +436,9 @@ void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float sc
                        const loom_tensor *dst)
 {
     if (layer < r->layer0 || layer >= r->layer_end) {
-        fail(r, "attention over layer %d, which this runner does not hold (it holds [%d, %d))",
-             layer, r->layer0, r->layer_end);
+        loom_runner_fail(
+            r, "attention over layer %d, which this runner does not hold (it holds [%d, %d))",
+            layer, r->layer0, r->layer_end);
         return;
     }
     loom_attention_params p = {.struct_size = sizeof p,
@@ -978,15 +820,15 @@ static int inputs_reserve(loom_runner *r, uint64_t n)
     uint64_t cap = n < 1024 ? 1024 : n + n / 2;
     int32_t *host = realloc(r->in_host, cap * sizeof *host);
     if (!host)
-        return fail(r, "out of memory");
+        return loom_runner_fail(r, "out of memory");
     r->in_host = host;
     if (r->in_buf)
         r->dev->ops.buffer_free(r->dev->be, r->in_buf);
     r->in_buf = NULL;
     r->in_cap = 0;
     if (r->dev->ops.buffer_alloc(r->dev->be, cap * 4, &r->in_buf) != LOOM_OK)
-        return fail(r, "out of memory on %s for the step's inputs: %s", r->dev->name,
-                    r->dev->ops.last_error(r->dev->be));
+        return loom_runner_fail(r, "out of memory on %s for the step's inputs: %s", r->dev->name,
+                                r->dev->ops.last_error(r->dev->be));
     r->in_cap = cap;
     return 0;
 }
@@ -1023,20 +865,11 @@ static int check_step(const loom_runner *r, const loom_step *s, char *err, size_
     return 0;
 }
 
-/* Runs a checked step on this runner's layers: announced to the other stages first (a
- * pipeline's first stage), its inputs uploaded, the model run, and on the last stage the logits
- * read back (and sent to the first stage). A failure is in r->status, and the link has passed
- * it on. Returns whether the step was announced, so that its result will come back. */
-static int run_step(loom_runner *r, const loom_step *s)
+/* see runner_internal.h */
+void loom_runner_execute(loom_runner *r, const loom_step *s)
 {
     const loom_backend_ops *ops = &r->dev->ops;
-    const loom_stage_link *ln = r->opt.link;
     const int32_t n = s->n_tokens;
-    char link_err[400];
-    if (ln && ln->announce_step && ln->announce_step(ln->ctx, s, link_err, sizeof link_err) != 0) {
-        fail(r, "%s", link_err);
-        return 0;
-    }
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
     uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
     uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix;
@@ -1052,7 +885,7 @@ static int run_step(loom_runner *r, const loom_step *s)
         if (n_prefix)
             memcpy(h + 4 * n + table + s->n_logits, s->prefix_len, (size_t)n_prefix * 4);
         if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
-            fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
+            loom_runner_fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
     r->in.ids = dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
     r->in.pos = dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
@@ -1072,91 +905,29 @@ static int run_step(loom_runner *r, const loom_step *s)
     /* a forward pass that stops early without saying why (out of host memory) still fails
      * the step, in its own words rather than as "no logits" */
     if (!r->status && r->arch->forward(r, r->state, &b) != 0 && !r->status)
-        fail(r, "%s: the forward pass stopped (out of host memory?)", r->arch->name);
+        loom_runner_fail(r, "%s: the forward pass stopped (out of host memory?)", r->arch->name);
     if (!r->status && s->n_logits && loom_runner_is_last_stage(r)) {
         if (!r->has_logits)
-            fail(r, "the model produced no logits");
+            loom_runner_fail(r, "the model produced no logits");
         else if (ops->synchronize(r->dev->be) != LOOM_OK ||
                  ops->copy_to_host(r->dev->be, r->logits, r->logits_src.buf, r->logits_src.offset,
                                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab * 4) != LOOM_OK)
-            fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
+            loom_runner_fail(r, "reading the logits back: %s", ops->last_error(r->dev->be));
         for (uint64_t i = 0, n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
              !r->status && !r->census && i < n_out; i++)
             if (!isfinite(r->logits[i]))
-                fail(r,
-                     "the model's logits are not finite (%g for token %llu of position %d): its "
-                     "weights or hyper-parameters are broken ('loom verify FILE' checks them)",
-                     (double)r->logits[i], (unsigned long long)(i % (uint64_t)r->hp.n_vocab),
-                     s->pos[s->logit_rows[i / (uint64_t)r->hp.n_vocab]]);
+                loom_runner_fail(
+                    r,
+                    "the model's logits are not finite (%g for token %llu of position %d): its "
+                    "weights or hyper-parameters are broken ('loom verify FILE' checks them)",
+                    (double)r->logits[i], (unsigned long long)(i % (uint64_t)r->hp.n_vocab),
+                    s->pos[s->logit_rows[i / (uint64_t)r->hp.n_vocab]]);
     }
-    uint64_t n_out = (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab;
-    if (!r->status && ln && ln->send_logits && loom_runner_is_last_stage(r) &&
-        ln->send_logits(ln->ctx, r->logits, n_out, link_err, sizeof link_err) != 0)
-        fail(r, "sending the logits: %s", link_err);
-    if (r->status && ln && ln->fail)
-        ln->fail(ln->ctx, r->err);
-    return ln && ln->announce_step;
 }
 
-/* A pipeline's first stage: an announced step's logits, count floats, from the last stage, into
- * dst (NULL: the step failed here; its result is taken and dropped). */
-static void take_result(loom_runner *r, float *dst, uint64_t count)
-{
-    char link_err[400];
-    const loom_stage_link *ln = r->opt.link;
-    if (ln->recv_logits(ln->ctx, dst, count, link_err, sizeof link_err) != 0 && !r->status)
-        fail(r, "%s", link_err);
-}
-
-/* A pipeline's first stage with a step of several tokens: it goes down the pipeline in k parts
- * of consecutive tokens, each announced and sent on before the next is run here, so that stage
- * r + 1 works on part p while stage r runs part p + 1; then the parts' logits come back in
- * order. A part's keys may be a later part's context: every stage runs the parts in order, so
- * they are in its cache first. */
-static void step_in_parts(loom_runner *r, const loom_step *s, int k)
-{
-    const int32_t n = s->n_tokens, nv = r->hp.n_vocab;
-    k = k < n ? k : n;
-    /* part p's logit rows (rebased to it) at rows[first[p]..first[p + 1]), and where each row's
-     * logits go in the step's order at idx[] */
-    int32_t *rows = malloc(((size_t)s->n_logits * 2 + (size_t)k + 2) * sizeof *rows);
-    int32_t *idx = rows ? rows + s->n_logits : NULL, *first = idx ? idx + s->n_logits : NULL;
-    float *part_logits = malloc((size_t)(s->n_logits ? s->n_logits : 1) * (size_t)nv *
-                                sizeof(float));
-    if (!rows || !part_logits) {
-        free(rows), free(part_logits);
-        fail(r, "out of memory");
-        return;
-    }
-    int sent = 0;
-    first[0] = 0;
-    for (int p = 0; p < k && !r->status; p++) {
-        int32_t t0 = (int32_t)((int64_t)n * p / k), t1 = (int32_t)((int64_t)n * (p + 1) / k);
-        int32_t m = first[p];
-        for (int32_t i = 0; i < s->n_logits; i++)
-            if (s->logit_rows[i] >= t0 && s->logit_rows[i] < t1)
-                rows[m] = s->logit_rows[i] - t0, idx[m++] = i;
-        first[p + 1] = m;
-        loom_step part = {t1 - t0,       s->ids + t0,     s->pos + t0,   s->seq + t0,
-                          s->slots + t0, s->n_seqs,       s->max_blocks, s->block_table,
-                          m - first[p],  rows + first[p], NULL};
-        if (!run_step(r, &part))
-            break;
-        sent++;
-    }
-    for (int p = 0; p < sent; p++) {
-        int32_t m = first[p + 1] - first[p];
-        take_result(r, r->status ? NULL : part_logits, (uint64_t)m * (uint64_t)nv);
-        for (int32_t i = 0; !r->status && i < m; i++)
-            memcpy(r->logits + (size_t)idx[first[p] + i] * (size_t)nv,
-                   part_logits + (size_t)i * (size_t)nv, (size_t)nv * sizeof(float));
-    }
-    free(rows), free(part_logits);
-}
 
 int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size)
 {
-    const loom_stage_link *ln = r->opt.link;
     r->status = 0;
     if (check_step(r, s, err, err_size) != 0)
         return -1;
@@ -1168,13 +939,10 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
         }
         r->logits = lg, r->logits_cap = s->n_logits;
     }
-    /* the first stage of a pipeline across processes: the logits come from the last stage */
-    int first_of_many = ln && ln->recv_logits && !loom_runner_is_last_stage(r);
-    if (first_of_many && r->opt.micro_batches > 1 && s->n_tokens > 1 && !s->prefix_len)
-        step_in_parts(r, s, r->opt.micro_batches);
-    else if (run_step(r, s) && first_of_many)
-        take_result(r, r->status ? NULL : r->logits,
-                    (uint64_t)s->n_logits * (uint64_t)r->hp.n_vocab);
+    if (r->opt.link)
+        loom_stage_step(r, s);
+    else
+        loom_runner_execute(r, s);
     if (r->status) {
         snprintf(err, err_size, "%s", r->err);
         return -1;
