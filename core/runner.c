@@ -602,7 +602,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->arch = arch;
     r->opt = *opts;
     if (r->opt.block_size <= 0)
-        r->opt.block_size = 16;
+        r->opt.block_size = LOOM_RUNNER_BLOCK_SIZE;
     if (r->opt.n_batch <= 0)
         r->opt.n_batch = 256;
     if (r->opt.kv_type != LOOM_F32 && r->opt.kv_type != LOOM_Q8_0)

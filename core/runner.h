@@ -15,6 +15,8 @@
 #include "loader.h"
 
 #define LOOM_MAX_LAYERS 512
+/* tokens per KV cache block unless a caller says (loom_runner_options.block_size 0) */
+#define LOOM_RUNNER_BLOCK_SIZE 16
 /* experts per layer loom runs: today's largest have 256 (DeepSeek-V3) and 512 (Qwen3-Next) */
 #define LOOM_MAX_EXPERTS 1024
 

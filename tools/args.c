@@ -329,6 +329,16 @@ int loom_arg_file_json(const char *cmd, const char *what, int argc, char **argv,
     return 0;
 }
 
+loom_model_options loom_open_options(const loom_open_flags *f)
+{
+    loom_model_options o = {.n_ctx = (int32_t)f->n_ctx,
+                            .kv_type = f->kv_type,
+                            .n_threads = (int32_t)f->threads,
+                            .distributed = f->distributed ? 2 : 1,
+                            .stage_layers = f->layers};
+    return o;
+}
+
 int loom_args_follow(const char *cmd, loom_model *m)
 {
     char err[1024];

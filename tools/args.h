@@ -106,6 +106,18 @@ void loom_print_text(FILE *out, const char *text, size_t len);
 /* Milliseconds on a monotonic clock. */
 double loom_now_ms(void);
 
+/* How a command opens its model, as the shared flags (LOOM_FLAG_MODEL, -c, LOOM_FLAG_KV_TYPE,
+ * LOOM_FLAG_THREADS, LOOM_FLAG_DISTRIBUTED, LOOM_FLAG_LAYERS) write it, and the one place that
+ * turns it into loom_model_options (a command then sets what only it has: the KV pool of
+ * serve, a backend by name). */
+typedef struct loom_open_flags {
+    const char *model, *kv_type, *layers;
+    long n_ctx, threads;
+    int distributed; /* --distributed: a pipeline or an error; else one under mpirun */
+} loom_open_flags;
+struct loom_model_options;
+struct loom_model_options loom_open_options(const loom_open_flags *f);
+
 /* After a command opened its model: on a distributed job's ranks but 0, serves the pipeline
  * stage until rank 0 is done, closes the model and returns the command's exit status; on rank
  * 0 and outside a job returns -1 (go on with the command). */

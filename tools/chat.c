@@ -101,25 +101,25 @@ static void clear(convo *c, const char *system)
 int loom_chat_main(int argc, char **argv);
 int loom_chat_main(int argc, char **argv)
 {
-    const char *model = NULL, *tmpl = NULL, *system = NULL, *kv = NULL, *layers = NULL;
+    const char *tmpl = NULL, *system = NULL;
     loom_sampling s = loom_sampling_defaults();
-    long n_predict = 512, n_ctx = 0, threads = 0;
-    int distributed = 0;
+    long n_predict = 512;
+    loom_open_flags of = {0};
     char template_help[512];
     snprintf(template_help, sizeof template_help, "%s (default: the model's)",
              loom_chat_templates());
     const loom_flag flags[] = {
-        LOOM_FLAG_MODEL(&model),
+        LOOM_FLAG_MODEL(&of.model),
         {"--system", NULL, LOOM_FLAG_TEXT, &system, 0, 0, "TEXT", "the system prompt"},
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME", template_help},
         {"-n", NULL, LOOM_FLAG_LONG, &n_predict, 1, 1 << 20, "N",
          "longest answer in tokens (default 512)"},
-        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 2, 1 << 20, "N",
+        {"-c", NULL, LOOM_FLAG_LONG, &of.n_ctx, 2, 1 << 20, "N",
          "context length (default: the model's, up to 4096)"},
-        LOOM_FLAG_KV_TYPE(&kv),
-        LOOM_FLAG_THREADS(&threads),
-        LOOM_FLAG_DISTRIBUTED(&distributed),
-        LOOM_FLAG_LAYERS(&layers),
+        LOOM_FLAG_KV_TYPE(&of.kv_type),
+        LOOM_FLAG_THREADS(&of.threads),
+        LOOM_FLAG_DISTRIBUTED(&of.distributed),
+        LOOM_FLAG_LAYERS(&of.layers),
     };
     const loom_command cmd = {.name = "loom chat",
                               .synopsis = "-m MODEL [options]",
@@ -129,7 +129,7 @@ int loom_chat_main(int argc, char **argv)
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
-    if (!model) {
+    if (!of.model) {
         fprintf(stderr, "loom chat: give the model with -m MODEL\n");
         loom_args_usage(&cmd, stderr);
         return 2;
@@ -140,12 +140,8 @@ int loom_chat_main(int argc, char **argv)
         return 2;
     }
     char err[4096];
-    loom_model_options o = {.n_ctx = (int32_t)n_ctx,
-                            .kv_type = kv,
-                            .n_threads = (int32_t)threads,
-                            .distributed = distributed ? 2 : 1,
-                            .stage_layers = layers};
-    loom_model *m = loom_model_open(model, &o, err, sizeof err);
+    loom_model_options o = loom_open_options(&of);
+    loom_model *m = loom_model_open(of.model, &o, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom chat: %s\n", err);
         return 2;
@@ -168,7 +164,7 @@ int loom_chat_main(int argc, char **argv)
     fprintf(stderr,
             "loom chat: %s on %s, template %s. /reset, /system TEXT, /quit; Ctrl-C stops "
             "an answer.\n",
-            model, loom_model_backend(m), tmpl);
+            of.model, loom_model_backend(m), tmpl);
 
     convo c = {0};
     clear(&c, system);

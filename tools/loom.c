@@ -112,24 +112,24 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
 
 static int cmd_run(int argc, char **argv)
 {
-    const char *model = NULL, *prompt = NULL, *prompt_ids = NULL, *dump = NULL, *kv = NULL;
-    const char *layers = NULL;
-    long n_predict = 128, n_ctx = 0, threads = 0;
-    int json = 0, distributed = 0;
+    const char *prompt = NULL, *prompt_ids = NULL, *dump = NULL;
+    long n_predict = 128;
+    int json = 0;
+    loom_open_flags of = {0};
     loom_sampling s = loom_sampling_defaults();
     const loom_flag flags[] = {
-        LOOM_FLAG_MODEL(&model),
+        LOOM_FLAG_MODEL(&of.model),
         {"-p", "--prompt", LOOM_FLAG_TEXT, &prompt, 0, 0, "TEXT", "the prompt"},
         {"--prompt-ids", NULL, LOOM_FLAG_TEXT, &prompt_ids, 0, 0, "1,2,3",
          "the prompt as token ids instead"},
         {"-n", NULL, LOOM_FLAG_LONG, &n_predict, 0, 1 << 20, "N",
          "tokens to generate (default 128; stops early at EOS)"},
-        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 1, 1 << 20, "N",
+        {"-c", NULL, LOOM_FLAG_LONG, &of.n_ctx, 1, 1 << 20, "N",
          "context length (default: the model's, up to 4096)"},
-        LOOM_FLAG_KV_TYPE(&kv),
-        LOOM_FLAG_THREADS(&threads),
-        LOOM_FLAG_DISTRIBUTED(&distributed),
-        LOOM_FLAG_LAYERS(&layers),
+        LOOM_FLAG_KV_TYPE(&of.kv_type),
+        LOOM_FLAG_THREADS(&of.threads),
+        LOOM_FLAG_DISTRIBUTED(&of.distributed),
+        LOOM_FLAG_LAYERS(&of.layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
          "print one JSON object: ids, text, timings"},
         {"--dump-logits", NULL, LOOM_FLAG_TEXT, &dump, 0, 0, "FILE",
@@ -143,18 +143,14 @@ static int cmd_run(int argc, char **argv)
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
-    if (!model || (!prompt && !prompt_ids) || (prompt && prompt_ids)) {
+    if (!of.model || (!prompt && !prompt_ids) || (prompt && prompt_ids)) {
         fprintf(stderr, "loom run: give -m MODEL and one of -p PROMPT or --prompt-ids LIST\n");
         loom_args_usage(&cmd, stderr);
         return 2;
     }
     char err[4096];
-    loom_model_options mo = {.n_ctx = (int32_t)n_ctx,
-                             .kv_type = kv,
-                             .n_threads = (int32_t)threads,
-                             .distributed = distributed ? 2 : 1,
-                             .stage_layers = layers};
-    loom_model *m = loom_model_open(model, &mo, err, sizeof err);
+    loom_model_options mo = loom_open_options(&of);
+    loom_model *m = loom_model_open(of.model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom run: %s\n", err);
         return 2;
@@ -199,7 +195,7 @@ static int cmd_run(int argc, char **argv)
         return 2;
     }
     if (!json)
-        fprintf(stderr, "loom: %s on %s, %lld prompt tokens\n", model, loom_model_backend(m),
+        fprintf(stderr, "loom: %s on %s, %lld prompt tokens\n", of.model, loom_model_backend(m),
                 (long long)n);
     run_output out = {json, json ? cJSON_CreateArray() : NULL, NULL, 0, 0};
     loom_generation st;

@@ -42,10 +42,10 @@ extern char **environ;
 #define KLD_MAGIC "LOOMKLD1"
 
 typedef struct ppl_args {
-    const char *model, *text, *save, *base, *backends, *backend, *kv;
-    const char *layers; /* under mpirun: layers per rank */
-    long ctx, chunks, threads, kl_top;
-    int json, quiet, distributed;
+    loom_open_flags open; /* the model, -c (the chunk length), --kv-type, --threads, ... */
+    const char *text, *save, *base, *backends, *backend;
+    long chunks, kl_top;
+    int json, quiet;
 } ppl_args;
 
 /* ---- The base run's logits ---------------------------------------------------------------- */
@@ -170,13 +170,9 @@ static int run_one(const ppl_args *a)
     char *text = loom_arg_text_file("loom perplexity", "-f", a->text, &len);
     if (!text)
         return 2;
-    loom_model_options mo = {.n_ctx = (int32_t)a->ctx,
-                             .kv_type = a->kv,
-                             .backend = a->backend,
-                             .n_threads = (int32_t)a->threads,
-                             .distributed = a->distributed ? 2 : 1,
-                             .stage_layers = a->layers};
-    loom_model *m = loom_model_open(a->model, &mo, err, sizeof err);
+    loom_model_options mo = loom_open_options(&a->open);
+    mo.backend = a->backend;
+    loom_model *m = loom_model_open(a->open.model, &mo, err, sizeof err);
     if (!m) {
         free(text);
         return fail("%s", err);
@@ -193,8 +189,9 @@ static int run_one(const ppl_args *a)
     FILE *save = NULL, *base = NULL;
     unsigned char *pos = NULL; /* a chunk's scored positions, pos_bytes each */
     kld_stats ks = {0};
-    if (loom_model_n_ctx(m) < a->ctx) {
-        fail("%s's context is %d tokens, less than -c %ld", a->model, loom_model_n_ctx(m), a->ctx);
+    if (loom_model_n_ctx(m) < a->open.n_ctx) {
+        fail("%s's context is %d tokens, less than -c %ld", a->open.model, loom_model_n_ctx(m),
+             a->open.n_ctx);
         goto done;
     }
     /* what the family puts first: BOS, or ChatGLM's [gMASK] sop */
@@ -206,16 +203,16 @@ static int run_one(const ppl_args *a)
         fail("tokenizing %s failed: %s", a->text, err);
         goto done;
     }
-    if (n < 2 * a->ctx) {
+    if (n < 2 * a->open.n_ctx) {
         fail("%s holds %lld tokens; scoring chunks of %ld needs at least %ld (a longer text, or "
              "a smaller -c)",
-             a->text, (long long)n, a->ctx, 2 * a->ctx);
+             a->text, (long long)n, a->open.n_ctx, 2 * a->open.n_ctx);
         goto done;
     }
-    long n_chunks = (long)(n / a->ctx);
+    long n_chunks = (long)(n / a->open.n_ctx);
     if (a->chunks > 0 && a->chunks < n_chunks)
         n_chunks = a->chunks;
-    int32_t ctx = (int32_t)a->ctx, first = ctx / 2, per_chunk = ctx - 1 - first;
+    int32_t ctx = (int32_t)a->open.n_ctx, first = ctx / 2, per_chunk = ctx - 1 - first;
     uint32_t hash = hash_tokens(tokens, (size_t)n_chunks * (size_t)ctx);
     if (!(chunk = malloc((size_t)ctx * sizeof *chunk)) ||
         !(logits = malloc((size_t)ctx * (size_t)nv * sizeof *logits))) {
@@ -309,7 +306,7 @@ static int run_one(const ppl_args *a)
     if (a->json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "backend", loom_model_backend(m));
-        cJSON_AddStringToObject(o, "model", a->model);
+        cJSON_AddStringToObject(o, "model", a->open.model);
         cJSON_AddNumberToObject(o, "ctx", ctx);
         cJSON_AddNumberToObject(o, "chunks", (double)n_chunks);
         cJSON_AddNumberToObject(o, "tokens", (double)n);
@@ -337,7 +334,7 @@ static int run_one(const ppl_args *a)
         free(s);
         cJSON_Delete(o);
     } else {
-        printf("%s on %s: %ld chunks of %d tokens, %ld positions scored\n", a->model,
+        printf("%s on %s: %ld chunks of %d tokens, %ld positions scored\n", a->open.model,
                loom_model_backend(m), n_chunks, ctx, count);
         printf("Final estimate: PPL = %.4f +/- %.5f\n", ppl, ppl_err);
         if (ks.n) {
@@ -372,15 +369,15 @@ done:
 static cJSON *run_child(const char *self, const ppl_args *a, const char *backend)
 {
     char ctx[32], chunks[32], threads[32];
-    snprintf(ctx, sizeof ctx, "%ld", a->ctx);
+    snprintf(ctx, sizeof ctx, "%ld", a->open.n_ctx);
     snprintf(chunks, sizeof chunks, "%ld", a->chunks);
-    snprintf(threads, sizeof threads, "%ld", a->threads);
-    const char *argv[24] = {self, "perplexity", "-m",   a->model,    "-f",    a->text, "-c",
-                            ctx,  "--chunks",   chunks, "--backend", backend, "--json"};
+    snprintf(threads, sizeof threads, "%ld", a->open.threads);
+    const char *argv[24] = {self, "perplexity", "-m",   a->open.model, "-f",    a->text, "-c",
+                            ctx,  "--chunks",   chunks, "--backend",   backend, "--json"};
     int n = 13;
-    if (a->kv)
-        argv[n++] = "--kv-type", argv[n++] = a->kv;
-    if (a->threads)
+    if (a->open.kv_type)
+        argv[n++] = "--kv-type", argv[n++] = a->open.kv_type;
+    if (a->open.threads)
         argv[n++] = "--threads", argv[n++] = threads;
     argv[n] = NULL;
     int out[2];
@@ -469,18 +466,18 @@ static int run_backends(const char *self, const ppl_args *a)
 int loom_perplexity_main(int argc, char **argv, const char *self);
 int loom_perplexity_main(int argc, char **argv, const char *self)
 {
-    ppl_args a = {.ctx = 512, .kl_top = DEFAULT_KL_TOP};
+    ppl_args a = {.open = {.n_ctx = 512}, .kl_top = DEFAULT_KL_TOP};
     char kl_top_help[256];
     snprintf(kl_top_help, sizeof kl_top_help,
              "K for --save-logits (default %d; a K as large as the\n"
              "vocabulary makes the KL divergence exact, at 8 x K bytes a position)",
              DEFAULT_KL_TOP);
     const loom_flag flags[] = {
-        LOOM_FLAG_MODEL(&a.model),
+        LOOM_FLAG_MODEL(&a.open.model),
         {"-f", NULL, LOOM_FLAG_TEXT, &a.text, 0, 0, "TEXT",
          "the text to score (a file; '-' reads standard input); it must\n"
          "hold at least 2 x CTX tokens"},
-        {"-c", NULL, LOOM_FLAG_LONG, &a.ctx, 4, 1 << 20, "CTX",
+        {"-c", NULL, LOOM_FLAG_LONG, &a.open.n_ctx, 4, 1 << 20, "CTX",
          "tokens per chunk (default 512); each chunk's second half is scored"},
         {"--chunks", NULL, LOOM_FLAG_LONG, &a.chunks, 0, 1 << 30, "N",
          "score only the first N chunks (default: all the text holds)"},
@@ -494,10 +491,10 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
          "all, or comma-separated names: each in its own process, one table"},
         {"--backend", NULL, LOOM_FLAG_TEXT, &a.backend, 0, 0, "NAME",
          "run on this backend (as LOOM_BACKEND)"},
-        LOOM_FLAG_KV_TYPE(&a.kv),
-        LOOM_FLAG_THREADS(&a.threads),
-        LOOM_FLAG_DISTRIBUTED(&a.distributed),
-        LOOM_FLAG_LAYERS(&a.layers),
+        LOOM_FLAG_KV_TYPE(&a.open.kv_type),
+        LOOM_FLAG_THREADS(&a.open.threads),
+        LOOM_FLAG_DISTRIBUTED(&a.open.distributed),
+        LOOM_FLAG_LAYERS(&a.open.layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON object"},
         {"--quiet", NULL, LOOM_FLAG_SWITCH, &a.quiet, 0, 0, NULL, "no running estimate"},
     };
@@ -513,7 +510,7 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
-    if (!a.model || !a.text) {
+    if (!a.open.model || !a.text) {
         fprintf(stderr, "loom perplexity: give -m MODEL and -f TEXT\n");
         loom_args_usage(&cmd, stderr);
         return 2;
@@ -525,7 +522,7 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
         if (a.save || a.base || a.backend)
             return fail("--backends runs a plain measurement per backend; --save-logits, "
                         "--kl-base and --backend go with a single run");
-        if (loom_distributed_job(a.distributed ? 2 : 1))
+        if (loom_distributed_job(a.open.distributed ? 2 : 1))
             return fail("--backends runs each backend in a process of its own, which cannot "
                         "join this MPI job; under mpirun each rank picks its own backend "
                         "(LOOM_BACKEND per rank), so drop --backends");

@@ -857,16 +857,18 @@ static int valid_key(const char *key)
 
 int loom_serve_main(int argc, char **argv)
 {
-    const char *model = NULL, *host = "127.0.0.1", *api_key = NULL, *name = NULL, *kv = NULL,
-               *tmpl = NULL, *key_file = NULL, *prefix_cache = "shared";
-    long port = 8080, max_batch = 16, max_step = 256, n_ctx = 0, kv_blocks = 0, block = 16,
-         threads = 0, max_body = 1 << 20, drain_s = 10, max_conn = 512, max_per_client = 64,
-         idle_s = 30, header_s = 10, body_s = 60;
-    int metrics_auth = 0, parse_special = 0, distributed = 0;
-    const char *layers = NULL;
+    const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *key_file = NULL,
+               *prefix_cache = "shared";
+    long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0,
+         block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
+         max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
+    int metrics_auth = 0, parse_special = 0;
+    loom_open_flags of = {0};
+    char block_help[64];
+    snprintf(block_help, sizeof block_help, "tokens per KV block (default %ld)", block);
     loom_sampling sampling = openai_default_sampling();
     const loom_flag flags[] = {
-        LOOM_FLAG_MODEL(&model),
+        LOOM_FLAG_MODEL(&of.model),
         {"--host", NULL, LOOM_FLAG_TEXT, &host, 0, 0, "ADDR",
          "address to listen on (default 127.0.0.1)"},
         {"--port", NULL, LOOM_FLAG_LONG, &port, 0, 65535, "N",
@@ -884,19 +886,18 @@ int loom_serve_main(int argc, char **argv)
          "sequences run together (default 16)"},
         {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
          "tokens in one forward pass (default 256)"},
-        {"-c", NULL, LOOM_FLAG_LONG, &n_ctx, 2, 1 << 20, "N",
+        {"-c", NULL, LOOM_FLAG_LONG, &of.n_ctx, 2, 1 << 20, "N",
          "context length per request (default: the model's, up to 4096)"},
         {"--kv-blocks", NULL, LOOM_FLAG_LONG, &kv_blocks, 1, 1 << 26, "N",
          "KV cache blocks shared by all requests (default: enough for\n"
          "max-batch sequences of 1024 tokens, at least one context)"},
-        {"--block-size", NULL, LOOM_FLAG_LONG, &block, 1, 4096, "N",
-         "tokens per KV block (default 16)"},
-        LOOM_FLAG_KV_TYPE(&kv),
+        {"--block-size", NULL, LOOM_FLAG_LONG, &block, 1, 4096, "N", block_help},
+        LOOM_FLAG_KV_TYPE(&of.kv_type),
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME",
          "override the model's chat template"},
-        LOOM_FLAG_THREADS(&threads),
-        LOOM_FLAG_DISTRIBUTED(&distributed),
-        LOOM_FLAG_LAYERS(&layers),
+        LOOM_FLAG_THREADS(&of.threads),
+        LOOM_FLAG_DISTRIBUTED(&of.distributed),
+        LOOM_FLAG_LAYERS(&of.layers),
         {"--max-body", NULL, LOOM_FLAG_LONG, &max_body, 1024, 1L << 30, "BYTES",
          "largest request body accepted (default 1048576)"},
         {"--shutdown-timeout", NULL, LOOM_FLAG_LONG, &drain_s, 0, 3600, "S",
@@ -934,7 +935,7 @@ int loom_serve_main(int argc, char **argv)
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
-    if (!model) {
+    if (!of.model) {
         fprintf(
             stderr,
             "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
@@ -994,15 +995,11 @@ int loom_serve_main(int argc, char **argv)
 
     char err[4096];
     /* the KV pool: --kv-blocks, or room for max-batch sequences of up to 1024 tokens */
-    loom_model_options mo = {.n_ctx = (int32_t)n_ctx,
-                             .kv_type = kv,
-                             .n_threads = (int32_t)threads,
-                             .block_size = (int32_t)block,
-                             .kv_blocks = (int32_t)kv_blocks,
-                             .kv_sequences = (int32_t)max_batch,
-                             .distributed = distributed ? 2 : 1,
-                             .stage_layers = layers};
-    loom_model *m = loom_model_open(model, &mo, err, sizeof err);
+    loom_model_options mo = loom_open_options(&of);
+    mo.block_size = (int32_t)block;
+    mo.kv_blocks = (int32_t)kv_blocks;
+    mo.kv_sequences = (int32_t)max_batch;
+    loom_model *m = loom_model_open(of.model, &mo, err, sizeof err);
     if (!m) {
         fprintf(stderr, "loom serve: %s\n", err);
         return 2;

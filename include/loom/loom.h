@@ -60,7 +60,7 @@ typedef struct loom_model_options {
     int32_t kv_sequences; /* with kv_blocks 0: room for this many sequences of up to 1024
                            * tokens (or n_ctx if shorter), never less than one whole context;
                            * 0: one sequence of n_ctx */
-    int32_t block_size;   /* tokens per KV block; 0: 16 */
+    int32_t block_size;   /* tokens per KV block; 0: loom_default_block_size() */
     const char *backend_module; /* a backend module file to run on, found or not (conformance,
                                  * a module under development); NULL: choose as above */
     /* Three behaviours, each 1 (on), -1 (off) or 0: as its environment variable says. */
@@ -128,6 +128,8 @@ int32_t loom_model_n_vocab(const loom_model *m);
  * (token type UNUSED: the padding that gives every embedding row a token). */
 int loom_model_token_unused(const loom_model *m, int32_t id);
 int32_t loom_model_n_ctx(const loom_model *m);
+/* Tokens per KV cache block when loom_model_options.block_size is 0 (16). */
+int32_t loom_default_block_size(void);
 
 /* How special-token strings in text ("<s>", "<|user|>") are read: parse_special. */
 enum {
