@@ -119,6 +119,9 @@ loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buf
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
 loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out);
+/* cpu_attention.c */
+loom_status cpu_kv_store(loom_backend *be, const loom_kv_store_params *p);
+loom_status cpu_attention(loom_backend *be, const loom_attention_params *p);
 /* cpu_moe.c */
 loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p);
 loom_status cpu_matmul_id(loom_backend *be, const loom_matmul_id_params *p);

@@ -9,31 +9,14 @@
  */
 #define _GNU_SOURCE
 #include "cpu.h"
+#include "ops.h"
 #include "rows.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define CB(be) ((cpu_backend *)(be))
-#define TRY(expr)                                                                                  \
-    do {                                                                                           \
-        loom_status st_ = (expr);                                                                  \
-        if (st_ != LOOM_OK)                                                                        \
-            return st_;                                                                            \
-    } while (0)
-#define CHECK_ARGS(be, msg)                                                                        \
-    do {                                                                                           \
-        const char *m_ = (msg);                                                                    \
-        if (m_)                                                                                    \
-            return cpu_fail(CB(be), LOOM_ERR_INVALID, "%s", m_);                                   \
-    } while (0)
 #define NO_MEMORY(be) cpu_fail(CB(be), LOOM_ERR_OUT_OF_MEMORY, "out of host memory")
-
-static unsigned char *base(const loom_tensor *t)
-{
-    return t->buf->data;
-}
 
 static int32_t id_at(const loom_tensor *ids, int64_t t, int64_t j)
 {
