@@ -1,5 +1,6 @@
 /*
- * core/tokenizer.c - see tokenizer.h.
+ * core/tokenizer.c - see tokenizer.h: a tokenizer set up from GGUF, the merge engine, encoding
+ * (special tokens, then each run of text by its kind) and decoding. The kinds:
  *
  * SentencePiece BPE ("llama" in GGUF): spaces become U+2581 and the text gets a leading one
  * (the "dummy prefix"); the text starts as one symbol per UTF-8 character, and the adjacent
@@ -21,108 +22,17 @@
  * is merged until no listed merge applies.
  */
 #define _GNU_SOURCE
-#include "tokenizer.h"
+#include "tokenizer_internal.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
 #include <float.h>
 #include <limits.h>
 #include <math.h>
-#include <pcre2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <utf8proc.h>
 
-enum {
-    TOK_NORMAL = 1,
-    TOK_UNKNOWN = 2,
-    TOK_CONTROL = 3,
-    TOK_USER = 4,
-    TOK_UNUSED = 5,
-    TOK_BYTE = 6
-};
-
-typedef struct vocab_entry {
-    const char *text; /* NUL-terminated, in the tokenizer's arena */
-    uint32_t len;
-    float score;
-    int type;
-} vocab_entry;
-
-struct loom_tokenizer {
-    char model[32];
-    vocab_entry *vocab;
-    int32_t n_vocab;
-    char *arena;
-    int32_t *table; /* open-addressing hash of text -> id, -1 empty */
-    uint32_t table_mask;
-    int32_t bos, eos, unk;
-    int add_bos, add_space_prefix;
-    int strip_special; /* whitespace next to a special token belongs to neither side */
-    int32_t prefix[4]; /* what add_special prepends instead of BOS (ChatGLM: [gMASK] sop) */
-    int n_prefix;
-    int32_t suffix[4]; /* what add_special appends (ChatGLM-6B: [gMASK] <sop>) */
-    int n_suffix;
-    int unigram;           /* SentencePiece unigram: Viterbi instead of merges */
-    int nfkc, collapse_ws; /* normalise: NFKC; collapse whitespace runs and trim the ends */
-    int escape_ws;         /* spaces become U+2581 (every SentencePiece model loom has met) */
-    /* SentencePiece's precompiled normaliser: a double-array trie over UTF-8 (darts-clone's
-     * unit format) whose values index NUL-terminated replacements in charsmap_strings */
-    uint32_t *charsmap_units;
-    size_t charsmap_n_units;
-    char *charsmap_strings;
-    size_t charsmap_n_strings;
-    int glm_text;       /* ChatGLM-6B's <n> / <|tab|> / <|blank_N|> rewriting */
-    uint32_t max_piece; /* longest piece, bytes (unigram) */
-    /* unigram: a bit per hash of every prefix of every piece, so that the search for pieces
-     * at a position stops as soon as no piece can start with what it has read */
-    uint64_t *prefix_bits;
-    uint32_t prefix_mask;
-    unsigned char special_first[256]; /* some special token's text starts with this byte */
-    float min_score, max_score;       /* lowest and highest normal piece's score (unigram: an
-                                       * unknown costs 10 less than the lowest) */
-    int32_t stops[16];                /* further tokens that end a generation */
-    int n_stops;
-    int32_t byte_ids[256]; /* <0xXX> tokens, -1 when absent */
-    int32_t *specials;     /* control and user-defined ids, longest text first */
-    int n_specials;
-    /* those of them a user's text may name (parse_special 1; tokenizer.loom.text_specials),
-     * longest first; NULL: all of them */
-    int32_t *text_specials;
-    int n_text_specials;
-    /* byte-level BPE */
-    int bpe;
-    char *merge_arena;       /* "left right" strings */
-    const char **merge_text; /* by rank */
-    uint32_t *merge_len;
-    int32_t n_merges;
-    int32_t *merge_table; /* hash of merge text -> rank, -1 empty */
-    uint32_t merge_mask;
-    pcre2_code *re; /* the pre-tokenizer */
-    int nfc;
-    int ignore_merges;       /* Llama-3: a pre-token that is a whole vocabulary entry stays one */
-    char byte_chars[256][3]; /* GPT-2's byte -> character map, UTF-8 */
-    unsigned char byte_chars_len[256];
-    int16_t char_byte[324]; /* and back: code point (< 324) -> byte, -1 none */
-};
-
-#define HASH_SEED 2166136261u
-
-/* FNV-1a, which runs a byte at a time: a prefix's hash extends to the next prefix's */
-static uint32_t hash_more(uint32_t h, const char *s, size_t n)
-{
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ (unsigned char)s[i]) * 16777619u;
-    return h;
-}
-
-static uint32_t hash_bytes(const char *s, size_t n)
-{
-    return hash_more(HASH_SEED, s, n);
-}
-
-/* lookup() with the text's hash_bytes() already known */
-static int32_t lookup_hashed(const loom_tokenizer *t, const char *s, size_t n, uint32_t hash)
+int32_t tok_lookup_hashed(const loom_tokenizer *t, const char *s, size_t n, uint32_t hash)
 {
     for (uint32_t i = hash & t->table_mask;; i = (i + 1) & t->table_mask) {
         int32_t id = t->table[i];
@@ -133,9 +43,9 @@ static int32_t lookup_hashed(const loom_tokenizer *t, const char *s, size_t n, u
     }
 }
 
-static int32_t lookup(const loom_tokenizer *t, const char *s, size_t n)
+int32_t tok_lookup(const loom_tokenizer *t, const char *s, size_t n)
 {
-    return lookup_hashed(t, s, n, hash_bytes(s, n));
+    return tok_lookup_hashed(t, s, n, hash_bytes(s, n));
 }
 
 void loom_tokenizer_free(loom_tokenizer *t)
@@ -158,237 +68,16 @@ void loom_tokenizer_free(loom_tokenizer *t)
     free(t);
 }
 
-static int64_t get_int(const loom_gguf *g, const char *key, int64_t fallback)
+int64_t tok_get_int(const loom_gguf *g, const char *key, int64_t fallback)
 {
     int64_t v;
     return loom_gguf_get_i64(g, key, &v) == 0 ? v : fallback;
 }
 
-static int get_flag(const loom_gguf *g, const char *key, int fallback)
+int tok_get_flag(const loom_gguf *g, const char *key, int fallback)
 {
     int b;
     return loom_gguf_get_bool(g, key, &b) == 0 ? b : fallback;
-}
-
-/* ---- Byte-level BPE: setup --------------------------------------------------------------- */
-
-/* Whether text starts with BOS when the file has no tokenizer.ggml.add_bos_token: SentencePiece
- * vocabularies do; byte-level ones do not, but for Llama 3's pre-tokenizer, whose files
- * llama.cpp's converter writes without the key and which llama.cpp then starts with
- * <|begin_of_text|>. */
-static int default_add_bos(const loom_gguf *g, int bpe)
-{
-    const char *pre = "";
-    uint64_t len = 0;
-    loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &len);
-    static const char *const llama3[] = {"llama-bpe", "llama3", "llama-v3"};
-    for (size_t i = 0; bpe && i < sizeof llama3 / sizeof llama3[0]; i++)
-        if (len == strlen(llama3[i]) && !memcmp(pre, llama3[i], len))
-            return 1;
-    return !bpe;
-}
-
-/* Pre-tokenizer patterns, by tokenizer.ggml.pre (the regexes the models were trained with). */
-static const struct {
-    const char *name, *pattern;
-} pretokenizers[] = {
-    {"qwen2",
-     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    {"llama-bpe",
-     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    /* GLM-4: Llama-3's pattern (both come from tiktoken's cl100k) */
-    {"chatglm-bpe",
-     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"},
-};
-
-static int32_t merge_lookup(const loom_tokenizer *t, const char *s, size_t n)
-{
-    for (uint32_t i = hash_bytes(s, n) & t->merge_mask;; i = (i + 1) & t->merge_mask) {
-        int32_t r = t->merge_table[i];
-        if (r < 0)
-            return -1;
-        if (t->merge_len[r] == n && memcmp(t->merge_text[r], s, n) == 0)
-            return r;
-    }
-}
-
-/* GPT-2's map: printable bytes stand for themselves, the others for 256, 257, ... */
-static int byte_codepoint(int b)
-{
-    if ((b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174)
-        return b;
-    int extra = 0; /* how many unprintable bytes come before b */
-    for (int x = 0; x < b; x++)
-        extra += !((x >= 33 && x <= 126) || (x >= 161 && x <= 172) || x >= 174);
-    return 256 + extra;
-}
-
-size_t loom_byte_level_spell(const unsigned char *bytes, size_t n, char *out)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n; i++)
-        k += (size_t)utf8proc_encode_char(byte_codepoint(bytes[i]), (utf8proc_uint8_t *)out + k);
-    return k;
-}
-
-static int bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size)
-{
-    memset(t->char_byte, 0xff, sizeof t->char_byte);
-    for (int b = 0; b < 256; b++) {
-        int cp = byte_codepoint(b);
-        t->byte_chars_len[b] = (unsigned char)utf8proc_encode_char(
-            cp, (utf8proc_uint8_t *)t->byte_chars[b]);
-        t->char_byte[cp] = (int16_t)b;
-    }
-    const loom_gguf_kv *merges = loom_gguf_find(g, "tokenizer.ggml.merges");
-    if (!merges || merges->type != LOOM_GGUF_ARRAY || merges->array_type != LOOM_GGUF_STRING) {
-        snprintf(err, err_size, "a gpt2 tokenizer needs tokenizer.ggml.merges (a list of strings)");
-        return -1;
-    }
-    if (merges->count >= (1u << 24)) { /* ranks are compared as floats, exact below 2^24 */
-        snprintf(err, err_size, "tokenizer.ggml.merges has %llu entries; loom reads at most 2^24",
-                 (unsigned long long)merges->count);
-        return -1;
-    }
-    t->n_merges = (int32_t)merges->count;
-    uint64_t total = 0;
-    for (int32_t i = 0; i < t->n_merges; i++) {
-        const char *s;
-        uint64_t len;
-        loom_gguf_array_str(g, merges, (uint64_t)i, &s, &len);
-        total += len + 1;
-    }
-    uint32_t cap = 1;
-    while (cap < (uint32_t)t->n_merges * 2 + 2)
-        cap <<= 1;
-    t->merge_arena = malloc(total + 1);
-    t->merge_text = malloc(((size_t)t->n_merges + 1) * sizeof *t->merge_text);
-    t->merge_len = malloc(((size_t)t->n_merges + 1) * sizeof *t->merge_len);
-    t->merge_table = malloc(cap * sizeof *t->merge_table);
-    if (!t->merge_arena || !t->merge_text || !t->merge_len || !t->merge_table) {
-        snprintf(err, err_size, "out of memory for the merges");
-        return -1;
-    }
-    t->merge_mask = cap - 1;
-    memset(t->merge_table, 0xff, cap * sizeof *t->merge_table);
-    char *p = t->merge_arena;
-    for (int32_t i = 0; i < t->n_merges; i++) {
-        const char *s;
-        uint64_t len;
-        loom_gguf_array_str(g, merges, (uint64_t)i, &s, &len);
-        memcpy(p, s, len);
-        p[len] = '\0';
-        t->merge_text[i] = p;
-        t->merge_len[i] = (uint32_t)len;
-        p += len + 1;
-        if (merge_lookup(t, t->merge_text[i], len) < 0) { /* the first (lowest) rank wins */
-            uint32_t h = hash_bytes(t->merge_text[i], len) & t->merge_mask;
-            while (t->merge_table[h] >= 0)
-                h = (h + 1) & t->merge_mask;
-            t->merge_table[h] = i;
-        }
-    }
-    const char *pre = "gpt2";
-    uint64_t pre_len = 4;
-    loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len);
-    const char *pattern = NULL;
-    for (size_t i = 0; i < sizeof pretokenizers / sizeof pretokenizers[0]; i++)
-        if (strlen(pretokenizers[i].name) == pre_len &&
-            memcmp(pre, pretokenizers[i].name, pre_len) == 0)
-            pattern = pretokenizers[i].pattern;
-    if (!pattern) {
-        snprintf(err, err_size,
-                 "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
-                 "llama-bpe, chatglm-bpe, gpt2)",
-                 (int)(pre_len < 40 ? pre_len : 40), pre);
-        return -1;
-    }
-    t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
-    /* tiktoken-trained vocabularies: a pre-token that is a token is emitted whole */
-    t->ignore_merges = (pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0) ||
-        (pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0);
-    int code;
-    PCRE2_SIZE off;
-    t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,
-                          &off, NULL);
-    if (!t->re) {
-        snprintf(err, err_size, "internal: the %s pre-tokenizer pattern does not compile", pattern);
-        return -1;
-    }
-    /* compiled to machine code where PCRE2 can (several times faster on long prompts);
-     * where it cannot, pcre2_match interprets the pattern as before */
-    pcre2_jit_compile(t->re, PCRE2_JIT_COMPLETE);
-    return 0;
-}
-
-/* tokenizer.ggml.precompiled_charsmap: a little-endian uint32 with the trie's size in bytes,
- * the trie (uint32 units), then the replacement strings. Checked here, so that lookups can
- * trust it; a map that does not hold together is an error, not a silent identity. */
-static int charsmap_load(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size)
-{
-    const loom_gguf_kv *kv = loom_gguf_find(g, "tokenizer.ggml.precompiled_charsmap");
-    if (!kv)
-        return 0;
-    if (kv->type != LOOM_GGUF_ARRAY ||
-        (kv->array_type != LOOM_GGUF_UINT8 && kv->array_type != LOOM_GGUF_INT8) || kv->count < 4) {
-        snprintf(err, err_size, "tokenizer.ggml.precompiled_charsmap is not a byte array");
-        return -1;
-    }
-    const unsigned char *b = g->map + kv->offset;
-    uint32_t trie = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
-        (uint32_t)b[3] << 24;
-    if (trie % 4 || trie == 0 || trie > kv->count - 4) {
-        snprintf(err, err_size,
-                 "tokenizer.ggml.precompiled_charsmap: a trie of %u bytes does not "
-                 "fit its %llu bytes",
-                 trie, (unsigned long long)kv->count);
-        return -1;
-    }
-    t->charsmap_n_units = trie / 4;
-    t->charsmap_n_strings = (size_t)kv->count - 4 - trie;
-    t->charsmap_units = malloc(trie);
-    t->charsmap_strings = malloc(t->charsmap_n_strings + 1);
-    if (!t->charsmap_units || !t->charsmap_strings) {
-        snprintf(err, err_size, "out of memory for the normaliser");
-        return -1;
-    }
-    for (size_t i = 0; i < t->charsmap_n_units; i++) {
-        const unsigned char *u = b + 4 + 4 * i;
-        t->charsmap_units[i] = (uint32_t)u[0] | (uint32_t)u[1] << 8 | (uint32_t)u[2] << 16 |
-            (uint32_t)u[3] << 24;
-    }
-    memcpy(t->charsmap_strings, b + 4 + trie, t->charsmap_n_strings);
-    t->charsmap_strings[t->charsmap_n_strings] = '\0'; /* the last replacement ends */
-    return 0;
-}
-
-/* The longest prefix of s (n bytes) the normaliser maps, and its replacement in *repl; 0 when
- * none. A unit holds: bit 8 has_leaf, bits 0-7 (with bit 31) the label, bits 10-31 an offset
- * shifted left by 8 when bit 9 is set; a leaf's unit holds its value in bits 0-30. */
-static size_t charsmap_match(const loom_tokenizer *t, const unsigned char *s, size_t n,
-                             const char **repl)
-{
-    const uint32_t *u = t->charsmap_units;
-    size_t nu = t->charsmap_n_units, best = 0;
-#define UNIT_OFFSET(x) (((x) >> 10) << (((x) & (1u << 9)) >> 6))
-    uint32_t id = UNIT_OFFSET(u[0]);
-    for (size_t i = 0; i < n; i++) {
-        id ^= s[i];
-        if (id >= nu || (u[id] & (0x80000000u | 0xffu)) != s[i])
-            break;
-        uint32_t unit = u[id];
-        id ^= UNIT_OFFSET(unit);
-        if (id >= nu)
-            break;
-        if ((unit >> 8) & 1) { /* a key ends here: its value is in the unit at the new id */
-            uint32_t value = u[id] & 0x7fffffffu;
-            if (value < t->charsmap_n_strings)
-                best = i + 1, *repl = t->charsmap_strings + value;
-        }
-    }
-#undef UNIT_OFFSET
-    return best;
 }
 
 static int cmp_special_len(const void *a, const void *b, void *ctx)
@@ -503,7 +192,7 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
         e->type = types && loom_gguf_array_f64(g, types, (uint64_t)i, &v) == 0 && v >= 1 && v <= 6
             ? (int)v
             : TOK_NORMAL;
-        if (lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
+        if (tok_lookup(t, e->text, e->len) < 0) { /* first entry of a text wins */
             uint32_t h = hash_bytes(e->text, e->len) & t->table_mask;
             while (t->table[h] >= 0)
                 h = (h + 1) & t->table_mask;
@@ -524,23 +213,23 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
             seen_normal = 1;
         }
     }
-    t->bos = (int32_t)get_int(g, "tokenizer.ggml.bos_token_id", -1);
-    t->eos = (int32_t)get_int(g, "tokenizer.ggml.eos_token_id", -1);
-    t->unk = (int32_t)get_int(g, "tokenizer.ggml.unknown_token_id", 0);
+    t->bos = (int32_t)tok_get_int(g, "tokenizer.ggml.bos_token_id", -1);
+    t->eos = (int32_t)tok_get_int(g, "tokenizer.ggml.eos_token_id", -1);
+    t->unk = (int32_t)tok_get_int(g, "tokenizer.ggml.unknown_token_id", 0);
     if (t->bos >= t->n_vocab)
         t->bos = -1;
     if (t->eos >= t->n_vocab)
         t->eos = -1;
     if (t->unk < 0 || t->unk >= t->n_vocab)
         t->unk = 0;
-    t->add_bos = get_flag(g, "tokenizer.ggml.add_bos_token", default_add_bos(g, bpe)) &&
+    t->add_bos = tok_get_flag(g, "tokenizer.ggml.add_bos_token", tok_default_add_bos(g, bpe)) &&
         t->bos >= 0;
-    t->add_space_prefix = get_flag(g, "tokenizer.ggml.add_space_prefix", !bpe);
+    t->add_space_prefix = tok_get_flag(g, "tokenizer.ggml.add_space_prefix", !bpe);
     /* Hugging Face's SentencePiece (slow) tokenizer strips the whitespace around special tokens
      * unless they are declared with lstrip/rstrip false, as tokenizer.json-era configs do;
      * llama.cpp never strips. loom's converter records which (tokenizer.loom.strip_special);
      * a file without the key is taken as the classic SentencePiece behaviour. */
-    t->strip_special = !bpe && get_flag(g, "tokenizer.loom.strip_special", 1);
+    t->strip_special = !bpe && tok_get_flag(g, "tokenizer.loom.strip_special", 1);
     const loom_gguf_kv *stops = loom_gguf_find(g, "tokenizer.loom.stop_token_ids");
     for (uint64_t i = 0; stops && i < stops->count && i < 16; i++) {
         double v;
@@ -558,7 +247,7 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     if (!t->n_prefix && loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len) == 0 &&
         pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0) {
         /* a GLM-4 file from another converter: its prompts start [gMASK] <sop> all the same */
-        int32_t gmask = lookup(t, "[gMASK]", 7), sop = lookup(t, "<sop>", 5);
+        int32_t gmask = tok_lookup(t, "[gMASK]", 7), sop = tok_lookup(t, "<sop>", 5);
         if (gmask >= 0 && sop >= 0)
             t->prefix[0] = gmask, t->prefix[1] = sop, t->n_prefix = 2;
     }
@@ -572,14 +261,14 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     uint64_t norm_len;
     t->nfkc = loom_gguf_get_str(g, "tokenizer.loom.normalizer", &norm, &norm_len) == 0 &&
         norm_len == 4 && memcmp(norm, "nfkc", 4) == 0;
-    if (charsmap_load(t, g, err, err_size) != 0) {
+    if (tok_charsmap_load(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
         return NULL;
     }
-    t->collapse_ws = get_flag(g, "tokenizer.loom.remove_extra_whitespaces", 0);
-    t->escape_ws = get_flag(g, "tokenizer.loom.escape_whitespaces", 1);
-    t->glm_text = get_flag(g, "tokenizer.loom.glm_text", 0);
-    if (bpe && bpe_setup(t, g, err, err_size) != 0) {
+    t->collapse_ws = tok_get_flag(g, "tokenizer.loom.remove_extra_whitespaces", 0);
+    t->escape_ws = tok_get_flag(g, "tokenizer.loom.escape_whitespaces", 1);
+    t->glm_text = tok_get_flag(g, "tokenizer.loom.glm_text", 0);
+    if (bpe && tok_bpe_setup(t, g, err, err_size) != 0) {
         loom_tokenizer_free(t);
         return NULL;
     }
@@ -613,15 +302,7 @@ oom:
     return NULL;
 }
 
-/* ---- SentencePiece BPE ------------------------------------------------------------------ */
-
-/* symbols are indexed by int; no pre-token or text run is allowed near that */
-#define MAX_FRAGMENT ((size_t)INT_MAX / 4)
-
-typedef struct symbol {
-    int prev, next;    /* neighbours in the list, -1 at the ends */
-    uint32_t start, n; /* bytes in the escaped text; n == 0 once merged into the left one */
-} symbol;
+/* ---- The merge engine both BPE kinds run ------------------------------------------------ */
 
 typedef struct bigram {
     float score;
@@ -689,17 +370,13 @@ static bigram heap_pop(heap *h)
     return top;
 }
 
-static size_t utf8_len(unsigned char c)
+size_t tok_utf8_len(unsigned char c)
 {
     return c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
 }
 
-typedef struct out_ids {
-    int32_t *ids;
-    int64_t n, cap;
-} out_ids;
 
-static void emit(out_ids *o, int32_t id)
+void tok_emit(out_ids *o, int32_t id)
 {
     if (o->n < o->cap)
         o->ids[o->n] = id;
@@ -707,22 +384,14 @@ static void emit(out_ids *o, int32_t id)
 }
 
 /* Text no piece covers, spelled with <0xXX> byte tokens (unknown when the vocabulary has none). */
-static void emit_bytes(const loom_tokenizer *t, const char *p, size_t n, out_ids *o)
+void tok_emit_bytes(const loom_tokenizer *t, const char *p, size_t n, out_ids *o)
 {
     for (size_t j = 0; j < n; j++) {
         int32_t bid = t->byte_ids[(unsigned char)p[j]];
-        emit(o, bid >= 0 ? bid : t->unk);
+        tok_emit(o, bid >= 0 ? bid : t->unk);
     }
 }
 
-/* How a BPE family scores merging two adjacent symbols (higher merges first): 0 and *score
- * when the pair merges, -1 when it does not. */
-typedef struct pair_scorer {
-    int (*score)(const struct pair_scorer *ps, const symbol *a, const symbol *b, float *score);
-    const loom_tokenizer *t;
-    const char *text; /* the symbols' bytes, contiguous */
-    char *key;        /* scratch, for families whose merge key is not the concatenation */
-} pair_scorer;
 
 static int try_pair(const pair_scorer *ps, const symbol *sym, int left, heap *h)
 {
@@ -740,7 +409,7 @@ static int try_pair(const pair_scorer *ps, const symbol *sym, int left, heap *h)
  * merge queues only the two pairs it creates, so the whole is O(n log n) in the symbols;
  * queued pairs a merge made stale are recognised when they come out (a symbol only grows, so
  * a pair whose merged length changed is no longer there). Returns 0, or -1 without memory. */
-static int merge_symbols(const pair_scorer *ps, symbol *sym, int count)
+int tok_merge_symbols(const pair_scorer *ps, symbol *sym, int count)
 {
     heap h = {0};
     if (count > 1 && !(h.items = malloc((size_t)count * sizeof *h.items)))
@@ -772,496 +441,6 @@ static int merge_symbols(const pair_scorer *ps, symbol *sym, int count)
     }
     free(h.items);
     return rc;
-}
-
-/* SentencePiece BPE: a pair merges when its concatenation is a piece, by the piece's score */
-static int spm_pair_score(const pair_scorer *ps, const symbol *a, const symbol *b, float *score)
-{
-    int32_t id = lookup(ps->t, ps->text + a->start, a->n + b->n);
-    /* as in sentencepiece, merges make only ordinary and user-defined pieces: ChatGLM3's
-     * control token "sop" is not what "s" + "op" becomes */
-    if (id < 0 || (ps->t->vocab[id].type != TOK_NORMAL && ps->t->vocab[id].type != TOK_USER))
-        return -1;
-    *score = ps->t->vocab[id].score;
-    return 0;
-}
-
-/* SentencePiece's escaping: a leading U+2581 when asked, and every space as U+2581 (a model
- * that does not escape whitespace keeps spaces, and its dummy prefix is one). Returns the
- * malloc'd text (NUL-terminated; NULL when out of memory) and its length in *n. */
-static char *escape_spaces(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
-                           size_t *n)
-{
-    size_t spaces = 0;
-    for (size_t i = 0; i < len; i++)
-        spaces += raw[i] == ' ';
-    if (!t->escape_ws) {
-        *n = len + (prefix ? 1 : 0);
-        char *text = malloc(*n + 1);
-        if (text) {
-            text[0] = ' ';
-            memcpy(text + (prefix ? 1 : 0), raw, len);
-            text[*n] = '\0';
-        }
-        return text;
-    }
-    *n = len + 2 * spaces + (prefix ? 3 : 0);
-    char *text = malloc(*n + 1);
-    if (!text)
-        return NULL;
-    size_t k = 0;
-    if (prefix)
-        memcpy(text, "\xe2\x96\x81", 3), k = 3;
-    for (size_t i = 0; i < len; i++) {
-        if (raw[i] == ' ')
-            memcpy(text + k, "\xe2\x96\x81", 3), k += 3;
-        else
-            text[k++] = raw[i];
-    }
-    text[k] = '\0';
-    return text;
-}
-
-/* Encodes one run of raw text (no specials inside). */
-static int spm_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
-                        out_ids *o)
-{
-    if (len > MAX_FRAGMENT)
-        return -1;
-    size_t n;
-    char *text = escape_spaces(t, raw, len, prefix, &n);
-    symbol *sym = malloc((n + 1) * sizeof *sym);
-    if (!text || !sym) {
-        free(text), free(sym);
-        return -1;
-    }
-    int count = 0;
-    for (size_t i = 0; i < n;) {
-        size_t cl = utf8_len((unsigned char)text[i]);
-        if (cl > n - i)
-            cl = n - i;
-        sym[count] = (symbol){count - 1, -1, (uint32_t)i, (uint32_t)cl};
-        if (count > 0)
-            sym[count - 1].next = count;
-        count++;
-        i += cl;
-    }
-    pair_scorer ps = {spm_pair_score, t, text, NULL};
-    int rc = merge_symbols(&ps, sym, count);
-    for (int i = 0; count > 0 && i >= 0 && rc == 0; i = sym[i].next) {
-        int32_t id = lookup(t, text + sym[i].start, sym[i].n);
-        if (id >= 0) {
-            emit(o, id);
-            continue;
-        }
-        emit_bytes(t, text + sym[i].start, sym[i].n, o);
-    }
-    free(text);
-    free(sym);
-    return rc;
-}
-
-/* The same for a unigram model: the segmentation with the best total score. */
-static int unigram_fragment(const loom_tokenizer *t, const char *raw, size_t len, int prefix,
-                            out_ids *o)
-{
-    size_t n;
-    char *text = escape_spaces(t, raw, len, prefix, &n);
-    /* Scores add up as sentencepiece's Viterbi adds them, so that equal segmentations (three
-     * "NN" and an "N", or an "N" and three "NN") tie or not exactly as there: a piece's
-     * candidate is the double sum of its float score and the float best so far, compared
-     * with the float kept, which is the candidate rounded; an unknown's sum is float. The
-     * earliest start wins a tie. from[e] < 0: e not reached yet. */
-    float *best = malloc((n + 1) * sizeof *best);
-    int32_t *from = malloc((n + 1) * sizeof *from), *piece = malloc((n + 1) * sizeof *piece);
-    if (!text || !best || !from || !piece) {
-        free(text), free(best), free(from), free(piece);
-        return -1;
-    }
-    /* user-defined pieces get a bonus that makes them win where they match, as there */
-    const float unknown = t->min_score - 10.0f;
-    best[0] = 0, from[0] = 0;
-    for (size_t i = 1; i <= n; i++)
-        from[i] = -1;
-    for (size_t i = 0; i < n; i++) {
-        if (from[i] < 0)
-            continue;
-        size_t cl = utf8_len((unsigned char)text[i]);
-        if (cl > n - i)
-            cl = n - i;
-        int covered = 0;
-        uint32_t hash = HASH_SEED; /* of text[i, i + l), grown with l */
-        for (size_t l = cl, hashed = 0; l <= t->max_piece && i + l <= n;
-             l += utf8_len((unsigned char)text[i + l])) {
-            hash = hash_more(hash, text + i + hashed, l - hashed);
-            hashed = l;
-            if (!(t->prefix_bits[(hash & t->prefix_mask) / 64] >> (hash & 63) & 1))
-                break; /* no piece starts with text[i, i + l) */
-            int32_t id = lookup_hashed(t, text + i, l, hash);
-            if (id >= 0 && (t->vocab[id].type == TOK_NORMAL || t->vocab[id].type == TOK_USER)) {
-                /* the bonus as sentencepiece computes it: length times the best score in
-                 * float, then less 0.1 in double */
-                double sc = (t->vocab[id].type == TOK_USER ? (double)((float)l * t->max_score) - 0.1
-                                                           : (double)t->vocab[id].score) +
-                    best[i];
-                if (from[i + l] < 0 || sc > best[i + l])
-                    best[i + l] = (float)sc, from[i + l] = (int32_t)i, piece[i + l] = id;
-                covered |= l == cl;
-            }
-            if (i + l >= n)
-                break;
-        }
-        if (!covered && (from[i + cl] < 0 || unknown + best[i] > best[i + cl]))
-            best[i + cl] = unknown + best[i], from[i + cl] = (int32_t)i, piece[i + cl] = -1;
-    }
-    /* walk back, then emit in order */
-    int32_t *path = malloc((n + 1) * sizeof *path);
-    int rc = path ? 0 : -1;
-    int np = 0;
-    for (size_t e = n; path && e > 0; e = (size_t)from[e])
-        path[np++] = (int32_t)e;
-    for (int j = np - 1; rc == 0 && j >= 0; j--) {
-        size_t e = (size_t)path[j], s = (size_t)from[e];
-        if (piece[e] >= 0) {
-            emit(o, piece[e]);
-            continue;
-        }
-        emit_bytes(t, text + s, e - s, o); /* an unknown character: its bytes */
-    }
-    free(path), free(text), free(best), free(from), free(piece);
-    return rc;
-}
-
-/* The length of the longest user-defined piece text starts with, or 0. */
-static size_t user_piece_at(const loom_tokenizer *t, const char *text, size_t len)
-{
-    if (!t->special_first[(unsigned char)text[0]])
-        return 0;
-    for (int s = 0; s < t->n_specials; s++) { /* longest first */
-        const vocab_entry *e = &t->vocab[t->specials[s]];
-        if (e->type == TOK_USER && e->len <= len && memcmp(text, e->text, e->len) == 0)
-            return e->len;
-    }
-    return 0;
-}
-
-typedef struct norm_buf {
-    char *s;
-    size_t n, cap;
-    int prev_space, oom;
-} norm_buf;
-
-/* Appends one normalised piece as sentencepiece does: with whitespace collapsing, a piece
- * after one that ended in a space loses its leading spaces. */
-static void norm_put(norm_buf *o, const char *p, size_t n, int collapse)
-{
-    if (collapse && o->prev_space)
-        while (n && *p == ' ')
-            p++, n--;
-    if (!n)
-        return;
-    if (o->n + n + 1 > o->cap) {
-        size_t cap = (o->n + n + 1) * 2;
-        char *grown = realloc(o->s, cap);
-        if (!grown) {
-            o->oom = 1;
-            return;
-        }
-        o->s = grown, o->cap = cap;
-    }
-    memcpy(o->s + o->n, p, n);
-    o->n += n;
-    o->prev_space = collapse && p[n - 1] == ' ';
-}
-
-/* The file's normaliser over a run of text, as SentencePiece's Normalizer does it: each
- * position's longest match in the character map (or, without one, the character itself;
- * files loom wrote before it carried the map ask for NFKC instead), whitespace collapsed
- * between pieces and trimmed at the ends of the whole text (first/last) when the model says
- * so. *out is malloc'd, or NULL when the text stays as it is. */
-static size_t normalise(const loom_tokenizer *t, const char *raw, size_t len, int first, int last,
-                        char **out)
-{
-    *out = NULL;
-    if (!t->charsmap_units && !t->nfkc && !t->collapse_ws)
-        return len;
-    utf8proc_uint8_t *nfkc = NULL;
-    if (!t->charsmap_units && t->nfkc) {
-        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len,
-                                          &nfkc,
-                                          UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT);
-        if (n >= 0)
-            raw = (const char *)nfkc, len = (size_t)n;
-        else
-            nfkc = NULL;
-    }
-    norm_buf o = {.prev_space = t->collapse_ws && first};
-    for (size_t i = 0; i < len && !o.oom;) {
-        const char *repl = NULL;
-        size_t used = user_piece_at(t, raw + i, len - i);
-        if (used) { /* sentencepiece's user-defined symbols bypass the normaliser */
-            norm_put(&o, raw + i, used, t->collapse_ws);
-            i += used;
-            continue;
-        }
-        used = t->charsmap_units ? charsmap_match(t, (const unsigned char *)raw + i, len - i, &repl)
-                                 : 0;
-        if (used) {
-            norm_put(&o, repl, strlen(repl), t->collapse_ws);
-        } else {
-            used = utf8_len((unsigned char)raw[i]);
-            used = used > len - i ? len - i : used;
-            norm_put(&o, raw + i, used, t->collapse_ws);
-        }
-        i += used;
-    }
-    free(nfkc);
-    if (o.oom) {
-        free(o.s);
-        return len; /* no memory: the text as it is, rather than none */
-    }
-    /* sentencepiece trims the end after escaping, so a literal U+2581 there goes too */
-    if (t->collapse_ws && last)
-        for (;;) {
-            if (o.n > 0 && o.s[o.n - 1] == ' ')
-                o.n--;
-            else if (t->escape_ws && o.n >= 3 && !memcmp(o.s + o.n - 3, "\xe2\x96\x81", 3))
-                o.n -= 3;
-            else
-                break;
-        }
-    *out = o.s ? o.s : calloc(1, 1);
-    return o.n;
-}
-
-/* SentencePiece on one run of text without special tokens: normalised, then BPE or unigram.
- * prefix: give it the dummy prefix; first/last: it starts/ends the whole text. */
-static int spm_text(const loom_tokenizer *t, const char *raw, size_t len, int prefix, int first,
-                    int last, out_ids *o)
-{
-    char *norm;
-    size_t n = normalise(t, raw, len, first, last, &norm);
-    const char *text = norm ? norm : raw;
-    int rc = 0;
-    if (n > 0 || (prefix && !t->collapse_ws))
-        rc = t->unigram ? unigram_fragment(t, text, n, prefix, o)
-                        : spm_fragment(t, text, n, prefix, o);
-    else if (prefix && !last) /* the whole text goes on past this run: it has the prefix */
-        rc = t->unigram ? unigram_fragment(t, text, 0, 1, o) : spm_fragment(t, text, 0, 1, o);
-    free(norm);
-    return rc;
-}
-
-/* ChatGLM-6B, as its Hugging Face tokenizer does it: newlines, tabs and runs of 80 down to 2
- * spaces are replaced by the user-defined pieces <n>, <|tab|> and <|blank_N|> (a run over 80
- * is cut into 80s; a single space left over stays a space), then the whole text goes through
- * SentencePiece in one pass, those pieces passing the normaliser untouched and winning where
- * they stand. One pass, not one per stretch between markers: the Viterbi's float sums, and so
- * its choice between equally good segmentations, depend on everything before. */
-static int glm_text(const loom_tokenizer *t, const char *raw, size_t len, int prefix, out_ids *o)
-{
-    size_t cap = len * 14 + 1; /* a space may become "<|blank_N|>" at worst... per two */
-    char *s = len < SIZE_MAX / 14 ? malloc(cap) : NULL;
-    if (!s)
-        return -1;
-    size_t k = 0;
-    for (size_t i = 0; i < len;) {
-        size_t run = 0;
-        while (i + run < len && raw[i + run] == ' ')
-            run++;
-        if (run >= 2) {
-            size_t left = run;
-            while (left >= 2) {
-                size_t n = left > 80 ? 80 : left;
-                k += (size_t)snprintf(s + k, cap - k, "<|blank_%zu|>", n);
-                left -= n;
-            }
-            if (left)
-                s[k++] = ' ';
-            i += run;
-        } else if (raw[i] == '\n') {
-            memcpy(s + k, "<n>", 3), k += 3, i++;
-        } else if (raw[i] == '\t') {
-            memcpy(s + k, "<|tab|>", 7), k += 7, i++;
-        } else {
-            s[k++] = raw[i++];
-        }
-    }
-    int rc = spm_text(t, s, k, prefix, 1, 1, o);
-    free(s);
-    return rc;
-}
-
-/* ---- Byte-level BPE: encoding ------------------------------------------------------------ */
-
-/* byte-level BPE: a pair merges when "left right" is a listed merge, lowest rank first */
-static int bpe_pair_score(const pair_scorer *ps, const symbol *a, const symbol *b, float *score)
-{
-    memcpy(ps->key, ps->text + a->start, a->n);
-    ps->key[a->n] = ' ';
-    memcpy(ps->key + a->n + 1, ps->text + b->start, b->n);
-    int32_t rank = merge_lookup(ps->t, ps->key, a->n + 1 + b->n);
-    if (rank < 0)
-        return -1;
-    *score = -(float)rank; /* exact: ranks stay below 2^24 (bpe_setup) */
-    return 0;
-}
-
-/* One pre-token: its bytes spelled with the byte map, then merged by rank. */
-static int bpe_word(const loom_tokenizer *t, const unsigned char *w, size_t n, out_ids *o)
-{
-    if (n == 0)
-        return 0;
-    if (n > MAX_FRAGMENT)
-        return -1;
-    char *buf = malloc(2 * n + 1), *key = malloc(4 * n + 2);
-    symbol *sym = malloc((n + 1) * sizeof *sym);
-    if (!buf || !key || !sym) {
-        free(buf), free(key), free(sym);
-        return -1;
-    }
-    size_t used = 0;
-    for (size_t i = 0; i < n; i++) {
-        sym[i] = (symbol){(int)i - 1, i + 1 < n ? (int)i + 1 : -1, (uint32_t)used,
-                          t->byte_chars_len[w[i]]};
-        memcpy(buf + used, t->byte_chars[w[i]], sym[i].n);
-        used += sym[i].n;
-    }
-    int rc = 0;
-    int32_t whole = t->ignore_merges ? lookup(t, buf, used) : -1;
-    if (whole >= 0) {
-        emit(o, whole);
-    } else {
-        pair_scorer ps = {bpe_pair_score, t, buf, key};
-        rc = merge_symbols(&ps, sym, (int)n);
-    }
-    for (int i = 0; whole < 0 && i >= 0 && rc == 0; i = sym[i].next) {
-        int32_t id = lookup(t, buf + sym[i].start, sym[i].n);
-        if (id >= 0) {
-            emit(o, id);
-            continue;
-        }
-        /* not in the vocabulary as a whole: its characters one by one */
-        for (size_t k = 0; k < sym[i].n;) {
-            size_t cl = utf8_len((unsigned char)buf[sym[i].start + k]);
-            int32_t cid = lookup(t, buf + sym[i].start + k, cl);
-            emit(o, cid >= 0 ? cid : t->unk);
-            k += cl;
-        }
-    }
-    free(buf), free(key), free(sym);
-    return rc;
-}
-
-static int bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, out_ids *o)
-{
-    utf8proc_uint8_t *norm = NULL;
-    const unsigned char *text = (const unsigned char *)raw;
-    if (t->nfc) {
-        utf8proc_ssize_t n = utf8proc_map((const utf8proc_uint8_t *)raw, (utf8proc_ssize_t)len,
-                                          &norm, UTF8PROC_STABLE | UTF8PROC_COMPOSE);
-        if (n >= 0) {
-            text = norm;
-            len = (size_t)n;
-        } /* not valid UTF-8: tokenize the bytes as they are */
-    }
-    pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->re, NULL);
-    int rc = md ? 0 : -1;
-    size_t at = 0;
-    while (rc == 0 && at < len) {
-        int m = pcre2_match(t->re, text, len, at, PCRE2_NO_UTF_CHECK, md, NULL);
-        size_t s = len, e = len;
-        if (m >= 0) {
-            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-            s = ov[0];
-            e = ov[1] > ov[0] ? ov[1] : ov[0] + utf8_len(text[ov[0]]);
-        }
-        if (s > at)
-            rc = bpe_word(t, text + at, s - at, o); /* bytes no pattern matched */
-        if (rc == 0 && e > s)
-            rc = bpe_word(t, text + s, (e < len ? e : len) - s, o);
-        at = e;
-    }
-    pcre2_match_data_free(md);
-    free(norm);
-    return rc;
-}
-
-/* The bytes at s (n left) that begin a UTF-8 character: *whole is set when they are all of
- * one (Unicode's table of well-formed sequences: no overlong forms, surrogates or code points
- * above U+10FFFF), and the count is otherwise the "maximal subpart" that a decoder replaces
- * with one U+FFFD, as Python's and ICU's do. */
-static size_t utf8_char(const unsigned char *s, size_t n, int *whole)
-{
-    unsigned c = s[0], lo = 0x80, hi = 0xbf;
-    size_t need;
-    *whole = c < 0x80;
-    if (c < 0x80)
-        return 1;
-    if (c >= 0xc2 && c <= 0xdf)
-        need = 2;
-    else if (c >= 0xe0 && c <= 0xef)
-        need = 3, lo = c == 0xe0 ? 0xa0 : lo, hi = c == 0xed ? 0x9f : hi;
-    else if (c >= 0xf0 && c <= 0xf4)
-        need = 4, lo = c == 0xf0 ? 0x90 : lo, hi = c == 0xf4 ? 0x8f : hi;
-    else
-        return 1;
-    size_t k = 1;
-    for (; k < need && k < n && s[k] >= lo && s[k] <= hi; k++)
-        lo = 0x80, hi = 0xbf;
-    *whole = k == need;
-    return k;
-}
-
-void loom_text_printable(char *s)
-{
-    size_t len = strlen(s);
-    for (size_t i = 0; i < len;) {
-        size_t ok = loom_utf8_valid_prefix(s + i, len - i);
-        for (size_t k = i; k < i + ok; k++)
-            if (((unsigned char)s[k] < 0x20 && s[k] != '\n' && s[k] != '\t') || s[k] == 0x7f)
-                s[k] = '?';
-        i += ok;
-        if (i < len)
-            s[i++] = '?'; /* one byte of an ill-formed sequence; the walk resumes after it */
-    }
-}
-
-size_t loom_utf8_valid_prefix(const char *text, size_t len)
-{
-    const unsigned char *s = (const unsigned char *)text;
-    size_t i = 0;
-    int whole = 1;
-    while (i < len) {
-        size_t k = utf8_char(s + i, len - i, &whole);
-        if (!whole)
-            break;
-        i += k;
-    }
-    return i;
-}
-
-char *loom_utf8_sanitize(const char *text, size_t len, size_t *out_len)
-{
-    const unsigned char *s = (const unsigned char *)text;
-    if (len > SIZE_MAX / 3 - 1)
-        return NULL;
-    char *out = malloc(3 * len + 1); /* one replacement (3 bytes) per bad byte at most */
-    if (!out)
-        return NULL;
-    size_t k = 0;
-    for (size_t i = 0; i < len;) {
-        int whole;
-        size_t c = utf8_char(s + i, len - i, &whole);
-        if (whole)
-            memcpy(out + k, s + i, c), k += c;
-        else
-            memcpy(out + k, "\xef\xbf\xbd", 3), k += 3;
-        i += c;
-    }
-    out[k] = '\0';
-    *out_len = k;
-    return out;
 }
 
 static int is_space(char c)
@@ -1343,9 +522,9 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
         !(n_plain > 0 && plain[0] < lead->len) && memcmp(text, lead->text, lead->len) == 0;
     if (add_special && !starts_with_it) {
         for (int i = 0; i < t->n_prefix; i++)
-            emit(&o, t->prefix[i]);
+            tok_emit(&o, t->prefix[i]);
         if (!t->n_prefix && t->add_bos)
-            emit(&o, t->bos);
+            tok_emit(&o, t->bos);
     }
     int prev_special = 1; /* the dummy prefix goes at the start and after each special token */
     size_t start = 0;
@@ -1378,27 +557,27 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
         if (end > start) {
             int prefix = t->add_space_prefix && prev_special, rc;
             if (t->bpe)
-                rc = bpe_fragment(t, text + start, end - start, &o);
+                rc = tok_bpe_fragment(t, text + start, end - start, &o);
             else if (t->glm_text)
-                rc = glm_text(t, text + start, end - start, prefix, &o);
+                rc = tok_glm_text(t, text + start, end - start, prefix, &o);
             else if (t->unigram || t->nfkc || t->collapse_ws || t->charsmap_units)
-                rc = spm_text(t, text + start, end - start, prefix, start == 0, found < 0, &o);
+                rc = tok_spm_text(t, text + start, end - start, prefix, start == 0, found < 0, &o);
             else
-                rc = spm_fragment(t, text + start, end - start, prefix, &o);
+                rc = tok_spm_fragment(t, text + start, end - start, prefix, &o);
             if (rc)
                 return -1;
             prev_special = 0;
         }
         if (found < 0)
             break;
-        emit(&o, found);
+        tok_emit(&o, found);
         prev_special = 1;
         i += t->vocab[found].len;
         start = i;
     }
     if (add_special)
         for (int i = 0; i < t->n_suffix; i++)
-            emit(&o, t->suffix[i]);
+            tok_emit(&o, t->suffix[i]);
     return o.n;
 }
 
@@ -1501,21 +680,4 @@ int loom_tokenizer_is_stop(const loom_tokenizer *t, int32_t id)
 const char *loom_tokenizer_model(const loom_tokenizer *t)
 {
     return t->model;
-}
-
-size_t loom_utf8_complete(const char *s, size_t n)
-{
-    /* look back at most 3 bytes for the start of a character that runs past the end */
-    for (size_t back = 1; back <= 4 && back <= n; back++) {
-        unsigned char c = (unsigned char)s[n - back];
-        if ((c & 0xc0) == 0x80)
-            continue; /* a continuation byte: keep looking for the lead */
-        size_t need = c < 0x80 ? 1
-            : (c >> 5) == 6    ? 2
-            : (c >> 4) == 14   ? 3
-            : (c >> 3) == 30   ? 4
-                               : 1;
-        return need > back ? n - back : n;
-    }
-    return n;
 }

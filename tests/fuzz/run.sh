@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I$src/include -I$src -I$build"
 libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc libxxhash) -lm"
 cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc libxxhash)"
-core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/name_index.c $src/core/file.c"
+core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/tokenizer_bpe.c $src/core/tokenizer_spm.c $src/core/utf8.c $src/core/name_index.c $src/core/file.c"
 harnesses="gguf safetensors tokenizer"
 # the request parser tokenizes with a real model, and the chat templates ask the model
 # families for their defaults: they link the built libloom
