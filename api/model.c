@@ -257,10 +257,10 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (!opts)
         opts = &none;
     loom_runner_options ro = {.n_ctx = opts->n_ctx,
-                              .n_kv_blocks = opts->kv_blocks,
-                              .no_repack = !behaviour(opts->repack, "LOOM_REPACK", 1),
+                              .kv_blocks = opts->kv_blocks,
+                              .repack = behaviour(opts->repack, "LOOM_REPACK", 1) ? 1 : -1,
                               .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
-                              .n_kv_seqs = opts->kv_sequences,
+                              .kv_sequences = opts->kv_sequences,
                               .block_size = opts->block_size};
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;

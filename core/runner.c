@@ -612,7 +612,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->weight_ready = calloc(gguf->n_tensors + 1, 1);
     r->prepared = calloc(gguf->n_tensors + 1, sizeof *r->prepared);
     r->prep = calloc(gguf->n_tensors + 1, 1);
-    r->repack = !opts->no_repack;
+    r->repack = opts->repack >= 0;
     if (!r->weights || !r->weight_bufs || !r->weight_ready || !r->prepared || !r->prep) {
         snprintf(err, err_size, "out of memory");
         loom_runner_free(r);
@@ -654,11 +654,11 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     r->opt.n_ctx = n_ctx;
     int32_t seq_blocks = (n_ctx + r->opt.block_size - 1) / r->opt.block_size;
     r->n_blocks = seq_blocks;
-    if (r->opt.n_kv_blocks > 0) {
-        r->n_blocks = r->opt.n_kv_blocks;
-    } else if (r->opt.n_kv_seqs > 0) {
+    if (r->opt.kv_blocks > 0) {
+        r->n_blocks = r->opt.kv_blocks;
+    } else if (r->opt.kv_sequences > 0) {
         int64_t each = ((n_ctx < 1024 ? n_ctx : 1024) + r->opt.block_size - 1) / r->opt.block_size;
-        int64_t total = each * r->opt.n_kv_seqs;
+        int64_t total = each * r->opt.kv_sequences;
         r->n_blocks = total > seq_blocks ? (total < INT32_MAX ? (int32_t)total : INT32_MAX)
                                          : seq_blocks;
     }

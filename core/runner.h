@@ -92,17 +92,17 @@ typedef struct loom_stage_link {
 } loom_stage_link;
 
 typedef struct loom_runner_options {
-    int32_t n_ctx;       /* 0: the model's training context, capped at 4096 */
-    int32_t block_size;  /* KV block size, default 16 */
-    loom_dtype kv_type;  /* LOOM_F16 (default) or LOOM_F32 */
-    int32_t n_batch;     /* prefill chunk, default 256 */
-    int32_t n_kv_blocks; /* KV cache blocks; 0: see n_kv_seqs */
-    int32_t n_kv_seqs;   /* with n_kv_blocks 0: blocks for this many sequences of up to 1024
+    int32_t n_ctx;        /* 0: the model's training context, capped at 4096 */
+    int32_t block_size;   /* KV block size; 0: LOOM_RUNNER_BLOCK_SIZE */
+    loom_dtype kv_type;   /* LOOM_F16 (default) or LOOM_F32 */
+    int32_t n_batch;      /* prefill chunk, default 256 */
+    int32_t kv_blocks;    /* KV cache blocks; 0: see kv_sequences */
+    int32_t kv_sequences; /* with kv_blocks 0: blocks for this many sequences of up to 1024
                           * tokens (n_ctx if shorter), at least one of n_ctx; 0: one of n_ctx */
     /* Behaviours the API layer takes from loom.h's options or the environment (the core reads
      * no environment variables); zero is the default of each. */
-    int no_repack; /* do not offer weights to the backend's prepare_weight */
-    int strict;    /* an op the backend lacks is an error, not a run on the CPU */
+    int repack; /* offer weights to the backend's prepare_weight: 0 or 1 yes, -1 no */
+    int strict; /* an op the backend lacks is an error, not a run on the CPU */
     /* where the CPU fallback finds its module (NULL: the loader's defaults) */
     const struct loom_loader_options *loader;
     /* A pipeline stage (link non-NULL): layers [first_layer, end_layer) only, maybe none (a
