@@ -474,13 +474,30 @@ static int llama3_rope_freqs(const cJSON *cf, const loom_hf_values *v, float *fa
     {                                                                                              \
         "model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL               \
     }
-#define DECODER_TAIL                                                                               \
+#define ATTN_OUT_AND_FFN_NORM                                                                      \
     {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},             \
-        {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL},    \
+    {                                                                                              \
+        "model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL       \
+    }
+#define DECODER_TAIL                                                                               \
+    ATTN_OUT_AND_FFN_NORM,                                                                         \
         {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},               \
         {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                   \
     {                                                                                              \
         "model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL                  \
+    }
+/* Qwen's separate projections, in Hugging Face's row order (no RoPE permutation) */
+#define QKV_WEIGHTS                                                                                \
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},                  \
+        {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},              \
+    {                                                                                              \
+        "model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL                 \
+    }
+/* Qwen3's per-head RMSNorms of Q and K */
+#define QK_NORMS                                                                                   \
+    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},             \
+    {                                                                                              \
+        "model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL            \
     }
 #define QKV_BIASES                                                                                 \
     {"model.layers.%d.self_attn.q_proj.bias", "blk.%d.attn_q.bias", LOOM_HF_OPTIONAL, NULL},       \
@@ -558,17 +575,9 @@ static int moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
         "model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",          \
             LOOM_HF_EXPERTS, NULL                                                                  \
     }
-#define ATTN_OUT_AND_FFN_NORM                                                                      \
-    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},             \
-    {                                                                                              \
-        "model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL       \
-    }
-
 static const loom_hf_tensor qwen2moe_tensors[] = {
     DECODER_HEAD,
-    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
-    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
+    QKV_WEIGHTS,
     QKV_BIASES,
     ATTN_OUT_AND_FFN_NORM,
     ROUTED_EXPERTS,
@@ -578,37 +587,14 @@ static const loom_hf_tensor qwen2moe_tensors[] = {
     {"model.layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", 0, NULL},
     {0}};
 
+/* clang-format off */
 static const loom_hf_tensor qwen3moe_tensors[] = {
-    DECODER_HEAD,
-    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
-    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
-    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
-    QKV_BIASES,
-    ATTN_OUT_AND_FFN_NORM,
-    ROUTED_EXPERTS,
-    {0}};
-
+    DECODER_HEAD, QKV_WEIGHTS, QK_NORMS, QKV_BIASES, ATTN_OUT_AND_FFN_NORM, ROUTED_EXPERTS, {0}};
 static const loom_hf_tensor qwen2_tensors[] = {
-    DECODER_HEAD,
-    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
-    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
-    QKV_BIASES,
-    DECODER_TAIL,
-    {0}};
-
+    DECODER_HEAD, QKV_WEIGHTS, QKV_BIASES, DECODER_TAIL, {0}};
 static const loom_hf_tensor qwen3_tensors[] = {
-    DECODER_HEAD,
-    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", 0, NULL},
-    {"model.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", 0, NULL},
-    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
-    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
-    QKV_BIASES,
-    DECODER_TAIL,
-    {0}};
+    DECODER_HEAD, QKV_WEIGHTS, QK_NORMS, QKV_BIASES, DECODER_TAIL, {0}};
+/* clang-format on */
 
 /* Qwen v1 (QWenLMHeadModel): llama.cpp's "qwen" names. The config counts intermediate_size
  * over w1 and w2 together (22016 for Qwen-7B's two halves of 11008), as GGUF's qwen

@@ -62,6 +62,26 @@ static int64_t read_rope_freqs(const char *path, float *out, int64_t cap)
     return n;
 }
 
+/* A fixture on every usable backend in each form against PyTorch's last logits and greedy ids:
+ * loom's f32 conversion (1e-4), the folder (bf16 weights: AVX-512 BF16 rounds the activations
+ * to bf16 too, tiny-llama's bound 0.05) and llama.cpp's own GGUF where there is one (f16
+ * weights: the fixtures' f16-compute evidence is 2e-3). */
+static void check_forms(const char *fixture, const char *f32, const char *folder, const char *peer)
+{
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    char what[3][160];
+    snprintf(what[0], sizeof what[0], "%s (loom convert, f32)", fixture);
+    snprintf(what[1], sizeof what[1], "%s folder (bf16)", fixture);
+    snprintf(what[2], sizeof what[2], "%s as llama.cpp converted it (f16)", fixture);
+    for (int i = 0; i < n_backends; i++) {
+        check_model(dir, fixture, f32, backends[i], "last_logits", 1e-4, 1, what[0]);
+        check_model(dir, fixture, folder, backends[i], "last_logits", 0.05, 1, what[1]);
+        if (peer)
+            check_model(dir, fixture, peer, backends[i], "last_logits", 1e-2, 1, what[2]);
+    }
+}
+
 static void test_llama31(void)
 {
     static const char *const files[] = {"config.json", "generation_config.json",
@@ -87,18 +107,7 @@ static void test_llama31(void)
                                                           : worst;
     CHECK(n == m && worst < 1e-5, "rope_freqs agree with llama.cpp's within %g", worst);
 
-    static char backends[MAX_TEST_BACKENDS][160];
-    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int i = 0; i < n_backends; i++) {
-        check_model(dir, "tiny-llama31", f32, backends[i], "last_logits", 1e-4, 1,
-                    "tiny-llama31 (loom convert, f32)");
-        /* bf16 weights: AVX-512 BF16 rounds the activations to bf16 too (tiny-llama's bound) */
-        check_model(dir, "tiny-llama31", folder, backends[i], "last_logits", 0.05, 1,
-                    "tiny-llama31 folder (bf16)");
-        /* f16 weights: the fixture's f16-compute evidence is 2e-3 */
-        check_model(dir, "tiny-llama31", peer, backends[i], "last_logits", 1e-2, 1,
-                    "tiny-llama31 as llama.cpp converted it (f16)");
-    }
+    check_forms("tiny-llama31", f32, folder, peer);
     unlink(f32);
     remove_folder(folder);
 }
@@ -114,14 +123,7 @@ static void test_mistral(void)
     static const char *const shared[] = {"tiny-llama/tokenizer.model"};
     CHECK(make_folder(folder, "tiny-mistral", files, 5, shared, 1) == 0, "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
-    static char backends[MAX_TEST_BACKENDS][160];
-    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int i = 0; i < n_backends; i++) {
-        check_model(dir, "tiny-mistral", f32, backends[i], "last_logits", 1e-4, 1,
-                    "tiny-mistral (loom convert, f32)");
-        check_model(dir, "tiny-mistral", folder, backends[i], "last_logits", 0.05, 1,
-                    "tiny-mistral folder (bf16)");
-    }
+    check_forms("tiny-mistral", f32, folder, NULL);
     unlink(f32);
     remove_folder(folder);
 }
@@ -171,16 +173,7 @@ static void test_qwen2moe(void)
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     same_layout(peer, f32, "tiny-qwen2moe");
     check_gguf_conventions(f32, "tiny-qwen2moe (loom convert)");
-    static char backends[MAX_TEST_BACKENDS][160];
-    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int i = 0; i < n_backends; i++) {
-        check_model(dir, "tiny-qwen2moe", f32, backends[i], "last_logits", 1e-4, 1,
-                    "tiny-qwen2moe (loom convert, f32)");
-        check_model(dir, "tiny-qwen2moe", folder, backends[i], "last_logits", 0.05, 1,
-                    "tiny-qwen2moe folder (bf16)");
-        check_model(dir, "tiny-qwen2moe", peer, backends[i], "last_logits", 1e-2, 1,
-                    "tiny-qwen2moe as llama.cpp converted it (f16)");
-    }
+    check_forms("tiny-qwen2moe", f32, folder, peer);
     /* a module without the experts' ops (one of ABI 1.4, or today's GPU modules) has them run
      * on the CPU module, its buffers copied there and back: the same answers */
     setenv("LOOM_REF_DENY", "moe_route,matmul_id,moe_combine", 1);
