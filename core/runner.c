@@ -150,6 +150,30 @@ loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n)
     return t;
 }
 
+const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n)
+{
+    if (r->status)
+        return NULL;
+    if (r->n_constants == MAX_CONSTANTS) {
+        loom_runner_fail(r, "the model asked for more than %d constants", MAX_CONSTANTS);
+        return NULL;
+    }
+    loom_tensor *t = &r->constants[r->n_constants];
+    *t = dense(NULL, 0, LOOM_F32, n, 1, 1, 1);
+    t->n_dims = 1;
+    const loom_backend_ops *ops = &r->dev->ops;
+    if (ops->buffer_alloc(r->dev->be, (uint64_t)n * 4, &t->buf) != LOOM_OK ||
+        ops->copy_from_host(r->dev->be, t->buf, 0, host, (uint64_t)n * 4) != LOOM_OK) {
+        loom_runner_fail(r, "uploading %lld constants to %s: %s", (long long)n, r->dev->name,
+                         ops->last_error(r->dev->be));
+        if (t->buf)
+            ops->buffer_free(r->dev->be, t->buf);
+        return NULL;
+    }
+    r->n_constants++;
+    return t;
+}
+
 loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
 {
     loom_tensor v = *t;
@@ -256,6 +280,9 @@ static int is_weight_buffer(void *ctx, const loom_buffer *buf)
     const loom_runner *r = ctx;
     if (buf == r->weights_map)
         return 1;
+    for (int i = 0; i < r->n_constants; i++)
+        if (r->constants[i].buf == buf)
+            return 1;
     for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
         if (r->weight_bufs[i] == buf)
             return 1;
@@ -568,6 +595,8 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
         ? "the RoPE base (rope.freq_base) must be finite and above 0"
         : !(hp->rope_scale > 0 && isfinite(hp->rope_scale))
         ? "the RoPE scaling (rope.scaling.factor) must be finite and above 0"
+        : !(hp->attn_factor > 0 && hp->attn_factor < 100)
+        ? "the attention factor (YaRN's, from rope.scaling.factor) must be above 0 and below 100"
         : hp->head_dim <= 0 || hp->head_dim > 65536
         ? "the head width (attention.key_length) must be from 1 to 65536"
         : hp->n_rot < 0 || hp->n_rot > hp->head_dim || hp->n_rot % 2
@@ -618,6 +647,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         loom_runner_free(r);
         return NULL;
     }
+    r->hp.attn_factor = 1.0f; /* what a family without YaRN leaves it */
     if (arch->load(r, &r->hp, &r->state, err, err_size) != 0 || r->status ||
         check_hparams(&r->hp, err, err_size) != 0) {
         if (r->status)
@@ -726,6 +756,8 @@ void loom_runner_free(loom_runner *r)
         ops->buffer_free(r->dev->be, r->kv);
     if (r->in_buf)
         ops->buffer_free(r->dev->be, r->in_buf);
+    for (int i = 0; i < r->n_constants; i++)
+        ops->buffer_free(r->dev->be, r->constants[i].buf);
     free(r->weights), free(r->weight_bufs), free(r->weight_ready), free(r->prepared), free(r->prep);
     free(r->kc), free(r->vc), free(r->logits), free(r->in_host), free(r->eval_host);
     free(r->handoff);

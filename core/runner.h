@@ -33,7 +33,9 @@ typedef struct loom_hparams {
     int32_t n_ctx_train;
     float norm_eps;
     float rope_base;
-    float rope_scale; /* linear position scaling, 1 = none */
+    float rope_scale;  /* linear position scaling, 1 = none */
+    float attn_factor; /* YaRN's scale of the rotated q and k (so attention's by its square);
+                        * 1 = none */
     int32_t n_rot;
     int32_t rope_mode; /* loom_rope_mode */
     int32_t n_swa;     /* sliding-window attention: keys within this many positions; 0 = all */
@@ -208,6 +210,9 @@ const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer);
 const loom_tensor *loom_rt_vcache(const loom_runner *r, int layer);
 /* n int32 values from the host in a scratch tensor [n] on the device. */
 loom_tensor loom_rt_upload_i32(loom_runner *r, const int32_t *host, int64_t n);
+/* n floats the family computed at load (YaRN's frequency divisors), on the device for the
+ * runner's life; a failure is in loom_rt_status. */
+const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n);
 
 /* Where the wanted logits go: a [n_logits, n_vocab] f32 scratch tensor the runner copies out. */
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);

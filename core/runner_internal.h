@@ -9,6 +9,7 @@
 #include "runner.h"
 
 #define MAX_SCRATCH 64
+#define MAX_CONSTANTS 8
 
 typedef struct scratch_slot {
     loom_buffer *buf;
@@ -55,6 +56,9 @@ struct loom_runner {
     int32_t logits_cap; /* rows */
 
     loom_fallback *fallback; /* for ops the device lacks; opened on first need */
+
+    loom_tensor constants[MAX_CONSTANTS]; /* what the family computed at load (loom_rt_constant) */
+    int n_constants;
 
     int status;
     char err[512];

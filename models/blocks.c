@@ -43,7 +43,9 @@ void loom_attn_block(loom_runner *r, const loom_hparams *hp, int layer, const lo
     loom_rt_rope(r, &b->k3, hp, w->rope_freqs);
     loom_rt_kv_store(r, &b->k3, loom_rt_kcache(r, layer));
     loom_rt_kv_store(r, &b->v3, loom_rt_vcache(r, layer));
-    loom_rt_attention(r, &b->q3, layer, 1.0f / sqrtf((float)hp->head_dim), &b->att3);
+    /* YaRN scales the rotated q and k by attn_factor: their dot products by its square */
+    loom_rt_attention(r, &b->q3, layer,
+                      hp->attn_factor * hp->attn_factor / sqrtf((float)hp->head_dim), &b->att3);
     loom_rt_matmul(r, &b->att, w->wo, NULL, &b->h);
     loom_rt_add(r, x, &b->h, x);
 }

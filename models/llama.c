@@ -86,6 +86,48 @@ static int read_moe(const loom_gguf *g, const char *arch, loom_hparams *hp, char
     return 0; /* the runner checks the ranges */
 }
 
+/* YaRN (rope.scaling.type "yarn": Qwen2.5 and Qwen3 past their trained context), as
+ * transformers' _compute_yarn_parameters and ggml's rope_yarn have it: pair i's frequency
+ * blends its own (extrapolation) with it divided by factor (interpolation) by a ramp between
+ * the pairs that turn beta_fast and beta_slow times over original_context_length, and q and k
+ * are scaled by 0.1 ln(factor) + 1. As rope_freqs divisors: 1 / ((1 - e_i) / factor + e_i),
+ * e_i the extrapolated share. */
+static int yarn_divisors(const loom_gguf *g, const char *arch, loom_hparams *hp, double factor,
+                         float *out, char *err, size_t err_size)
+{
+    const int dim = hp->n_rot;
+    double ctx = loom_model_kv_float(g, arch, "rope.scaling.original_context_length",
+                                     hp->n_ctx_train);
+    double fast = loom_model_kv_float(g, arch, "rope.scaling.yarn_beta_fast", 32.0);
+    double slow = loom_model_kv_float(g, arch, "rope.scaling.yarn_beta_slow", 1.0);
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.scaling.attn_factor", arch);
+    if (loom_gguf_find(g, key) || !(factor >= 1 && factor < 1e6) || !(ctx >= 1) ||
+        !(fast > 0 && slow > 0 && fast > slow)) {
+        snprintf(
+            err, err_size,
+            "%s: YaRN with factor %g, original_context_length %g, beta_fast %g, beta_slow %g%s "
+            "is not one loom runs",
+            arch, factor, ctx, fast, slow, loom_gguf_find(g, key) ? " and an attn_factor" : "");
+        return -1;
+    }
+    const double base = hp->rope_base, two_pi = 2 * 3.14159265358979323846;
+    double low = floor(dim * log(ctx / (fast * two_pi)) / (2 * log(base)));
+    double high = ceil(dim * log(ctx / (slow * two_pi)) / (2 * log(base)));
+    low = low > 0 ? low : 0;
+    high = high < dim - 1 ? high : dim - 1;
+    if (high == low)
+        high += 0.001;
+    for (int i = 0; i < dim / 2; i++) {
+        double ramp = (i - low) / (high - low);
+        ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+        double extrapolated = 1 - ramp;
+        out[i] = (float)(1.0 / ((1 - extrapolated) / factor + extrapolated));
+    }
+    hp->attn_factor = factor > 1 ? (float)(0.1 * log(factor) + 1.0) : 1.0f;
+    return 0;
+}
+
 /* Whether t is {n0, n1, n2}; if not, a message naming it and both shapes. */
 static int shaped(const loom_tensor *t, const char *name, int l, int64_t n0, int64_t n1, int64_t n2,
                   const char *why, char *err, size_t err_size)
@@ -148,16 +190,18 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     if (loom_gguf_get_str(g, key, &st, &st_len) == 0)
         snprintf(scaling, sizeof scaling, "%.*s", (int)(st_len < 31 ? st_len : 31), st);
     double factor = loom_model_kv_float(g, arch, "rope.scaling.factor", 1.0);
-    if (scaling[0] && strcmp(scaling, "linear") && strcmp(scaling, "none")) {
+    int yarn = !strcmp(scaling, "yarn");
+    if (scaling[0] && strcmp(scaling, "linear") && strcmp(scaling, "none") && !yarn) {
         snprintf(err, err_size,
-                 "%s.rope.scaling.type is '%s'; loom runs linear scaling and Llama 3.1's "
-                 "rope_freqs (YaRN is not supported yet)",
+                 "%s.rope.scaling.type is '%s'; loom runs linear scaling, YaRN and Llama 3.1's "
+                 "rope_freqs",
                  arch, scaling);
         return -1;
     }
     if (!strcmp(scaling, "none"))
         factor = 1.0;
-    hp->rope_scale = (float)(1.0 / factor); /* the runner refuses a factor of 0 or less */
+    /* the runner refuses a factor of 0 or less; YaRN's goes into per-pair divisors instead */
+    hp->rope_scale = yarn ? 1.0f : (float)(1.0 / factor);
     int moe = strstr(arch, "moe") != NULL;
     if (moe && read_moe(g, arch, hp, err, err_size) != 0)
         return -1;
@@ -191,6 +235,20 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         return -1;
     }
     m->rope_freqs = loom_rt_weight(r, "rope_freqs.weight", 0);
+    if (yarn) {
+        float divisors[512];
+        if (m->rope_freqs || hp->n_rot != hp->head_dim || hp->n_rot / 2 > 512) {
+            snprintf(err, err_size, "%s: YaRN with %s is not supported", arch,
+                     m->rope_freqs ? "rope_freqs.weight as well" : "partial rotary dimensions");
+            llama_free(m);
+            return -1;
+        }
+        if (yarn_divisors(g, arch, hp, factor, divisors, err, err_size) != 0) {
+            llama_free(m);
+            return -1;
+        }
+        m->rope_freqs = loom_rt_constant(r, divisors, hp->n_rot / 2);
+    }
     m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
     m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
     m->output = loom_rt_weight(r, "output.weight", 0);
@@ -388,6 +446,52 @@ static void head_width(loom_hf_values *v, int32_t hd)
     }
 }
 
+/* rope_scaling of rope_type "yarn" as llama.cpp's keys (the loader computes the divisors,
+ * yarn_divisors): factor, original_max_position_embeddings (else max_position_embeddings),
+ * beta_fast and beta_slow. transformers' other knobs change the attention factor or the ramp
+ * in ways loom does not compute, so they are refused rather than ignored. */
+static int yarn_keys(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    static const char *const refused[] = {"attention_factor", "mscale", "mscale_all_dim"};
+    const cJSON *rs = cJSON_GetObjectItem(cf, "rope_scaling");
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
+        const cJSON *k = cJSON_GetObjectItem(rs, refused[i]);
+        if (k && !cJSON_IsNull(k)) {
+            snprintf(err, err_size, "rope_scaling.%s (YaRN's attention scaling) is not supported",
+                     refused[i]);
+            return -1;
+        }
+    }
+    if (cJSON_IsFalse(cJSON_GetObjectItem(rs, "truncate"))) {
+        snprintf(err, err_size, "rope_scaling.truncate false (YaRN's ramp) is not supported");
+        return -1;
+    }
+    double factor, fast, slow;
+    int64_t ctx, trained = (int64_t)loom_hf_get(v, "context_length");
+    if (loom_hf_real(cf, "rope_scaling.factor", 1.0, 0, 1e6, &factor, err, err_size) ||
+        loom_hf_int(cf, "rope_scaling.original_max_position_embeddings", trained, 1, INT32_MAX,
+                    &ctx, err, err_size) ||
+        loom_hf_real(cf, "rope_scaling.beta_fast", 32, 0, 1e6, &fast, err, err_size) ||
+        loom_hf_real(cf, "rope_scaling.beta_slow", 1, 0, 1e6, &slow, err, err_size))
+        return -1;
+    if (factor < 1 || fast <= slow) {
+        if (factor < 1)
+            snprintf(err, err_size, "rope_scaling (yarn): factor %g must be at least 1", factor);
+        else
+            snprintf(err, err_size, "rope_scaling (yarn): beta_fast %g must be above beta_slow %g",
+                     fast, slow);
+        return -1;
+    }
+    loom_hf_set_str(v, "rope.scaling.type", "yarn");
+    loom_hf_set(v, "rope.scaling.factor", LOOM_HF_F32, factor);
+    loom_hf_set(v, "rope.scaling.original_context_length", LOOM_HF_U32, (double)ctx);
+    if (fast != 32)
+        loom_hf_set(v, "rope.scaling.yarn_beta_fast", LOOM_HF_F32, fast);
+    if (slow != 1)
+        loom_hf_set(v, "rope.scaling.yarn_beta_slow", LOOM_HF_F32, slow);
+    return 0;
+}
+
 static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
     if (loom_hf_true(cf, "use_sliding_window")) {
@@ -414,9 +518,11 @@ static int decoder_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
         const char *type = loom_hf_str(cf, "rope_scaling.rope_type|rope_scaling.type");
         if (type && !strcmp(type, "llama3"))
             return 0; /* rope_freqs.weight (llama3_rope_freqs) */
+        if (type && !strcmp(type, "yarn"))
+            return yarn_keys(cf, v, err, err_size);
         if (!type || strcmp(type, "linear") != 0) {
             snprintf(err, err_size,
-                     "rope_scaling type '%s' is not supported (linear and llama3 are)",
+                     "rope_scaling type '%s' is not supported (linear, yarn and llama3 are)",
                      type ? type : "?");
             return -1;
         }

@@ -309,8 +309,41 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
 /* Hugging Face Qwen2/Qwen3 decoding of ids, in double: the last position's logits. norms:
  * per layer q_norm then k_norm weights ([hd] each), or NULL for Qwen2; moe: Qwen3-MoE's
  * experts in place of the MLP, or NULL. */
+/* A RoPE other than the plain one: each pair's inverse frequency, and the factor that
+ * transformers multiplies cos and sin by (its attention_scaling). */
+typedef struct rope_shape {
+    double inv_freq[128];
+    double attention;
+} rope_shape;
+
+/* transformers' _compute_yarn_parameters (rope_type "yarn", truncate on, no attention_factor
+ * or mscale given): the inverse frequencies blend extrapolation (the plain ones) and
+ * interpolation (divided by factor) by a linear ramp between the correction dimensions of
+ * beta_fast and beta_slow; attention_scaling is 0.1 ln(factor) + 1. */
+static rope_shape yarn_rope(const shape *s, double factor, double original_ctx)
+{
+    rope_shape r;
+    const int dim = s->hd;
+    const double beta_fast = 32, beta_slow = 1;
+#define CORRECTION_DIM(rot) (dim * log(original_ctx / ((rot)*2 * M_PI)) / (2 * log(s->theta)))
+    double low = fmax(floor(CORRECTION_DIM(beta_fast)), 0);
+    double high = fmin(ceil(CORRECTION_DIM(beta_slow)), dim - 1);
+#undef CORRECTION_DIM
+    if (low == high)
+        high += 0.001;
+    for (int i = 0; i < dim / 2; i++) {
+        double pos_freq = pow(s->theta, 2.0 * i / dim);
+        double extrapolation = 1 / pos_freq, interpolation = 1 / (factor * pos_freq);
+        double extrapolation_factor = 1 - fmin(fmax((i - low) / (high - low), 0), 1);
+        r.inv_freq[i] = interpolation * (1 - extrapolation_factor) +
+            extrapolation * extrapolation_factor;
+    }
+    r.attention = factor > 1 ? 0.1 * log(factor) + 1 : 1;
+    return r;
+}
+
 static double *reference_logits(const loom_safetensors *st, const shape *s, double **norms,
-                                moe_shape *moe, const int32_t *ids, int T)
+                                moe_shape *moe, const rope_shape *rope, const int32_t *ids, int T)
 {
     int D = s->d, H = s->heads, KV = s->kv, hd = s->hd, F = s->ff, group = H / KV;
     double *x = calloc((size_t)T * D, sizeof *x), *h = malloc((size_t)D * sizeof *h);
@@ -348,7 +381,9 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
                 if (norms) /* Qwen3: each head normalised before RoPE */
                     rms_norm(vec, hd, norms[2 * l + (hh >= H)], s->eps);
                 for (int i = 0; i < hd / 2; i++) { /* rotate_half */
-                    double ang = t * pow(s->theta, -2.0 * i / hd), c = cos(ang), sn = sin(ang);
+                    double inv = rope ? rope->inv_freq[i] : pow(s->theta, -2.0 * i / hd);
+                    double scale = rope ? rope->attention : 1;
+                    double ang = t * inv, c = cos(ang) * scale, sn = sin(ang) * scale;
                     double a = vec[i], b = vec[i + hd / 2];
                     vec[i] = a * c - b * sn;
                     vec[i + hd / 2] = b * c + a * sn;
@@ -526,7 +561,7 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     CHECK(T > 1, "the fixture's prompt ids");
 
     /* the reference pass itself, without norms, against PyTorch's tiny-qwen2 logits */
-    double *ref2 = reference_logits(st, s, NULL, NULL, ids, T);
+    double *ref2 = reference_logits(st, s, NULL, NULL, NULL, ids, T);
     char p[4400];
     snprintf(p, sizeof p, "%s/logits_plain.f32", qwen2_dir);
     size_t bytes = 0;
@@ -543,7 +578,7 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     snprintf(folder, sizeof folder, "%s/qwen3", tmp);
     snprintf(gguf, sizeof gguf, "%s/qwen3-f32.gguf", tmp);
     CHECK(make_qwen3(st, s, norms, NULL, folder, qwen2_dir) == 0, "writing the Qwen3 folder");
-    double *ref3 = reference_logits(st, s, norms, NULL, ids, T);
+    double *ref3 = reference_logits(st, s, norms, NULL, NULL, ids, T);
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "qwen3"), "the converted file is GGUF 'qwen3', not '%s'",
           gguf_arch(gguf));
@@ -619,12 +654,12 @@ static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char
         CHECK(0, "the Qwen3-MoE folder: %s", err);
         return;
     }
-    double *ref = reference_logits(&mst, s, norms, &moe, ids, T);
+    double *ref = reference_logits(&mst, s, norms, &moe, NULL, ids, T);
     CHECK(moe.least_gap > 1e-3, "the routing is clear-cut (least gap %g)", moe.least_gap);
     /* the check could fail: without the renormalisation the logits move */
     moe_shape plain = moe;
     plain.normalize = 0;
-    double *unnormalised = reference_logits(&mst, s, norms, &plain, ids, T);
+    double *unnormalised = reference_logits(&mst, s, norms, &plain, NULL, ids, T);
     double moved = 0;
     for (int i = 0; i < s->vocab; i++)
         moved = fmax(moved, fabs(ref[i] - unnormalised[i]));
@@ -662,6 +697,75 @@ static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char
     unlink(gguf);
 }
 
+/* Qwen2 with YaRN (rope_scaling {"rope_type": "yarn", "factor": 4, ...}: Qwen2.5's long-context
+ * setting, shrunk so that tiny-qwen2's head of 8 has pairs on both sides of the ramp): its
+ * weights and tokenizer, against the reference with transformers' YaRN frequencies and
+ * attention scaling, as a converted GGUF and as a folder. */
+static void test_yarn(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+{
+    int32_t ids[64];
+    int T = plain_prompt(ids, 64);
+    char folder[4200], gguf[4200], p[4400];
+    snprintf(folder, sizeof folder, "%s/qwen2-yarn", tmp);
+    snprintf(gguf, sizeof gguf, "%s/qwen2-yarn-f32.gguf", tmp);
+    mkdir(folder, 0755);
+    static const char *const linked[] = {"model.safetensors", "vocab.json", "merges.txt",
+                                         "tokenizer_config.json", "generation_config.json"};
+    for (size_t i = 0; i < sizeof linked / sizeof linked[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", qwen2_dir, linked[i]);
+        link_file(folder, linked[i], p);
+    }
+    snprintf(p, sizeof p, "%s/config.json", qwen2_dir);
+    char *text = slurp(p, NULL);
+    cJSON *cfg = text ? cJSON_Parse(text) : NULL;
+    free(text);
+    CHECK(cfg != NULL, "reading %s", p);
+    if (!cfg)
+        return;
+    const double factor = 4, original_ctx = 64;
+    cJSON_AddItemToObject(cfg, "rope_scaling",
+                          cJSON_Parse("{\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                      "\"original_max_position_embeddings\": 64}"));
+    char *out = cJSON_Print(cfg);
+    write_text(folder, "config.json", out);
+    free(out);
+    cJSON_Delete(cfg);
+
+    rope_shape yarn = yarn_rope(s, factor, original_ctx);
+    double *ref = reference_logits(st, s, NULL, NULL, &yarn, ids, T);
+    double *plain = reference_logits(st, s, NULL, NULL, NULL, ids, T);
+    double moved = 0;
+    for (int i = 0; i < s->vocab; i++)
+        moved = fmax(moved, fabs(ref[i] - plain[i]));
+    CHECK(moved > 0.01, "YaRN changes the reference's logits by %g only", moved);
+    free(plain);
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        for (int which = 0; which < 2; which++) {
+            const char *path = which ? folder : gguf;
+            double tol = which ? 1e-3 : 1e-4; /* the folder keeps f16 weights */
+            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
+            loom_model *m = loom_model_open(path, &o, err, sizeof err);
+            CHECK(m != NULL, "Qwen2 YaRN %s on %s: %s", which ? "folder" : "gguf", backends[b],
+                  err);
+            if (!m)
+                continue;
+            loom_sampling g = loom_sampling_defaults();
+            g.temperature = 0;
+            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+            CHECK(rc == 0, "Qwen2 YaRN generate: %s", err);
+            const float *got = loom_prompt_logits(m);
+            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
+            CHECK(d <= tol, "Qwen2 YaRN %s on %s: logits off the reference by %g (> %g)",
+                  which ? "folder" : "gguf", backends[b], d, tol);
+            loom_model_close(m);
+        }
+    free(ref);
+    unlink(gguf);
+}
+
 int main(void)
 {
     snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
@@ -685,6 +789,7 @@ int main(void)
     test_qwen1(&st, &s);
     test_qwen3(&st, &s, qwen2_dir);
     test_qwen3moe(&st, &s, qwen2_dir);
+    test_yarn(&st, &s, qwen2_dir);
     loom_safetensors_close(&st);
     char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
