@@ -2,8 +2,10 @@
  * api/engine.c - continuous batching: one thread owns the model and, every step, runs the
  * tokens of all running requests in one forward (see loom.h for the policy).
  *
- * Requests move incoming (submitted, under the lock) -> waiting (FCFS; preempted ones go back
- * to the front) -> running (ordered by id: the oldest has the highest priority) -> retired.
+ * Requests move incoming (submitted, under the lock) -> waiting (admitted by effective
+ * priority: the request's, improved by one per aging_ms waited, then by id) -> running
+ * (ordered by admission; preemption takes the worst effective priority, newest first) ->
+ * retired. A request past its deadline is retired where it is at the start of each step.
  * A request's tokens are its prompt followed by what it generated; each step computes the
  * next chunk of the ones whose K/V are not yet stored, so a prefill, a decode and a
  * recomputation after preemption are the same thing. Only the engine thread touches
@@ -44,6 +46,8 @@ typedef struct ereq {
     loom_event_fn fn;
     void *user;
     double t_submit, ttft_ms;
+    int32_t priority;
+    double deadline; /* now_ms() past which it is ended; 0: none */
 } ereq;
 
 struct loom_engine {
@@ -51,7 +55,7 @@ struct loom_engine {
     loom_runner *runner;
     loom_tokenizer *tok;
     loom_kvblocks *kv;
-    int32_t n_ctx, n_vocab, bs, max_batch, max_step;
+    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
 
     pthread_t thread;
     pthread_mutex_t lock;
@@ -64,6 +68,7 @@ struct loom_engine {
     ereq *incoming, *incoming_tail;
     ereq **live; /* every unretired request, for cancel by id (under the lock) */
     int n_live, cap_live;
+    int n_running_now; /* of them running (under the lock): the rest are queued */
     int64_t next_id;
     int stopping; /* no new requests */
     int joined;   /* the thread has been joined */
@@ -80,6 +85,7 @@ struct loom_engine {
     loom_kvcopy *copies;
     int32_t *step_buf;
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
+    uint64_t n_deadline_waiting, n_deadline_running;
     double rate_t0;
     uint64_t rate_n0;
 
@@ -117,6 +123,14 @@ static void forget_live(loom_engine *e, ereq *q)
     pthread_mutex_unlock(&e->lock);
 }
 
+/* e->n_running, as submit sees it (the queue's length is what is live and not running) */
+static void count_running(loom_engine *e)
+{
+    pthread_mutex_lock(&e->lock);
+    e->n_running_now = e->n_running;
+    pthread_mutex_unlock(&e->lock);
+}
+
 static void remove_running(loom_engine *e, ereq *q)
 {
     for (int i = 0; i < e->n_running; i++)
@@ -124,6 +138,7 @@ static void remove_running(loom_engine *e, ereq *q)
             memmove(e->running + i, e->running + i + 1,
                     (size_t)(e->n_running - i - 1) * sizeof *e->running);
             e->n_running--;
+            count_running(e);
             return;
         }
 }
@@ -146,7 +161,7 @@ static void deliver(loom_engine *e, ereq *q, const loom_event *ev)
 }
 
 /* Ends a request (already out of waiting and running): the last text, then DONE or ERROR. */
-static void retire(loom_engine *e, ereq *q, const char *finish, const char *error)
+static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *error, int deadline)
 {
     loom_kvblocks_release(e->kv, &q->kv);
     loom_text_stream_flush(&q->ts);
@@ -164,9 +179,44 @@ static void retire(loom_engine *e, ereq *q, const char *finish, const char *erro
     ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
     ev.finish_reason = finish;
     ev.error = error;
+    ev.deadline = deadline;
     forget_live(e, q);
     deliver(e, q, &ev);
     req_free(q);
+}
+
+static void retire(loom_engine *e, ereq *q, const char *finish, const char *error)
+{
+    retire_as(e, q, finish, error, 0);
+}
+
+/* Ends every request whose deadline has come: one still waiting with an error (it never ran),
+ * one generating with what it has ("length"). */
+static void expire(loom_engine *e)
+{
+    double now = now_ms();
+    char why[160];
+    for (int i = 0; i < e->n_running; i++) {
+        ereq *q = e->running[i];
+        if (q->deadline > 0 && now >= q->deadline) {
+            remove_running(e, q);
+            e->n_deadline_running++;
+            retire_as(e, q, "length", NULL, 1);
+            i--;
+        }
+    }
+    for (ereq *q = e->waiting, *next; q; q = next) {
+        next = q->next;
+        if (q->deadline > 0 && now >= q->deadline) {
+            remove_waiting(e, q);
+            e->n_deadline_waiting++;
+            snprintf(why, sizeof why,
+                     "the request waited %.0f ms for its turn and reached its deadline before it "
+                     "could start",
+                     now - q->t_submit);
+            retire_as(e, q, NULL, why, 1);
+        }
+    }
 }
 
 /* ---- submitting --------------------------------------------------------------------------- */
@@ -218,6 +268,9 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
     q->t_submit = now_ms();
+    q->priority = r->priority;
+    if (r->timeout_ms > 0)
+        q->deadline = q->t_submit + r->timeout_ms;
 
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
@@ -226,6 +279,16 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         pthread_mutex_unlock(&e->lock);
         req_free(q);
         return -1;
+    }
+    if (e->n_live - e->n_running_now >= e->max_queue) {
+        e->stats.refused_busy++;
+        snprintf(err, err_size,
+                 "the server is busy: %d requests are waiting already (its queue holds %d); "
+                 "try again shortly",
+                 e->n_live - e->n_running_now, e->max_queue);
+        pthread_mutex_unlock(&e->lock);
+        req_free(q);
+        return LOOM_ENGINE_BUSY;
     }
     if (e->n_live == e->cap_live) {
         int cap = e->cap_live ? 2 * e->cap_live : 64;
@@ -276,8 +339,8 @@ loom_engine_stats loom_engine_get_stats(loom_engine *e)
 
 /* ---- scheduling --------------------------------------------------------------------------- */
 
-/* Frees a running request's blocks and puts it at the front of the queue; it will be
- * recomputed from its tokens (prompt and what it generated so far). */
+/* Frees a running request's blocks and puts it back in the queue (where it keeps its priority
+ * and its age); it will be recomputed from its tokens (prompt and what it generated so far). */
 static void preempt(loom_engine *e, ereq *q)
 {
     remove_running(e, q);
@@ -292,8 +355,35 @@ typedef struct planned {
     int32_t k; /* tokens computed this step */
 } planned;
 
-/* Makes room for k more tokens of q, preempting newer requests (or q itself, when it is the
- * newest). Returns 0, or -1 when q was preempted. Copies on write go to copies. */
+/* A request's priority now: its own, one better for every aging_ms it has waited since it
+ * was submitted (the starvation bound: a flood of better requests delays it, for a while). */
+static double effective_priority(const loom_engine *e, const ereq *q, double now)
+{
+    return q->priority - (now - q->t_submit) / e->aging_ms;
+}
+
+/* Whether a should run before b: better effective priority, then the older. */
+static int runs_before(const loom_engine *e, const ereq *a, const ereq *b, double now)
+{
+    double pa = effective_priority(e, a, now), pb = effective_priority(e, b, now);
+    return pa < pb || (pa == pb && a->id < b->id);
+}
+
+/* Orders the running requests as they would run: the first plans first, the last is the one
+ * to preempt. */
+static void order_running(loom_engine *e, double now)
+{
+    for (int i = 1; i < e->n_running; i++)
+        for (int j = i; j > 0 && runs_before(e, e->running[j], e->running[j - 1], now); j--) {
+            ereq *t = e->running[j];
+            e->running[j] = e->running[j - 1];
+            e->running[j - 1] = t;
+        }
+}
+
+/* Makes room for k more tokens of q, preempting the running requests that would run last (or
+ * q itself, when it is that one; the running are in order_running's order, and q is at or
+ * before the end). Returns 0, or -1 when q was preempted. Copies on write go to copies. */
 static int make_room(loom_engine *e, ereq *q, int32_t k, loom_kvcopy *copies, int *n_copies)
 {
     for (;;) {
@@ -309,12 +399,25 @@ static int make_room(loom_engine *e, ereq *q, int32_t k, loom_kvcopy *copies, in
     }
 }
 
-/* Plans one step: running requests first (oldest first), then newly admitted ones. */
+/* The waiting request to admit next, or NULL. */
+static ereq *next_waiting(const loom_engine *e, double now)
+{
+    ereq *best = e->waiting;
+    for (ereq *q = e->waiting; q; q = q->next)
+        if (runs_before(e, q, best, now))
+            best = q;
+    return best;
+}
+
+/* Plans one step: running requests first (in the order they would run), then newly admitted
+ * ones. */
 static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_copies)
 {
     int n = 0;
     int32_t budget = e->max_step;
+    double now = now_ms();
     *n_copies = 0;
+    order_running(e, now);
     for (int i = 0; i < e->n_running && budget > 0; i++) {
         ereq *q = e->running[i];
         int32_t k = q->n_toks - q->kv.n_tokens;
@@ -328,7 +431,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         budget -= k;
     }
     while (e->waiting && e->n_running < e->max_batch && budget > 0) {
-        ereq *q = e->waiting;
+        ereq *q = next_waiting(e, now);
         int32_t hit = loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
         int32_t rest = q->n_toks - hit;
         /* admit only what can be prefilled to the end without preempting anyone */
@@ -349,9 +452,10 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
         }
-        e->waiting = q->next;
+        remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
+        count_running(e);
         plan[n++] = (planned){q, k};
         budget -= k;
     }
@@ -502,6 +606,8 @@ static void publish_stats(loom_engine *e)
     s->block_size = k.block_size;
     s->prompt_tokens = e->n_prompt, s->cached_prompt_tokens = e->n_hit;
     s->generated_tokens = e->n_generated, s->preemptions = e->n_preempted, s->steps = e->n_steps;
+    s->deadline_waiting = e->n_deadline_waiting, s->deadline_running = e->n_deadline_running;
+    s->max_queue = e->max_queue;
     /* generated tokens per second over the last second or more of work */
     if (t - e->rate_t0 >= 1000) {
         s->tokens_per_s = (double)(e->n_generated - e->rate_n0) / ((t - e->rate_t0) / 1e3);
@@ -541,6 +647,7 @@ static void *engine_main(void *arg)
             publish_stats(e);
             break;
         }
+        expire(e);
         int n_copies = 0;
         int n_plan = plan_step(e, plan, copies, &n_copies);
         if (n_plan > 0)
@@ -601,6 +708,8 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->bs = loom_runner_block_size(e->runner);
     e->max_batch = o->max_batch > 0 ? o->max_batch : 16;
     e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
+    e->max_queue = o->max_queue > 0 ? o->max_queue : 8 * e->max_batch;
+    e->aging_ms = o->aging_ms > 0 ? o->aging_ms : 10000;
     if (e->max_step < e->max_batch) {
         snprintf(err, err_size,
                  "max tokens per step (%d) must be at least the batch size (%d): "

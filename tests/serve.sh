@@ -197,6 +197,63 @@ else
 fi
 cmp -s "$tmpdir/run.txt" "$tmpdir/run2.txt" && fail "loom run's defaults gave the OpenAI-default text"
 stop_server
+
+# ---- under pressure: one sequence at a time and a queue of one. A long request runs; the next
+# waits; one more is refused at once (429, Retry-After, OpenAI's error); a request whose
+# deadline comes while it waits gets 504 (streamed or not: the status waits for the first
+# event); a running one's deadline cuts it short, saying so
+start_server "$tmpdir/server3.log" -c 512 --max-batch 1 --max-queue 1
+long="{\"model\":\"$NAME\",\"prompt\":\"Once upon a time\",\"max_tokens\":480,\"ignore_eos\":true}"
+busy_ok=0
+for attempt in 1 2 3; do
+    post /v1/completions "$long" >"$tmpdir/long.out" & lp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+    post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" \
+        >"$tmpdir/waiter.out" & tp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_waiting)" = 1 ] && break; sleep 0.01; done
+    post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" \
+        -D "$tmpdir/busy.h" >"$tmpdir/busy.out"
+    running=$(metric loom_requests_running)
+    wait "$lp" "$tp"
+    [ "$(tail -n1 "$tmpdir/busy.out")" = 429 ] && [ "$running" = 1 ] && { busy_ok=1; break; }
+done
+[ $busy_ok = 1 ] && grep -qi '^Retry-After: 1' "$tmpdir/busy.h" &&
+    sed '$d' "$tmpdir/busy.out" | jq -e '.error.type == "rate_limit_error" and
+        .error.code == "rate_limit_exceeded" and (.error.message | test("busy"))' >/dev/null &&
+    pass "a full queue answers 429 at once, with Retry-After" ||
+    fail "full queue: $(cat "$tmpdir/busy.out") $(cat "$tmpdir/busy.h")"
+[ "$(tail -n1 "$tmpdir/long.out")" = 200 ] && [ "$(tail -n1 "$tmpdir/waiter.out")" = 200 ] &&
+    pass "the running and the waiting request are answered in full" ||
+    fail "long and waiting requests: $(tail -n1 "$tmpdir/long.out") $(tail -n1 "$tmpdir/waiter.out")"
+post /v1/completions "$long" >"$tmpdir/long1.out" & lp=$!
+for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"timeout\":0.01}" \
+    >"$tmpdir/late.out"
+wait "$lp"
+[ "$(tail -n1 "$tmpdir/late.out")" = 504 ] &&
+    sed '$d' "$tmpdir/late.out" | jq -e '.error.type == "timeout_error" and
+        (.error.message | test("deadline"))' >/dev/null &&
+    pass "a request whose deadline comes while it waits gets 504" ||
+    fail "deadline while waiting: $(cat "$tmpdir/late.out")"
+post /v1/completions "$long" >"$tmpdir/long2.out" & lp=$!
+for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"timeout\":0.01,
+    \"stream\":true}" -N >"$tmpdir/late_s.out"
+wait "$lp"
+[ "$(tail -n1 "$tmpdir/late_s.out")" = 504 ] && pass "streamed, the deadline while waiting is a 504 too" ||
+    fail "streamed deadline: $(cat "$tmpdir/late_s.out")"
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time\",\"max_tokens\":480,
+    \"ignore_eos\":true,\"timeout\":0.02}" >"$tmpdir/cut.out"
+sed '$d' "$tmpdir/cut.out" | jq -e '.stopped_at_deadline == true and
+    .choices[0].finish_reason == "length" and .usage.completion_tokens < 480' >/dev/null &&
+    pass "a running request's deadline ends it with what it has ($(sed '$d' "$tmpdir/cut.out" |
+        jq .usage.completion_tokens) tokens)" || fail "deadline while running: $(cat "$tmpdir/cut.out")"
+[ "$(metric loom_requests_refused_busy_total)" -ge 1 ] &&
+    curl -s "$URL/metrics" | grep -q 'loom_requests_deadline_total{while="waiting"} [1-9]' &&
+    pass "/metrics counts the 429s and the deadlines" || fail "metrics: $(curl -s "$URL/metrics" | grep -i 'refused\|deadline')"
+expect_error 400 "priority must be a whole number" /v1/completions \
+    "{\"model\":\"$NAME\",\"prompt\":\"x\",\"priority\":0.5}"
+stop_server
 "$LOOM" serve -m "$MODEL" --kv-blocks 10 >"$tmpdir/kv.log" 2>&1
 expect_grep "kv-blocks 10 holds 160 tokens, less than one 2048-token context" "$tmpdir/kv.log" \
     "a KV pool smaller than one context is refused with the numbers"

@@ -29,7 +29,12 @@ typedef struct collector {
     int64_t id;       /* written under mu once submit returns: events may come first */
     int cancel_after; /* cancel once this many tokens arrived (0: never) */
     int cancel_due;   /* reached cancel_after before the id was known */
+    int started_as;   /* 1, 2, ...: the order in which requests got their first token */
+    int deadline;     /* the engine ended it at its deadline */
+    int32_t n_generated;
 } collector;
+
+static int n_started; /* under mu */
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -42,6 +47,8 @@ static void on_event(void *user, const loom_event *ev)
     if (ev->kind == LOOM_EVENT_TEXT) {
         if (ev->token >= 0 && c->n_ids < MAX_GEN + 8)
             c->ids[c->n_ids++] = ev->token;
+        if (ev->token >= 0 && !c->started_as)
+            c->started_as = ++n_started;
         if (c->n_text + ev->len < sizeof c->text) {
             memcpy(c->text + c->n_text, ev->text, ev->len);
             c->n_text += ev->len;
@@ -51,6 +58,8 @@ static void on_event(void *user, const loom_event *ev)
         c->errored = ev->kind == LOOM_EVENT_ERROR;
         snprintf(c->finish, sizeof c->finish, "%s", ev->finish_reason ? ev->finish_reason : "");
         c->n_cached = ev->n_cached;
+        c->deadline = ev->deadline;
+        c->n_generated = ev->n_generated;
         pthread_cond_broadcast(&cv);
     }
     int cancel = ev->kind == LOOM_EVENT_TEXT && c->cancel_after && c->n_ids == c->cancel_after;
@@ -391,6 +400,133 @@ static void check_behaviours(const char *gguf)
     unsetenv("LOOM_REF_DENY");
 }
 
+static int started(const collector *c)
+{
+    pthread_mutex_lock(&mu);
+    int s = c->started_as || c->done;
+    pthread_mutex_unlock(&mu);
+    return s;
+}
+
+static void wait_started(const collector *c)
+{
+    for (int i = 0; i < 20000 && !started(c); i++)
+        usleep(500);
+}
+
+/* Admission under pressure (issue 44), one sequence running at a time so that the order in
+ * which the others start is the order they were admitted in: the queue refuses past
+ * max_queue, waiting requests go by priority and then arrival, the priority of one that
+ * waits improves with age, and deadlines end a request that waits (an error) or generates
+ * (what it has). */
+static void check_admission(const char *gguf)
+{
+    char err[512];
+    loom_model_options o = {.n_ctx = 512, .kv_blocks = 64};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    if (!m)
+        return;
+    loom_engine_options eo = {.max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine) {
+        loom_model_close(m);
+        return;
+    }
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    greedy.ignore_eos = 1;
+    const prompt *p = &prompts[0];
+    loom_request head = {.prompt = p->ids, .n_prompt = p->n, .max_tokens = 400, .sampling = greedy};
+    loom_request small = head;
+    small.max_tokens = 4;
+
+    /* priorities: B (5), C (0), D (5) queued behind a long A; then E does not fit the queue */
+    static collector c[8];
+    memset(c, 0, sizeof c);
+    n_started = 0;
+    submit(&c[0], &head, 0);
+    wait_started(&c[0]);
+    loom_request r = small;
+    r.priority = 5, submit(&c[1], &r, 1);
+    r.priority = 0, submit(&c[2], &r, 2);
+    r.priority = 5, submit(&c[3], &r, 3);
+    int64_t refused = loom_engine_submit(engine, &small, on_event, &c[4], err, sizeof err);
+    int a_running = !started(&c[0]) || !c[0].done;
+    CHECK(refused == LOOM_ENGINE_BUSY && strstr(err, "busy"),
+          "a fourth waiting request is refused (BUSY, 'busy'): %lld %s", (long long)refused, err);
+    wait_all(c, 4);
+    CHECK(a_running && c[2].started_as < c[1].started_as && c[1].started_as < c[3].started_as,
+          "waiting requests start by priority, then arrival: C (0) %d, B (5) %d, D (5) %d",
+          c[2].started_as, c[1].started_as, c[3].started_as);
+    loom_engine_stats st = loom_engine_get_stats(engine);
+    CHECK(st.refused_busy == 1 && st.max_queue == 3, "stats: %llu refused, queue of %d",
+          (unsigned long long)st.refused_busy, st.max_queue);
+
+    /* a deadline while waiting: an error, and no token */
+    memset(c, 0, sizeof c);
+    submit(&c[0], &head, 0);
+    wait_started(&c[0]);
+    r = small;
+    r.timeout_ms = 5;
+    submit(&c[1], &r, 1);
+    wait_all(c, 2);
+    CHECK(c[1].errored && c[1].deadline && c[1].n_ids == 0,
+          "a request whose deadline comes while it waits ends with an error (errored %d, "
+          "deadline %d, %d tokens)",
+          c[1].errored, c[1].deadline, c[1].n_ids);
+    /* a deadline while generating: what it has, as "length" */
+    memset(c, 0, sizeof c);
+    r = head;
+    r.timeout_ms = 5;
+    submit(&c[0], &r, 0);
+    wait_all(c, 1);
+    CHECK(!c[0].errored && c[0].deadline && !strcmp(c[0].finish, "length") &&
+              c[0].n_generated < 400,
+          "a request whose deadline comes while it generates stops with what it has (%s, "
+          "deadline %d, %d of 400 tokens)",
+          c[0].finish, c[0].deadline, c[0].n_generated);
+    /* the counts are published after the engine's step, which may follow the event */
+    for (int i = 0; i < 2000; i++) {
+        st = loom_engine_get_stats(engine);
+        if (st.deadline_running)
+            break;
+        usleep(500);
+    }
+    CHECK(st.deadline_waiting == 1 && st.deadline_running == 1, "stats: deadlines %llu, %llu",
+          (unsigned long long)st.deadline_waiting, (unsigned long long)st.deadline_running);
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+
+    /* aging: with a priority that improves every millisecond waited, B (9), waiting 30 ms,
+     * goes before C (0), which arrives later */
+    eo.aging_ms = 1;
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    memset(c, 0, sizeof c);
+    n_started = 0;
+    submit(&c[0], &head, 0);
+    wait_started(&c[0]);
+    r = small;
+    r.priority = 9, submit(&c[1], &r, 1);
+    usleep(30000);
+    pthread_mutex_lock(&mu);
+    a_running = !c[0].done;
+    pthread_mutex_unlock(&mu);
+    r.priority = 0, submit(&c[2], &r, 2);
+    wait_all(c, 3);
+    if (a_running)
+        CHECK(c[1].started_as < c[2].started_as,
+              "aging: B (9, waited 30 ms at 1 ms a step) starts before C (0): %d, %d",
+              c[1].started_as, c[2].started_as);
+    else
+        printf("note: the long request ended within 30 ms; the aging order was not observable\n");
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+    engine = NULL;
+    loom_model_close(m);
+}
+
 int main(void)
 {
     char gguf[4200];
@@ -411,6 +547,7 @@ int main(void)
     run(gguf, NULL); /* the best backend here */
     run_q8_kv(NULL);
     check_behaviours(gguf);
+    check_admission(gguf);
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");
     return check_finish("test_engine");

@@ -69,7 +69,10 @@ static void *client(void *arg)
         loom_sampling greedy = loom_sampling_defaults();
         greedy.temperature = 0;
         greedy.ignore_eos = 1; /* every request generates exactly n_gen tokens */
-        loom_request r = {s->prompts[i], s->n_prompt, s->n_gen, greedy, NULL, 0, 0};
+        loom_request r = {.prompt = s->prompts[i],
+                          .n_prompt = s->n_prompt,
+                          .max_tokens = s->n_gen,
+                          .sampling = greedy};
         char err[512];
         w.done = 0;
         double t0 = loom_now_ms();
@@ -223,7 +226,10 @@ int loom_bench_serve_main(int argc, char **argv)
         rc = followed;
         goto out;
     }
-    loom_engine_options eo = {(int32_t)max_batch, (int32_t)(max_batch > 256 ? max_batch : 256)};
+    /* every client's request waits its turn: the queue holds them all */
+    loom_engine_options eo = {.max_batch = (int32_t)max_batch,
+                              .max_tokens_per_step = (int32_t)(max_batch > 256 ? max_batch : 256),
+                              .max_queue = (int32_t)(clients > max_batch ? clients : max_batch)};
     loom_engine *e = loom_engine_start(m, &eo, err, sizeof err);
     if (!e) {
         fprintf(stderr, "loom bench serve: %s\n", err);

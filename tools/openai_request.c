@@ -342,7 +342,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
         "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
         "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        NULL};
+        "priority", "timeout", NULL};
     /* clang-format on */
     /* clang-format off */
     static const char *const chat_fields[] = {
@@ -350,7 +350,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
         "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "store", "metadata",
-        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", NULL};
+        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
+        "timeout", NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
                                                          "logit_bias", "suffix",   NULL};
@@ -425,6 +426,14 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
     if (get_bool(body, "stream", &p->stream, b) < 0)
         return -1;
+    if ((r = get_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->priority = (int32_t)x;
+    if ((r = get_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        p->timeout_s = x;
     const cJSON *user = cJSON_GetObjectItemCaseSensitive(body, "user");
     if (user && !cJSON_IsNull(user) && !cJSON_IsString(user))
         return fail(b, 400, "user", "'user' must be a string, not %s", json_type(user));

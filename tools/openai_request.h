@@ -44,6 +44,8 @@ typedef struct parsed {
     const char *stops[OPENAI_MAX_STOPS];
     int n_stops;
     const char *user; /* the request's "user" field, or NULL */
+    int32_t priority; /* "priority": lower runs first (vLLM's field); 0 when absent */
+    double timeout_s; /* "timeout": seconds the request may take; 0 when absent */
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */

@@ -47,7 +47,8 @@ typedef struct server {
     pthread_mutex_t count_lock;
     uint64_t http_requests, http_errors, disconnects;
     conn_guard *guard;
-    sem_t parsing; /* bodies parsed and tokenized at once: each costs memory and a core */
+    sem_t parsing;    /* bodies parsed and tokenized at once: each costs memory and a core */
+    double timeout_s; /* --request-timeout: a request's deadline unless it gives one; 0 none */
 } server;
 
 /* ---- jobs: one HTTP request's generations ------------------------------------------------- */
@@ -56,6 +57,7 @@ typedef struct choice {
     char *text;
     size_t len, cap, sent; /* sent: bytes already streamed */
     int done, final_sent;
+    int deadline; /* the request's deadline ended it (engine's event) */
     char finish[16];
     char error[256];
     int32_t n_generated;
@@ -109,6 +111,7 @@ static void on_event(void *user, const loom_event *ev)
         buf_append(&c->text, &c->len, &c->cap, ev->text, ev->len);
     } else {
         c->done = 1;
+        c->deadline = ev->deadline;
         c->n_generated = ev->n_generated;
         if (t->index == 0)
             j->n_cached = ev->n_cached;
@@ -145,8 +148,10 @@ static void cancel_job(job *j)
 
 /* ---- responses ---------------------------------------------------------------------------- */
 
-/* seconds a client told 503 (the server is draining) should wait before it tries again */
+/* seconds a client told 503 (the server is draining) should wait before it tries again, and
+ * one told 429 (the queue is full) */
 #define RETRY_AFTER "5"
+#define RETRY_BUSY "1"
 
 static enum MHD_Result send_text(struct MHD_Connection *con, unsigned status, const char *type,
                                  const char *body)
@@ -156,8 +161,8 @@ static enum MHD_Result send_text(struct MHD_Connection *con, unsigned status, co
     if (!r)
         return MHD_NO;
     MHD_add_response_header(r, "Content-Type", type);
-    if (status == 503)
-        MHD_add_response_header(r, "Retry-After", RETRY_AFTER);
+    if (status == 503 || status == 429)
+        MHD_add_response_header(r, "Retry-After", status == 503 ? RETRY_AFTER : RETRY_BUSY);
     enum MHD_Result ok = MHD_queue_response(con, status, r);
     MHD_destroy_response(r);
     return ok;
@@ -190,6 +195,8 @@ static enum MHD_Result send_error(server *srv, struct MHD_Connection *con, unsig
     json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
     cJSON_AddStringToObject(e, "type",
                             status == 401       ? "authentication_error"
+                                : status == 429 ? "rate_limit_error"
+                                : status == 504 ? "timeout_error"
                                 : status >= 500 ? "server_error"
                                 : status == 404 ? "not_found_error"
                                                 : "invalid_request_error");
@@ -303,6 +310,8 @@ static void stream_format(job *j)
                 o = response_head(j, object);
                 cJSON *a = cJSON_AddArrayToObject(o, "choices");
                 cJSON_AddItemToArray(a, choice_json(j, i, NULL, 0, c->finish, 1, 0));
+                if (c->deadline)
+                    cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
             }
             sse(j, o);
             c->final_sent = 1;
@@ -413,11 +422,17 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
             char msg[300];
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
             server *srv = j->srv; /* j may be freed by the unref */
+            int deadline = j->ch[i].deadline;
             pthread_mutex_unlock(&j->mu);
+            cancel_job(j); /* the other choices end with it */
             job_unref(j);
-            return send_error(srv, con, 500, NULL, NULL, "%s", msg);
+            return deadline ? send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg)
+                            : send_error(srv, con, 500, NULL, NULL, "%s", msg);
         }
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
+    for (int i = 0; i < j->n; i++)
+        if (j->ch[i].deadline) /* cut at its deadline: finish_reason "length", and this says why */
+            cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
     cJSON *a = cJSON_AddArrayToObject(o, "choices");
     for (int i = 0; i < j->n; i++)
         cJSON_AddItemToArray(a,
@@ -484,7 +499,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
              (unsigned long long)(__atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) ^
                                   ((uint64_t)j->created << 20)));
     char err[512] = "";
-    int submitted = 0;
+    int submitted = 0, busy = 0;
     for (int i = 0; i < p.n; i++) {
         event_target *t = malloc(sizeof *t);
         if (!t) {
@@ -492,13 +507,21 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
             break;
         }
         *t = (event_target){j, i};
-        loom_request r = {
-            p.ids, p.n_ids, p.max_tokens, p.s, p.stops, p.n_stops, cache_partition(srv, p.user)};
+        loom_request r = {.prompt = p.ids,
+                          .n_prompt = p.n_ids,
+                          .max_tokens = p.max_tokens,
+                          .sampling = p.s,
+                          .stop = p.stops,
+                          .n_stop = p.n_stops,
+                          .cache_partition = cache_partition(srv, p.user),
+                          .priority = p.priority,
+                          .timeout_ms = 1e3 * (p.timeout_s > 0 ? p.timeout_s : srv->timeout_s)};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;
         pthread_mutex_unlock(&j->mu);
         int64_t id = loom_engine_submit(srv->engine, &r, on_event, t, err, sizeof err);
+        busy = id == LOOM_ENGINE_BUSY;
         if (id < 0) {
             free(t);
             pthread_mutex_lock(&j->mu); /* earlier choices' events drop references too */
@@ -519,10 +542,41 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         pthread_mutex_unlock(&j->mu);
         cancel_job(j);
         job_unref(j);
+        if (busy)
+            return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", err);
         return send_error(srv, con, srv->shutting_down ? 503 : 400, NULL, NULL, "%s", err);
     }
     if (!p.stream)
         return finish_blocking(con, j);
+    /* the status waits for the first event: a request whose deadline comes while it is queued
+     * is a 504, not a 200 stream that says so */
+    pthread_mutex_lock(&j->mu);
+    int started = 0;
+    while (!started) {
+        for (int i = 0; i < j->n && !started; i++)
+            started = j->ch[i].len > 0 || j->ch[i].done;
+        if (!started)
+            wait_briefly(j);
+        if (!started && client_gone(con)) {
+            pthread_mutex_unlock(&j->mu);
+            pthread_mutex_lock(&srv->count_lock);
+            srv->disconnects++;
+            pthread_mutex_unlock(&srv->count_lock);
+            cancel_job(j);
+            job_unref(j);
+            return MHD_NO;
+        }
+    }
+    for (int i = 0; i < j->n; i++)
+        if (j->ch[i].done && j->ch[i].deadline && j->ch[i].error[0]) {
+            char msg[300];
+            snprintf(msg, sizeof msg, "%s", j->ch[i].error);
+            pthread_mutex_unlock(&j->mu);
+            cancel_job(j);
+            job_unref(j);
+            return send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg);
+        }
+    pthread_mutex_unlock(&j->mu);
     j->con = con;
     struct MHD_Response *resp = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 16 * 1024,
                                                                   stream_read, j, stream_free);
@@ -556,6 +610,15 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     } while (0)
     METRIC("loom_requests_running", "gauge", "Requests being generated.", " %d", s.running);
     METRIC("loom_requests_waiting", "gauge", "Requests queued for admission.", " %d", s.waiting);
+    METRIC("loom_queue_limit", "gauge", "Requests the queue holds (--max-queue).", " %d",
+           s.max_queue);
+    METRIC("loom_requests_refused_busy_total", "counter",
+           "Requests answered 429 because the queue was full.", " %llu",
+           (unsigned long long)s.refused_busy);
+    METRIC("loom_requests_deadline_total", "counter",
+           "Requests whose deadline came: while waiting (504) or generating (cut short).",
+           "{while=\"waiting\"} %llu\nloom_requests_deadline_total{while=\"generating\"} %llu",
+           (unsigned long long)s.deadline_waiting, (unsigned long long)s.deadline_running);
     METRIC("loom_requests_finished_total", "counter", "Generations finished (any reason).", " %llu",
            (unsigned long long)s.requests_done);
     METRIC("loom_generated_tokens_total", "counter", "Tokens generated.", " %llu",
@@ -859,11 +922,12 @@ int loom_serve_main(int argc, char **argv)
 {
     const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *key_file = NULL,
                *prefix_cache = "shared";
-    long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0,
+    long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
     int metrics_auth = 0, parse_special = 0;
     loom_open_flags of = {0};
+    float request_timeout = 0;
     char block_help[64];
     snprintf(block_help, sizeof block_help, "tokens per KV block (default %ld)", block);
     loom_sampling sampling = openai_default_sampling();
@@ -886,6 +950,12 @@ int loom_serve_main(int argc, char **argv)
          "sequences run together (default 16)"},
         {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
          "tokens in one forward pass (default 256)"},
+        {"--max-queue", NULL, LOOM_FLAG_LONG, &max_queue, 1, 1 << 20, "N",
+         "requests waiting to run at most; past it 429 with Retry-After\n"
+         "(default 8 x max-batch)"},
+        {"--request-timeout", NULL, LOOM_FLAG_FLOAT, &request_timeout, 0.001, 86400, "S",
+         "a request's deadline in seconds unless it sends \"timeout\": waiting\n"
+         "past it is a 504, generating past it ends with what it has (default none)"},
         {"-c", NULL, LOOM_FLAG_LONG, &of.n_ctx, 2, 1 << 20, "N",
          "context length per request (default: the model's, up to 4096)"},
         {"--kv-blocks", NULL, LOOM_FLAG_LONG, &kv_blocks, 1, 1 << 26, "N",
@@ -1028,7 +1098,8 @@ int loom_serve_main(int argc, char **argv)
                   .metrics_auth = metrics_auth,
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),
                   .max_body = (size_t)max_body,
-                  .started = time(NULL)};
+                  .started = time(NULL),
+                  .timeout_s = request_timeout};
     pthread_mutex_init(&srv.count_lock, NULL);
     sem_init(&srv.parsing, 0, 4);
     srv.api.model_name = name ? name : loom_model_name(m);
@@ -1039,7 +1110,9 @@ int loom_serve_main(int argc, char **argv)
                 "loom serve: warning: the model's chat template is missing or not one loom "
                 "knows; using '%s' (choose with --chat-template)\n",
                 srv.api.chat_template);
-    loom_engine_options eo = {(int32_t)max_batch, (int32_t)max_step};
+    loom_engine_options eo = {.max_batch = (int32_t)max_batch,
+                              .max_tokens_per_step = (int32_t)max_step,
+                              .max_queue = (int32_t)max_queue};
     srv.engine = loom_engine_start(m, &eo, err, sizeof err);
     if (!srv.engine) {
         fprintf(stderr, "loom serve: %s\n", err);

@@ -194,14 +194,27 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
  * runs it: every step it admits waiting requests while KV blocks and the token budget allow,
  * runs one forward over all running sequences (decode tokens plus chunks of prefill), samples,
  * and retires finished requests at once. Prompts that share a prefix with earlier ones reuse
- * its KV blocks. When blocks run out, the newest running request is preempted: its blocks are
- * freed and it is recomputed later (its output is unchanged). */
+ * its KV blocks. Waiting requests are admitted by priority (lower first, improving with the
+ * time waited: loom_engine_options.aging_ms), then arrival; at most max_queue wait, and a
+ * request past that is refused at once. When blocks run out, the running request of the
+ * worst priority (the newest among equals) is preempted: its blocks are freed and it is
+ * recomputed later (its output is unchanged). A request past its deadline is ended: with an
+ * error while it waits, with what it has while it generates. */
 typedef struct loom_engine loom_engine;
 
 typedef struct loom_engine_options {
     int32_t max_batch;           /* running sequences; 0: 16 */
     int32_t max_tokens_per_step; /* tokens per forward; 0: 256 */
+    /* requests waiting to run at most (those past it are refused with LOOM_ENGINE_BUSY);
+     * 0: 8 x max_batch */
+    int32_t max_queue;
+    /* the starvation bound: a waiting request's priority improves by one for every aging_ms
+     * it has waited, so that any request runs in the end; 0: 10000 (10 s) */
+    int32_t aging_ms;
 } loom_engine_options;
+
+/* loom_engine_submit's answer when the queue is full: try again later */
+#define LOOM_ENGINE_BUSY (-2)
 
 typedef enum loom_event_kind {
     LOOM_EVENT_TEXT, /* one per generated token (its id), with the text that became final,
@@ -220,6 +233,9 @@ typedef struct loom_event {
     const char *error;
     int32_t n_prompt, n_generated, n_cached; /* n_cached: prompt tokens found in the cache */
     double ttft_ms;
+    /* the request's deadline ended it: an ERROR when it had not started (still waiting), a
+     * DONE "length" with what it had generated when it had */
+    int32_t deadline;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -237,6 +253,11 @@ typedef struct loom_request {
      * common one); a server gives each client its own so that cache hits (and their timing)
      * say nothing about other clients' prompts */
     uint64_t cache_partition;
+    /* lower runs first (admission, and the last to be preempted); equal priorities in order
+     * of arrival; 0 is the usual */
+    int32_t priority;
+    /* milliseconds from submission the request may take, waiting and generating; 0: none */
+    double timeout_ms;
 } loom_request;
 
 typedef struct loom_engine_stats {
@@ -244,7 +265,11 @@ typedef struct loom_engine_stats {
     int32_t kv_blocks, kv_used, kv_cached, kv_free, block_size;
     uint64_t prompt_tokens, cached_prompt_tokens, generated_tokens;
     uint64_t requests_done, preemptions, steps;
-    double tokens_per_s; /* generated, recent average */
+    double tokens_per_s;       /* generated, recent average */
+    uint64_t refused_busy;     /* submissions refused with LOOM_ENGINE_BUSY */
+    uint64_t deadline_waiting; /* requests whose deadline came while they waited */
+    uint64_t deadline_running; /* ... and while they generated (stopped with what they had) */
+    int32_t max_queue;
 } loom_engine_stats;
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
@@ -254,8 +279,9 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
  * to call (submit refuses) until loom_engine_free. */
 void loom_engine_stop(loom_engine *e, int drain_ms);
 void loom_engine_free(loom_engine *e);
-/* Queues a request; events arrive on fn. Returns its id (> 0), or -1 with err (a prompt that
- * does not fit the context, an engine that is stopping). Thread-safe. */
+/* Queues a request; events arrive on fn. Returns its id (> 0), LOOM_ENGINE_BUSY with err when
+ * max_queue requests are waiting already, or -1 with err (a prompt that does not fit the
+ * context, an engine that is stopping). Thread-safe. */
 int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn fn, void *user,
                            char *err, size_t err_size);
 /* Cancels a request (a client went away); its blocks are freed on the next step and it gets
