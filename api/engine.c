@@ -56,6 +56,7 @@ struct loom_engine {
     loom_tokenizer *tok;
     loom_kvblocks *kv;
     int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
+    double batch_wait_ms;
 
     pthread_t thread;
     pthread_mutex_t lock;
@@ -622,6 +623,32 @@ static void publish_stats(loom_engine *e)
     pthread_mutex_unlock(&e->lock);
 }
 
+/* --batch-wait-ms: with nothing running, a prefill waits (e->lock held) until max_batch
+ * requests are there or the first of them has waited batch_wait_ms, whichever is sooner, so
+ * that requests arriving close together start together. Running requests are never held. */
+static void batch_wait(loom_engine *e)
+{
+    if (e->batch_wait_ms <= 0 || e->n_running)
+        return;
+    for (;;) {
+        double first = 0;
+        int n = 0;
+        for (ereq *q = e->waiting; q; q = q->next, n++)
+            first = !first || q->t_submit < first ? q->t_submit : first;
+        for (ereq *q = e->incoming; q; q = q->next, n++)
+            first = !first || q->t_submit < first ? q->t_submit : first;
+        double left = first + e->batch_wait_ms - now_ms();
+        if (!n || n >= e->max_batch || left <= 0 || e->cancel_all || e->has_cancels || e->stopping)
+            return;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        long ns = until.tv_nsec + (long)(left * 1e6);
+        until.tv_sec += ns / 1000000000L;
+        until.tv_nsec = ns % 1000000000L;
+        pthread_cond_timedwait(&e->wake, &e->lock, &until);
+    }
+}
+
 static void *engine_main(void *arg)
 {
     loom_engine *e = arg;
@@ -632,6 +659,7 @@ static void *engine_main(void *arg)
         pthread_mutex_lock(&e->lock);
         while (!e->incoming && !e->waiting && !e->n_running && !e->cancel_all && !e->has_cancels)
             pthread_cond_wait(&e->wake, &e->lock);
+        batch_wait(e);
         int all = e->cancel_all;
         /* newcomers join the back of the queue */
         ereq **tail = &e->waiting;
@@ -710,6 +738,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
     e->max_queue = o->max_queue > 0 ? o->max_queue : 8 * e->max_batch;
     e->aging_ms = o->aging_ms > 0 ? o->aging_ms : 10000;
+    e->batch_wait_ms = o->batch_wait_ms > 0 ? o->batch_wait_ms : 0;
     if (e->max_step < e->max_batch) {
         snprintf(err, err_size,
                  "max tokens per step (%d) must be at least the batch size (%d): "

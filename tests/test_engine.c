@@ -32,6 +32,7 @@ typedef struct collector {
     int started_as;   /* 1, 2, ...: the order in which requests got their first token */
     int deadline;     /* the engine ended it at its deadline */
     int32_t n_generated;
+    double ttft_ms;
 } collector;
 
 static int n_started; /* under mu */
@@ -60,6 +61,7 @@ static void on_event(void *user, const loom_event *ev)
         c->n_cached = ev->n_cached;
         c->deadline = ev->deadline;
         c->n_generated = ev->n_generated;
+        c->ttft_ms = ev->ttft_ms;
         pthread_cond_broadcast(&cv);
     }
     int cancel = ev->kind == LOOM_EVENT_TEXT && c->cancel_after && c->n_ids == c->cancel_after;
@@ -521,6 +523,26 @@ static void check_admission(const char *gguf)
               c[1].started_as, c[2].started_as);
     else
         printf("note: the long request ended within 30 ms; the aging order was not observable\n");
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+
+    /* the batching wait: A waits for B, which comes 40 ms later, and they start in one step;
+     * C alone waits the whole 150 ms, and not much longer */
+    eo = (loom_engine_options){.max_batch = 2, .max_tokens_per_step = 64, .batch_wait_ms = 150};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    memset(c, 0, sizeof c);
+    submit(&c[0], &small, 0);
+    usleep(40000);
+    submit(&c[1], &small, 1);
+    wait_all(c, 2);
+    CHECK(c[0].ttft_ms >= 35 && c[0].ttft_ms < 150 && c[1].ttft_ms < 120,
+          "batch wait: the first request waits for the second (%.1f ms, %.1f ms)", c[0].ttft_ms,
+          c[1].ttft_ms);
+    submit(&c[2], &small, 2);
+    wait_all(c, 3);
+    CHECK(c[2].ttft_ms >= 145 && c[2].ttft_ms < 1000,
+          "batch wait: a request alone waits the whole 150 ms, not much longer (%.1f ms)",
+          c[2].ttft_ms);
     loom_engine_stop(engine, 1000);
     loom_engine_free(engine);
     engine = NULL;

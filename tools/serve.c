@@ -927,7 +927,7 @@ int loom_serve_main(int argc, char **argv)
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
     int metrics_auth = 0, parse_special = 0;
     loom_open_flags of = {0};
-    float request_timeout = 0;
+    float request_timeout = 0, batch_wait = 0;
     char block_help[64];
     snprintf(block_help, sizeof block_help, "tokens per KV block (default %ld)", block);
     loom_sampling sampling = openai_default_sampling();
@@ -953,6 +953,9 @@ int loom_serve_main(int argc, char **argv)
         {"--max-queue", NULL, LOOM_FLAG_LONG, &max_queue, 1, 1 << 20, "N",
          "requests waiting to run at most; past it 429 with Retry-After\n"
          "(default 8 x max-batch)"},
+        {"--batch-wait-ms", NULL, LOOM_FLAG_FLOAT, &batch_wait, 0, 10000, "MS",
+         "with nothing running, wait up to this long for more requests\n"
+         "before a prefill, so they start together (default 0)"},
         {"--request-timeout", NULL, LOOM_FLAG_FLOAT, &request_timeout, 0.001, 86400, "S",
          "a request's deadline in seconds unless it sends \"timeout\": waiting\n"
          "past it is a 504, generating past it ends with what it has (default none)"},
@@ -1112,7 +1115,8 @@ int loom_serve_main(int argc, char **argv)
                 srv.api.chat_template);
     loom_engine_options eo = {.max_batch = (int32_t)max_batch,
                               .max_tokens_per_step = (int32_t)max_step,
-                              .max_queue = (int32_t)max_queue};
+                              .max_queue = (int32_t)max_queue,
+                              .batch_wait_ms = batch_wait};
     srv.engine = loom_engine_start(m, &eo, err, sizeof err);
     if (!srv.engine) {
         fprintf(stderr, "loom serve: %s\n", err);

@@ -211,6 +211,9 @@ typedef struct loom_engine_options {
     /* the starvation bound: a waiting request's priority improves by one for every aging_ms
      * it has waited, so that any request runs in the end; 0: 10000 (10 s) */
     int32_t aging_ms;
+    /* with nothing running, a prefill waits until max_batch requests are there or the first
+     * has waited this long, so that requests arriving together start together; 0: never */
+    double batch_wait_ms;
 } loom_engine_options;
 
 /* loom_engine_submit's answer when the queue is full: try again later */
