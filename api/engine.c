@@ -20,6 +20,7 @@
 #include "core/tokenizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -48,6 +49,7 @@ typedef struct ereq {
     double t_submit, ttft_ms;
     int32_t priority;
     double deadline; /* now_ms() past which it is ended; 0: none */
+    int32_t tenant, tenant_max_running;
 } ereq;
 
 struct loom_engine {
@@ -70,6 +72,9 @@ struct loom_engine {
     ereq **live; /* every unretired request, for cancel by id (under the lock) */
     int n_live, cap_live;
     int n_running_now; /* of them running (under the lock): the rest are queued */
+    /* per tenant (loom_request.tenant): live requests (under the lock) and running ones
+     * (under the lock, written where n_running_now is) */
+    int32_t tenant_live[LOOM_MAX_TENANTS + 1], tenant_running[LOOM_MAX_TENANTS + 1];
     int64_t next_id;
     int stopping; /* no new requests */
     int joined;   /* the thread has been joined */
@@ -118,6 +123,7 @@ static void forget_live(loom_engine *e, ereq *q)
     for (int i = 0; i < e->n_live; i++)
         if (e->live[i] == q) {
             e->live[i] = e->live[--e->n_live];
+            e->tenant_live[q->tenant]--;
             break;
         }
     e->stats.requests_done++;
@@ -129,6 +135,9 @@ static void count_running(loom_engine *e)
 {
     pthread_mutex_lock(&e->lock);
     e->n_running_now = e->n_running;
+    memset(e->tenant_running, 0, sizeof e->tenant_running);
+    for (int i = 0; i < e->n_running; i++)
+        e->tenant_running[e->running[i]->tenant]++;
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -272,6 +281,13 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->priority = r->priority;
     if (r->timeout_ms > 0)
         q->deadline = q->t_submit + r->timeout_ms;
+    if (r->tenant < 0 || r->tenant > LOOM_MAX_TENANTS) {
+        req_free(q);
+        snprintf(err, err_size, "tenant %d is outside 0..%d", r->tenant, LOOM_MAX_TENANTS);
+        return -1;
+    }
+    q->tenant = r->tenant;
+    q->tenant_max_running = r->tenant_max_running > 0 ? r->tenant_max_running : 0;
 
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
@@ -291,6 +307,17 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         req_free(q);
         return LOOM_ENGINE_BUSY;
     }
+    int32_t tenant_waiting = e->tenant_live[q->tenant] - e->tenant_running[q->tenant];
+    if (q->tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
+        e->stats.refused_busy++;
+        snprintf(err, err_size,
+                 "too many requests of yours are waiting (%d; your share of the queue is %d); "
+                 "try again shortly",
+                 tenant_waiting, r->tenant_max_queue);
+        pthread_mutex_unlock(&e->lock);
+        req_free(q);
+        return LOOM_ENGINE_BUSY;
+    }
     if (e->n_live == e->cap_live) {
         int cap = e->cap_live ? 2 * e->cap_live : 64;
         ereq **nl = realloc(e->live, (size_t)cap * sizeof *nl);
@@ -301,6 +328,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         e->live = nl, e->cap_live = cap;
     }
     e->live[e->n_live++] = q;
+    e->tenant_live[q->tenant]++;
     int64_t id = q->id = ++e->next_id; /* q is the engine's once the lock is released */
     if (e->incoming_tail)
         e->incoming_tail->next = q;
@@ -363,11 +391,20 @@ static double effective_priority(const loom_engine *e, const ereq *q, double now
     return q->priority - (now - q->t_submit) / e->aging_ms;
 }
 
-/* Whether a should run before b: better effective priority, then the older. */
+/* Whether a should run before b: better effective priority (in whole steps), then, between
+ * tenants, the one with fewer running (so that a flood of one tenant's requests takes turns
+ * with the others'), then the older. */
 static int runs_before(const loom_engine *e, const ereq *a, const ereq *b, double now)
 {
-    double pa = effective_priority(e, a, now), pb = effective_priority(e, b, now);
-    return pa < pb || (pa == pb && a->id < b->id);
+    double pa = floor(effective_priority(e, a, now)), pb = floor(effective_priority(e, b, now));
+    if (pa != pb)
+        return pa < pb;
+    if (a->tenant != b->tenant) {
+        int32_t ra = e->tenant_running[a->tenant], rb = e->tenant_running[b->tenant];
+        if (ra != rb)
+            return ra < rb;
+    }
+    return a->id < b->id;
 }
 
 /* Orders the running requests as they would run: the first plans first, the last is the one
@@ -400,12 +437,18 @@ static int make_room(loom_engine *e, ereq *q, int32_t k, loom_kvcopy *copies, in
     }
 }
 
+/* Whether q's tenant runs as many as it may already. */
+static int tenant_full(const loom_engine *e, const ereq *q)
+{
+    return q->tenant_max_running && e->tenant_running[q->tenant] >= q->tenant_max_running;
+}
+
 /* The waiting request to admit next, or NULL. */
 static ereq *next_waiting(const loom_engine *e, double now)
 {
-    ereq *best = e->waiting;
+    ereq *best = NULL;
     for (ereq *q = e->waiting; q; q = q->next)
-        if (runs_before(e, q, best, now))
+        if (!tenant_full(e, q) && (!best || runs_before(e, q, best, now)))
             best = q;
     return best;
 }
@@ -431,8 +474,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         plan[n++] = (planned){q, k};
         budget -= k;
     }
-    while (e->waiting && e->n_running < e->max_batch && budget > 0) {
-        ereq *q = next_waiting(e, now);
+    ereq *q;
+    while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now))) {
         int32_t hit = loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
         int32_t rest = q->n_toks - hit;
         /* admit only what can be prefilled to the end without preempting anyone */

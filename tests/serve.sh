@@ -254,6 +254,50 @@ sed '$d' "$tmpdir/cut.out" | jq -e '.stopped_at_deadline == true and
 expect_error 400 "priority must be a whole number" /v1/completions \
     "{\"model\":\"$NAME\",\"prompt\":\"x\",\"priority\":0.5}"
 stop_server
+
+# ---- tenants (--api-keys): each key opens the door, a wrong one does not; alice may have one
+# request waiting, so her second is a 429 ("yours") while bob's is still taken; /metrics counts
+# by name and never shows a key
+printf '# name key options\nalice alice-key max-queue=1\n\nbob bob-key priority=1\n' >"$tmpdir/keys"
+KEY_SAVED=$KEY; KEY=
+start_server "$tmpdir/server4.log" -c 512 --max-batch 1 --api-keys "$tmpdir/keys"
+as() { who=$1; shift; KEY=$who-key post "$@"; }
+[ "$(as alice /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" | tail -n1)" = 200 ] &&
+    [ "$(as bob /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" | tail -n1)" = 200 ] &&
+    [ "$(as carol /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" | tail -n1)" = 401 ] &&
+    pass "--api-keys: each tenant's key works, another is refused" || fail "--api-keys: keys"
+tenant_ok=0
+for attempt in 1 2 3; do
+    as bob /v1/completions "$long" >"$tmpdir/t_long.out" & lp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+    as alice /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" \
+        >"$tmpdir/t_wait.out" & wp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_waiting)" = 1 ] && break; sleep 0.01; done
+    as alice /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" >"$tmpdir/t_busy.out"
+    as bob /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" >"$tmpdir/t_bob.out" & bp=$!
+    running=$(metric loom_requests_running)
+    wait "$lp" "$wp" "$bp"
+    [ "$(tail -n1 "$tmpdir/t_busy.out")" = 429 ] && [ "$running" = 1 ] && { tenant_ok=1; break; }
+done
+[ $tenant_ok = 1 ] && sed '$d' "$tmpdir/t_busy.out" | jq -e '.error.message | test("yours")' >/dev/null &&
+    [ "$(tail -n1 "$tmpdir/t_bob.out")" = 200 ] && [ "$(tail -n1 "$tmpdir/t_wait.out")" = 200 ] &&
+    pass "a tenant past its share of the queue gets 429 while another's request is taken" ||
+    fail "tenant queue: $(cat "$tmpdir/t_busy.out") bob $(tail -n1 "$tmpdir/t_bob.out")"
+curl -s "$URL/metrics" >"$tmpdir/t_metrics"
+grep -q 'loom_key_requests_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
+    grep -q 'loom_key_refused_busy_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
+    ! grep -q 'alice-key\|bob-key' "$tmpdir/t_metrics" &&
+    pass "/metrics counts requests and 429s by key name, never the key" ||
+    fail "per-key metrics: $(grep loom_key "$tmpdir/t_metrics")"
+stop_server
+KEY=$KEY_SAVED
+printf 'alice alice-key max-queue=0\n' >"$tmpdir/badkeys"
+"$LOOM" serve -m "$MODEL" --api-keys "$tmpdir/badkeys" >"$tmpdir/badkeys.log" 2>&1
+expect_grep "badkeys:1: 'max-queue=0' is not" "$tmpdir/badkeys.log" "a bad --api-keys line is named"
+printf 'alice k1\nalice k2\n' >"$tmpdir/dupkeys"
+"$LOOM" serve -m "$MODEL" --api-keys "$tmpdir/dupkeys" >"$tmpdir/dupkeys.log" 2>&1
+expect_grep "dupkeys:2: the name 'alice' is given twice" "$tmpdir/dupkeys.log" \
+    "a name given twice in --api-keys is refused"
 "$LOOM" serve -m "$MODEL" --kv-blocks 10 >"$tmpdir/kv.log" 2>&1
 expect_grep "kv-blocks 10 holds 160 tokens, less than one 2048-token context" "$tmpdir/kv.log" \
     "a KV pool smaller than one context is refused with the numbers"

@@ -526,6 +526,51 @@ static void check_admission(const char *gguf)
     loom_engine_stop(engine, 1000);
     loom_engine_free(engine);
 
+    /* tenants: one floods six requests into a batch of two; another's one request, sent
+     * after them, starts as soon as a slot frees (third), not after the flood (seventh) */
+    eo = (loom_engine_options){.max_batch = 2, .max_tokens_per_step = 64};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    memset(c, 0, sizeof c);
+    n_started = 0;
+    r = head;
+    r.max_tokens = 40;
+    r.tenant = 1;
+    for (int i = 0; i < 6; i++)
+        submit(&c[i], &r, i);
+    r.tenant = 2;
+    submit(&c[6], &r, 6);
+    wait_all(c, 7);
+    CHECK(c[6].started_as <= 3,
+          "at equal priority the tenants take turns: the second tenant's request started %d-th "
+          "(the flood's first two are 1 and 2)",
+          c[6].started_as);
+    /* a tenant's own limits: at most one running, one waiting */
+    memset(c, 0, sizeof c);
+    n_started = 0;
+    r = head;
+    r.tenant = 1, r.tenant_max_running = 1, r.tenant_max_queue = 1;
+    submit(&c[0], &r, 0); /* long */
+    wait_started(&c[0]);
+    loom_request rs = small;
+    rs.tenant = 1, rs.tenant_max_running = 1, rs.tenant_max_queue = 1;
+    submit(&c[1], &rs, 1);
+    int64_t over = loom_engine_submit(engine, &rs, on_event, &c[3], err, sizeof err);
+    CHECK(over == LOOM_ENGINE_BUSY && strstr(err, "yours"),
+          "a tenant past its share of the queue is refused (%lld: %s)", (long long)over, err);
+    usleep(20000); /* the batch has room: without the limit B would start now */
+    pthread_mutex_lock(&mu);
+    int b_early = c[1].started_as && !c[0].done, a_still = !c[0].done;
+    pthread_mutex_unlock(&mu);
+    rs.tenant = 2;
+    submit(&c[2], &rs, 2);
+    wait_all(c, 3);
+    CHECK(!b_early && (!a_still || (c[2].started_as == 2 && c[1].started_as == 3)),
+          "a tenant at its running limit waits while another's request runs (B early %d; "
+          "C %d, B %d)",
+          b_early, c[2].started_as, c[1].started_as);
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+
     /* the batching wait: A waits for B, which comes 40 ms later, and they start in one step;
      * C alone waits the whole 150 ms, and not much longer */
     eo = (loom_engine_options){.max_batch = 2, .max_tokens_per_step = 64, .batch_wait_ms = 150};

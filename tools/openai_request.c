@@ -429,7 +429,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     if ((r = get_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
         return -1;
     if (r)
-        p->priority = (int32_t)x;
+        p->priority = (int32_t)x, p->priority_given = 1;
     if ((r = get_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
         return -1;
     if (r)

@@ -45,6 +45,7 @@ typedef struct parsed {
     int n_stops;
     const char *user; /* the request's "user" field, or NULL */
     int32_t priority; /* "priority": lower runs first (vLLM's field); 0 when absent */
+    int priority_given;
     double timeout_s; /* "timeout": seconds the request may take; 0 when absent */
 } parsed;
 

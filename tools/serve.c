@@ -18,6 +18,7 @@
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
+#include <ctype.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -34,6 +35,16 @@
 #include <unistd.h>
 
 
+/* One API key of --api-keys: a tenant of the engine (its index + 1), with its own defaults
+ * and limits, and its counts for /metrics (by name: the key is never shown). */
+typedef struct tenant {
+    char name[64];
+    char *key;
+    size_t key_len;
+    int32_t priority, max_running, max_queue;
+    uint64_t requests, refused; /* under count_lock */
+} tenant;
+
 typedef struct server {
     openai_model api; /* the model, its name, chat template and context */
     loom_engine *engine;
@@ -49,6 +60,8 @@ typedef struct server {
     conn_guard *guard;
     sem_t parsing;    /* bodies parsed and tokenized at once: each costs memory and a core */
     double timeout_s; /* --request-timeout: a request's deadline unless it gives one; 0 none */
+    tenant *tenants;  /* --api-keys; NULL: one key (api_key) or none */
+    int n_tenants;
 } server;
 
 /* ---- jobs: one HTTP request's generations ------------------------------------------------- */
@@ -462,8 +475,9 @@ static uint64_t cache_partition(const server *srv, const char *user)
 }
 
 static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, const char *body,
-                                       size_t len, int chat)
+                                       size_t len, int chat, int who)
 {
+    tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
     parsed p = {0};
     bad b = {0};
     /* a prompt of ids holds at most a context's worth; the rest of a request is small */
@@ -482,6 +496,11 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         free(p.ids);
         cJSON_Delete(req);
         return send_error(srv, con, 503, NULL, NULL, "the server is shutting down");
+    }
+    if (tn) {
+        pthread_mutex_lock(&srv->count_lock);
+        tn->requests++;
+        pthread_mutex_unlock(&srv->count_lock);
     }
     job *j = calloc(1, sizeof *j);
     if (!j) {
@@ -514,8 +533,11 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .stop = p.stops,
                           .n_stop = p.n_stops,
                           .cache_partition = cache_partition(srv, p.user),
-                          .priority = p.priority,
-                          .timeout_ms = 1e3 * (p.timeout_s > 0 ? p.timeout_s : srv->timeout_s)};
+                          .priority = p.priority_given || !tn ? p.priority : tn->priority,
+                          .timeout_ms = 1e3 * (p.timeout_s > 0 ? p.timeout_s : srv->timeout_s),
+                          .tenant = who,
+                          .tenant_max_running = tn ? tn->max_running : 0,
+                          .tenant_max_queue = tn ? tn->max_queue : 0};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;
@@ -542,6 +564,11 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         pthread_mutex_unlock(&j->mu);
         cancel_job(j);
         job_unref(j);
+        if (busy && tn) {
+            pthread_mutex_lock(&srv->count_lock);
+            tn->refused++;
+            pthread_mutex_unlock(&srv->count_lock);
+        }
         if (busy)
             return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", err);
         return send_error(srv, con, srv->shutting_down ? 503 : 400, NULL, NULL, "%s", err);
@@ -612,6 +639,21 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     METRIC("loom_requests_waiting", "gauge", "Requests queued for admission.", " %d", s.waiting);
     METRIC("loom_queue_limit", "gauge", "Requests the queue holds (--max-queue).", " %d",
            s.max_queue);
+    for (int which = 0; which < 2 && srv->n_tenants; which++) {
+        const char *metric = which ? "loom_key_refused_busy_total" : "loom_key_requests_total";
+        int k = snprintf(line, sizeof line,
+                         "# HELP %s %s by API key name (--api-keys).\n# TYPE %s counter\n", metric,
+                         which ? "Requests answered 429" : "Requests", metric);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+        for (int i = 0; i < srv->n_tenants; i++) {
+            pthread_mutex_lock(&srv->count_lock);
+            uint64_t n = which ? srv->tenants[i].refused : srv->tenants[i].requests;
+            pthread_mutex_unlock(&srv->count_lock);
+            k = snprintf(line, sizeof line, "%s{key=\"%s\"} %llu\n", metric, srv->tenants[i].name,
+                         (unsigned long long)n);
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+    }
     METRIC("loom_requests_refused_busy_total", "counter",
            "Requests answered 429 because the queue was full.", " %llu",
            (unsigned long long)s.refused_busy);
@@ -690,6 +732,7 @@ typedef struct conn_state {
     char *body;
     size_t len, cap;
     int too_big;
+    int tenant; /* whose key (--api-keys), 0: no tenant */
 } conn_state;
 
 static void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
@@ -732,22 +775,30 @@ static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *
     return MHD_YES;
 }
 
-/* The request carries the key, read exactly: one Authorization header, the scheme "Bearer" in
- * any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or tabs. */
+/* The request carries a key, read exactly: one Authorization header, the scheme "Bearer" in
+ * any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or tabs.
+ * Returns 0 when the server wants no key or has the one, the tenant (1, 2, ...) whose key of
+ * --api-keys it is, -1 when none matches (every key is compared, in constant time each). */
 static int authorised(server *srv, struct MHD_Connection *con)
 {
-    if (!srv->api_key)
-        return 1;
+    if (!srv->api_key && !srv->n_tenants)
+        return 0;
     auth_header a = {0};
     MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_auth, &a);
     if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
-        return 0;
+        return -1;
     size_t start = 7, end = a.len;
     while (start < end && a.value[start] == ' ')
         start++;
     while (end > start && (a.value[end - 1] == ' ' || a.value[end - 1] == '\t'))
         end--;
-    return same_secret(a.value + start, end - start, srv->api_key, srv->api_key_len);
+    if (!srv->n_tenants)
+        return same_secret(a.value + start, end - start, srv->api_key, srv->api_key_len) ? 0 : -1;
+    int found = -1;
+    for (int i = 0; i < srv->n_tenants; i++)
+        if (same_secret(a.value + start, end - start, srv->tenants[i].key, srv->tenants[i].key_len))
+            found = i + 1;
+    return found;
 }
 
 static enum MHD_Result refuse_key(server *srv, struct MHD_Connection *con)
@@ -830,13 +881,15 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     case ROUTE_METRICS:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        if (srv->metrics_auth && !authorised(srv, con))
+        if (srv->metrics_auth && authorised(srv, con) < 0)
             return refuse_key(srv, con);
         return handle_metrics(srv, con);
     default: break;
     }
-    if (!authorised(srv, con))
+    int who = authorised(srv, con);
+    if (who < 0)
         return refuse_key(srv, con);
+    cs->tenant = who;
     if (to == ROUTE_MODELS)
         return get ? handle_models(srv, con)
                    : send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
@@ -886,7 +939,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
                           srv->max_body);
     if (!cs->len)
         return send_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
-    return handle_generate(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT);
+    return handle_generate(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT, cs->tenant);
 }
 
 /* ---- main --------------------------------------------------------------------------------- */
@@ -918,10 +971,114 @@ static int valid_key(const char *key)
     return n >= 1 && n <= 1024;
 }
 
+/* --api-keys FILE: one tenant per line, "NAME KEY [priority=N] [max-running=N] [max-queue=N]"
+ * (blank lines and lines starting with '#' skipped). Every problem is named with its line. */
+static int read_api_keys(const char *path, server *srv)
+{
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        fprintf(stderr, "loom serve: --api-keys %s: %s\n", path, strerror(errno));
+        return -1;
+    }
+    char line[2048];
+    int n_line = 0, rc = 0;
+    srv->tenants = calloc(LOOM_MAX_TENANTS, sizeof *srv->tenants);
+    if (!srv->tenants) {
+        fclose(f);
+        return -1;
+    }
+    while (rc == 0 && fgets(line, sizeof line, f)) {
+        n_line++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            fprintf(stderr, "loom serve: --api-keys %s:%d: the line is too long\n", path, n_line);
+            rc = -1;
+            break;
+        }
+        char *save = NULL, *name = strtok_r(line, " \t\r\n", &save);
+        if (!name || name[0] == '#')
+            continue;
+        char *key = strtok_r(NULL, " \t\r\n", &save);
+        int name_ok = strlen(name) < sizeof srv->tenants[0].name;
+        for (const char *c = name; name_ok && *c; c++)
+            name_ok = isalnum((unsigned char)*c) || *c == '_' || *c == '-' || *c == '.';
+        if (!name_ok || !key || !valid_key(key)) {
+            fprintf(stderr,
+                    "loom serve: --api-keys %s:%d: want 'NAME KEY [priority=N] [max-running=N] "
+                    "[max-queue=N]': NAME of letters, digits, '_', '-' or '.' (up to 63), KEY of "
+                    "1 to 1024 visible ASCII characters\n",
+                    path, n_line);
+            rc = -1;
+            break;
+        }
+        if (srv->n_tenants == LOOM_MAX_TENANTS) {
+            fprintf(stderr, "loom serve: --api-keys %s:%d: more than %d keys\n", path, n_line,
+                    LOOM_MAX_TENANTS);
+            rc = -1;
+            break;
+        }
+        tenant *t = &srv->tenants[srv->n_tenants];
+        snprintf(t->name, sizeof t->name, "%s", name);
+        for (char *opt; rc == 0 && (opt = strtok_r(NULL, " \t\r\n", &save));) {
+            char *end;
+            const char *eq = strchr(opt, '=');
+            long v = eq ? strtol(eq + 1, &end, 10) : 0;
+            int32_t *dest = !eq                     ? NULL
+                : !strncmp(opt, "priority=", 9)     ? &t->priority
+                : !strncmp(opt, "max-running=", 12) ? &t->max_running
+                : !strncmp(opt, "max-queue=", 10)   ? &t->max_queue
+                                                    : NULL;
+            long lo = dest == &t->priority ? -1000000 : 1;
+            if (!dest || eq[1] == '\0' || *end || v < lo || v > 1000000) {
+                fprintf(stderr,
+                        "loom serve: --api-keys %s:%d: '%s' is not priority=N (-1000000 to "
+                        "1000000), max-running=N or max-queue=N (1 to 1000000)\n",
+                        path, n_line, opt);
+                rc = -1;
+            } else {
+                *dest = (int32_t)v;
+            }
+        }
+        for (int i = 0; rc == 0 && i < srv->n_tenants; i++)
+            if (!strcmp(srv->tenants[i].name, name) || !strcmp(srv->tenants[i].key, key)) {
+                fprintf(stderr, "loom serve: --api-keys %s:%d: %s '%s' is given twice\n", path,
+                        n_line, strcmp(srv->tenants[i].name, name) ? "the key of" : "the name",
+                        name);
+                rc = -1;
+            }
+        if (rc == 0 && !(t->key = strdup(key)))
+            rc = -1;
+        if (rc == 0)
+            t->key_len = strlen(key), srv->n_tenants++;
+    }
+    fclose(f);
+    if (rc == 0 && !srv->n_tenants) {
+        fprintf(stderr, "loom serve: --api-keys %s: no keys in it\n", path);
+        rc = -1;
+    }
+    if (rc != 0) {
+        for (int i = 0; i < srv->n_tenants; i++)
+            free(srv->tenants[i].key);
+        free(srv->tenants);
+        srv->tenants = NULL, srv->n_tenants = 0;
+    }
+    return rc;
+}
+
+/* the keys of --api-keys, for the server's life (freed at exit, on any path out) */
+static server keyring;
+
+static void free_api_keys(void)
+{
+    for (int i = 0; i < keyring.n_tenants; i++)
+        free(keyring.tenants[i].key);
+    free(keyring.tenants);
+    keyring.tenants = NULL, keyring.n_tenants = 0;
+}
+
 int loom_serve_main(int argc, char **argv)
 {
     const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *key_file = NULL,
-               *prefix_cache = "shared";
+               *prefix_cache = "shared", *api_keys = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
@@ -940,6 +1097,9 @@ int loom_serve_main(int argc, char **argv)
         {"--api-key-file", NULL, LOOM_FLAG_TEXT, &key_file, 0, 0, "FILE",
          "require 'Authorization: Bearer KEY' on /v1/*, KEY being the\n"
          "file's first line (or set LOOM_API_KEY)"},
+        {"--api-keys", NULL, LOOM_FLAG_TEXT, &api_keys, 0, 0, "FILE",
+         "several keys, one tenant a line: NAME KEY [priority=N]\n"
+         "[max-running=N] [max-queue=N]; tenants take turns at equal priority"},
         {"--api-key", NULL, LOOM_FLAG_TEXT, &api_key, 0, 0, "KEY",
          "the key itself: works, but shows it to anyone who can run ps"},
         {"--metrics-auth", NULL, LOOM_FLAG_SWITCH, &metrics_auth, 0, 0, NULL,
@@ -1016,13 +1176,16 @@ int loom_serve_main(int argc, char **argv)
     }
     char key_buf[4096];
     const char *env_key = getenv("LOOM_API_KEY");
-    if (!!api_key + !!key_file + !!(env_key && *env_key) > 1) {
+    if (!!api_key + !!key_file + !!api_keys + !!(env_key && *env_key) > 1) {
         fprintf(stderr,
-                "loom serve: give the API key one way: --api-key-file, LOOM_API_KEY or "
-                "--api-key\n");
+                "loom serve: give the API key one way: --api-key-file, --api-keys, LOOM_API_KEY "
+                "or --api-key\n");
         return 2;
     }
     if (key_file && read_key_file(key_file, key_buf, sizeof key_buf) != 0)
+        return 2;
+    atexit(free_api_keys);
+    if (api_keys && read_api_keys(api_keys, &keyring) != 0)
         return 2;
     if (key_file)
         api_key = key_buf;
@@ -1034,7 +1197,7 @@ int loom_serve_main(int argc, char **argv)
                 "spaces or controls)\n");
         return 2;
     }
-    if (metrics_auth && !api_key) {
+    if (metrics_auth && !api_key && !keyring.n_tenants) {
         fprintf(stderr,
                 "loom serve: --metrics-auth needs an API key (--api-key-file or LOOM_API_KEY)\n");
         return 2;
@@ -1102,7 +1265,9 @@ int loom_serve_main(int argc, char **argv)
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),
                   .max_body = (size_t)max_body,
                   .started = time(NULL),
-                  .timeout_s = request_timeout};
+                  .timeout_s = request_timeout,
+                  .tenants = keyring.tenants,
+                  .n_tenants = keyring.n_tenants};
     pthread_mutex_init(&srv.count_lock, NULL);
     sem_init(&srv.parsing, 0, 4);
     srv.api.model_name = name ? name : loom_model_name(m);

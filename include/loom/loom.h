@@ -261,7 +261,14 @@ typedef struct loom_request {
     int32_t priority;
     /* milliseconds from submission the request may take, waiting and generating; 0: none */
     double timeout_ms;
+    /* who sent it (a server's API key), 1 to LOOM_MAX_TENANTS, 0: nobody in particular. At
+     * equal priority the waiting request whose tenant runs fewer goes first (round robin
+     * between tenants); a tenant's requests run at most tenant_max_running at a time and
+     * wait at most tenant_max_queue (past it, LOOM_ENGINE_BUSY); 0: no limit of its own */
+    int32_t tenant, tenant_max_running, tenant_max_queue;
 } loom_request;
+
+#define LOOM_MAX_TENANTS 256
 
 typedef struct loom_engine_stats {
     int32_t running, waiting;
