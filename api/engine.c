@@ -462,6 +462,15 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
     double now = now_ms();
     *n_copies = 0;
     order_running(e, now);
+    /* a full batch makes room for a waiting request of a better priority (in whole steps)
+     * than its worst: that one is preempted, to be recomputed when its turn comes again */
+    while (e->n_running == e->max_batch) {
+        ereq *best = next_waiting(e, now), *worst = e->running[e->n_running - 1];
+        if (!best ||
+            !(floor(effective_priority(e, best, now)) < floor(effective_priority(e, worst, now))))
+            break;
+        preempt(e, worst);
+    }
     for (int i = 0; i < e->n_running && budget > 0; i++) {
         ereq *q = e->running[i];
         int32_t k = q->n_toks - q->kv.n_tokens;

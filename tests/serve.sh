@@ -258,7 +258,7 @@ stop_server
 # ---- tenants (--api-keys): each key opens the door, a wrong one does not; alice may have one
 # request waiting, so her second is a 429 ("yours") while bob's is still taken; /metrics counts
 # by name and never shows a key
-printf '# name key options\nalice alice-key max-queue=1\n\nbob bob-key priority=1\n' >"$tmpdir/keys"
+printf '# name key options\nalice alice-key max-queue=1 priority=1\n\nbob bob-key\n' >"$tmpdir/keys"
 KEY_SAVED=$KEY; KEY=
 start_server "$tmpdir/server4.log" -c 512 --max-batch 1 --api-keys "$tmpdir/keys"
 as() { who=$1; shift; KEY=$who-key post "$@"; }

@@ -30,12 +30,13 @@ typedef struct collector {
     int cancel_after; /* cancel once this many tokens arrived (0: never) */
     int cancel_due;   /* reached cancel_after before the id was known */
     int started_as;   /* 1, 2, ...: the order in which requests got their first token */
+    int done_as;      /* and ended */
     int deadline;     /* the engine ended it at its deadline */
     int32_t n_generated;
     double ttft_ms;
 } collector;
 
-static int n_started; /* under mu */
+static int n_started, n_done; /* under mu */
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
@@ -60,6 +61,7 @@ static void on_event(void *user, const loom_event *ev)
         snprintf(c->finish, sizeof c->finish, "%s", ev->finish_reason ? ev->finish_reason : "");
         c->n_cached = ev->n_cached;
         c->deadline = ev->deadline;
+        c->done_as = ++n_done;
         c->n_generated = ev->n_generated;
         c->ttft_ms = ev->ttft_ms;
         pthread_cond_broadcast(&cv);
@@ -465,6 +467,31 @@ static void check_admission(const char *gguf)
     loom_engine_stats st = loom_engine_get_stats(engine);
     CHECK(st.refused_busy == 1 && st.max_queue == 3, "stats: %llu refused, queue of %d",
           (unsigned long long)st.refused_busy, st.max_queue);
+
+    /* a better priority preempts a full batch's worst: B (0) starts while A (5) runs, and A,
+     * recomputed, still answers what it answered unpreempted */
+    collector a_alone = c[0];
+    memset(c, 0, sizeof c);
+    n_started = 0;
+    r = head;
+    r.priority = 5;
+    submit(&c[0], &r, 0);
+    wait_started(&c[0]);
+    r = small;
+    r.priority = 0;
+    submit(&c[1], &r, 1);
+    wait_all(c, 2);
+    pthread_mutex_lock(&mu);
+    CHECK(c[1].done_as < c[0].done_as && c[0].n_generated == 400 &&
+              !memcmp(c[0].ids, a_alone.ids, sizeof c[0].ids),
+          "a better priority preempts the running worst, whose answer is unchanged (B ended "
+          "%d-th, A %d-th with %d tokens, same %d)",
+          c[1].done_as, c[0].done_as, c[0].n_generated,
+          !memcmp(c[0].ids, a_alone.ids, sizeof c[0].ids));
+    pthread_mutex_unlock(&mu);
+    st = loom_engine_get_stats(engine);
+    CHECK(st.preemptions >= 1, "the engine counts the preemption (%llu)",
+          (unsigned long long)st.preemptions);
 
     /* a deadline while waiting: an error, and no token */
     memset(c, 0, sizeof c);

@@ -154,12 +154,154 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
     return r;
 }
 
+/* ---- --overload X: an open-loop load at X times the measured capacity --------------------- */
+
+typedef struct offered {
+    double t_submit, t_first, t_done;
+    int high;    /* priority -1 (one request in ten) */
+    int outcome; /* 0 in flight, 1 answered, 2 error, 3 refused at once (busy) */
+    int32_t generated;
+} offered;
+
+typedef struct overload_state {
+    pthread_mutex_t mu;
+    int outstanding;
+} overload_state;
+
+static overload_state ostate = {PTHREAD_MUTEX_INITIALIZER, 0};
+
+static void on_offered(void *user, const loom_event *ev)
+{
+    offered *o = user;
+    if (ev->kind == LOOM_EVENT_TEXT) {
+        if (ev->token >= 0 && !o->t_first)
+            o->t_first = loom_now_ms();
+        return;
+    }
+    pthread_mutex_lock(&ostate.mu);
+    o->t_done = loom_now_ms();
+    o->generated = ev->n_generated;
+    o->outcome = ev->kind == LOOM_EVENT_DONE ? 1 : 2;
+    ostate.outstanding--;
+    pthread_mutex_unlock(&ostate.mu);
+}
+
+static double rss_mb(void)
+{
+    long pages = 0, resident = 0;
+    FILE *f = fopen("/proc/self/statm", "r");
+    if (f && fscanf(f, "%ld %ld", &pages, &resident) != 2)
+        resident = 0;
+    if (f)
+        fclose(f);
+    return (double)resident * (double)sysconf(_SC_PAGESIZE) / 1048576.0;
+}
+
+typedef struct overload_result {
+    double rate, seconds, busy_share, high_ttft50, high_ttft99, low_ttft50, rss_warm, rss_max;
+    int offered, answered, errors, busy, lost, high, high_busy;
+} overload_result;
+
+/* Offers requests at rate per second for seconds, one in ten at priority -1, each with a fresh
+ * random prompt; then waits for every one to end (or 60 s more: what is left is lost). */
+static overload_result run_overload(loom_engine *e, int32_t n_vocab, int32_t n_prompt,
+                                    int32_t n_gen, double rate, double seconds)
+{
+    overload_result r = {.rate = rate, .seconds = seconds};
+    int cap = (int)(rate * seconds * 1.1) + 16;
+    offered *o = calloc((size_t)cap, sizeof *o);
+    int32_t *prompt = malloc((size_t)n_prompt * sizeof *prompt);
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    greedy.ignore_eos = 1;
+    uint64_t x = 7;
+    double t0 = loom_now_ms(), next = t0, last_rss = t0;
+    int n = 0;
+    r.rss_warm = 0;
+    while (n < cap && loom_now_ms() - t0 < seconds * 1e3) {
+        double now = loom_now_ms();
+        if (now < next) {
+            usleep((useconds_t)((next - now) * 1e3));
+            continue;
+        }
+        next += 1e3 / rate;
+        for (int32_t j = 0; j < n_prompt; j++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            prompt[j] = 3 + (int32_t)((x >> 33) % (uint64_t)(n_vocab - 3));
+        }
+        offered *q = &o[n++];
+        q->high = n % 10 == 0;
+        q->t_submit = loom_now_ms();
+        loom_request req = {.prompt = prompt,
+                            .n_prompt = n_prompt,
+                            .max_tokens = n_gen,
+                            .sampling = greedy,
+                            .priority = q->high ? -1 : 0};
+        char err[512];
+        pthread_mutex_lock(&ostate.mu);
+        ostate.outstanding++;
+        pthread_mutex_unlock(&ostate.mu);
+        int64_t id = loom_engine_submit(e, &req, on_offered, q, err, sizeof err);
+        if (id < 0) {
+            pthread_mutex_lock(&ostate.mu);
+            ostate.outstanding--;
+            q->outcome = id == LOOM_ENGINE_BUSY ? 3 : 2;
+            pthread_mutex_unlock(&ostate.mu);
+        }
+        if (now - last_rss >= 1000) { /* the footprint, once warm (a fifth of the way in) */
+            double mb = rss_mb();
+            if (!r.rss_warm && now - t0 >= seconds * 200)
+                r.rss_warm = mb;
+            r.rss_max = mb > r.rss_max ? mb : r.rss_max;
+            last_rss = now;
+        }
+    }
+    for (int waited = 0; waited < 60000; waited += 10) {
+        pthread_mutex_lock(&ostate.mu);
+        int left = ostate.outstanding;
+        pthread_mutex_unlock(&ostate.mu);
+        if (!left)
+            break;
+        usleep(10000);
+    }
+    double *high = calloc((size_t)n + 1, sizeof *high), *low = calloc((size_t)n + 1, sizeof *low);
+    int n_high = 0, n_low = 0;
+    pthread_mutex_lock(&ostate.mu);
+    for (int i = 0; i < n; i++) {
+        r.offered++;
+        r.answered += o[i].outcome == 1;
+        r.errors += o[i].outcome == 2;
+        r.busy += o[i].outcome == 3;
+        r.lost += o[i].outcome == 0;
+        r.high += o[i].high;
+        r.high_busy += o[i].high && o[i].outcome == 3;
+        if (o[i].outcome == 1 && o[i].t_first) {
+            double ttft = o[i].t_first - o[i].t_submit;
+            if (o[i].high)
+                high[n_high++] = ttft;
+            else
+                low[n_low++] = ttft;
+        }
+    }
+    pthread_mutex_unlock(&ostate.mu);
+    r.busy_share = r.offered ? (double)r.busy / r.offered : 0;
+    r.high_ttft50 = pct(high, n_high, 50), r.high_ttft99 = pct(high, n_high, 99);
+    r.low_ttft50 = pct(low, n_low, 50);
+    if (!r.rss_warm)
+        r.rss_warm = rss_mb();
+    free(high), free(low), free(prompt);
+    if (r.lost == 0)
+        free(o); /* what is lost may still be written by the engine: kept */
+    return r;
+}
+
 int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
     const char *layers = NULL;
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
     int json = 0, concurrent_only = 0, distributed = 0;
+    float overload = 0, duration = 60;
     char shape_help[512];
     snprintf(shape_help, sizeof shape_help, "%s (default 160m)", loom_synthetic_shapes());
     const loom_flag flags[] = {
@@ -182,6 +324,11 @@ int loom_bench_serve_main(int argc, char **argv)
         LOOM_FLAG_LAYERS(&layers),
         {"--concurrent-only", NULL, LOOM_FLAG_SWITCH, &concurrent_only, 0, 0, NULL,
          "skip the serial run"},
+        {"--overload", NULL, LOOM_FLAG_FLOAT, &overload, 0.1, 100, "X",
+         "then offer X times the measured capacity (requests/s), one in ten\n"
+         "at high priority, for --duration: 429s, high-priority TTFT, RSS, lost"},
+        {"--duration", NULL, LOOM_FLAG_FLOAT, &duration, 1, 3600, "S",
+         "seconds of --overload (default 60)"},
     };
     const loom_command cmd = {
         .name = "loom bench serve",
@@ -305,6 +452,25 @@ int loom_bench_serve_main(int argc, char **argv)
                    (unsigned long long)st.steps);
     }
     rc = one.failed || many.failed ? 1 : 0;
+    if (overload > 0 && many.req_s > 0) {
+        /* the unloaded figure: the serial run's time to first token */
+        overload_result ov = run_overload(e, n_vocab, (int32_t)n_prompt, (int32_t)n_gen,
+                                          overload * many.req_s, duration);
+        printf("\noverload: %.1f requests/s offered (%.1fx the %.1f measured) for %.0f s, one in "
+               "ten at priority -1:\n",
+               ov.rate, (double)overload, many.req_s, ov.seconds);
+        printf("  %d offered: %d answered, %d refused at once (429, %.0f%%; of the %d at high "
+               "priority %d), %d errors, %d lost\n",
+               ov.offered, ov.answered, ov.busy, 100 * ov.busy_share, ov.high, ov.high_busy,
+               ov.errors, ov.lost);
+        printf("  time to first token: high priority p50 %.0f / p99 %.0f ms (unloaded p50 %.0f / "
+               "p90 %.0f ms), the others p50 %.0f ms\n",
+               ov.high_ttft50, ov.high_ttft99, one.ttft50, one.ttft90, ov.low_ttft50);
+        printf("  RSS: %.0f MB once warm, at most %.0f MB (%+.1f%%)\n", ov.rss_warm, ov.rss_max,
+               ov.rss_warm > 0 ? 100 * (ov.rss_max - ov.rss_warm) / ov.rss_warm : 0);
+        if (ov.lost || ov.errors)
+            rc = 1;
+    }
     loom_engine_stop(e, 0);
     loom_engine_free(e);
     for (long i = 0; i < requests; i++)

@@ -196,7 +196,8 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
  * and retires finished requests at once. Prompts that share a prefix with earlier ones reuse
  * its KV blocks. Waiting requests are admitted by priority (lower first, improving with the
  * time waited: loom_engine_options.aging_ms), then arrival; at most max_queue wait, and a
- * request past that is refused at once. When blocks run out, the running request of the
+ * request past that is refused at once. A full batch preempts its worst running request for
+ * a waiting one of better priority. When blocks run out, the running request of the
  * worst priority (the newest among equals) is preempted: its blocks are freed and it is
  * recomputed later (its output is unchanged). A request past its deadline is ended: with an
  * error while it waits, with what it has while it generates. */
