@@ -291,6 +291,54 @@ grep -q 'loom_key_requests_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
     fail "per-key metrics: $(grep loom_key "$tmpdir/t_metrics")"
 stop_server
 KEY=$KEY_SAVED
+
+# ---- reload and rollback: SIGHUP (or POST /admin/reload) re-opens the model file, which a
+# deployment replaces by rename. A broken file leaves the old model serving and /health says
+# why; a good one (here the model quantised to q8_0) takes the new requests, while a request
+# running during the reload finishes on the old
+health() { curl -s -H "Authorization: Bearer $KEY" "$URL/health"; }
+if [ -n "${LOOM_SERVE_MPIRUN:-}" ]; then
+    start_server "$tmpdir/server5.log" -c 512
+    post /admin/reload "" -X POST >"$tmpdir/r_admin.out"
+    [ "$(tail -n1 "$tmpdir/r_admin.out")" = 500 ] && grep -q "pipeline" "$tmpdir/r_admin.out" &&
+        pass "a pipeline refuses to reload, saying why" || fail "reload under MPI: $(cat "$tmpdir/r_admin.out")"
+    stop_server
+else
+cp "$MODEL" "$tmpdir/live.gguf"
+MODEL_SAVED=$MODEL; MODEL=$tmpdir/live.gguf
+start_server "$tmpdir/server5.log" -c 512 --max-batch 4
+MODEL=$MODEL_SAVED
+post /v1/completions "$long" >"$tmpdir/r_long.out" & lp=$!
+for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+head -c 1000 "$MODEL" >"$tmpdir/broken.gguf" && mv "$tmpdir/broken.gguf" "$tmpdir/live.gguf"
+kill -HUP "$PID"
+for _ in $(seq 100); do grep -q "reloading .* failed" "$tmpdir/server5.log" && break; sleep 0.05; done
+health >"$tmpdir/r_health1"
+jq -e '.status == "ok" and .reloads == 0 and (.reload_error | length > 0)' "$tmpdir/r_health1" >/dev/null &&
+    [ "$(post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" | tail -n1)" = 200 ] &&
+    pass "a broken file on SIGHUP: the old model keeps serving, /health says why" ||
+    fail "broken reload: $(cat "$tmpdir/r_health1")"
+"$LOOM" quantize "$MODEL" "$tmpdir/q8.gguf" --type q8_0 --quiet >/dev/null 2>&1 &&
+    mv "$tmpdir/q8.gguf" "$tmpdir/live.gguf"
+kill -HUP "$PID"
+for _ in $(seq 100); do grep -q "reloaded " "$tmpdir/server5.log" && break; sleep 0.05; done
+wait "$lp"
+health >"$tmpdir/r_health2"
+jq -e '.reloads == 1 and (has("reload_error") | not)' "$tmpdir/r_health2" >/dev/null &&
+    [ "$(tail -n1 "$tmpdir/r_long.out")" = 200 ] &&
+    [ "$(sed '$d' "$tmpdir/r_long.out" | jq .usage.completion_tokens)" = 480 ] &&
+    [ "$(post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" | tail -n1)" = 200 ] &&
+    pass "a good file on SIGHUP takes new requests; the running one finished on the old" ||
+    fail "good reload: $(cat "$tmpdir/r_health2") long $(tail -n1 "$tmpdir/r_long.out")"
+post /admin/reload "" -X POST >"$tmpdir/r_admin.out"
+[ "$(tail -n1 "$tmpdir/r_admin.out")" = 200 ] && [ "$(health | jq .reloads)" = 2 ] &&
+    pass "POST /admin/reload reloads too" || fail "admin reload: $(cat "$tmpdir/r_admin.out")"
+code=$(curl -s -o /dev/null -w '%{http_code}' -X POST "$URL/admin/reload")
+[ "$code" = 401 ] && pass "/admin/reload wants the key" || fail "/admin/reload without key: $code"
+stop_server
+grep -q "loom serve: stopped" "$tmpdir/server5.log" && pass "a reloaded server stops cleanly" ||
+    fail "stop after reloads: $(tail -n3 "$tmpdir/server5.log")"
+fi
 printf 'alice alice-key max-queue=0\n' >"$tmpdir/badkeys"
 "$LOOM" serve -m "$MODEL" --api-keys "$tmpdir/badkeys" >"$tmpdir/badkeys.log" 2>&1
 expect_grep "badkeys:1: 'max-queue=0' is not" "$tmpdir/badkeys.log" "a bad --api-keys line is named"

@@ -45,9 +45,28 @@ typedef struct tenant {
     uint64_t requests, refused; /* under count_lock */
 } tenant;
 
-typedef struct server {
+/* One opened model with its engine: what requests run on. A reload opens another; new
+ * requests go to it, and the old one is freed by the main thread once no request holds it. */
+typedef struct served {
     openai_model api; /* the model, its name, chat template and context */
     loom_engine *engine;
+    int refs;            /* under live_lock: the server's while live, and each request's */
+    struct served *next; /* on the retired list */
+} served;
+
+typedef struct server {
+    openai_model api; /* the first model's settings, which a reload keeps */
+    loom_engine *engine;
+    served *live, *retired; /* under live_lock */
+    pthread_mutex_t live_lock;
+    pthread_mutex_t reload_lock; /* one reload at a time */
+    const char *model_path;
+    loom_model_options mo;
+    loom_engine_options eo;
+    const char *name_flag, *tmpl_flag;
+    int can_reload;         /* not under a distributed job */
+    char reload_error[512]; /* the last reload's failure, "" after a success (under live_lock) */
+    int reloads;
     const char *api_key;
     size_t api_key_len;
     int metrics_auth;      /* /metrics wants the key too */
@@ -82,6 +101,7 @@ typedef struct job {
     pthread_cond_t cv;
     int refs;
     server *srv;
+    struct served *sv; /* the model it runs on (a reference) */
     int chat, stream, include_usage, n;
     choice ch[OPENAI_MAX_CHOICES];
     int32_t n_prompt, n_cached;
@@ -99,6 +119,25 @@ typedef struct event_target {
     int index;
 } event_target;
 
+/* The model new requests run on, held until release. */
+static served *acquire(server *srv)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    served *sv = srv->live;
+    sv->refs++;
+    pthread_mutex_unlock(&srv->live_lock);
+    return sv;
+}
+
+/* A retired model whose last request ends is freed by the main thread (reap), never here: this
+ * may run on that model's own engine thread. */
+static void release(server *srv, served *sv)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    sv->refs--;
+    pthread_mutex_unlock(&srv->live_lock);
+}
+
 static void job_unref(job *j)
 {
     pthread_mutex_lock(&j->mu);
@@ -106,6 +145,8 @@ static void job_unref(job *j)
     pthread_mutex_unlock(&j->mu);
     if (left)
         return;
+    if (j->sv)
+        release(j->srv, j->sv);
     for (int i = 0; i < OPENAI_MAX_CHOICES; i++)
         free(j->ch[i].text);
     free(j->out);
@@ -156,7 +197,7 @@ static void cancel_job(job *j)
 {
     for (int i = 0; i < j->n; i++)
         if (j->ch[i].id > 0)
-            loom_engine_cancel(j->srv->engine, j->ch[i].id);
+            loom_engine_cancel(j->sv->engine, j->ch[i].id);
 }
 
 /* ---- responses ---------------------------------------------------------------------------- */
@@ -244,7 +285,7 @@ static cJSON *response_head(const job *j, const char *object)
     cJSON_AddStringToObject(o, "id", j->id);
     cJSON_AddStringToObject(o, "object", object);
     cJSON_AddNumberToObject(o, "created", (double)j->created);
-    json_add_text(o, "model", j->srv->api.model_name, strlen(j->srv->api.model_name));
+    json_add_text(o, "model", j->sv->api.model_name, strlen(j->sv->api.model_name));
     cJSON_AddStringToObject(o, "system_fingerprint", "loom");
     return o;
 }
@@ -478,23 +519,26 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                                        size_t len, int chat, int who)
 {
     tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
+    served *sv = acquire(srv);
     parsed p = {0};
     bad b = {0};
     /* a prompt of ids holds at most a context's worth; the rest of a request is small */
-    size_t max_values = 2 * (size_t)srv->api.n_ctx + 4096;
+    size_t max_values = 2 * (size_t)sv->api.n_ctx + 4096;
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
     cJSON *req = openai_parse_body(body, len, max_values, &b);
-    int parsed_ok = req && openai_parse_request(&srv->api, req, chat, &p, &b) == 0;
+    int parsed_ok = req && openai_parse_request(&sv->api, req, chat, &p, &b) == 0;
     sem_post(&srv->parsing);
     if (!parsed_ok) {
         free(p.ids);
         cJSON_Delete(req);
+        release(srv, sv);
         return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
     }
     if (srv->shutting_down) {
         free(p.ids);
         cJSON_Delete(req);
+        release(srv, sv);
         return send_error(srv, con, 503, NULL, NULL, "the server is shutting down");
     }
     if (tn) {
@@ -506,11 +550,13 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     if (!j) {
         free(p.ids);
         cJSON_Delete(req);
+        release(srv, sv);
         return send_error(srv, con, 500, NULL, NULL, "out of memory");
     }
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
-    j->srv = srv, j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
+    j->srv = srv, j->sv = sv; /* the job holds the model's reference from here */
+    j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
     j->refs = 1;
     static uint64_t counter;
@@ -542,7 +588,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         pthread_mutex_lock(&j->mu);
         j->refs++;
         pthread_mutex_unlock(&j->mu);
-        int64_t id = loom_engine_submit(srv->engine, &r, on_event, t, err, sizeof err);
+        int64_t id = loom_engine_submit(sv->engine, &r, on_event, t, err, sizeof err);
         busy = id == LOOM_ENGINE_BUSY;
         if (id < 0) {
             free(t);
@@ -621,7 +667,9 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
 
 static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
 {
-    loom_engine_stats s = loom_engine_get_stats(srv->engine);
+    served *sv = acquire(srv);
+    loom_engine_stats s = loom_engine_get_stats(sv->engine);
+    release(srv, sv);
     pthread_mutex_lock(&srv->count_lock);
     uint64_t http = srv->http_requests, errors = srv->http_errors, gone = srv->disconnects;
     pthread_mutex_unlock(&srv->count_lock);
@@ -703,17 +751,42 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     return ok;
 }
 
+static int reload(server *srv, char *err, size_t err_size);
+static int authorised(server *srv, struct MHD_Connection *con);
+
+/* {"status": "ok"}; to a client with the key (or any, when the server wants none) also the
+ * model, the reloads and "reload_error" while the last reload failed (the old model serving):
+ * a stranger learns nothing but that the server is up. */
+static enum MHD_Result handle_health(server *srv, struct MHD_Connection *con)
+{
+    if (authorised(srv, con) < 0)
+        return send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "status", "ok");
+    served *sv = acquire(srv);
+    json_add_text(o, "model", sv->api.model_name, strlen(sv->api.model_name));
+    release(srv, sv);
+    pthread_mutex_lock(&srv->live_lock);
+    cJSON_AddNumberToObject(o, "reloads", srv->reloads);
+    if (srv->reload_error[0])
+        json_add_text(o, "reload_error", srv->reload_error, strlen(srv->reload_error));
+    pthread_mutex_unlock(&srv->live_lock);
+    return send_json(con, 200, o);
+}
+
 static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
 {
     cJSON *o = cJSON_CreateObject(), *d;
     cJSON_AddStringToObject(o, "object", "list");
     d = cJSON_AddArrayToObject(o, "data");
     cJSON *m = cJSON_CreateObject();
-    json_add_text(m, "id", srv->api.model_name, strlen(srv->api.model_name));
+    served *sv = acquire(srv);
+    json_add_text(m, "id", sv->api.model_name, strlen(sv->api.model_name));
     cJSON_AddStringToObject(m, "object", "model");
     cJSON_AddNumberToObject(m, "created", (double)srv->started);
     cJSON_AddStringToObject(m, "owned_by", "loom");
-    cJSON_AddNumberToObject(m, "max_model_len", srv->api.n_ctx);
+    cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
+    release(srv, sv);
     cJSON_AddItemToArray(d, m);
     return send_json(con, 200, o);
 }
@@ -724,7 +797,8 @@ typedef enum route {
     ROUTE_METRICS,
     ROUTE_MODELS,
     ROUTE_COMPLETIONS,
-    ROUTE_CHAT
+    ROUTE_CHAT,
+    ROUTE_RELOAD
 } route;
 
 typedef struct conn_state {
@@ -865,19 +939,21 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
         : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
         : !strcmp(url, "/v1/completions")      ? ROUTE_COMPLETIONS
         : !strcmp(url, "/v1/chat/completions") ? ROUTE_CHAT
+        : !strcmp(url, "/admin/reload")        ? ROUTE_RELOAD
                                                : ROUTE_NONE;
     switch (to) {
     case ROUTE_NONE:
         return send_error(srv, con, 404, NULL, NULL,
                           "no such endpoint: %s %s (loom serves "
-                          "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)",
+                          "/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, "
+                          "/admin/reload)",
                           method, url);
     case ROUTE_HEALTH:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        return srv->shutting_down
-            ? send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}")
-            : send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+        if (srv->shutting_down)
+            return send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}");
+        return handle_health(srv, con);
     case ROUTE_METRICS:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
@@ -893,6 +969,15 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     if (to == ROUTE_MODELS)
         return get ? handle_models(srv, con)
                    : send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+    if (to == ROUTE_RELOAD) {
+        if (!post)
+            return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+        char why[1024];
+        if (reload(srv, why, sizeof why) != 0)
+            return send_error(srv, con, 500, NULL, "reload_failed",
+                              "reloading the model failed; the old one keeps serving: %s", why);
+        return handle_models(srv, con); /* what now serves */
+    }
     if (!post)
         return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
     if (srv->shutting_down)
@@ -940,6 +1025,104 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
     if (!cs->len)
         return send_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
     return handle_generate(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT, cs->tenant);
+}
+
+/* ---- reload --------------------------------------------------------------------------------- */
+
+/* The model file opened anew with the first one's options, checked with a two-token
+ * generation, and its engine started: a model ready to take requests, or NULL with err. */
+static served *served_open(server *srv, char *err, size_t err_size)
+{
+    loom_model *m = loom_model_open(srv->model_path, &srv->mo, err, err_size);
+    if (!m)
+        return NULL;
+    int32_t ids[64];
+    int64_t n = loom_tokenize(m, "Hello", 1, 0, ids, 64, err, err_size);
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    served *sv = n > 0 ? calloc(1, sizeof *sv) : NULL;
+    if (!sv || loom_generate(m, ids, (int32_t)n, 2, &greedy, NULL, NULL, NULL, err, err_size)) {
+        if (n > 0 && !sv)
+            snprintf(err, err_size, "out of memory");
+        free(sv);
+        loom_model_close(m);
+        return NULL;
+    }
+    sv->api = srv->api;
+    sv->api.model = m;
+    sv->api.n_ctx = loom_model_n_ctx(m);
+    sv->api.max_prompt_bytes = loom_model_max_prompt_bytes(m);
+    sv->api.model_name = srv->name_flag ? srv->name_flag : loom_model_name(m);
+    int recognised = 1;
+    sv->api.chat_template = srv->tmpl_flag ? srv->tmpl_flag
+                                           : loom_model_chat_template(m, &recognised);
+    if (!(sv->engine = loom_engine_start(m, &srv->eo, err, err_size))) {
+        free(sv);
+        loom_model_close(m);
+        return NULL;
+    }
+    sv->refs = 1; /* the server's */
+    return sv;
+}
+
+static void served_free(served *sv)
+{
+    loom_engine_stop(sv->engine, 0);
+    loom_engine_free(sv->engine);
+    loom_model_close(sv->api.model);
+    free(sv);
+}
+
+/* SIGHUP or POST /admin/reload: new requests go to the file as it is now once it has loaded
+ * and generated; the old model finishes what it runs. On failure the old one keeps serving, and
+ * the error stays in /health until a reload succeeds. Returns 0, or -1 with err. */
+static int reload(server *srv, char *err, size_t err_size)
+{
+    if (!srv->can_reload) {
+        snprintf(err, err_size, "a pipeline over an MPI job cannot reload its model");
+        return -1;
+    }
+    pthread_mutex_lock(&srv->reload_lock);
+    served *sv = served_open(srv, err, err_size);
+    pthread_mutex_lock(&srv->live_lock);
+    if (sv) {
+        served *old = srv->live;
+        srv->live = sv;
+        old->refs--; /* the server's */
+        old->next = srv->retired;
+        srv->retired = old;
+        srv->reload_error[0] = '\0';
+        srv->reloads++;
+    } else {
+        snprintf(srv->reload_error, sizeof srv->reload_error, "%.500s", err);
+    }
+    pthread_mutex_unlock(&srv->live_lock);
+    pthread_mutex_unlock(&srv->reload_lock);
+    if (sv)
+        fprintf(stderr, "loom serve: reloaded %s: new requests go to %s on %s\n", srv->model_path,
+                sv->api.model_name, loom_model_backend(sv->api.model));
+    else
+        fprintf(stderr, "loom serve: reloading %s failed, the old model keeps serving: %s\n",
+                srv->model_path, err);
+    return sv ? 0 : -1;
+}
+
+/* Frees the retired models no request holds any more (the main thread's work). */
+static void reap(server *srv)
+{
+    for (;;) {
+        pthread_mutex_lock(&srv->live_lock);
+        served **p = &srv->retired;
+        while (*p && (*p)->refs > 0)
+            p = &(*p)->next;
+        served *done = *p;
+        if (done)
+            *p = done->next;
+        pthread_mutex_unlock(&srv->live_lock);
+        if (!done)
+            return;
+        served_free(done);
+    }
 }
 
 /* ---- main --------------------------------------------------------------------------------- */
@@ -1226,6 +1409,7 @@ int loom_serve_main(int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGTERM);
     sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -1288,6 +1472,20 @@ int loom_serve_main(int argc, char **argv)
         loom_model_close(m);
         return 2;
     }
+    pthread_mutex_init(&srv.live_lock, NULL);
+    pthread_mutex_init(&srv.reload_lock, NULL);
+    srv.model_path = of.model, srv.mo = mo, srv.eo = eo;
+    srv.name_flag = name, srv.tmpl_flag = tmpl;
+    srv.can_reload = !loom_distributed_job(of.distributed ? 2 : 1);
+    served first = {.api = srv.api, .engine = srv.engine, .refs = 1};
+    srv.live = malloc(sizeof *srv.live);
+    if (!srv.live) {
+        loom_engine_stop(srv.engine, 0);
+        loom_engine_free(srv.engine);
+        loom_model_close(m);
+        return 1;
+    }
+    *srv.live = first;
     /* poll(), not select(): select stops at descriptor 1024 and locks every client out once
      * that many sockets are open; limits in total and per address, and a short idle timeout,
      * keep stalled or slow connections from holding the server */
@@ -1322,12 +1520,26 @@ int loom_serve_main(int argc, char **argv)
     fprintf(stderr, "loom serve: listening on http://%s:%u\n", host,
             di ? di->port : (unsigned)port);
 
+    /* SIGHUP reloads the model; retired models are freed once their requests are done */
     int sig = 0;
-    sigwait(&sigs, &sig);
+    for (;;) {
+        struct timespec tick = {1, 0};
+        sig = sigtimedwait(&sigs, NULL, &tick);
+        if (sig == SIGTERM || sig == SIGINT)
+            break;
+        if (sig == SIGHUP) {
+            char why[1024];
+            reload(&srv, why, sizeof why);
+        }
+        reap(&srv);
+    }
     fprintf(stderr, "loom serve: %s: no new requests; finishing running ones (up to %ld s)\n",
             sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_s);
-    srv.shutting_down = 1; /* new requests now get 503 with Retry-After */
-    loom_engine_stop(srv.engine, (int)drain_s * 1000);
+    srv.shutting_down = 1;                /* new requests now get 503 with Retry-After */
+    pthread_mutex_lock(&srv.reload_lock); /* no reload from here on */
+    loom_engine_stop(srv.live->engine, (int)drain_s * 1000);
+    for (served *r = srv.retired; r; r = r->next)
+        loom_engine_stop(r->engine, (int)drain_s * 1000);
     /* every job is done now; give the connections a moment to send their last bytes (an idle
      * keep-alive connection just waits out the moment) before the daemon closes them */
     for (int waited = 0; waited < 3000; waited += 20) {
@@ -1339,8 +1551,14 @@ int loom_serve_main(int argc, char **argv)
     }
     MHD_stop_daemon(d);
     conn_guard_stop(srv.guard);
-    loom_engine_free(srv.engine);
-    loom_model_close(m);
+    srv.live->refs--;
+    srv.live->next = srv.retired;
+    srv.retired = srv.live;
+    for (served *r = srv.retired, *next; r; r = next) {
+        next = r->next;
+        served_free(r);
+    }
+    pthread_mutex_unlock(&srv.reload_lock);
     pthread_mutex_destroy(&srv.count_lock);
     sem_destroy(&srv.parsing);
     fprintf(stderr, "loom serve: stopped\n");
