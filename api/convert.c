@@ -259,11 +259,14 @@ static int tensors(conv *c, const loom_hf_values *v)
 {
     const loom_hf_tensor *table = c->family->hf_tensors;
     int n_layer = (int)loom_hf_get(v, "block_count");
+    int n_dense = (int)loom_hf_get(v, "leading_dense_block_count");
     char src[256], dst[256];
     for (int pass = 0; pass < 2; pass++) { /* counting, for the progress, then adding */
         for (int l = -1; l < n_layer; l++)
             for (const loom_hf_tensor *e = table; e->hf; e++) {
-                if (is_per_layer(e) != (l >= 0))
+                if (is_per_layer(e) != (l >= 0) ||
+                    ((e->flags & LOOM_HF_DENSE_LAYERS) && l >= n_dense) ||
+                    ((e->flags & LOOM_HF_SPARSE_LAYERS) && l < n_dense))
                     continue;
                 const loom_st_tensor *t = source(c, e, l, 0, src, sizeof src, dst, sizeof dst);
                 if (e->flags & LOOM_HF_UNSUPPORTED) {

@@ -67,6 +67,10 @@ enum {
     LOOM_HF_UNSUPPORTED = 1 << 4,  /* present: an error, and .gguf says why */
     LOOM_HF_EXPERTS = 1 << 5,      /* hf has a second "%d", the expert's index: the
                                     * expert_count matrices stack into one [experts, rows, cols] */
+    /* only in the layers before leading_dense_block_count (GLM-4.5's dense MLPs), or only in
+     * those from it on (its experts) */
+    LOOM_HF_DENSE_LAYERS = 1 << 6,
+    LOOM_HF_SPARSE_LAYERS = 1 << 7,
 };
 
 typedef struct loom_hf_tensor {

@@ -48,6 +48,7 @@ typedef struct llama_model {
     const loom_tensor *tok_embd;   /* [n_vocab, n_embd] */
     const loom_tensor *out_norm;   /* [n_embd] */
     const loom_tensor *output;     /* [n_vocab, n_embd]; the embedding when tied */
+    int32_t n_dense;               /* GLM-4.5: the first layers' MLPs are dense */
     llama_layer *layers;
 } llama_model;
 
@@ -69,13 +70,26 @@ static int read_moe(const loom_gguf *g, const char *arch, loom_hparams *hp, char
     hp->n_expert_used = (int32_t)loom_model_kv_int(g, arch, "expert_used_count", 0);
     hp->n_ff_exp = (int32_t)loom_model_kv_int(g, arch, "expert_feed_forward_length", 0);
     hp->n_ff_shexp = (int32_t)loom_model_kv_int(g, arch, "expert_shared_feed_forward_length", 0);
-    hp->moe_gating = LOOM_MOE_SOFTMAX;
+    /* llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (GLM-4.5's default) */
+    int glm = strcmp(arch, "glm4moe") == 0;
+    int64_t gating = loom_model_kv_int(g, arch, "expert_gating_func", glm ? 2 : 1);
+    if (gating != 1 && gating != 2) {
+        snprintf(err, err_size,
+                 "%s.expert_gating_func is %lld; loom routes by softmax (1) and sigmoid (2)", arch,
+                 (long long)gating);
+        return -1;
+    }
+    hp->moe_gating = gating == 2 ? LOOM_MOE_SIGMOID : LOOM_MOE_SOFTMAX;
     char key[96];
-    int norm = strcmp(arch, "qwen3moe") == 0;
+    int norm = strcmp(arch, "qwen3moe") == 0 || glm;
     snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
     loom_gguf_get_bool(g, key, &norm);
     hp->moe_normalize = norm;
     hp->moe_scale = (float)loom_model_kv_float(g, arch, "expert_weights_scale", 1.0);
+    /* GLM-4.5's shared experts: expert_shared_count of an expert's width each */
+    int64_t shared = loom_model_kv_int(g, arch, "expert_shared_count", 0);
+    if (!hp->n_ff_shexp && shared > 0 && shared < 1024)
+        hp->n_ff_shexp = (int32_t)(shared * hp->n_ff_exp);
     if (hp->n_expert <= 0 || hp->n_expert_used <= 0 || hp->n_ff_exp <= 0) {
         snprintf(err, err_size,
                  "%s: missing expert hyper-parameters (expert_count %d, expert_used_count %d, "
@@ -159,7 +173,8 @@ static int moe_shapes_ok(loom_hparams *hp, int l, const loom_moe_weights *w, cha
           SHAPED(w->shexp_up, "ffn_up_shexp", d, fs, 1, shared) &&
           SHAPED(w->shexp_down, "ffn_down_shexp", fs, d, 1, shared))) &&
         (!w->shexp_router ||
-         SHAPED(w->shexp_router, "ffn_gate_inp_shexp", d, 1, 1, "embedding_length and one gate"));
+         SHAPED(w->shexp_router, "ffn_gate_inp_shexp", d, 1, 1, "embedding_length and one gate")) &&
+        (!w->choice_bias || SHAPED(w->choice_bias, "exp_probs_b", E, 1, 1, "expert_count"));
 #undef SHAPED
 }
 
@@ -205,8 +220,21 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     int moe = strstr(arch, "moe") != NULL;
     if (moe && read_moe(g, arch, hp, err, err_size) != 0)
         return -1;
+    /* GLM-4.5: the first layers keep a dense MLP; the checkpoint's multi-token-prediction
+     * layers follow the others in block_count and are not run */
+    int64_t n_dense = loom_model_kv_int(g, arch, "leading_dense_block_count", 0);
+    int64_t n_nextn = loom_model_kv_int(g, arch, "nextn_predict_layers", 0);
+    if (n_nextn < 0 || n_nextn >= hp->n_layer || n_dense < 0 || n_dense > hp->n_layer) {
+        snprintf(err, err_size,
+                 "%s: nextn_predict_layers %lld or leading_dense_block_count %lld does not fit "
+                 "block_count %d",
+                 arch, (long long)n_nextn, (long long)n_dense, hp->n_layer);
+        return -1;
+    }
+    hp->n_layer -= (int32_t)n_nextn;
     if (hp->n_embd <= 0 || hp->n_layer <= 0 || hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 ||
-        hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv || (hp->n_ff <= 0 && !moe)) {
+        hp->n_head_kv <= 0 || hp->n_head % hp->n_head_kv ||
+        (hp->n_ff <= 0 && (!moe || n_dense > 0))) {
         snprintf(err, err_size,
                  "%s: missing or inconsistent hyper-parameters (embedding_length "
                  "%d, block_count %d, head_count %d, head_count_kv %d, "
@@ -226,6 +254,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
                                               hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
     int fused = strcmp(arch, "qwen") == 0, head_norms = strncmp(arch, "qwen3", 5) == 0;
+    int optional_norms = strcmp(arch, "glm4moe") == 0; /* GLM-4.5's use_qk_norm */
     hp->rope_mode = strcmp(arch, "llama") == 0 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
 
     llama_model *m = calloc(1, sizeof *m);
@@ -234,6 +263,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         snprintf(err, err_size, "out of memory");
         return -1;
     }
+    m->n_dense = moe ? (int32_t)n_dense : 0;
     m->rope_freqs = loom_rt_weight(r, "rope_freqs.weight", 0);
     if (yarn) {
         float divisors[512];
@@ -270,14 +300,17 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             W(bk, "blk.%d.attn_k.bias", 0);
             W(bv, "blk.%d.attn_v.bias", 0);
         }
-        if (head_norms) {
-            W(q_norm, "blk.%d.attn_q_norm.weight", 1);
-            W(k_norm, "blk.%d.attn_k_norm.weight", 1);
+        if (head_norms || optional_norms) {
+            W(q_norm, "blk.%d.attn_q_norm.weight", head_norms);
+            W(k_norm, "blk.%d.attn_k_norm.weight", head_norms || m->layers[l].q_norm);
         }
         W(wo, "blk.%d.attn_output.weight", 1);
         W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
-        if (moe) {
+        if (moe && l >= n_dense) {
             W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
+            W(moe.choice_bias, "blk.%d.exp_probs_b.bias", 0);
+            if (!m->layers[l].moe.choice_bias) /* the name without a suffix, as some write it */
+                W(moe.choice_bias, "blk.%d.exp_probs_b", 0);
             W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
             W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
             W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
@@ -304,11 +337,11 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     int shapes_ok = m->tok_embd->ne[0] == hp->n_embd &&
         (fused ? L0->wqkv->ne[1] == q_dim + 2 * kv_dim
                : L0->wq->ne[1] == q_dim && L0->wk->ne[1] == kv_dim) &&
-        (!head_norms || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim)) &&
+        (!L0->q_norm || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim)) &&
         (!m->rope_freqs ||
          (m->rope_freqs->ne[0] == hp->n_rot / 2 && m->rope_freqs->dtype == LOOM_F32));
     for (int l = 0; moe && shapes_ok && l < hp->n_layer; l++)
-        if (!moe_shapes_ok(hp, l, &m->layers[l].moe, err, err_size)) {
+        if (m->layers[l].moe.router && !moe_shapes_ok(hp, l, &m->layers[l].moe, err, err_size)) {
             llama_free(m);
             return -1;
         }
@@ -351,6 +384,11 @@ static int qwen3moe_load(loom_runner *r, loom_hparams *hp, void **state, char *e
     return load(r, hp, state, "qwen3moe", err, n);
 }
 
+static int glm4moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t n)
+{
+    return load(r, hp, state, "glm4moe", err, n);
+}
+
 static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
 {
     const llama_model *m = state;
@@ -360,9 +398,9 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_attn_buffers ab = loom_attn_buffers_new(r, hp, n);
     loom_ffn_buffers fb = {.h = ab.h};
     loom_moe_buffers mb = {0};
-    if (hp->n_expert) {
+    if (hp->n_expert)
         mb = loom_moe_buffers_new(r, hp, n, hp->n_ff_shexp > 0);
-    } else {
+    if (!hp->n_expert || m->n_dense) { /* dense layers, all or GLM-4.5's first */
         fb.gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
         fb.up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
         fb.act = fb.gate;
@@ -408,6 +446,8 @@ const loom_arch loom_arch_qwen2moe = {
     .name = "qwen2moe", .load = qwen2moe_load, .forward = llama_forward, .free_state = llama_free};
 const loom_arch loom_arch_qwen3moe = {
     .name = "qwen3moe", .load = qwen3moe_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_glm4moe = {
+    .name = "glm4moe", .load = glm4moe_load, .forward = llama_forward, .free_state = llama_free};
 
 /* ---- Hugging Face forms ----------------------------------------------------------------------
  *
@@ -696,6 +736,102 @@ static const loom_hf_tensor qwen2moe_tensors[] = {
 /* clang-format off */
 static const loom_hf_tensor qwen3moe_tensors[] = {
     DECODER_HEAD, QKV_WEIGHTS, QK_NORMS, QKV_BIASES, ATTN_OUT_AND_FFN_NORM, ROUTED_EXPERTS, {0}};
+/* Glm4MoeForCausalLM (GLM-4.5, GLM-4.5-Air, GLM-4.6): Qwen2-like attention with q/k/v biases
+ * and NeoX RoPE over partial_rotary_factor of each head (optional Q/K norms, use_qk_norm);
+ * first_k_dense_replace dense MLPs, then experts routed by sigmoid scores, chosen with
+ * e_score_correction_bias added, renormalised (norm_topk_prob) and scaled by
+ * routed_scaling_factor, beside n_shared_experts ungated shared ones. Group-limited routing
+ * (n_group > 1, DeepSeek-V3's) is refused; the multi-token-prediction layers a checkpoint
+ * carries past num_hidden_layers are not converted. */
+static const loom_hf_param glm4moe_params[] = {
+    DECODER_PARAMS,
+    {"expert_count", "n_routed_experts|num_experts", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_used_count", "num_experts_per_tok", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_feed_forward_length", "moe_intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {0}};
+
+static int glm4moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (decoder_derive(cf, v, err, err_size) != 0)
+        return -1;
+    double partial, scale;
+    int64_t dense, shared, groups, topk_groups;
+    if (loom_hf_real(cf, "partial_rotary_factor", 0.5, 0, 1, &partial, err, err_size) ||
+        loom_hf_real(cf, "routed_scaling_factor", 1.0, 0, 1e6, &scale, err, err_size) ||
+        loom_hf_int(cf, "first_k_dense_replace", 1, 0, INT32_MAX, &dense, err, err_size) ||
+        loom_hf_int(cf, "n_shared_experts", 1, 0, 1024, &shared, err, err_size) ||
+        loom_hf_int(cf, "n_group", 1, 1, 1024, &groups, err, err_size) ||
+        loom_hf_int(cf, "topk_group", 1, 1, 1024, &topk_groups, err, err_size))
+        return -1;
+    if (groups != 1 || topk_groups != 1) {
+        snprintf(err, err_size,
+                 "n_group %lld, topk_group %lld: group-limited routing is not supported (GLM-4.5 "
+                 "has 1 and 1)",
+                 (long long)groups, (long long)topk_groups);
+        return -1;
+    }
+    int32_t hd = (int32_t)loom_hf_get(v, "rope.dimension_count");
+    int32_t n_rot = (int32_t)(hd * partial);
+    if (n_rot < 2 || n_rot % 2) {
+        snprintf(err, err_size,
+                 "partial_rotary_factor %g of head_dim %d is not an even number of dimensions",
+                 partial, hd);
+        return -1;
+    }
+    if (dense > loom_hf_get(v, "block_count")) {
+        snprintf(err, err_size, "first_k_dense_replace %lld exceeds num_hidden_layers %.0f",
+                 (long long)dense, loom_hf_get(v, "block_count"));
+        return -1;
+    }
+    if (loom_hf_get(v, "expert_used_count") > loom_hf_get(v, "expert_count")) {
+        snprintf(err, err_size, "num_experts_per_tok %.0f exceeds n_routed_experts %.0f",
+                 loom_hf_get(v, "expert_used_count"), loom_hf_get(v, "expert_count"));
+        return -1;
+    }
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, n_rot);
+    if (dense)
+        loom_hf_set(v, "leading_dense_block_count", LOOM_HF_U32, (double)dense);
+    if (shared) {
+        loom_hf_set(v, "expert_shared_count", LOOM_HF_U32, (double)shared);
+        loom_hf_set(v, "expert_shared_feed_forward_length", LOOM_HF_U32,
+                    (double)shared * loom_hf_get(v, "expert_feed_forward_length"));
+    }
+    loom_hf_set(v, "expert_weights_scale", LOOM_HF_F32, scale);
+    const cJSON *norm = cJSON_GetObjectItem(cf, "norm_topk_prob");
+    loom_hf_set(v, "expert_weights_norm", LOOM_HF_BOOL, !norm || cJSON_IsTrue(norm));
+    loom_hf_set(v, "expert_gating_func", LOOM_HF_U32, 2); /* sigmoid */
+    return 0;
+}
+
+static const loom_hf_tensor glm4moe_tensors[] = {
+    DECODER_HEAD,
+    QKV_WEIGHTS,
+    QKV_BIASES,
+    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", LOOM_HF_OPTIONAL,
+     NULL},
+    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", LOOM_HF_OPTIONAL,
+     NULL},
+    ATTN_OUT_AND_FFN_NORM,
+    {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",
+     LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",
+     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",
+     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",
+     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
+     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",
+     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
+     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+    {0}};
+
 static const loom_hf_tensor qwen2_tensors[] = {
     DECODER_HEAD, QKV_WEIGHTS, QKV_BIASES, DECODER_TAIL, {0}};
 static const loom_hf_tensor qwen3_tensors[] = {
@@ -826,6 +962,12 @@ const loom_family loom_family_qwen3moe = {.arch = &loom_arch_qwen3moe,
                                           .hf_params = moe_params,
                                           .hf_derive = moe_derive,
                                           .hf_tensors = qwen3moe_tensors};
+const loom_family loom_family_glm4moe = {.arch = &loom_arch_glm4moe,
+                                         .chat_template = "glm4",
+                                         .hf_model_type = "glm4_moe",
+                                         .hf_params = glm4moe_params,
+                                         .hf_derive = glm4moe_derive,
+                                         .hf_tensors = glm4moe_tensors};
 const loom_family loom_family_qwen = {.arch = &loom_arch_qwen,
                                       .chat_template = "chatml",
                                       .hf_model_type = "qwen",

@@ -251,6 +251,11 @@ static void linear(double *y, const double *w, const double *b, const double *x,
 typedef struct moe_shape {
     int experts, k, ff, normalize;
     double least_gap;
+    /* GLM-4.5 (Glm4MoeTopkRouter): sigmoid scores, chosen by score + e_score_correction_bias,
+     * weights scaled by routed_scaling_factor; shared experts of shared_ff; the first n_dense
+     * layers dense */
+    int sigmoid, shared_ff, n_dense;
+    double scale;
 } moe_shape;
 
 static double *load_expert(const loom_safetensors *st, int l, int e, const char *proj)
@@ -266,19 +271,24 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
                           double *x)
 {
     double *router = load_f64(st, "model.layers.%d.mlp.gate.weight", l, NULL);
-    double prob[64], sum = 0, mx = -INFINITY, chosen_sum = 0;
+    double *bias = m->sigmoid
+        ? load_f64(st, "model.layers.%d.mlp.gate.e_score_correction_bias", l, NULL)
+        : NULL;
+    double prob[64], choice[64], sum = 0, mx = -INFINITY, chosen_sum = 0;
     int chosen[64] = {0}, order[64];
     linear(prob, router, NULL, h, m->experts, D);
     for (int e = 0; e < m->experts; e++)
         mx = fmax(mx, prob[e]);
     for (int e = 0; e < m->experts; e++)
-        sum += (prob[e] = exp(prob[e] - mx));
-    for (int e = 0; e < m->experts; e++)
-        prob[e] /= sum;
+        sum += m->sigmoid ? 0 : (prob[e] = exp(prob[e] - mx));
+    for (int e = 0; e < m->experts; e++) {
+        prob[e] = m->sigmoid ? 1 / (1 + exp(-prob[e])) : prob[e] / sum;
+        choice[e] = m->sigmoid ? prob[e] + bias[e] : log(prob[e]);
+    }
     for (int j = 0; j <= m->k && j < m->experts; j++) { /* the k best, and the next one */
         int best = -1;
         for (int e = 0; e < m->experts; e++)
-            if (!chosen[e] && (best < 0 || prob[e] > prob[best]))
+            if (!chosen[e] && (best < 0 || choice[e] > choice[best]))
                 best = e;
         chosen[best] = j < m->k;
         order[j] = best;
@@ -286,7 +296,8 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
             chosen_sum += prob[best];
     }
     if (m->k < m->experts)
-        m->least_gap = fmin(m->least_gap, log(prob[order[m->k - 1]] / prob[order[m->k]]));
+        m->least_gap = fmin(m->least_gap, choice[order[m->k - 1]] - choice[order[m->k]]);
+    free(bias);
     double *g = malloc((size_t)m->ff * sizeof *g), *u = malloc((size_t)m->ff * sizeof *u);
     double *o = malloc((size_t)D * sizeof *o);
     for (int j = 0; j < m->k; j++) {
@@ -298,10 +309,25 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
         for (int i = 0; i < m->ff; i++)
             g[i] = g[i] / (1 + exp(-g[i])) * u[i];
         linear(o, wd, NULL, g, D, m->ff);
-        double weight = prob[e] / (m->normalize ? chosen_sum : 1.0);
+        double weight = prob[e] / (m->normalize ? chosen_sum : 1.0) * (m->sigmoid ? m->scale : 1);
         for (int i = 0; i < D; i++)
             x[i] += weight * o[i];
         free(wg), free(wu), free(wd);
+    }
+    if (m->shared_ff) { /* GLM-4.5's shared experts, one MLP of their width, ungated */
+        double *sg = load_f64(st, "model.layers.%d.mlp.shared_experts.gate_proj.weight", l, NULL);
+        double *su = load_f64(st, "model.layers.%d.mlp.shared_experts.up_proj.weight", l, NULL);
+        double *sd = load_f64(st, "model.layers.%d.mlp.shared_experts.down_proj.weight", l, NULL);
+        double *a = malloc((size_t)m->shared_ff * sizeof *a),
+               *b = malloc((size_t)m->shared_ff * sizeof *b);
+        linear(a, sg, NULL, h, m->shared_ff, D);
+        linear(b, su, NULL, h, m->shared_ff, D);
+        for (int i = 0; i < m->shared_ff; i++)
+            a[i] = a[i] / (1 + exp(-a[i])) * b[i];
+        linear(o, sd, NULL, a, D, m->shared_ff);
+        for (int i = 0; i < D; i++)
+            x[i] += o[i];
+        free(sg), free(su), free(sd), free(a), free(b);
     }
     free(g), free(u), free(o), free(router);
 }
@@ -314,6 +340,7 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
 typedef struct rope_shape {
     double inv_freq[128];
     double attention;
+    int n_rot; /* the rotated dimensions, NeoX-style, at the head's start (0: all) */
 } rope_shape;
 
 /* transformers' _compute_yarn_parameters (rope_type "yarn", truncate on, no attention_factor
@@ -322,7 +349,7 @@ typedef struct rope_shape {
  * beta_fast and beta_slow; attention_scaling is 0.1 ln(factor) + 1. */
 static rope_shape yarn_rope(const shape *s, double factor, double original_ctx)
 {
-    rope_shape r;
+    rope_shape r = {0};
     const int dim = s->hd;
     const double beta_fast = 32, beta_slow = 1;
 #define CORRECTION_DIM(rot) (dim * log(original_ctx / ((rot)*2 * M_PI)) / (2 * log(s->theta)))
@@ -366,9 +393,10 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
         double *bv = load_f64(st, "model.layers.%d.self_attn.v_proj.bias", l, NULL);
         double *wo = load_f64(st, "model.layers.%d.self_attn.o_proj.weight", l, NULL);
         double *ln2 = load_f64(st, "model.layers.%d.post_attention_layernorm.weight", l, NULL);
-        double *wg = moe ? NULL : load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
-        double *wu = moe ? NULL : load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
-        double *wd = moe ? NULL : load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
+        int sparse = moe && l >= moe->n_dense;
+        double *wg = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
+        double *wu = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
+        double *wd = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
         for (int t = 0; t < T; t++) {
             memcpy(h, x + (size_t)t * D, (size_t)D * sizeof *h);
             rms_norm(h, D, ln1, s->eps);
@@ -380,13 +408,14 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
                 double *vec = hh < H ? qt + hh * hd : kt + (hh - H) * hd;
                 if (norms) /* Qwen3: each head normalised before RoPE */
                     rms_norm(vec, hd, norms[2 * l + (hh >= H)], s->eps);
-                for (int i = 0; i < hd / 2; i++) { /* rotate_half */
+                int nr = rope && rope->n_rot ? rope->n_rot : hd;
+                for (int i = 0; i < nr / 2; i++) { /* rotate_half over the first nr */
                     double inv = rope ? rope->inv_freq[i] : pow(s->theta, -2.0 * i / hd);
                     double scale = rope ? rope->attention : 1;
                     double ang = t * inv, c = cos(ang) * scale, sn = sin(ang) * scale;
-                    double a = vec[i], b = vec[i + hd / 2];
+                    double a = vec[i], b = vec[i + nr / 2];
                     vec[i] = a * c - b * sn;
-                    vec[i + hd / 2] = b * c + a * sn;
+                    vec[i + nr / 2] = b * c + a * sn;
                 }
             }
         }
@@ -417,7 +446,7 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
                 xt[i] += o[i];
             memcpy(h, xt, (size_t)D * sizeof *h);
             rms_norm(h, D, ln2, s->eps);
-            if (moe) {
+            if (sparse) {
                 reference_moe(st, moe, l, D, h, xt);
                 continue;
             }
@@ -766,6 +795,130 @@ static void test_yarn(const loom_safetensors *st, const shape *s, const char *qw
     unlink(gguf);
 }
 
+/* GLM-4.5 (Glm4MoeForCausalLM) from tiny-qwen2: its attention (q/k/v biases) with NeoX RoPE over
+ * half of each head, layer 0 dense (tiny-qwen2's MLP), layer 1 four experts routed by sigmoid
+ * scores chosen with e_score_correction_bias, top 2, renormalised and scaled by 2.5, and one
+ * shared expert; against the reference with transformers' Glm4MoeTopkRouter rules. */
+static void test_glm45(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+{
+    int32_t ids[64];
+    int T = plain_prompt(ids, 64);
+    moe_shape moe = {.experts = 4,
+                     .k = 2,
+                     .ff = 16,
+                     .normalize = 1,
+                     .least_gap = INFINITY,
+                     .sigmoid = 1,
+                     .shared_ff = 16,
+                     .n_dense = 1,
+                     .scale = 2.5};
+    char folder[4200], gguf[4200], p[4400];
+    snprintf(folder, sizeof folder, "%s/glm45", tmp);
+    snprintf(gguf, sizeof gguf, "%s/glm45-f32.gguf", tmp);
+    mkdir(folder, 0755);
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    for (int i = 0; i < st->n_tensors; i++) {
+        int layer = -1;
+        sscanf(st->tensors[i].name, "model.layers.%d.", &layer);
+        if (!(layer >= moe.n_dense && strstr(st->tensors[i].name, ".mlp.")))
+            st_add(&o, st->tensors[i].name, st->tensors[i].dtype, st->tensors[i].n_dims,
+                   st->tensors[i].shape, st->tensors[i].data, st->tensors[i].size);
+    }
+    for (int l = moe.n_dense; l < s->layers; l++) {
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
+        add_matrix(&o, name, moe.experts, s->d, 1.5, 7.0 + l);
+        float bias[4] = {0.05f, -0.2f, 0.3f, -0.1f}; /* reorders the choice, as DeepSeek's does */
+        int64_t bshape[1] = {moe.experts};
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
+        st_add(&o, name, "F32", 1, bshape, bias, sizeof bias);
+        static const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
+        for (int e = 0; e <= moe.experts; e++) /* the last: the shared expert */
+            for (int j = 0; j < 3; j++) {
+                if (e < moe.experts)
+                    snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%d.%s.weight", l, e,
+                             proj[j]);
+                else
+                    snprintf(name, sizeof name, "model.layers.%d.mlp.shared_experts.%s.weight", l,
+                             proj[j]);
+                add_matrix(&o, name, j == 2 ? s->d : moe.ff, j == 2 ? moe.ff : s->d, 0.4,
+                           5.0 + l * 13 + e * 3 + j);
+            }
+    }
+    snprintf(p, sizeof p, "%s/model.safetensors", folder);
+    CHECK(st_write(&o, p) == 0, "writing %s", p);
+    char cfg[2048];
+    /* GLM-4.5-Air's config keys, with tiny-qwen2's numbers */
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"Glm4MoeForCausalLM\"], \"model_type\": \"glm4_moe\", "
+             "\"hidden_size\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d, "
+             "\"head_dim\": %d, \"num_hidden_layers\": %d, \"intermediate_size\": %d, "
+             "\"rms_norm_eps\": %g, \"rope_theta\": %.1f, \"max_position_embeddings\": 131072, "
+             "\"vocab_size\": %d, \"attention_bias\": true, \"tie_word_embeddings\": true, "
+             "\"partial_rotary_factor\": 0.5, \"first_k_dense_replace\": %d, "
+             "\"n_routed_experts\": %d, \"num_experts_per_tok\": %d, \"moe_intermediate_size\": "
+             "%d, \"n_shared_experts\": 1, \"routed_scaling_factor\": 2.5, \"norm_topk_prob\": "
+             "true, \"n_group\": 1, \"topk_group\": 1, \"use_qk_norm\": false, "
+             "\"num_nextn_predict_layers\": 1, \"hidden_act\": \"silu\", \"torch_dtype\": "
+             "\"float16\"}",
+             s->d, s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab,
+             moe.n_dense, moe.experts, moe.k, moe.ff);
+    write_text(folder, "config.json", cfg);
+    static const char *const copied[] = {"vocab.json", "merges.txt", "tokenizer_config.json",
+                                         "generation_config.json"};
+    for (size_t i = 0; i < sizeof copied / sizeof copied[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", qwen2_dir, copied[i]);
+        link_file(folder, copied[i], p);
+    }
+    loom_safetensors gst;
+    if (loom_safetensors_open(&gst, folder, err, sizeof err) != 0) {
+        CHECK(0, "the GLM-4.5 folder: %s", err);
+        return;
+    }
+    rope_shape half = {.attention = 1, .n_rot = s->hd / 2};
+    for (int i = 0; i < s->hd / 4; i++)
+        half.inv_freq[i] = pow(s->theta, -2.0 * i / (s->hd / 2));
+    double *ref = reference_logits(&gst, s, NULL, &moe, &half, ids, T);
+    CHECK(moe.least_gap > 1e-3, "the routing is clear-cut (least gap %g)", moe.least_gap);
+    /* the check could fail: softmax routing, or the choice bias ignored, moves the logits */
+    moe_shape softmax = moe;
+    softmax.sigmoid = 0;
+    double *other = reference_logits(&gst, s, NULL, &softmax, &half, ids, T);
+    double moved = 0;
+    for (int i = 0; i < s->vocab; i++)
+        moved = fmax(moved, fabs(ref[i] - other[i]));
+    CHECK(moved > 0.01, "sigmoid routing changes the logits by %g only", moved);
+    free(other);
+    loom_safetensors_close(&gst);
+
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    CHECK(!strcmp(gguf_arch(gguf), "glm4moe"), "the converted file is GGUF 'glm4moe', not '%s'",
+          gguf_arch(gguf));
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        for (int which = 0; which < 2; which++) {
+            const char *path = which ? folder : gguf;
+            double tol = which ? 1e-3 : 1e-4; /* the folder keeps f16 weights */
+            loom_model_options mo = {.backend = backends[b], .kv_type = "f32"};
+            loom_model *m = loom_model_open(path, &mo, err, sizeof err);
+            CHECK(m != NULL, "GLM-4.5 %s on %s: %s", which ? "folder" : "gguf", backends[b], err);
+            if (!m)
+                continue;
+            loom_sampling g = loom_sampling_defaults();
+            g.temperature = 0;
+            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+            CHECK(rc == 0, "GLM-4.5 generate: %s", err);
+            const float *got = loom_prompt_logits(m);
+            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
+            CHECK(d <= tol, "GLM-4.5 %s on %s: logits off the reference by %g (> %g)",
+                  which ? "folder" : "gguf", backends[b], d, tol);
+            loom_model_close(m);
+        }
+    free(ref);
+    unlink(gguf);
+}
+
 int main(void)
 {
     snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
@@ -790,6 +943,7 @@ int main(void)
     test_qwen3(&st, &s, qwen2_dir);
     test_qwen3moe(&st, &s, qwen2_dir);
     test_yarn(&st, &s, qwen2_dir);
+    test_glm45(&st, &s, qwen2_dir);
     loom_safetensors_close(&st);
     char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
