@@ -664,6 +664,34 @@ static void test_qwen3(const loom_safetensors *st, const shape *s, const char *q
     unlink(gguf);
 }
 
+/* The converted GGUF (f32, within 1e-4) and the folder (f16 weights, 1e-3) on every usable
+ * backend against the reference's last logits for ids. */
+static void check_forms(const char *what, const char *gguf, const char *folder, const double *ref,
+                        int vocab, const int32_t *ids, int T)
+{
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        for (int which = 0; which < 2; which++) {
+            const char *path = which ? folder : gguf;
+            double tol = which ? 1e-3 : 1e-4;
+            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
+            loom_model *m = loom_model_open(path, &o, err, sizeof err);
+            CHECK(m != NULL, "%s %s on %s: %s", what, which ? "folder" : "gguf", backends[b], err);
+            if (!m)
+                continue;
+            loom_sampling g = loom_sampling_defaults();
+            g.temperature = 0;
+            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+            CHECK(rc == 0, "%s generate: %s", what, err);
+            const float *got = loom_prompt_logits(m);
+            double d = got ? max_diff(ref, got, vocab) : 1e9;
+            CHECK(d <= tol, "%s %s on %s: logits off the reference by %g (> %g)", what,
+                  which ? "folder" : "gguf", backends[b], d, tol);
+            loom_model_close(m);
+        }
+}
+
 /* Qwen3-MoE: Qwen3 above with every MLP replaced by 6 experts of width 16, top 3, renormalised
  * (Qwen3-30B-A3B's norm_topk_prob), against the reference with transformers' routing. */
 static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
@@ -700,26 +728,7 @@ static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char
     CHECK(!strcmp(gguf_arch(gguf), "qwen3moe"), "the converted file is GGUF 'qwen3moe', not '%s'",
           gguf_arch(gguf));
     check_gguf_conventions(gguf, "Qwen3-MoE (converted)");
-    static char backends[MAX_TEST_BACKENDS][160];
-    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int b = 0; b < nb; b++)
-        for (int which = 0; which < 2; which++) {
-            const char *path = which ? folder : gguf;
-            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
-            loom_model *m = loom_model_open(path, &o, err, sizeof err);
-            CHECK(m != NULL, "Qwen3-MoE %s on %s: %s", which ? "folder" : "gguf", backends[b], err);
-            if (!m)
-                continue;
-            loom_sampling g = loom_sampling_defaults();
-            g.temperature = 0;
-            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
-            CHECK(rc == 0, "Qwen3-MoE generate: %s", err);
-            const float *got = loom_prompt_logits(m);
-            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
-            CHECK(d <= 1e-4, "Qwen3-MoE %s on %s: logits off the reference by %g (> 1e-4)",
-                  which ? "folder" : "gguf", backends[b], d);
-            loom_model_close(m);
-        }
+    check_forms("Qwen3-MoE", gguf, folder, ref, s->vocab, ids, T);
     free(ref);
     for (int i = 0; i < 2 * s->layers; i++)
         free(norms[i]);
@@ -769,28 +778,7 @@ static void test_yarn(const loom_safetensors *st, const shape *s, const char *qw
     CHECK(moved > 0.01, "YaRN changes the reference's logits by %g only", moved);
     free(plain);
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
-    static char backends[MAX_TEST_BACKENDS][160];
-    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int b = 0; b < nb; b++)
-        for (int which = 0; which < 2; which++) {
-            const char *path = which ? folder : gguf;
-            double tol = which ? 1e-3 : 1e-4; /* the folder keeps f16 weights */
-            loom_model_options o = {.backend = backends[b], .kv_type = "f32"};
-            loom_model *m = loom_model_open(path, &o, err, sizeof err);
-            CHECK(m != NULL, "Qwen2 YaRN %s on %s: %s", which ? "folder" : "gguf", backends[b],
-                  err);
-            if (!m)
-                continue;
-            loom_sampling g = loom_sampling_defaults();
-            g.temperature = 0;
-            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
-            CHECK(rc == 0, "Qwen2 YaRN generate: %s", err);
-            const float *got = loom_prompt_logits(m);
-            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
-            CHECK(d <= tol, "Qwen2 YaRN %s on %s: logits off the reference by %g (> %g)",
-                  which ? "folder" : "gguf", backends[b], d, tol);
-            loom_model_close(m);
-        }
+    check_forms("Qwen2 YaRN", gguf, folder, ref, s->vocab, ids, T);
     free(ref);
     unlink(gguf);
 }
@@ -894,27 +882,7 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "glm4moe"), "the converted file is GGUF 'glm4moe', not '%s'",
           gguf_arch(gguf));
-    static char backends[MAX_TEST_BACKENDS][160];
-    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int b = 0; b < nb; b++)
-        for (int which = 0; which < 2; which++) {
-            const char *path = which ? folder : gguf;
-            double tol = which ? 1e-3 : 1e-4; /* the folder keeps f16 weights */
-            loom_model_options mo = {.backend = backends[b], .kv_type = "f32"};
-            loom_model *m = loom_model_open(path, &mo, err, sizeof err);
-            CHECK(m != NULL, "GLM-4.5 %s on %s: %s", which ? "folder" : "gguf", backends[b], err);
-            if (!m)
-                continue;
-            loom_sampling g = loom_sampling_defaults();
-            g.temperature = 0;
-            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
-            CHECK(rc == 0, "GLM-4.5 generate: %s", err);
-            const float *got = loom_prompt_logits(m);
-            double d = got ? max_diff(ref, got, s->vocab) : 1e9;
-            CHECK(d <= tol, "GLM-4.5 %s on %s: logits off the reference by %g (> %g)",
-                  which ? "folder" : "gguf", backends[b], d, tol);
-            loom_model_close(m);
-        }
+    check_forms("GLM-4.5", gguf, folder, ref, s->vocab, ids, T);
     free(ref);
     unlink(gguf);
 }
