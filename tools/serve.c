@@ -1507,9 +1507,7 @@ int loom_serve_main(int argc, char **argv)
         fprintf(stderr,
                 "loom serve: cannot listen on %s:%ld: %s (is the port in use? try --port)\n", host,
                 port, strerror(errno));
-        loom_engine_stop(srv.engine, 0);
-        loom_engine_free(srv.engine);
-        loom_model_close(m);
+        served_free(srv.live); /* the first model and its engine */
         return 1;
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
