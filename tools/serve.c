@@ -55,8 +55,7 @@ typedef struct served {
 } served;
 
 typedef struct server {
-    openai_model api; /* the first model's settings, which a reload keeps */
-    loom_engine *engine;
+    openai_model api; /* the first model's settings, which a reload keeps (its model: live's) */
     served *live, *retired; /* under live_lock */
     pthread_mutex_t live_lock;
     pthread_mutex_t reload_lock; /* one reload at a time */
@@ -1466,8 +1465,8 @@ int loom_serve_main(int argc, char **argv)
                               .max_tokens_per_step = (int32_t)max_step,
                               .max_queue = (int32_t)max_queue,
                               .batch_wait_ms = batch_wait};
-    srv.engine = loom_engine_start(m, &eo, err, sizeof err);
-    if (!srv.engine) {
+    loom_engine *engine = loom_engine_start(m, &eo, err, sizeof err);
+    if (!engine) {
         fprintf(stderr, "loom serve: %s\n", err);
         loom_model_close(m);
         return 2;
@@ -1477,11 +1476,11 @@ int loom_serve_main(int argc, char **argv)
     srv.model_path = of.model, srv.mo = mo, srv.eo = eo;
     srv.name_flag = name, srv.tmpl_flag = tmpl;
     srv.can_reload = !loom_distributed_job(of.distributed ? 2 : 1);
-    served first = {.api = srv.api, .engine = srv.engine, .refs = 1};
+    served first = {.api = srv.api, .engine = engine, .refs = 1};
     srv.live = malloc(sizeof *srv.live);
     if (!srv.live) {
-        loom_engine_stop(srv.engine, 0);
-        loom_engine_free(srv.engine);
+        loom_engine_stop(engine, 0);
+        loom_engine_free(engine);
         loom_model_close(m);
         return 1;
     }
@@ -1511,7 +1510,7 @@ int loom_serve_main(int argc, char **argv)
         return 1;
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
-    loom_engine_stats st = loom_engine_get_stats(srv.engine);
+    loom_engine_stats st = loom_engine_get_stats(engine);
     fprintf(stderr,
             "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
             srv.api.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
