@@ -602,7 +602,14 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
         : hp->n_rot < 0 || hp->n_rot > hp->head_dim || hp->n_rot % 2
         ? "the rotated dimensions (rope.dimension_count) must be even and at most the head width"
         : hp->n_swa < 0 ? "the sliding window (attention.sliding_window) must not be negative"
-        : hp->n_expert < 0 || hp->n_expert > LOOM_MAX_EXPERTS
+                        : NULL;
+    if (bad) {
+        snprintf(err, err_size, "%s: %s (epsilon %g, base %g, scale %g, head %d, rotated %d)",
+                 hp->arch, bad, (double)hp->norm_eps, (double)hp->rope_base, (double)hp->rope_scale,
+                 hp->head_dim, hp->n_rot);
+        return -1;
+    }
+    bad = hp->n_expert < 0 || hp->n_expert > LOOM_MAX_EXPERTS
         ? "the expert count (expert_count) must be from 0 to 1024 (LOOM_MAX_EXPERTS)"
         : hp->n_expert &&
             (hp->n_expert_used < 1 || hp->n_expert_used > hp->n_expert || hp->n_ff_exp <= 0)
@@ -612,9 +619,9 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
         ? "the experts' weight scale (expert_weights_scale) must be finite and above 0"
         : NULL;
     if (bad)
-        snprintf(err, err_size, "%s: %s (epsilon %g, base %g, scale %g, head %d, rotated %d)",
-                 hp->arch, bad, (double)hp->norm_eps, (double)hp->rope_base, (double)hp->rope_scale,
-                 hp->head_dim, hp->n_rot);
+        snprintf(err, err_size, "%s: %s (experts %d, chosen %d, width %d, weight scale %g)",
+                 hp->arch, bad, hp->n_expert, hp->n_expert_used, hp->n_ff_exp,
+                 (double)hp->moe_scale);
     return bad ? -1 : 0;
 }
 
