@@ -458,7 +458,9 @@ static void check_admission(const char *gguf)
     r.priority = 0, submit(&c[2], &r, 2);
     r.priority = 5, submit(&c[3], &r, 3);
     int64_t refused = loom_engine_submit(engine, &small, on_event, &c[4], err, sizeof err);
-    int a_running = !started(&c[0]) || !c[0].done;
+    pthread_mutex_lock(&mu);
+    int a_running = !c[0].done; /* else the order below says nothing */
+    pthread_mutex_unlock(&mu);
     CHECK(refused == LOOM_ENGINE_BUSY && strstr(err, "busy"),
           "a fourth waiting request is refused (BUSY, 'busy'): %lld %s", (long long)refused, err);
     wait_all(c, 4);
