@@ -446,10 +446,14 @@ static int tokenizer_json(conv *c, cJSON *tj)
             v.tokens[(int32_t)e->valuedouble] = e->string, v.types[(int32_t)e->valuedouble] = 1;
     cJSON *bos_name = cJSON_GetObjectItem(c->tok_config, "bos_token");
     cJSON *eos_name = cJSON_GetObjectItem(c->tok_config, "eos_token");
+    int glm_marks = 0; /* GLM-4-0414 and GLM-4.5 share Llama-3's pattern; their prompts start
+                        * [gMASK] <sop>, which llama.cpp's converter records as pre "glm4" */
     cJSON_ArrayForEach (e, added) {
         cJSON *content = cJSON_GetObjectItem(e, "content");
         if (rc || !cJSON_IsString(content))
             continue;
+        glm_marks += !strcmp(content->valuestring, "[gMASK]") +
+            !strcmp(content->valuestring, "<sop>");
         id = (int32_t)cJSON_GetObjectItem(e, "id")->valuedouble;
         v.tokens[id] = content->valuestring;
         v.types[id] = cJSON_IsTrue(cJSON_GetObjectItem(e, "special")) ? 3 : 4;
@@ -479,6 +483,8 @@ static int tokenizer_json(conv *c, cJSON *tj)
         i++;
     }
     cJSON *ab = cJSON_GetObjectItem(c->tok_config, "add_bos_token");
+    if (glm_marks == 2 && !strcmp(pre, "llama-bpe"))
+        pre = "glm4";
     if (rc == 0)
         rc = bpe_vocab_write(c, &v, pre, ab ? cJSON_IsTrue(ab) : v.bos >= 0);
     bpe_vocab_free(&v);

@@ -245,7 +245,7 @@ loom_tokenizer *loom_tokenizer_from_gguf(const loom_gguf *g, char *err, size_t e
     const char *pre;
     uint64_t pre_len;
     if (!t->n_prefix && loom_gguf_get_str(g, "tokenizer.ggml.pre", &pre, &pre_len) == 0 &&
-        pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0) {
+        tok_pre_is_glm(pre, pre_len)) {
         /* a GLM-4 file from another converter: its prompts start [gMASK] <sop> all the same */
         int32_t gmask = tok_lookup(t, "[gMASK]", 7), sop = tok_lookup(t, "<sop>", 5);
         if (gmask >= 0 && sop >= 0)

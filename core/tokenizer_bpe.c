@@ -32,6 +32,11 @@ int tok_default_add_bos(const loom_gguf *g, int bpe)
     return !bpe;
 }
 
+int tok_pre_is_glm(const char *pre, uint64_t len)
+{
+    return (len == 11 && !memcmp(pre, "chatglm-bpe", 11)) || (len == 4 && !memcmp(pre, "glm4", 4));
+}
+
 /* Pre-tokenizer patterns, by tokenizer.ggml.pre (the regexes the models were trained with). */
 static const struct {
     const char *name, *pattern;
@@ -40,8 +45,11 @@ static const struct {
      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     {"llama-bpe",
      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    /* GLM-4: Llama-3's pattern (both come from tiktoken's cl100k) */
+    /* GLM-4: Llama-3's pattern (both come from tiktoken's cl100k); llama.cpp's converter
+     * names it chatglm-bpe for glm-4-9b-chat and glm4 for GLM-4-0414 and GLM-4.5 */
     {"chatglm-bpe",
+     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"glm4",
      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
     {"gpt2", "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"},
 };
@@ -144,14 +152,14 @@ int tok_bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_s
     if (!pattern) {
         snprintf(err, err_size,
                  "pre-tokenizer '%.*s' is not supported yet (loom knows: qwen2, "
-                 "llama-bpe, chatglm-bpe, gpt2)",
+                 "llama-bpe, chatglm-bpe, glm4, gpt2)",
                  (int)(pre_len < 40 ? pre_len : 40), pre);
         return -1;
     }
     t->nfc = pre_len == 5 && memcmp(pre, "qwen2", 5) == 0;
     /* tiktoken-trained vocabularies: a pre-token that is a token is emitted whole */
     t->ignore_merges = (pre_len == 9 && memcmp(pre, "llama-bpe", 9) == 0) ||
-        (pre_len == 11 && memcmp(pre, "chatglm-bpe", 11) == 0);
+        tok_pre_is_glm(pre, pre_len);
     int code;
     PCRE2_SIZE off;
     t->re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code,

@@ -142,6 +142,9 @@ size_t tok_utf8_char(const unsigned char *s, size_t n, int *whole);
 
 /* tokenizer_bpe.c */
 int tok_default_add_bos(const loom_gguf *g, int bpe);
+/* Whether tokenizer.ggml.pre names GLM-4's vocabulary (chatglm-bpe, or glm4 as llama.cpp's
+ * converter writes for GLM-4-0414 and GLM-4.5): prompts start [gMASK] <sop>, no BOS. */
+int tok_pre_is_glm(const char *pre, uint64_t len);
 int tok_bpe_setup(loom_tokenizer *t, const loom_gguf *g, char *err, size_t err_size);
 int tok_bpe_fragment(const loom_tokenizer *t, const char *raw, size_t len, out_ids *o);
 

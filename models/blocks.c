@@ -47,22 +47,25 @@ void loom_attn_block(loom_runner *r, const loom_hparams *hp, int layer, const lo
     loom_rt_attention(r, &b->q3, layer,
                       hp->attn_factor * hp->attn_factor / sqrtf((float)hp->head_dim), &b->att3);
     loom_rt_matmul(r, &b->att, w->wo, NULL, &b->h);
+    if (w->post_norm)
+        loom_rt_rms_norm(r, &b->h, w->post_norm, hp->norm_eps, &b->h);
     loom_rt_add(r, x, &b->h, x);
 }
 
 void loom_ffn_swiglu(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
-                     const loom_tensor *norm, const loom_tensor *w_gate, const loom_tensor *w_up,
-                     const loom_tensor *w_down, const loom_ffn_buffers *b)
+                     const loom_ffn_weights *w, const loom_ffn_buffers *b)
 {
-    loom_rt_rms_norm(r, x, norm, hp->norm_eps, &b->h);
-    if (w_up) {
-        loom_rt_matmul(r, &b->h, w_gate, NULL, &b->gate);
-        loom_rt_matmul(r, &b->h, w_up, NULL, &b->up);
+    loom_rt_rms_norm(r, x, w->norm, hp->norm_eps, &b->h);
+    if (w->up) {
+        loom_rt_matmul(r, &b->h, w->gate, NULL, &b->gate);
+        loom_rt_matmul(r, &b->h, w->up, NULL, &b->up);
     } else {
-        loom_rt_matmul(r, &b->h, w_gate, NULL, &b->fused);
+        loom_rt_matmul(r, &b->h, w->gate, NULL, &b->fused);
     }
     loom_rt_silu_mul(r, &b->gate, &b->up, &b->act);
-    loom_rt_matmul(r, &b->act, w_down, NULL, &b->h);
+    loom_rt_matmul(r, &b->act, w->down, NULL, &b->h);
+    if (w->post_norm)
+        loom_rt_rms_norm(r, &b->h, w->post_norm, hp->norm_eps, &b->h);
     loom_rt_add(r, x, &b->h, x);
 }
 

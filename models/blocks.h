@@ -18,6 +18,8 @@ typedef struct loom_attn_weights {
     const loom_tensor *wq, *wk, *wv, *bq, *bk, *bv;
     const loom_tensor *q_norm, *k_norm; /* per-head RMSNorm of Q and K (Qwen3) */
     const loom_tensor *wo;
+    const loom_tensor *post_norm;  /* RMSNorm of the block's output before the residual add
+                                    * (GLM-4-0414's post_self_attn_layernorm), or NULL */
     const loom_tensor *rope_freqs; /* RoPE frequency divisors (Llama 3.1), for every layer */
 } loom_attn_weights;
 
@@ -30,7 +32,8 @@ typedef struct loom_attn_buffers {
 /* The buffers for n tokens of hp's shape (a step's scratch). */
 loom_attn_buffers loom_attn_buffers_new(loom_runner *r, const loom_hparams *hp, int64_t n);
 
-/* x += wo attention(rope(q), rope(k), v), q, k, v projected from rms_norm(x) * norm. */
+/* x += wo attention(rope(q), rope(k), v), q, k, v projected from rms_norm(x) * norm (and the
+ * sum normalised by post_norm first, where there is one). */
 void loom_attn_block(loom_runner *r, const loom_hparams *hp, int layer, const loom_tensor *x,
                      const loom_attn_weights *w, const loom_attn_buffers *b);
 
@@ -40,11 +43,18 @@ typedef struct loom_ffn_buffers {
     loom_tensor h, fused, gate, up, act;
 } loom_ffn_buffers;
 
-/* x += w_down (silu(w_gate h) * w_up h), h = rms_norm(x) * norm. w_up NULL: w_gate is the
- * fused [gate; up] projection (ChatGLM's dense_h_to_4h), writing b->fused. */
+/* One layer's SwiGLU feed-forward weights. up NULL: gate is the fused [gate; up] projection
+ * (ChatGLM's dense_h_to_4h, GLM-4-0414's gate_up_proj). */
+typedef struct loom_ffn_weights {
+    const loom_tensor *norm; /* RMSNorm before the block */
+    const loom_tensor *gate, *up, *down;
+    const loom_tensor *post_norm; /* RMSNorm of the block's output (GLM-4-0414), or NULL */
+} loom_ffn_weights;
+
+/* x += down (silu(gate h) * up h), h = rms_norm(x) * norm; with post_norm the sum is
+ * rms_norm(...) * post_norm. A fused projection writes b->fused. */
 void loom_ffn_swiglu(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
-                     const loom_tensor *norm, const loom_tensor *w_gate, const loom_tensor *w_up,
-                     const loom_tensor *w_down, const loom_ffn_buffers *b);
+                     const loom_ffn_weights *w, const loom_ffn_buffers *b);
 
 /* A mixture-of-experts feed-forward layer's weights (GGUF's names): the router, the experts
  * stacked [experts, ...], and a shared expert every token runs, NULL where the family has

@@ -120,7 +120,8 @@ static int glm_forward(loom_runner *r, void *state, const loom_batch *b)
         const glm_layer *L = &m->layers[l];
         loom_attn_weights w = {.norm = L->attn_norm, .wqkv = L->wqkv, .bqkv = L->bqkv, .wo = L->wo};
         loom_attn_block(r, hp, l, &x, &w, &ab);
-        loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_up, NULL, L->w_down, &fb);
+        loom_ffn_weights f = {.norm = L->ffn_norm, .gate = L->w_up, .down = L->w_down};
+        loom_ffn_swiglu(r, hp, &x, &f, &fb);
     }
     loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);

@@ -1,7 +1,7 @@
 /*
  * models/llama.c - the Llama family's forward pass (GGUF architectures "llama", "qwen2",
- * "qwen3" and "qwen", the last being Qwen v1, and the mixture-of-experts "qwen2moe" and
- * "qwen3moe").
+ * "qwen3" and "qwen", the last being Qwen v1, GLM-4-0414's "glm4", and the mixture-of-experts
+ * "qwen2moe", "qwen3moe" and "glm4moe").
  *
  * One pre-norm decoder block, repeated: RMSNorm -> Q, K, V projections (Qwen2 adds biases) ->
  * RoPE -> store K, V in the cache -> attention over the cache -> output projection ->
@@ -15,7 +15,10 @@
  *     what the names suggest, so w2 is stored as ffn_gate and w1 as ffn_up (llama.cpp's names);
  *   - Qwen2-MoE and Qwen3-MoE replace the MLP with a mixture of experts (models/blocks.c,
  *     loom_ffn_moe): Qwen2-MoE with a sigmoid-gated shared expert, Qwen3-MoE with Qwen3's
- *     attention and none.
+ *     attention and none;
+ *   - GLM-4-0414 normalises each block's output again before the residual add
+ *     (post_attention_norm, post_ffw_norm), projects gate and up with one matrix (ffn_up, [gate;
+ *     up] rows), and rotates adjacent pairs of the first half of each head.
  *
  * RoPE: GGUF "llama" files store Q and K with their rows permuted so that rotation pairs are
  * adjacent (the convert tools' permutation of the Hugging Face weights), so they rotate
@@ -38,9 +41,11 @@ typedef struct llama_layer {
     const loom_tensor *q_norm, *k_norm; /* Qwen3: [head_dim], else NULL */
     const loom_tensor *wo;              /* [n_embd, n_head * head_dim] */
     const loom_tensor *ffn_norm;        /* [n_embd] */
-    const loom_tensor *w_gate, *w_up;   /* [n_ff, n_embd] */
+    const loom_tensor *w_gate, *w_up;   /* [n_ff, n_embd]; GLM-4-0414: w_gate [2 n_ff, n_embd]
+                                         * is gate and up fused, w_up NULL */
     const loom_tensor *w_down;          /* [n_embd, n_ff] */
-    loom_moe_weights moe;               /* Qwen2/3-MoE: when moe.router is set, instead */
+    const loom_tensor *attn_post_norm, *ffn_post_norm; /* GLM-4-0414: [n_embd], else NULL */
+    loom_moe_weights moe; /* Qwen2/3-MoE: when moe.router is set, instead */
 } llama_layer;
 
 typedef struct llama_model {
@@ -253,9 +258,15 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length",
                                               hp->n_embd / hp->n_head);
     hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
-    int fused = strcmp(arch, "qwen") == 0, head_norms = strncmp(arch, "qwen3", 5) == 0;
+    int glm4 = strcmp(arch, "glm4") == 0;
+    if (glm4) /* partial_rotary_factor: Hugging Face's default is half of each head */
+        hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim / 2);
+    /* Qwen v1 always fuses Q, K and V; GLM-4-0414 files may (llama.cpp reads either) */
+    int fused = strcmp(arch, "qwen") == 0 ||
+        (glm4 && loom_gguf_find_tensor(g, "blk.0.attn_qkv.weight") != NULL);
+    int head_norms = strncmp(arch, "qwen3", 5) == 0;
     int optional_norms = strcmp(arch, "glm4moe") == 0; /* GLM-4.5's use_qk_norm */
-    hp->rope_mode = strcmp(arch, "llama") == 0 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
+    hp->rope_mode = strcmp(arch, "llama") == 0 || glm4 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
 
     llama_model *m = calloc(1, sizeof *m);
     if (!m || !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
@@ -319,6 +330,11 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!m->layers[l].moe.shexp_gate);
             W(moe.shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", 0);
             m->layers[l].moe.norm = m->layers[l].ffn_norm;
+        } else if (glm4) {
+            W(w_gate, "blk.%d.ffn_up.weight", 1); /* [gate; up] */
+            W(w_down, "blk.%d.ffn_down.weight", 1);
+            W(attn_post_norm, "blk.%d.post_attention_norm.weight", 1);
+            W(ffn_post_norm, "blk.%d.post_ffw_norm.weight", 1);
         } else {
             W(w_gate, "blk.%d.ffn_gate.weight", 1);
             W(w_up, "blk.%d.ffn_up.weight", 1);
@@ -338,6 +354,9 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         (fused ? L0->wqkv->ne[1] == q_dim + 2 * kv_dim
                : L0->wq->ne[1] == q_dim && L0->wk->ne[1] == kv_dim) &&
         (!L0->q_norm || (L0->q_norm->ne[0] == hp->head_dim && L0->k_norm->ne[0] == hp->head_dim)) &&
+        (!glm4 ||
+         (L0->w_gate->ne[1] == 2 * (int64_t)hp->n_ff && L0->attn_post_norm->ne[0] == hp->n_embd &&
+          L0->ffn_post_norm->ne[0] == hp->n_embd)) &&
         (!m->rope_freqs ||
          (m->rope_freqs->ne[0] == hp->n_rot / 2 && m->rope_freqs->dtype == LOOM_F32));
     for (int l = 0; moe && shapes_ok && l < hp->n_layer; l++)
@@ -374,6 +393,11 @@ static int qwen_load(loom_runner *r, loom_hparams *hp, void **state, char *err, 
     return load(r, hp, state, "qwen", err, n);
 }
 
+static int glm4_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t n)
+{
+    return load(r, hp, state, "glm4", err, n);
+}
+
 static int qwen2moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t n)
 {
     return load(r, hp, state, "qwen2moe", err, n);
@@ -400,7 +424,12 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
     loom_moe_buffers mb = {0};
     if (hp->n_expert)
         mb = loom_moe_buffers_new(r, hp, n, hp->n_ff_shexp > 0);
-    if (!hp->n_expert || m->n_dense) { /* dense layers, all or GLM-4.5's first */
+    if (m->layers[0].w_gate && !m->layers[0].w_up) { /* GLM-4-0414's [gate; up] */
+        fb.fused = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_ff, n, 1);
+        fb.gate = loom_rt_cols(&fb.fused, 0, hp->n_ff);
+        fb.up = loom_rt_cols(&fb.fused, hp->n_ff, hp->n_ff);
+        fb.act = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    } else if (!hp->n_expert || m->n_dense) { /* dense layers, all or GLM-4.5's first */
         fb.gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
         fb.up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
         fb.act = fb.gate;
@@ -423,12 +452,18 @@ static int llama_forward(loom_runner *r, void *state, const loom_batch *b)
                                .q_norm = L->q_norm,
                                .k_norm = L->k_norm,
                                .wo = L->wo,
+                               .post_norm = L->attn_post_norm,
                                .rope_freqs = m->rope_freqs};
         loom_attn_block(r, hp, l, &x, &w, &ab);
+        loom_ffn_weights f = {.norm = L->ffn_norm,
+                              .gate = L->w_gate,
+                              .up = L->w_up,
+                              .down = L->w_down,
+                              .post_norm = L->ffn_post_norm};
         if (L->moe.router)
             loom_ffn_moe(r, hp, &x, &L->moe, &mb);
         else
-            loom_ffn_swiglu(r, hp, &x, L->ffn_norm, L->w_gate, L->w_up, L->w_down, &fb);
+            loom_ffn_swiglu(r, hp, &x, &f, &fb);
     }
     loom_rt_logits(r, b, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
@@ -442,6 +477,8 @@ const loom_arch loom_arch_qwen3 = {
     .name = "qwen3", .load = qwen3_load, .forward = llama_forward, .free_state = llama_free};
 const loom_arch loom_arch_qwen = {
     .name = "qwen", .load = qwen_load, .forward = llama_forward, .free_state = llama_free};
+const loom_arch loom_arch_glm4 = {
+    .name = "glm4", .load = glm4_load, .forward = llama_forward, .free_state = llama_free};
 const loom_arch loom_arch_qwen2moe = {
     .name = "qwen2moe", .load = qwen2moe_load, .forward = llama_forward, .free_state = llama_free};
 const loom_arch loom_arch_qwen3moe = {
@@ -750,14 +787,49 @@ static const loom_hf_param glm4moe_params[] = {
     {"expert_feed_forward_length", "moe_intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
     {0}};
 
+/* GLM's partial_rotary_factor (0.5 when absent, as transformers' Glm4Config): the rotated
+ * share of each head, as rope.dimension_count. After decoder_derive. */
+static int glm_rotary(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    double partial;
+    if (loom_hf_real(cf, "partial_rotary_factor", 0.5, 0, 1, &partial, err, err_size))
+        return -1;
+    int32_t hd = (int32_t)loom_hf_get(v, "rope.dimension_count");
+    int32_t n_rot = (int32_t)(hd * partial);
+    if (n_rot < 2 || n_rot % 2) {
+        snprintf(err, err_size,
+                 "partial_rotary_factor %g of head_dim %d is not an even number of dimensions",
+                 partial, hd);
+        return -1;
+    }
+    const char *scaling = loom_hf_str(cf, "rope_scaling.rope_type|rope_scaling.type");
+    if (scaling && strcmp(scaling, "linear") && n_rot != hd) {
+        /* YaRN's and Llama 3.1's per-pair divisors are computed over the whole head */
+        snprintf(err, err_size,
+                 "rope_scaling '%s' with partial_rotary_factor %g is not supported (linear is)",
+                 scaling, partial);
+        return -1;
+    }
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, n_rot);
+    return 0;
+}
+
+/* Glm4ForCausalLM (GLM-4-9B-0414, GLM-4-32B-0414, GLM-Z1): Llama's decoder with q/k/v biases
+ * (attention_bias), adjacent-pair RoPE over partial_rotary_factor of each head, gate and up in
+ * one gate_up_proj, and each block's output normalised again before the residual add
+ * (post_self_attn_layernorm, post_mlp_layernorm); llama.cpp's GGUF "glm4" names. */
+static int glm4_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    return decoder_derive(cf, v, err, err_size) || glm_rotary(cf, v, err, err_size) ? -1 : 0;
+}
+
 static int glm4moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
-    if (decoder_derive(cf, v, err, err_size) != 0)
+    if (decoder_derive(cf, v, err, err_size) != 0 || glm_rotary(cf, v, err, err_size) != 0)
         return -1;
-    double partial, scale;
+    double scale;
     int64_t dense, shared, groups, topk_groups;
-    if (loom_hf_real(cf, "partial_rotary_factor", 0.5, 0, 1, &partial, err, err_size) ||
-        loom_hf_real(cf, "routed_scaling_factor", 1.0, 0, 1e6, &scale, err, err_size) ||
+    if (loom_hf_real(cf, "routed_scaling_factor", 1.0, 0, 1e6, &scale, err, err_size) ||
         loom_hf_int(cf, "first_k_dense_replace", 1, 0, INT32_MAX, &dense, err, err_size) ||
         loom_hf_int(cf, "n_shared_experts", 1, 0, 1024, &shared, err, err_size) ||
         loom_hf_int(cf, "n_group", 1, 1, 1024, &groups, err, err_size) ||
@@ -770,14 +842,6 @@ static int glm4moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
                  (long long)groups, (long long)topk_groups);
         return -1;
     }
-    int32_t hd = (int32_t)loom_hf_get(v, "rope.dimension_count");
-    int32_t n_rot = (int32_t)(hd * partial);
-    if (n_rot < 2 || n_rot % 2) {
-        snprintf(err, err_size,
-                 "partial_rotary_factor %g of head_dim %d is not an even number of dimensions",
-                 partial, hd);
-        return -1;
-    }
     if (dense > loom_hf_get(v, "block_count")) {
         snprintf(err, err_size, "first_k_dense_replace %lld exceeds num_hidden_layers %.0f",
                  (long long)dense, loom_hf_get(v, "block_count"));
@@ -788,7 +852,6 @@ static int glm4moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
                  loom_hf_get(v, "expert_used_count"), loom_hf_get(v, "expert_count"));
         return -1;
     }
-    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, n_rot);
     if (dense)
         loom_hf_set(v, "leading_dense_block_count", LOOM_HF_U32, (double)dense);
     if (shared) {
@@ -830,6 +893,19 @@ static const loom_hf_tensor glm4moe_tensors[] = {
      LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
     {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
      LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+    {0}};
+
+static const loom_hf_tensor glm4_tensors[] = {
+    DECODER_HEAD,
+    QKV_WEIGHTS,
+    QKV_BIASES,
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},
+    {"model.layers.%d.post_self_attn_layernorm.weight", "blk.%d.post_attention_norm.weight", 0,
+     NULL},
+    {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL},
+    {"model.layers.%d.mlp.gate_up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},
+    {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
+    {"model.layers.%d.post_mlp_layernorm.weight", "blk.%d.post_ffw_norm.weight", 0, NULL},
     {0}};
 
 static const loom_hf_tensor qwen2_tensors[] = {
@@ -962,6 +1038,12 @@ const loom_family loom_family_qwen3moe = {.arch = &loom_arch_qwen3moe,
                                           .hf_params = moe_params,
                                           .hf_derive = moe_derive,
                                           .hf_tensors = qwen3moe_tensors};
+const loom_family loom_family_glm4 = {.arch = &loom_arch_glm4,
+                                      .chat_template = "glm4",
+                                      .hf_model_type = "glm4",
+                                      .hf_params = decoder_params,
+                                      .hf_derive = glm4_derive,
+                                      .hf_tensors = glm4_tensors};
 const loom_family loom_family_glm4moe = {.arch = &loom_arch_glm4moe,
                                          .chat_template = "glm4",
                                          .hf_model_type = "glm4_moe",

@@ -74,8 +74,9 @@ static void check_gguf_conventions(const char *path, const char *label)
     if (loom_gguf_get_str(&g, "general.architecture", &s, &len) == 0 && len < sizeof arch)
         memcpy(arch, s, len), arch[len] = '\0';
     int moe = !strcmp(arch, "qwen2moe") || !strcmp(arch, "qwen3moe");
+    int glm4 = !strcmp(arch, "glm4"); /* GLM-4-0414: fused ffn_up, two post-norms */
     int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") ||
-        moe;
+        moe || glm4;
     int qwen1 = !strcmp(arch, "qwen"), glm = !strcmp(arch, "chatglm");
     CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'", label,
           arch);
@@ -124,6 +125,11 @@ static void check_gguf_conventions(const char *path, const char *label)
                 convention_shape(&g, label, shared, E, Fs, "blk.%d.ffn_up_shexp.weight", l);
                 convention_shape(&g, label, shared, Fs, E, "blk.%d.ffn_down_shexp.weight", l);
                 convention_shape(&g, label, shared, E, 1, "blk.%d.ffn_gate_inp_shexp.weight", l);
+            } else if (glm4) {
+                convention_shape(&g, label, 1, E, 2 * F, "blk.%d.ffn_up.weight", l);
+                convention_shape(&g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
+                convention_shape(&g, label, 1, E, 0, "blk.%d.post_attention_norm.weight", l);
+                convention_shape(&g, label, 1, E, 0, "blk.%d.post_ffw_norm.weight", l);
             } else {
                 convention_shape(&g, label, 1, E, F, "blk.%d.ffn_gate.weight", l);
                 convention_shape(&g, label, 1, E, F, "blk.%d.ffn_up.weight", l);

@@ -17,6 +17,7 @@
 #include "gguf_conventions.h"
 
 #include "check.h"
+#include "hf_writer.h"
 
 #include <cjson/cJSON.h>
 #include <string.h>
@@ -627,6 +628,70 @@ done:
     rmdir(folder);
 }
 
+/* GLM-4-0414 and GLM-4.5 ship a tokenizer.json with Llama-3's pre-tokenizer pattern and
+ * [gMASK], <sop> among the added tokens, and no BOS. Their own file is not among the fixtures,
+ * so Llama-3's tokenizer.json plays it with those two tokens added: the file must come out as
+ * llama.cpp's converter names it (pre "glm4"), keep llama.cpp's llama-bpe vectors, add no BOS
+ * and start a prompt with [gMASK] <sop>, as the Hugging Face tokenizer does. */
+static void test_glm4_tokenizer_json(void)
+{
+    char folder[4200], src[4200], out[4200];
+    snprintf(folder, sizeof folder, "%s/glm4-0414-tok", tmp);
+    snprintf(src, sizeof src, "%s/tokenizers/llama3/tokenizer.json", dir);
+    snprintf(out, sizeof out, "%s/glm4-0414-tok.gguf", tmp);
+    char *text = slurp(src, NULL);
+    cJSON *tj = text ? cJSON_Parse(text) : NULL;
+    free(text);
+    CHECK(tj != NULL && mkdir(folder, 0700) == 0, "set up %s", folder);
+    if (!tj)
+        return;
+    cJSON *added = cJSON_GetObjectItem(tj, "added_tokens");
+    const int32_t gmask = 128256, sop = 128257; /* after Llama-3's 256 specials */
+    static const char *const marks[] = {"[gMASK]", "<sop>"};
+    for (int i = 0; i < 2; i++) {
+        cJSON *t = cJSON_CreateObject();
+        cJSON_AddNumberToObject(t, "id", gmask + i);
+        cJSON_AddStringToObject(t, "content", marks[i]);
+        cJSON_AddBoolToObject(t, "special", 1);
+        cJSON_AddItemToArray(added, t);
+    }
+    char *json = cJSON_PrintUnformatted(tj);
+    cJSON_Delete(tj);
+    write_text(folder, "tokenizer.json", json);
+    free(json);
+    write_text(folder, "tokenizer_config.json", "{\"eos_token\": \"<|end_of_text|>\"}");
+    CHECK(loom_convert_tokenizer(folder, out, err, sizeof err) == 0, "GLM-4-0414-style: %s", err);
+    loom_gguf g;
+    if (loom_gguf_open(&g, out, err, sizeof err) == 0) {
+        const char *pre;
+        uint64_t len;
+        CHECK(loom_gguf_get_str(&g, "tokenizer.ggml.pre", &pre, &len) == 0 && len == 4 &&
+                  !memcmp(pre, "glm4", 4),
+              "llama.cpp's pre-tokenizer name for GLM-4-0414's tokenizer.json");
+        loom_gguf_close(&g);
+    }
+    loom_vocab *v = loom_vocab_open(out, err, sizeof err);
+    CHECK(v != NULL, "open the GLM-4-0414-style tokenizer: %s", err);
+    if (v) {
+        vocab_vectors(v, "llama-bpe");
+        int32_t got[64], plain[64];
+        int64_t n = loom_vocab_encode(v, "Hello, GLM!", 1, 0, got, 64),
+                np = loom_vocab_encode(v, "Hello, GLM!", 0, 0, plain, 64);
+        CHECK(np > 0 && n == np + 2 && got[0] == gmask && got[1] == sop &&
+                  !memcmp(got + 2, plain, (size_t)np * sizeof *plain),
+              "a GLM-4-0414 prompt starts [gMASK] <sop>, no BOS (%lld ids, plain %lld)",
+              (long long)n, (long long)np);
+        loom_vocab_close(v);
+    }
+    unlink(out);
+    char path[4400];
+    snprintf(path, sizeof path, "%s/tokenizer.json", folder);
+    unlink(path);
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", folder);
+    unlink(path);
+    rmdir(folder);
+}
+
 static void test_errors(void)
 {
     char out[4200];
@@ -678,6 +743,7 @@ int main(void)
     test_chatglm1_tokenizer();
     test_tiktoken();
     test_glm4_tokenizer();
+    test_glm4_tokenizer_json();
     test_errors();
     char p[4200];
     snprintf(p, sizeof p, "%s/stories.gguf", tmp);

@@ -55,6 +55,9 @@ static const char *gguf_arch(const char *path)
 typedef struct shape {
     int d, heads, kv, hd, ff, layers, vocab;
     double eps, theta;
+    /* GLM-4-0414 (Glm4DecoderLayer): gate and up in one gate_up_proj, and each block's output
+     * normalised (post_self_attn_layernorm, post_mlp_layernorm) before the residual add */
+    int fused_gate_up, post_norms;
 } shape;
 
 static shape read_shape(const char *folder)
@@ -63,7 +66,7 @@ static shape read_shape(const char *folder)
     snprintf(p, sizeof p, "%s/config.json", folder);
     char *text = slurp(p, NULL);
     cJSON *c = cJSON_Parse(text);
-    shape s;
+    shape s = {0};
 #define NUM(key) cJSON_GetObjectItem(c, key)->valuedouble
     s.d = (int)NUM("hidden_size"), s.heads = (int)NUM("num_attention_heads");
     s.kv = (int)NUM("num_key_value_heads"), s.ff = (int)NUM("intermediate_size");
@@ -340,7 +343,8 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
 typedef struct rope_shape {
     double inv_freq[128];
     double attention;
-    int n_rot; /* the rotated dimensions, NeoX-style, at the head's start (0: all) */
+    int n_rot;    /* the rotated dimensions, at the head's start (0: all) */
+    int adjacent; /* pairs (2i, 2i + 1), as GLM's interleaved rotate_half; else NeoX halves */
 } rope_shape;
 
 /* transformers' _compute_yarn_parameters (rope_type "yarn", truncate on, no attention_factor
@@ -394,9 +398,21 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
         double *wo = load_f64(st, "model.layers.%d.self_attn.o_proj.weight", l, NULL);
         double *ln2 = load_f64(st, "model.layers.%d.post_attention_layernorm.weight", l, NULL);
         int sparse = moe && l >= moe->n_dense;
-        double *wg = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
-        double *wu = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
-        double *wd = sparse ? NULL : load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
+        double *wg = NULL, *wu = NULL, *wd = NULL, *post_attn = NULL, *post_mlp = NULL;
+        if (!sparse && s->fused_gate_up) { /* [gate; up] rows */
+            wg = load_f64(st, "model.layers.%d.mlp.gate_up_proj.weight", l, NULL);
+            wu = malloc((size_t)F * D * sizeof *wu);
+            memcpy(wu, wg + (size_t)F * D, (size_t)F * D * sizeof *wu);
+        } else if (!sparse) {
+            wg = load_f64(st, "model.layers.%d.mlp.gate_proj.weight", l, NULL);
+            wu = load_f64(st, "model.layers.%d.mlp.up_proj.weight", l, NULL);
+        }
+        if (!sparse)
+            wd = load_f64(st, "model.layers.%d.mlp.down_proj.weight", l, NULL);
+        if (s->post_norms) {
+            post_attn = load_f64(st, "model.layers.%d.post_self_attn_layernorm.weight", l, NULL);
+            post_mlp = load_f64(st, "model.layers.%d.post_mlp_layernorm.weight", l, NULL);
+        }
         for (int t = 0; t < T; t++) {
             memcpy(h, x + (size_t)t * D, (size_t)D * sizeof *h);
             rms_norm(h, D, ln1, s->eps);
@@ -413,9 +429,11 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
                     double inv = rope ? rope->inv_freq[i] : pow(s->theta, -2.0 * i / hd);
                     double scale = rope ? rope->attention : 1;
                     double ang = t * inv, c = cos(ang) * scale, sn = sin(ang) * scale;
-                    double a = vec[i], b = vec[i + nr / 2];
-                    vec[i] = a * c - b * sn;
-                    vec[i + nr / 2] = b * c + a * sn;
+                    int i0 = rope && rope->adjacent ? 2 * i : i;
+                    int i1 = rope && rope->adjacent ? 2 * i + 1 : i + nr / 2;
+                    double a = vec[i0], b = vec[i1];
+                    vec[i0] = a * c - b * sn;
+                    vec[i1] = b * c + a * sn;
                 }
             }
         }
@@ -442,6 +460,8 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
             }
             double *xt = x + (size_t)t * D;
             linear(o, wo, NULL, att, D, H * hd);
+            if (post_attn)
+                rms_norm(o, D, post_attn, s->eps);
             for (int i = 0; i < D; i++)
                 xt[i] += o[i];
             memcpy(h, xt, (size_t)D * sizeof *h);
@@ -455,11 +475,13 @@ static double *reference_logits(const loom_safetensors *st, const shape *s, doub
             for (int i = 0; i < F; i++)
                 g[i] = g[i] / (1 + exp(-g[i])) * u[i];
             linear(o, wd, NULL, g, D, F);
+            if (post_mlp)
+                rms_norm(o, D, post_mlp, s->eps);
             for (int i = 0; i < D; i++)
                 xt[i] += o[i];
         }
         free(ln1), free(wq), free(bq), free(wk), free(bk), free(wv), free(bv), free(wo);
-        free(ln2), free(wg), free(wu), free(wd);
+        free(ln2), free(wg), free(wu), free(wd), free(post_attn), free(post_mlp);
     }
     double *fn = load_f64(st, "model.norm.weight", 0, NULL);
     double *last = x + (size_t)(T - 1) * D, *logits = malloc((size_t)s->vocab * sizeof *logits);
@@ -887,6 +909,109 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
     unlink(gguf);
 }
 
+/* GLM-4-0414 (Glm4ForCausalLM) from tiny-qwen2: its attention (q/k/v biases) with GLM's
+ * interleaved RoPE over half of each head, gate and up fused into gate_up_proj, and the two
+ * post-norms (post_self_attn_layernorm, post_mlp_layernorm) that Glm4DecoderLayer applies to
+ * each block's output before the residual add; against the reference with those rules. */
+static void test_glm4(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+{
+    int32_t ids[64];
+    int T = plain_prompt(ids, 64);
+    char folder[4200], gguf[4200], p[4400], name[128], from[128];
+    snprintf(folder, sizeof folder, "%s/glm4", tmp);
+    snprintf(gguf, sizeof gguf, "%s/glm4-f32.gguf", tmp);
+    mkdir(folder, 0755);
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    for (int i = 0; i < st->n_tensors; i++) {
+        /* every tensor as it is (post_attention_layernorm is GLM's pre-MLP norm too), but
+         * gate and up, which gate_up_proj holds */
+        const loom_st_tensor *t = &st->tensors[i];
+        if (!strstr(t->name, ".mlp.gate_proj.") && !strstr(t->name, ".mlp.up_proj."))
+            st_add(&o, t->name, t->dtype, t->n_dims, t->shape, t->data, t->size);
+    }
+    for (int l = 0; l < s->layers; l++) {
+        snprintf(from, sizeof from, "model.layers.%d.mlp.gate_proj.weight", l);
+        const loom_st_tensor *gate = loom_safetensors_find(st, from);
+        snprintf(from, sizeof from, "model.layers.%d.mlp.up_proj.weight", l);
+        const loom_st_tensor *up = loom_safetensors_find(st, from);
+        CHECK(gate && up && !strcmp(gate->dtype, up->dtype) && gate->size == up->size,
+              "tiny-qwen2's layer %d has gate and up of one type", l);
+        if (!gate || !up)
+            return;
+        unsigned char *both = malloc(gate->size * 2);
+        memcpy(both, gate->data, gate->size);
+        memcpy(both + gate->size, up->data, up->size);
+        int64_t shp[2] = {2 * gate->shape[0], gate->shape[1]};
+        snprintf(name, sizeof name, "model.layers.%d.mlp.gate_up_proj.weight", l);
+        st_add(&o, name, gate->dtype, 2, shp, both, gate->size * 2);
+        free(both);
+        static const char *const post[] = {"post_self_attn_layernorm", "post_mlp_layernorm"};
+        for (int j = 0; j < 2; j++) {
+            float w[512];
+            for (int i = 0; i < s->d; i++) /* away from 1, so that leaving them out shows */
+                w[i] = (float)(0.6 + 0.5 * sin(3.0 * l + 5.0 * j + 0.7 * i));
+            int64_t dshape[1] = {s->d};
+            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, post[j]);
+            st_add(&o, name, "F32", 1, dshape, w, (size_t)s->d * sizeof *w);
+        }
+    }
+    snprintf(p, sizeof p, "%s/model.safetensors", folder);
+    CHECK(st_write(&o, p) == 0, "writing %s", p);
+    char cfg[2048];
+    /* GLM-4-9B-0414's config keys, with tiny-qwen2's numbers */
+    snprintf(cfg, sizeof cfg,
+             "{\"architectures\": [\"Glm4ForCausalLM\"], \"model_type\": \"glm4\", "
+             "\"hidden_size\": %d, \"num_attention_heads\": %d, \"num_key_value_heads\": %d, "
+             "\"head_dim\": %d, \"num_hidden_layers\": %d, \"intermediate_size\": %d, "
+             "\"rms_norm_eps\": %g, \"rope_theta\": %.1f, \"max_position_embeddings\": 32768, "
+             "\"vocab_size\": %d, \"attention_bias\": true, \"tie_word_embeddings\": true, "
+             "\"partial_rotary_factor\": 0.5, \"hidden_act\": \"silu\", \"attention_dropout\": "
+             "0.0, \"torch_dtype\": \"float16\"}",
+             s->d, s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab);
+    write_text(folder, "config.json", cfg);
+    static const char *const copied[] = {"vocab.json", "merges.txt", "tokenizer_config.json",
+                                         "generation_config.json"};
+    for (size_t i = 0; i < sizeof copied / sizeof copied[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", qwen2_dir, copied[i]);
+        link_file(folder, copied[i], p);
+    }
+    loom_safetensors gst;
+    if (loom_safetensors_open(&gst, folder, err, sizeof err) != 0) {
+        CHECK(0, "the GLM-4-0414 folder: %s", err);
+        return;
+    }
+    shape glm = *s;
+    glm.fused_gate_up = glm.post_norms = 1;
+    rope_shape half = {.attention = 1, .n_rot = s->hd / 2, .adjacent = 1};
+    for (int i = 0; i < s->hd / 4; i++)
+        half.inv_freq[i] = pow(s->theta, -2.0 * i / (s->hd / 2));
+    double *ref = reference_logits(&gst, &glm, NULL, NULL, &half, ids, T);
+    /* the checks could fail: without the post-norms, or with NeoX pairs, the logits move */
+    shape no_post = glm;
+    no_post.post_norms = 0;
+    rope_shape neox = half;
+    neox.adjacent = 0;
+    double *other[2] = {reference_logits(&gst, &no_post, NULL, NULL, &half, ids, T),
+                        reference_logits(&gst, &glm, NULL, NULL, &neox, ids, T)};
+    for (int k = 0; k < 2; k++) {
+        double moved = 0;
+        for (int i = 0; i < s->vocab; i++)
+            moved = fmax(moved, fabs(ref[i] - other[k][i]));
+        CHECK(moved > 0.01, "%s changes the logits by %g only",
+              k ? "GLM's interleaved RoPE" : "the post-norms", moved);
+        free(other[k]);
+    }
+    loom_safetensors_close(&gst);
+
+    CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    CHECK(!strcmp(gguf_arch(gguf), "glm4"), "the converted file is GGUF 'glm4', not '%s'",
+          gguf_arch(gguf));
+    check_gguf_conventions(gguf, "GLM-4-0414 (converted)");
+    check_forms("GLM-4-0414", gguf, folder, ref, s->vocab, ids, T);
+    free(ref);
+    unlink(gguf);
+}
+
 int main(void)
 {
     snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
@@ -912,6 +1037,7 @@ int main(void)
     test_qwen3moe(&st, &s, qwen2_dir);
     test_yarn(&st, &s, qwen2_dir);
     test_glm45(&st, &s, qwen2_dir);
+    test_glm4(&st, &s, qwen2_dir);
     loom_safetensors_close(&st);
     char cmd[4400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmp);
