@@ -25,9 +25,11 @@ struct loom_model {
     loom_gguf gguf;
     loom_device dev;
     int dev_open;
+    loom_device experts_dev; /* loom_model_options.experts_on's, when open */
+    int experts_open;
     loom_runner *runner;
     loom_tokenizer *tok;
-    char backend[192];
+    char backend[320];
     char name[128];
     float *prompt_logits;
     loom_dist *dist;            /* a pipeline across the ranks of an MPI job, or NULL */
@@ -88,6 +90,8 @@ void loom_model_close(loom_model *m)
     loom_tokenizer_free(m->tok);
     if (m->dev_open)
         loom_device_close(&m->dev);
+    if (m->experts_open)
+        loom_device_close(&m->experts_dev);
     loom_gguf_close(&m->gguf);
     free(m->prompt_logits);
     free(m->unsampled);
@@ -121,6 +125,11 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
         int scanned = loom_registry_scan(&reg, &m->loader, err, err_size) == 0;
         const char *preference = opts->backend ? opts->backend : loom_backend_preference_from_env();
         rc = -1;
+        if (scanned && reg.count == 0)
+            snprintf(err, err_size,
+                     "no backend modules found (searched %.3000s): install loom's backends, or "
+                     "name their directory in LOOM_BACKEND_PATH",
+                     reg.search_path);
         /* a module that probes well but cannot open its device gives way to the next choice
          * (at most every candidate once) */
         for (int tries = 0; scanned && tries < reg.count; tries++) {
@@ -158,6 +167,41 @@ static int open_device(loom_model *m, const loom_model_options *opts, const char
         rc = i < 0 ? -1 : loom_device_decorate(&m->dev, reg.items[i].path, trace, err, err_size);
         if (rc != 0)
             m->dev_open = 0; /* decorating closes the device when it fails */
+    }
+    loom_registry_free(&reg);
+    return rc;
+}
+
+/* The backend the experts go to (opts->experts_on, else LOOM_EXPERTS_ON), chosen by name as
+ * the model's is, its device in ro->experts; nothing when neither names one. */
+static int open_experts_device(loom_model *m, const loom_model_options *opts,
+                               loom_runner_options *ro, char *err, size_t err_size)
+{
+    const char *want = opts->experts_on ? opts->experts_on : getenv("LOOM_EXPERTS_ON");
+    if (!want || !*want)
+        return 0;
+    if (m->dist) {
+        snprintf(err, err_size, "experts on '%s': not with a pipeline over MPI ranks", want);
+        return -1;
+    }
+    loom_registry reg = {.chosen = -1};
+    reg.opts = m->loader;
+    char why[1024] = "";
+    int rc = loom_registry_scan(&reg, &m->loader, why, sizeof why);
+    if (rc == 0)
+        rc = loom_registry_select(&reg, want, why, sizeof why);
+    if (rc == 0)
+        rc = loom_device_open_chosen(&m->experts_dev, &reg, opts->n_threads, why, sizeof why);
+    if (rc == 0) {
+        const loom_candidate *c = &reg.items[reg.chosen];
+        size_t at = strlen(m->backend);
+        snprintf(m->backend + at, sizeof m->backend - at, " + experts on %s%s%s", c->name,
+                 c->variant[0] ? "-" : "", c->variant);
+        m->experts_open = 1;
+        ro->experts = &m->experts_dev;
+    } else { /* the selection's words are LOOM_BACKEND's; here the name came from elsewhere */
+        const char *said = strncmp(why, "LOOM_BACKEND: ", 14) ? why : why + 14;
+        snprintf(err, err_size, "experts on '%s': %s", want, said);
     }
     loom_registry_free(&reg);
     return rc;
@@ -211,9 +255,11 @@ static int open_runner(loom_model *m, const loom_model_options *opts, const loom
         trace = NULL;
     if (!trace && behaviour(opts->profile, "LOOM_PROFILE", 0))
         trace = "";
-    if (open_device(m, opts, trace, err, err_size) != 0)
+    loom_runner_options with_experts = *ro;
+    if (open_device(m, opts, trace, err, err_size) != 0 ||
+        open_experts_device(m, opts, &with_experts, err, err_size) != 0)
         return -1;
-    if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, ro, err, err_size)))
+    if (!(m->runner = loom_runner_create(&m->dev, &m->gguf, a, &with_experts, err, err_size)))
         return -1;
     int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
     if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float))) ||
@@ -512,10 +558,18 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
 
 uint64_t loom_model_weight_bytes(const loom_model *m)
 {
+    const loom_hparams *hp = loom_runner_hparams(m->runner);
     uint64_t total = 0;
-    for (uint64_t i = 0; i < m->gguf.n_tensors; i++)
-        if (strcmp(m->gguf.tensors[i].name, "token_embd.weight") != 0)
-            total += m->gguf.tensors[i].size;
+    for (uint64_t i = 0; i < m->gguf.n_tensors; i++) {
+        const loom_gguf_tensor *t = &m->gguf.tensors[i];
+        if (strcmp(t->name, "token_embd.weight") == 0)
+            continue;
+        /* an expert stack [experts, rows, cols]: a token reads the k it is routed to */
+        if (hp->n_expert > 0 && t->n_dims == 3 && t->ne[2] == hp->n_expert)
+            total += t->size / (uint64_t)hp->n_expert * (uint64_t)hp->n_expert_used;
+        else
+            total += t->size;
+    }
     return total;
 }
 

@@ -10,6 +10,7 @@
 #include "internal.h"
 #include "core/gguf.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,20 +18,44 @@
 
 typedef struct shape {
     const char *name, *about;
-    int32_t n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, n_ctx;
+    const char *arch; /* "llama"; the mixture-of-experts ones "qwen2moe", "qwen3moe" */
+    int32_t n_embd, n_layer, n_head, n_head_kv, head_dim, n_ff, n_vocab, n_ctx;
+    /* experts (0: a dense MLP): count, used per token, width, and a shared expert's width
+     * (Qwen2-MoE's, sigmoid-gated) */
+    int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
 } shape;
 
+/* The MoE shapes keep their models' layers but not their depth (the files stay a few GB); each
+ * has a dense twin whose one MLP is as wide as the experts a token runs, the "same active
+ * size" model their prefill is compared with. */
 static const shape shapes[] = {
-    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", 64, 2, 2, 1,
-     192, 512, 512},
-    {"160m", "12 layers, 768 wide (GPT-2-small sized)", 768, 12, 12, 12, 3072, 32000, 2048},
-    {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", 2048, 22, 32, 4, 5632, 32000, 2048},
-    {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", 4096, 32, 32, 8, 14336, 128256, 8192},
+    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", "llama", 64,
+     2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0},
+    {"160m", "12 layers, 768 wide (GPT-2-small sized)", "llama", 768, 12, 12, 12, 64, 3072, 32000,
+     2048, 0, 0, 0, 0},
+    {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", "llama", 2048, 22, 32, 4, 64, 5632,
+     32000, 2048, 0, 0, 0, 0},
+    {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", "llama", 4096, 32, 32, 8, 128, 14336,
+     128256, 8192, 0, 0, 0, 0},
+    {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)", "qwen2moe",
+     64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128},
+    {"moe-a2.7b",
+     "Qwen1.5-MoE-A2.7B's layers, 4 of its 24: 2048 wide, 60 experts of 1408, top 4, a shared "
+     "expert of 5632",
+     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632},
+    {"dense-a2.7b", "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)", "qwen2", 2048,
+     4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0},
+    {"moe-a3b",
+     "Qwen3-30B-A3B's layers, 4 of its 48: 2048 wide, 32/4 heads of 128, 128 experts of 768, top "
+     "8",
+     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0},
+    {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)", "qwen3", 2048, 4, 32, 4,
+     128, 6144, 151936, 4096, 0, 0, 0, 0},
 };
 
 const char *loom_synthetic_shapes(void)
 {
-    return "tiny, 160m, 1b, 8b";
+    return "tiny, 160m, 1b, 8b, moe-tiny, moe-a2.7b, dense-a2.7b, moe-a3b, dense-a3b";
 }
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;
@@ -78,6 +103,135 @@ static int synthetic_type(const char *name, loom_dtype *t)
     return -1;
 }
 
+/* count copies of one random matrix, back to back: an expert stack whose experts read as
+ * much memory as distinct ones would (only their values repeat) */
+static void *repeated(const void *one, size_t bytes, int count)
+{
+    unsigned char *out = one ? malloc(bytes * (size_t)count) : NULL;
+    for (int i = 0; out && i < count; i++)
+        memcpy(out + bytes * (size_t)i, one, bytes);
+    return out;
+}
+
+/* The weights one layer's tensors point at (every layer shares them in memory). */
+typedef struct synthetic_weights {
+    void *embd, *out, *wq, *wk, *wv, *wo, *gate, *up, *down;
+    void *router, *gate_exps, *up_exps, *down_exps, *sh_gate, *sh_up, *sh_down, *sh_router;
+    float *norm, *head_norm, *bias;
+} synthetic_weights;
+
+static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dtype wt)
+{
+    const int64_t d = sh->n_embd, q = (int64_t)sh->n_head * sh->head_dim,
+                  kv = (int64_t)sh->n_head_kv * sh->head_dim;
+    float amp = 0.5f / (float)sh->n_embd; /* keeps activations tame through the layers */
+    memset(sw, 0, sizeof *sw);
+    sw->embd = random_matrix(wt, sh->n_vocab, d, 1.0f);
+    sw->wq = random_matrix(wt, q, d, amp * 16);
+    sw->wk = random_matrix(wt, kv, d, amp * 16);
+    sw->wv = random_matrix(wt, kv, d, amp * 16);
+    sw->wo = random_matrix(wt, d, q, amp * 16);
+    int ok = sw->embd && sw->wq && sw->wk && sw->wv && sw->wo;
+    if (sh->n_ff) {
+        sw->gate = random_matrix(wt, sh->n_ff, d, amp * 16);
+        sw->up = random_matrix(wt, sh->n_ff, d, amp * 16);
+        sw->down = random_matrix(wt, d, sh->n_ff, amp * 16);
+        ok = ok && sw->gate && sw->up && sw->down;
+    }
+    if (sh->n_expert) {
+        const int64_t ff = sh->n_ff_exp, E = sh->n_expert;
+        /* the router's rows differ, so tokens spread over the experts as in a real model */
+        sw->router = random_matrix(LOOM_F32, E, d, 4.0f / sqrtf((float)d));
+        void *g = random_matrix(wt, ff, d, amp * 16), *u = random_matrix(wt, ff, d, amp * 16);
+        void *dn = random_matrix(wt, d, ff, amp * 16);
+        sw->gate_exps = repeated(g, (size_t)(loom_row_bytes(wt, d) * ff), (int)E);
+        sw->up_exps = repeated(u, (size_t)(loom_row_bytes(wt, d) * ff), (int)E);
+        sw->down_exps = repeated(dn, (size_t)(loom_row_bytes(wt, ff) * d), (int)E);
+        free(g), free(u), free(dn);
+        ok = ok && sw->router && sw->gate_exps && sw->up_exps && sw->down_exps;
+    }
+    if (sh->n_ff_shexp) {
+        sw->sh_gate = random_matrix(wt, sh->n_ff_shexp, d, amp * 16);
+        sw->sh_up = random_matrix(wt, sh->n_ff_shexp, d, amp * 16);
+        sw->sh_down = random_matrix(wt, d, sh->n_ff_shexp, amp * 16);
+        sw->sh_router = random_matrix(LOOM_F32, 1, d, 1.0f / sqrtf((float)d));
+        ok = ok && sw->sh_gate && sw->sh_up && sw->sh_down && sw->sh_router;
+    }
+    sw->out = random_matrix(wt, sh->n_vocab, d, amp * 16);
+    sw->norm = malloc((size_t)d * sizeof *sw->norm);
+    sw->head_norm = malloc((size_t)sh->head_dim * sizeof *sw->head_norm);
+    sw->bias = calloc((size_t)(q > kv ? q : kv), sizeof *sw->bias);
+    if (!ok || !sw->out || !sw->norm || !sw->head_norm || !sw->bias)
+        return -1;
+    for (int64_t i = 0; i < d; i++)
+        sw->norm[i] = 1.0f;
+    for (int32_t i = 0; i < sh->head_dim; i++)
+        sw->head_norm[i] = 1.0f;
+    return 0;
+}
+
+static void synthetic_weights_free(synthetic_weights *sw)
+{
+    void *all[] = {sw->embd,      sw->out,       sw->wq,        sw->wk,        sw->wv,
+                   sw->wo,        sw->gate,      sw->up,        sw->down,      sw->router,
+                   sw->gate_exps, sw->up_exps,   sw->down_exps, sw->sh_gate,   sw->sh_up,
+                   sw->sh_down,   sw->sh_router, sw->norm,      sw->head_norm, sw->bias};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        free(all[i]);
+}
+
+/* Layer l's tensors, llama.cpp's names and shapes for sh->arch. Returns nonzero when one was
+ * refused (a row not a whole number of wt's blocks). */
+static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
+                     const synthetic_weights *sw, int l)
+{
+    const int64_t d = sh->n_embd, q = (int64_t)sh->n_head * sh->head_dim,
+                  kv = (int64_t)sh->n_head_kv * sh->head_dim, E = sh->n_expert, ff = sh->n_ff_exp,
+                  fs = sh->n_ff_shexp;
+    const int qwen2 = !strncmp(sh->arch, "qwen2", 5), qwen3 = !strncmp(sh->arch, "qwen3", 5);
+    int bad = 0;
+    char t[64];
+#define ADD(suffix, type, nd, data, ...)                                                           \
+    do {                                                                                           \
+        int64_t ne[] = {__VA_ARGS__};                                                              \
+        snprintf(t, sizeof t, "blk.%d.%s", l, suffix);                                             \
+        bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data);                                     \
+    } while (0)
+    ADD("attn_norm.weight", LOOM_F32, 1, sw->norm, d);
+    ADD("attn_q.weight", wt, 2, sw->wq, d, q);
+    ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
+    ADD("attn_v.weight", wt, 2, sw->wv, d, kv);
+    if (qwen2) { /* Qwen2's q/k/v biases */
+        ADD("attn_q.bias", LOOM_F32, 1, sw->bias, q);
+        ADD("attn_k.bias", LOOM_F32, 1, sw->bias, kv);
+        ADD("attn_v.bias", LOOM_F32, 1, sw->bias, kv);
+    }
+    if (qwen3) { /* Qwen3's per-head norms */
+        ADD("attn_q_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+        ADD("attn_k_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+    }
+    ADD("attn_output.weight", wt, 2, sw->wo, q, d);
+    ADD("ffn_norm.weight", LOOM_F32, 1, sw->norm, d);
+    if (!E) {
+        ADD("ffn_gate.weight", wt, 2, sw->gate, d, sh->n_ff);
+        ADD("ffn_up.weight", wt, 2, sw->up, d, sh->n_ff);
+        ADD("ffn_down.weight", wt, 2, sw->down, sh->n_ff, d);
+        return bad;
+    }
+    ADD("ffn_gate_inp.weight", LOOM_F32, 2, sw->router, d, E);
+    ADD("ffn_gate_exps.weight", wt, 3, sw->gate_exps, d, ff, E);
+    ADD("ffn_up_exps.weight", wt, 3, sw->up_exps, d, ff, E);
+    ADD("ffn_down_exps.weight", wt, 3, sw->down_exps, ff, d, E);
+    if (fs) {
+        ADD("ffn_gate_shexp.weight", wt, 2, sw->sh_gate, d, fs);
+        ADD("ffn_up_shexp.weight", wt, 2, sw->sh_up, d, fs);
+        ADD("ffn_down_shexp.weight", wt, 2, sw->sh_down, fs, d);
+        ADD("ffn_gate_inp_shexp.weight", LOOM_F32, 2, sw->sh_router, d, 1);
+    }
+#undef ADD
+    return bad;
+}
+
 int loom_write_synthetic_model(const char *path, const char *shape_name, const char *type_name,
                                char *err, size_t err_size)
 {
@@ -96,39 +250,28 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
                  loom_synthetic_types());
         return -1;
     }
-    if (sh->n_embd % loom_dtype_block_elems(wt) || sh->n_ff % loom_dtype_block_elems(wt)) {
-        snprintf(err, err_size,
-                 "the %s shape's rows (%d and %d wide) are not whole %s blocks of "
-                 "%lld: choose a wider shape",
-                 sh->name, sh->n_embd, sh->n_ff, type_name, (long long)loom_dtype_block_elems(wt));
-        return -1;
-    }
-    const int32_t hd = sh->n_embd / sh->n_head, kv = sh->n_head_kv * hd;
+    const int64_t block = loom_dtype_block_elems(wt);
+    const int32_t widths[] = {sh->n_embd, sh->n_ff, (int32_t)sh->n_head * sh->head_dim,
+                              sh->n_ff_exp, sh->n_ff_shexp};
+    for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
+        if (widths[i] % block) {
+            snprintf(err, err_size,
+                     "the %s shape's rows of %d are not whole %s blocks of %lld: choose another "
+                     "type (q8_0 and q4_0 fit every shape) or shape",
+                     sh->name, widths[i], type_name, (long long)block);
+            return -1;
+        }
     rng_state = 0x853c49e6748fea9bull; /* the same model every time */
-    /* one random matrix per distinct shape; every layer points at them */
-    float amp = 0.5f / (float)sh->n_embd; /* keeps activations tame through the layers */
-    void *embd = random_matrix(wt, sh->n_vocab, sh->n_embd, 1.0f);
-    void *wq = random_matrix(wt, sh->n_embd, sh->n_embd, amp * 16);
-    void *wk = random_matrix(wt, kv, sh->n_embd, amp * 16);
-    void *wv = random_matrix(wt, kv, sh->n_embd, amp * 16);
-    void *wo = random_matrix(wt, sh->n_embd, sh->n_embd, amp * 16);
-    void *gate = random_matrix(wt, sh->n_ff, sh->n_embd, amp * 16);
-    void *up = random_matrix(wt, sh->n_ff, sh->n_embd, amp * 16);
-    void *down = random_matrix(wt, sh->n_embd, sh->n_ff, amp * 16);
-    void *out = random_matrix(wt, sh->n_vocab, sh->n_embd, amp * 16);
-    float *norm = malloc((size_t)sh->n_embd * sizeof *norm);
+    synthetic_weights sw;
     char **tokens = calloc((size_t)sh->n_vocab, sizeof *tokens);
     float *scores = calloc((size_t)sh->n_vocab, sizeof *scores);
     int32_t *types = calloc((size_t)sh->n_vocab, sizeof *types);
     loom_gguf_writer *w = loom_gguf_writer_create();
     int rc = -1;
-    if (!embd || !wq || !wk || !wv || !wo || !gate || !up || !down || !out || !norm || !tokens ||
-        !scores || !types || !w) {
+    if (synthetic_weights_new(&sw, sh, wt) != 0 || !tokens || !scores || !types || !w) {
         snprintf(err, err_size, "out of memory building the synthetic model");
         goto done;
     }
-    for (int32_t i = 0; i < sh->n_embd; i++)
-        norm[i] = 1.0f;
     /* a vocabulary that round-trips text: specials, the 256 bytes, then plain pieces */
     for (int32_t i = 0; i < sh->n_vocab; i++) {
         char buf[32];
@@ -150,18 +293,35 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
             goto done;
         }
     }
-    char name[64];
+    char name[64], key[96];
     snprintf(name, sizeof name, "synthetic-%s-%s", sh->name, type_name);
-    loom_gguf_set_str(w, "general.architecture", "llama");
+    loom_gguf_set_str(w, "general.architecture", sh->arch);
     loom_gguf_set_str(w, "general.name", name);
-    loom_gguf_set_u32(w, "llama.context_length", (uint32_t)sh->n_ctx);
-    loom_gguf_set_u32(w, "llama.embedding_length", (uint32_t)sh->n_embd);
-    loom_gguf_set_u32(w, "llama.block_count", (uint32_t)sh->n_layer);
-    loom_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)sh->n_ff);
-    loom_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)sh->n_head);
-    loom_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)sh->n_head_kv);
-    loom_gguf_set_u32(w, "llama.rope.dimension_count", (uint32_t)hd);
-    loom_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+#define ARCH_U32(suffix, value)                                                                    \
+    (snprintf(key, sizeof key, "%s.%s", sh->arch, suffix),                                         \
+     loom_gguf_set_u32(w, key, (uint32_t)(value)))
+    ARCH_U32("context_length", sh->n_ctx);
+    ARCH_U32("embedding_length", sh->n_embd);
+    ARCH_U32("block_count", sh->n_layer);
+    if (sh->n_ff)
+        ARCH_U32("feed_forward_length", sh->n_ff);
+    ARCH_U32("attention.head_count", sh->n_head);
+    ARCH_U32("attention.head_count_kv", sh->n_head_kv);
+    ARCH_U32("rope.dimension_count", sh->head_dim);
+    if (sh->head_dim != sh->n_embd / sh->n_head) {
+        ARCH_U32("attention.key_length", sh->head_dim);
+        ARCH_U32("attention.value_length", sh->head_dim);
+    }
+    if (sh->n_expert) {
+        ARCH_U32("expert_count", sh->n_expert);
+        ARCH_U32("expert_used_count", sh->n_expert_used);
+        ARCH_U32("expert_feed_forward_length", sh->n_ff_exp);
+        if (sh->n_ff_shexp)
+            ARCH_U32("expert_shared_feed_forward_length", sh->n_ff_shexp);
+    }
+#undef ARCH_U32
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", sh->arch);
+    loom_gguf_set_f32(w, key, 1e-5f);
     loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
     loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", (const char *const *)tokens,
                             (uint64_t)sh->n_vocab);
@@ -170,27 +330,11 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
     loom_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
     loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
     int64_t ne_embd[] = {sh->n_embd, sh->n_vocab}, ne_norm[] = {sh->n_embd};
-    int64_t ne_q[] = {sh->n_embd, sh->n_embd}, ne_kv[] = {sh->n_embd, kv};
-    int64_t ne_ff[] = {sh->n_embd, sh->n_ff}, ne_down[] = {sh->n_ff, sh->n_embd};
-    int bad = loom_gguf_add_tensor(w, "token_embd.weight", wt, 2, ne_embd, embd);
-    bad |= loom_gguf_add_tensor(w, "output_norm.weight", LOOM_F32, 1, ne_norm, norm);
-    bad |= loom_gguf_add_tensor(w, "output.weight", wt, 2, ne_embd, out);
-    for (int l = 0; l < sh->n_layer; l++) {
-        char t[64];
-#define ADD(suffix, type, nd, ne, data)                                                            \
-    (snprintf(t, sizeof t, "blk.%d.%s", l, suffix),                                                \
-     bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data))
-        ADD("attn_norm.weight", LOOM_F32, 1, ne_norm, norm);
-        ADD("attn_q.weight", wt, 2, ne_q, wq);
-        ADD("attn_k.weight", wt, 2, ne_kv, wk);
-        ADD("attn_v.weight", wt, 2, ne_kv, wv);
-        ADD("attn_output.weight", wt, 2, ne_q, wo);
-        ADD("ffn_norm.weight", LOOM_F32, 1, ne_norm, norm);
-        ADD("ffn_gate.weight", wt, 2, ne_ff, gate);
-        ADD("ffn_up.weight", wt, 2, ne_ff, up);
-        ADD("ffn_down.weight", wt, 2, ne_down, down);
-#undef ADD
-    }
+    int bad = loom_gguf_add_tensor(w, "token_embd.weight", wt, 2, ne_embd, sw.embd);
+    bad |= loom_gguf_add_tensor(w, "output_norm.weight", LOOM_F32, 1, ne_norm, sw.norm);
+    bad |= loom_gguf_add_tensor(w, "output.weight", wt, 2, ne_embd, sw.out);
+    for (int l = 0; l < sh->n_layer; l++)
+        bad |= add_layer(w, sh, wt, &sw, l);
     if (bad) {
         snprintf(err, err_size, "synthetic %s: a dimension is not a multiple of %s's block",
                  sh->name, type_name);
@@ -200,8 +344,8 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
 done:
     for (int32_t i = 0; tokens && i < sh->n_vocab; i++)
         free(tokens[i]);
-    free(tokens), free(scores), free(types), free(norm);
-    free(embd), free(wq), free(wk), free(wv), free(wo), free(gate), free(up), free(down), free(out);
+    free(tokens), free(scores), free(types);
+    synthetic_weights_free(&sw);
     loom_gguf_writer_free(w);
     return rc;
 }

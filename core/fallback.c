@@ -20,6 +20,8 @@ struct loom_fallback {
     loom_loader_options loader;
     loom_device dev; /* opened on first use */
     int opened;
+    loom_device *placed;                /* loom_fallback_on's device, instead of dev */
+    loom_fallback_constant_fn resident; /* loom_fallback_on's buffers of placed */
     loom_fallback_constant_fn constant;
     void *ctx;
     kept_copy *kept;
@@ -41,12 +43,32 @@ loom_fallback *loom_fallback_new(loom_device *main, const loom_loader_options *l
     return fb;
 }
 
+loom_fallback *loom_fallback_on(loom_device *main, loom_device *dev,
+                                loom_fallback_constant_fn resident, void *ctx)
+{
+    loom_fallback *fb = calloc(1, sizeof *fb);
+    if (fb) {
+        fb->main = main;
+        fb->placed = dev;
+        fb->resident = resident;
+        fb->ctx = ctx;
+    }
+    return fb;
+}
+
+/* The device ops run on. */
+static loom_device *target(loom_fallback *fb)
+{
+    return fb->placed ? fb->placed : &fb->dev;
+}
+
 void loom_fallback_free(loom_fallback *fb)
 {
     if (!fb)
         return;
+    loom_device *f = target(fb);
     for (int i = 0; i < fb->n_kept; i++)
-        fb->dev.ops.buffer_free(fb->dev.be, fb->kept[i].copy);
+        f->ops.buffer_free(f->be, fb->kept[i].copy);
     free(fb->kept);
     if (fb->opened)
         loom_device_close(&fb->dev);
@@ -104,7 +126,7 @@ static int op_tensors(loom_op op, void *parameters, const loom_tensor **slots[],
 static loom_buffer *copy_over(loom_fallback *fb, const loom_tensor *t, uint64_t extent, char *err,
                               size_t err_size)
 {
-    loom_device *m = fb->main, *f = &fb->dev;
+    loom_device *m = fb->main, *f = target(fb);
     void *host = malloc(extent);
     loom_buffer *copy = NULL;
     if (!host) {
@@ -160,10 +182,10 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
         snprintf(err, err_size, "fallback: op %d unknown", (int)op);
         return -1;
     }
-    if (!fb->opened && open_device(fb, err, err_size) != 0)
+    if (!fb->placed && !fb->opened && open_device(fb, err, err_size) != 0)
         return -1;
-    loom_device *m = fb->main, *f = &fb->dev;
-    if (!fb->warned[op][dtype & 31]) {
+    loom_device *m = fb->main, *f = target(fb);
+    if (!fb->placed && !fb->warned[op][dtype & 31]) {
         fb->warned[op][dtype & 31] = 1;
         fprintf(stderr,
                 "loom: %s%s%s does not support %s with %s; running it on %s%s%s instead "
@@ -188,6 +210,10 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
             break;
         }
         copies[i] = *t;
+        if (fb->resident && fb->resident(fb->ctx, t->buf)) { /* already f's */
+            *slots[i] = &copies[i];
+            continue;
+        }
         copies[i].offset = 0;
         copies[i].buf = kept_or_copy(fb, t, extent, &temporary[i], err, err_size);
         if (!copies[i].buf) {
@@ -207,7 +233,9 @@ int loom_fallback_run(loom_fallback *fb, loom_op op, loom_dtype dtype, void *par
         if (out_extent == 0)
             continue;
         void *host = malloc(out_extent);
-        if (!host || f->ops.copy_to_host(f->be, host, copies[i].buf, 0, out_extent) != LOOM_OK ||
+        if (!host ||
+            f->ops.copy_to_host(f->be, host, copies[i].buf, copies[i].offset, out_extent) !=
+                LOOM_OK ||
             m->ops.copy_from_host(m->be, out->buf, out->offset, host, out_extent) != LOOM_OK) {
             snprintf(err, err_size, "fallback: copying %s's result back to %s failed", what,
                      m->name);

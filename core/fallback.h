@@ -21,6 +21,12 @@ typedef int (*loom_fallback_constant_fn)(void *ctx, const loom_buffer *buf);
 /* loader: where the fallback module is found (NULL: the defaults). */
 loom_fallback *loom_fallback_new(loom_device *main, const loom_loader_options *loader,
                                  loom_fallback_constant_fn constant, void *ctx);
+/* The same machinery for ops placed on a second device on purpose (the experts' matmuls on
+ * loom_runner_options.experts): it runs them on dev (the caller's: never closed here), the
+ * tensors whose buffers resident(ctx, buf) names are dev's own and pass as they are, and it
+ * says nothing on stderr. */
+loom_fallback *loom_fallback_on(loom_device *main, loom_device *dev,
+                                loom_fallback_constant_fn resident, void *ctx);
 void loom_fallback_free(loom_fallback *fb);
 
 /* Runs op with the ABI parameter struct params (whose tensors live on the main device) on the

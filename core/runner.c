@@ -54,6 +54,19 @@ const loom_gguf *loom_rt_gguf(const loom_runner *r)
     return r->gguf;
 }
 
+/* Whether GGUF tensor gt lives on opt.experts rather than the model's device: an expert stack
+ * ([experts, rows, cols], llama.cpp's ffn_{gate,up,down}_exps). */
+static int placed_on_experts(const loom_runner *r, const loom_gguf_tensor *gt)
+{
+    return r->opt.experts && gt->n_dims == 3 && strstr(gt->name, "_exps.") != NULL;
+}
+
+/* The device weight i lives on. */
+static loom_device *weight_device(const loom_runner *r, uint64_t i)
+{
+    return placed_on_experts(r, &r->gguf->tensors[i]) ? r->opt.experts : r->dev;
+}
+
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
 {
     const loom_gguf_tensor *gt = loom_gguf_find_tensor(r->gguf, name);
@@ -81,23 +94,30 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
                          loom_ggml_type_name(gt->type));
         return NULL;
     }
-    const loom_backend_ops *ops = &r->dev->ops;
-    loom_buffer *buf;
+    loom_device *dev = weight_device(r, i);
+    if (dev != r->dev && !loom_device_supports(dev, LOOM_OP_MATMUL_ID, (loom_dtype)gt->type)) {
+        loom_runner_fail(r,
+                         "the experts are to go to %s%s%s, which does not run matmul_id with %s "
+                         "('%s')",
+                         dev->name, dev->variant[0] ? "-" : "", dev->variant,
+                         loom_dtype_name((loom_dtype)gt->type), name);
+        return NULL;
+    }
+    const loom_backend_ops *ops = &dev->ops;
+    loom_buffer *buf, **map = dev == r->dev ? &r->weights_map : &r->experts_map;
     uint64_t offset;
-    if (ops->buffer_wrap_host && !r->weights_map &&
-        ops->buffer_wrap_host(r->dev->be, (void *)r->gguf->map, r->gguf->size, &r->weights_map) !=
-            LOOM_OK)
-        r->weights_map = NULL;
-    if (r->weights_map) {
-        buf = r->weights_map;
+    if (ops->buffer_wrap_host && !*map &&
+        ops->buffer_wrap_host(dev->be, (void *)r->gguf->map, r->gguf->size, map) != LOOM_OK)
+        *map = NULL;
+    if (*map) {
+        buf = *map;
         offset = gt->offset;
     } else {
-        if (ops->buffer_alloc(r->dev->be, gt->size, &r->weight_bufs[i]) != LOOM_OK ||
-            ops->copy_from_host(r->dev->be, r->weight_bufs[i], 0,
-                                loom_gguf_tensor_data(r->gguf, gt), gt->size) != LOOM_OK) {
+        if (ops->buffer_alloc(dev->be, gt->size, &r->weight_bufs[i]) != LOOM_OK ||
+            ops->copy_from_host(dev->be, r->weight_bufs[i], 0, loom_gguf_tensor_data(r->gguf, gt),
+                                gt->size) != LOOM_OK) {
             loom_runner_fail(r, "uploading '%s' (%llu bytes) to %s: %s", name,
-                             (unsigned long long)gt->size, r->dev->name,
-                             ops->last_error(r->dev->be));
+                             (unsigned long long)gt->size, dev->name, ops->last_error(dev->be));
             return NULL;
         }
         buf = r->weight_bufs[i];
@@ -278,7 +298,7 @@ int loom_rt_status(const loom_runner *r)
 static int is_weight_buffer(void *ctx, const loom_buffer *buf)
 {
     const loom_runner *r = ctx;
-    if (buf == r->weights_map)
+    if (buf == r->weights_map || buf == r->experts_map)
         return 1;
     for (int i = 0; i < r->n_constants; i++)
         if (r->constants[i].buf == buf)
@@ -302,10 +322,41 @@ static uint32_t minor_needed(loom_op op, const void *params)
     return 0;
 }
 
+/* Whether buf is one of opt.experts's own: the expert stacks placed there. */
+static int on_experts_device(void *ctx, const loom_buffer *buf)
+{
+    const loom_runner *r = ctx;
+    if (buf == r->experts_map)
+        return 1;
+    for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
+        if (r->weight_bufs[i] == buf && placed_on_experts(r, &r->gguf->tensors[i]))
+            return 1;
+    return 0;
+}
+
 static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
         return;
+    if (op == LOOM_OP_MATMUL_ID && r->opt.experts) {
+        loom_device *e = r->opt.experts;
+        char err[512];
+        if (r->census) /* not the model's device's to run */
+            return;
+        if (!loom_device_supports(e, op, dt)) {
+            loom_runner_fail(r, "the experts are on %s%s%s, which does not run %s with %s", e->name,
+                             e->variant[0] ? "-" : "", e->variant, what, loom_dtype_name(dt));
+            return;
+        }
+        if (!r->experts_run)
+            r->experts_run = loom_fallback_on(r->dev, r->opt.experts, on_experts_device, r);
+        if (!r->experts_run)
+            loom_runner_fail(r, "out of memory");
+        else if (loom_fallback_run(r->experts_run, op, dt, params, what, err, sizeof err) != 0)
+            loom_runner_fail(r, "the experts on %s%s%s: %s", e->name, e->variant[0] ? "-" : "",
+                             e->variant, err);
+        return;
+    }
     if (loom_device_supports(r->dev, op, dt) &&
         r->dev->module.abi_minor >= minor_needed(op, params)) {
         if (loom_device_run(r->dev, op, params) != LOOM_OK)
@@ -663,6 +714,15 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         return NULL;
     }
     const loom_hparams *hp = &r->hp;
+    if (r->opt.experts && !hp->n_expert) {
+        snprintf(err, err_size,
+                 "the experts are to go to %s%s%s, but this %s model has none (placing them "
+                 "applies to mixture-of-experts models)",
+                 r->opt.experts->name, r->opt.experts->variant[0] ? "-" : "",
+                 r->opt.experts->variant, hp->arch);
+        loom_runner_free(r);
+        return NULL;
+    }
     r->layer0 = 0, r->layer_end = hp->n_layer;
     if (r->opt.link) {
         const loom_stage_link *ln = r->opt.link;
@@ -745,6 +805,7 @@ void loom_runner_free(loom_runner *r)
     if (!r)
         return;
     loom_fallback_free(r->fallback);
+    loom_fallback_free(r->experts_run);
     if (r->arch && r->state)
         r->arch->free_state(r->state);
     const loom_backend_ops *ops = &r->dev->ops;
@@ -752,13 +813,17 @@ void loom_runner_free(loom_runner *r)
         if (r->scratch[i].buf)
             ops->buffer_free(r->dev->be, r->scratch[i].buf);
     for (uint64_t i = 0; r->weight_bufs && i < r->gguf->n_tensors; i++)
-        if (r->weight_bufs[i])
-            ops->buffer_free(r->dev->be, r->weight_bufs[i]);
+        if (r->weight_bufs[i]) {
+            loom_device *d = weight_device(r, i);
+            d->ops.buffer_free(d->be, r->weight_bufs[i]);
+        }
     for (uint64_t i = 0; r->prep && i < r->gguf->n_tensors; i++)
         if (r->prep[i] == PREP_DONE)
             ops->buffer_free(r->dev->be, r->prepared[i].buf);
     if (r->weights_map)
         ops->buffer_free(r->dev->be, r->weights_map);
+    if (r->experts_map)
+        r->opt.experts->ops.buffer_free(r->opt.experts->be, r->experts_map);
     if (r->kv)
         ops->buffer_free(r->dev->be, r->kv);
     if (r->in_buf)

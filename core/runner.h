@@ -117,6 +117,12 @@ typedef struct loom_runner_options {
     /* A pipeline's first stage: a step of several tokens goes down in up to this many parts,
      * so that the stages work at the same time (0 or 1: whole). */
     int32_t micro_batches;
+    /* Experts on a second device (the caller's, open for the runner's life): the expert stacks
+     * (GGUF's 3-D ffn_*_exps) are loaded there instead, mapped from the file where it can,
+     * and matmul_id, the op that reads them, runs there with its activations copied over and
+     * back; everything else stays on dev. NULL: all on dev. A model without experts is refused
+     * with it. */
+    loom_device *experts;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */

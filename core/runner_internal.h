@@ -26,6 +26,7 @@ struct loom_runner {
     int32_t n_blocks;
 
     loom_buffer *weights_map;  /* the whole file, wrapped (zero copy), or NULL */
+    loom_buffer *experts_map;  /* the same on opt.experts, for the expert stacks placed there */
     loom_buffer **weight_bufs; /* per GGUF tensor, when uploaded */
     loom_tensor *weights;      /* per GGUF tensor, once looked up */
     unsigned char *weight_ready;
@@ -55,7 +56,8 @@ struct loom_runner {
     float *logits;      /* [n_logits][n_vocab] */
     int32_t logits_cap; /* rows */
 
-    loom_fallback *fallback; /* for ops the device lacks; opened on first need */
+    loom_fallback *fallback;    /* for ops the device lacks; opened on first need */
+    loom_fallback *experts_run; /* matmul_id on opt.experts, when the experts are placed there */
 
     loom_tensor constants[MAX_CONSTANTS]; /* what the family computed at load (loom_rt_constant) */
     int n_constants;

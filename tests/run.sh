@@ -109,6 +109,31 @@ fi
 "$LOOM" bench ops --op softmax > /dev/null 2> "$tmpdir/e7" && fail "bench ops --op softmax accepted"
 expect_grep "^loom bench ops: --op is one of matmul|attention, not 'softmax'" "$tmpdir/e7" \
     "an op bench ops does not measure is named"
+# a mixture-of-experts synthetic model: the decode roofline counts the bytes a token reads (of
+# an expert stack, the share of the experts it is routed to: counted here from loom inspect's
+# tensor list), and with --experts-on the experts run on another module (named in the result)
+if "$LOOM" bench --synthetic moe-tiny --type q8_0 --write "$tmpdir/moe.gguf" 2> "$tmpdir/moe.err" &&
+   "$LOOM" bench -m "$tmpdir/moe.gguf" -p 8 -n 4 -r 1 --backends cpu-baseline --experts-on ref \
+       --no-roofline --json > "$tmpdir/moe.json" 2>> "$tmpdir/moe.err"; then
+    active=$("$LOOM" inspect --json "$tmpdir/moe.gguf" | jq '.metadata as $m |
+        [.tensors[] | select(.name != "token_embd.weight") |
+         if (.name | test("_exps[.]")) then .bytes * $m["qwen2moe.expert_used_count"] /
+             $m["qwen2moe.expert_count"] else .bytes end] | add')
+    jq -e --argjson a "$active" '(.results | length) == 2 and all(.results[];
+            .weight_bytes == $a and .tokens_per_s > 0 and (.backend | test("[+] experts on ref")))' \
+        "$tmpdir/moe.json" > /dev/null &&
+        pass "bench on a MoE model: the active bytes ($active), the experts on ref" ||
+        { fail "MoE bench results (active bytes $active):"; cat "$tmpdir/moe.json" >&2; }
+else
+    fail "MoE bench:"; cat "$tmpdir/moe.err" >&2
+fi
+"$LOOM" run -m "$tmpdir/moe.gguf" -p "x" -n 1 --experts-on nosuch > /dev/null 2> "$tmpdir/e9" &&
+    fail "--experts-on nosuch accepted"
+expect_grep "experts on 'nosuch': no backend named 'nosuch'" "$tmpdir/e9" "an unknown experts backend named"
+"$LOOM" run -m "$gguf" -p "x" -n 1 --experts-on cpu > /dev/null 2> "$tmpdir/e10" &&
+    fail "--experts-on accepted for a dense model"
+expect_grep "has none (placing them applies to mixture-of-experts models)" "$tmpdir/e10" \
+    "--experts-on with a dense model refused"
 "$LOOM" bench --synthetic huge > /dev/null 2> "$tmpdir/e6" && fail "unknown shape accepted"
 expect_grep "no synthetic shape 'huge'" "$tmpdir/e6" "unknown synthetic shape named"
 # a backend that lacks ops: loom runs those ops on the CPU (copies there and back), says so

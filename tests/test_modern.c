@@ -10,7 +10,10 @@
  *   - Qwen2-MoE's experts (top 2 of 8 by softmax, not renormalised, and a sigmoid-gated shared
  *     expert): llama.cpp's GGUF, loom's conversion and the folder; with top 3 instead of top 2
  *     the logits move by 0.26, with the weights renormalised by 0.63, without the shared
- *     expert's gate by 0.51 (the fixture's feature_off).
+ *     expert's gate by 0.51 (the fixture's feature_off);
+ *   - the experts on another backend (loom_model_options.experts_on, --experts-on): the
+ *     PyTorch answers with ref running everything but the experts' matmuls, which it is made
+ *     unable to run, and a dense model refused.
  */
 #define _GNU_SOURCE
 #include "core/gguf.h"
@@ -159,6 +162,44 @@ static void same_layout(const char *peer_path, const char *ours_path, const char
     loom_gguf_close(&ours);
 }
 
+/* The experts on another backend: ref here denies matmul_id, and in strict mode nothing may
+ * run an op the chosen backend lacks elsewhere; so the model opens and matches PyTorch only
+ * because the experts' matmuls run where they were placed (the CPU module), their stacks
+ * loaded there. A dense model is refused with the option, naming it. */
+static void test_experts_on(const char *moe)
+{
+    setenv("LOOM_REF_DENY", "matmul_id", 1);
+    setenv("LOOM_STRICT", "1", 1);
+    loom_model_options o = {.backend = "ref", .kv_type = "f32"};
+    loom_model *m = loom_model_open(moe, &o, err, sizeof err);
+    CHECK(!m && strstr(err, "matmul_id"),
+          "strict ref without matmul_id and no placement refuses the model (%s)", m ? "" : err);
+    loom_model_close(m);
+    setenv("LOOM_EXPERTS_ON", "cpu", 1); /* as loom_model_options.experts_on = "cpu" */
+    check_model(dir, "tiny-qwen2moe", moe, "ref", "last_logits", 1e-4, 1,
+                "tiny-qwen2moe on ref with its experts on the CPU module");
+    o.experts_on = "ref"; /* the option over the environment */
+    m = loom_model_open(moe, &o, err, sizeof err);
+    CHECK(!m && strstr(err, "matmul_id"), "experts_on \"ref\" (which lacks matmul_id) refused: %s",
+          m ? "opened" : err);
+    loom_model_close(m);
+    unsetenv("LOOM_STRICT");
+    unsetenv("LOOM_REF_DENY");
+    o.experts_on = "no-such-backend";
+    m = loom_model_open(moe, &o, err, sizeof err);
+    CHECK(!m && strstr(err, "no-such-backend"), "an unknown experts backend named: %s",
+          m ? "opened" : err);
+    loom_model_close(m);
+    char dense[4200];
+    snprintf(dense, sizeof dense, "%s/tiny-llama31/model.gguf", dir);
+    o.experts_on = "cpu";
+    m = loom_model_open(dense, &o, err, sizeof err);
+    CHECK(!m && strstr(err, "has none"), "a dense model refused with experts_on: %s",
+          m ? "opened" : err);
+    loom_model_close(m);
+    unsetenv("LOOM_EXPERTS_ON");
+}
+
 static void test_qwen2moe(void)
 {
     static const char *const files[] = {"config.json",       "generation_config.json",
@@ -182,6 +223,7 @@ static void test_qwen2moe(void)
                 "tiny-qwen2moe on ref without the MoE ops (the CPU fallback)");
     unsetenv("LOOM_REF_DENY");
     unsetenv("LOOM_REF_OPAQUE");
+    test_experts_on(f32);
     unlink(f32);
     remove_folder(folder);
 }

@@ -335,7 +335,8 @@ loom_model_options loom_open_options(const loom_open_flags *f)
                             .kv_type = f->kv_type,
                             .n_threads = (int32_t)f->threads,
                             .distributed = f->distributed ? 2 : 1,
-                            .stage_layers = f->layers};
+                            .stage_layers = f->layers,
+                            .experts_on = f->experts_on};
     return o;
 }
 

@@ -82,6 +82,13 @@ typedef struct loom_command {
     {                                                                                              \
         "--threads", NULL, LOOM_FLAG_LONG, (dest), 1, 1024, "N", "CPU backend threads"             \
     }
+#define LOOM_FLAG_EXPERTS_ON(dest)                                                                 \
+    {                                                                                              \
+        "--experts-on", NULL, LOOM_FLAG_TEXT, (dest), 0, 0, "BACKEND",                             \
+            "a mixture-of-experts model's experts on this backend\n"                               \
+            "(e.g. cpu beside a GPU), the rest on the chosen one\n"                                \
+            "(default: LOOM_EXPERTS_ON, else all on the chosen one)"                               \
+    }
 
 /* 0: argv parsed; 1: --help printed the usage on stdout (exit 0); 2: an error was printed,
  * naming the flag and what was wrong, with the usage (exit 2). */
@@ -107,11 +114,11 @@ void loom_print_text(FILE *out, const char *text, size_t len);
 double loom_now_ms(void);
 
 /* How a command opens its model, as the shared flags (LOOM_FLAG_MODEL, -c, LOOM_FLAG_KV_TYPE,
- * LOOM_FLAG_THREADS, LOOM_FLAG_DISTRIBUTED, LOOM_FLAG_LAYERS) write it, and the one place that
+ * LOOM_FLAG_THREADS, LOOM_FLAG_EXPERTS_ON, LOOM_FLAG_DISTRIBUTED, LOOM_FLAG_LAYERS) write it, and the one place that
  * turns it into loom_model_options (a command then sets what only it has: the KV pool of
  * serve, a backend by name). */
 typedef struct loom_open_flags {
-    const char *model, *kv_type, *layers;
+    const char *model, *kv_type, *layers, *experts_on;
     long n_ctx, threads;
     int distributed; /* --distributed: a pipeline or an error; else one under mpirun */
 } loom_open_flags;

@@ -28,6 +28,7 @@
 
 typedef struct bench_args {
     const char *model, *synthetic, *type, *backends;
+    const char *experts_on; /* --experts-on: each backend measured with the experts there */
     long pp, tg, reps;
     int json, csv, no_roofline;
     int distributed;    /* --distributed */
@@ -79,7 +80,8 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
                             .distributed = backend ? 0
                                 : a->distributed   ? 2
                                                    : 1,
-                            .stage_layers = a->layers};
+                            .stage_layers = a->layers,
+                            .experts_on = a->experts_on};
     loom_model *m = loom_model_open(a->model, &o, err, sizeof err);
     if (!m) {
         emit(results, NULL, "open", 0, 0, err);
@@ -220,8 +222,11 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
     for (int b = 0; b < n; b++) {
         fprintf(stderr, "running %s...\n", labels[b]);
         char cmd[8192];
-        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld", self,
-                 labels[b], a->model, a->pp, a->tg, a->reps);
+        char experts[256] = "";
+        if (a->experts_on) /* checked to be a plain name: nothing to escape */
+            snprintf(experts, sizeof experts, " --experts-on '%s'", a->experts_on);
+        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld%s", self,
+                 labels[b], a->model, a->pp, a->tg, a->reps, experts);
         FILE *f = popen(cmd, "r");
         char line[8192];
         while (f && fgets(line, sizeof line, f)) {
@@ -301,6 +306,7 @@ int loom_bench_main(int argc, char **argv, const char *self)
          "skip measuring memory bandwidth (no roofline column)"},
         {"--write", NULL, LOOM_FLAG_TEXT, &write_to, 0, 0, "FILE",
          "only write the synthetic model to FILE (to bench it elsewhere)"},
+        LOOM_FLAG_EXPERTS_ON(&a.experts_on),
         LOOM_FLAG_DISTRIBUTED(&a.distributed),
         LOOM_FLAG_LAYERS(&a.layers),
         {"--child", NULL, LOOM_FLAG_TEXT, &child_backend, 0, 0, "BACKEND", NULL},
@@ -317,6 +323,16 @@ int loom_bench_main(int argc, char **argv, const char *self)
         return parsed == 1 ? 0 : parsed;
     if (child_backend)
         return child(child_backend, &a);
+    const char *name_chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-,.";
+    if (a.experts_on &&
+        (!*a.experts_on || strlen(a.experts_on) > 128 ||
+         a.experts_on[strspn(a.experts_on, name_chars)])) {
+        fprintf(stderr,
+                "loom bench: --experts-on '%.40s' is not a backend name (letters, digits, '-', "
+                "'_', '.' and ',' as `loom backends` lists them)\n",
+                a.experts_on);
+        return 2;
+    }
     if (write_to) { /* the synthetic model alone, to run elsewhere (llama.cpp) or again */
         char err[1024];
         if (a.model || loom_write_synthetic_model(write_to, a.synthetic, a.type, err, sizeof err)) {

@@ -128,6 +128,7 @@ static int cmd_run(int argc, char **argv)
          "context length (default: the model's, up to 4096)"},
         LOOM_FLAG_KV_TYPE(&of.kv_type),
         LOOM_FLAG_THREADS(&of.threads),
+        LOOM_FLAG_EXPERTS_ON(&of.experts_on),
         LOOM_FLAG_DISTRIBUTED(&of.distributed),
         LOOM_FLAG_LAYERS(&of.layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,

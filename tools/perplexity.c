@@ -493,6 +493,7 @@ int loom_perplexity_main(int argc, char **argv, const char *self)
          "run on this backend (as LOOM_BACKEND)"},
         LOOM_FLAG_KV_TYPE(&a.open.kv_type),
         LOOM_FLAG_THREADS(&a.open.threads),
+        LOOM_FLAG_EXPERTS_ON(&a.open.experts_on),
         LOOM_FLAG_DISTRIBUTED(&a.open.distributed),
         LOOM_FLAG_LAYERS(&a.open.layers),
         {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON object"},

@@ -1311,6 +1311,7 @@ int loom_serve_main(int argc, char **argv)
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME",
          "override the model's chat template"},
         LOOM_FLAG_THREADS(&of.threads),
+        LOOM_FLAG_EXPERTS_ON(&of.experts_on),
         LOOM_FLAG_DISTRIBUTED(&of.distributed),
         LOOM_FLAG_LAYERS(&of.layers),
         {"--max-body", NULL, LOOM_FLAG_LONG, &max_body, 1024, 1L << 30, "BYTES",

@@ -78,6 +78,11 @@ typedef struct loom_model_options {
      * processes, unless LOOM_DISTRIBUTED=0; 2: always (outside a job, an error). */
     int32_t distributed;
     const char *stage_layers; /* "N0,N1,...": layers per rank; NULL: balanced by weight bytes */
+    /* A mixture-of-experts model's experts on another backend (a LOOM_BACKEND-style name, such
+     * as "cpu" beside a GPU): their matrices are mapped or loaded there, and their matmuls run
+     * there, while the rest of the model runs on the chosen backend. NULL: LOOM_EXPERTS_ON, if
+     * set; else everything on the chosen backend. A dense model is refused with it. */
+    const char *experts_on;
 } loom_model_options;
 
 typedef struct loom_sampling {
@@ -168,7 +173,8 @@ int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, c
                      size_t err_size);
 
 /* Bytes of weights one decode step reads (all tensors but the embedding table, of which it
- * reads a row): what a memory-bandwidth roofline divides by. */
+ * reads a row; of a mixture-of-experts stack, the share of the experts a token is routed to):
+ * what a memory-bandwidth roofline divides by. */
 uint64_t loom_model_weight_bytes(const loom_model *m);
 /* "q4_0" and the like: the type of most of the model's weight bytes. */
 const char *loom_model_weight_type(const loom_model *m);
