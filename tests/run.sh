@@ -106,8 +106,18 @@ if "$LOOM" bench ops --quick --op attention --backends cpu --json > "$tmpdir/ops
 else
     fail "bench ops exit:"; cat "$tmpdir/ops.err" >&2
 fi
+# the experts' matmul_id at decode, beside matmul of one expert's shape, and nothing else
+if "$LOOM" bench ops --quick --op matmul_id --backends cpu-baseline --json > "$tmpdir/opsid.json" \
+        2> "$tmpdir/opsid.err"; then
+    jq -e '([.results[] | select(.op == "matmul_id" and .gbps > 0 and (.error | not))] | length == 4)
+           and ([.results[] | select(.op != "matmul_id" and .op != "matmul")] | length == 0)' \
+        "$tmpdir/opsid.json" > /dev/null && pass "bench ops --op matmul_id: four dtypes measured" ||
+        { fail "bench ops matmul_id results:"; cat "$tmpdir/opsid.json" >&2; }
+else
+    fail "bench ops --op matmul_id exit:"; cat "$tmpdir/opsid.err" >&2
+fi
 "$LOOM" bench ops --op softmax > /dev/null 2> "$tmpdir/e7" && fail "bench ops --op softmax accepted"
-expect_grep "^loom bench ops: --op is one of matmul|attention, not 'softmax'" "$tmpdir/e7" \
+expect_grep "^loom bench ops: --op is one of matmul|attention|matmul_id, not 'softmax'" "$tmpdir/e7" \
     "an op bench ops does not measure is named"
 # a mixture-of-experts synthetic model: the decode roofline counts the bytes a token reads (of
 # an expert stack, the share of the experts it is routed to: counted here from loom inspect's

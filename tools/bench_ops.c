@@ -322,6 +322,81 @@ out:
     free(ws), free(host), free(xh);
 }
 
+/* A mixture-of-experts decode step's expert matmul: Y[k, N] = X[1, K] W_e^T for k experts e
+ * drawn at random from a stack [E, N, K] that fills the DRAM working set (E as many as fit),
+ * as a token of Qwen1.5-MoE routes to 4 of its 60 experts (N 1408, K 2048). GB/s counts the k
+ * experts' bytes, so it compares with matmul decode's. */
+static void bench_matmul_id_decode(loom_device *d, loom_buffer *arena, uint64_t arena_bytes,
+                                   loom_dtype dt, int64_t K, int64_t N, int k)
+{
+    char shape[64];
+    uint64_t expert_bytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
+    int64_t E = (int64_t)(arena_bytes / expert_bytes);
+    E = E > 1024 ? 1024 : E;
+    snprintf(shape, sizeof shape, "M=1 K=%lld N=%lld k=%d of %lld", (long long)K, (long long)N, k,
+             (long long)E);
+    if (!loom_device_supports(d, LOOM_OP_MATMUL_ID, dt) || !d->ops.matmul_id) {
+        emit_error("matmul_id", loom_dtype_name(dt), shape, "unsupported");
+        return;
+    }
+    void *host = make_rows(dt, K, N);
+    float *xh = make_rows(LOOM_F32, K, 1);
+    int32_t ids[64 * 16];
+    loom_buffer *xb = upload(d, xh, (uint64_t)K * 4),
+                *yb = upload(d, NULL, (uint64_t)N * (uint64_t)k * 4),
+                *ib = upload(d, NULL, sizeof ids);
+    int ok = host && xh && xb && yb && ib && E >= k && k <= 16;
+    for (int64_t e = 0; e < E && ok; e++)
+        ok = d->ops.copy_from_host(d->be, arena, (uint64_t)e * expert_bytes, host, expert_bytes) ==
+            LOOM_OK;
+    for (int i = 0; i < 64 && ok; i++) /* 64 tokens' distinct draws, taken in turn */
+        for (int j = 0; j < k; j++) {
+            int32_t e, dup;
+            do {
+                e = (int32_t)((uint32_t)(rnd() * 1e6f + 1e6f) % (uint32_t)E);
+                dup = 0;
+                for (int q = 0; q < j; q++)
+                    dup |= ids[i * k + q] == e;
+            } while (dup);
+            ids[i * k + j] = e;
+        }
+    ok = ok && d->ops.copy_from_host(d->be, ib, 0, ids, (uint64_t)(64 * k) * 4) == LOOM_OK;
+    if (!ok) {
+        emit_error("matmul_id", loom_dtype_name(dt), shape, "out of memory for the working set");
+    } else {
+        loom_tensor w = dense(arena, dt, K, N, E), x = dense(xb, LOOM_F32, K, 1, 1),
+                    y = dense(yb, LOOM_F32, N, k, 1), id = dense(ib, LOOM_I32, k, 1, 1);
+        double times[5], bw = adjacent_bandwidth();
+        const int passes = 5, calls = 64;
+        for (int pass = -1; pass < passes; pass++) { /* pass -1 warms up */
+            double t0 = now_s();
+            for (int i = 0; i < calls; i++) {
+                id.offset = (uint64_t)(i * k) * 4;
+                loom_matmul_id_params p = {sizeof p, &x, &w, &id, &y};
+                d->ops.matmul_id(d->be, &p);
+            }
+            d->ops.synchronize(d->be);
+            if (pass >= 0)
+                times[pass] = (now_s() - t0) / calls;
+        }
+        double mean = 0, sd = 0;
+        for (int i = 0; i < passes; i++)
+            mean += times[i] / passes;
+        for (int i = 0; i < passes; i++)
+            sd += (times[i] - mean) * (times[i] - mean) / (passes - 1);
+        double bw_after = adjacent_bandwidth();
+        emit("matmul_id", loom_dtype_name(dt), shape, "decode", mean, (double)(expert_bytes * k),
+             2.0 * (double)K * (double)N * k, sqrt(sd), bw_after > bw ? bw_after : bw);
+    }
+    if (xb)
+        d->ops.buffer_free(d->be, xb);
+    if (yb)
+        d->ops.buffer_free(d->be, yb);
+    if (ib)
+        d->ops.buffer_free(d->be, ib);
+    free(host), free(xh);
+}
+
 /* Runs fn until at least min_s have passed (and at least 3 times); mean and sd per call. */
 typedef void (*bench_fn)(loom_device *d, void *ctx);
 
@@ -472,7 +547,7 @@ static void bench_attention(loom_device *d, loom_dtype cache_dt, int64_t tokens,
 }
 
 /* which ops a run measures: both, or the one named by --op */
-typedef enum { OPS_ALL, OPS_MATMUL, OPS_ATTENTION } ops_wanted;
+typedef enum { OPS_ALL, OPS_MATMUL, OPS_ATTENTION, OPS_MATMUL_ID } ops_wanted;
 
 static int child(const char *path, int quick, ops_wanted ops)
 {
@@ -494,6 +569,16 @@ static int child(const char *path, int quick, ops_wanted ops)
         /* no matmuls */
     } else if (d.ops.buffer_alloc(d.be, arena_bytes, &arena) != LOOM_OK) {
         emit_error("matmul", "", "", "cannot allocate the decode working set");
+    } else if (ops == OPS_MATMUL_ID) {
+        /* the experts of a MoE decode step, beside the same dtypes' plain matmul */
+        static const loom_dtype id_types[] = {LOOM_Q8_0, LOOM_Q4_0, LOOM_Q4_K, LOOM_F16};
+        for (size_t i = 0; i < sizeof id_types / sizeof id_types[0]; i++) {
+            bench_matmul_id_decode(&d, arena, arena_bytes, id_types[i], quick ? 1024 : 2048,
+                                   quick ? 512 : 1408, 4);
+            bench_matmul_decode(&d, arena, arena_bytes, id_types[i], quick ? 1024 : 2048,
+                                quick ? 512 : 1408);
+        }
+        d.ops.buffer_free(d.be, arena);
     } else {
         for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
             bench_matmul_decode(&d, arena, arena_bytes, wtypes[i], dim, dim);
@@ -504,12 +589,12 @@ static int child(const char *path, int quick, ops_wanted ops)
     }
     /* prefill, then a serving step: one decode token from each of 16 sequences */
     const int64_t prefill_m[] = {quick ? 16 : 64, 16};
-    for (int pm = 0; pm < 2 && ops != OPS_ATTENTION; pm++)
+    for (int pm = 0; pm < 2 && ops != OPS_ATTENTION && ops != OPS_MATMUL_ID; pm++)
         for (int prepared = 0; prepared < 2; prepared++)
             for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
                 bench_matmul_prefill(&d, wtypes[i], prefill_m[pm], dim, dim, prepared);
     int64_t ctx = quick ? 256 : 2048;
-    if (ops != OPS_MATMUL) {
+    if (ops == OPS_ALL || ops == OPS_ATTENTION) {
         bench_attention(&d, LOOM_F16, 1, ctx, 32, 8, 128);
         bench_attention(&d, LOOM_Q8_0, 1, ctx, 32, 8, 128);
         bench_attention(&d, LOOM_F16, quick ? 16 : 128, ctx, 32, 8, 128);
@@ -548,22 +633,26 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
         {"--backends", NULL, LOOM_FLAG_TEXT, &list, 0, 0, "LIST",
          "comma-separated backend names or name-variant (default: every\n"
          "usable backend but ref)"},
-        {"--op", NULL, LOOM_FLAG_CHOICE, &op, 0, 0, "matmul|attention",
-         "measure only matmul or only attention (default: both)"},
+        {"--op", NULL, LOOM_FLAG_CHOICE, &op, 0, 0, "matmul|attention|matmul_id",
+         "measure only matmul, only attention, or the experts' matmul_id\n"
+         "beside matmul of one expert's shape (default: matmul and attention)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
          "print the measurements as JSON instead of a table"},
         {"--quick", NULL, LOOM_FLAG_SWITCH, &quick, 0, 0, NULL, "small shapes, for a smoke test"},
         {"--child", NULL, LOOM_FLAG_TEXT, &child_path, 0, 0, "MODULE", NULL},
     };
     const loom_command cmd = {.name = "loom bench ops",
-                              .synopsis = "[--backends LIST] [--op matmul|attention] [--json] "
-                                          "[--quick]",
+                              .synopsis = "[--backends LIST] [--op matmul|attention|matmul_id] "
+                                          "[--json] [--quick]",
                               .flags = flags,
                               .n_flags = LOOM_N_FLAGS(flags)};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
-    ops_wanted ops = !op ? OPS_ALL : !strcmp(op, "matmul") ? OPS_MATMUL : OPS_ATTENTION;
+    ops_wanted ops = !op           ? OPS_ALL
+        : !strcmp(op, "matmul")    ? OPS_MATMUL
+        : !strcmp(op, "matmul_id") ? OPS_MATMUL_ID
+                                   : OPS_ATTENTION;
     if (child_path)
         return child(child_path, quick, ops);
 
@@ -626,6 +715,7 @@ int loom_bench_ops_main(int argc, char **argv, const char *self)
                  quick ? " --quick" : "",
                  ops == OPS_MATMUL          ? " --op matmul"
                      : ops == OPS_ATTENTION ? " --op attention"
+                     : ops == OPS_MATMUL_ID ? " --op matmul_id"
                                             : "");
         FILE *f = popen(cmd, "r");
         char line[2048];
