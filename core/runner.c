@@ -49,6 +49,9 @@ static loom_tensor dense(loom_buffer *b, uint64_t offset, loom_dtype dt, int64_t
 
 /* ---- Weights ------------------------------------------------------------------------------ */
 
+/* r->prep[i]: weight i not yet offered to prepare_weight, in r->prepared[i], or kept as it is */
+enum { PREP_UNTRIED, PREP_DONE, PREP_NONE };
+
 const loom_gguf *loom_rt_gguf(const loom_runner *r)
 {
     return r->gguf;
@@ -65,6 +68,39 @@ static int placed_on_experts(const loom_runner *r, const loom_gguf_tensor *gt)
 static loom_device *weight_device(const loom_runner *r, uint64_t i)
 {
     return placed_on_experts(r, &r->gguf->tensors[i]) ? r->opt.experts : r->dev;
+}
+
+/* Whether expert stack i is offered to dev's prepare_weight: a module of ABI 1.6 or later (an
+ * older one knows matmul weights only) that runs matmul_id on its type. */
+static int offers_stacks(const loom_runner *r, loom_device *dev, const loom_gguf_tensor *gt)
+{
+    return r->repack && dev->ops.prepare_weight && dev->module.abi_minor >= 6 &&
+        loom_device_supports(dev, LOOM_OP_MATMUL_ID, (loom_dtype)gt->type);
+}
+
+/* Expert stack i (mapped, in r->weights[i]) in dev's own layout, at load: 1 when prepared (the
+ * mapped pages let go), 0 when dev keeps stacks of its type as they are, 2 when memory ran
+ * short (it stays mapped), -1 on a failure. */
+static int prepare_stack(loom_runner *r, uint64_t i, loom_device *dev)
+{
+    const loom_gguf_tensor *gt = &r->gguf->tensors[i];
+    loom_status st = dev->ops.prepare_weight(dev->be, &r->weights[i], &r->prepared[i]);
+    if (st == LOOM_OK) {
+        r->prep[i] = PREP_DONE;
+        loom_gguf_release_pages(r->gguf, gt->offset, gt->size);
+        return 1;
+    }
+    r->prep[i] = PREP_NONE;
+    if (st == LOOM_ERR_UNSUPPORTED)
+        return 0;
+    if (st == LOOM_ERR_OUT_OF_MEMORY) {
+        fprintf(stderr, "loom: no memory to prepare '%s' for %s (%s); it runs from the file\n",
+                gt->name, dev->name, dev->ops.last_error(dev->be));
+        return 2;
+    }
+    loom_runner_fail(r, "preparing expert stack '%s' on %s%s%s failed: %s", gt->name, dev->name,
+                     dev->variant[0] ? "-" : "", dev->variant, dev->ops.last_error(dev->be));
+    return -1;
 }
 
 const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required)
@@ -106,15 +142,28 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
     const loom_backend_ops *ops = &dev->ops;
     loom_buffer *buf, **map = dev == r->dev ? &r->weights_map : &r->experts_map;
     uint64_t offset;
-    /* An expert stack goes into the device's own memory even where the file could be mapped: a
-     * decode step reads a few MB of it at scattered places, and through the file's 4 KiB pages
-     * each read walks page tables that no cache holds any more, where the device's buffers
-     * have huge pages (moe-a2.7b, q8_0, cpu-avx512, measured: matmul_id 410 us a call against
+    /* An expert stack goes into the device's own memory even where the file could be mapped:
+     * prepared in its layout at load where the device has one (ABI 1.6), else copied. A decode
+     * step reads a few MB of it at scattered places, and through the file's 4 KiB pages each
+     * read walks page tables that no cache holds any more, where the device's buffers have
+     * huge pages (moe-a2.7b, q8_0, cpu-avx512, measured: matmul_id 410 us a call against
      * 830-1050 mapped, decode 50 against 29-39 tokens/s). Its mapped pages are let go after. */
     int stack = gt->n_dims == 3;
     if (ops->buffer_wrap_host && !*map &&
         ops->buffer_wrap_host(dev->be, (void *)r->gguf->map, r->gguf->size, map) != LOOM_OK)
         *map = NULL;
+    if (*map && stack && offers_stacks(r, dev, gt)) {
+        r->weights[i] = dense(*map, gt->offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1],
+                              gt->ne[2], gt->ne[3]);
+        r->weights[i].n_dims = (int32_t)gt->n_dims;
+        int got = prepare_stack(r, i, dev);
+        if (got < 0)
+            return NULL;
+        if (got > 0) {
+            r->weight_ready[i] = 1;
+            return &r->weights[i];
+        }
+    }
     if (*map && !stack) {
         buf = *map;
         offset = gt->offset;
@@ -336,7 +385,8 @@ static int on_experts_device(void *ctx, const loom_buffer *buf)
     if (buf == r->experts_map)
         return 1;
     for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
-        if (r->weight_bufs[i] == buf && placed_on_experts(r, &r->gguf->tensors[i]))
+        if ((r->weight_bufs[i] == buf || (r->prep[i] == PREP_DONE && r->prepared[i].buf == buf)) &&
+            placed_on_experts(r, &r->gguf->tensors[i]))
             return 1;
     return 0;
 }
@@ -409,7 +459,6 @@ void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *i
     exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
 }
 
-enum { PREP_UNTRIED, PREP_DONE, PREP_NONE };
 
 /* The tensor to pass as matmul's W for weight w: its prepared copy, made on first use, when the
  * backend has a layout of its own for it; else w. Views and non-weights pass through. */
@@ -598,6 +647,10 @@ void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *
 {
     if (r->status || !held(r, w, "matmul_id"))
         return;
+    /* a stack prepared at load (prepare_stack) runs in its prepared form */
+    if (w >= r->weights && w < r->weights + r->gguf->n_tensors &&
+        r->prep[w - r->weights] == PREP_DONE)
+        w = &r->prepared[w - r->weights];
     loom_matmul_id_params p = {sizeof p, x, w, ids, y};
     exec_op(r, LOOM_OP_MATMUL_ID, w->dtype, "matmul_id", &p);
 }
@@ -825,8 +878,10 @@ void loom_runner_free(loom_runner *r)
             d->ops.buffer_free(d->be, r->weight_bufs[i]);
         }
     for (uint64_t i = 0; r->prep && i < r->gguf->n_tensors; i++)
-        if (r->prep[i] == PREP_DONE)
-            ops->buffer_free(r->dev->be, r->prepared[i].buf);
+        if (r->prep[i] == PREP_DONE) {
+            loom_device *d = weight_device(r, i);
+            d->ops.buffer_free(d->be, r->prepared[i].buf);
+        }
     if (r->weights_map)
         ops->buffer_free(r->dev->be, r->weights_map);
     if (r->experts_map)

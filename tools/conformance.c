@@ -507,6 +507,45 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
             printf("prepare_weight %s: a layout of its own for %d of %d shapes\n",
                    loom_dtype_name(dt), n_prepared, n_tried);
     }
+    if (target->module.abi_minor < 6)
+        return; /* expert stacks are offered to ABI 1.6 modules only */
+    /* matmul_id over a stack that went through prepare_weight whole (ABI 1.6): rows per expert
+     * in multiples of 16 and 8, and one (9) that a layout of groups may decline */
+    static const matmul_id_shape stacks[] = {{1, 8, 2, 64, 32, 0, 0},
+                                             {7, 4, 2, 256, 16, 0, 0},
+                                             {5, 6, 3, 32, 48, 1, 0},
+                                             {3, 5, 2, 512, 16, 0, 1},
+                                             {2, 4, 2, 64, 9, 0, 0}};
+    for (int di = 0; di < N_DTYPES; di++) {
+        loom_dtype dt = all_dtypes[di];
+        if (!conformance_op_dtype_applies(LOOM_OP_MATMUL_ID, dt) ||
+            !loom_device_supports(target, LOOM_OP_MATMUL_ID, dt))
+            continue;
+        int n_prepared = 0, n_tried = 0;
+        for (size_t v = 0; v < sizeof stacks / sizeof stacks[0]; v++) {
+            test_case tc;
+            memset(&tc, 0, sizeof tc);
+            tc.op = LOOM_OP_MATMUL_ID;
+            tc.dtype = dt;
+            make_matmul_id_shape(&tc, dt, &stacks[v]);
+            if (tc.op == LOOM_OP_COUNT) {
+                free_case(&tc);
+                continue; /* K is not whole blocks of dt */
+            }
+            n_tried++;
+            tc.prepare_w = 1;
+            char name[256], why[1024] = "";
+            snprintf(name, sizeof name, "matmul_id %s %s, the stack offered to prepare_weight",
+                     loom_dtype_name(dt), tc.label);
+            int ok = judge_case(target, ref, &tc, why, sizeof why);
+            n_prepared += tc.prepared;
+            record(r, name, ok, ok ? NULL : "%s", why);
+            free_case(&tc);
+        }
+        if (!r->quiet)
+            printf("prepare_weight %s expert stacks: a layout of its own for %d of %d shapes\n",
+                   loom_dtype_name(dt), n_prepared, n_tried);
+    }
 }
 
 /* ---- Contract checks -------------------------------------------------------------------- */

@@ -554,26 +554,19 @@ static void make_moe_route(test_case *tc, loom_dtype dt, int v)
     tc->abi_minor = 5;
 }
 
-static void make_matmul_id(test_case *tc, loom_dtype dt, int v)
+void make_matmul_id_shape(test_case *tc, loom_dtype dt, const matmul_id_shape *s)
 {
-    /* tokens, experts, k, K, N, per-slot x: a decode step (every chosen expert one row), a
-     * prefill chunk whose tokens share experts (gathered rows), the down projection (x per
-     * slot), and an expert stack padded between matrices */
-    static const struct {
-        int tokens, experts, k, K, N, per_slot;
-    } r[] = {
-        {1, 8, 2, 64, 24, 0}, {7, 4, 2, 256, 9, 0}, {5, 6, 3, 32, 40, 1}, {3, 5, 2, 512, 8, 0}};
-    int64_t T = r[v].tokens, E = r[v].experts, k = r[v].k, K = r[v].K, N = r[v].N;
+    int64_t T = s->tokens, E = s->experts, k = s->k, K = s->K, N = s->N;
     if (K % loom_dtype_block_elems(dt)) {
         tc->op = LOOM_OP_COUNT;
         return;
     }
-    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld of %lld experts [%lld, %lld]%s",
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld of %lld experts [%lld, %lld]%s%s",
              (long long)T, (long long)k, (long long)E, (long long)N, (long long)K,
-             r[v].per_slot ? ", x per slot" : "");
-    spec *x = add_spec(tc, 0, LOOM_F32, K, r[v].per_slot ? k : 1, T, 1, 1);
+             s->per_slot ? ", x per slot" : "", s->padded ? ", padded stack" : "");
+    spec *x = add_spec(tc, 0, LOOM_F32, K, s->per_slot ? k : 1, T, 1, 1);
     fill_random(x, 1.0f, 0.0f);
-    spec *w = add_spec(tc, 1, dt, K, N, E, 1, v == 3);
+    spec *w = add_spec(tc, 1, dt, K, N, E, 1, s->padded);
     fill_random(w, 0.5f, 0.0f);
     int32_t ids[32];
     for (int64_t t = 0; t < T; t++) /* distinct experts per token, some shared across tokens */
@@ -589,6 +582,18 @@ static void make_matmul_id(test_case *tc, loom_dtype dt, int v)
     add_spec(tc, 3, LOOM_F32, N, k, T, 1, 1)->output = 1;
     tc->tol = weight_tolerance(dt);
     tc->abi_minor = 5;
+}
+
+static void make_matmul_id(test_case *tc, loom_dtype dt, int v)
+{
+    /* a decode step (every chosen expert one row), a prefill chunk whose tokens share experts
+     * (gathered rows), the down projection (x per slot), and an expert stack padded between
+     * matrices */
+    static const matmul_id_shape r[] = {{1, 8, 2, 64, 24, 0, 0},
+                                        {7, 4, 2, 256, 9, 0, 0},
+                                        {5, 6, 3, 32, 40, 1, 0},
+                                        {3, 5, 2, 512, 8, 0, 1}};
+    make_matmul_id_shape(tc, dt, &r[v]);
 }
 
 static void make_moe_combine(test_case *tc, loom_dtype dt, int v)

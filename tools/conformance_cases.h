@@ -55,6 +55,12 @@ void get_row(const spec *s, const unsigned char *image, int64_t r, float *out);
 void free_case(test_case *tc);
 /* A matmul case: X [M, K] f32, W [N, K] of dtype dt, a bias when asked, Y [M, N]. */
 void make_matmul_shape(test_case *tc, loom_dtype dt, int64_t M, int64_t K, int64_t N, int bias);
+/* matmul_id over a stack of `experts` [N, K] matrices, k chosen per token; x per slot (the
+ * down projection) or one row per token; padded: the matrices lie apart in the buffer */
+typedef struct matmul_id_shape {
+    int tokens, experts, k, K, N, per_slot, padded;
+} matmul_id_shape;
+void make_matmul_id_shape(test_case *tc, loom_dtype dt, const matmul_id_shape *s);
 
 /* An op's cases: make(tc, dtype, v) fills variant v < n_variants for the dtype, or sets tc->op
  * to LOOM_OP_COUNT when that variant does not apply to it. */

@@ -119,6 +119,9 @@ loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buf
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
 loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out);
+/* Expert e of a stack that cpu_prepare_weight prepared whole (ABI 1.6): a buffer of its rows'
+ * groups that matmul takes as a prepared [N, K] weight. 0, or -1 when w is not such a stack. */
+int cpu_prepared_expert(const loom_tensor *w, int64_t e, struct loom_buffer *view);
 /* cpu_attention.c */
 loom_status cpu_kv_store(loom_backend *be, const loom_kv_store_params *p);
 loom_status cpu_attention(loom_backend *be, const loom_attention_params *p);

@@ -495,6 +495,27 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
 
 /* ---- prepare_weight --------------------------------------------------------------------- */
 
+int cpu_prepared_expert(const loom_tensor *w, int64_t e, struct loom_buffer *view)
+{
+#if KERN_RI
+    const struct loom_buffer *b = w->buf;
+    int64_t E = w->ne[2], N = w->ne[1], K = w->ne[0];
+    if (!b || !b->prepared || w->offset != 0 || w->dtype != b->prepared_type ||
+        K != b->prepared_k || N * E != b->prepared_n || w->ne[3] != 1 || e < 0 || e >= E)
+        return -1;
+    uint64_t bytes = (uint64_t)(N / KERN_RI) * group_bytes(w->dtype, (cpu_layout)b->prepared, K);
+    *view = *b;
+    view->data = b->data + (uint64_t)e * bytes;
+    view->size = bytes;
+    view->wrapped = 1; /* never freed: the stack's buffer owns it */
+    view->prepared_n = N;
+    return 0;
+#else
+    (void)w, (void)e, (void)view;
+    return -1;
+#endif
+}
+
 #if KERN_RI
 typedef struct repack_job {
     const loom_tensor *w;
@@ -622,7 +643,10 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
 #if KERN_RI
     int64_t N = loom_tensor_rows(w), K = w->ne[0];
     int interleaves = interleaves_blocks(w->dtype) || w->dtype == LOOM_F16 || w->dtype == LOOM_BF16;
-    if (interleaves && N > 0 && N % KERN_RI == 0 && K > 0) {
+    /* an expert stack (ABI 1.6, for matmul_id) is its experts' rows one after another; each
+     * expert's must fill whole groups, so that cpu_prepared_expert finds its own */
+    int stack_fits = w->ne[2] * w->ne[3] == 1 || w->ne[1] % KERN_RI == 0;
+    if (interleaves && stack_fits && N > 0 && N % KERN_RI == 0 && K > 0) {
         cpu_layout layout = CPU_LAYOUT_ROWS;
 #if defined(LOOM_CPU_VARIANT_AVX512)
         if (w->dtype == LOOM_BF16 && cb->feat.avx512bf16)

@@ -5,7 +5,9 @@
  * matmul_id groups the (token, slot) rows by expert and runs each expert's rows as one matmul
  * (cpu_matmul, so every weight type and kernel applies): the rows of an expert are gathered
  * into a dense block and the results scattered back, except where an expert has one row, the
- * decode step's case, which runs on views without a copy.
+ * decode step's case, which runs on views without a copy. A stack cpu_prepare_weight prepared
+ * (ABI 1.6) gives each expert as a prepared weight of its own (cpu_prepared_expert), so the
+ * interleaved kernels run the experts as they run dense weights.
  */
 #define _GNU_SOURCE
 #include "cpu.h"
@@ -109,7 +111,15 @@ loom_status cpu_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
 {
     CHECK_ARGS(be, loom_check_matmul_id(p));
     TRY(cpu_check_bounds(CB(be), p->x, "matmul_id x"));
-    TRY(cpu_check_bounds(CB(be), p->w, "matmul_id w"));
+    struct loom_buffer expert;
+    if (p->w->buf && p->w->buf->prepared) {
+        if (cpu_prepared_expert(p->w, 0, &expert) != 0)
+            return cpu_fail(CB(be), LOOM_ERR_INVALID,
+                            "matmul_id: w is a prepared stack seen otherwise than "
+                            "prepare_weight returned it; pass it whole");
+    } else {
+        TRY(cpu_check_bounds(CB(be), p->w, "matmul_id w"));
+    }
     TRY(cpu_check_bounds(CB(be), p->ids, "matmul_id ids"));
     TRY(cpu_check_bounds(CB(be), p->y, "matmul_id y"));
     const int64_t K = p->x->ne[0], N = p->w->ne[1], E = p->w->ne[2], k = p->ids->ne[0];
@@ -155,9 +165,16 @@ loom_status cpu_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
         if (n_rows == 0)
             continue;
         loom_tensor w = *p->w; /* expert e's [N, K] matrix */
-        w.offset += (uint64_t)e * p->w->nb[2];
         w.ne[2] = 1;
         w.n_dims = 2;
+        if (p->w->buf->prepared) { /* its own prepared weight */
+            cpu_prepared_expert(p->w, e, &expert);
+            w.buf = &expert;
+            w.offset = 0;
+            w.nb[2] = w.nb[3] = w.nb[1] * (uint64_t)N;
+        } else {
+            w.offset += (uint64_t)e * p->w->nb[2];
+        }
         if (n_rows == 1) {
             int64_t r = order[start[e]];
             loom_tensor x = one_row(p->x, r / k, per_slot ? r % k : 0),

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 5
+#define LOOM_BACKEND_ABI_MINOR 6
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -914,7 +914,10 @@ typedef struct loom_backend_ops {
          * *out has w's dtype and ne and lives in a new buffer (out->buf, freed with buffer_free);
          * w is untouched and stays usable. A prepared tensor may only be passed whole as
          * matmul's w: no views, no other op, and its bytes are the backend's business.
-         * LOOM_ERR_UNSUPPORTED: no better layout for this weight; use w as it is. */
+         * LOOM_ERR_UNSUPPORTED: no better layout for this weight; use w as it is.
+         * ABI 1.6: w may also be matmul_id's expert stack (3-D, [experts, N, K]); the prepared
+         * stack is then passed whole as matmul_id's w, never to matmul. loom offers stacks only
+         * to modules of minor 6 or later; one that has no layout for them says UNSUPPORTED. */
     /* ABI 1.2 and later append here: the slots of LOOM_OPS_APPENDED */
     LOOM_OPS_APPENDED(LOOM_OP_SLOT_)
 #undef LOOM_OP_SLOT_
