@@ -399,6 +399,11 @@ int32_t loom_model_n_ctx(const loom_model *m)
     return loom_runner_n_ctx(m->runner);
 }
 
+int32_t loom_model_sliding_window(const loom_model *m)
+{
+    return loom_runner_hparams(m->runner)->n_swa;
+}
+
 const float *loom_prompt_logits(const loom_model *m)
 {
     return m->prompt_logits;

@@ -95,6 +95,9 @@ done
 used=$(curl -s "$URL/metrics" | awk '/^loom_kv_blocks\{state="used"\}/ { print $2 }')
 gone=$(metric loom_client_disconnects_total)
 [ "$used" = 0 ] && pass "after disconnects no KV block is in use" || fail "KV blocks used while idle: $used"
+window=$(metric loom_kv_sliding_window_tokens)
+[ "$window" = 0 ] && pass "/metrics: no sliding window for this model" ||
+    fail "loom_kv_sliding_window_tokens is '$window' for a model without a window"
 [ "${gone:-0}" -ge 2 ] && pass "both disconnects noticed ($gone)" || fail "disconnects counted: $gone"
 
 # ---- prefix cache: the same long prompt twice; the second hits and is answered sooner

@@ -127,6 +127,20 @@ static void test_mistral(void)
     CHECK(make_folder(folder, "tiny-mistral", files, 5, shared, 1) == 0, "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     check_forms("tiny-mistral", f32, folder, NULL);
+    /* the window the API reports (serve's /metrics shows it) is config.json's sliding_window */
+    char cfg_path[4400];
+    snprintf(cfg_path, sizeof cfg_path, "%s/config.json", folder);
+    char *cfg_text = slurp(cfg_path, NULL);
+    cJSON *cfg = cfg_text ? cJSON_Parse(cfg_text) : NULL;
+    int want = (int)cJSON_GetNumberValue(cJSON_GetObjectItem(cfg, "sliding_window"));
+    cJSON_Delete(cfg);
+    free(cfg_text);
+    loom_model_options o = {.backend = "ref"};
+    loom_model *m = loom_model_open(f32, &o, err, sizeof err);
+    CHECK(m && want > 0 && loom_model_sliding_window(m) == want,
+          "the reported sliding window is %d, config.json's %d",
+          m ? loom_model_sliding_window(m) : -1, want);
+    loom_model_close(m);
     unlink(f32);
     remove_folder(folder);
 }

@@ -668,6 +668,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
 {
     served *sv = acquire(srv);
     loom_engine_stats s = loom_engine_get_stats(sv->engine);
+    int32_t window = loom_model_sliding_window(sv->api.model);
     release(srv, sv);
     pthread_mutex_lock(&srv->count_lock);
     uint64_t http = srv->http_requests, errors = srv->http_errors, gone = srv->disconnects;
@@ -728,6 +729,10 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
                      "loom_kv_blocks{state=\"cached\"} %d\nloom_kv_blocks{state=\"free\"} %d\n",
                      s.block_size, s.kv_used, s.kv_cached, s.kv_free);
     buf_append(&out, &len, &cap, line, (size_t)k);
+    METRIC("loom_kv_sliding_window_tokens", "gauge",
+           "The model's attention window (0: none). KV blocks wholly outside a running "
+           "sequence's window are not released early: they stay used until it ends.",
+           " %d", window);
     METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.",
            " %llu", (unsigned long long)s.preemptions);
     METRIC("loom_engine_steps_total", "counter", "Forward passes run.", " %llu",

@@ -133,6 +133,9 @@ int32_t loom_model_n_vocab(const loom_model *m);
  * (token type UNUSED: the padding that gives every embedding row a token). */
 int loom_model_token_unused(const loom_model *m, int32_t id);
 int32_t loom_model_n_ctx(const loom_model *m);
+/* The attention window of a sliding-window model (Mistral's sliding_window): a token sees the
+ * keys of at most this many positions, its own included; 0 when it sees them all. */
+int32_t loom_model_sliding_window(const loom_model *m);
 /* Tokens per KV cache block when loom_model_options.block_size is 0 (16). */
 int32_t loom_default_block_size(void);
 
