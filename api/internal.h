@@ -25,14 +25,16 @@ int loom_parse_weight_type(const char *name, loom_dtype *t);
 
 /* api/quant_mix.c: the types and llama.cpp-style mixes loom quantises to. A mix is found by
  * name (-1: none); its type for a tensor depends on the tensor's name and row length, the
- * model's layer count and query heads per KV head. */
+ * model's layer count, query heads per KV head and experts (0: dense). */
 const char *loom_quant_mix_names(void);
 int loom_quant_mix_find(const char *name);
 int loom_quant_mix_file_type(int mix);
 loom_dtype loom_quant_mix_base(int mix);
 /* pure: every matrix the mix's base type (llama-quantize's --pure), still with row fallbacks */
 loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa,
-                               int pure);
+                               int n_expert, int pure);
+/* A tensor no mix quantises (a MoE router: its logits choose the experts) */
+int loom_quant_mix_keeps(const char *name);
 /* the mix is one type throughout but for the output tensor (q4_0, q6_k, ...), not a _S/_M/_L
  * or q2_k mix */
 int loom_quant_mix_is_plain(int mix);

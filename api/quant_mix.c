@@ -15,6 +15,11 @@
  *           every third between); attn_qkv q5_K
  *   q5_k_m  the same with q6_K; attn_qkv q6_K
  *   iq4_nl, iq4_xs: attn_v q5_K with 4+ query heads per KV head
+ * Mixture-of-experts models (llama.cpp's rules for them): every tensor whose name holds
+ * "ffn_down" (the experts' ffn_down_exps and the shared ffn_down_shexp too) follows ffn_down's
+ * rule by the layer its name gives; with exactly 8 experts (Mixtral's count) attn_v and attn_k
+ * are q8_0 and attn_output q5_K in the q2_k, q3_k_s/m, q4_k_s/m and iq4 mixes; the router
+ * (ffn_gate_inp) is never quantised (loom_quant_mix_keeps).
  * A row length the base type's blocks do not divide falls back to a 32-element type (q2_K,
  * q3_K, iq4_xs: iq4_nl; q4_K: q5_0; q5_K: q5_1; q6_K: q8_0), and to f16 when 32 does not
  * divide it either. 1-D tensors (norms, biases) are never quantised.
@@ -129,8 +134,13 @@ int loom_quant_mix_is_plain(int mix)
     return mixes[mix].kind == MIX_PLAIN;
 }
 
+int loom_quant_mix_keeps(const char *name)
+{
+    return strstr(name, "ffn_gate_inp.weight") != NULL;
+}
+
 loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa,
-                               int pure)
+                               int n_expert, int pure)
 {
     loom_dtype base = mixes[mix].base, t = base;
     mix_kind k = mixes[mix].kind;
@@ -154,7 +164,12 @@ loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_la
             t = LOOM_Q5_K;
         else if ((base == LOOM_IQ4_NL || base == LOOM_IQ4_XS) && n_gqa >= 4)
             t = LOOM_Q5_K;
-    } else if (ends_with(name, "ffn_down.weight") && layer >= 0) {
+        if (n_expert == 8)
+            t = LOOM_Q8_0;
+    } else if (ends_with(name, "attn_k.weight") && layer >= 0) {
+        if (n_expert == 8)
+            t = LOOM_Q8_0;
+    } else if (strstr(name, "ffn_down") && layer >= 0) {
         if (k == MIX_Q2_K)
             t = LOOM_Q3_K;
         else if (k == MIX_Q3_K_M)
@@ -164,6 +179,10 @@ loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_la
         else if ((k == MIX_Q4_K_M || k == MIX_Q5_K_M) && more_bits(layer, n_layer))
             t = LOOM_Q6_K;
         else if (k == MIX_Q4_K_S && layer < n_layer / 8)
+            t = LOOM_Q5_K;
+    } else if (ends_with(name, "attn_output.weight") && layer >= 0 && n_expert == 8) {
+        if (k == MIX_Q2_K || k == MIX_Q3_K_S || k == MIX_Q3_K_M || k == MIX_Q4_K_S ||
+            k == MIX_Q4_K_M || base == LOOM_IQ4_NL || base == LOOM_IQ4_XS)
             t = LOOM_Q5_K;
     } else if (ends_with(name, "attn_output.weight") && layer >= 0) {
         if (k == MIX_Q2_K)

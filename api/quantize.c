@@ -102,6 +102,7 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
     int64_t heads = gguf_int(&g, arch, "attention.head_count", 1);
     int64_t kv_heads = gguf_int(&g, arch, "attention.head_count_kv", heads);
     int n_gqa = kv_heads > 0 ? (int)(heads / kv_heads) : 1;
+    int n_expert = (int)gguf_int(&g, arch, "expert_count", 0);
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
 
     loom_gguf_writer *w = loom_gguf_writer_create();
@@ -128,8 +129,8 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
         loom_dtype from = (loom_dtype)t->type, to = from;
         int is_float = from == LOOM_F32 || from == LOOM_F16 || from == LOOM_BF16;
         int64_t rows = t->ne[1] * t->ne[2] * t->ne[3], cols = t->ne[0];
-        if (t->n_dims >= 2 && is_float)
-            to = loom_quant_mix_type(mix, t->name, cols, n_layer, n_gqa,
+        if (t->n_dims >= 2 && is_float && !loom_quant_mix_keeps(t->name))
+            to = loom_quant_mix_type(mix, t->name, cols, n_layer, n_gqa, n_expert,
                                      (flags & LOOM_QUANTIZE_PURE) != 0);
         else if (t->n_dims >= 2 && !is_float)
             kept_quantised++;

@@ -15,6 +15,8 @@
  * llama.cpp's file of that type has it, stays within the same per-type error bounds (so its
  * quantisers are as good as llama.cpp's), and its file runs on every backend with logits close
  * to those of the same file decoded to f32 (with the header's dequantisers) run on ref.
+ * Mixture-of-experts tensors have no llama.cpp-quantised fixture; their q4_k_m types are checked
+ * against the rules of llama.cpp c392e50's llama_tensor_get_type, written out below.
  */
 #define _GNU_SOURCE
 #include "core/gguf.h"
@@ -294,6 +296,96 @@ static void check_round_trip(const loom_gguf *base, const char *type, const cJSO
     unlink(ours), unlink(plain);
 }
 
+/* The type of tensor `name` in a GGUF file, or -1. */
+static int type_in(const loom_gguf *g, const char *name)
+{
+    const loom_gguf_tensor *t = loom_gguf_find_tensor(g, name);
+    return t ? (int)t->type : -1;
+}
+
+/* An 8-layer qwen2moe-named file of f16 weights with `experts` experts quantised to q4_k_m, its
+ * tensors' types against llama.cpp's rules: ffn_down's (q6_K in the "more bits" layers 0, 3, 6
+ * and 7 of 8) for every tensor named ffn_down*, the experts' and the shared expert's too; the
+ * router kept as it is; and with exactly 8 experts, attn_v and attn_k q8_0 and attn_output
+ * q5_K (else attn_v follows the more-bits layers, attn_k and attn_output the base q4_K). */
+static void check_moe_mix(int experts)
+{
+    const int L = 8, d = 256;
+    char in[256], out[256];
+    snprintf(in, sizeof in, "/tmp/loom-kq-moe-%d-%d.gguf", (int)getpid(), experts);
+    snprintf(out, sizeof out, "/tmp/loom-kq-moe-%d-%d-q4_k_m.gguf", (int)getpid(), experts);
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    uint16_t *h = calloc((size_t)d * d * (size_t)experts, sizeof *h);
+    float *router = calloc((size_t)d * (size_t)experts, sizeof *router);
+    for (size_t i = 0; h && i < (size_t)d * d * (size_t)experts; i++)
+        h[i] = (uint16_t)(0x3000 + (i * 2654435761u >> 20) % 0x800); /* f16 in [0.125, 0.25) */
+    loom_gguf_set_str(w, "general.architecture", "qwen2moe");
+    loom_gguf_set_u32(w, "qwen2moe.block_count", (uint32_t)L);
+    loom_gguf_set_u32(w, "qwen2moe.attention.head_count", 4);
+    loom_gguf_set_u32(w, "qwen2moe.attention.head_count_kv", 4);
+    loom_gguf_set_u32(w, "qwen2moe.expert_count", (uint32_t)experts);
+    int bad = 0;
+    for (int l = 0; l < L; l++) {
+        char name[96];
+        static const char *const square[] = {"attn_q",        "attn_k",         "attn_v",
+                                             "attn_output",   "ffn_gate_shexp", "ffn_up_shexp",
+                                             "ffn_down_shexp"};
+        for (size_t i = 0; i < sizeof square / sizeof square[0]; i++) {
+            int64_t ne[2] = {d, d};
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, square[i]);
+            bad |= loom_gguf_add_tensor(w, name, LOOM_F16, 2, ne, h);
+        }
+        static const char *const stacks[] = {"ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"};
+        for (size_t i = 0; i < 3; i++) {
+            int64_t ne[3] = {d, d, experts};
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, stacks[i]);
+            bad |= loom_gguf_add_tensor(w, name, LOOM_F16, 3, ne, h);
+        }
+        int64_t ne_r[2] = {d, experts};
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", l);
+        bad |= loom_gguf_add_tensor(w, name, LOOM_F32, 2, ne_r, router);
+    }
+    CHECK(!bad && h && router && loom_gguf_write(w, in, err, sizeof err) == 0,
+          "writing the MoE file: %s", err);
+    loom_gguf_writer_free(w);
+    free(h), free(router);
+    CHECK(loom_quantize(in, out, "q4_k_m", NULL, NULL, err, sizeof err) == 0, "q4_k_m: %s", err);
+    loom_gguf g;
+    if (loom_gguf_open(&g, out, err, sizeof err) != 0) {
+        CHECK(0, "open the quantised MoE file: %s", err);
+        unlink(in);
+        return;
+    }
+    for (int l = 0; l < L; l++) {
+        int more = l < L / 8 || l >= 7 * L / 8 || (l - L / 8) % 3 == 2;
+        int down = more ? LOOM_Q6_K : LOOM_Q4_K;
+        struct {
+            const char *tensor;
+            int want;
+        } rules[] = {{"attn_q", LOOM_Q4_K},
+                     {"attn_k", experts == 8 ? LOOM_Q8_0 : LOOM_Q4_K},
+                     {"attn_v", experts == 8 ? LOOM_Q8_0 : down},
+                     {"attn_output", experts == 8 ? LOOM_Q5_K : LOOM_Q4_K},
+                     {"ffn_gate_exps", LOOM_Q4_K},
+                     {"ffn_up_exps", LOOM_Q4_K},
+                     {"ffn_down_exps", down},
+                     {"ffn_gate_shexp", LOOM_Q4_K},
+                     {"ffn_down_shexp", down},
+                     {"ffn_gate_inp", LOOM_F32}};
+        for (size_t i = 0; i < sizeof rules / sizeof rules[0]; i++) {
+            char name[96];
+            snprintf(name, sizeof name, "blk.%d.%s.weight", l, rules[i].tensor);
+            int got = type_in(&g, name);
+            CHECK(got == rules[i].want, "%d experts, q4_k_m: %s is %s, llama.cpp's rule says %s",
+                  experts, name, got >= 0 ? loom_dtype_name((loom_dtype)got) : "missing",
+                  loom_dtype_name((loom_dtype)rules[i].want));
+        }
+    }
+    loom_gguf_close(&g);
+    unlink(in);
+    unlink(out);
+}
+
 int main(void)
 {
     if (snprintf(dir, sizeof dir, "%s/kquants/kq-llama", fixtures_dir()) >= (int)sizeof dir) {
@@ -303,6 +395,8 @@ int main(void)
     char epath[8300], bpath[8300];
     snprintf(epath, sizeof epath, "%s/expected.json", dir);
     snprintf(bpath, sizeof bpath, "%s/base-f32.gguf", dir);
+    check_moe_mix(8);
+    check_moe_mix(4);
     if (access(epath, R_OK) != 0) {
         const char *ci = getenv("CI");
         CHECK(!(ci && !strcmp(ci, "true")), "fixture missing under CI=true: %s", epath);
