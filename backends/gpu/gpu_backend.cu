@@ -465,6 +465,96 @@ static loom_status cuda_matmul(loom_backend *be, const loom_matmul_params *p)
     return tiled_gemm(cb, p, M, K, N);
 }
 
+/* ---- Mixture of experts (ABI 1.5) --------------------------------------------------------- */
+
+static loom_status cuda_copy_to_host(loom_backend *be, void *dst, loom_buffer *src, uint64_t off,
+                                     uint64_t size);
+
+static loom_status cuda_moe_route(loom_backend *be, const loom_moe_route_params *p)
+{
+    cuda_backend *cb = cb_of(be);
+    const char *bad = loom_check_moe_route(p);
+    if (bad)
+        return fail(cb, LOOM_ERR_INVALID, "%s", bad);
+    TRY(check_tensor(cb, p->logits, "moe_route logits"));
+    TRY(check_tensor(cb, p->ids, "moe_route ids"));
+    TRY(check_tensor(cb, p->weights, "moe_route weights"));
+    if (p->bias)
+        TRY(check_tensor(cb, p->bias, "moe_route bias"));
+    int64_t T = n_rows(p->logits), E = p->logits->ne[0], k = p->ids->ne[0];
+    if (T == 0)
+        return LOOM_OK;
+    TRY(enter(cb));
+    LOOM_LAUNCH(k_moe_route, dim3((unsigned)((T + 127) / 128)), dim3(128), 0, cb->stream,
+                view_of(p->logits), f32_ptr(p->bias), view_of(p->ids), view_of(p->weights), E, k, T,
+                p->gating == LOOM_MOE_SIGMOID, p->normalize, p->scale);
+    return launched(cb, "moe_route");
+}
+
+/* The rows by their ids, read back to the host, each (token, slot) a one-row matmul through
+ * the expert's matrix: correct for every weight type the gemv runs, one launch a row. A kernel
+ * that takes the ids on the device (and groups a prefill's rows by expert) is the GPU issue's. */
+static loom_status cuda_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
+{
+    cuda_backend *cb = cb_of(be);
+    const char *bad = loom_check_matmul_id(p);
+    if (bad)
+        return fail(cb, LOOM_ERR_INVALID, "%s", bad);
+    TRY(check_tensor(cb, p->x, "matmul_id x"));
+    TRY(check_tensor(cb, p->w, "matmul_id w"));
+    TRY(check_tensor(cb, p->ids, "matmul_id ids"));
+    TRY(check_tensor(cb, p->y, "matmul_id y"));
+    const int64_t K = p->x->ne[0], N = p->w->ne[1], E = p->w->ne[2], k = p->ids->ne[0];
+    const int64_t T = n_rows(p->ids);
+    if (T == 0 || N == 0)
+        return LOOM_OK;
+    uint64_t extent = loom_tensor_extent(p->ids);
+    unsigned char *host = (unsigned char *)malloc(extent ? extent : 1);
+    if (!host)
+        return fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul_id: no host memory for the ids");
+    loom_status st = cuda_copy_to_host(be, host, p->ids->buf, p->ids->offset, extent);
+    for (int64_t t = 0; t < T && st == LOOM_OK; t++)
+        for (int64_t j = 0; j < k && st == LOOM_OK; j++) {
+            int32_t e;
+            memcpy(&e, host + (uint64_t)t * p->ids->nb[1] + (uint64_t)j * p->ids->nb[0], 4);
+            if (e < 0 || e >= E) {
+                st = fail(cb, LOOM_ERR_INVALID,
+                          "matmul_id: expert id %d of token %lld is outside [0, %lld)", e,
+                          (long long)t, (long long)E);
+                break;
+            }
+            loom_tensor x = *p->x, w = *p->w, y = *p->y;
+            x.offset += (uint64_t)t * p->x->nb[2] + (uint64_t)(p->x->ne[1] > 1 ? j : 0) * x.nb[1];
+            y.offset += (uint64_t)t * p->y->nb[2] + (uint64_t)j * y.nb[1];
+            w.offset += (uint64_t)e * p->w->nb[2];
+            x.ne[1] = x.ne[2] = y.ne[1] = y.ne[2] = w.ne[2] = 1;
+            loom_matmul_params mp = {sizeof mp, &x, &w, NULL, &y};
+            st = gemv(cb, &mp, 1, K, N);
+        }
+    free(host);
+    return st;
+}
+
+static loom_status cuda_moe_combine(loom_backend *be, const loom_moe_combine_params *p)
+{
+    cuda_backend *cb = cb_of(be);
+    const char *bad = loom_check_moe_combine(p);
+    if (bad)
+        return fail(cb, LOOM_ERR_INVALID, "%s", bad);
+    TRY(check_tensor(cb, p->src, "moe_combine src"));
+    TRY(check_tensor(cb, p->weights, "moe_combine weights"));
+    TRY(check_tensor(cb, p->dst, "moe_combine dst"));
+    int64_t n = p->src->ne[0], k = p->src->ne[1], T = n_rows(p->weights);
+    if (T == 0 || n == 0)
+        return LOOM_OK;
+    TRY(enter(cb));
+    dim3 grid, block;
+    row_grid(n, T, &grid, &block);
+    LOOM_LAUNCH(k_moe_combine, grid, block, 0, cb->stream, view_of(p->src), view_of(p->weights),
+                view_of(p->dst), n, k, T, p->accumulate);
+    return launched(cb, "moe_combine");
+}
+
 /* ---- The other ops ----------------------------------------------------------------------- */
 
 static loom_status cuda_get_rows(loom_backend *be, const loom_get_rows_params *p)
@@ -944,7 +1034,10 @@ static int cuda_supports(loom_backend *be, loom_op op, loom_dtype dt)
     (void)be;
     switch (op) {
     case LOOM_OP_MATMUL:
+    case LOOM_OP_MATMUL_ID:
     case LOOM_OP_GET_ROWS: return loom_dtype_is_float(dt) || loom_dtype_is_quantized(dt);
+    case LOOM_OP_MOE_ROUTE:
+    case LOOM_OP_MOE_COMBINE: return dt == LOOM_F32;
     case LOOM_OP_KV_STORE:
     case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
     case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt);
@@ -1118,6 +1211,9 @@ extern "C" loom_status loom_gpu_open(const loom_backend_options *opts, loom_back
     o->quantize = cuda_quantize;
     o->dequantize = cuda_dequantize;
     o->convert = cuda_convert;
+    o->moe_route = cuda_moe_route;
+    o->matmul_id = cuda_matmul_id;
+    o->moe_combine = cuda_moe_combine;
     cb->base.ops = o;
     *out = &cb->base;
     return LOOM_OK;

@@ -617,6 +617,73 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* ---- Mixture of experts (ABI 1.5) --------------------------------------------------------- */
+
+/* moe_route, one thread a token, in the reference's arithmetic: scores by softmax (over the
+ * token's logits, summed in double) or sigmoid; the k best by score + bias (by logit without a
+ * bias), the lower index first among equals; weights the chosen scores, divided by their sum
+ * when normalize, times scale. */
+__device__ __forceinline__ float moe_score(const float *logit, int64_t e, float max, double sum,
+                                           int sigmoid)
+{
+    return sigmoid ? 1.0f / (1.0f + expf(-logit[e])) : (float)(expf(logit[e] - max) / sum);
+}
+
+__global__ void k_moe_route(tview logits, const float *bias, tview ids, tview weights, int64_t E,
+                            int64_t k, int64_t T, int sigmoid, int normalize, float scale)
+{
+    int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T)
+        return;
+    const float *logit = (const float *)row_at(logits, t);
+    int32_t *id = (int32_t *)row_at(ids, t);
+    float *w = (float *)row_at(weights, t);
+    float max = logit[0];
+    for (int64_t e = 1; e < E; e++)
+        max = logit[e] > max ? logit[e] : max;
+    double sum = 0;
+    for (int64_t e = 0; e < E && !sigmoid; e++)
+        sum += expf(logit[e] - max);
+    double chosen = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        float best_choice = 0.0f;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t q = 0; q < j; q++)
+                taken |= id[q] == e;
+            if (taken)
+                continue;
+            float c = bias ? moe_score(logit, e, max, sum, sigmoid) + bias[e] : logit[e];
+            if (best < 0 || c > best_choice)
+                best = e, best_choice = c;
+        }
+        id[j] = (int32_t)best;
+        chosen += moe_score(logit, best, max, sum, sigmoid);
+    }
+    for (int64_t j = 0; j < k; j++) {
+        double s = moe_score(logit, id[j], max, sum, sigmoid);
+        w[j] = (float)(s / (normalize ? chosen : 1.0) * scale);
+    }
+}
+
+/* moe_combine: dst[t] (+)= sum over j of weights[t, j] src[t, j], j in order, as the reference */
+__global__ void k_moe_combine(tview src, tview weights, tview dst, int64_t n, int64_t k, int64_t T,
+                              int accumulate)
+{
+    for (int64_t t = blockIdx.y; t < T; t += gridDim.y) {
+        float *d = (float *)row_at(dst, t);
+        const float *w = (const float *)row_at(weights, t);
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+             i += (int64_t)gridDim.x * blockDim.x) {
+            float acc = accumulate ? d[i] : 0.0f;
+            for (int64_t j = 0; j < k; j++)
+                acc += w[j] * ((const float *)row_at(src, t * k + j))[i];
+            d[i] = acc;
+        }
+    }
+}
+
 /* After a cuBLAS GEMM into a dense [M, N] scratch: y[m, :] = scratch[m, :] + bias. */
 __global__ void k_store_rows(const float *dense, tview y, const float *bias, int64_t N, int64_t M)
 {
