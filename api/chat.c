@@ -12,7 +12,9 @@
  */
 #define _GNU_SOURCE
 #include "internal.h"
+#include "jinja.h"
 
+#include "core/gguf.h"
 #include "models/models.h"
 
 #include <stdarg.h>
@@ -222,4 +224,145 @@ int loom_chat_template_valid(const char *name)
         if (!strcmp(name, template_names[i]))
             return 1;
     return 0;
+}
+
+/* ---- the model's own template, in Jinja --------------------------------------------------- */
+
+struct loom_chat_template {
+    jinja_template *jinja;
+    char *bos, *eos;
+};
+
+void loom_chat_template_free(loom_chat_template *t)
+{
+    if (!t)
+        return;
+    jinja_free(t->jinja);
+    free(t->bos);
+    free(t->eos);
+    free(t);
+}
+
+loom_chat_template *loom_chat_template_compile(const char *jinja, const char *bos_token,
+                                               const char *eos_token, char *err, size_t err_size)
+{
+    loom_chat_template *t = calloc(1, sizeof *t);
+    if (!t || !(t->bos = strdup(bos_token ? bos_token : "")) ||
+        !(t->eos = strdup(eos_token ? eos_token : ""))) {
+        loom_chat_template_free(t);
+        snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    if (!(t->jinja = jinja_compile(jinja, err, err_size))) {
+        loom_chat_template_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+const char *loom_chat_template_token(const loom_chat_template *t, const char *name)
+{
+    return !strcmp(name, "bos_token") ? t->bos : !strcmp(name, "eos_token") ? t->eos : "";
+}
+
+/* the text of token tokenizer.ggml.<which>_token_id, malloc'd ("" when none) */
+static char *special_text(const loom_gguf *g, const char *which)
+{
+    char key[64];
+    int64_t id;
+    const char *s = "";
+    uint64_t len = 0;
+    snprintf(key, sizeof key, "tokenizer.ggml.%s_token_id", which);
+    const loom_gguf_kv *tokens = loom_gguf_find(g, "tokenizer.ggml.tokens");
+    if (tokens && loom_gguf_get_i64(g, key, &id) == 0 && id >= 0 &&
+        loom_gguf_array_str(g, tokens, (uint64_t)id, &s, &len) != 0)
+        s = "", len = 0;
+    return strndup(s, (size_t)len);
+}
+
+loom_chat_template *loom_chat_template_from_gguf(const loom_gguf *g, char *err, size_t err_size)
+{
+    const char *text;
+    uint64_t len;
+    if (loom_gguf_get_str(g, "tokenizer.chat_template", &text, &len) != 0) {
+        snprintf(err, err_size,
+                 "the model file carries no chat template "
+                 "(tokenizer.chat_template)");
+        return NULL;
+    }
+    char *src = strndup(text, (size_t)len), *bos = special_text(g, "bos"),
+         *eos = special_text(g, "eos");
+    loom_chat_template *t = NULL;
+    if (!src || !bos || !eos)
+        snprintf(err, err_size, "out of memory");
+    else
+        t = loom_chat_template_compile(src, bos, eos, err, err_size);
+    free(src);
+    free(bos);
+    free(eos);
+    return t;
+}
+
+loom_chat_template *loom_chat_template_from_file(const char *model_path, char *err, size_t err_size)
+{
+    loom_gguf g;
+    if (loom_open_model_file(model_path, &g, NULL, NULL, err, err_size) != 0)
+        return NULL;
+    loom_chat_template *t = loom_chat_template_from_gguf(&g, err, err_size);
+    loom_gguf_close(&g);
+    return t;
+}
+
+/* a JSON text argument parsed, or NULL with err naming it */
+static cJSON *parse_json_arg(const char *text, const char *what, int want_array, char *err,
+                             size_t err_size)
+{
+    cJSON *j = cJSON_Parse(text);
+    if (!j || (want_array ? !cJSON_IsArray(j) : !cJSON_IsObject(j))) {
+        snprintf(err, err_size, "%s must be a JSON %s", what, want_array ? "array" : "object");
+        cJSON_Delete(j);
+        return NULL;
+    }
+    return j;
+}
+
+int loom_chat_template_render(const loom_chat_template *t, const loom_chat_vars *v, char **out,
+                              loom_text_span **spans, int *n_spans, char *err, size_t err_size)
+{
+    cJSON *vars = cJSON_CreateObject(), *messages = NULL, *tools = NULL, *kwargs = NULL;
+    int rc = -1;
+    if (!vars) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    if (!(messages = parse_json_arg(v->messages_json ? v->messages_json : "[]", "messages", 1, err,
+                                    err_size)))
+        goto done;
+    if (v->tools_json && !(tools = parse_json_arg(v->tools_json, "tools", 1, err, err_size)))
+        goto done;
+    if (v->kwargs_json &&
+        !(kwargs = parse_json_arg(v->kwargs_json, "the template's kwargs", 0, err, err_size)))
+        goto done;
+    /* what transformers passes: the special tokens, tools (None when absent), documents, the
+     * generation prompt flag, then the caller's kwargs, which may override any of them */
+    cJSON_AddItemToObject(vars, "messages", messages);
+    messages = NULL;
+    cJSON_AddItemToObject(vars, "tools", tools ? tools : cJSON_CreateNull());
+    tools = NULL;
+    cJSON_AddItemToObject(vars, "documents", cJSON_CreateNull());
+    cJSON_AddBoolToObject(vars, "add_generation_prompt", v->add_generation_prompt);
+    cJSON_AddStringToObject(vars, "bos_token", t->bos);
+    cJSON_AddStringToObject(vars, "eos_token", t->eos);
+    for (cJSON *k = kwargs ? kwargs->child : NULL; k; k = k->next) {
+        cJSON_DeleteItemFromObjectCaseSensitive(vars, k->string);
+        cJSON_AddItemToObject(vars, k->string, cJSON_Duplicate(k, 1));
+    }
+    static const char *const untrusted[] = {"messages", "tools", "documents", NULL};
+    rc = jinja_render(t->jinja, vars, untrusted, NULL, out, NULL, spans, n_spans, err, err_size);
+done:
+    cJSON_Delete(vars);
+    cJSON_Delete(messages);
+    cJSON_Delete(tools);
+    cJSON_Delete(kwargs);
+    return rc;
 }

@@ -54,6 +54,10 @@ loom_sampler_params loom_sampler_params_of(const loom_sampling *s);
 const char *loom_chat_template_guess(const char *stored, const char *arch, const char *pre,
                                      int *recognised);
 
+/* The Jinja chat template a GGUF carries, with its BOS and EOS text (api/chat.c). */
+loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g, char *err,
+                                                 size_t err_size);
+
 /* The parts of an open model the engine drives. */
 struct loom_runner *loom_model_runner(loom_model *m);
 struct loom_tokenizer *loom_model_tokenizer(loom_model *m);

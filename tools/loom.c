@@ -57,6 +57,9 @@ static void usage(FILE *out)
         "  perplexity -m MODEL -f TEXT [-c 512] [--kl-base FILE] [--backends LIST]\n"
         "                      how well the model predicts a text, as llama.cpp measures it;\n"
         "                      KL divergence against a base run; backends side by side\n"
+        "  template (-m MODEL | --template FILE) --messages FILE [--tools FILE] [--kwargs JSON]\n"
+        "                      the prompt a model's own (Jinja) chat template makes of a\n"
+        "                      conversation, as transformers renders it\n"
         "  inspect MODEL [--json]\n"
         "                      what a GGUF file (or a Hugging Face folder) holds: architecture,\n"
         "                      hyper-parameters, tokenizer, chat template, tensors and their\n"
@@ -468,6 +471,114 @@ static int cmd_quantize(int argc, char **argv)
     return 0;
 }
 
+/* loom template: a chat template rendered, to see (and test) the prompt a model is given */
+static int cmd_template(int argc, char **argv)
+{
+    const char *model = NULL, *tmpl_file = NULL, *messages_file = NULL, *tools_file = NULL,
+               *kwargs = NULL, *bos = NULL, *eos = NULL;
+    int no_gen = 0, json = 0;
+    const loom_flag flags[] = {
+        LOOM_FLAG_MODEL(&model),
+        {"--template", NULL, LOOM_FLAG_TEXT, &tmpl_file, 0, 0, "FILE",
+         "a Jinja template instead of the model's (with -m: its BOS/EOS)"},
+        {"--messages", NULL, LOOM_FLAG_TEXT, &messages_file, 0, 0, "FILE",
+         "the conversation: an OpenAI messages array (-: standard input)"},
+        {"--tools", NULL, LOOM_FLAG_TEXT, &tools_file, 0, 0, "FILE", "an OpenAI tools array"},
+        {"--kwargs", NULL, LOOM_FLAG_TEXT, &kwargs, 0, 0, "JSON",
+         "more variables, e.g. '{\"enable_thinking\": false}'"},
+        {"--no-generation-prompt", NULL, LOOM_FLAG_SWITCH, &no_gen, 0, 0, NULL,
+         "do not open the assistant's turn at the end"},
+        {"--bos", NULL, LOOM_FLAG_TEXT, &bos, 0, 0, "TEXT", "bos_token, with --template alone"},
+        {"--eos", NULL, LOOM_FLAG_TEXT, &eos, 0, 0, "TEXT", "eos_token, with --template alone"},
+        {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL,
+         "the prompt and where the messages' own text lies in it (spans)"},
+    };
+    const loom_command cmd = {
+        .name = "loom template",
+        .synopsis = "(-m MODEL | --template FILE) --messages FILE [--tools FILE] [--kwargs JSON]\n"
+                    "  prints the prompt the chat template makes of the conversation, byte for\n"
+                    "  byte as transformers' apply_chat_template does (loom's Jinja subset)",
+        .flags = flags,
+        .n_flags = LOOM_N_FLAGS(flags)};
+    int parsed = loom_args_parse(&cmd, argc, argv);
+    if (parsed)
+        return parsed == 1 ? 0 : parsed;
+    if ((!model && !tmpl_file) || !messages_file) {
+        fprintf(stderr, "loom template: %s\n",
+                !messages_file ? "which conversation? give --messages FILE"
+                               : "which template? give -m MODEL or --template FILE");
+        return 2;
+    }
+    char err[1024];
+    size_t len;
+    char *messages = loom_arg_text_file("loom template", "--messages", messages_file, &len);
+    char *tools = tools_file ? loom_arg_text_file("loom template", "--tools", tools_file, &len)
+                             : NULL;
+    char *src = tmpl_file ? loom_arg_text_file("loom template", "--template", tmpl_file, &len)
+                          : NULL;
+    loom_chat_template *t = NULL;
+    int rc = 2;
+    if (!messages || (tools_file && !tools) || (tmpl_file && !src))
+        goto done;
+    if (model && !tmpl_file) {
+        t = loom_chat_template_from_file(model, err, sizeof err);
+    } else {
+        loom_chat_template *from_model = NULL; /* its BOS and EOS text */
+        if (model && !(from_model = loom_chat_template_from_file(model, err, sizeof err)) &&
+            !strstr(err, "no chat template")) {
+            fprintf(stderr, "loom template: %s\n", err);
+            goto done;
+        }
+        if (from_model) {
+            bos = bos ? bos : loom_chat_template_token(from_model, "bos_token");
+            eos = eos ? eos : loom_chat_template_token(from_model, "eos_token");
+        }
+        t = loom_chat_template_compile(src, bos, eos, err, sizeof err);
+        loom_chat_template_free(from_model);
+    }
+    if (!t) {
+        fprintf(stderr, "loom template: %s\n", err);
+        goto done;
+    }
+    loom_chat_vars vars = {.messages_json = messages,
+                           .tools_json = tools,
+                           .kwargs_json = kwargs,
+                           .add_generation_prompt = !no_gen};
+    char *prompt;
+    loom_text_span *spans = NULL;
+    int n_spans = 0;
+    if (loom_chat_template_render(t, &vars, &prompt, &spans, &n_spans, err, sizeof err) != 0) {
+        fprintf(stderr, "loom template: %s\n", err);
+        rc = 1;
+        goto done;
+    }
+    if (json) {
+        cJSON *root = cJSON_CreateObject(), *sp = cJSON_AddArrayToObject(root, "spans");
+        cJSON_AddStringToObject(root, "prompt", prompt);
+        for (int i = 0; i < n_spans; i++) {
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber((double)spans[i].start));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber((double)spans[i].end));
+            cJSON_AddItemToArray(sp, pair);
+        }
+        char *text = cJSON_Print(root);
+        printf("%s\n", text ? text : "{}");
+        free(text);
+        cJSON_Delete(root);
+    } else {
+        fwrite(prompt, 1, strlen(prompt), stdout);
+    }
+    free(prompt);
+    free(spans);
+    rc = 0;
+done:
+    loom_chat_template_free(t);
+    free(messages);
+    free(tools);
+    free(src);
+    return rc;
+}
+
 static int cmd_inspect(int argc, char **argv)
 {
     int json;
@@ -577,6 +688,8 @@ int main(int argc, char **argv)
         return cmd_quantize(argc - 2, argv + 2);
     if (strcmp(cmd, "convert") == 0)
         return cmd_convert(argc - 2, argv + 2);
+    if (strcmp(cmd, "template") == 0)
+        return cmd_template(argc - 2, argv + 2);
     if (strcmp(cmd, "inspect") == 0)
         return cmd_inspect(argc - 2, argv + 2);
     if (strcmp(cmd, "verify") == 0)

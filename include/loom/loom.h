@@ -348,6 +348,39 @@ int loom_chat_template_valid(const char *name);
  * architecture. *recognised is 0 when that was a guess (say so to the user). */
 const char *loom_model_chat_template(const loom_model *m, int *recognised);
 
+/* ---- The model's own chat template (Jinja) ------------------------------------------------
+ * A model file's tokenizer.chat_template (a Hugging Face folder's tokenizer_config.json) run
+ * as transformers' apply_chat_template runs it, byte for byte, by loom's Jinja subset
+ * (api/jinja.c; docs/chat-templates.md). Sandboxed: a render is bounded in output, memory,
+ * steps and nesting, and reads no file, clock beyond strftime_now, or environment. */
+typedef struct loom_chat_template loom_chat_template;
+
+typedef struct loom_chat_vars {
+    const char *messages_json; /* an OpenAI messages array: role, content, tool_calls, ... */
+    const char *tools_json;    /* a tools array, or NULL: the template sees none */
+    const char *kwargs_json;   /* an object of more variables (enable_thinking, ...), or NULL */
+    int add_generation_prompt; /* end with the opening of the assistant's turn */
+} loom_chat_vars;
+
+/* Compiles Jinja text; bos_token and eos_token are what the template sees by those names
+ * (NULL: ""). NULL with err ("template line N: ...") when loom's Jinja cannot run it. */
+loom_chat_template *loom_chat_template_compile(const char *jinja, const char *bos_token,
+                                               const char *eos_token, char *err, size_t err_size);
+/* The template a model file (GGUF or Hugging Face folder) carries, with its BOS and EOS text.
+ * NULL with err: the file has none, or loom's Jinja cannot run it (err says which). */
+loom_chat_template *loom_model_chat_jinja(const loom_model *m, char *err, size_t err_size);
+loom_chat_template *loom_chat_template_from_file(const char *model_path, char *err,
+                                                 size_t err_size);
+void loom_chat_template_free(loom_chat_template *t);
+/* "bos_token" or "eos_token" as the template sees it ("" for another name). */
+const char *loom_chat_template_token(const loom_chat_template *t, const char *name);
+/* Renders a conversation. *out is malloc'd; *spans (malloc'd, may be NULL) are where the
+ * messages' and tools' own text landed: tokenize with loom_tokenize_spans so a message cannot
+ * forge control tokens. -1 with err: bad JSON, or the template refused (raise_exception's
+ * message) or passed a limit. */
+int loom_chat_template_render(const loom_chat_template *t, const loom_chat_vars *vars, char **out,
+                              loom_text_span **spans, int *n_spans, char *err, size_t err_size);
+
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 
 typedef struct loom_vocab loom_vocab;
