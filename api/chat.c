@@ -15,8 +15,10 @@
 #include "jinja.h"
 
 #include "core/gguf.h"
+#include "core/tokenizer.h"
 #include "models/models.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -266,7 +268,7 @@ const char *loom_chat_template_token(const loom_chat_template *t, const char *na
 }
 
 /* the text of token tokenizer.ggml.<which>_token_id, malloc'd ("" when none) */
-static char *special_text(const loom_gguf *g, const char *which)
+static char *special_text(const loom_gguf *g, const char *which, int is_used)
 {
     char key[64];
     int64_t id;
@@ -274,13 +276,14 @@ static char *special_text(const loom_gguf *g, const char *which)
     uint64_t len = 0;
     snprintf(key, sizeof key, "tokenizer.ggml.%s_token_id", which);
     const loom_gguf_kv *tokens = loom_gguf_find(g, "tokenizer.ggml.tokens");
-    if (tokens && loom_gguf_get_i64(g, key, &id) == 0 && id >= 0 &&
+    if (is_used && tokens && loom_gguf_get_i64(g, key, &id) == 0 && id >= 0 &&
         loom_gguf_array_str(g, tokens, (uint64_t)id, &s, &len) != 0)
         s = "", len = 0;
     return strndup(s, (size_t)len);
 }
 
-loom_chat_template *loom_chat_template_from_gguf(const loom_gguf *g, char *err, size_t err_size)
+loom_chat_template *loom_chat_template_from_gguf(const loom_gguf *g, const loom_tokenizer *tok,
+                                                 char *err, size_t err_size)
 {
     const char *text;
     uint64_t len;
@@ -290,8 +293,11 @@ loom_chat_template *loom_chat_template_from_gguf(const loom_gguf *g, char *err, 
                  "(tokenizer.chat_template)");
         return NULL;
     }
-    char *src = strndup(text, (size_t)len), *bos = special_text(g, "bos"),
-         *eos = special_text(g, "eos");
+    /* bos_token is the BOS the tokenizer puts first, "" where it puts none: transformers' is
+     * null for Qwen, whose files still name <|endoftext|> as BOS */
+    char *src = strndup(text, (size_t)len),
+         *bos = special_text(g, "bos", !tok || loom_tokenizer_adds_bos(tok)),
+         *eos = special_text(g, "eos", 1);
     loom_chat_template *t = NULL;
     if (!src || !bos || !eos)
         snprintf(err, err_size, "out of memory");
@@ -308,7 +314,9 @@ loom_chat_template *loom_chat_template_from_file(const char *model_path, char *e
     loom_gguf g;
     if (loom_open_model_file(model_path, &g, NULL, NULL, err, err_size) != 0)
         return NULL;
-    loom_chat_template *t = loom_chat_template_from_gguf(&g, err, err_size);
+    loom_tokenizer *tok = loom_tokenizer_from_gguf(&g, err, err_size);
+    loom_chat_template *t = tok ? loom_chat_template_from_gguf(&g, tok, err, err_size) : NULL;
+    loom_tokenizer_free(tok);
     loom_gguf_close(&g);
     return t;
 }
@@ -364,5 +372,151 @@ done:
     cJSON_Delete(messages);
     cJSON_Delete(tools);
     cJSON_Delete(kwargs);
+    return rc;
+}
+
+/* ---- choosing between them ---------------------------------------------------------------- */
+
+/* a whole text file, malloc'd and NUL-terminated, or NULL with err */
+static char *read_text_file(const char *path, char *err, size_t err_size)
+{
+    FILE *f = fopen(path, "rb");
+    char *s = NULL;
+    size_t n = 0, cap = 0;
+    if (!f) {
+        snprintf(err, err_size, "cannot open %s: %s", path, strerror(errno));
+        return NULL;
+    }
+    for (;;) {
+        if (n + 4096 + 1 > cap) {
+            if (cap > ((size_t)1 << 24)) {
+                snprintf(err, err_size, "%s is over 16 MiB: not a chat template", path);
+                break;
+            }
+            char *grown = realloc(s, cap = 2 * cap + 8192);
+            if (!grown) {
+                snprintf(err, err_size, "out of memory");
+                break;
+            }
+            s = grown;
+        }
+        size_t got = fread(s + n, 1, 4096, f);
+        n += got;
+        if (got < 4096) {
+            if (ferror(f)) {
+                snprintf(err, err_size, "cannot read %s: %s", path, strerror(errno));
+                break;
+            }
+            fclose(f);
+            s[n] = 0;
+            if (strlen(s) != n) {
+                snprintf(err, err_size, "%s holds a NUL byte: not a chat template", path);
+                free(s);
+                return NULL;
+            }
+            return s;
+        }
+    }
+    fclose(f);
+    free(s);
+    return NULL;
+}
+
+int loom_chat_format_choose(const loom_model *m, const char *builtin_name, const char *jinja_file,
+                            loom_chat_format *f, char *err, size_t err_size)
+{
+    memset(f, 0, sizeof *f);
+    int recognised = 1;
+    if (builtin_name) {
+        if (!loom_chat_template_valid(builtin_name)) {
+            snprintf(err, err_size, "no chat template named '%s' (there are: %s)", builtin_name,
+                     loom_chat_templates());
+            return -1;
+        }
+        f->builtin = builtin_name;
+        snprintf(f->about, sizeof f->about, "the built-in '%s' (--chat-template)", builtin_name);
+        return 0;
+    }
+    /* the model's BOS and EOS text, for a file's template as for its own */
+    char why[400];
+    loom_chat_template *own = loom_model_chat_jinja(m, why, sizeof why);
+    if (jinja_file) {
+        char *src = read_text_file(jinja_file, err, err_size);
+        if (src)
+            f->jinja = loom_chat_template_compile(src, own ? own->bos : "", own ? own->eos : "",
+                                                  err, err_size);
+        free(src);
+        loom_chat_template_free(own);
+        if (!f->jinja) {
+            if (src)
+                snprintf(err + strlen(err), err_size - strlen(err), " (in %s)", jinja_file);
+            return -1;
+        }
+        snprintf(f->about, sizeof f->about, "%s (Jinja, --chat-template-file)", jinja_file);
+        return 0;
+    }
+    if (own) {
+        f->jinja = own;
+        snprintf(f->about, sizeof f->about, "the model's own (Jinja)");
+        return 0;
+    }
+    f->builtin = loom_model_chat_template(m, &recognised);
+    int none = strstr(why, "carries no chat template") != NULL;
+    snprintf(f->about, sizeof f->about, "the built-in '%s'%s (%s%s)", f->builtin,
+             recognised ? "" : ", a guess",
+             none ? "the file has no template"
+                  : "loom's Jinja "
+                    "cannot run the model's: ",
+             none ? "" : why);
+    return 0;
+}
+
+void loom_chat_format_free(loom_chat_format *f)
+{
+    loom_chat_template_free(f->jinja);
+    memset(f, 0, sizeof *f);
+}
+
+int loom_chat_format_render(const loom_chat_format *f, const loom_chat_message *msgs, int n,
+                            const char *kwargs_json, int add_generation_prompt, char **out,
+                            loom_text_span **spans, int *n_spans, int *add_special, char *err,
+                            size_t err_size)
+{
+    *add_special = 1;
+    if (!f->jinja) {
+        if (kwargs_json) {
+            snprintf(err, err_size,
+                     "template variables need a Jinja chat template; this one is the built-in "
+                     "'%s'",
+                     f->builtin);
+            return -1;
+        }
+        return loom_chat_render_spans(f->builtin, msgs, n, add_generation_prompt, out, spans,
+                                      n_spans, err, err_size);
+    }
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; arr && i < n; i++) {
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddStringToObject(o, "role", msgs[i].role) ||
+            !cJSON_AddStringToObject(o, "content", msgs[i].content)) {
+            cJSON_Delete(o);
+            cJSON_Delete(arr);
+            arr = NULL;
+            break;
+        }
+        cJSON_AddItemToArray(arr, o);
+    }
+    char *json = arr ? cJSON_PrintUnformatted(arr) : NULL;
+    cJSON_Delete(arr);
+    if (!json) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    loom_chat_vars v = {.messages_json = json,
+                        .kwargs_json = kwargs_json,
+                        .add_generation_prompt = add_generation_prompt};
+    int rc = loom_chat_template_render(f->jinja, &v, out, spans, n_spans, err, err_size);
+    free(json);
+    *add_special = 0;
     return rc;
 }

@@ -55,7 +55,9 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, const
                                      int *recognised);
 
 /* The Jinja chat template a GGUF carries, with its BOS and EOS text (api/chat.c). */
-loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g, char *err,
+struct loom_tokenizer;
+loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g,
+                                                 const struct loom_tokenizer *tok, char *err,
                                                  size_t err_size);
 
 /* The parts of an open model the engine drives. */

@@ -469,7 +469,7 @@ int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, c
 
 loom_chat_template *loom_model_chat_jinja(const loom_model *m, char *err, size_t err_size)
 {
-    return loom_chat_template_from_gguf(&m->gguf, err, err_size);
+    return loom_chat_template_from_gguf(&m->gguf, m->tok, err, err_size);
 }
 
 const char *loom_model_chat_template(const loom_model *m, int *recognised)

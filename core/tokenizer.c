@@ -662,6 +662,11 @@ int32_t loom_tokenizer_bos(const loom_tokenizer *t)
     return t->bos;
 }
 
+int loom_tokenizer_adds_bos(const loom_tokenizer *t)
+{
+    return t->add_bos && t->bos >= 0;
+}
+
 int32_t loom_tokenizer_eos(const loom_tokenizer *t)
 {
     return t->eos;

@@ -47,6 +47,9 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
 
 int32_t loom_tokenizer_vocab_size(const loom_tokenizer *t);
 int32_t loom_tokenizer_bos(const loom_tokenizer *t); /* -1 when none */
+/* Whether encoding with add_special puts BOS first (the file's add_bos_token, or the family's
+ * default where the key is absent). */
+int loom_tokenizer_adds_bos(const loom_tokenizer *t);
 /* 1 when id stands for no text a model should produce: outside the vocabulary, or a
  * placeholder (token type UNUSED: the padding that gives every embedding row a token). */
 int loom_tokenizer_is_unused(const loom_tokenizer *t, int32_t id);

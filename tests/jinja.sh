@@ -24,54 +24,75 @@ for d in tiny-llama tiny-qwen2 tiny-chatglm3 tiny-mistral tiny-llama31; do
            | .[]' "$cfg" >"$tmpdir/$d.tokens"
 done
 
-compared=0 differ=0
-# compare TEMPLATE BOS EOS CONVERSATION [loom and python flags...]
-compare() {
+# every render is listed first (python3-jinja2 renders them all in one start), then loom
+# renders each and the two are compared
+n_jobs=0
+: >"$tmpdir/jobs"
+job() { # TEMPLATE BOS EOS CONVERSATION [flags...]
     t=$1 bos=$2 eos=$3 conv=$4; shift 4
-    $REF "$t" "$CONV/$conv.json" --bos "$bos" --eos "$eos" "$@" >"$tmpdir/py.out" 2>"$tmpdir/py.err"
-    prc=$?
-    "$LOOM" template --template "$t" --messages "$CONV/$conv.json" --bos "$bos" --eos "$eos" "$@" \
-        >"$tmpdir/loom.out" 2>"$tmpdir/loom.err"
-    lrc=$?
-    compared=$((compared + 1))
-    what="$(basename "$t") with $conv${*:+ ($*)}"
-    if [ $prc = 0 ] && [ $lrc = 0 ] && cmp -s "$tmpdir/py.out" "$tmpdir/loom.out"; then
-        return
-    elif [ $prc = 3 ] && [ $lrc = 1 ]; then # both refused: with the template's own words
-        msg=$(sed -n 's/^ERROR: //p' "$tmpdir/py.err" | head -n1)
-        if grep -qF -- "$msg" "$tmpdir/loom.err" || ! grep -q "refused" "$tmpdir/loom.err"; then
-            return
-        fi
-    fi
-    differ=$((differ + 1))
-    fail "$what: python exit $prc, loom exit $lrc"
-    sed 's/^/    python: /' "$tmpdir/py.err" >&2
-    sed 's/^/    loom: /' "$tmpdir/loom.err" >&2
-    [ $prc = 0 ] && [ $lrc = 0 ] && diff "$tmpdir/py.out" "$tmpdir/loom.out" | head -n 10 >&2
+    n_jobs=$((n_jobs + 1))
+    # fields end with the unit separator (0x1f), a job per line
+    printf '%s\037' "$tmpdir/job$n_jobs" "$t" "$CONV/$conv.json" --bos "$bos" --eos "$eos" "$@" \
+        >>"$tmpdir/jobs"
+    echo >>"$tmpdir/jobs"
 }
-
-# compare_all TEMPLATE BOS EOS: the template with each conversation, with and without tools
-compare_all() {
+# jobs_for TEMPLATE BOS EOS: the template with each conversation, with and without tools
+jobs_for() {
     for conv in plain system_multiturn unicode tool_calls thinking alternation_broken; do
-        compare "$1" "$2" "$3" $conv --kwargs '{"date_string": "26 Jul 2024"}'
+        job "$1" "$2" "$3" $conv --kwargs '{"date_string": "26 Jul 2024"}'
     done
-    compare "$1" "$2" "$3" plain --tools "$CONV/tools.json"
-    compare "$1" "$2" "$3" tool_calls --tools "$CONV/tools.json"
-    compare "$1" "$2" "$3" tool_calls --tools "$CONV/tools.json" --no-generation-prompt
-    compare "$1" "$2" "$3" thinking --kwargs '{"enable_thinking": false}'
+    job "$1" "$2" "$3" plain --tools "$CONV/tools.json"
+    job "$1" "$2" "$3" tool_calls --tools "$CONV/tools.json"
+    job "$1" "$2" "$3" tool_calls --tools "$CONV/tools.json" --no-generation-prompt
+    job "$1" "$2" "$3" thinking --kwargs '{"enable_thinking": false}'
+}
+# run_jobs: 0 when loom and python agree on every job since the last run_jobs
+first_job=1
+run_jobs() {
+    $REF --batch "$tmpdir/jobs" || { fail "python3-jinja2 could not run the jobs"; return 1; }
+    differ=0 k=0 done_jobs=0
+    while read -r line; do
+        k=$((k + 1))
+        [ $k -lt $first_job ] && continue
+        set -f
+        IFS=$(printf '\037') && set -- $line && IFS=' 	
+'
+        set +f
+        out=$1 t=$2
+        shift 2
+        done_jobs=$((done_jobs + 1))
+        "$LOOM" template --template "$t" --messages "$@" >"$out.loom" 2>"$out.lerr"
+        lrc=$? prc=$(cat "$out.rc")
+        if [ "$prc" = 0 ] && [ $lrc = 0 ] && cmp -s "$out.out" "$out.loom"; then
+            continue
+        elif [ "$prc" = 3 ] && [ $lrc = 1 ]; then # both refused: with the template's own words
+            msg=$(sed -n 's/^ERROR: //p' "$out.err" | head -n1)
+            if grep -qF -- "$msg" "$out.lerr" || ! grep -q "refused" "$out.lerr"; then
+                continue
+            fi
+        fi
+        differ=$((differ + 1))
+        fail "$(basename "$t") with $*: python exit $prc, loom exit $lrc"
+        sed 's/^/    python: /' "$out.err" >&2
+        sed 's/^/    loom: /' "$out.lerr" >&2
+        [ "$prc" = 0 ] && [ $lrc = 0 ] && diff "$out.out" "$out.loom" | head -n 10 >&2
+    done <"$tmpdir/jobs"
+    first_job=$((n_jobs + 1))
+    [ $done_jobs -gt 0 ] || fail "no render was compared"
+    [ $differ = 0 ] && [ $done_jobs -gt 0 ]
 }
 
 for d in tiny-llama tiny-qwen2 tiny-chatglm3 tiny-mistral tiny-llama31; do
-    compare_all "$tmpdir/$d.jinja" "$(sed -n 1p "$tmpdir/$d.tokens")" "$(sed -n 2p "$tmpdir/$d.tokens")"
+    jobs_for "$tmpdir/$d.jinja" "$(sed -n 1p "$tmpdir/$d.tokens")" "$(sed -n 2p "$tmpdir/$d.tokens")"
 done
 for t in "$top_srcdir"/tests/templates/*.jinja; do
-    compare_all "$t" "<s>" "</s>"
+    jobs_for "$t" "<s>" "</s>"
 done
-[ $differ = 0 ] && pass "$compared renders of $(ls "$top_srcdir"/tests/templates/*.jinja | wc -l) own and 5 fixture templates equal python3-jinja2's, byte for byte"
+run_jobs && pass "$n_jobs renders of $(ls "$top_srcdir"/tests/templates/*.jinja | wc -l) own and 5 fixture templates equal python3-jinja2's, byte for byte"
 if [ -n "${LOOM_TEMPLATES_DIR:-}" ]; then
-    before=$compared differ=0
-    for t in "$LOOM_TEMPLATES_DIR"/*.jinja; do compare_all "$t" "<s>" "</s>"; done
-    [ $differ = 0 ] && pass "$((compared - before)) renders of $(ls "$LOOM_TEMPLATES_DIR"/*.jinja | wc -l) templates in $LOOM_TEMPLATES_DIR equal python3-jinja2's"
+    before=$n_jobs
+    for t in "$LOOM_TEMPLATES_DIR"/*.jinja; do jobs_for "$t" "<s>" "</s>"; done
+    run_jobs && pass "$((n_jobs - before)) renders of $(ls "$LOOM_TEMPLATES_DIR"/*.jinja | wc -l) templates in $LOOM_TEMPLATES_DIR equal python3-jinja2's"
 fi
 
 # a model's own template, read from its folder and from its GGUF; BOS from the file
@@ -102,6 +123,57 @@ starts = [i for i in range(len(p)) if p.startswith(b"<|im_start|>", i)]
 inside = [i for i in starts if i in covered]
 assert len(inside) == 1, inside  # only the forged one, inside the user's text
 PY
+
+# loom serve renders /v1/chat/completions with the model's own template (a prompt of exactly
+# the tokens python3-jinja2's rendering has), or with --chat-template-file, whose variables
+# chat_template_kwargs sets and whose raise_exception is the client's 400
+if command -v curl >/dev/null; then
+    MODEL=$FIXTURES/tiny-qwen2 KEY=test-key
+    . "$top_srcdir/tests/serve_lib.sh"
+    chat_tokens() { # MESSAGES-FILE [MORE JSON MEMBERS]: usage.prompt_tokens, or the error
+        post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": $(cat "$1"),
+            \"max_tokens\": 1${2:+, $2}}" >"$tmpdir/c.out"
+        [ "$(tail -n1 "$tmpdir/c.out")" = 200 ] && sed '$d' "$tmpdir/c.out" | jq .usage.prompt_tokens ||
+            sed '$d' "$tmpdir/c.out" | jq -r '"\(.error.param): \(.error.message)"'
+    }
+    ref_tokens() { # TEMPLATE MESSAGES-FILE [REF FLAGS]: the reference rendering's token count
+        t=$1 m=$2; shift 2
+        $REF "$t" "$m" "$@" >"$tmpdir/r.txt" &&
+            "$LOOM" tokenize -m "$MODEL" --all-special --json -f "$tmpdir/r.txt" 2>/dev/null | jq length
+    }
+    start_server "$tmpdir/s1.log" -c 512
+    expect_grep "chat template: the model's own (Jinja)" "$tmpdir/s1.log" "serve says it uses the model's own template"
+    for conv in plain system_multiturn thinking; do
+        got=$(chat_tokens "$CONV/$conv.json") want=$(ref_tokens "$tmpdir/tiny-qwen2.jinja" "$CONV/$conv.json")
+        [ -n "$want" ] && [ "$got" = "$want" ] && pass "serve: the $conv chat is the reference's $want tokens" ||
+            fail "serve $conv: $got prompt tokens, the reference's rendering $want"
+    done
+    # the unicode chat's last message types "<|im_start|>system ... <|im_end|>": text, not the
+    # tokens the reference (every special parsed) makes of it
+    got=$(chat_tokens "$CONV/unicode.json") want=$(ref_tokens "$tmpdir/tiny-qwen2.jinja" "$CONV/unicode.json")
+    [ -n "$want" ] && [ "$got" -gt $((want + 4)) ] &&
+        pass "serve: control tokens typed in a message stay text ($got prompt tokens; $want if read as tokens)" ||
+        fail "serve: forged control tokens: $got prompt tokens, $want if read as tokens"
+    got=$(chat_tokens "$CONV/plain.json" '"chat_template_kwargs": [1]')
+    case "$got" in "chat_template_kwargs: "*object*) pass "a bad chat_template_kwargs is named: $got";;
+        *) fail "bad chat_template_kwargs: $got";; esac
+    stop_server
+    start_server "$tmpdir/s2.log" -c 512 --chat-template-file "$top_srcdir/tests/templates/thinking.jinja"
+    on=$(chat_tokens "$CONV/thinking.json") off=$(chat_tokens "$CONV/thinking.json" '"chat_template_kwargs": {"enable_thinking": false}')
+    want=$(ref_tokens "$top_srcdir/tests/templates/thinking.jinja" "$CONV/thinking.json" --kwargs '{"enable_thinking": false}')
+    [ -n "$want" ] && [ "$off" = "$want" ] && [ "$on" -lt "$off" ] &&
+        pass "chat_template_kwargs reach the template: enable_thinking false gives the reference's $want tokens ($on without)" ||
+        fail "enable_thinking: $off tokens with it false, $on without, the reference $want"
+    got=$(chat_tokens "$CONV/alternation_broken.json")
+    case "$got" in "messages: "*"must alternate"*) pass "the template's raise_exception is a 400: $got";;
+        *) fail "raise_exception: $got";; esac
+    stop_server
+    "$LOOM" serve -m "$MODEL" --chat-template-file "$tmpdir/nonesuch.jinja" >"$tmpdir/s3.log" 2>&1
+    expect_grep "nonesuch.jinja" "$tmpdir/s3.log" "a missing --chat-template-file is named"
+    printf '{%% for m in messages %%}' >"$tmpdir/broken.jinja"
+    "$LOOM" serve -m "$MODEL" --chat-template-file "$tmpdir/broken.jinja" >"$tmpdir/s4.log" 2>&1
+    expect_grep "'endfor' is missing (in .*broken.jinja)" "$tmpdir/s4.log" "a broken --chat-template-file is refused with its line"
+fi
 
 # hostile templates stop with an error naming the limit, in well under a second each
 hostile() { # NAME TEMPLATE-TEXT EXPECTED-ERROR

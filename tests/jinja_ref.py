@@ -6,7 +6,10 @@ lstrip_blocks, loop controls, its tojson, raise_exception, strftime_now): the re
 
 usage: jinja_ref.py TEMPLATE MESSAGES.json [--tools F] [--kwargs JSON] [--bos S] [--eos S]
                     [--no-generation-prompt]
-Prints the prompt; on a template error prints "ERROR: message" to stderr and exits 3."""
+Prints the prompt; on a template error prints "ERROR: message" to stderr and exits 3.
+       jinja_ref.py --batch JOBS: each line of JOBS is an output path and then the arguments
+above, each field ended by 0x1f; writes PATH.out, PATH.err and PATH.rc for each (one Python
+start for all)."""
 import argparse
 import json
 import sys
@@ -40,7 +43,8 @@ class Generation(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body, lineno=lineno)
 
 
-def main():
+def render(argv):
+    """(exit status, prompt, error) of one render"""
     ap = argparse.ArgumentParser()
     ap.add_argument("template")
     ap.add_argument("messages")
@@ -49,7 +53,7 @@ def main():
     ap.add_argument("--bos", default="")
     ap.add_argument("--eos", default="")
     ap.add_argument("--no-generation-prompt", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
@@ -70,9 +74,24 @@ def main():
             messages=messages, tools=tools, documents=None,
             add_generation_prompt=not a.no_generation_prompt, **variables)
     except Exception as e:  # the template refused, or used what the sandbox forbids
-        print("ERROR: %s" % e, file=sys.stderr)
-        sys.exit(3)
+        return 3, "", "ERROR: %s\n" % e
+    return 0, out, ""
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--batch":
+        with open(sys.argv[2], encoding="utf-8") as jobs:
+            for line in jobs:
+                job = line.rstrip("\n").split("\x1f")[:-1]
+                rc, out, err = render(job[1:])
+                for ext, text in (("out", out), ("err", err), ("rc", "%d\n" % rc)):
+                    with open(job[0] + "." + ext, "w", encoding="utf-8") as f:
+                        f.write(text)
+        return
+    rc, out, err = render(sys.argv[1:])
     sys.stdout.write(out)
+    sys.stderr.write(err)
+    sys.exit(rc)
 
 
 if __name__ == "__main__":

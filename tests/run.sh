@@ -69,7 +69,7 @@ got=$("$LOOM" tokenize -m "$glm3" --json "[gMASK]sop<|user|>" | jq -c .)
 # chat: the second turn reuses the first's KV cache; /reset forgets it
 printf 'What is the capital of France?\nAnd of Italy?\n/reset\nHi\n' |
     "$LOOM" chat -m "$qwen" --temp 0 -n 4 > "$tmpdir/chat.out" 2> "$tmpdir/chat.err" || fail "chat exit $?"
-expect_grep "template chatml" "$tmpdir/chat.err" "chat picks the ChatML template for Qwen2"
+expect_grep "chat template: the model.s own (Jinja)" "$tmpdir/chat.err" "chat renders with the model's own template"
 reused=$(grep -o 'reused [0-9]* of' "$tmpdir/chat.err" | awk '{print $2}' | tr '\n' ' ')
 case "$reused" in "0 "[1-9]*" 0 ") pass "KV cache reused on the second turn, not after /reset ($reused)";;
     *) fail "reuse pattern: '$reused'"; cat "$tmpdir/chat.err" >&2;; esac

@@ -101,17 +101,19 @@ static void clear(convo *c, const char *system)
 int loom_chat_main(int argc, char **argv);
 int loom_chat_main(int argc, char **argv)
 {
-    const char *tmpl = NULL, *system = NULL;
+    const char *tmpl = NULL, *tmpl_file = NULL, *system = NULL;
     loom_sampling s = loom_sampling_defaults();
     long n_predict = 512;
     loom_open_flags of = {0};
     char template_help[512];
-    snprintf(template_help, sizeof template_help, "%s (default: the model's)",
-             loom_chat_templates());
+    snprintf(template_help, sizeof template_help,
+             "a built-in format instead of the model's template: %s", loom_chat_templates());
     const loom_flag flags[] = {
         LOOM_FLAG_MODEL(&of.model),
         {"--system", NULL, LOOM_FLAG_TEXT, &system, 0, 0, "TEXT", "the system prompt"},
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME", template_help},
+        {"--chat-template-file", NULL, LOOM_FLAG_TEXT, &tmpl_file, 0, 0, "FILE",
+         "a Jinja chat template instead of the model's"},
         {"-n", NULL, LOOM_FLAG_LONG, &n_predict, 1, 1 << 20, "N",
          "longest answer in tokens (default 512)"},
         {"-c", NULL, LOOM_FLAG_LONG, &of.n_ctx, 2, 1 << 20, "N",
@@ -140,6 +142,10 @@ int loom_chat_main(int argc, char **argv)
                 loom_chat_templates());
         return 2;
     }
+    if (tmpl && tmpl_file) {
+        fprintf(stderr, "loom chat: give --chat-template or --chat-template-file, not both\n");
+        return 2;
+    }
     char err[4096];
     loom_model_options o = loom_open_options(&of);
     loom_model *m = loom_model_open(of.model, &o, err, sizeof err);
@@ -150,22 +156,19 @@ int loom_chat_main(int argc, char **argv)
     int followed = loom_args_follow("loom chat", m);
     if (followed >= 0)
         return followed;
-    if (!tmpl) {
-        int recognised;
-        tmpl = loom_model_chat_template(m, &recognised);
-        if (!recognised)
-            fprintf(stderr,
-                    "loom chat: warning: the model's chat template is missing or not one "
-                    "loom knows; using '%s' (choose with --chat-template)\n",
-                    tmpl);
+    loom_chat_format chat;
+    if (loom_chat_format_choose(m, tmpl, tmpl_file, &chat, err, sizeof err) != 0) {
+        fprintf(stderr, "loom chat: %s\n", err);
+        loom_model_close(m);
+        return 2;
     }
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint; /* no SA_RESTART: Ctrl-C at the prompt interrupts the read */
     sigaction(SIGINT, &sa, NULL);
     fprintf(stderr,
-            "loom chat: %s on %s, template %s. /reset, /system TEXT, /quit; Ctrl-C stops "
-            "an answer.\n",
-            of.model, loom_model_backend(m), tmpl);
+            "loom chat: %s on %s; chat template: %s. /reset, /system TEXT, /quit; Ctrl-C "
+            "stops an answer.\n",
+            of.model, loom_model_backend(m), chat.about);
 
     convo c = {0};
     clear(&c, system);
@@ -198,16 +201,16 @@ int loom_chat_main(int argc, char **argv)
         add_msg(&c, "user", line);
         char *prompt = NULL;
         loom_text_span *spans = NULL;
-        int n_spans = 0;
-        if (loom_chat_render_spans(tmpl, c.msgs, c.n, 1, &prompt, &spans, &n_spans, err,
-                                   sizeof err) != 0) {
+        int n_spans = 0, add_special;
+        if (loom_chat_format_render(&chat, c.msgs, c.n, NULL, 1, &prompt, &spans, &n_spans,
+                                    &add_special, err, sizeof err) != 0) {
             fprintf(stderr, "loom chat: %s\n", err);
             free((char *)c.msgs[--c.n].content);
             continue;
         }
         /* the template's special tokens; what was typed is text, "<|user|>" included */
-        int64_t n = loom_tokenize_spans(m, prompt, strlen(prompt), 1, LOOM_SPECIAL_ALL, spans,
-                                        n_spans, ids, n_ctx_max, err, sizeof err);
+        int64_t n = loom_tokenize_spans(m, prompt, strlen(prompt), add_special, LOOM_SPECIAL_ALL,
+                                        spans, n_spans, ids, n_ctx_max, err, sizeof err);
         free(prompt);
         free(spans);
         if (n < 0) {
@@ -256,6 +259,7 @@ int loom_chat_main(int argc, char **argv)
         printf("\n");
     clear(&c, NULL);
     free(c.msgs), free(cache), free(ids);
+    loom_chat_format_free(&chat);
     loom_model_close(m);
     return 0;
 }

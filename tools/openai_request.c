@@ -174,8 +174,9 @@ cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b
 
 /* Tokenizes text into p->ids. rendered: a chat template's output, whose special tokens are
  * parsed except inside the messages' own text (the plain spans); otherwise the client's own
- * text, plain throughout. --parse-special parses special tokens everywhere. */
-static int tokenize_text(const openai_model *srv, const char *text, int rendered,
+ * text, plain throughout. --parse-special parses special tokens everywhere. add_special: the
+ * family's BOS goes first (not for a Jinja template's output, which writes its own). */
+static int tokenize_text(const openai_model *srv, const char *text, int rendered, int add_special,
                          const loom_text_span *plain, int n_plain, parsed *p, bad *b,
                          const char *param)
 {
@@ -190,7 +191,7 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
     }
     char err[512];
     int special = srv->parse_special || rendered ? LOOM_SPECIAL_ALL : LOOM_SPECIAL_NONE;
-    int64_t n = loom_tokenize_spans(srv->model, text, len, 1, special,
+    int64_t n = loom_tokenize_spans(srv->model, text, len, add_special, special,
                                     srv->parse_special ? NULL : plain,
                                     srv->parse_special ? 0 : n_plain, NULL, 0, err, sizeof err);
     if (n < 0)
@@ -199,7 +200,7 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
     if (!p->ids)
         return fail(b, 500, NULL, "out of memory");
     p->n_ids = (int32_t)loom_tokenize_spans(
-        srv->model, text, len, 1, special, srv->parse_special ? NULL : plain,
+        srv->model, text, len, add_special, special, srv->parse_special ? NULL : plain,
         srv->parse_special ? 0 : n_plain, p->ids, n, err, sizeof err);
     return 0;
 }
@@ -274,15 +275,26 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         if (!(m[i].content = message_text(content, i, b)))
             rc = -1;
     }
-    char *prompt = NULL, err[512];
+    char *prompt = NULL, *kwargs = NULL, err[512];
     loom_text_span *spans = NULL;
-    int n_spans = 0;
+    int n_spans = 0, add_special = 1;
+    /* chat_template_kwargs (vLLM's and llama.cpp's field): the template's own variables, such
+     * as enable_thinking */
+    const cJSON *kw = cJSON_GetObjectItemCaseSensitive(body, "chat_template_kwargs");
+    if (rc == 0 && kw && !cJSON_IsNull(kw)) {
+        if (!cJSON_IsObject(kw))
+            rc = fail(b, 400, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+        else if (!(kwargs = cJSON_PrintUnformatted(kw)))
+            rc = fail(b, 500, NULL, "out of memory");
+    }
     if (rc == 0 &&
-        loom_chat_render_spans(srv->chat_template, m, n, 1, &prompt, &spans, &n_spans, err,
-                               sizeof err) != 0)
-        rc = fail(b, 400, "messages", "%s", err);
+        loom_chat_format_render(srv->chat, m, n, kwargs, 1, &prompt, &spans, &n_spans, &add_special,
+                                err, sizeof err) != 0)
+        rc = fail(b, 400, kwargs && !srv->chat->jinja ? "chat_template_kwargs" : "messages", "%s",
+                  err);
+    free(kwargs);
     if (rc == 0) /* the template's special tokens, and (unless --parse-special) no others */
-        rc = tokenize_text(srv, prompt, 1, spans, n_spans, p, b, "messages");
+        rc = tokenize_text(srv, prompt, 1, add_special, spans, n_spans, p, b, "messages");
     free(prompt);
     free(spans);
     for (int k = 0; k < n; k++)
@@ -299,7 +311,7 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
         pr = pr->child;     /* ["text"] */
     if (cJSON_IsString(pr)) /* plain text, unless --parse-special */
-        return tokenize_text(srv, pr->valuestring, 0, NULL, 0, p, b, "prompt");
+        return tokenize_text(srv, pr->valuestring, 0, 1, NULL, 0, p, b, "prompt");
     if (cJSON_IsArray(pr) && cJSON_IsArray(pr->child) && cJSON_GetArraySize(pr) == 1)
         pr = pr->child; /* [[ids]] */
     if (cJSON_IsArray(pr) && pr->child && cJSON_IsNumber(pr->child)) {
@@ -351,7 +363,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "store", "metadata",
         "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
-        "timeout", NULL};
+        "timeout", "chat_template_kwargs", NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
                                                          "logit_bias", "suffix",   NULL};

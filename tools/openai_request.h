@@ -17,7 +17,7 @@
 typedef struct openai_model {
     loom_model *model;
     const char *model_name;
-    const char *chat_template;
+    const loom_chat_format *chat; /* how conversations become prompts */
     int32_t n_ctx;
     size_t max_prompt_bytes; /* longer prompt text cannot fit n_ctx: refused untokenized */
     /* special tokens ("<|im_start|>") written in message text or a prompt string are parsed

@@ -48,7 +48,8 @@ typedef struct tenant {
 /* One opened model with its engine: what requests run on. A reload opens another; new
  * requests go to it, and the old one is freed by the main thread once no request holds it. */
 typedef struct served {
-    openai_model api; /* the model, its name, chat template and context */
+    openai_model api;      /* the model, its name, chat template and context */
+    loom_chat_format chat; /* api.chat points here */
     loom_engine *engine;
     int refs;            /* under live_lock: the server's while live, and each request's */
     struct served *next; /* on the retired list */
@@ -62,7 +63,7 @@ typedef struct server {
     const char *model_path;
     loom_model_options mo;
     loom_engine_options eo;
-    const char *name_flag, *tmpl_flag;
+    const char *name_flag, *tmpl_flag, *tmpl_file_flag;
     int can_reload;         /* not under a distributed job */
     char reload_error[512]; /* the last reload's failure, "" after a success (under live_lock) */
     int reloads;
@@ -1057,14 +1058,15 @@ static served *served_open(server *srv, char *err, size_t err_size)
     sv->api.n_ctx = loom_model_n_ctx(m);
     sv->api.max_prompt_bytes = loom_model_max_prompt_bytes(m);
     sv->api.model_name = srv->name_flag ? srv->name_flag : loom_model_name(m);
-    int recognised = 1;
-    sv->api.chat_template = srv->tmpl_flag ? srv->tmpl_flag
-                                           : loom_model_chat_template(m, &recognised);
-    if (!(sv->engine = loom_engine_start(m, &srv->eo, err, err_size))) {
+    if (loom_chat_format_choose(m, srv->tmpl_flag, srv->tmpl_file_flag, &sv->chat, err, err_size) !=
+            0 ||
+        !(sv->engine = loom_engine_start(m, &srv->eo, err, err_size))) {
+        loom_chat_format_free(&sv->chat);
         free(sv);
         loom_model_close(m);
         return NULL;
     }
+    sv->api.chat = &sv->chat;
     sv->refs = 1; /* the server's */
     return sv;
 }
@@ -1074,6 +1076,7 @@ static void served_free(served *sv)
     loom_engine_stop(sv->engine, 0);
     loom_engine_free(sv->engine);
     loom_model_close(sv->api.model);
+    loom_chat_format_free(&sv->chat);
     free(sv);
 }
 
@@ -1264,8 +1267,8 @@ static void free_api_keys(void)
 
 int loom_serve_main(int argc, char **argv)
 {
-    const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *key_file = NULL,
-               *prefix_cache = "shared", *api_keys = NULL;
+    const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *tmpl_file = NULL,
+               *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
@@ -1314,7 +1317,9 @@ int loom_serve_main(int argc, char **argv)
         {"--block-size", NULL, LOOM_FLAG_LONG, &block, 1, 4096, "N", block_help},
         LOOM_FLAG_KV_TYPE(&of.kv_type),
         {"--chat-template", NULL, LOOM_FLAG_TEXT, &tmpl, 0, 0, "NAME",
-         "override the model's chat template"},
+         "a built-in chat format instead of the model's template"},
+        {"--chat-template-file", NULL, LOOM_FLAG_TEXT, &tmpl_file, 0, 0, "FILE",
+         "a Jinja chat template instead of the model's"},
         LOOM_FLAG_THREADS(&of.threads),
         LOOM_FLAG_EXPERTS_ON(&of.experts_on),
         LOOM_FLAG_DISTRIBUTED(&of.distributed),
@@ -1395,6 +1400,10 @@ int loom_serve_main(int argc, char **argv)
                 loom_chat_templates());
         return 2;
     }
+    if (tmpl && tmpl_file) {
+        fprintf(stderr, "loom serve: give --chat-template or --chat-template-file, not both\n");
+        return 2;
+    }
     if (max_step < max_batch) {
         fprintf(stderr,
                 "loom serve: --max-tokens-per-step (%ld) must be at least --max-batch (%ld)\n",
@@ -1460,13 +1469,13 @@ int loom_serve_main(int argc, char **argv)
     pthread_mutex_init(&srv.count_lock, NULL);
     sem_init(&srv.parsing, 0, 4);
     srv.api.model_name = name ? name : loom_model_name(m);
-    int recognised = 1;
-    srv.api.chat_template = tmpl ? tmpl : loom_model_chat_template(m, &recognised);
-    if (!recognised)
-        fprintf(stderr,
-                "loom serve: warning: the model's chat template is missing or not one loom "
-                "knows; using '%s' (choose with --chat-template)\n",
-                srv.api.chat_template);
+    loom_chat_format chat;
+    if (loom_chat_format_choose(m, tmpl, tmpl_file, &chat, err, sizeof err) != 0) {
+        fprintf(stderr, "loom serve: %s\n", err);
+        loom_model_close(m);
+        return 2;
+    }
+    fprintf(stderr, "loom serve: chat template: %s\n", chat.about);
     loom_engine_options eo = {.max_batch = (int32_t)max_batch,
                               .max_tokens_per_step = (int32_t)max_step,
                               .max_queue = (int32_t)max_queue,
@@ -1474,13 +1483,14 @@ int loom_serve_main(int argc, char **argv)
     loom_engine *engine = loom_engine_start(m, &eo, err, sizeof err);
     if (!engine) {
         fprintf(stderr, "loom serve: %s\n", err);
+        loom_chat_format_free(&chat);
         loom_model_close(m);
         return 2;
     }
     pthread_mutex_init(&srv.live_lock, NULL);
     pthread_mutex_init(&srv.reload_lock, NULL);
     srv.model_path = of.model, srv.mo = mo, srv.eo = eo;
-    srv.name_flag = name, srv.tmpl_flag = tmpl;
+    srv.name_flag = name, srv.tmpl_flag = tmpl, srv.tmpl_file_flag = tmpl_file;
     srv.can_reload = !loom_distributed_job(of.distributed ? 2 : 1);
     served first = {.api = srv.api, .engine = engine, .refs = 1};
     srv.live = malloc(sizeof *srv.live);
@@ -1491,6 +1501,8 @@ int loom_serve_main(int argc, char **argv)
         return 1;
     }
     *srv.live = first;
+    srv.live->chat = chat;
+    srv.live->api.chat = &srv.live->chat;
     /* poll(), not select(): select stops at descriptor 1024 and locks every client out once
      * that many sockets are open; limits in total and per address, and a short idle timeout,
      * keep stalled or slow connections from holding the server */

@@ -381,6 +381,29 @@ const char *loom_chat_template_token(const loom_chat_template *t, const char *na
 int loom_chat_template_render(const loom_chat_template *t, const loom_chat_vars *vars, char **out,
                               loom_text_span **spans, int *n_spans, char *err, size_t err_size);
 
+/* What a command renders conversations with: a Jinja template (the model's own, or a file's),
+ * or a built-in format. */
+typedef struct loom_chat_format {
+    loom_chat_template *jinja; /* or NULL: */
+    const char *builtin;       /* the built-in format's name */
+    char about[512];           /* which one and why, in a line for the log */
+} loom_chat_format;
+
+/* Chooses: the built-in named by builtin_name (--chat-template) if given; else the Jinja file
+ * jinja_file (--chat-template-file) if given; else the model's own template when loom's Jinja
+ * runs it; else the built-in format the model's family uses (about says why). -1 with err only
+ * for a bad name or file. */
+int loom_chat_format_choose(const loom_model *m, const char *builtin_name, const char *jinja_file,
+                            loom_chat_format *f, char *err, size_t err_size);
+void loom_chat_format_free(loom_chat_format *f);
+/* Renders a conversation of role/content messages with f (kwargs_json: the template's extra
+ * variables, NULL for none; a built-in format takes none). *add_special says whether tokenizing
+ * the prompt adds the family's BOS: a Jinja template writes its own, as transformers has it. */
+int loom_chat_format_render(const loom_chat_format *f, const loom_chat_message *msgs, int n,
+                            const char *kwargs_json, int add_generation_prompt, char **out,
+                            loom_text_span **spans, int *n_spans, int *add_special, char *err,
+                            size_t err_size);
+
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 
 typedef struct loom_vocab loom_vocab;
