@@ -16,7 +16,7 @@ flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefine
 libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc libxxhash) -lm"
 cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc libxxhash)"
 core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/tokenizer_bpe.c $src/core/tokenizer_spm.c $src/core/utf8.c $src/core/name_index.c $src/core/file.c"
-harnesses="gguf safetensors tokenizer"
+harnesses="gguf safetensors tokenizer jinja"
 # the request parser tokenizes with a real model, and the chat templates ask the model
 # families for their defaults: they link the built libloom
 if [ -f "$build/.libs/libloom.so" ]; then harnesses="$harnesses chat_template openai_request"
@@ -27,6 +27,7 @@ for h in $harnesses; do
     case $h in
         chat_template) extra="$src/api/chat.c $libloom" ;;
         openai_request) extra="$src/tools/openai_request.c $libloom" ;;
+        jinja) extra="$src/api/jinja.c" ;;
         *) extra=$core ;;
     esac
     # shellcheck disable=SC2086
@@ -35,6 +36,11 @@ for h in $harnesses; do
     [ -d "$src/tests/fuzz/corpus/$h" ] && cp "$src/tests/fuzz/corpus/$h"/* "$work/corpus_$h/"
 done
 # seeds: real files and texts, small enough to mutate
+cp "$src"/tests/templates/*.jinja "$work/corpus_jinja/"
+for d in tiny-llama tiny-qwen2 tiny-chatglm3 tiny-mistral tiny-llama31; do
+    [ -f "$fixtures/$d/tokenizer_config.json" ] &&
+        jq -j .chat_template "$fixtures/$d/tokenizer_config.json" >"$work/corpus_jinja/$d" 2>/dev/null
+done
 [ -f "$fixtures/stories260K/original/stories260K.gguf" ] && cp "$fixtures/stories260K/original/stories260K.gguf" "$work/corpus_gguf/"
 [ -f "$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf" ] && head -c 65536 "$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf" > "$work/corpus_gguf/truncated-vocab"
 [ -f "$fixtures/tiny-qwen2/model.safetensors" ] && cp "$fixtures/tiny-qwen2/model.safetensors" "$work/corpus_safetensors/"
