@@ -175,13 +175,14 @@ if command -v curl >/dev/null; then
     expect_grep "'endfor' is missing (in .*broken.jinja)" "$tmpdir/s4.log" "a broken --chat-template-file is refused with its line"
 fi
 
-# hostile templates stop with an error naming the limit, in well under a second each
+# hostile templates stop with an error naming the limit, in about a second each here (the
+# bound is wide: a loaded 2-core CI machine took 5.4 s for the 256 MiB one under distcheck)
 hostile() { # NAME TEMPLATE-TEXT EXPECTED-ERROR
     printf '%s' "$2" >"$tmpdir/h.jinja"
     start=$(date +%s%N)
     "$LOOM" template --template "$tmpdir/h.jinja" --messages "$CONV/plain.json" >/dev/null 2>"$tmpdir/h.err"
     rc=$? ms=$((($(date +%s%N) - start) / 1000000))
-    if [ $rc != 0 ] && grep -q -- "$3" "$tmpdir/h.err" && [ $ms -lt 5000 ]; then
+    if [ $rc != 0 ] && grep -q -- "$3" "$tmpdir/h.err" && [ $ms -lt 20000 ]; then
         pass "$1: refused in $ms ms ($(cut -c1-90 "$tmpdir/h.err"))"
     else
         fail "$1: exit $rc after $ms ms: $(cat "$tmpdir/h.err")"

@@ -28,9 +28,13 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
         exit(1);
     }
     srv.defaults = openai_default_sampling();
-    int recognised;
+    static loom_chat_format chat; /* the model's own Jinja template, as loom serve chooses */
     srv.model_name = "m";
-    srv.chat_template = loom_model_chat_template(srv.model, &recognised);
+    if (loom_chat_format_choose(srv.model, NULL, NULL, &chat, err, sizeof err) != 0) {
+        fprintf(stderr, "fuzz_openai_request: %s\n", err);
+        exit(1);
+    }
+    srv.chat = &chat;
     srv.n_ctx = loom_model_n_ctx(srv.model);
     srv.max_prompt_bytes = loom_model_max_prompt_bytes(srv.model);
     return 0;
