@@ -14,11 +14,11 @@
 #include "internal.h"
 #include "jinja.h"
 
+#include "core/file.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"
 #include "models/models.h"
 
-#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -377,49 +377,17 @@ done:
 
 /* ---- choosing between them ---------------------------------------------------------------- */
 
-/* a whole text file, malloc'd and NUL-terminated, or NULL with err */
-static char *read_text_file(const char *path, char *err, size_t err_size)
+/* a template file whole, NUL-terminated, or NULL with err */
+static char *read_template_file(const char *path, char *err, size_t err_size)
 {
-    FILE *f = fopen(path, "rb");
-    char *s = NULL;
-    size_t n = 0, cap = 0;
-    if (!f) {
-        snprintf(err, err_size, "cannot open %s: %s", path, strerror(errno));
+    size_t len;
+    char *s = loom_file_read(path, (size_t)16 << 20, &len, err, err_size);
+    if (s && strlen(s) != len) {
+        snprintf(err, err_size, "%s holds a NUL byte: not a chat template", path);
+        free(s);
         return NULL;
     }
-    for (;;) {
-        if (n + 4096 + 1 > cap) {
-            if (cap > ((size_t)1 << 24)) {
-                snprintf(err, err_size, "%s is over 16 MiB: not a chat template", path);
-                break;
-            }
-            char *grown = realloc(s, cap = 2 * cap + 8192);
-            if (!grown) {
-                snprintf(err, err_size, "out of memory");
-                break;
-            }
-            s = grown;
-        }
-        size_t got = fread(s + n, 1, 4096, f);
-        n += got;
-        if (got < 4096) {
-            if (ferror(f)) {
-                snprintf(err, err_size, "cannot read %s: %s", path, strerror(errno));
-                break;
-            }
-            fclose(f);
-            s[n] = 0;
-            if (strlen(s) != n) {
-                snprintf(err, err_size, "%s holds a NUL byte: not a chat template", path);
-                free(s);
-                return NULL;
-            }
-            return s;
-        }
-    }
-    fclose(f);
-    free(s);
-    return NULL;
+    return s;
 }
 
 int loom_chat_format_choose(const loom_model *m, const char *builtin_name, const char *jinja_file,
@@ -441,7 +409,7 @@ int loom_chat_format_choose(const loom_model *m, const char *builtin_name, const
     char why[400];
     loom_chat_template *own = loom_model_chat_jinja(m, why, sizeof why);
     if (jinja_file) {
-        char *src = read_text_file(jinja_file, err, err_size);
+        char *src = read_template_file(jinja_file, err, err_size);
         if (src)
             f->jinja = loom_chat_template_compile(src, own ? own->bos : "", own ? own->eos : "",
                                                   err, err_size);

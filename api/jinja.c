@@ -1405,7 +1405,7 @@ static node *parse_primary(parser *p)
     return n;
 }
 
-/* the operand of a unary minus or plus: no filters (they apply to the negation) */
+/* -x, +x or a value, without filters (they apply to the negation, not its operand) */
 static node *parse_unary_operand(parser *p)
 {
     int line = cur(p)->line;
@@ -1425,22 +1425,10 @@ static node *parse_unary_operand(parser *p)
     return parse_postfix(p, parse_primary(p));
 }
 
+/* -x, +x, or a value, then its filters and tests: -4|abs is (-4)|abs, as Jinja reads it */
 static node *parse_unary(parser *p)
 {
-    int line = cur(p)->line;
-    if (accept_op(p, "-") || accept_op(p, "+")) {
-        int neg = p->toks[p->tk - 1].s[0] == '-';
-        node *x = mk(p, neg ? N_NEG : N_POS, line);
-        if (++p->depth > 200) {
-            perr(p, line, "expressions nested more than 200 deep");
-            return NULL;
-        }
-        if (x)
-            x->a = parse_unary_operand(p);
-        p->depth--;
-        return parse_filters(p, x); /* -4|abs is (-4)|abs, as Jinja reads it */
-    }
-    return parse_filters(p, parse_postfix(p, parse_primary(p)));
+    return parse_filters(p, parse_unary_operand(p));
 }
 
 static node *bin(parser *p, int line, const char *op, node *a, node *b)
