@@ -233,6 +233,7 @@ int loom_chat_template_valid(const char *name)
 struct loom_chat_template {
     jinja_template *jinja;
     char *bos, *eos;
+    loom_tool_syntax tools; /* how the model writes the calls this template offers it */
 };
 
 void loom_chat_template_free(loom_chat_template *t)
@@ -259,6 +260,7 @@ loom_chat_template *loom_chat_template_compile(const char *jinja, const char *bo
         loom_chat_template_free(t);
         return NULL;
     }
+    t->tools = loom_tool_syntax_of_template(jinja);
     return t;
 }
 
@@ -445,23 +447,71 @@ void loom_chat_format_free(loom_chat_format *f)
     memset(f, 0, sizeof *f);
 }
 
+loom_tool_syntax loom_chat_format_tool_syntax(const loom_chat_format *f)
+{
+    return f->jinja ? f->jinja->tools : LOOM_TOOLS_NONE;
+}
+
+/* A built-in format renders role/content messages: v's messages read back from JSON. */
+static int render_builtin_vars(const loom_chat_format *f, const loom_chat_vars *v, char **out,
+                               loom_text_span **spans, int *n_spans, char *err, size_t err_size)
+{
+    if (v->kwargs_json || v->tools_json) {
+        snprintf(err, err_size,
+                 "%s need%s a Jinja chat template; this one is the built-in '%s' (give one with "
+                 "--chat-template-file)",
+                 v->tools_json ? "tools" : "template variables", v->tools_json ? "" : "s",
+                 f->builtin);
+        return -1;
+    }
+    cJSON *arr = parse_json_arg(v->messages_json ? v->messages_json : "[]", "messages", 1, err,
+                                err_size);
+    if (!arr)
+        return -1;
+    int n = cJSON_GetArraySize(arr), i = 0, rc = 0;
+    loom_chat_message *m = calloc((size_t)(n ? n : 1), sizeof *m);
+    if (!m) {
+        snprintf(err, err_size, "out of memory");
+        rc = -1;
+    }
+    for (const cJSON *x = arr->child; x && rc == 0; x = x->next, i++) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(x, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
+        if (cJSON_GetObjectItemCaseSensitive(x, "tool_calls") || !cJSON_IsString(role) ||
+            !strcmp(role->valuestring, "tool")) {
+            snprintf(err, err_size,
+                     "messages[%d]: tool calls and results need a Jinja chat template; this one "
+                     "is the built-in '%s'",
+                     i, f->builtin);
+            rc = -1;
+            break;
+        }
+        m[i].role = role->valuestring;
+        m[i].content = cJSON_IsString(content) ? content->valuestring : "";
+    }
+    if (rc == 0)
+        rc = loom_chat_render_spans(f->builtin, m, n, v->add_generation_prompt, out, spans, n_spans,
+                                    err, err_size);
+    free(m);
+    cJSON_Delete(arr);
+    return rc;
+}
+
+int loom_chat_format_render_vars(const loom_chat_format *f, const loom_chat_vars *v, char **out,
+                                 loom_text_span **spans, int *n_spans, int *add_special, char *err,
+                                 size_t err_size)
+{
+    *add_special = f->jinja == NULL;
+    if (!f->jinja)
+        return render_builtin_vars(f, v, out, spans, n_spans, err, err_size);
+    return loom_chat_template_render(f->jinja, v, out, spans, n_spans, err, err_size);
+}
+
 int loom_chat_format_render(const loom_chat_format *f, const loom_chat_message *msgs, int n,
                             const char *kwargs_json, int add_generation_prompt, char **out,
                             loom_text_span **spans, int *n_spans, int *add_special, char *err,
                             size_t err_size)
 {
-    *add_special = 1;
-    if (!f->jinja) {
-        if (kwargs_json) {
-            snprintf(err, err_size,
-                     "template variables need a Jinja chat template; this one is the built-in "
-                     "'%s'",
-                     f->builtin);
-            return -1;
-        }
-        return loom_chat_render_spans(f->builtin, msgs, n, add_generation_prompt, out, spans,
-                                      n_spans, err, err_size);
-    }
     cJSON *arr = cJSON_CreateArray();
     for (int i = 0; arr && i < n; i++) {
         cJSON *o = cJSON_CreateObject();
@@ -483,8 +533,7 @@ int loom_chat_format_render(const loom_chat_format *f, const loom_chat_message *
     loom_chat_vars v = {.messages_json = json,
                         .kwargs_json = kwargs_json,
                         .add_generation_prompt = add_generation_prompt};
-    int rc = loom_chat_template_render(f->jinja, &v, out, spans, n_spans, err, err_size);
+    int rc = loom_chat_format_render_vars(f, &v, out, spans, n_spans, add_special, err, err_size);
     free(json);
-    *add_special = 0;
     return rc;
 }

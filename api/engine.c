@@ -40,6 +40,7 @@ typedef struct ereq {
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
+    int control_text; /* control tokens shown as text (loom_request's) */
     char **stops;
     int n_stops;
     loom_text_stream ts;
@@ -275,6 +276,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->sp = loom_sampler_params_of(s);
     q->rng = s->seed;
     q->ignore_eos = s->ignore_eos;
+    q->control_text = r->control_text;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
     q->t_submit = now_ms();
@@ -532,7 +534,8 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
     q->n_generated++;
     e->n_generated++;
     char piece[512];
-    int k = loom_tokenizer_piece(e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
+    int k = (q->control_text ? loom_tokenizer_piece_control : loom_tokenizer_piece)(
+        e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
     int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
     /* one event per token, even when all its bytes are held back (part of a UTF-8 character
      * or of a possible stop string), so every id reaches the caller */

@@ -54,6 +54,8 @@ loom_sampler_params loom_sampler_params_of(const loom_sampling *s);
 const char *loom_chat_template_guess(const char *stored, const char *arch, const char *pre,
                                      int *recognised);
 
+/* How the tool calls a Jinja template offers are written (api/tool_calls.c). */
+loom_tool_syntax loom_tool_syntax_of_template(const char *jinja);
 /* The Jinja chat template a GGUF carries, with its BOS and EOS text (api/chat.c). */
 struct loom_tokenizer;
 loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g,

@@ -581,7 +581,8 @@ static int64_t encode_valid(const loom_tokenizer *t, const char *text, size_t le
     return o.n;
 }
 
-int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap)
+static int piece(const loom_tokenizer *t, int32_t prev, int32_t id, int show_control, char *out,
+                 int cap)
 {
     if (id < 0 || id >= t->n_vocab)
         return -1;
@@ -589,7 +590,7 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     char buf[512];
     int n = 0;
     unsigned blanks;
-    if (e->type == TOK_CONTROL) {
+    if (e->type == TOK_CONTROL && !show_control) {
         n = 0;
     } else if (t->glm_text && e->type == TOK_USER &&
                (!strcmp(e->text, "<n>") || !strcmp(e->text, "<|tab|>"))) {
@@ -634,6 +635,17 @@ int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char
     }
     memcpy(out, buf, (size_t)(n < cap ? n : cap));
     return n;
+}
+
+int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap)
+{
+    return piece(t, prev, id, 0, out, cap);
+}
+
+int loom_tokenizer_piece_control(const loom_tokenizer *t, int32_t prev, int32_t id, char *out,
+                                 int cap)
+{
+    return piece(t, prev, id, 1, out, cap);
 }
 
 size_t loom_tokenizer_max_token_bytes(const loom_tokenizer *t)

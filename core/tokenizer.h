@@ -41,6 +41,10 @@ size_t loom_tokenizer_max_token_bytes(const loom_tokenizer *t);
  * restored, byte tokens as their byte, control tokens as nothing. Returns the byte count
  * (at most cap written), or -1 for an id outside the vocabulary. */
 int loom_tokenizer_piece(const loom_tokenizer *t, int32_t prev, int32_t id, char *out, int cap);
+/* The same, with control tokens as their own text ("<|python_tag|>", "[TOOL_CALLS]"): what a
+ * tool-call parser reads. */
+int loom_tokenizer_piece_control(const loom_tokenizer *t, int32_t prev, int32_t id, char *out,
+                                 int cap);
 
 /* The most ids a vocabulary loom converts may have (today's largest have 262,144). */
 #define LOOM_MAX_VOCAB (1 << 20)

@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "openai_request.h"
 
+#include <ctype.h>
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -95,7 +96,8 @@ static int unsupported(const cJSON *body, const char *key, bad *b)
     }
     if (!strcmp(key, "best_of") && cJSON_IsNumber(v) && v->valuedouble == 1)
         return 0;
-    return fail(b, 400, key, "'%s' is not supported by this server (loom)", key);
+    return fail(b, 400, key, "'%s' is not supported by this server (loom)%s", key,
+                strncmp(key, "function", 8) ? "" : "; send 'tools' (it replaced 'functions')");
 }
 
 static int check_known(const cJSON *body, const char *const *known, bad *b)
@@ -242,6 +244,242 @@ static char *message_text(const cJSON *content, int index, bad *b)
     return s;
 }
 
+/* An assistant message's tool_calls as a template reads them: arguments as the object their
+ * JSON text holds (what transformers' templates expect), not as a string. */
+static cJSON *template_tool_calls(const cJSON *calls, int index, bad *b)
+{
+    if (!cJSON_IsArray(calls) || !calls->child) {
+        fail(b, 400, "messages", "messages[%d].tool_calls must be a non-empty array", index);
+        return NULL;
+    }
+    cJSON *out = cJSON_CreateArray();
+    int k = 0;
+    for (const cJSON *c = calls->child; c && out; c = c->next, k++) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(c, "id");
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+        cJSON *obj = cJSON_IsString(args) ? cJSON_Parse(args->valuestring) : NULL;
+        const char *why = !cJSON_IsObject(c)                 ? "must be an object"
+            : id && !cJSON_IsString(id)                      ? "id must be a string"
+            : !cJSON_IsObject(fn)                            ? "needs a 'function' object"
+            : !cJSON_IsString(name) || !name->valuestring[0] ? "function.name must be a string"
+            : !cJSON_IsString(args)                          ? "function.arguments must be a string"
+            : !cJSON_IsObject(obj) ? "function.arguments must be a JSON object's text"
+                                   : NULL;
+        if (why) {
+            cJSON_Delete(obj);
+            cJSON_Delete(out);
+            fail(b, 400, "messages", "messages[%d].tool_calls[%d].%s", index, k, why);
+            return NULL;
+        }
+        cJSON *t = cJSON_CreateObject(), *f = cJSON_AddObjectToObject(t, "function");
+        if (id)
+            cJSON_AddStringToObject(t, "id", id->valuestring);
+        cJSON_AddStringToObject(t, "type", "function");
+        cJSON_AddStringToObject(f, "name", name->valuestring);
+        cJSON_AddItemToObject(f, "arguments", obj);
+        cJSON_AddItemToArray(out, t);
+    }
+    if (!out)
+        fail(b, 500, NULL, "out of memory");
+    return out;
+}
+
+/* messages as the chat template sees them: roles checked (developer is system), content as a
+ * string (null beside tool calls), an assistant's tool_calls, a tool result's tool_call_id */
+static cJSON *template_messages(const cJSON *msgs, bad *b)
+{
+    cJSON *out = cJSON_CreateArray();
+    int i = 0;
+    for (const cJSON *x = msgs->child; x && out; x = x->next, i++) {
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(x, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
+        const cJSON *calls = cJSON_GetObjectItemCaseSensitive(x, "tool_calls");
+        const cJSON *call_id = cJSON_GetObjectItemCaseSensitive(x, "tool_call_id");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(x, "name");
+        if (!cJSON_IsObject(x) || !cJSON_IsString(role)) {
+            fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'", i);
+            cJSON_Delete(out);
+            return NULL;
+        }
+        const char *r = role->valuestring;
+        if (!strcmp(r, "developer"))
+            r = "system";
+        int assistant = !strcmp(r, "assistant"), tool = !strcmp(r, "tool");
+        if (strcmp(r, "system") && strcmp(r, "user") && !assistant && !tool) {
+            fail(b, 400, "messages",
+                 "messages[%d].role '%s' is not one of system, developer, user, assistant, tool", i,
+                 role->valuestring);
+            cJSON_Delete(out);
+            return NULL;
+        }
+        if (calls && !cJSON_IsNull(calls) && !assistant) {
+            fail(b, 400, "messages", "messages[%d]: only an assistant message has tool_calls", i);
+            cJSON_Delete(out);
+            return NULL;
+        }
+        if (tool && (!cJSON_IsString(call_id) || !call_id->valuestring[0])) {
+            fail(b, 400, "messages",
+                 "messages[%d]: a tool message needs 'tool_call_id', the id of the call it "
+                 "answers",
+                 i);
+            cJSON_Delete(out);
+            return NULL;
+        }
+        if (name && !cJSON_IsNull(name) && !cJSON_IsString(name)) {
+            fail(b, 400, "messages", "messages[%d].name must be a string", i);
+            cJSON_Delete(out);
+            return NULL;
+        }
+        cJSON *m = cJSON_CreateObject();
+        cJSON_AddItemToArray(out, m);
+        cJSON_AddStringToObject(m, "role", r);
+        int has_calls = calls && !cJSON_IsNull(calls);
+        if ((!content || cJSON_IsNull(content)) && assistant && has_calls) {
+            cJSON_AddNullToObject(m, "content");
+        } else {
+            char *text = message_text(content, i, b);
+            if (!text) {
+                cJSON_Delete(out);
+                return NULL;
+            }
+            cJSON_AddStringToObject(m, "content", text);
+            free(text);
+        }
+        if (cJSON_IsString(name))
+            cJSON_AddStringToObject(m, "name", name->valuestring);
+        if (tool)
+            cJSON_AddStringToObject(m, "tool_call_id", call_id->valuestring);
+        if (has_calls) {
+            cJSON *tc = template_tool_calls(calls, i, b);
+            if (!tc) {
+                cJSON_Delete(out);
+                return NULL;
+            }
+            cJSON_AddItemToObject(m, "tool_calls", tc);
+        }
+    }
+    if (!out)
+        fail(b, 500, NULL, "out of memory");
+    return out;
+}
+
+/* OpenAI's rule for a function's name */
+static int valid_function_name(const char *s)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 64)
+        return 0;
+    for (; *s; s++)
+        if (!isalnum((unsigned char)*s) && *s != '_' && *s != '-' && *s != '.')
+            return 0;
+    return 1;
+}
+
+/* tools, tool_choice and parallel_tool_calls: what the template is given and how the answer is
+ * read. A tool_choice that needs constrained decoding is refused until loom has it. */
+static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
+{
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(body, "tools");
+    const cJSON *choice = cJSON_GetObjectItemCaseSensitive(body, "tool_choice");
+    p->parallel_tool_calls = 1;
+    if (get_bool(body, "parallel_tool_calls", &p->parallel_tool_calls, b) < 0)
+        return -1;
+    if (!tools || cJSON_IsNull(tools)) {
+        if (choice && !cJSON_IsNull(choice) &&
+            !(cJSON_IsString(choice) && !strcmp(choice->valuestring, "none")))
+            return fail(b, 400, "tool_choice",
+                        "'tool_choice' is only allowed when 'tools' are given");
+        return 0;
+    }
+    if (!cJSON_IsArray(tools))
+        return fail(b, 400, "tools", "'tools' must be an array, not %s", json_type(tools));
+    int n = cJSON_GetArraySize(tools);
+    if (n > OPENAI_MAX_TOOLS)
+        return fail(b, 400, "tools", "'tools' takes at most %d functions", OPENAI_MAX_TOOLS);
+    if (n == 0)
+        return 0;
+    p->tool_names = calloc((size_t)n, sizeof *p->tool_names);
+    if (!p->tool_names)
+        return fail(b, 500, NULL, "out of memory");
+    int i = 0;
+    for (const cJSON *t = tools->child; t; t = t->next, i++) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type");
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        const cJSON *desc = cJSON_GetObjectItemCaseSensitive(fn, "description");
+        const cJSON *params = cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+        const char *why = !cJSON_IsObject(t) ? "must be an object"
+            : !cJSON_IsString(type) || strcmp(type->valuestring, "function")
+            ? "type must be \"function\" (the only kind of tool loom calls)"
+            : !cJSON_IsObject(fn) ? "needs a 'function' object"
+            : !cJSON_IsString(name) || !valid_function_name(name->valuestring)
+            ? "function.name must be 1 to 64 letters, digits, '_', '-' or '.'"
+            : desc && !cJSON_IsNull(desc) && !cJSON_IsString(desc) ? "function.description must "
+                                                                     "be a string"
+            : params && !cJSON_IsNull(params) && !cJSON_IsObject(params)
+            ? "function.parameters must be a JSON Schema object"
+            : NULL;
+        if (why)
+            return fail(b, 400, "tools", "tools[%d].%s", i, why);
+        for (int k = 0; k < p->n_tools; k++)
+            if (!strcmp(p->tool_names[k], name->valuestring))
+                return fail(b, 400, "tools", "tools[%d]: a second function named '%s'", i,
+                            name->valuestring);
+        if (!(p->tool_names[p->n_tools++] = strdup(name->valuestring)))
+            return fail(b, 500, NULL, "out of memory");
+    }
+    const char *mode = "auto";
+    if (cJSON_IsString(choice)) {
+        mode = choice->valuestring;
+        if (strcmp(mode, "auto") && strcmp(mode, "none") && strcmp(mode, "required"))
+            return fail(b, 400, "tool_choice",
+                        "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}; got \"%s\"",
+                        mode);
+    } else if (cJSON_IsObject(choice)) {
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(
+            cJSON_GetObjectItemCaseSensitive(choice, "function"), "name");
+        if (!cJSON_IsString(name))
+            return fail(b, 400, "tool_choice",
+                        "'tool_choice' names a function as "
+                        "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+        int found = 0;
+        for (int k = 0; k < p->n_tools && !found; k++)
+            found = !strcmp(p->tool_names[k], name->valuestring);
+        if (!found)
+            return fail(b, 400, "tool_choice", "'tool_choice' names '%s', which is not in 'tools'",
+                        name->valuestring);
+        mode = "a named function";
+    } else if (choice && !cJSON_IsNull(choice)) {
+        return fail(b, 400, "tool_choice", "'tool_choice' must be a string or an object, not %s",
+                    json_type(choice));
+    }
+    if (!strcmp(mode, "none"))
+        return 0; /* the model is not told of the tools, and its answer is text */
+    if (strcmp(mode, "auto"))
+        return fail(
+            b, 400, "tool_choice",
+            "'tool_choice' %s%s%s needs constrained decoding, which loom does not have yet; "
+            "send \"auto\" (the model decides whether to call)",
+            *mode == 'a' ? "" : "\"", mode, *mode == 'a' ? "" : "\"");
+    p->tool_syntax = loom_chat_format_tool_syntax(srv->chat);
+    if (p->tool_syntax == LOOM_TOOLS_NONE)
+        return fail(b, 400, "tools",
+                    "this server's chat template (%s) does not show tools to the model; give one "
+                    "that does with --chat-template-file",
+                    srv->chat->about);
+    if (p->tool_syntax == LOOM_TOOLS_UNKNOWN)
+        return fail(b, 400, "tools",
+                    "this server's chat template (%s) offers tools in a form loom cannot read back "
+                    "(it reads the hermes/Qwen, Llama 3, Mistral, GLM-4 and GLM-4.5 forms)",
+                    srv->chat->about);
+    if (!(p->tools_json = cJSON_PrintUnformatted(tools)))
+        return fail(b, 500, NULL, "out of memory");
+    return 0;
+}
+
 static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
 {
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
@@ -249,33 +487,14 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         return fail(b, 400, "messages", "Missing required parameter: 'messages'");
     if (!cJSON_IsArray(msgs) || !msgs->child)
         return fail(b, 400, "messages", "'messages' must be a non-empty array");
-    int n = cJSON_GetArraySize(msgs);
-    loom_chat_message *m = calloc((size_t)n, sizeof *m);
-    if (!m)
-        return fail(b, 500, NULL, "out of memory");
-    int i = 0, rc = 0;
-    for (const cJSON *x = msgs->child; x && rc == 0; x = x->next, i++) {
-        const cJSON *role = cJSON_GetObjectItemCaseSensitive(x, "role");
-        const cJSON *content = cJSON_GetObjectItemCaseSensitive(x, "content");
-        if (!cJSON_IsObject(x) || !cJSON_IsString(role)) {
-            rc = fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'", i);
-            break;
-        }
-        const char *r = role->valuestring;
-        if (!strcmp(r, "developer"))
-            r = "system";
-        if (strcmp(r, "system") && strcmp(r, "user") && strcmp(r, "assistant")) {
-            rc = fail(b, 400, "messages",
-                      "messages[%d].role '%s' is not one of system, developer, "
-                      "user, assistant",
-                      i, role->valuestring);
-            break;
-        }
-        m[i].role = r;
-        if (!(m[i].content = message_text(content, i, b)))
-            rc = -1;
-    }
-    char *prompt = NULL, *kwargs = NULL, err[512];
+    if (parse_tools(srv, body, p, b) != 0)
+        return -1;
+    cJSON *tm = template_messages(msgs, b);
+    if (!tm)
+        return -1;
+    char *messages = cJSON_PrintUnformatted(tm), *prompt = NULL, *kwargs = NULL, err[512];
+    cJSON_Delete(tm);
+    int rc = messages ? 0 : fail(b, 500, NULL, "out of memory");
     loom_text_span *spans = NULL;
     int n_spans = 0, add_special = 1;
     /* chat_template_kwargs (vLLM's and llama.cpp's field): the template's own variables, such
@@ -287,19 +506,21 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         else if (!(kwargs = cJSON_PrintUnformatted(kw)))
             rc = fail(b, 500, NULL, "out of memory");
     }
+    loom_chat_vars v = {.messages_json = messages,
+                        .tools_json = p->tools_json,
+                        .kwargs_json = kwargs,
+                        .add_generation_prompt = 1};
     if (rc == 0 &&
-        loom_chat_format_render(srv->chat, m, n, kwargs, 1, &prompt, &spans, &n_spans, &add_special,
-                                err, sizeof err) != 0)
+        loom_chat_format_render_vars(srv->chat, &v, &prompt, &spans, &n_spans, &add_special, err,
+                                     sizeof err) != 0)
         rc = fail(b, 400, kwargs && !srv->chat->jinja ? "chat_template_kwargs" : "messages", "%s",
                   err);
     free(kwargs);
+    free(messages);
     if (rc == 0) /* the template's special tokens, and (unless --parse-special) no others */
         rc = tokenize_text(srv, prompt, 1, add_special, spans, n_spans, p, b, "messages");
     free(prompt);
     free(spans);
-    for (int k = 0; k < n; k++)
-        free((char *)m[k].content);
-    free(m);
     return rc;
 }
 
@@ -368,7 +589,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
                                                          "logit_bias", "suffix",   NULL};
     static const char *const chat_unsupported[] = {
-        "logprobs",  "top_logprobs",  "logit_bias", "response_format", "tools", "tool_choice",
+        "logprobs",  "top_logprobs",  "logit_bias", "response_format",
         "functions", "function_call", NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
@@ -506,4 +727,14 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         p->s.seed = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^ (uint64_t)ts.tv_sec;
     }
     return 0;
+}
+
+void openai_parsed_free(parsed *p)
+{
+    free(p->ids);
+    for (int i = 0; i < p->n_tools; i++)
+        free(p->tool_names[i]);
+    free(p->tool_names);
+    free(p->tools_json);
+    memset(p, 0, sizeof *p);
 }

@@ -12,6 +12,7 @@
 
 #define OPENAI_MAX_CHOICES 8
 #define OPENAI_MAX_STOPS 4
+#define OPENAI_MAX_TOOLS 128
 
 /* The served model as requests see it. */
 typedef struct openai_model {
@@ -47,6 +48,13 @@ typedef struct parsed {
     int32_t priority; /* "priority": lower runs first (vLLM's field); 0 when absent */
     int priority_given;
     double timeout_s; /* "timeout": seconds the request may take; 0 when absent */
+    /* chat with tools: their function names, the tools array the template was given (NULL:
+     * none), and how the answer is read for calls (LOOM_TOOLS_NONE: it is all text) */
+    char **tool_names;
+    int n_tools;
+    char *tools_json;
+    loom_tool_syntax tool_syntax;
+    int parallel_tool_calls; /* false: at most one call is returned */
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */
@@ -66,6 +74,9 @@ cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b
 
 /* Checks and reads body (chat: /v1/chat/completions). 0, or -1 with b filled. */
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b);
+
+/* Frees what a parse allocated (ids, tool names, tools). */
+void openai_parsed_free(parsed *p);
 
 /* Appends n bytes to a growing NUL-terminated buffer; -1 when out of memory. */
 int buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n);

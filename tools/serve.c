@@ -112,6 +112,10 @@ typedef struct job {
     char *out;
     size_t out_len, out_cap, out_pos;
     int role_sent, finished;
+    /* tools: how the answers are read for calls (LOOM_TOOLS_NONE: they are text) */
+    loom_tool_syntax tool_syntax;
+    char **tool_names;
+    int n_tools, parallel_tool_calls;
 } job;
 
 typedef struct event_target {
@@ -149,6 +153,9 @@ static void job_unref(job *j)
         release(j->srv, j->sv);
     for (int i = 0; i < OPENAI_MAX_CHOICES; i++)
         free(j->ch[i].text);
+    for (int i = 0; i < j->n_tools; i++)
+        free(j->tool_names[i]);
+    free(j->tool_names);
     free(j->out);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
@@ -318,6 +325,72 @@ static cJSON *choice_json(const job *j, int index, const char *text, size_t len,
     return c;
 }
 
+/* The calls in choice c's finished answer (n_calls 0: none, or the request has no tools). */
+static void read_tool_calls(const job *j, const choice *c, loom_tool_calls *tc)
+{
+    memset(tc, 0, sizeof *tc);
+    tc->content_len = c->len;
+    if (j->tool_syntax == LOOM_TOOLS_NONE || c->error[0] || !c->text)
+        return;
+    if (loom_tool_calls_parse(j->tool_syntax, c->text, c->len, (const char *const *)j->tool_names,
+                              j->n_tools, tc) != 0)
+        return;
+    while (!j->parallel_tool_calls && tc->n_calls > 1) { /* at most one, the first */
+        loom_tool_call *last = &tc->calls[--tc->n_calls];
+        free(last->name), free(last->arguments), free(last->id);
+    }
+}
+
+/* an id for a call: the model's own where it wrote one, else a fresh one (Mistral's templates
+ * want 9 letters and digits) */
+static void call_id(const job *j, const loom_tool_call *call, char *id, size_t cap)
+{
+    static const char alnum[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    static uint64_t counter;
+    if (call->id && strlen(call->id) < cap) {
+        snprintf(id, cap, "%s", call->id);
+        return;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t x = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^
+        __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) * 0xbf58476d1ce4e5b9ull;
+    int mistral = j->tool_syntax == LOOM_TOOLS_MISTRAL;
+    size_t at = mistral ? 0 : (size_t)snprintf(id, cap, "call_");
+    for (size_t n = mistral ? 9 : 24; n && at + 1 < cap; n--) {
+        x ^= x >> 31, x *= 0x94d049bb133111ebull, x ^= x >> 29;
+        id[at++] = alnum[x % (sizeof alnum - 1)];
+    }
+    id[at] = 0;
+}
+
+/* tool call k as OpenAI writes it: whole in a message, or in a stream's delta (then its
+ * index, id, type and name come first, in their own chunk, and the arguments after) */
+static cJSON *tool_call_json(const job *j, const loom_tool_call *call, int k, int part)
+{
+    char id[64];
+    cJSON *t = cJSON_CreateObject(), *f;
+    if (part >= 0)
+        cJSON_AddNumberToObject(t, "index", k);
+    if (part <= 0) {
+        call_id(j, call, id, sizeof id);
+        cJSON_AddStringToObject(t, "id", id);
+        cJSON_AddStringToObject(t, "type", "function");
+    }
+    f = cJSON_AddObjectToObject(t, "function");
+    if (part <= 0)
+        json_add_text(f, "name", call->name, strlen(call->name));
+    json_add_text(f, "arguments", part == 0 ? "" : call->arguments,
+                  part == 0 ? 0 : strlen(call->arguments));
+    return t;
+}
+
+/* finish_reason of an answer with calls: "tool_calls" when the model ended it */
+static const char *finish_with_calls(const choice *c, const loom_tool_calls *tc)
+{
+    return tc->n_calls && !strcmp(c->finish, "stop") ? "tool_calls" : c->finish;
+}
+
 static void sse(job *j, cJSON *o)
 {
     char *s = cJSON_PrintUnformatted(o);
@@ -346,6 +419,20 @@ static void stream_format(job *j)
          * when what is left is sent with U+FFFD for it) */
         size_t ready = c->done ? c->len
                                : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
+        loom_tool_calls tc = {0};
+        if (j->tool_syntax != LOOM_TOOLS_NONE && !c->final_sent) {
+            /* text that may be the start of a call waits until it is known not to be */
+            if (c->done) {
+                read_tool_calls(j, c, &tc);
+                ready = tc.content_len;
+            } else {
+                size_t text = loom_tool_calls_text_prefix(j->tool_syntax, c->text, c->len,
+                                                          (const char *const *)j->tool_names,
+                                                          j->n_tools);
+                ready = text < ready ? text : ready;
+            }
+            ready = ready < c->sent ? c->sent : ready;
+        }
         if (c->sent < ready) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
             cJSON_AddItemToArray(a,
@@ -361,15 +448,28 @@ static void stream_format(job *j)
                 json_add_text(e, "message", c->error, strlen(c->error));
                 cJSON_AddStringToObject(e, "type", "server_error");
             } else {
+                for (int k = 0; k < tc.n_calls; k++)
+                    for (int part = 0; part < 2; part++) {
+                        cJSON *e = response_head(j, object),
+                              *a = cJSON_AddArrayToObject(e, "choices");
+                        cJSON *ch = choice_json(j, i, NULL, 0, NULL, 1, 0);
+                        cJSON *calls = cJSON_AddArrayToObject(cJSON_GetObjectItem(ch, "delta"),
+                                                              "tool_calls");
+                        cJSON_AddItemToArray(calls, tool_call_json(j, &tc.calls[k], k, part));
+                        cJSON_AddItemToArray(a, ch);
+                        sse(j, e);
+                    }
                 o = response_head(j, object);
                 cJSON *a = cJSON_AddArrayToObject(o, "choices");
-                cJSON_AddItemToArray(a, choice_json(j, i, NULL, 0, c->finish, 1, 0));
+                cJSON_AddItemToArray(a,
+                                     choice_json(j, i, NULL, 0, finish_with_calls(c, &tc), 1, 0));
                 if (c->deadline)
                     cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
             }
             sse(j, o);
             c->final_sent = 1;
         }
+        loom_tool_calls_free(&tc);
     }
     if (all_done(j) && !j->finished) {
         if (j->include_usage) {
@@ -488,10 +588,23 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
         if (j->ch[i].deadline) /* cut at its deadline: finish_reason "length", and this says why */
             cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
     cJSON *a = cJSON_AddArrayToObject(o, "choices");
-    for (int i = 0; i < j->n; i++)
-        cJSON_AddItemToArray(a,
-                             choice_json(j, i, j->ch[i].text ? j->ch[i].text : "", j->ch[i].len,
-                                         j->ch[i].finish, 0, 1));
+    for (int i = 0; i < j->n; i++) {
+        const choice *c = &j->ch[i];
+        loom_tool_calls tc;
+        read_tool_calls(j, c, &tc);
+        cJSON *ch = choice_json(j, i, c->text ? c->text : "", tc.content_len,
+                                finish_with_calls(c, &tc), 0, 1);
+        if (tc.n_calls) { /* OpenAI's content is null beside calls when there is no text */
+            cJSON *m = cJSON_GetObjectItem(ch, "message");
+            if (tc.content_len == 0)
+                cJSON_ReplaceItemInObject(m, "content", cJSON_CreateNull());
+            cJSON *calls = cJSON_AddArrayToObject(m, "tool_calls");
+            for (int k = 0; k < tc.n_calls; k++)
+                cJSON_AddItemToArray(calls, tool_call_json(j, &tc.calls[k], k, -1));
+        }
+        loom_tool_calls_free(&tc);
+        cJSON_AddItemToArray(a, ch);
+    }
     cJSON_AddItemToObject(o, "usage", usage_json(j));
     pthread_mutex_unlock(&j->mu);
     job_unref(j);
@@ -530,13 +643,13 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     int parsed_ok = req && openai_parse_request(&sv->api, req, chat, &p, &b) == 0;
     sem_post(&srv->parsing);
     if (!parsed_ok) {
-        free(p.ids);
+        openai_parsed_free(&p);
         cJSON_Delete(req);
         release(srv, sv);
         return send_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
     }
     if (srv->shutting_down) {
-        free(p.ids);
+        openai_parsed_free(&p);
         cJSON_Delete(req);
         release(srv, sv);
         return send_error(srv, con, 503, NULL, NULL, "the server is shutting down");
@@ -548,7 +661,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     }
     job *j = calloc(1, sizeof *j);
     if (!j) {
-        free(p.ids);
+        openai_parsed_free(&p);
         cJSON_Delete(req);
         release(srv, sv);
         return send_error(srv, con, 500, NULL, NULL, "out of memory");
@@ -559,6 +672,9 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
     j->refs = 1;
+    j->tool_syntax = p.tool_syntax, j->parallel_tool_calls = p.parallel_tool_calls;
+    j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
+    p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
     snprintf(j->id, sizeof j->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
              (unsigned long long)(__atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) ^
@@ -583,7 +699,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .timeout_ms = 1e3 * (p.timeout_s > 0 ? p.timeout_s : srv->timeout_s),
                           .tenant = who,
                           .tenant_max_running = tn ? tn->max_running : 0,
-                          .tenant_max_queue = tn ? tn->max_queue : 0};
+                          .tenant_max_queue = tn ? tn->max_queue : 0,
+                          .control_text = p.tool_syntax != LOOM_TOOLS_NONE};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;
@@ -600,12 +717,12 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         j->ch[i].id = id;
         submitted++;
     }
-    free(p.ids);
+    openai_parsed_free(&p);
     cJSON_Delete(req);
-    if (submitted < p.n) {
+    if (submitted < j->n) {
         /* the ones already queued finish as cancelled; the job goes with them */
         pthread_mutex_lock(&j->mu);
-        for (int i = submitted; i < p.n; i++)
+        for (int i = submitted; i < j->n; i++)
             j->ch[i].done = 1;
         pthread_mutex_unlock(&j->mu);
         cancel_job(j);
@@ -619,7 +736,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
             return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", err);
         return send_error(srv, con, srv->shutting_down ? 503 : 400, NULL, NULL, "%s", err);
     }
-    if (!p.stream)
+    if (!j->stream)
         return finish_blocking(con, j);
     /* the status waits for the first event: a request whose deadline comes while it is queued
      * is a 504, not a 200 stream that says so */
@@ -1475,7 +1592,11 @@ int loom_serve_main(int argc, char **argv)
         loom_model_close(m);
         return 2;
     }
-    fprintf(stderr, "loom serve: chat template: %s\n", chat.about);
+    loom_tool_syntax ts = loom_chat_format_tool_syntax(&chat);
+    fprintf(stderr, "loom serve: chat template: %s; tool calls: %s\n", chat.about,
+            ts == LOOM_TOOLS_NONE          ? "none (the template shows no tools)"
+                : ts == LOOM_TOOLS_UNKNOWN ? "unknown (the template's form is not one loom reads)"
+                                           : loom_tool_syntax_name(ts));
     loom_engine_options eo = {.max_batch = (int32_t)max_batch,
                               .max_tokens_per_step = (int32_t)max_step,
                               .max_queue = (int32_t)max_queue,

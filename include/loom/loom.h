@@ -276,6 +276,9 @@ typedef struct loom_request {
      * between tenants); a tenant's requests run at most tenant_max_running at a time and
      * wait at most tenant_max_queue (past it, LOOM_ENGINE_BUSY); 0: no limit of its own */
     int32_t tenant, tenant_max_running, tenant_max_queue;
+    /* control tokens the model writes appear in the text as their own ("<|python_tag|>"),
+     * not as nothing: a tool-call parser needs them */
+    int control_text;
 } loom_request;
 
 #define LOOM_MAX_TENANTS 256
@@ -403,6 +406,50 @@ int loom_chat_format_render(const loom_chat_format *f, const loom_chat_message *
                             const char *kwargs_json, int add_generation_prompt, char **out,
                             loom_text_span **spans, int *n_spans, int *add_special, char *err,
                             size_t err_size);
+/* The same from JSON (an OpenAI conversation with tool calls and results, tools, kwargs): a
+ * built-in format takes role/content messages only and refuses tools and kwargs. */
+int loom_chat_format_render_vars(const loom_chat_format *f, const loom_chat_vars *v, char **out,
+                                 loom_text_span **spans, int *n_spans, int *add_special, char *err,
+                                 size_t err_size);
+
+/* ---- Tool calls ---------------------------------------------------------------------------
+ * How a family writes a call to one of the request's tools in its answer. A chat format's
+ * template says which (loom_chat_format_tool_syntax); loom_tool_calls_parse reads them back. */
+typedef enum loom_tool_syntax {
+    LOOM_TOOLS_NONE,    /* the template renders no tools */
+    LOOM_TOOLS_UNKNOWN, /* it renders tools in a form loom cannot read back */
+    LOOM_TOOLS_HERMES,  /* <tool_call>{"name": N, "arguments": {..}}</tool_call> (Qwen, Hermes) */
+    LOOM_TOOLS_LLAMA3,  /* {"name": N, "parameters": {..}}, bare or after <|python_tag|> */
+    LOOM_TOOLS_MISTRAL, /* [TOOL_CALLS][{"name", "arguments"}, ..] or [TOOL_CALLS]N[ARGS]{..} */
+    LOOM_TOOLS_GLM4,    /* N\n{..} as the whole answer (GLM-4, GLM-4-0414) */
+    LOOM_TOOLS_GLM45,   /* <tool_call>N<arg_key>K</arg_key><arg_value>V</arg_value></tool_call> */
+} loom_tool_syntax;
+
+const char *loom_tool_syntax_name(loom_tool_syntax s);
+loom_tool_syntax loom_chat_format_tool_syntax(const loom_chat_format *f);
+
+typedef struct loom_tool_call {
+    char *name;
+    char *arguments; /* a JSON object's text, compact */
+    char *id;        /* the id the model wrote (Mistral's), or NULL */
+} loom_tool_call;
+
+typedef struct loom_tool_calls {
+    size_t content_len; /* the answer's own text is its first content_len bytes */
+    loom_tool_call *calls;
+    int n_calls;
+} loom_tool_calls;
+
+/* Reads the calls of a finished answer. A call counts only when whole: its JSON parses, its
+ * arguments are an object and, when names are given (n_names > 0), it names one of them;
+ * otherwise the answer is all text (n_calls 0, content_len len). -1 only when out of memory. */
+int loom_tool_calls_parse(loom_tool_syntax s, const char *text, size_t len,
+                          const char *const *names, int n_names, loom_tool_calls *out);
+void loom_tool_calls_free(loom_tool_calls *c);
+/* While an answer streams: how many of its first len bytes are surely text, not (the start
+ * of) a tool call, so they can be sent now. */
+size_t loom_tool_calls_text_prefix(loom_tool_syntax s, const char *text, size_t len,
+                                   const char *const *names, int n_names);
 
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 

@@ -60,7 +60,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         } else if (p.n_ids <= 0 || p.n_ids >= srv.n_ctx || !p.ids) {
             __builtin_trap(); /* an accepted request has a prompt that fits */
         }
-        free(p.ids);
+        openai_parsed_free(&p);
     }
     cJSON_Delete(root);
     return 0;
