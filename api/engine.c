@@ -18,6 +18,7 @@
 #include "core/runner.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
+#include "grammar.h"
 
 #include <errno.h>
 #include <math.h>
@@ -40,7 +41,9 @@ typedef struct ereq {
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
-    int control_text; /* control tokens shown as text (loom_request's) */
+    int control_text;      /* control tokens shown as text (loom_request's) */
+    loom_grammar *grammar; /* what the answer must match (a reference), and where it stands */
+    grammar_matcher *gm;
     char **stops;
     int n_stops;
     loom_text_stream ts;
@@ -58,6 +61,9 @@ struct loom_engine {
     loom_runner *runner;
     loom_tokenizer *tok;
     loom_kvblocks *kv;
+    grammar_vocab *gvocab[2]; /* the vocabulary as bytes (with control tokens' text), made for
+                                 the first grammar */
+    float *logits_copy;       /* a constrained step's unmasked logits */
     int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
     double batch_wait_ms;
 
@@ -113,6 +119,8 @@ static void req_free(ereq *q)
     free(q->stops);
     free(q->toks);
     loom_text_stream_free(&q->ts);
+    grammar_matcher_free(q->gm);
+    loom_grammar_free(q->grammar);
     free(q);
 }
 
@@ -277,6 +285,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->rng = s->seed;
     q->ignore_eos = s->ignore_eos;
     q->control_text = r->control_text;
+    q->grammar = loom_grammar_ref(r->grammar);
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
     q->t_submit = now_ms();
@@ -519,15 +528,82 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
 
 /* Samples the next token of q from logits; retires q when it is finished. Returns 1 if
  * retired. */
+/* The next token of q under its grammar: -1 when the grammar has ended the answer, -2 with err
+ * on a failure. The sample is drawn from the model's distribution restricted to the tokens the
+ * grammar allows. Where the sampler truncates nothing (greedy, or plain temperature), a draw
+ * from the whole distribution that the grammar allows is already such a sample (rejection
+ * sampling); only when it is refused is the mask of allowed tokens needed, which is the
+ * slow part, and then the draw is made again from the masked logits. With top-k, top-p or
+ * min-p the mask comes first, as those act on what the grammar leaves. */
+static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *err,
+                                  size_t err_size)
+{
+    grammar_vocab **v = &e->gvocab[q->control_text != 0];
+    if (!*v && !(*v = grammar_vocab_new(e->tok, q->control_text, err, err_size)))
+        return -2;
+    if (!e->logits_copy && !(e->logits_copy = malloc((size_t)e->n_vocab * sizeof *logits))) {
+        snprintf(err, err_size, "out of memory");
+        return -2;
+    }
+    if (!q->gm && !(q->gm = grammar_matcher_new(q->grammar, *v, err, err_size)))
+        return -2;
+    if (grammar_must_end(q->gm))
+        return -1;
+    const loom_sampler_params *p = &q->sp;
+    int truncates = p->temperature > 1e-5f &&
+        ((p->top_k > 0 && p->top_k < e->n_vocab) || p->top_p < 1 || p->min_p > 0);
+    if (!truncates) {
+        uint64_t rng = q->rng;
+        memcpy(e->logits_copy, logits, (size_t)e->n_vocab * sizeof *logits);
+        int32_t next = loom_sampler_sample(e->logits_copy, e->n_vocab, p, q->toks, q->n_toks, &rng);
+        if (grammar_allows(q->gm, next)) {
+            q->rng = rng;
+            return next;
+        }
+    }
+    const uint32_t *mask = grammar_mask(q->gm, err, err_size);
+    if (!mask)
+        return -2;
+    int any = 0;
+    for (int32_t i = 0; i < e->n_vocab; i++)
+        if (!(mask[i >> 5] >> (i & 31) & 1))
+            logits[i] = -INFINITY;
+        else
+            any |= logits[i] > -INFINITY;
+    if (!any) {
+        snprintf(err, err_size,
+                 "the grammar allows no token of this vocabulary here (after %d generated)",
+                 q->n_generated);
+        return -2;
+    }
+    return loom_sampler_sample(logits, e->n_vocab, p, q->toks, q->n_toks, &q->rng);
+}
+
 static int sample_next(loom_engine *e, ereq *q, float *logits)
 {
     loom_model_mask_unsampled(e->model, logits);
-    int32_t next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
+    int32_t next;
+    if (q->grammar) {
+        char err[300];
+        next = sample_constrained(e, q, logits, err, sizeof err);
+        if (next < 0) { /* -1: the grammar is complete, so the answer is */
+            remove_running(e, q);
+            retire(e, q, next == -1 ? "stop" : NULL, next == -1 ? NULL : err);
+            return 1;
+        }
+    } else {
+        next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
+    }
     if (q->n_generated == 0)
         q->ttft_ms = now_ms() - q->t_submit;
-    if (!q->ignore_eos && loom_tokenizer_is_stop(e->tok, next)) {
+    if ((!q->ignore_eos || q->grammar) && loom_tokenizer_is_stop(e->tok, next)) {
         remove_running(e, q);
         retire(e, q, "stop", NULL);
+        return 1;
+    }
+    if (q->gm && grammar_accept(q->gm, next) != 0) { /* the sampler keeps to the mask */
+        remove_running(e, q);
+        retire(e, q, NULL, "internal: a token outside the grammar was sampled");
         return 1;
     }
     q->toks[q->n_toks++] = next;
@@ -882,5 +958,8 @@ void loom_engine_free(loom_engine *e)
     pthread_cond_destroy(&e->idle);
     free(e->running), free(e->live), free(e->logits);
     free(e->plan), free(e->copies), free(e->step_buf);
+    grammar_vocab_free(e->gvocab[0]);
+    grammar_vocab_free(e->gvocab[1]);
+    free(e->logits_copy);
     free(e);
 }

@@ -388,3 +388,81 @@ size_t loom_tool_calls_text_prefix(loom_tool_syntax s, const char *text, size_t 
         n--;
     return n;
 }
+
+/* ---- calls the model must make (tool_choice "required" or a named function) --------------- */
+
+/* the JSON Schema of one call object: {"name": NAME, KEY: its parameters} */
+static cJSON *call_schema(const cJSON *fn, const char *args_key)
+{
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+    const cJSON *params = cJSON_GetObjectItemCaseSensitive(fn, "parameters");
+    cJSON *s = cJSON_CreateObject(), *props = cJSON_AddObjectToObject(s, "properties");
+    cJSON_AddStringToObject(s, "type", "object");
+    cJSON_AddStringToObject(cJSON_AddObjectToObject(props, "name"), "const", name->valuestring);
+    if (cJSON_IsObject(params) && params->child)
+        cJSON_AddItemToObject(props, args_key, cJSON_Duplicate(params, 1));
+    else
+        cJSON_AddStringToObject(cJSON_AddObjectToObject(props, args_key), "type", "object");
+    cJSON *req = cJSON_AddArrayToObject(s, "required");
+    cJSON_AddItemToArray(req, cJSON_CreateString("name"));
+    cJSON_AddItemToArray(req, cJSON_CreateString(args_key));
+    cJSON_AddFalseToObject(s, "additionalProperties");
+    return s;
+}
+
+char *loom_tool_calls_gbnf(loom_tool_syntax s, const char *tools_json, const char *only,
+                           int parallel, char *err, size_t err_size)
+{
+    const char *root, *args_key = "arguments";
+    switch (s) { /* %d: how many more calls may follow the first */
+    case LOOM_TOOLS_HERMES:
+        root = "root ::= one (\"\\n\" one){0,%d}\none ::= \"<tool_call>\\n\" call "
+               "\"\\n</tool_call>\"\n";
+        break;
+    case LOOM_TOOLS_LLAMA3:
+        root = "root ::= call (\"; \" call){0,%d}\n", args_key = "parameters";
+        break;
+    case LOOM_TOOLS_MISTRAL:
+        root = "root ::= \"[TOOL_CALLS][\" call (\", \" call){0,%d} \"]\"\n";
+        break;
+    default:
+        snprintf(err, err_size,
+                 "a call the model must make is not supported for the %s syntax yet (hermes, "
+                 "llama3 and mistral are)",
+                 loom_tool_syntax_name(s));
+        return NULL;
+    }
+    cJSON *tools = cJSON_Parse(tools_json), *any = cJSON_CreateObject();
+    cJSON *alts = cJSON_AddArrayToObject(any, "anyOf");
+    for (const cJSON *t = tools ? tools->child : NULL; t; t = t->next) {
+        const cJSON *fn = cJSON_GetObjectItemCaseSensitive(t, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
+        if (cJSON_IsString(name) && (!only || !strcmp(name->valuestring, only)))
+            cJSON_AddItemToArray(alts, call_schema(fn, args_key));
+    }
+    char *schema = alts->child ? cJSON_PrintUnformatted(any) : NULL;
+    cJSON_Delete(tools);
+    cJSON_Delete(any);
+    if (!schema) {
+        snprintf(err, err_size, "no function to call");
+        return NULL;
+    }
+    char why[400];
+    char *call = loom_json_schema_to_gbnf(schema, why, sizeof why);
+    free(schema);
+    if (!call) {
+        snprintf(err, err_size, "a function's parameters: %s", why);
+        return NULL;
+    }
+    /* the schema's grammar becomes rule "call"; root writes one call, or up to 8 */
+    size_t n = strlen(call) + 512;
+    char *out = malloc(n);
+    if (out) {
+        int k = snprintf(out, n, root, parallel ? 7 : 0);
+        snprintf(out + k, n - (size_t)k, "call%s", call + strlen("root"));
+    }
+    free(call);
+    if (!out)
+        snprintf(err, err_size, "out of memory");
+    return out;
+}

@@ -68,7 +68,6 @@ bad() { # WHAT MORE-JSON-MEMBERS MESSAGES EXPECTED-PARAM EXPECTED-TEXT
     case "$got" in "$4: "*"$5"*) pass "$1: 400 '$got'";; *) fail "$1: $got";; esac
 }
 USER='[{"role": "user", "content": "hi"}]'
-bad "tool_choice required" "\"tools\": $TOOLS, \"tool_choice\": \"required\"" "$USER" tool_choice "constrained decoding"
 bad "a named tool_choice not in tools" "\"tools\": $TOOLS, \"tool_choice\": {\"type\": \"function\", \"function\": {\"name\": \"nope\"}}" "$USER" tool_choice "'nope', which is not in 'tools'"
 bad "tool_choice without tools" '"tool_choice": "auto"' "$USER" tool_choice "only allowed when 'tools'"
 bad "a tool without a name" '"tools": [{"type": "function", "function": {"description": "x"}}]' "$USER" tools "tools[0].function.name"

@@ -458,12 +458,6 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
     }
     if (!strcmp(mode, "none"))
         return 0; /* the model is not told of the tools, and its answer is text */
-    if (strcmp(mode, "auto"))
-        return fail(
-            b, 400, "tool_choice",
-            "'tool_choice' %s%s%s needs constrained decoding, which loom does not have yet; "
-            "send \"auto\" (the model decides whether to call)",
-            *mode == 'a' ? "" : "\"", mode, *mode == 'a' ? "" : "\"");
     p->tool_syntax = loom_chat_format_tool_syntax(srv->chat);
     if (p->tool_syntax == LOOM_TOOLS_NONE)
         return fail(b, 400, "tools",
@@ -477,8 +471,84 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
                     srv->chat->about);
     if (!(p->tools_json = cJSON_PrintUnformatted(tools)))
         return fail(b, 500, NULL, "out of memory");
+    if (!strcmp(mode, "auto"))
+        return 0;
+    /* "required" or a named function: the answer is made to be calls whose arguments match
+     * the parameters' schemas */
+    char err[512];
+    const cJSON *only = cJSON_GetObjectItemCaseSensitive(
+        cJSON_GetObjectItemCaseSensitive(choice, "function"), "name");
+    const char *name = cJSON_IsObject(choice) ? only->valuestring : NULL;
+    char *gbnf = loom_tool_calls_gbnf(p->tool_syntax, p->tools_json, name, p->parallel_tool_calls,
+                                      err, sizeof err);
+    if (gbnf)
+        p->grammar = loom_grammar_compile(gbnf, err, sizeof err);
+    free(gbnf);
+    if (!p->grammar)
+        return fail(b, 400, "tool_choice", "tool_choice %s: %s", name ? name : "required", err);
     return 0;
 }
+
+/* response_format (json_object, json_schema) and llama.cpp's grammar: what the answer must
+ * match, as p->grammar */
+static int parse_format(const cJSON *body, parsed *p, bad *b)
+{
+    const cJSON *rf = cJSON_GetObjectItemCaseSensitive(body, "response_format");
+    const cJSON *gr = cJSON_GetObjectItemCaseSensitive(body, "grammar");
+    char err[512];
+    if (gr && !cJSON_IsNull(gr)) {
+        if (!cJSON_IsString(gr))
+            return fail(b, 400, "grammar", "'grammar' must be a string of GBNF, not %s",
+                        json_type(gr));
+        if (p->grammar || (rf && !cJSON_IsNull(rf)))
+            return fail(b, 400, "grammar",
+                        "'grammar' cannot go with response_format or a tool_choice that "
+                        "requires a call");
+        if (!(p->grammar = loom_grammar_compile(gr->valuestring, err, sizeof err)))
+            return fail(b, 400, "grammar", "%s", err);
+        return 0;
+    }
+    if (!rf || cJSON_IsNull(rf))
+        return 0;
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(rf, "type");
+    if (!cJSON_IsObject(rf) || !cJSON_IsString(type))
+        return fail(b, 400, "response_format",
+                    "'response_format' must be an object with a 'type': text, json_object or "
+                    "json_schema");
+    const char *t = type->valuestring;
+    if (!strcmp(t, "text"))
+        return 0;
+    if (p->grammar)
+        return fail(b, 400, "response_format",
+                    "'response_format' cannot go with a tool_choice that requires a call");
+    char *schema = NULL;
+    if (!strcmp(t, "json_object")) {
+        schema = strdup("{\"type\": \"object\"}");
+    } else if (!strcmp(t, "json_schema")) {
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(rf, "json_schema");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(js, "name");
+        const cJSON *sc = cJSON_GetObjectItemCaseSensitive(js, "schema");
+        if (!cJSON_IsObject(js) || !cJSON_IsString(name))
+            return fail(b, 400, "response_format",
+                        "response_format json_schema needs 'json_schema': {\"name\": ..., "
+                        "\"schema\": {...}}");
+        if (sc && !cJSON_IsObject(sc) && !cJSON_IsBool(sc))
+            return fail(b, 400, "response_format",
+                        "json_schema.schema must be a JSON Schema object");
+        schema = sc ? cJSON_PrintUnformatted(sc) : strdup("{}");
+    } else {
+        return fail(b, 400, "response_format",
+                    "response_format type '%s' is not one of text, json_object, json_schema", t);
+    }
+    if (!schema)
+        return fail(b, 500, NULL, "out of memory");
+    p->grammar = loom_grammar_from_json_schema(schema, err, sizeof err);
+    free(schema);
+    if (!p->grammar)
+        return fail(b, 400, "response_format", "json_schema: %s", err);
+    return 0;
+}
+
 
 static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
 {
@@ -575,7 +645,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
         "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
         "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        "priority", "timeout", NULL};
+        "priority", "timeout", "response_format", "grammar", NULL};
     /* clang-format on */
     /* clang-format off */
     static const char *const chat_fields[] = {
@@ -584,13 +654,12 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "store", "metadata",
         "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
-        "timeout", "chat_template_kwargs", NULL};
+        "timeout", "chat_template_kwargs", "grammar", NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
                                                          "logit_bias", "suffix",   NULL};
-    static const char *const chat_unsupported[] = {
-        "logprobs",  "top_logprobs",  "logit_bias", "response_format",
-        "functions", "function_call", NULL};
+    static const char *const chat_unsupported[] = {"logprobs",  "top_logprobs",  "logit_bias",
+                                                   "functions", "function_call", NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
     if (check_known(body, chat ? chat_fields : completion_fields, b))
@@ -702,6 +771,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
             return fail(b, 400, "stop", "stop strings must not be empty");
     if ((chat ? parse_messages(srv, body, p, b) : parse_prompt(srv, body, p, b)) != 0)
         return -1;
+    if (parse_format(body, p, b) != 0)
+        return -1;
     if (p->n_ids <= 0)
         return fail(b, 400, "prompt", "the prompt gives no tokens");
     /* 64 bits: max_tokens may be up to INT_MAX */
@@ -736,5 +807,6 @@ void openai_parsed_free(parsed *p)
         free(p->tool_names[i]);
     free(p->tool_names);
     free(p->tools_json);
+    loom_grammar_free(p->grammar);
     memset(p, 0, sizeof *p);
 }

@@ -55,6 +55,8 @@ typedef struct parsed {
     char *tools_json;
     loom_tool_syntax tool_syntax;
     int parallel_tool_calls; /* false: at most one call is returned */
+    loom_grammar *grammar;   /* what the answer must match (response_format, grammar, a
+                                required call), or NULL */
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */

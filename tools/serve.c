@@ -700,7 +700,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .tenant = who,
                           .tenant_max_running = tn ? tn->max_running : 0,
                           .tenant_max_queue = tn ? tn->max_queue : 0,
-                          .control_text = p.tool_syntax != LOOM_TOOLS_NONE};
+                          .control_text = p.tool_syntax != LOOM_TOOLS_NONE,
+                          .grammar = p.grammar};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;

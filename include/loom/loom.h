@@ -255,6 +255,8 @@ typedef struct loom_event {
  * on the thread that noticed), never twice at a time: copy what you keep, return quickly. */
 typedef void (*loom_event_fn)(void *user, const loom_event *ev);
 
+typedef struct loom_grammar loom_grammar; /* a grammar an answer must match (below) */
+
 typedef struct loom_request {
     const int32_t *prompt;
     int32_t n_prompt;
@@ -279,6 +281,9 @@ typedef struct loom_request {
     /* control tokens the model writes appear in the text as their own ("<|python_tag|>"),
      * not as nothing: a tool-call parser needs them */
     int control_text;
+    /* the answer must match it (the engine holds a reference while it runs); NULL: free.
+     * An answer the grammar completes ends there ("stop") */
+    loom_grammar *grammar;
 } loom_request;
 
 #define LOOM_MAX_TENANTS 256
@@ -450,6 +455,25 @@ void loom_tool_calls_free(loom_tool_calls *c);
  * of) a tool call, so they can be sent now. */
 size_t loom_tool_calls_text_prefix(loom_tool_syntax s, const char *text, size_t len,
                                    const char *const *names, int n_names);
+/* The GBNF of an answer that is nothing but calls, in syntax s, to the functions of tools_json
+ * (an OpenAI tools array), or only to the one named only (NULL: any), with arguments that match
+ * each function's parameters schema; up to 8 calls when parallel, else one. NULL with err. */
+char *loom_tool_calls_gbnf(loom_tool_syntax s, const char *tools_json, const char *only,
+                           int parallel, char *err, size_t err_size);
+
+/* ---- Constrained decoding -----------------------------------------------------------------
+ * A grammar an answer must match (loom_request.grammar): llama.cpp's GBNF, or the JSON texts
+ * a JSON Schema allows (api/grammar.c, api/json_schema.c; docs/structured-output.md). */
+
+/* Compiles GBNF text (its rule "root" is the answer). NULL with err ("grammar line N: ..."). */
+loom_grammar *loom_grammar_compile(const char *gbnf, char *err, size_t err_size);
+/* The GBNF for the JSON texts that satisfy a JSON Schema (malloc'd). NULL with err naming a
+ * keyword loom does not support, or what is wrong with the schema. */
+char *loom_json_schema_to_gbnf(const char *schema_json, char *err, size_t err_size);
+loom_grammar *loom_grammar_from_json_schema(const char *schema_json, char *err, size_t err_size);
+/* Grammars are shared by reference count: the engine holds one while a request runs. */
+loom_grammar *loom_grammar_ref(loom_grammar *g);
+void loom_grammar_free(loom_grammar *g);
 
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 

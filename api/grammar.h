@@ -1,0 +1,44 @@
+/*
+ * api/grammar.h - constrained decoding: a grammar (llama.cpp's GBNF, or made from a JSON
+ * Schema by api/json_schema.c) run over bytes as a pushdown automaton, and the tokens of a
+ * vocabulary it allows next, found through a trie of the tokens' bytes (api/grammar.c).
+ */
+#ifndef LOOM_API_GRAMMAR_H
+#define LOOM_API_GRAMMAR_H
+
+#include <loom/loom.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct loom_tokenizer;
+
+/* A vocabulary as bytes: each token's text (control tokens have none and are never allowed,
+ * unless control_text gives them theirs; the stop tokens are allowed where the grammar may
+ * end). Built once per engine. */
+typedef struct grammar_vocab grammar_vocab;
+grammar_vocab *grammar_vocab_new(const struct loom_tokenizer *tok, int control_text, char *err,
+                                 size_t err_size);
+void grammar_vocab_free(grammar_vocab *v);
+
+/* Where one answer stands in its grammar. Its caches (states met, the moves between them,
+ * the masks of allowed tokens) live as long as it does: one per request. */
+typedef struct grammar_matcher grammar_matcher;
+grammar_matcher *grammar_matcher_new(const loom_grammar *g, const grammar_vocab *v, char *err,
+                                     size_t err_size);
+void grammar_matcher_free(grammar_matcher *m);
+
+/* Whether token id may come next (a stop token: whether the answer may end here). */
+int grammar_allows(grammar_matcher *m, int32_t id);
+/* The tokens that may come next, as a bitset over the vocabulary (bit id), owned by m and
+ * valid until the next call. NULL when out of memory or past a limit (err says which). */
+const uint32_t *grammar_mask(grammar_matcher *m, char *err, size_t err_size);
+/* Takes token id (allowed, not a stop token). -1 if the grammar does not allow it. */
+int grammar_accept(grammar_matcher *m, int32_t id);
+/* Whether the answer so far is complete (may end), and whether nothing may follow it. */
+int grammar_may_end(const grammar_matcher *m);
+int grammar_must_end(const grammar_matcher *m);
+/* Whether bytes (a whole answer) match the grammar: for tests. */
+int grammar_matches(const loom_grammar *g, const char *bytes, size_t n);
+
+#endif

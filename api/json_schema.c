@@ -1,0 +1,683 @@
+/*
+ * api/json_schema.c - a JSON Schema turned into the GBNF grammar of the JSON texts it allows,
+ * for constrained decoding (docs/structured-output.md lists the keywords).
+ *
+ * Every text the grammar allows validates against the schema; not every valid text is allowed:
+ * properties come in the schema's order, an object with "properties" takes no others unless
+ * "additionalProperties" says so, whitespace between tokens is a space or a newline and up
+ * to 20 spaces or tabs (pretty-printing), and
+ * numbers have at most 16 digits before the point. A keyword that would constrain the answer
+ * in a way loom does not follow is refused with its name, never ignored; annotations (title,
+ * description, default, examples, ...) are ignored.
+ */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct text {
+    char *s;
+    size_t n, cap;
+    int oom;
+} text;
+
+static void put(text *t, const char *fmt, ...)
+{
+    va_list ap, ap2;
+    va_start(ap, fmt);
+    va_copy(ap2, ap);
+    int k = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (k < 0 || t->oom ||
+        (t->n + (size_t)k + 1 > t->cap &&
+         !(t->s = realloc(t->s, t->cap = (t->n + (size_t)k + 1) * 2)))) {
+        t->oom = 1;
+        va_end(ap2);
+        return;
+    }
+    vsnprintf(t->s + t->n, (size_t)k + 1, fmt, ap2);
+    va_end(ap2);
+    t->n += (size_t)k;
+}
+
+typedef struct conv {
+    const cJSON *root;
+    text rules; /* the schema's own rules */
+    int n_rules;
+    struct {
+        const cJSON *schema;
+        int rule;
+    } refs[256]; /* $ref targets already given a rule (recursion goes through them) */
+    int n_refs, depth;
+    char *err;
+    size_t err_size;
+    int failed;
+} conv;
+
+static int fail(conv *c, const char *fmt, ...)
+{
+    if (!c->failed) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->err, c->err_size, fmt, ap);
+        va_end(ap);
+    }
+    c->failed = 1;
+    return -1;
+}
+
+/* What every schema's grammar may use. */
+static const char json_rules[] =
+    "ws ::= (\" \" | \"\\n\" [ \\t]{0,20})?\n"
+    "json-char ::= [^\"\\\\\\x00-\\x1f] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4})\n"
+    "json-string ::= \"\\\"\" json-char* \"\\\"\"\n"
+    "json-int ::= \"-\"? ([0-9] | [1-9] [0-9]{1,15})\n"
+    "json-number ::= json-int (\".\" [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?\n"
+    "json-bool ::= \"true\" | \"false\"\n"
+    "json-null ::= \"null\"\n"
+    "json-value ::= json-object | json-array | json-string | json-number | json-bool | json-null\n"
+    "json-object ::= \"{\" ws (json-string ws \":\" ws json-value ws (\",\" ws json-string ws \":\" "
+    "ws json-value ws)*)? \"}\"\n"
+    "json-array ::= \"[\" ws (json-value ws (\",\" ws json-value ws)*)? \"]\"\n"
+    /* each month's days (February's 28: a year's leap is not checked) */
+    "json-date ::= [1-9] [0-9]{3} \"-\" ((\"0\" [13578] | \"1\" [02]) \"-\" json-day31 | (\"0\" "
+    "[469] | \"11\") \"-\" json-day30 | \"02-\" json-day28)\n"
+    "json-day28 ::= \"0\" [1-9] | \"1\" [0-9] | \"2\" [0-8]\n"
+    "json-day30 ::= json-day28 | \"29\" | \"30\"\n"
+    "json-day31 ::= json-day30 | \"31\"\n"
+    "json-time ::= ([01] [0-9] | \"2\" [0-3]) \":\" [0-5] [0-9] \":\" [0-5] [0-9] (\".\" [0-9]{1,6})? "
+    "(\"Z\" | [+-] ([01] [0-9] | \"2\" [0-3]) \":\" [0-5] [0-9])\n"
+    "json-uuid ::= [0-9a-fA-F]{8} \"-\" [0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{4} \"-\" [0-9a-fA-F]{4} \"-\" "
+    "[0-9a-fA-F]{12}\n";
+
+/* a GBNF literal for bytes s (n of them) */
+static void put_literal(text *t, const char *s, size_t n)
+{
+    put(t, "\"");
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        if (ch == '"' || ch == '\\')
+            put(t, "\\%c", ch);
+        else if (ch == '\n')
+            put(t, "\\n");
+        else if (ch < 0x20)
+            put(t, "\\x%02x", ch);
+        else
+            put(t, "%c", ch);
+    }
+    put(t, "\"");
+}
+
+/* the literal of a JSON value's compact text */
+static int put_json_literal(conv *c, text *t, const cJSON *v)
+{
+    char *s = cJSON_PrintUnformatted(v);
+    if (!s)
+        return fail(c, "out of memory");
+    put_literal(t, s, strlen(s));
+    free(s);
+    return 0;
+}
+
+static int gen(conv *c, const cJSON *schema, text *out);
+
+/* a new rule holding body; its name written to out */
+static int add_rule(conv *c, const text *body, text *out)
+{
+    int k = c->n_rules++;
+    put(&c->rules, "s%d ::= %s\n", k, body->s ? body->s : "\"\"");
+    put(out, "s%d", k);
+    return 0;
+}
+
+static const cJSON *resolve_ref(conv *c, const char *ref)
+{
+    if (!strcmp(ref, "#"))
+        return c->root;
+    if (strncmp(ref, "#/", 2)) {
+        fail(c, "$ref '%s': only references inside the schema (#/...) are supported", ref);
+        return NULL;
+    }
+    const cJSON *at = c->root;
+    char *path = strdup(ref + 2), *save = NULL;
+    if (!path) {
+        fail(c, "out of memory");
+        return NULL;
+    }
+    for (char *part = strtok_r(path, "/", &save); part && at; part = strtok_r(NULL, "/", &save)) {
+        /* JSON Pointer escapes: ~1 is '/', ~0 is '~' */
+        char *w = part;
+        for (char *r = part; *r; r++, w++)
+            *w = r[0] == '~' && r[1] == '1'  ? (r++, '/')
+                : r[0] == '~' && r[1] == '0' ? (r++, '~')
+                                             : *r;
+        *w = 0;
+        at = cJSON_GetObjectItemCaseSensitive(at, part);
+    }
+    free(path);
+    if (!at)
+        fail(c, "$ref '%s' points to nothing in the schema", ref);
+    return at;
+}
+
+static int gen_ref(conv *c, const char *ref, text *out)
+{
+    const cJSON *target = resolve_ref(c, ref);
+    if (!target)
+        return -1;
+    for (int i = 0; i < c->n_refs; i++)
+        if (c->refs[i].schema == target) {
+            put(out, "s%d", c->refs[i].rule);
+            return 0;
+        }
+    if (c->n_refs == (int)(sizeof c->refs / sizeof *c->refs))
+        return fail(c, "more than %d distinct $ref targets", c->n_refs);
+    int k = c->n_rules++; /* named before its body: the body may refer to it */
+    c->refs[c->n_refs].schema = target, c->refs[c->n_refs++].rule = k;
+    text body = {0};
+    int rc = gen(c, target, &body);
+    if (rc == 0)
+        put(&c->rules, "s%d ::= %s\n", k, body.s);
+    free(body.s);
+    put(out, "s%d", k);
+    return rc;
+}
+
+/* ---- integers in a range ------------------------------------------------------------------ */
+
+/* the decimal numbers from a to b, both n digits (a <= b) */
+static void digits_between(text *t, const char *a, const char *b, size_t n)
+{
+    if (n == 0)
+        return;
+    if (a[0] == b[0]) {
+        put(t, "\"%c\" ", a[0]);
+        digits_between(t, a + 1, b + 1, n - 1);
+        return;
+    }
+    int low_rest = strspn(a + 1, "0") == n - 1, high_rest = strspn(b + 1, "9") == n - 1;
+    put(t, "(");
+    char lo = a[0], hi = b[0];
+    if (!low_rest) { /* a[0] followed by at least a[1..] */
+        char nines[32];
+        memset(nines, '9', n - 1);
+        put(t, "\"%c\" ", a[0]);
+        digits_between(t, a + 1, nines, n - 1);
+        put(t, "| ");
+        lo++;
+    }
+    char top = high_rest ? hi : (char)(hi - 1);
+    if (lo <= top) {
+        put(t, "[%c-%c] ", lo, top);
+        if (n > 1)
+            put(t, "[0-9]{%zu} ", n - 1);
+        put(t, "| ");
+    }
+    if (!high_rest) {
+        char zeros[32];
+        memset(zeros, '0', n - 1);
+        put(t, "\"%c\" ", b[0]);
+        digits_between(t, zeros, b + 1, n - 1);
+        put(t, "| ");
+    }
+    t->n -= 2; /* the last "| " */
+    put(t, ") ");
+}
+
+#define MAX_DIGITS 16
+
+/* the non-negative integers from lo to hi (hi < 0: no bound), in JSON's form */
+static void nonneg_range(text *t, long long lo, long long hi)
+{
+    char a[32], b[32];
+    int la = snprintf(a, sizeof a, "%lld", lo);
+    int lb = hi < 0 ? MAX_DIGITS : snprintf(b, sizeof b, "%lld", hi);
+    put(t, "(");
+    for (int len = la; len <= lb; len++) {
+        char lower[32], upper[32];
+        if (len == la)
+            snprintf(lower, sizeof lower, "%s", a);
+        else
+            memset(lower, '0', (size_t)len), lower[0] = '1', lower[len] = 0;
+        if (hi >= 0 && len == lb)
+            snprintf(upper, sizeof upper, "%s", b);
+        else if (hi < 0 && len > la) { /* every longer number at once */
+            put(t, "[1-9] [0-9]{%d,%d} | ", len - 1, MAX_DIGITS - 1);
+            break;
+        } else
+            memset(upper, '9', (size_t)len), upper[len] = 0;
+        digits_between(t, lower, upper, (size_t)len);
+        put(t, "| ");
+    }
+    t->n -= 2;
+    put(t, ")");
+}
+
+static int gen_integer(conv *c, const cJSON *s, text *out)
+{
+    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(s, "minimum");
+    const cJSON *mx = cJSON_GetObjectItemCaseSensitive(s, "maximum");
+    const cJSON *emn = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum");
+    const cJSON *emx = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum");
+    double lo = -INFINITY, hi = INFINITY, limit = 1e15;
+    if (cJSON_IsNumber(mn))
+        lo = ceil(mn->valuedouble);
+    if (cJSON_IsNumber(emn))
+        lo = fmax(lo, floor(emn->valuedouble) + 1);
+    if (cJSON_IsNumber(mx))
+        hi = floor(mx->valuedouble);
+    if (cJSON_IsNumber(emx))
+        hi = fmin(hi, ceil(emx->valuedouble) - 1);
+    for (const cJSON *k = mn ? mn : mx ? mx : emn ? emn : emx; k && !cJSON_IsNumber(k);)
+        return fail(c, "'%s' must be a number", k->string);
+    if (isinf(lo) && isinf(hi)) {
+        put(out, "json-int");
+        return 0;
+    }
+    if (fabs(isinf(lo) ? 0 : lo) > limit || fabs(isinf(hi) ? 0 : hi) > limit)
+        return fail(c, "integer bounds beyond 10^15 are not supported");
+    if (lo > hi)
+        return fail(c, "the integer range [%g, %g] is empty", lo, hi);
+    text body = {0};
+    put(&body, "(");
+    if (lo < 0) { /* the negatives: "-" and their magnitudes */
+        long long mag_lo = hi < 0 ? (long long)-hi : 1, mag_hi = isinf(lo) ? -1 : (long long)-lo;
+        put(&body, "\"-\" ");
+        nonneg_range(&body, mag_lo, mag_hi);
+        if (hi >= 0)
+            put(&body, " | ");
+    }
+    if (hi >= 0)
+        nonneg_range(&body, lo < 0 ? 0 : (long long)lo, isinf(hi) ? -1 : (long long)hi);
+    put(&body, ")");
+    int rc = body.oom ? fail(c, "out of memory") : add_rule(c, &body, out);
+    free(body.s);
+    return rc;
+}
+
+/* ---- the rest ----------------------------------------------------------------------------- */
+
+static int gen_string(conv *c, const cJSON *s, text *out)
+{
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(s, "format");
+    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(s, "minLength");
+    const cJSON *mx = cJSON_GetObjectItemCaseSensitive(s, "maxLength");
+    if (cJSON_GetObjectItemCaseSensitive(s, "pattern"))
+        return fail(c,
+                    "'pattern' is not supported (loom does not turn regular expressions into "
+                    "grammars yet)");
+    if (fmt) {
+        static const char *const known[][2] = {
+            {"date", "\"\\\"\" json-date \"\\\"\""},
+            {"time", "\"\\\"\" json-time \"\\\"\""},
+            {"date-time", "\"\\\"\" json-date \"T\" json-time \"\\\"\""},
+            {"uuid", "\"\\\"\" json-uuid \"\\\"\""}};
+        for (size_t i = 0; cJSON_IsString(fmt) && i < sizeof known / sizeof *known; i++)
+            if (!strcmp(fmt->valuestring, known[i][0])) {
+                if (mn || mx)
+                    return fail(c, "minLength/maxLength beside a format are not supported");
+                put(out, "(%s)", known[i][1]);
+                return 0;
+            }
+        return fail(c,
+                    "string format '%s' is not supported (loom knows date, time, date-time, uuid)",
+                    cJSON_IsString(fmt) ? fmt->valuestring : "?");
+    }
+    if (!mn && !mx) {
+        put(out, "json-string");
+        return 0;
+    }
+    double lo = cJSON_IsNumber(mn) ? mn->valuedouble : 0,
+           hi = cJSON_IsNumber(mx) ? mx->valuedouble : -1;
+    if ((mn && !cJSON_IsNumber(mn)) || (mx && !cJSON_IsNumber(mx)) || lo < 0 || lo > 10000 ||
+        hi > 10000 || (hi >= 0 && hi < lo))
+        return fail(c, "minLength/maxLength must be whole numbers from 0 to 10000, min <= max");
+    if (hi < 0)
+        put(out, "(\"\\\"\" json-char{%d,} \"\\\"\")", (int)lo);
+    else
+        put(out, "(\"\\\"\" json-char{%d,%d} \"\\\"\")", (int)lo, (int)hi);
+    return 0;
+}
+
+static int gen_array(conv *c, const cJSON *s, text *out)
+{
+    const cJSON *items = cJSON_GetObjectItemCaseSensitive(s, "items");
+    const cJSON *prefix = cJSON_GetObjectItemCaseSensitive(s, "prefixItems");
+    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(s, "minItems");
+    const cJSON *mx = cJSON_GetObjectItemCaseSensitive(s, "maxItems");
+    double lo = cJSON_IsNumber(mn) ? mn->valuedouble : 0,
+           hi = cJSON_IsNumber(mx) ? mx->valuedouble : -1;
+    if ((mn && !cJSON_IsNumber(mn)) || (mx && !cJSON_IsNumber(mx)) || lo < 0 || lo > 1000 ||
+        hi > 1000 || (hi >= 0 && hi < lo))
+        return fail(c, "minItems/maxItems must be whole numbers from 0 to 1000, min <= max");
+    if (prefix && !cJSON_IsArray(prefix))
+        return fail(c, "'prefixItems' must be an array of schemas");
+    int n_prefix = prefix ? cJSON_GetArraySize(prefix) : 0;
+    text item = {0}, body = {0};
+    int rc = 0;
+    if (cJSON_IsFalse(items))
+        hi = hi < 0 || hi > n_prefix ? n_prefix : hi;
+    else
+        rc = gen(c, items ? items : NULL, &item);
+    if (rc == 0 && n_prefix) {
+        /* every prefix item given (loom writes them all), then more per "items" */
+        if (hi >= 0 && hi < n_prefix)
+            rc = fail(c, "maxItems below the number of prefixItems is not supported");
+        put(&body, "\"[\" ws ");
+        int k = 0;
+        for (const cJSON *p = prefix->child; p && rc == 0; p = p->next, k++) {
+            if (k)
+                put(&body, "\",\" ws ");
+            rc = gen(c, p, &body);
+            put(&body, " ws ");
+        }
+        int more_lo = lo > n_prefix ? (int)lo - n_prefix : 0,
+            more_hi = hi < 0 ? -1 : (int)hi - n_prefix;
+        if (rc == 0 && more_hi != 0 && item.s) {
+            if (more_hi < 0)
+                put(&body, "(\",\" ws %s ws){%d,} ", item.s, more_lo);
+            else
+                put(&body, "(\",\" ws %s ws){%d,%d} ", item.s, more_lo, more_hi);
+        } else if (rc == 0 && more_lo > 0) {
+            rc = fail(c, "minItems past prefixItems with items: false");
+        }
+        put(&body, "\"]\"");
+    } else if (rc == 0) {
+        const char *v = item.s ? item.s : "json-value";
+        if (hi == 0)
+            put(&body, "\"[\" ws \"]\"");
+        else if (lo == 0)
+            put(&body,
+                hi < 0 ? "\"[\" ws (%s ws (\",\" ws %s ws)*)? \"]\""
+                       : "\"[\" ws (%s ws (\",\" ws %s ws){0,%d})? \"]\"",
+                v, v, (int)hi - 1);
+        else if (hi < 0)
+            put(&body, "\"[\" ws %s ws (\",\" ws %s ws){%d,} \"]\"", v, v, (int)lo - 1);
+        else
+            put(&body, "\"[\" ws %s ws (\",\" ws %s ws){%d,%d} \"]\"", v, v, (int)lo - 1,
+                (int)hi - 1);
+    }
+    if (rc == 0)
+        rc = body.oom || item.oom ? fail(c, "out of memory") : add_rule(c, &body, out);
+    free(item.s), free(body.s);
+    return rc;
+}
+
+static int gen_object(conv *c, const cJSON *s, text *out)
+{
+    const cJSON *props = cJSON_GetObjectItemCaseSensitive(s, "properties");
+    const cJSON *req = cJSON_GetObjectItemCaseSensitive(s, "required");
+    const cJSON *extra = cJSON_GetObjectItemCaseSensitive(s, "additionalProperties");
+    if (props && !cJSON_IsObject(props))
+        return fail(c, "'properties' must be an object");
+    if (req && !cJSON_IsArray(req))
+        return fail(c, "'required' must be an array of names");
+    for (const cJSON *r = req ? req->child : NULL; r; r = r->next)
+        if (!cJSON_IsString(r) || !cJSON_GetObjectItemCaseSensitive(props, r->valuestring))
+            return fail(c, "required property '%s' is not among 'properties' (not supported)",
+                        cJSON_IsString(r) ? r->valuestring : "?");
+    if (!props || !props->child) { /* a map: any keys, values per additionalProperties */
+        if (!extra || cJSON_IsTrue(extra)) {
+            put(out, "json-object");
+            return 0;
+        }
+        if (cJSON_IsFalse(extra)) {
+            put(out, "(\"{\" ws \"}\")");
+            return 0;
+        }
+        text v = {0}, body = {0};
+        int rc = gen(c, extra, &v);
+        if (rc == 0) {
+            put(&body,
+                "\"{\" ws (json-string ws \":\" ws %s ws (\",\" ws json-string ws \":\" ws %s ws)*)? \"}\"",
+                v.s, v.s);
+            rc = add_rule(c, &body, out);
+        }
+        free(v.s), free(body.s);
+        return rc;
+    }
+    /* properties in order, the optional ones each optional: head_i (nothing written yet) and
+     * tail_i (something written, so a comma first), for properties i.. */
+    int n = cJSON_GetArraySize(props), base = c->n_rules, rc = 0;
+    c->n_rules += 2 * (n + 1);
+    text extra_kv = {0};
+    if (extra && !cJSON_IsFalse(extra)) {
+        text v = {0};
+        rc = cJSON_IsTrue(extra) ? (put(&v, "json-value"), 0) : gen(c, extra, &v);
+        put(&extra_kv, "(\",\" ws json-string ws \":\" ws %s ws)*", v.s ? v.s : "json-value");
+        free(v.s);
+    }
+    int i = 0;
+    for (const cJSON *p = props->child; p && rc == 0; p = p->next, i++) {
+        int required = 0;
+        for (const cJSON *r = req ? req->child : NULL; r; r = r->next)
+            required |= cJSON_IsString(r) && !strcmp(r->valuestring, p->string);
+        text kv = {0}, key = {0};
+        cJSON *name = cJSON_CreateString(p->string);
+        char *quoted = name ? cJSON_PrintUnformatted(name) : NULL;
+        cJSON_Delete(name);
+        if (!quoted)
+            rc = fail(c, "out of memory");
+        else
+            put_literal(&key, quoted, strlen(quoted));
+        free(quoted);
+        if (rc == 0) {
+            put(&kv, "%s ws \":\" ws ", key.s);
+            rc = gen(c, p, &kv);
+            put(&kv, " ws");
+        }
+        if (rc == 0) {
+            int head = base + 2 * i, tail = head + 1, next_head = head + 2, next_tail = head + 3;
+            if (required) {
+                put(&c->rules, "s%d ::= %s s%d\n", head, kv.s, next_tail);
+                put(&c->rules, "s%d ::= \",\" ws %s s%d\n", tail, kv.s, next_tail);
+            } else {
+                put(&c->rules, "s%d ::= %s s%d | s%d\n", head, kv.s, next_tail, next_head);
+                put(&c->rules, "s%d ::= \",\" ws %s s%d | s%d\n", tail, kv.s, next_tail, next_tail);
+            }
+        }
+        free(kv.s), free(key.s);
+    }
+    if (rc == 0) {
+        int head = base + 2 * n, tail = head + 1;
+        /* past the last property: nothing, or (if allowed) more keys after a written one */
+        put(&c->rules, "s%d ::= \"\"\n", head);
+        put(&c->rules, "s%d ::= %s\n", tail, extra_kv.s ? extra_kv.s : "\"\"");
+        put(out, "(\"{\" ws s%d \"}\")", base);
+    }
+    free(extra_kv.s);
+    return rc;
+}
+
+static int gen_typed(conv *c, const cJSON *s, const char *type, text *out)
+{
+    if (!strcmp(type, "string"))
+        return gen_string(c, s, out);
+    if (!strcmp(type, "integer"))
+        return gen_integer(c, s, out);
+    if (!strcmp(type, "number")) {
+        static const char *const bounds[] = {"minimum", "maximum", "exclusiveMinimum",
+                                             "exclusiveMaximum", "multipleOf"};
+        for (size_t i = 0; i < sizeof bounds / sizeof *bounds; i++)
+            if (cJSON_GetObjectItemCaseSensitive(s, bounds[i]))
+                return fail(c, "'%s' on a number is not supported (on an integer it is)",
+                            bounds[i]);
+        put(out, "json-number");
+        return 0;
+    }
+    if (!strcmp(type, "boolean"))
+        return put(out, "json-bool"), 0;
+    if (!strcmp(type, "null"))
+        return put(out, "json-null"), 0;
+    if (!strcmp(type, "object"))
+        return gen_object(c, s, out);
+    if (!strcmp(type, "array"))
+        return gen_array(c, s, out);
+    return fail(c, "unknown type '%s'", type);
+}
+
+/* keywords whose constraint loom follows, and annotations it may ignore */
+static const char *const handled[] = {"type",
+                                      "properties",
+                                      "required",
+                                      "additionalProperties",
+                                      "items",
+                                      "prefixItems",
+                                      "minItems",
+                                      "maxItems",
+                                      "minLength",
+                                      "maxLength",
+                                      "format",
+                                      "enum",
+                                      "const",
+                                      "anyOf",
+                                      "oneOf",
+                                      "allOf",
+                                      "$ref",
+                                      "minimum",
+                                      "maximum",
+                                      "exclusiveMinimum",
+                                      "exclusiveMaximum",
+                                      "pattern",
+                                      "$defs",
+                                      "definitions",
+                                      "title",
+                                      "description",
+                                      "default",
+                                      "examples",
+                                      "$schema",
+                                      "$id",
+                                      "$comment",
+                                      "deprecated",
+                                      "readOnly",
+                                      "writeOnly",
+                                      "strict",
+                                      NULL};
+
+static int gen(conv *c, const cJSON *s, text *out)
+{
+    if (c->failed)
+        return -1;
+    if (!s || cJSON_IsTrue(s) || (cJSON_IsObject(s) && !s->child)) {
+        put(out, "json-value");
+        return 0;
+    }
+    if (cJSON_IsFalse(s))
+        return fail(c, "a schema of false allows nothing");
+    if (!cJSON_IsObject(s))
+        return fail(c, "a schema must be an object or a boolean, not %s",
+                    cJSON_IsArray(s) ? "an array" : "a scalar");
+    if (++c->depth > 64)
+        return fail(c, "the schema nests more than 64 deep");
+    for (const cJSON *k = s->child; k; k = k->next) {
+        int known = 0;
+        for (int i = 0; handled[i] && !known; i++)
+            known = !strcmp(k->string, handled[i]);
+        if (!known)
+            return fail(c, "JSON Schema keyword '%s' is not supported", k->string);
+    }
+    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
+    const cJSON *cnst = cJSON_GetObjectItemCaseSensitive(s, "const");
+    const cJSON *en = cJSON_GetObjectItemCaseSensitive(s, "enum");
+    const cJSON *any = cJSON_GetObjectItemCaseSensitive(s, "anyOf");
+    if (!any)
+        any = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
+    const cJSON *all = cJSON_GetObjectItemCaseSensitive(s, "allOf");
+    const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
+    int rc = 0;
+    if (ref) {
+        rc = cJSON_IsString(ref) ? gen_ref(c, ref->valuestring, out)
+                                 : fail(c, "'$ref' must be a string");
+    } else if (cnst) {
+        rc = put_json_literal(c, out, cnst);
+    } else if (en) {
+        if (!cJSON_IsArray(en) || !en->child)
+            rc = fail(c, "'enum' must be a non-empty array");
+        put(out, "(");
+        for (const cJSON *v = en->child; v && rc == 0; v = v->next) {
+            rc = put_json_literal(c, out, v);
+            put(out, v->next ? " | " : "");
+        }
+        put(out, ")");
+    } else if (any) {
+        if (!cJSON_IsArray(any) || !any->child)
+            rc = fail(c, "'anyOf'/'oneOf' must be a non-empty array");
+        put(out, "(");
+        for (const cJSON *v = any->child; v && rc == 0; v = v->next) {
+            rc = gen(c, v, out);
+            put(out, v->next ? " | " : "");
+        }
+        put(out, ")");
+    } else if (all) {
+        if (!cJSON_IsArray(all) || !all->child)
+            return fail(c, "'allOf' must be a non-empty array");
+        if (all->child->next)
+            return fail(c, "'allOf' with more than one schema is not supported");
+        rc = gen(c, all->child, out);
+    } else if (cJSON_IsString(type)) {
+        rc = gen_typed(c, s, type->valuestring, out);
+    } else if (cJSON_IsArray(type) && type->child) {
+        put(out, "(");
+        for (const cJSON *t = type->child; t && rc == 0; t = t->next) {
+            rc = cJSON_IsString(t) ? gen_typed(c, s, t->valuestring, out)
+                                   : fail(c, "'type' must name types");
+            put(out, t->next ? " | " : "");
+        }
+        put(out, ")");
+    } else if (type) {
+        rc = fail(c, "'type' must be a string or an array of strings");
+    } else if (cJSON_GetObjectItemCaseSensitive(s, "properties") ||
+               cJSON_GetObjectItemCaseSensitive(s, "additionalProperties")) {
+        rc = gen_object(c, s, out);
+    } else if (cJSON_GetObjectItemCaseSensitive(s, "items") ||
+               cJSON_GetObjectItemCaseSensitive(s, "prefixItems")) {
+        rc = gen_array(c, s, out);
+    } else {
+        put(out, "json-value");
+    }
+    c->depth--;
+    return rc;
+}
+
+char *loom_json_schema_to_gbnf(const char *schema_json, char *err, size_t err_size)
+{
+    cJSON *schema = cJSON_Parse(schema_json);
+    if (!schema) {
+        snprintf(err, err_size, "the schema is not valid JSON");
+        return NULL;
+    }
+    conv c = {.root = schema, .err = err, .err_size = err_size};
+    text root = {0};
+    int rc = gen(&c, schema, &root);
+    char *out = NULL;
+    if (rc == 0 && !root.oom && !c.rules.oom) {
+        text all = {0};
+        put(&all, "root ::= ws %s\n%s%s", root.s, c.rules.s ? c.rules.s : "", json_rules);
+        if (all.oom)
+            snprintf(err, err_size, "out of memory");
+        out = all.oom ? (free(all.s), NULL) : all.s;
+    } else if (rc == 0) {
+        snprintf(err, err_size, "out of memory");
+    }
+    free(root.s), free(c.rules.s);
+    cJSON_Delete(schema);
+    return out;
+}
+
+loom_grammar *loom_grammar_from_json_schema(const char *schema_json, char *err, size_t err_size)
+{
+    char *gbnf = loom_json_schema_to_gbnf(schema_json, err, err_size);
+    if (!gbnf)
+        return NULL;
+    char why[400];
+    loom_grammar *g = loom_grammar_compile(gbnf, why, sizeof why);
+    if (!g) /* loom's own making: say so */
+        snprintf(err, err_size, "internal: the schema's grammar does not compile: %s", why);
+    free(gbnf);
+    return g;
+}
