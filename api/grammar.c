@@ -106,8 +106,12 @@ static int push_el(builder *b, gseq *s, int kind, int arg)
     return 0;
 }
 
+#define MAX_GRAMMAR_RULES 200000
+
 static int new_rule(builder *b, const char *name, size_t len)
 {
+    if (b->n_rules >= MAX_GRAMMAR_RULES)
+        return bfail(b, "more than %d rules (counting those repetitions make)", MAX_GRAMMAR_RULES);
     grule *r = grow(b->rules, &b->cap_rules, b->n_rules + 1, sizeof *r);
     if (!r)
         return bfail(b, "out of memory");
@@ -346,7 +350,8 @@ static int parse_class(builder *b, gseq *s)
         r[n][0] = lo, r[n][1] = hi, n++;
     }
     b->p++;
-    qsort(r, (size_t)n, sizeof *r, cmp_range);
+    if (n)
+        qsort(r, (size_t)n, sizeof *r, cmp_range);
     int m = 0;
     for (int i = 0; i < n; i++) /* merged */
         if (m && r[i][0] <= r[m - 1][1] + 1) {
@@ -474,8 +479,8 @@ static int parse_sequence(builder *b, gseq *s, int nested)
                 uint8_t u[4];
                 if (read_char(b, &cp))
                     return -1;
-                if (cp > 0x10FFFF)
-                    return bfail(b, "a character past U+10FFFF");
+                if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+                    return bfail(b, "U+%04X is no character", (unsigned)cp);
                 int n = utf8_encode(cp, u);
                 for (int i = 0; i < n; i++)
                     if (push_byte_range(b, s, u[i], u[i]))
@@ -583,60 +588,112 @@ static void builder_free(builder *b)
     free(b->classes);
 }
 
-/* Marks nullable rules, then refuses a rule that can reach itself without a byte. */
+/* Marks nullable rules (a worklist: linear in the grammar's size), then refuses a rule that
+ * can reach itself before any byte (a depth-first search for a cycle among the rules each can
+ * begin with), both without recursion: the grammar may come from a request. */
 static int check_left_recursion(builder *b)
 {
-    for (int changed = 1; changed;) {
-        changed = 0;
-        for (int r = 0; r < b->n_rules; r++) {
-            if (b->rules[r].nullable)
-                continue;
-            for (int a = 0; a < b->rules[r].n_alts && !b->rules[r].nullable; a++) {
-                gseq *s = &b->rules[r].alts[a];
-                int all = 1;
-                for (int i = 0; i < s->n && all; i++)
-                    all = s->v[i].kind == EL_RULE && b->rules[s->v[i].arg].nullable;
-                if (all)
-                    b->rules[r].nullable = 1, changed = 1;
-            }
-        }
-    }
-    /* reach[r]: the rules r can begin with; a rule among its own is left-recursive */
-    int n = b->n_rules;
-    uint8_t *reach = calloc((size_t)n * (size_t)n, 1);
-    if (!reach)
-        return bfail(b, "out of memory");
+    int n = b->n_rules, n_alts = 0, n_refs = 0, rc = 0;
     for (int r = 0; r < n; r++)
+        for (int a = 0; a < b->rules[r].n_alts; a++, n_alts++)
+            n_refs += b->rules[r].alts[a].n;
+    /* per alternative: its rule, and how many of its elements are not (yet) nullable */
+    int32_t *alt_rule = malloc(((size_t)n_alts + 1) * sizeof *alt_rule);
+    int32_t *pending = malloc(((size_t)n_alts + 1) * sizeof *pending);
+    /* per rule: the alternatives it occurs in (once per occurrence), CSR */
+    int32_t *first = calloc((size_t)n + 1, sizeof *first);
+    int32_t *uses = malloc(((size_t)n_refs + 1) * sizeof *uses);
+    int32_t *work = malloc(((size_t)n + 1) * sizeof *work);
+    int32_t *edge_first = calloc((size_t)n + 1, sizeof *edge_first);
+    int32_t *edges = malloc(((size_t)n_refs + 1) * sizeof *edges);
+    int32_t *stack = malloc(((size_t)n + 1) * 2 * sizeof *stack);
+    uint8_t *color = calloc((size_t)n + 1, 1);
+    if (!alt_rule || !pending || !first || !uses || !work || !edge_first || !edges || !stack ||
+        !color) {
+        rc = bfail(b, "out of memory");
+        goto done;
+    }
+    int k = 0, n_work = 0;
+    for (int r = 0; r < n; r++)
+        for (int a = 0; a < b->rules[r].n_alts; a++, k++) {
+            gseq *sq = &b->rules[r].alts[a];
+            alt_rule[k] = r, pending[k] = sq->n;
+            for (int i = 0; i < sq->n; i++)
+                if (sq->v[i].kind == EL_RULE)
+                    first[sq->v[i].arg + 1]++;
+            if (sq->n == 0 && !b->rules[r].nullable)
+                b->rules[r].nullable = 1, work[n_work++] = r;
+        }
+    for (int r = 0; r < n; r++)
+        first[r + 1] += first[r];
+    k = 0;
+    for (int r = 0; r < n; r++)
+        for (int a = 0; a < b->rules[r].n_alts; a++, k++) {
+            gseq *sq = &b->rules[r].alts[a];
+            for (int i = 0; i < sq->n; i++)
+                if (sq->v[i].kind == EL_RULE)
+                    uses[first[sq->v[i].arg]++] = k;
+        }
+    for (int r = n; r > 0; r--) /* back to starts */
+        first[r] = first[r - 1];
+    first[0] = 0;
+    while (n_work) {
+        int r = work[--n_work];
+        for (int32_t u = first[r]; u < first[r + 1]; u++)
+            if (--pending[uses[u]] == 0 && !b->rules[alt_rule[uses[u]]].nullable) {
+                b->rules[alt_rule[uses[u]]].nullable = 1;
+                work[n_work++] = alt_rule[uses[u]];
+            }
+    }
+    /* edges r -> s: s can begin r */
+    int e = 0;
+    for (int r = 0; r < n; r++) {
+        edge_first[r] = e;
         for (int a = 0; a < b->rules[r].n_alts; a++) {
-            gseq *s = &b->rules[r].alts[a];
-            for (int i = 0; i < s->n && s->v[i].kind == EL_RULE; i++) {
-                reach[(size_t)r * n + s->v[i].arg] = 1;
-                if (!b->rules[s->v[i].arg].nullable)
+            gseq *sq = &b->rules[r].alts[a];
+            for (int i = 0; i < sq->n && sq->v[i].kind == EL_RULE; i++) {
+                edges[e++] = sq->v[i].arg;
+                if (!b->rules[sq->v[i].arg].nullable)
                     break;
             }
         }
-    for (int k = 0; k < n; k++) /* transitive closure (grammars here are small) */
-        for (int i = 0; i < n; i++)
-            if (reach[(size_t)i * n + k])
-                for (int j = 0; j < n; j++)
-                    reach[(size_t)i * n + j] |= reach[(size_t)k * n + j];
+    }
+    edge_first[n] = e;
     int bad = -1;
-    for (int r = 0; r < n && bad < 0; r++)
-        if (reach[(size_t)r * n + r])
-            bad = r;
-    free(reach);
+    for (int start = 0; start < n && bad < 0; start++) {
+        if (color[start])
+            continue;
+        int sp = 0;
+        stack[sp++] = start, stack[sp++] = edge_first[start];
+        color[start] = 1; /* 1: on the path, 2: done */
+        while (sp && bad < 0) {
+            int r = stack[sp - 2], i = stack[sp - 1];
+            if (i == edge_first[r + 1]) {
+                color[r] = 2, sp -= 2;
+                continue;
+            }
+            stack[sp - 1]++;
+            int s2 = edges[i];
+            if (color[s2] == 1)
+                bad = s2;
+            else if (!color[s2])
+                color[s2] = 1, stack[sp++] = s2, stack[sp++] = edge_first[s2];
+        }
+    }
     if (bad >= 0) {
         int named = bad;
         for (int r = 0; r < n && !b->rules[named].name; r++)
             if (b->rules[r].name)
                 named = r;
-        return bfail(b, "rule '%s' is left-recursive (it can reach itself before any character)",
-                     b->rules[named].name ? b->rules[named].name : "?");
+        rc = bfail(b, "rule '%s' is left-recursive (it can reach itself before any character)",
+                   b->rules[named].name ? b->rules[named].name : "?");
     }
-    return 0;
+done:
+    free(alt_rule), free(pending), free(first), free(uses), free(work);
+    free(edge_first), free(edges), free(stack), free(color);
+    return rc;
 }
 
-#define MAX_GRAMMAR_RULES 20000
 
 loom_grammar *loom_grammar_compile(const char *gbnf, char *err, size_t err_size)
 {
@@ -667,10 +724,6 @@ loom_grammar *loom_grammar_compile(const char *gbnf, char *err, size_t err_size)
             break;
         if (*b.p == ')') {
             bfail(&b, "unexpected ')'");
-            break;
-        }
-        if (b.n_rules > MAX_GRAMMAR_RULES) {
-            bfail(&b, "more than %d rules", MAX_GRAMMAR_RULES);
             break;
         }
     }
@@ -710,8 +763,9 @@ loom_grammar *loom_grammar_compile(const char *gbnf, char *err, size_t err_size)
                 g->rule_first_alt[i] = k, g->rule_n_alts[i] = b.rules[i].n_alts;
                 for (int a = 0; a < b.rules[i].n_alts; a++) {
                     g->alt_start[k++] = e;
-                    memcpy(g->el + e, b.rules[i].alts[a].v,
-                           (size_t)b.rules[i].alts[a].n * sizeof *g->el);
+                    if (b.rules[i].alts[a].n) /* an empty one has no array */
+                        memcpy(g->el + e, b.rules[i].alts[a].v,
+                               (size_t)b.rules[i].alts[a].n * sizeof *g->el);
                     e += b.rules[i].alts[a].n;
                     g->el[e++] = (gel){EL_END, 0};
                 }
@@ -873,10 +927,11 @@ typedef struct state {
     uint32_t *mask; /* the tokens allowed here (lazily) */
 } state;
 
-#define MAX_FRAMES (1 << 22)
-#define MAX_STATES (1 << 18)
-#define MAX_STACKS 1024 /* stacks in one state: more is a grammar too ambiguous to follow */
-#define MAX_MASKS 512   /* masks kept per answer */
+#define MAX_FRAMES (1 << 20)
+#define MAX_STATES (1 << 15) /* each state's moves take 1 KiB */
+#define MAX_WORK 4000000     /* stacks expanded for one mask: past it, a grammar too costly */
+#define MAX_STACKS 1024      /* stacks in one state: more is a grammar too ambiguous to follow */
+#define MAX_MASKS 512        /* masks kept per answer */
 
 struct grammar_matcher {
     const loom_grammar *g;
@@ -896,6 +951,7 @@ struct grammar_matcher {
     int32_t *scratch; /* stacks being built */
     int n_scratch, failed;
     int32_t *walk; /* the trie walk's state per depth */
+    long work;     /* stacks expanded since the caller's call began (MAX_WORK) */
     char err[200];
 };
 
@@ -965,6 +1021,12 @@ static int expand(grammar_matcher *m, int32_t pos, int32_t parent, int depth)
     const loom_grammar *g = m->g;
     if (depth > 10000) {
         snprintf(m->err, sizeof m->err, "the grammar nests more than 10000 rules deep");
+        return -1;
+    }
+    if (++m->work > MAX_WORK) {
+        snprintf(m->err, sizeof m->err,
+                 "the grammar is too costly to follow (more than %d stack steps for one token)",
+                 MAX_WORK);
         return -1;
     }
     const gel *e = &g->el[pos];
@@ -1145,6 +1207,7 @@ static int32_t after_token(grammar_matcher *m, int32_t s, int32_t id)
 
 int grammar_allows(grammar_matcher *m, int32_t id)
 {
+    m->work = 0;
     if (id < 0 || id >= m->v->n_vocab)
         return 0;
     if (m->v->is_stop[id])
@@ -1154,6 +1217,7 @@ int grammar_allows(grammar_matcher *m, int32_t id)
 
 int grammar_accept(grammar_matcher *m, int32_t id)
 {
+    m->work = 0;
     if (id < 0 || id >= m->v->n_vocab || m->v->is_stop[id])
         return -1;
     int32_t s = after_token(m, m->current, id);
@@ -1167,6 +1231,7 @@ const uint32_t *grammar_mask(grammar_matcher *m, char *err, size_t err_size)
 {
     const grammar_vocab *v = m->v;
     int32_t cur = m->current;
+    m->work = 0;
     if (m->states[cur].mask)
         return m->states[cur].mask;
     if (m->n_masks >= MAX_MASKS) { /* the oldest are as likely as any to come back: drop all */
@@ -1217,7 +1282,7 @@ int grammar_matches(const loom_grammar *g, const char *bytes, size_t n)
     if (!m)
         return 0;
     int32_t s = m->current;
-    for (size_t i = 0; i < n && s >= 0; i++)
+    for (size_t i = 0; i < n && s >= 0; i++, m->work = 0)
         s = step(m, s, (uint8_t)bytes[i]);
     int ok = s >= 0 && m->states[s].n > 0 && m->set_frames[m->states[s].off] == 0;
     grammar_matcher_free(m);

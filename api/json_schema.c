@@ -646,6 +646,11 @@ static int gen(conv *c, const cJSON *s, text *out)
 
 char *loom_json_schema_to_gbnf(const char *schema_json, char *err, size_t err_size)
 {
+    size_t len = strlen(schema_json);
+    if (loom_utf8_valid_prefix(schema_json, len) != len) {
+        snprintf(err, err_size, "the schema is not valid UTF-8");
+        return NULL;
+    }
     cJSON *schema = cJSON_Parse(schema_json);
     if (!schema) {
         snprintf(err, err_size, "the schema is not valid JSON");

@@ -16,7 +16,7 @@ flags="-g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefine
 libs="$(pkg-config --libs libcjson libpcre2-8 libutf8proc libxxhash) -lm"
 cflags="$(pkg-config --cflags libcjson libpcre2-8 libutf8proc libxxhash)"
 core="$src/core/gguf.c $src/core/safetensors.c $src/core/tokenizer.c $src/core/tokenizer_bpe.c $src/core/tokenizer_spm.c $src/core/utf8.c $src/core/name_index.c $src/core/file.c"
-harnesses="gguf safetensors tokenizer jinja"
+harnesses="gguf safetensors tokenizer jinja grammar"
 # the request parser tokenizes with a real model, and the chat templates ask the model
 # families for their defaults: they link the built libloom
 if [ -f "$build/.libs/libloom.so" ]; then harnesses="$harnesses chat_template openai_request"
@@ -28,6 +28,7 @@ for h in $harnesses; do
         chat_template) extra="$src/api/chat.c $libloom" ;;
         openai_request) extra="$src/tools/openai_request.c $libloom" ;;
         jinja) extra="$src/api/jinja.c" ;;
+        grammar) extra="$src/api/grammar.c $src/api/json_schema.c $core" ;;
         *) extra=$core ;;
     esac
     # shellcheck disable=SC2086
@@ -36,6 +37,12 @@ for h in $harnesses; do
     [ -d "$src/tests/fuzz/corpus/$h" ] && cp "$src/tests/fuzz/corpus/$h"/* "$work/corpus_$h/"
 done
 # seeds: real files and texts, small enough to mutate
+for f in "$src"/tests/structured/*.json; do
+    jq -c '.[].schema' "$f" | while read -r schema; do
+        printf '\001%s' "$schema" >"$work/corpus_grammar/$(printf '%s' "$schema" | cksum | cut -d' ' -f1)"
+    done
+done
+printf '\000root ::= "{" ws (item ("," ws item)*)? "}"\nitem ::= [a-z]+ ws\nws ::= [ \\t\\n]{0,4}\n' >"$work/corpus_grammar/gbnf"
 cp "$src"/tests/templates/*.jinja "$work/corpus_jinja/"
 for d in tiny-llama tiny-qwen2 tiny-chatglm3 tiny-mistral tiny-llama31; do
     [ -f "$fixtures/$d/tokenizer_config.json" ] &&
