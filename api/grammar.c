@@ -929,7 +929,9 @@ typedef struct state {
 
 #define MAX_FRAMES (1 << 20)
 #define MAX_STATES (1 << 15) /* each state's moves take 1 KiB */
-#define MAX_WORK 4000000     /* stacks expanded for one mask: past it, a grammar too costly */
+/* stacks expanded for one token: a generic JSON grammar's first masks over a 152k vocabulary
+ * take up to ~1M; past this (about a second) a grammar is too costly to follow */
+#define MAX_WORK 30000000
 #define MAX_STACKS 1024      /* stacks in one state: more is a grammar too ambiguous to follow */
 #define MAX_MASKS 512        /* masks kept per answer */
 

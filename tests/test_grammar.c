@@ -210,5 +210,7 @@ int main(void)
     mask_equals_brute_force(path, schema, doc);
     snprintf(path, sizeof path, "%s/tiny-llama31/model.gguf", fixtures_dir());
     mask_equals_brute_force(path, schema, doc);
+    if (getenv("LOOM_GRAMMAR_PROBE"))
+        mask_equals_brute_force(path, "{\"type\": \"object\"}", "{\"a\": [1, {\"b\": \"x y\"}], \"c\": null}");
     return check_finish("test_grammar");
 }
