@@ -235,10 +235,34 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
 int loom_write_synthetic_model(const char *path, const char *shape_name, const char *type_name,
                                char *err, size_t err_size)
 {
+    return loom_write_synthetic_model_vocab(path, shape_name, type_name, NULL, err, err_size);
+}
+
+int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
+                                     const char *type_name, const char *vocab_from, char *err,
+                                     size_t err_size)
+{
     const shape *sh = NULL;
+    shape with_vocab;
+    loom_gguf src;
+    int have_src = 0;
     for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++)
         if (strcmp(shapes[i].name, shape_name) == 0)
             sh = &shapes[i];
+    if (sh && vocab_from) { /* another model's tokenizer: its vocabulary sizes the model */
+        if (loom_open_model_file(vocab_from, &src, NULL, NULL, err, err_size) != 0)
+            return -1;
+        have_src = 1;
+        const loom_gguf_kv *toks = loom_gguf_find(&src, "tokenizer.ggml.tokens");
+        if (!toks || toks->count == 0 || toks->count > (1u << 20)) {
+            snprintf(err, err_size, "%s has no vocabulary (tokenizer.ggml.tokens)", vocab_from);
+            loom_gguf_close(&src);
+            return -1;
+        }
+        with_vocab = *sh;
+        with_vocab.n_vocab = (int32_t)toks->count;
+        sh = &with_vocab;
+    }
     loom_dtype wt;
     if (!sh) {
         snprintf(err, err_size, "no synthetic shape '%s' (there are: %s)", shape_name,
@@ -322,13 +346,22 @@ int loom_write_synthetic_model(const char *path, const char *shape_name, const c
 #undef ARCH_U32
     snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", sh->arch);
     loom_gguf_set_f32(w, key, 1e-5f);
-    loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
-    loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", (const char *const *)tokens,
-                            (uint64_t)sh->n_vocab);
-    loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, (uint64_t)sh->n_vocab);
-    loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, (uint64_t)sh->n_vocab);
-    loom_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
-    loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+    if (have_src) {
+        for (uint64_t i = 0; i < src.n_kv; i++)
+            if (!strncmp(src.kv[i].key, "tokenizer.", 10) &&
+                loom_gguf_copy_kv(w, &src, &src.kv[i]) != 0) {
+                snprintf(err, err_size, "out of memory copying %s's tokenizer", vocab_from);
+                goto done;
+            }
+    } else {
+        loom_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+        loom_gguf_set_str_array(w, "tokenizer.ggml.tokens", (const char *const *)tokens,
+                                (uint64_t)sh->n_vocab);
+        loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, (uint64_t)sh->n_vocab);
+        loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, (uint64_t)sh->n_vocab);
+        loom_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
+        loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+    }
     int64_t ne_embd[] = {sh->n_embd, sh->n_vocab}, ne_norm[] = {sh->n_embd};
     int bad = loom_gguf_add_tensor(w, "token_embd.weight", wt, 2, ne_embd, sw.embd);
     bad |= loom_gguf_add_tensor(w, "output_norm.weight", LOOM_F32, 1, ne_norm, sw.norm);
@@ -347,5 +380,7 @@ done:
     free(tokens), free(scores), free(types);
     synthetic_weights_free(&sw);
     loom_gguf_writer_free(w);
+    if (have_src)
+        loom_gguf_close(&src);
     return rc;
 }

@@ -28,6 +28,7 @@
 
 typedef struct bench_args {
     const char *model, *synthetic, *type, *backends;
+    const char *vocab_from; /* the synthetic model's tokenizer: another model's */
     const char *experts_on; /* --experts-on: each backend measured with the experts there */
     long pp, tg, reps;
     int json, csv, no_roofline;
@@ -204,7 +205,8 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
                  (int)getpid(), a->synthetic, a->type);
         fprintf(stderr, "writing the synthetic %s model (%s) to %s...\n", a->synthetic, a->type,
                 tmp);
-        if (loom_write_synthetic_model(tmp, a->synthetic, a->type, err, sizeof err) != 0) {
+        if (loom_write_synthetic_model_vocab(tmp, a->synthetic, a->type, a->vocab_from, err,
+                                             sizeof err) != 0) {
             fprintf(stderr, "loom bench: %s\n", err);
             return 2;
         }
@@ -306,6 +308,8 @@ int loom_bench_main(int argc, char **argv, const char *self)
          "skip measuring memory bandwidth (no roofline column)"},
         {"--write", NULL, LOOM_FLAG_TEXT, &write_to, 0, 0, "FILE",
          "only write the synthetic model to FILE (to bench it elsewhere)"},
+        {"--vocab-from", NULL, LOOM_FLAG_TEXT, &a.vocab_from, 0, 0, "MODEL",
+         "the synthetic model takes MODEL's tokenizer and vocabulary size"},
         LOOM_FLAG_EXPERTS_ON(&a.experts_on),
         LOOM_FLAG_DISTRIBUTED(&a.distributed),
         LOOM_FLAG_LAYERS(&a.layers),
@@ -335,7 +339,9 @@ int loom_bench_main(int argc, char **argv, const char *self)
     }
     if (write_to) { /* the synthetic model alone, to run elsewhere (llama.cpp) or again */
         char err[1024];
-        if (a.model || loom_write_synthetic_model(write_to, a.synthetic, a.type, err, sizeof err)) {
+        if (a.model ||
+            loom_write_synthetic_model_vocab(write_to, a.synthetic, a.type, a.vocab_from, err,
+                                             sizeof err)) {
             fprintf(stderr, "loom bench: %s\n",
                     a.model ? "--write writes a synthetic model; "
                               "-m has one already"

@@ -530,6 +530,10 @@ int loom_quantize_opts(const char *in, const char *out, const char *type, int fl
  * with err. */
 int loom_write_synthetic_model(const char *path, const char *shape, const char *type, char *err,
                                size_t err_size);
+/* The same with the tokenizer of another model file (its vocabulary sizes the embeddings), for
+ * measuring what a real vocabulary costs (NULL: the placeholder). */
+int loom_write_synthetic_model_vocab(const char *path, const char *shape, const char *type,
+                                     const char *vocab_from, char *err, size_t err_size);
 const char *loom_synthetic_shapes(void);
 /* The weight types it writes, space-separated. */
 const char *loom_synthetic_types(void);
