@@ -234,6 +234,7 @@ struct loom_chat_template {
     jinja_template *jinja;
     char *bos, *eos;
     loom_tool_syntax tools; /* how the model writes the calls this template offers it */
+    int reasons;            /* it knows <think>: answers may open with a thought */
 };
 
 void loom_chat_template_free(loom_chat_template *t)
@@ -261,6 +262,7 @@ loom_chat_template *loom_chat_template_compile(const char *jinja, const char *bo
         return NULL;
     }
     t->tools = loom_tool_syntax_of_template(jinja);
+    t->reasons = strstr(jinja, "<think>") != NULL;
     return t;
 }
 
@@ -445,6 +447,11 @@ void loom_chat_format_free(loom_chat_format *f)
 {
     loom_chat_template_free(f->jinja);
     memset(f, 0, sizeof *f);
+}
+
+int loom_chat_format_reasons(const loom_chat_format *f)
+{
+    return f->jinja && f->jinja->reasons;
 }
 
 loom_tool_syntax loom_chat_format_tool_syntax(const loom_chat_format *f)

@@ -466,3 +466,40 @@ char *loom_tool_calls_gbnf(loom_tool_syntax s, const char *tools_json, const cha
         snprintf(err, err_size, "out of memory");
     return out;
 }
+
+/* ---- reasoning ---------------------------------------------------------------------------- */
+
+void loom_reasoning_find(const char *text, size_t len, int starts_inside, int done,
+                         loom_reasoning *r)
+{
+    const char *end = text + len, *p = text;
+    memset(r, 0, sizeof *r);
+    if (!starts_inside) {
+        p = skip_space(text, end);
+        if (p == end && !done) { /* only whitespace yet: a thought may open */
+            r->open = 1;
+            return;
+        }
+        if (!starts(p, end, "<think>")) {
+            if (!done && (size_t)(end - p) < strlen("<think>") &&
+                !memcmp(p, "<think>", (size_t)(end - p))) { /* "<thi" may become "<think>" */
+                r->open = 1;
+                return;
+            }
+            return; /* no reasoning: all of it is the answer */
+        }
+        p += strlen("<think>");
+    }
+    r->start = (size_t)(p - text);
+    const char *close = find(p, end, "</think>");
+    if (!close) {
+        r->open = 1;
+        r->end = done ? len : len - partial_suffix(text, len, "</think>");
+        r->content = len;
+        if (r->end < r->start)
+            r->end = r->start;
+        return;
+    }
+    r->end = (size_t)(close - text);
+    r->content = (size_t)(skip_space(close + strlen("</think>"), end) - text);
+}

@@ -152,4 +152,38 @@ bad "a broken grammar" '"grammar": "root ::= (\"a\""' grammar "grammar line 1: e
 bad "a left-recursive grammar" '"grammar": "root ::= root \"a\" | \"b\""' grammar "left-recursive"
 bad "grammar and response_format" '"grammar": "root ::= \"a\"", "response_format": {"type": "json_object"}' grammar "cannot go with"
 stop_server
+
+# a reasoning model's thought comes back as reasoning_content: a grammar makes the random model
+# write one (thinking.jinja knows <think>), and the answer after it is the content
+start_server "$tmpdir/s2.log" -c 1024 --chat-template-file "$top_srcdir/tests/templates/thinking.jinja"
+think() { # MEMBERS
+    post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": [{\"role\": \"user\",
+        \"content\": \"Think first.\"}], \"temperature\": 1, \"seed\": 5, \"max_tokens\": 60, $1}" | sed '$d'
+}
+gram() { jq -cn --arg g "$1" '{grammar: $g}' | sed 's/^{//; s/}$//'; } # GBNF: a JSON member
+G=$(gram 'root ::= "<think>\n" [a-z ]{3,12} "\n</think>\n\n" [a-z]{2,8}')
+think "$G" >"$tmpdir/th.json"
+jq -e '.choices[0].message | (.reasoning_content | test("^\\n[a-z ]{3,12}\\n$")) and (.content | test("^[a-z]{2,8}$"))' \
+    "$tmpdir/th.json" >/dev/null && pass "a thought is reasoning_content, the rest content: $(jq -c '.choices[0].message' "$tmpdir/th.json")" ||
+    fail "reasoning_content: $(head -c 400 "$tmpdir/th.json")"
+think "$G, \"stream\": true" | sed -n 's/^data: //p' | grep -v '^\[DONE\]$' >"$tmpdir/th.jsonl"
+streamed=$(jq -rj '.choices[0].delta.reasoning_content // empty' "$tmpdir/th.jsonl" | od -c | md5sum)
+answer=$(jq -rj '.choices[0].delta.content // empty' "$tmpdir/th.jsonl")
+[ "$streamed" = "$(jq -j '.choices[0].message.reasoning_content' "$tmpdir/th.json" | od -c | md5sum)" ] &&
+    [ "$answer" = "$(jq -r '.choices[0].message.content' "$tmpdir/th.json")" ] &&
+    pass "streamed, the thought comes as reasoning_content deltas and the answer as content" ||
+    fail "streamed thought: answer '$answer'; $(head -c 600 "$tmpdir/th.jsonl")"
+think '"grammar": "root ::= [a-z]{2,8}", "chat_template_kwargs": {"enable_thinking": false}' >"$tmpdir/nt.json"
+jq -e '.choices[0].message | (has("reasoning_content") | not) and (.content | test("^[a-z]{2,8}$"))' \
+    "$tmpdir/nt.json" >/dev/null && pass "without a thought there is no reasoning_content" ||
+    fail "no thought: $(head -c 300 "$tmpdir/nt.json")"
+stop_server
+# a template whose prompt opens the thought (as DeepSeek-R1's): the model writes only its close
+printf '{%% for m in messages %%}{{ m.content }}{%% endfor %%}<think>\n' >"$tmpdir/opens.jinja"
+start_server "$tmpdir/s3.log" -c 1024 --chat-template-file "$tmpdir/opens.jinja"
+think "$(gram 'root ::= [a-z ]{3,12} "</think>" [a-z]{2,8}')" >"$tmpdir/in.json"
+jq -e '.choices[0].message | (.reasoning_content | test("^[a-z ]{3,12}$")) and (.content | test("^[a-z]{2,8}$"))' \
+    "$tmpdir/in.json" >/dev/null && pass "a prompt that opens the thought: what comes before </think> is reasoning_content" ||
+    fail "thought opened by the prompt: $(head -c 300 "$tmpdir/in.json")"
+stop_server
 finish

@@ -77,6 +77,38 @@ int main(void)
         loom_tool_calls_free(&tc);
     }
     CHECK(n_cases >= 20, "%d cases", n_cases);
+    /* thoughts: where the thought and the answer lie, finished and while streaming */
+    static const struct {
+        const char *text;
+        int inside, done;
+        const char *thought, *answer;
+        int open;
+    } thoughts[] = {
+        {"<think>\nplan\n</think>\n\nThe answer.", 0, 1, "\nplan\n", "The answer.", 0},
+        {"\n<think>a</think>b", 0, 1, "a", "b", 0},
+        {"plan it</think>\nok", 1, 1, "plan it", "ok", 0},
+        {"No thought here.", 0, 1, "", "No thought here.", 0},
+        {"<think>cut off by max_tokens", 0, 1, "cut off by max_tokens", "", 1},
+        {"<think>half</thi", 0, 0, "half", "", 1}, /* the close may be coming */
+        {"<thi", 0, 0, "", "", 1},                 /* so may the open */
+        {"  ", 0, 0, "", "", 1},
+        {"<think>x</think>", 0, 0, "x", "", 0},
+    };
+    for (size_t i = 0; i < sizeof thoughts / sizeof *thoughts; i++) {
+        loom_reasoning r;
+        const char *t = thoughts[i].text;
+        size_t len = strlen(t);
+        loom_reasoning_find(t, len, thoughts[i].inside, thoughts[i].done, &r);
+        int answer_ok = thoughts[i].open && !thoughts[i].done
+            ? 1
+            : strlen(thoughts[i].answer) == len - r.content &&
+                !memcmp(t + r.content, thoughts[i].answer, len - r.content);
+        CHECK(r.end - r.start == strlen(thoughts[i].thought) &&
+                  !memcmp(t + r.start, thoughts[i].thought, r.end - r.start) && answer_ok &&
+                  r.open == thoughts[i].open,
+              "thought in '%s': [%zu, %zu), answer from %zu, open %d", t, r.start, r.end, r.content,
+              r.open);
+    }
     /* a template is read for the syntax of its calls */
     static const struct {
         const char *jinja;

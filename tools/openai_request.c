@@ -349,6 +349,9 @@ static cJSON *template_messages(const cJSON *msgs, bad *b)
         }
         if (cJSON_IsString(name))
             cJSON_AddStringToObject(m, "name", name->valuestring);
+        const cJSON *thought = cJSON_GetObjectItemCaseSensitive(x, "reasoning_content");
+        if (assistant && cJSON_IsString(thought)) /* a thought given back, for the template */
+            cJSON_AddStringToObject(m, "reasoning_content", thought->valuestring);
         if (tool)
             cJSON_AddStringToObject(m, "tool_call_id", call_id->valuestring);
         if (has_calls) {
@@ -587,6 +590,12 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
                   err);
     free(kwargs);
     free(messages);
+    if (rc == 0 && loom_chat_format_reasons(srv->chat)) {
+        size_t n = strlen(prompt);
+        while (n && (prompt[n - 1] == '\n' || prompt[n - 1] == ' '))
+            n--;
+        p->reasoning = n >= 7 && !memcmp(prompt + n - 7, "<think>", 7) ? 2 : 1;
+    }
     if (rc == 0) /* the template's special tokens, and (unless --parse-special) no others */
         rc = tokenize_text(srv, prompt, 1, add_special, spans, n_spans, p, b, "messages");
     free(prompt);

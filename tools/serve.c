@@ -88,6 +88,7 @@ typedef struct server {
 typedef struct choice {
     char *text;
     size_t len, cap, sent; /* sent: bytes already streamed */
+    size_t thought_sent;   /* the end of the thought already streamed as reasoning_content */
     int done, final_sent;
     int deadline; /* the request's deadline ended it (engine's event) */
     char finish[16];
@@ -116,6 +117,7 @@ typedef struct job {
     loom_tool_syntax tool_syntax;
     char **tool_names;
     int n_tools, parallel_tool_calls;
+    int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
 } job;
 
 typedef struct event_target {
@@ -325,15 +327,16 @@ static cJSON *choice_json(const job *j, int index, const char *text, size_t len,
     return c;
 }
 
-/* The calls in choice c's finished answer (n_calls 0: none, or the request has no tools). */
-static void read_tool_calls(const job *j, const choice *c, loom_tool_calls *tc)
+/* The calls in choice c's finished answer past its first base bytes (a thought), content_len
+ * counted from there (n_calls 0: none, or the request has no tools). */
+static void read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc)
 {
     memset(tc, 0, sizeof *tc);
-    tc->content_len = c->len;
+    tc->content_len = c->len - base;
     if (j->tool_syntax == LOOM_TOOLS_NONE || c->error[0] || !c->text)
         return;
-    if (loom_tool_calls_parse(j->tool_syntax, c->text, c->len, (const char *const *)j->tool_names,
-                              j->n_tools, tc) != 0)
+    if (loom_tool_calls_parse(j->tool_syntax, c->text + base, c->len - base,
+                              (const char *const *)j->tool_names, j->n_tools, tc) != 0)
         return;
     while (!j->parallel_tool_calls && tc->n_calls > 1) { /* at most one, the first */
         loom_tool_call *last = &tc->calls[--tc->n_calls];
@@ -417,22 +420,47 @@ static void stream_format(job *j)
         }
         /* a character whose last bytes are still to come waits for them (or for the end,
          * when what is left is sent with U+FFFD for it) */
+        /* a thought first, as reasoning_content; the answer proper starts after it (base) */
+        size_t base = 0;
+        int thinking = 0;
+        if (j->reasoning && c->text && !c->final_sent) {
+            loom_reasoning r;
+            loom_reasoning_find(c->text, c->len, j->reasoning == 2, c->done, &r);
+            size_t from = c->thought_sent > r.start ? c->thought_sent : r.start;
+            size_t upto = r.end <= from ? from
+                : c->done               ? r.end
+                                        : from + loom_utf8_complete(c->text + from, r.end - from);
+            if (upto > from) {
+                cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
+                cJSON *ch = choice_json(j, i, NULL, 0, NULL, 1, 0);
+                json_add_text(cJSON_GetObjectItem(ch, "delta"), "reasoning_content", c->text + from,
+                              upto - from);
+                cJSON_AddItemToArray(a, ch);
+                sse(j, o);
+                c->thought_sent = upto;
+            }
+            thinking = r.open && !c->done;
+            base = r.content;
+            c->sent = c->sent < base ? base : c->sent;
+        }
         size_t ready = c->done ? c->len
                                : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
         loom_tool_calls tc = {0};
-        if (j->tool_syntax != LOOM_TOOLS_NONE && !c->final_sent) {
+        if (j->tool_syntax != LOOM_TOOLS_NONE && !c->final_sent && !thinking) {
             /* text that may be the start of a call waits until it is known not to be */
             if (c->done) {
-                read_tool_calls(j, c, &tc);
-                ready = tc.content_len;
+                read_tool_calls(j, c, base, &tc);
+                ready = base + tc.content_len;
             } else {
-                size_t text = loom_tool_calls_text_prefix(j->tool_syntax, c->text, c->len,
-                                                          (const char *const *)j->tool_names,
-                                                          j->n_tools);
+                size_t text = base +
+                    loom_tool_calls_text_prefix(j->tool_syntax, c->text + base, c->len - base,
+                                                (const char *const *)j->tool_names, j->n_tools);
                 ready = text < ready ? text : ready;
             }
-            ready = ready < c->sent ? c->sent : ready;
         }
+        if (thinking)
+            ready = c->sent;
+        ready = ready < c->sent ? c->sent : ready;
         if (c->sent < ready) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
             cJSON_AddItemToArray(a,
@@ -590,10 +618,16 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
     cJSON *a = cJSON_AddArrayToObject(o, "choices");
     for (int i = 0; i < j->n; i++) {
         const choice *c = &j->ch[i];
+        loom_reasoning r = {0};
+        if (j->reasoning && c->text)
+            loom_reasoning_find(c->text, c->len, j->reasoning == 2, 1, &r);
         loom_tool_calls tc;
-        read_tool_calls(j, c, &tc);
-        cJSON *ch = choice_json(j, i, c->text ? c->text : "", tc.content_len,
+        read_tool_calls(j, c, r.content, &tc);
+        cJSON *ch = choice_json(j, i, c->text ? c->text + r.content : "", tc.content_len,
                                 finish_with_calls(c, &tc), 0, 1);
+        if (r.end > r.start) /* the thought beside the answer, as vLLM and DeepSeek's API */
+            json_add_text(cJSON_GetObjectItem(ch, "message"), "reasoning_content",
+                          c->text + r.start, r.end - r.start);
         if (tc.n_calls) { /* OpenAI's content is null beside calls when there is no text */
             cJSON *m = cJSON_GetObjectItem(ch, "message");
             if (tc.content_len == 0)
@@ -673,6 +707,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
     j->refs = 1;
     j->tool_syntax = p.tool_syntax, j->parallel_tool_calls = p.parallel_tool_calls;
+    j->reasoning = chat ? p.reasoning : 0;
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;

@@ -461,6 +461,20 @@ size_t loom_tool_calls_text_prefix(loom_tool_syntax s, const char *text, size_t 
 char *loom_tool_calls_gbnf(loom_tool_syntax s, const char *tools_json, const char *only,
                            int parallel, char *err, size_t err_size);
 
+/* A reasoning model's thought, <think>...</think> before its answer (Qwen3, GLM-4.5,
+ * DeepSeek-R1), in an answer's text: the thought is text[start, end) and the answer proper
+ * starts at content. starts_inside: the prompt ended with <think> (the model writes only the
+ * close). Unfinished (done 0), a thought not yet closed is open, and end stops short of what
+ * may be the start of its close. Without a thought, start = end = content = 0. */
+typedef struct loom_reasoning {
+    size_t start, end, content;
+    int open; /* the thought has not ended (or may not have begun): the answer is not yet */
+} loom_reasoning;
+void loom_reasoning_find(const char *text, size_t len, int starts_inside, int done,
+                         loom_reasoning *r);
+/* Whether a chat format's template writes thoughts (it knows <think>). */
+int loom_chat_format_reasons(const loom_chat_format *f);
+
 /* ---- Constrained decoding -----------------------------------------------------------------
  * A grammar an answer must match (loom_request.grammar): llama.cpp's GBNF, or the JSON texts
  * a JSON Schema allows (api/grammar.c, api/json_schema.c; docs/structured-output.md). */
