@@ -41,7 +41,9 @@ typedef struct ereq {
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
-    int control_text;      /* control tokens shown as text (loom_request's) */
+    int control_text; /* control tokens shown as text (loom_request's) */
+    int logprobs;     /* loom_request's */
+    int32_t top_logprobs;
     loom_grammar *grammar; /* what the answer must match (a reference), and where it stands */
     grammar_matcher *gm;
     char **stops;
@@ -64,6 +66,7 @@ struct loom_engine {
     grammar_vocab *gvocab[2]; /* the vocabulary as bytes (with control tokens' text), made for
                                  the first grammar */
     float *logits_copy;       /* a constrained step's unmasked logits */
+    float *raw_logits;        /* a step's logits before sampling changes them (logprobs) */
     int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
     double batch_wait_ms;
 
@@ -286,6 +289,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->ignore_eos = s->ignore_eos;
     q->control_text = r->control_text;
     q->grammar = loom_grammar_ref(r->grammar);
+    q->logprobs = r->logprobs;
+    q->top_logprobs = r->top_logprobs < 0         ? 0
+        : r->top_logprobs > LOOM_MAX_TOP_LOGPROBS ? LOOM_MAX_TOP_LOGPROBS
+                                                  : r->top_logprobs;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
     q->t_submit = now_ms();
@@ -579,9 +586,44 @@ static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *
     return loom_sampler_sample(logits, e->n_vocab, p, q->toks, q->n_toks, &q->rng);
 }
 
+/* log Z of the logits, and the k likeliest tokens (ids, log-probabilities), most likely first */
+static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *ids, float *lps)
+{
+    float mx = -INFINITY;
+    for (int32_t i = 0; i < n; i++)
+        mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    int32_t have = 0;
+    for (int32_t i = 0; i < n; i++) {
+        float x = logits[i];
+        sum += exp((double)(x - mx));
+        if (k && (have < k || x > lps[have - 1])) { /* insert into the sorted few */
+            int32_t at = have < k ? have++ : k - 1;
+            while (at > 0 && lps[at - 1] < x)
+                lps[at] = lps[at - 1], ids[at] = ids[at - 1], at--;
+            lps[at] = x, ids[at] = i;
+        }
+    }
+    float log_z = mx + (float)log(sum);
+    for (int32_t i = 0; i < have; i++)
+        lps[i] -= log_z;
+    return log_z;
+}
+
 static int sample_next(loom_engine *e, ereq *q, float *logits)
 {
     loom_model_mask_unsampled(e->model, logits);
+    int32_t top_ids[LOOM_MAX_TOP_LOGPROBS];
+    float top_lps[LOOM_MAX_TOP_LOGPROBS], log_z = 0;
+    if (q->logprobs) { /* the model's distribution, before penalties, grammar or sampling */
+        if (!e->raw_logits && !(e->raw_logits = malloc((size_t)e->n_vocab * sizeof *logits))) {
+            remove_running(e, q);
+            retire(e, q, NULL, "out of memory");
+            return 1;
+        }
+        memcpy(e->raw_logits, logits, (size_t)e->n_vocab * sizeof *logits);
+        log_z = log_partition(logits, e->n_vocab, q->top_logprobs, top_ids, top_lps);
+    }
     int32_t next;
     if (q->grammar) {
         char err[300];
@@ -621,6 +663,10 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
                      .len = q->ts.n_out,
                      .n_prompt = q->n_prompt,
                      .n_generated = q->n_generated};
+    if (q->logprobs) {
+        ev.logprob = e->raw_logits[next] - log_z;
+        ev.n_top = q->top_logprobs, ev.top_ids = top_ids, ev.top_logprobs = top_lps;
+    }
     deliver(e, q, &ev);
     q->ts.n_out = 0;
     if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
@@ -961,5 +1007,6 @@ void loom_engine_free(loom_engine *e)
     grammar_vocab_free(e->gvocab[0]);
     grammar_vocab_free(e->gvocab[1]);
     free(e->logits_copy);
+    free(e->raw_logits);
     free(e);
 }

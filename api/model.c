@@ -654,6 +654,11 @@ int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special
     return loom_tokenizer_encode(v->tok, text, strlen(text), add_special, parse_special, ids, cap);
 }
 
+int loom_token_piece(const loom_model *m, int32_t prev, int32_t id, char *out, int cap)
+{
+    return loom_tokenizer_piece(m->tok, prev, id, out, cap);
+}
+
 int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, int cap)
 {
     return loom_tokenizer_piece(v->tok, prev, id, out, cap);

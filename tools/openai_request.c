@@ -665,10 +665,10 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
         "timeout", "chat_template_kwargs", "grammar", NULL};
     /* clang-format on */
-    static const char *const completion_unsupported[] = {"echo",       "logprobs", "best_of",
-                                                         "logit_bias", "suffix",   NULL};
-    static const char *const chat_unsupported[] = {"logprobs",  "top_logprobs",  "logit_bias",
-                                                   "functions", "function_call", NULL};
+    static const char *const completion_unsupported[] = {"echo", "best_of", "logit_bias", "suffix",
+                                                         NULL};
+    static const char *const chat_unsupported[] = {"logit_bias", "functions", "function_call",
+                                                   NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
     if (check_known(body, chat ? chat_fields : completion_fields, b))
@@ -749,6 +749,20 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     if (user && !cJSON_IsNull(user) && !cJSON_IsString(user))
         return fail(b, 400, "user", "'user' must be a string, not %s", json_type(user));
     p->user = cJSON_IsString(user) ? user->valuestring : NULL;
+    /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
+    if (chat) {
+        if (get_bool(body, "logprobs", &p->logprobs, b) < 0)
+            return -1;
+        if ((r = get_number(body, "top_logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
+            return -1;
+        if (r && !p->logprobs)
+            return fail(b, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+        p->top_logprobs = r ? (int32_t)x : 0;
+    } else {
+        if ((r = get_number(body, "logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
+            return -1;
+        p->logprobs = r, p->top_logprobs = r ? (int32_t)x : 0;
+    }
     if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0)
         return -1;
     if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)

@@ -85,7 +85,17 @@ typedef struct server {
 
 /* ---- jobs: one HTTP request's generations ------------------------------------------------- */
 
+/* a generated token's log-probability and its likeliest alternatives' (logprobs) */
+typedef struct token_logprob {
+    int32_t id, n_top;
+    float logprob;
+    int32_t top_ids[LOOM_MAX_TOP_LOGPROBS];
+    float top_logprobs[LOOM_MAX_TOP_LOGPROBS];
+} token_logprob;
+
 typedef struct choice {
+    token_logprob *lps; /* with logprobs: one per generated token */
+    int n_lps, cap_lps, lps_sent;
     char *text;
     size_t len, cap, sent; /* sent: bytes already streamed */
     size_t thought_sent;   /* the end of the thought already streamed as reasoning_content */
@@ -118,6 +128,8 @@ typedef struct job {
     char **tool_names;
     int n_tools, parallel_tool_calls;
     int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
+    int logprobs;
+    int32_t top_logprobs, prompt_last; /* prompt_last: what the first token follows */
 } job;
 
 typedef struct event_target {
@@ -154,7 +166,7 @@ static void job_unref(job *j)
     if (j->sv)
         release(j->srv, j->sv);
     for (int i = 0; i < OPENAI_MAX_CHOICES; i++)
-        free(j->ch[i].text);
+        free(j->ch[i].text), free(j->ch[i].lps);
     for (int i = 0; i < j->n_tools; i++)
         free(j->tool_names[i]);
     free(j->tool_names);
@@ -162,6 +174,16 @@ static void job_unref(job *j)
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
     free(j);
+}
+
+static int grow_logprobs(choice *c)
+{
+    int cap = c->cap_lps ? 2 * c->cap_lps : 64;
+    token_logprob *g = realloc(c->lps, (size_t)cap * sizeof *g);
+    if (!g)
+        return -1;
+    c->lps = g, c->cap_lps = cap;
+    return 0;
 }
 
 static void on_event(void *user, const loom_event *ev)
@@ -172,6 +194,12 @@ static void on_event(void *user, const loom_event *ev)
     pthread_mutex_lock(&j->mu);
     if (ev->kind == LOOM_EVENT_TEXT) {
         buf_append(&c->text, &c->len, &c->cap, ev->text, ev->len);
+        if (j->logprobs && (c->n_lps < c->cap_lps || !grow_logprobs(c))) {
+            token_logprob *t = &c->lps[c->n_lps++];
+            t->id = ev->token, t->logprob = ev->logprob, t->n_top = ev->n_top;
+            for (int k = 0; k < ev->n_top && k < LOOM_MAX_TOP_LOGPROBS; k++)
+                t->top_ids[k] = ev->top_ids[k], t->top_logprobs[k] = ev->top_logprobs[k];
+        }
     } else {
         c->done = 1;
         c->deadline = ev->deadline;
@@ -327,6 +355,92 @@ static cJSON *choice_json(const job *j, int index, const char *text, size_t len,
     return c;
 }
 
+/* a log-probability as JSON can hold it (a token the model never chooses is -inf) */
+static double finite_logprob(float x)
+{
+    return isfinite(x) ? x : -9999.0;
+}
+
+/* one token as OpenAI's chat logprobs describe it: text, log-probability, bytes */
+static cJSON *token_json(const job *j, int32_t prev, int32_t id, float logprob, char *piece, int *n)
+{
+    *n = loom_token_piece(j->sv->api.model, prev, id, piece, 256);
+    *n = *n < 0 ? 0 : *n > 256 ? 256 : *n;
+    cJSON *t = cJSON_CreateObject(), *bytes;
+    json_add_text(t, "token", piece, (size_t)*n);
+    cJSON_AddNumberToObject(t, "logprob", finite_logprob(logprob));
+    bytes = cJSON_AddArrayToObject(t, "bytes");
+    for (int k = 0; k < *n; k++)
+        cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)piece[k]));
+    return t;
+}
+
+/* The logprobs of choice c's tokens [from, to): chat's {"content": [...]} or completions'
+ * {"tokens", "token_logprobs", "top_logprobs", "text_offset"}. */
+static cJSON *logprobs_json(const job *j, const choice *c, int from, int to, size_t *offset)
+{
+    char piece[256];
+    int n;
+    cJSON *o = cJSON_CreateObject();
+    cJSON *content = j->chat ? cJSON_AddArrayToObject(o, "content") : NULL;
+    cJSON *tokens = j->chat ? NULL : cJSON_AddArrayToObject(o, "tokens");
+    cJSON *lps = j->chat ? NULL : cJSON_AddArrayToObject(o, "token_logprobs");
+    cJSON *tops = j->chat ? NULL : cJSON_AddArrayToObject(o, "top_logprobs");
+    cJSON *offsets = j->chat ? NULL : cJSON_AddArrayToObject(o, "text_offset");
+    for (int k = from; k < to; k++) {
+        const token_logprob *t = &c->lps[k];
+        int32_t prev = k ? c->lps[k - 1].id : j->prompt_last;
+        cJSON *tok = token_json(j, prev, t->id, t->logprob, piece, &n);
+        if (j->chat) {
+            cJSON *alts = cJSON_AddArrayToObject(tok, "top_logprobs");
+            for (int a = 0; a < t->n_top; a++) {
+                int m;
+                cJSON_AddItemToArray(
+                    alts, token_json(j, prev, t->top_ids[a], t->top_logprobs[a], piece, &m));
+            }
+            cJSON_AddItemToArray(content, tok);
+            continue;
+        }
+        cJSON_AddItemToArray(tokens, cJSON_Duplicate(cJSON_GetObjectItem(tok, "token"), 1));
+        cJSON_AddItemToArray(lps, cJSON_CreateNumber(finite_logprob(t->logprob)));
+        cJSON_AddItemToArray(offsets, cJSON_CreateNumber((double)*offset));
+        *offset += (size_t)n;
+        cJSON *alts = cJSON_CreateObject();
+        for (int a = 0; a < t->n_top; a++) {
+            int m;
+            cJSON *alt = token_json(j, prev, t->top_ids[a], t->top_logprobs[a], piece, &m);
+            /* the token's text as a key: its JSON text (valid UTF-8) read back */
+            cJSON *text = cJSON_Parse(cJSON_GetObjectItem(alt, "token")->valuestring);
+            if (cJSON_IsString(text) && !cJSON_GetObjectItem(alts, text->valuestring))
+                cJSON_AddNumberToObject(alts, text->valuestring,
+                                        finite_logprob(t->top_logprobs[a])); /* first of equals */
+            cJSON_Delete(text);
+            cJSON_Delete(alt);
+        }
+        cJSON_AddItemToArray(tops, alts);
+        cJSON_Delete(tok);
+    }
+    return o;
+}
+
+/* puts choice c's logprobs since the last chunk into choice object ch (streaming) */
+static void attach_logprobs(const job *j, choice *c, cJSON *ch)
+{
+    static __thread size_t unused;
+    if (!j->logprobs || c->lps_sent == c->n_lps)
+        return;
+    size_t offset = 0;
+    (void)unused;
+    for (int k = 0; k < c->lps_sent; k++) { /* completions' offsets count from the start */
+        char piece[256];
+        int n = loom_token_piece(j->sv->api.model, k ? c->lps[k - 1].id : j->prompt_last,
+                                 c->lps[k].id, piece, sizeof piece);
+        offset += n > 0 ? (size_t)n : 0;
+    }
+    cJSON_ReplaceItemInObject(ch, "logprobs", logprobs_json(j, c, c->lps_sent, c->n_lps, &offset));
+    c->lps_sent = c->n_lps;
+}
+
 /* The calls in choice c's finished answer past its first base bytes (a thought), content_len
  * counted from there (n_calls 0: none, or the request has no tools). */
 static void read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc)
@@ -463,8 +577,9 @@ static void stream_format(job *j)
         ready = ready < c->sent ? c->sent : ready;
         if (c->sent < ready) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
-            cJSON_AddItemToArray(a,
-                                 choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0));
+            cJSON *ch = choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0);
+            attach_logprobs(j, c, ch);
+            cJSON_AddItemToArray(a, ch);
             sse(j, o);
             c->sent = ready;
         }
@@ -489,8 +604,9 @@ static void stream_format(job *j)
                     }
                 o = response_head(j, object);
                 cJSON *a = cJSON_AddArrayToObject(o, "choices");
-                cJSON_AddItemToArray(a,
-                                     choice_json(j, i, NULL, 0, finish_with_calls(c, &tc), 1, 0));
+                cJSON *ch = choice_json(j, i, NULL, 0, finish_with_calls(c, &tc), 1, 0);
+                attach_logprobs(j, c, ch);
+                cJSON_AddItemToArray(a, ch);
                 if (c->deadline)
                     cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
             }
@@ -625,6 +741,10 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
         read_tool_calls(j, c, r.content, &tc);
         cJSON *ch = choice_json(j, i, c->text ? c->text + r.content : "", tc.content_len,
                                 finish_with_calls(c, &tc), 0, 1);
+        if (j->logprobs) {
+            size_t offset = 0;
+            cJSON_ReplaceItemInObject(ch, "logprobs", logprobs_json(j, c, 0, c->n_lps, &offset));
+        }
         if (r.end > r.start) /* the thought beside the answer, as vLLM and DeepSeek's API */
             json_add_text(cJSON_GetObjectItem(ch, "message"), "reasoning_content",
                           c->text + r.start, r.end - r.start);
@@ -708,6 +828,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->refs = 1;
     j->tool_syntax = p.tool_syntax, j->parallel_tool_calls = p.parallel_tool_calls;
     j->reasoning = chat ? p.reasoning : 0;
+    j->logprobs = p.logprobs, j->top_logprobs = p.top_logprobs;
+    j->prompt_last = p.ids[p.n_ids - 1];
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
@@ -736,7 +858,9 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .tenant_max_running = tn ? tn->max_running : 0,
                           .tenant_max_queue = tn ? tn->max_queue : 0,
                           .control_text = p.tool_syntax != LOOM_TOOLS_NONE,
-                          .grammar = p.grammar};
+                          .grammar = p.grammar,
+                          .logprobs = p.logprobs,
+                          .top_logprobs = p.top_logprobs};
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
         j->refs++;

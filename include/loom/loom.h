@@ -249,6 +249,13 @@ typedef struct loom_event {
     /* the request's deadline ended it: an ERROR when it had not started (still waiting), a
      * DONE "length" with what it had generated when it had */
     int32_t deadline;
+    /* with loom_request.logprobs, for a TEXT event's token: its log-probability under the
+     * model's distribution (before any sampling transform), and the n_top likeliest tokens'
+     * (most likely first); valid during the callback */
+    float logprob;
+    int32_t n_top;
+    const int32_t *top_ids;
+    const float *top_logprobs;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -284,7 +291,13 @@ typedef struct loom_request {
     /* the answer must match it (the engine holds a reference while it runs); NULL: free.
      * An answer the grammar completes ends there ("stop") */
     loom_grammar *grammar;
+    /* each token's log-probability comes with its event, and the top_logprobs likeliest
+     * alternatives' (0 to LOOM_MAX_TOP_LOGPROBS) */
+    int logprobs;
+    int32_t top_logprobs;
 } loom_request;
+
+#define LOOM_MAX_TOP_LOGPROBS 20
 
 #define LOOM_MAX_TENANTS 256
 
@@ -503,6 +516,8 @@ int64_t loom_vocab_encode(const loom_vocab *v, const char *text, int add_special
 /* The text of token id printed after prev (-1 at the start); bytes written (<= cap), or -1 for
  * an id outside the vocabulary. */
 int loom_vocab_piece(const loom_vocab *v, int32_t prev, int32_t id, char *out, int cap);
+/* The same with a loaded model's tokenizer. */
+int loom_token_piece(const loom_model *m, int32_t prev, int32_t id, char *out, int cap);
 
 /* ---- Converting ------------------------------------------------------------------------ */
 
