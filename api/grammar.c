@@ -932,8 +932,8 @@ typedef struct state {
 /* stacks expanded for one token: a generic JSON grammar's first masks over a 152k vocabulary
  * take up to ~1M; past this (about a second) a grammar is too costly to follow */
 #define MAX_WORK 30000000
-#define MAX_STACKS 1024      /* stacks in one state: more is a grammar too ambiguous to follow */
-#define MAX_MASKS 512        /* masks kept per answer */
+#define MAX_STACKS 1024 /* stacks in one state: more is a grammar too ambiguous to follow */
+#define MAX_MASKS 512   /* masks kept per answer */
 
 struct grammar_matcher {
     const loom_grammar *g;
@@ -1039,8 +1039,11 @@ static int expand(grammar_matcher *m, int32_t pos, int32_t parent, int depth)
         int32_t f = intern_frame(m, pos, parent);
         return f < 0 ? -1 : add_stack(m, f);
     }
-    int32_t ret = intern_frame(m, pos + 1, parent);
-    if (ret < 0)
+    /* where the rule returns to; a reference last in its sequence returns where the sequence
+     * would (a tail call), so x* and other right recursion keep a stack of constant depth and
+     * its states repeat (and their masks are found once) */
+    int32_t ret = g->el[pos + 1].kind == EL_END ? parent : intern_frame(m, pos + 1, parent);
+    if (ret < 0 && g->el[pos + 1].kind != EL_END)
         return -1;
     for (int a = 0; a < g->rule_n_alts[e->arg]; a++)
         if (expand(m, g->alt_start[g->rule_first_alt[e->arg] + a], ret, depth + 1))

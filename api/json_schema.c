@@ -681,7 +681,11 @@ loom_grammar *loom_grammar_from_json_schema(const char *schema_json, char *err, 
         return NULL;
     char why[400];
     loom_grammar *g = loom_grammar_compile(gbnf, why, sizeof why);
-    if (!g) /* loom's own making: say so */
+    if (!g && strstr(why, "left-recursive")) /* {"$ref": "#"} and other cycles of $ref alone */
+        snprintf(err, err_size,
+                 "the schema's $ref refers back to itself before any value begins "
+                 "(a cycle that describes nothing)");
+    else if (!g) /* loom's own making: say so */
         snprintf(err, err_size, "internal: the schema's grammar does not compile: %s", why);
     free(gbnf);
     return g;

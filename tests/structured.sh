@@ -11,6 +11,10 @@ command -v curl >/dev/null || { echo "SKIP: curl not installed"; exit 77; }
 command -v python3 >/dev/null && python3 -c 'import jsonschema' 2>/dev/null || {
     [ "${CI:-}" = true ] && { echo "FAIL: python3-jsonschema is missing (CI=true)" >&2; exit 1; }
     echo "SKIP: python3-jsonschema not installed (scripts/install-deps installs it)"; exit 77; }
+# what is tested here is the server's and the grammar's, not a CPU variant's arithmetic: the
+# suite's reruns under LOOM_CPU_MASK and LOOM_REF_OPAQUE skip it (CI's time)
+if [ -n "${LOOM_CPU_MASK:-}${LOOM_REF_OPAQUE:-}" ]; then
+    echo "SKIP: run once, not again under LOOM_CPU_MASK / LOOM_REF_OPAQUE"; exit 77; fi
 MODEL=$FIXTURES/tiny-qwen2 KEY=test-key
 . "$top_srcdir/tests/serve_lib.sh"
 SCHEMAS=$top_srcdir/tests/structured/schemas.json
@@ -43,14 +47,14 @@ start_server "$tmpdir/s.log" -c 1024 --chat-template-file "$top_srcdir/tests/tem
 n_schemas=$(jq length "$SCHEMAS")
 for i in $(seq 0 $((n_schemas - 1))); do
     name=$(jq -r ".[$i].name" "$SCHEMAS") schema=$(jq -c ".[$i].schema" "$SCHEMAS")
-    ask "\"n\": 4, \"seed\": $i, \"response_format\": {\"type\": \"json_schema\",
+    ask "\"n\": 2, \"seed\": $i, \"response_format\": {\"type\": \"json_schema\",
         \"json_schema\": {\"name\": \"$name\", \"strict\": true, \"schema\": $schema}}" >"$tmpdir/r.out"
     sed '$d' "$tmpdir/r.out" >"$tmpdir/r.json"
     jq -c '.choices[].message.content' "$tmpdir/r.json" >"$tmpdir/answers" 2>/dev/null
     finishes=$(jq -r '[.choices[].finish_reason] | unique | join(",")' "$tmpdir/r.json" 2>/dev/null)
     got=$(validate "$schema" "$tmpdir/answers")
-    [ "$got" = "ok 4" ] && [ "$finishes" = stop ] &&
-        pass "json_schema '$name': 4 answers at temperature 1, each validates" ||
+    [ "$got" = "ok 2" ] && [ "$finishes" = stop ] &&
+        pass "json_schema '$name': 2 answers at temperature 1, each validates" ||
         fail "json_schema '$name' ($finishes): $got $(head -c 300 "$tmpdir/r.out")"
     # streamed: the content deltas make a document that validates too
     ask "\"stream\": true, \"seed\": $((i + 100)), \"response_format\": {\"type\": \"json_schema\",

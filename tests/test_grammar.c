@@ -196,6 +196,7 @@ int main(void)
     refused("{\"type\": \"object\", \"properties\": {}, \"required\": [\"x\"]}", 1,
             "'x' is not among");
     refused("{\"type\": ", 1, "not valid JSON");
+    refused("{\"anyOf\": [{\"$ref\": \"#\"}, {\"type\": \"null\"}]}", 1, "refers back to itself");
 
     /* the trie's mask against each token's own bytes, on real vocabularies */
     char path[4200];
@@ -211,6 +212,7 @@ int main(void)
     snprintf(path, sizeof path, "%s/tiny-llama31/model.gguf", fixtures_dir());
     mask_equals_brute_force(path, schema, doc);
     if (getenv("LOOM_GRAMMAR_PROBE"))
-        mask_equals_brute_force(path, "{\"type\": \"object\"}", "{\"a\": [1, {\"b\": \"x y\"}], \"c\": null}");
+        mask_equals_brute_force(path, "{\"type\": \"object\"}",
+                                "{\"a\": [1, {\"b\": \"x y\"}], \"c\": null}");
     return check_finish("test_grammar");
 }

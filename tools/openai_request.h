@@ -57,9 +57,9 @@ typedef struct parsed {
     int parallel_tool_calls; /* false: at most one call is returned */
     int logprobs;            /* each token's log-probability, and top_logprobs alternatives */
     int32_t top_logprobs;
-    int reasoning;           /* 0: answers are all content; 1: they may open with a thought
+    int reasoning;         /* 0: answers are all content; 1: they may open with a thought
                                 (<think>...</think>); 2: the prompt opened it already */
-    loom_grammar *grammar;   /* what the answer must match (response_format, grammar, a
+    loom_grammar *grammar; /* what the answer must match (response_format, grammar, a
                                 required call), or NULL */
 } parsed;
 
