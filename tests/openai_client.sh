@@ -1,26 +1,38 @@
 #!/bin/sh
 # tests/openai_client.sh - `loom serve` driven by the official OpenAI client (the npm `openai`
 # package, the same request and response shapes as the Python one): completions, chat, both
-# streamed, n > 1, an error surfacing as the client's typed exception. Skipped when node/npm
+# streamed, n > 1, an error surfacing as the client's typed exception; then tools (a required
+# call read by the client, its result sent back, the client's own stream helper assembling
+# streamed calls) and structured output (chat.completions.parse with a zod schema). Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
 . "$top_srcdir/tests/lib.sh"
 MODEL=$FIXTURES/stories260K/original/stories260K.gguf
 need_fixture "$MODEL"
+need_fixture "$FIXTURES/tiny-qwen2/tokenizer_config.json"
 command -v node >/dev/null && command -v npm >/dev/null ||
     { echo "SKIP: node and npm are not installed (apt-get install nodejs npm)"; exit 77; }
 cd "$tmpdir" || exit 1
-if ! timeout 180 npm install --silent --no-audit --no-fund openai@4 >npm.log 2>&1; then
+if ! timeout 180 npm install --silent --no-audit --no-fund openai@4 zod@3 >npm.log 2>&1; then
     echo "SKIP: cannot install the openai npm package (no registry?):"; tail -n 3 npm.log; exit 77
 fi
 "$LOOM" serve -m "$MODEL" --port 0 --api-key k3y -c 512 >server.log 2>&1 &
 PID=$!
-trap 'kill -TERM $PID 2>/dev/null; rm -rf "$tmpdir"' EXIT
+"$LOOM" serve -m "$FIXTURES/tiny-qwen2" --port 0 --api-key k3y -c 2048 \
+    --chat-template-file "$top_srcdir/tests/templates/toolchat.jinja" >server2.log 2>&1 &
+PID2=$!
+trap 'kill -TERM $PID $PID2 2>/dev/null; rm -rf "$tmpdir"' EXIT
 for _ in $(seq 100); do
     port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' server.log)
     [ -n "$port" ] && break
     sleep 0.1
 done
 [ -n "$port" ] || { fail "server did not start: $(cat server.log)"; finish; }
+for _ in $(seq 100); do
+    port2=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' server2.log)
+    [ -n "$port2" ] && break
+    sleep 0.1
+done
+[ -n "$port2" ] || { fail "the second server did not start: $(cat server2.log)"; finish; }
 
 cat >client.mjs <<'EOF'
 import OpenAI from 'openai';
@@ -80,4 +92,53 @@ PORT=$port node client.mjs >client.out 2>&1 || true
 cat client.out
 grep -q '^FAIL' client.out && fail "the OpenAI client disagreed (above)"
 [ "$(grep -c "^ok" client.out)" -ge 9 ] || fail "the client script did not finish: $(tail -n 5 client.out)"
+
+# tools and structured output, on a model whose template shows tools (its weights are random:
+# the calls and the JSON are made by loom's constrained decoding; a random model spends many
+# tokens on the whitespace JSON allows, hence max_tokens 1200)
+cat >tools.mjs <<'EOF'
+import OpenAI from 'openai';
+import { zodResponseFormat } from 'openai/helpers/zod';
+import { z } from 'zod';
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${process.env.PORT}/v1`, apiKey: 'k3y' });
+const out = [];
+const ok = (what, cond) => out.push(`${cond ? 'ok' : 'FAIL'}: ${what}`);
+const name = (await client.models.list()).data[0].id;
+const tools = [{ type: 'function', function: { name: 'get_weather', description: 'The weather',
+  parameters: { type: 'object', properties: { city: { type: 'string', enum: ['Paris', 'Oslo'] },
+    days: { type: 'integer', minimum: 1, maximum: 7 } }, required: ['city', 'days'],
+    additionalProperties: false } } }];
+const messages = [{ role: 'user', content: 'Weather in Paris for 3 days?' }];
+const r = await client.chat.completions.create({ model: name, messages, tools, seed: 1,
+  tool_choice: 'required', parallel_tool_calls: false, max_tokens: 1200 });
+const msg = r.choices[0].message, call = msg.tool_calls?.[0];
+const args = call ? JSON.parse(call.function.arguments) : null;
+ok(`a required call: ${call?.function.name}(${call?.function.arguments})`,
+   r.choices[0].finish_reason === 'tool_calls' && msg.tool_calls.length === 1 &&
+   call.function.name === 'get_weather' && ['Paris', 'Oslo'].includes(args.city) &&
+   Number.isInteger(args.days) && args.days >= 1 && args.days <= 7);
+messages.push(msg, { role: 'tool', tool_call_id: call.id, content: '{"sky": "clear"}' });
+const back = await client.chat.completions.create({ model: name, messages, tools, max_tokens: 8 });
+ok(`the call and its result sent back: ${back.usage.prompt_tokens} prompt tokens`,
+   back.choices[0].message.role === 'assistant' && back.usage.prompt_tokens > r.usage.prompt_tokens);
+const stream = client.beta.chat.completions.stream({ model: name, seed: 2, tools,
+  tool_choice: { type: 'function', function: { name: 'get_weather' } }, max_tokens: 1200,
+  messages: [{ role: 'user', content: 'And Oslo?' }] });
+const done = await stream.finalChatCompletion();
+const sc = done.choices[0].message.tool_calls ?? [];
+ok(`the client's stream helper assembles ${sc.length} streamed call(s)`, sc.length >= 1 &&
+   sc.every((c) => c.function.name === 'get_weather' && c.id &&
+                   ['Paris', 'Oslo'].includes(JSON.parse(c.function.arguments).city)));
+const Person = z.object({ name: z.string().max(10), age: z.number().int().min(0).max(99),
+                          pets: z.array(z.enum(['cat', 'dog'])).max(2) });
+const parsed = await client.beta.chat.completions.parse({ model: name, seed: 3, max_tokens: 1200,
+  messages: [{ role: 'user', content: 'A person' }], response_format: zodResponseFormat(Person, 'person') });
+const p = parsed.choices[0].message.parsed;
+ok(`chat.completions.parse with a zod schema: ${JSON.stringify(p)}`, p && Person.safeParse(p).success);
+console.log(out.join('\n'));
+EOF
+PORT=$port2 node tools.mjs >tools.out 2>&1 || true
+cat tools.out
+grep -q '^FAIL' tools.out && fail "the OpenAI client disagreed on tools or structured output (above)"
+[ "$(grep -c "^ok" tools.out)" -ge 4 ] || fail "the tools script did not finish: $(tail -n 8 tools.out)"
 finish

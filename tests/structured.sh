@@ -40,10 +40,10 @@ PY
 }
 ask() { # BODY-MEMBERS: a chat request's response body (status on the last line)
     post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": [{\"role\": \"user\",
-        \"content\": \"Answer in JSON.\"}], \"temperature\": 1, \"max_tokens\": 400, $1}"
+        \"content\": \"Answer in JSON.\"}], \"temperature\": 1, \"max_tokens\": 1200, $1}"
 }
 
-start_server "$tmpdir/s.log" -c 1024 --chat-template-file "$top_srcdir/tests/templates/toolchat.jinja"
+start_server "$tmpdir/s.log" -c 2048 --chat-template-file "$top_srcdir/tests/templates/toolchat.jinja"
 n_schemas=$(jq length "$SCHEMAS")
 for i in $(seq 0 $((n_schemas - 1))); do
     name=$(jq -r ".[$i].name" "$SCHEMAS") schema=$(jq -c ".[$i].schema" "$SCHEMAS")
@@ -159,7 +159,7 @@ stop_server
 
 # a reasoning model's thought comes back as reasoning_content: a grammar makes the random model
 # write one (thinking.jinja knows <think>), and the answer after it is the content
-start_server "$tmpdir/s2.log" -c 1024 --chat-template-file "$top_srcdir/tests/templates/thinking.jinja"
+start_server "$tmpdir/s2.log" -c 2048 --chat-template-file "$top_srcdir/tests/templates/thinking.jinja"
 think() { # MEMBERS
     post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": [{\"role\": \"user\",
         \"content\": \"Think first.\"}], \"temperature\": 1, \"seed\": 5, \"max_tokens\": 60, $1}" | sed '$d'
@@ -184,7 +184,7 @@ jq -e '.choices[0].message | (has("reasoning_content") | not) and (.content | te
 stop_server
 # a template whose prompt opens the thought (as DeepSeek-R1's): the model writes only its close
 printf '{%% for m in messages %%}{{ m.content }}{%% endfor %%}<think>\n' >"$tmpdir/opens.jinja"
-start_server "$tmpdir/s3.log" -c 1024 --chat-template-file "$tmpdir/opens.jinja"
+start_server "$tmpdir/s3.log" -c 2048 --chat-template-file "$tmpdir/opens.jinja"
 think "$(gram 'root ::= [a-z ]{3,12} "</think>" [a-z]{2,8}')" >"$tmpdir/in.json"
 jq -e '.choices[0].message | (.reasoning_content | test("^[a-z ]{3,12}$")) and (.content | test("^[a-z]{2,8}$"))' \
     "$tmpdir/in.json" >/dev/null && pass "a prompt that opens the thought: what comes before </think> is reasoning_content" ||
