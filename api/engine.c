@@ -586,8 +586,10 @@ static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *
     return loom_sampler_sample(logits, e->n_vocab, p, q->toks, q->n_toks, &q->rng);
 }
 
-/* log Z of the logits, and the k likeliest tokens (ids, log-probabilities), most likely first */
-static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *ids, float *lps)
+/* log Z of the logits, and the k likeliest tokens (ids, log-probabilities), most likely first:
+ * *found of them (fewer than k only in a vocabulary that small) */
+static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *ids, float *lps,
+                           int32_t *found)
 {
     float mx = -INFINITY;
     for (int32_t i = 0; i < n; i++)
@@ -607,6 +609,7 @@ static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *i
     float log_z = mx + (float)log(sum);
     for (int32_t i = 0; i < have; i++)
         lps[i] -= log_z;
+    *found = have;
     return log_z;
 }
 
@@ -615,6 +618,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
     loom_model_mask_unsampled(e->model, logits);
     int32_t top_ids[LOOM_MAX_TOP_LOGPROBS];
     float top_lps[LOOM_MAX_TOP_LOGPROBS], log_z = 0;
+    int32_t n_top = 0;
     if (q->logprobs) { /* the model's distribution, before penalties, grammar or sampling */
         if (!e->raw_logits && !(e->raw_logits = malloc((size_t)e->n_vocab * sizeof *logits))) {
             remove_running(e, q);
@@ -622,7 +626,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
             return 1;
         }
         memcpy(e->raw_logits, logits, (size_t)e->n_vocab * sizeof *logits);
-        log_z = log_partition(logits, e->n_vocab, q->top_logprobs, top_ids, top_lps);
+        log_z = log_partition(logits, e->n_vocab, q->top_logprobs, top_ids, top_lps, &n_top);
     }
     int32_t next;
     if (q->grammar) {
@@ -665,7 +669,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
                      .n_generated = q->n_generated};
     if (q->logprobs) {
         ev.logprob = e->raw_logits[next] - log_z;
-        ev.n_top = q->top_logprobs, ev.top_ids = top_ids, ev.top_logprobs = top_lps;
+        ev.n_top = n_top, ev.top_ids = top_ids, ev.top_logprobs = top_lps;
     }
     deliver(e, q, &ev);
     q->ts.n_out = 0;

@@ -96,6 +96,7 @@ typedef struct token_logprob {
 typedef struct choice {
     token_logprob *lps; /* with logprobs: one per generated token */
     int n_lps, cap_lps, lps_sent;
+    size_t lps_offset; /* completions' text_offset of the first token not yet streamed */
     char *text;
     size_t len, cap, sent; /* sent: bytes already streamed */
     size_t thought_sent;   /* the end of the thought already streamed as reasoning_content */
@@ -129,7 +130,7 @@ typedef struct job {
     int n_tools, parallel_tool_calls;
     int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
     int logprobs;
-    int32_t top_logprobs, prompt_last; /* prompt_last: what the first token follows */
+    int32_t prompt_last; /* what the first generated token follows (its text depends on it) */
 } job;
 
 typedef struct event_target {
@@ -426,18 +427,10 @@ static cJSON *logprobs_json(const job *j, const choice *c, int from, int to, siz
 /* puts choice c's logprobs since the last chunk into choice object ch (streaming) */
 static void attach_logprobs(const job *j, choice *c, cJSON *ch)
 {
-    static __thread size_t unused;
     if (!j->logprobs || c->lps_sent == c->n_lps)
         return;
-    size_t offset = 0;
-    (void)unused;
-    for (int k = 0; k < c->lps_sent; k++) { /* completions' offsets count from the start */
-        char piece[256];
-        int n = loom_token_piece(j->sv->api.model, k ? c->lps[k - 1].id : j->prompt_last,
-                                 c->lps[k].id, piece, sizeof piece);
-        offset += n > 0 ? (size_t)n : 0;
-    }
-    cJSON_ReplaceItemInObject(ch, "logprobs", logprobs_json(j, c, c->lps_sent, c->n_lps, &offset));
+    cJSON_ReplaceItemInObject(ch, "logprobs",
+                              logprobs_json(j, c, c->lps_sent, c->n_lps, &c->lps_offset));
     c->lps_sent = c->n_lps;
 }
 
@@ -532,8 +525,6 @@ static void stream_format(job *j)
             sse(j, o);
             j->role_sent |= 1 << i;
         }
-        /* a character whose last bytes are still to come waits for them (or for the end,
-         * when what is left is sent with U+FFFD for it) */
         /* a thought first, as reasoning_content; the answer proper starts after it (base) */
         size_t base = 0;
         int thinking = 0;
@@ -557,6 +548,8 @@ static void stream_format(job *j)
             base = r.content;
             c->sent = c->sent < base ? base : c->sent;
         }
+        /* a character whose last bytes are still to come waits for them (or for the end,
+         * when what is left is sent with U+FFFD for it) */
         size_t ready = c->done ? c->len
                                : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
         loom_tool_calls tc = {0};
@@ -828,7 +821,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->refs = 1;
     j->tool_syntax = p.tool_syntax, j->parallel_tool_calls = p.parallel_tool_calls;
     j->reasoning = chat ? p.reasoning : 0;
-    j->logprobs = p.logprobs, j->top_logprobs = p.top_logprobs;
+    j->logprobs = p.logprobs;
     j->prompt_last = p.ids[p.n_ids - 1];
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
