@@ -451,7 +451,6 @@ static int parse_sequence(builder *b, gseq *s, int nested)
 {
     for (;;) {
         skip_space(b);
-        const char *at = b->p;
         char c = *b->p;
         int from = s->n;
         if (!c || c == '|' || c == ')')
@@ -514,7 +513,6 @@ static int parse_sequence(builder *b, gseq *s, int nested)
         } else {
             return bfail(b, "unexpected '%c'", c);
         }
-        (void)at;
         /* postfix operators apply to what was just read */
         for (;;) {
             char op = *b->p;
