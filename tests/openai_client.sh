@@ -21,17 +21,15 @@ PID=$!
     --chat-template-file "$top_srcdir/tests/templates/toolchat.jinja" >server2.log 2>&1 &
 PID2=$!
 trap 'kill -TERM $PID $PID2 2>/dev/null; rm -rf "$tmpdir"' EXIT
-for _ in $(seq 100); do
-    port=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' server.log)
-    [ -n "$port" ] && break
-    sleep 0.1
-done
+listening_port() { # LOG: the port the server writing LOG listens on, once it says so
+    for _ in $(seq 100); do
+        sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' "$1" | grep . && return
+        sleep 0.1
+    done
+}
+port=$(listening_port server.log)
 [ -n "$port" ] || { fail "server did not start: $(cat server.log)"; finish; }
-for _ in $(seq 100); do
-    port2=$(sed -n 's/.*listening on http:\/\/[0-9.]*:\([0-9][0-9]*\).*/\1/p' server2.log)
-    [ -n "$port2" ] && break
-    sleep 0.1
-done
+port2=$(listening_port server2.log)
 [ -n "$port2" ] || { fail "the second server did not start: $(cat server2.log)"; finish; }
 
 cat >client.mjs <<'EOF'
