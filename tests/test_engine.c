@@ -579,11 +579,21 @@ static void check_admission(const char *gguf)
     r.max_tokens = 40;
     r.tenant = 2;
     submit(&c[6], &r, 6);
+    /* the engine delivers a request's end before it plans the next step, so while neither of
+     * the first two has ended, no slot has been handed out since the second tenant's request
+     * arrived; a thread paused for 400 tokens' time makes the turn unobservable, not wrong */
+    pthread_mutex_lock(&mu);
+    int slot_freed_before = c[0].done || c[1].done;
+    pthread_mutex_unlock(&mu);
     wait_all(c, 7);
-    CHECK(c[6].started_as <= 3,
-          "at equal priority the tenants take turns: the second tenant's request started %d-th "
-          "(the flood's first two are 1 and 2)",
-          c[6].started_as);
+    if (!slot_freed_before)
+        CHECK(c[6].started_as <= 3,
+              "at equal priority the tenants take turns: the second tenant's request started "
+              "%d-th (the flood's first two are 1 and 2)",
+              c[6].started_as);
+    else
+        printf("note: a flood request ended before the second tenant's was submitted; the "
+               "turn was not observable\n");
     /* a tenant's own limits: at most one running, one waiting */
     memset(c, 0, sizeof c);
     n_started = 0;
