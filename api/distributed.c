@@ -567,7 +567,9 @@ int loom_dist_follow(loom_dist *d, loom_runner *r, char *err, size_t err_size)
                             p + 4 * c.n_tokens,
                             c.n_logits,
                             p + 4 * c.n_tokens + table,
-                            c.has_prefix ? p + 4 * c.n_tokens + table + c.n_logits : NULL};
+                            c.has_prefix ? p + 4 * c.n_tokens + table + c.n_logits : NULL,
+                            0,
+                            NULL};
             new_step(d);
             /* a failure goes down the pipeline to rank 0, which decides; the runner passes
              * on those of a step it ran, this one a step it refused outright */

@@ -56,6 +56,11 @@ typedef struct ereq {
     int32_t priority;
     double deadline; /* now_ms() past which it is ended; 0: none */
     int32_t tenant, tenant_max_running;
+    /* an embedding request: the hidden states pooled so far (the sum of n_pooled rows) */
+    loom_pooling pooling;
+    int embed_unnormalized;
+    int32_t n_pooled;
+    double *pooled;
 } ereq;
 
 struct loom_engine {
@@ -67,6 +72,8 @@ struct loom_engine {
                                  the first grammar */
     float *logits_copy;       /* a constrained step's unmasked logits */
     float *raw_logits;        /* a step's logits before sampling changes them (logprobs) */
+    float *embedding;         /* an embedding request's answer, as its DONE event carries it */
+    int32_t n_embd;
     int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
     double batch_wait_ms;
 
@@ -124,6 +131,7 @@ static void req_free(ereq *q)
     loom_text_stream_free(&q->ts);
     grammar_matcher_free(q->gm);
     loom_grammar_free(q->grammar);
+    free(q->pooled);
     free(q);
 }
 
@@ -182,7 +190,8 @@ static void deliver(loom_engine *e, ereq *q, const loom_event *ev)
     pthread_mutex_unlock(&e->deliver_lock);
 }
 
-/* Ends a request (already out of waiting and running): the last text, then DONE or ERROR. */
+/* Ends a request (already out of waiting and running): the last text, then DONE or ERROR;
+ * an embedding request's DONE carries e->embedding. */
 static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *error, int deadline)
 {
     loom_kvblocks_release(e->kv, &q->kv);
@@ -202,6 +211,8 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.finish_reason = finish;
     ev.error = error;
     ev.deadline = deadline;
+    if (q->pooling && !error)
+        ev.embedding = e->embedding, ev.n_embd = e->n_embd;
     forget_live(e, q);
     deliver(e, q, &ev);
     req_free(q);
@@ -223,7 +234,11 @@ static void expire(loom_engine *e)
         if (q->deadline > 0 && now >= q->deadline) {
             remove_running(e, q);
             e->n_deadline_running++;
-            retire_as(e, q, "length", NULL, 1);
+            if (q->pooling) /* half an embedding is none */
+                retire_as(e, q, NULL,
+                          "the request reached its deadline before its prompt was computed", 1);
+            else
+                retire_as(e, q, "length", NULL, 1);
             i--;
         }
     }
@@ -250,7 +265,17 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         snprintf(err, err_size, "the prompt is empty");
         return -1;
     }
-    if (r->n_prompt >= e->n_ctx) {
+    if (r->pooling != LOOM_POOL_NONE && r->pooling != LOOM_POOL_LAST &&
+        r->pooling != LOOM_POOL_MEAN) {
+        snprintf(err, err_size, "pooling %d is not one of loom_pooling's", (int)r->pooling);
+        return -1;
+    }
+    if (r->pooling && r->n_prompt > e->n_ctx) {
+        snprintf(err, err_size, "the input has %d tokens but the context holds %d", r->n_prompt,
+                 e->n_ctx);
+        return -1;
+    }
+    if (!r->pooling && r->n_prompt >= e->n_ctx) {
         snprintf(err, err_size,
                  "the prompt has %d tokens but the context holds %d (including at "
                  "least one generated token)",
@@ -263,11 +288,15 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
                      r->prompt[i], e->n_vocab - 1);
             return -1;
         }
-    int32_t max_tokens = r->max_tokens < 0 || r->max_tokens > e->n_ctx - r->n_prompt
-        ? e->n_ctx - r->n_prompt
-        : r->max_tokens;
+    int32_t max_tokens = r->pooling                                   ? 0
+        : r->max_tokens < 0 || r->max_tokens > e->n_ctx - r->n_prompt ? e->n_ctx - r->n_prompt
+                                                                      : r->max_tokens;
     ereq *q = calloc(1, sizeof *q);
     if (!q)
+        goto oom;
+    q->pooling = r->pooling;
+    q->embed_unnormalized = r->embed_unnormalized;
+    if (q->pooling && !(q->pooled = malloc((size_t)e->n_embd * sizeof *q->pooled)))
         goto oom;
     q->cap = r->n_prompt + max_tokens + 1;
     q->toks = malloc((size_t)q->cap * sizeof *q->toks);
@@ -503,7 +532,10 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
     }
     ereq *q;
     while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now))) {
-        int32_t hit = loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
+        /* a mean needs every token's hidden state, which the cache does not keep */
+        int32_t hit = q->pooling == LOOM_POOL_MEAN
+            ? 0
+            : loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
         int32_t rest = q->n_toks - hit;
         /* admit only what can be prefilled to the end without preempting anyone */
         if (loom_kvblocks_needed(e->kv, &q->kv, rest) > loom_kvblocks_available(e->kv)) {
@@ -523,6 +555,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
         }
+        q->n_pooled = 0; /* (again, after a preemption) */
         remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
@@ -681,6 +714,33 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
     return 0;
 }
 
+/* Adds n rows of final hidden states to an embedding request's pool. */
+static void pool(loom_engine *e, ereq *q, const float *rows, int32_t n)
+{
+    if (q->n_pooled == 0)
+        memset(q->pooled, 0, (size_t)e->n_embd * sizeof *q->pooled);
+    for (int32_t r = 0; r < n; r++)
+        for (int32_t d = 0; d < e->n_embd; d++)
+            q->pooled[d] += rows[(size_t)r * (size_t)e->n_embd + (size_t)d];
+    q->n_pooled += n;
+}
+
+/* Ends an embedding request (its prompt computed): the mean of what it pooled (for "last",
+ * one row), scaled to length one unless it asked otherwise. */
+static void finish_embedding(loom_engine *e, ereq *q)
+{
+    double norm = 0;
+    for (int32_t d = 0; d < e->n_embd; d++) {
+        double v = q->pooled[d] / q->n_pooled;
+        q->pooled[d] = v;
+        norm += v * v;
+    }
+    double scale = q->embed_unnormalized || norm == 0 ? 1 : 1 / sqrt(norm);
+    for (int32_t d = 0; d < e->n_embd; d++)
+        e->embedding[d] = (float)(q->pooled[d] * scale);
+    retire(e, q, "stop", NULL);
+}
+
 static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcopy *copies,
                      int n_copies, int32_t *buf)
 {
@@ -693,16 +753,20 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     }
     int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
     int32_t *rows = slots + n_tok, *prefix = rows + n_plan, *table = prefix + n_plan;
+    int32_t *hidden_rows = table + (size_t)n_plan * (size_t)max_blocks, n_hidden = 0;
     int any_prefix = 0;
     int32_t t = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
+        int ends = q->kv.n_tokens + plan[i].k == q->n_toks;
         for (int32_t j = 0; j < plan[i].k; j++, t++) {
             int32_t p = q->kv.n_tokens + j;
             ids[t] = q->toks[p], pos[t] = p, seq[t] = i;
             slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
+            if (q->pooling == LOOM_POOL_MEAN || (q->pooling && ends && j == plan[i].k - 1))
+                hidden_rows[n_hidden++] = t;
         }
-        if (q->kv.n_tokens + plan[i].k == q->n_toks)
+        if (ends && !q->pooling)
             rows[n_logits++] = t - 1; /* its last known token: sample after it */
         prefix[i] = q->prefix_len;
         any_prefix |= q->prefix_len > 0;
@@ -716,7 +780,7 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
     /* clang-format off */
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
-                    any_prefix ? prefix : NULL};
+                    any_prefix ? prefix : NULL, n_hidden, hidden_rows};
     /* clang-format on */
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
@@ -730,12 +794,23 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     }
     e->n_steps++;
     const float *logits = loom_runner_logits(e->runner);
-    int li = 0;
+    const float *hidden = loom_runner_hidden(e->runner);
+    int li = 0, hi = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
-        int wants = q->kv.n_tokens + plan[i].k == q->n_toks;
+        int ends = q->kv.n_tokens + plan[i].k == q->n_toks;
         loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k);
-        if (!wants)
+        if (q->pooling) {
+            int32_t n_rows = q->pooling == LOOM_POOL_MEAN ? plan[i].k : ends;
+            pool(e, q, hidden + (size_t)hi * (size_t)e->n_embd, n_rows);
+            hi += n_rows;
+            if (ends) {
+                remove_running(e, q);
+                finish_embedding(e, q);
+            }
+            continue;
+        }
+        if (!ends)
             continue;
         memcpy(e->logits, logits + (size_t)li++ * (size_t)e->n_vocab,
                (size_t)e->n_vocab * sizeof *e->logits);
@@ -914,6 +989,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->tok = loom_model_tokenizer(m);
     e->n_ctx = loom_runner_n_ctx(e->runner);
     e->n_vocab = loom_model_n_vocab(m);
+    e->n_embd = loom_model_n_embd(m);
     e->bs = loom_runner_block_size(e->runner);
     e->max_batch = o->max_batch > 0 ? o->max_batch : 16;
     e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
@@ -944,11 +1020,16 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
     e->plan = malloc((size_t)e->max_batch * sizeof *e->plan);
     e->copies = malloc((size_t)e->max_batch * sizeof *e->copies);
-    e->step_buf = malloc((4 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
+    /* a step's ids, positions, sequences, slots and hidden rows (max_step each); logit rows,
+     * prefixes and block table rows (per sequence) */
+    e->step_buf = malloc((5 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
                          sizeof *e->step_buf);
-    if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf) {
+    e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
+    if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
+        !e->embedding) {
         loom_kvblocks_free(e->kv);
         free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
+        free(e->embedding);
         free(e);
         snprintf(err, err_size, "out of memory");
         return NULL;
@@ -964,6 +1045,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
         snprintf(err, err_size, "cannot start the engine thread: %s", strerror(rc));
         loom_kvblocks_free(e->kv);
         free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
+        free(e->embedding);
         free(e);
         return NULL;
     }
@@ -1012,5 +1094,6 @@ void loom_engine_free(loom_engine *e)
     grammar_vocab_free(e->gvocab[1]);
     free(e->logits_copy);
     free(e->raw_logits);
+    free(e->embedding);
     free(e);
 }

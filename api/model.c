@@ -389,6 +389,11 @@ int32_t loom_model_n_vocab(const loom_model *m)
     return loom_runner_hparams(m->runner)->n_vocab;
 }
 
+int32_t loom_model_n_embd(const loom_model *m)
+{
+    return loom_runner_hparams(m->runner)->n_embd;
+}
+
 int32_t loom_default_block_size(void)
 {
     return LOOM_RUNNER_BLOCK_SIZE;

@@ -318,6 +318,20 @@ void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits)
     r->has_logits = 1;
 }
 
+/* rows `which` of the residual stream x, through the final norm: a new [n_embd, n] tensor */
+static loom_tensor final_rows(loom_runner *r, const loom_tensor *x, const loom_tensor *which,
+                              int32_t n, const loom_tensor *norm, const loom_tensor *norm_bias,
+                              float eps)
+{
+    loom_tensor rows = loom_rt_scratch(r, LOOM_F32, x->ne[0], n, 1);
+    loom_rt_get_rows(r, x, which, &rows);
+    if (norm_bias)
+        loom_rt_layer_norm(r, &rows, norm, norm_bias, eps, &rows);
+    else
+        loom_rt_rms_norm(r, &rows, norm, eps, &rows);
+    return rows;
+}
+
 void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
                     const loom_tensor *output)
@@ -326,15 +340,14 @@ void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
         loom_stage_hand_on(r, x);
         return;
     }
+    if (b->n_hidden > 0) {
+        r->hidden_src = final_rows(r, x, &r->in.hidden_rows, b->n_hidden, norm, norm_bias, eps);
+        r->has_hidden = 1;
+    }
     if (b->n_logits <= 0)
         return;
-    loom_tensor rows = loom_rt_scratch(r, LOOM_F32, x->ne[0], b->n_logits, 1);
+    loom_tensor rows = final_rows(r, x, &r->in.logit_rows, b->n_logits, norm, norm_bias, eps);
     loom_tensor logits = loom_rt_scratch(r, LOOM_F32, output->ne[1], b->n_logits, 1);
-    loom_rt_get_rows(r, x, &r->in.logit_rows, &rows);
-    if (norm_bias)
-        loom_rt_layer_norm(r, &rows, norm, norm_bias, eps, &rows);
-    else
-        loom_rt_rms_norm(r, &rows, norm, eps, &rows);
     loom_rt_matmul(r, &rows, output, NULL, &logits);
     loom_rt_set_logits(r, &logits);
 }
@@ -893,7 +906,8 @@ void loom_runner_free(loom_runner *r)
     for (int i = 0; i < r->n_constants; i++)
         ops->buffer_free(r->dev->be, r->constants[i].buf);
     free(r->weights), free(r->weight_bufs), free(r->weight_ready), free(r->prepared), free(r->prep);
-    free(r->kc), free(r->vc), free(r->logits), free(r->in_host), free(r->eval_host);
+    free(r->kc), free(r->vc), free(r->logits), free(r->hidden), free(r->in_host),
+        free(r->eval_host);
     free(r->handoff);
     free(r);
 }
@@ -911,6 +925,11 @@ int32_t loom_runner_n_ctx(const loom_runner *r)
 const float *loom_runner_logits(const loom_runner *r)
 {
     return r->logits;
+}
+
+const float *loom_runner_hidden(const loom_runner *r)
+{
+    return r->hidden;
 }
 
 int32_t loom_runner_prefix_len(const loom_runner *r, const int32_t *ids, int32_t n)
@@ -1028,6 +1047,21 @@ static int check_step(const loom_runner *r, const loom_step *s, char *err, size_
             snprintf(err, err_size, "logit row %d is not a token of the step", s->logit_rows[i]);
             return -1;
         }
+    if (s->n_hidden < 0 || s->n_hidden > n) {
+        snprintf(err, err_size, "a malformed step (%d hidden rows of %d tokens)", s->n_hidden, n);
+        return -1;
+    }
+    if (s->n_hidden && r->opt.link) {
+        snprintf(err, err_size,
+                 "hidden states (embeddings) are not available from a pipeline "
+                 "of stages; run the model in one process");
+        return -1;
+    }
+    for (int32_t i = 0; i < s->n_hidden; i++)
+        if (s->hidden_rows[i] < 0 || s->hidden_rows[i] >= n) {
+            snprintf(err, err_size, "hidden row %d is not a token of the step", s->hidden_rows[i]);
+            return -1;
+        }
     return 0;
 }
 
@@ -1038,7 +1072,8 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
     const int32_t n = s->n_tokens;
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
     uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
-    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix;
+    uint64_t n_hidden = (uint64_t)s->n_hidden;
+    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix + n_hidden;
     if (inputs_reserve(r, total) == 0) {
         int32_t *h = r->in_host;
         memcpy(h, s->ids, (size_t)n * 4);
@@ -1050,6 +1085,9 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
             memcpy(h + 4 * n + table, s->logit_rows, (size_t)s->n_logits * 4);
         if (n_prefix)
             memcpy(h + 4 * n + table + s->n_logits, s->prefix_len, (size_t)n_prefix * 4);
+        if (n_hidden)
+            memcpy(h + 4 * n + table + s->n_logits + n_prefix, s->hidden_rows,
+                   (size_t)n_hidden * 4);
         if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
             loom_runner_fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
@@ -1065,9 +1103,13 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
     if (n_prefix)
         r->in.prefix_len = dense(r->in_buf, (uint64_t)(4 * n + table + (uint64_t)s->n_logits) * 4,
                                  LOOM_I32, s->n_seqs, 1, 1, 1);
+    if (n_hidden)
+        r->in.hidden_rows = dense(r->in_buf,
+                                  (uint64_t)(4 * n + table + (uint64_t)s->n_logits + n_prefix) * 4,
+                                  LOOM_I32, s->n_hidden, 1, 1, 1);
     r->n_scratch_used = 0;
-    r->has_logits = 0;
-    loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len};
+    r->has_logits = r->has_hidden = 0;
+    loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len, s->n_hidden};
     /* a forward pass that stops early without saying why (out of host memory) still fails
      * the step, in its own words rather than as "no logits" */
     if (!r->status && r->arch->forward(r, r->state, &b) != 0 && !r->status)
@@ -1089,6 +1131,23 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
                     (double)r->logits[i], (unsigned long long)(i % (uint64_t)r->hp.n_vocab),
                     s->pos[s->logit_rows[i / (uint64_t)r->hp.n_vocab]]);
     }
+    if (!r->status && s->n_hidden) {
+        uint64_t n_out = (uint64_t)s->n_hidden * (uint64_t)r->hp.n_embd;
+        if (!r->has_hidden)
+            loom_runner_fail(r, "the model produced no hidden states");
+        else if (ops->synchronize(r->dev->be) != LOOM_OK ||
+                 ops->copy_to_host(r->dev->be, r->hidden, r->hidden_src.buf, r->hidden_src.offset,
+                                   n_out * 4) != LOOM_OK)
+            loom_runner_fail(r, "reading the hidden states back: %s", ops->last_error(r->dev->be));
+        for (uint64_t i = 0; !r->status && !r->census && i < n_out; i++)
+            if (!isfinite(r->hidden[i]))
+                loom_runner_fail(r,
+                                 "the model's final hidden state is not finite (%g at position "
+                                 "%d): its weights or hyper-parameters are broken ('loom verify "
+                                 "FILE' checks them)",
+                                 (double)r->hidden[i],
+                                 s->pos[s->hidden_rows[i / (uint64_t)r->hp.n_embd]]);
+    }
 }
 
 
@@ -1104,6 +1163,14 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
             return -1;
         }
         r->logits = lg, r->logits_cap = s->n_logits;
+    }
+    if (s->n_hidden > r->hidden_cap) {
+        float *h = realloc(r->hidden, (size_t)s->n_hidden * (size_t)r->hp.n_embd * sizeof *h);
+        if (!h) {
+            snprintf(err, err_size, "out of memory");
+            return -1;
+        }
+        r->hidden = h, r->hidden_cap = s->n_hidden;
     }
     if (r->opt.link)
         loom_stage_step(r, s);
@@ -1174,7 +1241,9 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                             : c0 + m == n ? 1
                                           : 0,
                         out ? every : &last,
-                        r->seq_prefix_len ? &r->seq_prefix_len : NULL};
+                        r->seq_prefix_len ? &r->seq_prefix_len : NULL,
+                        0,
+                        NULL};
         rc = loom_runner_step(r, &st, err, err_size);
         if (rc == 0 && out && (loom_runner_is_last_stage(r) || r->opt.link->recv_logits))
             memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,

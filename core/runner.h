@@ -57,6 +57,7 @@ typedef struct loom_batch {
     /* the same inputs on the host, for models that derive more from them */
     const int32_t *pos, *seq;
     const int32_t *prefix_len; /* per sequence, or NULL (purely causal) */
+    int32_t n_hidden;          /* rows of in.hidden_rows whose final hidden states are wanted */
 } loom_batch;
 
 typedef struct loom_arch {
@@ -142,6 +143,8 @@ int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t 
                          char *err, size_t err_size);
 /* The logits of the last eval or step: n_logits rows of n_vocab floats. */
 const float *loom_runner_logits(const loom_runner *r);
+/* The final hidden states of the last step's hidden_rows: n_hidden rows of n_embd floats. */
+const float *loom_runner_hidden(const loom_runner *r);
 
 /* One step over many sequences. Token t has id ids[t] at position pos[t] of sequence seq[t]
  * (a row of block_table, [n_seqs][max_blocks]) and its K/V go to cache slot slots[t]. The logits
@@ -155,6 +158,10 @@ typedef struct loom_step {
     int32_t n_logits;
     const int32_t *logit_rows;
     const int32_t *prefix_len; /* [n_seqs] bidirectional prefix per sequence, or NULL */
+    /* tokens whose final hidden states (after the model's final norm, before the head) are
+     * copied to the host (embeddings); not on a pipeline of stages */
+    int32_t n_hidden;
+    const int32_t *hidden_rows;
 } loom_step;
 int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size);
 
@@ -208,7 +215,7 @@ loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, in
 /* The batch's per-token inputs on the device: ids, positions, KV slots, sequence ids, the block
  * table, and which tokens' logits are wanted. */
 typedef struct loom_rt_inputs {
-    loom_tensor ids, pos, slots, seq, block_table, logit_rows, prefix_len;
+    loom_tensor ids, pos, slots, seq, block_table, logit_rows, prefix_len, hidden_rows;
 } loom_rt_inputs;
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
 /* Layer l's K and V caches. */
@@ -224,8 +231,9 @@ const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n
 void loom_rt_set_logits(loom_runner *r, const loom_tensor *logits);
 /* The usual tail: gathers the wanted rows of the residual stream x, normalises them (RMSNorm
  * with weight norm, or LayerNorm when norm_bias is given) and projects them with output into
- * the logits (a no-op when none are wanted). On a pipeline stage before the last, it hands x
- * to the next stage instead. */
+ * the logits (a no-op when none are wanted); the rows whose hidden states are wanted are
+ * normalised the same way and kept as they are. On a pipeline stage before the last, it
+ * hands x to the next stage instead. */
 void loom_rt_logits(loom_runner *r, const loom_batch *b, const loom_tensor *x,
                     const loom_tensor *norm, const loom_tensor *norm_bias, float eps,
                     const loom_tensor *output);

@@ -53,8 +53,12 @@ struct loom_runner {
 
     loom_tensor logits_src;
     int has_logits;
-    float *logits;      /* [n_logits][n_vocab] */
-    int32_t logits_cap; /* rows */
+    float *logits;          /* [n_logits][n_vocab] */
+    int32_t logits_cap;     /* rows */
+    loom_tensor hidden_src; /* the step's wanted final hidden states, on the device */
+    int has_hidden;
+    float *hidden;      /* [n_hidden][n_embd] */
+    int32_t hidden_cap; /* rows */
 
     loom_fallback *fallback;    /* for ops the device lacks; opened on first need */
     loom_fallback *experts_run; /* matmul_id on opt.experts, when the experts are placed there */

@@ -1,7 +1,7 @@
 #!/bin/sh
 # tests/openai_client.sh - `loom serve` driven by the official OpenAI client (the npm `openai`
 # package, the same request and response shapes as the Python one): completions, chat, both
-# streamed, n > 1, an error surfacing as the client's typed exception; then tools (a required
+# streamed, n > 1, embeddings (base64, as the client asks), an error surfacing as the client's typed exception; then tools (a required
 # call read by the client, its result sent back, the client's own stream helper assembling
 # streamed calls) and structured output (chat.completions.parse with a zod schema). Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
@@ -72,6 +72,14 @@ ok('streamed chat equals the plain one', text === chat.choices[0].message.conten
 const many = await client.completions.create({ model: name, prompt: 'The cat', max_tokens: 8, n: 3, seed: 9 });
 ok('n=3', many.choices.length === 3);
 
+// the client asks for base64 unless told otherwise, and decodes it
+const e1 = await client.embeddings.create({ model: name, input: ['Once upon a time', 'The cat'] });
+const e2 = await client.embeddings.create({ model: name, input: 'The cat', encoding_format: 'float' });
+const v = e1.data[1].embedding, w = e2.data[0].embedding;
+ok(`embeddings.create: ${e1.data.length} of ${v.length} dimensions, length ${Math.hypot(...v).toFixed(6)}`,
+   e1.data.length === 2 && v.length === w.length && v.every((x, i) => Math.abs(x - w[i]) < 1e-6) &&
+   Math.abs(Math.hypot(...v) - 1) < 1e-5 && e1.usage.prompt_tokens > 0);
+
 try {
   await client.completions.create({ model: 'nope', prompt: 'x' });
   ok('unknown model raises', false);
@@ -89,7 +97,7 @@ EOF
 PORT=$port node client.mjs >client.out 2>&1 || true
 cat client.out
 grep -q '^FAIL' client.out && fail "the OpenAI client disagreed (above)"
-[ "$(grep -c "^ok" client.out)" -ge 9 ] || fail "the client script did not finish: $(tail -n 5 client.out)"
+[ "$(grep -c "^ok" client.out)" -ge 10 ] || fail "the client script did not finish: $(tail -n 5 client.out)"
 
 # tools and structured output, on a model whose template shows tools (its weights are random:
 # the calls and the JSON are made by loom's constrained decoding; a random model spends many

@@ -640,6 +640,166 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
                 json_type(pr));
 }
 
+/* "model" names the served one */
+static int check_model(const openai_model *srv, const cJSON *body, bad *b)
+{
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
+    if (!model)
+        return fail(b, 400, "model", "Missing required parameter: 'model' (this server has '%s')",
+                    srv->model_name);
+    if (!cJSON_IsString(model))
+        return fail(b, 400, "model", "'model' must be a string, not %s", json_type(model));
+    if (strcmp(model->valuestring, srv->model_name)) {
+        b->code = "model_not_found";
+        return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
+                    model->valuestring, srv->model_name);
+    }
+    return 0;
+}
+
+/* "priority", "timeout" and "user", as every endpoint takes them */
+static int parse_admission(const cJSON *body, int32_t *priority, int *priority_given,
+                           double *timeout_s, const char **user, bad *b)
+{
+    double x;
+    int r;
+    if ((r = get_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        *priority = (int32_t)x, *priority_given = 1;
+    if ((r = get_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
+        return -1;
+    if (r)
+        *timeout_s = x;
+    const cJSON *u = cJSON_GetObjectItemCaseSensitive(body, "user");
+    if (u && !cJSON_IsNull(u) && !cJSON_IsString(u))
+        return fail(b, 400, "user", "'user' must be a string, not %s", json_type(u));
+    *user = cJSON_IsString(u) ? u->valuestring : NULL;
+    return 0;
+}
+
+/* One embeddings input: text (tokenized as a completion's prompt) or token ids. */
+static int embedding_input(const openai_model *srv, const cJSON *in, int index, int many,
+                           embed_input *out, bad *b)
+{
+    char param[32];
+    if (many)
+        snprintf(param, sizeof param, "input[%d]", index);
+    else
+        snprintf(param, sizeof param, "input");
+    parsed t = {0};
+    if (cJSON_IsString(in) && !in->valuestring[0])
+        return fail(b, 400, param, "%s is an empty string: an embedding needs some text", param);
+    if (cJSON_IsString(in)) {
+        if (tokenize_text(srv, in->valuestring, 0, 1, NULL, 0, &t, b, param) != 0) {
+            free(t.ids);
+            return -1;
+        }
+    } else if (cJSON_IsArray(in) && (!in->child || cJSON_IsNumber(in->child))) {
+        int32_t nv = loom_model_n_vocab(srv->model);
+        if (!(t.ids = malloc((size_t)cJSON_GetArraySize(in) * sizeof *t.ids + 1)))
+            return fail(b, 500, NULL, "out of memory");
+        for (const cJSON *x = in->child; x; x = x->next) {
+            if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) ||
+                x->valuedouble < 0 || x->valuedouble >= nv) {
+                free(t.ids);
+                return fail(b, 400, param, "token ids must be whole numbers from 0 to %d", nv - 1);
+            }
+            t.ids[t.n_ids++] = (int32_t)x->valuedouble;
+        }
+    } else {
+        return fail(b, 400, param,
+                    "'input' must be a string, an array of strings, an array of token ids or an "
+                    "array of such arrays; %s is %s",
+                    param, json_type(in));
+    }
+    out->ids = t.ids, out->n_ids = t.n_ids;
+    if (t.n_ids <= 0)
+        return fail(b, 400, param, "%s gives no tokens: an embedding needs at least one", param);
+    if (t.n_ids > srv->n_ctx) {
+        b->code = "context_length_exceeded";
+        return fail(b, 400, param,
+                    "This model's maximum context length is %d tokens, and %s has %d; please "
+                    "shorten it",
+                    srv->n_ctx, param, t.n_ids);
+    }
+    return 0;
+}
+
+int openai_parse_embeddings(const openai_model *srv, const cJSON *body, embed_parsed *p, bad *b)
+{
+    static const char *const fields[] = {"model",   "input",   "encoding_format", "dimensions",
+                                         "user",    "pooling", "normalize",       "priority",
+                                         "timeout", NULL};
+    if (!cJSON_IsObject(body))
+        return fail(b, 400, NULL, "the request body must be a JSON object");
+    if (check_known(body, fields, b) || check_model(srv, body, b) != 0)
+        return -1;
+    p->pooling = LOOM_POOL_LAST, p->normalize = 1;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, "encoding_format");
+    if (v && !cJSON_IsNull(v)) {
+        if (!cJSON_IsString(v) ||
+            (strcmp(v->valuestring, "float") && strcmp(v->valuestring, "base64")))
+            return fail(b, 400, "encoding_format", "'encoding_format' must be 'float' or 'base64'");
+        p->base64 = !strcmp(v->valuestring, "base64");
+    }
+    v = cJSON_GetObjectItemCaseSensitive(body, "pooling");
+    if (v && !cJSON_IsNull(v)) {
+        if (!cJSON_IsString(v) ||
+            (strcmp(v->valuestring, "last") && strcmp(v->valuestring, "mean")))
+            return fail(b, 400, "pooling",
+                        "'pooling' must be 'last' (the last token's hidden state, the default) "
+                        "or 'mean' (their average over the input)");
+        p->pooling = strcmp(v->valuestring, "mean") ? LOOM_POOL_LAST : LOOM_POOL_MEAN;
+    }
+    if (get_bool(body, "normalize", &p->normalize, b) < 0)
+        return -1;
+    double x;
+    int r;
+    int32_t n_embd = loom_model_n_embd(srv->model);
+    if ((r = get_number(body, "dimensions", 1, 1 << 24, 1, &x, b)) < 0)
+        return -1;
+    if (r && (int32_t)x != n_embd) /* shortening is for models trained for it (Matryoshka) */
+        return fail(b, 400, "dimensions",
+                    "this model's embeddings have %d dimensions; 'dimensions' cannot change that "
+                    "(leave it out)",
+                    n_embd);
+    if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
+        return -1;
+    const cJSON *in = cJSON_GetObjectItemCaseSensitive(body, "input");
+    if (!in)
+        return fail(b, 400, "input", "Missing required parameter: 'input'");
+    /* a list of inputs: strings or arrays of ids; anything else is one input */
+    int many = cJSON_IsArray(in) && in->child &&
+        (cJSON_IsString(in->child) || cJSON_IsArray(in->child));
+    int n = many ? cJSON_GetArraySize(in) : 1;
+    if (cJSON_IsArray(in) && !in->child)
+        return fail(b, 400, "input", "'input' is an empty array: give at least one input");
+    if (n > OPENAI_MAX_INPUTS)
+        return fail(b, 400, "input", "'input' has %d inputs; at most %d go in one request", n,
+                    OPENAI_MAX_INPUTS);
+    if (!(p->inputs = calloc((size_t)n, sizeof *p->inputs)))
+        return fail(b, 500, NULL, "out of memory");
+    const cJSON *item = many ? in->child : in;
+    for (int i = 0; i < n; i++, item = item->next) {
+        if (embedding_input(srv, item, i, many, &p->inputs[i], b) != 0) {
+            p->n_inputs = i + 1; /* (its ids, if any, are freed with the rest) */
+            return -1;
+        }
+        p->n_inputs = i + 1;
+        p->n_tokens += p->inputs[i].n_ids;
+    }
+    return 0;
+}
+
+void openai_embed_parsed_free(embed_parsed *p)
+{
+    for (int i = 0; i < p->n_inputs; i++)
+        free(p->inputs[i].ids);
+    free(p->inputs);
+    memset(p, 0, sizeof *p);
+}
+
 loom_sampling openai_default_sampling(void)
 {
     loom_sampling s = loom_sampling_defaults();
@@ -676,17 +836,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     for (const char *const *u = chat ? chat_unsupported : completion_unsupported; *u; u++)
         if (unsupported(body, *u, b))
             return -1;
-    const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
-    if (!model)
-        return fail(b, 400, "model", "Missing required parameter: 'model' (this server has '%s')",
-                    srv->model_name);
-    if (!cJSON_IsString(model))
-        return fail(b, 400, "model", "'model' must be a string, not %s", json_type(model));
-    if (strcmp(model->valuestring, srv->model_name)) {
-        b->code = "model_not_found";
-        return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
-                    model->valuestring, srv->model_name);
-    }
+    if (check_model(srv, body, b) != 0)
+        return -1;
     p->s = srv->defaults;
     p->max_tokens = chat ? -1 : 16;
     p->n = 1;
@@ -737,18 +888,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
     if (get_bool(body, "stream", &p->stream, b) < 0)
         return -1;
-    if ((r = get_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
+    if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
         return -1;
-    if (r)
-        p->priority = (int32_t)x, p->priority_given = 1;
-    if ((r = get_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->timeout_s = x;
-    const cJSON *user = cJSON_GetObjectItemCaseSensitive(body, "user");
-    if (user && !cJSON_IsNull(user) && !cJSON_IsString(user))
-        return fail(b, 400, "user", "'user' must be a string, not %s", json_type(user));
-    p->user = cJSON_IsString(user) ? user->valuestring : NULL;
     /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
     if (chat) {
         if (get_bool(body, "logprobs", &p->logprobs, b) < 0)

@@ -84,6 +84,29 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
 /* Frees what a parse allocated (ids, tool names, tools). */
 void openai_parsed_free(parsed *p);
 
+/* A valid /v1/embeddings request: its inputs' token ids (malloc'd) and how to answer. */
+#define OPENAI_MAX_INPUTS 2048
+typedef struct embed_input {
+    int32_t *ids;
+    int32_t n_ids;
+} embed_input;
+typedef struct embed_parsed {
+    embed_input *inputs;
+    int n_inputs;
+    int64_t n_tokens;     /* over all inputs */
+    loom_pooling pooling; /* "pooling": last (default) or mean, a loom extension */
+    int normalize;        /* "normalize" (default true): scaled to length one */
+    int base64;           /* "encoding_format": base64 (little-endian float32s) */
+    const char *user;
+    int32_t priority;
+    int priority_given;
+    double timeout_s;
+} embed_parsed;
+
+/* Checks and reads a /v1/embeddings body. 0, or -1 with b filled. */
+int openai_parse_embeddings(const openai_model *srv, const cJSON *body, embed_parsed *p, bad *b);
+void openai_embed_parsed_free(embed_parsed *p);
+
 /* Appends n bytes to a growing NUL-terminated buffer; -1 when out of memory. */
 int buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n);
 

@@ -129,6 +129,8 @@ int loom_model_follow(loom_model *m, char *err, size_t err_size);
 /* "cpu-avx512 (device 0)" and the like; for a pipeline, every rank's layers, host and backend. */
 const char *loom_model_backend(const loom_model *m);
 int32_t loom_model_n_vocab(const loom_model *m);
+/* The width of the model's hidden state: an embedding's length. */
+int32_t loom_model_n_embd(const loom_model *m);
 /* 1 when loom never generates id: outside the tokenizer's vocabulary, or a placeholder row
  * (token type UNUSED: the padding that gives every embedding row a token). */
 int loom_model_token_unused(const loom_model *m, int32_t id);
@@ -256,6 +258,10 @@ typedef struct loom_event {
     int32_t n_top;
     const int32_t *top_ids;
     const float *top_logprobs;
+    /* an embedding request's DONE event: its embedding, n_embd floats, valid during the
+     * callback */
+    const float *embedding;
+    int32_t n_embd;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -263,6 +269,15 @@ typedef struct loom_event {
 typedef void (*loom_event_fn)(void *user, const loom_event *ev);
 
 typedef struct loom_grammar loom_grammar; /* a grammar an answer must match (below) */
+
+/* How an embedding request pools its prompt's final hidden states (after the model's final
+ * norm, before its head): the last token's, what decoder embedding models (Qwen3-Embedding,
+ * e5-mistral, gte-Qwen) are trained with; or their mean over the prompt. */
+typedef enum loom_pooling {
+    LOOM_POOL_NONE = 0, /* not an embedding request: generate */
+    LOOM_POOL_LAST,
+    LOOM_POOL_MEAN
+} loom_pooling;
 
 typedef struct loom_request {
     const int32_t *prompt;
@@ -295,6 +310,12 @@ typedef struct loom_request {
      * alternatives' (0 to LOOM_MAX_TOP_LOGPROBS) */
     int logprobs;
     int32_t top_logprobs;
+    /* an embedding instead of an answer (pooling not LOOM_POOL_NONE): nothing is generated
+     * and the DONE event carries the pooled hidden state, scaled to length one unless
+     * embed_unnormalized. It runs in the batch beside the others; with LOOM_POOL_MEAN every
+     * prompt token is computed (the prefix cache cannot give hidden states) */
+    loom_pooling pooling;
+    int embed_unnormalized;
 } loom_request;
 
 #define LOOM_MAX_TOP_LOGPROBS 20
