@@ -38,6 +38,13 @@ int grammar_accept(grammar_matcher *m, int32_t id);
 /* Whether the answer so far is complete (may end), and whether nothing may follow it. */
 int grammar_may_end(const grammar_matcher *m);
 int grammar_must_end(const grammar_matcher *m);
+
+/* A JSON Schema "pattern" (a regular expression; the subset api/regex_gbnf.c lists) as a GBNF
+ * expression over the text of a JSON string between its quotes, as JSON escapes it; any_char
+ * names the rule of one such character, which an end without an anchor repeats. 0 with *gbnf
+ * malloc'd, or -1 with err naming what is not supported. */
+int loom_regex_to_gbnf(const char *pattern, const char *any_char, char **gbnf, char *err,
+                       size_t err_size);
 /* Whether bytes (a whole answer) match the grammar: for tests. */
 int grammar_matches(const loom_grammar *g, const char *bytes, size_t n);
 

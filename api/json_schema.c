@@ -11,6 +11,7 @@
  * description, default, examples, ...) are ignored.
  */
 #define _GNU_SOURCE
+#include "grammar.h"
 #include "internal.h"
 
 #include <cjson/cJSON.h>
@@ -307,10 +308,22 @@ static int gen_string(conv *c, const cJSON *s, text *out)
     const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(s, "format");
     const cJSON *mn = cJSON_GetObjectItemCaseSensitive(s, "minLength");
     const cJSON *mx = cJSON_GetObjectItemCaseSensitive(s, "maxLength");
-    if (cJSON_GetObjectItemCaseSensitive(s, "pattern"))
-        return fail(c,
-                    "'pattern' is not supported (loom does not turn regular expressions into "
-                    "grammars yet)");
+    const cJSON *pattern = cJSON_GetObjectItemCaseSensitive(s, "pattern");
+    if (pattern) {
+        if (!cJSON_IsString(pattern))
+            return fail(c, "'pattern' must be a string");
+        if (fmt || mn || mx)
+            return fail(c, "'pattern' beside format, minLength or maxLength is not supported");
+        char *body = NULL, why[300];
+        if (loom_regex_to_gbnf(pattern->valuestring, "json-char", &body, why, sizeof why) != 0)
+            return fail(c, "%s", why);
+        text rule = {0};
+        put(&rule, "\"\\\"\" %s \"\\\"\"", body);
+        free(body);
+        int rc = rule.oom ? fail(c, "out of memory") : add_rule(c, &rule, out);
+        free(rule.s);
+        return rc;
+    }
     if (fmt) {
         static const char *const known[][2] = {
             {"date", "\"\\\"\" json-date \"\\\"\""},

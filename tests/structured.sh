@@ -148,7 +148,8 @@ bad() { # WHAT MEMBERS EXPECTED-PARAM EXPECTED-TEXT
     [ "$(tail -n1 "$tmpdir/e.out")" = 400 ] && case "$got" in "$3: "*"$4"*) true;; *) false;; esac &&
         pass "$1: 400 '$got'" || fail "$1: $(cat "$tmpdir/e.out")"
 }
-bad "an unsupported keyword" '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a"}}}' response_format "'pattern' is not supported"
+bad "an unsupported keyword" '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "number", "multipleOf": 2}}}' response_format "keyword 'multipleOf' is not supported"
+bad "a pattern loom cannot follow" '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}' response_format "lookaround"
 bad "an unknown keyword" '"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "propertyNames": {}}}}' response_format "'propertyNames' is not supported"
 bad "json_schema without a name" '"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}' response_format "needs 'json_schema'"
 bad "another format type" '"response_format": {"type": "yaml"}' response_format "'yaml' is not one of"

@@ -187,7 +187,31 @@ int main(void)
     expect_schema("{\"type\": \"object\", \"properties\": {\"a\": {}, \"b\": {}, \"c\": {}}}",
                   L("{}", "{\"b\": 1}", "{\"a\": 1, \"c\": 3}", "{\"a\":1,\"b\":2,\"c\":3}"),
                   L("{\"b\": 1, \"a\": 2}", "{,\"a\": 1}", "{\"a\": 1,}"));
-    refused("{\"type\": \"string\", \"pattern\": \"^a+$\"}", 1, "'pattern' is not supported");
+    /* patterns: anchored, unanchored (a match anywhere), JSON's escapes in the answer */
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^[A-Z]{2}-\\\\d{3,4}$\"}",
+                  L("\"AB-123\"", "\"ZZ-0000\""),
+                  L("\"ab-123\"", "\"AB-12\"", "\"AB-12345\"", "\"xAB-123\""));
+    expect_schema("{\"type\": \"string\", \"pattern\": \"ab+\"}",
+                  L("\"ab\"", "\"xxabbby\"", "\"\\u00e9ab\""), L("\"a\"", "\"ba\""));
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^(?:yes|no)!?$\"}",
+                  L("\"yes\"", "\"no!\""), L("\"yesno\"", "\"\"", "\"maybe\""));
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^\\\"[^\\\"]*\\\"\\\\.\\\\s$\"}",
+                  L("\"\\\"hi \\\\\\\".\\n\"", "\"\\\"\\\".\\t\""),
+                  L("\"\\\"hi\\\"x \"", "\"\\\"a\\\"b\\\".\\n\""));
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^.$\"}",
+                  L("\"a\"", "\"\xc3\xa9\"", "\"\\t\"", "\"\\\"\""),
+                  L("\"\\n\"", "\"ab\"", "\"\""));
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^[^\\\\d]+$\"}", L("\"abc\"", "\"a b\""),
+                  L("\"a1\"", "\"\xc3\xa9\""));
+    refused("{\"type\": \"string\", \"pattern\": \"^(?=a)\"}", 1, "lookaround");
+    refused("{\"type\": \"string\", \"pattern\": \"(a)\\\\1\"}", 1, "backreferences");
+    refused("{\"type\": \"string\", \"pattern\": \"\\\\bword\"}", 1, "word boundaries");
+    refused("{\"type\": \"string\", \"pattern\": \"^a|b$\"}", 1, "group them");
+    refused("{\"type\": \"string\", \"pattern\": \"a{5,2}\"}", 1, "counts down");
+    refused("{\"type\": \"string\", \"pattern\": \"(ab\"}", 1, "without its ')'");
+    refused("{\"type\": \"string\", \"pattern\": \"\\\\p{L}\"}", 1, "property escapes");
+    refused("{\"type\": \"string\", \"pattern\": \"a\", \"maxLength\": 3}", 1,
+            "beside format, minLength");
     refused("{\"type\": \"object\", \"patternProperties\": {}}", 1,
             "keyword 'patternProperties' is not supported");
     refused("{\"type\": \"number\", \"minimum\": 0.5}", 1, "'minimum' on a number");

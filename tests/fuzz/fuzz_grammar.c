@@ -1,12 +1,14 @@
 /*
  * tests/fuzz/fuzz_grammar.c - libFuzzer harness for constrained decoding's grammars: the input
- * is a GBNF grammar (first byte even) or a JSON Schema (odd), as a request's "grammar" or
- * response_format carries it. It must compile or be refused with a message; a schema loom
+ * is a GBNF grammar (first byte even) or a JSON Schema (odd; with bit 1 set too, a string
+ * schema's "pattern": a regular expression), as a request's "grammar" or response_format
+ * carries it. It must compile or be refused with a message; a schema loom
  * accepts must give a grammar that compiles (anything else is loom's own bug); a compiled
  * grammar is run over the input's bytes and some JSON within its limits.
  */
 #include "api/grammar.h"
 
+#include <cjson/cJSON.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,7 +26,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     text[size - 1] = 0;
     char err[512] = "";
     loom_grammar *g;
-    if (data[0] & 1) {
+    if ((data[0] & 3) == 3) {
+        cJSON *s = cJSON_CreateObject();
+        cJSON_AddStringToObject(s, "type", "string");
+        cJSON_AddStringToObject(s, "pattern", text);
+        char *schema = cJSON_PrintUnformatted(s);
+        cJSON_Delete(s);
+        if (!schema) {
+            free(text);
+            return 0;
+        }
+        g = loom_grammar_from_json_schema(schema, err, sizeof err);
+        free(schema);
+        if (!g && !strncmp(err, "internal:", 9))
+            __builtin_trap();
+    } else if (data[0] & 1) {
         g = loom_grammar_from_json_schema(text, err, sizeof err);
         if (!g && !strncmp(err, "internal:", 9))
             __builtin_trap(); /* a schema loom accepted gave a grammar it cannot compile */
