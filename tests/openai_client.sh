@@ -3,7 +3,9 @@
 # package, the same request and response shapes as the Python one): completions, chat, both
 # streamed, n > 1, embeddings (base64, as the client asks), an error surfacing as the client's typed exception; then tools (a required
 # call read by the client, its result sent back, the client's own stream helper assembling
-# streamed calls) and structured output (chat.completions.parse with a zod schema). Skipped when node/npm
+# streamed calls) and structured output (chat.completions.parse with a zod schema); and the
+# Vercel AI SDK (npm `ai` with `@ai-sdk/openai-compatible`): generateObject, and streamText
+# with a required tool that the SDK executes. Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
 . "$top_srcdir/tests/lib.sh"
 MODEL=$FIXTURES/stories260K/original/stories260K.gguf
@@ -12,7 +14,8 @@ need_fixture "$FIXTURES/tiny-qwen2/tokenizer_config.json"
 command -v node >/dev/null && command -v npm >/dev/null ||
     { echo "SKIP: node and npm are not installed (apt-get install nodejs npm)"; exit 77; }
 cd "$tmpdir" || exit 1
-if ! timeout 180 npm install --silent --no-audit --no-fund openai@4 zod@3 >npm.log 2>&1; then
+if ! timeout 240 npm install --silent --no-audit --no-fund openai@4 zod@3 ai@5 \
+    @ai-sdk/openai-compatible@1 >npm.log 2>&1; then
     echo "SKIP: cannot install the openai npm package (no registry?):"; tail -n 3 npm.log; exit 77
 fi
 "$LOOM" serve -m "$MODEL" --port 0 --api-key k3y -c 512 >server.log 2>&1 &
@@ -147,4 +150,40 @@ PORT=$port2 node tools.mjs >tools.out 2>&1 || true
 cat tools.out
 grep -q '^FAIL' tools.out && fail "the OpenAI client disagreed on tools or structured output (above)"
 [ "$(grep -c "^ok" tools.out)" -ge 4 ] || fail "the tools script did not finish: $(tail -n 8 tools.out)"
+
+# the Vercel AI SDK against the same server
+cat >sdk.mjs <<'EOF'
+import { createOpenAICompatible } from '@ai-sdk/openai-compatible';
+import { generateObject, streamText, tool, stepCountIs } from 'ai';
+import { z } from 'zod';
+const loom = createOpenAICompatible({ name: 'loom', baseURL: `http://127.0.0.1:${process.env.PORT}/v1`,
+  apiKey: 'k3y', supportsStructuredOutputs: true });
+const models = await (await fetch(`http://127.0.0.1:${process.env.PORT}/v1/models`,
+  { headers: { Authorization: 'Bearer k3y' } })).json();
+const model = loom.chatModel(models.data[0].id);
+const out = [];
+const ok = (what, cond) => out.push(`${cond ? 'ok' : 'FAIL'}: ${what}`);
+const Person = z.object({ name: z.string().max(10), age: z.number().int().min(0).max(99) });
+const { object } = await generateObject({ model, schema: Person, prompt: 'A person', seed: 4,
+  maxOutputTokens: 1200 });
+ok(`AI SDK generateObject: ${JSON.stringify(object)}`, Person.safeParse(object).success);
+const ran = [];
+const weather = tool({ description: 'The weather in a city',
+  inputSchema: z.object({ city: z.enum(['Paris', 'Oslo']), days: z.number().int().min(1).max(7) }),
+  execute: async ({ city, days }) => { ran.push(city); return { city, days, sky: 'clear' }; } });
+const result = streamText({ model, tools: { weather }, toolChoice: 'required', seed: 5,
+  maxOutputTokens: 1200, prompt: 'Weather in Oslo?', stopWhen: stepCountIs(1) });
+const parts = new Set();
+for await (const p of result.fullStream) parts.add(p.type);
+const calls = await result.toolCalls, results = await result.toolResults;
+ok(`AI SDK streamText, a required tool: ${JSON.stringify(calls.map((c) => [c.toolName, c.input]))}; ` +
+   `parts ${[...parts].join(' ')}`,
+   calls.length >= 1 && calls.every((c) => c.toolName === 'weather') &&
+   results.length === calls.length && ran.length === calls.length && parts.has('tool-input-delta'));
+console.log(out.join('\n'));
+EOF
+PORT=$port2 node sdk.mjs >sdk.out 2>&1 || true
+cat sdk.out
+grep -q '^FAIL' sdk.out && fail "the Vercel AI SDK disagreed (above)"
+[ "$(grep -c "^ok" sdk.out)" -ge 2 ] || fail "the AI SDK script did not finish: $(tail -n 8 sdk.out)"
 finish
