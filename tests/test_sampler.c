@@ -20,7 +20,8 @@ static loom_sampler_params plain(void)
 }
 
 /* The definition, the slow way: sort every candidate, softmax over the top k, cut the
- * top-p prefix, then the min-p prefix, draw. The sampler must pick the same token. */
+ * top-p prefix, then the min-p prefix, draw (walking the sorted order, or the ids in order
+ * when nothing was cut). The sampler must pick the same token. */
 typedef struct cand {
     float p;
     int32_t id;
@@ -30,6 +31,11 @@ static int desc(const void *a, const void *b)
 {
     float x = ((const cand *)a)->p, y = ((const cand *)b)->p;
     return x < y ? 1 : x > y ? -1 : ((const cand *)a)->id - ((const cand *)b)->id;
+}
+
+static int by_id(const void *a, const void *b)
+{
+    return ((const cand *)a)->id - ((const cand *)b)->id;
 }
 
 static uint64_t splitmix(uint64_t *s)
@@ -67,6 +73,8 @@ static int32_t reference_sample(const float *logits, int32_t n, const loom_sampl
             keep++;
         k = keep;
     }
+    if (k == n && !(p->top_p > 0.0f && p->top_p < 1.0f) && !(p->min_p > 0.0f))
+        qsort(c, (size_t)n, sizeof *c, by_id); /* the whole distribution: walked in id order */
     double total = 0, acc = 0;
     for (int32_t i = 0; i < k; i++)
         total += c[i].p;
