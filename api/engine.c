@@ -37,6 +37,8 @@ typedef struct ereq {
     int32_t prefix_len; /* bidirectional prefix (ChatGLM-6B), 0: causal */
     int admitted;       /* has been admitted once (n_cached is known) */
     int cancelled;      /* set under the lock */
+    int displaced;      /* refused after all, for a better-priority newcomer (under the lock) */
+    int ran;            /* has been running: never displaced (under the lock) */
     int abandoned;      /* answered by abandon(): no more events (under deliver_lock) */
     loom_sampler_params sp;
     uint64_t rng;
@@ -97,6 +99,7 @@ struct loom_engine {
     int joined;   /* the thread has been joined */
     int cancel_all;
     int has_cancels;
+    int n_displaced; /* displaced requests not yet retired: no longer queued (under the lock) */
 
     /* engine thread only */
     ereq *waiting;
@@ -144,6 +147,7 @@ static void forget_live(loom_engine *e, ereq *q)
         if (e->live[i] == q) {
             e->live[i] = e->live[--e->n_live];
             e->tenant_live[q->tenant]--;
+            e->n_displaced -= q->displaced;
             break;
         }
     e->stats.requests_done++;
@@ -156,8 +160,10 @@ static void count_running(loom_engine *e)
     pthread_mutex_lock(&e->lock);
     e->n_running_now = e->n_running;
     memset(e->tenant_running, 0, sizeof e->tenant_running);
-    for (int i = 0; i < e->n_running; i++)
+    for (int i = 0; i < e->n_running; i++) {
         e->tenant_running[e->running[i]->tenant]++;
+        e->running[i]->ran = 1;
+    }
     pthread_mutex_unlock(&e->lock);
 }
 
@@ -211,6 +217,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.finish_reason = finish;
     ev.error = error;
     ev.deadline = deadline;
+    ev.busy = q->displaced;
     if (q->pooling && !error)
         ev.embedding = e->embedding, ev.n_embd = e->n_embd;
     forget_live(e, q);
@@ -344,15 +351,32 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         req_free(q);
         return -1;
     }
-    if (e->n_live - e->n_running_now >= e->max_queue) {
+    int queued = e->n_live - e->n_running_now - e->n_displaced;
+    if (queued >= e->max_queue) {
+        /* a full queue takes a request of better priority in place of its worst one that has
+         * not started (the newest of those), which is refused now instead */
+        ereq *worst = NULL;
+        for (int i = 0; i < e->n_live; i++) {
+            ereq *w = e->live[i];
+            if (!w->ran && !w->displaced && !w->cancelled && w->priority > q->priority &&
+                (!worst || w->priority > worst->priority ||
+                 (w->priority == worst->priority && w->id > worst->id)))
+                worst = w;
+        }
         e->stats.refused_busy++;
-        snprintf(err, err_size,
-                 "the server is busy: %d requests are waiting already (its queue holds %d); "
-                 "try again shortly",
-                 e->n_live - e->n_running_now, e->max_queue);
-        pthread_mutex_unlock(&e->lock);
-        req_free(q);
-        return LOOM_ENGINE_BUSY;
+        if (!worst) {
+            snprintf(err, err_size,
+                     "the server is busy: %d requests are waiting already (its queue holds %d); "
+                     "try again shortly",
+                     queued, e->max_queue);
+            pthread_mutex_unlock(&e->lock);
+            req_free(q);
+            return LOOM_ENGINE_BUSY;
+        }
+        worst->displaced = 1;
+        e->n_displaced++;
+        e->stats.displaced++;
+        e->has_cancels = 1; /* the engine thread refuses it at its next step */
     }
     int32_t tenant_waiting = e->tenant_live[q->tenant] - e->tenant_running[q->tenant];
     if (q->tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
@@ -818,7 +842,11 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     }
 }
 
-/* Retires cancelled requests (and, on cancel_all, every request). */
+#define DISPLACED_WHY                                                                              \
+    "the server is busy: its queue was full and a request of better priority took this one's "     \
+    "place before it started; try again shortly"
+
+/* Retires cancelled and displaced requests (and, on cancel_all, every request). */
 static void reap_cancelled(loom_engine *e, int all)
 {
     pthread_mutex_lock(&e->lock);
@@ -838,11 +866,11 @@ static void reap_cancelled(loom_engine *e, int all)
     for (ereq *q = e->waiting, *next; q; q = next) {
         next = q->next;
         pthread_mutex_lock(&e->lock);
-        int c = q->cancelled || all;
+        int c = q->cancelled || all, d = q->displaced;
         pthread_mutex_unlock(&e->lock);
-        if (c) {
+        if (c || d) {
             remove_waiting(e, q);
-            retire(e, q, "cancelled", NULL);
+            retire(e, q, c ? "cancelled" : NULL, c ? NULL : DISPLACED_WHY);
         }
     }
 }

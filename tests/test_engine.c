@@ -33,6 +33,7 @@ typedef struct collector {
     int started_as;   /* 1, 2, ...: the order in which requests got their first token */
     int done_as;      /* and ended */
     int deadline;     /* the engine ended it at its deadline */
+    int busy;         /* refused after all: displaced from a full queue */
     int32_t n_generated;
     double ttft_ms;
 } collector;
@@ -62,6 +63,7 @@ static void on_event(void *user, const loom_event *ev)
         snprintf(c->finish, sizeof c->finish, "%s", ev->finish_reason ? ev->finish_reason : "");
         c->n_cached = ev->n_cached;
         c->deadline = ev->deadline;
+        c->busy = ev->busy;
         c->done_as = ++n_done;
         c->n_generated = ev->n_generated;
         c->ttft_ms = ev->ttft_ms;
@@ -457,19 +459,27 @@ static void check_admission(const char *gguf)
     r.priority = 5, submit(&c[1], &r, 1);
     r.priority = 0, submit(&c[2], &r, 2);
     r.priority = 5, submit(&c[3], &r, 3);
-    int64_t refused = loom_engine_submit(engine, &small, on_event, &c[4], err, sizeof err);
+    r.priority = 5; /* no better than the worst waiting: refused */
+    int64_t refused = loom_engine_submit(engine, &r, on_event, &c[5], err, sizeof err);
+    CHECK(refused == LOOM_ENGINE_BUSY && strstr(err, "busy"),
+          "a fourth waiting request is refused (BUSY, 'busy'): %lld %s", (long long)refused, err);
+    /* a better one takes the place of the worst that has not started, the newest of equals */
+    r.priority = -1, submit(&c[4], &r, 4);
     pthread_mutex_lock(&mu);
     int a_running = !c[0].done; /* else the order below says nothing */
     pthread_mutex_unlock(&mu);
-    CHECK(refused == LOOM_ENGINE_BUSY && strstr(err, "busy"),
-          "a fourth waiting request is refused (BUSY, 'busy'): %lld %s", (long long)refused, err);
-    wait_all(c, 4);
-    CHECK(a_running && c[2].started_as < c[1].started_as && c[1].started_as < c[3].started_as,
-          "waiting requests start by priority, then arrival: C (0) %d, B (5) %d, D (5) %d",
-          c[2].started_as, c[1].started_as, c[3].started_as);
+    wait_all(c, 5);
+    CHECK(c[4].id > 0 && c[3].errored && c[3].busy && c[3].n_ids == 0 && !c[1].errored,
+          "a full queue takes a better priority in place of its newest worst (D refused: error "
+          "%d, busy %d; B not: %d)",
+          c[3].errored, c[3].busy, c[1].errored);
+    CHECK(a_running && c[4].started_as < c[2].started_as && c[2].started_as < c[1].started_as,
+          "waiting requests start by priority, then arrival: F (-1) %d, C (0) %d, B (5) %d",
+          c[4].started_as, c[2].started_as, c[1].started_as);
     loom_engine_stats st = loom_engine_get_stats(engine);
-    CHECK(st.refused_busy == 1 && st.max_queue == 3, "stats: %llu refused, queue of %d",
-          (unsigned long long)st.refused_busy, st.max_queue);
+    CHECK(st.refused_busy == 2 && st.displaced == 1 && st.max_queue == 3,
+          "stats: %llu refused, %llu displaced, queue of %d", (unsigned long long)st.refused_busy,
+          (unsigned long long)st.displaced, st.max_queue);
 
     /* a better priority preempts a full batch's worst: B (0) starts while A (5) runs, and A,
      * recomputed, still answers what it answered unpreempted */

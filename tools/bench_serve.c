@@ -159,7 +159,8 @@ static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32
 typedef struct offered {
     double t_submit, t_first, t_done;
     int high;    /* priority -1 (one request in ten) */
-    int outcome; /* 0 in flight, 1 answered, 2 error, 3 refused at once (busy) */
+    int outcome; /* 0 in flight, 1 answered, 2 error, 3 refused at once (busy), 4 displaced
+                  * before it started by one of better priority (busy) */
     int32_t generated;
 } offered;
 
@@ -181,7 +182,7 @@ static void on_offered(void *user, const loom_event *ev)
     pthread_mutex_lock(&ostate.mu);
     o->t_done = loom_now_ms();
     o->generated = ev->n_generated;
-    o->outcome = ev->kind == LOOM_EVENT_DONE ? 1 : 2;
+    o->outcome = ev->kind == LOOM_EVENT_DONE ? 1 : ev->busy ? 4 : 2;
     ostate.outstanding--;
     pthread_mutex_unlock(&ostate.mu);
 }
@@ -199,7 +200,7 @@ static double rss_mb(void)
 
 typedef struct overload_result {
     double rate, seconds, busy_share, high_ttft50, high_ttft99, low_ttft50, rss_warm, rss_max;
-    int offered, answered, errors, busy, lost, high, high_busy;
+    int offered, answered, errors, busy, displaced, lost, high, high_busy;
 } overload_result;
 
 /* Offers requests at rate per second for seconds, one in ten at priority -1, each with a fresh
@@ -272,9 +273,10 @@ static overload_result run_overload(loom_engine *e, int32_t n_vocab, int32_t n_p
         r.answered += o[i].outcome == 1;
         r.errors += o[i].outcome == 2;
         r.busy += o[i].outcome == 3;
+        r.displaced += o[i].outcome == 4;
         r.lost += o[i].outcome == 0;
         r.high += o[i].high;
-        r.high_busy += o[i].high && o[i].outcome == 3;
+        r.high_busy += o[i].high && o[i].outcome >= 3;
         if (o[i].outcome == 1 && o[i].t_first) {
             double ttft = o[i].t_first - o[i].t_submit;
             if (o[i].high)
@@ -299,7 +301,7 @@ int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
     const char *layers = NULL;
-    long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0;
+    long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0, max_step = 0;
     int json = 0, concurrent_only = 0, distributed = 0;
     float overload = 0, duration = 60;
     char shape_help[512];
@@ -319,6 +321,9 @@ int loom_bench_serve_main(int argc, char **argv)
          "tokens generated a request (default 64)"},
         {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
          "sequences run together (default: as many as clients)"},
+        {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
+         "tokens one engine step computes, prefill chunks and decodes together (default 256, "
+         "or --max-batch if more)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "one JSON object"},
         LOOM_FLAG_DISTRIBUTED(&distributed),
         LOOM_FLAG_LAYERS(&layers),
@@ -375,7 +380,9 @@ int loom_bench_serve_main(int argc, char **argv)
     }
     /* every client's request waits its turn: the queue holds them all */
     loom_engine_options eo = {.max_batch = (int32_t)max_batch,
-                              .max_tokens_per_step = (int32_t)(max_batch > 256 ? max_batch : 256),
+                              .max_tokens_per_step = (int32_t)(max_step              ? max_step
+                                                                   : max_batch > 256 ? max_batch
+                                                                                     : 256),
                               .max_queue = (int32_t)(clients > max_batch ? clients : max_batch)};
     loom_engine *e = loom_engine_start(m, &eo, err, sizeof err);
     if (!e) {
@@ -459,10 +466,11 @@ int loom_bench_serve_main(int argc, char **argv)
         printf("\noverload: %.1f requests/s offered (%.1fx the %.1f measured) for %.0f s, one in "
                "ten at priority -1:\n",
                ov.rate, (double)overload, many.req_s, ov.seconds);
-        printf("  %d offered: %d answered, %d refused at once (429, %.0f%%; of the %d at high "
-               "priority %d), %d errors, %d lost\n",
-               ov.offered, ov.answered, ov.busy, 100 * ov.busy_share, ov.high, ov.high_busy,
-               ov.errors, ov.lost);
+        printf("  %d offered: %d answered, %d refused at once (429, %.0f%%), %d displaced before "
+               "they started by a better priority (429); of the %d at high priority %d refused; "
+               "%d errors, %d lost\n",
+               ov.offered, ov.answered, ov.busy, 100 * ov.busy_share, ov.displaced, ov.high,
+               ov.high_busy, ov.errors, ov.lost);
         printf("  time to first token: high priority p50 %.0f / p99 %.0f ms (unloaded p50 %.0f / "
                "p90 %.0f ms), the others p50 %.0f ms\n",
                ov.high_ttft50, ov.high_ttft99, one.ttft50, one.ttft90, ov.low_ttft50);

@@ -102,6 +102,7 @@ typedef struct choice {
     size_t thought_sent;   /* the end of the thought already streamed as reasoning_content */
     int done, final_sent;
     int deadline; /* the request's deadline ended it (engine's event) */
+    int busy;     /* displaced from a full queue by a better priority (engine's event) */
     char finish[16];
     char error[256];
     int32_t n_generated;
@@ -204,6 +205,7 @@ static void on_event(void *user, const loom_event *ev)
     } else {
         c->done = 1;
         c->deadline = ev->deadline;
+        c->busy = ev->busy;
         c->n_generated = ev->n_generated;
         if (t->index == 0)
             j->n_cached = ev->n_cached;
@@ -698,6 +700,18 @@ static void stream_free(void *cls)
     job_unref(j);
 }
 
+/* A request the engine ended before it answered: its deadline (504), a full queue that took
+ * one of better priority in its place (429), or a failure (500). */
+static enum MHD_Result send_ended_early(server *srv, struct MHD_Connection *con, int deadline,
+                                        int busy, const char *msg)
+{
+    if (deadline)
+        return send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg);
+    if (busy)
+        return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", msg);
+    return send_error(srv, con, 500, NULL, NULL, "%s", msg);
+}
+
 static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
 {
     pthread_mutex_lock(&j->mu);
@@ -718,12 +732,11 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
             char msg[300];
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
             server *srv = j->srv; /* j may be freed by the unref */
-            int deadline = j->ch[i].deadline;
+            int deadline = j->ch[i].deadline, busy = j->ch[i].busy;
             pthread_mutex_unlock(&j->mu);
             cancel_job(j); /* the other choices end with it */
             job_unref(j);
-            return deadline ? send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg)
-                            : send_error(srv, con, 500, NULL, NULL, "%s", msg);
+            return send_ended_early(srv, con, deadline, busy, msg);
         }
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
     for (int i = 0; i < j->n; i++)
@@ -926,13 +939,14 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         }
     }
     for (int i = 0; i < j->n; i++)
-        if (j->ch[i].done && j->ch[i].deadline && j->ch[i].error[0]) {
+        if (j->ch[i].done && (j->ch[i].deadline || j->ch[i].busy) && j->ch[i].error[0]) {
             char msg[300];
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
+            int deadline = j->ch[i].deadline, busy = j->ch[i].busy;
             pthread_mutex_unlock(&j->mu);
             cancel_job(j);
             job_unref(j);
-            return send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg);
+            return send_ended_early(srv, con, deadline, busy, msg);
         }
     pthread_mutex_unlock(&j->mu);
     j->con = con;
@@ -962,7 +976,7 @@ typedef struct embed_job {
     int64_t *ids;         /* each submitted input's engine id */
     int submitted, ended; /* inputs submitted, and those whose last event came */
     char error[300];      /* the first input that failed, and why */
-    int deadline;
+    int deadline, busy;
 } embed_job;
 
 typedef struct embed_target {
@@ -984,6 +998,7 @@ static void on_embedding(void *user, const loom_event *ev)
         snprintf(j->error, sizeof j->error, "input %d: %s", t->index,
                  ev->error ? ev->error : "the embedding was cancelled");
         j->deadline = ev->deadline;
+        j->busy = ev->busy;
     }
     j->ended++;
     pthread_cond_broadcast(&j->cv);
@@ -1122,8 +1137,7 @@ static enum MHD_Result handle_embeddings(server *srv, struct MHD_Connection *con
     } else if (err[0]) {
         res = send_error(srv, con, srv->shutting_down ? 503 : 500, NULL, NULL, "%s", err);
     } else if (j.error[0]) {
-        res = j.deadline ? send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", j.error)
-                         : send_error(srv, con, 500, NULL, NULL, "%s", j.error);
+        res = send_ended_early(srv, con, j.deadline, j.busy, j.error);
     } else {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "object", "list");
@@ -1202,8 +1216,12 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
         }
     }
     METRIC("loom_requests_refused_busy_total", "counter",
-           "Requests answered 429 because the queue was full.", " %llu",
-           (unsigned long long)s.refused_busy);
+           "Requests answered 429 because the queue was full (at once, or displaced before they "
+           "started by one of better priority).",
+           " %llu", (unsigned long long)s.refused_busy);
+    METRIC("loom_requests_displaced_total", "counter",
+           "Of them, those a request of better priority took the place of.", " %llu",
+           (unsigned long long)s.displaced);
     METRIC("loom_requests_deadline_total", "counter",
            "Requests whose deadline came: while waiting (504) or generating (cut short).",
            "{while=\"waiting\"} %llu\nloom_requests_deadline_total{while=\"generating\"} %llu",

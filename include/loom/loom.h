@@ -207,7 +207,9 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
  * and retires finished requests at once. Prompts that share a prefix with earlier ones reuse
  * its KV blocks. Waiting requests are admitted by priority (lower first, improving with the
  * time waited: loom_engine_options.aging_ms), then arrival; at most max_queue wait, and a
- * request past that is refused at once. A full batch preempts its worst running request for
+ * request past that is refused at once, unless it has a better priority than a waiting one
+ * that has not started: the worst of those (the newest among equals) is refused in its place
+ * (an ERROR event with busy set). A full batch preempts its worst running request for
  * a waiting one of better priority. When blocks run out, the running request of the
  * worst priority (the newest among equals) is preempted: its blocks are freed and it is
  * recomputed later (its output is unchanged). A request past its deadline is ended: with an
@@ -262,6 +264,10 @@ typedef struct loom_event {
      * callback */
     const float *embedding;
     int32_t n_embd;
+    /* an ERROR because the queue was full and a request of better priority took this one's
+     * place before it started (what a full queue answers at submission otherwise): try again
+     * later */
+    int32_t busy;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -328,7 +334,9 @@ typedef struct loom_engine_stats {
     uint64_t prompt_tokens, cached_prompt_tokens, generated_tokens;
     uint64_t requests_done, preemptions, steps;
     double tokens_per_s;       /* generated, recent average */
-    uint64_t refused_busy;     /* submissions refused with LOOM_ENGINE_BUSY */
+    uint64_t refused_busy;     /* refused for a full queue: at submission (LOOM_ENGINE_BUSY),
+                                * or displaced later by a better priority (an ERROR, busy) */
+    uint64_t displaced;        /* of them, the displaced */
     uint64_t deadline_waiting; /* requests whose deadline came while they waited */
     uint64_t deadline_running; /* ... and while they generated (stopped with what they had) */
     int32_t max_queue;
