@@ -17,7 +17,7 @@ if [ -n "${LOOM_CPU_MASK:-}${LOOM_REF_OPAQUE:-}" ]; then
     echo "SKIP: run once, not again under LOOM_CPU_MASK / LOOM_REF_OPAQUE"; exit 77; fi
 MODEL=$FIXTURES/tiny-qwen2 KEY=test-key
 . "$top_srcdir/tests/serve_lib.sh"
-SCHEMAS=$top_srcdir/tests/structured/schemas.json
+SCHEMAS=$top_srcdir/tests/structured_schemas/schemas.json
 
 # validate SCHEMA-JSON FILE-OF-JSON-TEXTS (one per line): "ok N", or what failed
 validate() {

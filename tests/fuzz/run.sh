@@ -37,7 +37,7 @@ for h in $harnesses; do
     [ -d "$src/tests/fuzz/corpus/$h" ] && cp "$src/tests/fuzz/corpus/$h"/* "$work/corpus_$h/"
 done
 # seeds: real files and texts, small enough to mutate
-for f in "$src"/tests/structured/*.json; do
+for f in "$src"/tests/structured_schemas/*.json; do
     jq -c '.[].schema' "$f" | while read -r schema; do
         printf '\001%s' "$schema" >"$work/corpus_grammar/$(printf '%s' "$schema" | cksum | cut -d' ' -f1)"
     done
