@@ -63,6 +63,7 @@ typedef struct ereq {
     int embed_unnormalized;
     int32_t n_pooled;
     double *pooled;
+    int embedded; /* e->embedding holds its answer: its DONE carries it */
 } ereq;
 
 struct loom_engine {
@@ -218,7 +219,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.error = error;
     ev.deadline = deadline;
     ev.busy = q->displaced;
-    if (q->pooling && !error)
+    if (q->embedded) /* (not when cancelled: e->embedding is another request's then) */
         ev.embedding = e->embedding, ev.n_embd = e->n_embd;
     forget_live(e, q);
     deliver(e, q, &ev);
@@ -762,6 +763,7 @@ static void finish_embedding(loom_engine *e, ereq *q)
     double scale = q->embed_unnormalized || norm == 0 ? 1 : 1 / sqrt(norm);
     for (int32_t d = 0; d < e->n_embd; d++)
         e->embedding[d] = (float)(q->pooled[d] * scale);
+    q->embedded = 1;
     retire(e, q, "stop", NULL);
 }
 
