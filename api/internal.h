@@ -68,6 +68,8 @@ struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
 /* Sets the logits of the ids the model must never produce (placeholder rows: token type
  * UNUSED, or no token at all) to -inf before sampling. */
 void loom_model_mask_unsampled(const loom_model *m, float *logits);
+/* Where a generation keeps its prompt's last logits (loom_prompt_logits): n_vocab floats. */
+float *loom_model_prompt_logits_buffer(loom_model *m);
 /* In a distributed job, on rank 0: on_stop(ctx, why) on another thread when a rank's process
  * ends (NULL: no more calls). Elsewhere, nothing. */
 void loom_model_watch_stages(loom_model *m, void (*on_stop)(void *ctx, const char *why), void *ctx);

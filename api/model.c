@@ -41,13 +41,6 @@ struct loom_model {
     int32_t n_unsampled;
 };
 
-static double now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
-}
-
 loom_sampler_params loom_sampler_params_of(const loom_sampling *s)
 {
     return (loom_sampler_params){.temperature = s->temperature,
@@ -307,7 +300,13 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
                               .repack = behaviour(opts->repack, "LOOM_REPACK", 1) ? 1 : -1,
                               .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
                               .kv_sequences = opts->kv_sequences,
-                              .block_size = opts->block_size};
+                              .block_size = opts->block_size,
+                              .first_layers = opts->first_layers};
+    if (opts->first_layers < 0) {
+        snprintf(err, err_size, "first_layers %d: give a count of layers, or 0 for all",
+                 opts->first_layers);
+        return NULL;
+    }
     if (!opts->kv_type || strcmp(opts->kv_type, "f16") == 0)
         ro.kv_type = LOOM_F16;
     else if (strcmp(opts->kv_type, "f32") == 0)
@@ -332,6 +331,10 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (m->dist) {
         /* every rank takes part whatever failed here, so that all of them learn of it */
         int32_t n_layer = ok ? (int32_t)loom_model_kv_int(&m->gguf, a->name, "block_count", 0) : 0;
+        if (opts->first_layers > 0) {
+            snprintf(err, err_size, "a drafter of the first layers does not run as a pipeline");
+            goto fail;
+        }
         int rc = loom_dist_plan(m->dist, ok ? &m->gguf : NULL, n_layer, opts->stage_layers,
                                 &m->link, &ro.first_layer, &ro.end_layer, err, err_size);
         if (rc < 0)
@@ -347,6 +350,10 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
         m->pipeline_running = 1;
     } else if (!ok || open_runner(m, opts, a, &ro, err, err_size) != 0) {
         goto fail;
+    }
+    if (opts->first_layers > 0) {
+        size_t at = strlen(m->backend);
+        snprintf(m->backend + at, sizeof m->backend - at, ", first %d layers", opts->first_layers);
     }
     return m;
 fail:
@@ -447,14 +454,6 @@ size_t loom_model_max_prompt_bytes(const loom_model *m)
     return (size_t)loom_model_n_ctx(m) * loom_tokenizer_max_token_bytes(m->tok);
 }
 
-int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,
-                  const loom_sampling *s, loom_token_fn on_token, void *user,
-                  loom_generation *stats, char *err, size_t err_size)
-{
-    return loom_generate_from(m, prompt, n_prompt, 0, n_predict, s, on_token, user, stats, err,
-                              err_size);
-}
-
 int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, char *err,
                      size_t err_size)
 {
@@ -493,82 +492,9 @@ const char *loom_model_chat_template(const loom_model *m, int *recognised)
     return name;
 }
 
-int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
-                       int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
-                       void *user, loom_generation *stats, char *err, size_t err_size)
+float *loom_model_prompt_logits_buffer(loom_model *m)
 {
-    loom_generation st = {.n_prompt = n_prompt};
-    int32_t n_ctx = loom_runner_n_ctx(m->runner), n_vocab = loom_model_n_vocab(m);
-    if (n_prompt <= 0) {
-        snprintf(err, err_size, "the prompt is empty");
-        return -1;
-    }
-    if (pos0 > 0 && !loom_model_extends_cache(m)) {
-        snprintf(err, err_size,
-                 "%s cannot continue a cached sequence (its prompt prefix attends "
-                 "both ways): run the whole prompt from position 0",
-                 m->name);
-        return -1;
-    }
-    if (pos0 < 0 || pos0 + n_prompt > n_ctx) {
-        snprintf(err, err_size,
-                 "the prompt has %d tokens but the context holds %d (raise it with "
-                 "-c, up to the model's training context)",
-                 pos0 + n_prompt, n_ctx);
-        return -1;
-    }
-    if (n_predict < 0 || pos0 + n_prompt + n_predict > n_ctx)
-        n_predict = n_ctx - pos0 - n_prompt;
-    loom_sampler_params sp = loom_sampler_params_of(s);
-    uint64_t rng = s->seed;
-    int32_t *history = malloc((size_t)(n_prompt + n_predict + 1) * sizeof *history);
-    float *logits = malloc((size_t)n_vocab * sizeof *logits);
-    char piece[512]; /* a token is at most 512 bytes */
-    loom_text_stream ts;
-    loom_text_stream_init(&ts, NULL, 0);
-    if (!history || !logits) {
-        free(history), free(logits);
-        snprintf(err, err_size, "out of memory");
-        return -1;
-    }
-    memcpy(history, prompt, (size_t)n_prompt * sizeof *history);
-    int32_t n_hist = n_prompt;
-    double t0 = now_ms();
-    int rc = loom_runner_eval(m->runner, prompt, n_prompt, pos0, err, err_size);
-    double t_prefill = now_ms() - t0, t_decode0 = now_ms();
-    if (rc == 0)
-        memcpy(m->prompt_logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof(float));
-    for (int32_t i = 0; rc == 0 && i < n_predict; i++) {
-        memcpy(logits, loom_runner_logits(m->runner), (size_t)n_vocab * sizeof *logits);
-        loom_model_mask_unsampled(m, logits);
-        int32_t next = loom_sampler_sample(logits, n_vocab, &sp, history, n_hist, &rng);
-        if (i == 0)
-            st.ttft_ms = now_ms() - t0;
-        if (!s->ignore_eos && loom_tokenizer_is_stop(m->tok, next)) {
-            st.stopped_at_eos = 1;
-            break;
-        }
-        history[n_hist++] = next;
-        st.n_generated++;
-        int k = loom_tokenizer_piece(m->tok, history[n_hist - 2], next, piece, sizeof piece);
-        loom_text_stream_push(&ts, piece, k > 0 ? (size_t)k : 0);
-        int stop = on_token && on_token(user, next, ts.out, ts.n_out);
-        if (stop || i + 1 == n_predict)
-            break;
-        rc = loom_runner_eval(m->runner, &next, 1, pos0 + n_hist - 1, err, err_size);
-    }
-    loom_text_stream_flush(&ts);
-    if (rc == 0 && ts.n_out && on_token)
-        on_token(user, -1, ts.out, ts.n_out); /* whatever is left, even if incomplete */
-    loom_text_stream_free(&ts);
-    double t_decode = now_ms() - t_decode0;
-    st.prefill_tok_s = t_prefill > 0 ? n_prompt / (t_prefill / 1e3) : 0;
-    st.decode_tok_s = t_decode > 0 && st.n_generated > 1 ? (st.n_generated - 1) / (t_decode / 1e3)
-                                                         : 0;
-    if (stats)
-        *stats = st;
-    free(history), free(logits);
-    return rc;
+    return m->prompt_logits;
 }
 
 uint64_t loom_model_weight_bytes(const loom_model *m)

@@ -23,6 +23,8 @@ typedef struct shape {
     /* experts (0: a dense MLP): count, used per token, width, and a shared expert's width
      * (Qwen2-MoE's, sigmoid-gated) */
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
+    /* the next token is a fixed function of the current one (speculative decoding's ceiling) */
+    int predictable;
 } shape;
 
 /* The MoE shapes keep their models' layers but not their depth (the files stay a few GB); each
@@ -30,32 +32,36 @@ typedef struct shape {
  * size" model their prefill is compared with. */
 static const shape shapes[] = {
     {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", "llama", 64,
-     2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0},
+     2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)", "llama", 768, 12, 12, 12, 64, 3072, 32000,
-     2048, 0, 0, 0, 0},
+     2048, 0, 0, 0, 0, 0},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", "llama", 2048, 22, 32, 4, 64, 5632,
-     32000, 2048, 0, 0, 0, 0},
+     32000, 2048, 0, 0, 0, 0, 0},
     {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", "llama", 4096, 32, 32, 8, 128, 14336,
-     128256, 8192, 0, 0, 0, 0},
+     128256, 8192, 0, 0, 0, 0, 0},
+    {"160m-next", "160m whose next token follows from the current one (speculative decoding)",
+     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1},
+    {"1b-next", "1b whose next token follows from the current one (speculative decoding)", "llama",
+     2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1},
     {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)", "qwen2moe",
-     64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128},
+     64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0},
     {"moe-a2.7b",
      "Qwen1.5-MoE-A2.7B's layers, 4 of its 24: 2048 wide, 60 experts of 1408, top 4, a shared "
      "expert of 5632",
-     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632},
+     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0},
     {"dense-a2.7b", "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)", "qwen2", 2048,
-     4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0},
+     4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0},
     {"moe-a3b",
      "Qwen3-30B-A3B's layers, 4 of its 48: 2048 wide, 32/4 heads of 128, 128 experts of 768, top "
      "8",
-     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0},
+     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0},
     {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)", "qwen3", 2048, 4, 32, 4,
-     128, 6144, 151936, 4096, 0, 0, 0, 0},
+     128, 6144, 151936, 4096, 0, 0, 0, 0, 0},
 };
 
 const char *loom_synthetic_shapes(void)
 {
-    return "tiny, 160m, 1b, 8b, moe-tiny, moe-a2.7b, dense-a2.7b, moe-a3b, dense-a3b";
+    return "tiny, 160m, 1b, 8b, 160m-next, 1b-next, moe-tiny, moe-a2.7b, dense-a2.7b, moe-a3b, dense-a3b";
 }
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;
@@ -120,6 +126,42 @@ typedef struct synthetic_weights {
     float *norm, *head_norm, *bias;
 } synthetic_weights;
 
+/* The first token of the plain pieces (after <unk>, <s>, </s> and the 256 bytes). */
+#define FIRST_PIECE 259
+
+/* A predictable model's head: the row of token t + 1 (the pieces in a ring) is the embedding
+ * of t. The residual stream stays near the current token's embedding (the layers' weights are
+ * small, yet read in full every token), so the head scores t + 1 far above any other token:
+ * every drafter of the model, however quantised or shallow, agrees with it. Must run right
+ * after the embeddings are drawn, with the generator where it was then. */
+static void *successor_head(loom_dtype wt, int64_t n_vocab, int64_t d)
+{
+    uint64_t saved = rng_state;
+    rng_state = 0x853c49e6748fea9bull; /* the embeddings' draw, again */
+    unsigned char *embd = random_matrix(wt, n_vocab, d, 1.0f);
+    rng_state = saved;
+    unsigned char *out = embd ? malloc((size_t)(loom_row_bytes(wt, d) * n_vocab)) : NULL;
+    int64_t rb = loom_row_bytes(wt, d), pieces = n_vocab - FIRST_PIECE;
+    for (int64_t j = 0; out && j < n_vocab; j++) {
+        /* the specials and bytes are never next: their rows are a piece's, negated */
+        int64_t from = j < FIRST_PIECE ? FIRST_PIECE + j % pieces
+                                       : FIRST_PIECE + (j - FIRST_PIECE + pieces - 1) % pieces;
+        memcpy(out + j * rb, embd + from * rb, (size_t)rb);
+        if (j < FIRST_PIECE) {
+            float *row = malloc((size_t)d * sizeof *row);
+            if (row) {
+                loom_row_to_f32(wt, out + j * rb, row, d);
+                for (int64_t c = 0; c < d; c++)
+                    row[c] = -row[c];
+                loom_row_from_f32(wt, row, out + j * rb, d);
+            }
+            free(row);
+        }
+    }
+    free(embd);
+    return out;
+}
+
 static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dtype wt)
 {
     const int64_t d = sh->n_embd, q = (int64_t)sh->n_head * sh->head_dim,
@@ -157,7 +199,8 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
         sw->sh_router = random_matrix(LOOM_F32, 1, d, 1.0f / sqrtf((float)d));
         ok = ok && sw->sh_gate && sw->sh_up && sw->sh_down && sw->sh_router;
     }
-    sw->out = random_matrix(wt, sh->n_vocab, d, amp * 16);
+    sw->out = sh->predictable ? successor_head(wt, sh->n_vocab, d)
+                              : random_matrix(wt, sh->n_vocab, d, amp * 16);
     sw->norm = malloc((size_t)d * sizeof *sw->norm);
     sw->head_norm = malloc((size_t)sh->head_dim * sizeof *sw->head_norm);
     sw->bias = calloc((size_t)(q > kv ? q : kv), sizeof *sw->bias);

@@ -115,10 +115,13 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
     if (r->weight_ready[i])
         return &r->weights[i];
     const loom_stage_link *ln = r->opt.link;
-    if (ln &&
-        !loom_runner_stage_holds(r->gguf, r->opt.first_layer, r->opt.end_layer, !!ln->recv,
-                                 !!ln->send, name)) {
-        /* another stage's: its shape, for the model's checks, and no data */
+    if ((ln &&
+         !loom_runner_stage_holds(r->gguf, r->opt.first_layer, r->opt.end_layer, !!ln->recv,
+                                  !!ln->send, name)) ||
+        (!ln && r->opt.first_layers > 0 &&
+         !loom_runner_stage_holds(r->gguf, 0, r->opt.first_layers, 0, 0, name))) {
+        /* another stage's, or a layer a drafter skips: its shape, for the model's checks,
+         * and no data */
         r->weights[i] = dense(NULL, 0, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2],
                               gt->ne[3]);
         r->weights[i].n_dims = (int32_t)gt->n_dims;
@@ -797,6 +800,17 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         return NULL;
     }
     r->layer0 = 0, r->layer_end = hp->n_layer;
+    if (!r->opt.link && r->opt.first_layers > 0) {
+        if (r->opt.first_layers >= hp->n_layer) {
+            snprintf(err, err_size,
+                     "a drafter of the first %d layers of a %d-layer model: it must have fewer "
+                     "layers than the model",
+                     r->opt.first_layers, hp->n_layer);
+            loom_runner_free(r);
+            return NULL;
+        }
+        r->layer_end = r->opt.first_layers;
+    }
     if (r->opt.link) {
         const loom_stage_link *ln = r->opt.link;
         if (r->opt.first_layer < 0 || r->opt.first_layer > r->opt.end_layer ||

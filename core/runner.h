@@ -124,6 +124,10 @@ typedef struct loom_runner_options {
      * back; everything else stays on dev. NULL: all on dev. A model without experts is refused
      * with it. */
     loom_device *experts;
+    /* Not a pipeline stage: only layers [0, first_layers), then the final norm and the head (the
+     * model's own shallow layers as a speculative drafter); only their weights are loaded and
+     * only their KV cache allocated. 0: every layer. */
+    int32_t first_layers;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */

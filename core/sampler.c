@@ -148,7 +148,7 @@ static void select_top(cand *c, int32_t n, int32_t m)
     }
 }
 
-static double uniform(uint64_t *s)
+double loom_sampler_uniform(uint64_t *s)
 {
     /* splitmix64: small, good enough for sampling, reproducible across platforms */
     uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
@@ -171,7 +171,7 @@ static int32_t sample_all(const float *logits, int32_t n, float temperature, uin
     double sum = 0;
     for (int32_t i = 0; i < n; i++)
         sum += expf((logits[i] - max) * scale);
-    double u = uniform(rng) * sum, acc = 0;
+    double u = loom_sampler_uniform(rng) * sum, acc = 0;
     int32_t last = 0;
     for (int32_t i = 0; i < n; i++) {
         float w = expf((logits[i] - max) * scale);
@@ -183,20 +183,15 @@ static int32_t sample_all(const float *logits, int32_t n, float temperature, uin
     return last; /* u at the very top of a sum rounded up */
 }
 
-int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params *p,
-                            const int32_t *history, int32_t n_history, uint64_t *rng)
+/* The candidates top_k, top_p and min_p keep (p over 0 at temperature > 0), most likely first,
+ * each with its probability; *k of them, *total their sum (the draw normalises by it). NULL when
+ * out of memory. */
+static cand *truncated(const float *logits, int32_t n, const loom_sampler_params *p, int32_t *k_out,
+                       double *total_out)
 {
-    loom_sampler_penalize(logits, n, p, history, n_history);
-    if (!(p->temperature > 1e-5f) || p->top_k == 1)
-        return argmax(logits, n);
-    /* Nothing truncated (OpenAI's defaults): the order of the walk does not change the
-     * distribution, so none is sorted. A 152k vocabulary took 4-10 ms a token to sort. */
-    if ((p->top_k <= 0 || p->top_k >= n) && !(p->top_p > 0.0f && p->top_p < 1.0f) &&
-        !(p->min_p > 0.0f))
-        return sample_all(logits, n, p->temperature, rng);
     cand *c = malloc((size_t)n * sizeof *c);
     if (!c)
-        return argmax(logits, n);
+        return NULL;
     float max = -INFINITY;
     for (int32_t i = 0; i < n; i++) {
         c[i] = (cand){logits[i] / p->temperature, i};
@@ -259,7 +254,37 @@ int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params 
     double total = 0;
     for (int32_t i = 0; i < k; i++)
         total += c[i].p;
-    double u = uniform(rng) * total, acc = 0;
+    *k_out = k, *total_out = total;
+    return c;
+}
+
+static int greedy(const loom_sampler_params *p)
+{
+    return !(p->temperature > 1e-5f) || p->top_k == 1;
+}
+
+/* Nothing truncated (OpenAI's defaults): the order of a walk does not change the distribution,
+ * so none is sorted. A 152k vocabulary took 4-10 ms a token to sort. */
+static int untruncated(const loom_sampler_params *p, int32_t n)
+{
+    return (p->top_k <= 0 || p->top_k >= n) && !(p->top_p > 0.0f && p->top_p < 1.0f) &&
+        !(p->min_p > 0.0f);
+}
+
+int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params *p,
+                            const int32_t *history, int32_t n_history, uint64_t *rng)
+{
+    loom_sampler_penalize(logits, n, p, history, n_history);
+    if (greedy(p))
+        return argmax(logits, n);
+    if (untruncated(p, n))
+        return sample_all(logits, n, p->temperature, rng);
+    int32_t k;
+    double total;
+    cand *c = truncated(logits, n, p, &k, &total);
+    if (!c)
+        return argmax(logits, n);
+    double u = loom_sampler_uniform(rng) * total, acc = 0;
     int32_t pick = c[k - 1].id;
     for (int32_t i = 0; i < k; i++) {
         acc += c[i].p;
@@ -270,4 +295,71 @@ int32_t loom_sampler_sample(float *logits, int32_t n, const loom_sampler_params 
     }
     free(c);
     return pick;
+}
+
+int loom_sampler_probs(float *logits, int32_t n, const loom_sampler_params *p,
+                       const int32_t *history, int32_t n_history, float *probs)
+{
+    loom_sampler_penalize(logits, n, p, history, n_history);
+    memset(probs, 0, (size_t)n * sizeof *probs);
+    if (greedy(p)) {
+        probs[argmax(logits, n)] = 1.0f;
+        return 0;
+    }
+    if (untruncated(p, n)) {
+        float max = logits[0];
+        for (int32_t i = 1; i < n; i++)
+            max = logits[i] > max ? logits[i] : max;
+        if (max == -INFINITY) {
+            probs[0] = 1.0f;
+            return 0;
+        }
+        double sum = 0;
+        for (int32_t i = 0; i < n; i++)
+            sum += probs[i] = expf((logits[i] - max) / p->temperature);
+        for (int32_t i = 0; i < n; i++)
+            probs[i] = (float)(probs[i] / sum);
+        return 0;
+    }
+    int32_t k;
+    double total;
+    cand *c = truncated(logits, n, p, &k, &total);
+    if (!c)
+        return -1;
+    for (int32_t i = 0; i < k; i++)
+        probs[c[i].id] = (float)(c[i].p / total);
+    free(c);
+    return 0;
+}
+
+int32_t loom_sampler_draw(const float *probs, int32_t n, uint64_t *rng)
+{
+    double total = 0;
+    int32_t last = -1;
+    for (int32_t i = 0; i < n; i++)
+        if (probs[i] > 0)
+            total += probs[i], last = i;
+    if (last < 0)
+        return -1;
+    double u = loom_sampler_uniform(rng) * total, acc = 0;
+    for (int32_t i = 0; i < n; i++)
+        if (u < (acc += probs[i]))
+            return i;
+    return last; /* u at the very top of a sum rounded up */
+}
+
+int32_t loom_sampler_verify(float *p, const float *q, int32_t d, int32_t n, uint64_t *accept_rng,
+                            uint64_t *rng)
+{
+    double qd = q ? q[d] : 1.0;
+    if (qd > 0 && loom_sampler_uniform(accept_rng) < p[d] / qd)
+        return d;
+    if (q) {
+        for (int32_t i = 0; i < n; i++)
+            p[i] = p[i] > q[i] ? p[i] - q[i] : 0;
+    } else {
+        p[d] = 0;
+    }
+    int32_t t = loom_sampler_draw(p, n, rng);
+    return t >= 0 ? t : d; /* p = q to the last bit: nothing left over, and d was as good */
 }

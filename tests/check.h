@@ -91,4 +91,14 @@ static inline void need_fixture(const char *path)
     exit(77);
 }
 
+/* need_fixture for each of n paths relative to the fixtures folder dir. */
+static inline void need_fixtures(const char *dir, const char *const *paths, size_t n)
+{
+    char probe[4608];
+    for (size_t i = 0; i < n; i++) {
+        snprintf(probe, sizeof probe, "%s/%s", dir, paths[i]);
+        need_fixture(probe);
+    }
+}
+
 #endif

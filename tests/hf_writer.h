@@ -12,6 +12,7 @@
 
 #include <cjson/cJSON.h>
 #include <dirent.h>
+#include <sys/stat.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,11 +96,33 @@ static inline void link_file(const char *folder, const char *name, const char *t
 }
 
 /* A folder a test wrote, with the files (or links) in it */
+/* A folder of the given files of fixture (in fixtures folder dir), linked, the last n_shared of them linked to the
+ * shared tokenizer files `shared` instead (the fixture names them by relative links, which a
+ * copy of the fixtures may hold as files of their paths). */
+static inline int fixture_folder(const char *dir, const char *folder, const char *fixture,
+                                 const char *const *files, int n_files, const char *const *shared,
+                                 int n_shared)
+{
+    if (mkdir(folder, 0700) != 0)
+        return -1;
+    char from[4300], to[4300], abs[4096];
+    for (int i = 0; i < n_files; i++) {
+        if (i >= n_files - n_shared)
+            snprintf(from, sizeof from, "%s/%s", dir, shared[i - (n_files - n_shared)]);
+        else
+            snprintf(from, sizeof from, "%s/%s/%s", dir, fixture, files[i]);
+        snprintf(to, sizeof to, "%s/%s", folder, files[i]);
+        if (!realpath(from, abs) || symlink(abs, to) != 0)
+            return -1;
+    }
+    return 0;
+}
+
 static inline void remove_folder(const char *folder)
 {
     DIR *d = opendir(folder);
     struct dirent *e;
-    char p[4400];
+    char p[4096 + 512]; /* a folder path and a file name (NAME_MAX 255) */
     while (d && (e = readdir(d)))
         if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) {
             snprintf(p, sizeof p, "%s/%s", folder, e->d_name);

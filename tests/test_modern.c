@@ -30,27 +30,6 @@
 
 static char dir[4096], tmp[] = "/tmp/loom-modern-XXXXXX", err[4096];
 
-/* A fixture's folder of the given files (linked), the last n_shared of them linked to the
- * shared tokenizer files `shared` instead (the fixture names them by relative links, which a
- * copy of the fixtures may hold as files of their paths). */
-static int make_folder(const char *folder, const char *fixture, const char *const *files,
-                       int n_files, const char *const *shared, int n_shared)
-{
-    if (mkdir(folder, 0700) != 0)
-        return -1;
-    char from[4300], to[4300], abs[4096];
-    for (int i = 0; i < n_files; i++) {
-        if (i >= n_files - n_shared)
-            snprintf(from, sizeof from, "%s/%s", dir, shared[i - (n_files - n_shared)]);
-        else
-            snprintf(from, sizeof from, "%s/%s/%s", dir, fixture, files[i]);
-        snprintf(to, sizeof to, "%s/%s", folder, files[i]);
-        if (!realpath(from, abs) || symlink(abs, to) != 0)
-            return -1;
-    }
-    return 0;
-}
-
 /* rope_freqs.weight of a GGUF file into out (n floats); the count, or -1. */
 static int64_t read_rope_freqs(const char *path, float *out, int64_t cap)
 {
@@ -95,7 +74,8 @@ static void test_llama31(void)
     snprintf(f32, sizeof f32, "%s/tiny-llama31-f32.gguf", tmp);
     snprintf(peer, sizeof peer, "%s/tiny-llama31/model.gguf", dir);
     static const char *const shared[] = {"tokenizers/llama3/tokenizer.json"};
-    CHECK(make_folder(folder, "tiny-llama31", files, 5, shared, 1) == 0, "making the folder");
+    CHECK(fixture_folder(dir, folder, "tiny-llama31", files, 5, shared, 1) == 0,
+          "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
 
     /* loom's converter writes the factors llama.cpp's does (from the same formula: transformers'
@@ -124,7 +104,8 @@ static void test_mistral(void)
     snprintf(folder, sizeof folder, "%s/tiny-mistral", tmp);
     snprintf(f32, sizeof f32, "%s/tiny-mistral-f32.gguf", tmp);
     static const char *const shared[] = {"tiny-llama/tokenizer.model"};
-    CHECK(make_folder(folder, "tiny-mistral", files, 5, shared, 1) == 0, "making the folder");
+    CHECK(fixture_folder(dir, folder, "tiny-mistral", files, 5, shared, 1) == 0,
+          "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     check_forms("tiny-mistral", f32, folder, NULL);
     /* the window the API reports (serve's /metrics shows it) is config.json's sliding_window */
@@ -224,7 +205,8 @@ static void test_qwen2moe(void)
     snprintf(f32, sizeof f32, "%s/tiny-qwen2moe-f32.gguf", tmp);
     snprintf(peer, sizeof peer, "%s/tiny-qwen2moe/model.gguf", dir);
     static const char *const shared[] = {"tiny-qwen2/merges.txt", "tiny-qwen2/vocab.json"};
-    CHECK(make_folder(folder, "tiny-qwen2moe", files, 6, shared, 2) == 0, "making the folder");
+    CHECK(fixture_folder(dir, folder, "tiny-qwen2moe", files, 6, shared, 2) == 0,
+          "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     same_layout(peer, f32, "tiny-qwen2moe");
     check_gguf_conventions(f32, "tiny-qwen2moe (loom convert)");
@@ -250,11 +232,7 @@ int main(void)
         "tiny-mistral/model.safetensors", "tiny-llama/tokenizer.model",
         "tiny-qwen2moe/model.gguf",       "tiny-qwen2/vocab.json",
         "tiny-qwen2/merges.txt"};
-    char probe[4200];
-    for (size_t i = 0; i < sizeof needed / sizeof needed[0]; i++) {
-        snprintf(probe, sizeof probe, "%s/%s", dir, needed[i]);
-        need_fixture(probe);
-    }
+    need_fixtures(dir, needed, sizeof needed / sizeof needed[0]);
     unsetenv("LOOM_BACKEND");
     if (!mkdtemp(tmp))
         return 1;

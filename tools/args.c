@@ -178,31 +178,41 @@ static void flag_label(const loom_flag *f, char *buf, size_t n)
              f->metavar ? " " : "", f->metavar ? f->metavar : "");
 }
 
-void loom_args_usage(const loom_command *cmd, FILE *out)
+static void flags_usage(const loom_flag *flags, int n, FILE *out)
 {
-    fprintf(out, "usage: %s %s\n", cmd->name, cmd->synopsis);
-    for (int i = 0; i < cmd->n_flags; i++) {
-        if (!cmd->flags[i].help)
+    for (int i = 0; i < n; i++) {
+        if (!flags[i].help)
             continue;
         char label[96];
-        flag_label(&cmd->flags[i], label, sizeof label);
+        flag_label(&flags[i], label, sizeof label);
         if (strlen(label) > 23)
             fprintf(out, "  %s\n  %-23s ", label, "");
         else
             fprintf(out, "  %-23s ", label);
         /* a help of several lines ('\n') continues under the first */
-        for (const char *h = cmd->flags[i].help; *h;) {
-            size_t n = strcspn(h, "\n");
-            fprintf(out, "%.*s\n", (int)n, h);
-            h += n;
+        for (const char *h = flags[i].help; *h;) {
+            size_t len = strcspn(h, "\n");
+            fprintf(out, "%.*s\n", (int)len, h);
+            h += len;
             if (*h == '\n' && *++h)
                 fprintf(out, "%26s", "");
         }
     }
+}
+
+void loom_args_usage(const loom_command *cmd, FILE *out)
+{
+    fprintf(out, "usage: %s %s\n", cmd->name, cmd->synopsis);
+    flags_usage(cmd->flags, cmd->n_flags, out);
     if (cmd->sampling) {
         if (cmd->sampling_title)
             fprintf(out, "%s\n", cmd->sampling_title);
         sampling_usage(out, cmd->sampling);
+    }
+    if (cmd->more_flags) {
+        if (cmd->more_title)
+            fprintf(out, "%s\n", cmd->more_title);
+        flags_usage(cmd->more_flags, cmd->n_more_flags, out);
     }
     if (cmd->epilogue)
         fprintf(out, "%s\n", cmd->epilogue);
@@ -224,6 +234,14 @@ static int usage_error(const loom_command *cmd)
     return 2;
 }
 
+static const loom_flag *find_flag(const loom_flag *flags, int n, const char *a)
+{
+    for (int k = 0; k < n; k++)
+        if (!strcmp(a, flags[k].name) || (flags[k].alias && !strcmp(a, flags[k].alias)))
+            return &flags[k];
+    return NULL;
+}
+
 int loom_args_parse(const loom_command *cmd, int argc, char **argv)
 {
     int given = 0;
@@ -235,11 +253,9 @@ int loom_args_parse(const loom_command *cmd, int argc, char **argv)
             loom_args_usage(cmd, stdout);
             return 1;
         }
-        const loom_flag *f = NULL;
-        for (int k = 0; k < cmd->n_flags && !f; k++)
-            if (!strcmp(a, cmd->flags[k].name) ||
-                (cmd->flags[k].alias && !strcmp(a, cmd->flags[k].alias)))
-                f = &cmd->flags[k];
+        const loom_flag *f = find_flag(cmd->flags, cmd->n_flags, a);
+        if (!f && cmd->more_flags)
+            f = find_flag(cmd->more_flags, cmd->n_more_flags, a);
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!f && cmd->sampling && a[0] == '-') {
             int took = arg_sampling(cmd->name, a, v, cmd->sampling);
@@ -350,4 +366,104 @@ int loom_args_follow(const char *cmd, loom_model *m)
         fprintf(stderr, "%s: %s\n", cmd, err);
     loom_model_close(m);
     return rc < 0 ? 1 : 0;
+}
+
+int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_flags *of,
+                   loom_model *target, loom_speculation *spec, const loom_speculation **spec_out,
+                   loom_model **drafter, char *what, size_t what_size)
+{
+    *spec_out = NULL, *drafter = NULL;
+    snprintf(what, what_size, "none");
+    int asked = !!f->draft + (f->draft_layers > 0) + (f->lookup > 0);
+    if (asked == 0) {
+        if (f->draft_max || f->draft_min || f->fixed || f->draft_backend) {
+            fprintf(stderr,
+                    "%s: --draft-max, --draft-min, --draft-fixed and --draft-backend shape a "
+                    "drafter: give one with --draft, --draft-layers or --lookup\n",
+                    cmd);
+            return 2;
+        }
+        return 0;
+    }
+    if (asked > 1) {
+        fprintf(stderr, "%s: give one drafter: --draft, --draft-layers or --lookup\n", cmd);
+        return 2;
+    }
+    if (f->draft_max && f->draft_min > f->draft_max) {
+        fprintf(stderr, "%s: --draft-min %ld is above --draft-max %ld\n", cmd, f->draft_min,
+                f->draft_max);
+        return 2;
+    }
+    *spec = (loom_speculation){.lookup = (int32_t)f->lookup,
+                               .draft_max = (int32_t)f->draft_max,
+                               .draft_min = (int32_t)f->draft_min,
+                               .p_min = f->p_min,
+                               .fixed = f->fixed};
+    if (f->lookup > 0) {
+        if (f->draft_backend) {
+            fprintf(stderr,
+                    "%s: --draft-backend names a drafter model's backend; prompt "
+                    "lookup has no model\n",
+                    cmd);
+            return 2;
+        }
+        snprintf(what, what_size, "prompt lookup of up to %ld tokens", f->lookup);
+        *spec_out = spec;
+        return 0;
+    }
+    loom_model_options o = loom_open_options(of);
+    o.distributed = 0;
+    o.n_ctx = loom_model_n_ctx(target);
+    o.backend = f->draft_backend;
+    o.first_layers = (int32_t)f->draft_layers;
+    const char *path = f->draft ? f->draft : of->model;
+    char err[2048];
+    loom_model *d = loom_model_open(path, &o, err, sizeof err);
+    if (!d) {
+        fprintf(stderr, "%s: the drafter %s%s: %s\n", cmd, f->draft ? "" : "(--draft-layers) ",
+                path, err);
+        return 2;
+    }
+    spec->draft = d;
+    if (loom_speculation_check(target, spec, err, sizeof err) != 0) {
+        fprintf(stderr, "%s: the drafter %s: %s\n", cmd, path, err);
+        loom_model_close(d);
+        return 2;
+    }
+    if (f->draft)
+        snprintf(what, what_size, "draft model %s on %s", path, loom_model_backend(d));
+    else
+        snprintf(what, what_size, "the model's first %ld layers", f->draft_layers);
+    spec->draft = d;
+    *drafter = d;
+    *spec_out = spec;
+    return 0;
+}
+
+void loom_spec_flag_table(loom_spec_flags *f, loom_flag *table)
+{
+    *f = (loom_spec_flags){.p_min = 0.75f};
+    const loom_flag rows[LOOM_SPEC_FLAGS] = {
+        {"--draft", NULL, LOOM_FLAG_TEXT, &f->draft, 0, 0, "MODEL",
+         "a drafter model: the same vocabulary, smaller or more\n"
+         "quantised (a model of the same family)"},
+        {"--draft-layers", NULL, LOOM_FLAG_LONG, &f->draft_layers, 1, 4096, "K",
+         "the drafter is the model's own first K layers"},
+        {"--lookup", NULL, LOOM_FLAG_LONG, &f->lookup, 1, 64, "N",
+         "prompt lookup: the text's last N..2 tokens, found earlier,\n"
+         "propose what followed them there"},
+        {"--draft-max", NULL, LOOM_FLAG_LONG, &f->draft_max, 1, 64, "N",
+         "tokens proposed per check at most (default 8)"},
+        {"--draft-min", NULL, LOOM_FLAG_LONG, &f->draft_min, 1, 64, "N",
+         "fewer proposed than this are not checked (default 1)"},
+        {"--draft-p-min", NULL, LOOM_FLAG_FLOAT, &f->p_min, 0, 1, "P",
+         "a drafter model stops at a token it gives less than P\n"
+         "(default 0.75)"},
+        {"--draft-backend", NULL, LOOM_FLAG_TEXT, &f->draft_backend, 0, 0, "NAME",
+         "the drafter model's backend (default: chosen as the model's)"},
+        {"--draft-fixed", NULL, LOOM_FLAG_SWITCH, &f->fixed, 0, 0, NULL,
+         "always propose --draft-max (measuring; default: as many as\n"
+         "the measured acceptance and costs say pay, maybe none)"},
+    };
+    memcpy(table, rows, sizeof rows);
 }

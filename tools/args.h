@@ -46,10 +46,15 @@ typedef struct loom_command {
     int n_flags;
     struct loom_sampling *sampling; /* the sampling flags too, into this, or NULL */
     const char *sampling_title;     /* a line above the sampling flags in the usage, or NULL */
-    const char *epilogue;           /* lines after the flags in the usage, or NULL */
-    const char **positional;        /* where positional arguments go, in order, or NULL: none */
-    int max_positional;             /* room in positional; one more is an error */
-    int *n_positional;              /* how many were given, or NULL */
+    /* a second table of flags shared by several commands (loom_spec_flag_table), listed under
+     * more_title; NULL: none */
+    const struct loom_flag *more_flags;
+    int n_more_flags;
+    const char *more_title;
+    const char *epilogue;    /* lines after the flags in the usage, or NULL */
+    const char **positional; /* where positional arguments go, in order, or NULL: none */
+    int max_positional;      /* room in positional; one more is an error */
+    int *n_positional;       /* how many were given, or NULL */
 } loom_command;
 
 #define LOOM_N_FLAGS(table) ((int)(sizeof(table) / sizeof((table)[0])))
@@ -89,6 +94,18 @@ typedef struct loom_command {
             "(e.g. cpu beside a GPU), the rest on the chosen one\n"                                \
             "(default: LOOM_EXPERTS_ON, else all on the chosen one)"                               \
     }
+
+/* Speculative decoding (run, chat, bench): which drafter, and how much it proposes. */
+typedef struct loom_spec_flags {
+    const char *draft, *draft_backend;
+    long draft_layers, lookup, draft_max, draft_min;
+    float p_min;
+    int fixed;
+} loom_spec_flags;
+#define LOOM_SPEC_FLAGS 8
+/* Fills table (LOOM_SPEC_FLAGS rows) with the speculative flags writing into f, and sets f's
+ * defaults; for loom_command.more_flags. */
+void loom_spec_flag_table(loom_spec_flags *f, loom_flag *table);
 
 /* 0: argv parsed; 1: --help printed the usage on stdout (exit 0); 2: an error was printed,
  * naming the flag and what was wrong, with the usage (exit 2). */
@@ -130,5 +147,15 @@ struct loom_model_options loom_open_options(const loom_open_flags *f);
  * 0 and outside a job returns -1 (go on with the command). */
 struct loom_model;
 int loom_args_follow(const char *cmd, struct loom_model *m);
+
+/* The drafter the flags ask for, opened beside target (its context, threads and KV type;
+ * --draft-layers opens target's own file again, its first K layers): fills *spec and *drafter
+ * (NULL for prompt lookup), and *what says which in a few words. Returns 0 (also with none
+ * asked for: *spec_out NULL), or 2 after printing why it could not. */
+struct loom_speculation;
+int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_flags *of,
+                   struct loom_model *target, struct loom_speculation *spec,
+                   const struct loom_speculation **spec_out, struct loom_model **drafter,
+                   char *what, size_t what_size);
 
 #endif

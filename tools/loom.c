@@ -119,6 +119,9 @@ static int cmd_run(int argc, char **argv)
     long n_predict = 128;
     int json = 0;
     loom_open_flags of = {0};
+    loom_spec_flags sf;
+    loom_flag spec_flags[LOOM_SPEC_FLAGS];
+    loom_spec_flag_table(&sf, spec_flags);
     loom_sampling s = loom_sampling_defaults();
     const loom_flag flags[] = {
         LOOM_FLAG_MODEL(&of.model),
@@ -143,7 +146,10 @@ static int cmd_run(int argc, char **argv)
                               .synopsis = "-m MODEL (-p PROMPT | --prompt-ids 1,2,3) [options]",
                               .flags = flags,
                               .n_flags = LOOM_N_FLAGS(flags),
-                              .sampling = &s};
+                              .sampling = &s,
+                              .more_flags = spec_flags,
+                              .n_more_flags = LOOM_SPEC_FLAGS,
+                              .more_title = "speculative decoding:"};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -162,6 +168,15 @@ static int cmd_run(int argc, char **argv)
     int followed = loom_args_follow("loom run", m);
     if (followed >= 0)
         return followed;
+    loom_speculation spec_room;
+    const loom_speculation *spec;
+    loom_model *drafter;
+    char drafter_about[600];
+    if (loom_spec_open("loom run", &sf, &of, m, &spec_room, &spec, &drafter, drafter_about,
+                       sizeof drafter_about) != 0) {
+        loom_model_close(m);
+        return 2;
+    }
     int64_t cap = 4096, n = 0;
     int32_t *ids = malloc((size_t)cap * sizeof *ids);
     if (prompt_ids) {
@@ -175,6 +190,7 @@ static int cmd_run(int argc, char **argv)
                         "'%s' is not\n",
                         loom_model_n_vocab(m), p);
                 free(ids);
+                loom_model_close(drafter);
                 loom_model_close(m);
                 return 2;
             }
@@ -195,16 +211,17 @@ static int cmd_run(int argc, char **argv)
     if (!ids || n <= 0) {
         fprintf(stderr, "loom run: the prompt gives no tokens\n");
         free(ids);
+        loom_model_close(drafter);
         loom_model_close(m);
         return 2;
     }
     if (!json)
-        fprintf(stderr, "loom: %s on %s, %lld prompt tokens\n", of.model, loom_model_backend(m),
-                (long long)n);
+        fprintf(stderr, "loom: %s on %s, %lld prompt tokens%s%s\n", of.model, loom_model_backend(m),
+                (long long)n, spec ? "; speculative: " : "", spec ? drafter_about : "");
     run_output out = {json, json ? cJSON_CreateArray() : NULL, NULL, 0, 0};
     loom_generation st;
-    int rc = loom_generate(m, ids, (int32_t)n, (int32_t)n_predict, &s, on_token, &out, &st, err,
-                           sizeof err);
+    int rc = loom_generate_speculative(m, spec, ids, (int32_t)n, 0, (int32_t)n_predict, &s,
+                                       on_token, &out, &st, err, sizeof err);
     if (rc != 0) {
         fprintf(stderr, "%sloom run: %s\n", json ? "" : "\n", err);
     } else {
@@ -231,6 +248,19 @@ static int cmd_run(int argc, char **argv)
             cJSON_AddNumberToObject(t, "time_to_first_token_ms", st.ttft_ms);
             cJSON_AddNumberToObject(t, "prefill_tokens_per_s", st.prefill_tok_s);
             cJSON_AddNumberToObject(t, "decode_tokens_per_s", st.decode_tok_s);
+            if (spec) {
+                cJSON *sp = cJSON_AddObjectToObject(t, "speculative");
+                cJSON_AddStringToObject(sp, "drafter", drafter_about);
+                cJSON_AddNumberToObject(sp, "drafted", st.n_drafted);
+                cJSON_AddNumberToObject(sp, "accepted", st.n_accepted);
+                cJSON_AddNumberToObject(sp, "acceptance",
+                                        st.n_drafted ? (double)st.n_accepted / st.n_drafted : 0);
+                cJSON_AddNumberToObject(sp, "verify_steps", st.n_verify);
+                /* each check yields its accepted proposals plus one token of the model's */
+                cJSON_AddNumberToObject(
+                    sp, "tokens_per_verify",
+                    st.n_verify ? (double)(st.n_accepted + st.n_verify) / st.n_verify : 0);
+            }
             char *js = cJSON_Print(o);
             printf("%s\n", js);
             free(js);
@@ -240,11 +270,17 @@ static int cmd_run(int argc, char **argv)
                     "\nloom: %d tokens; time to first token %.1f ms, prefill %.1f tok/s, "
                     "decode %.1f tok/s\n",
                     st.n_generated, st.ttft_ms, st.prefill_tok_s, st.decode_tok_s);
+            if (spec)
+                fprintf(stderr,
+                        "loom: speculative: %d proposed, %d accepted (%.0f%%) in %d checks\n",
+                        st.n_drafted, st.n_accepted,
+                        st.n_drafted ? 100.0 * st.n_accepted / st.n_drafted : 0.0, st.n_verify);
         }
     }
     cJSON_Delete(out.ids);
     free(out.text);
     free(ids);
+    loom_model_close(drafter);
     loom_model_close(m);
     return rc == 0 ? 0 : 1;
 }

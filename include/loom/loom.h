@@ -83,6 +83,10 @@ typedef struct loom_model_options {
      * there, while the rest of the model runs on the chosen backend. NULL: LOOM_EXPERTS_ON, if
      * set; else everything on the chosen backend. A dense model is refused with it. */
     const char *experts_on;
+    /* Run only the model's first this many layers, then its final norm and head: the model's
+     * own shallow layers as a speculative drafter (loom_speculation.draft), loading only their
+     * weights; 0: every layer. Fewer than the model has; not with a pipeline. */
+    int32_t first_layers;
 } loom_model_options;
 
 typedef struct loom_sampling {
@@ -106,6 +110,9 @@ typedef struct loom_generation {
     double ttft_ms; /* time to first token: the prefill plus one sample */
     double prefill_tok_s, decode_tok_s;
     int stopped_at_eos;
+    /* speculative decoding (loom_generate_speculative): tokens proposed, those the model
+     * accepted, and its passes that checked proposals (verify steps) */
+    int32_t n_drafted, n_accepted, n_verify;
 } loom_generation;
 
 /* Called with each generated token and its text (possibly empty, possibly holding bytes held
@@ -198,6 +205,42 @@ int loom_model_extends_cache(const loom_model *m);
 int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
                        int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
                        void *user, loom_generation *stats, char *err, size_t err_size);
+
+/* ---- Speculative decoding ------------------------------------------------------------------
+ * A cheap drafter proposes the next few tokens; the model checks them all in one pass and keeps
+ * the longest prefix it agrees with, plus one token of its own. Greedy output is the model's own
+ * token for token; sampled output keeps the model's distribution (speculative sampling: a draft
+ * token d is kept with probability min(1, p(d) / q(d)), else one is drawn from the normalised
+ * max(0, p - q), p and q after the same temperature, truncation and penalties). How many tokens
+ * to propose is chosen per step from the measured acceptance and costs, down to none, so a
+ * drafter that rarely agrees costs little. */
+typedef struct loom_speculation {
+    /* a drafter model: another model with the same vocabulary (a smaller or more quantised one
+     * of the family), or this model's own first layers (opened with
+     * loom_model_options.first_layers); NULL: none */
+    loom_model *draft;
+    /* or prompt lookup, no model: the continuation of the latest earlier occurrence of the
+     * text's last n tokens, n from this down to 2 (1 when this is 1); 0: off */
+    int32_t lookup;
+    int32_t draft_max; /* tokens proposed per check at most; 0: 8 */
+    int32_t draft_min; /* fewer proposed than this are not checked; 0: 1 */
+    /* a drafter model stops proposing at a token it gives less than this probability (its
+     * softmax; greedy: at temperature 1); 0: never */
+    float p_min;
+    /* 1: propose draft_max tokens whenever the drafter can, whatever they cost (measuring);
+     * 0: choose the length by the measured acceptance and costs */
+    int fixed;
+} loom_speculation;
+
+/* Whether spec can draft for m: its numbers in range, one drafter, and a drafter model that
+ * spells every id as m does (else err names the first id that differs). 0, or -1 with err. */
+int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *err, size_t err_size);
+/* loom_generate_from with a drafter (spec NULL, or neither draft nor lookup: none). A drafter
+ * model with another vocabulary is refused, naming the first id whose text differs. */
+int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const int32_t *prompt,
+                              int32_t n_prompt, int32_t pos0, int32_t n_predict,
+                              const loom_sampling *s, loom_token_fn on_token, void *user,
+                              loom_generation *stats, char *err, size_t err_size);
 
 /* ---- Serving many requests at once ---------------------------------------------------- */
 
