@@ -38,8 +38,7 @@ typedef struct drafter {
     const loom_speculation *spec; /* NULL: no speculation */
     loom_model *model;            /* spec->draft */
     int32_t n_vocab;
-    int32_t *seen; /* the tokens the drafter model's cache holds, positions 0.. */
-    int32_t n_seen;
+    loom_draft_cache *seen; /* the tokens the drafter model's cache holds, positions 0.. */
     float *q;      /* [draft_max][n_vocab]: the drafter model's distributions, sampling only */
     float *logits; /* [n_vocab] scratch */
     uint64_t rng;
@@ -122,11 +121,10 @@ static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec,
     }
     if (same_vocabulary(m, d->model, err, err_size) != 0)
         return -1;
-    int32_t n_ctx = loom_model_n_ctx(d->model);
-    d->seen = malloc((size_t)n_ctx * sizeof *d->seen);
+    d->seen = loom_model_draft_cache(d->model);
     d->logits = malloc((size_t)d->n_vocab * sizeof *d->logits);
     d->q = malloc((size_t)draft_max * (size_t)d->n_vocab * sizeof *d->q);
-    if (!d->seen || !d->logits || !d->q) {
+    if (!d->logits || !d->q) {
         snprintf(err, err_size, "out of memory");
         return -1;
     }
@@ -135,7 +133,7 @@ static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec,
 
 static void drafter_free(drafter *d)
 {
-    free(d->seen), free(d->q), free(d->logits);
+    free(d->q), free(d->logits);
 }
 
 /* Prompt lookup: the tokens that followed the latest earlier occurrence of text's last n tokens,
@@ -166,16 +164,18 @@ static int32_t lookup_draft(const drafter *d, const int32_t *text, int32_t n_tex
  * text still has, so that its logits are those after the text. */
 static int drafter_sync(drafter *d, const int32_t *text, int32_t n_text, char *err, size_t err_size)
 {
+    loom_draft_cache *seen = d->seen;
     int32_t keep = 0;
-    while (keep < d->n_seen && keep < n_text && d->seen[keep] == text[keep])
+    while (keep < seen->n && keep < n_text && seen->ids[keep] == text[keep])
         keep++;
     if (keep == n_text)
-        keep--; /* evaluate the last token again: its logits are what proposes */
+        keep--;     /* evaluate the last token again: its logits are what proposes */
+    seen->n = keep; /* a failed eval leaves the rest unknown */
     if (loom_runner_eval(loom_model_runner(d->model), text + keep, n_text - keep, keep, err,
                          err_size) != 0)
         return -1;
-    memcpy(d->seen + keep, text + keep, (size_t)(n_text - keep) * sizeof *text);
-    d->n_seen = n_text;
+    memcpy(seen->ids + keep, text + keep, (size_t)(n_text - keep) * sizeof *text);
+    seen->n = n_text;
     return 0;
 }
 
@@ -192,7 +192,7 @@ static int32_t model_draft(drafter *d, const int32_t *text, int32_t n_text, int3
     if (drafter_sync(d, text, n_text, err, err_size) != 0)
         return -1;
     /* the history the penalties see: the text, then the proposals so far */
-    int32_t *hist = d->seen;
+    int32_t *hist = d->seen->ids;
     int32_t n = 0;
     while (n < k) {
         memcpy(d->logits, loom_runner_logits(r), (size_t)d->n_vocab * sizeof *d->logits);
@@ -224,7 +224,7 @@ static int32_t model_draft(drafter *d, const int32_t *text, int32_t n_text, int3
         /* its cache takes the proposal, so that it can propose the next */
         if (loom_runner_eval(r, &tok, 1, n_text + n - 1, err, err_size) != 0)
             return -1;
-        d->seen[d->n_seen++] = tok;
+        d->seen->ids[d->seen->n++] = tok;
     }
     return n;
 }
@@ -312,10 +312,13 @@ static void note_declined(spec_control *c, double draft_ms)
 
 /* ---- The loop ---------------------------------------------------------------------------- */
 
-int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const int32_t *prompt,
-                              int32_t n_prompt, int32_t pos0, int32_t n_predict,
-                              const loom_sampling *s, loom_token_fn on_token, void *user,
-                              loom_generation *stats, char *err, size_t err_size)
+/* loom_generate_from and loom_generate_speculative: the prompt at positions pos0.. after
+ * `before`, the pos0 ids the cache holds (NULL: not known; a drafter model then cannot follow
+ * and prompt lookup sees the prompt on). */
+static int generate(loom_model *m, const loom_speculation *spec, const int32_t *before,
+                    const int32_t *prompt, int32_t n_prompt, int32_t pos0, int32_t n_predict,
+                    const loom_sampling *s, loom_token_fn on_token, void *user,
+                    loom_generation *stats, char *err, size_t err_size)
 {
     loom_generation st = {.n_prompt = n_prompt};
     struct loom_runner *runner = loom_model_runner(m);
@@ -339,21 +342,15 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
                  pos0 + n_prompt, n_ctx);
         return -1;
     }
-    if (spec &&
-        (spec->draft_max < 0 || spec->draft_max > DRAFT_MAX_LIMIT || spec->draft_min < 0 ||
-         spec->lookup < 0 || (spec->draft_max && spec->draft_min > spec->draft_max))) {
+    if (spec && spec->draft && pos0 > 0 && !before) {
         snprintf(err, err_size,
-                 "speculation: draft_max %d and draft_min %d must be 1 to %d with min <= max, "
-                 "lookup %d at least 0",
-                 spec->draft_max, spec->draft_min, DRAFT_MAX_LIMIT, spec->lookup);
+                 "a draft model needs the whole sequence, not only what follows "
+                 "the cached part (loom_generate_speculative)");
         return -1;
     }
-    if (spec && spec->draft && pos0 > 0) {
-        snprintf(err, err_size,
-                 "a draft model starts with the sequence: generate from "
-                 "position 0");
-        return -1;
-    }
+    /* text[i] is the id at position base + i: the whole sequence when it is known */
+    int32_t n_before = before ? pos0 : 0, base = pos0 - n_before;
+    loom_model_draft_cache(m)->n = 0; /* its cache is the target's now */
     int32_t draft_max = spec && spec->draft_max ? spec->draft_max : DRAFT_MAX_DEFAULT;
     int32_t draft_min = spec && spec->draft_min ? spec->draft_min : 1;
     if (n_predict < 0 || pos0 + n_prompt + n_predict > n_ctx)
@@ -362,7 +359,8 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
     int sampling = s->temperature > 1e-5f && s->top_k != 1;
     uint64_t rng = s->seed, accept_rng = s->seed ^ 0x9e3779b97f4a7c15ull;
     drafter d;
-    int32_t *text = malloc((size_t)(n_prompt + n_predict + draft_max + 1) * sizeof *text);
+    int32_t *text = malloc((size_t)(n_before + n_prompt + n_predict + draft_max + 1) *
+                           sizeof *text);
     float *rows = malloc((size_t)(draft_max + 1) * (size_t)n_vocab * sizeof *rows);
     float *p = sampling ? malloc((size_t)n_vocab * sizeof *p) : NULL;
     char piece[512]; /* a token is at most 512 bytes */
@@ -374,14 +372,16 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
         rc = -1;
     }
     spec_control ctl = {0};
-    int32_t n_text = n_prompt;
+    int32_t n_text = n_before + n_prompt;
     double t0 = now_ms(), t_prefill = 0, t_decode0 = 0;
     if (rc == 0) {
-        memcpy(text, prompt, (size_t)n_prompt * sizeof *text);
+        if (n_before)
+            memcpy(text, before, (size_t)n_before * sizeof *text);
+        memcpy(text + n_before, prompt, (size_t)n_prompt * sizeof *text);
         rc = loom_runner_eval(runner, prompt, n_prompt, pos0, err, err_size);
         /* the drafter's prefill counts as the prompt's (and warms its weights' layouts) */
         if (rc == 0 && d.model)
-            rc = drafter_sync(&d, prompt, n_prompt, err, err_size);
+            rc = drafter_sync(&d, text, n_text, err, err_size);
         t_prefill = now_ms() - t0, t_decode0 = now_ms();
     }
     if (rc == 0) {
@@ -466,7 +466,7 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
             k = 0;
         double t_pass = now_ms();
         draft_ms = t_pass - t_draft;
-        rc = loom_runner_eval_all(runner, text + n_text - 1, k + 1, pos0 + n_text - 1, rows, err,
+        rc = loom_runner_eval_all(runner, text + n_text - 1, k + 1, base + n_text - 1, rows, err,
                                   err_size);
         pass_ms = now_ms() - t_pass;
         /* a round that wanted proposals and got none says nothing of a plain pass's cost;
@@ -494,12 +494,26 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
     return rc;
 }
 
+int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const int32_t *ids,
+                              int32_t n_ids, int32_t n_cached, int32_t n_predict,
+                              const loom_sampling *s, loom_token_fn on_token, void *user,
+                              loom_generation *stats, char *err, size_t err_size)
+{
+    if (n_cached < 0 || n_cached >= n_ids) {
+        snprintf(err, err_size, "%d of %d tokens cached: at least one must be new", n_cached,
+                 n_ids);
+        return -1;
+    }
+    return generate(m, spec, ids, ids + n_cached, n_ids - n_cached, n_cached, n_predict, s,
+                    on_token, user, stats, err, err_size);
+}
+
 int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
                        int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
                        void *user, loom_generation *stats, char *err, size_t err_size)
 {
-    return loom_generate_speculative(m, NULL, prompt, n_prompt, pos0, n_predict, s, on_token, user,
-                                     stats, err, err_size);
+    return generate(m, NULL, NULL, prompt, n_prompt, pos0, n_predict, s, on_token, user, stats, err,
+                    err_size);
 }
 
 int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,

@@ -68,6 +68,14 @@ struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
 /* Sets the logits of the ids the model must never produce (placeholder rows: token type
  * UNUSED, or no token at all) to -inf before sampling. */
 void loom_model_mask_unsampled(const loom_model *m, float *logits);
+/* The ids a model's KV cache holds at positions 0.. while it drafts for another (n_ctx of room),
+ * so that a chat's next turn evaluates only what changed; n = 0 whenever the model generates
+ * as the target (its cache then holds other things). */
+typedef struct loom_draft_cache {
+    int32_t *ids;
+    int32_t n;
+} loom_draft_cache;
+loom_draft_cache *loom_model_draft_cache(loom_model *m);
 /* Where a generation keeps its prompt's last logits (loom_prompt_logits): n_vocab floats. */
 float *loom_model_prompt_logits_buffer(loom_model *m);
 /* In a distributed job, on rank 0: on_stop(ctx, why) on another thread when a rank's process

@@ -32,12 +32,13 @@ struct loom_model {
     char backend[320];
     char name[128];
     float *prompt_logits;
-    loom_dist *dist;            /* a pipeline across the ranks of an MPI job, or NULL */
-    loom_stage_link link;       /* this rank's stage's, for the runner */
-    int pipeline_running;       /* every rank opened its stage */
-    char pipeline[1024];        /* rank 0: every rank's layers, host and backend */
-    loom_loader_options loader; /* from the environment, for the registry and the fallback */
-    int32_t *unsampled;         /* the ids loom_model_mask_unsampled bans */
+    loom_draft_cache draft_cache; /* as a drafter: what its KV cache holds */
+    loom_dist *dist;              /* a pipeline across the ranks of an MPI job, or NULL */
+    loom_stage_link link;         /* this rank's stage's, for the runner */
+    int pipeline_running;         /* every rank opened its stage */
+    char pipeline[1024];          /* rank 0: every rank's layers, host and backend */
+    loom_loader_options loader;   /* from the environment, for the registry and the fallback */
+    int32_t *unsampled;           /* the ids loom_model_mask_unsampled bans */
     int32_t n_unsampled;
 };
 
@@ -87,6 +88,7 @@ void loom_model_close(loom_model *m)
         loom_device_close(&m->experts_dev);
     loom_gguf_close(&m->gguf);
     free(m->prompt_logits);
+    free(m->draft_cache.ids);
     free(m->unsampled);
     free(m);
 }
@@ -256,6 +258,7 @@ static int open_runner(loom_model *m, const loom_model_options *opts, const loom
         return -1;
     int32_t nv = loom_runner_hparams(m->runner)->n_vocab;
     if (!(m->prompt_logits = calloc((size_t)nv, sizeof(float))) ||
+        !(m->draft_cache.ids = malloc((size_t)loom_runner_n_ctx(m->runner) * sizeof(int32_t))) ||
         !(m->unsampled = malloc((size_t)nv * sizeof *m->unsampled))) {
         snprintf(err, err_size, "out of memory");
         return -1;
@@ -495,6 +498,11 @@ const char *loom_model_chat_template(const loom_model *m, int *recognised)
 float *loom_model_prompt_logits_buffer(loom_model *m)
 {
     return m->prompt_logits;
+}
+
+loom_draft_cache *loom_model_draft_cache(loom_model *m)
+{
+    return &m->draft_cache;
 }
 
 uint64_t loom_model_weight_bytes(const loom_model *m)

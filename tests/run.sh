@@ -73,6 +73,23 @@ expect_grep "chat template: the model.s own (Jinja)" "$tmpdir/chat.err" "chat re
 reused=$(grep -o 'reused [0-9]* of' "$tmpdir/chat.err" | awk '{print $2}' | tr '\n' ' ')
 case "$reused" in "0 "[1-9]*" 0 ") pass "KV cache reused on the second turn, not after /reset ($reused)";;
     *) fail "reuse pattern: '$reused'"; cat "$tmpdir/chat.err" >&2;; esac
+# drafters that cannot draft for the model are refused before anything runs
+"$LOOM" bench --synthetic tiny --type q8_0 --write "$tmpdir/other-vocab.gguf" 2> /dev/null
+"$LOOM" run -m "$gguf" -p hi --draft "$tmpdir/other-vocab.gguf" > /dev/null 2> "$tmpdir/e9" &&
+    fail "a drafter of another vocabulary accepted"
+expect_grep "draft model's token [0-9]* is not the model's" "$tmpdir/e9" "--draft of another vocabulary: the first differing id named"
+"$LOOM" run -m "$gguf" -p hi --draft-layers 5 > /dev/null 2> "$tmpdir/e10" && fail "--draft-layers of every layer accepted"
+expect_grep "must have fewer layers than the model" "$tmpdir/e10" "--draft-layers must leave layers out"
+# chat with a drafter (the model itself, opened again: it agrees with every token): the same
+# answers, turn after turn, with proposals accepted on the second turn too (its cache reused)
+printf 'What is the capital of France?\nAnd of Italy?\n/reset\nHi\n' |
+    "$LOOM" chat -m "$qwen" --temp 0 -n 4 --draft "$qwen" --draft-fixed --draft-max 2 --draft-p-min 0 \
+        > "$tmpdir/chat-spec.out" 2> "$tmpdir/chat-spec.err" || fail "speculative chat exit $?"
+cmp -s "$tmpdir/chat.out" "$tmpdir/chat-spec.out" && pass "chat --draft: the answers of plain decoding" ||
+    { fail "chat --draft answers differ"; diff "$tmpdir/chat.out" "$tmpdir/chat-spec.out" >&2; }
+[ "$(grep -c ' 2 of 2 proposed tokens accepted' "$tmpdir/chat-spec.err")" = 3 ] &&
+    pass "chat --draft: proposals accepted every turn" ||
+    { fail "chat --draft acceptance"; cat "$tmpdir/chat-spec.err" >&2; }
 "$LOOM" chat -m "$qwen" --chat-template nosuch < /dev/null > /dev/null 2> "$tmpdir/e8" && fail "bad template accepted"
 expect_grep "no chat template named 'nosuch'" "$tmpdir/e8" "unknown chat template named"
 

@@ -105,6 +105,9 @@ int loom_chat_main(int argc, char **argv)
     loom_sampling s = loom_sampling_defaults();
     long n_predict = 512;
     loom_open_flags of = {0};
+    loom_spec_flags sf;
+    loom_flag spec_flags[LOOM_SPEC_FLAGS];
+    loom_spec_flag_table(&sf, spec_flags);
     char template_help[512];
     snprintf(template_help, sizeof template_help,
              "a built-in format instead of the model's template: %s", loom_chat_templates());
@@ -128,7 +131,10 @@ int loom_chat_main(int argc, char **argv)
                               .synopsis = "-m MODEL [options]",
                               .flags = flags,
                               .n_flags = LOOM_N_FLAGS(flags),
-                              .sampling = &s};
+                              .sampling = &s,
+                              .more_flags = spec_flags,
+                              .n_more_flags = LOOM_SPEC_FLAGS,
+                              .more_title = "speculative decoding:"};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -156,9 +162,19 @@ int loom_chat_main(int argc, char **argv)
     int followed = loom_args_follow("loom chat", m);
     if (followed >= 0)
         return followed;
+    loom_speculation spec_room;
+    const loom_speculation *spec;
+    loom_model *drafter;
+    char drafter_about[600];
+    if (loom_spec_open("loom chat", &sf, &of, m, &spec_room, &spec, &drafter, drafter_about,
+                       sizeof drafter_about) != 0) {
+        loom_model_close(m);
+        return 2;
+    }
     loom_chat_format chat;
     if (loom_chat_format_choose(m, tmpl, tmpl_file, &chat, err, sizeof err) != 0) {
         fprintf(stderr, "loom chat: %s\n", err);
+        loom_model_close(drafter);
         loom_model_close(m);
         return 2;
     }
@@ -166,9 +182,10 @@ int loom_chat_main(int argc, char **argv)
     sa.sa_handler = on_sigint; /* no SA_RESTART: Ctrl-C at the prompt interrupts the read */
     sigaction(SIGINT, &sa, NULL);
     fprintf(stderr,
-            "loom chat: %s on %s; chat template: %s. /reset, /system TEXT, /quit; Ctrl-C "
+            "loom chat: %s on %s; chat template: %s%s%s. /reset, /system TEXT, /quit; Ctrl-C "
             "stops an answer.\n",
-            of.model, loom_model_backend(m), chat.about);
+            of.model, loom_model_backend(m), chat.about, spec ? "; speculative: " : "",
+            spec ? drafter_about : "");
 
     convo c = {0};
     clear(&c, system);
@@ -232,16 +249,20 @@ int loom_chat_main(int argc, char **argv)
             keep++;
         answer a = {0};
         loom_generation st;
-        int rc = loom_generate_from(m, ids + keep, (int32_t)(n - keep), keep, (int32_t)n_predict,
-                                    &s, on_token, &a, &st, err, sizeof err);
+        int rc = loom_generate_speculative(m, spec, ids, (int32_t)n, keep, (int32_t)n_predict, &s,
+                                           on_token, &a, &st, err, sizeof err);
         printf("\n");
         if (rc != 0) {
             fprintf(stderr, "loom chat: %s\n", err);
             free((char *)c.msgs[--c.n].content);
             n_cache = 0;
         } else {
-            fprintf(stderr, "(%d tokens, %.1f tok/s; reused %d of %lld prompt tokens%s)\n",
-                    st.n_generated, st.decode_tok_s, keep, (long long)n,
+            char accepted[96] = "";
+            if (st.n_drafted)
+                snprintf(accepted, sizeof accepted, "; %d of %d proposed tokens accepted",
+                         st.n_accepted, st.n_drafted);
+            fprintf(stderr, "(%d tokens, %.1f tok/s; reused %d of %lld prompt tokens%s%s)\n",
+                    st.n_generated, st.decode_tok_s, keep, (long long)n, accepted,
                     interrupted ? "; stopped" : "");
             /* what the KV cache holds: the prompt and every generated token but the last,
              * which was sampled and never run (its slot was never written: a turn that
@@ -260,6 +281,7 @@ int loom_chat_main(int argc, char **argv)
     clear(&c, NULL);
     free(c.msgs), free(cache), free(ids);
     loom_chat_format_free(&chat);
+    loom_model_close(drafter);
     loom_model_close(m);
     return 0;
 }
