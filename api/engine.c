@@ -64,6 +64,13 @@ typedef struct ereq {
     int32_t n_pooled;
     double *pooled;
     int embedded; /* e->embedding holds its answer: its DONE carries it */
+    /* speculative decoding by prompt lookup: n-gram size, most proposals a step, this step's
+     * proposals (checked after the pending token), and decayed counts of kept and rejected
+     * ones */
+    int32_t lookup, draft_max, n_draft;
+    int32_t *draft;
+    double spec_ok, spec_miss;
+    int32_t spec_idle; /* steps without proposals while they did not pay */
 } ereq;
 
 struct loom_engine {
@@ -113,6 +120,7 @@ struct loom_engine {
     int32_t *step_buf;
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
     uint64_t n_deadline_waiting, n_deadline_running;
+    uint64_t n_drafted, n_accepted;
     double rate_t0;
     uint64_t rate_n0;
 
@@ -136,6 +144,7 @@ static void req_free(ereq *q)
     grammar_matcher_free(q->gm);
     loom_grammar_free(q->grammar);
     free(q->pooled);
+    free(q->draft);
     free(q);
 }
 
@@ -299,6 +308,11 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     int32_t max_tokens = r->pooling                                   ? 0
         : r->max_tokens < 0 || r->max_tokens > e->n_ctx - r->n_prompt ? e->n_ctx - r->n_prompt
                                                                       : r->max_tokens;
+    if (r->lookup < 0 || r->lookup > 64 || r->draft_max < 0 || r->draft_max > 64) {
+        snprintf(err, err_size, "lookup %d and draft_max %d must be 0 to 64", r->lookup,
+                 r->draft_max);
+        return -1;
+    }
     ereq *q = calloc(1, sizeof *q);
     if (!q)
         goto oom;
@@ -320,6 +334,11 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->kv.private_blocks = q->prefix_len > 0;
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
+    if (r->lookup > 0 && !q->pooling) {
+        q->lookup = r->lookup, q->draft_max = r->draft_max ? r->draft_max : 8;
+        if (!(q->draft = malloc((size_t)q->draft_max * sizeof *q->draft)))
+            goto oom;
+    }
     const loom_sampling *s = &r->sampling;
     q->sp = loom_sampler_params_of(s);
     q->rng = s->seed;
@@ -525,6 +544,33 @@ static ereq *next_waiting(const loom_engine *e, double now)
     return best;
 }
 
+/* How many of its prompt-lookup proposals q checks this step (into q->draft), at most room:
+ * the j-th proposal is worth a token row when it is kept with probability a^j >= tau, a from
+ * q's recent proposals; tau grows with the batch, from 0.25 alone to 0.8 at 8 running and
+ * more, as extra rows stop being nearly free once a step computes rather than streams weights.
+ * After 16 steps without proposals it tries one again, so text that became repetitive is
+ * noticed. */
+static int32_t propose(loom_engine *e, ereq *q, int32_t room)
+{
+    int32_t most = q->draft_max;
+    most = most < room ? most : room;
+    most = most < e->n_ctx - q->n_toks ? most : e->n_ctx - q->n_toks;
+    most = most < q->max_tokens - q->n_generated - 1 ? most : q->max_tokens - q->n_generated - 1;
+    if (most <= 0)
+        return 0;
+    double a = (q->spec_ok + 1) / (q->spec_ok + q->spec_miss + 2);
+    double busy = (e->n_running - 1) / 7.0, tau = 0.25 + 0.55 * (busy < 1 ? busy : 1);
+    int32_t k = 0;
+    for (double keep = a; k < most && keep >= tau; keep *= a)
+        k++;
+    if (k == 0 && ++q->spec_idle >= 16)
+        k = 1;
+    int32_t n = k ? loom_lookup_draft(q->toks, q->n_toks, q->lookup, k, q->draft) : 0;
+    if (n)
+        q->spec_idle = 0;
+    return n;
+}
+
 /* Plans one step: running requests first (in the order they would run), then newly admitted
  * ones. */
 static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_copies)
@@ -548,12 +594,18 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         int32_t k = q->n_toks - q->kv.n_tokens;
         if (k > budget)
             k = budget;
-        if (make_room(e, q, k, copies, n_copies) != 0) {
+        /* a decoding request may check proposals too, where the cache has room for them
+         * without preempting anyone */
+        q->n_draft = k == 1 && q->lookup ? propose(e, q, budget - 1) : 0;
+        if (q->n_draft &&
+            loom_kvblocks_needed(e->kv, &q->kv, k + q->n_draft) > loom_kvblocks_available(e->kv))
+            q->n_draft = 0;
+        if (make_room(e, q, k + q->n_draft, copies, n_copies) != 0) {
             i--; /* q left running; the next one moved into slot i */
             continue;
         }
-        plan[n++] = (planned){q, k};
-        budget -= k;
+        plan[n++] = (planned){q, k + q->n_draft};
+        budget -= k + q->n_draft;
     }
     ereq *q;
     while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now))) {
@@ -581,6 +633,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             e->n_hit += (uint64_t)hit;
         }
         q->n_pooled = 0; /* (again, after a preemption) */
+        q->n_draft = 0;
         remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
@@ -778,22 +831,24 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             max_blocks = plan[i].q->kv.n_blocks;
     }
     int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
-    int32_t *rows = slots + n_tok, *prefix = rows + n_plan, *table = prefix + n_plan;
+    int32_t *rows = slots + n_tok, *prefix = rows + n_tok, *table = prefix + n_plan;
     int32_t *hidden_rows = table + (size_t)n_plan * (size_t)max_blocks, n_hidden = 0;
     int any_prefix = 0;
     int32_t t = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
-        int ends = q->kv.n_tokens + plan[i].k == q->n_toks;
+        int ends = q->kv.n_tokens + plan[i].k == q->n_toks + q->n_draft;
         for (int32_t j = 0; j < plan[i].k; j++, t++) {
             int32_t p = q->kv.n_tokens + j;
-            ids[t] = q->toks[p], pos[t] = p, seq[t] = i;
+            ids[t] = p < q->n_toks ? q->toks[p] : q->draft[p - q->n_toks];
+            pos[t] = p, seq[t] = i;
             slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
             if (q->pooling == LOOM_POOL_MEAN || (q->pooling && ends && j == plan[i].k - 1))
                 hidden_rows[n_hidden++] = t;
         }
-        if (ends && !q->pooling)
-            rows[n_logits++] = t - 1; /* its last known token: sample after it */
+        /* its last known token (sample after it), and after each proposal */
+        for (int32_t r = q->n_draft; ends && !q->pooling && r >= 0; r--)
+            rows[n_logits++] = t - 1 - r;
         prefix[i] = q->prefix_len;
         any_prefix |= q->prefix_len > 0;
         int32_t *row = table + (size_t)i * (size_t)max_blocks;
@@ -824,8 +879,10 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     int li = 0, hi = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
-        int ends = q->kv.n_tokens + plan[i].k == q->n_toks;
-        loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k);
+        int32_t n_draft = q->n_draft;
+        int ends = q->kv.n_tokens + plan[i].k == q->n_toks + n_draft;
+        /* the proposals' K/V count only once they are kept, below */
+        loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k - n_draft);
         if (q->pooling) {
             int32_t n_rows = q->pooling == LOOM_POOL_MEAN ? plan[i].k : ends;
             pool(e, q, hidden + (size_t)hi * (size_t)e->n_embd, n_rows);
@@ -838,9 +895,29 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         }
         if (!ends)
             continue;
-        memcpy(e->logits, logits + (size_t)li++ * (size_t)e->n_vocab,
-               (size_t)e->n_vocab * sizeof *e->logits);
-        sample_next(e, q, e->logits);
+        /* Sampled as without proposals, row after row; a proposal is kept when the draw is
+         * it. For a proposal without a distribution of its own (lookup's) that is the
+         * speculative rule: kept with probability p(d), else a draw from p without d. */
+        int32_t row0 = li, kept = 0;
+        e->n_drafted += (uint64_t)n_draft;
+        for (int32_t j = 0; j <= n_draft; j++) {
+            memcpy(e->logits, logits + (size_t)(row0 + j) * (size_t)e->n_vocab,
+                   (size_t)e->n_vocab * sizeof *e->logits);
+            if (sample_next(e, q, e->logits)) {
+                q = NULL; /* retired */
+                break;
+            }
+            if (j == n_draft || q->toks[q->n_toks - 1] != q->draft[j])
+                break;
+            kept++;
+            loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + 1);
+        }
+        li = row0 + n_draft + 1;
+        e->n_accepted += (uint64_t)kept;
+        if (q && n_draft) {
+            q->spec_ok = 0.9 * q->spec_ok + kept;
+            q->spec_miss = 0.9 * q->spec_miss + (kept < n_draft);
+        }
     }
 }
 
@@ -895,6 +972,7 @@ static void publish_stats(loom_engine *e)
     s->generated_tokens = e->n_generated, s->preemptions = e->n_preempted, s->steps = e->n_steps;
     s->deadline_waiting = e->n_deadline_waiting, s->deadline_running = e->n_deadline_running;
     s->max_queue = e->max_queue;
+    s->drafted = e->n_drafted, s->accepted = e->n_accepted;
     /* generated tokens per second over the last second or more of work */
     if (t - e->rate_t0 >= 1000) {
         s->tokens_per_s = (double)(e->n_generated - e->rate_n0) / ((t - e->rate_t0) / 1e3);
@@ -1050,9 +1128,9 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
     e->plan = malloc((size_t)e->max_batch * sizeof *e->plan);
     e->copies = malloc((size_t)e->max_batch * sizeof *e->copies);
-    /* a step's ids, positions, sequences, slots and hidden rows (max_step each); logit rows,
+    /* a step's ids, positions, sequences, slots, logit rows and hidden rows (max_step each);
      * prefixes and block table rows (per sequence) */
-    e->step_buf = malloc((5 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
+    e->step_buf = malloc((6 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
                          sizeof *e->step_buf);
     e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||

@@ -136,12 +136,10 @@ static void drafter_free(drafter *d)
     free(d->q), free(d->logits);
 }
 
-/* Prompt lookup: the tokens that followed the latest earlier occurrence of text's last n tokens,
- * for the longest n from spec->lookup down that occurs; at most k of them. */
-static int32_t lookup_draft(const drafter *d, const int32_t *text, int32_t n_text, int32_t k,
-                            int32_t *out)
+int32_t loom_lookup_draft(const int32_t *text, int32_t n_text, int32_t n_max, int32_t k,
+                          int32_t *out)
 {
-    int32_t n_max = d->spec->lookup, n_min = n_max > 1 ? 2 : 1;
+    int32_t n_min = n_max > 1 ? 2 : 1;
     for (int32_t n = n_max < n_text - 1 ? n_max : n_text - 1; n >= n_min; n--) {
         const int32_t *tail = text + n_text - n;
         for (int32_t at = n_text - n - 1; at >= 0; at--) {
@@ -457,7 +455,7 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
         if (want > 0 && d.model)
             k = model_draft(&d, text, n_text, want, &sp, sampling, text + n_text, err, err_size);
         else if (want > 0)
-            k = lookup_draft(&d, text, n_text, want, text + n_text);
+            k = loom_lookup_draft(text, n_text, d.spec->lookup, want, text + n_text);
         if (k < 0) {
             rc = -1;
             break;

@@ -68,6 +68,11 @@ struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
 /* Sets the logits of the ids the model must never produce (placeholder rows: token type
  * UNUSED, or no token at all) to -inf before sampling. */
 void loom_model_mask_unsampled(const loom_model *m, float *logits);
+/* Prompt lookup: the tokens that followed the latest earlier occurrence of text's last n
+ * tokens, for the longest n from n_max down to 2 (1 when n_max is 1) that occurs; at most k of
+ * them into out. How many. */
+int32_t loom_lookup_draft(const int32_t *text, int32_t n_text, int32_t n_max, int32_t k,
+                          int32_t *out);
 /* The ids a model's KV cache holds at positions 0.. while it drafts for another (n_ctx of room),
  * so that a chat's next turn evaluates only what changed; n = 0 whenever the model generates
  * as the target (its cache then holds other things). */

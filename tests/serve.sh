@@ -186,8 +186,9 @@ expect_grep "loom serve: --top-p wants a number from 0 to 1, not '2'" "$tmpdir/t
     "a bad sampling flag is named as loom run names it"
 
 # ---- sampling flags set what a request leaves out: loom run's defaults (temperature 0.8,
-# top-k 40, top-p 0.95, min-p 0.05) given to the server answer as loom run does, seed for seed
-start_server "$tmpdir/server2.log" --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05
+# top-k 40, top-p 0.95, min-p 0.05) given to the server answer as loom run does, seed for seed,
+# with speculative decoding by prompt lookup on (it changes no answer, only the passes)
+start_server "$tmpdir/server2.log" --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --lookup 3
 "$LOOM" run -m "$MODEL" -p "Once upon a time, there was a" -n 40 --seed 42 --json 2>/dev/null |
     jq -r .text >"$tmpdir/run2.txt"
 post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time, there was a\",
@@ -199,6 +200,23 @@ else
     fail "serve with sampling flags differs from loom run:"; diff "$tmpdir/run2.txt" "$tmpdir/c2.txt" >&2
 fi
 cmp -s "$tmpdir/run.txt" "$tmpdir/run2.txt" && fail "loom run's defaults gave the OpenAI-default text"
+# a prompt whose answer copies an earlier stretch: proposals are kept, and the answer is the
+# one without speculation ("speculative": false)
+copy_prompt=$(jq -Rn --rawfile t "$tmpdir/run2.txt" '"Once upon a time, there was a" + ($t | rtrimstr("\n")) + " Once upon a time, there was a"')
+for spec in on off; do
+    extra='{}'; [ $spec = off ] && extra='{"speculative": false}'
+    post /v1/completions "$(jq -n --arg n "$NAME" --argjson p "$copy_prompt" --argjson s "$extra" \
+        '{model: $n, prompt: $p, max_tokens: 40, temperature: 0} + $s')" | sed '$d' |
+        jq -j '.choices[0].text' >"$tmpdir/copy-$spec.txt"
+    [ $spec = on ] && accepted=$(metric loom_speculative_accepted_total)
+done
+cmp -s "$tmpdir/copy-on.txt" "$tmpdir/copy-off.txt" && [ "${accepted:-0}" -gt 0 ] &&
+    [ "$(metric loom_speculative_accepted_total)" = "$accepted" ] &&
+    pass "serve --lookup: $accepted proposals kept, the answer as with \"speculative\": false" ||
+    { fail "serve --lookup: accepted ${accepted:-none}"; diff "$tmpdir/copy-on.txt" "$tmpdir/copy-off.txt" >&2; }
+got=$(post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x\",\"speculative\":{\"lookup\":99}}")
+[ "$(echo "$got" | tail -1)" = 400 ] && echo "$got" | grep -q "'lookup' must be a whole number from 0 to 64" &&
+    pass "a bad 'speculative' is a 400 naming the field" || fail "bad speculative: $got"
 stop_server
 
 # ---- under pressure: one sequence at a time and a queue of one. A long request runs; the next

@@ -407,6 +407,85 @@ static void check_behaviours(const char *gguf)
     unsetenv("LOOM_REF_DENY");
 }
 
+/* Prompt lookup in the batch (loom_request.lookup): every request, greedy or sampled, gives
+ * the tokens it gives alone without speculation (a proposal is kept only when the draw is it:
+ * the same draws, the same rng), in a roomy pool and in one that forces preemption; and
+ * proposals were checked and kept, on a prompt whose answer copies an earlier stretch. */
+static void check_lookup(const char *gguf)
+{
+    char err[512];
+    loom_model_options o = {.n_ctx = 256};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    if (!m)
+        return;
+    /* a story, then its start again: the model goes on copying it */
+    loom_sampling greedy = loom_sampling_defaults(), sampled = greedy;
+    greedy.temperature = 0;
+    prompt story = {0};
+    story.n = (int32_t)loom_tokenize(m, "Once upon a time", 1, 0, story.ids, 256, err, sizeof err);
+    CHECK(loom_generate(m, story.ids, story.n, 40, &greedy, collect_ref, &story, NULL, err,
+                        sizeof err) == 0,
+          "%s", err);
+    n_prompts = 8;
+    for (int i = 0; i < n_prompts; i++) {
+        prompt *p = &prompts[i];
+        memset(p, 0, sizeof *p);
+        memcpy(p->ids, story.ids, (size_t)story.n * sizeof *p->ids);
+        memcpy(p->ids + story.n, story.want, (size_t)story.n_want * sizeof *p->ids);
+        p->n = story.n + story.n_want;
+        int again = 4 + 2 * i; /* how much of the story starts it again */
+        memcpy(p->ids + p->n, story.ids, (size_t)story.n * sizeof *p->ids);
+        memcpy(p->ids + p->n + story.n, story.want, (size_t)again * sizeof *p->ids);
+        p->n += story.n + again;
+        p->max_tokens = 40;
+        sampled.seed = (uint64_t)i;
+        CHECK(loom_generate(m, p->ids, p->n, p->max_tokens, i % 2 ? &sampled : &greedy, collect_ref,
+                            p, NULL, err, sizeof err) == 0,
+              "%s", err);
+    }
+    loom_model_close(m);
+    static const int32_t pools[] = {256, 16};
+    for (int k = 0; k < 2; k++) {
+        o.kv_blocks = pools[k];
+        m = loom_model_open(gguf, &o, err, sizeof err);
+        loom_engine_options eo = {.max_batch = 8, .max_tokens_per_step = 64};
+        engine = m ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
+        CHECK(engine != NULL, "start: %s", err);
+        if (!engine) {
+            loom_model_close(m);
+            return;
+        }
+        static collector c[8];
+        memset(c, 0, sizeof c);
+        for (int i = 0; i < n_prompts; i++) {
+            sampled.seed = (uint64_t)i;
+            loom_request r = {.prompt = prompts[i].ids,
+                              .n_prompt = prompts[i].n,
+                              .max_tokens = prompts[i].max_tokens,
+                              .sampling = i % 2 ? sampled : greedy,
+                              .lookup = 3};
+            submit(&c[i], &r, i);
+        }
+        wait_all(c, n_prompts);
+        const char *what = k ? "lookup, with preemption" : "lookup";
+        for (int i = 0; i < n_prompts; i++)
+            check_same(&c[i], &prompts[i], what, i);
+        check_idle(what);
+        loom_engine_stats s = loom_engine_get_stats(engine);
+        printf("%s: %llu proposals checked, %llu kept, %llu steps, %llu preemptions\n", what,
+               (unsigned long long)s.drafted, (unsigned long long)s.accepted,
+               (unsigned long long)s.steps, (unsigned long long)s.preemptions);
+        CHECK(s.accepted > 0 && s.accepted < s.drafted,
+              "%s: %llu of %llu proposals kept: both should have happened", what,
+              (unsigned long long)s.accepted, (unsigned long long)s.drafted);
+        CHECK(k == 0 || s.preemptions > 0, "a %d-block pool forced no preemption", pools[k]);
+        loom_engine_stop(engine, 0);
+        loom_engine_free(engine);
+        loom_model_close(m);
+    }
+}
+
 static int started(const collector *c)
 {
     pthread_mutex_lock(&mu);
@@ -684,6 +763,7 @@ int main(void)
     run_q8_kv(NULL);
     check_behaviours(gguf);
     check_admission(gguf);
+    check_lookup(gguf);
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");
     return check_finish("test_engine");

@@ -800,6 +800,41 @@ void openai_embed_parsed_free(embed_parsed *p)
     memset(p, 0, sizeof *p);
 }
 
+/* "speculative" (loom's): false (off), or {"lookup": N, "draft_max": K}, prompt lookup's n-gram
+ * size (0 to 64, 0 off) and its most proposals a step (1 to 64); what it leaves out is the
+ * server's. Speculation never changes an answer, only how fast it comes. */
+static int parse_speculative(const cJSON *body, int32_t *lookup, int32_t *draft_max, bad *b)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, "speculative");
+    if (!v || cJSON_IsNull(v))
+        return 0;
+    if (cJSON_IsFalse(v)) {
+        *lookup = 0;
+        return 0;
+    }
+    if (!cJSON_IsObject(v))
+        return fail(b, 400, "speculative",
+                    "'speculative' must be false or an object {\"lookup\": N, \"draft_max\": K}, "
+                    "not %s",
+                    json_type(v));
+    for (const cJSON *f = v->child; f; f = f->next)
+        if (strcmp(f->string, "lookup") && strcmp(f->string, "draft_max"))
+            return fail(b, 400, "speculative",
+                        "'speculative' takes 'lookup' and 'draft_max' (prompt lookup), not '%s'",
+                        f->string);
+    double x;
+    int r;
+    if ((r = get_number(v, "lookup", 0, 64, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        *lookup = (int32_t)x;
+    if ((r = get_number(v, "draft_max", 1, 64, 1, &x, b)) < 0)
+        return -1;
+    if (r)
+        *draft_max = (int32_t)x;
+    return 0;
+}
+
 loom_sampling openai_default_sampling(void)
 {
     loom_sampling s = loom_sampling_defaults();
@@ -814,7 +849,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
         "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
         "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        "priority", "timeout", "response_format", "grammar", NULL};
+        "priority", "timeout", "response_format", "grammar", "speculative", NULL};
     /* clang-format on */
     /* clang-format off */
     static const char *const chat_fields[] = {
@@ -823,7 +858,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
         "parallel_tool_calls", "functions", "function_call", "store", "metadata",
         "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
-        "timeout", "chat_template_kwargs", "grammar", NULL};
+        "timeout", "chat_template_kwargs", "grammar", "speculative", NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo", "best_of", "logit_bias", "suffix",
                                                          NULL};
@@ -889,6 +924,9 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     if (get_bool(body, "stream", &p->stream, b) < 0)
         return -1;
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
+        return -1;
+    p->lookup = srv->lookup, p->draft_max = srv->draft_max;
+    if (parse_speculative(body, &p->lookup, &p->draft_max, b) != 0)
         return -1;
     /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
     if (chat) {

@@ -28,6 +28,9 @@ typedef struct openai_model {
     /* where a request's sampling starts: OpenAI's defaults (openai_default_sampling), or
      * what loom serve's sampling flags made of them */
     loom_sampling defaults;
+    /* speculative decoding by prompt lookup unless a request says otherwise (loom serve
+     * --lookup, --draft-max): n-gram size (0: off) and most proposals a step */
+    int32_t lookup, draft_max;
 } openai_model;
 
 /* OpenAI's defaults on loom's: temperature 1, top_p 1, no top_k, no min_p. */
@@ -57,10 +60,11 @@ typedef struct parsed {
     int parallel_tool_calls; /* false: at most one call is returned */
     int logprobs;            /* each token's log-probability, and top_logprobs alternatives */
     int32_t top_logprobs;
-    int reasoning;         /* 0: answers are all content; 1: they may open with a thought
+    int reasoning;             /* 0: answers are all content; 1: they may open with a thought
                                 (<think>...</think>); 2: the prompt opened it already */
-    loom_grammar *grammar; /* what the answer must match (response_format, grammar, a
+    loom_grammar *grammar;     /* what the answer must match (response_format, grammar, a
                                 required call), or NULL */
+    int32_t lookup, draft_max; /* "speculative" (loom's): the server's unless given */
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */

@@ -880,7 +880,9 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .control_text = p.tool_syntax != LOOM_TOOLS_NONE,
                           .grammar = p.grammar,
                           .logprobs = p.logprobs,
-                          .top_logprobs = p.top_logprobs};
+                          .top_logprobs = p.top_logprobs,
+                          .lookup = p.lookup,
+                          .draft_max = p.draft_max};
         set_admission(&r, srv, who, p.user, p.priority, p.priority_given, p.timeout_s);
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
@@ -1226,6 +1228,12 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
            "Requests whose deadline came: while waiting (504) or generating (cut short).",
            "{while=\"waiting\"} %llu\nloom_requests_deadline_total{while=\"generating\"} %llu",
            (unsigned long long)s.deadline_waiting, (unsigned long long)s.deadline_running);
+    METRIC("loom_speculative_proposed_total", "counter",
+           "Prompt-lookup proposals checked (speculative decoding).", " %llu",
+           (unsigned long long)s.drafted);
+    METRIC("loom_speculative_accepted_total", "counter",
+           "Of them, those kept: tokens that cost no pass of their own.", " %llu",
+           (unsigned long long)s.accepted);
     METRIC("loom_requests_finished_total", "counter", "Generations finished (any reason).", " %llu",
            (unsigned long long)s.requests_done);
     METRIC("loom_generated_tokens_total", "counter", "Tokens generated.", " %llu",
@@ -1791,7 +1799,7 @@ int loom_serve_main(int argc, char **argv)
                *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
-         max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60;
+         max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0;
     int metrics_auth = 0, parse_special = 0;
     loom_open_flags of = {0};
     float request_timeout = 0, batch_wait = 0;
@@ -1823,6 +1831,12 @@ int loom_serve_main(int argc, char **argv)
         {"--max-queue", NULL, LOOM_FLAG_LONG, &max_queue, 1, 1 << 20, "N",
          "requests waiting to run at most; past it 429 with Retry-After\n"
          "(default 8 x max-batch)"},
+        {"--lookup", NULL, LOOM_FLAG_LONG, &lookup, 0, 64, "N",
+         "speculative decoding by prompt lookup for every request that does\n"
+         "not say otherwise (\"speculative\"): its last N..2 tokens found\n"
+         "earlier in its text propose what followed (default 0: off)"},
+        {"--draft-max", NULL, LOOM_FLAG_LONG, &draft_max, 1, 64, "N",
+         "prompt lookup's most proposals a step (default 8)"},
         {"--batch-wait-ms", NULL, LOOM_FLAG_FLOAT, &batch_wait, 0, 10000, "MS",
          "with nothing running, wait up to this long for more requests\n"
          "before a prefill, so they start together (default 0)"},
@@ -1976,7 +1990,9 @@ int loom_serve_main(int argc, char **argv)
                           .n_ctx = ctx,
                           .parse_special = parse_special,
                           .max_prompt_bytes = loom_model_max_prompt_bytes(m),
-                          .defaults = sampling},
+                          .defaults = sampling,
+                          .lookup = (int32_t)lookup,
+                          .draft_max = (int32_t)draft_max},
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
                   .metrics_auth = metrics_auth,

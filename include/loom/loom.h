@@ -365,6 +365,11 @@ typedef struct loom_request {
      * prompt token is computed (the prefix cache cannot give hidden states) */
     loom_pooling pooling;
     int embed_unnormalized;
+    /* speculative decoding by prompt lookup (loom_speculation.lookup): proposals from the
+     * request's own text, checked in the batched step, kept only where sampling would have
+     * drawn them (so the output is as without); lookup 0: off. At most draft_max a step (0:
+     * 8), fewer as the batch fills or the request's proposals are rejected */
+    int32_t lookup, draft_max;
 } loom_request;
 
 #define LOOM_MAX_TOP_LOGPROBS 20
@@ -383,6 +388,7 @@ typedef struct loom_engine_stats {
     uint64_t deadline_waiting; /* requests whose deadline came while they waited */
     uint64_t deadline_running; /* ... and while they generated (stopped with what they had) */
     int32_t max_queue;
+    uint64_t drafted, accepted; /* speculative proposals checked, and kept */
 } loom_engine_stats;
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
