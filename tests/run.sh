@@ -93,6 +93,15 @@ cmp -s "$tmpdir/chat.out" "$tmpdir/chat-spec.out" && pass "chat --draft: the ans
 "$LOOM" chat -m "$qwen" --chat-template nosuch < /dev/null > /dev/null 2> "$tmpdir/e8" && fail "bad template accepted"
 expect_grep "no chat template named 'nosuch'" "$tmpdir/e8" "unknown chat template named"
 
+# the benchmark with a drafter: decode with and without it, and how the drafter did
+"$LOOM" bench --synthetic tiny --type q8_0 -p 0 -n 16 -r 2 --backends ref --no-roofline --json \
+    --draft-layers 1 --draft-fixed --draft-p-min 0 > "$tmpdir/bench-spec.json" 2> "$tmpdir/bench-spec.err" &&
+    jq -e '[.results[] | select(.test == "spec tg16")] | length == 1 and
+        all(.[]; .tokens_per_s > 0 and .speedup > 0 and .acceptance >= 0 and
+            (.drafter | test("first 1 layers")))' "$tmpdir/bench-spec.json" > /dev/null &&
+    pass "bench --draft-layers: decode measured with the drafter beside without" ||
+    { fail "bench --draft-layers"; cat "$tmpdir/bench-spec.json" "$tmpdir/bench-spec.err" >&2; }
+
 # the benchmark on a synthetic model, every CPU variant
 if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \
         > "$tmpdir/bench.json" 2> "$tmpdir/bench.err"; then

@@ -32,8 +32,9 @@ typedef struct bench_args {
     const char *experts_on; /* --experts-on: each backend measured with the experts there */
     long pp, tg, reps;
     int json, csv, no_roofline;
-    int distributed;    /* --distributed */
-    const char *layers; /* --layers */
+    int distributed;      /* --distributed */
+    const char *layers;   /* --layers */
+    loom_spec_flags spec; /* a drafter: decode is measured with it too, alternating */
 } bench_args;
 
 /* ---- child: one backend ----------------------------------------------------------------- */
@@ -117,20 +118,53 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
         double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
         emit(results, m, name, mean, sd, ok ? NULL : err);
     }
+    /* with a drafter, decoding with it alternates with decoding without, rep by rep */
+    loom_speculation spec_room;
+    const loom_speculation *spec = NULL;
+    loom_model *drafter = NULL;
+    char about[600];
+    loom_spec_flags sf = a->spec;
+    loom_open_flags of = {.model = a->model};
+    if (!sf.draft_backend && (sf.draft || sf.draft_layers))
+        sf.draft_backend = backend; /* the drafter beside the model, unless told */
+    if (tg > 1 &&
+        loom_spec_open("loom bench", &sf, &of, m, &spec_room, &spec, &drafter, about,
+                       sizeof about) != 0)
+        emit(results, m, "open drafter", 0, 0, "the drafter did not open (see above)");
     if (tg > 1) {
         int32_t bos = 1;
         loom_generation st;
+        double ts[64];
+        int32_t drafted = 0, accepted = 0, verify = 0;
         int ok = loom_generate(m, &bos, 1, 4, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
         for (int r = 0; r < reps && ok; r++) {
             ok = loom_generate(m, &bos, 1, (int32_t)tg, &greedy, NULL, NULL, &st, err,
                                sizeof err) == 0;
             t[r] = st.decode_tok_s;
+            if (ok && spec) {
+                ok = loom_generate_speculative(m, spec, &bos, 1, 0, (int32_t)tg, &greedy, NULL,
+                                               NULL, &st, err, sizeof err) == 0;
+                ts[r] = st.decode_tok_s;
+                drafted += st.n_drafted, accepted += st.n_accepted, verify += st.n_verify;
+            }
         }
         snprintf(name, sizeof name, "tg%ld", tg);
         double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
         emit(results, m, name, mean, sd, ok ? NULL : err);
+        if (spec) {
+            snprintf(name, sizeof name, "spec tg%ld", tg);
+            double mean_spec = ok ? mean_of(ts, reps, &sd) : (sd = 0);
+            emit(results, m, name, mean_spec, sd, ok ? NULL : err);
+            cJSON *o = cJSON_GetArrayItem(results, cJSON_GetArraySize(results) - 1);
+            cJSON_AddStringToObject(o, "drafter", about);
+            cJSON_AddNumberToObject(o, "acceptance", drafted ? (double)accepted / drafted : 0);
+            cJSON_AddNumberToObject(o, "tokens_per_verify",
+                                    verify ? (double)(accepted + verify) / verify : 0);
+            cJSON_AddNumberToObject(o, "speedup", mean > 0 ? mean_spec / mean : 0);
+        }
     }
     free(ids);
+    loom_model_close(drafter);
     loom_model_close(m);
     return 0;
 }
@@ -224,11 +258,31 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
     for (int b = 0; b < n; b++) {
         fprintf(stderr, "running %s...\n", labels[b]);
         char cmd[8192];
-        char experts[256] = "";
+        char experts[256] = "", spec_args[4600] = "";
+        const loom_spec_flags *sf = &a->spec;
+        if (sf->draft || sf->draft_layers || sf->lookup) { /* paths checked: no quote in them */
+            size_t at = 0;
+            if (sf->draft)
+                at += (size_t)snprintf(spec_args + at, sizeof spec_args - at, " --draft '%s'",
+                                       sf->draft);
+            if (sf->draft_layers)
+                at += (size_t)snprintf(spec_args + at, sizeof spec_args - at, " --draft-layers %ld",
+                                       sf->draft_layers);
+            if (sf->lookup)
+                at += (size_t)snprintf(spec_args + at, sizeof spec_args - at, " --lookup %ld",
+                                       sf->lookup);
+            if (sf->draft_backend)
+                at += (size_t)snprintf(spec_args + at, sizeof spec_args - at,
+                                       " --draft-backend '%s'", sf->draft_backend);
+            snprintf(spec_args + at, sizeof spec_args - at,
+                     " --draft-max %ld --draft-min %ld --draft-p-min %g%s",
+                     sf->draft_max ? sf->draft_max : 8, sf->draft_min ? sf->draft_min : 1,
+                     (double)sf->p_min, sf->fixed ? " --draft-fixed" : "");
+        }
         if (a->experts_on) /* checked to be a plain name: nothing to escape */
             snprintf(experts, sizeof experts, " --experts-on '%s'", a->experts_on);
-        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld%s", self,
-                 labels[b], a->model, a->pp, a->tg, a->reps, experts);
+        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld%s%s", self,
+                 labels[b], a->model, a->pp, a->tg, a->reps, experts, spec_args);
         FILE *f = popen(cmd, "r");
         char line[8192];
         while (f && fgets(line, sizeof line, f)) {
@@ -285,6 +339,8 @@ int loom_bench_main(int argc, char **argv, const char *self);
 int loom_bench_main(int argc, char **argv, const char *self)
 {
     bench_args a = {.synthetic = "1b", .type = "q4_0", .pp = 128, .tg = 32, .reps = 5};
+    loom_flag spec_flags[LOOM_SPEC_FLAGS];
+    loom_spec_flag_table(&a.spec, spec_flags);
     const char *child_backend = NULL, *write_to = NULL;
     char shape_help[512], type_help[512];
     snprintf(shape_help, sizeof shape_help, "%s (default 1b, the TinyLlama-1.1B shape)",
@@ -321,7 +377,10 @@ int loom_bench_main(int argc, char **argv, const char *self)
                     "                  [-p 128] [-n 32] [-r 5] [--json | --csv]\n"
                     "also: loom bench ops (per-op timings), loom bench serve (a server under load)",
         .flags = flags,
-        .n_flags = LOOM_N_FLAGS(flags)};
+        .n_flags = LOOM_N_FLAGS(flags),
+        .more_flags = spec_flags,
+        .n_more_flags = LOOM_SPEC_FLAGS,
+        .more_title = "speculative decoding (decode measured with and without, alternating):"};
     int parsed = loom_args_parse(&cmd, argc, argv);
     if (parsed)
         return parsed == 1 ? 0 : parsed;
@@ -351,6 +410,15 @@ int loom_bench_main(int argc, char **argv, const char *self)
         fprintf(stderr, "wrote the synthetic %s model (%s) to %s\n", a.synthetic, a.type, write_to);
         return 0;
     }
+    const char *paths[] = {a.spec.draft, a.spec.draft_backend};
+    for (int i = 0; i < 2; i++)
+        if (paths[i] && strchr(paths[i], '\'')) {
+            fprintf(stderr,
+                    "loom bench: %s '%s' has a quote in it, which the bench's child "
+                    "processes cannot be given\n",
+                    i ? "--draft-backend" : "--draft", paths[i]);
+            return 2;
+        }
     if (a.json && a.csv) {
         fprintf(stderr, "loom bench: choose one of --json and --csv\n");
         return 2;
@@ -399,6 +467,15 @@ int loom_bench_main(int argc, char **argv, const char *self)
         const char *model = cJSON_GetStringValue(cJSON_GetObjectItem(o, "model"));
         const char *wt = cJSON_GetStringValue(cJSON_GetObjectItem(o, "weight_type"));
         const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
+        char labelled[128];
+        const cJSON *speedup = cJSON_GetObjectItem(o, "speedup");
+        if (test && speedup && !a.csv) { /* a speculative row says how it went */
+            snprintf(labelled, sizeof labelled, "%s: %.2fx, %.0f%% kept, %.1f a pass", test,
+                     speedup->valuedouble,
+                     100 * cJSON_GetNumberValue(cJSON_GetObjectItem(o, "acceptance")),
+                     cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_verify")));
+            test = labelled;
+        }
         double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
         double sd = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "sd"));
         double rss = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "peak_rss_bytes")) / 1048576.0;
