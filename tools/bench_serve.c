@@ -26,7 +26,7 @@ typedef struct sample {
 typedef struct shared {
     loom_engine *engine;
     int32_t **prompts;
-    int32_t n_prompt, n_gen;
+    int32_t n_prompt, n_gen, lookup;
     int next, n_requests;
     sample *samples;
     pthread_mutex_t mu;
@@ -72,7 +72,8 @@ static void *client(void *arg)
         loom_request r = {.prompt = s->prompts[i],
                           .n_prompt = s->n_prompt,
                           .max_tokens = s->n_gen,
-                          .sampling = greedy};
+                          .sampling = greedy,
+                          .lookup = s->lookup};
         char err[512];
         w.done = 0;
         double t0 = loom_now_ms();
@@ -113,12 +114,13 @@ typedef struct result {
 } result;
 
 static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32_t n_prompt,
-                        int32_t n_gen, int clients)
+                        int32_t n_gen, int clients, int32_t lookup)
 {
     shared s = {.engine = e,
                 .prompts = prompts,
                 .n_prompt = n_prompt,
                 .n_gen = n_gen,
+                .lookup = lookup,
                 .n_requests = n_requests,
                 .samples = calloc((size_t)n_requests, sizeof(sample))};
     pthread_mutex_init(&s.mu, NULL);
@@ -301,7 +303,8 @@ int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
     const char *layers = NULL;
-    long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0, max_step = 0;
+    long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0, max_step = 0,
+         lookup = 0;
     int json = 0, concurrent_only = 0, distributed = 0;
     float overload = 0, duration = 60;
     char shape_help[512];
@@ -324,6 +327,8 @@ int loom_bench_serve_main(int argc, char **argv)
         {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
          "tokens one engine step computes, prefill chunks and decodes together (default 256, "
          "or --max-batch if more)"},
+        {"--lookup", NULL, LOOM_FLAG_LONG, &lookup, 0, 64, "N",
+         "every request speculates by prompt lookup (n-grams up to N)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "one JSON object"},
         LOOM_FLAG_DISTRIBUTED(&distributed),
         LOOM_FLAG_LAYERS(&layers),
@@ -405,12 +410,13 @@ int loom_bench_serve_main(int argc, char **argv)
             loom_model_name(m), loom_model_backend(m), requests, n_prompt, n_gen);
     result one = {0};
     if (!concurrent_only)
-        one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1);
+        one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1,
+                        (int32_t)lookup);
     /* new first tokens: the concurrent run must not reuse the first run's cached blocks */
     for (long i = 0; i < requests; i++)
         prompts[i][0] = 3 + (prompts[i][0] - 2) % (n_vocab - 3);
     result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen,
-                            (int)clients);
+                            (int)clients, (int32_t)lookup);
     loom_engine_stats st = loom_engine_get_stats(e);
     result *rs[2] = {&one, &many};
     int first = concurrent_only;
@@ -437,6 +443,8 @@ int loom_bench_serve_main(int argc, char **argv)
             cJSON_AddItemToArray(arr, r);
         }
         cJSON_AddNumberToObject(o, "speedup", one.tok_s > 0 ? many.tok_s / one.tok_s : 0);
+        cJSON_AddNumberToObject(o, "speculative_proposed", (double)st.drafted);
+        cJSON_AddNumberToObject(o, "speculative_accepted", (double)st.accepted);
         char *s = cJSON_Print(o);
         printf("%s\n", s);
         free(s);
@@ -457,6 +465,9 @@ int loom_bench_serve_main(int argc, char **argv)
                    "(%llu engine steps in all)\n",
                    clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
                    (unsigned long long)st.steps);
+        if (lookup)
+            printf("prompt lookup: %llu proposals checked, %llu kept\n",
+                   (unsigned long long)st.drafted, (unsigned long long)st.accepted);
     }
     rc = one.failed || many.failed ? 1 : 0;
     if (overload > 0 && many.req_s > 0) {
