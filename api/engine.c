@@ -71,6 +71,11 @@ typedef struct ereq {
     int32_t *draft;
     double spec_ok, spec_miss;
     int32_t spec_idle; /* steps without proposals while they did not pay */
+    /* or proposals from the engine's drafter model: how many it is asked for this step, and
+     * its sequence in the drafter's cache (private blocks: rejected proposals are forgotten) */
+    int use_draft;
+    int32_t want;
+    loom_kvseq dkv;
 } ereq;
 
 struct loom_engine {
@@ -125,6 +130,16 @@ struct loom_engine {
     uint64_t rate_n0;
 
     loom_engine_stats stats; /* under the lock: published after each step */
+
+    /* the drafter model (loom_engine_options.draft), its runner and block manager, a step's
+     * buffer for it, one row of its logits, and who drafts in a step */
+    loom_model *draft;
+    loom_runner *drunner;
+    loom_kvblocks *dkv;
+    float draft_p_min;
+    int32_t *dstep_buf, dmax_blocks;
+    float *dlogits;
+    ereq **dwho;
 };
 
 static double now_ms(void)
@@ -211,6 +226,8 @@ static void deliver(loom_engine *e, ereq *q, const loom_event *ev)
 static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *error, int deadline)
 {
     loom_kvblocks_release(e->kv, &q->kv);
+    if (e->dkv)
+        loom_kvblocks_release(e->dkv, &q->dkv);
     loom_text_stream_flush(&q->ts);
     loom_event ev = {.kind = LOOM_EVENT_TEXT,
                      .token = -1,
@@ -313,6 +330,12 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
                  r->draft_max);
         return -1;
     }
+    if (r->draft && (!e->draft || r->lookup > 0)) {
+        snprintf(err, err_size, "%s",
+                 r->lookup > 0 ? "one drafter a request: its draft model or prompt lookup"
+                               : "this engine has no draft model (loom serve --draft)");
+        return -1;
+    }
     ereq *q = calloc(1, sizeof *q);
     if (!q)
         goto oom;
@@ -334,8 +357,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->kv.private_blocks = q->prefix_len > 0;
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
-    if (r->lookup > 0 && !q->pooling) {
-        q->lookup = r->lookup, q->draft_max = r->draft_max ? r->draft_max : 8;
+    q->dkv.private_blocks = 1;
+    if ((r->lookup > 0 || r->draft) && !q->pooling) {
+        q->lookup = r->lookup, q->use_draft = r->draft;
+        q->draft_max = r->draft_max ? r->draft_max : 8;
         if (!(q->draft = malloc((size_t)q->draft_max * sizeof *q->draft)))
             goto oom;
     }
@@ -465,6 +490,8 @@ static void preempt(loom_engine *e, ereq *q)
 {
     remove_running(e, q);
     loom_kvblocks_release(e->kv, &q->kv);
+    if (e->dkv)
+        loom_kvblocks_release(e->dkv, &q->dkv);
     q->next = e->waiting;
     e->waiting = q;
     e->n_preempted++;
@@ -544,13 +571,12 @@ static ereq *next_waiting(const loom_engine *e, double now)
     return best;
 }
 
-/* How many of its prompt-lookup proposals q checks this step (into q->draft), at most room:
- * the j-th proposal is worth a token row when it is kept with probability a^j >= tau, a from
- * q's recent proposals; tau grows with the batch, from 0.25 alone to 0.8 at 8 running and
- * more, as extra rows stop being nearly free once a step computes rather than streams weights.
- * After 16 steps without proposals it tries one again, so text that became repetitive is
- * noticed. */
-static int32_t propose(loom_engine *e, ereq *q, int32_t room)
+/* How many proposals q checks this step, at most room: the j-th is worth a token row when it
+ * is kept with probability a^j >= tau, a from q's recent proposals; tau grows with the batch,
+ * from 0.25 alone to 0.8 at 8 running and more, as extra rows stop being nearly free once a
+ * step computes rather than streams weights. After 16 steps without proposals it tries one
+ * again, so text that became predictable is noticed. */
+static int32_t proposals_wanted(loom_engine *e, ereq *q, int32_t room)
 {
     int32_t most = q->draft_max;
     most = most < room ? most : room;
@@ -565,10 +591,9 @@ static int32_t propose(loom_engine *e, ereq *q, int32_t room)
         k++;
     if (k == 0 && ++q->spec_idle >= 16)
         k = 1;
-    int32_t n = k ? loom_lookup_draft(q->toks, q->n_toks, q->lookup, k, q->draft) : 0;
-    if (n)
+    if (k)
         q->spec_idle = 0;
-    return n;
+    return k;
 }
 
 /* Plans one step: running requests first (in the order they would run), then newly admitted
@@ -595,17 +620,22 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         if (k > budget)
             k = budget;
         /* a decoding request may check proposals too, where the cache has room for them
-         * without preempting anyone */
-        q->n_draft = k == 1 && q->lookup ? propose(e, q, budget - 1) : 0;
-        if (q->n_draft &&
-            loom_kvblocks_needed(e->kv, &q->kv, k + q->n_draft) > loom_kvblocks_available(e->kv))
-            q->n_draft = 0;
-        if (make_room(e, q, k + q->n_draft, copies, n_copies) != 0) {
+         * without preempting anyone: prompt lookup's now, the drafter model's once it ran
+         * (run_drafter: q->want of them at most) */
+        int32_t want = k == 1 && q->draft ? proposals_wanted(e, q, budget - 1) : 0;
+        if (want && loom_kvblocks_needed(e->kv, &q->kv, k + want) > loom_kvblocks_available(e->kv))
+            want = 0;
+        q->n_draft = want && q->lookup
+            ? loom_lookup_draft(q->toks, q->n_toks, q->lookup, want, q->draft)
+            : 0;
+        q->want = q->use_draft ? want : 0;
+        int32_t extra = q->n_draft + q->want;
+        if (make_room(e, q, k + extra, copies, n_copies) != 0) {
             i--; /* q left running; the next one moved into slot i */
             continue;
         }
-        plan[n++] = (planned){q, k + q->n_draft};
-        budget -= k + q->n_draft;
+        plan[n++] = (planned){q, k + extra};
+        budget -= k + extra;
     }
     ereq *q;
     while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now))) {
@@ -633,7 +663,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             e->n_hit += (uint64_t)hit;
         }
         q->n_pooled = 0; /* (again, after a preemption) */
-        q->n_draft = 0;
+        q->n_draft = q->want = 0;
         remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
@@ -820,6 +850,125 @@ static void finish_embedding(loom_engine *e, ereq *q)
     retire(e, q, "stop", NULL);
 }
 
+/* One batched step of the drafter model over the requests who[0..n), counts[i] tokens each
+ * from the end of their drafter cache: from their text (from_text), else their last proposal;
+ * a logit row after the last of each where want_row[i]. 0, or -1 with err. */
+static int drafter_step(loom_engine *e, ereq **who, int n, const int32_t *counts, int from_text,
+                        const int *want_row, char *err, size_t err_size)
+{
+    int32_t max_blocks = 1;
+    for (int i = 0; i < n; i++)
+        max_blocks = who[i]->dkv.n_blocks > max_blocks ? who[i]->dkv.n_blocks : max_blocks;
+    int32_t *ids = e->dstep_buf, *pos = ids + e->max_step, *seq = pos + e->max_step,
+            *slots = seq + e->max_step, *rows = slots + e->max_step, *table = rows + e->max_step;
+    int32_t t = 0, n_rows = 0;
+    for (int i = 0; i < n; i++) {
+        ereq *q = who[i];
+        for (int32_t j = 0; j < counts[i]; j++, t++) {
+            int32_t p = q->dkv.n_tokens + j;
+            ids[t] = from_text ? q->toks[p] : q->draft[q->n_draft - 1];
+            pos[t] = p, seq[t] = i;
+            slots[t] = loom_kvblocks_slot(e->dkv, &q->dkv, p);
+        }
+        if (want_row[i])
+            rows[n_rows++] = t - 1;
+        int32_t *row = table + (size_t)i * (size_t)max_blocks;
+        memcpy(row, q->dkv.blocks, (size_t)q->dkv.n_blocks * sizeof *row);
+        for (int32_t b = q->dkv.n_blocks; b < max_blocks; b++)
+            row[b] = 0;
+    }
+    loom_step st = {.n_tokens = t,
+                    .ids = ids,
+                    .pos = pos,
+                    .seq = seq,
+                    .slots = slots,
+                    .n_seqs = n,
+                    .max_blocks = max_blocks,
+                    .block_table = table,
+                    .n_logits = n_rows,
+                    .logit_rows = rows};
+    if (loom_runner_step(e->drunner, &st, err, err_size) != 0)
+        return -1;
+    for (int i = 0; i < n; i++)
+        loom_kvblocks_advance(e->dkv, &who[i]->dkv, who[i]->toks, who[i]->dkv.n_tokens + counts[i]);
+    return 0;
+}
+
+/* The drafter's proposal from its logit row: its most likely token, or -1 when it gives that
+ * less than draft_p_min. */
+static int32_t drafter_choice(loom_engine *e, const float *row)
+{
+    memcpy(e->dlogits, row, (size_t)e->n_vocab * sizeof *e->dlogits);
+    loom_model_mask_unsampled(e->draft, e->dlogits);
+    int32_t best = 0;
+    for (int32_t i = 1; i < e->n_vocab; i++)
+        best = e->dlogits[i] > e->dlogits[best] ? i : best;
+    double sum = 0;
+    for (int32_t i = 0; i < e->n_vocab; i++)
+        sum += exp((double)(e->dlogits[i] - e->dlogits[best]));
+    return 1.0 / sum >= e->draft_p_min ? best : -1;
+}
+
+/* The drafter model's proposals for the planned requests that want some (q->want): each one's
+ * drafter sequence first takes what of its text it lacks (within a step's budget; one that
+ * lags further only catches up this step), then up to q->want proposals, one batched drafter
+ * step each. Greedy proposals (tokens without a distribution) keep the engine's rule exact: a
+ * proposal is kept when the request's own draw is it. Sets q->n_draft and the plan's token
+ * counts. A drafter step that fails leaves the proposals made so far (none: a plain step). */
+static void run_drafter(loom_engine *e, planned *plan, int n_plan)
+{
+    char err[512];
+    ereq **who = e->dwho;
+    int32_t *counts = e->dstep_buf + 5 * (size_t)e->max_step +
+        (size_t)e->max_batch * (size_t)e->dmax_blocks;
+    int *rows = (int *)(counts + e->max_batch);
+    int32_t budget = e->max_step;
+    int n = 0, most = 0;
+    for (int i = 0; i < n_plan; i++) {
+        ereq *q = plan[i].q;
+        if (!q->want)
+            continue;
+        int32_t missing = q->n_toks - q->dkv.n_tokens;
+        int32_t feed = missing < budget ? missing : budget;
+        loom_kvcopy none[1];
+        if (feed <= 0 || loom_kvblocks_reserve(e->dkv, &q->dkv, feed + q->want - 1, none) < 0)
+            continue; /* (its plan shrinks below, to the pending token) */
+        budget -= feed;
+        who[n] = q, counts[n] = feed, rows[n] = feed == missing;
+        most = q->want > most ? q->want : most;
+        n++;
+    }
+    int rc = n ? drafter_step(e, who, n, counts, 1, rows, err, sizeof err) : -1;
+    for (int round = 0; rc == 0; round++) {
+        /* a proposal from each row, and who goes on */
+        const float *logits = loom_runner_logits(e->drunner);
+        int li = 0, going = 0;
+        for (int i = 0; i < n; i++) {
+            ereq *q = who[i];
+            if (!rows[i])
+                continue; /* caught up only partly: no proposal this step */
+            int32_t tok = drafter_choice(e, logits + (size_t)li++ * (size_t)e->n_vocab);
+            if (tok < 0)
+                continue;
+            q->draft[q->n_draft++] = tok;
+            if (q->n_draft < q->want)
+                who[going++] = q;
+        }
+        n = going;
+        if (n == 0 || round + 1 >= most)
+            break;
+        for (int i = 0; i < n; i++)
+            counts[i] = 1, rows[i] = 1;
+        rc = drafter_step(e, who, n, counts, 0, rows, err, sizeof err);
+    }
+    for (int i = 0; i < n_plan; i++) {
+        ereq *q = plan[i].q;
+        if (q->use_draft && q->want) /* planned as 1 + want: as many as were proposed */
+            plan[i].k = 1 + q->n_draft;
+        q->want = 0;
+    }
+}
+
 static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcopy *copies,
                      int n_copies, int32_t *buf)
 {
@@ -918,6 +1067,9 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             q->spec_ok = 0.9 * q->spec_ok + kept;
             q->spec_miss = 0.9 * q->spec_miss + (kept < n_draft);
         }
+        /* the drafter's cache holds what the text still has: all but the pending token */
+        if (q && q->use_draft && q->dkv.n_tokens > q->n_toks - 1)
+            loom_kvblocks_truncate(&q->dkv, q->n_toks - 1);
     }
 }
 
@@ -1042,6 +1194,8 @@ static void *engine_main(void *arg)
         expire(e);
         int n_copies = 0;
         int n_plan = plan_step(e, plan, copies, &n_copies);
+        if (n_plan > 0 && e->draft)
+            run_drafter(e, plan, n_plan);
         if (n_plan > 0)
             run_step(e, plan, n_plan, copies, n_copies, buf);
         publish_stats(e);
@@ -1079,6 +1233,53 @@ static void abandon(void *ctx, const char *why)
         q->fn(q->user, &ev);
     }
     pthread_mutex_unlock(&e->deliver_lock);
+}
+
+/* What loom_engine_start allocates (each may be NULL), and e. */
+static void free_parts(loom_engine *e)
+{
+    if (e->kv)
+        loom_kvblocks_free(e->kv);
+    if (e->dkv)
+        loom_kvblocks_free(e->dkv);
+    free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies);
+    free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
+    free(e);
+}
+
+/* The drafter model of o, checked against the engine's model; 0, or -1 with err. */
+static int start_drafter(loom_engine *e, const loom_engine_options *o, char *err, size_t err_size)
+{
+    loom_speculation check = {.draft = o->draft};
+    if (loom_speculation_check(e->model, &check, err, err_size) != 0)
+        return -1;
+    e->draft = o->draft;
+    e->drunner = loom_model_runner(o->draft);
+    e->draft_p_min = o->draft_p_min;
+    int32_t bs = loom_runner_block_size(e->drunner), n_blocks = loom_runner_kv_blocks(e->drunner);
+    e->dmax_blocks = (e->n_ctx + bs - 1) / bs + 1;
+    if (loom_runner_has_prefix(e->runner) || loom_runner_n_ctx(e->drunner) < e->n_ctx ||
+        n_blocks < e->dmax_blocks - 1) {
+        snprintf(err, err_size,
+                 loom_runner_has_prefix(e->runner)
+                     ? "a draft model cannot follow this model (its prompts attend both ways)"
+                     : "the draft model's context (%d tokens, %d blocks of %d) is smaller than "
+                       "the engine's (%d tokens)",
+                 loom_runner_n_ctx(e->drunner), n_blocks, bs, e->n_ctx);
+        return -1;
+    }
+    e->dkv = loom_kvblocks_create(n_blocks, bs);
+    /* a drafter step's ids, positions, sequences, slots and rows (max_step each), block table
+     * rows, then run_drafter's counts and flags (per sequence) */
+    e->dstep_buf = malloc((5 * (size_t)e->max_step + (size_t)e->max_batch * (e->dmax_blocks + 2)) *
+                          sizeof *e->dstep_buf);
+    e->dlogits = malloc((size_t)e->n_vocab * sizeof *e->dlogits);
+    e->dwho = malloc((size_t)e->max_batch * sizeof *e->dwho);
+    if (!e->dkv || !e->dstep_buf || !e->dlogits || !e->dwho) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    return 0;
 }
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
@@ -1135,11 +1336,12 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
         !e->embedding) {
-        loom_kvblocks_free(e->kv);
-        free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
-        free(e->embedding);
-        free(e);
+        free_parts(e);
         snprintf(err, err_size, "out of memory");
+        return NULL;
+    }
+    if (o->draft && start_drafter(e, o, err, err_size) != 0) {
+        free_parts(e);
         return NULL;
     }
     pthread_mutex_init(&e->lock, NULL);
@@ -1151,10 +1353,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     int rc = pthread_create(&e->thread, NULL, engine_main, e);
     if (rc != 0) {
         snprintf(err, err_size, "cannot start the engine thread: %s", strerror(rc));
-        loom_kvblocks_free(e->kv);
-        free(e->running), free(e->logits), free(e->plan), free(e->copies), free(e->step_buf);
-        free(e->embedding);
-        free(e);
+        free_parts(e);
         return NULL;
     }
     loom_model_watch_stages(m, abandon, e);
@@ -1191,17 +1390,13 @@ void loom_engine_free(loom_engine *e)
         return;
     loom_engine_stop(e, 0);
     loom_model_watch_stages(e->model, NULL, NULL);
-    loom_kvblocks_free(e->kv);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->deliver_lock);
     pthread_cond_destroy(&e->wake);
     pthread_cond_destroy(&e->idle);
-    free(e->running), free(e->live), free(e->logits);
-    free(e->plan), free(e->copies), free(e->step_buf);
     grammar_vocab_free(e->gvocab[0]);
     grammar_vocab_free(e->gvocab[1]);
     free(e->logits_copy);
     free(e->raw_logits);
-    free(e->embedding);
-    free(e);
+    free_parts(e);
 }

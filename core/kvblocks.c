@@ -261,6 +261,12 @@ int loom_kvblocks_reserve(loom_kvblocks *kv, loom_kvseq *seq, int32_t n_new, loo
     return n_copies;
 }
 
+void loom_kvblocks_truncate(loom_kvseq *seq, int32_t n)
+{
+    if (seq->private_blocks && n >= 0 && n < seq->n_tokens)
+        seq->n_tokens = n;
+}
+
 void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *tokens,
                            int32_t n_total)
 {

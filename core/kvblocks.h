@@ -76,6 +76,10 @@ int loom_kvblocks_reserve(loom_kvblocks *kv, loom_kvseq *seq, int32_t n_new, loo
 void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *tokens,
                            int32_t n_total);
 
+/* Forgets positions n and on of a sequence whose blocks are never shared (private_blocks): a
+ * speculative drafter's proposals that were not kept. Its blocks stay, to be written again. */
+void loom_kvblocks_truncate(loom_kvseq *seq, int32_t n);
+
 /* dst (empty) shares all of src's blocks, including a partly filled last one. */
 int loom_kvblocks_fork(loom_kvblocks *kv, const loom_kvseq *src, loom_kvseq *dst);
 

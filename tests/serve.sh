@@ -217,7 +217,36 @@ cmp -s "$tmpdir/copy-on.txt" "$tmpdir/copy-off.txt" && [ "${accepted:-0}" -gt 0 
 got=$(post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x\",\"speculative\":{\"lookup\":99}}")
 [ "$(echo "$got" | tail -1)" = 400 ] && echo "$got" | grep -q "'lookup' must be a whole number from 0 to 64" &&
     pass "a bad 'speculative' is a 400 naming the field" || fail "bad speculative: $got"
+got=$(post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x\",\"speculative\":{\"draft\":true}}")
+[ "$(echo "$got" | tail -1)" = 400 ] && echo "$got" | grep -q "this server has no draft model" &&
+    pass "'speculative': {'draft': true} without a draft model is a 400" || fail "draft without drafter: $got"
 stop_server
+
+# ---- a drafter model (the model itself, opened again: it agrees with every greedy token):
+# the answers of plain decoding, sampled ones seed for seed, proposals kept
+start_server "$tmpdir/server-draft.log" --temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 \
+    --draft "$MODEL" --draft-p-min 0
+for spec in on off; do
+    extra='{}'; [ $spec = off ] && extra='{"speculative": false}'
+    post /v1/completions "$(jq -n --arg n "$NAME" --argjson p "$copy_prompt" --argjson s "$extra" \
+        '{model: $n, prompt: $p, max_tokens: 40, temperature: 0} + $s')" | sed '$d' |
+        jq -j '.choices[0].text' >"$tmpdir/draft-$spec.txt"
+done
+post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once upon a time, there was a\",
+    \"max_tokens\":40,\"seed\":42}" | sed '$d' | jq -j '.choices[0].text' >"$tmpdir/draft-sampled.txt"
+echo >>"$tmpdir/draft-sampled.txt"
+accepted=$(metric loom_speculative_accepted_total)
+cmp -s "$tmpdir/draft-on.txt" "$tmpdir/draft-off.txt" && cmp -s "$tmpdir/run2.txt" "$tmpdir/draft-sampled.txt" &&
+    [ "${accepted:-0}" -gt 0 ] &&
+    pass "serve --draft: $accepted proposals kept; greedy and seeded answers as without" ||
+    { fail "serve --draft: accepted ${accepted:-none}"; diff "$tmpdir/draft-on.txt" "$tmpdir/draft-off.txt" >&2;
+      diff "$tmpdir/run2.txt" "$tmpdir/draft-sampled.txt" >&2; }
+stop_server
+"$LOOM" bench --synthetic tiny --type q8_0 --write "$tmpdir/other-vocab.gguf" 2> /dev/null
+"$LOOM" serve -m "$MODEL" --port 0 --draft "$tmpdir/other-vocab.gguf" > "$tmpdir/draft-bad.log" 2>&1 &&
+    fail "a drafter of another vocabulary accepted"
+expect_grep "draft model's token [0-9]* is not the model's" "$tmpdir/draft-bad.log" \
+    "serve --draft of another vocabulary: refused at start, the id named"
 
 # ---- under pressure: one sequence at a time and a queue of one. A long request runs; the next
 # waits; one more is refused at once (429, Retry-After, OpenAI's error); a request whose

@@ -27,6 +27,7 @@ typedef struct shared {
     loom_engine *engine;
     int32_t **prompts;
     int32_t n_prompt, n_gen, lookup;
+    int draft;
     int next, n_requests;
     sample *samples;
     pthread_mutex_t mu;
@@ -73,7 +74,8 @@ static void *client(void *arg)
                           .n_prompt = s->n_prompt,
                           .max_tokens = s->n_gen,
                           .sampling = greedy,
-                          .lookup = s->lookup};
+                          .lookup = s->lookup,
+                          .draft = s->draft};
         char err[512];
         w.done = 0;
         double t0 = loom_now_ms();
@@ -114,13 +116,14 @@ typedef struct result {
 } result;
 
 static result run_phase(loom_engine *e, int32_t **prompts, int n_requests, int32_t n_prompt,
-                        int32_t n_gen, int clients, int32_t lookup)
+                        int32_t n_gen, int clients, int32_t lookup, int draft)
 {
     shared s = {.engine = e,
                 .prompts = prompts,
                 .n_prompt = n_prompt,
                 .n_gen = n_gen,
                 .lookup = lookup,
+                .draft = draft,
                 .n_requests = n_requests,
                 .samples = calloc((size_t)n_requests, sizeof(sample))};
     pthread_mutex_init(&s.mu, NULL);
@@ -302,7 +305,7 @@ static overload_result run_overload(loom_engine *e, int32_t n_vocab, int32_t n_p
 int loom_bench_serve_main(int argc, char **argv)
 {
     const char *model = NULL, *shape = "160m", *type = "f16"; /* unquantised, as servers run */
-    const char *layers = NULL;
+    const char *layers = NULL, *draft = NULL;
     long clients = 16, requests = 0, n_prompt = 64, n_gen = 64, max_batch = 0, max_step = 0,
          lookup = 0;
     int json = 0, concurrent_only = 0, distributed = 0;
@@ -329,6 +332,8 @@ int loom_bench_serve_main(int argc, char **argv)
          "or --max-batch if more)"},
         {"--lookup", NULL, LOOM_FLAG_LONG, &lookup, 0, 64, "N",
          "every request speculates by prompt lookup (n-grams up to N)"},
+        {"--draft", NULL, LOOM_FLAG_TEXT, &draft, 0, 0, "MODEL",
+         "... or with this drafter model (greedy proposals, p-min 0.75)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &json, 0, 0, NULL, "one JSON object"},
         LOOM_FLAG_DISTRIBUTED(&distributed),
         LOOM_FLAG_LAYERS(&layers),
@@ -388,10 +393,16 @@ int loom_bench_serve_main(int argc, char **argv)
                               .max_tokens_per_step = (int32_t)(max_step              ? max_step
                                                                    : max_batch > 256 ? max_batch
                                                                                      : 256),
-                              .max_queue = (int32_t)(clients > max_batch ? clients : max_batch)};
-    loom_engine *e = loom_engine_start(m, &eo, err, sizeof err);
+                              .max_queue = (int32_t)(clients > max_batch ? clients : max_batch),
+                              .draft_p_min = 0.75f};
+    loom_model_options dmo = mo;
+    dmo.distributed = 0;
+    loom_model *drafter = draft ? loom_model_open(draft, &dmo, err, sizeof err) : NULL;
+    eo.draft = drafter;
+    loom_engine *e = !draft || drafter ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
     if (!e) {
-        fprintf(stderr, "loom bench serve: %s\n", err);
+        fprintf(stderr, "loom bench serve: %s%s\n", draft ? "with the drafter: " : "", err);
+        loom_model_close(drafter);
         loom_model_close(m);
         goto out;
     }
@@ -411,12 +422,12 @@ int loom_bench_serve_main(int argc, char **argv)
     result one = {0};
     if (!concurrent_only)
         one = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen, 1,
-                        (int32_t)lookup);
+                        (int32_t)lookup, draft != NULL);
     /* new first tokens: the concurrent run must not reuse the first run's cached blocks */
     for (long i = 0; i < requests; i++)
         prompts[i][0] = 3 + (prompts[i][0] - 2) % (n_vocab - 3);
     result many = run_phase(e, prompts, (int)requests, (int32_t)n_prompt, (int32_t)n_gen,
-                            (int)clients, (int32_t)lookup);
+                            (int)clients, (int32_t)lookup, draft != NULL);
     loom_engine_stats st = loom_engine_get_stats(e);
     result *rs[2] = {&one, &many};
     int first = concurrent_only;
@@ -465,8 +476,8 @@ int loom_bench_serve_main(int argc, char **argv)
                    "(%llu engine steps in all)\n",
                    clients, one.tok_s > 0 ? many.tok_s / one.tok_s : 0,
                    (unsigned long long)st.steps);
-        if (lookup)
-            printf("prompt lookup: %llu proposals checked, %llu kept\n",
+        if (lookup || draft)
+            printf("speculative: %llu proposals checked, %llu kept\n",
                    (unsigned long long)st.drafted, (unsigned long long)st.accepted);
     }
     rc = one.failed || many.failed ? 1 : 0;
@@ -495,6 +506,7 @@ int loom_bench_serve_main(int argc, char **argv)
     for (long i = 0; i < requests; i++)
         free(prompts[i]);
     free(prompts);
+    loom_model_close(drafter);
     loom_model_close(m);
 out:
     if (tmp[0])

@@ -800,38 +800,56 @@ void openai_embed_parsed_free(embed_parsed *p)
     memset(p, 0, sizeof *p);
 }
 
-/* "speculative" (loom's): false (off), or {"lookup": N, "draft_max": K}, prompt lookup's n-gram
- * size (0 to 64, 0 off) and its most proposals a step (1 to 64); what it leaves out is the
- * server's. Speculation never changes an answer, only how fast it comes. */
-static int parse_speculative(const cJSON *body, int32_t *lookup, int32_t *draft_max, bad *b)
+/* "speculative" (loom's): false (off), or {"draft": bool, "lookup": N, "draft_max": K}: the
+ * server's drafter model (on by default where it has one), or prompt lookup's n-gram size (0
+ * to 64, 0 off; above 0 instead of the drafter), and the most proposals a step (1 to 64);
+ * what it leaves out is the server's. Speculation never changes an answer, only how fast it
+ * comes. */
+static int parse_speculative(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
 {
+    p->lookup = srv->lookup, p->draft_max = srv->draft_max, p->draft = srv->draft;
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, "speculative");
     if (!v || cJSON_IsNull(v))
         return 0;
     if (cJSON_IsFalse(v)) {
-        *lookup = 0;
+        p->lookup = 0, p->draft = 0;
         return 0;
     }
     if (!cJSON_IsObject(v))
         return fail(b, 400, "speculative",
-                    "'speculative' must be false or an object {\"lookup\": N, \"draft_max\": K}, "
-                    "not %s",
+                    "'speculative' must be false or an object {\"draft\": true, \"lookup\": N, "
+                    "\"draft_max\": K}, not %s",
                     json_type(v));
     for (const cJSON *f = v->child; f; f = f->next)
-        if (strcmp(f->string, "lookup") && strcmp(f->string, "draft_max"))
+        if (strcmp(f->string, "lookup") && strcmp(f->string, "draft_max") &&
+            strcmp(f->string, "draft"))
             return fail(b, 400, "speculative",
-                        "'speculative' takes 'lookup' and 'draft_max' (prompt lookup), not '%s'",
+                        "'speculative' takes 'draft', 'lookup' and 'draft_max', not '%s'",
                         f->string);
     double x;
     int r;
+    if (get_bool(v, "draft", &p->draft, b) < 0)
+        return -1;
+    if (p->draft && !srv->draft)
+        return fail(b, 400, "speculative",
+                    "this server has no draft model (loom serve --draft or --draft-layers); "
+                    "'lookup' needs none");
     if ((r = get_number(v, "lookup", 0, 64, 1, &x, b)) < 0)
         return -1;
-    if (r)
-        *lookup = (int32_t)x;
+    if (r) {
+        p->lookup = (int32_t)x;
+        if (x > 0 && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(v, "draft")))
+            return fail(b, 400, "speculative",
+                        "one drafter a request: 'draft': true or 'lookup', not both");
+        if (x > 0)
+            p->draft = 0;
+    }
+    if (p->draft)
+        p->lookup = 0;
     if ((r = get_number(v, "draft_max", 1, 64, 1, &x, b)) < 0)
         return -1;
     if (r)
-        *draft_max = (int32_t)x;
+        p->draft_max = (int32_t)x;
     return 0;
 }
 
@@ -925,8 +943,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         return -1;
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
         return -1;
-    p->lookup = srv->lookup, p->draft_max = srv->draft_max;
-    if (parse_speculative(body, &p->lookup, &p->draft_max, b) != 0)
+    if (parse_speculative(srv, body, p, b) != 0)
         return -1;
     /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
     if (chat) {

@@ -28,9 +28,11 @@ typedef struct openai_model {
     /* where a request's sampling starts: OpenAI's defaults (openai_default_sampling), or
      * what loom serve's sampling flags made of them */
     loom_sampling defaults;
-    /* speculative decoding by prompt lookup unless a request says otherwise (loom serve
-     * --lookup, --draft-max): n-gram size (0: off) and most proposals a step */
+    /* speculative decoding unless a request says otherwise: by prompt lookup (loom serve
+     * --lookup: n-gram size, 0 off) or the engine's drafter model (draft: --draft), at most
+     * draft_max proposals a step */
     int32_t lookup, draft_max;
+    int draft;
 } openai_model;
 
 /* OpenAI's defaults on loom's: temperature 1, top_p 1, no top_k, no min_p. */
@@ -65,6 +67,7 @@ typedef struct parsed {
     loom_grammar *grammar;     /* what the answer must match (response_format, grammar, a
                                 required call), or NULL */
     int32_t lookup, draft_max; /* "speculative" (loom's): the server's unless given */
+    int draft;
 } parsed;
 
 /* Why a request is refused, in OpenAI's terms. */

@@ -51,6 +51,7 @@ typedef struct served {
     openai_model api;      /* the model, its name, chat template and context */
     loom_chat_format chat; /* api.chat points here */
     loom_engine *engine;
+    loom_model *drafter; /* the engine's draft model (--draft, --draft-layers), or NULL */
     int refs;            /* under live_lock: the server's while live, and each request's */
     struct served *next; /* on the retired list */
 } served;
@@ -63,6 +64,8 @@ typedef struct server {
     const char *model_path;
     loom_model_options mo;
     loom_engine_options eo;
+    const char *draft_path; /* the drafter's file (--draft, or the model's with --draft-layers) */
+    loom_model_options dmo; /* and how it opens: NULL path, none */
     const char *name_flag, *tmpl_flag, *tmpl_file_flag;
     int can_reload;         /* not under a distributed job */
     char reload_error[512]; /* the last reload's failure, "" after a success (under live_lock) */
@@ -882,7 +885,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
                           .logprobs = p.logprobs,
                           .top_logprobs = p.top_logprobs,
                           .lookup = p.lookup,
-                          .draft_max = p.draft_max};
+                          .draft_max = p.draft_max,
+                          .draft = p.draft};
         set_admission(&r, srv, who, p.user, p.priority, p.priority_given, p.timeout_s);
         r.sampling.seed = p.s.seed + (uint64_t)i; /* n choices: n different samples */
         pthread_mutex_lock(&j->mu);
@@ -1562,6 +1566,29 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const c
 
 /* ---- reload --------------------------------------------------------------------------------- */
 
+/* The engine for m and its drafter (opened here from srv's drafter settings, if any: each
+ * engine needs its own), or NULL with err. */
+static loom_engine *start_engine(const server *srv, loom_model *m, loom_model **drafter, char *err,
+                                 size_t err_size)
+{
+    loom_engine_options eo = srv->eo;
+    *drafter = NULL;
+    if (srv->draft_path) {
+        char why[2048];
+        if (!(*drafter = loom_model_open(srv->draft_path, &srv->dmo, why, sizeof why))) {
+            snprintf(err, err_size, "the drafter %s: %s", srv->draft_path, why);
+            return NULL;
+        }
+        eo.draft = *drafter;
+    }
+    loom_engine *e = loom_engine_start(m, &eo, err, err_size);
+    if (!e) {
+        loom_model_close(*drafter);
+        *drafter = NULL;
+    }
+    return e;
+}
+
 /* The model file opened anew with the first one's options, checked with a two-token
  * generation, and its engine started: a model ready to take requests, or NULL with err. */
 static served *served_open(server *srv, char *err, size_t err_size)
@@ -1588,7 +1615,7 @@ static served *served_open(server *srv, char *err, size_t err_size)
     sv->api.model_name = srv->name_flag ? srv->name_flag : loom_model_name(m);
     if (loom_chat_format_choose(m, srv->tmpl_flag, srv->tmpl_file_flag, &sv->chat, err, err_size) !=
             0 ||
-        !(sv->engine = loom_engine_start(m, &srv->eo, err, err_size))) {
+        !(sv->engine = start_engine(srv, m, &sv->drafter, err, err_size))) {
         loom_chat_format_free(&sv->chat);
         free(sv);
         loom_model_close(m);
@@ -1603,6 +1630,7 @@ static void served_free(served *sv)
 {
     loom_engine_stop(sv->engine, 0);
     loom_engine_free(sv->engine);
+    loom_model_close(sv->drafter);
     loom_model_close(sv->api.model);
     loom_chat_format_free(&sv->chat);
     free(sv);
@@ -1799,7 +1827,10 @@ int loom_serve_main(int argc, char **argv)
                *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
-         max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0;
+         max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
+         draft_layers = 0;
+    const char *draft = NULL;
+    float draft_p_min = 0.75f;
     int metrics_auth = 0, parse_special = 0;
     loom_open_flags of = {0};
     float request_timeout = 0, batch_wait = 0;
@@ -1835,8 +1866,15 @@ int loom_serve_main(int argc, char **argv)
          "speculative decoding by prompt lookup for every request that does\n"
          "not say otherwise (\"speculative\"): its last N..2 tokens found\n"
          "earlier in its text propose what followed (default 0: off)"},
+        {"--draft", NULL, LOOM_FLAG_TEXT, &draft, 0, 0, "MODEL",
+         "speculative decoding with this drafter model (the same vocabulary)\n"
+         "for every request that does not say otherwise"},
+        {"--draft-layers", NULL, LOOM_FLAG_LONG, &draft_layers, 1, 4096, "K",
+         "... or with the model's own first K layers"},
+        {"--draft-p-min", NULL, LOOM_FLAG_FLOAT, &draft_p_min, 0, 1, "P",
+         "the drafter stops at a token it gives less than P (default 0.75)"},
         {"--draft-max", NULL, LOOM_FLAG_LONG, &draft_max, 1, 64, "N",
-         "prompt lookup's most proposals a step (default 8)"},
+         "most proposals a request checks a step (default 8)"},
         {"--batch-wait-ms", NULL, LOOM_FLAG_FLOAT, &batch_wait, 0, 10000, "MS",
          "with nothing running, wait up to this long for more requests\n"
          "before a prefill, so they start together (default 0)"},
@@ -1899,6 +1937,10 @@ int loom_serve_main(int argc, char **argv)
         fprintf(
             stderr,
             "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
+        return 2;
+    }
+    if (!!draft + !!draft_layers + !!lookup > 1) {
+        fprintf(stderr, "loom serve: give one drafter: --draft, --draft-layers or --lookup\n");
         return 2;
     }
     char key_buf[4096];
@@ -1992,7 +2034,8 @@ int loom_serve_main(int argc, char **argv)
                           .max_prompt_bytes = loom_model_max_prompt_bytes(m),
                           .defaults = sampling,
                           .lookup = (int32_t)lookup,
-                          .draft_max = (int32_t)draft_max},
+                          .draft_max = (int32_t)draft_max,
+                          .draft = draft || draft_layers},
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
                   .metrics_auth = metrics_auth,
@@ -2019,8 +2062,20 @@ int loom_serve_main(int argc, char **argv)
     loom_engine_options eo = {.max_batch = (int32_t)max_batch,
                               .max_tokens_per_step = (int32_t)max_step,
                               .max_queue = (int32_t)max_queue,
-                              .batch_wait_ms = batch_wait};
-    loom_engine *engine = loom_engine_start(m, &eo, err, sizeof err);
+                              .batch_wait_ms = batch_wait,
+                              .draft_p_min = draft_p_min};
+    srv.eo = eo;
+    if (draft || draft_layers) { /* the drafter's cache: room for as many sequences */
+        srv.draft_path = draft ? draft : of.model;
+        srv.dmo = mo;
+        srv.dmo.distributed = 0;
+        srv.dmo.n_ctx = ctx;
+        srv.dmo.first_layers = (int32_t)draft_layers;
+        fprintf(stderr, "loom serve: speculative decoding with %s%s\n",
+                draft ? "the draft model " : "the model's first layers", draft ? draft : "");
+    }
+    loom_model *drafter;
+    loom_engine *engine = start_engine(&srv, m, &drafter, err, sizeof err);
     if (!engine) {
         fprintf(stderr, "loom serve: %s\n", err);
         loom_chat_format_free(&chat);
@@ -2029,14 +2084,15 @@ int loom_serve_main(int argc, char **argv)
     }
     pthread_mutex_init(&srv.live_lock, NULL);
     pthread_mutex_init(&srv.reload_lock, NULL);
-    srv.model_path = of.model, srv.mo = mo, srv.eo = eo;
+    srv.model_path = of.model, srv.mo = mo;
     srv.name_flag = name, srv.tmpl_flag = tmpl, srv.tmpl_file_flag = tmpl_file;
     srv.can_reload = !loom_distributed_job(of.distributed ? 2 : 1);
-    served first = {.api = srv.api, .engine = engine, .refs = 1};
+    served first = {.api = srv.api, .engine = engine, .drafter = drafter, .refs = 1};
     srv.live = malloc(sizeof *srv.live);
     if (!srv.live) {
         loom_engine_stop(engine, 0);
         loom_engine_free(engine);
+        loom_model_close(drafter);
         loom_model_close(m);
         return 1;
     }

@@ -271,6 +271,12 @@ typedef struct loom_engine_options {
     /* with nothing running, a prefill waits until max_batch requests are there or the first
      * has waited this long, so that requests arriving together start together; 0: never */
     double batch_wait_ms;
+    /* a drafter model for speculative decoding (loom_request.draft): the same vocabulary,
+     * used by the engine alone while it runs, its KV cache (kv_blocks) shared by the requests
+     * it drafts for; it proposes its most likely tokens, stopping at one it gives less than
+     * draft_p_min (its softmax). NULL: none */
+    loom_model *draft;
+    float draft_p_min;
 } loom_engine_options;
 
 /* loom_engine_submit's answer when the queue is full: try again later */
@@ -365,11 +371,13 @@ typedef struct loom_request {
      * prompt token is computed (the prefix cache cannot give hidden states) */
     loom_pooling pooling;
     int embed_unnormalized;
-    /* speculative decoding by prompt lookup (loom_speculation.lookup): proposals from the
-     * request's own text, checked in the batched step, kept only where sampling would have
-     * drawn them (so the output is as without); lookup 0: off. At most draft_max a step (0:
-     * 8), fewer as the batch fills or the request's proposals are rejected */
+    /* speculative decoding: proposals from the request's own text (prompt lookup, n-grams up
+     * to lookup; 0: off) or from the engine's drafter model (draft, loom_engine_options.draft),
+     * checked in the batched step and kept only where sampling would have drawn them, so the
+     * output is as without. At most draft_max a step (0: 8), fewer as the batch fills or the
+     * request's proposals are rejected */
     int32_t lookup, draft_max;
+    int draft;
 } loom_request;
 
 #define LOOM_MAX_TOP_LOGPROBS 20
