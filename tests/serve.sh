@@ -282,6 +282,26 @@ done
 [ "$(tail -n1 "$tmpdir/long.out")" = 200 ] && [ "$(tail -n1 "$tmpdir/waiter.out")" = 200 ] &&
     pass "the running and the waiting request are answered in full" ||
     fail "long and waiting requests: $(tail -n1 "$tmpdir/long.out") $(tail -n1 "$tmpdir/waiter.out")"
+# a full queue and a newcomer of better priority: the waiting one that has not started is
+# refused (429, it was displaced) and the newcomer takes its place and is answered
+displaced_ok=0
+for attempt in 1 2 3; do
+    post /v1/completions "$long" >"$tmpdir/long3.out" & lp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
+    post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" \
+        >"$tmpdir/worse.out" & tp=$!
+    for _ in $(seq 200); do [ "$(metric loom_requests_waiting)" = 1 ] && break; sleep 0.01; done
+    post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"priority\":-1}" \
+        >"$tmpdir/better.out"
+    wait "$lp" "$tp"
+    [ "$(tail -n1 "$tmpdir/worse.out")" = 429 ] && [ "$(tail -n1 "$tmpdir/better.out")" = 200 ] &&
+        { displaced_ok=1; break; }
+done
+[ $displaced_ok = 1 ] && sed '$d' "$tmpdir/worse.out" | jq -e '.error.type == "rate_limit_error" and
+        (.error.message | test("better priority"))' >/dev/null &&
+    [ "$(metric loom_requests_displaced_total)" -ge 1 ] &&
+    pass "a full queue: a better-priority newcomer displaces the waiting request (429) and runs" ||
+    fail "displacement: $(cat "$tmpdir/worse.out") / $(cat "$tmpdir/better.out")"
 post /v1/completions "$long" >"$tmpdir/long1.out" & lp=$!
 for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
 post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"timeout\":0.01}" \
