@@ -1,0 +1,315 @@
+"""loom from Python: a ctypes binding of libloom (include/loom/loom.h).
+
+    import loom
+    with loom.Model("stories260K.gguf", backend="cpu") as m:
+        print(m.generate("Once upon a time", max_tokens=32, temperature=0))
+        for piece in m.generate("Once upon a time", max_tokens=32, stream=True):
+            print(piece, end="", flush=True)
+
+A Model is not thread-safe: use one per thread (each holds its own KV cache). Calls into libloom
+release the GIL (ctypes does), so other Python threads run while a model generates.
+
+libloom is found by LOOM_LIBRARY (a path), else as the system's libloom.so.0.
+"""
+
+import ctypes
+import ctypes.util
+import json
+import os
+import queue
+import tempfile
+import threading
+from typing import Iterator, List, Optional, Sequence, Union
+
+__all__ = ["Error", "Model", "backends", "version"]
+
+
+class Error(Exception):
+    """A failure loom reported, with loom's own message."""
+
+
+def _load():
+    path = os.environ.get("LOOM_LIBRARY") or ctypes.util.find_library("loom") or "libloom.so.0"
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        raise Error(f"cannot load libloom ({path}): {e}; set LOOM_LIBRARY to libloom.so") from e
+
+
+_lib = _load()
+_c = ctypes
+_ERR = 4096
+
+
+class _ModelOptions(_c.Structure):
+    _fields_ = [("n_ctx", _c.c_int32), ("kv_type", _c.c_char_p), ("backend", _c.c_char_p),
+                ("n_threads", _c.c_int32), ("kv_blocks", _c.c_int32),
+                ("kv_sequences", _c.c_int32), ("block_size", _c.c_int32),
+                ("backend_module", _c.c_char_p), ("profile", _c.c_int32),
+                ("repack", _c.c_int32), ("strict", _c.c_int32), ("trace", _c.c_char_p),
+                ("distributed", _c.c_int32), ("stage_layers", _c.c_char_p),
+                ("experts_on", _c.c_char_p), ("first_layers", _c.c_int32)]
+
+
+class _Sampling(_c.Structure):
+    _fields_ = [("temperature", _c.c_float), ("top_k", _c.c_int32), ("top_p", _c.c_float),
+                ("min_p", _c.c_float), ("repeat_penalty", _c.c_float),
+                ("repeat_last_n", _c.c_int32), ("presence_penalty", _c.c_float),
+                ("frequency_penalty", _c.c_float), ("seed", _c.c_uint64),
+                ("ignore_eos", _c.c_int)]
+
+
+class _Generation(_c.Structure):
+    _fields_ = [("n_prompt", _c.c_int32), ("n_generated", _c.c_int32), ("ttft_ms", _c.c_double),
+                ("prefill_tok_s", _c.c_double), ("decode_tok_s", _c.c_double),
+                ("stopped_at_eos", _c.c_int), ("n_drafted", _c.c_int32),
+                ("n_accepted", _c.c_int32), ("n_verify", _c.c_int32)]
+
+
+_TOKEN_FN = _c.CFUNCTYPE(_c.c_int, _c.c_void_p, _c.c_int32, _c.POINTER(_c.c_char), _c.c_size_t)
+
+
+def _fn(name, restype, *argtypes):
+    f = getattr(_lib, name)
+    f.restype, f.argtypes = restype, list(argtypes)
+    return f
+
+
+_version = _fn("loom_version", _c.c_char_p)
+_open = _fn("loom_model_open", _c.c_void_p, _c.c_char_p, _c.POINTER(_ModelOptions), _c.c_char_p,
+            _c.c_size_t)
+_close = _fn("loom_model_close", None, _c.c_void_p)
+_backend = _fn("loom_model_backend", _c.c_char_p, _c.c_void_p)
+_n_vocab = _fn("loom_model_n_vocab", _c.c_int32, _c.c_void_p)
+_n_ctx = _fn("loom_model_n_ctx", _c.c_int32, _c.c_void_p)
+_name = _fn("loom_model_name", _c.c_char_p, _c.c_void_p)
+_tokenize = _fn("loom_tokenize", _c.c_int64, _c.c_void_p, _c.c_char_p, _c.c_int, _c.c_int,
+                _c.POINTER(_c.c_int32), _c.c_int64, _c.c_char_p, _c.c_size_t)
+_piece = _fn("loom_token_piece", _c.c_int, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_char_p,
+             _c.c_int)
+_defaults = _fn("loom_sampling_defaults", _Sampling)
+_generate = _fn("loom_generate", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
+                _c.c_int32, _c.POINTER(_Sampling), _TOKEN_FN, _c.c_void_p,
+                _c.POINTER(_Generation), _c.c_char_p, _c.c_size_t)
+_eval_logits = _fn("loom_eval_logits", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
+                   _c.POINTER(_c.c_float), _c.c_char_p, _c.c_size_t)
+_libc = _c.CDLL(None)
+_fopen = _libc.fopen
+_fopen.restype, _fopen.argtypes = _c.c_void_p, [_c.c_char_p, _c.c_char_p]
+_fclose = _libc.fclose
+_fclose.argtypes = [_c.c_void_p]
+_report = _fn("loom_backends_report", _c.c_int, _c.c_void_p, _c.c_int, _c.c_char_p, _c.c_size_t)
+
+
+def version() -> str:
+    """libloom's version, "MAJOR.MINOR.PATCH"."""
+    return _version().decode()
+
+
+def backends() -> dict:
+    """Every backend module found and which a run would use: `loom backends --json`."""
+    err = _c.create_string_buffer(_ERR)
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        f = _fopen(tmp.name.encode(), b"w")
+        if not f:
+            raise Error(f"cannot write {tmp.name}")
+        _report(f, 1, err, _ERR)
+        _fclose(f)
+        with open(tmp.name, encoding="utf-8") as r:
+            return json.load(r)
+
+
+def _text(b: bytes) -> str:
+    return b.decode("utf-8", errors="replace")
+
+
+class Model:
+    """A model file (GGUF) or Hugging Face folder, opened on a backend.
+
+    backend: a LOOM_BACKEND-style name ("cpu", "cpu-avx2", "ref", "cuda"); None: the best here.
+    n_ctx: the context (0: the model's, up to 4096); threads: CPU threads (0: the default).
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], backend: Optional[str] = None,
+                 n_ctx: int = 0, threads: int = 0, kv_type: Optional[str] = None):
+        opts = _ModelOptions(n_ctx=n_ctx, n_threads=threads,
+                             backend=backend.encode() if backend else None,
+                             kv_type=kv_type.encode() if kv_type else None)
+        err = _c.create_string_buffer(_ERR)
+        self._m = _open(os.fsencode(path), _c.byref(opts), err, _ERR)
+        if not self._m:
+            raise Error(_text(err.value))
+        self.path = os.fspath(path)
+
+    def close(self) -> None:
+        """Frees the model (also at the end of a `with` block)."""
+        if getattr(self, "_m", None):
+            _close(self._m)
+            self._m = None
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def _live(self):
+        if not self._m:
+            raise Error("the model is closed")
+        return self._m
+
+    @property
+    def backend(self) -> str:
+        """The backend and device it runs on ("cpu-avx512 (device 0: ...)")."""
+        return _text(_backend(self._live()))
+
+    @property
+    def name(self) -> str:
+        return _text(_name(self._live()))
+
+    @property
+    def n_vocab(self) -> int:
+        return _n_vocab(self._live())
+
+    @property
+    def n_ctx(self) -> int:
+        return _n_ctx(self._live())
+
+    def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> List[int]:
+        """Text to token ids; add_special: BOS and the like; special: control-token text a
+        user may type ("<|im_start|>") is read as the token where the family's reference does."""
+        m, data, err = self._live(), text.encode("utf-8"), _c.create_string_buffer(_ERR)
+        cap = len(data) + 16
+        while True:
+            ids = (_c.c_int32 * cap)()
+            n = _tokenize(m, data, int(add_special), 1 if special else 0, ids, cap, err, _ERR)
+            if n < 0:
+                raise Error(_text(err.value))
+            if n <= cap:
+                return list(ids[:n])
+            cap = n
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Token ids to text, each piece as it reads after the one before."""
+        out, buf, prev = bytearray(), _c.create_string_buffer(512), -1
+        for i in ids:
+            k = _piece(self._live(), prev, int(i), buf, 512)
+            if k < 0:
+                raise Error(f"token id {i} is not in the vocabulary of {self.n_vocab}")
+            out += buf.raw[:k]
+            prev = int(i)
+        return _text(bytes(out))
+
+    def _sampling(self, temperature, top_k, top_p, min_p, repeat_penalty, seed, ignore_eos):
+        s = _defaults()
+        for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                     ("min_p", min_p), ("repeat_penalty", repeat_penalty), ("seed", seed)):
+            if v is not None:
+                setattr(s, k, v)
+        s.ignore_eos = int(ignore_eos)
+        return s
+
+    def _ids(self, prompt: Union[str, Sequence[int]]) -> List[int]:
+        ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise Error("the prompt gives no tokens")
+        return ids
+
+    def _run(self, ids, max_tokens, sampling, on_piece):
+        """Generates after ids, calling on_piece(id, text) for each token (id -1: the text held
+        back until the end); on_piece returns True to stop. Returns the generation's stats."""
+        err, stats = _c.create_string_buffer(_ERR), _Generation()
+        arr = (_c.c_int32 * len(ids))(*ids)
+        failure = []
+
+        def cb(_user, tok, text, n):
+            try:
+                return 1 if on_piece(tok, _c.string_at(text, n)) else 0
+            except BaseException as e:  # raised again once libloom has returned
+                failure.append(e)
+                return 1
+
+        fn = _TOKEN_FN(cb)
+        rc = _generate(self._live(), arr, len(ids), max_tokens, _c.byref(sampling), fn, None,
+                       _c.byref(stats), err, _ERR)
+        if failure:
+            raise failure[0]
+        if rc != 0:
+            raise Error(_text(err.value))
+        return stats
+
+    def generate_ids(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128,
+                     temperature: Optional[float] = None, top_k: Optional[int] = None,
+                     top_p: Optional[float] = None, min_p: Optional[float] = None,
+                     repeat_penalty: Optional[float] = None, seed: int = 0,
+                     ignore_eos: bool = False) -> List[int]:
+        """The generated token ids (the prompt is text, tokenized with BOS, or ids)."""
+        out: List[int] = []
+        s = self._sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed, ignore_eos)
+        self._run(self._ids(prompt), max_tokens, s, lambda t, _b: out.append(t) if t >= 0 else None)
+        return out
+
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None,
+                 top_p: Optional[float] = None, min_p: Optional[float] = None,
+                 repeat_penalty: Optional[float] = None, seed: int = 0,
+                 ignore_eos: bool = False, stream: bool = False) -> Union[str, Iterator[str]]:
+        """The text generated after prompt, stopping at the model's end of text or after
+        max_tokens. Sampling as `loom run`'s flags (None: loom's defaults: temperature 0.8,
+        top_k 40, top_p 0.95, min_p 0.05; temperature 0 is greedy). stream: a generator of text
+        pieces as they come (a character split over tokens comes whole); closing it early stops
+        the generation."""
+        ids = self._ids(prompt)
+        s = self._sampling(temperature, top_k, top_p, min_p, repeat_penalty, seed, ignore_eos)
+        if not stream:
+            out = bytearray()
+            self._run(ids, max_tokens, s, lambda _t, b: out.extend(b))
+            return _text(bytes(out))
+        return self._stream(ids, max_tokens, s)
+
+    def _stream(self, ids, max_tokens, s) -> Iterator[str]:
+        q: "queue.Queue" = queue.Queue()
+        stop = threading.Event()
+        done = object()
+
+        def work():
+            try:
+                self._run(ids, max_tokens, s, lambda _t, b: (q.put(b), stop.is_set())[1])
+                q.put(done)
+            except BaseException as e:
+                q.put(e)
+
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        try:
+            while True:
+                item = q.get()
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                if item:
+                    yield _text(item)
+        finally:
+            stop.set()
+            t.join()
+
+    def logits(self, ids: Sequence[int]):
+        """Every position's logits for ids from position 0: a numpy array [len(ids), n_vocab]
+        when numpy is installed, else a list of lists."""
+        n, nv = len(ids), self.n_vocab
+        if n == 0:
+            raise Error("no token ids given")
+        arr = (_c.c_int32 * n)(*[int(i) for i in ids])
+        out = (_c.c_float * (n * nv))()
+        err = _c.create_string_buffer(_ERR)
+        if _eval_logits(self._live(), arr, n, out, err, _ERR) != 0:
+            raise Error(_text(err.value))
+        try:
+            import numpy
+            return numpy.frombuffer(out, dtype=numpy.float32).reshape(n, nv).copy()
+        except ImportError:
+            return [list(out[r * nv:(r + 1) * nv]) for r in range(n)]

@@ -1,0 +1,19 @@
+# tests/python.sh - the Python package (python/loom) against `loom run --json`, with Debian's
+# python3-pytest, over the libloom.so and backend modules of this build tree.
+. "$top_srcdir/tests/lib.sh"
+need_fixture "$FIXTURES/stories260K/original/stories260K.gguf"
+PY=python3
+$PY -c 'import pytest' 2>/dev/null || PY=/usr/bin/python3
+if ! $PY -c 'import pytest' 2>/dev/null; then
+    [ "${CI:-}" = true ] && { echo "FAIL: python3-pytest is missing (CI=true)" >&2; exit 1; }
+    echo "SKIP: python3-pytest not installed"; exit 77
+fi
+LOOM_LIBRARY=$top_builddir/.libs/libloom.so
+LOOM_BACKEND_PATH=$(ls -d "$top_builddir"/backends/*/.libs | tr '\n' ':')
+export LOOM_LIBRARY LOOM_BACKEND_PATH FIXTURES LOOM
+export PYTHONPATH=$top_srcdir/python${PYTHONPATH:+:$PYTHONPATH}
+# `python3 -m loom` inside the tests: the same interpreter
+mkdir -p "$tmpdir/bin" && ln -s "$(command -v $PY)" "$tmpdir/bin/python3" && PATH=$tmpdir/bin:$PATH
+$PY -m pytest -q -p no:cacheprovider "$top_srcdir/python/tests" && pass "python3 -m pytest python/tests" ||
+    fail "the Python package's tests"
+finish
