@@ -93,7 +93,32 @@ _generate = _fn("loom_generate", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), 
                 _c.POINTER(_Generation), _c.c_char_p, _c.c_size_t)
 _eval_logits = _fn("loom_eval_logits", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
                    _c.POINTER(_c.c_float), _c.c_char_p, _c.c_size_t)
+
+
+class _ChatFormat(_c.Structure):
+    _fields_ = [("jinja", _c.c_void_p), ("builtin", _c.c_char_p), ("about", _c.c_char * 512)]
+
+
+class _ChatVars(_c.Structure):
+    _fields_ = [("messages_json", _c.c_char_p), ("tools_json", _c.c_char_p),
+                ("kwargs_json", _c.c_char_p), ("add_generation_prompt", _c.c_int)]
+
+
+class _Span(_c.Structure):
+    _fields_ = [("start", _c.c_size_t), ("end", _c.c_size_t)]
+
+
+_format_choose = _fn("loom_chat_format_choose", _c.c_int, _c.c_void_p, _c.c_char_p, _c.c_char_p,
+                     _c.POINTER(_ChatFormat), _c.c_char_p, _c.c_size_t)
+_format_free = _fn("loom_chat_format_free", None, _c.POINTER(_ChatFormat))
+_render_vars = _fn("loom_chat_format_render_vars", _c.c_int, _c.POINTER(_ChatFormat),
+                   _c.POINTER(_ChatVars), _c.POINTER(_c.c_void_p), _c.POINTER(_c.c_void_p),
+                   _c.POINTER(_c.c_int), _c.POINTER(_c.c_int), _c.c_char_p, _c.c_size_t)
+_tokenize_spans = _fn("loom_tokenize_spans", _c.c_int64, _c.c_void_p, _c.c_char_p, _c.c_size_t,
+                      _c.c_int, _c.c_int, _c.c_void_p, _c.c_int, _c.POINTER(_c.c_int32),
+                      _c.c_int64, _c.c_char_p, _c.c_size_t)
 _libc = _c.CDLL(None)
+_libc.free.argtypes = [_c.c_void_p]
 _fopen = _libc.fopen
 _fopen.restype, _fopen.argtypes = _c.c_void_p, [_c.c_char_p, _c.c_char_p]
 _fclose = _libc.fclose
@@ -296,6 +321,52 @@ class Model:
         finally:
             stop.set()
             t.join()
+
+    def chat_prompt(self, messages: Sequence[dict], template: Optional[str] = None,
+                    kwargs: Optional[dict] = None) -> List[int]:
+        """The token ids of a conversation (OpenAI-style messages: role and content) rendered
+        with the model's own chat template, as `loom chat` and `loom serve` render it, up to
+        the opening of the assistant's turn; template: a built-in format's name instead."""
+        m, err = self._live(), _c.create_string_buffer(_ERR)
+        fmt = _ChatFormat()
+        if _format_choose(m, template.encode() if template else None, None, _c.byref(fmt), err,
+                          _ERR) != 0:
+            raise Error(_text(err.value))
+        try:
+            v = _ChatVars(messages_json=json.dumps(list(messages)).encode(),
+                          kwargs_json=json.dumps(kwargs).encode() if kwargs else None,
+                          add_generation_prompt=1)
+            out, spans = _c.c_void_p(), _c.c_void_p()
+            n_spans, add_special = _c.c_int(), _c.c_int()
+            if _render_vars(_c.byref(fmt), _c.byref(v), _c.byref(out), _c.byref(spans),
+                            _c.byref(n_spans), _c.byref(add_special), err, _ERR) != 0:
+                raise Error(_text(err.value))
+            try:
+                text = _c.string_at(out)
+                cap = len(text) + 16
+                while True:
+                    ids = (_c.c_int32 * cap)()
+                    n = _tokenize_spans(m, text, len(text), add_special, 2, spans, n_spans, ids,
+                                        cap, err, _ERR)  # 2: LOOM_SPECIAL_ALL
+                    if n < 0:
+                        raise Error(_text(err.value))
+                    if n <= cap:
+                        return list(ids[:n])
+                    cap = n
+            finally:
+                _libc.free(out)
+                _libc.free(spans)
+        finally:
+            _format_free(_c.byref(fmt))
+
+    def chat(self, messages: Sequence[dict], max_tokens: int = 512, stream: bool = False,
+             template: Optional[str] = None, kwargs: Optional[dict] = None,
+             **sampling) -> Union[str, Iterator[str]]:
+        """The assistant's answer to a conversation (see chat_prompt), as generate gives it
+        (sampling: generate's keyword arguments; stream: a generator of pieces). Tool calls
+        and response formats are the server's (loom serve) for now."""
+        return self.generate(self.chat_prompt(messages, template, kwargs), max_tokens=max_tokens,
+                             stream=stream, **sampling)
 
     def logits(self, ids: Sequence[int]):
         """Every position's logits for ids from position 0: a numpy array [len(ids), n_vocab]
