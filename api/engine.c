@@ -89,7 +89,7 @@ struct loom_engine {
     float *raw_logits;        /* a step's logits before sampling changes them (logprobs) */
     float *embedding;         /* an embedding request's answer, as its DONE event carries it */
     int32_t n_embd;
-    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms;
+    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms, spec_rows;
     double batch_wait_ms;
 
     pthread_t thread;
@@ -614,6 +614,10 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             break;
         preempt(e, worst);
     }
+    /* Proposals ride in rows a step would stream the weights for anyway: at most spec_rows
+     * tokens of decode and proposals together. A batch already that wide computes rather than
+     * streams, and each proposal then costs about what it saves. */
+    int32_t spec_room = e->spec_rows - e->n_running;
     for (int i = 0; i < e->n_running && budget > 0; i++) {
         ereq *q = e->running[i];
         int32_t k = q->n_toks - q->kv.n_tokens;
@@ -622,7 +626,13 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         /* a decoding request may check proposals too, where the cache has room for them
          * without preempting anyone: prompt lookup's now, the drafter model's once it ran
          * (run_drafter: q->want of them at most) */
-        int32_t want = k == 1 && q->draft ? proposals_wanted(e, q, budget - 1) : 0;
+        int32_t room = budget - 1 < spec_room ? budget - 1 : spec_room;
+        /* a drafter model's proposals only for a request running alone: its batched drafter
+         * steps, one per proposal, cost more than they save beside others (measured: 1.8x at
+         * one client, 0.9x at two, 0.7x at four; see docs/benchmarks.md) */
+        if (q->use_draft && e->n_running > 1)
+            room = 0;
+        int32_t want = k == 1 && q->draft && room > 0 ? proposals_wanted(e, q, room) : 0;
         if (want && loom_kvblocks_needed(e->kv, &q->kv, k + want) > loom_kvblocks_available(e->kv))
             want = 0;
         q->n_draft = want && q->lookup
@@ -630,6 +640,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             : 0;
         q->want = q->use_draft ? want : 0;
         int32_t extra = q->n_draft + q->want;
+        spec_room -= extra;
         if (make_room(e, q, k + extra, copies, n_copies) != 0) {
             i--; /* q left running; the next one moved into slot i */
             continue;
@@ -1305,6 +1316,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->max_queue = o->max_queue > 0 ? o->max_queue : 8 * e->max_batch;
     e->aging_ms = o->aging_ms > 0 ? o->aging_ms : 10000;
     e->batch_wait_ms = o->batch_wait_ms > 0 ? o->batch_wait_ms : 0;
+    e->spec_rows = o->spec_rows > 0 ? o->spec_rows : 16;
     if (e->max_step < e->max_batch) {
         snprintf(err, err_size,
                  "max tokens per step (%d) must be at least the batch size (%d): "

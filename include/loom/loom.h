@@ -277,6 +277,10 @@ typedef struct loom_engine_options {
      * draft_p_min (its softmax). NULL: none */
     loom_model *draft;
     float draft_p_min;
+    /* speculative proposals fill a step only up to this many decode tokens and proposals
+     * together: the width below which a step streams weights rather than computes (0: 16, a
+     * CPU's; a GPU's is wider) */
+    int32_t spec_rows;
 } loom_engine_options;
 
 /* loom_engine_submit's answer when the queue is full: try again later */
