@@ -446,15 +446,17 @@ static void check_lookup(const char *gguf)
     }
     loom_model_close(m);
     /* prompt lookup in a roomy pool and in a small one; then a drafter model: the model itself
-     * (it agrees with every greedy token) in the roomy pool, its first two layers (which agree
-     * now and then) in the small one */
+     * (it agrees with every greedy token) with one request at a time, its first two layers
+     * (which agree now and then) beside preemption in the small one */
     static const int32_t pools[] = {256, 16, 256, 16};
     for (int k = 0; k < 4; k++) {
         o.kv_blocks = pools[k];
         m = loom_model_open(gguf, &o, err, sizeof err);
         loom_model_options first = {.n_ctx = 256, .kv_blocks = 64, .first_layers = k == 3 ? 2 : 0};
         loom_model *drafter = k >= 2 ? loom_model_open(gguf, &first, err, sizeof err) : NULL;
-        loom_engine_options eo = {.max_batch = 8, .max_tokens_per_step = 64, .draft = drafter};
+        /* the engine drafts with a model only for a request running alone: one at a time */
+        loom_engine_options eo = {
+            .max_batch = k == 2 ? 1 : 8, .max_tokens_per_step = 64, .draft = drafter};
         engine = m && (k < 2 || drafter) ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
         CHECK(engine != NULL, "start: %s", err);
         if (!engine) {
