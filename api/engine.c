@@ -914,6 +914,8 @@ static int32_t drafter_choice(loom_engine *e, const float *row)
     int32_t best = 0;
     for (int32_t i = 1; i < e->n_vocab; i++)
         best = e->dlogits[i] > e->dlogits[best] ? i : best;
+    if (e->draft_p_min <= 0)
+        return best; /* no threshold: no softmax to sum */
     double sum = 0;
     for (int32_t i = 0; i < e->n_vocab; i++)
         sum += exp((double)(e->dlogits[i] - e->dlogits[best]));

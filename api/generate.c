@@ -207,12 +207,16 @@ static int32_t model_draft(drafter *d, const int32_t *text, int32_t n_text, int3
                 confidence = q[i] > confidence ? q[i] : confidence;
         } else {
             tok = loom_sampler_sample(d->logits, d->n_vocab, sp, hist, n_text + n, &d->rng);
-            /* greedy has no distribution of its own: the softmax at temperature 1 */
-            float max = d->logits[tok];
-            double sum = 0;
-            for (int32_t i = 0; i < d->n_vocab; i++)
-                sum += expf(d->logits[i] - max);
-            confidence = (float)(1.0 / sum);
+            /* greedy has no distribution of its own: the softmax at temperature 1 (a pass over
+             * the vocabulary, skipped when no p_min asks for it) */
+            confidence = 1;
+            if (d->spec->p_min > 0) {
+                float max = d->logits[tok];
+                double sum = 0;
+                for (int32_t i = 0; i < d->n_vocab; i++)
+                    sum += expf(d->logits[i] - max);
+                confidence = (float)(1.0 / sum);
+            }
         }
         if (tok < 0 || confidence < d->spec->p_min)
             break;
