@@ -6,7 +6,9 @@
 # ranks (tests/distributed.sh): PID is then rank 0's process, LAUNCHER the launcher's.
 start_server() {
     log=$1; shift
-    rm -f "$log.0"
+    # emptied here, not by the background job's redirection: that may run after the loop below
+    # has read the last server's port from the old log
+    rm -f "$log.0"; : >"$log"
     if [ -n "${LOOM_SERVE_MPIRUN:-}" ]; then
         $LOOM_SERVE_MPIRUN sh -c 'echo $$ >"$0.${OMPI_COMM_WORLD_RANK:-$PMI_RANK}"; exec "$@"' \
             "$log" "$LOOM" serve -m "$MODEL" --port 0 ${KEY:+--api-key "$KEY"} "$@" >"$log" 2>&1 &
