@@ -15,6 +15,7 @@
 #include "conn_guard.h"
 #include "json_text.h"
 #include "openai_request.h"
+#include "webui.h"
 
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -73,6 +74,7 @@ typedef struct server {
     const char *api_key;
     size_t api_key_len;
     int metrics_auth;      /* /metrics wants the key too */
+    int webui;             /* the chat page at GET / (off: --no-webui) */
     int partition_by_user; /* --prefix-cache per-user */
     size_t max_body;
     volatile int shutting_down;
@@ -1319,6 +1321,7 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
     cJSON_AddNumberToObject(m, "created", (double)srv->started);
     cJSON_AddStringToObject(m, "owned_by", "loom");
     cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
+    cJSON_AddStringToObject(m, "backend", loom_model_backend(sv->api.model));
     release(srv, sv);
     cJSON_AddItemToArray(d, m);
     return send_json(con, 200, o);
@@ -1326,6 +1329,7 @@ static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
 
 typedef enum route {
     ROUTE_NONE,
+    ROUTE_WEBUI,
     ROUTE_HEALTH,
     ROUTE_METRICS,
     ROUTE_MODELS,
@@ -1468,7 +1472,8 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
         return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
     /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
     int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
-    route to = !strcmp(url, "/health")         ? ROUTE_HEALTH
+    route to = !strcmp(url, "/") && srv->webui ? ROUTE_WEBUI
+        : !strcmp(url, "/health")              ? ROUTE_HEALTH
         : !strcmp(url, "/metrics")             ? ROUTE_METRICS
         : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
         : !strcmp(url, "/v1/completions")      ? ROUTE_COMPLETIONS
@@ -1481,8 +1486,12 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
         return send_error(srv, con, 404, NULL, NULL,
                           "no such endpoint: %s %s (loom serves "
                           "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
-                          "/health, /metrics, /admin/reload)",
-                          method, url);
+                          "/health, /metrics, /admin/reload%s)",
+                          method, url, srv->webui ? ", and the chat page at /" : "");
+    case ROUTE_WEBUI: /* a static page: the key guards the API it calls, not the page */
+        if (!get)
+            return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        return webui_send(con);
     case ROUTE_HEALTH:
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
@@ -1831,7 +1840,7 @@ int loom_serve_main(int argc, char **argv)
          draft_layers = 0;
     const char *draft = NULL;
     float draft_p_min = 0.75f;
-    int metrics_auth = 0, parse_special = 0;
+    int metrics_auth = 0, parse_special = 0, no_webui = 0;
     loom_open_flags of = {0};
     float request_timeout = 0, batch_wait = 0;
     char block_help[64];
@@ -1853,6 +1862,8 @@ int loom_serve_main(int argc, char **argv)
          "the key itself: works, but shows it to anyone who can run ps"},
         {"--metrics-auth", NULL, LOOM_FLAG_SWITCH, &metrics_auth, 0, 0, NULL,
          "/metrics wants the key too"},
+        {"--no-webui", NULL, LOOM_FLAG_SWITCH, &no_webui, 0, 0, NULL,
+         "no chat page at GET / (the API alone)"},
         {"--model-name", NULL, LOOM_FLAG_TEXT, &name, 0, 0, "NAME",
          "the model id clients send (default: the file's name)"},
         {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
@@ -2039,6 +2050,7 @@ int loom_serve_main(int argc, char **argv)
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
                   .metrics_auth = metrics_auth,
+                  .webui = !no_webui,
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),
                   .max_body = (size_t)max_body,
                   .started = time(NULL),
@@ -2128,8 +2140,8 @@ int loom_serve_main(int argc, char **argv)
     fprintf(stderr,
             "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
             srv.api.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
-    fprintf(stderr, "loom serve: listening on http://%s:%u\n", host,
-            di ? di->port : (unsigned)port);
+    fprintf(stderr, "loom serve: listening on http://%s:%u%s\n", host,
+            di ? di->port : (unsigned)port, srv.webui ? " (a chat page at /)" : "");
 
     /* SIGHUP reloads the model; retired models are freed once their requests are done */
     int sig = 0;
