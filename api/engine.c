@@ -838,9 +838,7 @@ static void pool(loom_engine *e, ereq *q, const float *rows, int32_t n)
 {
     if (q->n_pooled == 0)
         memset(q->pooled, 0, (size_t)e->n_embd * sizeof *q->pooled);
-    for (int32_t r = 0; r < n; r++)
-        for (int32_t d = 0; d < e->n_embd; d++)
-            q->pooled[d] += rows[(size_t)r * (size_t)e->n_embd + (size_t)d];
+    loom_pool_add(q->pooled, rows, n, e->n_embd);
     q->n_pooled += n;
 }
 
@@ -848,15 +846,7 @@ static void pool(loom_engine *e, ereq *q, const float *rows, int32_t n)
  * one row), scaled to length one unless it asked otherwise. */
 static void finish_embedding(loom_engine *e, ereq *q)
 {
-    double norm = 0;
-    for (int32_t d = 0; d < e->n_embd; d++) {
-        double v = q->pooled[d] / q->n_pooled;
-        q->pooled[d] = v;
-        norm += v * v;
-    }
-    double scale = q->embed_unnormalized || norm == 0 ? 1 : 1 / sqrt(norm);
-    for (int32_t d = 0; d < e->n_embd; d++)
-        e->embedding[d] = (float)(q->pooled[d] * scale);
+    loom_pool_result(q->pooled, q->n_pooled, e->n_embd, !q->embed_unnormalized, e->embedding);
     q->embedded = 1;
     retire(e, q, "stop", NULL);
 }

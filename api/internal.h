@@ -73,6 +73,11 @@ void loom_model_mask_unsampled(const loom_model *m, float *logits);
  * them into out. How many. */
 int32_t loom_lookup_draft(const int32_t *text, int32_t n_text, int32_t n_max, int32_t k,
                           int32_t *out);
+/* Pooling hidden states into an embedding: sum[0..n_embd) += each of n rows; then the mean of
+ * n_pooled rows, scaled to length one when normalize (a zero vector stays zero), into out. */
+void loom_pool_add(double *sum, const float *rows, int32_t n, int32_t n_embd);
+void loom_pool_result(const double *sum, int32_t n_pooled, int32_t n_embd, int normalize,
+                      float *out);
 /* The ids a model's KV cache holds at positions 0.. while it drafts for another (n_ctx of room),
  * so that a chat's next turn evaluates only what changed; n = 0 whenever the model generates
  * as the target (its cache then holds other things). */

@@ -1197,9 +1197,10 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     return 0;
 }
 
-/* loom_runner_eval and loom_runner_eval_all: out NULL keeps the last token's logits only */
-static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out, char *err,
-                size_t err_size)
+/* loom_runner_eval, loom_runner_eval_all and loom_runner_eval_hidden: out NULL keeps the last
+ * token's logits only; with rows, hidden states instead of logits (every token's, or the last's) */
+static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
+                loom_rows_fn rows, void *user, int every_row, char *err, size_t err_size)
 {
     if (n <= 0) {
         snprintf(err, err_size, "nothing to evaluate");
@@ -1242,7 +1243,8 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
             pos[i] = slots[i] = pos0 + c0 + i;
             seq[i] = 0;
         }
-        int32_t last = m - 1;
+        int32_t last = m - 1, ends = c0 + m == n;
+        int32_t n_hidden = !rows ? 0 : every_row ? m : ends;
         loom_step st = {m,
                         ids + c0,
                         pos,
@@ -1251,14 +1253,17 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                         1,
                         n_table,
                         table,
-                        out               ? m
-                            : c0 + m == n ? 1
-                                          : 0,
+                        out        ? m
+                            : rows ? 0
+                            : ends ? 1
+                                   : 0,
                         out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL,
-                        0,
-                        NULL};
+                        n_hidden,
+                        every_row ? every : &last};
         rc = loom_runner_step(r, &st, err, err_size);
+        if (rc == 0 && n_hidden)
+            rows(user, loom_runner_hidden(r), n_hidden);
         if (rc == 0 && out && (loom_runner_is_last_stage(r) || r->opt.link->recv_logits))
             memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,
                    (size_t)m * (size_t)r->hp.n_vocab * sizeof *out);
@@ -1269,11 +1274,21 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
 int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
                      size_t err_size)
 {
-    return eval(r, ids, n, pos0, NULL, err, err_size);
+    return eval(r, ids, n, pos0, NULL, NULL, NULL, 0, err, err_size);
 }
 
 int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
                          char *err, size_t err_size)
 {
-    return eval(r, ids, n, pos0, out, err, err_size);
+    return eval(r, ids, n, pos0, out, NULL, NULL, 0, err, err_size);
+}
+
+int loom_runner_eval_hidden(loom_runner *r, const int32_t *ids, int32_t n, int every_row,
+                            loom_rows_fn rows, void *user, char *err, size_t err_size)
+{
+    if (r->opt.link) {
+        snprintf(err, err_size, "hidden states are not kept on a pipeline of stages");
+        return -1;
+    }
+    return eval(r, ids, n, 0, NULL, rows, user, every_row, err, err_size);
 }

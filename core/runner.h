@@ -145,6 +145,12 @@ int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0
  * perplexity. */
 int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
                          char *err, size_t err_size);
+/* As loom_runner_eval from position 0, handing the final hidden states (after the model's final
+ * norm, before its head) to rows chunk by chunk: every token's, or (every_row 0) the last's.
+ * Not on a pipeline of stages. */
+typedef void (*loom_rows_fn)(void *user, const float *rows, int32_t n);
+int loom_runner_eval_hidden(loom_runner *r, const int32_t *ids, int32_t n, int every_row,
+                            loom_rows_fn rows, void *user, char *err, size_t err_size);
 /* The logits of the last eval or step: n_logits rows of n_vocab floats. */
 const float *loom_runner_logits(const loom_runner *r);
 /* The final hidden states of the last step's hidden_rows: n_hidden rows of n_embd floats. */

@@ -338,6 +338,13 @@ typedef enum loom_pooling {
     LOOM_POOL_MEAN
 } loom_pooling;
 
+/* The embedding of one prompt, outside an engine: its final hidden states pooled (how: LAST or
+ * MEAN), scaled to length one when normalize, into out (loom_model_n_embd floats). The same
+ * numbers an engine's embedding request gets; like loom_eval_logits it overwrites the model's
+ * cache (a loom_generate_from after it starts at 0). Not on a pipeline. 0, or -1 with err. */
+int loom_embed(loom_model *m, const int32_t *ids, int32_t n, loom_pooling how, int normalize,
+               float *out, char *err, size_t err_size);
+
 typedef struct loom_request {
     const int32_t *prompt;
     int32_t n_prompt;

@@ -82,6 +82,7 @@ _close = _fn("loom_model_close", None, _c.c_void_p)
 _backend = _fn("loom_model_backend", _c.c_char_p, _c.c_void_p)
 _n_vocab = _fn("loom_model_n_vocab", _c.c_int32, _c.c_void_p)
 _n_ctx = _fn("loom_model_n_ctx", _c.c_int32, _c.c_void_p)
+_n_embd = _fn("loom_model_n_embd", _c.c_int32, _c.c_void_p)
 _name = _fn("loom_model_name", _c.c_char_p, _c.c_void_p)
 _tokenize = _fn("loom_tokenize", _c.c_int64, _c.c_void_p, _c.c_char_p, _c.c_int, _c.c_int,
                 _c.POINTER(_c.c_int32), _c.c_int64, _c.c_char_p, _c.c_size_t)
@@ -91,6 +92,9 @@ _defaults = _fn("loom_sampling_defaults", _Sampling)
 _generate = _fn("loom_generate", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
                 _c.c_int32, _c.POINTER(_Sampling), _TOKEN_FN, _c.c_void_p,
                 _c.POINTER(_Generation), _c.c_char_p, _c.c_size_t)
+_embed = _fn("loom_embed", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32, _c.c_int,
+              _c.c_int, _c.POINTER(_c.c_float), _c.c_char_p, _c.c_size_t)
+_POOLING = {"last": 1, "mean": 2}  # loom_pooling
 _eval_logits = _fn("loom_eval_logits", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
                    _c.POINTER(_c.c_float), _c.c_char_p, _c.c_size_t)
 
@@ -198,6 +202,11 @@ class Model:
     @property
     def n_vocab(self) -> int:
         return _n_vocab(self._live())
+
+    @property
+    def n_embd(self) -> int:
+        """The width of the model's hidden state: an embedding's length."""
+        return _n_embd(self._live())
 
     @property
     def n_ctx(self) -> int:
@@ -367,6 +376,39 @@ class Model:
         and response formats are the server's (loom serve) for now."""
         return self.generate(self.chat_prompt(messages, template, kwargs), max_tokens=max_tokens,
                              stream=stream, **sampling)
+
+    def embed(self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
+              pooling: str = "last", normalize: bool = True):
+        """Embeddings: the final hidden states (after the final norm, before the head) of each
+        input pooled into one vector: the last token's ("last", what decoder embedding models
+        are trained with) or their mean ("mean"), scaled to length one unless normalize is
+        False. An input is a text (tokenized with the model's special tokens, as tokenize) or
+        token ids; one input gives one vector, a list of them one each: numpy arrays ([n_embd]
+        or [n, n_embd]) when numpy is installed, else lists. The same numbers as `loom serve`'s
+        /v1/embeddings."""
+        if pooling not in _POOLING:
+            raise Error("pooling %r is not one of %s" % (pooling, ", ".join(_POOLING)))
+        one = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], int))
+        batch = [inputs] if one else list(inputs)
+        if not batch:
+            raise Error("no inputs given")
+        d, err = self.n_embd, _c.create_string_buffer(_ERR)
+        rows = []
+        for x in batch:
+            ids = self._ids(x)
+            arr = (_c.c_int32 * len(ids))(*ids)
+            out = (_c.c_float * d)()
+            if _embed(self._live(), arr, len(ids), _POOLING[pooling], int(normalize), out, err,
+                      _ERR) != 0:
+                raise Error(_text(err.value))
+            rows.append(out)
+        try:
+            import numpy
+            m = numpy.array([numpy.frombuffer(r, dtype=numpy.float32) for r in rows])
+            return m[0] if one else m
+        except ImportError:
+            lists = [list(r) for r in rows]
+            return lists[0] if one else lists
 
     def logits(self, ids: Sequence[int]):
         """Every position's logits for ids from position 0: a numpy array [len(ids), n_vocab]

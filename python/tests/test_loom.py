@@ -106,3 +106,55 @@ def test_python_m_loom_run():
     out = subprocess.run(["python3", "-m", "loom", "run", "-m", STORIES, "-p", PROMPT, "-n", "40",
                           "--temp", "0"], check=True, capture_output=True, text=True, env=env)
     assert out.stdout == loom_run("-p", PROMPT, "-n", "40", "--temp", "0")["text"] + "\n"
+
+
+def safetensor(path, name):
+    """A tensor of a safetensors file as floats (F32, F16 or BF16), and its shape."""
+    import array
+    import struct
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        t = json.loads(f.read(n))[name]
+        a, b = t["data_offsets"]
+        f.seek(8 + n + a)
+        raw = f.read(b - a)
+    if t["dtype"] == "F32":
+        return array.array("f", raw), t["shape"]
+    if t["dtype"] == "F16":
+        return array.array("f", struct.unpack("<%de" % (len(raw) // 2), raw)), t["shape"]
+    wide = bytearray(len(raw) * 2)  # BF16: the high half of an f32
+    wide[2::4], wide[3::4] = raw[0::2], raw[1::2]
+    return array.array("f", bytes(wide)), t["shape"]
+
+
+def test_embeddings_are_the_hidden_state_pytorch_puts_under_the_head():
+    folder = os.path.join(os.environ["FIXTURES"], "tiny-llama")
+    case = json.load(open(os.path.join(folder, "expected.json")))["cases"][0]
+    import array
+    want = array.array("f", open(os.path.join(folder, case["last_logits"]["file"]), "rb").read())
+    head, (n_vocab, n_embd) = safetensor(os.path.join(folder, "model.safetensors"), "lm_head.weight")
+    ids = case["prompt_ids"]
+    # the reference backend computes in f32, as PyTorch did
+    with loom.Model(folder, backend="ref", kv_type="f32") as m:
+        assert m.n_embd == n_embd
+        h = [float(x) for x in m.embed(ids, normalize=False)]
+        worst = max(abs(sum(w * x for w, x in zip(head[v * n_embd:(v + 1) * n_embd], h)) - want[v])
+                    for v in range(n_vocab))
+        assert worst < 2e-3, worst
+        # normalised by default: the same direction, length one
+        u = [float(x) for x in m.embed(ids)]
+        norm = sum(x * x for x in h) ** 0.5
+        assert max(abs(a / norm - b) for a, b in zip(h, u)) < 1e-6
+        # mean pooling: the mean of every prefix's last-token embedding (a causal model's hidden
+        # state at a position is the last of its prefix); a list of inputs gives one row each
+        prefixes = m.embed([ids[:k] for k in range(1, len(ids) + 1)], normalize=False)
+        mean = m.embed(ids, pooling="mean", normalize=False)
+        assert len(prefixes) == len(ids)
+        assert max(abs(sum(float(p[d]) for p in prefixes) / len(ids) - float(mean[d]))
+                   for d in range(n_embd)) < 1e-4
+        two = m.embed([m.detokenize(ids[1:]), ids])  # a text and ids
+        assert len(two) == 2 and len(two[0]) == n_embd
+        with pytest.raises(loom.Error, match="pooling 'max'"):
+            m.embed(ids, pooling="max")
+        with pytest.raises(loom.Error, match="not below the vocabulary"):
+            m.embed([n_vocab + 5])
