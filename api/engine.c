@@ -687,13 +687,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
 
 /* Samples the next token of q from logits; retires q when it is finished. Returns 1 if
  * retired. */
-/* The next token of q under its grammar: -1 when the grammar has ended the answer, -2 with err
- * on a failure. The sample is drawn from the model's distribution restricted to the tokens the
- * grammar allows. Where the sampler truncates nothing (greedy, or plain temperature), a draw
- * from the whole distribution that the grammar allows is already such a sample (rejection
- * sampling); only when it is refused is the mask of allowed tokens needed, which is the
- * slow part, and then the draw is made again from the masked logits. With top-k, top-p or
- * min-p the mask comes first, as those act on what the grammar leaves. */
+/* The next token of q under its grammar (grammar_sample): -1 when the grammar has ended the
+ * answer, -2 with err on a failure. */
 static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *err,
                                   size_t err_size)
 {
@@ -706,36 +701,13 @@ static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *
     }
     if (!q->gm && !(q->gm = grammar_matcher_new(q->grammar, *v, err, err_size)))
         return -2;
-    if (grammar_must_end(q->gm))
-        return -1;
-    const loom_sampler_params *p = &q->sp;
-    int truncates = p->temperature > 1e-5f &&
-        ((p->top_k > 0 && p->top_k < e->n_vocab) || p->top_p < 1 || p->min_p > 0);
-    if (!truncates) {
-        uint64_t rng = q->rng;
-        memcpy(e->logits_copy, logits, (size_t)e->n_vocab * sizeof *logits);
-        int32_t next = loom_sampler_sample(e->logits_copy, e->n_vocab, p, q->toks, q->n_toks, &rng);
-        if (grammar_allows(q->gm, next)) {
-            q->rng = rng;
-            return next;
-        }
+    int32_t next = grammar_sample(q->gm, logits, e->logits_copy, e->n_vocab, &q->sp, q->toks,
+                                  q->n_toks, &q->rng, err, err_size);
+    if (next == -2) {
+        size_t n = strlen(err);
+        snprintf(err + n, err_size - n, " (after %d generated)", q->n_generated);
     }
-    const uint32_t *mask = grammar_mask(q->gm, err, err_size);
-    if (!mask)
-        return -2;
-    int any = 0;
-    for (int32_t i = 0; i < e->n_vocab; i++)
-        if (!(mask[i >> 5] >> (i & 31) & 1))
-            logits[i] = -INFINITY;
-        else
-            any |= logits[i] > -INFINITY;
-    if (!any) {
-        snprintf(err, err_size,
-                 "the grammar allows no token of this vocabulary here (after %d generated)",
-                 q->n_generated);
-        return -2;
-    }
-    return loom_sampler_sample(logits, e->n_vocab, p, q->toks, q->n_toks, &q->rng);
+    return next;
 }
 
 /* log Z of the logits, and the k likeliest tokens (ids, log-probabilities), most likely first:

@@ -7,9 +7,11 @@
  * the accepted text, and reads back all k + 1 rows of logits. Rejected proposals need no undo:
  * a single sequence's KV slot is its position, so the next round overwrites them; a drafter
  * model's cache is trimmed the same way, to the prefix of what it evaluated that the text
- * still has.
+ * still has. Under a grammar (loom_generate_constrained) nothing is proposed: each token is
+ * drawn as the engine draws a constrained request's (grammar_sample).
  */
 #define _GNU_SOURCE
+#include "grammar.h"
 #include "internal.h"
 
 #include "core/runner.h"
@@ -317,9 +319,9 @@ static void note_declined(spec_control *c, double draft_ms)
 /* loom_generate_from and loom_generate_speculative: the prompt at positions pos0.. after
  * `before`, the pos0 ids the cache holds (NULL: not known; a drafter model then cannot follow
  * and prompt lookup sees the prompt on). */
-static int generate(loom_model *m, const loom_speculation *spec, const int32_t *before,
-                    const int32_t *prompt, int32_t n_prompt, int32_t pos0, int32_t n_predict,
-                    const loom_sampling *s, loom_token_fn on_token, void *user,
+static int generate(loom_model *m, const loom_speculation *spec, const loom_constraint *c,
+                    const int32_t *before, const int32_t *prompt, int32_t n_prompt, int32_t pos0,
+                    int32_t n_predict, const loom_sampling *s, loom_token_fn on_token, void *user,
                     loom_generation *stats, char *err, size_t err_size)
 {
     loom_generation st = {.n_prompt = n_prompt};
@@ -361,15 +363,26 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
     int sampling = s->temperature > 1e-5f && s->top_k != 1;
     uint64_t rng = s->seed, accept_rng = s->seed ^ 0x9e3779b97f4a7c15ull;
     drafter d;
+    int control_text = c && c->control_text;
+    grammar_vocab *gv = NULL;
+    grammar_matcher *gm = NULL;
     int32_t *text = malloc((size_t)(n_before + n_prompt + n_predict + draft_max + 1) *
                            sizeof *text);
     float *rows = malloc((size_t)(draft_max + 1) * (size_t)n_vocab * sizeof *rows);
-    float *p = sampling ? malloc((size_t)n_vocab * sizeof *p) : NULL;
+    float *p = sampling || (c && c->grammar) ? malloc((size_t)n_vocab * sizeof *p) : NULL;
     char piece[512]; /* a token is at most 512 bytes */
     loom_text_stream ts;
     loom_text_stream_init(&ts, NULL, 0);
     int rc = drafter_init(&d, m, spec, draft_max, s, err, err_size);
-    if (rc == 0 && (!text || !rows || (sampling && !p))) {
+    if (rc == 0 && c && c->grammar && d.spec) {
+        snprintf(err, err_size, "speculative decoding under a grammar is not supported");
+        rc = -1;
+    }
+    if (rc == 0 && c && c->grammar &&
+        (!(gv = grammar_vocab_new(tok, control_text, err, err_size)) ||
+         !(gm = grammar_matcher_new(c->grammar, gv, err, err_size))))
+        rc = -1;
+    if (rc == 0 && (!text || !rows || ((sampling || gm) && !p))) { /* p: gm's scratch too */
         snprintf(err, err_size, "out of memory");
         rc = -1;
     }
@@ -412,6 +425,16 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
                     break;
                 }
                 next = loom_sampler_verify(p, q, text[n_text + i], n_vocab, &accept_rng, &rng);
+            } else if (gm) {
+                next = grammar_sample(gm, row, p, n_vocab, &sp, text, n_text, &rng, err, err_size);
+                if (next == -2) {
+                    rc = -1;
+                    break;
+                }
+                if (next == -1) { /* the grammar is complete, and so is the answer */
+                    done = 1;
+                    break;
+                }
             } else {
                 next = loom_sampler_sample(row, n_vocab, &sp, text, n_text + i, &rng);
             }
@@ -423,6 +446,8 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
             text[n_text + i] = next;
             break;
         }
+        if (rc != 0 || done)
+            break;
         if (k > 0)
             st.n_accepted += accepted;
         if (d.spec && measured)
@@ -432,14 +457,20 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
             int32_t next = text[n_text];
             if (st.n_generated == 0 && i == 0)
                 st.ttft_ms = now_ms() - t0;
-            if (!s->ignore_eos && loom_tokenizer_is_stop(tok, next)) {
+            if ((!s->ignore_eos || gm) && loom_tokenizer_is_stop(tok, next)) {
                 st.stopped_at_eos = 1;
                 done = 1;
                 break;
             }
+            if (gm && grammar_accept(gm, next) != 0) { /* the draw keeps to the mask */
+                snprintf(err, err_size, "internal: a token outside the grammar was drawn");
+                rc = -1;
+                break;
+            }
             n_text++;
             st.n_generated++;
-            int len = loom_tokenizer_piece(tok, text[n_text - 2], next, piece, sizeof piece);
+            int len = (control_text ? loom_tokenizer_piece_control : loom_tokenizer_piece)(
+                tok, text[n_text - 2], next, piece, sizeof piece);
             loom_text_stream_push(&ts, piece, len > 0 ? (size_t)len : 0);
             if ((on_token && on_token(user, next, ts.out, ts.n_out)) ||
                 st.n_generated >= n_predict) {
@@ -492,6 +523,8 @@ static int generate(loom_model *m, const loom_speculation *spec, const int32_t *
     if (stats)
         *stats = st;
     drafter_free(&d);
+    grammar_matcher_free(gm);
+    grammar_vocab_free(gv);
     free(text), free(rows), free(p);
     return rc;
 }
@@ -506,7 +539,7 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
                  n_ids);
         return -1;
     }
-    return generate(m, spec, ids, ids + n_cached, n_ids - n_cached, n_cached, n_predict, s,
+    return generate(m, spec, NULL, ids, ids + n_cached, n_ids - n_cached, n_cached, n_predict, s,
                     on_token, user, stats, err, err_size);
 }
 
@@ -514,8 +547,17 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
                        int32_t n_predict, const loom_sampling *s, loom_token_fn on_token,
                        void *user, loom_generation *stats, char *err, size_t err_size)
 {
-    return generate(m, NULL, NULL, prompt, n_prompt, pos0, n_predict, s, on_token, user, stats, err,
-                    err_size);
+    return generate(m, NULL, NULL, NULL, prompt, n_prompt, pos0, n_predict, s, on_token, user,
+                    stats, err, err_size);
+}
+
+int loom_generate_constrained(loom_model *m, const loom_constraint *c, const int32_t *prompt,
+                              int32_t n_prompt, int32_t pos0, int32_t n_predict,
+                              const loom_sampling *s, loom_token_fn on_token, void *user,
+                              loom_generation *stats, char *err, size_t err_size)
+{
+    return generate(m, NULL, c, NULL, prompt, n_prompt, pos0, n_predict, s, on_token, user, stats,
+                    err, err_size);
 }
 
 int loom_generate(loom_model *m, const int32_t *prompt, int32_t n_prompt, int32_t n_predict,

@@ -19,8 +19,10 @@
 #define _GNU_SOURCE
 #include "grammar.h"
 
+#include "core/sampler.h"
 #include "core/tokenizer.h"
 
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1290,4 +1292,37 @@ int grammar_matches(const loom_grammar *g, const char *bytes, size_t n)
     int ok = s >= 0 && m->states[s].n > 0 && m->set_frames[m->states[s].off] == 0;
     grammar_matcher_free(m);
     return ok;
+}
+
+int32_t grammar_sample(grammar_matcher *m, float *logits, float *scratch, int32_t n_vocab,
+                       const struct loom_sampler_params *p, const int32_t *toks, int32_t n_toks,
+                       uint64_t *rng, char *err, size_t err_size)
+{
+    if (grammar_must_end(m))
+        return -1;
+    int truncates = p->temperature > 1e-5f &&
+        ((p->top_k > 0 && p->top_k < n_vocab) || p->top_p < 1 || p->min_p > 0);
+    if (!truncates) {
+        uint64_t tried = *rng;
+        memcpy(scratch, logits, (size_t)n_vocab * sizeof *logits);
+        int32_t next = loom_sampler_sample(scratch, n_vocab, p, toks, n_toks, &tried);
+        if (grammar_allows(m, next)) {
+            *rng = tried;
+            return next;
+        }
+    }
+    const uint32_t *mask = grammar_mask(m, err, err_size);
+    if (!mask)
+        return -2;
+    int any = 0;
+    for (int32_t i = 0; i < n_vocab; i++)
+        if (!(mask[i >> 5] >> (i & 31) & 1))
+            logits[i] = -INFINITY;
+        else
+            any |= logits[i] > -INFINITY;
+    if (!any) {
+        snprintf(err, err_size, "the grammar allows no token of this vocabulary here");
+        return -2;
+    }
+    return loom_sampler_sample(logits, n_vocab, p, toks, n_toks, rng);
 }

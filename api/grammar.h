@@ -39,6 +39,20 @@ int grammar_accept(grammar_matcher *m, int32_t id);
 int grammar_may_end(const grammar_matcher *m);
 int grammar_must_end(const grammar_matcher *m);
 
+struct loom_sampler_params;
+/* The next token under m: a draw from the model's distribution (logits, n_vocab of them, the
+ * sampler's transforms p, penalties over toks[0..n_toks)) restricted to the tokens m allows;
+ * -1 when the grammar has ended the answer, -2 with err on a failure. Where the sampler
+ * truncates nothing (greedy, or plain temperature), a draw from the whole distribution that m
+ * allows is already such a sample (rejection sampling); only when it is refused is the mask of
+ * allowed tokens needed, which is the slow part, and then the draw is made again from the
+ * masked logits. With top-k, top-p or min-p the mask comes first, as those act on what the
+ * grammar leaves. logits may be changed; scratch holds n_vocab floats. Does not take the token
+ * (grammar_accept). */
+int32_t grammar_sample(grammar_matcher *m, float *logits, float *scratch, int32_t n_vocab,
+                       const struct loom_sampler_params *p, const int32_t *toks, int32_t n_toks,
+                       uint64_t *rng, char *err, size_t err_size);
+
 /* A JSON Schema "pattern" (a regular expression; the subset api/regex_gbnf.c lists) as a GBNF
  * expression over the text of a JSON string between its quotes, as JSON escapes it; any_char
  * names the rule of one such character, which an end without an anchor repeats. 0 with *gbnf

@@ -754,6 +754,76 @@ static void check_admission(const char *gguf)
     loom_model_close(m);
 }
 
+/* loom_generate_constrained draws what an engine's request with the same grammar draws: greedy
+ * and sampled requests under a JSON Schema, batched together in the engine, each give the
+ * tokens they give alone; and the grammar changed the answers (unconstrained ones differ). */
+static void check_constrained(const char *gguf)
+{
+    char err[512];
+    loom_model_options o = {.n_ctx = 128};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    loom_grammar *g = loom_grammar_from_json_schema(
+        "{\"type\": \"object\", \"properties\": {\"name\": {\"type\": \"string\", "
+        "\"maxLength\": 12}, \"age\": {\"type\": \"integer\"}}, \"required\": [\"name\", "
+        "\"age\"], \"additionalProperties\": false}",
+        err, sizeof err);
+    CHECK(g != NULL, "schema: %s", err);
+    if (!m || !g) {
+        loom_grammar_free(g);
+        loom_model_close(m);
+        return;
+    }
+    loom_sampling greedy = loom_sampling_defaults(), sampled = greedy;
+    greedy.temperature = 0;
+    loom_constraint c = {.grammar = g};
+    enum { N = 4 };
+    static prompt alone[N], free_run;
+    int differs = 0;
+    for (int i = 0; i < N; i++) {
+        prompt *p = &alone[i];
+        memset(p, 0, sizeof *p);
+        p->n = (int32_t)loom_tokenize(m, i < 2 ? "Once upon a time" : "Lily liked", 1, 0, p->ids,
+                                      64, err, sizeof err);
+        sampled.seed = (uint64_t)i;
+        CHECK(loom_generate_constrained(m, &c, p->ids, p->n, 0, 60, i % 2 ? &sampled : &greedy,
+                                        collect_ref, p, NULL, err, sizeof err) == 0,
+              "constrained %d: %s", i, err);
+        CHECK(p->n_want > 0 && p->want_text[strspn(p->want_text, " \n")] == '{',
+              "constrained %d: '%s'", i, p->want_text);
+        memset(&free_run, 0, sizeof free_run);
+        CHECK(loom_generate(m, p->ids, p->n, 60, i % 2 ? &sampled : &greedy, collect_ref, &free_run,
+                            NULL, err, sizeof err) == 0,
+              "%s", err);
+        differs += strcmp(free_run.want_text, p->want_text) != 0;
+    }
+    CHECK(differs == N, "only %d of %d answers changed under the grammar", differs, N);
+    loom_engine_options eo = {.max_batch = 8};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (engine) {
+        static collector col[N];
+        memset(col, 0, sizeof col);
+        for (int i = 0; i < N; i++) {
+            sampled.seed = (uint64_t)i;
+            loom_request r = {.prompt = alone[i].ids,
+                              .n_prompt = alone[i].n,
+                              .max_tokens = 60,
+                              .sampling = i % 2 ? sampled : greedy,
+                              .grammar = g};
+            submit(&col[i], &r, i);
+        }
+        wait_all(col, N);
+        for (int i = 0; i < N; i++)
+            check_same(&col[i], &alone[i], "constrained", i);
+        printf("constrained, greedy: %.60s\n", alone[0].want_text);
+        loom_engine_stop(engine, 0);
+        loom_engine_free(engine);
+    }
+    loom_grammar_free(g);
+    loom_model_close(m);
+}
+
 int main(void)
 {
     char gguf[4200];
@@ -776,6 +846,7 @@ int main(void)
     check_behaviours(gguf);
     check_admission(gguf);
     check_lookup(gguf);
+    check_constrained(gguf);
     setenv("LOOM_REF_OPAQUE", "1", 1);
     run(gguf, "ref");
     return check_finish("test_engine");

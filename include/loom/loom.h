@@ -599,6 +599,21 @@ loom_grammar *loom_grammar_from_json_schema(const char *schema_json, char *err, 
 loom_grammar *loom_grammar_ref(loom_grammar *g);
 void loom_grammar_free(loom_grammar *g);
 
+/* What one answer of loom_generate_constrained must be. */
+typedef struct loom_constraint {
+    /* the answer must match it, and one it completes ends there; NULL: free */
+    loom_grammar *grammar;
+    /* control tokens the model writes appear in the text as their own ("<tool_call>"), not as
+     * nothing: what loom_tool_calls_parse reads */
+    int control_text;
+} loom_constraint;
+/* loom_generate_from under a constraint (c NULL: none), as an engine's request with the same
+ * grammar and sampling draws it (the same tokens for the same seed). */
+int loom_generate_constrained(loom_model *m, const loom_constraint *c, const int32_t *prompt,
+                              int32_t n_prompt, int32_t pos0, int32_t n_predict,
+                              const loom_sampling *s, loom_token_fn on_token, void *user,
+                              loom_generation *stats, char *err, size_t err_size);
+
 /* ---- Tokenizers alone ------------------------------------------------------------------ */
 
 typedef struct loom_vocab loom_vocab;

@@ -89,9 +89,21 @@ _tokenize = _fn("loom_tokenize", _c.c_int64, _c.c_void_p, _c.c_char_p, _c.c_int,
 _piece = _fn("loom_token_piece", _c.c_int, _c.c_void_p, _c.c_int32, _c.c_int32, _c.c_char_p,
              _c.c_int)
 _defaults = _fn("loom_sampling_defaults", _Sampling)
-_generate = _fn("loom_generate", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32,
-                _c.c_int32, _c.POINTER(_Sampling), _TOKEN_FN, _c.c_void_p,
-                _c.POINTER(_Generation), _c.c_char_p, _c.c_size_t)
+
+
+class _Constraint(_c.Structure):
+    _fields_ = [("grammar", _c.c_void_p), ("control_text", _c.c_int)]
+
+
+_generate = _fn("loom_generate_constrained", _c.c_int, _c.c_void_p, _c.POINTER(_Constraint),
+                _c.POINTER(_c.c_int32), _c.c_int32, _c.c_int32, _c.c_int32,
+                _c.POINTER(_Sampling), _TOKEN_FN, _c.c_void_p, _c.POINTER(_Generation),
+                _c.c_char_p, _c.c_size_t)
+_grammar_compile = _fn("loom_grammar_compile", _c.c_void_p, _c.c_char_p, _c.c_char_p,
+                       _c.c_size_t)
+_grammar_from_schema = _fn("loom_grammar_from_json_schema", _c.c_void_p, _c.c_char_p,
+                           _c.c_char_p, _c.c_size_t)
+_grammar_free = _fn("loom_grammar_free", None, _c.c_void_p)
 _embed = _fn("loom_embed", _c.c_int, _c.c_void_p, _c.POINTER(_c.c_int32), _c.c_int32, _c.c_int,
               _c.c_int, _c.POINTER(_c.c_float), _c.c_char_p, _c.c_size_t)
 _POOLING = {"last": 1, "mean": 2}  # loom_pooling
@@ -112,6 +124,15 @@ class _Span(_c.Structure):
     _fields_ = [("start", _c.c_size_t), ("end", _c.c_size_t)]
 
 
+class _ToolCall(_c.Structure):
+    _fields_ = [("name", _c.c_char_p), ("arguments", _c.c_char_p), ("id", _c.c_char_p)]
+
+
+class _ToolCalls(_c.Structure):
+    _fields_ = [("content_len", _c.c_size_t), ("calls", _c.POINTER(_ToolCall)),
+                ("n_calls", _c.c_int)]
+
+
 _format_choose = _fn("loom_chat_format_choose", _c.c_int, _c.c_void_p, _c.c_char_p, _c.c_char_p,
                      _c.POINTER(_ChatFormat), _c.c_char_p, _c.c_size_t)
 _format_free = _fn("loom_chat_format_free", None, _c.POINTER(_ChatFormat))
@@ -121,6 +142,13 @@ _render_vars = _fn("loom_chat_format_render_vars", _c.c_int, _c.POINTER(_ChatFor
 _tokenize_spans = _fn("loom_tokenize_spans", _c.c_int64, _c.c_void_p, _c.c_char_p, _c.c_size_t,
                       _c.c_int, _c.c_int, _c.c_void_p, _c.c_int, _c.POINTER(_c.c_int32),
                       _c.c_int64, _c.c_char_p, _c.c_size_t)
+_tool_syntax = _fn("loom_chat_format_tool_syntax", _c.c_int, _c.POINTER(_ChatFormat))
+_tool_calls_gbnf = _fn("loom_tool_calls_gbnf", _c.c_void_p, _c.c_int, _c.c_char_p, _c.c_char_p,
+                       _c.c_int, _c.c_char_p, _c.c_size_t)
+_tool_calls_parse = _fn("loom_tool_calls_parse", _c.c_int, _c.c_int, _c.c_char_p, _c.c_size_t,
+                        _c.POINTER(_c.c_char_p), _c.c_int, _c.POINTER(_ToolCalls))
+_tool_calls_free = _fn("loom_tool_calls_free", None, _c.POINTER(_ToolCalls))
+_TOOLS_NONE, _TOOLS_UNKNOWN = 0, 1  # loom_tool_syntax
 _libc = _c.CDLL(None)
 _libc.free.argtypes = [_c.c_void_p]
 _fopen = _libc.fopen
@@ -150,6 +178,76 @@ def backends() -> dict:
 
 def _text(b: bytes) -> str:
     return b.decode("utf-8", errors="replace")
+
+
+class _Grammar:
+    """A compiled grammar, freed with this object."""
+
+    def __init__(self, g):
+        self.g = g
+
+    def __del__(self):
+        if self.g:
+            _grammar_free(self.g)
+            self.g = None
+
+    @classmethod
+    def of_format(cls, rf) -> Optional["_Grammar"]:
+        """OpenAI's response_format, as loom serve reads it."""
+        t = rf.get("type") if isinstance(rf, dict) else None
+        if t == "text":
+            return None
+        if t == "json_object":
+            schema = {"type": "object"}
+        elif t == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise Error('response_format json_schema needs "json_schema": {"name": ..., '
+                            '"schema": {...}}')
+            schema = js.get("schema", {})
+        else:
+            raise Error("response_format must be {\"type\": ...} with text, json_object or "
+                        "json_schema, not %r" % (rf,))
+        err = _c.create_string_buffer(_ERR)
+        g = _grammar_from_schema(json.dumps(schema).encode(), err, _ERR)
+        if not g:
+            raise Error("json_schema: " + _text(err.value))
+        return cls(g)
+
+    @classmethod
+    def of_tools(cls, syntax, tools, only, parallel) -> "_Grammar":
+        """An answer of nothing but calls to tools (or to the one named only)."""
+        err = _c.create_string_buffer(_ERR)
+        gbnf = _tool_calls_gbnf(syntax, json.dumps(list(tools)).encode(),
+                                only.encode() if only else None, int(parallel), err, _ERR)
+        if not gbnf:
+            raise Error("tool_choice %s: %s" % (only or "required", _text(err.value)))
+        try:
+            g = _grammar_compile(_c.string_at(gbnf), err, _ERR)
+        finally:
+            _libc.free(gbnf)
+        if not g:
+            raise Error(_text(err.value))
+        return cls(g)
+
+
+def _message(syntax, text: bytes, names) -> dict:
+    """An answer with tool calls as OpenAI's assistant message."""
+    arr = (_c.c_char_p * len(names))(*[n.encode() for n in names])
+    calls = _ToolCalls()
+    if _tool_calls_parse(syntax, text, len(text), arr, len(names), _c.byref(calls)) != 0:
+        raise Error("out of memory")
+    try:
+        content = _text(text[:calls.content_len]).strip()
+        out = {"role": "assistant", "content": content or None}
+        if calls.n_calls:
+            out["tool_calls"] = [
+                {"id": _text(c.id) if c.id else "call_%d" % i, "type": "function",
+                 "function": {"name": _text(c.name), "arguments": _text(c.arguments)}}
+                for i, c in enumerate(calls.calls[:calls.n_calls])]
+        return out
+    finally:
+        _tool_calls_free(_c.byref(calls))
 
 
 class Model:
@@ -252,9 +350,10 @@ class Model:
             raise Error("the prompt gives no tokens")
         return ids
 
-    def _run(self, ids, max_tokens, sampling, on_piece):
+    def _run(self, ids, max_tokens, sampling, on_piece, constraint=None):
         """Generates after ids, calling on_piece(id, text) for each token (id -1: the text held
-        back until the end); on_piece returns True to stop. Returns the generation's stats."""
+        back until the end); on_piece returns True to stop. constraint: a _Constraint, or None.
+        Returns the generation's stats."""
         err, stats = _c.create_string_buffer(_ERR), _Generation()
         arr = (_c.c_int32 * len(ids))(*ids)
         failure = []
@@ -267,8 +366,8 @@ class Model:
                 return 1
 
         fn = _TOKEN_FN(cb)
-        rc = _generate(self._live(), arr, len(ids), max_tokens, _c.byref(sampling), fn, None,
-                       _c.byref(stats), err, _ERR)
+        rc = _generate(self._live(), _c.byref(constraint) if constraint else None, arr, len(ids),
+                       0, max_tokens, _c.byref(sampling), fn, None, _c.byref(stats), err, _ERR)
         if failure:
             raise failure[0]
         if rc != 0:
@@ -304,14 +403,15 @@ class Model:
             return _text(bytes(out))
         return self._stream(ids, max_tokens, s)
 
-    def _stream(self, ids, max_tokens, s) -> Iterator[str]:
+    def _stream(self, ids, max_tokens, s, constraint=None) -> Iterator[str]:
         q: "queue.Queue" = queue.Queue()
         stop = threading.Event()
         done = object()
 
         def work():
             try:
-                self._run(ids, max_tokens, s, lambda _t, b: (q.put(b), stop.is_set())[1])
+                self._run(ids, max_tokens, s, lambda _t, b: (q.put(b), stop.is_set())[1],
+                          constraint)
                 q.put(done)
             except BaseException as e:
                 q.put(e)
@@ -331,51 +431,122 @@ class Model:
             stop.set()
             t.join()
 
-    def chat_prompt(self, messages: Sequence[dict], template: Optional[str] = None,
-                    kwargs: Optional[dict] = None) -> List[int]:
-        """The token ids of a conversation (OpenAI-style messages: role and content) rendered
-        with the model's own chat template, as `loom chat` and `loom serve` render it, up to
-        the opening of the assistant's turn; template: a built-in format's name instead."""
+    def _format(self, template, template_file):
+        fmt, err = _ChatFormat(), _c.create_string_buffer(_ERR)
+        if _format_choose(self._live(), template.encode() if template else None,
+                          os.fsencode(template_file) if template_file else None, _c.byref(fmt),
+                          err, _ERR) != 0:
+            raise Error(_text(err.value))
+        return fmt
+
+    def _render(self, fmt, messages, kwargs, tools) -> List[int]:
         m, err = self._live(), _c.create_string_buffer(_ERR)
-        fmt = _ChatFormat()
-        if _format_choose(m, template.encode() if template else None, None, _c.byref(fmt), err,
-                          _ERR) != 0:
+        v = _ChatVars(messages_json=json.dumps(list(messages)).encode(),
+                      tools_json=json.dumps(list(tools)).encode() if tools else None,
+                      kwargs_json=json.dumps(kwargs).encode() if kwargs else None,
+                      add_generation_prompt=1)
+        out, spans = _c.c_void_p(), _c.c_void_p()
+        n_spans, add_special = _c.c_int(), _c.c_int()
+        if _render_vars(_c.byref(fmt), _c.byref(v), _c.byref(out), _c.byref(spans),
+                        _c.byref(n_spans), _c.byref(add_special), err, _ERR) != 0:
             raise Error(_text(err.value))
         try:
-            v = _ChatVars(messages_json=json.dumps(list(messages)).encode(),
-                          kwargs_json=json.dumps(kwargs).encode() if kwargs else None,
-                          add_generation_prompt=1)
-            out, spans = _c.c_void_p(), _c.c_void_p()
-            n_spans, add_special = _c.c_int(), _c.c_int()
-            if _render_vars(_c.byref(fmt), _c.byref(v), _c.byref(out), _c.byref(spans),
-                            _c.byref(n_spans), _c.byref(add_special), err, _ERR) != 0:
-                raise Error(_text(err.value))
-            try:
-                text = _c.string_at(out)
-                cap = len(text) + 16
-                while True:
-                    ids = (_c.c_int32 * cap)()
-                    n = _tokenize_spans(m, text, len(text), add_special, 2, spans, n_spans, ids,
-                                        cap, err, _ERR)  # 2: LOOM_SPECIAL_ALL
-                    if n < 0:
-                        raise Error(_text(err.value))
-                    if n <= cap:
-                        return list(ids[:n])
-                    cap = n
-            finally:
-                _libc.free(out)
-                _libc.free(spans)
+            text = _c.string_at(out)
+            cap = len(text) + 16
+            while True:
+                ids = (_c.c_int32 * cap)()
+                n = _tokenize_spans(m, text, len(text), add_special, 2, spans, n_spans, ids,
+                                    cap, err, _ERR)  # 2: LOOM_SPECIAL_ALL
+                if n < 0:
+                    raise Error(_text(err.value))
+                if n <= cap:
+                    return list(ids[:n])
+                cap = n
+        finally:
+            _libc.free(out)
+            _libc.free(spans)
+
+    def chat_prompt(self, messages: Sequence[dict], template: Optional[str] = None,
+                    kwargs: Optional[dict] = None, tools: Optional[Sequence[dict]] = None,
+                    template_file: Optional[Union[str, os.PathLike]] = None) -> List[int]:
+        """The token ids of a conversation (OpenAI-style messages: role and content, tool calls
+        and results) rendered with the model's own chat template, as `loom chat` and `loom
+        serve` render it, up to the opening of the assistant's turn. template: a built-in
+        format's name instead; template_file: a Jinja template instead; tools: an OpenAI tools
+        array the template shows; kwargs: the template's extra variables."""
+        fmt = self._format(template, template_file)
+        try:
+            return self._render(fmt, messages, kwargs, tools)
         finally:
             _format_free(_c.byref(fmt))
 
     def chat(self, messages: Sequence[dict], max_tokens: int = 512, stream: bool = False,
              template: Optional[str] = None, kwargs: Optional[dict] = None,
-             **sampling) -> Union[str, Iterator[str]]:
+             tools: Optional[Sequence[dict]] = None, tool_choice: Union[str, dict] = "auto",
+             parallel_tool_calls: bool = True, response_format: Optional[dict] = None,
+             template_file: Optional[Union[str, os.PathLike]] = None,
+             **sampling) -> Union[str, dict, Iterator[str]]:
         """The assistant's answer to a conversation (see chat_prompt), as generate gives it
-        (sampling: generate's keyword arguments; stream: a generator of pieces). Tool calls
-        and response formats are the server's (loom serve) for now."""
-        return self.generate(self.chat_prompt(messages, template, kwargs), max_tokens=max_tokens,
-                             stream=stream, **sampling)
+        (sampling: generate's keyword arguments; stream: a generator of pieces).
+
+        response_format: OpenAI's {"type": "json_object"} or {"type": "json_schema",
+        "json_schema": {"name": ..., "schema": {...}}}: the answer is made to match (constrained
+        decoding, docs/structured-output.md). tools (an OpenAI tools array): the answer is then
+        a message dict, {"role": "assistant", "content": text or None, "tool_calls": [...]}
+        with the calls read from the model's syntax for them; tool_choice "auto" (it may
+        call), "none" (no calls are read), "required" or {"type": "function", "function":
+        {"name": N}} (it must call, one or, with parallel_tool_calls, up to 8). With tools the
+        answer is read whole: no stream."""
+        if tool_choice not in ("auto", "none", "required") and not (
+                isinstance(tool_choice, dict) and
+                isinstance(tool_choice.get("function"), dict) and
+                isinstance(tool_choice["function"].get("name"), str)):
+            raise Error('tool_choice must be "auto", "none", "required" or {"type": "function", '
+                        '"function": {"name": ...}}, not %r' % (tool_choice,))
+        if tools is not None and (not isinstance(tools, (list, tuple)) or not tools):
+            raise Error("tools must be a non-empty list of OpenAI tools")
+        reading = tools is not None and tool_choice != "none"
+        if reading and stream:
+            raise Error("stream=True with tools: the calls are read from the whole answer")
+        names = [t.get("function", t).get("name") for t in tools or []]
+        only = tool_choice["function"]["name"] if isinstance(tool_choice, dict) else None
+        if only is not None and only not in names:
+            raise Error("tool_choice names %r, which is not in tools" % only)
+        fmt = self._format(template, template_file)
+        try:
+            ids = self._render(fmt, messages, kwargs, tools)
+            syntax = _tool_syntax(_c.byref(fmt))
+        finally:
+            _format_free(_c.byref(fmt))
+        if reading and syntax in (_TOOLS_NONE, _TOOLS_UNKNOWN):
+            raise Error("the chat template %s: give tools to a model whose template shows "
+                        "them, or a template_file that does"
+                        % ("shows no tools" if syntax == _TOOLS_NONE
+                           else "writes tool calls in a form loom cannot read back"))
+        grammar = None
+        if reading and (tool_choice == "required" or only):
+            if response_format and response_format.get("type") != "text":
+                raise Error("response_format cannot go with a tool_choice that requires a call")
+            grammar = _Grammar.of_tools(syntax, tools, only, parallel_tool_calls)
+        elif response_format is not None:
+            grammar = _Grammar.of_format(response_format)
+        c = _Constraint(grammar=grammar.g if grammar else None, control_text=int(reading))
+        s = self._sampling(*[sampling.pop(k, None) for k in
+                             ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")],
+                           sampling.pop("seed", 0), sampling.pop("ignore_eos", False))
+        if sampling:
+            raise Error("chat() got unknown arguments: %s" % ", ".join(sorted(sampling)))
+        if stream:
+            return self._stream_holding(grammar, ids, max_tokens, s, c)
+        out = bytearray()
+        self._run(ids, max_tokens, s, lambda _t, b: out.extend(b), c)
+        if not reading:
+            return _text(bytes(out))
+        return _message(syntax, bytes(out), names)
+
+    def _stream_holding(self, grammar, ids, max_tokens, s, c) -> Iterator[str]:
+        yield from self._stream(ids, max_tokens, s, c)
+        del grammar  # kept alive until the stream ends
 
     def embed(self, inputs: Union[str, Sequence[int], Sequence[Union[str, Sequence[int]]]],
               pooling: str = "last", normalize: bool = True):

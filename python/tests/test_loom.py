@@ -158,3 +158,88 @@ def test_embeddings_are_the_hidden_state_pytorch_puts_under_the_head():
             m.embed(ids, pooling="max")
         with pytest.raises(loom.Error, match="not below the vocabulary"):
             m.embed([n_vocab + 5])
+
+
+QWEN = os.path.join(os.environ["FIXTURES"], "tiny-qwen2")
+TOOLCHAT = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "templates",
+                        "toolchat.jinja")
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "get_time", "parameters": {"type": "object", "properties": {
+            "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"], "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    with loom.Model(QWEN, n_ctx=1024) as m:
+        yield m
+
+
+def test_response_format_answers_match_the_schema(qwen):
+    jsonschema = pytest.importorskip("jsonschema")  # Debian's python3-jsonschema
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+        "required": ["name", "age", "tags"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    for seed in range(3):  # a random model: only the grammar makes these valid
+        text = qwen.chat(ASK, max_tokens=200, response_format=rf, seed=seed, temperature=1.0)
+        jsonschema.validate(json.loads(text), schema)
+    # json_object: any object (this model's never closes its key: cut at max_tokens)
+    assert qwen.chat(ASK, max_tokens=20, temperature=0,
+                     response_format={"type": "json_object"}).lstrip().startswith("{")
+    streamed = "".join(qwen.chat(ASK, max_tokens=200, response_format=rf, temperature=0,
+                                 stream=True))
+    assert streamed == qwen.chat(ASK, max_tokens=200, response_format=rf, temperature=0)
+    free = qwen.chat(ASK, max_tokens=60, temperature=0)
+    with pytest.raises(ValueError):  # unconstrained, the same model writes no JSON
+        json.loads(free)
+    with pytest.raises(loom.Error, match="response_format"):
+        qwen.chat(ASK, response_format={"type": "yaml"})
+
+
+def test_tool_calls_required_and_named(qwen):
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}
+    for seed, choice in [(0, "required"), (1, "required"),
+                         (2, {"type": "function", "function": {"name": "get_time"}})]:
+        # one call (parallel calls of a random model may run past max_tokens: all text then)
+        msg = qwen.chat(ASK, max_tokens=300, tools=WEATHER, tool_choice=choice,
+                        parallel_tool_calls=False, template_file=TOOLCHAT, seed=seed,
+                        temperature=1.0)
+        assert msg["role"] == "assistant" and len(msg.get("tool_calls", [])) == 1, msg
+        for call in msg["tool_calls"]:
+            fn = call["function"]
+            assert fn["name"] in params
+            if isinstance(choice, dict):
+                assert fn["name"] == "get_time"
+            jsonschema.validate(json.loads(fn["arguments"]), params[fn["name"]])
+    # the call goes back into the conversation, with its result, as the template writes it
+    follow = ASK + [msg, {"role": "tool", "tool_call_id": msg["tool_calls"][0]["id"],
+                          "content": "12:00"}]
+    again = qwen.chat(follow, max_tokens=20, tools=WEATHER, template_file=TOOLCHAT,
+                      temperature=0)
+    assert again["role"] == "assistant"
+    prompt = qwen.detokenize(qwen.chat_prompt(follow, tools=WEATHER, template_file=TOOLCHAT))
+    assert "<tool_call>" in prompt and "get_time" in prompt and "12:00" in prompt
+
+
+def test_tool_mistakes_are_named(qwen):
+    with pytest.raises(loom.Error, match="shows no tools"):  # the fixture's own template
+        qwen.chat(ASK, tools=WEATHER)
+    with pytest.raises(loom.Error, match="stream"):
+        qwen.chat(ASK, tools=WEATHER, template_file=TOOLCHAT, stream=True)
+    with pytest.raises(loom.Error, match="not in tools"):
+        qwen.chat(ASK, tools=WEATHER, template_file=TOOLCHAT,
+                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(loom.Error, match="tool_choice must be"):
+        qwen.chat(ASK, tools=WEATHER, template_file=TOOLCHAT, tool_choice="always")
+    with pytest.raises(loom.Error, match="unknown arguments: temprature"):
+        qwen.chat(ASK, temprature=0)
