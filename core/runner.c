@@ -391,6 +391,8 @@ static uint32_t minor_needed(loom_op op, const void *params)
         return 4;
     if (op == LOOM_OP_ATTENTION && ((const loom_attention_params *)params)->window)
         return 4;
+    if (op == LOOM_OP_MOE_ROUTE && ((const loom_moe_route_params *)params)->n_group > 1)
+        return 7;
     return 0;
 }
 
@@ -642,7 +644,9 @@ void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor
                                .weights = weights,
                                .gating = hp->moe_gating,
                                .normalize = hp->moe_normalize,
-                               .scale = hp->moe_scale};
+                               .scale = hp->moe_scale,
+                               .n_group = hp->moe_groups > 1 ? hp->moe_groups : 0,
+                               .topk_group = hp->moe_groups > 1 ? hp->moe_groups_kept : 0};
     exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
 }
 
@@ -744,11 +748,18 @@ static int check_hparams(const loom_hparams *hp, char *err, size_t err_size)
           "and an expert's width (expert_feed_forward_length) above 0"
         : hp->n_expert && !(hp->moe_scale > 0 && isfinite(hp->moe_scale))
         ? "the experts' weight scale (expert_weights_scale) must be finite and above 0"
+        : hp->moe_groups > 1 &&
+            (hp->n_expert % hp->moe_groups || hp->moe_groups_kept < 1 ||
+             hp->moe_groups_kept > hp->moe_groups ||
+             hp->n_expert_used > hp->moe_groups_kept * (hp->n_expert / hp->moe_groups))
+        ? "the expert groups (expert_group_count) must divide the experts, the groups kept "
+          "(expert_group_used_count) be 1 to their count and hold at least the experts chosen"
         : NULL;
     if (bad)
-        snprintf(err, err_size, "%s: %s (experts %d, chosen %d, width %d, weight scale %g)",
+        snprintf(err, err_size,
+                 "%s: %s (experts %d, chosen %d, width %d, weight scale %g, groups %d, kept %d)",
                  hp->arch, bad, hp->n_expert, hp->n_expert_used, hp->n_ff_exp,
-                 (double)hp->moe_scale);
+                 (double)hp->moe_scale, hp->moe_groups, hp->moe_groups_kept);
     return bad ? -1 : 0;
 }
 

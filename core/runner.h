@@ -45,6 +45,9 @@ typedef struct loom_hparams {
     int32_t moe_gating;              /* loom_moe_gating */
     int32_t moe_normalize;           /* the chosen experts' weights sum to one */
     float moe_scale;                 /* the weights' factor (routed_scaling_factor), 1 = none */
+    /* group-limited routing (n_group, topk_group): experts chosen only within the best
+     * moe_groups_kept of moe_groups groups; 0 or 1 groups: none */
+    int32_t moe_groups, moe_groups_kept;
 } loom_hparams;
 
 typedef struct loom_runner loom_runner;

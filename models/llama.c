@@ -91,6 +91,9 @@ static int read_moe(const loom_gguf *g, const char *arch, loom_hparams *hp, char
     loom_gguf_get_bool(g, key, &norm);
     hp->moe_normalize = norm;
     hp->moe_scale = (float)loom_model_kv_float(g, arch, "expert_weights_scale", 1.0);
+    /* group-limited routing (checked with the rest in the runner); 0 and 1 mean none */
+    hp->moe_groups = (int32_t)loom_model_kv_int(g, arch, "expert_group_count", 0);
+    hp->moe_groups_kept = (int32_t)loom_model_kv_int(g, arch, "expert_group_used_count", 0);
     /* GLM-4.5's shared experts: expert_shared_count of an expert's width each */
     int64_t shared = loom_model_kv_int(g, arch, "expert_shared_count", 0);
     if (!hp->n_ff_shexp && shared > 0 && shared < 1024)
@@ -777,9 +780,10 @@ static const loom_hf_tensor qwen3moe_tensors[] = {
  * and NeoX RoPE over partial_rotary_factor of each head (optional Q/K norms, use_qk_norm);
  * first_k_dense_replace dense MLPs, then experts routed by sigmoid scores, chosen with
  * e_score_correction_bias added, renormalised (norm_topk_prob) and scaled by
- * routed_scaling_factor, beside n_shared_experts ungated shared ones. Group-limited routing
- * (n_group > 1, DeepSeek-V3's) is refused; the multi-token-prediction layers a checkpoint
- * carries past num_hidden_layers are not converted. */
+ * routed_scaling_factor, beside n_shared_experts ungated shared ones, and the choice limited
+ * to the best topk_group of n_group groups of experts (GLM-4.5 has one group; DeepSeek-V3's
+ * rule); the multi-token-prediction layers a checkpoint carries past num_hidden_layers are not
+ * converted. */
 static const loom_hf_param glm4moe_params[] = {
     DECODER_PARAMS,
     {"expert_count", "n_routed_experts|num_experts", LOOM_HF_U32, LOOM_HF_REQUIRED},
@@ -835,12 +839,18 @@ static int glm4moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t 
         loom_hf_int(cf, "n_group", 1, 1, 1024, &groups, err, err_size) ||
         loom_hf_int(cf, "topk_group", 1, 1, 1024, &topk_groups, err, err_size))
         return -1;
-    if (groups != 1 || topk_groups != 1) {
+    double experts = loom_hf_get(v, "expert_count");
+    if (topk_groups > groups || fmod(experts, (double)groups) != 0 ||
+        loom_hf_get(v, "expert_used_count") > topk_groups * (experts / (double)groups)) {
         snprintf(err, err_size,
-                 "n_group %lld, topk_group %lld: group-limited routing is not supported (GLM-4.5 "
-                 "has 1 and 1)",
-                 (long long)groups, (long long)topk_groups);
+                 "n_group %lld, topk_group %lld: the groups must divide n_routed_experts (%.0f), "
+                 "topk_group be at most n_group, and the kept groups hold num_experts_per_tok",
+                 (long long)groups, (long long)topk_groups, experts);
         return -1;
+    }
+    if (groups > 1) {
+        loom_hf_set(v, "expert_group_count", LOOM_HF_U32, (double)groups);
+        loom_hf_set(v, "expert_group_used_count", LOOM_HF_U32, (double)topk_groups);
     }
     if (dense > loom_hf_get(v, "block_count")) {
         snprintf(err, err_size, "first_k_dense_replace %lld exceeds num_hidden_layers %.0f",

@@ -259,6 +259,9 @@ typedef struct moe_shape {
      * layers dense */
     int sigmoid, shared_ff, n_dense;
     double scale;
+    /* group-limited routing (Glm4MoeTopkRouter's, DeepSeek-V3's): the choice only among the
+     * experts of the topk_group groups (of n_group) whose two best choice scores sum highest */
+    int n_group, topk_group;
 } moe_shape;
 
 static double *load_expert(const loom_safetensors *st, int l, int e, const char *proj)
@@ -287,6 +290,29 @@ static void reference_moe(const loom_safetensors *st, moe_shape *m, int l, int D
     for (int e = 0; e < m->experts; e++) {
         prob[e] = m->sigmoid ? 1 / (1 + exp(-prob[e])) : prob[e] / sum;
         choice[e] = m->sigmoid ? prob[e] + bias[e] : log(prob[e]);
+    }
+    if (m->n_group > 1) { /* transformers masks the other groups' experts out of the top k */
+        int per = m->experts / m->n_group, kept[64] = {0};
+        double group[64];
+        for (int g = 0; g < m->n_group; g++) {
+            double a = -INFINITY, b = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++)
+                if (choice[e] > a)
+                    b = a, a = choice[e];
+                else if (choice[e] > b)
+                    b = choice[e];
+            group[g] = a + b;
+        }
+        for (int j = 0; j < m->topk_group; j++) {
+            int best = -1;
+            for (int g = 0; g < m->n_group; g++)
+                if (!kept[g] && (best < 0 || group[g] > group[best]))
+                    best = g;
+            kept[best] = 1;
+        }
+        for (int e = 0; e < m->experts; e++)
+            if (!kept[e / per])
+                choice[e] = -INFINITY;
     }
     for (int j = 0; j <= m->k && j < m->experts; j++) { /* the k best, and the next one */
         int best = -1;
@@ -809,11 +835,13 @@ static void test_yarn(const loom_safetensors *st, const shape *s, const char *qw
  * half of each head, layer 0 dense (tiny-qwen2's MLP), layer 1 four experts routed by sigmoid
  * scores chosen with e_score_correction_bias, top 2, renormalised and scaled by 2.5, and one
  * shared expert; against the reference with transformers' Glm4MoeTopkRouter rules. */
-static void test_glm45(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
+static void test_glm45(const loom_safetensors *st, const shape *s, const char *qwen2_dir,
+                       int grouped)
 {
     int32_t ids[64];
     int T = plain_prompt(ids, 64);
-    moe_shape moe = {.experts = 4,
+    /* grouped: eight experts in four groups, the best two groups kept (DeepSeek-V3's rule) */
+    moe_shape moe = {.experts = grouped ? 8 : 4,
                      .k = 2,
                      .ff = 16,
                      .normalize = 1,
@@ -821,10 +849,13 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
                      .sigmoid = 1,
                      .shared_ff = 16,
                      .n_dense = 1,
-                     .scale = 2.5};
+                     .scale = 2.5,
+                     .n_group = grouped ? 4 : 1,
+                     .topk_group = grouped ? 2 : 1};
+    const char *what = grouped ? "GLM-4.5, grouped routing" : "GLM-4.5";
     char folder[4200], gguf[4200], p[4400];
-    snprintf(folder, sizeof folder, "%s/glm45", tmp);
-    snprintf(gguf, sizeof gguf, "%s/glm45-f32.gguf", tmp);
+    snprintf(folder, sizeof folder, "%s/glm45%s", tmp, grouped ? "-grouped" : "");
+    snprintf(gguf, sizeof gguf, "%s/glm45%s-f32.gguf", tmp, grouped ? "-grouped" : "");
     mkdir(folder, 0755);
     st_out o = {cJSON_CreateObject(), NULL, 0, 0};
     for (int i = 0; i < st->n_tensors; i++) {
@@ -838,10 +869,11 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
         char name[128];
         snprintf(name, sizeof name, "model.layers.%d.mlp.gate.weight", l);
         add_matrix(&o, name, moe.experts, s->d, 1.5, 7.0 + l);
-        float bias[4] = {0.05f, -0.2f, 0.3f, -0.1f}; /* reorders the choice, as DeepSeek's does */
+        /* reorders the choice, as DeepSeek's does */
+        float bias[8] = {0.05f, -0.2f, 0.3f, -0.1f, 0.15f, -0.05f, 0.1f, 0.2f};
         int64_t bshape[1] = {moe.experts};
         snprintf(name, sizeof name, "model.layers.%d.mlp.gate.e_score_correction_bias", l);
-        st_add(&o, name, "F32", 1, bshape, bias, sizeof bias);
+        st_add(&o, name, "F32", 1, bshape, bias, (size_t)moe.experts * sizeof *bias);
         static const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
         for (int e = 0; e <= moe.experts; e++) /* the last: the shared expert */
             for (int j = 0; j < 3; j++) {
@@ -868,11 +900,11 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
              "\"partial_rotary_factor\": 0.5, \"first_k_dense_replace\": %d, "
              "\"n_routed_experts\": %d, \"num_experts_per_tok\": %d, \"moe_intermediate_size\": "
              "%d, \"n_shared_experts\": 1, \"routed_scaling_factor\": 2.5, \"norm_topk_prob\": "
-             "true, \"n_group\": 1, \"topk_group\": 1, \"use_qk_norm\": false, "
+             "true, \"n_group\": %d, \"topk_group\": %d, \"use_qk_norm\": false, "
              "\"num_nextn_predict_layers\": 1, \"hidden_act\": \"silu\", \"torch_dtype\": "
              "\"float16\"}",
              s->d, s->heads, s->kv, s->hd, s->layers, s->ff, s->eps, s->theta, s->vocab,
-             moe.n_dense, moe.experts, moe.k, moe.ff);
+             moe.n_dense, moe.experts, moe.k, moe.ff, moe.n_group, moe.topk_group);
     write_text(folder, "config.json", cfg);
     static const char *const copied[] = {"vocab.json", "merges.txt", "tokenizer_config.json",
                                          "generation_config.json"};
@@ -899,12 +931,22 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
         moved = fmax(moved, fabs(ref[i] - other[i]));
     CHECK(moved > 0.01, "sigmoid routing changes the logits by %g only", moved);
     free(other);
+    if (grouped) { /* and so could leaving the group limit out */
+        moe_shape ungrouped = moe;
+        ungrouped.n_group = ungrouped.topk_group = 1;
+        other = reference_logits(&gst, s, NULL, &ungrouped, &half, ids, T);
+        moved = 0;
+        for (int i = 0; i < s->vocab; i++)
+            moved = fmax(moved, fabs(ref[i] - other[i]));
+        CHECK(moved > 0.01, "the group limit changes the logits by %g only", moved);
+        free(other);
+    }
     loom_safetensors_close(&gst);
 
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     CHECK(!strcmp(gguf_arch(gguf), "glm4moe"), "the converted file is GGUF 'glm4moe', not '%s'",
           gguf_arch(gguf));
-    check_forms("GLM-4.5", gguf, folder, ref, s->vocab, ids, T);
+    check_forms(what, gguf, folder, ref, s->vocab, ids, T);
     free(ref);
     unlink(gguf);
 }
@@ -1036,7 +1078,8 @@ int main(void)
     test_qwen3(&st, &s, qwen2_dir);
     test_qwen3moe(&st, &s, qwen2_dir);
     test_yarn(&st, &s, qwen2_dir);
-    test_glm45(&st, &s, qwen2_dir);
+    test_glm45(&st, &s, qwen2_dir, 0);
+    test_glm45(&st, &s, qwen2_dir, 1);
     test_glm4(&st, &s, qwen2_dir);
     loom_safetensors_close(&st);
     char cmd[4400];

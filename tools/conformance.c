@@ -141,7 +141,9 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
                                    .weights = T(3),
                                    .gating = tc->gating,
                                    .normalize = tc->normalize,
-                                   .scale = tc->scale};
+                                   .scale = tc->scale,
+                                   .n_group = tc->n_group,
+                                   .topk_group = tc->topk_group};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_MATMUL_ID: {

@@ -517,41 +517,51 @@ static void fill_router_logits(spec *s, float step)
 static void make_moe_route(test_case *tc, loom_dtype dt, int v)
 {
     (void)dt;
-    /* tokens, experts, k, gating, normalize, scale, bias: Qwen2-MoE (softmax, not normalised),
-     * Qwen3-MoE (128 experts, top 8, normalised), GLM-4.5 (sigmoid, a choice bias, scaled),
-     * a gated shared expert (one sigmoid "expert"), Mixtral (top 2 of 8, normalised) */
+    /* tokens, experts, k, gating, normalize, scale, bias, groups, kept: Qwen2-MoE (softmax,
+     * not normalised), Qwen3-MoE (128 experts, top 8, normalised), GLM-4.5 (sigmoid, a choice
+     * bias, scaled), a gated shared expert (one sigmoid "expert"), Mixtral (top 2 of 8,
+     * normalised), DeepSeek-V3's group limit (4 of 8 groups of 8: ABI 1.7) */
     static const struct {
         int tokens, experts, k, gating, normalize;
         float scale;
-        int bias;
+        int bias, groups, kept;
     } r[] = {
-        {5, 8, 2, LOOM_MOE_SOFTMAX, 0, 1.0f, 0},  {3, 128, 8, LOOM_MOE_SOFTMAX, 1, 1.0f, 0},
-        {4, 16, 4, LOOM_MOE_SIGMOID, 1, 2.5f, 1}, {6, 1, 1, LOOM_MOE_SIGMOID, 0, 1.0f, 0},
-        {1, 8, 2, LOOM_MOE_SOFTMAX, 1, 1.0f, 0},
+        {5, 8, 2, LOOM_MOE_SOFTMAX, 0, 1.0f, 0, 0, 0},
+        {3, 128, 8, LOOM_MOE_SOFTMAX, 1, 1.0f, 0, 0, 0},
+        {4, 16, 4, LOOM_MOE_SIGMOID, 1, 2.5f, 1, 0, 0},
+        {6, 1, 1, LOOM_MOE_SIGMOID, 0, 1.0f, 0, 0, 0},
+        {1, 8, 2, LOOM_MOE_SOFTMAX, 1, 1.0f, 0, 0, 0},
+        {7, 64, 8, LOOM_MOE_SIGMOID, 1, 2.5f, 1, 8, 4},
     };
     static const char *gatings[] = {"softmax", "sigmoid"};
     tc->gating = r[v].gating;
     tc->normalize = r[v].normalize;
     tc->scale = r[v].scale;
-    snprintf(tc->label, sizeof tc->label, "%d tokens, top %d of %d, %s%s%s scale %g", r[v].tokens,
-             r[v].k, r[v].experts, gatings[r[v].gating], r[v].normalize ? " normalised" : "",
-             r[v].bias ? " +choice bias" : "", (double)r[v].scale);
+    tc->n_group = r[v].groups;
+    tc->topk_group = r[v].kept;
+    char groups[48] = "";
+    if (r[v].groups)
+        snprintf(groups, sizeof groups, " in the best %d of %d groups", r[v].kept, r[v].groups);
+    snprintf(tc->label, sizeof tc->label, "%d tokens, top %d of %d%s, %s%s%s scale %g", r[v].tokens,
+             r[v].k, r[v].experts, groups, gatings[r[v].gating],
+             r[v].normalize ? " normalised" : "", r[v].bias ? " +choice bias" : "",
+             (double)r[v].scale);
     spec *logits = add_spec(tc, 0, LOOM_F32, r[v].experts, r[v].tokens, 1, 1, 1);
     if (r[v].experts > 1)
         fill_router_logits(logits, r[v].gating == LOOM_MOE_SIGMOID ? 0.3f : 0.05f);
     else
         fill_random(logits, 3.0f, 0.0f);
     if (r[v].bias) { /* a bias that reorders the choice: steps of 0.5 over scores within 1 */
-        float b[16];
+        float b[64];
         for (int e = 0; e < r[v].experts; e++)
-            b[e] = (float)((e * 7) % r[v].experts) * 0.5f;
+            b[e] = (float)((e * 7) % r[v].experts) * (r[v].groups ? 0.0625f : 0.5f);
         memcpy(spec_row(add_spec(tc, 1, LOOM_F32, r[v].experts, 1, 1, 1, 0), 0), b,
                (size_t)r[v].experts * sizeof b[0]);
     }
     add_spec(tc, 2, LOOM_I32, r[v].k, r[v].tokens, 1, 1, 1)->output = 1;
     add_spec(tc, 3, LOOM_F32, r[v].k, r[v].tokens, 1, 1, 1)->output = 1;
     tc->tol = 1e-5; /* an id that differs is an error of order 1 */
-    tc->abi_minor = 5;
+    tc->abi_minor = r[v].groups ? 7 : 5;
 }
 
 void make_matmul_id_shape(test_case *tc, loom_dtype dt, const matmul_id_shape *s)
@@ -630,7 +640,7 @@ const case_family conformance_families[] = {
     {LOOM_OP_QUANTIZE, 4, make_quant},
     {LOOM_OP_DEQUANTIZE, 4, make_quant},
     {LOOM_OP_CONVERT, 3, make_convert},
-    {LOOM_OP_MOE_ROUTE, 5, make_moe_route},
+    {LOOM_OP_MOE_ROUTE, 6, make_moe_route},
     {LOOM_OP_MATMUL_ID, 4, make_matmul_id},
     {LOOM_OP_MOE_COMBINE, 3, make_moe_combine},
 };

@@ -38,10 +38,13 @@ loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p)
     if (p->bias)
         TRY(cpu_check_bounds(CB(be), p->bias, "moe_route bias"));
     int64_t E = p->logits->ne[0], k = p->ids->ne[0], T = loom_tensor_rows(p->logits);
+    int32_t groups, kept;
+    loom_moe_route_groups(p, &groups, &kept);
     float *score = malloc((size_t)E * 2 * sizeof *score), *choice = score + E;
     char *taken = malloc((size_t)E);
-    if (!score || !taken) {
-        free(score), free(taken);
+    unsigned char *keep = malloc((size_t)groups);
+    if (!score || !taken || !keep) {
+        free(score), free(taken), free(keep);
         return NO_MEMORY(be);
     }
     const float *bias = p->bias ? (const float *)cpu_row(p->bias, base(p->bias), 0) : NULL;
@@ -62,6 +65,11 @@ loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p)
             choice[e] = bias ? score[e] + bias[e] : logit[e];
         }
         memset(taken, 0, (size_t)E);
+        if (groups > 1) { /* the experts outside the best groups count as taken */
+            loom_moe_groups_kept(choice, E, groups, kept, keep);
+            for (int64_t e = 0; e < E; e++)
+                taken[e] = !keep[e / (E / groups)];
+        }
         int32_t *ids = (int32_t *)cpu_row(p->ids, base(p->ids), t);
         float *w = (float *)cpu_row(p->weights, base(p->weights), t);
         double chosen = 0;
@@ -81,7 +89,7 @@ loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p)
                 (float)(s / (p->normalize ? chosen : 1.0) * p->scale);
         }
     }
-    free(score), free(taken);
+    free(score), free(taken), free(keep);
     return LOOM_OK;
 }
 

@@ -482,12 +482,14 @@ static loom_status cuda_moe_route(loom_backend *be, const loom_moe_route_params 
     if (p->bias)
         TRY(check_tensor(cb, p->bias, "moe_route bias"));
     int64_t T = n_rows(p->logits), E = p->logits->ne[0], k = p->ids->ne[0];
+    int32_t groups, kept;
+    loom_moe_route_groups(p, &groups, &kept);
     if (T == 0)
         return LOOM_OK;
     TRY(enter(cb));
     LOOM_LAUNCH(k_moe_route, dim3((unsigned)((T + 127) / 128)), dim3(128), 0, cb->stream,
                 view_of(p->logits), f32_ptr(p->bias), view_of(p->ids), view_of(p->weights), E, k, T,
-                p->gating == LOOM_MOE_SIGMOID, p->normalize, p->scale);
+                p->gating == LOOM_MOE_SIGMOID, p->normalize, p->scale, groups, kept);
     return launched(cb, "moe_route");
 }
 

@@ -629,8 +629,30 @@ __device__ __forceinline__ float moe_score(const float *logit, int64_t e, float 
     return sigmoid ? 1.0f / (1.0f + expf(-logit[e])) : (float)(expf(logit[e] - max) / sum);
 }
 
+__device__ __forceinline__ float moe_choice(const float *logit, const float *bias, int64_t e,
+                                            float max, double sum, int sigmoid)
+{
+    return bias ? moe_score(logit, e, max, sum, sigmoid) + bias[e] : logit[e];
+}
+
+/* A group's score for group-limited routing: the sum of its two best choice scores */
+__device__ double moe_group_score(const float *logit, const float *bias, int64_t g, int64_t per,
+                                  float max, double sum, int sigmoid)
+{
+    double first = -1e300, second = -1e300;
+    for (int64_t e = g * per; e < (g + 1) * per; e++) {
+        double c = moe_choice(logit, bias, e, max, sum, sigmoid);
+        if (c > first)
+            second = first, first = c;
+        else if (c > second)
+            second = c;
+    }
+    return first + (per > 1 ? second : 0);
+}
+
 __global__ void k_moe_route(tview logits, const float *bias, tview ids, tview weights, int64_t E,
-                            int64_t k, int64_t T, int sigmoid, int normalize, float scale)
+                            int64_t k, int64_t T, int sigmoid, int normalize, float scale,
+                            int32_t groups, int32_t kept)
 {
     int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= T)
@@ -644,17 +666,31 @@ __global__ void k_moe_route(tview logits, const float *bias, tview ids, tview we
     double sum = 0;
     for (int64_t e = 0; e < E && !sigmoid; e++)
         sum += expf(logit[e] - max);
+    /* group-limited: a group is kept when fewer than `kept` groups beat it (a higher score, or
+     * an equal one and a lower index) */
+    unsigned long long keep[1024 / 64] = {0};
+    int64_t per = E / groups;
+    for (int32_t g = 0; g < groups && groups > 1; g++) {
+        double mine = moe_group_score(logit, bias, g, per, max, sum, sigmoid);
+        int32_t better = 0;
+        for (int32_t h = 0; h < groups && better < kept; h++) {
+            double other = h == g ? mine : moe_group_score(logit, bias, h, per, max, sum, sigmoid);
+            better += other > mine || (other == mine && h < g);
+        }
+        if (better < kept)
+            keep[g / 64] |= 1ull << (g % 64);
+    }
     double chosen = 0;
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
         float best_choice = 0.0f;
         for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
+            int taken = groups > 1 && !(keep[e / per / 64] >> (e / per % 64) & 1);
             for (int64_t q = 0; q < j; q++)
                 taken |= id[q] == e;
             if (taken)
                 continue;
-            float c = bias ? moe_score(logit, e, max, sum, sigmoid) + bias[e] : logit[e];
+            float c = moe_choice(logit, bias, e, max, sum, sigmoid);
             if (best < 0 || c > best_choice)
                 best = e, best_choice = c;
         }

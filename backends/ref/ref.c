@@ -654,12 +654,17 @@ static loom_status ref_moe_route(loom_backend *be, const loom_moe_route_params *
     if (p->bias)
         CHECK(check_tensor(be, p->bias, "moe_route bias"));
     int64_t E = p->logits->ne[0], k = p->ids->ne[0], T = n_rows(p->logits);
+    int32_t groups, kept;
+    loom_moe_route_groups(p, &groups, &kept);
     float *logit = scratch((size_t)E), *bias = scratch((size_t)E), *w = scratch((size_t)k);
+    float *choice = scratch((size_t)E);
     double *score = malloc((size_t)E * sizeof *score);
     int32_t *ids = malloc((size_t)k * sizeof *ids);
     char *taken = malloc((size_t)E);
-    if (!logit || !bias || !w || !score || !ids || !taken) {
-        free(logit), free(bias), free(w), free(score), free(ids), free(taken);
+    unsigned char *keep = malloc((size_t)groups);
+    if (!logit || !bias || !w || !choice || !score || !ids || !taken || !keep) {
+        free(logit), free(bias), free(w), free(choice), free(score), free(ids), free(taken);
+        free(keep);
         return NO_MEMORY(be);
     }
     if (p->bias)
@@ -677,7 +682,13 @@ static loom_status ref_moe_route(loom_backend *be, const loom_moe_route_params *
         if (p->gating == LOOM_MOE_SOFTMAX)
             for (int64_t e = 0; e < E; e++)
                 score[e] /= sum;
-        memset(taken, 0, (size_t)E);
+        if (groups > 1) { /* the experts outside the best groups count as taken */
+            for (int64_t e = 0; e < E; e++)
+                choice[e] = (float)(p->bias ? score[e] + bias[e] : logit[e]);
+            loom_moe_groups_kept(choice, E, groups, kept, keep);
+        }
+        for (int64_t e = 0; e < E; e++)
+            taken[e] = groups > 1 && !keep[e / (E / groups)];
         double chosen_sum = 0;
         for (int64_t j = 0; j < k; j++) {
             int64_t best = -1;
@@ -696,7 +707,8 @@ static loom_status ref_moe_route(loom_backend *be, const loom_moe_route_params *
         store_i32_row(p->ids, t, ids, k);
         store_row(p->weights, t, w);
     }
-    free(logit), free(bias), free(w), free(score), free(ids), free(taken);
+    free(logit), free(bias), free(w), free(choice), free(score), free(ids), free(taken);
+    free(keep);
     return LOOM_OK;
 }
 

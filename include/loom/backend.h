@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 6
+#define LOOM_BACKEND_ABI_MINOR 7
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -516,7 +516,12 @@ typedef enum loom_moe_gating {
  * choice score is the logit itself when bias is NULL, else score + bias (GLM-4.5's
  * e_score_correction_bias steers the choice only); ties go to the lower expert index. The
  * weights are the chosen experts' scores, divided by their sum when normalize is set
- * (norm_topk_prob), then multiplied by scale (GLM-4.5's routed_scaling_factor; 1 for none). */
+ * (norm_topk_prob), then multiplied by scale (GLM-4.5's routed_scaling_factor; 1 for none).
+ * Group-limited routing (ABI 1.7; DeepSeek-V3's and GLM-4.5's n_group / topk_group): with
+ * n_group > 1 the experts form n_group equal groups of consecutive indices, a group's score is
+ * the sum of its two best choice scores (its one, in groups of one), and the k experts are
+ * chosen only among those of the topk_group best groups (the lower group first among equals);
+ * loom_moe_route_groups reads the two members, loom_moe_groups_kept picks the groups. */
 typedef struct loom_moe_route_params {
     uint32_t struct_size;
     const loom_tensor *logits;  /* [tokens, experts] F32 */
@@ -526,7 +531,50 @@ typedef struct loom_moe_route_params {
     int32_t gating;             /* loom_moe_gating */
     int32_t normalize;          /* nonzero: weights divided by their sum */
     float scale;                /* finite and positive */
+    /* ABI 1.7: 0 or 1, no groups; else experts % n_group == 0, 1 <= topk_group <= n_group
+     * and k <= topk_group * experts / n_group */
+    int32_t n_group, topk_group;
 } loom_moe_route_params;
+
+/* The group limit of a call, 1 and 1 for none (a caller of minor 6 or older sent neither). */
+static inline void loom_moe_route_groups(const loom_moe_route_params *p, int32_t *n_group,
+                                         int32_t *topk_group)
+{
+    int has = p->struct_size >=
+        (uint32_t)(offsetof(loom_moe_route_params, topk_group) + sizeof p->topk_group);
+    *n_group = has && p->n_group > 1 ? p->n_group : 1;
+    *topk_group = has && p->n_group > 1 ? p->topk_group : 1;
+}
+
+/* Which of n_group groups of experts (experts / n_group each) a token may choose from, by its
+ * choice scores: keep[g] = 1 for the topk_group groups of highest score (the sum of a group's
+ * two best choice scores), 0 for the rest. */
+static inline void loom_moe_groups_kept(const float *choice, int64_t experts, int32_t n_group,
+                                        int32_t topk_group, unsigned char *keep)
+{
+    int64_t per = experts / n_group;
+    for (int32_t g = 0; g < n_group; g++)
+        keep[g] = 0;
+    for (int32_t j = 0; j < topk_group; j++) {
+        int32_t best = -1;
+        double best_score = 0;
+        for (int32_t g = 0; g < n_group; g++) {
+            if (keep[g])
+                continue;
+            double first = -1e300, second = -1e300; /* below any finite float */
+            for (int64_t e = g * per; e < (g + 1) * per; e++) {
+                if (choice[e] > first)
+                    second = first, first = choice[e];
+                else if (choice[e] > second)
+                    second = choice[e];
+            }
+            double score = first + (per > 1 ? second : 0);
+            if (best < 0 || score > best_score)
+                best = g, best_score = score;
+        }
+        keep[best] = 1;
+    }
+}
 
 /* y[t, j, :] = x[t, j or 0, :] W[ids[t, j]]^T for every token t and slot j < k: matmul with
  * each row's own weight matrix out of a stack of experts. W is [experts, N, K] (ne {K, N,
@@ -790,6 +838,13 @@ static inline const char *loom_check_moe_route(const loom_moe_route_params *p)
         return "moe_route: unknown gating";
     if (!(p->scale > 0 && p->scale < 1e30f))
         return "moe_route: scale must be finite and positive";
+    int32_t groups, kept;
+    loom_moe_route_groups(p, &groups, &kept);
+    if (groups > 1 &&
+        (experts % groups || kept < 1 || kept > groups || k > (int64_t)kept * (experts / groups) ||
+         groups > 1024))
+        return "moe_route: n_group must divide the experts (up to 1024 groups), topk_group be "
+               "1 to n_group, and k at most the experts of topk_group groups";
     return NULL;
 }
 
