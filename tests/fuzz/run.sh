@@ -28,7 +28,7 @@ for h in $harnesses; do
         chat_template) extra="$src/api/chat.c $libloom" ;;
         openai_request) extra="$src/tools/openai_request.c $libloom" ;;
         jinja) extra="$src/api/jinja.c" ;;
-        grammar) extra="$src/api/grammar.c $src/api/json_schema.c $src/api/regex_gbnf.c $core" ;;
+        grammar) extra="$src/api/grammar.c $src/api/json_schema.c $src/api/regex_gbnf.c $src/core/sampler.c $core" ;;
         *) extra=$core ;;
     esac
     # shellcheck disable=SC2086
