@@ -49,17 +49,8 @@ int loom_embed(loom_model *m, const int32_t *ids, int32_t n, loom_pooling how, i
         snprintf(err, err_size, "pooling %d is not LOOM_POOL_LAST or LOOM_POOL_MEAN", (int)how);
         return -1;
     }
-    if (n <= 0 || n > loom_model_n_ctx(m)) {
-        snprintf(err, err_size, "%d tokens do not fit the context of %d (raise it with -c)", n,
-                 loom_model_n_ctx(m));
+    if (loom_model_check_ids(m, ids, n, err, err_size) != 0)
         return -1;
-    }
-    for (int32_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= loom_model_n_vocab(m)) {
-            snprintf(err, err_size, "token id %d is not below the vocabulary's %d", ids[i],
-                     loom_model_n_vocab(m));
-            return -1;
-        }
     pooling p = {calloc((size_t)loom_model_n_embd(m), sizeof *p.sum), loom_model_n_embd(m), 0};
     if (!p.sum) {
         snprintf(err, err_size, "out of memory");

@@ -65,6 +65,10 @@ loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g,
 /* The parts of an open model the engine drives. */
 struct loom_runner *loom_model_runner(loom_model *m);
 struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
+/* A prompt the model can run from position 0: 1 to n_ctx ids, each in the vocabulary. 0, or
+ * -1 with err naming what is wrong. */
+int loom_model_check_ids(const loom_model *m, const int32_t *ids, int32_t n, char *err,
+                         size_t err_size);
 /* Sets the logits of the ids the model must never produce (placeholder rows: token type
  * UNUSED, or no token at all) to -inf before sampling. */
 void loom_model_mask_unsampled(const loom_model *m, float *logits);

@@ -457,8 +457,8 @@ size_t loom_model_max_prompt_bytes(const loom_model *m)
     return (size_t)loom_model_n_ctx(m) * loom_tokenizer_max_token_bytes(m->tok);
 }
 
-int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, char *err,
-                     size_t err_size)
+int loom_model_check_ids(const loom_model *m, const int32_t *ids, int32_t n, char *err,
+                         size_t err_size)
 {
     if (n <= 0 || n > loom_runner_n_ctx(m->runner)) {
         snprintf(err, err_size, "%d tokens do not fit the context of %d (raise it with -c)", n,
@@ -471,6 +471,14 @@ int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, c
                      loom_model_n_vocab(m));
             return -1;
         }
+    return 0;
+}
+
+int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, char *err,
+                     size_t err_size)
+{
+    if (loom_model_check_ids(m, ids, n, err, err_size) != 0)
+        return -1;
     return loom_runner_eval_all(m->runner, ids, n, 0, out, err, err_size);
 }
 
