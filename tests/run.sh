@@ -132,12 +132,14 @@ if "$LOOM" bench ops --quick --op attention --backends cpu --json > "$tmpdir/ops
 else
     fail "bench ops exit:"; cat "$tmpdir/ops.err" >&2
 fi
-# the experts' matmul_id at decode, beside matmul of one expert's shape, and nothing else
+# the experts' matmul_id at decode and at prefill, beside matmul of one expert's shape and of
+# the dense twin's, and nothing else
 if "$LOOM" bench ops --quick --op matmul_id --backends cpu-baseline --json > "$tmpdir/opsid.json" \
         2> "$tmpdir/opsid.err"; then
-    jq -e '([.results[] | select(.op == "matmul_id" and .gbps > 0 and (.error | not))] | length == 4)
+    jq -e '([.results[] | select(.op == "matmul_id" and .kind == "decode" and .gbps > 0 and (.error | not))] | length == 4)
+           and ([.results[] | select(.op == "matmul_id" and .kind == "prefill" and .gflops > 0)] | length == 4)
            and ([.results[] | select(.op != "matmul_id" and .op != "matmul")] | length == 0)' \
-        "$tmpdir/opsid.json" > /dev/null && pass "bench ops --op matmul_id: four dtypes measured" ||
+        "$tmpdir/opsid.json" > /dev/null && pass "bench ops --op matmul_id: four dtypes measured, decode and prefill" ||
         { fail "bench ops matmul_id results:"; cat "$tmpdir/opsid.json" >&2; }
 else
     fail "bench ops --op matmul_id exit:"; cat "$tmpdir/opsid.err" >&2

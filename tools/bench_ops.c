@@ -322,6 +322,21 @@ out:
     free(ws), free(host), free(xh);
 }
 
+/* k distinct experts of E at random, as a router picks a token's */
+static void draw_experts(int32_t *ids, int k, int64_t E)
+{
+    for (int j = 0; j < k; j++) {
+        int32_t e, dup;
+        do {
+            e = (int32_t)((uint32_t)(rnd() * 1e6f + 1e6f) % (uint32_t)E);
+            dup = 0;
+            for (int q = 0; q < j; q++)
+                dup |= ids[q] == e;
+        } while (dup);
+        ids[j] = e;
+    }
+}
+
 /* A mixture-of-experts decode step's expert matmul: Y[k, N] = X[1, K] W_e^T for k experts e
  * drawn at random from a stack [E, N, K] that fills the DRAM working set (E as many as fit),
  * as a token of Qwen1.5-MoE routes to 4 of its 60 experts (N 1408, K 2048). GB/s counts the k
@@ -350,16 +365,7 @@ static void bench_matmul_id_decode(loom_device *d, loom_buffer *arena, uint64_t 
         ok = d->ops.copy_from_host(d->be, arena, (uint64_t)e * expert_bytes, host, expert_bytes) ==
             LOOM_OK;
     for (int i = 0; i < 64 && ok; i++) /* 64 tokens' distinct draws, taken in turn */
-        for (int j = 0; j < k; j++) {
-            int32_t e, dup;
-            do {
-                e = (int32_t)((uint32_t)(rnd() * 1e6f + 1e6f) % (uint32_t)E);
-                dup = 0;
-                for (int q = 0; q < j; q++)
-                    dup |= ids[i * k + q] == e;
-            } while (dup);
-            ids[i * k + j] = e;
-        }
+        draw_experts(ids + i * k, k, E);
     ok = ok && d->ops.copy_from_host(d->be, ib, 0, ids, (uint64_t)(64 * k) * 4) == LOOM_OK;
     if (!ok) {
         emit_error("matmul_id", loom_dtype_name(dt), shape, "out of memory for the working set");
@@ -473,6 +479,70 @@ static void bench_matmul_prefill(loom_device *d, loom_dtype dt, int64_t M, int64
     free(wh), free(xh);
 }
 
+typedef struct id_ctx {
+    loom_matmul_id_params p;
+} id_ctx;
+
+static void run_matmul_id(loom_device *d, void *ctx)
+{
+    d->ops.matmul_id(d->be, &((id_ctx *)ctx)->p);
+}
+
+/* A mixture-of-experts prefill chunk's expert matmul: T tokens each routed to k distinct of E
+ * experts at random (about T k / E rows an expert), Y[T, k, N] = X[T, K] W_e^T over a stack
+ * [E, N, K] offered whole to prepare_weight as the runner does (ABI 1.6). GFLOP/s counts the
+ * T k rows, so it compares with bench_matmul_prefill of M = T, N = k N (a dense MLP as wide as
+ * the experts a token runs: the same FLOPs on one k-times-wider weight). */
+static void bench_matmul_id_prefill(loom_device *d, loom_dtype dt, int64_t T, int64_t K, int64_t N,
+                                    int64_t E, int k)
+{
+    char shape[80];
+    snprintf(shape, sizeof shape, "T=%lld K=%lld N=%lld k=%d of %lld", (long long)T, (long long)K,
+             (long long)N, k, (long long)E);
+    if (!loom_device_supports(d, LOOM_OP_MATMUL_ID, dt) || !d->ops.matmul_id) {
+        emit_error("matmul_id", loom_dtype_name(dt), shape, "unsupported");
+        return;
+    }
+    uint64_t expert_bytes = (uint64_t)loom_row_bytes(dt, K) * (uint64_t)N;
+    void *wh = make_rows(dt, K, N), *xh = make_rows(LOOM_F32, K, T);
+    int32_t *ids = malloc((size_t)(T * k) * sizeof *ids);
+    loom_buffer *wb = upload(d, NULL, expert_bytes * (uint64_t)E),
+                *xb = upload(d, xh, (uint64_t)(T * K) * 4),
+                *yb = upload(d, NULL, (uint64_t)(T * k * N) * 4), *ib = NULL;
+    int ok = wh && xh && ids && wb && xb && yb && k <= E;
+    for (int64_t e = 0; e < E && ok;
+         e++) /* one random expert copied: the bytes matter, not the values */
+        ok = d->ops.copy_from_host(d->be, wb, (uint64_t)e * expert_bytes, wh, expert_bytes) ==
+            LOOM_OK;
+    for (int64_t t = 0; t < T && ok; t++)
+        draw_experts(ids + t * k, k, E);
+    ok = ok && (ib = upload(d, ids, (uint64_t)(T * k) * 4)) != NULL;
+    if (ok) {
+        loom_tensor w = dense(wb, dt, K, N, E), x = dense(xb, LOOM_F32, K, 1, T),
+                    y = dense(yb, LOOM_F32, N, k, T), id = dense(ib, LOOM_I32, k, T, 1), pw;
+        int got = d->module.abi_minor >= 6 ? prepare(d, &w, &pw) : 0;
+        id_ctx c = {{sizeof c.p, &x, got == 1 ? &pw : &w, &id, &y}};
+        double mean, sd;
+        if (got < 0) {
+            emit_error("matmul_id", loom_dtype_name(dt), shape, d->ops.last_error(d->be));
+        } else {
+            repeat(d, run_matmul_id, &c, 0.5, &mean, &sd);
+            emit("matmul_id", loom_dtype_name(dt), shape, "prefill", mean,
+                 (double)(expert_bytes * (uint64_t)E),
+                 2.0 * (double)(T * k) * (double)K * (double)N, sd, 0.0);
+        }
+        if (got == 1)
+            d->ops.buffer_free(d->be, pw.buf);
+    } else {
+        emit_error("matmul_id", loom_dtype_name(dt), shape, "out of memory");
+    }
+    loom_buffer *all[] = {wb, xb, yb, ib};
+    for (int i = 0; i < 4; i++)
+        if (all[i])
+            d->ops.buffer_free(d->be, all[i]);
+    free(wh), free(xh), free(ids);
+}
+
 typedef struct attn_ctx {
     loom_attention_params p;
 } attn_ctx;
@@ -579,6 +649,15 @@ static int child(const char *path, int quick, ops_wanted ops)
                                 quick ? 512 : 1408);
         }
         d.ops.buffer_free(d.be, arena);
+        arena = NULL;
+        /* a prefill chunk of Qwen3-30B-A3B's experts (128 tokens, 8 of 128 experts of 768
+         * from 2048) beside its dense twin, the one matmul of as many FLOPs */
+        for (size_t i = 0; i < sizeof id_types / sizeof id_types[0]; i++) {
+            int64_t T = quick ? 32 : 128, K = quick ? 512 : 2048, N = quick ? 256 : 768;
+            bench_matmul_id_prefill(&d, id_types[i], T, K, N, quick ? 16 : 128, 8);
+            for (int prepared = 0; prepared < 2; prepared++) /* as the runner gets it */
+                bench_matmul_prefill(&d, id_types[i], T, K, 8 * N, prepared);
+        }
     } else {
         for (size_t i = 0; i < sizeof wtypes / sizeof wtypes[0]; i++)
             bench_matmul_decode(&d, arena, arena_bytes, wtypes[i], dim, dim);

@@ -512,12 +512,13 @@ static void check_prepared(loom_device *target, loom_device *ref, report *r)
     if (target->module.abi_minor < 6)
         return; /* expert stacks are offered to ABI 1.6 modules only */
     /* matmul_id over a stack that went through prepare_weight whole (ABI 1.6): rows per expert
-     * in multiples of 16 and 8, and one (9) that a layout of groups may decline */
-    static const matmul_id_shape stacks[] = {{1, 8, 2, 64, 32, 0, 0},
-                                             {7, 4, 2, 256, 16, 0, 0},
-                                             {5, 6, 3, 32, 48, 1, 0},
-                                             {3, 5, 2, 512, 16, 0, 1},
-                                             {2, 4, 2, 64, 9, 0, 0}};
+     * in multiples of 16 and 8, and one (9) that a layout of groups may decline; then calls
+     * that busy many experts at once (a module may share those out by whole experts): a decode
+     * step's 8 of 16, a prefill chunk's gathered rows, and the down projection's x per slot */
+    static const matmul_id_shape stacks[] = {{1, 8, 2, 64, 32, 0, 0},  {7, 4, 2, 256, 16, 0, 0},
+                                             {5, 6, 3, 32, 48, 1, 0},  {3, 5, 2, 512, 16, 0, 1},
+                                             {2, 4, 2, 64, 9, 0, 0},   {1, 16, 8, 64, 32, 0, 0},
+                                             {16, 8, 2, 64, 32, 0, 0}, {10, 6, 3, 64, 32, 1, 0}};
     for (int di = 0; di < N_DTYPES; di++) {
         loom_dtype dt = all_dtypes[di];
         if (!conformance_op_dtype_applies(LOOM_OP_MATMUL_ID, dt) ||

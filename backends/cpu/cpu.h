@@ -118,6 +118,15 @@ loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *
 loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out);
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
+/* The same on the calling thread only, for a caller that shares its work out itself (matmul_id
+ * gives each thread whole experts). Only the error message is shared state: callers on
+ * several threads validate their arguments first, so only running out of memory can fail.
+ * xq: NULL, or X's rows already quantised as kern.h's act_blocks ([M][K / 32], as
+ * kern_prep_blocks writes them) for a W that cpu_matmul_takes_blocks; p->x then gives only the
+ * shape and its bytes are not read. */
+loom_status cpu_matmul_alone(cpu_backend *cb, const loom_matmul_params *p, const void *xq);
+/* 1 when matmul takes X as act_blocks for this W (an interleaved block layout) */
+int cpu_matmul_takes_blocks(const loom_tensor *w);
 loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out);
 /* Expert e of a stack that cpu_prepare_weight prepared whole (ABI 1.6): a buffer of its rows'
  * groups that matmul takes as a prepared [N, K] weight. 0, or -1 when w is not such a stack. */

@@ -357,9 +357,11 @@ static loom_status check_weight(cpu_backend *cb, const loom_tensor *w)
 #define VNNI_OR(cb, kernel) (kernel)
 #endif
 
-loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
+/* The matmul on the pool's threads (shared), or on the calling thread alone; xq: X already in
+ * act_blocks, for a W that cpu_matmul_takes_blocks (else NULL). */
+static loom_status matmul_run(cpu_backend *cb, const loom_matmul_params *p, int shared,
+                              const act_block *xq)
 {
-    cpu_backend *cb = (cpu_backend *)be;
     const char *msg = loom_check_matmul(p);
     if (msg)
         return cpu_fail(cb, LOOM_ERR_INVALID, "%s", msg);
@@ -372,10 +374,11 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
     if (j.M == 0 || j.N == 0)
         return LOOM_OK;
     int prepared = p->w->buf->prepared;
-    if (!prepared && try_blas(cb, p, j.M, j.N, j.K))
+    /* OpenBLAS runs its own threads: only for a call that has the pool's */
+    if (!prepared && shared && try_blas(cb, p, j.M, j.N, j.K))
         return LOOM_OK;
     j.bias = p->bias ? (const float *)cpu_row(p->bias, data(p->bias), 0) : NULL;
-    int nth = pool_size(cb->pool);
+    int nth = shared ? pool_size(cb->pool) : 1;
     j.split_m = j.N < (int64_t)nth * CHUNK_ROWS && j.M >= (int64_t)nth * KERN_MR;
     /* Tiles span several weight rows only when those rows are evenly spaced. For quantised
      * weights at decode sizes, one row at a time is twice as fast here (measured, 1B Q4_0
@@ -410,10 +413,13 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         j.kq_min = kern_kq_has_min(wt);
         size_t bytes = j.direct ? (size_t)(j.M * (j.K / LOOM_QK_K)) * sizeof(act_k)
                                 : (size_t)(j.M * (j.K / LOOM_QK)) * sizeof(act_block);
-        scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+        if (xq && !j.direct)
+            j.blocks = (act_block *)xq;
+        else
+            scratch = aligned_alloc(64, (bytes + 63) & ~(size_t)63);
         if (j.direct)
             j.kblocks = scratch;
-        else
+        else if (!xq)
             j.blocks = scratch;
     } else if (prepared == CPU_LAYOUT_BF16_PAIRS && !bf16_pairs_widened(cb, j.M)) {
         /* X rounded to BF16 pairs once */
@@ -463,7 +469,14 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
         body = mm_groups;
     }
 #endif
-    if (!scratch)
+    if (xq && !j.blocks) {
+        free(scratch);
+        return cpu_fail(cb, LOOM_ERR_INVALID,
+                        "matmul: X given as blocks for a %s W that takes "
+                        "none (cpu_matmul_takes_blocks)",
+                        loom_dtype_name(wt));
+    }
+    if (!scratch && !xq)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "matmul: no memory for X's rows (M = %lld)",
                         (long long)j.M);
     if (j.unpacked && !j.direct) {
@@ -478,19 +491,34 @@ loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
                             loom_dtype_name(wt), (long long)j.K);
         }
     }
-    if (!j.kf) { /* quantise X, or round it to BF16 */
-        if (j.M * j.K >= 16384)
+    if (!j.kf && !xq) { /* quantise X, or round it to BF16 */
+        if (shared && j.M * j.K >= 16384)
             pool_run(cb->pool, prepare_x, &j);
         else
             prepare_x(&j, 0, 1);
     }
-    if (j.M * j.N * j.K >= 65536)
+    if (shared && j.M * j.N * j.K >= 65536)
         pool_run(cb->pool, body, &j);
     else
         body(&j, 0, 1);
     free(scratch);
     free(j.kq_space);
     return LOOM_OK;
+}
+
+loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p)
+{
+    return matmul_run((cpu_backend *)be, p, 1, NULL);
+}
+
+loom_status cpu_matmul_alone(cpu_backend *cb, const loom_matmul_params *p, const void *xq)
+{
+    return matmul_run(cb, p, 0, xq);
+}
+
+int cpu_matmul_takes_blocks(const loom_tensor *w)
+{
+    return KERN_RI && w->buf && w->buf->prepared && interleaves_blocks(w->dtype);
 }
 
 /* ---- prepare_weight --------------------------------------------------------------------- */
