@@ -24,9 +24,10 @@
 
 /* Decode streams the rows once, and the hardware prefetcher alone left these kernels waiting on
  * memory (as it did the interleaved Q4_0 kernel, kern_template.h): each super-block asks for the
- * bytes this far ahead of it. */
+ * bytes this far ahead of it (RI_PREFETCH's distance: 1B Q4_K decode 72-77% of the roofline at
+ * 4096, 77-83% at 1536, Intel Xeon, 2 vCPU). */
 #ifndef KQ_PREFETCH
-#define KQ_PREFETCH 4096
+#define KQ_PREFETCH 1536
 #endif
 static inline void prefetch_ahead(const void *block, size_t bytes)
 {

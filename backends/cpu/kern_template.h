@@ -874,9 +874,12 @@ typedef __m256 vflt;
 /* How far ahead of the block being summed the group's bytes are asked for. A decode matmul
  * streams each weight once, and the kernel is quick enough that waiting on memory is what is
  * left: without it a thread's one sequential stream reached 68% of the machine's read
- * bandwidth, with it 79% (Q4_0 4096 x 4096 from DRAM, 2 threads, avx512). */
+ * bandwidth, with 8192 bytes 79% (Q4_0 4096 x 4096 from DRAM, 2 threads, avx512, AMD EPYC).
+ * On an Intel Xeon (Sapphire Rapids class, 2 vCPU) 8192 was far too far: 1B Q8_0 decode at 50%
+ * of the read roofline, at 1536 bytes 88-95% (Q4_0 51% -> 70-81%); 4096 and above lost, 1024
+ * to 1536 won on both variants (docs/benchmarks.md). */
 #ifndef RI_PREFETCH
-#define RI_PREFETCH 8192
+#define RI_PREFETCH 1536
 #endif
 
 /* one instantiation of an interleaved tile per count of activation rows */
