@@ -182,17 +182,17 @@ static loom_status run_expert(const id_job *j, int64_t e, float *xs, int shared)
                        (size_t)nb * sizeof *gathered);
             xq = gathered;
         }
+        /* one row (decode) goes straight to its place in y; several are scattered after */
+        float *ys = n_rows > 1 ? xs + n_rows * K : NULL;
         struct loom_buffer shape_only = {.size = (uint64_t)(n_rows * K) * 4};
-        struct loom_buffer yb = {.data = (unsigned char *)(xs + n_rows * K),
-                                 .size = (uint64_t)(n_rows * N) * 4};
-        loom_tensor x = dense_f32(&shape_only, K, n_rows), y = dense_f32(&yb, N, n_rows);
-        if (n_rows == 1)
-            y = one_row(p->y, rows[0] / k, rows[0] % k);
+        struct loom_buffer yb = {.data = (unsigned char *)ys, .size = (uint64_t)(n_rows * N) * 4};
+        loom_tensor x = dense_f32(&shape_only, K, n_rows),
+                    y = ys ? dense_f32(&yb, N, n_rows) : one_row(p->y, rows[0] / k, rows[0] % k);
         loom_matmul_params mp = {sizeof mp, &x, &w, NULL, &y};
         loom_status st = cpu_matmul_alone(j->cb, &mp, xq);
-        for (int64_t i = 0; i < n_rows && n_rows > 1 && st == LOOM_OK; i++) {
+        for (int64_t i = 0; ys && i < n_rows && st == LOOM_OK; i++) {
             loom_tensor dst = one_row(p->y, rows[i] / k, rows[i] % k);
-            memcpy(base(&dst) + dst.offset, xs + n_rows * K + i * N, (size_t)N * sizeof *xs);
+            memcpy(base(&dst) + dst.offset, ys + i * N, (size_t)N * sizeof *ys);
         }
         return st;
     }
