@@ -7,7 +7,10 @@
  * into a dense block and the results scattered back, except where an expert has one row, the
  * decode step's case, which runs on views without a copy. A stack cpu_prepare_weight prepared
  * (ABI 1.6) gives each expert as a prepared weight of its own (cpu_prepared_expert), so the
- * interleaved kernels run the experts as they run dense weights.
+ * interleaved kernels run the experts as they run dense weights. A call that busies at least
+ * two experts per thread (a prefill chunk, a decode step's k experts) gives each thread whole
+ * experts instead of splitting every expert's matmul between them, and x's rows are quantised
+ * once a call for the kernels that take blocks, not once for every expert a token goes to.
  */
 #define _GNU_SOURCE
 #include "cpu.h"
