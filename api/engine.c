@@ -649,7 +649,13 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         budget -= k + extra;
     }
     ereq *q;
-    while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now))) {
+    /* A step that admits a request admits none of a worse priority beside it: their prefills
+     * would lengthen the step that brings its first token (the worse wait a step). The
+     * request's own priority, not the aged one: requests of one priority aged apart still
+     * share a step. */
+    int32_t admitted_priority = INT32_MAX;
+    while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now)) &&
+           q->priority <= admitted_priority) {
         /* a mean needs every token's hidden state, which the cache does not keep */
         int32_t hit = q->pooling == LOOM_POOL_MEAN
             ? 0
@@ -673,6 +679,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
         }
+        if (q->priority < admitted_priority)
+            admitted_priority = q->priority;
         q->n_pooled = 0; /* (again, after a preemption) */
         q->n_draft = q->want = 0;
         remove_waiting(e, q);

@@ -31,6 +31,7 @@ typedef struct collector {
     int cancel_after; /* cancel once this many tokens arrived (0: never) */
     int cancel_due;   /* reached cancel_after before the id was known */
     int started_as;   /* 1, 2, ...: the order in which requests got their first token */
+    int watched_then; /* the tokens `watched` had when this one got its first */
     int done_as;      /* and ended */
     int deadline;     /* the engine ended it at its deadline */
     int busy;         /* refused after all: displaced from a full queue */
@@ -43,6 +44,7 @@ static int n_started, n_done; /* under mu */
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
 static loom_engine *engine;
+static collector *watched; /* whose progress first tokens record, or NULL */
 
 static void on_event(void *user, const loom_event *ev)
 {
@@ -51,8 +53,10 @@ static void on_event(void *user, const loom_event *ev)
     if (ev->kind == LOOM_EVENT_TEXT) {
         if (ev->token >= 0 && c->n_ids < MAX_GEN + 8)
             c->ids[c->n_ids++] = ev->token;
-        if (ev->token >= 0 && !c->started_as)
+        if (ev->token >= 0 && !c->started_as) {
             c->started_as = ++n_started;
+            c->watched_then = watched ? watched->n_ids : 0;
+        }
         if (c->n_text + ev->len < sizeof c->text) {
             memcpy(c->text + c->n_text, ev->text, ev->len);
             c->n_text += ev->len;
@@ -525,7 +529,9 @@ static void check_admission(const char *gguf)
     CHECK(m != NULL, "%s", err);
     if (!m)
         return;
-    loom_engine_options eo = {.max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
+    const loom_engine_options one_at_a_time = {
+        .max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
+    loom_engine_options eo = one_at_a_time;
     engine = loom_engine_start(m, &eo, err, sizeof err);
     CHECK(engine != NULL, "start: %s", err);
     if (!engine) {
@@ -596,6 +602,44 @@ static void check_admission(const char *gguf)
     st = loom_engine_get_stats(engine);
     CHECK(st.preemptions >= 1, "the engine counts the preemption (%llu)",
           (unsigned long long)st.preemptions);
+
+    /* a step that admits a better priority admits no worse one beside it: H (0) and L1..L3 (5)
+     * wait together (the batch wait holds the idle engine until four are there); H's first
+     * token comes a step before theirs, which share H's second (without the rule all four
+     * start in one step, and H has 1 token when theirs come) */
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+    eo = (loom_engine_options){.max_batch = 4, .max_tokens_per_step = 256, .batch_wait_ms = 5000};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine) {
+        loom_model_close(m);
+        return;
+    }
+    memset(c, 0, sizeof c);
+    watched = &c[0];
+    r = small;
+    r.priority = 0, submit(&c[0], &r, 0);
+    r.priority = 5;
+    for (int i = 1; i < 4; i++)
+        submit(&c[i], &r, i);
+    wait_all(c, 4);
+    pthread_mutex_lock(&mu);
+    CHECK(c[1].watched_then >= 2 && c[2].watched_then >= 2 && c[3].watched_then >= 2,
+          "the step that admits a better priority admits no worse one: H had %d, %d, %d tokens "
+          "when L1..L3 got their first",
+          c[1].watched_then, c[2].watched_then, c[3].watched_then);
+    watched = NULL;
+    pthread_mutex_unlock(&mu);
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+    eo = one_at_a_time;
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine) {
+        loom_model_close(m);
+        return;
+    }
 
     /* a deadline while waiting: an error, and no token */
     memset(c, 0, sizeof c);
