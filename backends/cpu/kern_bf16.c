@@ -15,8 +15,9 @@
 #include <immintrin.h>
 #include <string.h>
 
-/* as RI_PREFETCH in kern_template.h: one sequential stream per thread, asked for ahead */
-#define BF16_PREFETCH 8192
+/* as RI_PREFETCH in kern_template.h: one sequential stream per thread, asked for ahead (1B
+ * BF16 decode, Intel Xeon, 2 vCPU: 11.3-11.6 t/s at 8192 bytes, 14.9-15.2 at 1536) */
+#define BF16_PREFETCH 1536
 
 void kern_bf16_pack_x(const float *x, int64_t K, uint32_t *pairs)
 {
