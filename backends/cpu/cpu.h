@@ -12,6 +12,7 @@
 #define _GNU_SOURCE /* cpu_set_t; every file of the module includes this header first */
 #endif
 #include <loom/backend.h>
+#include <pthread.h>
 #include <sched.h>
 
 /* OpenBLAS takes prefill-sized f32 matmuls where it beats loom's own kernels: measured, that
@@ -87,10 +88,18 @@ int cpu_numa_interleave(const cpu_numa *t, void *p, size_t size);
  * BF16 in column pairs for the BF16 dot product (kern_bf16.c) */
 typedef enum cpu_layout { CPU_LAYOUT_FILE = 0, CPU_LAYOUT_ROWS, CPU_LAYOUT_BF16_PAIRS } cpu_layout;
 
+/* A run of huge pages that small prepared weights share (cpu_alloc_weight) */
+typedef struct cpu_chunk {
+    unsigned char *data;
+    uint64_t size, used;
+    int live; /* buffers carved from it and not yet freed */
+} cpu_chunk;
+
 struct loom_buffer {
     unsigned char *data;
     uint64_t size;
-    int wrapped; /* data belongs to the caller (buffer_wrap_host) */
+    int wrapped;      /* data belongs to the caller (buffer_wrap_host) */
+    cpu_chunk *chunk; /* data lies in this shared chunk (cpu_alloc_weight), or NULL */
     /* set on a weight prepared by cpu_prepare_weight: what it holds, in the layout of kern.h;
      * only matmul reads such a buffer */
     int prepared; /* a cpu_layout */
@@ -104,6 +113,8 @@ typedef struct cpu_backend {
     cpu_features feat;
     cpu_numa numa;
     int numa_mode; /* CPU_NUMA_* */
+    pthread_mutex_t chunk_mu;
+    cpu_chunk *chunk; /* the one small weights are carved from now, or NULL */
     char error[512];
 } cpu_backend;
 
@@ -116,6 +127,9 @@ loom_status cpu_check_bounds(cpu_backend *cb, const loom_tensor *t, const char *
  * interleaved over them, except a weight prepared under LOOM_NUMA=local (thread_local: its
  * rows' pages go where the thread that writes them first runs). */
 loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out);
+/* The same for a prepared weight: one too small for huge pages of its own is carved from a
+ * shared chunk that has them (freed with its last buffer). */
+loom_status cpu_alloc_weight(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out);
 /* cpu_matmul.c */
 loom_status cpu_matmul(loom_backend *be, const loom_matmul_params *p);
 /* The same on the calling thread only, for a caller that shares its work out itself (matmul_id

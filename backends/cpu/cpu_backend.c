@@ -406,6 +406,54 @@ loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buf
     return LOOM_OK;
 }
 
+/* Small prepared weights share chunks of huge pages. A decode matmul streams its weight once,
+ * and in 4 KiB pages every page is a TLB miss and a stop for the hardware prefetcher: on an
+ * Intel Xeon (2 vCPU) a 2048 x 2048 Q4_0 weight streamed at 59% of the read rate in its own
+ * 4 KiB pages and at 81-94% in huge ones, and 1B Q4_0 decode went from 58-68% to 67-82% of its
+ * roofline. Rounding each weight up to whole huge pages would cost a model a quarter more
+ * memory; weights carved one after another from a shared chunk cost at most the chunk's last
+ * partly used huge page. */
+#define WEIGHT_CHUNK ((uint64_t)64 << 20)
+
+loom_status cpu_alloc_weight(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out)
+{
+    /* large weights have huge pages of their own; under LOOM_NUMA=local a weight's pages go
+     * where the threads that read its rows run, which a shared chunk cannot promise */
+    if (size >= HUGE_BUFFER || (thread_local && cb->numa_mode == CPU_NUMA_LOCAL))
+        return cpu_alloc(cb, size, thread_local, out);
+    uint64_t rounded = size ? (size + 63) & ~(uint64_t)63 : 64;
+    loom_buffer *b = calloc(1, sizeof *b);
+    if (!b)
+        return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "out of host memory");
+    pthread_mutex_lock(&cb->chunk_mu);
+    cpu_chunk *c = cb->chunk;
+    if (c && c->live == 0)
+        c->used = 0;
+    if (!c || c->size - c->used < rounded) {
+        cpu_chunk *fresh = calloc(1, sizeof *fresh);
+        loom_buffer *pages = NULL;
+        if (!fresh || cpu_alloc(cb, WEIGHT_CHUNK, 0, &pages) != LOOM_OK) {
+            pthread_mutex_unlock(&cb->chunk_mu);
+            free(fresh);
+            free(b);
+            return cpu_alloc(cb, size, thread_local, out); /* its own pages, then */
+        }
+        fresh->data = pages->data;
+        fresh->size = WEIGHT_CHUNK;
+        free(pages);
+        /* the chunk replaced lives on until its last buffer is freed */
+        cb->chunk = c = fresh;
+    }
+    b->data = c->data + c->used;
+    b->size = size;
+    b->chunk = c;
+    c->used += rounded;
+    c->live++;
+    pthread_mutex_unlock(&cb->chunk_mu);
+    *out = b;
+    return LOOM_OK;
+}
+
 static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer **out)
 {
     return cpu_alloc(CB(be), size, 0, out);
@@ -413,11 +461,19 @@ static loom_status cpu_buffer_alloc(loom_backend *be, uint64_t size, loom_buffer
 
 static void cpu_buffer_free(loom_backend *be, loom_buffer *b)
 {
-    (void)be;
     if (!b)
         return;
-    if (!b->wrapped)
+    if (b->chunk) {
+        cpu_backend *cb = CB(be);
+        pthread_mutex_lock(&cb->chunk_mu);
+        if (--b->chunk->live == 0 && b->chunk != cb->chunk) {
+            free(b->chunk->data);
+            free(b->chunk);
+        }
+        pthread_mutex_unlock(&cb->chunk_mu);
+    } else if (!b->wrapped) {
         free(b->data);
+    }
     free(b);
 }
 
@@ -522,7 +578,13 @@ static const char *cpu_last_error(loom_backend *be)
 
 static void cpu_close(loom_backend *be)
 {
-    pool_free(CB(be)->pool);
+    cpu_backend *cb = CB(be);
+    pool_free(cb->pool);
+    if (cb->chunk && cb->chunk->live == 0) { /* live ones: buffers the caller never freed */
+        free(cb->chunk->data);
+        free(cb->chunk);
+    }
+    pthread_mutex_destroy(&cb->chunk_mu);
     free(be);
 }
 
@@ -589,6 +651,7 @@ loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_featu
         return LOOM_ERR_OUT_OF_MEMORY;
     }
     cb->feat = *f;
+    pthread_mutex_init(&cb->chunk_mu, NULL);
     /* LOOM_CPU_DISABLE=vnni: use the plain AVX-512 or AVX2 kernels even where VNNI exists, so
      * both can be checked (and compared) on one machine */
     const char *off = getenv("LOOM_CPU_DISABLE");

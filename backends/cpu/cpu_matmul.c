@@ -692,7 +692,7 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
         loom_buffer *buf;
         /* thread-local pages under LOOM_NUMA=local: repack_groups splits the groups as the
          * matmul kernels do, so each thread first touches the rows it will read */
-        if ((st = cpu_alloc(cb, bytes, 1, &buf)))
+        if ((st = cpu_alloc_weight(cb, bytes, 1, &buf)))
             return st;
         j.dst = buf->data;
         pool_run(cb->pool, repack_groups, &j);
