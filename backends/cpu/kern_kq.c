@@ -24,6 +24,8 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(KERN_SSE2)
+#include <emmintrin.h>
 #endif
 
 int kern_kq_handles(loom_dtype wt)
@@ -58,6 +60,13 @@ static inline void set_scales(kq_row *r, int64_t c, int s0, int s1, int m0, int 
     if (has_min)
         _mm256_storeu_si256((__m256i *)r->c[c].mn,
                             _mm256_set_m128i(_mm_set1_epi16((short)m1), _mm_set1_epi16((short)m0)));
+#elif defined(KERN_SSE2)
+    _mm_storeu_si128((__m128i *)r->c[c].sc, _mm_set1_epi16((short)s0));
+    _mm_storeu_si128((__m128i *)(r->c[c].sc + 8), _mm_set1_epi16((short)s1));
+    if (has_min) {
+        _mm_storeu_si128((__m128i *)r->c[c].mn, _mm_set1_epi16((short)m0));
+        _mm_storeu_si128((__m128i *)(r->c[c].mn + 8), _mm_set1_epi16((short)m1));
+    }
 #else
     for (int i = 0; i < 8; i++) {
         r->c[c].sc[i] = (int16_t)s0, r->c[c].sc[8 + i] = (int16_t)s1;
@@ -131,6 +140,22 @@ static void unpack_q4_k_like(const unsigned char *w, int64_t K, kq_row *r, int f
             }
             _mm256_storeu_si256((__m256i *)r->c[c].v, lo);
             _mm256_storeu_si256((__m256i *)r->c[c + 1].v, hi);
+#elif defined(KERN_SSE2)
+            const __m128i low = _mm_set1_epi8(15), one = _mm_set1_epi8(1);
+            for (int part = 0; part < 2; part++) {
+                __m128i bytes = _mm_loadu_si128((const __m128i *)(q + 16 * part));
+                __m128i lo = _mm_and_si128(bytes, low);
+                __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+                if (five) { /* as above */
+                    __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * part));
+                    __m128i h0 = _mm_and_si128(_mm_srli_epi16(h, 2 * pair), one);
+                    __m128i h1 = _mm_and_si128(_mm_srli_epi16(h, 2 * pair + 1), one);
+                    lo = _mm_or_si128(lo, _mm_slli_epi16(h0, 4));
+                    hi = _mm_or_si128(hi, _mm_slli_epi16(h1, 4));
+                }
+                _mm_storeu_si128((__m128i *)(r->c[c].v + 16 * part), lo);
+                _mm_storeu_si128((__m128i *)(r->c[c + 1].v + 16 * part), hi);
+            }
 #else
             for (int l = 0; l < 32; l++) {
                 int h0 = five ? ((qh[l] >> (2 * pair)) & 1) << 4 : 0;
@@ -165,6 +190,22 @@ static void unpack_q6_k(const unsigned char *w, int64_t K, kq_row *r)
             for (int k = 0; k < 4; k++)
                 _mm256_storeu_si256((__m256i *)r->c[c + k].v,
                                     _mm256_sub_epi8(v[k], _mm256_set1_epi8(32)));
+#elif defined(KERN_SSE2)
+            const __m128i low = _mm_set1_epi8(15), three = _mm_set1_epi8(3);
+            for (int part = 0; part < 2; part++) {
+                __m128i l0 = _mm_loadu_si128((const __m128i *)(ql + 16 * part));
+                __m128i l1 = _mm_loadu_si128((const __m128i *)(ql + 32 + 16 * part));
+                __m128i h = _mm_loadu_si128((const __m128i *)(qh + 16 * part));
+                __m128i nib[4] = {_mm_and_si128(l0, low), _mm_and_si128(l1, low),
+                                  _mm_and_si128(_mm_srli_epi16(l0, 4), low),
+                                  _mm_and_si128(_mm_srli_epi16(l1, 4), low)};
+                for (int k = 0; k < 4; k++) {
+                    __m128i hk = _mm_and_si128(_mm_srli_epi16(h, 2 * k), three);
+                    __m128i val = _mm_or_si128(nib[k], _mm_slli_epi16(hk, 4));
+                    _mm_storeu_si128((__m128i *)(r->c[c + k].v + 16 * part),
+                                     _mm_sub_epi8(val, _mm_set1_epi8(32)));
+                }
+            }
 #else
             for (int l = 0; l < 32; l++)
                 for (int k = 0; k < 4; k++) {
@@ -322,6 +363,61 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
     UNROLL
     for (int r = 0; r < mr; r++)
         out[r * KERN_NR] = hsum(acc[r]);
+}
+#elif defined(KERN_SSE2)
+/* int8 lanes as int16: each byte doubled, then shifted down with its sign */
+static inline __m128i widen_lo(__m128i v)
+{
+    return _mm_srai_epi16(_mm_unpacklo_epi8(v, v), 8);
+}
+
+static inline __m128i widen_hi(__m128i v)
+{
+    return _mm_srai_epi16(_mm_unpackhi_epi8(v, v), 8);
+}
+
+/* SSE2 has no u8 x s8 multiply-add (SSSE3's), so both sides go to int16 for pmaddwd; the
+ * scales fold into the weights' int16 values first (|v sc| <= 4096 for every type here),
+ * which leaves one pmaddwd per 8 values. Accumulators as in the AVX2 form, a constant mr. */
+INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,
+                    float *out)
+{
+    __m128 acc[KERN_MR] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t c = 0; c < nb; c++) {
+        const kq_chunk *k = &w->c[c];
+        __m128i v0 = _mm_loadu_si128((const __m128i *)k->v);
+        __m128i v1 = _mm_loadu_si128((const __m128i *)(k->v + 16));
+        __m128i sc0 = _mm_loadu_si128((const __m128i *)k->sc);
+        __m128i sc1 = _mm_loadu_si128((const __m128i *)(k->sc + 8));
+        __m128i w0 = _mm_mullo_epi16(widen_lo(v0), sc0), w1 = _mm_mullo_epi16(widen_hi(v0), sc0);
+        __m128i w2 = _mm_mullo_epi16(widen_lo(v1), sc1), w3 = _mm_mullo_epi16(widen_hi(v1), sc1);
+        __m128i mn0 = has_min ? _mm_loadu_si128((const __m128i *)k->mn) : sc0;
+        __m128i mn1 = has_min ? _mm_loadu_si128((const __m128i *)(k->mn + 8)) : sc1;
+        UNROLL
+        for (int r = 0; r < mr; r++) {
+            const act_block *x = &a[r * nb + c];
+            __m128i q0 = _mm_loadu_si128((const __m128i *)x->qs);
+            __m128i q1 = _mm_loadu_si128((const __m128i *)(x->qs + 16));
+            __m128i x0 = widen_lo(q0), x1 = widen_hi(q0), x2 = widen_lo(q1), x3 = widen_hi(q1);
+            __m128i dot = _mm_add_epi32(
+                _mm_add_epi32(_mm_madd_epi16(w0, x0), _mm_madd_epi16(w1, x1)),
+                _mm_add_epi32(_mm_madd_epi16(w2, x2), _mm_madd_epi16(w3, x3)));
+            acc[r] = _mm_add_ps(acc[r],
+                                _mm_mul_ps(_mm_cvtepi32_ps(dot), _mm_set1_ps(w->d[c] * x->d)));
+            if (has_min) { /* the minimums by the sums of x per 16 */
+                __m128i m = _mm_add_epi32(_mm_madd_epi16(_mm_add_epi16(x0, x1), mn0),
+                                          _mm_madd_epi16(_mm_add_epi16(x2, x3), mn1));
+                acc[r] = _mm_sub_ps(acc[r],
+                                    _mm_mul_ps(_mm_cvtepi32_ps(m), _mm_set1_ps(w->dmin[c] * x->d)));
+            }
+        }
+    }
+    UNROLL
+    for (int r = 0; r < mr; r++) {
+        __m128 s = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
+        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        out[r * KERN_NR] = _mm_cvtss_f32(s);
+    }
 }
 #else
 static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,
