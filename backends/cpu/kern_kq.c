@@ -240,6 +240,19 @@ static void unpack_q3_k(const unsigned char *w, int64_t K, kq_row *r)
                 /* a clear high bit subtracts 4 */
                 __m256i minus = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2);
                 _mm256_storeu_si256((__m256i *)r->c[c].v, _mm256_sub_epi8(lo, minus));
+#elif defined(KERN_SSE2)
+                const __m128i three = _mm_set1_epi8(3), one = _mm_set1_epi8(1);
+                for (int part = 0; part < 2; part++) { /* as above, 16 at a time */
+                    __m128i lo = _mm_and_si128(
+                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * part)), 2 * s),
+                        three);
+                    __m128i hb = _mm_and_si128(
+                        _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(x->hmask + 16 * part)),
+                                       bit),
+                        one);
+                    __m128i minus = _mm_slli_epi16(_mm_xor_si128(hb, one), 2);
+                    _mm_storeu_si128((__m128i *)(r->c[c].v + 16 * part), _mm_sub_epi8(lo, minus));
+                }
 #else
                 for (int k = 0; k < 32; k++)
                     r->c[c].v[k] = (int8_t)(((q[k] >> (2 * s)) & 3) -
@@ -265,6 +278,13 @@ static void unpack_q2_k(const unsigned char *w, int64_t K, kq_row *r)
 #if defined(__AVX2__)
                 __m256i v = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)q), 2 * s);
                 _mm256_storeu_si256((__m256i *)r->c[c].v, _mm256_and_si256(v, _mm256_set1_epi8(3)));
+#elif defined(KERN_SSE2)
+                for (int part = 0; part < 2; part++) {
+                    __m128i v = _mm_srli_epi16(_mm_loadu_si128((const __m128i *)(q + 16 * part)),
+                                               2 * s);
+                    _mm_storeu_si128((__m128i *)(r->c[c].v + 16 * part),
+                                     _mm_and_si128(v, _mm_set1_epi8(3)));
+                }
 #else
                 for (int k = 0; k < 32; k++)
                     r->c[c].v[k] = (int8_t)((q[k] >> (2 * s)) & 3);
