@@ -415,13 +415,38 @@ loom_status cpu_alloc(cpu_backend *cb, uint64_t size, int thread_local, loom_buf
  * partly used huge page. */
 #define WEIGHT_CHUNK ((uint64_t)64 << 20)
 
+/* Under AddressSanitizer a chunk is poisoned but for the buffers carved from it, with a gap
+ * between them, so a kernel that reads past its weight is still caught as it would be past a
+ * buffer of its own. */
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define CHUNK_GAP 64
+#else
+#define ASAN_POISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#define ASAN_UNPOISON_MEMORY_REGION(p, n) ((void)(p), (void)(n))
+#define CHUNK_GAP 0
+#endif
+
+/* a carved buffer's bytes: rounded as cpu_alloc's, so a vector load at the end stays inside */
+static uint64_t carved_bytes(uint64_t size)
+{
+    return size ? (size + 63) & ~(uint64_t)63 : 64;
+}
+
+static void free_chunk(cpu_chunk *c)
+{
+    ASAN_UNPOISON_MEMORY_REGION(c->data, c->size);
+    free(c->data);
+    free(c);
+}
+
 loom_status cpu_alloc_weight(cpu_backend *cb, uint64_t size, int thread_local, loom_buffer **out)
 {
     /* large weights have huge pages of their own; under LOOM_NUMA=local a weight's pages go
      * where the threads that read its rows run, which a shared chunk cannot promise */
     if (size >= HUGE_BUFFER || (thread_local && cb->numa_mode == CPU_NUMA_LOCAL))
         return cpu_alloc(cb, size, thread_local, out);
-    uint64_t rounded = size ? (size + 63) & ~(uint64_t)63 : 64;
+    uint64_t rounded = carved_bytes(size);
     loom_buffer *b = calloc(1, sizeof *b);
     if (!b)
         return cpu_fail(cb, LOOM_ERR_OUT_OF_MEMORY, "out of host memory");
@@ -429,7 +454,7 @@ loom_status cpu_alloc_weight(cpu_backend *cb, uint64_t size, int thread_local, l
     cpu_chunk *c = cb->chunk;
     if (c && c->live == 0)
         c->used = 0;
-    if (!c || c->size - c->used < rounded) {
+    if (!c || c->size - c->used < rounded + CHUNK_GAP) {
         cpu_chunk *fresh = calloc(1, sizeof *fresh);
         loom_buffer *pages = NULL;
         if (!fresh || cpu_alloc(cb, WEIGHT_CHUNK, 0, &pages) != LOOM_OK) {
@@ -441,13 +466,15 @@ loom_status cpu_alloc_weight(cpu_backend *cb, uint64_t size, int thread_local, l
         fresh->data = pages->data;
         fresh->size = WEIGHT_CHUNK;
         free(pages);
+        ASAN_POISON_MEMORY_REGION(fresh->data, fresh->size);
         /* the chunk replaced lives on until its last buffer is freed */
         cb->chunk = c = fresh;
     }
     b->data = c->data + c->used;
     b->size = size;
     b->chunk = c;
-    c->used += rounded;
+    ASAN_UNPOISON_MEMORY_REGION(b->data, rounded);
+    c->used += rounded + CHUNK_GAP;
     c->live++;
     pthread_mutex_unlock(&cb->chunk_mu);
     *out = b;
@@ -466,10 +493,9 @@ static void cpu_buffer_free(loom_backend *be, loom_buffer *b)
     if (b->chunk) {
         cpu_backend *cb = CB(be);
         pthread_mutex_lock(&cb->chunk_mu);
-        if (--b->chunk->live == 0 && b->chunk != cb->chunk) {
-            free(b->chunk->data);
-            free(b->chunk);
-        }
+        ASAN_POISON_MEMORY_REGION(b->data, carved_bytes(b->size));
+        if (--b->chunk->live == 0 && b->chunk != cb->chunk)
+            free_chunk(b->chunk);
         pthread_mutex_unlock(&cb->chunk_mu);
     } else if (!b->wrapped) {
         free(b->data);
@@ -580,10 +606,8 @@ static void cpu_close(loom_backend *be)
 {
     cpu_backend *cb = CB(be);
     pool_free(cb->pool);
-    if (cb->chunk && cb->chunk->live == 0) { /* live ones: buffers the caller never freed */
-        free(cb->chunk->data);
-        free(cb->chunk);
-    }
+    if (cb->chunk && cb->chunk->live == 0) /* live ones: buffers the caller never freed */
+        free_chunk(cb->chunk);
     pthread_mutex_destroy(&cb->chunk_mu);
     free(be);
 }

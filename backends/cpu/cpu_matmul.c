@@ -536,6 +536,7 @@ int cpu_prepared_expert(const loom_tensor *w, int64_t e, struct loom_buffer *vie
     view->data = b->data + (uint64_t)e * bytes;
     view->size = bytes;
     view->wrapped = 1; /* never freed: the stack's buffer owns it */
+    view->chunk = NULL;
     view->prepared_n = N;
     return 0;
 #else
