@@ -109,6 +109,20 @@ static void q5_values(const uint8_t *q, const uint8_t qh[4], int offset, int8_t 
     h = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit), _mm256_set1_epi8(16));
     __m256i val = _mm256_add_epi8(_mm256_or_si256(nib, h), _mm256_set1_epi8((char)offset));
     _mm256_storeu_si256((__m256i *)v, val);
+#elif defined(KERN_SSE2)
+    /* element j's fifth bit is bit j of qh: each byte of a half takes the qh byte its eight
+     * elements' bits are in (a multiply spreads it), and keeps its own bit */
+    __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    const __m128i bit = _mm_set1_epi64x(0x8040201008040201ll), sixteen = _mm_set1_epi8(16);
+    const uint64_t spread = 0x0101010101010101ull;
+    __m128i nib[2] = {_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)};
+    for (int half = 0; half < 2; half++) {
+        __m128i h = _mm_set_epi64x((long long)(qh[2 * half + 1] * spread),
+                                   (long long)(qh[2 * half] * spread));
+        h = _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(h, bit), bit), sixteen);
+        __m128i val = _mm_add_epi8(_mm_or_si128(nib[half], h), _mm_set1_epi8((char)offset));
+        _mm_storeu_si128((__m128i *)(v + 16 * half), val);
+    }
 #else
     for (int j = 0; j < 16; j++) {
         v[j] = (int8_t)(((q[j] & 15) | loom_q5_high(qh, j) << 4) + offset);
