@@ -529,9 +529,7 @@ static void check_admission(const char *gguf)
     CHECK(m != NULL, "%s", err);
     if (!m)
         return;
-    const loom_engine_options one_at_a_time = {
-        .max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
-    loom_engine_options eo = one_at_a_time;
+    loom_engine_options eo = {.max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
     engine = loom_engine_start(m, &eo, err, sizeof err);
     CHECK(engine != NULL, "start: %s", err);
     if (!engine) {
