@@ -38,6 +38,15 @@
  * x0 x2 .. x14, x1 x3 .. x15, x16 x18 .. x30, x17 .. x31. */
 #if defined(__SSE2__) && !defined(__AVX2__)
 #define KERN_SSE2 1
+#include <emmintrin.h>
+
+/* the sum of v's four lanes */
+INLINE float hsum128(__m128 v)
+{
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+    return _mm_cvtss_f32(v);
+}
 #endif
 
 /* KERN_G blocks of 32 activations, quantised to int8 and laid out for the integer kernels.

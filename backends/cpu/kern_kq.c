@@ -24,8 +24,6 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
-#elif defined(KERN_SSE2)
-#include <emmintrin.h>
 #endif
 
 int kern_kq_handles(loom_dtype wt)
@@ -447,11 +445,8 @@ INLINE void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb
         }
     }
     UNROLL
-    for (int r = 0; r < mr; r++) {
-        __m128 s = _mm_add_ps(acc[r], _mm_movehl_ps(acc[r], acc[r]));
-        s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        out[r * KERN_NR] = _mm_cvtss_f32(s);
-    }
+    for (int r = 0; r < mr; r++)
+        out[r * KERN_NR] = hsum128(acc[r]);
 }
 #else
 static void dot_row(const kq_row *w, int has_min, const act_block *a, int64_t nb, int mr,

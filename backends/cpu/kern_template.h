@@ -258,13 +258,6 @@ INLINE __m512i nibbles_pair(const uint8_t *qa, const uint8_t *qb)
 #endif
 
 #if defined(KERN_SSE2)
-INLINE float hsum128(__m128 v)
-{
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-    return _mm_cvtss_f32(v);
-}
-
 /* A block's 32 weights as int16 in qw's order (kern.h): Q4 nibbles, byte j holding elements j
  * and j + 16, or Q8_0 bytes sign-extended by an arithmetic shift from the high half of a word. */
 INLINE void widen_q4(const uint8_t *qs, __m128i v[4])
