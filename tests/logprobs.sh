@@ -34,7 +34,7 @@ jq -e '.choices[0].logprobs.content | length == 4 and all(.[]; (.token | type) =
     "$tmpdir/chat.json" >/dev/null && pass "chat logprobs: 4 tokens, each with its bytes and 3 alternatives, likeliest first" ||
     fail "chat logprobs: $(head -c 500 "$tmpdir/chat.json")"
 post /v1/chat/completions '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "hi"}],
-    "max_tokens": 6, "logprobs": true, "stream": true, "stream_options": {"include_usage": true}}' >"$tmpdir/s.out"
+    "max_tokens": 6, "logprobs": true, "stream": true, "stream_options": {"include_usage": true}, "seed": 1}' >"$tmpdir/s.out"
 n=$(sed -n 's/^data: //p' "$tmpdir/s.out" | grep -v '^\[DONE\]$' | jq -s '[.[].choices[0].logprobs.content // [] | length] | add')
 [ "$n" = 6 ] && pass "streamed, the chunks carry one logprobs entry per token ($n)" || fail "streamed logprobs: $n entries"
 got=$(post /v1/chat/completions '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}' | sed '$d' | jq -r .error.param)
