@@ -37,6 +37,15 @@ post /v1/chat/completions '{"model": "tiny-qwen2", "messages": [{"role": "user",
     "max_tokens": 6, "logprobs": true, "stream": true, "stream_options": {"include_usage": true}, "seed": 1}' >"$tmpdir/s.out"
 n=$(sed -n 's/^data: //p' "$tmpdir/s.out" | grep -v '^\[DONE\]$' | jq -s '[.[].choices[0].logprobs.content // [] | length] | add')
 [ "$n" = 6 ] && pass "streamed, the chunks carry one logprobs entry per token ($n)" || fail "streamed logprobs: $n entries"
+# cut off inside a character (the schema's 4-byte one comes as byte tokens): the engine flushes the
+# held bytes at the end, an event with no token, which must not become a logprobs entry
+cut='{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+    "logprobs": true, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": "\ud834\udd1e\ud834\udd1e"}}}'
+post /v1/chat/completions "$cut, \"stream\": true, \"stream_options\": {\"include_usage\": true}}" >"$tmpdir/cut.out"
+n=$(sed -n 's/^data: //p' "$tmpdir/cut.out" | grep -v '^\[DONE\]$' | jq -s '"\([.[].choices[0].logprobs.content // [] | length] | add) \(.[-1].usage.completion_tokens)"')
+m=$(post /v1/chat/completions "$cut}" | sed '$d' | jq '"\(.choices[0].logprobs.content | length) \(.usage.completion_tokens)"')
+[ "$n" = '"2 2"' ] && [ "$m" = '"2 2"' ] && pass "cut inside a character: one logprobs entry per token, streamed and not" ||
+    fail "cut inside a character: entries and tokens $n streamed, $m not"
 got=$(post /v1/chat/completions '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}' | sed '$d' | jq -r .error.param)
 [ "$got" = top_logprobs ] && pass "top_logprobs 21 is a 400 naming it" || fail "top_logprobs 21: $got"
 got=$(post /v1/chat/completions '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}' | sed '$d' | jq -r .error.message)

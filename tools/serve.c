@@ -201,7 +201,8 @@ static void on_event(void *user, const loom_event *ev)
     pthread_mutex_lock(&j->mu);
     if (ev->kind == LOOM_EVENT_TEXT) {
         buf_append(&c->text, &c->len, &c->cap, ev->text, ev->len);
-        if (j->logprobs && (c->n_lps < c->cap_lps || !grow_logprobs(c))) {
+        /* token -1 is the engine's flush of held text at the end: no token, no logprob */
+        if (j->logprobs && ev->token >= 0 && (c->n_lps < c->cap_lps || !grow_logprobs(c))) {
             token_logprob *t = &c->lps[c->n_lps++];
             t->id = ev->token, t->logprob = ev->logprob, t->n_top = ev->n_top;
             for (int k = 0; k < ev->n_top && k < LOOM_MAX_TOP_LOGPROBS; k++)
