@@ -1356,9 +1356,13 @@ void kern_f32_ri_n_acc(const float *wf, int ng, int64_t kc, const float *const *
 {
     switch (ng) {
     case 1: F32_RI_MR(1) break;
+#if KERN_RI_GROUPS > 2
     case 2: F32_RI_MR(2) break;
     case 3: F32_RI_MR(3) break;
     default: F32_RI_MR(4) break;
+#else
+    default: F32_RI_MR(2) break;
+#endif
     }
 }
 #endif
