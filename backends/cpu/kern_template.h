@@ -311,6 +311,10 @@ INLINE void quant_tile_sse2(loom_dtype wt, const unsigned char *w, size_t wstrid
         UNROLL
         for (int i = 0; i < NR; i++) {
             const unsigned char *blk = w + (size_t)i * wstride + (size_t)b * bsize;
+            /* the same block of the next tile's rows: the hardware's prefetcher misses
+             * four interleaved streams (1B Q4_0 decode 14.5 -> 26 t/s; a fixed distance of
+             * 512-16384 bytes gave 18-25) */
+            __builtin_prefetch(blk + KERN_NR * wstride);
             __m128i wv[4];
             float wd, wm = 0.0f;
             if (wt == LOOM_Q4_0) {
