@@ -847,6 +847,9 @@ typedef __m512 vflt;
 #define V_LOAD_F(p) _mm512_loadu_ps(p)
 #define V_AND_I(a, b) _mm512_and_si512((a), (b))
 #define V_SRAI(v, n) _mm512_srai_epi32((v), (n))
+#define V_MADDUBS(u, s) _mm512_maddubs_epi16((u), (s))
+#define V_ADD16(a, b) _mm512_add_epi16((a), (b))
+#define V_PAIRS32(v) _mm512_madd_epi16((v), _mm512_set1_epi16(1))
 #else
 typedef __m256i vint;
 typedef __m256 vflt;
@@ -870,6 +873,9 @@ typedef __m256 vflt;
 #define V_LOAD_F(p) _mm256_loadu_ps(p)
 #define V_AND_I(a, b) _mm256_and_si256((a), (b))
 #define V_SRAI(v, n) _mm256_srai_epi32((v), (n))
+#define V_MADDUBS(u, s) _mm256_maddubs_epi16((u), (s))
+#define V_ADD16(a, b) _mm256_add_epi16((a), (b))
+#define V_PAIRS32(v) _mm256_madd_epi16((v), _mm256_set1_epi16(1))
 #endif
 
 /* How far ahead of the block being summed the group's bytes are asked for. A decode matmul
@@ -968,6 +974,7 @@ INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, f
             const act_block *x = a + r * nb + b;
             /* two chains, so the dot products of a block overlap */
             vint s0 = HAS_MIN ? V_ZERO_I() : V_SET1_I(offset_times * x->neg8sum), s1 = V_ZERO_I();
+#ifdef KERN_VNNI
             UNROLL
             for (int c = 0; c < 4; c++) {
                 s0 = V_DOT(s0, lo[c], V_BCAST4(x->qs + 4 * c));
@@ -975,6 +982,23 @@ INLINE void q4_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, f
             }
             if (HI_IN_PLACE)
                 s1 = V_SRAI(s1, 4);
+#else
+            /* Without VNNI, pmaddubsw's int16 pair sums are added as int16 across the block
+             * and widened once (a pair is at most 2 x 15 x 128 = 3840, so eight fit; with a
+             * fifth bit, 7936, four), not widened and added per chunk: half the multiplies. */
+            vint p0 = V_MADDUBS(lo[0], V_BCAST4(x->qs)),
+                 p1 = V_MADDUBS(hi[0], V_BCAST4(x->qs + 16));
+            UNROLL
+            for (int c = 1; c < 4; c++) {
+                p0 = V_ADD16(p0, V_MADDUBS(lo[c], V_BCAST4(x->qs + 4 * c)));
+                p1 = V_ADD16(p1, V_MADDUBS(hi[c], V_BCAST4(x->qs + 16 + 4 * c)));
+            }
+            if (FIVE)
+                s1 = V_PAIRS32(p1);
+            else
+                p0 = V_ADD16(p0, p1);
+            s0 = V_ADD_I(s0, V_PAIRS32(p0));
+#endif
             acc[r] = V_FMA(V_CVT(V_ADD_I(s0, s1)), V_MUL(wd, V_SET1_F(x->d)), acc[r]);
             if (HAS_MIN) /* m x d_x x the sum of x's quants (neg8sum is -8 x that sum) */
                 acc[r] = V_FMA(wm, V_SET1_F(x->d * (float)x->neg8sum * -0.125f), acc[r]);
