@@ -886,7 +886,17 @@ typedef __m256 vflt;
  * of the read roofline, at 1536 bytes 88-95% (Q4_0 51% -> 70-81%); 4096 and above lost, 1024
  * to 1536 won on both variants (docs/benchmarks.md). */
 #ifndef RI_PREFETCH
+/* the avx2 block kernels: 1536 bytes left Q4_0 without VNNI at 55-58% of the roofline, 1024
+ * gave 79-89% and the others the same (Intel Xeon, 2 vCPU; 512 and 768 no better) */
+#if defined(__AVX512F__)
 #define RI_PREFETCH 1536
+#else
+#define RI_PREFETCH 1024
+#endif
+#endif
+/* F16/BF16 columns: 1536 on both variants (avx2 F16 decode 12.8-12.9 t/s at 1024, 13.3-13.4) */
+#ifndef RI_PREFETCH_HALF
+#define RI_PREFETCH_HALF 1536
 #endif
 
 /* one instantiation of an interleaved tile per count of activation rows */
@@ -1227,7 +1237,7 @@ INLINE void half_ri_tile(loom_dtype wt, const unsigned char *w, int64_t K, const
     for (; k + 4 <= K; k += 4) {
         const unsigned char *p = w + (size_t)k * col;
         for (size_t l = 0; l < 4 * col; l += 64)
-            __builtin_prefetch(p + RI_PREFETCH + l);
+            __builtin_prefetch(p + RI_PREFETCH_HALF + l);
         vflt wv[4];
         UNROLL
         for (int u = 0; u < 4; u++)
@@ -1292,7 +1302,7 @@ INLINE void half_ri_tile_n(loom_dtype wt, const unsigned char *w, size_t gstride
         UNROLL
         for (int g = 0; g < NG; g++)
             for (size_t l = 0; l < 4 * col; l += 64)
-                __builtin_prefetch(p + (size_t)g * gstride + RI_PREFETCH + l);
+                __builtin_prefetch(p + (size_t)g * gstride + RI_PREFETCH_HALF + l);
         UNROLL
         for (int u = 0; u < 4; u++)
             half_ri_column_n(wt, p + u * col, gstride, x, k + u, acc, NG, MR);
