@@ -259,7 +259,27 @@ static int escape(rx *x, uint32_t *cp, cpset *s, int in_class)
     case 'u':
         if (!at_end(x) && *x->p == '{')
             return rfail(x, "pattern: \\u{...} is not supported; write \\uXXXX");
-        return hex(x, 4, cp);
+        if (hex(x, 4, cp))
+            return -1;
+        /* JSON Schema's patterns are ECMA-262's, over UTF-16: a character past U+FFFF is a
+         * \uD8xx\uDCxx pair; half of one stands for no character */
+        if (*cp >= 0xd800 && *cp <= 0xdbff && x->end - x->p >= 6 && x->p[0] == '\\' &&
+            x->p[1] == 'u') {
+            uint32_t low = 0;
+            x->p += 2;
+            if (hex(x, 4, &low))
+                return -1;
+            if (low >= 0xdc00 && low <= 0xdfff) {
+                *cp = 0x10000 + ((*cp - 0xd800) << 10) + (low - 0xdc00);
+                return 0;
+            }
+        }
+        if (*cp >= 0xd800 && *cp <= 0xdfff)
+            return rfail(x,
+                         "pattern: \\u%04X is half of a surrogate pair, no character; write "
+                         "the character itself or its \\uD8xx\\uDCxx pair",
+                         (unsigned)*cp);
+        return 0;
     case 'b':
         if (in_class) {
             *cp = '\b';

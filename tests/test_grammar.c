@@ -210,6 +210,12 @@ int main(void)
     refused("{\"type\": \"string\", \"pattern\": \"a{5,2}\"}", 1, "counts down");
     refused("{\"type\": \"string\", \"pattern\": \"(ab\"}", 1, "without its ')'");
     refused("{\"type\": \"string\", \"pattern\": \"\\\\p{L}\"}", 1, "property escapes");
+    /* a character past U+FFFF written as ECMA-262 writes it, a UTF-16 pair; half of one is none */
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^a\\\\ud834\\\\udd1e$\"}",
+                  L("\"a\xf0\x9d\x84\x9e\""), L("\"a\"", "\"a\xed\xa0\xb4\""));
+    refused("{\"type\": \"string\", \"pattern\": \"a\\\\udecc\"}", 1, "half of a surrogate pair");
+    refused("{\"type\": \"string\", \"pattern\": \"[\\\\ud834-x]\"}", 1,
+            "half of a surrogate pair");
     refused("{\"type\": \"string\", \"pattern\": \"a\", \"maxLength\": 3}", 1,
             "beside format, minLength");
     refused("{\"type\": \"object\", \"patternProperties\": {}}", 1,
