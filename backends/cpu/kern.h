@@ -186,12 +186,12 @@ void kern_f16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K, co
                    int mr, float *out);
 void kern_bf16_ri_n(const unsigned char *w, size_t gstride, int ng, int64_t K,
                     const float *const *x, int mr, float *out);
-/* Prefill's pair, where widening W in the tile kernels costs FMA-port uops (AVX-512, and AVX2:
- * there 6 rows x 2 groups of sums fit the 16 registers; +12-19% F16 pp128 on a Sapphire
- * Rapids-class Xeon, where an earlier machine measured the two ways the same): columns k0 .. k0 + kc of 1 <= ng <= KERN_RI_GROUPS groups
- * widened to f32 (column k's ng KERN_RI values at wf + k ng KERN_RI), then
- * 1 <= mr <= KERN_WIDEN_MR activation rows' columns k0 .. k0 + kc against them, added to
- * acc[r * ng KERN_RI + i]. */
+/* Prefill's pair, where widening W in the tile kernels costs FMA-port uops (AVX-512, and AVX2,
+ * where 6 rows x 2 groups of sums fit the 16 registers: +12-19% F16 pp128 on a Sapphire
+ * Rapids-class Xeon; an earlier machine measured the two ways the same): columns k0 .. k0 + kc
+ * of 1 <= ng <= KERN_RI_GROUPS groups widened to f32 (column k's ng KERN_RI values at
+ * wf + k ng KERN_RI), then 1 <= mr <= KERN_WIDEN_MR activation rows' columns k0 .. k0 + kc
+ * against them, added to acc[r * ng KERN_RI + i]. */
 #if defined(__AVX512F__) || defined(__AVX2__)
 #define KERN_WIDEN_MR 6
 typedef void (*kern_half_ri_widen_fn)(const unsigned char *w, size_t gstride, int ng, int64_t k0,

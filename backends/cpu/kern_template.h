@@ -883,18 +883,17 @@ typedef __m256 vflt;
  * left: without it a thread's one sequential stream reached 68% of the machine's read
  * bandwidth, with 8192 bytes 79% (Q4_0 4096 x 4096 from DRAM, 2 threads, avx512, AMD EPYC).
  * On an Intel Xeon (Sapphire Rapids class, 2 vCPU) 8192 was far too far: 1B Q8_0 decode at 50%
- * of the read roofline, at 1536 bytes 88-95% (Q4_0 51% -> 70-81%); 4096 and above lost, 1024
- * to 1536 won on both variants (docs/benchmarks.md). */
+ * of the read roofline, at 1536 bytes 88-95% (Q4_0 51% -> 70-81%); 4096 and above lost. There
+ * the avx2 block kernels do best at 1024 (Q4_0 without VNNI 55-58% of the roofline at 1536,
+ * 79-89% at 1024, the others the same), avx512 and the F16/BF16 columns at 1536 (avx2 F16
+ * decode 12.8-12.9 t/s at 1024, 13.3-13.4 at 1536); docs/benchmarks.md. */
 #ifndef RI_PREFETCH
-/* the avx2 block kernels: 1536 bytes left Q4_0 without VNNI at 55-58% of the roofline, 1024
- * gave 79-89% and the others the same (Intel Xeon, 2 vCPU; 512 and 768 no better) */
 #if defined(__AVX512F__)
 #define RI_PREFETCH 1536
 #else
 #define RI_PREFETCH 1024
 #endif
 #endif
-/* F16/BF16 columns: 1536 on both variants (avx2 F16 decode 12.8-12.9 t/s at 1024, 13.3-13.4) */
 #ifndef RI_PREFETCH_HALF
 #define RI_PREFETCH_HALF 1536
 #endif
