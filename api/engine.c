@@ -6,6 +6,8 @@
  * priority: the request's, improved by one per aging_ms waited, then by id) -> running
  * (ordered by admission; preemption takes the worst effective priority, newest first) ->
  * retired. A request past its deadline is retired where it is at the start of each step.
+ * Prefills of a worse priority yield to better arrivals (plan_step: yield_to, and
+ * worse_prefill_share).
  * A request's tokens are its prompt followed by what it generated; each step computes the
  * next chunk of the ones whose K/V are not yet stored, so a prefill, a decode and a
  * recomputation after preemption are the same thing. Only the engine thread touches
@@ -27,6 +29,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* How far back the arrivals go that make a worse prefill yield (worse_prefill_share), and how
+ * many of them are remembered. */
+#define RECENT_MS 2000.0
+#define RECENT_ARRIVALS 64
 
 typedef struct ereq {
     int64_t id;
@@ -54,7 +61,7 @@ typedef struct ereq {
     loom_kvseq kv;
     loom_event_fn fn;
     void *user;
-    double t_submit, ttft_ms;
+    double t_submit, ttft_ms, queue_ms; /* queue_ms: submitted to first admitted */
     int32_t priority;
     double deadline; /* now_ms() past which it is ended; 0: none */
     int32_t tenant, tenant_max_running;
@@ -126,6 +133,13 @@ struct loom_engine {
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
     uint64_t n_deadline_waiting, n_deadline_running;
     uint64_t n_drafted, n_accepted;
+    /* the last RECENT_ARRIVALS requests to arrive (a ring): when, at what priority, with how
+     * long a prompt; worse_prefill_share reads the last RECENT_MS of them */
+    struct arrival {
+        double t;
+        int32_t priority, n_prompt;
+    } recent[RECENT_ARRIVALS];
+    int n_arrived;
     double rate_t0;
     uint64_t rate_n0;
 
@@ -234,7 +248,8 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
                      .n_prompt = q->n_prompt,
                      .n_generated = q->n_generated,
                      .n_cached = q->n_cached,
-                     .ttft_ms = q->ttft_ms};
+                     .ttft_ms = q->ttft_ms,
+                     .queue_ms = q->queue_ms};
     if (q->ts.n_out && !error) {
         ev.text = q->ts.out, ev.len = q->ts.n_out;
         deliver(e, q, &ev);
@@ -596,12 +611,54 @@ static int32_t proposals_wanted(loom_engine *e, ereq *q, int32_t room)
     return k;
 }
 
+/* Remembers the requests from first on, which have just joined the queue, as arrivals. */
+static void note_arrivals(loom_engine *e, const ereq *first)
+{
+    for (const ereq *q = first; q; q = q->next) {
+        e->recent[e->n_arrived] = (struct arrival){q->t_submit, q->priority, q->n_prompt};
+        e->n_arrived = (e->n_arrived + 1) % RECENT_ARRIVALS;
+    }
+}
+
+/* The prefill tokens a step gives the prompts of this priority: no limit (INT32_MAX) unless
+ * requests of a better priority arrived in the last RECENT_MS, else half those requests' mean
+ * prompt, 8 at least. A better request arriving beside a long worse prompt then waits for a
+ * step that holds a short chunk of it, not the whole; the worse prompt still advances. */
+static int32_t worse_prefill_share(const loom_engine *e, int32_t priority, double now)
+{
+    double sum = 0;
+    int n = 0;
+    for (int i = 0; i < RECENT_ARRIVALS; i++) {
+        const struct arrival *a = &e->recent[i];
+        if (a->n_prompt > 0 && a->priority < priority && now - a->t <= RECENT_MS)
+            sum += a->n_prompt, n++;
+    }
+    if (!n)
+        return INT32_MAX;
+    int32_t share = (int32_t)(sum / n / 2);
+    return share > 8 ? share : 8;
+}
+
+/* k prefill tokens of q, cut to what is left of its priority's share this step; *used counts
+ * the step's cut prefills, which share one allowance. A decode (k = 1) is never cut. */
+static int32_t clip_worse_prefill(const loom_engine *e, const ereq *q, int32_t k, double now,
+                                  int32_t *used)
+{
+    int32_t share = k > 1 ? worse_prefill_share(e, q->priority, now) : INT32_MAX;
+    if (share == INT32_MAX)
+        return k;
+    int32_t left = share > *used ? share - *used : 0;
+    k = k < left ? k : left;
+    *used += k;
+    return k;
+}
+
 /* Plans one step: running requests first (in the order they would run), then newly admitted
  * ones. */
 static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_copies)
 {
     int n = 0;
-    int32_t budget = e->max_step;
+    int32_t budget = e->max_step, worse_used = 0;
     double now = now_ms();
     *n_copies = 0;
     order_running(e, now);
@@ -614,6 +671,16 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             break;
         preempt(e, worst);
     }
+    /* A prefill under way sits out the step that admits a request of a better priority, so
+     * that the newcomer's first step holds its own prompt and the decodes only. Not when the
+     * newcomer does not fit the free blocks: it would not be admitted, and what sat out might
+     * be what it waits for. */
+    int32_t yield_to = INT32_MAX;
+    ereq *arrival = e->n_running < e->max_batch ? next_waiting(e, now) : NULL;
+    if (arrival &&
+        loom_kvblocks_needed(e->kv, &arrival->kv, arrival->n_toks) <=
+            loom_kvblocks_available(e->kv))
+        yield_to = arrival->priority;
     /* Proposals ride in rows a step would stream the weights for anyway: at most spec_rows
      * tokens of decode and proposals together. A batch already that wide computes rather than
      * streams, and each proposal then costs about what it saves. */
@@ -623,6 +690,11 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         int32_t k = q->n_toks - q->kv.n_tokens;
         if (k > budget)
             k = budget;
+        if (k > 1 && q->priority > yield_to)
+            continue;
+        k = clip_worse_prefill(e, q, k, now, &worse_used);
+        if (k == 0)
+            continue;
         /* a decoding request may check proposals too, where the cache has room for them
          * without preempting anyone: prompt lookup's now, the drafter model's once it ran
          * (run_drafter: q->want of them at most) */
@@ -666,7 +738,11 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             loom_kvblocks_release(e->kv, &q->kv);
             break;
         }
-        int32_t k = rest < budget ? rest : budget;
+        int32_t k = clip_worse_prefill(e, q, rest < budget ? rest : budget, now, &worse_used);
+        if (k == 0) {
+            loom_kvblocks_release(e->kv, &q->kv);
+            break;
+        }
         int nc = loom_kvblocks_reserve(e->kv, &q->kv, k, copies + *n_copies);
         if (nc < 0) {
             loom_kvblocks_release(e->kv, &q->kv);
@@ -675,6 +751,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         *n_copies += nc;
         if (!q->admitted) {
             q->admitted = 1;
+            q->queue_ms = now - q->t_submit;
             q->n_cached = hit;
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
@@ -1165,6 +1242,7 @@ static void *engine_main(void *arg)
         while (*tail)
             tail = &(*tail)->next;
         *tail = e->incoming;
+        note_arrivals(e, e->incoming);
         e->incoming = e->incoming_tail = NULL;
         int cancels = e->has_cancels;
         pthread_mutex_unlock(&e->lock);

@@ -496,6 +496,9 @@ int loom_bench_serve_main(int argc, char **argv)
         printf("  time to first token: high priority p50 %.0f / p99 %.0f ms (unloaded p50 %.0f / "
                "p90 %.0f ms), the others p50 %.0f ms\n",
                ov.high_ttft50, ov.high_ttft99, one.ttft50, one.ttft90, ov.low_ttft50);
+        if (one.ttft50 > 0 && one.ttft90 > 0) /* (not run with --concurrent-only) */
+            printf("  high priority p99: %.1fx the unloaded p90, %.1fx the unloaded p50\n",
+                   ov.high_ttft99 / one.ttft90, ov.high_ttft99 / one.ttft50);
         printf("  RSS: %.0f MB once warm, at most %.0f MB (%+.1f%%)\n", ov.rss_warm, ov.rss_max,
                ov.rss_warm > 0 ? 100 * (ov.rss_max - ov.rss_warm) / ov.rss_warm : 0);
         if (ov.lost || ov.errors)

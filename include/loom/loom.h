@@ -256,7 +256,11 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
  * a waiting one of better priority. When blocks run out, the running request of the
  * worst priority (the newest among equals) is preempted: its blocks are freed and it is
  * recomputed later (its output is unchanged). A request past its deadline is ended: with an
- * error while it waits, with what it has while it generates. */
+ * error while it waits, with what it has while it generates. Worse prompts yield to better
+ * arrivals: a step that admits a request runs no prefill of a worse priority beside it, and
+ * while requests of a better priority have arrived in the last 2 s, worse prompts are prefilled
+ * in chunks of half those requests' mean prompt (8 tokens at least) a step, so that a better
+ * request arriving next waits for a short step. */
 typedef struct loom_engine loom_engine;
 
 typedef struct loom_engine_options {
@@ -321,6 +325,9 @@ typedef struct loom_event {
      * place before it started (what a full queue answers at submission otherwise): try again
      * later */
     int32_t busy;
+    /* the last event: how long the request waited, from submission to its admission (0 when
+     * it never started) */
+    double queue_ms;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
