@@ -1166,6 +1166,31 @@ static void reap_cancelled(loom_engine *e, int all)
     }
 }
 
+/* The waiting requests' own priorities, counted into s: the best LOOM_STATS_PRIORITIES - 1
+ * each with its count, then the next with every worse one's. (Engine thread, e->lock held:
+ * the incoming requests wait too.) */
+static void count_waiting_priorities(const loom_engine *e, loom_engine_stats *s)
+{
+    int n = 0;
+    for (; n < LOOM_STATS_PRIORITIES; n++) {
+        int last = n == LOOM_STATS_PRIORITIES - 1;
+        int32_t best = INT32_MAX, count = 0;
+        for (int list = 0; list < 2; list++)
+            for (const ereq *q = list ? e->incoming : e->waiting; q; q = q->next) {
+                if (n > 0 && q->priority <= s->waiting_priority[n - 1])
+                    continue;
+                if (q->priority < best)
+                    count = last ? count + 1 : 1, best = q->priority;
+                else if (q->priority == best || last)
+                    count++;
+            }
+        if (!count)
+            break;
+        s->waiting_priority[n] = best, s->waiting_count[n] = count;
+    }
+    s->n_waiting_priorities = n;
+}
+
 static void publish_stats(loom_engine *e)
 {
     loom_kvstats k = loom_kvblocks_stats(e->kv);
@@ -1185,6 +1210,7 @@ static void publish_stats(loom_engine *e)
     s->deadline_waiting = e->n_deadline_waiting, s->deadline_running = e->n_deadline_running;
     s->max_queue = e->max_queue;
     s->drafted = e->n_drafted, s->accepted = e->n_accepted;
+    count_waiting_priorities(e, s);
     /* generated tokens per second over the last second or more of work */
     if (t - e->rate_t0 >= 1000) {
         s->tokens_per_s = (double)(e->n_generated - e->rate_n0) / ((t - e->rate_t0) / 1e3);

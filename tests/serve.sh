@@ -291,6 +291,7 @@ for attempt in 1 2 3; do
     post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2}" \
         >"$tmpdir/worse.out" & tp=$!
     for _ in $(seq 200); do [ "$(metric loom_requests_waiting)" = 1 ] && break; sleep 0.01; done
+    curl -s "$URL/metrics" | grep '^loom_requests_waiting_by_priority' >"$tmpdir/by_priority"
     post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"priority\":-1}" \
         >"$tmpdir/better.out"
     wait "$lp" "$tp"
@@ -302,6 +303,9 @@ done
     [ "$(metric loom_requests_displaced_total)" -ge 1 ] &&
     pass "a full queue: a better-priority newcomer displaces the waiting request (429) and runs" ||
     fail "displacement: $(cat "$tmpdir/worse.out") / $(cat "$tmpdir/better.out")"
+[ "$(cat "$tmpdir/by_priority")" = 'loom_requests_waiting_by_priority{priority="0"} 1' ] &&
+    pass "/metrics shows the waiting request by its priority" ||
+    fail "waiting by priority: '$(cat "$tmpdir/by_priority")'"
 post /v1/completions "$long" >"$tmpdir/long1.out" & lp=$!
 for _ in $(seq 200); do [ "$(metric loom_requests_running)" = 1 ] && break; sleep 0.01; done
 post /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":2,\"timeout\":0.01}" \
@@ -366,6 +370,26 @@ grep -q 'loom_key_requests_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
     ! grep -q 'alice-key\|bob-key' "$tmpdir/t_metrics" &&
     pass "/metrics counts requests and 429s by key name, never the key" ||
     fail "per-key metrics: $(grep loom_key "$tmpdir/t_metrics")"
+# the latency histograms: buckets that only grow, ending at _count; the keys' counts add up to
+# the server's (every request here has a key); alice's request that waited behind bob's long one
+# (seconds) shows in her queue histogram past 0.1 s
+histogram_ok() { # METRIC [LABEL,]: cumulative buckets ending at +Inf = _count
+    awk -v m="$1" -v l="${2:-}" '
+        index($1, m "_bucket{" l "le=") == 1 { if ($2 < last) bad = 1; last = $2; n++;
+                                              if ($1 ~ /le="\+Inf"/) inf = $2 }
+        $1 == m "_count" || (l != "" && $1 == m "_count{" substr(l, 1, length(l) - 1) "}") { count = $2 }
+        END { exit !(n == 12 && !bad && inf == count && count > 0) }' "$tmpdir/t_metrics"
+}
+key_count() { awk -v m="$1" '$1 ~ "^" m "_count\\{key=" { s += $2 } END { print s + 0 }' "$tmpdir/t_metrics"; }
+alice_queue() { awk -v le="$1" '$1 == "loom_key_queue_seconds_" le { print $2 }' "$tmpdir/t_metrics"; }
+histogram_ok loom_queue_seconds && histogram_ok loom_time_to_first_token_seconds &&
+    histogram_ok loom_key_queue_seconds 'key="alice",' &&
+    histogram_ok loom_key_time_to_first_token_seconds 'key="bob",' &&
+    [ "$(key_count loom_key_queue_seconds)" = "$(metric loom_queue_seconds_count)" ] &&
+    [ "$(key_count loom_key_time_to_first_token_seconds)" = "$(metric loom_time_to_first_token_seconds_count)" ] &&
+    [ "$(alice_queue 'bucket{key="alice",le="0.1"}')" -lt "$(alice_queue 'count{key="alice"}')" ] &&
+    pass "/metrics: queue and first-token histograms, per key name too, that add up" ||
+    fail "latency histograms: $(grep 'seconds' "$tmpdir/t_metrics" | grep -v '^#' | tr '\n' ' ')"
 stop_server
 KEY=$KEY_SAVED
 

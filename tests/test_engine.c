@@ -920,6 +920,66 @@ static void check_yield(const char *gguf)
     loom_model_close(m);
 }
 
+/* The stats count the waiting requests by priority (what /metrics shows): eleven requests at
+ * ten priorities behind a long one fill the table's seven first slots one priority each and
+ * its last with the three worst priorities. */
+static void check_waiting_table(const char *gguf)
+{
+    char err[512];
+    loom_model_options o = {.n_ctx = 512, .kv_blocks = 64};
+    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    if (!m)
+        return;
+    loom_engine_options eo = {.max_batch = 1, .max_queue = 16};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine) {
+        loom_model_close(m);
+        return;
+    }
+    loom_sampling greedy = loom_sampling_defaults();
+    greedy.temperature = 0;
+    greedy.ignore_eos = 1;
+    const prompt *p = &prompts[0];
+    /* (the best priority: a better waiting request would preempt it) */
+    loom_request r = {
+        .prompt = p->ids, .n_prompt = p->n, .max_tokens = 400, .sampling = greedy, .priority = -10};
+    static collector c[12];
+    memset(c, 0, sizeof c);
+    submit(&c[0], &r, 0);
+    wait_started(&c[0]);
+    static const int32_t priority[11] = {9, -3, 4, 0, 7, 4, 1, 2, 8, 3, 6};
+    for (int i = 0; i < 11; i++) {
+        r.priority = priority[i], r.max_tokens = 2;
+        submit(&c[i + 1], &r, i + 1);
+    }
+    loom_engine_stats st = {0};
+    for (int i = 0; i < 2000 && st.waiting != 11; i++) {
+        st = loom_engine_get_stats(engine);
+        usleep(500);
+    }
+    pthread_mutex_lock(&mu);
+    int running = !c[0].done;
+    pthread_mutex_unlock(&mu);
+    /* best first: -3, 0, 1, 2, 3, 4 (two), 6, then 7 with 8 and 9 */
+    static const int32_t want_p[8] = {-3, 0, 1, 2, 3, 4, 6, 7},
+                         want_n[8] = {1, 1, 1, 1, 1, 2, 1, 3};
+    int same = st.n_waiting_priorities == 8;
+    for (int i = 0; same && i < 8; i++)
+        same = st.waiting_priority[i] == want_p[i] && st.waiting_count[i] == want_n[i];
+    if (running)
+        CHECK(same, "waiting by priority: %d slots, the first %d x %d, the last %d x %d",
+              st.n_waiting_priorities, st.waiting_count[0], st.waiting_priority[0],
+              st.waiting_count[7], st.waiting_priority[7]);
+    else
+        printf("note: the long request ended before the queue was counted; not judged\n");
+    loom_engine_stop(engine, 0);
+    loom_engine_free(engine);
+    engine = NULL;
+    loom_model_close(m);
+}
+
 /* loom_generate_constrained draws what an engine's request with the same grammar draws: greedy
  * and sampled requests under a JSON Schema, batched together in the engine, each give the
  * tokens they give alone; and the grammar changed the answers (unconstrained ones differ). */
@@ -1012,6 +1072,7 @@ int main(void)
     check_behaviours(gguf);
     check_admission(gguf);
     check_yield(gguf);
+    check_waiting_table(gguf);
     check_lookup(gguf);
     check_constrained(gguf);
     setenv("LOOM_REF_OPAQUE", "1", 1);

@@ -36,6 +36,20 @@
 #include <unistd.h>
 
 
+/* A Prometheus histogram of seconds, in the buckets of Prometheus' client libraries: counts
+ * per bucket (made cumulative when shown), the +Inf one last. */
+static const double latency_buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+#define N_LATENCY_BUCKETS (sizeof latency_buckets / sizeof *latency_buckets)
+typedef struct histogram {
+    uint64_t in[N_LATENCY_BUCKETS + 1];
+    double sum;
+} histogram;
+
+/* A request's time in the queue and to its first token, as the engine's last event says. */
+typedef struct latencies {
+    histogram queue, ttft;
+} latencies;
+
 /* One API key of --api-keys: a tenant of the engine (its index + 1), with its own defaults
  * and limits, and its counts for /metrics (by name: the key is never shown). */
 typedef struct tenant {
@@ -44,6 +58,7 @@ typedef struct tenant {
     size_t key_len;
     int32_t priority, max_running, max_queue;
     uint64_t requests, refused; /* under count_lock */
+    latencies seen;             /* under count_lock */
 } tenant;
 
 /* One opened model with its engine: what requests run on. A reload opens another; new
@@ -86,7 +101,32 @@ typedef struct server {
     double timeout_s; /* --request-timeout: a request's deadline unless it gives one; 0 none */
     tenant *tenants;  /* --api-keys; NULL: one key (api_key) or none */
     int n_tenants;
+    latencies seen; /* every request's (under count_lock) */
 } server;
+
+static void observe(histogram *h, double seconds)
+{
+    size_t b = 0;
+    while (b < N_LATENCY_BUCKETS && seconds > latency_buckets[b])
+        b++;
+    h->in[b]++;
+    h->sum += seconds;
+}
+
+/* Counts a request's waiting and first token (who: its tenant, 0 none) from the engine's last
+ * event: the queue of one that started, the first token of one that generated. */
+static void observe_request(server *srv, int who, const loom_event *ev)
+{
+    latencies *all = &srv->seen, *own = who > 0 ? &srv->tenants[who - 1].seen : NULL;
+    pthread_mutex_lock(&srv->count_lock);
+    for (latencies *l = all; l; l = l == all ? own : NULL) {
+        if (ev->queue_ms > 0)
+            observe(&l->queue, ev->queue_ms / 1e3);
+        if (ev->ttft_ms > 0 && ev->n_generated > 0)
+            observe(&l->ttft, ev->ttft_ms / 1e3);
+    }
+    pthread_mutex_unlock(&srv->count_lock);
+}
 
 /* ---- jobs: one HTTP request's generations ------------------------------------------------- */
 
@@ -137,6 +177,7 @@ typedef struct job {
     int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
     int logprobs;
     int32_t prompt_last; /* what the first generated token follows (its text depends on it) */
+    int tenant;          /* whose key (--api-keys), 0: no tenant */
 } job;
 
 typedef struct event_target {
@@ -226,6 +267,7 @@ static void on_event(void *user, const loom_event *ev)
     int last = ev->kind != LOOM_EVENT_TEXT;
     pthread_mutex_unlock(&j->mu);
     if (last) {
+        observe_request(j->srv, j->tenant, ev);
         free(t);
         job_unref(j); /* the engine's reference */
     }
@@ -855,6 +897,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
     j->srv = srv, j->sv = sv; /* the job holds the model's reference from here */
+    j->tenant = who;
     j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
     j->refs = 1;
@@ -986,6 +1029,8 @@ typedef struct embed_job {
     int submitted, ended; /* inputs submitted, and those whose last event came */
     char error[300];      /* the first input that failed, and why */
     int deadline, busy;
+    server *srv;
+    int tenant; /* whose key, 0: no tenant */
 } embed_job;
 
 typedef struct embed_target {
@@ -999,6 +1044,7 @@ static void on_embedding(void *user, const loom_event *ev)
     embed_job *j = t->j;
     if (ev->kind == LOOM_EVENT_TEXT)
         return;
+    observe_request(j->srv, j->tenant, ev);
     pthread_mutex_lock(&j->mu);
     if (ev->kind == LOOM_EVENT_DONE && ev->embedding && ev->n_embd == j->n_embd)
         memcpy(j->out + (size_t)t->index * (size_t)j->n_embd, ev->embedding,
@@ -1076,7 +1122,7 @@ static enum MHD_Result handle_embeddings(server *srv, struct MHD_Connection *con
         tn->requests++;
         pthread_mutex_unlock(&srv->count_lock);
     }
-    embed_job j = {.n_embd = loom_model_n_embd(sv->api.model)};
+    embed_job j = {.n_embd = loom_model_n_embd(sv->api.model), .srv = srv, .tenant = who};
     pthread_mutex_init(&j.mu, NULL);
     pthread_cond_init(&j.cv, NULL);
     j.out = malloc((size_t)p.n_inputs * (size_t)j.n_embd * sizeof *j.out);
@@ -1186,6 +1232,63 @@ static enum MHD_Result handle_embeddings(server *srv, struct MHD_Connection *con
     return res;
 }
 
+/* A histogram's lines (its buckets made cumulative, _sum, _count) for metric, with a label
+ * before le (key="name") or none (""). */
+static void append_histogram(char **out, size_t *len, size_t *cap, const char *metric,
+                             const char *label, const histogram *h)
+{
+    char line[256];
+    uint64_t below = 0;
+    const char *comma = *label ? "," : "";
+    for (size_t b = 0; b <= N_LATENCY_BUCKETS; b++) {
+        below += h->in[b];
+        char le[16] = "+Inf";
+        if (b < N_LATENCY_BUCKETS)
+            snprintf(le, sizeof le, "%g", latency_buckets[b]);
+        int k = snprintf(line, sizeof line, "%s_bucket{%s%sle=\"%s\"} %llu\n", metric, label, comma,
+                         le, (unsigned long long)below);
+        buf_append(out, len, cap, line, (size_t)k);
+    }
+    const char *open = *label ? "{" : "", *close = *label ? "}" : "";
+    int k = snprintf(line, sizeof line, "%s_sum%s%s%s %.6f\n%s_count%s%s%s %llu\n", metric, open,
+                     label, close, h->sum, metric, open, label, close, (unsigned long long)below);
+    buf_append(out, len, cap, line, (size_t)k);
+}
+
+/* The histograms of time in the queue and to the first token: the server's, then per key. */
+static void append_latencies(server *srv, char **out, size_t *len, size_t *cap)
+{
+    static const struct {
+        const char *name, *help;
+    } kinds[2] = {
+        {"queue_seconds", "Time from a request's arrival to its admission (requests that started)"},
+        {"time_to_first_token_seconds",
+         "Time from a request's arrival to its first generated token"},
+    };
+    char metric[96], label[96], line[512];
+    pthread_mutex_lock(&srv->count_lock);
+    for (int i = 0; i < 2; i++) {
+        snprintf(metric, sizeof metric, "loom_%s", kinds[i].name);
+        int k = snprintf(line, sizeof line, "# HELP %s %s.\n# TYPE %s histogram\n", metric,
+                         kinds[i].help, metric);
+        buf_append(out, len, cap, line, (size_t)k);
+        append_histogram(out, len, cap, metric, "", i ? &srv->seen.ttft : &srv->seen.queue);
+    }
+    for (int i = 0; i < 2 && srv->n_tenants; i++) {
+        snprintf(metric, sizeof metric, "loom_key_%s", kinds[i].name);
+        int k = snprintf(line, sizeof line,
+                         "# HELP %s %s, by API key name (--api-keys).\n# TYPE %s histogram\n",
+                         metric, kinds[i].help, metric);
+        buf_append(out, len, cap, line, (size_t)k);
+        for (int t = 0; t < srv->n_tenants; t++) {
+            snprintf(label, sizeof label, "key=\"%s\"", srv->tenants[t].name);
+            const latencies *l = &srv->tenants[t].seen;
+            append_histogram(out, len, cap, metric, label, i ? &l->ttft : &l->queue);
+        }
+    }
+    pthread_mutex_unlock(&srv->count_lock);
+}
+
 static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
 {
     served *sv = acquire(srv);
@@ -1209,6 +1312,21 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
     METRIC("loom_requests_waiting", "gauge", "Requests queued for admission.", " %d", s.waiting);
     METRIC("loom_queue_limit", "gauge", "Requests the queue holds (--max-queue).", " %d",
            s.max_queue);
+    {
+        int k = snprintf(line, sizeof line,
+                         "# HELP loom_requests_waiting_by_priority Requests queued, by their own "
+                         "priority (the last, \">=N\", takes in every worse one past %d "
+                         "priorities).\n# TYPE loom_requests_waiting_by_priority gauge\n",
+                         LOOM_STATS_PRIORITIES);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+        for (int i = 0; i < s.n_waiting_priorities; i++) {
+            int rest = i == LOOM_STATS_PRIORITIES - 1;
+            k = snprintf(line, sizeof line,
+                         "loom_requests_waiting_by_priority{priority=\"%s%d\"} %d\n",
+                         rest ? ">=" : "", s.waiting_priority[i], s.waiting_count[i]);
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+    }
     for (int which = 0; which < 2 && srv->n_tenants; which++) {
         const char *metric = which ? "loom_key_refused_busy_total" : "loom_key_requests_total";
         int k = snprintf(line, sizeof line,
@@ -1224,6 +1342,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
             buf_append(&out, &len, &cap, line, (size_t)k);
         }
     }
+    append_latencies(srv, &out, &len, &cap);
     METRIC("loom_requests_refused_busy_total", "counter",
            "Requests answered 429 because the queue was full (at once, or displaced before they "
            "started by one of better priority).",

@@ -402,6 +402,7 @@ typedef struct loom_request {
 
 #define LOOM_MAX_TENANTS 256
 
+#define LOOM_STATS_PRIORITIES 8
 typedef struct loom_engine_stats {
     int32_t running, waiting;
     int32_t kv_blocks, kv_used, kv_cached, kv_free, block_size;
@@ -415,6 +416,11 @@ typedef struct loom_engine_stats {
     uint64_t deadline_running; /* ... and while they generated (stopped with what they had) */
     int32_t max_queue;
     uint64_t drafted, accepted; /* speculative proposals checked, and kept */
+    /* the waiting requests by their own priority, best first: waiting_count[i] of them wait at
+     * waiting_priority[i] (i < n_waiting_priorities); when more priorities wait than there are
+     * slots, the last slot counts its priority and every worse one */
+    int32_t n_waiting_priorities;
+    int32_t waiting_priority[LOOM_STATS_PRIORITIES], waiting_count[LOOM_STATS_PRIORITIES];
 } loom_engine_stats;
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
