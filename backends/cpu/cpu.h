@@ -84,9 +84,15 @@ int cpu_numa_interleave(const cpu_numa *t, void *p, size_t size);
 
 #include "pool.h"
 
-/* How a prepared weight is laid out (kern.h): rows interleaved a vector's lanes at a time, or
- * BF16 in column pairs for the BF16 dot product (kern_bf16.c) */
-typedef enum cpu_layout { CPU_LAYOUT_FILE = 0, CPU_LAYOUT_ROWS, CPU_LAYOUT_BF16_PAIRS } cpu_layout;
+/* How a prepared weight is laid out (kern.h): rows interleaved a vector's lanes at a time; so
+ * with each Q8_0 quant + 128, the unsigned operand of VNNI's u8 x s8 dot product
+ * (kern_q8_0_ri_vnni); or BF16 in column pairs for the BF16 dot product (kern_bf16.c) */
+typedef enum cpu_layout {
+    CPU_LAYOUT_FILE = 0,
+    CPU_LAYOUT_ROWS,
+    CPU_LAYOUT_ROWS_BIASED,
+    CPU_LAYOUT_BF16_PAIRS
+} cpu_layout;
 
 /* A run of huge pages that small prepared weights share (cpu_alloc_weight) */
 typedef struct cpu_chunk {

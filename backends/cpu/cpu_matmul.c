@@ -401,12 +401,13 @@ static loom_status matmul_run(cpu_backend *cb, const loom_matmul_params *p, int 
     if ((prepared && interleaves_blocks(wt)) || j.unpacked) { /* X as act_blocks */
 #if KERN_RI
         if (prepared)
-            j.kri = wt == LOOM_Q4_0 ? VNNI_OR(cb, kern_q4_0_ri)
-                : wt == LOOM_Q4_1   ? VNNI_OR(cb, kern_q4_1_ri)
-                : wt == LOOM_IQ4_NL ? VNNI_OR(cb, kern_iq4_nl_ri)
-                : wt == LOOM_Q5_0   ? VNNI_OR(cb, kern_q5_0_ri)
-                : wt == LOOM_Q5_1   ? VNNI_OR(cb, kern_q5_1_ri)
-                                    : VNNI_OR(cb, kern_q8_0_ri);
+            j.kri = wt == LOOM_Q4_0                  ? VNNI_OR(cb, kern_q4_0_ri)
+                : wt == LOOM_Q4_1                    ? VNNI_OR(cb, kern_q4_1_ri)
+                : wt == LOOM_IQ4_NL                  ? VNNI_OR(cb, kern_iq4_nl_ri)
+                : wt == LOOM_Q5_0                    ? VNNI_OR(cb, kern_q5_0_ri)
+                : wt == LOOM_Q5_1                    ? VNNI_OR(cb, kern_q5_1_ri)
+                : prepared == CPU_LAYOUT_ROWS_BIASED ? kern_q8_0_ri_vnni
+                                                     : kern_q8_0_ri;
 #endif
         j.kq_min = kern_kq_has_min(wt);
         size_t bytes = j.direct ? (size_t)(j.M * (j.K / LOOM_QK_K)) * sizeof(act_k)
@@ -614,6 +615,11 @@ static void repack_blocks(const repack_job *j, long g, int scales, int fifth, in
             const unsigned char *qs = src + 2 * scales + 4 * fifth;
             for (int c = 0; c < chunks; c++) /* q[h][c][r] */
                 memcpy(q + ((size_t)c * KERN_RI + r) * 4, qs + 4 * c, 4);
+            if (j->layout ==
+                CPU_LAYOUT_ROWS_BIASED) /* int8 q + 128 as uint8: the sign bit flipped */
+                for (int c = 0; c < chunks; c++)
+                    for (int k = 0; k < 4; k++)
+                        q[((size_t)c * KERN_RI + r) * 4 + (size_t)k] ^= 0x80;
         }
     }
 }
@@ -674,7 +680,8 @@ loom_status cpu_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tens
      * expert's must fill whole groups, so that cpu_prepared_expert finds its own */
     int stack_fits = w->ne[2] * w->ne[3] == 1 || w->ne[1] % KERN_RI == 0;
     if (interleaves && stack_fits && N > 0 && N % KERN_RI == 0 && K > 0) {
-        cpu_layout layout = CPU_LAYOUT_ROWS;
+        cpu_layout layout = w->dtype == LOOM_Q8_0 && HAS_VNNI(cb) ? CPU_LAYOUT_ROWS_BIASED
+                                                                  : CPU_LAYOUT_ROWS;
 #if defined(LOOM_CPU_VARIANT_AVX512)
         if (w->dtype == LOOM_BF16 && cb->feat.avx512bf16)
             layout = CPU_LAYOUT_BF16_PAIRS;

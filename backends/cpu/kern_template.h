@@ -1064,9 +1064,12 @@ void KERN(kern_q5_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, 
 
 /* ---- Q8_0, interleaved rows (layout in kern.h) ---------------------------------------------- */
 
-/* |w| is the unsigned operand and w's sign moves onto the broadcast x, as in q8_0_tile: exact
- * for every int8 w, -128 included (|-128| is 128 unsigned). Both are worked out once per weight
- * vector and shared by the activation rows. */
+/* Without VNNI |w| is the unsigned operand and w's sign moves onto the broadcast x, as in
+ * q8_0_tile: exact for every int8 w, -128 included (|-128| is 128 unsigned). Both are worked out
+ * once per weight vector and shared by the activation rows. With VNNI the weights were stored
+ * as w + 128 (CPU_LAYOUT_ROWS_BIASED), the unsigned operand as they are, and each lane starts
+ * at -128 x the activation block's sum (16 x neg8sum): exact for every int8 w, and no sign
+ * work beside each dot product (a masked subtract per weight vector and activation row). */
 #if defined(__AVX512F__)
 typedef __mmask64 vsign;
 #define V_SIGNS(w) _mm512_movepi8_mask(w)
@@ -1099,22 +1102,35 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         vflt wd = V_F16(o->d[h]);
         vint s0[KERN_MR], s1[KERN_MR];
         UNROLL
-        for (int r = 0; r < MR; r++)
-            s0[r] = s1[r] = V_ZERO_I();
+        for (int r = 0; r < MR; r++) {
+#ifdef KERN_VNNI
+            s0[r] = V_SET1_I(16 * a[r * nb + b].neg8sum);
+#else
+            s0[r] = V_ZERO_I();
+#endif
+            s1[r] = V_ZERO_I();
+        }
         UNROLL
         for (int c = 0; c < 8; c += 2) {
             vint w0 = V_LOAD_I(o->q[h][c]), w1 = V_LOAD_I(o->q[h][c + 1]);
+#ifdef KERN_VNNI
+#define Q8_X(x, k) (x) /* the weights are unsigned already */
+            vint u0 = w0, u1 = w1;
+#else
+#define Q8_X(x, k) V_APPLY_SIGN((x), (k))
             vint u0 = V_ABS8(w0), u1 = V_ABS8(w1);
             vsign k0 = V_SIGNS(w0), k1 = V_SIGNS(w1);
+#endif
             UNROLL
             for (int r = 0; r < MR; r++) {
                 const act_block *x = a + r * nb + b;
-                s0[r] = V_DOT(s0[r], u0, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c), k0));
+                s0[r] = V_DOT(s0[r], u0, Q8_X(V_BCAST4(x->qs + 4 * c), k0));
                 if (CHAINS == 2)
-                    s1[r] = V_DOT(s1[r], u1, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c + 4), k1));
+                    s1[r] = V_DOT(s1[r], u1, Q8_X(V_BCAST4(x->qs + 4 * c + 4), k1));
                 else
-                    s0[r] = V_DOT(s0[r], u1, V_APPLY_SIGN(V_BCAST4(x->qs + 4 * c + 4), k1));
+                    s0[r] = V_DOT(s0[r], u1, Q8_X(V_BCAST4(x->qs + 4 * c + 4), k1));
             }
+#undef Q8_X
         }
         UNROLL
         for (int r = 0; r < MR; r++)
