@@ -10,7 +10,10 @@ expect_grep() {
 finish() { [ "$fails" -eq 0 ] && exit 0 || exit 1; }
 tmpdir=$(mktemp -d "${TMPDIR:-/tmp}/loom-test.XXXXXX")
 # LOOM_TEST_KEEP=1 keeps the test's files (server logs and the like) for a look afterwards
-[ -n "${LOOM_TEST_KEEP:-}" ] && echo "keeping $tmpdir" >&2 || trap 'rm -rf "$tmpdir"' EXIT
+# on_exit: what runs when the test ends, however it ends (serve_lib.sh adds stopping its server)
+on_exit=
+[ -n "${LOOM_TEST_KEEP:-}" ] && echo "keeping $tmpdir" >&2 || on_exit='rm -rf "$tmpdir"'
+trap 'eval "$on_exit"' EXIT
 # best_of JSON_FILE: the label (name or name-variant) of the highest-scoring usable candidate
 best_of() {
     jq -r '[.candidates[] | select(.usable and .kind == "backend")] | max_by(.score)

@@ -1,6 +1,9 @@
 # tests/serve_lib.sh - sourced by the `loom serve` tests (after lib.sh, with MODEL and KEY set):
 # starting a server on a free loopback port and talking to it.
 
+# a test that stops early (set -u, an unexpected exit) must not leave its server running
+on_exit="[ -n \"\${PID:-}\" ] && kill -TERM \"\$PID\" 2>/dev/null; $on_exit"
+
 # start_server LOG ARGS...: starts loom serve on a free port; sets PID, port and URL. With
 # LOOM_SERVE_MPIRUN (a launcher: "mpirun -np 2 ..."), the server is a pipeline over the job's
 # ranks (tests/distributed.sh): PID is then rank 0's process, LAUNCHER the launcher's.
