@@ -126,6 +126,15 @@ static void wait_all(collector *c, int n)
     pthread_mutex_unlock(&mu);
 }
 
+/* Greedy sampling that generates max_tokens whatever the model says (EOS ignored). */
+static loom_sampling greedy_past_eos(void)
+{
+    loom_sampling s = loom_sampling_defaults();
+    s.temperature = 0;
+    s.ignore_eos = 1;
+    return s;
+}
+
 static const char *texts[] = {
     "Once upon a time",
     "Lily and Tom went to the park to play with a big red ball",
@@ -339,9 +348,7 @@ static void run_q8_kv(const char *backend)
     close(fd);
     CHECK(loom_write_synthetic_model(path, "tiny", "q8_0", err, sizeof err) == 0, "synthetic: %s",
           err);
-    loom_sampling greedy = loom_sampling_defaults();
-    greedy.temperature = 0;
-    greedy.ignore_eos = 1;
+    loom_sampling greedy = greedy_past_eos();
     loom_model_options o = {.n_ctx = 128, .backend = backend, .kv_type = "q8_0"};
     loom_model *m = loom_model_open(path, &o, err, sizeof err);
     CHECK(m != NULL, "q8_0 KV on %s: %s", backend ? backend : "best", err);
@@ -534,6 +541,33 @@ static void wait_started(const collector *c)
         usleep(500);
 }
 
+/* Opens gguf with o and starts `engine` on it with eo: the model, or NULL (each step checked). */
+static loom_model *open_with_engine(const char *gguf, const loom_model_options *o,
+                                    const loom_engine_options *eo)
+{
+    char err[512];
+    loom_model *m = loom_model_open(gguf, o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    if (!m)
+        return NULL;
+    engine = loom_engine_start(m, eo, err, sizeof err);
+    CHECK(engine != NULL, "start: %s", err);
+    if (!engine) {
+        loom_model_close(m);
+        return NULL;
+    }
+    return m;
+}
+
+/* Stops `engine` (letting its requests finish for up to drain_ms) and closes m. */
+static void close_engine(loom_model *m, int drain_ms)
+{
+    loom_engine_stop(engine, drain_ms);
+    loom_engine_free(engine);
+    engine = NULL;
+    loom_model_close(m);
+}
+
 /* Admission under pressure (issue 44), one sequence running at a time so that the order in
  * which the others start is the order they were admitted in: the queue refuses past
  * max_queue, waiting requests go by priority and then arrival, the priority of one that
@@ -543,20 +577,11 @@ static void check_admission(const char *gguf)
 {
     char err[512];
     loom_model_options o = {.n_ctx = 512, .kv_blocks = 64};
-    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
-    CHECK(m != NULL, "%s", err);
+    loom_engine_options eo = {.max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
+    loom_model *m = open_with_engine(gguf, &o, &eo);
     if (!m)
         return;
-    loom_engine_options eo = {.max_batch = 1, .max_tokens_per_step = 64, .max_queue = 3};
-    engine = loom_engine_start(m, &eo, err, sizeof err);
-    CHECK(engine != NULL, "start: %s", err);
-    if (!engine) {
-        loom_model_close(m);
-        return;
-    }
-    loom_sampling greedy = loom_sampling_defaults();
-    greedy.temperature = 0;
-    greedy.ignore_eos = 1;
+    loom_sampling greedy = greedy_past_eos();
     const prompt *p = &prompts[0];
     loom_request head = {.prompt = p->ids, .n_prompt = p->n, .max_tokens = 400, .sampling = greedy};
     loom_request small = head;
@@ -794,10 +819,7 @@ static void check_admission(const char *gguf)
     CHECK(c[2].ttft_ms >= 145 && c[2].ttft_ms < 1000,
           "batch wait: a request alone waits the whole 150 ms, not much longer (%.1f ms)",
           c[2].ttft_ms);
-    loom_engine_stop(engine, 1000);
-    loom_engine_free(engine);
-    engine = NULL;
-    loom_model_close(m);
+    close_engine(m, 1000);
 }
 
 /* n token ids, none shared with another call's (a different start, so no cached prefix) */
@@ -831,21 +853,12 @@ static void check_yield(const char *gguf)
 {
     char err[512];
     loom_model_options o = {.n_ctx = 512, .kv_blocks = 128};
-    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
-    CHECK(m != NULL, "%s", err);
+    loom_engine_options eo = {.max_batch = 4, .max_tokens_per_step = 256};
+    loom_model *m = open_with_engine(gguf, &o, &eo);
     if (!m)
         return;
     int32_t vocab = loom_model_n_vocab(m);
-    loom_engine_options eo = {.max_batch = 4, .max_tokens_per_step = 256};
-    engine = loom_engine_start(m, &eo, err, sizeof err);
-    CHECK(engine != NULL, "start: %s", err);
-    if (!engine) {
-        loom_model_close(m);
-        return;
-    }
-    loom_sampling greedy = loom_sampling_defaults();
-    greedy.temperature = 0;
-    greedy.ignore_eos = 1;
+    loom_sampling greedy = greedy_past_eos();
     static int32_t better_ids[3][20], long_ids[3][100];
     static collector c[4];
     memset(c, 0, sizeof c);
@@ -914,10 +927,7 @@ static void check_yield(const char *gguf)
           c[2].done_as, c[1].done_as);
     pthread_mutex_unlock(&mu);
     check_idle("after the yielding checks");
-    loom_engine_stop(engine, 1000);
-    loom_engine_free(engine);
-    engine = NULL;
-    loom_model_close(m);
+    close_engine(m, 1000);
 }
 
 /* The stats count the waiting requests by priority (what /metrics shows): eleven requests at
@@ -925,22 +935,12 @@ static void check_yield(const char *gguf)
  * its last with the three worst priorities. */
 static void check_waiting_table(const char *gguf)
 {
-    char err[512];
     loom_model_options o = {.n_ctx = 512, .kv_blocks = 64};
-    loom_model *m = loom_model_open(gguf, &o, err, sizeof err);
-    CHECK(m != NULL, "%s", err);
+    loom_engine_options eo = {.max_batch = 1, .max_queue = 16};
+    loom_model *m = open_with_engine(gguf, &o, &eo);
     if (!m)
         return;
-    loom_engine_options eo = {.max_batch = 1, .max_queue = 16};
-    engine = loom_engine_start(m, &eo, err, sizeof err);
-    CHECK(engine != NULL, "start: %s", err);
-    if (!engine) {
-        loom_model_close(m);
-        return;
-    }
-    loom_sampling greedy = loom_sampling_defaults();
-    greedy.temperature = 0;
-    greedy.ignore_eos = 1;
+    loom_sampling greedy = greedy_past_eos();
     const prompt *p = &prompts[0];
     /* (the best priority: a better waiting request would preempt it) */
     loom_request r = {
@@ -974,10 +974,7 @@ static void check_waiting_table(const char *gguf)
               st.waiting_count[7], st.waiting_priority[7]);
     else
         printf("note: the long request ended before the queue was counted; not judged\n");
-    loom_engine_stop(engine, 0);
-    loom_engine_free(engine);
-    engine = NULL;
-    loom_model_close(m);
+    close_engine(m, 0);
 }
 
 /* loom_generate_constrained draws what an engine's request with the same grammar draws: greedy

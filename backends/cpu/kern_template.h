@@ -1070,6 +1070,15 @@ void KERN(kern_q5_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, 
  * as w + 128 (CPU_LAYOUT_ROWS_BIASED), the unsigned operand as they are, and each lane starts
  * at -128 x the activation block's sum (16 x neg8sum): exact for every int8 w, and no sign
  * work beside each dot product (a masked subtract per weight vector and activation row). */
+/* A block's starting lane sum against weights stored biased by +128 for VNNI's unsigned
+ * operand (Q8_0's, IQ4_NL's table): -128 x the activation block's sum, 16 x neg8sum; none
+ * without VNNI, where the weights stay signed. */
+#ifdef KERN_VNNI
+#define V_BIASED_START(x) V_SET1_I(16 * (x)->neg8sum)
+#else
+#define V_BIASED_START(x) V_ZERO_I()
+#endif
+
 #if defined(__AVX512F__)
 typedef __mmask64 vsign;
 #define V_SIGNS(w) _mm512_movepi8_mask(w)
@@ -1102,14 +1111,8 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         vflt wd = V_F16(o->d[h]);
         vint s0[KERN_MR], s1[KERN_MR];
         UNROLL
-        for (int r = 0; r < MR; r++) {
-#ifdef KERN_VNNI
-            s0[r] = V_SET1_I(16 * a[r * nb + b].neg8sum);
-#else
-            s0[r] = V_ZERO_I();
-#endif
-            s1[r] = V_ZERO_I();
-        }
+        for (int r = 0; r < MR; r++)
+            s0[r] = V_BIASED_START(a + r * nb + b), s1[r] = V_ZERO_I();
         UNROLL
         for (int c = 0; c < 8; c += 2) {
             vint w0 = V_LOAD_I(o->q[h][c]), w1 = V_LOAD_I(o->q[h][c + 1]);
@@ -1185,14 +1188,8 @@ INLINE void iq4_nl_ri_tile(const unsigned char *w, int64_t nb, const act_block *
         vflt wd = V_F16(o->d[h]);
         vint s0[KERN_MR], s1[KERN_MR];
         UNROLL
-        for (int r = 0; r < MR; r++) {
-#ifdef KERN_VNNI
-            s0[r] = V_SET1_I(16 * a[r * nb + b].neg8sum);
-#else
-            s0[r] = V_ZERO_I();
-#endif
-            s1[r] = V_ZERO_I();
-        }
+        for (int r = 0; r < MR; r++)
+            s0[r] = V_BIASED_START(a + r * nb + b), s1[r] = V_ZERO_I();
         UNROLL
         for (int c = 0; c < 4; c++) {
             vint v = V_LOAD_I(o->q[h][c]);
