@@ -615,8 +615,8 @@ static void repack_blocks(const repack_job *j, long g, int scales, int fifth, in
             const unsigned char *qs = src + 2 * scales + 4 * fifth;
             for (int c = 0; c < chunks; c++) /* q[h][c][r] */
                 memcpy(q + ((size_t)c * KERN_RI + r) * 4, qs + 4 * c, 4);
-            if (j->layout ==
-                CPU_LAYOUT_ROWS_BIASED) /* int8 q + 128 as uint8: the sign bit flipped */
+            /* VNNI's Q8_0: int8 q + 128 as uint8 is q with its sign bit flipped */
+            if (j->layout == CPU_LAYOUT_ROWS_BIASED)
                 for (int c = 0; c < chunks; c++)
                     for (int k = 0; k < 4; k++)
                         q[((size_t)c * KERN_RI + r) * 4 + (size_t)k] ^= 0x80;

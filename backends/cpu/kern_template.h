@@ -1064,12 +1064,6 @@ void KERN(kern_q5_1_ri)(const unsigned char *w, int64_t nb, const act_block *a, 
 
 /* ---- Q8_0, interleaved rows (layout in kern.h) ---------------------------------------------- */
 
-/* Without VNNI |w| is the unsigned operand and w's sign moves onto the broadcast x, as in
- * q8_0_tile: exact for every int8 w, -128 included (|-128| is 128 unsigned). Both are worked out
- * once per weight vector and shared by the activation rows. With VNNI the weights were stored
- * as w + 128 (CPU_LAYOUT_ROWS_BIASED), the unsigned operand as they are, and each lane starts
- * at -128 x the activation block's sum (16 x neg8sum): exact for every int8 w, and no sign
- * work beside each dot product (a masked subtract per weight vector and activation row). */
 /* A block's starting lane sum against weights stored biased by +128 for VNNI's unsigned
  * operand (Q8_0's, IQ4_NL's table): -128 x the activation block's sum, 16 x neg8sum; none
  * without VNNI, where the weights stay signed. */
@@ -1089,6 +1083,19 @@ typedef __m256i vsign;
 #define V_SIGNS(w) (w)
 #define V_ABS8(w) _mm256_abs_epi8(w)
 #define V_APPLY_SIGN(x, w) _mm256_sign_epi8((x), (w)) /* zeroes x where w is 0: |w| is 0 too */
+#endif
+
+/* Without VNNI |w| is the unsigned operand and w's sign moves onto the broadcast x, as in
+ * q8_0_tile: exact for every int8 w, -128 included (|-128| is 128 unsigned). Both are worked out
+ * once per weight vector and shared by the activation rows. With VNNI the weights were stored
+ * as w + 128 (CPU_LAYOUT_ROWS_BIASED), the unsigned operand as they are, and each lane starts
+ * at V_BIASED_START: exact for every int8 w, and no sign work beside each dot product (a masked
+ * subtract per weight vector and activation row). Q8_X is the broadcast x as the dot product
+ * takes it, given the weight vector's signs k. */
+#ifdef KERN_VNNI
+#define Q8_X(x, k) (x)
+#else
+#define Q8_X(x, k) V_APPLY_SIGN((x), (k))
 #endif
 
 INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a, float *out,
@@ -1117,10 +1124,8 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
         for (int c = 0; c < 8; c += 2) {
             vint w0 = V_LOAD_I(o->q[h][c]), w1 = V_LOAD_I(o->q[h][c + 1]);
 #ifdef KERN_VNNI
-#define Q8_X(x, k) (x) /* the weights are unsigned already */
             vint u0 = w0, u1 = w1;
 #else
-#define Q8_X(x, k) V_APPLY_SIGN((x), (k))
             vint u0 = V_ABS8(w0), u1 = V_ABS8(w1);
             vsign k0 = V_SIGNS(w0), k1 = V_SIGNS(w1);
 #endif
@@ -1133,7 +1138,6 @@ INLINE void q8_0_ri_tile(const unsigned char *w, int64_t nb, const act_block *a,
                 else
                     s0[r] = V_DOT(s0[r], u1, Q8_X(V_BCAST4(x->qs + 4 * c + 4), k1));
             }
-#undef Q8_X
         }
         UNROLL
         for (int r = 0; r < MR; r++)
