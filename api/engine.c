@@ -139,7 +139,7 @@ struct loom_engine {
         double t;
         int32_t priority, n_prompt;
     } recent[RECENT_ARRIVALS];
-    int n_arrived;
+    int next_arrival; /* the slot of recent the next arrival takes */
     double rate_t0;
     uint64_t rate_n0;
 
@@ -615,8 +615,8 @@ static int32_t proposals_wanted(loom_engine *e, ereq *q, int32_t room)
 static void note_arrivals(loom_engine *e, const ereq *first)
 {
     for (const ereq *q = first; q; q = q->next) {
-        e->recent[e->n_arrived] = (struct arrival){q->t_submit, q->priority, q->n_prompt};
-        e->n_arrived = (e->n_arrived + 1) % RECENT_ARRIVALS;
+        e->recent[e->next_arrival] = (struct arrival){q->t_submit, q->priority, q->n_prompt};
+        e->next_arrival = (e->next_arrival + 1) % RECENT_ARRIVALS;
     }
 }
 
