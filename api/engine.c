@@ -411,6 +411,27 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         req_free(q);
         return -1;
     }
+    if (e->n_live == e->cap_live) {
+        int cap = e->cap_live ? 2 * e->cap_live : 64;
+        ereq **nl = realloc(e->live, (size_t)cap * sizeof *nl);
+        if (!nl) {
+            pthread_mutex_unlock(&e->lock);
+            goto oom;
+        }
+        e->live = nl, e->cap_live = cap;
+    }
+    /* the tenant's own share first: a request its share refuses displaces nobody */
+    int32_t tenant_waiting = e->tenant_live[q->tenant] - e->tenant_running[q->tenant];
+    if (q->tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
+        e->stats.refused_busy++;
+        snprintf(err, err_size,
+                 "too many requests of yours are waiting (%d; your share of the queue is %d); "
+                 "try again shortly",
+                 tenant_waiting, r->tenant_max_queue);
+        pthread_mutex_unlock(&e->lock);
+        req_free(q);
+        return LOOM_ENGINE_BUSY;
+    }
     int queued = e->n_live - e->n_running_now - e->n_displaced;
     if (queued >= e->max_queue) {
         /* a full queue takes a request of better priority in place of its worst one that has
@@ -437,26 +458,6 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         e->n_displaced++;
         e->stats.displaced++;
         e->has_cancels = 1; /* the engine thread refuses it at its next step */
-    }
-    int32_t tenant_waiting = e->tenant_live[q->tenant] - e->tenant_running[q->tenant];
-    if (q->tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
-        e->stats.refused_busy++;
-        snprintf(err, err_size,
-                 "too many requests of yours are waiting (%d; your share of the queue is %d); "
-                 "try again shortly",
-                 tenant_waiting, r->tenant_max_queue);
-        pthread_mutex_unlock(&e->lock);
-        req_free(q);
-        return LOOM_ENGINE_BUSY;
-    }
-    if (e->n_live == e->cap_live) {
-        int cap = e->cap_live ? 2 * e->cap_live : 64;
-        ereq **nl = realloc(e->live, (size_t)cap * sizeof *nl);
-        if (!nl) {
-            pthread_mutex_unlock(&e->lock);
-            goto oom;
-        }
-        e->live = nl, e->cap_live = cap;
     }
     e->live[e->n_live++] = q;
     e->tenant_live[q->tenant]++;
@@ -1242,6 +1243,9 @@ static void batch_wait(loom_engine *e)
         double left = first + e->batch_wait_ms - now_ms();
         if (!n || n >= e->max_batch || left <= 0 || e->cancel_all || e->has_cancels || e->stopping)
             return;
+        /* the requests held here are waiting, and the stats say so while they are held */
+        e->stats.waiting = n;
+        count_waiting_priorities(e, &e->stats);
         struct timespec until;
         clock_gettime(CLOCK_REALTIME, &until);
         long ns = until.tv_nsec + (long)(left * 1e6);

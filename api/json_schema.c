@@ -21,10 +21,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* A schema's grammar is bounded while it is made: a few hundred bytes of schema (types listed
+ * over and over, anyOf within anyOf) can otherwise describe gigabytes of grammar. Every byte
+ * written counts against the conversion's budget (so does copying a rule's text into another),
+ * and so does every rule. */
+#define MAX_SCHEMA_GRAMMAR_BYTES (1 << 20)
+#define MAX_SCHEMA_RULES 16384
+
 typedef struct text {
     char *s;
     size_t n, cap;
     int oom;
+    size_t *budget; /* bytes the conversion may still write (NULL: no limit) */
 } text;
 
 static void put(text *t, const char *fmt, ...)
@@ -34,6 +42,12 @@ static void put(text *t, const char *fmt, ...)
     va_copy(ap2, ap);
     int k = vsnprintf(NULL, 0, fmt, ap);
     va_end(ap);
+    if (k >= 0 && t->budget) {
+        if (*t->budget < (size_t)k)
+            t->oom = 1, *t->budget = 0; /* conv's check names it as the budget's */
+        else
+            *t->budget -= (size_t)k;
+    }
     if (k < 0 || t->oom ||
         (t->n + (size_t)k + 1 > t->cap &&
          !(t->s = realloc(t->s, t->cap = (t->n + (size_t)k + 1) * 2)))) {
@@ -48,7 +62,8 @@ static void put(text *t, const char *fmt, ...)
 
 typedef struct conv {
     const cJSON *root;
-    text rules; /* the schema's own rules */
+    size_t budget; /* of grammar bytes (MAX_SCHEMA_GRAMMAR_BYTES at the start) */
+    text rules;    /* the schema's own rules */
     int n_rules;
     struct {
         const cJSON *schema;
@@ -60,9 +75,18 @@ typedef struct conv {
     int failed;
 } conv;
 
+/* a text whose bytes count against c's budget */
+#define TEXT(c) {.budget = &(c)->budget}
+
+#define OVER_BUDGET                                                                                \
+    "the schema's grammar would pass %d bytes (types listed over and over, or schemas nested "    \
+    "in alternatives, multiply it); simplify the schema"
+
 static int fail(conv *c, const char *fmt, ...)
 {
-    if (!c->failed) {
+    if (!c->failed && !c->budget) /* what ran out first, whatever failed on it */
+        snprintf(c->err, c->err_size, OVER_BUDGET, MAX_SCHEMA_GRAMMAR_BYTES);
+    else if (!c->failed) {
         va_list ap;
         va_start(ap, fmt);
         vsnprintf(c->err, c->err_size, fmt, ap);
@@ -180,7 +204,7 @@ static int gen_ref(conv *c, const char *ref, text *out)
         return fail(c, "more than %d distinct $ref targets", c->n_refs);
     int k = c->n_rules++; /* named before its body: the body may refer to it */
     c->refs[c->n_refs].schema = target, c->refs[c->n_refs++].rule = k;
-    text body = {0};
+    text body = TEXT(c);
     int rc = gen(c, target, &body);
     if (rc == 0)
         put(&c->rules, "s%d ::= %s\n", k, body.s);
@@ -284,7 +308,7 @@ static int gen_integer(conv *c, const cJSON *s, text *out)
         return fail(c, "integer bounds beyond 10^15 are not supported");
     if (lo > hi)
         return fail(c, "the integer range [%g, %g] is empty", lo, hi);
-    text body = {0};
+    text body = TEXT(c);
     put(&body, "(");
     if (lo < 0) { /* the negatives: "-" and their magnitudes */
         long long mag_lo = hi < 0 ? (long long)-hi : 1, mag_hi = isinf(lo) ? -1 : (long long)-lo;
@@ -317,7 +341,7 @@ static int gen_string(conv *c, const cJSON *s, text *out)
         char *body = NULL, why[300];
         if (loom_regex_to_gbnf(pattern->valuestring, "json-char", &body, why, sizeof why) != 0)
             return fail(c, "%s", why);
-        text rule = {0};
+        text rule = TEXT(c);
         put(&rule, "\"\\\"\" %s \"\\\"\"", body);
         free(body);
         int rc = rule.oom ? fail(c, "out of memory") : add_rule(c, &rule, out);
@@ -371,7 +395,7 @@ static int gen_array(conv *c, const cJSON *s, text *out)
     if (prefix && !cJSON_IsArray(prefix))
         return fail(c, "'prefixItems' must be an array of schemas");
     int n_prefix = prefix ? cJSON_GetArraySize(prefix) : 0;
-    text item = {0}, body = {0};
+    text item = TEXT(c), body = TEXT(c);
     int rc = 0;
     if (cJSON_IsFalse(items))
         hi = hi < 0 || hi > n_prefix ? n_prefix : hi;
@@ -443,7 +467,7 @@ static int gen_object(conv *c, const cJSON *s, text *out)
             put(out, "(\"{\" ws \"}\")");
             return 0;
         }
-        text v = {0}, body = {0};
+        text v = TEXT(c), body = TEXT(c);
         int rc = gen(c, extra, &v);
         if (rc == 0) {
             put(&body,
@@ -458,9 +482,9 @@ static int gen_object(conv *c, const cJSON *s, text *out)
      * tail_i (something written, so a comma first), for properties i.. */
     int n = cJSON_GetArraySize(props), base = c->n_rules, rc = 0;
     c->n_rules += 2 * (n + 1);
-    text extra_kv = {0};
+    text extra_kv = TEXT(c);
     if (extra && !cJSON_IsFalse(extra)) {
-        text v = {0};
+        text v = TEXT(c);
         rc = cJSON_IsTrue(extra) ? (put(&v, "json-value"), 0) : gen(c, extra, &v);
         put(&extra_kv, "(\",\" ws json-string ws \":\" ws %s ws)*", v.s ? v.s : "json-value");
         free(v.s);
@@ -470,7 +494,7 @@ static int gen_object(conv *c, const cJSON *s, text *out)
         int required = 0;
         for (const cJSON *r = req ? req->child : NULL; r; r = r->next)
             required |= cJSON_IsString(r) && !strcmp(r->valuestring, p->string);
-        text kv = {0}, key = {0};
+        text kv = TEXT(c), key = TEXT(c);
         cJSON *name = cJSON_CreateString(p->string);
         char *quoted = name ? cJSON_PrintUnformatted(name) : NULL;
         cJSON_Delete(name);
@@ -587,6 +611,11 @@ static int gen(conv *c, const cJSON *s, text *out)
                     cJSON_IsArray(s) ? "an array" : "a scalar");
     if (++c->depth > 64)
         return fail(c, "the schema nests more than 64 deep");
+    if (c->n_rules > MAX_SCHEMA_RULES)
+        return fail(c, "the schema's grammar would pass %d rules; simplify the schema",
+                    MAX_SCHEMA_RULES);
+    if (!c->budget)
+        return fail(c, OVER_BUDGET, MAX_SCHEMA_GRAMMAR_BYTES);
     for (const cJSON *k = s->child; k; k = k->next) {
         int known = 0;
         for (int i = 0; handled[i] && !known; i++)
@@ -636,10 +665,20 @@ static int gen(conv *c, const cJSON *s, text *out)
         rc = gen_typed(c, s, type->valuestring, out);
     } else if (cJSON_IsArray(type) && type->child) {
         put(out, "(");
+        int first = 1;
         for (const cJSON *t = type->child; t && rc == 0; t = t->next) {
-            rc = cJSON_IsString(t) ? gen_typed(c, s, t->valuestring, out)
-                                   : fail(c, "'type' must name types");
-            put(out, t->next ? " | " : "");
+            if (!cJSON_IsString(t)) {
+                rc = fail(c, "'type' must name types");
+                break;
+            }
+            int again = 0; /* a type named twice allows nothing more: its grammar once */
+            for (const cJSON *u = type->child; u != t && !again; u = u->next)
+                again = !strcmp(u->valuestring, t->valuestring);
+            if (again)
+                continue;
+            put(out, first ? "" : " | ");
+            rc = gen_typed(c, s, t->valuestring, out);
+            first = 0;
         }
         put(out, ")");
     } else if (type) {
@@ -670,15 +709,19 @@ char *loom_json_schema_to_gbnf(const char *schema_json, char *err, size_t err_si
         return NULL;
     }
     conv c = {.root = schema, .err = err, .err_size = err_size};
-    text root = {0};
+    c.budget = MAX_SCHEMA_GRAMMAR_BYTES;
+    c.rules.budget = &c.budget;
+    text root = TEXT(&c);
     int rc = gen(&c, schema, &root);
     char *out = NULL;
     if (rc == 0 && !root.oom && !c.rules.oom) {
-        text all = {0};
+        text all = {0}; /* the whole, once: what the budget bounded */
         put(&all, "root ::= ws %s\n%s%s", root.s, c.rules.s ? c.rules.s : "", json_rules);
         if (all.oom)
             snprintf(err, err_size, "out of memory");
         out = all.oom ? (free(all.s), NULL) : all.s;
+    } else if (rc == 0 && !c.budget) {
+        snprintf(err, err_size, OVER_BUDGET, MAX_SCHEMA_GRAMMAR_BYTES);
     } else if (rc == 0) {
         snprintf(err, err_size, "out of memory");
     }

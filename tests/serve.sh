@@ -338,8 +338,8 @@ stop_server
 
 # ---- tenants (--api-keys): each key opens the door, a wrong one does not; alice may have one
 # request waiting, so her second is a 429 ("yours") while bob's is still taken; /metrics counts
-# by name and never shows a key
-printf '# name key options\nalice alice-key max-queue=1 priority=1\n\nbob bob-key\n' >"$tmpdir/keys"
+# by name (to an admin key: ops) and never shows a key
+printf '# name key options\nalice alice-key max-queue=1 priority=1\n\nbob bob-key\nops ops-key admin\n' >"$tmpdir/keys"
 KEY_SAVED=$KEY; KEY=
 start_server "$tmpdir/server4.log" -c 2048 --max-batch 1 --api-keys "$tmpdir/keys"
 as() { who=$1; shift; KEY=$who-key post "$@"; }
@@ -364,7 +364,7 @@ done
     [ "$(tail -n1 "$tmpdir/t_bob.out")" = 200 ] && [ "$(tail -n1 "$tmpdir/t_wait.out")" = 200 ] &&
     pass "a tenant past its share of the queue gets 429 while another's request is taken" ||
     fail "tenant queue: $(cat "$tmpdir/t_busy.out") bob $(tail -n1 "$tmpdir/t_bob.out")"
-curl -s "$URL/metrics" >"$tmpdir/t_metrics"
+curl -s -H "Authorization: Bearer ops-key" "$URL/metrics" >"$tmpdir/t_metrics"
 grep -q 'loom_key_requests_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
     grep -q 'loom_key_refused_busy_total{key="alice"} [1-9]' "$tmpdir/t_metrics" &&
     ! grep -q 'alice-key\|bob-key' "$tmpdir/t_metrics" &&

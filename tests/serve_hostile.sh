@@ -148,22 +148,22 @@ raw_status() { # REQUEST (printf format): the status line of a hand-written requ
 # NUL before loom sees it, so "Bearer KEY\0junk" reads as "Bearer KEY", the right key.)
 
 # ---- refused before the body: a wrong key on a huge upload is answered from the headers
-st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\nContent-Length: 100000000\r\n\r\n")
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer wrong\r\nContent-Length: 100000000\r\n\r\n")
 case $st in *" 401 "*) pass "a wrong key is refused before the 100 MB body arrives ($st)" ;;
             *) fail "no early refusal: '$st'" ;; esac
-st=$(raw_status "POST /v2/nothing HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n")
+st=$(raw_status "POST /v2/nothing HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100000000\r\n\r\n")
 case $st in *" 404 "*) pass "an unknown path is refused before its body ($st)" ;; *) fail "unknown path: '$st'" ;; esac
 # ---- a body framed two ways (request smuggling behind a proxy) is refused from the headers
 # (the body is not sent: a server closing on unread bytes would reset the connection). Both
 # framings would give a valid request: without the check the server waits for the body.
 body="{\"model\":\"$NAME\",\"prompt\":\"Once\",\"max_tokens\":1}  "
-st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nContent-Length: $((${#body} - 2))\r\nContent-Length: ${#body}\r\n\r\n")
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer $KEY\r\nContent-Length: $((${#body} - 2))\r\nContent-Length: ${#body}\r\n\r\n")
 case $st in *" 400 "*) pass "two different Content-Length headers are refused ($st)" ;;
             *) fail "two Content-Lengths: '$st'" ;; esac
-st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer $KEY\r\nContent-Length: ${#body}\r\nTransfer-Encoding: chunked\r\n\r\n")
+st=$(raw_status "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer $KEY\r\nContent-Length: ${#body}\r\nTransfer-Encoding: chunked\r\n\r\n")
 case $st in *" 400 "*) pass "Content-Length with Transfer-Encoding is refused ($st)" ;;
             *) fail "Content-Length + Transfer-Encoding: '$st'" ;; esac
-st=$(raw_status "HEAD /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+st=$(raw_status "HEAD /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
 case $st in *" 200 "*) pass "HEAD /health answers as GET does ($st)" ;; *) fail "HEAD /health: '$st'" ;; esac
 
 # ---- draining: new requests get 503 + Retry-After; a generation cut off says "length"
@@ -217,7 +217,7 @@ if ulimit -n 4096 2>/dev/null; then
         echo "$code" >"$3/fd.code"
         sleep 5   # past --idle-timeout: the server closes them
         exec 3<>"/dev/tcp/127.0.0.1/$1"
-        printf "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" >&3
+        printf "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n" >&3
         timeout 5 head -n 1 <&3 | tr -d "\r" >"$3/fd.after"
     ' _ "$port" "$KEY" "$tmpdir"
     [ "$(cat "$tmpdir/fd.code" 2>/dev/null)" = 200 ] &&
@@ -250,7 +250,7 @@ start_server "$tmpdir/slow.log" -c 256 --max-connections 16 --max-connections-pe
 bash -c '
     for i in $(seq 16); do
         exec {fd}<>"/dev/tcp/127.0.0.1/$1" || exit 1
-        printf "GET /health HTTP/1.1\r\nHost: x\r\n" >&$fd   # never finished
+        printf "GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" >&$fd   # never finished
         eval "fd$i=$fd"
     done
     sleep 0.5

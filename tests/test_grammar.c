@@ -228,6 +228,41 @@ int main(void)
     refused("{\"type\": ", 1, "not valid JSON");
     refused("{\"anyOf\": [{\"$ref\": \"#\"}, {\"type\": \"null\"}]}", 1, "refers back to itself");
 
+    /* schemas whose grammars multiply: a type named eight times on each of five nested objects
+     * (8^5 copies of the innermost before types were deduplicated) is one grammar; distinct
+     * types nested in alternatives that really do multiply are refused by the budget, quickly */
+    char nested[4096] = "{\"type\": \"string\"}", deeper[4096];
+    for (int level = 0; level < 5; level++) {
+        snprintf(deeper, sizeof deeper,
+                 "{\"type\": [\"object\", \"object\", \"object\", \"object\", \"object\", "
+                 "\"object\", \"object\", \"object\"], \"properties\": {\"a\": %s}, "
+                 "\"required\": [\"a\"]}",
+                 nested);
+        snprintf(nested, sizeof nested, "%s", deeper);
+    }
+    expect_schema(nested, L("{\"a\": {\"a\": {\"a\": {\"a\": {\"a\": \"x\"}}}}}"),
+                  L("{\"a\": {\"a\": {\"a\": {\"a\": {\"a\": 1}}}}}"));
+    /* past the budgets: a 1.1 MB enum string, 10000 properties */
+    size_t big = 1100000;
+    char *schema_text = malloc(big + 64), *o;
+    CHECK(schema_text != NULL, "out of memory");
+    if (schema_text) {
+        o = schema_text + sprintf(schema_text, "{\"enum\": [\"");
+        memset(o, 'a', big), o += big;
+        strcpy(o, "\"]}");
+        refused(schema_text, 1, "would pass 1048576 bytes");
+        free(schema_text);
+    }
+    schema_text = malloc(10000 * 32 + 64);
+    if (schema_text) {
+        o = schema_text + sprintf(schema_text, "{\"type\": \"object\", \"properties\": {");
+        for (int i = 0; i < 10000; i++)
+            o += sprintf(o, "%s\"p%d\": {\"type\": \"null\"}", i ? ", " : "", i);
+        strcpy(o, "}}");
+        refused(schema_text, 1, "would pass 16384 rules");
+        free(schema_text);
+    }
+
     /* the trie's mask against each token's own bytes, on real vocabularies */
     char path[4200];
     const char *schema =

@@ -778,6 +778,14 @@ int openai_parse_embeddings(const openai_model *srv, const cJSON *body, embed_pa
     if (n > OPENAI_MAX_INPUTS)
         return fail(b, 400, "input", "'input' has %d inputs; at most %d go in one request", n,
                     OPENAI_MAX_INPUTS);
+    /* the answer holds n x n_embd numbers: a few bytes of request must not ask for a hundred
+     * megabytes of response */
+    if ((int64_t)n * n_embd > OPENAI_MAX_EMBEDDING_VALUES)
+        return fail(b, 400, "input",
+                    "'input' has %d inputs of %d dimensions each: %lld numbers, more than the %d "
+                    "one answer holds; send at most %d inputs a request to this model",
+                    n, n_embd, (long long)n * n_embd, OPENAI_MAX_EMBEDDING_VALUES,
+                    OPENAI_MAX_EMBEDDING_VALUES / n_embd);
     if (!(p->inputs = calloc((size_t)n, sizeof *p->inputs)))
         return fail(b, 500, NULL, "out of memory");
     const cJSON *item = many ? in->child : in;

@@ -93,6 +93,9 @@ void openai_parsed_free(parsed *p);
 
 /* A valid /v1/embeddings request: its inputs' token ids (malloc'd) and how to answer. */
 #define OPENAI_MAX_INPUTS 2048
+/* numbers in one /v1/embeddings answer, all inputs together (16 MB as float32, about 48 MB as
+ * JSON): 1024 inputs of a 4096-wide model */
+#define OPENAI_MAX_EMBEDDING_VALUES (1 << 22)
 typedef struct embed_input {
     int32_t *ids;
     int32_t n_ids;

@@ -56,7 +56,8 @@ typedef struct tenant {
     char name[64];
     char *key;
     size_t key_len;
-    int32_t priority, max_running, max_queue;
+    int admin;                                /* "admin" on its line: may reload, see all keys */
+    int32_t priority, max_running, max_queue; /* priority: the best its requests may ask for */
     uint64_t requests, refused; /* under count_lock */
     latencies seen;             /* under count_lock */
 } tenant;
@@ -88,6 +89,10 @@ typedef struct server {
     int reloads;
     const char *api_key;
     size_t api_key_len;
+    const char *admin_key; /* --admin-key-file: the one key that may reload (NULL: see caller) */
+    size_t admin_key_len;
+    int loopback;          /* bound to 127.0.0.0/8: only loopback names in Host */
+    const char *allowed_hosts; /* --allow-host: more names Host may give there (commas) */
     int metrics_auth;      /* /metrics wants the key too */
     int webui;             /* the chat page at GET / (off: --no-webui) */
     int partition_by_user; /* --prefix-cache per-user */
@@ -125,6 +130,16 @@ static void observe_request(server *srv, int who, const loom_event *ev)
         if (ev->ttft_ms > 0 && ev->n_generated > 0)
             observe(&l->ttft, ev->ttft_ms / 1e3);
     }
+    pthread_mutex_unlock(&srv->count_lock);
+}
+
+/* A 429 for a request of tenant who (0: none): refused at once, or displaced while waiting. */
+static void count_refused(server *srv, int who)
+{
+    if (who <= 0)
+        return;
+    pthread_mutex_lock(&srv->count_lock);
+    srv->tenants[who - 1].refused++;
     pthread_mutex_unlock(&srv->count_lock);
 }
 
@@ -268,6 +283,8 @@ static void on_event(void *user, const loom_event *ev)
     pthread_mutex_unlock(&j->mu);
     if (last) {
         observe_request(j->srv, j->tenant, ev);
+        if (ev->busy)
+            count_refused(j->srv, j->tenant);
         free(t);
         job_unref(j); /* the engine's reference */
     }
@@ -337,6 +354,7 @@ static enum MHD_Result send_error(server *srv, struct MHD_Connection *con, unsig
     json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
     cJSON_AddStringToObject(e, "type",
                             status == 401       ? "authentication_error"
+                                : status == 403 ? "permission_error"
                                 : status == 429 ? "rate_limit_error"
                                 : status == 504 ? "timeout_error"
                                 : status >= 500 ? "server_error"
@@ -826,30 +844,36 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
 
 /* ---- endpoints ---------------------------------------------------------------------------- */
 
-/* The prefix-cache partition of a request: the common one, or with --prefix-cache per-user
- * one per "user" field (a request without one shares with nobody). */
-static uint64_t cache_partition(const server *srv, const char *user)
+/* The prefix-cache partition of a request. Tenants (who: 1, 2, ... of --api-keys) never share
+ * one: a cache hit, and the time it saves, would tell one what another's prompts began with.
+ * Within a tenant (or without keys) requests share, or with --prefix-cache per-user only those
+ * with the same "user" field do (a request without one shares with nobody). */
+static uint64_t cache_partition(const server *srv, int who, const char *user)
 {
     static uint64_t anonymous;
     if (!srv->partition_by_user)
-        return 0;
-    uint64_t h = 1469598103934665603ull;
+        return (uint64_t)who << 1; /* 0: the common one */
     if (!user)
         return __atomic_add_fetch(&anonymous, 1, __ATOMIC_RELAXED) << 1 | 1; /* odd: no user */
+    uint64_t h = 1469598103934665603ull;
+    for (int i = 0; i < 4; i++) /* the tenant's bytes, then the user's */
+        h = (h ^ ((unsigned)who >> (8 * i) & 0xff)) * 1099511628211ull;
     for (const char *c = user; *c; c++)
         h = (h ^ (unsigned char)*c) * 1099511628211ull;
     return h << 1; /* even, and 0 only for the common partition's sake by chance (2^-63) */
 }
 
-/* A request's place in the engine: its cache partition, priority (its own, else its key's),
- * deadline (its own, else --request-timeout) and tenant (who: its key, 0 none) with the key's
- * limits. */
+/* A request's place in the engine: its cache partition, priority (its own, else its key's; a
+ * key's priority is the best its requests get: they may ask for worse, not better), deadline
+ * (its own, else --request-timeout) and tenant (who: its key, 0 none) with the key's limits. */
 static void set_admission(loom_request *r, const server *srv, int who, const char *user,
                           int32_t priority, int priority_given, double timeout_s)
 {
     const tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
-    r->cache_partition = cache_partition(srv, user);
-    r->priority = priority_given || !tn ? priority : tn->priority;
+    r->cache_partition = cache_partition(srv, who, user);
+    r->priority = !tn ? priority
+        : priority_given && priority > tn->priority ? priority
+                                                    : tn->priority;
     r->timeout_ms = 1e3 * (timeout_s > 0 ? timeout_s : srv->timeout_s);
     r->tenant = who;
     r->tenant_max_running = tn ? tn->max_running : 0;
@@ -960,11 +984,8 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         pthread_mutex_unlock(&j->mu);
         cancel_job(j);
         job_unref(j);
-        if (busy && tn) {
-            pthread_mutex_lock(&srv->count_lock);
-            tn->refused++;
-            pthread_mutex_unlock(&srv->count_lock);
-        }
+        if (busy)
+            count_refused(srv, who);
         if (busy)
             return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", err);
         return send_error(srv, con, srv->shutting_down ? 503 : 400, NULL, NULL, "%s", err);
@@ -1045,6 +1066,8 @@ static void on_embedding(void *user, const loom_event *ev)
     if (ev->kind == LOOM_EVENT_TEXT)
         return;
     observe_request(j->srv, j->tenant, ev);
+    if (ev->busy)
+        count_refused(j->srv, j->tenant);
     pthread_mutex_lock(&j->mu);
     if (ev->kind == LOOM_EVENT_DONE && ev->embedding && ev->n_embd == j->n_embd)
         memcpy(j->out + (size_t)t->index * (size_t)j->n_embd, ev->embedding,
@@ -1183,11 +1206,7 @@ static enum MHD_Result handle_embeddings(server *srv, struct MHD_Connection *con
         pthread_mutex_unlock(&srv->count_lock);
         res = MHD_NO;
     } else if (busy) {
-        if (tn) {
-            pthread_mutex_lock(&srv->count_lock);
-            tn->refused++;
-            pthread_mutex_unlock(&srv->count_lock);
-        }
+        count_refused(srv, who);
         res = send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", err);
     } else if (err[0]) {
         res = send_error(srv, con, srv->shutting_down ? 503 : 500, NULL, NULL, "%s", err);
@@ -1256,7 +1275,7 @@ static void append_histogram(char **out, size_t *len, size_t *cap, const char *m
 }
 
 /* The histograms of time in the queue and to the first token: the server's, then per key. */
-static void append_latencies(server *srv, char **out, size_t *len, size_t *cap)
+static void append_latencies(server *srv, int per_key, char **out, size_t *len, size_t *cap)
 {
     static const struct {
         const char *name, *help;
@@ -1274,7 +1293,7 @@ static void append_latencies(server *srv, char **out, size_t *len, size_t *cap)
         buf_append(out, len, cap, line, (size_t)k);
         append_histogram(out, len, cap, metric, "", i ? &srv->seen.ttft : &srv->seen.queue);
     }
-    for (int i = 0; i < 2 && srv->n_tenants; i++) {
+    for (int i = 0; i < 2 && per_key; i++) {
         snprintf(metric, sizeof metric, "loom_key_%s", kinds[i].name);
         int k = snprintf(line, sizeof line,
                          "# HELP %s %s, by API key name (--api-keys).\n# TYPE %s histogram\n",
@@ -1289,7 +1308,9 @@ static void append_latencies(server *srv, char **out, size_t *len, size_t *cap)
     pthread_mutex_unlock(&srv->count_lock);
 }
 
-static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
+/* The server's figures; per_key: also each tenant's, by name (for an admin key only: a
+ * tenant's name and traffic are no other tenant's business). */
+static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con, int per_key)
 {
     served *sv = acquire(srv);
     loom_engine_stats s = loom_engine_get_stats(sv->engine);
@@ -1327,7 +1348,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
             buf_append(&out, &len, &cap, line, (size_t)k);
         }
     }
-    for (int which = 0; which < 2 && srv->n_tenants; which++) {
+    for (int which = 0; which < 2 && per_key; which++) {
         const char *metric = which ? "loom_key_refused_busy_total" : "loom_key_requests_total";
         int k = snprintf(line, sizeof line,
                          "# HELP %s %s by API key name (--api-keys).\n# TYPE %s counter\n", metric,
@@ -1342,7 +1363,7 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
             buf_append(&out, &len, &cap, line, (size_t)k);
         }
     }
-    append_latencies(srv, &out, &len, &cap);
+    append_latencies(srv, per_key, &out, &len, &cap);
     METRIC("loom_requests_refused_busy_total", "counter",
            "Requests answered 429 because the queue was full (at once, or displaced before they "
            "started by one of better priority).",
@@ -1407,14 +1428,15 @@ static enum MHD_Result handle_metrics(server *srv, struct MHD_Connection *con)
 }
 
 static int reload(server *srv, char *err, size_t err_size);
-static int authorised(server *srv, struct MHD_Connection *con);
+static int authorised(server *srv, struct MHD_Connection *con, int *admin);
 
 /* {"status": "ok"}; to a client with the key (or any, when the server wants none) also the
  * model, the reloads and "reload_error" while the last reload failed (the old model serving):
  * a stranger learns nothing but that the server is up. */
 static enum MHD_Result handle_health(server *srv, struct MHD_Connection *con)
 {
-    if (authorised(srv, con) < 0)
+    int admin;
+    if (authorised(srv, con, &admin) < 0)
         return send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
     cJSON *o = cJSON_CreateObject();
     cJSON_AddStringToObject(o, "status", "ok");
@@ -1507,29 +1529,38 @@ static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *
     return MHD_YES;
 }
 
-/* The request carries a key, read exactly: one Authorization header, the scheme "Bearer" in
- * any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or tabs.
- * Returns 0 when the server wants no key or has the one, the tenant (1, 2, ...) whose key of
- * --api-keys it is, -1 when none matches (every key is compared, in constant time each). */
-static int authorised(server *srv, struct MHD_Connection *con)
+/* Who sent the request, from its key, read exactly: one Authorization header, the scheme
+ * "Bearer" in any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or
+ * tabs. Returns the tenant (1, 2, ...) whose key of --api-keys it is, 0 for the one key of
+ * --api-key-file (or --admin-key-file's) or when the API wants no key, -1 when the API wants a
+ * key and none matches (every key is compared, in constant time each). *admin: the key may
+ * reload the model and see every tenant's figures: --admin-key-file's, a tenant line that says
+ * "admin", the one API key when no admin key is set, anyone when the server has no key at all. */
+static int authorised(server *srv, struct MHD_Connection *con, int *admin)
 {
-    if (!srv->api_key && !srv->n_tenants)
+    int open_api = !srv->api_key && !srv->n_tenants;
+    *admin = open_api && !srv->admin_key;
+    if (*admin)
         return 0;
     auth_header a = {0};
     MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_auth, &a);
     if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
-        return -1;
+        return open_api ? 0 : -1;
     size_t start = 7, end = a.len;
     while (start < end && a.value[start] == ' ')
         start++;
     while (end > start && (a.value[end - 1] == ' ' || a.value[end - 1] == '\t'))
         end--;
-    if (!srv->n_tenants)
-        return same_secret(a.value + start, end - start, srv->api_key, srv->api_key_len) ? 0 : -1;
-    int found = -1;
+    const char *given = a.value + start;
+    size_t n = end - start;
+    int found = open_api ? 0 : -1;
+    if (srv->admin_key && same_secret(given, n, srv->admin_key, srv->admin_key_len))
+        found = 0, *admin = 1;
+    if (srv->api_key && same_secret(given, n, srv->api_key, srv->api_key_len))
+        found = 0, *admin = !srv->admin_key;
     for (int i = 0; i < srv->n_tenants; i++)
-        if (same_secret(a.value + start, end - start, srv->tenants[i].key, srv->tenants[i].key_len))
-            found = i + 1;
+        if (same_secret(given, n, srv->tenants[i].key, srv->tenants[i].key_len))
+            found = i + 1, *admin = srv->tenants[i].admin;
     return found;
 }
 
@@ -1581,6 +1612,66 @@ static int refused_ambiguous_framing(server *srv, struct MHD_Connection *con)
     return r ? 1 : -1;
 }
 
+/* Whether host (a Host header: a name or address, maybe a port) names this machine's loopback
+ * (localhost, 127.0.0.0/8, [::1]) or one of allowed (--allow-host: names split by commas). */
+static int allowed_host(const char *host, const char *allowed)
+{
+    size_t n = host[0] == '[' ? strcspn(host, "]") + 1 : strcspn(host, ":");
+    if (host[n - (n > 0)] == '\0' && host[0] == '[')
+        return 0; /* "[" without its "]" */
+    char name[256];
+    if (n == 0 || n >= sizeof name || (host[n] && (host[n] != ':' || !host[n + 1])))
+        return 0;
+    memcpy(name, host, n), name[n] = '\0';
+    struct in_addr a;
+    if (!strcasecmp(name, "localhost") || !strcmp(name, "[::1]") ||
+        (inet_pton(AF_INET, name, &a) == 1 && ntohl(a.s_addr) >> 24 == 127))
+        return 1;
+    for (const char *p = allowed; p && *p; p += strcspn(p, ","), p += *p == ',') {
+        size_t k = strcspn(p, ",");
+        if (k == n && !strncasecmp(p, name, n))
+            return 1;
+    }
+    return 0;
+}
+
+/* A browser runs any web page's requests with its user's reach: to a server on loopback, and
+ * (a page whose own name resolves to 127.0.0.1, "DNS rebinding") as if same-origin. Refused,
+ * from the headers: on a loopback bind a Host that is not a loopback name (or --allow-host's),
+ * 421; a request whose Origin is not this server's, or that a browser marks as sent from
+ * another site, 403. Returns 0, 1 with the refusal queued, or -1. */
+static int refused_foreign(server *srv, struct MHD_Connection *con)
+{
+    const char *host = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Host");
+    const char *origin = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Origin");
+    const char *site = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Sec-Fetch-Site");
+    if (srv->loopback && host && !allowed_host(host, srv->allowed_hosts))
+        return send_error(srv, con, 421, NULL, "misdirected_request",
+                          "this server listens on loopback and answers requests for localhost, "
+                          "127.0.0.1 or [::1] only, not 'Host: %.200s' (a web page whose name "
+                          "points at this machine must not reach it); a proxy in front of it "
+                          "should pass the Host it connects to, or start loom serve with "
+                          "--allow-host NAME",
+                          host) == MHD_YES
+            ? 1
+            : -1;
+    const char *authority = !origin                          ? NULL
+        : !strncasecmp(origin, "http://", 7)                 ? origin + 7
+        : !strncasecmp(origin, "https://", 8)                ? origin + 8
+                                                             : "";
+    int foreign = origin ? !host || strcasecmp(authority, host) != 0
+                         : site && strcmp(site, "same-origin") && strcmp(site, "none");
+    if (!foreign)
+        return 0;
+    return send_error(srv, con, 403, NULL, "cross_origin_request",
+                      "a request from a web page of another origin (%.200s) is refused: pages on "
+                      "the web must not drive this server from their visitors' browsers; call it "
+                      "from a program, or from the chat page it serves at /",
+                      origin ? origin : site) == MHD_YES
+        ? 1
+        : -1;
+}
+
 /* The first call for a request: its route, method and key (and whether the server is still
  * taking work) are known from the headers, so a request that will be refused is refused now,
  * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
@@ -1590,6 +1681,8 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     int refused = refused_ambiguous_framing(srv, con);
     if (refused)
         return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
+    if ((refused = refused_foreign(srv, con)))
+        return refused > 0 ? MHD_YES : MHD_NO;
     /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
     int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     route to = !strcmp(url, "/") && srv->webui ? ROUTE_WEBUI
@@ -1618,15 +1711,17 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
         if (srv->shutting_down)
             return send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}");
         return handle_health(srv, con);
-    case ROUTE_METRICS:
+    case ROUTE_METRICS: {
         if (!get)
             return send_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        if (srv->metrics_auth && authorised(srv, con) < 0)
+        int admin, known = authorised(srv, con, &admin) >= 0;
+        if (srv->metrics_auth && !known)
             return refuse_key(srv, con);
-        return handle_metrics(srv, con);
+        return handle_metrics(srv, con, srv->n_tenants && known && admin);
+    }
     default: break;
     }
-    int who = authorised(srv, con);
+    int admin, who = authorised(srv, con, &admin);
     if (who < 0)
         return refuse_key(srv, con);
     cs->tenant = who;
@@ -1636,8 +1731,16 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     if (to == ROUTE_RELOAD) {
         if (!post)
             return send_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+        if (!admin)
+            return send_error(srv, con, 403, NULL, "admin_key_required",
+                              "reloading the model takes an admin key ('admin' on its "
+                              "--api-keys line, or --admin-key-file's); this key may use the API "
+                              "only");
         char why[1024];
-        if (reload(srv, why, sizeof why) != 0)
+        int failed = reload(srv, why, sizeof why);
+        if (failed > 0)
+            return send_error(srv, con, 409, NULL, "reload_in_progress", "%s", why);
+        if (failed)
             return send_error(srv, con, 500, NULL, "reload_failed",
                               "reloading the model failed; the old one keeps serving: %s", why);
         return handle_models(srv, con); /* what now serves */
@@ -1765,9 +1868,14 @@ static void served_free(served *sv)
     free(sv);
 }
 
+static void reap(server *srv);
+
 /* SIGHUP or POST /admin/reload: new requests go to the file as it is now once it has loaded
  * and generated; the old model finishes what it runs. On failure the old one keeps serving, and
- * the error stays in /health until a reload succeeds. Returns 0, or -1 with err. */
+ * the error stays in /health until a reload succeeds. While the model before the last reload
+ * still finishes requests, another reload is refused: retired models (each with its KV pool)
+ * never pile up behind a client that holds a stream open. Returns 0, -1 with err when the new
+ * model failed, 1 with err when it was not tried for that reason. */
 static int reload(server *srv, char *err, size_t err_size)
 {
     if (!srv->can_reload) {
@@ -1775,6 +1883,21 @@ static int reload(server *srv, char *err, size_t err_size)
         return -1;
     }
     pthread_mutex_lock(&srv->reload_lock);
+    reap(srv);
+    pthread_mutex_lock(&srv->live_lock);
+    int held = 0;
+    for (const served *r = srv->retired; r; r = r->next)
+        held += r->refs;
+    pthread_mutex_unlock(&srv->live_lock);
+    if (held) {
+        pthread_mutex_unlock(&srv->reload_lock);
+        snprintf(err, err_size,
+                 "the model before the last reload still finishes %d request%s; reload again "
+                 "once %s done",
+                 held, held == 1 ? "" : "s", held == 1 ? "it is" : "they are");
+        fprintf(stderr, "loom serve: reload of %s not done: %s\n", srv->model_path, err);
+        return 1;
+    }
     served *sv = served_open(srv, err, err_size);
     pthread_mutex_lock(&srv->live_lock);
     if (sv) {
@@ -1819,19 +1942,20 @@ static void reap(server *srv)
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-/* The key is the file's first line (a trailing newline, and CR, dropped). */
-static int read_key_file(const char *path, char *key, size_t cap)
+/* The key is the file's first line (a trailing newline, and CR, dropped); flag: the option
+ * that named the file. */
+static int read_key_file(const char *flag, const char *path, char *key, size_t cap)
 {
     FILE *f = fopen(path, "r");
     if (!f) {
-        fprintf(stderr, "loom serve: --api-key-file %s: %s\n", path, strerror(errno));
+        fprintf(stderr, "loom serve: %s %s: %s\n", flag, path, strerror(errno));
         return -1;
     }
     int ok = fgets(key, (int)cap, f) != NULL;
     fclose(f);
     key[ok ? strcspn(key, "\r\n") : 0] = '\0';
     if (!key[0]) {
-        fprintf(stderr, "loom serve: --api-key-file %s: the first line is empty\n", path);
+        fprintf(stderr, "loom serve: %s %s: the first line is empty\n", flag, path);
         return -1;
     }
     return 0;
@@ -1846,8 +1970,9 @@ static int valid_key(const char *key)
     return n >= 1 && n <= 1024;
 }
 
-/* --api-keys FILE: one tenant per line, "NAME KEY [priority=N] [max-running=N] [max-queue=N]"
- * (blank lines and lines starting with '#' skipped). Every problem is named with its line. */
+/* --api-keys FILE: one tenant per line, "NAME KEY [priority=N] [max-running=N] [max-queue=N]
+ * [admin]" (blank lines and lines starting with '#' skipped). Every problem is named with its
+ * line. */
 static int read_api_keys(const char *path, server *srv)
 {
     FILE *f = fopen(path, "r");
@@ -1894,6 +2019,10 @@ static int read_api_keys(const char *path, server *srv)
         tenant *t = &srv->tenants[srv->n_tenants];
         snprintf(t->name, sizeof t->name, "%s", name);
         for (char *opt; rc == 0 && (opt = strtok_r(NULL, " \t\r\n", &save));) {
+            if (!strcmp(opt, "admin")) {
+                t->admin = 1;
+                continue;
+            }
             char *end;
             const char *eq = strchr(opt, '=');
             long v = eq ? strtol(eq + 1, &end, 10) : 0;
@@ -1906,7 +2035,7 @@ static int read_api_keys(const char *path, server *srv)
             if (!dest || eq[1] == '\0' || *end || v < lo || v > 1000000) {
                 fprintf(stderr,
                         "loom serve: --api-keys %s:%d: '%s' is not priority=N (-1000000 to "
-                        "1000000), max-running=N or max-queue=N (1 to 1000000)\n",
+                        "1000000), max-running=N, max-queue=N (1 to 1000000) or admin\n",
                         path, n_line, opt);
                 rc = -1;
             } else {
@@ -1953,7 +2082,8 @@ static void free_api_keys(void)
 int loom_serve_main(int argc, char **argv)
 {
     const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *tmpl_file = NULL,
-               *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL;
+               *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL,
+               *admin_key_file = NULL, *allow_host = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
@@ -1980,6 +2110,13 @@ int loom_serve_main(int argc, char **argv)
          "[max-running=N] [max-queue=N]; tenants take turns at equal priority"},
         {"--api-key", NULL, LOOM_FLAG_TEXT, &api_key, 0, 0, "KEY",
          "the key itself: works, but shows it to anyone who can run ps"},
+        {"--admin-key-file", NULL, LOOM_FLAG_TEXT, &admin_key_file, 0, 0, "FILE",
+         "the key that may reload the model (POST /admin/reload) and see\n"
+         "every tenant's metrics; without it the one API key may, or with\n"
+         "--api-keys the lines that say 'admin'"},
+        {"--allow-host", NULL, LOOM_FLAG_TEXT, &allow_host, 0, 0, "NAMES",
+         "on a loopback --host, Host names accepted besides localhost,\n"
+         "127.0.0.1 and [::1] (commas between; a proxy's name)"},
         {"--metrics-auth", NULL, LOOM_FLAG_SWITCH, &metrics_auth, 0, 0, NULL,
          "/metrics wants the key too"},
         {"--no-webui", NULL, LOOM_FLAG_SWITCH, &no_webui, 0, 0, NULL,
@@ -2082,8 +2219,17 @@ int loom_serve_main(int argc, char **argv)
                 "or --api-key\n");
         return 2;
     }
-    if (key_file && read_key_file(key_file, key_buf, sizeof key_buf) != 0)
+    if (key_file && read_key_file("--api-key-file", key_file, key_buf, sizeof key_buf) != 0)
         return 2;
+    char admin_buf[4096] = "";
+    if (admin_key_file &&
+        (read_key_file("--admin-key-file", admin_key_file, admin_buf, sizeof admin_buf) != 0 ||
+         !valid_key(admin_buf))) {
+        if (admin_buf[0])
+            fprintf(stderr, "loom serve: --admin-key-file: the key must be 1 to 1024 visible "
+                            "ASCII characters (no spaces or controls)\n");
+        return 2;
+    }
     atexit(free_api_keys);
     if (api_keys && read_api_keys(api_keys, &keyring) != 0)
         return 2;
@@ -2095,6 +2241,14 @@ int loom_serve_main(int argc, char **argv)
         fprintf(stderr,
                 "loom serve: the API key must be 1 to 1024 visible ASCII characters (no "
                 "spaces or controls)\n");
+        return 2;
+    }
+    int admin_is_api_key = admin_key_file && api_key && !strcmp(admin_buf, api_key);
+    for (int i = 0; admin_key_file && i < keyring.n_tenants; i++)
+        admin_is_api_key |= !strcmp(admin_buf, keyring.tenants[i].key);
+    if (admin_is_api_key) {
+        fprintf(stderr, "loom serve: the admin key (--admin-key-file) must differ from the API "
+                        "keys: a client that only uses the API must not be able to reload\n");
         return 2;
     }
     if (metrics_auth && !api_key && !keyring.n_tenants) {
@@ -2169,6 +2323,10 @@ int loom_serve_main(int argc, char **argv)
                           .draft = draft || draft_layers},
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
+                  .admin_key = admin_key_file ? admin_buf : NULL,
+                  .admin_key_len = admin_key_file ? strlen(admin_buf) : 0,
+                  .loopback = ntohl(addr.sin_addr.s_addr) >> 24 == 127,
+                  .allowed_hosts = allow_host,
                   .metrics_auth = metrics_auth,
                   .webui = !no_webui,
                   .partition_by_user = !strcmp(prefix_cache, "per-user"),
