@@ -48,6 +48,7 @@ typedef struct arena {
     ablock *head;
     size_t total, limit;
     jmp_buf *fail; /* where an exhausted arena jumps (render); NULL: return NULL (parse) */
+    int exhausted; /* an allocation returned NULL: a parse that saw one has failed */
     char *err;
     size_t err_size;
 } arena;
@@ -65,6 +66,7 @@ static void *aalloc(arena *a, size_t n)
                          a->limit >> 20);
                 longjmp(*a->fail, 1);
             }
+            a->exhausted = 1;
             return NULL;
         }
         ablock *b = malloc(sizeof *b + cap);
@@ -73,6 +75,7 @@ static void *aalloc(arena *a, size_t n)
                 snprintf(a->err, a->err_size, "out of memory rendering the template");
                 longjmp(*a->fail, 1);
             }
+            a->exhausted = 1;
             return NULL;
         }
         b->next = a->head, b->used = 0, b->cap = cap;
@@ -147,7 +150,12 @@ typedef struct jdict {
     int ns; /* a namespace(): its attributes may be set */
     jstr **k;
     jv *v;
+    int *slots; /* past DICT_LINEAR keys: an index k -> i + 1 (0 empty), 2 x cap slots */
 } jdict;
+
+/* keys looked up by a walk up to this many, by a hash index past it (a client's JSON object
+ * of 78,000 keys cost seconds of quadratic lookups) */
+#define DICT_LINEAR 8
 
 static const jv undef = {.t = V_UNDEF};
 static const jv none_v = {.t = V_NONE};
@@ -174,7 +182,9 @@ typedef struct render {
     char *err;
     size_t err_size;
     jinja_limits lim;
-    long steps;
+    long steps;     /* units of work: an expression, a loop turn, an item compared, 64 bytes read */
+    long clock_at;  /* steps at which the clock is read next */
+    double deadline; /* CLOCK_MONOTONIC seconds the render must end by */
     int depth;
     obuf *out;
     frame *root;
@@ -361,8 +371,28 @@ static jdict *dict_new(render *r)
     return d;
 }
 
+static uint64_t key_hash(const char *k, size_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ (unsigned char)k[i]) * 1099511628211ull;
+    return h;
+}
+
+/* the index's slot for key k: where it is, or the empty one where it would go */
+static size_t dict_slot(const jdict *d, const char *k, size_t n)
+{
+    size_t mask = 2 * (size_t)d->cap - 1, at = key_hash(k, n) & mask;
+    for (int i; (i = d->slots[at]) != 0; at = (at + 1) & mask)
+        if (d->k[i - 1]->len == n && !memcmp(d->k[i - 1]->s, k, n))
+            break;
+    return at;
+}
+
 static int dict_find(const jdict *d, const char *k, size_t n)
 {
+    if (d->slots)
+        return d->slots[dict_slot(d, k, n)] - 1;
     for (int i = 0; i < d->n; i++)
         if (d->k[i]->len == n && !memcmp(d->k[i]->s, k, n))
             return i;
@@ -377,7 +407,7 @@ static void dict_set(render *r, jdict *d, jstr *k, jv v)
         return;
     }
     if (d->n == d->cap) {
-        int cap = d->cap ? 2 * d->cap : 8;
+        int cap = d->cap ? 2 * d->cap : DICT_LINEAR;
         jstr **ks = aalloc(&r->a, (size_t)cap * sizeof *ks);
         jv *vs = aalloc(&r->a, (size_t)cap * sizeof *vs);
         if (d->n) {
@@ -385,7 +415,15 @@ static void dict_set(render *r, jdict *d, jstr *k, jv v)
             memcpy(vs, d->v, (size_t)d->n * sizeof *vs);
         }
         d->k = ks, d->v = vs, d->cap = cap;
+        if (cap > DICT_LINEAR) { /* the index anew, for the new capacity (a power of two) */
+            d->slots = aalloc(&r->a, 2 * (size_t)cap * sizeof *d->slots);
+            memset(d->slots, 0, 2 * (size_t)cap * sizeof *d->slots);
+            for (int j = 0; j < d->n; j++)
+                d->slots[dict_slot(d, d->k[j]->s, d->k[j]->len)] = j + 1;
+        }
     }
+    if (d->slots)
+        d->slots[dict_slot(d, k->s, k->len)] = d->n + 1;
     d->k[d->n] = k;
     d->v[d->n++] = v;
 }
@@ -948,15 +986,45 @@ static int lex_tag(parser *p, const piece *pc)
             }
         } else if (*s == '\'' || *s == '"') {
             char q = *s++;
-            char *o = aalloc(p->a, (size_t)(end - s) + 1);
+            const char *close = s; /* the literal's own bytes bound its decoded length */
+            while (close < end && *close != q)
+                close += *close == '\\' && close + 1 < end ? 2 : 1;
+            char *o = aalloc(p->a, (size_t)(close - s) + 1);
             if (!o)
                 return -1;
             size_t m = 0;
             while (s < end && *s != q) {
+                if (*s == '\\' && s + 1 < end && strchr("xuU", s[1])) {
+                    /* Python's \xHH, \uHHHH, \UHHHHHHHH: a code point, written as UTF-8 */
+                    int digits = s[1] == 'x' ? 2 : s[1] == 'u' ? 4 : 8;
+                    uint32_t cp = 0;
+                    int i = 0;
+                    for (; i < digits && s + 2 + i < end && isxdigit((unsigned char)s[2 + i]); i++)
+                        cp = cp << 4 | (uint32_t)(isdigit((unsigned char)s[2 + i])
+                                                      ? s[2 + i] - '0'
+                                                      : (tolower((unsigned char)s[2 + i]) - 'a' + 10));
+                    if (i < digits) {
+                        perr(p, line, "a \\%c escape wants %d hex digits", s[1], digits);
+                        return -1;
+                    }
+                    if (cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || cp == 0) {
+                        perr(p, line, "the escape \\%c%.*s is no character loom can write",
+                             s[1], digits, s + 2);
+                        return -1;
+                    }
+                    m += (size_t)utf8proc_encode_char((utf8proc_int32_t)cp,
+                                                      (utf8proc_uint8_t *)o + m);
+                    s += 2 + digits;
+                    continue;
+                }
                 if (*s == '\\' && s + 1 < end) {
                     s++;
                     switch (*s) {
                     case 'n': o[m++] = '\n'; break;
+                    case 'a': o[m++] = '\a'; break;
+                    case 'b': o[m++] = '\b'; break;
+                    case 'f': o[m++] = '\f'; break;
+                    case 'v': o[m++] = '\v'; break;
                     case 't': o[m++] = '\t'; break;
                     case 'r': o[m++] = '\r'; break;
                     case '\\': o[m++] = '\\'; break;
@@ -1011,6 +1079,7 @@ enum {
     N_FILTER,
     N_TEST,
     N_BIN,
+    N_CONCAT,
     N_NEG,
     N_POS,
     N_NOT,
@@ -1473,15 +1542,23 @@ static node *parse_add(parser *p)
     return n;
 }
 
+/* a ~ b ~ c ... is one node over its operands, as in Jinja: a tag that joins 12000 strings
+ * must not nest 12000 deep */
 static node *parse_concat(parser *p)
 {
     node *n = parse_add(p);
-    while (n && !p->failed && is_op(p, "~")) {
-        int line = cur(p)->line;
+    if (!n || p->failed || !is_op(p, "~"))
+        return n;
+    node *cat = mk(p, N_CONCAT, cur(p)->line);
+    nvec parts = {0};
+    nv_push(p, &parts, n);
+    while (!p->failed && is_op(p, "~")) {
         p->tk++;
-        n = bin(p, line, "~", n, parse_add(p));
+        nv_push(p, &parts, parse_add(p));
     }
-    return n;
+    if (cat)
+        cat->items = parts.v, cat->n_items = parts.n;
+    return cat;
 }
 
 static node *parse_compare(parser *p)
@@ -1809,8 +1886,10 @@ static node *parse_body(parser *p, const char *const *ends, const char **ended)
             nv_push(p, &items, t);
             continue;
         }
-        if (lex_tag(p, pc))
+        if (lex_tag(p, pc)) {
+            perr(p, pc->line, "the tag needs more than %zu MiB to parse", p->a->limit >> 20);
             break;
+        }
         if (pc->kind == P_VAR) {
             node *o = mk(p, N_OUT, pc->line);
             if (o)
@@ -1889,9 +1968,10 @@ jinja_template *jinja_compile(const char *src, char *err, size_t err_size)
     src = norm;
     if (lex_pieces(&p, src) == 0)
         t->body = parse_body(&p, NULL, &(const char *){NULL});
-    if (p.failed || !t->body) {
-        if (!p.failed)
-            snprintf(err, err_size, "out of memory parsing the template");
+    if (p.failed || !t->body || t->a.exhausted) {
+        if (!p.failed) /* a part dropped for want of memory must not render as if it were not */
+            snprintf(err, err_size, "the template needs more than %zu MiB to parse",
+                     t->a.limit >> 20);
         jinja_free(t);
         return NULL;
     }
@@ -1948,11 +2028,39 @@ static int frame_get(const frame *f, const char *name, jv *out)
     return 0;
 }
 
+static double monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* Work done: units steps (a filter that compares n items charges n, one that reads a string
+ * its length / 64), so a one-step expression cannot hide quadratic work; every 4096 units the
+ * clock is read too, against max_ms. */
+static void charge(render *r, size_t units)
+{
+    r->steps += units > (size_t)LONG_MAX / 2 ? LONG_MAX / 2 : (long)units;
+    if (r->steps > r->lim.max_steps)
+        rfail(r, "the template ran more than %ld steps (a loop that never ends, or filters "
+                 "over huge lists or strings?)",
+              r->lim.max_steps);
+    if (r->steps >= r->clock_at) {
+        r->clock_at = r->steps + 4096;
+        if (monotonic_s() > r->deadline)
+            rfail(r, "the template ran longer than %ld ms", r->lim.max_ms);
+    }
+}
+
 static void step(render *r)
 {
-    if (++r->steps > r->lim.max_steps)
-        rfail(r, "the template ran more than %ld steps (a loop that never ends?)",
-              r->lim.max_steps);
+    charge(r, 1);
+}
+
+/* the work of reading n bytes */
+static void charge_bytes(render *r, size_t n)
+{
+    charge(r, n / 64 + 1);
 }
 
 static const char *type_name(jv v)
@@ -2470,9 +2578,11 @@ static int contains(render *r, jv hay, jv needle)
     case V_STR:
         if (needle.t != V_STR)
             rfail(r, "'in <string>' needs a string on the left, not a %s", type_name(needle));
+        charge_bytes(r, hay.s->len);
         return memmem(hay.s->s, hay.s->len, needle.s->s, needle.s->len) != NULL ||
             needle.s->len == 0;
     case V_LIST:
+        charge(r, (size_t)hay.l->n);
         for (int i = 0; i < hay.l->n; i++)
             if (equal(hay.l->v[i], needle))
                 return 1;
@@ -2727,6 +2837,7 @@ static jv filter_sort(render *r, jv v, const args *a)
         int j = out->n;
         list_push(r, out, in->v[i]);
         while (j > 0) {
+            step(r);
             int c = compare(r, keys[j - 1], k, "<");
             if (rev ? c >= 0 : c <= 0)
                 break;
@@ -2906,7 +3017,7 @@ static jv apply_filter(render *r, const char *name, jv v, const args *a)
                 jv k = sort_key(r, l->v[i].l->v[0], undef, truthy(arg(a, 0, "case_sensitive")));
                 int j = sorted->n;
                 list_push(r, sorted, l->v[i]);
-                while (j > 0 && compare(r, keys[j - 1], k, "<") > 0) {
+                while (j > 0 && (step(r), compare(r, keys[j - 1], k, "<") > 0)) {
                     sorted->v[j] = sorted->v[j - 1], keys[j] = keys[j - 1];
                     j--;
                 }
@@ -3020,6 +3131,7 @@ static jv apply_filter(render *r, const char *name, jv v, const args *a)
         jlist *l = iterate(r, v), *o = list_new(r, l->n + 1);
         for (int i = 0; i < l->n; i++) {
             int seen = 0;
+            charge(r, (size_t)o->n + 1);
             for (int j = 0; j < o->n && !seen; j++)
                 seen = equal(o->v[j], l->v[i]);
             if (!seen)
@@ -3078,6 +3190,7 @@ static jv call_method(render *r, jv obj, const char *m, const args *a)
     jv a0 = arg(a, 0, NULL), a1 = arg(a, 1, NULL);
     if (obj.t == V_STR) {
         jstr *s = obj.s;
+        charge_bytes(r, s->len); /* every method reads the string */
         if (!strcmp(m, "strip") || !strcmp(m, "lstrip") || !strcmp(m, "rstrip")) {
             const jstr *chars = a0.t == V_STR ? a0.s : NULL;
             return vstr(str_strip(r, s, m[0] != 'r', m[0] != 'l', chars));
@@ -3112,25 +3225,41 @@ static jv call_method(render *r, jv obj, const char *m, const args *a)
             return vstr(str_replace(r, s, want_str(r, a0, m), want_str(r, a1, m),
                                     a->n > 2 ? ival(a->pos[2]) : -1));
         if (!strcmp(m, "find") || !strcmp(m, "count") || !strcmp(m, "index")) {
+            /* s[start:end] as Python reads it: negatives from the end, end clipped; a start
+             * past the end finds nothing, not even "" */
             jstr *n = want_str(r, a0, m);
+            jv from = arg(a, 1, NULL), to = arg(a, 2, NULL);
+            int64_t len = (int64_t)utf8_count(s), lo = 0, hi = len;
+            if (from.t != V_UNDEF && from.t != V_NONE)
+                lo = ival(from) < 0 ? (ival(from) + len < 0 ? 0 : ival(from) + len) : ival(from);
+            if (to.t != V_UNDEF && to.t != V_NONE)
+                hi = ival(to) < 0 ? (ival(to) + len < 0 ? 0 : ival(to) + len)
+                    : ival(to) > len ? len
+                                     : ival(to);
+            int found = hi - lo >= (int64_t)utf8_count(n) && hi >= lo;
+            size_t b0 = found ? utf8_offset(s, (size_t)lo) : 0,
+                   b1 = found ? utf8_offset(s, (size_t)hi) : 0;
             if (m[0] == 'c') {
                 int64_t c = 0;
-                if (!n->len)
-                    return vint((int64_t)utf8_count(s) + 1);
-                for (const char *h = s->s;
-                     (h = memmem(h, s->len - (size_t)(h - s->s), n->s, n->len)); h += n->len)
+                if (found && !n->len)
+                    return vint(hi - lo + 1);
+                for (const char *h = s->s + b0; found && (h = memmem(h, b1 - (size_t)(h - s->s),
+                                                                     n->s, n->len));
+                     h += n->len)
                     c++;
                 return vint(c);
             }
-            const char *h = memmem(s->s, s->len, n->s, n->len);
+            const char *h = found ? memmem(s->s + b0, b1 - b0, n->s, n->len) : NULL;
+            if (found && !n->len)
+                h = s->s + b0;
             if (!h && m[0] == 'i')
                 rfail(r, "index: substring not found");
             if (!h)
                 return vint(-1);
             size_t cps = 0;
-            for (const char *c = s->s; c < h; c++)
+            for (const char *c = s->s + b0; c < h; c++)
                 cps += ((unsigned char)*c & 0xc0) != 0x80;
-            return vint((int64_t)cps);
+            return vint(lo + (int64_t)cps);
         }
         if (!strcmp(m, "join")) {
             jlist *l = iterate(r, a0);
@@ -3252,11 +3381,17 @@ static jv call_global(render *r, const char *name, const args *a)
     }
     if (!strcmp(name, "strftime_now")) {
         jstr *fmt = want_str(r, arg(a, 0, NULL), "strftime_now");
-        char buf[256];
         time_t now = time(NULL);
         struct tm tm;
         localtime_r(&now, &tm);
-        size_t n = strftime(buf, sizeof buf, fmt->s, &tm);
+        /* strftime says 0 both for a text that does not fit and for an empty one: a larger
+         * buffer tells them apart (no conversion writes more than 128 bytes) */
+        charge_bytes(r, fmt->len);
+        size_t cap = 256, n = 0;
+        char *buf = NULL;
+        for (; cap <= 128 * fmt->len + 256; cap *= 2)
+            if ((n = strftime(buf = aalloc(&r->a, cap), cap, fmt->s, &tm)) > 0)
+                break;
         return vstr(str_new(r, buf, n));
     }
     rfail(r, "'%s' is undefined (not a function loom's Jinja knows)", name);
@@ -3444,6 +3579,14 @@ static jv eval(render *r, frame *f, const node *n)
     case N_COND:
         v = truthy(eval(r, f, n->b)) ? eval(r, f, n->a) : n->c ? eval(r, f, n->c) : undef;
         break;
+    case N_CONCAT: {
+        obuf b = {0};
+        ob_put(r, &b, "", 0);
+        for (int i = 0; i < n->n_items; i++)
+            ob_str(r, &b, to_str(r, eval(r, f, n->items[i])));
+        v = vstr(ob_done(r, &b));
+        break;
+    }
     case N_LIST:
     case N_TUPLE: {
         jlist *l = list_new(r, n->n_items + 1);
@@ -3660,6 +3803,9 @@ int jinja_render(const jinja_template *t, const cJSON *vars, const char *const *
         r->lim.max_steps = 20000000;
     if (!r->lim.max_depth)
         r->lim.max_depth = 200;
+    if (!r->lim.max_ms)
+        r->lim.max_ms = 10000;
+    r->deadline = monotonic_s() + r->lim.max_ms / 1e3;
     r->a.limit = r->lim.max_memory;
     r->a.fail = &r->fail, r->a.err = err, r->a.err_size = err_size;
     int rc = -1;

@@ -17,7 +17,9 @@ typedef struct jinja_template jinja_template;
 typedef struct jinja_limits {
     size_t max_output; /* bytes rendered (default 16 MiB) */
     size_t max_memory; /* bytes of values the render makes (default 256 MiB) */
-    long max_steps;    /* expressions evaluated and loop turns taken (default 20 million) */
+    long max_steps;    /* units of work: expressions evaluated, loop turns, items a filter
+                        * compares, 64-byte runs of a string searched (default 20 million) */
+    long max_ms;       /* a render's time (default 10000 ms) */
     int max_depth;     /* nested macro calls and expressions (default 200) */
 } jinja_limits;
 

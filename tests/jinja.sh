@@ -198,9 +198,30 @@ hostile "nested loops of 10^9 turns" \
     '{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}{% endfor %}{% endfor %}{% endfor %}' \
     "steps\|memory"
 hostile "parentheses 10000 deep" "{{ $(printf '(%.0s' $(seq 10000))1$(printf ')%.0s' $(seq 10000)) }}" "200 deep"
+# work that one step used to hide: quadratic filters, searches of a 16 MB string in a loop
+hostile "unique over 3 million" '{{ range(3000000) | unique | length }}' "steps"
+hostile "sorting 100000 reversed" '{{ range(100000) | reverse | sort | length }}' "steps"
+hostile "'in' a 16 MB string 10^5 times" \
+    '{% set s = "a" * 16000000 %}{% for i in range(100000) %}{% if "ab" in s %}{% endif %}{% endfor %}' "steps"
+hostile "count in a 16 MB string 10^5 times" \
+    '{% set s = "a" * 16000000 %}{% for i in range(100000) %}{{ s.count("b") }}{% endfor %}' "steps"
 hostile "an unclosed block" '{% for m in messages %}{{ m.content }}' "line 1: the template ends inside a block: 'endfor' is missing"
 hostile "an unknown filter" '{{ messages | frobnicate }}' "'frobnicate' is not a filter"
 hostile "a list changed in place" '{% set l = [] %}{{ l.append(1) }}' "cannot change a list"
 hostile "reading a file" "{{ open('/etc/passwd') }}" "'open' is undefined"
 hostile "Python internals" "{{ messages.__class__ }}{{ ''.__class__.__mro__ }}" "no method\|undefined"
+# a tag of 12000 string literals (72 kB) parses in full: the system turn after it is there, as
+# python3-jinja2 renders it (each literal once took the rest of the tag's length of memory,
+# and the arena's refusal dropped the rest of the template without an error)
+python3 -c '
+import sys
+sys.stdout.write("{%- set pad = " + " ~ ".join(["\"ab\""] * 12000) + " %}"
+                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{{ pad | length }}")
+' >"$tmpdir/literals.jinja"
+"$LOOM" template --template "$tmpdir/literals.jinja" --messages "$CONV/system_multiturn.json" \
+    >"$tmpdir/lit.loom" 2>"$tmpdir/lit.err"
+$REF "$tmpdir/literals.jinja" "$CONV/system_multiturn.json" >"$tmpdir/lit.ref"
+cmp -s "$tmpdir/lit.loom" "$tmpdir/lit.ref" && grep -q '<system>' "$tmpdir/lit.loom" &&
+    pass "a tag of 12000 literals renders as python3-jinja2 does, system turn and all" ||
+    fail "12000 literals: $(head -c 200 "$tmpdir/lit.loom") $(cat "$tmpdir/lit.err")"
 finish
