@@ -210,6 +210,21 @@ hostile "an unknown filter" '{{ messages | frobnicate }}' "'frobnicate' is not a
 hostile "a list changed in place" '{% set l = [] %}{{ l.append(1) }}' "cannot change a list"
 hostile "reading a file" "{{ open('/etc/passwd') }}" "'open' is undefined"
 hostile "Python internals" "{{ messages.__class__ }}{{ ''.__class__.__mro__ }}" "no method\|undefined"
+# an assistant's tool call whose arguments hold 78,000 keys (a 1 MB body) becomes template
+# values in linear time (its keys were looked up one by one: 9-18 s)
+python3 -c '
+import json
+args = {"k%d" % i: i for i in range(78000)}
+print(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "",
+    "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": args}}]}]))
+' >"$tmpdir/keys.json"
+start=$(date +%s%N)
+"$LOOM" template --template "$top_srcdir/tests/templates/toolchat.jinja" --messages "$tmpdir/keys.json" >"$tmpdir/keys.out" 2>&1
+rc=$? ms=$((($(date +%s%N) - start) / 1000000))
+[ $rc = 0 ] && grep -q '"k77999": 77999' "$tmpdir/keys.out" && [ $ms -lt 8000 ] &&
+    pass "a tool call of 78,000 argument keys renders in $ms ms" ||
+    fail "78,000 argument keys: exit $rc after $ms ms: $(tail -c 300 "$tmpdir/keys.out")"
+
 # a tag of 12000 string literals (72 kB) parses in full: the system turn after it is there, as
 # python3-jinja2 renders it (each literal once took the rest of the tag's length of memory,
 # and the arena's refusal dropped the rest of the template without an error)

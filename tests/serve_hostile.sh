@@ -130,6 +130,20 @@ done
 [ "$bad" = 0 ] && [ $((hwm1 - hwm0)) -lt 200000 ] &&
     pass "16 bodies of 500000 token ids at once: refused by count, peak memory +$(((hwm1 - hwm0) / 1024)) MB" ||
     fail "value-count cap: $bad of 16 not refused so; peak memory +$(((hwm1 - hwm0) / 1024)) MB ($(head -c 200 "$tmpdir/amp1.out"))"
+# ... and so are the values of a tool call's arguments, JSON inside a string (78,000 keys in a
+# 1 MB body cost seconds of CPU on their way into the template)
+python3 -c '
+import json, sys
+args = json.dumps({"k%d" % i: i for i in range(78000)})
+print(json.dumps({"model": sys.argv[1], "max_tokens": 1, "messages": [
+    {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}))' "$NAME" >"$tmpdir/args.json"
+code=$(curl -s -o "$tmpdir/args.out" -w '%{http_code}' -H "Authorization: Bearer $KEY" \
+    --data-binary @"$tmpdir/args.json" "$URL/v1/chat/completions")
+[ "$code" = 400 ] && jq -e '.error.message | test("arguments hold more JSON values")' "$tmpdir/args.out" >/dev/null &&
+    pass "78,000 keys in a tool call's arguments count against the request's values: 400" ||
+    fail "tool-call argument values: $code $(head -c 300 "$tmpdir/args.out")"
 # ---- the Authorization header, exactly
 auth_status() { curl -s -o /dev/null -w '%{http_code}' "$@" "$URL/v1/models"; }
 [ "$(auth_status -H "Authorization: bearer $KEY")" = 200 ] && pass "scheme 'bearer' (any case) accepted" ||

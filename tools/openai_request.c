@@ -112,6 +112,22 @@ static int check_known(const cJSON *body, const char *const *known, bad *b)
     return 0;
 }
 
+/* The values in JSON text s (commas and containers outside strings, a count that cJSON's
+ * nodes follow), counted up to past limit. */
+static size_t json_values(const char *s, size_t len, size_t limit)
+{
+    size_t values = 0;
+    for (size_t i = 0, in_string = 0; i < len && values <= limit; i++) {
+        if (s[i] == '"')
+            in_string = !in_string;
+        else if (!in_string && (s[i] == ',' || s[i] == '[' || s[i] == '{'))
+            values++;
+        else if (in_string && s[i] == '\\')
+            i++; /* the escaped character, which may be a quote */
+    }
+    return values;
+}
+
 cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b)
 {
     const char *nul = memchr(body, '\0', len);
@@ -128,22 +144,20 @@ cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b
              valid);
         return NULL;
     }
+    /* cJSON spends a node of ~64 bytes on each value, so a 1 MB "prompt": [1, 1, ...] would
+     * cost 30 MB before any check could look at it: they are counted first */
+    if (json_values(body, len, max_values) > max_values) {
+        fail(b, 400, NULL,
+             "the request holds more than %zu JSON values (a prompt of token ids "
+             "longer than the context cannot run anyway)",
+             max_values);
+        return NULL;
+    }
     /* \u0000 in a string would end loom's copy of it early: the prompt "\u0000hello" would
-     * silently become empty. The same walk counts the values (commas and containers outside
-     * strings): cJSON spends a node of ~64 bytes on each, so a 1 MB "prompt": [1, 1, ...]
-     * would cost 30 MB before any check could look at it. */
-    size_t values = 0;
+     * silently become empty */
     for (size_t i = 0, in_string = 0; i < len; i++) {
         if (body[i] == '"') {
             in_string = !in_string;
-        } else if (!in_string && (body[i] == ',' || body[i] == '[' || body[i] == '{')) {
-            if (++values > max_values) {
-                fail(b, 400, NULL,
-                     "the request holds more than %zu JSON values (a prompt of token ids "
-                     "longer than the context cannot run anyway)",
-                     max_values);
-                return NULL;
-            }
         } else if (in_string && body[i] == '\\' && i + 1 < len) {
             if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) {
                 fail(b, 400, NULL,
@@ -172,6 +186,11 @@ cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b
             return NULL;
         }
     return root;
+}
+
+size_t openai_max_values(int32_t n_ctx)
+{
+    return 2 * (size_t)n_ctx + 4096;
 }
 
 /* Tokenizes text into p->ids. rendered: a chat template's output, whose special tokens are
@@ -246,7 +265,7 @@ static char *message_text(const cJSON *content, int index, bad *b)
 
 /* An assistant message's tool_calls as a template reads them: arguments as the object their
  * JSON text holds (what transformers' templates expect), not as a string. */
-static cJSON *template_tool_calls(const cJSON *calls, int index, bad *b)
+static cJSON *template_tool_calls(const cJSON *calls, int index, size_t *values_left, bad *b)
 {
     if (!cJSON_IsArray(calls) || !calls->child) {
         fail(b, 400, "messages", "messages[%d].tool_calls must be a non-empty array", index);
@@ -259,6 +278,19 @@ static cJSON *template_tool_calls(const cJSON *calls, int index, bad *b)
         const cJSON *fn = cJSON_GetObjectItemCaseSensitive(c, "function");
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(fn, "name");
         const cJSON *args = cJSON_GetObjectItemCaseSensitive(fn, "arguments");
+        /* the arguments' values count against the request's, as if they were in the body */
+        size_t n_values = cJSON_IsString(args)
+            ? json_values(args->valuestring, strlen(args->valuestring), *values_left)
+            : 0;
+        if (n_values > *values_left) {
+            cJSON_Delete(out);
+            fail(b, 400, "messages",
+                 "messages[%d].tool_calls[%d].function.arguments: the request's tool calls' "
+                 "arguments hold more JSON values than a request may (2 x the context + 4096)",
+                 index, k);
+            return NULL;
+        }
+        *values_left -= n_values;
         cJSON *obj = cJSON_IsString(args) ? cJSON_Parse(args->valuestring) : NULL;
         const char *why = !cJSON_IsObject(c)                 ? "must be an object"
             : id && !cJSON_IsString(id)                      ? "id must be a string"
@@ -288,8 +320,9 @@ static cJSON *template_tool_calls(const cJSON *calls, int index, bad *b)
 
 /* messages as the chat template sees them: roles checked (developer is system), content as a
  * string (null beside tool calls), an assistant's tool_calls, a tool result's tool_call_id */
-static cJSON *template_messages(const cJSON *msgs, bad *b)
+static cJSON *template_messages(const cJSON *msgs, size_t max_values, bad *b)
 {
+    size_t values_left = max_values;
     cJSON *out = cJSON_CreateArray();
     int i = 0;
     for (const cJSON *x = msgs->child; x && out; x = x->next, i++) {
@@ -355,7 +388,7 @@ static cJSON *template_messages(const cJSON *msgs, bad *b)
         if (tool)
             cJSON_AddStringToObject(m, "tool_call_id", call_id->valuestring);
         if (has_calls) {
-            cJSON *tc = template_tool_calls(calls, i, b);
+            cJSON *tc = template_tool_calls(calls, i, &values_left, b);
             if (!tc) {
                 cJSON_Delete(out);
                 return NULL;
@@ -562,7 +595,7 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         return fail(b, 400, "messages", "'messages' must be a non-empty array");
     if (parse_tools(srv, body, p, b) != 0)
         return -1;
-    cJSON *tm = template_messages(msgs, b);
+    cJSON *tm = template_messages(msgs, openai_max_values(srv->n_ctx), b);
     if (!tm)
         return -1;
     char *messages = cJSON_PrintUnformatted(tm), *prompt = NULL, *kwargs = NULL, err[512];

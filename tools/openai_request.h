@@ -84,6 +84,9 @@ typedef struct bad {
  * at most max_values values (counted before the tree is built). NULL with b filled when it
  * is not. */
 cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b);
+/* The JSON values a request may hold: a prompt of ids holds at most a context's worth, the rest
+ * of a request is small. Tool calls' arguments (JSON inside a string) count against it too. */
+size_t openai_max_values(int32_t n_ctx);
 
 /* Checks and reads body (chat: /v1/chat/completions). 0, or -1 with b filled. */
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b);

@@ -887,8 +887,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     served *sv = acquire(srv);
     parsed p = {0};
     bad b = {0};
-    /* a prompt of ids holds at most a context's worth; the rest of a request is small */
-    size_t max_values = 2 * (size_t)sv->api.n_ctx + 4096;
+    size_t max_values = openai_max_values(sv->api.n_ctx);
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
     cJSON *req = openai_parse_body(body, len, max_values, &b);
