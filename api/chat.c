@@ -356,7 +356,30 @@ int loom_chat_template_render(const loom_chat_template *t, const loom_chat_vars 
         !(kwargs = parse_json_arg(v->kwargs_json, "the template's kwargs", 0, err, err_size)))
         goto done;
     /* what transformers passes: the special tokens, tools (None when absent), documents, the
-     * generation prompt flag, then the caller's kwargs, which may override any of them */
+     * generation prompt flag, then the caller's kwargs. Those are a client's text, as messages
+     * are: they may not replace the variables above (a forged bos_token or message list), and
+     * what they print is marked as text, so no special token can be read out of it. */
+    static const char *const reserved[] = {"messages",  "tools",     "documents",
+                                           "bos_token", "eos_token", "add_generation_prompt"};
+    const char *untrusted[64] = {"messages", "tools", "documents"};
+    int n_untrusted = 3;
+    for (cJSON *k = kwargs ? kwargs->child : NULL; k; k = k->next) {
+        for (size_t i = 0; i < sizeof reserved / sizeof *reserved; i++)
+            if (!strcmp(k->string, reserved[i])) {
+                snprintf(err, err_size,
+                         "the template's kwargs may not set '%s': loom sets it (from the "
+                         "request's messages and tools, and the model's file)",
+                         k->string);
+                goto done;
+            }
+        if (n_untrusted == (int)(sizeof untrusted / sizeof *untrusted) - 1) {
+            snprintf(err, err_size, "the template's kwargs name more than %d variables",
+                     n_untrusted - 3);
+            goto done;
+        }
+        untrusted[n_untrusted++] = k->string;
+    }
+    untrusted[n_untrusted] = NULL;
     cJSON_AddItemToObject(vars, "messages", messages);
     messages = NULL;
     cJSON_AddItemToObject(vars, "tools", tools ? tools : cJSON_CreateNull());
@@ -365,11 +388,8 @@ int loom_chat_template_render(const loom_chat_template *t, const loom_chat_vars 
     cJSON_AddBoolToObject(vars, "add_generation_prompt", v->add_generation_prompt);
     cJSON_AddStringToObject(vars, "bos_token", t->bos);
     cJSON_AddStringToObject(vars, "eos_token", t->eos);
-    for (cJSON *k = kwargs ? kwargs->child : NULL; k; k = k->next) {
-        cJSON_DeleteItemFromObjectCaseSensitive(vars, k->string);
+    for (cJSON *k = kwargs ? kwargs->child : NULL; k; k = k->next)
         cJSON_AddItemToObject(vars, k->string, cJSON_Duplicate(k, 1));
-    }
-    static const char *const untrusted[] = {"messages", "tools", "documents", NULL};
     rc = jinja_render(t->jinja, vars, untrusted, NULL, out, NULL, spans, n_spans, err, err_size);
 done:
     cJSON_Delete(vars);

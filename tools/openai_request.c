@@ -619,7 +619,10 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
     if (rc == 0 &&
         loom_chat_format_render_vars(srv->chat, &v, &prompt, &spans, &n_spans, &add_special, err,
                                      sizeof err) != 0)
-        rc = fail(b, 400, kwargs && !srv->chat->jinja ? "chat_template_kwargs" : "messages", "%s",
+        rc = fail(b, 400,
+                  kwargs && (!srv->chat->jinja || strstr(err, "kwargs")) ? "chat_template_kwargs"
+                                                                         : "messages",
+                  "%s",
                   err);
     free(kwargs);
     free(messages);
