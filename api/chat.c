@@ -220,12 +220,18 @@ const char *loom_chat_template_guess(const char *stored, const char *arch, const
     return "llama2";
 }
 
-int loom_chat_template_valid(const char *name)
+/* the table's own copy of a built-in format's name, or NULL */
+static const char *template_name(const char *name)
 {
     for (size_t i = 0; i < sizeof template_names / sizeof template_names[0]; i++)
         if (!strcmp(name, template_names[i]))
-            return 1;
-    return 0;
+            return template_names[i];
+    return NULL;
+}
+
+int loom_chat_template_valid(const char *name)
+{
+    return template_name(name) != NULL;
 }
 
 /* ---- the model's own template, in Jinja --------------------------------------------------- */
@@ -425,7 +431,7 @@ int loom_chat_format_choose(const loom_model *m, const char *builtin_name, const
                      loom_chat_templates());
             return -1;
         }
-        f->builtin = builtin_name;
+        f->builtin = template_name(builtin_name); /* the caller's string may not outlive f */
         snprintf(f->about, sizeof f->about, "the built-in '%s' (--chat-template)", builtin_name);
         return 0;
     }

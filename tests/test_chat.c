@@ -91,5 +91,21 @@ int main(void)
               guesses[i].stored ? "a stored template" : "none", got, recognised, guesses[i].want,
               guesses[i].recognised);
     }
+    /* a chosen format keeps no pointer to the caller's name (Python passed a temporary): the
+     * name overwritten and freed, the format still renders as chatml */
+    char *name = strdup("chatml"), *want = NULL, *got = NULL;
+    loom_chat_format fmt;
+    int add_special;
+    CHECK(name && loom_chat_format_choose(NULL, name, NULL, &fmt, err, sizeof err) == 0,
+          "choose chatml: %s", err);
+    memset(name, 'X', strlen(name));
+    free(name);
+    CHECK(loom_chat_render("chatml", &one, 1, 1, &want, err, sizeof err) == 0, "%s", err);
+    CHECK(loom_chat_format_render(&fmt, &one, 1, NULL, 1, &got, NULL, NULL, &add_special, err,
+                                  sizeof err) == 0 &&
+              want && !strcmp(got, want),
+          "a format whose name was freed renders '%s' (%s)", got ? got : "", err);
+    free(want), free(got);
+    loom_chat_format_free(&fmt);
     return check_finish("test_chat");
 }

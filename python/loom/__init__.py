@@ -250,6 +250,22 @@ def _message(syntax, text: bytes, names) -> dict:
         _tool_calls_free(_c.byref(calls))
 
 
+def _no_nul(value, what: str) -> None:
+    """Raises Error where a string in value (a text, or a JSON-like structure) holds NUL: loom's
+    text ends at NUL, so "a\\x00b" would silently be "a"."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise Error("%s holds a NUL character (at index %d); loom does not accept NUL in "
+                        "text" % (what, value.index("\x00")))
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_nul(k, what)
+            _no_nul(v, "%s[%r]" % (what, k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _no_nul(v, "%s[%d]" % (what, i))
+
+
 class Model:
     """A model file (GGUF) or Hugging Face folder, opened on a backend.
 
@@ -259,6 +275,7 @@ class Model:
 
     def __init__(self, path: Union[str, os.PathLike], backend: Optional[str] = None,
                  n_ctx: int = 0, threads: int = 0, kv_type: Optional[str] = None):
+        self._streams: set = set()  # (stop event, worker thread) of each stream being read
         opts = _ModelOptions(n_ctx=n_ctx, n_threads=threads,
                              backend=backend.encode() if backend else None,
                              kv_type=kv_type.encode() if kv_type else None)
@@ -269,8 +286,12 @@ class Model:
         self.path = os.fspath(path)
 
     def close(self) -> None:
-        """Frees the model (also at the end of a `with` block)."""
+        """Frees the model (also at the end of a `with` block). A stream still being read is
+        stopped first (its generation runs on the model); reading it further raises Error."""
         if getattr(self, "_m", None):
+            for stop, worker in list(self._streams):
+                stop.set()
+                worker.join()
             _close(self._m)
             self._m = None
 
@@ -313,6 +334,7 @@ class Model:
     def tokenize(self, text: str, add_special: bool = True, special: bool = True) -> List[int]:
         """Text to token ids; add_special: BOS and the like; special: control-token text a
         user may type ("<|im_start|>") is read as the token where the family's reference does."""
+        _no_nul(text, "the text")
         m, data, err = self._live(), text.encode("utf-8"), _c.create_string_buffer(_ERR)
         cap = len(data) + 16
         while True:
@@ -417,10 +439,14 @@ class Model:
                 q.put(e)
 
         t = threading.Thread(target=work, daemon=True)
+        live = (stop, t)
+        self._streams.add(live)
         t.start()
         try:
             while True:
                 item = q.get()
+                if not self._m:
+                    raise Error("the model was closed while this stream was read")
                 if item is done:
                     return
                 if isinstance(item, BaseException):
@@ -430,6 +456,7 @@ class Model:
         finally:
             stop.set()
             t.join()
+            self._streams.discard(live)
 
     def _format(self, template, template_file):
         fmt, err = _ChatFormat(), _c.create_string_buffer(_ERR)
@@ -440,6 +467,8 @@ class Model:
         return fmt
 
     def _render(self, fmt, messages, kwargs, tools) -> List[int]:
+        for value, what in ((messages, "messages"), (kwargs, "kwargs"), (tools, "tools")):
+            _no_nul(value, what)
         m, err = self._live(), _c.create_string_buffer(_ERR)
         v = _ChatVars(messages_json=json.dumps(list(messages)).encode(),
                       tools_json=json.dumps(list(tools)).encode() if tools else None,

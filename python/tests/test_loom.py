@@ -243,3 +243,32 @@ def test_tool_mistakes_are_named(qwen):
         qwen.chat(ASK, tools=WEATHER, template_file=TOOLCHAT, tool_choice="always")
     with pytest.raises(loom.Error, match="unknown arguments: temprature"):
         qwen.chat(ASK, temprature=0)
+
+
+def test_a_builtin_template_name_is_not_kept_by_reference(model):
+    # the name passed as a temporary (template.encode()) was kept by the C side, then read
+    # after Python freed it; the prompt is the chatml text, tokenized as plain text here
+    for _ in range(3):
+        junk = ["x" * 64 for _ in range(1000)]  # reuse the freed memory, if anything held it
+        got = model.chat_prompt([{"role": "system", "content": "S"},
+                                 {"role": "user", "content": "hi"}], template="chatml")
+        del junk
+        assert got == model.tokenize("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nhi"
+                                     "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_closing_the_model_stops_a_stream_being_read():
+    with loom.Model(STORIES, n_ctx=256) as m:
+        it = m.generate(PROMPT, max_tokens=200, ignore_eos=True, stream=True)
+        assert next(it)
+    # the generation ran on the model: close() stopped and joined it before freeing
+    with pytest.raises(loom.Error, match="closed while this stream was read"):
+        for _ in it:
+            pass
+
+
+def test_nul_in_text_is_refused_not_cut(model):
+    with pytest.raises(loom.Error, match="NUL character .at index 1"):
+        model.tokenize("a\x00b")
+    with pytest.raises(loom.Error, match=r"messages\[0\]\['content'\] holds a NUL"):
+        model.chat_prompt([{"role": "user", "content": "hi\x00there"}], template="chatml")
