@@ -3538,6 +3538,8 @@ static jv eval(render *r, frame *f, const node *n)
     case N_BIN: {
         jv a = eval(r, f, n->a), b = eval(r, f, n->b);
         char o0 = (char)(n->op & 0xff), o1 = (char)(n->op >> 8);
+        if ((o0 == '=' || o0 == '!') && o1 == '=' && a.t == V_STR && b.t == V_STR)
+            charge_bytes(r, a.s->len < b.s->len ? a.s->len : b.s->len);
         if (o0 == '=' && o1 == '=')
             v = vbool(equal(a, b));
         else if (o0 == '!' && o1 == '=')

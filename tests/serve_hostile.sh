@@ -221,6 +221,37 @@ wait "$client"
 [ "$rc" = 0 ] && [ "$took" -le 6 ] && pass "SIGTERM with a 1 MB prompt in flight: exit 0 in ${took}s" ||
     fail "SIGTERM with a big prompt in flight: exit $rc after ${took}s"
 
+# ---- a 753-byte schema whose five nested objects each list their type eight times once grew
+# its grammar 8^5-fold (no answer after 90 s, its parse slot held, SIGTERM ignored): four at
+# once are answered, and SIGTERM then stops the server at once
+start_server "$tmpdir/schema.log" -c 2048 --shutdown-timeout 2
+python3 -c '
+import json, sys
+s = {"type": "string"}
+for _ in range(5):
+    s = {"type": ["object"] * 8, "properties": {"a": s}}
+print(json.dumps({"model": sys.argv[1], "prompt": "Once", "max_tokens": 8,
+                  "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": s}}}))
+' "$NAME" >"$tmpdir/schema.json"
+t0=$(date +%s)
+schema_pids=""
+for k in 1 2 3 4; do
+    curl -s -o "$tmpdir/schema$k.out" -w '%{http_code}' --max-time 60 -H "Authorization: Bearer $KEY" \
+        --data-binary @"$tmpdir/schema.json" "$URL/v1/completions" >"$tmpdir/schema$k.code" &
+    schema_pids="$schema_pids $!"
+done
+wait $schema_pids
+took=$(($(date +%s) - t0))
+codes=$(cat "$tmpdir"/schema?.code)
+[ "$codes" = 200200200200 ] && [ "$took" -le 20 ] &&
+    pass "four requests with a schema of types listed 8 times, 5 deep: answered in ${took}s" ||
+    fail "repeated-type schemas: $codes after ${took}s: $(head -c 300 "$tmpdir/schema1.out")"
+t0=$(date +%s)
+kill -TERM "$PID"; wait "$PID"; rc=$?
+took=$(($(date +%s) - t0))
+[ "$rc" = 0 ] && [ "$took" -le 8 ] && pass "then SIGTERM: exit 0 in ${took}s" ||
+    fail "SIGTERM after the schema requests: exit $rc after ${took}s"
+
 # ---- more sockets than select() can watch, and idle ones: clients are still served
 if ulimit -n 4096 2>/dev/null; then
     start_server "$tmpdir/fd.log" -c 256 --max-connections 2000 --max-connections-per-client 2000 \

@@ -1941,6 +1941,19 @@ static void reap(server *srv)
 
 /* ---- main --------------------------------------------------------------------------------- */
 
+/* seconds past --shutdown-timeout that connections get to send their last bytes */
+#define SHUTDOWN_GRACE_S 5
+
+static void *shutdown_watchdog(void *seconds)
+{
+    sleep((unsigned)*(const long *)seconds);
+    static const char msg[] = "loom serve: threads still busy past --shutdown-timeout (a "
+                              "request being parsed, or a client not reading); exiting now\n";
+    if (write(STDERR_FILENO, msg, sizeof msg - 1) < 0) {
+    }
+    _exit(1);
+}
+
 /* The key is the file's first line (a trailing newline, and CR, dropped); flag: the option
  * that named the file. */
 static int read_key_file(const char *flag, const char *path, char *key, size_t cap)
@@ -2435,6 +2448,14 @@ int loom_serve_main(int argc, char **argv)
     }
     fprintf(stderr, "loom serve: %s: no new requests; finishing running ones (up to %ld s)\n",
             sig == SIGTERM ? "SIGTERM" : "SIGINT", drain_s);
+    /* --shutdown-timeout bounds every thread: one still parsing a request, or sending to a
+     * client that does not read, must not hold the process past it (the daemon's stop waits
+     * for each connection's thread) */
+    static long watchdog_s;
+    watchdog_s = drain_s + SHUTDOWN_GRACE_S;
+    pthread_t watchdog;
+    if (pthread_create(&watchdog, NULL, shutdown_watchdog, &watchdog_s) == 0)
+        pthread_detach(watchdog);
     srv.shutting_down = 1;                /* new requests now get 503 with Retry-After */
     pthread_mutex_lock(&srv.reload_lock); /* no reload from here on */
     loom_engine_stop(srv.live->engine, (int)drain_s * 1000);
