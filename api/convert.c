@@ -254,6 +254,15 @@ static int experts(conv *c, const loom_hf_tensor *e, int l, int n, row_order ord
     return rc;
 }
 
+/* what the family's config says about entry e, or NULL */
+static const loom_hf_condition *condition_of(const loom_family *f, const loom_hf_tensor *e)
+{
+    for (const loom_hf_condition *k = f->hf_conditions; k && k->hf; k++)
+        if (!strcmp(k->hf, e->hf))
+            return k;
+    return NULL;
+}
+
 /* Every tensor of the family's table, outside the layers first, then layer by layer. */
 static int tensors(conv *c, const loom_hf_values *v)
 {
@@ -273,6 +282,24 @@ static int tensors(conv *c, const loom_hf_values *v)
                     if (t)
                         return conv_fail(c, "%s: the weights have '%s': %s", c->dir, src, e->gguf);
                     continue;
+                }
+                const loom_hf_condition *cond = condition_of(c->family, e);
+                if (cond) {
+                    int said = loom_hf_get(v, cond->when) != 0 ||
+                        loom_hf_true(c->config, cond->when);
+                    if (t && !said)
+                        return conv_fail(c,
+                                         "%s: the weights have '%s', which config.json does not "
+                                         "explain (its %s says there is none): refused rather "
+                                         "than ignored",
+                                         c->dir, src, cond->key);
+                    if (!t && said)
+                        return conv_fail(c,
+                                         "%s: config.json's %s says there is '%s', but the "
+                                         "weights have none",
+                                         c->dir, cond->key, src);
+                    if (!t)
+                        continue;
                 }
                 if (!t && (e->flags & LOOM_HF_OPTIONAL))
                     continue;

@@ -68,6 +68,45 @@ static int map_file(const char *path, loom_st_file *f, char *err, size_t n)
     return f->path ? 0 : fail(err, n, "out of memory");
 }
 
+typedef struct span_of {
+    const unsigned char *start;
+    int tensor;
+} span_of;
+
+static int by_start(const void *x, const void *y)
+{
+    const span_of *a = x, *b = y;
+    return a->start < b->start ? -1 : a->start > b->start;
+}
+
+/* Two tensors of one file sharing bytes (every one at offset 0, say) would each read the
+ * other's weights: refused, as Hugging Face's reader refuses them. Tensors first.. are one
+ * file's. */
+static int check_overlap(loom_safetensors *st, int first, char *err, size_t n)
+{
+    int count = st->n_tensors - first, rc = 0;
+    span_of *order = malloc((size_t)(count ? count : 1) * sizeof *order);
+    if (!order)
+        return fail(err, n, "out of memory");
+    for (int i = 0; i < count; i++)
+        order[i] = (span_of){st->tensors[first + i].data, first + i};
+    qsort(order, (size_t)count, sizeof *order, by_start);
+    const loom_st_tensor *prev = NULL;
+    for (int i = 0; i < count && rc == 0; i++) {
+        const loom_st_tensor *t = &st->tensors[order[i].tensor];
+        if (!t->size)
+            continue;
+        if (prev && t->data < prev->data + prev->size)
+            rc = fail(err, n,
+                      "%s: tensors '%s' and '%s' share bytes of the data section (their "
+                      "data_offsets overlap): the file is corrupt",
+                      st->files[t->file].path, prev->name, t->name);
+        prev = t;
+    }
+    free(order);
+    return rc;
+}
+
 /* Adds the tensors of file index fi (only `only`, when not NULL, with the names the index
  * assigns to this file). */
 static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
@@ -87,7 +126,7 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
     }
     uint64_t data_size = f->size - 8 - hlen;
     const unsigned char *data = f->map + 8 + hlen;
-    int rc = 0;
+    int rc = 0, first = st->n_tensors;
     for (cJSON *e = root->child; e && rc == 0; e = e->next) {
         if (strcmp(e->string, "__metadata__") == 0)
             continue;
@@ -166,7 +205,7 @@ static int read_header(loom_safetensors *st, int fi, char *err, size_t n)
         st->tensors[st->n_tensors++] = t;
     }
     cJSON_Delete(root);
-    return rc;
+    return rc ? rc : check_overlap(st, first, err, n);
 }
 
 static int add_file(loom_safetensors *st, const char *path, char *err, size_t n)

@@ -80,6 +80,17 @@ typedef struct loom_hf_tensor {
     const char *instead; /* when hf is absent, this tensor (a tied output head) */
 } loom_hf_tensor;
 
+/* What a config says about a tensor it may or may not have (GLM-4.5's q/k norms with
+ * use_qk_norm, its shared experts with n_shared_experts > 0). Said, the tensor must be there;
+ * not said, it must not: weights the config does not explain, or a config the weights cannot
+ * satisfy, are refused by name rather than run half-understood. */
+typedef struct loom_hf_condition {
+    const char *hf;   /* an entry of the family's hf_tensors, by its Hugging Face name */
+    const char *when; /* a hyper-parameter that is set (not 0), or a config.json key that is
+                       * true */
+    const char *key;  /* the config.json key that decides it, for messages */
+} loom_hf_condition;
+
 /* The special tokens a family's tokenizer appends after its ordinary vocabulary (tiktoken
  * ranks, or SentencePiece pieces). Indexes count from the first id after that vocabulary. */
 typedef struct loom_hf_specials {
@@ -111,6 +122,7 @@ typedef struct loom_family {
      * across keys); NULL when none. Messages name the config.json keys. */
     int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
     const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
+    const loom_hf_condition *hf_conditions; /* ends with {0}; NULL: none */
     /* RoPE frequency divisors the config implies (Llama 3.1's rope_scaling "llama3"), written
      * as rope_freqs.weight the way llama.cpp's converter does: fills factors[0..n) and returns
      * 1, or 0 when the config implies none, -1 with err. NULL: never. */

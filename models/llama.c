@@ -880,10 +880,8 @@ static const loom_hf_tensor glm4moe_tensors[] = {
     DECODER_HEAD,
     QKV_WEIGHTS,
     QKV_BIASES,
-    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", LOOM_HF_OPTIONAL,
-     NULL},
-    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", LOOM_HF_OPTIONAL,
-     NULL},
+    {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
     ATTN_OUT_AND_FFN_NORM,
     {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
     {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
@@ -898,11 +896,19 @@ static const loom_hf_tensor glm4moe_tensors[] = {
     {"model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",
      LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
     {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+     LOOM_HF_SPARSE_LAYERS, NULL},
     {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+     LOOM_HF_SPARSE_LAYERS, NULL},
     {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS | LOOM_HF_OPTIONAL, NULL},
+     LOOM_HF_SPARSE_LAYERS, NULL},
+    {0}};
+
+static const loom_hf_condition glm4moe_conditions[] = {
+    {"model.layers.%d.self_attn.q_norm.weight", "use_qk_norm", "use_qk_norm"},
+    {"model.layers.%d.self_attn.k_norm.weight", "use_qk_norm", "use_qk_norm"},
+    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "expert_shared_count", "n_shared_experts"},
+    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "expert_shared_count", "n_shared_experts"},
+    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "expert_shared_count", "n_shared_experts"},
     {0}};
 
 static const loom_hf_tensor glm4_tensors[] = {
@@ -1059,7 +1065,8 @@ const loom_family loom_family_glm4moe = {.arch = &loom_arch_glm4moe,
                                          .hf_model_type = "glm4_moe",
                                          .hf_params = glm4moe_params,
                                          .hf_derive = glm4moe_derive,
-                                         .hf_tensors = glm4moe_tensors};
+                                         .hf_tensors = glm4moe_tensors,
+                                         .hf_conditions = glm4moe_conditions};
 const loom_family loom_family_qwen = {.arch = &loom_arch_qwen,
                                       .chat_template = "chatml",
                                       .hf_model_type = "qwen",

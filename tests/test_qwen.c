@@ -949,6 +949,30 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
     check_forms(what, gguf, folder, ref, s->vocab, ids, T);
     free(ref);
     unlink(gguf);
+    /* a config the weights contradict is refused by name: no shared experts said, but there;
+     * q/k norms said, but absent */
+    static const struct {
+        const char *from, *to, *want;
+    } lies[] = {{"\"n_shared_experts\": 1", "\"n_shared_experts\": 0",
+                 "mlp.shared_experts.gate_proj.weight', which config.json does not explain (its "
+                 "n_shared_experts"},
+                {"\"use_qk_norm\": false", "\"use_qk_norm\": true",
+                 "use_qk_norm says there is 'model.layers.0.self_attn.q_norm.weight'"}};
+    for (size_t k = 0; k < sizeof lies / sizeof *lies && !grouped; k++) {
+        char lie[2048], *at = strstr(cfg, lies[k].from);
+        CHECK(at != NULL, "the config has %s", lies[k].from);
+        if (!at)
+            continue;
+        snprintf(lie, sizeof lie, "%.*s%s%s", (int)(at - cfg), cfg, lies[k].to,
+                 at + strlen(lies[k].from));
+        write_text(folder, "config.json", lie);
+        err[0] = 0;
+        CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) != 0 &&
+                  strstr(err, lies[k].want),
+              "%s: want '%s', got '%s'", lies[k].to, lies[k].want, err);
+        unlink(gguf);
+    }
+    write_text(folder, "config.json", cfg);
 }
 
 /* GLM-4-0414 (Glm4ForCausalLM) from tiny-qwen2: its attention (q/k/v biases) with GLM's

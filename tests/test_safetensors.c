@@ -132,6 +132,10 @@ static void test_shards_and_errors(void)
         {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
          "\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}",
          8, "appears twice"},
+        /* every tensor at offset 0: each would read the other's bytes */
+        {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+         "\"y\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[4,8]}}",
+         8, "share bytes"},
         {"[1,2,3]", 0, "not a JSON object"},
         {"{\"x\":", 0, "not a JSON object"},
     };
