@@ -99,7 +99,14 @@ static int fail(conv *c, const char *fmt, ...)
 /* What every schema's grammar may use. */
 static const char json_rules[] =
     "ws ::= (\" \" | \"\\n\" [ \\t]{0,20})?\n"
-    "json-char ::= [^\"\\\\\\x00-\\x1f] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" [0-9a-fA-F]{4})\n"
+    /* one character as JSON writes it: a surrogate pair's two escapes are one (as Python and
+     * JSON Schema count minLength), a lone surrogate none */
+    "json-char ::= [^\"\\\\\\x00-\\x1f] | \"\\\\\" ([\"\\\\/bfnrt] | \"u\" json-bmp | \"u\" [dD] "
+    "[89abAB] [0-9a-fA-F]{2} \"\\\\u\" [dD] [c-fC-F] [0-9a-fA-F]{2})\n"
+    "json-bmp ::= [0-9a-cA-Ce-fE-F] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2}\n"
+    /* a character of an undeclared key: each one written one way only (no \\u, no \\/), so
+     * that a declared name cannot come back spelled otherwise */
+    "json-key-char ::= [^\"\\\\\\x00-\\x1f] | \"\\\\\" [\"\\\\bfnrt]\n"
     "json-string ::= \"\\\"\" json-char* \"\\\"\"\n"
     "json-int ::= \"-\"? ([0-9] | [1-9] [0-9]{1,15})\n"
     "json-number ::= json-int (\".\" [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?\n"
@@ -210,6 +217,145 @@ static int gen_ref(conv *c, const char *ref, text *out)
         put(&c->rules, "s%d ::= %s\n", k, body.s);
     free(body.s);
     put(out, "s%d", k);
+    return rc;
+}
+
+/* ---- keys other than the declared ones ------------------------------------------------------ */
+
+/* A key's characters as JSON writes them (json-key-char): a code point, or 0x110000 + the
+ * letter of a two-character escape. */
+#define ESCAPED 0x110000u
+
+typedef struct key_node {
+    uint32_t unit;     /* the unit that leads here from the parent */
+    int first, next;   /* first child, next sibling (-1: none) */
+    int terminal;      /* a declared name ends here */
+} key_node;
+
+typedef struct key_trie {
+    key_node *n;
+    int count, cap;
+} key_trie;
+
+/* the child of node at reached by unit, added when absent (-1: out of memory) */
+static int trie_child(key_trie *t, int at, uint32_t unit)
+{
+    for (int k = t->n[at].first; k >= 0; k = t->n[k].next)
+        if (t->n[k].unit == unit)
+            return k;
+    if (t->count == t->cap) {
+        int cap = t->cap ? 2 * t->cap : 64;
+        key_node *g = realloc(t->n, (size_t)cap * sizeof *g);
+        if (!g)
+            return -1;
+        t->n = g, t->cap = cap;
+    }
+    t->n[t->count] = (key_node){unit, -1, t->n[at].first, 0};
+    t->n[at].first = t->count;
+    return t->count++;
+}
+
+/* Adds name as json-key-char units; a name those cannot spell (a control character that
+ * only \u writes) needs no excluding. 0, or -1 when out of memory. */
+static int trie_add(key_trie *t, const char *name)
+{
+    int at = 0;
+    for (const unsigned char *c = (const unsigned char *)name; *c;) {
+        uint32_t unit;
+        static const char plain[] = "\"\\\b\f\n\r\t", letter[] = "\"\\bfnrt";
+        const char *e = *c < 0x80 ? strchr(plain, *c) : NULL;
+        if (e) {
+            unit = ESCAPED + (uint32_t)letter[e - plain], c++;
+        } else if (*c < 0x20) {
+            return 0;
+        } else { /* one code point of valid UTF-8 (the schema was checked) */
+            int len = *c < 0x80 ? 1 : *c < 0xe0 ? 2 : *c < 0xf0 ? 3 : 4;
+            unit = len == 1 ? *c : (uint32_t)(*c & (0x7f >> len));
+            for (int i = 1; i < len; i++)
+                unit = unit << 6 | (c[i] & 0x3f);
+            c += len;
+        }
+        if ((at = trie_child(t, at, unit)) < 0)
+            return -1;
+    }
+    t->n[at].terminal = 1;
+    return 0;
+}
+
+/* The rules of keys that are none of the trie's names, from node at: its rule's name written
+ * to out. */
+static int put_other_keys(conv *c, const key_trie *t, int at, text *out)
+{
+    text body = TEXT(c), plain = TEXT(c), escapes = TEXT(c);
+    const key_node *nd = &t->n[at];
+    int rc = 0;
+    put(&plain, "[^\"\\\\\\x00-\\x1f");
+    for (int k = nd->first; k >= 0; k = t->n[k].next) {
+        uint32_t u = t->n[k].unit;
+        if (u >= ESCAPED)
+            put(&escapes, "%c", (char)(u - ESCAPED));
+        else
+            put(&plain, u > 0xffff ? "\\U%08X" : "\\u%04X", u);
+    }
+    put(&plain, "]");
+    /* the key ends here (when no name does), or goes off every name, or follows one */
+    if (!nd->terminal)
+        put(&body, "\"\\\"\" | ");
+    put(&body, "%s json-key-char* \"\\\"\"", plain.s);
+    static const char letters[] = "\"\\bfnrt";
+    text rest = TEXT(c);
+    for (const char *l = letters; *l; l++)
+        if (!escapes.s || !strchr(escapes.s, *l))
+            put(&rest, "%s%c", *l == '"' || *l == '\\' ? "\\" : "", *l);
+    if (rest.s)
+        put(&body, " | \"\\\\\" [%s] json-key-char* \"\\\"\"", rest.s);
+    free(rest.s);
+    for (int k = nd->first; k >= 0 && rc == 0; k = t->n[k].next) {
+        uint32_t u = t->n[k].unit;
+        if (u >= ESCAPED)
+            put(&body, " | \"\\\\%s%c\" ", u - ESCAPED == '"' || u - ESCAPED == '\\' ? "\\" : "",
+                (char)(u - ESCAPED));
+        else
+            put(&body, u > 0xffff ? " | [\\U%08X] " : " | [\\u%04X] ", u);
+        rc = put_other_keys(c, t, k, &body);
+    }
+    if (rc == 0)
+        rc = body.oom || plain.oom || escapes.oom ? fail(c, "out of memory")
+                                                   : add_rule(c, &body, out);
+    free(body.s), free(plain.s), free(escapes.s);
+    return rc;
+}
+
+/* A JSON key that is none of props' names (a rule's name, written to out): what an object's
+ * additional properties may use, since a declared name written again would replace the
+ * declared value with one its schema never checked. */
+static int gen_other_key(conv *c, const cJSON *props, text *out)
+{
+    key_trie t = {.n = malloc(64 * sizeof *t.n), .count = 1, .cap = 64};
+    int rc = t.n ? 0 : -1;
+    if (t.n)
+        t.n[0] = (key_node){0, -1, -1, 0}; /* the root */
+    for (const cJSON *p = props->child; p && rc == 0; p = p->next) {
+        if (strlen(p->string) > 1024) {
+            free(t.n);
+            return fail(c, "property '%.40s...' is longer than 1024 bytes beside "
+                           "additionalProperties (not supported)", p->string);
+        }
+        rc = trie_add(&t, p->string);
+    }
+    if (rc == 0 && t.count > MAX_SCHEMA_RULES) {
+        free(t.n);
+        return fail(c, "the schema's grammar would pass %d rules; simplify the schema",
+                    MAX_SCHEMA_RULES);
+    }
+    if (rc)
+        rc = fail(c, "out of memory");
+    else {
+        put(out, "(\"\\\"\" ");
+        rc = put_other_keys(c, &t, 0, out);
+        put(out, ")");
+    }
+    free(t.n);
     return rc;
 }
 
@@ -484,10 +630,13 @@ static int gen_object(conv *c, const cJSON *s, text *out)
     c->n_rules += 2 * (n + 1);
     text extra_kv = TEXT(c);
     if (extra && !cJSON_IsFalse(extra)) {
-        text v = TEXT(c);
+        text v = TEXT(c), key = TEXT(c);
         rc = cJSON_IsTrue(extra) ? (put(&v, "json-value"), 0) : gen(c, extra, &v);
-        put(&extra_kv, "(\",\" ws json-string ws \":\" ws %s ws)*", v.s ? v.s : "json-value");
-        free(v.s);
+        if (rc == 0)
+            rc = gen_other_key(c, props, &key);
+        put(&extra_kv, "(\",\" ws %s ws \":\" ws %s ws)*", key.s ? key.s : "json-string",
+            v.s ? v.s : "json-value");
+        free(v.s), free(key.s);
     }
     int i = 0;
     for (const cJSON *p = props->child; p && rc == 0; p = p->next, i++) {
@@ -596,6 +745,150 @@ static const char *const handled[] = {"type",
                                       "strict",
                                       NULL};
 
+/* keywords that only annotate, or hold schemas for $ref: beside anything */
+static const char *const annotations[] = {
+    "$defs",   "definitions", "title",    "description", "default", "examples", "$schema",
+    "$id",     "$comment",    "deprecated", "readOnly",  "writeOnly", "strict", NULL};
+
+static int is_annotation(const char *key)
+{
+    for (int i = 0; annotations[i]; i++)
+        if (!strcmp(key, annotations[i]))
+            return 1;
+    return 0;
+}
+
+/* whether value v is of the schema type t (a name, or a list of them) */
+static int of_type(const cJSON *v, const cJSON *t)
+{
+    if (cJSON_IsArray(t)) {
+        for (const cJSON *k = t->child; k; k = k->next)
+            if (of_type(v, k))
+                return 1;
+        return 0;
+    }
+    const char *n = cJSON_IsString(t) ? t->valuestring : "";
+    return !strcmp(n, "string")  ? cJSON_IsString(v)
+        : !strcmp(n, "number")   ? cJSON_IsNumber(v)
+        : !strcmp(n, "integer")  ? cJSON_IsNumber(v) && v->valuedouble == floor(v->valuedouble)
+        : !strcmp(n, "boolean")  ? cJSON_IsBool(v)
+        : !strcmp(n, "null")     ? cJSON_IsNull(v)
+        : !strcmp(n, "object")   ? cJSON_IsObject(v)
+        : !strcmp(n, "array")    ? cJSON_IsArray(v)
+                                 : 0;
+}
+
+/* A schema whose value comes from $ref, anyOf, oneOf, allOf, const or enum (by: that keyword)
+ * follows that keyword alone: another constraint beside it would be dropped, and what it
+ * refuses allowed, so it is refused by name (but "type" beside const or enum narrows them). */
+static int refuse_siblings(conv *c, const cJSON *s, const cJSON *by)
+{
+    if (!by)
+        return 0;
+    int values = !strcmp(by->string, "const") || !strcmp(by->string, "enum");
+    for (const cJSON *k = s->child; k; k = k->next)
+        if (k != by && !is_annotation(k->string) && !(values && !strcmp(k->string, "type")))
+            return fail(c, "'%s' beside '%s' is not supported: write it inside each of its "
+                           "schemas, or the schema without it",
+                        k->string, by->string);
+    return 0;
+}
+
+/* The JSON types a schema's texts can have, as bits (1 << index in type_names); all of them
+ * when it does not say. */
+static const char *const type_names[] = {"string", "number", "boolean", "null",
+                                         "object", "array",  NULL};
+static unsigned types_of(conv *c, const cJSON *s, int depth)
+{
+    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
+    if (cJSON_IsString(ref) && depth < 8 && !c->failed) {
+        const cJSON *target = resolve_ref(c, ref->valuestring);
+        c->failed = 0; /* a bad $ref is reported where it is generated */
+        return target ? types_of(c, target, depth + 1) : 0x3f;
+    }
+    const cJSON *values = cJSON_GetObjectItemCaseSensitive(s, "enum"), *one = NULL;
+    if (!values && (one = cJSON_GetObjectItemCaseSensitive(s, "const")))
+        values = NULL;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, "type");
+    unsigned bits = 0;
+    for (const cJSON *v = one ? one : cJSON_IsArray(values) ? values->child : NULL; v;
+         v = one ? NULL : v->next)
+        for (int i = 0; type_names[i]; i++) {
+            cJSON name = {.type = cJSON_String, .valuestring = (char *)type_names[i]};
+            bits |= of_type(v, &name) ? 1u << i : 0;
+        }
+    if (one || values)
+        return bits;
+    if (cJSON_IsString(t) || cJSON_IsArray(t))
+        for (int i = 0; type_names[i]; i++) {
+            int named = 0;
+            for (const cJSON *k = cJSON_IsArray(t) ? t->child : t; k;
+                 k = cJSON_IsArray(t) ? k->next : NULL)
+                named |= cJSON_IsString(k) &&
+                    (!strcmp(k->valuestring, type_names[i]) ||
+                     (i == 1 && !strcmp(k->valuestring, "integer")));
+            bits |= named ? 1u << i : 0;
+        }
+    return bits ? bits : 0x3f;
+}
+
+/* the const a branch's object gives property name (required, with const or a one-value enum),
+ * or NULL */
+static const cJSON *tag_of(const cJSON *branch, const char *name)
+{
+    const cJSON *props = cJSON_GetObjectItemCaseSensitive(branch, "properties");
+    const cJSON *req = cJSON_GetObjectItemCaseSensitive(branch, "required");
+    const cJSON *p = cJSON_GetObjectItemCaseSensitive(props, name);
+    int required = 0;
+    for (const cJSON *r = cJSON_IsArray(req) ? req->child : NULL; r; r = r->next)
+        required |= cJSON_IsString(r) && !strcmp(r->valuestring, name);
+    if (!p || !required)
+        return NULL;
+    const cJSON *k = cJSON_GetObjectItemCaseSensitive(p, "const");
+    const cJSON *e = cJSON_GetObjectItemCaseSensitive(p, "enum");
+    return k ? k : cJSON_IsArray(e) && e->child && !e->child->next ? e->child : NULL;
+}
+
+/* Whether two branches of oneOf could match one text: unless their types differ, or each is an
+ * object whose required property (the first branch's first) holds a const the others differ
+ * from, loom cannot tell, and a text matching both is invalid under oneOf. */
+static const cJSON *deref(conv *c, const cJSON *s)
+{
+    for (int hops = 0; hops < 8; hops++) {
+        const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
+        const cJSON *target = cJSON_IsString(ref) && !c->failed ? resolve_ref(c, ref->valuestring)
+                                                                : NULL;
+        c->failed = 0; /* a bad $ref is reported where it is generated */
+        if (!target)
+            return s;
+        s = target;
+    }
+    return s;
+}
+
+static int one_of_may_overlap(conv *c, const cJSON *branches)
+{
+    if (!cJSON_IsArray(branches))
+        return 0; /* refused where it is generated */
+    for (const cJSON *x = branches->child; x; x = x->next)
+        for (const cJSON *y = x->next; y; y = y->next) {
+            const cJSON *a = deref(c, x), *b = deref(c, y);
+            unsigned ta = types_of(c, a, 0), tb = types_of(c, b, 0);
+            if (!(ta & tb))
+                continue;
+            const cJSON *props = cJSON_GetObjectItemCaseSensitive(deref(c, branches->child),
+                                                                  "properties");
+            int told_apart = 0;
+            for (const cJSON *p = props ? props->child : NULL; p && !told_apart; p = p->next) {
+                const cJSON *x = tag_of(a, p->string), *y = tag_of(b, p->string);
+                told_apart = x && y && !cJSON_Compare(x, y, 1) && !((ta | tb) & ~(1u << 4));
+            }
+            if (!told_apart)
+                return 1;
+        }
+    return 0;
+}
+
 static int gen(conv *c, const cJSON *s, text *out)
 {
     if (c->failed)
@@ -631,21 +924,36 @@ static int gen(conv *c, const cJSON *s, text *out)
         any = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
     const cJSON *all = cJSON_GetObjectItemCaseSensitive(s, "allOf");
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
+    const cJSON *one = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
+    if (one && one == any && one_of_may_overlap(c, one))
+        return fail(c, "'oneOf' whose branches may both match a text is not supported (loom "
+                       "follows it only where they cannot: different types, or objects told "
+                       "apart by a required property's const); use 'anyOf' if either may match");
+    if (refuse_siblings(c, s, ref ? ref : any ? any : all ? all : cnst ? cnst : en) != 0)
+        return -1;
     int rc = 0;
     if (ref) {
         rc = cJSON_IsString(ref) ? gen_ref(c, ref->valuestring, out)
                                  : fail(c, "'$ref' must be a string");
     } else if (cnst) {
-        rc = put_json_literal(c, out, cnst);
+        rc = type && !of_type(cnst, type) ? fail(c, "'const' is not of the schema's 'type'")
+                                          : put_json_literal(c, out, cnst);
     } else if (en) {
+        /* beside "type", the values of that type (Pydantic writes both) */
+        int first = 1;
         if (!cJSON_IsArray(en) || !en->child)
             rc = fail(c, "'enum' must be a non-empty array");
         put(out, "(");
         for (const cJSON *v = en->child; v && rc == 0; v = v->next) {
+            if (type && !of_type(v, type))
+                continue;
+            put(out, first ? "" : " | ");
             rc = put_json_literal(c, out, v);
-            put(out, v->next ? " | " : "");
+            first = 0;
         }
         put(out, ")");
+        if (rc == 0 && first)
+            rc = fail(c, "no value of 'enum' is of the schema's 'type'");
     } else if (any) {
         if (!cJSON_IsArray(any) || !any->child)
             rc = fail(c, "'anyOf'/'oneOf' must be a non-empty array");

@@ -37,6 +37,7 @@ typedef struct rx {
     char *err;
     size_t err_size;
     int failed, depth;
+    int empty; /* what was just parsed (an atom, a sequence, alternatives) can match "" */
 } rx;
 
 static int rfail(rx *x, const char *fmt, ...)
@@ -308,11 +309,11 @@ static int parse_class(rx *x)
     cpset s = {.n = 0};
     int negated = !at_end(x) && *x->p == '^', shorthand = 0;
     x->p += negated;
-    if (!at_end(x) && *x->p == ']' && negated) { /* [^]: any character */
-        x->p++;
-        set_add(x, &s, 0, 0x10ffff);
-        return put_set(x, &s);
-    }
+    if (!at_end(x) && *x->p == ']') /* [^] is any character to ECMA-262, to Python "not ]" */
+        return rfail(x, "pattern: '[%s]' reads as %s in ECMA-262 but opens a class in Python; "
+                        "write '\\]' for a ']' in a class%s",
+                     negated ? "^" : "", negated ? "any character" : "no character",
+                     negated ? " (and [\\s\\S] for any character)" : "");
     while (!at_end(x) && *x->p != ']' && !x->failed) {
         uint32_t lo, hi;
         int k = 0;
@@ -378,9 +379,10 @@ static int parse_atom(rx *x)
         if (at_end(x) || *x->p != ')')
             return rfail(x, "pattern: a '(' without its ')'");
         x->p++, x->depth--;
-        fputs(")", x->out);
+        fputs(")", x->out); /* x->empty: the alternatives' */
         return 0;
     }
+    x->empty = 0;
     if (c == '[') {
         x->p++;
         return parse_class(x);
@@ -432,19 +434,20 @@ static int read_count(rx *x, int *out)
 /* a sequence of atoms, each maybe quantified, up to '|', ')' or the end */
 static int parse_sequence(rx *x)
 {
-    int n = 0;
+    int n = 0, all_empty = 1;
     while (!at_end(x) && *x->p != '|' && *x->p != ')' && !x->failed) {
         fputs(n++ ? " (" : "(", x->out);
         if (parse_atom(x))
             return -1;
         fputs(")", x->out);
+        int atom_empty = x->empty;
         for (int quantified = 0; !at_end(x);) {
             char q = *x->p;
+            int lo = q == '+', hi = q == '?' ? 1 : -1; /* the repetition's bounds */
             if (q == '*' || q == '+' || q == '?') {
                 x->p++;
                 fputc(q, x->out);
             } else if (q == '{') {
-                int lo, hi;
                 x->p++;
                 if (read_count(x, &lo))
                     return -1;
@@ -467,26 +470,38 @@ static int parse_sequence(rx *x)
             } else {
                 break;
             }
-            if (!at_end(x) && *x->p == '?') /* lazy: the same strings */
-                x->p++;
             if (quantified++) /* "a**" is an error in ECMA too */
                 return rfail(x, "pattern: a quantifier after a quantifier");
+            /* a part that can match nothing, repeated without bound ("(a*)*"), has endless
+             * ways to match the same text: a grammar cannot follow that */
+            if (atom_empty && hi < 0)
+                return rfail(x, "pattern: a part that can match nothing is repeated without "
+                                "bound (as in '(a*)*'); repeat a part that matches something");
+            atom_empty |= lo == 0;
+            if (!at_end(x) && *x->p == '?') /* lazy: the same strings */
+                x->p++;
         }
+        all_empty &= atom_empty;
     }
     if (!n)
         fputs("\"\"", x->out);
+    x->empty = all_empty;
     return x->failed ? -1 : 0;
 }
 
 static int parse_alternatives(rx *x)
 {
+    int any_empty = 0;
     for (int n = 0;; n++) {
         if (n)
             fputs(" | ", x->out);
         if (parse_sequence(x))
             return -1;
-        if (at_end(x) || *x->p != '|')
+        any_empty |= x->empty;
+        if (at_end(x) || *x->p != '|') {
+            x->empty = any_empty;
             return 0;
+        }
         x->p++;
     }
 }

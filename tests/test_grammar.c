@@ -242,6 +242,57 @@ int main(void)
     }
     expect_schema(nested, L("{\"a\": {\"a\": {\"a\": {\"a\": {\"a\": \"x\"}}}}}"),
                   L("{\"a\": {\"a\": {\"a\": {\"a\": {\"a\": 1}}}}}"));
+    /* additional properties beside declared ones never repeat a declared name, in any
+     * spelling (Python's json keeps the last of two, whose schema was not checked) */
+    expect_schema("{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}, "
+                  "\"ab\": {\"type\": \"string\"}, \"q\\\"\": {\"type\": \"null\"}}, "
+                  "\"additionalProperties\": true}",
+                  L("{\"a\": 1}", "{\"a\": 1, \"b\": \"x\"}", "{\"a\": 1, \"abc\": 2}",
+                    "{\"a\": 1, \"\": 2}", "{\"ab\": \"s\", \"q\\\"x\": 1}",
+                    "{\"a\": 1, \"x\\ty\": 0}"),
+                  L("{\"a\": 1, \"a\": \"x\"}", "{\"ab\": \"z\", \"ab\": 3}",
+                    "{\"q\\\"\": null, \"q\\\"\": 1}", "{\"a\": 1, \"\\u0061\": 2}"));
+    expect_schema("{\"type\": \"object\", \"properties\": {\"n\": {\"type\": \"integer\"}}, "
+                  "\"additionalProperties\": {\"type\": \"string\"}}",
+                  L("{\"n\": 1, \"m\": \"x\"}"), L("{\"n\": 1, \"n\": \"x\"}"));
+    /* a keyword beside anyOf / $ref / allOf would be dropped: refused; "type" beside enum
+     * narrows it, as Pydantic writes it */
+    refused("{\"type\": \"integer\", \"anyOf\": [{\"minimum\": 1}]}", 1,
+            "'type' beside 'anyOf' is not supported");
+    refused("{\"$ref\": \"#/$defs/a\", \"maxLength\": 2, \"$defs\": {\"a\": {\"type\": "
+            "\"string\"}}}",
+            1, "'maxLength' beside '$ref'");
+    refused("{\"enum\": [\"a\", \"b\"], \"maxLength\": 1}", 1, "'maxLength' beside 'enum'");
+    expect_schema("{\"enum\": [\"a\", 1, null], \"type\": \"string\", \"title\": \"T\"}",
+                  L("\"a\""), L("1", "null"));
+    /* oneOf: only where no text can match two branches */
+    refused("{\"oneOf\": [{\"type\": \"string\"}, {\"type\": \"string\", \"maxLength\": 3}]}", 1,
+            "'oneOf' whose branches may both match");
+    refused("{\"oneOf\": [{\"type\": \"number\"}, {\"type\": \"integer\"}]}", 1,
+            "'oneOf' whose branches may both match");
+    expect_schema("{\"oneOf\": [{\"type\": \"string\"}, {\"type\": \"integer\"}]}",
+                  L("\"x\"", "3"), L("null"));
+    expect_schema("{\"$defs\": {\"A\": {\"type\": \"object\", \"properties\": {\"kind\": "
+                  "{\"const\": \"a\"}, \"x\": {\"type\": \"integer\"}}, \"required\": [\"kind\", "
+                  "\"x\"]}, \"B\": {\"type\": \"object\", \"properties\": {\"kind\": {\"enum\": "
+                  "[\"b\"]}}, \"required\": [\"kind\"]}}, \"oneOf\": [{\"$ref\": \"#/$defs/A\"}, "
+                  "{\"$ref\": \"#/$defs/B\"}]}",
+                  L("{\"kind\": \"a\", \"x\": 1}", "{\"kind\": \"b\"}"),
+                  L("{\"kind\": \"b\", \"x\": 1}"));
+    /* a surrogate pair is one character, as Python counts it; a lone surrogate none */
+    expect_schema("{\"type\": \"string\", \"maxLength\": 1}", L("\"\\ud83d\\ude00\"", "\"a\""),
+                  L("\"\\ud83d\"", "\"ab\"", "\"\\ude00\""));
+    expect_schema("{\"type\": \"string\", \"minLength\": 2}", L("\"ab\"", "\"\\u00e9\\u00e9\""),
+                  L("\"\\ud83d\\ude00\""));
+    /* patterns that read two ways, or repeat what can match nothing, are refused by name */
+    refused("{\"type\": \"string\", \"pattern\": \"^[^]]$\"}", 1, "opens a class in Python");
+    refused("{\"type\": \"string\", \"pattern\": \"^(a*)*$\"}", 1,
+            "a part that can match nothing is repeated");
+    refused("{\"type\": \"string\", \"pattern\": \"^(a|b?)+$\"}", 1,
+            "a part that can match nothing is repeated");
+    expect_schema("{\"type\": \"string\", \"pattern\": \"^(a?b)*$\"}", L("\"\"", "\"bab\""),
+                  L("\"a\""));
+
     /* past the budgets: a 1.1 MB enum string, 10000 properties */
     size_t big = 1100000;
     char *schema_text = malloc(big + 64), *o;
