@@ -45,6 +45,7 @@ typedef struct ereq {
     int admitted;       /* has been admitted once (n_cached is known) */
     int cancelled;      /* set under the lock */
     int displaced;      /* refused after all, for a better-priority newcomer (under the lock) */
+    int invalid;        /* ended by its own grammar's limits (loom_event.invalid) */
     int ran;            /* has been running: never displaced (under the lock) */
     int abandoned;      /* answered by abandon(): no more events (under deliver_lock) */
     loom_sampler_params sp;
@@ -260,6 +261,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.error = error;
     ev.deadline = deadline;
     ev.busy = q->displaced;
+    ev.invalid = q->invalid;
     if (q->embedded) /* (not when cancelled: e->embedding is another request's then) */
         ev.embedding = e->embedding, ev.n_embd = e->n_embd;
     forget_live(e, q);
@@ -844,6 +846,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
         next = sample_constrained(e, q, logits, err, sizeof err);
         if (next < 0) { /* -1: the grammar is complete, so the answer is */
             remove_running(e, q);
+            q->invalid = next == -2 && !strstr(err, "out of memory");
             retire(e, q, next == -1 ? "stop" : NULL, next == -1 ? NULL : err);
             return 1;
         }

@@ -155,6 +155,10 @@ bad "json_schema without a name" '"response_format": {"type": "json_schema", "js
 bad "another format type" '"response_format": {"type": "yaml"}' response_format "'yaml' is not one of"
 bad "a broken grammar" '"grammar": "root ::= (\"a\""' grammar "grammar line 1: expected ')'"
 bad "a left-recursive grammar" '"grammar": "root ::= root \"a\" | \"b\""' grammar "left-recursive"
+# a grammar that compiles but reads the answer 2^12 ways at its start: the client's to change
+ambiguous=$(python3 -c 'import json; print(json.dumps("root ::= r0\n" + "".join("r%d ::= r%d | r%d \"x\"\n" % (i, i + 1, i + 1) for i in range(12)) + "r12 ::= \"a\"\n"))')
+bad "a grammar too ambiguous to follow" "\"grammar\": $ambiguous" grammar "too ambiguous"
+bad "... streamed too" "\"grammar\": $ambiguous, \"stream\": true" grammar "too ambiguous"
 bad "grammar and response_format" '"grammar": "root ::= \"a\"", "response_format": {"type": "json_object"}' grammar "cannot go with"
 stop_server
 

@@ -519,6 +519,7 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
                                       err, sizeof err);
     if (gbnf)
         p->grammar = loom_grammar_compile(gbnf, err, sizeof err);
+    p->grammar_param = "tool_choice";
     free(gbnf);
     if (!p->grammar)
         return fail(b, 400, "tool_choice", "tool_choice %s: %s", name ? name : "required", err);
@@ -542,6 +543,7 @@ static int parse_format(const cJSON *body, parsed *p, bad *b)
                         "requires a call");
         if (!(p->grammar = loom_grammar_compile(gr->valuestring, err, sizeof err)))
             return fail(b, 400, "grammar", "%s", err);
+        p->grammar_param = "grammar";
         return 0;
     }
     if (!rf || cJSON_IsNull(rf))
@@ -579,6 +581,7 @@ static int parse_format(const cJSON *body, parsed *p, bad *b)
     if (!schema)
         return fail(b, 500, NULL, "out of memory");
     p->grammar = loom_grammar_from_json_schema(schema, err, sizeof err);
+    p->grammar_param = "response_format";
     free(schema);
     if (!p->grammar)
         return fail(b, 400, "response_format", "json_schema: %s", err);

@@ -66,6 +66,7 @@ typedef struct parsed {
                                 (<think>...</think>); 2: the prompt opened it already */
     loom_grammar *grammar;     /* what the answer must match (response_format, grammar, a
                                 required call), or NULL */
+    const char *grammar_param; /* the field it came from */
     int32_t lookup, draft_max; /* "speculative" (loom's): the server's unless given */
     int draft;
 } parsed;

@@ -163,6 +163,7 @@ typedef struct choice {
     int done, final_sent;
     int deadline; /* the request's deadline ended it (engine's event) */
     int busy;     /* displaced from a full queue by a better priority (engine's event) */
+    int invalid;  /* its grammar could not be followed (engine's event) */
     char finish[16];
     char error[256];
     int32_t n_generated;
@@ -192,6 +193,7 @@ typedef struct job {
     int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
     int logprobs;
     int32_t prompt_last; /* what the first generated token follows (its text depends on it) */
+    const char *grammar_param; /* the request field its grammar came from (a 400 names it) */
     int tenant;          /* whose key (--api-keys), 0: no tenant */
 } job;
 
@@ -268,6 +270,7 @@ static void on_event(void *user, const loom_event *ev)
         c->done = 1;
         c->deadline = ev->deadline;
         c->busy = ev->busy;
+        c->invalid = ev->invalid;
         c->n_generated = ev->n_generated;
         if (t->index == 0)
             j->n_cached = ev->n_cached;
@@ -767,14 +770,18 @@ static void stream_free(void *cls)
 }
 
 /* A request the engine ended before it answered: its deadline (504), a full queue that took
- * one of better priority in its place (429), or a failure (500). */
+ * one of better priority in its place (429), a grammar it could not follow (400), or a
+ * failure (500). */
 static enum MHD_Result send_ended_early(server *srv, struct MHD_Connection *con, int deadline,
-                                        int busy, const char *msg)
+                                        int busy, const char *invalid, const char *msg)
 {
     if (deadline)
         return send_error(srv, con, 504, "timeout", "deadline_exceeded", "%s", msg);
     if (busy)
         return send_error(srv, con, 429, NULL, "rate_limit_exceeded", "%s", msg);
+    if (invalid)
+        return send_error(srv, con, 400, invalid, "grammar_too_complex",
+                          "the answer's grammar (%s) cannot be followed: %s", invalid, msg);
     return send_error(srv, con, 500, NULL, NULL, "%s", msg);
 }
 
@@ -799,10 +806,11 @@ static enum MHD_Result finish_blocking(struct MHD_Connection *con, job *j)
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
             server *srv = j->srv; /* j may be freed by the unref */
             int deadline = j->ch[i].deadline, busy = j->ch[i].busy;
+            const char *bad = j->ch[i].invalid ? j->grammar_param : NULL;
             pthread_mutex_unlock(&j->mu);
             cancel_job(j); /* the other choices end with it */
             job_unref(j);
-            return send_ended_early(srv, con, deadline, busy, msg);
+            return send_ended_early(srv, con, deadline, busy, bad, msg);
         }
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
     for (int i = 0; i < j->n; i++)
@@ -928,6 +936,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->reasoning = chat ? p.reasoning : 0;
     j->logprobs = p.logprobs;
     j->prompt_last = p.ids[p.n_ids - 1];
+    j->grammar_param = p.grammar_param; /* a string constant */
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
@@ -1011,14 +1020,16 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
         }
     }
     for (int i = 0; i < j->n; i++)
-        if (j->ch[i].done && (j->ch[i].deadline || j->ch[i].busy) && j->ch[i].error[0]) {
+        if (j->ch[i].done && (j->ch[i].deadline || j->ch[i].busy || j->ch[i].invalid) &&
+            j->ch[i].error[0]) {
             char msg[300];
             snprintf(msg, sizeof msg, "%s", j->ch[i].error);
             int deadline = j->ch[i].deadline, busy = j->ch[i].busy;
+            const char *bad = j->ch[i].invalid ? j->grammar_param : NULL;
             pthread_mutex_unlock(&j->mu);
             cancel_job(j);
             job_unref(j);
-            return send_ended_early(srv, con, deadline, busy, msg);
+            return send_ended_early(srv, con, deadline, busy, bad, msg);
         }
     pthread_mutex_unlock(&j->mu);
     j->con = con;
@@ -1210,7 +1221,7 @@ static enum MHD_Result handle_embeddings(server *srv, struct MHD_Connection *con
     } else if (err[0]) {
         res = send_error(srv, con, srv->shutting_down ? 503 : 500, NULL, NULL, "%s", err);
     } else if (j.error[0]) {
-        res = send_ended_early(srv, con, j.deadline, j.busy, j.error);
+        res = send_ended_early(srv, con, j.deadline, j.busy, NULL, j.error);
     } else {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "object", "list");

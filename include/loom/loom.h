@@ -328,6 +328,9 @@ typedef struct loom_event {
     /* the last event: how long the request waited, from submission to its admission (0 when
      * it never started) */
     double queue_ms;
+    /* an ERROR the request's own grammar caused: too ambiguous to follow, or past a limit of
+     * its automaton (the client's to change, as a 400 says) */
+    int32_t invalid;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
