@@ -129,6 +129,9 @@ code() { curl -s -o "$tmpdir/web.out" -w '%{http_code}' "$@"; }
     [ "$(code -H 'Sec-Fetch-Site: cross-site' --data-binary "$body" "$URL/v1/completions")" = 403 ] &&
     pass "a foreign Origin (a form post, a reload, 'null') and a cross-site fetch are refused (403)" ||
     fail "foreign origin: $(cat "$tmpdir/web.out")"
+[ "$(code -H 'Sec-Fetch-Site: cross-site' "$URL/")" = 200 ] &&
+    pass "a link from another site still opens the chat page (a GET changes nothing)" ||
+    fail "cross-site GET of the chat page: $(head -c 200 "$tmpdir/web.out")"
 [ "$(code -H "Origin: http://127.0.0.1:$port" -H 'Sec-Fetch-Site: same-origin' --data-binary "$body" "$URL/v1/completions")" = 200 ] &&
     pass "the server's own origin (its chat page) is served" || fail "same origin: $(cat "$tmpdir/web.out")"
 [ "$(code -H 'Host: attacker.example' "$URL/v1/models")" = 421 ] &&

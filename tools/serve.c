@@ -1648,9 +1648,11 @@ static int allowed_host(const char *host, const char *allowed)
 /* A browser runs any web page's requests with its user's reach: to a server on loopback, and
  * (a page whose own name resolves to 127.0.0.1, "DNS rebinding") as if same-origin. Refused,
  * from the headers: on a loopback bind a Host that is not a loopback name (or --allow-host's),
- * 421; a request whose Origin is not this server's, or that a browser marks as sent from
- * another site, 403. Returns 0, 1 with the refusal queued, or -1. */
-static int refused_foreign(server *srv, struct MHD_Connection *con)
+ * 421; a POST (what a page can send without asking: a form, a fetch) whose Origin is not this
+ * server's, or that a browser marks as sent from another site, 403. A GET changes nothing and
+ * its answer is not the foreign page's to read (no CORS headers), so a link to the chat page
+ * still opens it. Returns 0, 1 with the refusal queued, or -1. */
+static int refused_foreign(server *srv, struct MHD_Connection *con, int reads_only)
 {
     const char *host = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Host");
     const char *origin = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Origin");
@@ -1671,7 +1673,7 @@ static int refused_foreign(server *srv, struct MHD_Connection *con)
                                                              : "";
     int foreign = origin ? !host || strcasecmp(authority, host) != 0
                          : site && strcmp(site, "same-origin") && strcmp(site, "none");
-    if (!foreign)
+    if (!foreign || reads_only)
         return 0;
     return send_error(srv, con, 403, NULL, "cross_origin_request",
                       "a request from a web page of another origin (%.200s) is refused: pages on "
@@ -1691,10 +1693,10 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     int refused = refused_ambiguous_framing(srv, con);
     if (refused)
         return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
-    if ((refused = refused_foreign(srv, con)))
-        return refused > 0 ? MHD_YES : MHD_NO;
     /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
     int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if ((refused = refused_foreign(srv, con, get)))
+        return refused > 0 ? MHD_YES : MHD_NO;
     route to = !strcmp(url, "/") && srv->webui ? ROUTE_WEBUI
         : !strcmp(url, "/health")              ? ROUTE_HEALTH
         : !strcmp(url, "/metrics")             ? ROUTE_METRICS
