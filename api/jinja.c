@@ -182,8 +182,8 @@ typedef struct render {
     char *err;
     size_t err_size;
     jinja_limits lim;
-    long steps;     /* units of work: an expression, a loop turn, an item compared, 64 bytes read */
-    long clock_at;  /* steps at which the clock is read next */
+    long steps;    /* units of work: an expression, a loop turn, an item compared, 64 bytes read */
+    long clock_at; /* steps at which the clock is read next */
     double deadline; /* CLOCK_MONOTONIC seconds the render must end by */
     int depth;
     obuf *out;
@@ -1000,16 +1000,17 @@ static int lex_tag(parser *p, const piece *pc)
                     uint32_t cp = 0;
                     int i = 0;
                     for (; i < digits && s + 2 + i < end && isxdigit((unsigned char)s[2 + i]); i++)
-                        cp = cp << 4 | (uint32_t)(isdigit((unsigned char)s[2 + i])
-                                                      ? s[2 + i] - '0'
-                                                      : (tolower((unsigned char)s[2 + i]) - 'a' + 10));
+                        cp = cp << 4 |
+                            (uint32_t)(isdigit((unsigned char)s[2 + i])
+                                           ? s[2 + i] - '0'
+                                           : (tolower((unsigned char)s[2 + i]) - 'a' + 10));
                     if (i < digits) {
                         perr(p, line, "a \\%c escape wants %d hex digits", s[1], digits);
                         return -1;
                     }
                     if (cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff) || cp == 0) {
-                        perr(p, line, "the escape \\%c%.*s is no character loom can write",
-                             s[1], digits, s + 2);
+                        perr(p, line, "the escape \\%c%.*s is no character loom can write", s[1],
+                             digits, s + 2);
                         return -1;
                     }
                     m += (size_t)utf8proc_encode_char((utf8proc_int32_t)cp,
@@ -2042,8 +2043,9 @@ static void charge(render *r, size_t units)
 {
     r->steps += units > (size_t)LONG_MAX / 2 ? LONG_MAX / 2 : (long)units;
     if (r->steps > r->lim.max_steps)
-        rfail(r, "the template ran more than %ld steps (a loop that never ends, or filters "
-                 "over huge lists or strings?)",
+        rfail(r,
+              "the template ran more than %ld steps (a loop that never ends, or filters "
+              "over huge lists or strings?)",
               r->lim.max_steps);
     if (r->steps >= r->clock_at) {
         r->clock_at = r->steps + 4096;
@@ -3233,7 +3235,7 @@ static jv call_method(render *r, jv obj, const char *m, const args *a)
             if (from.t != V_UNDEF && from.t != V_NONE)
                 lo = ival(from) < 0 ? (ival(from) + len < 0 ? 0 : ival(from) + len) : ival(from);
             if (to.t != V_UNDEF && to.t != V_NONE)
-                hi = ival(to) < 0 ? (ival(to) + len < 0 ? 0 : ival(to) + len)
+                hi = ival(to) < 0    ? (ival(to) + len < 0 ? 0 : ival(to) + len)
                     : ival(to) > len ? len
                                      : ival(to);
             int found = hi - lo >= (int64_t)utf8_count(n) && hi >= lo;
@@ -3243,9 +3245,8 @@ static jv call_method(render *r, jv obj, const char *m, const args *a)
                 int64_t c = 0;
                 if (found && !n->len)
                     return vint(hi - lo + 1);
-                for (const char *h = s->s + b0; found && (h = memmem(h, b1 - (size_t)(h - s->s),
-                                                                     n->s, n->len));
-                     h += n->len)
+                for (const char *h = s->s + b0;
+                     found && (h = memmem(h, b1 - (size_t)(h - s->s), n->s, n->len)); h += n->len)
                     c++;
                 return vint(c);
             }

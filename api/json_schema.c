@@ -76,10 +76,13 @@ typedef struct conv {
 } conv;
 
 /* a text whose bytes count against c's budget */
-#define TEXT(c) {.budget = &(c)->budget}
+#define TEXT(c)                                                                                    \
+    {                                                                                              \
+        .budget = &(c)->budget                                                                     \
+    }
 
 #define OVER_BUDGET                                                                                \
-    "the schema's grammar would pass %d bytes (types listed over and over, or schemas nested "    \
+    "the schema's grammar would pass %d bytes (types listed over and over, or schemas nested "     \
     "in alternatives, multiply it); simplify the schema"
 
 static int fail(conv *c, const char *fmt, ...)
@@ -227,9 +230,9 @@ static int gen_ref(conv *c, const char *ref, text *out)
 #define ESCAPED 0x110000u
 
 typedef struct key_node {
-    uint32_t unit;     /* the unit that leads here from the parent */
-    int first, next;   /* first child, next sibling (-1: none) */
-    int terminal;      /* a declared name ends here */
+    uint32_t unit;   /* the unit that leads here from the parent */
+    int first, next; /* first child, next sibling (-1: none) */
+    int terminal;    /* a declared name ends here */
 } key_node;
 
 typedef struct key_trie {
@@ -321,7 +324,7 @@ static int put_other_keys(conv *c, const key_trie *t, int at, text *out)
     }
     if (rc == 0)
         rc = body.oom || plain.oom || escapes.oom ? fail(c, "out of memory")
-                                                   : add_rule(c, &body, out);
+                                                  : add_rule(c, &body, out);
     free(body.s), free(plain.s), free(escapes.s);
     return rc;
 }
@@ -338,8 +341,10 @@ static int gen_other_key(conv *c, const cJSON *props, text *out)
     for (const cJSON *p = props->child; p && rc == 0; p = p->next) {
         if (strlen(p->string) > 1024) {
             free(t.n);
-            return fail(c, "property '%.40s...' is longer than 1024 bytes beside "
-                           "additionalProperties (not supported)", p->string);
+            return fail(c,
+                        "property '%.40s...' is longer than 1024 bytes beside "
+                        "additionalProperties (not supported)",
+                        p->string);
         }
         rc = trie_add(&t, p->string);
     }
@@ -747,8 +752,8 @@ static const char *const handled[] = {"type",
 
 /* keywords that only annotate, or hold schemas for $ref: beside anything */
 static const char *const annotations[] = {
-    "$defs",   "definitions", "title",    "description", "default", "examples", "$schema",
-    "$id",     "$comment",    "deprecated", "readOnly",  "writeOnly", "strict", NULL};
+    "$defs", "definitions", "title",      "description", "default",   "examples", "$schema",
+    "$id",   "$comment",    "deprecated", "readOnly",    "writeOnly", "strict",   NULL};
 
 static int is_annotation(const char *key)
 {
@@ -768,14 +773,14 @@ static int of_type(const cJSON *v, const cJSON *t)
         return 0;
     }
     const char *n = cJSON_IsString(t) ? t->valuestring : "";
-    return !strcmp(n, "string")  ? cJSON_IsString(v)
-        : !strcmp(n, "number")   ? cJSON_IsNumber(v)
-        : !strcmp(n, "integer")  ? cJSON_IsNumber(v) && v->valuedouble == floor(v->valuedouble)
-        : !strcmp(n, "boolean")  ? cJSON_IsBool(v)
-        : !strcmp(n, "null")     ? cJSON_IsNull(v)
-        : !strcmp(n, "object")   ? cJSON_IsObject(v)
-        : !strcmp(n, "array")    ? cJSON_IsArray(v)
-                                 : 0;
+    return !strcmp(n, "string") ? cJSON_IsString(v)
+        : !strcmp(n, "number")  ? cJSON_IsNumber(v)
+        : !strcmp(n, "integer") ? cJSON_IsNumber(v) && v->valuedouble == floor(v->valuedouble)
+        : !strcmp(n, "boolean") ? cJSON_IsBool(v)
+        : !strcmp(n, "null")    ? cJSON_IsNull(v)
+        : !strcmp(n, "object")  ? cJSON_IsObject(v)
+        : !strcmp(n, "array")   ? cJSON_IsArray(v)
+                                : 0;
 }
 
 /* A schema whose value comes from $ref, anyOf, oneOf, allOf, const or enum (by: that keyword)
@@ -788,8 +793,9 @@ static int refuse_siblings(conv *c, const cJSON *s, const cJSON *by)
     int values = !strcmp(by->string, "const") || !strcmp(by->string, "enum");
     for (const cJSON *k = s->child; k; k = k->next)
         if (k != by && !is_annotation(k->string) && !(values && !strcmp(k->string, "type")))
-            return fail(c, "'%s' beside '%s' is not supported: write it inside each of its "
-                           "schemas, or the schema without it",
+            return fail(c,
+                        "'%s' beside '%s' is not supported: write it inside each of its "
+                        "schemas, or the schema without it",
                         k->string, by->string);
     return 0;
 }
@@ -811,8 +817,10 @@ static unsigned types_of(conv *c, const cJSON *s, int depth)
         values = NULL;
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, "type");
     unsigned bits = 0;
-    for (const cJSON *v = one ? one : cJSON_IsArray(values) ? values->child : NULL; v;
-         v = one ? NULL : v->next)
+    for (const cJSON *v = one        ? one
+             : cJSON_IsArray(values) ? values->child
+                                     : NULL;
+         v; v = one ? NULL : v->next)
         for (int i = 0; type_names[i]; i++) {
             cJSON name = {.type = cJSON_String, .valuestring = (char *)type_names[i]};
             bits |= of_type(v, &name) ? 1u << i : 0;
@@ -926,9 +934,10 @@ static int gen(conv *c, const cJSON *s, text *out)
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(s, "type");
     const cJSON *one = cJSON_GetObjectItemCaseSensitive(s, "oneOf");
     if (one && one == any && one_of_may_overlap(c, one))
-        return fail(c, "'oneOf' whose branches may both match a text is not supported (loom "
-                       "follows it only where they cannot: different types, or objects told "
-                       "apart by a required property's const); use 'anyOf' if either may match");
+        return fail(c,
+                    "'oneOf' whose branches may both match a text is not supported (loom "
+                    "follows it only where they cannot: different types, or objects told "
+                    "apart by a required property's const); use 'anyOf' if either may match");
     if (refuse_siblings(c, s, ref ? ref : any ? any : all ? all : cnst ? cnst : en) != 0)
         return -1;
     int rc = 0;

@@ -310,8 +310,9 @@ static int parse_class(rx *x)
     int negated = !at_end(x) && *x->p == '^', shorthand = 0;
     x->p += negated;
     if (!at_end(x) && *x->p == ']') /* [^] is any character to ECMA-262, to Python "not ]" */
-        return rfail(x, "pattern: '[%s]' reads as %s in ECMA-262 but opens a class in Python; "
-                        "write '\\]' for a ']' in a class%s",
+        return rfail(x,
+                     "pattern: '[%s]' reads as %s in ECMA-262 but opens a class in Python; "
+                     "write '\\]' for a ']' in a class%s",
                      negated ? "^" : "", negated ? "any character" : "no character",
                      negated ? " (and [\\s\\S] for any character)" : "");
     while (!at_end(x) && *x->p != ']' && !x->failed) {
@@ -475,8 +476,9 @@ static int parse_sequence(rx *x)
             /* a part that can match nothing, repeated without bound ("(a*)*"), has endless
              * ways to match the same text: a grammar cannot follow that */
             if (atom_empty && hi < 0)
-                return rfail(x, "pattern: a part that can match nothing is repeated without "
-                                "bound (as in '(a*)*'); repeat a part that matches something");
+                return rfail(x,
+                             "pattern: a part that can match nothing is repeated without "
+                             "bound (as in '(a*)*'); repeat a part that matches something");
             atom_empty |= lo == 0;
             if (!at_end(x) && *x->p == '?') /* lazy: the same strings */
                 x->p++;

@@ -121,7 +121,7 @@ typedef struct loom_family {
     /* Hyper-parameters that are not one key each (defaults computed from others, checks
      * across keys); NULL when none. Messages name the config.json keys. */
     int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
-    const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
+    const loom_hf_tensor *hf_tensors;       /* ends with {0}; the layers' count is block_count */
     const loom_hf_condition *hf_conditions; /* ends with {0}; NULL: none */
     /* RoPE frequency divisors the config implies (Llama 3.1's rope_scaling "llama3"), written
      * as rope_freqs.weight the way llama.cpp's converter does: fills factors[0..n) and returns

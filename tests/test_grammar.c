@@ -270,8 +270,8 @@ int main(void)
             "'oneOf' whose branches may both match");
     refused("{\"oneOf\": [{\"type\": \"number\"}, {\"type\": \"integer\"}]}", 1,
             "'oneOf' whose branches may both match");
-    expect_schema("{\"oneOf\": [{\"type\": \"string\"}, {\"type\": \"integer\"}]}",
-                  L("\"x\"", "3"), L("null"));
+    expect_schema("{\"oneOf\": [{\"type\": \"string\"}, {\"type\": \"integer\"}]}", L("\"x\"", "3"),
+                  L("null"));
     expect_schema("{\"$defs\": {\"A\": {\"type\": \"object\", \"properties\": {\"kind\": "
                   "{\"const\": \"a\"}, \"x\": {\"type\": \"integer\"}}, \"required\": [\"kind\", "
                   "\"x\"]}, \"B\": {\"type\": \"object\", \"properties\": {\"kind\": {\"enum\": "

@@ -625,8 +625,7 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         rc = fail(b, 400,
                   kwargs && (!srv->chat->jinja || strstr(err, "kwargs")) ? "chat_template_kwargs"
                                                                          : "messages",
-                  "%s",
-                  err);
+                  "%s", err);
     free(kwargs);
     free(messages);
     if (rc == 0 && loom_chat_format_reasons(srv->chat)) {

@@ -58,8 +58,8 @@ typedef struct tenant {
     size_t key_len;
     int admin;                                /* "admin" on its line: may reload, see all keys */
     int32_t priority, max_running, max_queue; /* priority: the best its requests may ask for */
-    uint64_t requests, refused; /* under count_lock */
-    latencies seen;             /* under count_lock */
+    uint64_t requests, refused;               /* under count_lock */
+    latencies seen;                           /* under count_lock */
 } tenant;
 
 /* One opened model with its engine: what requests run on. A reload opens another; new
@@ -91,11 +91,11 @@ typedef struct server {
     size_t api_key_len;
     const char *admin_key; /* --admin-key-file: the one key that may reload (NULL: see caller) */
     size_t admin_key_len;
-    int loopback;          /* bound to 127.0.0.0/8: only loopback names in Host */
+    int loopback;              /* bound to 127.0.0.0/8: only loopback names in Host */
     const char *allowed_hosts; /* --allow-host: more names Host may give there (commas) */
-    int metrics_auth;      /* /metrics wants the key too */
-    int webui;             /* the chat page at GET / (off: --no-webui) */
-    int partition_by_user; /* --prefix-cache per-user */
+    int metrics_auth;          /* /metrics wants the key too */
+    int webui;                 /* the chat page at GET / (off: --no-webui) */
+    int partition_by_user;     /* --prefix-cache per-user */
     size_t max_body;
     volatile int shutting_down;
     time_t started;
@@ -192,9 +192,9 @@ typedef struct job {
     int n_tools, parallel_tool_calls;
     int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
     int logprobs;
-    int32_t prompt_last; /* what the first generated token follows (its text depends on it) */
+    int32_t prompt_last;       /* what the first generated token follows (its text depends on it) */
     const char *grammar_param; /* the request field its grammar came from (a 400 names it) */
-    int tenant;          /* whose key (--api-keys), 0: no tenant */
+    int tenant;                /* whose key (--api-keys), 0: no tenant */
 } job;
 
 typedef struct event_target {
@@ -879,7 +879,7 @@ static void set_admission(loom_request *r, const server *srv, int who, const cha
 {
     const tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
     r->cache_partition = cache_partition(srv, who, user);
-    r->priority = !tn ? priority
+    r->priority = !tn                               ? priority
         : priority_given && priority > tn->priority ? priority
                                                     : tn->priority;
     r->timeout_ms = 1e3 * (timeout_s > 0 ? timeout_s : srv->timeout_s);
@@ -936,7 +936,7 @@ static enum MHD_Result handle_generate(server *srv, struct MHD_Connection *con, 
     j->reasoning = chat ? p.reasoning : 0;
     j->logprobs = p.logprobs;
     j->prompt_last = p.ids[p.n_ids - 1];
-    j->grammar_param = p.grammar_param; /* a string constant */
+    j->grammar_param = p.grammar_param;                   /* a string constant */
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
@@ -1667,10 +1667,10 @@ static int refused_foreign(server *srv, struct MHD_Connection *con, int reads_on
                           host) == MHD_YES
             ? 1
             : -1;
-    const char *authority = !origin                          ? NULL
-        : !strncasecmp(origin, "http://", 7)                 ? origin + 7
-        : !strncasecmp(origin, "https://", 8)                ? origin + 8
-                                                             : "";
+    const char *authority = !origin           ? NULL
+        : !strncasecmp(origin, "http://", 7)  ? origin + 7
+        : !strncasecmp(origin, "https://", 8) ? origin + 8
+                                              : "";
     int foreign = origin ? !host || strcasecmp(authority, host) != 0
                          : site && strcmp(site, "same-origin") && strcmp(site, "none");
     if (!foreign || reads_only)
@@ -2107,8 +2107,8 @@ static void free_api_keys(void)
 int loom_serve_main(int argc, char **argv)
 {
     const char *host = "127.0.0.1", *api_key = NULL, *name = NULL, *tmpl = NULL, *tmpl_file = NULL,
-               *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL,
-               *admin_key_file = NULL, *allow_host = NULL;
+               *key_file = NULL, *prefix_cache = "shared", *api_keys = NULL, *admin_key_file = NULL,
+               *allow_host = NULL;
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
@@ -2251,8 +2251,9 @@ int loom_serve_main(int argc, char **argv)
         (read_key_file("--admin-key-file", admin_key_file, admin_buf, sizeof admin_buf) != 0 ||
          !valid_key(admin_buf))) {
         if (admin_buf[0])
-            fprintf(stderr, "loom serve: --admin-key-file: the key must be 1 to 1024 visible "
-                            "ASCII characters (no spaces or controls)\n");
+            fprintf(stderr,
+                    "loom serve: --admin-key-file: the key must be 1 to 1024 visible "
+                    "ASCII characters (no spaces or controls)\n");
         return 2;
     }
     atexit(free_api_keys);
@@ -2272,8 +2273,9 @@ int loom_serve_main(int argc, char **argv)
     for (int i = 0; admin_key_file && i < keyring.n_tenants; i++)
         admin_is_api_key |= !strcmp(admin_buf, keyring.tenants[i].key);
     if (admin_is_api_key) {
-        fprintf(stderr, "loom serve: the admin key (--admin-key-file) must differ from the API "
-                        "keys: a client that only uses the API must not be able to reload\n");
+        fprintf(stderr,
+                "loom serve: the admin key (--admin-key-file) must differ from the API "
+                "keys: a client that only uses the API must not be able to reload\n");
         return 2;
     }
     if (metrics_auth && !api_key && !keyring.n_tenants) {

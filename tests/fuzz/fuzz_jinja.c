@@ -40,9 +40,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         return 0;
     }
     /* small limits: each input runs in milliseconds */
-    jinja_limits lim = {
-        .max_output = 1 << 20, .max_memory = 32 << 20, .max_steps = 200000, .max_depth = 64,
-        .max_ms = 2000};
+    jinja_limits lim = {.max_output = 1 << 20,
+                        .max_memory = 32 << 20,
+                        .max_steps = 200000,
+                        .max_depth = 64,
+                        .max_ms = 2000};
     static const char *const untrusted[] = {"messages", "tools", NULL};
     char *out = NULL;
     size_t len = 0;
