@@ -2132,7 +2132,8 @@ int loom_serve_main(int argc, char **argv)
          "file's first line (or set LOOM_API_KEY)"},
         {"--api-keys", NULL, LOOM_FLAG_TEXT, &api_keys, 0, 0, "FILE",
          "several keys, one tenant a line: NAME KEY [priority=N]\n"
-         "[max-running=N] [max-queue=N]; tenants take turns at equal priority"},
+         "[max-running=N] [max-queue=N] [admin]; tenants take turns at equal\n"
+         "priority; priority=N is the best a key's requests get"},
         {"--api-key", NULL, LOOM_FLAG_TEXT, &api_key, 0, 0, "KEY",
          "the key itself: works, but shows it to anyone who can run ps"},
         {"--admin-key-file", NULL, LOOM_FLAG_TEXT, &admin_key_file, 0, 0, "FILE",
