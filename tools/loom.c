@@ -13,7 +13,7 @@
 int loom_bench_main(int argc, char **argv, const char *self);      /* tools/bench.c */
 int loom_perplexity_main(int argc, char **argv, const char *self); /* tools/perplexity.c */
 int loom_chat_main(int argc, char **argv);                         /* tools/chat.c */
-int loom_serve_main(int argc, char **argv);                        /* tools/serve.c */
+int loom_serve_main(int argc, char **argv);                        /* tools/serve/ */
 int loom_bench_serve_main(int argc, char **argv);                  /* tools/bench_serve.c */
 
 #include <cjson/cJSON.h>

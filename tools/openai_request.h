@@ -1,6 +1,6 @@
 /*
  * tools/openai_request.h - an OpenAI completions / chat completions request body, checked and
- * turned into token ids and sampling settings for loom's engine (tools/serve.c answers it).
+ * turned into token ids and sampling settings for loom's engine (tools/serve/ answers it).
  */
 #ifndef LOOM_TOOLS_OPENAI_REQUEST_H
 #define LOOM_TOOLS_OPENAI_REQUEST_H

@@ -1,0 +1,464 @@
+/*
+ * tools/serve/http.c - the HTTP layer of `loom serve`: sending answers and errors, who a
+ * request is from (its key), what a request is refused for from its headers alone (framing,
+ * a foreign page, a foreign Host), and the routes.
+ */
+#define _GNU_SOURCE
+#include "tools/serve/server.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+
+/* ---- responses ---------------------------------------------------------------------------- */
+
+/* seconds a client told 503 (the server is draining) should wait before it tries again, and
+ * one told 429 (the queue is full) */
+#define RETRY_AFTER "5"
+#define RETRY_BUSY "1"
+
+enum MHD_Result http_send_text(struct MHD_Connection *con, unsigned status, const char *type,
+                               const char *body)
+{
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), (void *)body,
+                                                             MHD_RESPMEM_MUST_COPY);
+    if (!r)
+        return MHD_NO;
+    MHD_add_response_header(r, "Content-Type", type);
+    if (status == 503 || status == 429)
+        MHD_add_response_header(r, "Retry-After", status == 503 ? RETRY_AFTER : RETRY_BUSY);
+    enum MHD_Result ok = MHD_queue_response(con, status, r);
+    MHD_destroy_response(r);
+    return ok;
+}
+
+enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSON *o)
+{
+    char *s = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    if (!s)
+        return MHD_NO;
+    enum MHD_Result ok = http_send_text(con, status, "application/json", s);
+    free(s);
+    return ok;
+}
+
+/* OpenAI's error shape: {"error": {"message", "type", "param", "code"}}. */
+enum MHD_Result http_error(server *srv, struct MHD_Connection *con, unsigned status,
+                           const char *param, const char *code, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&srv->count_lock);
+    srv->http_errors++;
+    pthread_mutex_unlock(&srv->count_lock);
+    cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
+    json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
+    cJSON_AddStringToObject(e, "type",
+                            status == 401       ? "authentication_error"
+                                : status == 403 ? "permission_error"
+                                : status == 429 ? "rate_limit_error"
+                                : status == 504 ? "timeout_error"
+                                : status >= 500 ? "server_error"
+                                : status == 404 ? "not_found_error"
+                                                : "invalid_request_error");
+    if (param)
+        json_add_text(e, "param", param, strlen(param));
+    else
+        cJSON_AddNullToObject(e, "param");
+    if (code)
+        cJSON_AddStringToObject(e, "code", code);
+    else
+        cJSON_AddNullToObject(e, "code");
+    return http_send_json(con, status, o);
+}
+
+/* Whether the client closed its end while we wait to answer. */
+int http_client_gone(struct MHD_Connection *con)
+{
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(con,
+                                                                 MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (!ci)
+        return 0;
+    char c;
+    ssize_t n = recv(ci->connect_fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
+static int http_caller(server *srv, struct MHD_Connection *con, int *admin);
+
+/* {"status": "ok"}; to a client with the key (or any, when the server wants none) also the
+ * model, the reloads and "reload_error" while the last reload failed (the old model serving):
+ * a stranger learns nothing but that the server is up. */
+static enum MHD_Result handle_health(server *srv, struct MHD_Connection *con)
+{
+    int admin;
+    if (http_caller(srv, con, &admin) < 0)
+        return http_send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "status", "ok");
+    served *sv = served_acquire(srv);
+    json_add_text(o, "model", sv->api.model_name, strlen(sv->api.model_name));
+    served_release(srv, sv);
+    pthread_mutex_lock(&srv->live_lock);
+    cJSON_AddNumberToObject(o, "reloads", srv->reloads);
+    if (srv->reload_error[0])
+        json_add_text(o, "reload_error", srv->reload_error, strlen(srv->reload_error));
+    pthread_mutex_unlock(&srv->live_lock);
+    return http_send_json(con, 200, o);
+}
+
+static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
+{
+    cJSON *o = cJSON_CreateObject(), *d;
+    cJSON_AddStringToObject(o, "object", "list");
+    d = cJSON_AddArrayToObject(o, "data");
+    cJSON *m = cJSON_CreateObject();
+    served *sv = served_acquire(srv);
+    json_add_text(m, "id", sv->api.model_name, strlen(sv->api.model_name));
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)srv->started);
+    cJSON_AddStringToObject(m, "owned_by", "loom");
+    cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
+    cJSON_AddStringToObject(m, "backend", loom_model_backend(sv->api.model));
+    served_release(srv, sv);
+    cJSON_AddItemToArray(d, m);
+    return http_send_json(con, 200, o);
+}
+
+typedef enum route {
+    ROUTE_NONE,
+    ROUTE_WEBUI,
+    ROUTE_HEALTH,
+    ROUTE_METRICS,
+    ROUTE_MODELS,
+    ROUTE_COMPLETIONS,
+    ROUTE_CHAT,
+    ROUTE_EMBEDDINGS,
+    ROUTE_RELOAD
+} route;
+
+typedef struct conn_state {
+    route to;
+    char *body;
+    size_t len, cap;
+    int too_big;
+    int tenant; /* whose key (--api-keys), 0: no tenant */
+} conn_state;
+
+void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
+                       enum MHD_RequestTerminationCode toe)
+{
+    (void)cls, (void)toe;
+    conn_guard_request_done(con);
+    conn_state *cs = *con_cls;
+    if (cs) {
+        free(cs->body);
+        free(cs);
+    }
+    *con_cls = NULL;
+}
+
+/* Equal in time that does not depend on where a guess first differs. */
+static int same_secret(const char *given, size_t n, const char *key, size_t key_len)
+{
+    unsigned diff = n != key_len;
+    for (size_t i = 0; i < key_len; i++)
+        diff |= (unsigned char)(i < n ? given[i] : 0) ^ (unsigned char)key[i];
+    return diff == 0;
+}
+
+typedef struct auth_header {
+    int count;
+    const char *value;
+    size_t len;
+} auth_header;
+
+static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *key,
+                                size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind;
+    auth_header *a = cls;
+    if (key_size == 13 && !strncasecmp(key, "Authorization", 13)) {
+        a->count++;
+        a->value = value, a->len = value ? value_size : 0;
+    }
+    return MHD_YES;
+}
+
+/* Who sent the request, from its key, read exactly: one Authorization header, the scheme
+ * "Bearer" in any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or
+ * tabs. Returns the tenant (1, 2, ...) whose key of --api-keys it is, 0 for the one key of
+ * --api-key-file (or --admin-key-file's) or when the API wants no key, -1 when the API wants a
+ * key and none matches (every key is compared, in constant time each). *admin: the key may
+ * reload the model and see every tenant's figures: --admin-key-file's, a tenant line that says
+ * "admin", the one API key when no admin key is set, anyone when the server has no key at all. */
+static int http_caller(server *srv, struct MHD_Connection *con, int *admin)
+{
+    int open_api = !srv->api_key && !srv->n_tenants;
+    *admin = open_api && !srv->admin_key;
+    if (*admin)
+        return 0;
+    auth_header a = {0};
+    MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_auth, &a);
+    if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
+        return open_api ? 0 : -1;
+    size_t start = 7, end = a.len;
+    while (start < end && a.value[start] == ' ')
+        start++;
+    while (end > start && (a.value[end - 1] == ' ' || a.value[end - 1] == '\t'))
+        end--;
+    const char *given = a.value + start;
+    size_t n = end - start;
+    int found = open_api ? 0 : -1;
+    if (srv->admin_key && same_secret(given, n, srv->admin_key, srv->admin_key_len))
+        found = 0, *admin = 1;
+    if (srv->api_key && same_secret(given, n, srv->api_key, srv->api_key_len))
+        found = 0, *admin = !srv->admin_key;
+    for (int i = 0; i < srv->n_tenants; i++)
+        if (same_secret(given, n, srv->tenants[i].key, srv->tenants[i].key_len))
+            found = i + 1, *admin = srv->tenants[i].admin;
+    return found;
+}
+
+static enum MHD_Result http_refuse_key(server *srv, struct MHD_Connection *con)
+{
+    return http_error(srv, con, 401, NULL, "invalid_api_key",
+                      "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key "
+                      "the server was started with (--api-key-file, LOOM_API_KEY or --api-key)");
+}
+
+typedef struct framing {
+    int content_lengths, transfer_encodings;
+} framing;
+
+static enum MHD_Result see_framing(void *cls, enum MHD_ValueKind kind, const char *key,
+                                   size_t key_size, const char *value, size_t value_size)
+{
+    (void)kind, (void)value, (void)value_size;
+    framing *f = cls;
+    f->content_lengths += key_size == 14 && !strncasecmp(key, "Content-Length", 14);
+    f->transfer_encodings += key_size == 17 && !strncasecmp(key, "Transfer-Encoding", 17);
+    return MHD_YES;
+}
+
+/* A body framed two ways (two Content-Length headers, or one with Transfer-Encoding) is how
+ * requests are smuggled past a proxy that reads the other framing: refused, and the
+ * connection closed, since where this request ends is not known. */
+static int refused_ambiguous_framing(server *srv, struct MHD_Connection *con)
+{
+    framing f = {0};
+    MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_framing, &f);
+    if (f.content_lengths <= 1 && !(f.content_lengths && f.transfer_encodings))
+        return 0;
+    pthread_mutex_lock(&srv->count_lock);
+    srv->http_errors++;
+    pthread_mutex_unlock(&srv->count_lock);
+    static const char body[] =
+        "{\"error\":{\"message\":\"the request's body length is given twice (two "
+        "Content-Length headers, or Content-Length with Transfer-Encoding): send one\","
+        "\"type\":\"invalid_request_error\",\"param\":null,\"code\":null}}";
+    struct MHD_Response *r = MHD_create_response_from_buffer(sizeof body - 1, (void *)body,
+                                                             MHD_RESPMEM_PERSISTENT);
+    if (r) {
+        MHD_add_response_header(r, "Content-Type", "application/json");
+        MHD_add_response_header(r, "Connection", "close");
+        MHD_queue_response(con, 400, r);
+        MHD_destroy_response(r);
+    }
+    return r ? 1 : -1;
+}
+
+/* Whether host (a Host header: a name or address, maybe a port) names this machine's loopback
+ * (localhost, 127.0.0.0/8, [::1]) or one of allowed (--allow-host: names split by commas). */
+static int allowed_host(const char *host, const char *allowed)
+{
+    size_t n = host[0] == '[' ? strcspn(host, "]") + 1 : strcspn(host, ":");
+    if (host[n - (n > 0)] == '\0' && host[0] == '[')
+        return 0; /* "[" without its "]" */
+    char name[256];
+    if (n == 0 || n >= sizeof name || (host[n] && (host[n] != ':' || !host[n + 1])))
+        return 0;
+    memcpy(name, host, n), name[n] = '\0';
+    struct in_addr a;
+    if (!strcasecmp(name, "localhost") || !strcmp(name, "[::1]") ||
+        (inet_pton(AF_INET, name, &a) == 1 && ntohl(a.s_addr) >> 24 == 127))
+        return 1;
+    for (const char *p = allowed; p && *p; p += strcspn(p, ","), p += *p == ',') {
+        size_t k = strcspn(p, ",");
+        if (k == n && !strncasecmp(p, name, n))
+            return 1;
+    }
+    return 0;
+}
+
+/* A browser runs any web page's requests with its user's reach: to a server on loopback, and
+ * (a page whose own name resolves to 127.0.0.1, "DNS rebinding") as if same-origin. Refused,
+ * from the headers: on a loopback bind a Host that is not a loopback name (or --allow-host's),
+ * 421; a POST (what a page can send without asking: a form, a fetch) whose Origin is not this
+ * server's, or that a browser marks as sent from another site, 403. A GET changes nothing and
+ * its answer is not the foreign page's to read (no CORS headers), so a link to the chat page
+ * still opens it. Returns 0, 1 with the refusal queued, or -1. */
+static int refused_foreign(server *srv, struct MHD_Connection *con, int reads_only)
+{
+    const char *host = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Host");
+    const char *origin = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Origin");
+    const char *site = MHD_lookup_connection_value(con, MHD_HEADER_KIND, "Sec-Fetch-Site");
+    if (srv->loopback && host && !allowed_host(host, srv->allowed_hosts))
+        return http_error(srv, con, 421, NULL, "misdirected_request",
+                          "this server listens on loopback and answers requests for localhost, "
+                          "127.0.0.1 or [::1] only, not 'Host: %.200s' (a web page whose name "
+                          "points at this machine must not reach it); a proxy in front of it "
+                          "should pass the Host it connects to, or start loom serve with "
+                          "--allow-host NAME",
+                          host) == MHD_YES
+            ? 1
+            : -1;
+    const char *authority = !origin           ? NULL
+        : !strncasecmp(origin, "http://", 7)  ? origin + 7
+        : !strncasecmp(origin, "https://", 8) ? origin + 8
+                                              : "";
+    int foreign = origin ? !host || strcasecmp(authority, host) != 0
+                         : site && strcmp(site, "same-origin") && strcmp(site, "none");
+    if (!foreign || reads_only)
+        return 0;
+    return http_error(srv, con, 403, NULL, "cross_origin_request",
+                      "a request from a web page of another origin (%.200s) is refused: pages on "
+                      "the web must not drive this server from their visitors' browsers; call it "
+                      "from a program, or from the chat page it serves at /",
+                      origin ? origin : site) == MHD_YES
+        ? 1
+        : -1;
+}
+
+/* The first call for a request: its route, method and key (and whether the server is still
+ * taking work) are known from the headers, so a request that will be refused is refused now,
+ * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
+static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, conn_state *cs,
+                                     const char *url, const char *method)
+{
+    int refused = refused_ambiguous_framing(srv, con);
+    if (refused)
+        return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
+    /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
+    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    if ((refused = refused_foreign(srv, con, get)))
+        return refused > 0 ? MHD_YES : MHD_NO;
+    route to = !strcmp(url, "/") && srv->webui ? ROUTE_WEBUI
+        : !strcmp(url, "/health")              ? ROUTE_HEALTH
+        : !strcmp(url, "/metrics")             ? ROUTE_METRICS
+        : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
+        : !strcmp(url, "/v1/completions")      ? ROUTE_COMPLETIONS
+        : !strcmp(url, "/v1/chat/completions") ? ROUTE_CHAT
+        : !strcmp(url, "/v1/embeddings")       ? ROUTE_EMBEDDINGS
+        : !strcmp(url, "/admin/reload")        ? ROUTE_RELOAD
+                                               : ROUTE_NONE;
+    switch (to) {
+    case ROUTE_NONE:
+        return http_error(srv, con, 404, NULL, NULL,
+                          "no such endpoint: %s %s (loom serves "
+                          "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
+                          "/health, /metrics, /admin/reload%s)",
+                          method, url, srv->webui ? ", and the chat page at /" : "");
+    case ROUTE_WEBUI: /* a static page: the key guards the API it calls, not the page */
+        if (!get)
+            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        return webui_send(con);
+    case ROUTE_HEALTH:
+        if (!get)
+            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        if (srv->shutting_down)
+            return http_send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}");
+        return handle_health(srv, con);
+    case ROUTE_METRICS: {
+        if (!get)
+            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+        int admin, known = http_caller(srv, con, &admin) >= 0;
+        if (srv->metrics_auth && !known)
+            return http_refuse_key(srv, con);
+        return metrics_send(srv, con, srv->n_tenants && known && admin);
+    }
+    default: break;
+    }
+    int admin, who = http_caller(srv, con, &admin);
+    if (who < 0)
+        return http_refuse_key(srv, con);
+    cs->tenant = who;
+    if (to == ROUTE_MODELS)
+        return get ? handle_models(srv, con)
+                   : http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
+    if (to == ROUTE_RELOAD) {
+        if (!post)
+            return http_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+        if (!admin)
+            return http_error(srv, con, 403, NULL, "admin_key_required",
+                              "reloading the model takes an admin key ('admin' on its "
+                              "--api-keys line, or --admin-key-file's); this key may use the API "
+                              "only");
+        char why[1024];
+        int failed = served_reload(srv, why, sizeof why);
+        if (failed > 0)
+            return http_error(srv, con, 409, NULL, "reload_in_progress", "%s", why);
+        if (failed)
+            return http_error(srv, con, 500, NULL, "reload_failed",
+                              "reloading the model failed; the old one keeps serving: %s", why);
+        return handle_models(srv, con); /* what now serves */
+    }
+    if (!post)
+        return http_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+    if (srv->shutting_down)
+        return http_error(srv, con, 503, NULL, NULL,
+                          "the server is shutting down; retry "
+                          "against another instance or after a restart");
+    cs->to = to;
+    return MHD_YES;
+}
+
+enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *url,
+                           const char *method, const char *version, const char *upload,
+                           size_t *upload_size, void **con_cls)
+{
+    (void)version;
+    server *srv = cls;
+    conn_state *cs = *con_cls;
+    if (!cs) {
+        if (!(cs = calloc(1, sizeof *cs)))
+            return MHD_NO;
+        *con_cls = cs;
+        pthread_mutex_lock(&srv->count_lock);
+        srv->http_requests++;
+        pthread_mutex_unlock(&srv->count_lock);
+        conn_guard_headers_done(con);
+        enum MHD_Result r = route_request(srv, con, cs, url, method);
+        if (!cs->to) /* answered from the headers: no body to wait for */
+            conn_guard_body_done(con);
+        return r;
+    }
+    if (*upload_size) {
+        if (cs->len + *upload_size > srv->max_body)
+            cs->too_big = 1; /* keep reading, to answer with an error rather than a reset */
+        else if (buf_append(&cs->body, &cs->len, &cs->cap, upload, *upload_size) != 0)
+            cs->too_big = 1;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    conn_guard_body_done(con);
+    if (cs->too_big)
+        return http_error(srv, con, 413, NULL, NULL,
+                          "the request body is larger than the "
+                          "server's limit of %zu bytes (--max-body)",
+                          srv->max_body);
+    if (!cs->len)
+        return http_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
+    if (cs->to == ROUTE_EMBEDDINGS)
+        return embeddings_handle(srv, con, cs->body, cs->len, cs->tenant);
+    return generate_handle(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT, cs->tenant);
+}

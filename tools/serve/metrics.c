@@ -1,0 +1,225 @@
+/*
+ * tools/serve/metrics.c - what `loom serve` counts and shows at /metrics (Prometheus text):
+ * the engine's figures, the server's, latency histograms, and per tenant (to an admin key).
+ */
+#define _GNU_SOURCE
+#include "tools/serve/server.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* A Prometheus histogram's bounds in seconds, those of Prometheus' client libraries */
+static const double latency_buckets[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+_Static_assert(sizeof latency_buckets / sizeof *latency_buckets == N_LATENCY_BUCKETS,
+               "server.h's N_LATENCY_BUCKETS");
+
+static void observe(histogram *h, double seconds)
+{
+    size_t b = 0;
+    while (b < N_LATENCY_BUCKETS && seconds > latency_buckets[b])
+        b++;
+    h->in[b]++;
+    h->sum += seconds;
+}
+
+/* Counts a request's waiting and first token (who: its tenant, 0 none) from the engine's last
+ * event: the queue of one that started, the first token of one that generated. */
+void metrics_observe(server *srv, int who, const loom_event *ev)
+{
+    latencies *all = &srv->seen, *own = who > 0 ? &srv->tenants[who - 1].seen : NULL;
+    pthread_mutex_lock(&srv->count_lock);
+    for (latencies *l = all; l; l = l == all ? own : NULL) {
+        if (ev->queue_ms > 0)
+            observe(&l->queue, ev->queue_ms / 1e3);
+        if (ev->ttft_ms > 0 && ev->n_generated > 0)
+            observe(&l->ttft, ev->ttft_ms / 1e3);
+    }
+    pthread_mutex_unlock(&srv->count_lock);
+}
+
+/* A 429 for a request of tenant who (0: none): refused at once, or displaced while waiting. */
+void metrics_count_refused(server *srv, int who)
+{
+    if (who <= 0)
+        return;
+    pthread_mutex_lock(&srv->count_lock);
+    srv->tenants[who - 1].refused++;
+    pthread_mutex_unlock(&srv->count_lock);
+}
+
+/* A histogram's lines (its buckets made cumulative, _sum, _count) for metric, with a label
+ * before le (key="name") or none (""). */
+static void append_histogram(char **out, size_t *len, size_t *cap, const char *metric,
+                             const char *label, const histogram *h)
+{
+    char line[256];
+    uint64_t below = 0;
+    const char *comma = *label ? "," : "";
+    for (size_t b = 0; b <= N_LATENCY_BUCKETS; b++) {
+        below += h->in[b];
+        char le[16] = "+Inf";
+        if (b < N_LATENCY_BUCKETS)
+            snprintf(le, sizeof le, "%g", latency_buckets[b]);
+        int k = snprintf(line, sizeof line, "%s_bucket{%s%sle=\"%s\"} %llu\n", metric, label, comma,
+                         le, (unsigned long long)below);
+        buf_append(out, len, cap, line, (size_t)k);
+    }
+    const char *open = *label ? "{" : "", *close = *label ? "}" : "";
+    int k = snprintf(line, sizeof line, "%s_sum%s%s%s %.6f\n%s_count%s%s%s %llu\n", metric, open,
+                     label, close, h->sum, metric, open, label, close, (unsigned long long)below);
+    buf_append(out, len, cap, line, (size_t)k);
+}
+
+/* The histograms of time in the queue and to the first token: the server's, then per key. */
+static void append_latencies(server *srv, int per_key, char **out, size_t *len, size_t *cap)
+{
+    static const struct {
+        const char *name, *help;
+    } kinds[2] = {
+        {"queue_seconds", "Time from a request's arrival to its admission (requests that started)"},
+        {"time_to_first_token_seconds",
+         "Time from a request's arrival to its first generated token"},
+    };
+    char metric[96], label[96], line[512];
+    pthread_mutex_lock(&srv->count_lock);
+    for (int i = 0; i < 2; i++) {
+        snprintf(metric, sizeof metric, "loom_%s", kinds[i].name);
+        int k = snprintf(line, sizeof line, "# HELP %s %s.\n# TYPE %s histogram\n", metric,
+                         kinds[i].help, metric);
+        buf_append(out, len, cap, line, (size_t)k);
+        append_histogram(out, len, cap, metric, "", i ? &srv->seen.ttft : &srv->seen.queue);
+    }
+    for (int i = 0; i < 2 && per_key; i++) {
+        snprintf(metric, sizeof metric, "loom_key_%s", kinds[i].name);
+        int k = snprintf(line, sizeof line,
+                         "# HELP %s %s, by API key name (--api-keys).\n# TYPE %s histogram\n",
+                         metric, kinds[i].help, metric);
+        buf_append(out, len, cap, line, (size_t)k);
+        for (int t = 0; t < srv->n_tenants; t++) {
+            snprintf(label, sizeof label, "key=\"%s\"", srv->tenants[t].name);
+            const latencies *l = &srv->tenants[t].seen;
+            append_histogram(out, len, cap, metric, label, i ? &l->ttft : &l->queue);
+        }
+    }
+    pthread_mutex_unlock(&srv->count_lock);
+}
+
+/* The server's figures; per_key: also each tenant's, by name (for an admin key only: a
+ * tenant's name and traffic are no other tenant's business). */
+enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_key)
+{
+    served *sv = served_acquire(srv);
+    loom_engine_stats s = loom_engine_get_stats(sv->engine);
+    int32_t window = loom_model_sliding_window(sv->api.model);
+    served_release(srv, sv);
+    pthread_mutex_lock(&srv->count_lock);
+    uint64_t http = srv->http_requests, errors = srv->http_errors, gone = srv->disconnects;
+    pthread_mutex_unlock(&srv->count_lock);
+    char *out = NULL;
+    size_t len = 0, cap = 0;
+    char line[512];
+#define METRIC(name, type, help, fmt, ...)                                                         \
+    do {                                                                                           \
+        int k = snprintf(line, sizeof line,                                                        \
+                         "# HELP " name " " help "\n# TYPE " name " " type "\n" name fmt "\n",     \
+                         __VA_ARGS__);                                                             \
+        buf_append(&out, &len, &cap, line, (size_t)k);                                             \
+    } while (0)
+    METRIC("loom_requests_running", "gauge", "Requests being generated.", " %d", s.running);
+    METRIC("loom_requests_waiting", "gauge", "Requests queued for admission.", " %d", s.waiting);
+    METRIC("loom_queue_limit", "gauge", "Requests the queue holds (--max-queue).", " %d",
+           s.max_queue);
+    {
+        int k = snprintf(line, sizeof line,
+                         "# HELP loom_requests_waiting_by_priority Requests queued, by their own "
+                         "priority (the last, \">=N\", takes in every worse one past %d "
+                         "priorities).\n# TYPE loom_requests_waiting_by_priority gauge\n",
+                         LOOM_STATS_PRIORITIES);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+        for (int i = 0; i < s.n_waiting_priorities; i++) {
+            int rest = i == LOOM_STATS_PRIORITIES - 1;
+            k = snprintf(line, sizeof line,
+                         "loom_requests_waiting_by_priority{priority=\"%s%d\"} %d\n",
+                         rest ? ">=" : "", s.waiting_priority[i], s.waiting_count[i]);
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+    }
+    for (int which = 0; which < 2 && per_key; which++) {
+        const char *metric = which ? "loom_key_refused_busy_total" : "loom_key_requests_total";
+        int k = snprintf(line, sizeof line,
+                         "# HELP %s %s by API key name (--api-keys).\n# TYPE %s counter\n", metric,
+                         which ? "Requests answered 429" : "Requests", metric);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+        for (int i = 0; i < srv->n_tenants; i++) {
+            pthread_mutex_lock(&srv->count_lock);
+            uint64_t n = which ? srv->tenants[i].refused : srv->tenants[i].requests;
+            pthread_mutex_unlock(&srv->count_lock);
+            k = snprintf(line, sizeof line, "%s{key=\"%s\"} %llu\n", metric, srv->tenants[i].name,
+                         (unsigned long long)n);
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+    }
+    append_latencies(srv, per_key, &out, &len, &cap);
+    METRIC("loom_requests_refused_busy_total", "counter",
+           "Requests answered 429 because the queue was full (at once, or displaced before they "
+           "started by one of better priority).",
+           " %llu", (unsigned long long)s.refused_busy);
+    METRIC("loom_requests_displaced_total", "counter",
+           "Of them, those a request of better priority took the place of.", " %llu",
+           (unsigned long long)s.displaced);
+    METRIC("loom_requests_deadline_total", "counter",
+           "Requests whose deadline came: while waiting (504) or generating (cut short).",
+           "{while=\"waiting\"} %llu\nloom_requests_deadline_total{while=\"generating\"} %llu",
+           (unsigned long long)s.deadline_waiting, (unsigned long long)s.deadline_running);
+    METRIC("loom_speculative_proposed_total", "counter",
+           "Prompt-lookup proposals checked (speculative decoding).", " %llu",
+           (unsigned long long)s.drafted);
+    METRIC("loom_speculative_accepted_total", "counter",
+           "Of them, those kept: tokens that cost no pass of their own.", " %llu",
+           (unsigned long long)s.accepted);
+    METRIC("loom_requests_finished_total", "counter", "Generations finished (any reason).", " %llu",
+           (unsigned long long)s.requests_done);
+    METRIC("loom_generated_tokens_total", "counter", "Tokens generated.", " %llu",
+           (unsigned long long)s.generated_tokens);
+    METRIC("loom_prompt_tokens_total", "counter", "Prompt tokens admitted.", " %llu",
+           (unsigned long long)s.prompt_tokens);
+    METRIC("loom_prefix_cache_hit_tokens_total", "counter",
+           "Prompt tokens whose KV came from the prefix cache.", " %llu",
+           (unsigned long long)s.cached_prompt_tokens);
+    METRIC("loom_prefix_cache_hit_rate", "gauge", "Share of prompt tokens served from the cache.",
+           " %.6f",
+           s.prompt_tokens ? (double)s.cached_prompt_tokens / (double)s.prompt_tokens : 0.0);
+    METRIC("loom_generation_tokens_per_second", "gauge", "Generated tokens per second, recently.",
+           " %.3f", s.tokens_per_s);
+    int k = snprintf(line, sizeof line,
+                     "# HELP loom_kv_blocks KV cache blocks by state (block size %d tokens).\n"
+                     "# TYPE loom_kv_blocks gauge\nloom_kv_blocks{state=\"used\"} %d\n"
+                     "loom_kv_blocks{state=\"cached\"} %d\nloom_kv_blocks{state=\"free\"} %d\n",
+                     s.block_size, s.kv_used, s.kv_cached, s.kv_free);
+    buf_append(&out, &len, &cap, line, (size_t)k);
+    METRIC("loom_kv_sliding_window_tokens", "gauge",
+           "The model's attention window (0: none). KV blocks wholly outside a running "
+           "sequence's window are not released early: they stay used until it ends.",
+           " %d", window);
+    METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.",
+           " %llu", (unsigned long long)s.preemptions);
+    METRIC("loom_engine_steps_total", "counter", "Forward passes run.", " %llu",
+           (unsigned long long)s.steps);
+    METRIC("loom_http_requests_total", "counter", "HTTP requests received.", " %llu",
+           (unsigned long long)http);
+    METRIC("loom_http_errors_total", "counter", "HTTP requests answered with an error.", " %llu",
+           (unsigned long long)errors);
+    METRIC("loom_client_disconnects_total", "counter", "Clients gone before their answer ended.",
+           " %llu", (unsigned long long)gone);
+    METRIC("loom_connections_timed_out_total", "counter",
+           "Connections closed for sending headers, a body or the next request too slowly.",
+           " %llu", (unsigned long long)conn_guard_timed_out(srv->guard));
+    METRIC("loom_connections_evicted_total", "counter",
+           "Connections closed to make room for a new one when every slot was taken.", " %llu",
+           (unsigned long long)conn_guard_evicted(srv->guard));
+#undef METRIC
+    enum MHD_Result ok = http_send_text(con, 200, "text/plain; version=0.0.4", out ? out : "");
+    free(out);
+    return ok;
+}

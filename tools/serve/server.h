@@ -1,0 +1,220 @@
+/*
+ * tools/serve/server.h - what the rooms of `loom serve` share: the server, the model it runs on
+ * (served), tenants, jobs, and each room's entry points. The rooms: http.c (sending, keys,
+ * refusals from the headers, routes), job.c (a request's generations and their responses),
+ * serve.c (generation requests and main), embeddings.c, metrics.c, served.c (the model and
+ * reloading it), tenants.c (keys and a request's place in the engine).
+ */
+#ifndef LOOM_TOOLS_SERVE_SERVER_H
+#define LOOM_TOOLS_SERVE_SERVER_H
+
+#include <loom/loom.h>
+
+#include "tools/args.h"
+#include "tools/conn_guard.h"
+#include "tools/json_text.h"
+#include "tools/openai_request.h"
+#include "tools/webui.h"
+
+#include <cjson/cJSON.h>
+#include <microhttpd.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <time.h>
+
+/* A Prometheus histogram of seconds, in the buckets of Prometheus' client libraries: counts
+ * per bucket (made cumulative when shown), the +Inf one last. */
+#define N_LATENCY_BUCKETS 11 /* metrics.c's latency_buckets */
+typedef struct histogram {
+    uint64_t in[N_LATENCY_BUCKETS + 1];
+    double sum;
+} histogram;
+
+/* A request's time in the queue and to its first token, as the engine's last event says. */
+typedef struct latencies {
+    histogram queue, ttft;
+} latencies;
+
+/* One API key of --api-keys: a tenant of the engine (its index + 1), with its own defaults
+ * and limits, and its counts for /metrics (by name: the key is never shown). */
+typedef struct tenant {
+    char name[64];
+    char *key;
+    size_t key_len;
+    int admin;                                /* "admin" on its line: may reload, see all keys */
+    int32_t priority, max_running, max_queue; /* priority: the best its requests may ask for */
+    uint64_t requests, refused;               /* under count_lock */
+    latencies seen;                           /* under count_lock */
+} tenant;
+
+/* One opened model with its engine: what requests run on. A reload opens another; new
+ * requests go to it, and the old one is freed by the main thread once no request holds it. */
+typedef struct served {
+    openai_model api;      /* the model, its name, chat template and context */
+    loom_chat_format chat; /* api.chat points here */
+    loom_engine *engine;
+    loom_model *drafter; /* the engine's draft model (--draft, --draft-layers), or NULL */
+    int refs;            /* under live_lock: the server's while live, and each request's */
+    struct served *next; /* on the retired list */
+} served;
+
+typedef struct server {
+    openai_model api; /* the first model's settings, which a reload keeps (its model: live's) */
+    served *live, *retired; /* under live_lock */
+    pthread_mutex_t live_lock;
+    pthread_mutex_t reload_lock; /* one reload at a time */
+    const char *model_path;
+    loom_model_options mo;
+    loom_engine_options eo;
+    const char *draft_path; /* the drafter's file (--draft, or the model's with --draft-layers) */
+    loom_model_options dmo; /* and how it opens: NULL path, none */
+    const char *name_flag, *tmpl_flag, *tmpl_file_flag;
+    int can_reload;         /* not under a distributed job */
+    char reload_error[512]; /* the last reload's failure, "" after a success (under live_lock) */
+    int reloads;
+    const char *api_key;
+    size_t api_key_len;
+    const char *admin_key; /* --admin-key-file: the one key that may reload (NULL: see caller) */
+    size_t admin_key_len;
+    int loopback;              /* bound to 127.0.0.0/8: only loopback names in Host */
+    const char *allowed_hosts; /* --allow-host: more names Host may give there (commas) */
+    int metrics_auth;          /* /metrics wants the key too */
+    int webui;                 /* the chat page at GET / (off: --no-webui) */
+    int partition_by_user;     /* --prefix-cache per-user */
+    size_t max_body;
+    volatile int shutting_down;
+    time_t started;
+    pthread_mutex_t count_lock;
+    uint64_t http_requests, http_errors, disconnects;
+    conn_guard *guard;
+    sem_t parsing;    /* bodies parsed and tokenized at once: each costs memory and a core */
+    double timeout_s; /* --request-timeout: a request's deadline unless it gives one; 0 none */
+    tenant *tenants;  /* --api-keys; NULL: one key (api_key) or none */
+    int n_tenants;
+    latencies seen; /* every request's (under count_lock) */
+} server;
+
+/* ---- jobs: one HTTP request's generations (job.c) -------------------------------------------- */
+
+/* a generated token's log-probability and its likeliest alternatives' (logprobs) */
+typedef struct token_logprob {
+    int32_t id, n_top;
+    float logprob;
+    int32_t top_ids[LOOM_MAX_TOP_LOGPROBS];
+    float top_logprobs[LOOM_MAX_TOP_LOGPROBS];
+} token_logprob;
+
+typedef struct choice {
+    token_logprob *lps; /* with logprobs: one per generated token */
+    int n_lps, cap_lps, lps_sent;
+    size_t lps_offset; /* completions' text_offset of the first token not yet streamed */
+    char *text;
+    size_t len, cap, sent; /* sent: bytes already streamed */
+    size_t thought_sent;   /* the end of the thought already streamed as reasoning_content */
+    int done, final_sent;
+    int deadline; /* the request's deadline ended it (engine's event) */
+    int busy;     /* displaced from a full queue by a better priority (engine's event) */
+    int invalid;  /* its grammar could not be followed (engine's event) */
+    char finish[16];
+    char error[256];
+    int32_t n_generated;
+    int64_t id;
+} choice;
+
+typedef struct job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    server *srv;
+    struct served *sv; /* the model it runs on (a reference) */
+    int chat, stream, include_usage, n;
+    choice ch[OPENAI_MAX_CHOICES];
+    int32_t n_prompt, n_cached;
+    char id[40];
+    time_t created;
+    /* streaming */
+    struct MHD_Connection *con; /* to notice a client that leaves while nothing is sent */
+    char *out;
+    size_t out_len, out_cap, out_pos;
+    int role_sent, finished;
+    /* tools: how the answers are read for calls (LOOM_TOOLS_NONE: they are text) */
+    loom_tool_syntax tool_syntax;
+    char **tool_names;
+    int n_tools, parallel_tool_calls;
+    int reasoning; /* parsed.reasoning: answers may open with a thought (2: they are in one) */
+    int logprobs;
+    int32_t prompt_last;       /* what the first generated token follows (its text depends on it) */
+    const char *grammar_param; /* the request field its grammar came from (a 400 names it) */
+    int tenant;                /* whose key (--api-keys), 0: no tenant */
+} job;
+
+typedef struct event_target {
+    job *j;
+    int index;
+} event_target;
+
+/* seconds a client told 503 (the server is draining) should wait before it tries again, and
+ * one told 429 (the queue is full) */
+#define RETRY_AFTER "5"
+#define RETRY_BUSY "1"
+
+/* http.c */
+enum MHD_Result http_send_text(struct MHD_Connection *con, unsigned status, const char *type,
+                               const char *body);
+enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSON *o);
+/* OpenAI's error shape, counted in /metrics */
+enum MHD_Result http_error(server *srv, struct MHD_Connection *con, unsigned status,
+                           const char *param, const char *code, const char *fmt, ...)
+    __attribute__((format(printf, 6, 7)));
+int http_client_gone(struct MHD_Connection *con);
+enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *url,
+                           const char *method, const char *version, const char *upload,
+                           size_t *upload_size, void **con_cls);
+void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
+                       enum MHD_RequestTerminationCode toe);
+
+/* job.c */
+void job_unref(job *j);
+void job_on_event(void *user, const loom_event *ev); /* user: an event_target */
+int job_all_done(const job *j);
+void job_cancel(job *j);
+void serve_wait_briefly(pthread_cond_t *cv, pthread_mutex_t *mu);
+void job_wait_briefly(job *j);
+ssize_t job_stream_read(void *cls, uint64_t pos, char *buf, size_t max);
+void job_stream_free(void *cls);
+enum MHD_Result job_send_ended_early(server *srv, struct MHD_Connection *con, int deadline,
+                                     int busy, const char *invalid, const char *msg);
+enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j);
+
+/* serve.c, embeddings.c: the endpoints that run the model (who: the caller's tenant) */
+enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const char *body,
+                                size_t len, int chat, int who);
+enum MHD_Result embeddings_handle(server *srv, struct MHD_Connection *con, const char *body,
+                                  size_t len, int who);
+
+/* metrics.c */
+void metrics_observe(server *srv, int who, const loom_event *ev);
+void metrics_count_refused(server *srv, int who);
+enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_key);
+
+/* served.c */
+served *served_acquire(server *srv);
+void served_release(server *srv, served *sv);
+loom_engine *served_start_engine(const server *srv, loom_model *m, loom_model **drafter, char *err,
+                                 size_t err_size);
+void served_free(served *sv);
+int served_reload(server *srv, char *err, size_t err_size);
+void served_reap(server *srv);
+
+/* tenants.c */
+void tenants_admit(loom_request *r, const server *srv, int who, const char *user, int32_t priority,
+                   int priority_given, double timeout_s);
+int keys_read_file(const char *flag, const char *path, char *key, size_t cap);
+int keys_valid(const char *key);
+int keys_read_tenants(const char *path, server *srv);
+extern server keyring; /* the keys of --api-keys, for the server's life */
+void keys_free(void);
+
+#endif
