@@ -93,80 +93,6 @@ int http_client_gone(struct MHD_Connection *con)
     return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 }
 
-static int http_caller(server *srv, struct MHD_Connection *con, int *admin);
-
-/* {"status": "ok"}; to a client with the key (or any, when the server wants none) also the
- * model, the reloads and "reload_error" while the last reload failed (the old model serving):
- * a stranger learns nothing but that the server is up. */
-static enum MHD_Result handle_health(server *srv, struct MHD_Connection *con)
-{
-    int admin;
-    if (http_caller(srv, con, &admin) < 0)
-        return http_send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
-    cJSON *o = cJSON_CreateObject();
-    cJSON_AddStringToObject(o, "status", "ok");
-    served *sv = served_acquire(srv);
-    json_add_text(o, "model", sv->api.model_name, strlen(sv->api.model_name));
-    served_release(srv, sv);
-    pthread_mutex_lock(&srv->live_lock);
-    cJSON_AddNumberToObject(o, "reloads", srv->reloads);
-    if (srv->reload_error[0])
-        json_add_text(o, "reload_error", srv->reload_error, strlen(srv->reload_error));
-    pthread_mutex_unlock(&srv->live_lock);
-    return http_send_json(con, 200, o);
-}
-
-static enum MHD_Result handle_models(server *srv, struct MHD_Connection *con)
-{
-    cJSON *o = cJSON_CreateObject(), *d;
-    cJSON_AddStringToObject(o, "object", "list");
-    d = cJSON_AddArrayToObject(o, "data");
-    cJSON *m = cJSON_CreateObject();
-    served *sv = served_acquire(srv);
-    json_add_text(m, "id", sv->api.model_name, strlen(sv->api.model_name));
-    cJSON_AddStringToObject(m, "object", "model");
-    cJSON_AddNumberToObject(m, "created", (double)srv->started);
-    cJSON_AddStringToObject(m, "owned_by", "loom");
-    cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
-    cJSON_AddStringToObject(m, "backend", loom_model_backend(sv->api.model));
-    served_release(srv, sv);
-    cJSON_AddItemToArray(d, m);
-    return http_send_json(con, 200, o);
-}
-
-typedef enum route {
-    ROUTE_NONE,
-    ROUTE_WEBUI,
-    ROUTE_HEALTH,
-    ROUTE_METRICS,
-    ROUTE_MODELS,
-    ROUTE_COMPLETIONS,
-    ROUTE_CHAT,
-    ROUTE_EMBEDDINGS,
-    ROUTE_RELOAD
-} route;
-
-typedef struct conn_state {
-    route to;
-    char *body;
-    size_t len, cap;
-    int too_big;
-    int tenant; /* whose key (--api-keys), 0: no tenant */
-} conn_state;
-
-void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
-                       enum MHD_RequestTerminationCode toe)
-{
-    (void)cls, (void)toe;
-    conn_guard_request_done(con);
-    conn_state *cs = *con_cls;
-    if (cs) {
-        free(cs->body);
-        free(cs);
-    }
-    *con_cls = NULL;
-}
-
 /* Equal in time that does not depend on where a guess first differs. */
 static int same_secret(const char *given, size_t n, const char *key, size_t key_len)
 {
@@ -339,6 +265,156 @@ static int refused_foreign(server *srv, struct MHD_Connection *con, int reads_on
         : -1;
 }
 
+/* ---- routes: one row each ----------------------------------------------------------------- */
+
+/* Who may call a route. */
+typedef enum route_access {
+    ACCESS_ANYONE,  /* no key needed (a handler may show more to a caller that has one) */
+    ACCESS_METRICS, /* the API's key with --metrics-auth, else anyone */
+    ACCESS_KEY,     /* the API's key: any tenant's */
+    ACCESS_ADMIN,   /* an admin key (http_caller) */
+} route_access;
+
+/* What a handler is given: who called (tenant: 1, 2, ... of --api-keys, 0 none; known: the
+ * request carried a key the server has, or the API wants none) and, for a route that reads
+ * one, the body. */
+typedef struct route_call {
+    int tenant, admin, known;
+    const char *body;
+    size_t len;
+} route_call;
+
+typedef struct route {
+    const char *method; /* "GET" (HEAD too: libmicrohttpd sends the headers alone) or "POST" */
+    const char *path;
+    route_access access;
+    int reads_body; /* the handler runs once the body has come (refused while draining) */
+    enum MHD_Result (*handler)(server *srv, struct MHD_Connection *con, const route_call *rc);
+    int (*enabled)(const server *srv); /* NULL: always */
+} route;
+
+/* {"status": "ok"}; to a client with the key (or any, when the server wants none) also the
+ * model, the reloads and "reload_error" while the last reload failed (the old model serving):
+ * a stranger learns nothing but that the server is up. */
+static enum MHD_Result route_health(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    if (srv->shutting_down)
+        return http_send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}");
+    if (!rc->known)
+        return http_send_text(con, 200, "application/json", "{\"status\":\"ok\"}");
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "status", "ok");
+    served *sv = served_acquire(srv);
+    json_add_text(o, "model", sv->api.model_name, strlen(sv->api.model_name));
+    served_release(srv, sv);
+    pthread_mutex_lock(&srv->live_lock);
+    cJSON_AddNumberToObject(o, "reloads", srv->reloads);
+    if (srv->reload_error[0])
+        json_add_text(o, "reload_error", srv->reload_error, strlen(srv->reload_error));
+    pthread_mutex_unlock(&srv->live_lock);
+    return http_send_json(con, 200, o);
+}
+
+static enum MHD_Result route_models(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    (void)rc;
+    cJSON *o = cJSON_CreateObject(), *d;
+    cJSON_AddStringToObject(o, "object", "list");
+    d = cJSON_AddArrayToObject(o, "data");
+    cJSON *m = cJSON_CreateObject();
+    served *sv = served_acquire(srv);
+    json_add_text(m, "id", sv->api.model_name, strlen(sv->api.model_name));
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)srv->started);
+    cJSON_AddStringToObject(m, "owned_by", "loom");
+    cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
+    cJSON_AddStringToObject(m, "backend", loom_model_backend(sv->api.model));
+    served_release(srv, sv);
+    cJSON_AddItemToArray(d, m);
+    return http_send_json(con, 200, o);
+}
+
+/* a static page: the key guards the API it calls, not the page */
+static enum MHD_Result route_webui(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    (void)srv, (void)rc;
+    return webui_send(con);
+}
+
+static int webui_on(const server *srv)
+{
+    return srv->webui;
+}
+
+static enum MHD_Result route_metrics(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return metrics_send(srv, con, srv->n_tenants && rc->known && rc->admin);
+}
+
+static enum MHD_Result route_reload(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    char why[1024];
+    int failed = served_reload(srv, why, sizeof why);
+    if (failed > 0)
+        return http_error(srv, con, 409, NULL, "reload_in_progress", "%s", why);
+    if (failed)
+        return http_error(srv, con, 500, NULL, "reload_failed",
+                          "reloading the model failed; the old one keeps serving: %s", why);
+    return route_models(srv, con, rc); /* what now serves */
+}
+
+static enum MHD_Result route_completions(server *srv, struct MHD_Connection *con,
+                                         const route_call *rc)
+{
+    return generate_handle(srv, con, rc->body, rc->len, 0, rc->tenant);
+}
+
+static enum MHD_Result route_chat(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return generate_handle(srv, con, rc->body, rc->len, 1, rc->tenant);
+}
+
+static enum MHD_Result route_embeddings(server *srv, struct MHD_Connection *con,
+                                        const route_call *rc)
+{
+    return embeddings_handle(srv, con, rc->body, rc->len, rc->tenant);
+}
+
+/* Every endpoint, a row each: the 404's list and the 405's method come from here. */
+static const route routes[] = {
+    {"POST", "/v1/chat/completions", ACCESS_KEY, 1, route_chat, NULL},
+    {"POST", "/v1/completions", ACCESS_KEY, 1, route_completions, NULL},
+    {"POST", "/v1/embeddings", ACCESS_KEY, 1, route_embeddings, NULL},
+    {"GET", "/v1/models", ACCESS_KEY, 0, route_models, NULL},
+    {"GET", "/health", ACCESS_ANYONE, 0, route_health, NULL},
+    {"GET", "/metrics", ACCESS_METRICS, 0, route_metrics, NULL},
+    {"POST", "/admin/reload", ACCESS_ADMIN, 0, route_reload, NULL},
+    {"GET", "/", ACCESS_ANYONE, 0, route_webui, webui_on},
+};
+#define N_ROUTES (sizeof routes / sizeof *routes)
+
+/* a request's state between libmicrohttpd's calls (the body as it comes) */
+typedef struct conn_state {
+    const struct route *to; /* a route whose body is still to come */
+    route_call call;
+    char *body;
+    size_t len, cap;
+    int too_big;
+} conn_state;
+
+static enum MHD_Result no_such_route(server *srv, struct MHD_Connection *con, const char *url,
+                                     const char *method)
+{
+    char list[1024];
+    size_t at = 0;
+    for (size_t i = 0; i < N_ROUTES && at < sizeof list; i++)
+        if (!routes[i].enabled || routes[i].enabled(srv))
+            at += (size_t)snprintf(list + at, sizeof list - at, "%s%s %s", i ? ", " : "",
+                                   routes[i].method, routes[i].path);
+    return http_error(srv, con, 404, NULL, NULL, "no such endpoint: %s %s (loom serves %s)", method,
+                      url, list);
+}
+
 /* The first call for a request: its route, method and key (and whether the server is still
  * taking work) are known from the headers, so a request that will be refused is refused now,
  * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
@@ -348,78 +424,51 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     int refused = refused_ambiguous_framing(srv, con);
     if (refused)
         return refused > 0 ? MHD_YES : MHD_NO; /* a 400 is queued; the connection closes */
-    /* HEAD wherever GET goes: libmicrohttpd sends the headers alone */
-    int post = !strcmp(method, "POST"), get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
+    int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     if ((refused = refused_foreign(srv, con, get)))
         return refused > 0 ? MHD_YES : MHD_NO;
-    route to = !strcmp(url, "/") && srv->webui ? ROUTE_WEBUI
-        : !strcmp(url, "/health")              ? ROUTE_HEALTH
-        : !strcmp(url, "/metrics")             ? ROUTE_METRICS
-        : !strcmp(url, "/v1/models")           ? ROUTE_MODELS
-        : !strcmp(url, "/v1/completions")      ? ROUTE_COMPLETIONS
-        : !strcmp(url, "/v1/chat/completions") ? ROUTE_CHAT
-        : !strcmp(url, "/v1/embeddings")       ? ROUTE_EMBEDDINGS
-        : !strcmp(url, "/admin/reload")        ? ROUTE_RELOAD
-                                               : ROUTE_NONE;
-    switch (to) {
-    case ROUTE_NONE:
-        return http_error(srv, con, 404, NULL, NULL,
-                          "no such endpoint: %s %s (loom serves "
-                          "/v1/completions, /v1/chat/completions, /v1/embeddings, /v1/models, "
-                          "/health, /metrics, /admin/reload%s)",
-                          method, url, srv->webui ? ", and the chat page at /" : "");
-    case ROUTE_WEBUI: /* a static page: the key guards the API it calls, not the page */
-        if (!get)
-            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        return webui_send(con);
-    case ROUTE_HEALTH:
-        if (!get)
-            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        if (srv->shutting_down)
-            return http_send_text(con, 503, "application/json", "{\"status\":\"shutting down\"}");
-        return handle_health(srv, con);
-    case ROUTE_METRICS: {
-        if (!get)
-            return http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-        int admin, known = http_caller(srv, con, &admin) >= 0;
-        if (srv->metrics_auth && !known)
-            return http_refuse_key(srv, con);
-        return metrics_send(srv, con, srv->n_tenants && known && admin);
-    }
-    default: break;
-    }
-    int admin, who = http_caller(srv, con, &admin);
-    if (who < 0)
+    const route *r = NULL;
+    for (size_t i = 0; i < N_ROUTES && !r; i++)
+        if (!strcmp(url, routes[i].path) && (!routes[i].enabled || routes[i].enabled(srv)))
+            r = &routes[i];
+    if (!r)
+        return no_such_route(srv, con, url, method);
+    if (strcmp(method, r->method) && !(get && !strcmp(r->method, "GET")))
+        return http_error(srv, con, 405, NULL, NULL, "use %s for %s", r->method, url);
+    route_call *rc = &cs->call;
+    rc->tenant = http_caller(srv, con, &rc->admin);
+    rc->known = rc->tenant >= 0;
+    if (!rc->known &&
+        (r->access == ACCESS_KEY || r->access == ACCESS_ADMIN ||
+         (r->access == ACCESS_METRICS && srv->metrics_auth)))
         return http_refuse_key(srv, con);
-    cs->tenant = who;
-    if (to == ROUTE_MODELS)
-        return get ? handle_models(srv, con)
-                   : http_error(srv, con, 405, NULL, NULL, "use GET for %s", url);
-    if (to == ROUTE_RELOAD) {
-        if (!post)
-            return http_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
-        if (!admin)
-            return http_error(srv, con, 403, NULL, "admin_key_required",
-                              "reloading the model takes an admin key ('admin' on its "
-                              "--api-keys line, or --admin-key-file's); this key may use the API "
-                              "only");
-        char why[1024];
-        int failed = served_reload(srv, why, sizeof why);
-        if (failed > 0)
-            return http_error(srv, con, 409, NULL, "reload_in_progress", "%s", why);
-        if (failed)
-            return http_error(srv, con, 500, NULL, "reload_failed",
-                              "reloading the model failed; the old one keeps serving: %s", why);
-        return handle_models(srv, con); /* what now serves */
-    }
-    if (!post)
-        return http_error(srv, con, 405, NULL, NULL, "use POST for %s", url);
+    rc->tenant = rc->known ? rc->tenant : 0;
+    if (r->access == ACCESS_ADMIN && !rc->admin)
+        return http_error(srv, con, 403, NULL, "admin_key_required",
+                          "%s %s takes an admin key ('admin' on its --api-keys line, or "
+                          "--admin-key-file's); this key may use the API only",
+                          r->method, r->path);
+    if (!r->reads_body)
+        return r->handler(srv, con, rc);
     if (srv->shutting_down)
         return http_error(srv, con, 503, NULL, NULL,
                           "the server is shutting down; retry "
                           "against another instance or after a restart");
-    cs->to = to;
+    cs->to = r;
     return MHD_YES;
+}
+
+void request_completed(void *cls, struct MHD_Connection *con, void **con_cls,
+                       enum MHD_RequestTerminationCode toe)
+{
+    (void)cls, (void)toe;
+    conn_guard_request_done(con);
+    conn_state *cs = *con_cls;
+    if (cs) {
+        free(cs->body);
+        free(cs);
+    }
+    *con_cls = NULL;
 }
 
 enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *url,
@@ -458,7 +507,6 @@ enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *ur
                           srv->max_body);
     if (!cs->len)
         return http_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
-    if (cs->to == ROUTE_EMBEDDINGS)
-        return embeddings_handle(srv, con, cs->body, cs->len, cs->tenant);
-    return generate_handle(srv, con, cs->body, cs->len, cs->to == ROUTE_CHAT, cs->tenant);
+    cs->call.body = cs->body, cs->call.len = cs->len;
+    return cs->to->handler(srv, con, &cs->call);
 }
