@@ -11,6 +11,7 @@
 #include "core/gguf.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,8 @@ static const shape shapes[] = {
      "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1},
     {"1b-next", "1b whose next token follows from the current one (speculative decoding)", "llama",
      2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1},
+    {"wide", "1 layer, 4160 wide, one head of 32: a hidden state past 4096 in 9 MB (tests)",
+     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0},
     {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)", "qwen2moe",
      64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0},
     {"moe-a2.7b",
@@ -59,9 +62,21 @@ static const shape shapes[] = {
      128, 6144, 151936, 4096, 0, 0, 0, 0, 0},
 };
 
+static char shape_names[512];
+
+static void list_shapes(void)
+{
+    size_t at = 0;
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes && at < sizeof shape_names; i++)
+        at += (size_t)snprintf(shape_names + at, sizeof shape_names - at, "%s%s", i ? ", " : "",
+                               shapes[i].name);
+}
+
 const char *loom_synthetic_shapes(void)
 {
-    return "tiny, 160m, 1b, 8b, 160m-next, 1b-next, moe-tiny, moe-a2.7b, dense-a2.7b, moe-a3b, dense-a3b";
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, list_shapes);
+    return shape_names;
 }
 
 static uint64_t rng_state = 0x853c49e6748fea9bull;

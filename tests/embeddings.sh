@@ -120,4 +120,19 @@ bad "an unknown field" '"input": "a", "truncate": 3' truncate "Unrecognized"
 post /v1/embeddings '{"model": "other", "input": "a"}' | tail -n1 | grep -qx 404 &&
     pass "another model's name: 404" || fail "another model's name was not a 404"
 stop_server
+
+# an answer's size is bounded: 2048 one-token inputs to a 4160-wide model (a synthetic one) would
+# be 8.5 million numbers (~100 MB of JSON for an 8 kB request); 2^22 is the most, and the 400
+# says how many inputs fit
+"$LOOM" bench --synthetic wide --type q8_0 --write "$tmpdir/wide.gguf" >/dev/null 2>&1 ||
+    fail "writing the synthetic wide model"
+MODEL=$tmpdir/wide.gguf
+start_server "$tmpdir/wide.log" -c 256 --model-name m
+many=$(jq -cn '[range(2048) | [5]]')
+bad "2048 inputs of 4160 numbers each" "\"input\": $many" input "at most 1008 inputs a request"
+few=$(jq -cn '[range(4) | [5]]')
+got=$(post /v1/embeddings "{\"model\": \"m\", \"input\": $few}" | sed '$d' | jq '[.data[].embedding | length] | unique')
+[ "$got" = "$(printf '[\n  4160\n]')" ] && pass "4 inputs of that model: 4160 numbers each" ||
+    fail "the wide model's embeddings: $got"
+stop_server
 finish
