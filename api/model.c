@@ -42,27 +42,32 @@ struct loom_model {
     int32_t n_unsampled;
 };
 
-loom_sampler_params loom_sampler_params_of(const loom_sampling *s)
+/* the API's parameters and the core sampler's: the same list's members */
+#define COPY(kind, name, ...) to.name = from->name;
+
+loom_sampler_params loom_sampler_params_of(const loom_sampling *from)
 {
-    return (loom_sampler_params){.temperature = s->temperature,
-                                 .top_k = s->top_k,
-                                 .top_p = s->top_p,
-                                 .min_p = s->min_p,
-                                 .repeat_penalty = s->repeat_penalty,
-                                 .repeat_last_n = s->repeat_last_n,
-                                 .presence_penalty = s->presence_penalty,
-                                 .frequency_penalty = s->frequency_penalty,
-                                 .seed = s->seed};
+    loom_sampler_params to;
+    LOOM_SAMPLING_FIELDS(COPY)
+    return to;
 }
 
 loom_sampling loom_sampling_defaults(void)
 {
-    loom_sampler_params d = loom_sampler_defaults();
-    /* clang-format off */
-    loom_sampling s = {d.temperature, d.top_k, d.top_p, d.min_p, d.repeat_penalty,
-                       d.repeat_last_n, d.presence_penalty, d.frequency_penalty, d.seed, 0};
-    /* clang-format on */
-    return s;
+    loom_sampler_params d = loom_sampler_defaults(), *from = &d;
+    loom_sampling to;
+    LOOM_SAMPLING_FIELDS(COPY)
+    return to;
+}
+#undef COPY
+
+const loom_sampling_field *loom_sampling_fields(int *n)
+{
+#define ROW(kind, name, ...) {#name, LOOM_SAMPLING_KIND_##kind, offsetof(loom_sampling, name)},
+    static const loom_sampling_field rows[] = {LOOM_SAMPLING_FIELDS(ROW)};
+#undef ROW
+    *n = (int)(sizeof rows / sizeof *rows);
+    return rows;
 }
 
 void loom_model_close(loom_model *m)

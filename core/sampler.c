@@ -2,6 +2,9 @@
  * core/sampler.c - see sampler.h. The order is the usual one: penalties, then temperature,
  * top-k, softmax, top-p, min-p, and a draw from what is left: in order of probability (then
  * id) when something was cut, in id order from the whole distribution when nothing was.
+ * temperature <= 1e-5 is greedy; top_k 0, top_p 1, min_p 0 are off; repeat_penalty divides
+ * positive logits and multiplies negative ones (1: off); presence_penalty is subtracted once
+ * from every token in the last repeat_last_n, frequency_penalty once per occurrence there.
  */
 #include "sampler.h"
 
@@ -11,7 +14,9 @@
 
 loom_sampler_params loom_sampler_defaults(void)
 {
-    loom_sampler_params p = {0.8f, 40, 0.95f, 0.05f, 1.0f, 64, 0.0f, 0.0f, 0};
+#define DEFAULT(kind, name, value, ...) .name = (LOOM_SAMPLING_CTYPE_##kind)(value),
+    loom_sampler_params p = {LOOM_SAMPLING_FIELDS(DEFAULT)};
+#undef DEFAULT
     return p;
 }
 

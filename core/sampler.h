@@ -4,18 +4,13 @@
 #ifndef LOOM_CORE_SAMPLER_H
 #define LOOM_CORE_SAMPLER_H
 
+#include <loom/sampling_fields.h>
+
 #include <stdint.h>
 
+/* A member per row of the list (loom/sampling_fields.h); core/sampler.c says what each does. */
 typedef struct loom_sampler_params {
-    float temperature;       /* <= 1e-5: greedy */
-    int32_t top_k;           /* 0: off */
-    float top_p;             /* 1: off */
-    float min_p;             /* 0: off */
-    float repeat_penalty;    /* 1: off; positive logits divided, negative multiplied */
-    int32_t repeat_last_n;   /* window of recent tokens the penalties look at */
-    float presence_penalty;  /* subtracted once from every token in the window */
-    float frequency_penalty; /* subtracted per occurrence in the window */
-    uint64_t seed;
+    LOOM_SAMPLING_FIELDS(LOOM_SAMPLING_MEMBER)
 } loom_sampler_params;
 
 /* Default values: greedy off (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05), no penalties. */

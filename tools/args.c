@@ -54,20 +54,16 @@ static const struct sampling_flag {
     size_t field;
     const char *help;
 } sampling_flags[] = {
-    {"--temp", "--temperature", 'f', 0, 100, offsetof(loom_sampling, temperature),
-     "temperature; 0 = greedy"},
-    {"--top-k", NULL, 'i', 0, 1 << 24, offsetof(loom_sampling, top_k), "0 = off"},
-    {"--top-p", NULL, 'f', 0, 1, offsetof(loom_sampling, top_p), "1 = off"},
-    {"--min-p", NULL, 'f', 0, 1, offsetof(loom_sampling, min_p), "0 = off"},
-    {"--repeat-penalty", NULL, 'f', 0.01, 100, offsetof(loom_sampling, repeat_penalty), "1 = off"},
-    {"--repeat-last-n", NULL, 'i', 0, 1 << 20, offsetof(loom_sampling, repeat_last_n),
-     "tokens the repeat penalty looks back over"},
-    {"--presence-penalty", NULL, 'f', -100, 100, offsetof(loom_sampling, presence_penalty),
-     "0 = off"},
-    {"--frequency-penalty", NULL, 'f', -100, 100, offsetof(loom_sampling, frequency_penalty),
-     "0 = off"},
-    /* up to LONG_MAX, which a double cannot hold */
-    {"--seed", NULL, 'u', 0, 0, offsetof(loom_sampling, seed), "reproducible sampling"},
+/* the list's rows (a SEED goes up to LONG_MAX, which a double cannot hold); a row without a
+ * flag has none here */
+#define FLAG_KIND_FLOAT 'f'
+#define FLAG_KIND_INT 'i'
+#define FLAG_KIND_SEED 'u'
+#define FLAG_KIND_BOOL 'b'
+#define FLAG(kind, name, def, api_def, flag, alias, lo, hi, json, jlo, jhi, role, help)            \
+    {flag, alias, FLAG_KIND_##kind, lo, hi, offsetof(loom_sampling, name), help},
+    LOOM_SAMPLING_FIELDS(FLAG)
+#undef FLAG
 };
 
 /* 1 when flag is a sampling flag (value v parsed into *s), 0 when it is not one, -1 after
@@ -76,7 +72,7 @@ static int arg_sampling(const char *cmd, const char *flag, const char *v, loom_s
 {
     for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
         const struct sampling_flag *f = &sampling_flags[i];
-        if (strcmp(flag, f->flag) != 0 && (!f->alias || strcmp(flag, f->alias) != 0))
+        if (!f->flag || (strcmp(flag, f->flag) != 0 && (!f->alias || strcmp(flag, f->alias) != 0)))
             continue;
         void *field = (char *)s + f->field;
         long x;
@@ -98,6 +94,8 @@ static void sampling_usage(FILE *out, const loom_sampling *s)
 {
     for (size_t i = 0; i < sizeof sampling_flags / sizeof sampling_flags[0]; i++) {
         const struct sampling_flag *f = &sampling_flags[i];
+        if (!f->flag)
+            continue;
         const void *field = (const char *)s + f->field;
         char flag[64], def[32];
         snprintf(flag, sizeof flag, "%s %s", f->flag, f->kind == 'f' ? "X" : "N");

@@ -100,12 +100,21 @@ static int unsupported(const cJSON *body, const char *key, bad *b)
                 strncmp(key, "function", 8) ? "" : "; send 'tools' (it replaced 'functions')");
 }
 
-static int check_known(const cJSON *body, const char *const *known, bad *b)
+/* the request fields of the sampling list (loom/sampling_fields.h), NULL-terminated */
+#define JSON_KEY(kind, name, def, api_def, flag, alias, lo, hi, json, ...) json,
+static const char *const sampling_keys[] = {LOOM_SAMPLING_FIELDS(JSON_KEY) NULL};
+#undef JSON_KEY
+
+/* Refuses a field that is neither in known (NULL-terminated) nor, with sampling, one of the
+ * sampling list's. */
+static int check_known(const cJSON *body, const char *const *known, int sampling, bad *b)
 {
     for (const cJSON *f = body->child; f; f = f->next) {
         int ok = 0;
         for (int i = 0; known[i] && !ok; i++)
             ok = !strcmp(f->string, known[i]);
+        for (size_t i = 0; sampling && i < sizeof sampling_keys / sizeof *sampling_keys && !ok; i++)
+            ok = sampling_keys[i] && !strcmp(f->string, sampling_keys[i]);
         if (!ok)
             return fail(b, 400, f->string, "Unrecognized request argument supplied: %s", f->string);
     }
@@ -771,7 +780,7 @@ int openai_parse_embeddings(const openai_model *srv, const cJSON *body, embed_pa
                                          "timeout", NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
-    if (check_known(body, fields, b) || check_model(srv, body, b) != 0)
+    if (check_known(body, fields, 0, b) || check_model(srv, body, b) != 0)
         return -1;
     p->pooling = LOOM_POOL_LAST, p->normalize = 1;
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, "encoding_format");
@@ -901,28 +910,67 @@ static int parse_speculative(const openai_model *srv, const cJSON *body, parsed 
 
 loom_sampling openai_default_sampling(void)
 {
-    loom_sampling s = loom_sampling_defaults();
-    s.temperature = 1, s.top_p = 1, s.top_k = 0, s.min_p = 0;
+    loom_sampling s;
+#define API_DEFAULT(kind, name, def, api_def, ...) s.name = (LOOM_SAMPLING_CTYPE_##kind)(api_def);
+    LOOM_SAMPLING_FIELDS(API_DEFAULT)
+#undef API_DEFAULT
     return s;
+}
+
+/* The sampling list's request fields into p->s, each checked against its range (an INT below
+ * 0 is off: 0). A penalty given makes every generated token count, as OpenAI's do. */
+static int parse_sampling(const cJSON *body, parsed *p, bad *b)
+{
+    double x;
+    int r, penalty = 0;
+#define KIND_IS_INT_FLOAT 0
+#define KIND_IS_INT_INT 1
+#define KIND_IS_INT_SEED 1
+#define KIND_IS_INT_BOOL 0
+#define ROLE_PENALTY_PENALTY 1
+#define ROLE_PENALTY_PLAIN 0
+#define STORE_FLOAT(field, x) field = (float)(x)
+#define STORE_INT(field, x) field = (x) < 0 ? 0 : (int32_t)(x)
+#define STORE_SEED(field, x) field = (uint64_t)(int64_t)(x), p->seed_given = 1
+#define STORE_BOOL(field, x) field = (x) != 0
+#define PARSE(kind, name, def, api_def, flag, alias, flo, fhi, json, lo, hi, role, help)           \
+    if (json) {                                                                                    \
+        int yes = 0;                                                                               \
+        if (LOOM_SAMPLING_KIND_##kind == LOOM_SAMPLING_KIND_BOOL)                                  \
+            r = get_bool(body, json, &yes, b), x = yes;                                            \
+        else                                                                                       \
+            r = get_number(body, json, lo, hi, KIND_IS_INT_##kind, &x, b);                         \
+        if (r < 0)                                                                                 \
+            return -1;                                                                             \
+        if (r)                                                                                     \
+            STORE_##kind(p->s.name, x);                                                            \
+    }
+    LOOM_SAMPLING_FIELDS(PARSE)
+#undef PARSE
+#define PENALIZES(kind, name, def, api_def, flag, alias, flo, fhi, json, lo, hi, role, help)       \
+    penalty |= ROLE_PENALTY_##role && p->s.name != (LOOM_SAMPLING_CTYPE_##kind)(api_def);
+    LOOM_SAMPLING_FIELDS(PENALIZES)
+#undef PENALIZES
+    if (penalty)
+        p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */
+    return 0;
 }
 
 int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, parsed *p, bad *b)
 {
     /* clang-format off */
     static const char *const completion_fields[] = {
-        "model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
-        "stop", "seed", "presence_penalty", "frequency_penalty", "user", "echo", "logprobs",
-        "best_of", "logit_bias", "suffix", "top_k", "min_p", "repetition_penalty", "ignore_eos",
-        "priority", "timeout", "response_format", "grammar", "speculative", NULL};
+        "model", "prompt", "max_tokens", "n", "stream", "stream_options", "stop", "user", "echo",
+        "logprobs", "best_of", "logit_bias", "suffix", "priority", "timeout", "response_format",
+        "grammar", "speculative", NULL};
     /* clang-format on */
     /* clang-format off */
     static const char *const chat_fields[] = {
-        "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
-        "stream", "stream_options", "stop", "seed", "presence_penalty", "frequency_penalty", "user",
-        "logprobs", "top_logprobs", "logit_bias", "response_format", "tools", "tool_choice",
-        "parallel_tool_calls", "functions", "function_call", "store", "metadata",
-        "service_tier", "top_k", "min_p", "repetition_penalty", "ignore_eos", "priority",
-        "timeout", "chat_template_kwargs", "grammar", "speculative", NULL};
+        "model", "messages", "max_tokens", "max_completion_tokens", "n", "stream",
+        "stream_options", "stop", "user", "logprobs", "top_logprobs", "logit_bias",
+        "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
+        "function_call", "store", "metadata", "service_tier", "priority", "timeout",
+        "chat_template_kwargs", "grammar", "speculative", NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo", "best_of", "logit_bias", "suffix",
                                                          NULL};
@@ -930,7 +978,7 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
                                                    NULL};
     if (!cJSON_IsObject(body))
         return fail(b, 400, NULL, "the request body must be a JSON object");
-    if (check_known(body, chat ? chat_fields : completion_fields, b))
+    if (check_known(body, chat ? chat_fields : completion_fields, 1, b))
         return -1;
     for (const char *const *u = chat ? chat_unsupported : completion_unsupported; *u; u++)
         if (unsupported(body, *u, b))
@@ -949,42 +997,12 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         return -1;
     if (r)
         p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
-    if ((r = get_number(body, "temperature", 0, 2, 0, &x, b)) < 0)
+    if (parse_sampling(body, p, b) != 0)
         return -1;
-    if (r)
-        p->s.temperature = (float)x;
-    if ((r = get_number(body, "top_p", 0, 1, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.top_p = (float)x;
-    if ((r = get_number(body, "top_k", -1, 1 << 24, 1, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.top_k = x < 0 ? 0 : (int32_t)x;
-    if ((r = get_number(body, "min_p", 0, 1, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.min_p = (float)x;
-    if ((r = get_number(body, "repetition_penalty", 0.01, 100, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.repeat_penalty = (float)x;
-    if ((r = get_number(body, "presence_penalty", -2, 2, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.presence_penalty = (float)x;
-    if ((r = get_number(body, "frequency_penalty", -2, 2, 0, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.frequency_penalty = (float)x;
     if ((r = get_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0)
         return -1;
     if (r)
         p->n = (int)x;
-    if ((r = get_number(body, "seed", -9.2e18, 9.2e18, 1, &x, b)) < 0)
-        return -1;
-    if (r)
-        p->s.seed = (uint64_t)(int64_t)x, p->seed_given = 1;
     if (get_bool(body, "stream", &p->stream, b) < 0)
         return -1;
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
@@ -1005,10 +1023,6 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
             return -1;
         p->logprobs = r, p->top_logprobs = r ? (int32_t)x : 0;
     }
-    if (get_bool(body, "ignore_eos", &p->s.ignore_eos, b) < 0)
-        return -1;
-    if (p->s.repeat_penalty != 1 || p->s.presence_penalty != 0 || p->s.frequency_penalty != 0)
-        p->s.repeat_last_n = INT32_MAX; /* OpenAI's penalties look at everything generated */
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
     if (so && !cJSON_IsNull(so)) {
         if (!cJSON_IsObject(so))

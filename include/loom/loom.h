@@ -47,6 +47,8 @@ int loom_verify(const char *path, loom_verify_fn report, void *user);
 
 /* ---- Running a model ------------------------------------------------------------------- */
 
+#include <loom/sampling_fields.h>
+
 #include <stdint.h>
 
 typedef struct loom_model loom_model;
@@ -89,21 +91,30 @@ typedef struct loom_model_options {
     int32_t first_layers;
 } loom_model_options;
 
+/* How the next token is chosen: a member per row of <loom/sampling_fields.h>, whose rows say
+ * each one's default, range and meaning. */
 typedef struct loom_sampling {
-    float temperature;    /* <= 1e-5: greedy */
-    int32_t top_k;        /* 0: off */
-    float top_p;          /* 1: off */
-    float min_p;          /* 0: off */
-    float repeat_penalty; /* 1: off */
-    int32_t repeat_last_n;
-    float presence_penalty;
-    float frequency_penalty;
-    uint64_t seed;
-    int ignore_eos; /* keep generating past EOS (benchmarks) */
+    LOOM_SAMPLING_FIELDS(LOOM_SAMPLING_MEMBER)
 } loom_sampling;
 
-/* The defaults: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no penalties, seed 0. */
+/* The defaults, the list's: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, no penalties,
+ * seed 0. */
 loom_sampling loom_sampling_defaults(void);
+
+/* The layout of loom_sampling, for a binding that reads it rather than keep a copy (the Python
+ * package): a row per parameter, in order; *n set to their count. */
+typedef enum loom_sampling_kind {
+    LOOM_SAMPLING_KIND_FLOAT, /* float */
+    LOOM_SAMPLING_KIND_INT,   /* int32_t */
+    LOOM_SAMPLING_KIND_SEED,  /* uint64_t */
+    LOOM_SAMPLING_KIND_BOOL   /* int */
+} loom_sampling_kind;
+typedef struct loom_sampling_field {
+    const char *name;
+    loom_sampling_kind kind;
+    size_t offset;
+} loom_sampling_field;
+const loom_sampling_field *loom_sampling_fields(int *n);
 
 typedef struct loom_generation {
     int32_t n_prompt, n_generated;

@@ -51,12 +51,28 @@ class _ModelOptions(_c.Structure):
                 ("experts_on", _c.c_char_p), ("first_layers", _c.c_int32)]
 
 
-class _Sampling(_c.Structure):
-    _fields_ = [("temperature", _c.c_float), ("top_k", _c.c_int32), ("top_p", _c.c_float),
-                ("min_p", _c.c_float), ("repeat_penalty", _c.c_float),
-                ("repeat_last_n", _c.c_int32), ("presence_penalty", _c.c_float),
-                ("frequency_penalty", _c.c_float), ("seed", _c.c_uint64),
-                ("ignore_eos", _c.c_int)]
+class _SamplingField(_c.Structure):
+    _fields_ = [("name", _c.c_char_p), ("kind", _c.c_int), ("offset", _c.c_size_t)]
+
+
+def _sampling_struct():
+    """loom_sampling as the library lays it out (loom_sampling_fields), not a copy kept here."""
+    f = _lib.loom_sampling_fields
+    f.restype, f.argtypes = _c.POINTER(_SamplingField), [_c.POINTER(_c.c_int)]
+    n = _c.c_int()
+    rows = f(_c.byref(n))
+    kinds = [_c.c_float, _c.c_int32, _c.c_uint64, _c.c_int]  # loom_sampling_kind's order
+    fields = [(rows[i].name.decode(), kinds[rows[i].kind]) for i in range(n.value)]
+    cls = type("_Sampling", (_c.Structure,), {"_fields_": fields})
+    for i, (name, _t) in enumerate(fields):
+        if getattr(cls, name).offset != rows[i].offset:
+            raise ImportError("libloom's loom_sampling is laid out otherwise than ctypes lays "
+                              "out its fields (%s at %d, not %d)"
+                              % (name, rows[i].offset, getattr(cls, name).offset))
+    return cls
+
+
+_Sampling = _sampling_struct()
 
 
 class _Generation(_c.Structure):
