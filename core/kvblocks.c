@@ -316,6 +316,7 @@ int loom_kvblocks_fork(loom_kvblocks *kv, const loom_kvseq *src, loom_kvseq *dst
     dst->n_tokens = src->n_tokens;
     dst->n_hashed = src->n_hashed;
     dst->private_blocks = src->private_blocks;
+    dst->partition = src->partition; /* its next full block is hashed in the same partition */
     return 0;
 }
 
@@ -325,7 +326,9 @@ void loom_kvblocks_release(loom_kvblocks *kv, loom_kvseq *seq)
     for (int32_t b = seq->n_blocks - 1; b >= 0; b--)
         drop_ref(kv, seq->blocks[b]);
     free(seq->blocks);
-    *seq = (loom_kvseq){.private_blocks = seq->private_blocks};
+    /* what the caller set stays: a sequence released to be run again (preemption) must hash
+     * and match in its own partition, not the common one */
+    *seq = (loom_kvseq){.private_blocks = seq->private_blocks, .partition = seq->partition};
 }
 
 int32_t loom_kvblocks_slot(const loom_kvblocks *kv, const loom_kvseq *seq, int32_t pos)

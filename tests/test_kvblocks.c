@@ -188,9 +188,21 @@ static void test_partitions(void)
     CHECK(reads_back(kv, &alice2, t), "and reads its own content");
     compute(kv, &bob, t, 9); /* bob's blocks are his own, cached beside alice's */
     CHECK(reads_back(kv, &bob, t) && bob.blocks[0] != alice2.blocks[0], "bob has his own blocks");
+    int32_t bobs_first = bob.blocks[0];
     loom_kvblocks_release(kv, &bob);
     loom_kvseq bob2 = {.partition = 22};
     CHECK(loom_kvblocks_match(kv, &bob2, t, 9) == 8, "bob hits his own: %d", bob2.n_tokens);
+    loom_kvblocks_release(kv, &bob2);
+    /* a sequence released and run again (the engine's preemption) keeps its partition: bob's
+     * second run hits bob's blocks, and a fork of his is his too */
+    CHECK(bob2.partition == 22, "release keeps the partition (%llu)",
+          (unsigned long long)bob2.partition);
+    CHECK(loom_kvblocks_match(kv, &bob2, t, 9) == 8 && bob2.blocks[0] == bobs_first,
+          "a preempted sequence hits its own partition again");
+    loom_kvseq fork = {0};
+    CHECK(loom_kvblocks_fork(kv, &bob2, &fork) == 0 && fork.partition == 22,
+          "a fork keeps the partition (%llu)", (unsigned long long)fork.partition);
+    loom_kvblocks_release(kv, &fork);
     loom_kvblocks_release(kv, &bob2);
     loom_kvblocks_release(kv, &alice2);
     loom_kvblocks_release(kv, &common);
