@@ -22,6 +22,7 @@
 #include "core/tokenizer.h"
 #include "grammar.h"
 
+#include <assert.h>
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
@@ -188,6 +189,9 @@ static void forget_live(loom_engine *e, ereq *q)
             e->live[i] = e->live[--e->n_live];
             e->tenant_live[q->tenant]--;
             e->n_displaced -= q->displaced;
+            /* a tenant's live requests, and the displaced ones, are among the live */
+            assert(e->tenant_live[q->tenant] >= 0 && e->n_displaced >= 0);
+            assert(e->n_displaced <= e->n_live);
             break;
         }
     e->stats.requests_done++;
@@ -209,6 +213,7 @@ static void count_running(loom_engine *e)
 
 static void remove_running(loom_engine *e, ereq *q)
 {
+    assert(e->n_running <= e->max_batch);
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == q) {
             memmove(e->running + i, e->running + i + 1,

@@ -7,6 +7,7 @@
  */
 #include "kvblocks.h"
 
+#include <assert.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -146,12 +147,15 @@ static int32_t table_find(const loom_kvblocks *kv, uint64_t hash, int32_t parent
 
 static void take_ref(loom_kvblocks *kv, int32_t i)
 {
+    assert(i >= 0 && i < kv->n && kv->b[i].ref >= 0);
+    assert(kv->b[i].ref > 0 || kv->b[i].hashed); /* unowned and shareable: a cached block */
     if (kv->b[i].ref++ == 0)
         lru_unlink(kv, i); /* only hashed blocks are shared by lookup, so it was cached */
 }
 
 static void drop_ref(loom_kvblocks *kv, int32_t i)
 {
+    assert(i >= 0 && i < kv->n && kv->b[i].ref > 0); /* a reference is dropped once */
     if (--kv->b[i].ref > 0)
         return;
     if (kv->b[i].hashed)
@@ -173,6 +177,7 @@ static int32_t grab(loom_kvblocks *kv)
         kv->evictions++;
     }
     kv_block *x = &kv->b[i];
+    assert(x->ref == 0); /* free or cached: nobody holds it */
     x->hashed = 0;
     x->gen++;
     x->ref = 1;
@@ -258,6 +263,10 @@ int loom_kvblocks_reserve(loom_kvblocks *kv, loom_kvseq *seq, int32_t n_new, loo
     }
     while (seq->n_blocks < want)
         seq->blocks[seq->n_blocks++] = grab(kv);
+    /* the blocks cover what the sequence is about to hold, and none it must not write is
+     * shared */
+    assert((int64_t)seq->n_blocks * kv->bs >= (int64_t)seq->n_tokens + n_new);
+    assert(n_new == 0 || !last_block_shared(kv, seq));
     return n_copies;
 }
 
@@ -270,6 +279,7 @@ void loom_kvblocks_truncate(loom_kvseq *seq, int32_t n)
 void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *tokens,
                            int32_t n_total)
 {
+    assert(n_total >= 0 && (int64_t)n_total <= (int64_t)seq->n_blocks * kv->bs);
     seq->n_tokens = n_total;
     while (!seq->private_blocks && (int64_t)(seq->n_hashed + 1) * kv->bs <= n_total &&
            seq->n_hashed < seq->n_blocks) {
@@ -333,6 +343,7 @@ void loom_kvblocks_release(loom_kvblocks *kv, loom_kvseq *seq)
 
 int32_t loom_kvblocks_slot(const loom_kvblocks *kv, const loom_kvseq *seq, int32_t pos)
 {
+    assert(pos >= 0 && pos / kv->bs < seq->n_blocks && seq->blocks[pos / kv->bs] < kv->n);
     return seq->blocks[pos / kv->bs] * kv->bs + pos % kv->bs;
 }
 

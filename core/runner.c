@@ -14,6 +14,7 @@
 #define _GNU_SOURCE
 #include "runner_internal.h"
 
+#include <assert.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <math.h>
@@ -253,8 +254,11 @@ const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n
     return t;
 }
 
+/* The views below stay inside the tensor they look into: a view past its end would read another
+ * tensor's bytes, or past the buffer's end, without any backend noticing. */
 loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
 {
+    assert(r0 >= 0 && n >= 0 && r0 + n <= t->ne[1]);
     loom_tensor v = *t;
     v.offset += (uint64_t)r0 * t->nb[1];
     v.ne[1] = n;
@@ -263,11 +267,14 @@ loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
 
 loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_t n2)
 {
+    assert(n0 >= 0 && n1 >= 0 && n2 >= 0 &&
+           n0 * n1 * n2 <= t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]);
     return dense(t->buf, t->offset, t->dtype, n0, n1, n2, 1);
 }
 
 loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n)
 {
+    assert(c0 >= 0 && n >= 0 && c0 + n <= t->ne[0]);
     loom_tensor v = *t;
     v.offset += (uint64_t)c0 * t->nb[0];
     v.ne[0] = n;
@@ -276,6 +283,7 @@ loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n)
 
 loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, int64_t n_heads)
 {
+    assert(c0 >= 0 && head_dim >= 0 && n_heads >= 0 && c0 + head_dim * n_heads <= t->ne[0]);
     loom_tensor v = *t;
     v.offset += (uint64_t)c0 * t->nb[0];
     v.ne[0] = head_dim, v.ne[1] = n_heads, v.ne[2] = t->ne[1], v.ne[3] = 1;
