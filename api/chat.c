@@ -20,6 +20,7 @@
 #include "models/models.h"
 
 #include <stdarg.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,9 +94,22 @@ static void put_stripped(sbuf *b, const char *t)
 
 static const char *const template_names[] = {"llama2", "llama3", "chatml", "chatglm3", "glm4"};
 
+static char template_list[128];
+
+static void list_templates(void)
+{
+    size_t at = 0;
+    for (size_t i = 0; i < sizeof template_names / sizeof *template_names; i++)
+        at += (size_t)snprintf(template_list + at, sizeof template_list - at, "%s%s", i ? ", " : "",
+                               template_names[i]);
+}
+
+/* the names, from the table (a string kept beside it had lost glm4) */
 const char *loom_chat_templates(void)
 {
-    return "llama2, llama3, chatml, chatglm3";
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, list_templates);
+    return template_list;
 }
 
 int loom_chat_render(const char *name, const loom_chat_message *msgs, int n,
