@@ -419,6 +419,29 @@ done:
     return rc;
 }
 
+/* ---- a model's own ------------------------------------------------------------------------ */
+
+loom_chat_template *loom_model_chat_jinja(const loom_model *m, char *err, size_t err_size)
+{
+    return loom_chat_template_from_gguf(loom_model_gguf(m), loom_model_tokenizer_of(m), err, err_size);
+}
+
+const char *loom_model_chat_template(const loom_model *m, int *recognised)
+{
+    const char *stored, *arch, *pre;
+    uint64_t len, alen, plen;
+    char *tmpl = NULL, archname[64] = "", prename[64] = "";
+    if (loom_gguf_get_str(loom_model_gguf(m), "tokenizer.chat_template", &stored, &len) == 0)
+        tmpl = strndup(stored, (size_t)len);
+    if (loom_gguf_get_str(loom_model_gguf(m), "general.architecture", &arch, &alen) == 0)
+        snprintf(archname, sizeof archname, "%.*s", (int)(alen < 63 ? alen : 63), arch);
+    if (loom_gguf_get_str(loom_model_gguf(m), "tokenizer.ggml.pre", &pre, &plen) == 0)
+        snprintf(prename, sizeof prename, "%.*s", (int)(plen < 63 ? plen : 63), pre);
+    const char *name = loom_chat_template_guess(tmpl, archname, prename, recognised);
+    free(tmpl);
+    return name;
+}
+
 /* ---- choosing between them ---------------------------------------------------------------- */
 
 /* a template file whole, NUL-terminated, or NULL with err */

@@ -65,6 +65,10 @@ loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g,
 /* The parts of an open model the engine drives. */
 struct loom_runner *loom_model_runner(loom_model *m);
 struct loom_tokenizer *loom_model_tokenizer(loom_model *m);
+/* ... and those the chat layer reads (its template and special tokens), without changing them:
+ * the chat layer calls the model, never the other way round. */
+const struct loom_gguf *loom_model_gguf(const loom_model *m);
+const struct loom_tokenizer *loom_model_tokenizer_of(const loom_model *m);
 /* A prompt the model can run from position 0: 1 to n_ctx ids, each in the vocabulary. 0, or
  * -1 with err naming what is wrong. */
 int loom_model_check_ids(const loom_model *m, const int32_t *ids, int32_t n, char *err,

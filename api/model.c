@@ -487,25 +487,14 @@ int loom_eval_logits(loom_model *m, const int32_t *ids, int32_t n, float *out, c
     return loom_runner_eval_all(m->runner, ids, n, 0, out, err, err_size);
 }
 
-loom_chat_template *loom_model_chat_jinja(const loom_model *m, char *err, size_t err_size)
+const struct loom_gguf *loom_model_gguf(const loom_model *m)
 {
-    return loom_chat_template_from_gguf(&m->gguf, m->tok, err, err_size);
+    return &m->gguf;
 }
 
-const char *loom_model_chat_template(const loom_model *m, int *recognised)
+const struct loom_tokenizer *loom_model_tokenizer_of(const loom_model *m)
 {
-    const char *stored, *arch, *pre;
-    uint64_t len, alen, plen;
-    char *tmpl = NULL, archname[64] = "", prename[64] = "";
-    if (loom_gguf_get_str(&m->gguf, "tokenizer.chat_template", &stored, &len) == 0)
-        tmpl = strndup(stored, (size_t)len);
-    if (loom_gguf_get_str(&m->gguf, "general.architecture", &arch, &alen) == 0)
-        snprintf(archname, sizeof archname, "%.*s", (int)(alen < 63 ? alen : 63), arch);
-    if (loom_gguf_get_str(&m->gguf, "tokenizer.ggml.pre", &pre, &plen) == 0)
-        snprintf(prename, sizeof prename, "%.*s", (int)(plen < 63 ? plen : 63), pre);
-    const char *name = loom_chat_template_guess(tmpl, archname, prename, recognised);
-    free(tmpl);
-    return name;
+    return m->tok;
 }
 
 float *loom_model_prompt_logits_buffer(loom_model *m)
