@@ -1,7 +1,7 @@
 /* api/embed.c - embeddings: a prompt's final hidden states (after the model's final norm,
  * before its head) pooled into one vector, for one prompt here (loom_embed) and for the
  * engine's embedding requests, which share the pooling arithmetic below. */
-#include "internal.h"
+#include "api/internal.h"
 
 #include "../core/runner.h"
 

@@ -11,8 +11,8 @@
  * drawn as the engine draws a constrained request's (grammar_sample).
  */
 #define _GNU_SOURCE
-#include "grammar.h"
-#include "internal.h"
+#include "chat/grammar.h"
+#include "api/internal.h"
 
 #include "core/runner.h"
 #include "core/sampler.h"

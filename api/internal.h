@@ -23,7 +23,7 @@ int loom_open_model_file(const char *path, struct loom_gguf *g, loom_convert_pro
 /* A weight type by its name (f32, f16, bf16, q8_0, q4_0, q4_1): 0, or -1 when it is none. */
 int loom_parse_weight_type(const char *name, loom_dtype *t);
 
-/* api/quant_mix.c: the types and llama.cpp-style mixes loom quantises to. A mix is found by
+/* files/quant_mix.c: the types and llama.cpp-style mixes loom quantises to. A mix is found by
  * name (-1: none); its type for a tensor depends on the tensor's name and row length, the
  * model's layer count, query heads per KV head and experts (0: dense). */
 const char *loom_quant_mix_names(void);
@@ -54,9 +54,9 @@ loom_sampler_params loom_sampler_params_of(const loom_sampling *s);
 const char *loom_chat_template_guess(const char *stored, const char *arch, const char *pre,
                                      int *recognised);
 
-/* How the tool calls a Jinja template offers are written (api/tool_calls.c). */
+/* How the tool calls a Jinja template offers are written (chat/tool_calls.c). */
 loom_tool_syntax loom_tool_syntax_of_template(const char *jinja);
-/* The Jinja chat template a GGUF carries, with its BOS and EOS text (api/chat.c). */
+/* The Jinja chat template a GGUF carries, with its BOS and EOS text (chat/chat.c). */
 struct loom_tokenizer;
 loom_chat_template *loom_chat_template_from_gguf(const struct loom_gguf *g,
                                                  const struct loom_tokenizer *tok, char *err,

@@ -5,7 +5,7 @@
 
 #include <loom/loom.h>
 
-#include "loader_env.h"
+#include "api/loader_env.h"
 
 #include <stdlib.h>
 #include <string.h>

@@ -3,12 +3,12 @@
  * registry, the backend loader and the runner together (the one layer that knows them all).
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
-#include "distributed.h"
+#include "dist/distributed.h"
 
 #include "core/gguf.h"
-#include "loader_env.h"
+#include "api/loader_env.h"
 #include "core/runner.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"

@@ -3,7 +3,7 @@
  * split UTF-8 character, never the start of a stop string that might still complete.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include "core/tokenizer.h"
 

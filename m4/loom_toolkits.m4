@@ -137,7 +137,7 @@ AC_DEFUN([LOOM_CHECK_HIP], [
 ])
 
 # LOOM_CHECK_MPI: Open MPI (or another MPI with a pkg-config file) for the distributed module,
-# api/mpi/loom-mpi.so, which loom loads only in an MPI job; the core and tools never link MPI.
+# dist/mpi/loom-mpi.so, which loom loads only in an MPI job; the core and tools never link MPI.
 AC_DEFUN([LOOM_CHECK_MPI], [
   AC_ARG_WITH([mpi],
     [AS_HELP_STRING([--with-mpi], [build the MPI module for pipeline runs across processes (default: if found)])],

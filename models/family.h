@@ -3,7 +3,7 @@
  * architecture (the runner's function table), the chat template it falls back on, and its
  * Hugging Face form as data: which config.json selects it, which config keys become which
  * GGUF hyper-parameters, which tensor becomes which and how its rows are reordered, and the
- * special tokens its tokenizer appends. api/convert.c is the one writer that reads the tables;
+ * special tokens its tokenizer appends. files/convert.c is the one writer that reads the tables;
  * docs/ARCHITECTURE.md ("Adding a model family") walks through a new one.
  */
 #ifndef LOOM_MODELS_FAMILY_H
@@ -109,7 +109,7 @@ typedef struct loom_hf_specials {
 typedef struct loom_family {
     const loom_arch *arch; /* the GGUF side: general.architecture, hyper-parameters, weights,
                             * forward pass */
-    /* the built-in chat template (api/chat.c) for a file whose own template loom does not
+    /* the built-in chat template (chat/chat.c) for a file whose own template loom does not
      * recognise or that has none; with a tiktoken vocabulary (its pre as .tiktoken's) the
      * second; NULL: llama2, and a note that it is a guess */
     const char *chat_template, *chat_template_tiktoken;

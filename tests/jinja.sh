@@ -1,4 +1,4 @@
-# tests/jinja.sh - loom's Jinja (api/jinja.c) against Debian's python3-jinja2 set up as
+# tests/jinja.sh - loom's Jinja (chat/jinja.c) against Debian's python3-jinja2 set up as
 # transformers' apply_chat_template sets it up (tests/jinja_ref.py): every template below,
 # with every conversation, rendered by `loom template` and by Python, byte for byte; a
 # template Python refuses (raise_exception, a sandbox error) is refused by loom too. Then the

@@ -1,6 +1,6 @@
 /*
- * tests/test_grammar.c - constrained decoding's grammar engine (api/grammar.c) and JSON Schema
- * converter (api/json_schema.c): GBNF grammars accept exactly the texts they describe; broken
+ * tests/test_grammar.c - constrained decoding's grammar engine (chat/grammar.c) and JSON Schema
+ * converter (chat/json_schema.c): GBNF grammars accept exactly the texts they describe; broken
  * ones are refused naming the line; schemas' grammars accept documents that validate and
  * refuse ones that do not (hand-checked against the schemas); an unsupported keyword is named;
  * and the mask of allowed tokens, found through the vocabulary's trie, equals token-by-token
@@ -9,7 +9,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
-#include "api/grammar.h"
+#include "chat/grammar.h"
 #include "check.h"
 #include "core/gguf.h"
 #include "core/tokenizer.h"

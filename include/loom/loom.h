@@ -496,7 +496,7 @@ const char *loom_model_chat_template(const loom_model *m, int *recognised);
 /* ---- The model's own chat template (Jinja) ------------------------------------------------
  * A model file's tokenizer.chat_template (a Hugging Face folder's tokenizer_config.json) run
  * as transformers' apply_chat_template runs it, byte for byte, by loom's Jinja subset
- * (api/jinja.c; docs/chat-templates.md). Sandboxed: a render is bounded in output, memory,
+ * (chat/jinja.c; docs/chat-templates.md). Sandboxed: a render is bounded in output, memory,
  * steps and nesting, and reads no file, clock beyond strftime_now, or environment. */
 typedef struct loom_chat_template loom_chat_template;
 
@@ -614,7 +614,7 @@ int loom_chat_format_reasons(const loom_chat_format *f);
 
 /* ---- Constrained decoding -----------------------------------------------------------------
  * A grammar an answer must match (loom_request.grammar): llama.cpp's GBNF, or the JSON texts
- * a JSON Schema allows (api/grammar.c, api/json_schema.c; docs/structured-output.md). */
+ * a JSON Schema allows (chat/grammar.c, chat/json_schema.c; docs/structured-output.md). */
 
 /* Compiles GBNF text (its rule "root" is the answer). NULL with err ("grammar line N: ..."). */
 loom_grammar *loom_grammar_compile(const char *gbnf, char *err, size_t err_size);

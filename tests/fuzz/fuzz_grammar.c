@@ -6,7 +6,7 @@
  * accepts must give a grammar that compiles (anything else is loom's own bug); a compiled
  * grammar is run over the input's bytes and some JSON within its limits.
  */
-#include "api/grammar.h"
+#include "chat/grammar.h"
 
 #include <cjson/cJSON.h>
 #include <stdint.h>

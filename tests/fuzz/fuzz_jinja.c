@@ -1,11 +1,11 @@
 /*
- * tests/fuzz/fuzz_jinja.c - libFuzzer harness for loom's Jinja (api/jinja.c): the input is a
+ * tests/fuzz/fuzz_jinja.c - libFuzzer harness for loom's Jinja (chat/jinja.c): the input is a
  * template, as a hostile model file could carry it. It must compile or be refused with a
  * message; a compiled one must render a conversation (with tools and untrusted text) or stop
  * with a message, within the limits; the spans it reports must be in order and inside the
  * output.
  */
-#include "api/jinja.h"
+#include "chat/jinja.h"
 
 #include <stdint.h>
 #include <stdlib.h>

@@ -25,10 +25,10 @@ libloom="-L$build/.libs -Wl,-rpath,$build/.libs -lloom"
 for h in $harnesses; do
     echo "fuzz: building fuzz_$h"
     case $h in
-        chat_template) extra="$src/api/chat.c $libloom" ;;
+        chat_template) extra="$src/chat/chat.c $libloom" ;;
         openai_request) extra="$src/tools/openai_request.c $libloom" ;;
-        jinja) extra="$src/api/jinja.c" ;;
-        grammar) extra="$src/api/grammar.c $src/api/json_schema.c $src/api/regex_gbnf.c $src/core/sampler.c $core" ;;
+        jinja) extra="$src/chat/jinja.c" ;;
+        grammar) extra="$src/chat/grammar.c $src/chat/json_schema.c $src/chat/regex_gbnf.c $src/core/sampler.c $core" ;;
         *) extra=$core ;;
     esac
     # shellcheck disable=SC2086

@@ -4,7 +4,7 @@
  * the others).
  *
  * HTTP threads (one per connection) parse, validate and tokenize requests, submit them to the
- * engine (api/engine.c) and turn its events into responses; they never run the model. Each
+ * engine (engine/engine.c) and turn its events into responses; they never run the model. Each
  * request's state (a job) is shared by its connection thread and the engine thread: a mutex
  * and condition variable guard it, and a reference count frees it once both are done with it.
  * Request and response shapes follow the OpenAI API as the official Python client sends and

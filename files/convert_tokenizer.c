@@ -1,11 +1,11 @@
 /*
- * api/convert_tokenizer.c - a Hugging Face folder's tokenizer files as GGUF tokenizer keys:
+ * files/convert_tokenizer.c - a Hugging Face folder's tokenizer files as GGUF tokenizer keys:
  * SentencePiece models (tokenizer.model, ChatGLM-6B's ice_text.model), byte-level BPE
  * (vocab.json + merges.txt, tokenizer.json) and tiktoken rank files (qwen.tiktoken; Llama-3's
  * and GLM-4's tokenizer.model). docs/gguf.md lists the keys.
  */
 #define _GNU_SOURCE
-#include "convert_tokenizer.h"
+#include "files/convert_tokenizer.h"
 
 #include "core/file.h"
 #include "core/tokenizer.h"

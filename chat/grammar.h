@@ -1,10 +1,10 @@
 /*
- * api/grammar.h - constrained decoding: a grammar (llama.cpp's GBNF, or made from a JSON
- * Schema by api/json_schema.c) run over bytes as a pushdown automaton, and the tokens of a
- * vocabulary it allows next, found through a trie of the tokens' bytes (api/grammar.c).
+ * chat/grammar.h - constrained decoding: a grammar (llama.cpp's GBNF, or made from a JSON
+ * Schema by chat/json_schema.c) run over bytes as a pushdown automaton, and the tokens of a
+ * vocabulary it allows next, found through a trie of the tokens' bytes (chat/grammar.c).
  */
-#ifndef LOOM_API_GRAMMAR_H
-#define LOOM_API_GRAMMAR_H
+#ifndef LOOM_CHAT_GRAMMAR_H
+#define LOOM_CHAT_GRAMMAR_H
 
 #include <loom/loom.h>
 
@@ -53,7 +53,7 @@ int32_t grammar_sample(grammar_matcher *m, float *logits, float *scratch, int32_
                        const struct loom_sampler_params *p, const int32_t *toks, int32_t n_toks,
                        uint64_t *rng, char *err, size_t err_size);
 
-/* A JSON Schema "pattern" (a regular expression; the subset api/regex_gbnf.c lists) as a GBNF
+/* A JSON Schema "pattern" (a regular expression; the subset chat/regex_gbnf.c lists) as a GBNF
  * expression over the text of a JSON string between its quotes, as JSON escapes it; any_char
  * names the rule of one such character, which an end without an anchor repeats. 0 with *gbnf
  * malloc'd, or -1 with err naming what is not supported. */

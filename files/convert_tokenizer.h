@@ -1,10 +1,10 @@
 /*
- * api/convert_tokenizer.h - a Hugging Face folder's tokenizer as GGUF keys.
+ * files/convert_tokenizer.h - a Hugging Face folder's tokenizer as GGUF keys.
  */
-#ifndef LOOM_API_CONVERT_TOKENIZER_H
-#define LOOM_API_CONVERT_TOKENIZER_H
+#ifndef LOOM_FILES_CONVERT_TOKENIZER_H
+#define LOOM_FILES_CONVERT_TOKENIZER_H
 
-#include "hf_folder.h"
+#include "files/hf_folder.h"
 
 /* The folder's tokenizer, whichever form it ships, into c->w, with the special tokens
  * c->family appends. */

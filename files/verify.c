@@ -1,5 +1,5 @@
 /*
- * api/verify.c - `loom verify`: is this model file whole? For files damaged on the way (a disk
+ * files/verify.c - `loom verify`: is this model file whole? For files damaged on the way (a disk
  * that filled up during conversion, a download cut short, a flipped bit), which load and then
  * answer strangely. Loading keeps to the cheap checks (the GGUF reader's bounds, the family's
  * shapes for layer 0); this reads every byte:
@@ -15,7 +15,7 @@
  * Each check reports once, with the first problem's location and how many more there are.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include "core/gguf.h"
 #include "core/tokenizer.h"

@@ -1,10 +1,10 @@
 /*
- * api/distributed.h - one model across the processes of an MPI job: a pipeline, rank r running
+ * dist/distributed.h - one model across the processes of an MPI job: a pipeline, rank r running
  * stage r (docs/DISTRIBUTED.md). Rank 0 drives: its runner announces every step to the others
  * through the stage link made here; every other rank follows (loom_dist_follow).
  */
-#ifndef LOOM_API_DISTRIBUTED_H
-#define LOOM_API_DISTRIBUTED_H
+#ifndef LOOM_DIST_DISTRIBUTED_H
+#define LOOM_DIST_DISTRIBUTED_H
 
 #include "core/gguf.h"
 #include "core/runner.h"

@@ -1,5 +1,5 @@
 /*
- * api/json_schema.c - a JSON Schema turned into the GBNF grammar of the JSON texts it allows,
+ * chat/json_schema.c - a JSON Schema turned into the GBNF grammar of the JSON texts it allows,
  * for constrained decoding (docs/structured-output.md lists the keywords).
  *
  * Every text the grammar allows validates against the schema; not every valid text is allowed:
@@ -11,8 +11,8 @@
  * description, default, examples, ...) are ignored.
  */
 #define _GNU_SOURCE
-#include "grammar.h"
-#include "internal.h"
+#include "chat/grammar.h"
+#include "api/internal.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>

@@ -1,5 +1,5 @@
 /*
- * api/distributed.c - see distributed.h; the design and its measurements: docs/DISTRIBUTED.md.
+ * dist/distributed.c - see distributed.h; the design and its measurements: docs/DISTRIBUTED.md.
  *
  * What crosses the wire, per step: rank 0 broadcasts a command (a step's inputs or a block
  * copy; or the end), stage r sends stage r + 1 one message, and the last stage sends rank 0 one
@@ -9,9 +9,9 @@
  * one message a step whatever fails, and the error reaches rank 0 naming the rank it began on.
  */
 #define _GNU_SOURCE
-#include "distributed.h"
+#include "dist/distributed.h"
 
-#include "transport.h"
+#include "dist/transport.h"
 
 #include "core/loader.h"
 
@@ -82,7 +82,7 @@ static void *open_module(char *err, size_t err_size)
     } else {
         if (loom_exe_dir(exe, sizeof exe) == 0) {
             if (loom_build_tree(exe, build, sizeof build))
-                snprintf(path[n++], sizeof path[0], "%s/api/mpi/.libs/loom-mpi.so", build);
+                snprintf(path[n++], sizeof path[0], "%s/dist/mpi/.libs/loom-mpi.so", build);
             snprintf(path[n++], sizeof path[0], "%s/../lib/loom/mpi/loom-mpi.so", exe);
         }
         snprintf(path[n++], sizeof path[0], "%s/mpi/loom-mpi.so", LOOM_PKGLIBDIR);

@@ -1,8 +1,8 @@
 #define _GNU_SOURCE
 /*
- * api/inspect.c - `loom inspect`: what a model file holds, for a person or (--json) a program.
+ * files/inspect.c - `loom inspect`: what a model file holds, for a person or (--json) a program.
  */
-#include "internal.h"
+#include "api/internal.h"
 
 #include "core/gguf.h"
 #include "core/tokenizer.h"

@@ -1,8 +1,8 @@
 /*
- * api/hf_folder.c - reading a Hugging Face folder's JSON files, and the converter's errors.
+ * files/hf_folder.c - reading a Hugging Face folder's JSON files, and the converter's errors.
  */
 #define _GNU_SOURCE
-#include "hf_folder.h"
+#include "files/hf_folder.h"
 
 #include "core/file.h"
 #include "core/tokenizer.h"

@@ -1,5 +1,5 @@
 /*
- * api/grammar.c - grammars for constrained decoding (see grammar.h).
+ * chat/grammar.c - grammars for constrained decoding (see grammar.h).
  *
  * GBNF, llama.cpp's grammar syntax: `name ::= alternatives`, sequences of "literals",
  * [character classes] ([^...] negated, `.` any character), rule names, ( groups ), and the
@@ -17,7 +17,7 @@
  * rejects) are remembered per state: inside a JSON string every step is the same state.
  */
 #define _GNU_SOURCE
-#include "grammar.h"
+#include "chat/grammar.h"
 
 #include "core/sampler.h"
 #include "core/tokenizer.h"

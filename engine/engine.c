@@ -1,5 +1,5 @@
 /*
- * api/engine.c - continuous batching: one thread owns the model and, every step, runs the
+ * engine/engine.c - continuous batching: one thread owns the model and, every step, runs the
  * tokens of all running requests in one forward (see loom.h for the policy).
  *
  * Requests move incoming (submitted, under the lock) -> waiting (admitted by effective
@@ -14,13 +14,13 @@
  * waiting/running and the model; HTTP threads and the like only submit and cancel.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include "core/kvblocks.h"
 #include "core/runner.h"
 #include "core/sampler.h"
 #include "core/tokenizer.h"
-#include "grammar.h"
+#include "chat/grammar.h"
 
 #include <assert.h>
 #include <errno.h>

@@ -1,5 +1,5 @@
 /*
- * api/jinja.c - a Jinja interpreter for chat templates, one room: lexer, parser, evaluator.
+ * chat/jinja.c - a Jinja interpreter for chat templates, one room: lexer, parser, evaluator.
  *
  * Why here: a model's own chat template (GGUF tokenizer.chat_template, tokenizer_config.json)
  * is a Jinja program, and no C library runs Jinja (Debian has none). It runs as Hugging Face's
@@ -22,7 +22,7 @@
  * string by any other transformation; the output records them as spans.
  */
 #define _GNU_SOURCE
-#include "jinja.h"
+#include "chat/jinja.h"
 
 #include <ctype.h>
 #include <limits.h>

@@ -1,5 +1,5 @@
 /*
- * api/quant_mix.c - which type each tensor of a model gets when it is quantised to a "mix"
+ * files/quant_mix.c - which type each tensor of a model gets when it is quantised to a "mix"
  * (q4_k_m and the like): the per-tensor choices llama.cpp's quantizer documents and makes, so
  * that loom's files match the ones people download and compare with their published quality.
  *
@@ -25,7 +25,7 @@
  * divide it either. 1-D tensors (norms, biases) are never quantised.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>

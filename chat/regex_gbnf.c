@@ -1,6 +1,6 @@
 /*
- * api/regex_gbnf.c - a JSON Schema "pattern" (a regular expression) as GBNF over the text of a
- * JSON string between its quotes, for constrained decoding (api/json_schema.c).
+ * chat/regex_gbnf.c - a JSON Schema "pattern" (a regular expression) as GBNF over the text of a
+ * JSON string between its quotes, for constrained decoding (chat/json_schema.c).
  *
  * The text is the string as JSON writes it, so a quote in the pattern becomes \" in the answer
  * and a newline \n. The grammar allows only strings the pattern matches, under both
@@ -14,7 +14,7 @@
  * boundaries and Unicode property escapes are refused with their name.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include <stdarg.h>
 #include <stdint.h>

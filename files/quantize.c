@@ -1,10 +1,10 @@
 /*
- * api/quantize.c - loom_quantize: a GGUF file's float matrices requantised to a type or a
- * llama.cpp-style mix (api/quant_mix.c chooses each tensor's type), rows quantised on every
+ * files/quantize.c - loom_quantize: a GGUF file's float matrices requantised to a type or a
+ * llama.cpp-style mix (files/quant_mix.c chooses each tensor's type), rows quantised on every
  * core, metadata copied, general.file_type set to the mix's number as llama.cpp numbers it.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include "core/gguf.h"
 

@@ -1,5 +1,5 @@
 /*
- * api/chat.c - chat templates: the conversation formats of the model families, built in
+ * chat/chat.c - chat templates: the conversation formats of the model families, built in
  * (loom runs no Jinja), chosen by recognising the template text a model file carries, or by
  * its architecture, or by name (--chat-template).
  *
@@ -11,8 +11,8 @@
  * Each ends, with add_generation_prompt, with the opening of the assistant's turn.
  */
 #define _GNU_SOURCE
-#include "internal.h"
-#include "jinja.h"
+#include "api/internal.h"
+#include "chat/jinja.h"
 
 #include "core/file.h"
 #include "core/gguf.h"
@@ -423,7 +423,8 @@ done:
 
 loom_chat_template *loom_model_chat_jinja(const loom_model *m, char *err, size_t err_size)
 {
-    return loom_chat_template_from_gguf(loom_model_gguf(m), loom_model_tokenizer_of(m), err, err_size);
+    return loom_chat_template_from_gguf(loom_model_gguf(m), loom_model_tokenizer_of(m), err,
+                                        err_size);
 }
 
 const char *loom_model_chat_template(const loom_model *m, int *recognised)

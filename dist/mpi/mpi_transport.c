@@ -1,10 +1,10 @@
 /*
- * api/mpi/mpi_transport.c - api/transport.h over MPI: the module (loom-mpi.so) that loom loads
+ * dist/mpi/mpi_transport.c - dist/transport.h over MPI: the module (loom-mpi.so) that loom loads
  * inside an MPI job. Errors return to the caller (MPI_ERRORS_RETURN) so that a failed call
  * becomes a message naming the rank, not an abort inside the library.
  */
 #define _GNU_SOURCE
-#include "api/transport.h"
+#include "dist/transport.h"
 
 #include <errno.h>
 #include <fcntl.h>

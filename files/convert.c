@@ -1,5 +1,5 @@
 /*
- * api/convert.c - Hugging Face folder -> GGUF: `loom convert`, and the in-memory conversion
+ * files/convert.c - Hugging Face folder -> GGUF: `loom convert`, and the in-memory conversion
  * that lets `loom run -m FOLDER` and `loom inspect FOLDER` take a folder directly.
  *
  * One writer for every family: config.json's model_type picks the family (models/), whose
@@ -9,7 +9,7 @@
  * type is asked for. Tokenizer files are read by convert_tokenizer.c.
  */
 #define _GNU_SOURCE
-#include "convert_tokenizer.h"
+#include "files/convert_tokenizer.h"
 
 #include <errno.h>
 #include <math.h>

@@ -1,5 +1,5 @@
 /*
- * api/synthetic.c - deterministic synthetic Llama-shaped models, written as GGUF files, so that
+ * files/synthetic.c - deterministic synthetic Llama-shaped models, written as GGUF files, so that
  * `loom bench` (the README's main job) needs no download. Every layer shares one set of
  * random matrices in memory, but each is written at its own place in the file, so reading the
  * model streams the full size from memory as a real one does.
@@ -7,7 +7,7 @@
 #define _GNU_SOURCE
 #include <loom/loom.h>
 
-#include "internal.h"
+#include "api/internal.h"
 #include "core/gguf.h"
 
 #include <math.h>

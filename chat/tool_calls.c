@@ -1,5 +1,5 @@
 /*
- * api/tool_calls.c - reading the tool calls a model wrote in its answer, in its family's own
+ * chat/tool_calls.c - reading the tool calls a model wrote in its answer, in its family's own
  * syntax (see loom_tool_syntax in loom.h), and telling a stream how much of an unfinished
  * answer is surely text.
  *
@@ -9,7 +9,7 @@
  * with what it wrote rather than with a broken call.
  */
 #define _GNU_SOURCE
-#include "internal.h"
+#include "api/internal.h"
 
 #include <cjson/cJSON.h>
 #include <stdlib.h>

@@ -1,12 +1,12 @@
 /*
- * api/hf_folder.h - a Hugging Face folder being converted: the state the converter's files
+ * files/hf_folder.h - a Hugging Face folder being converted: the state the converter's files
  * share, and reading the folder's JSON files (hf_folder.c). convert_tokenizer.c writes the
  * tokenizer keys, convert.c the rest; both build on this, neither on the other's internals.
  */
-#ifndef LOOM_API_HF_FOLDER_H
-#define LOOM_API_HF_FOLDER_H
+#ifndef LOOM_FILES_HF_FOLDER_H
+#define LOOM_FILES_HF_FOLDER_H
 
-#include "internal.h"
+#include "api/internal.h"
 
 #include "models/models.h"
 

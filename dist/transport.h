@@ -1,13 +1,13 @@
 /*
- * api/transport.h - what a process of a distributed job needs from its message-passing library,
- * and all that api/distributed.c uses of it. api/mpi/ implements it over MPI as a module loaded
+ * dist/transport.h - what a process of a distributed job needs from its message-passing library,
+ * and all that dist/distributed.c uses of it. dist/mpi/ implements it over MPI as a module loaded
  * only inside an MPI job (docs/DISTRIBUTED.md), so neither libloom nor the tools link MPI.
  *
  * Every call returns 0, or -1 with a message in err. Buffers of any size; messages between two
  * ranks arrive in the order they were sent.
  */
-#ifndef LOOM_API_TRANSPORT_H
-#define LOOM_API_TRANSPORT_H
+#ifndef LOOM_DIST_TRANSPORT_H
+#define LOOM_DIST_TRANSPORT_H
 
 #include <stddef.h>
 #include <stdint.h>

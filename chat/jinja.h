@@ -1,9 +1,9 @@
 /*
- * api/jinja.h - the Jinja subset models' chat templates are written in, run as Hugging Face's
- * apply_chat_template runs them (api/jinja.c says which subset and what limits hold).
+ * chat/jinja.h - the Jinja subset models' chat templates are written in, run as Hugging Face's
+ * apply_chat_template runs them (chat/jinja.c says which subset and what limits hold).
  */
-#ifndef LOOM_API_JINJA_H
-#define LOOM_API_JINJA_H
+#ifndef LOOM_CHAT_JINJA_H
+#define LOOM_CHAT_JINJA_H
 
 #include <loom/loom.h>
 
