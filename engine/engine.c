@@ -6,8 +6,9 @@
  * priority: the request's, improved by one per aging_ms waited, then by id) -> running
  * (ordered by admission; preemption takes the worst effective priority, newest first) ->
  * retired. A request past its deadline is retired where it is at the start of each step.
- * Prefills of a worse priority yield to better arrivals (plan_step: yield_to, and
- * worse_prefill_share).
+ * Prefills of a worse priority yield to better arrivals (plan_step: yield_to, and the
+ * policy's worse prefill share). The rules themselves are engine/sched.c's; this file applies
+ * them to the requests, the KV pool and the model.
  * A request's tokens are its prompt followed by what it generated; each step computes the
  * next chunk of the ones whose K/V are not yet stored, so a prefill, a decode and a
  * recomputation after preemption are the same thing. Only the engine thread touches
@@ -21,6 +22,7 @@
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 #include "chat/grammar.h"
+#include "engine/sched.h"
 
 #include <assert.h>
 #include <errno.h>
@@ -31,24 +33,17 @@
 #include <string.h>
 #include <time.h>
 
-/* How far back the arrivals go that make a worse prefill yield (worse_prefill_share), and how
- * many of them are remembered. */
-#define RECENT_MS 2000.0
-#define RECENT_ARRIVALS 64
-
 typedef struct ereq {
-    int64_t id;
+    sched_req s;       /* what the policy knows: id, priority, times, tenant, state */
     struct ereq *next; /* in incoming / waiting */
     int32_t *toks;
     int32_t n_toks, cap;
     int32_t n_prompt, max_tokens, n_generated, n_cached;
     int32_t prefix_len; /* bidirectional prefix (ChatGLM-6B), 0: causal */
     int admitted;       /* has been admitted once (n_cached is known) */
-    int cancelled;      /* set under the lock */
-    int displaced;      /* refused after all, for a better-priority newcomer (under the lock) */
     int invalid;        /* ended by its own grammar's limits (loom_event.invalid) */
-    int ran;            /* has been running: never displaced (under the lock) */
-    int abandoned;      /* answered by abandon(): no more events (under deliver_lock) */
+    /* s.cancelled, s.displaced and s.started are set under the lock */
+    int abandoned; /* answered by abandon(): no more events (under deliver_lock) */
     loom_sampler_params sp;
     uint64_t rng;
     int ignore_eos;
@@ -63,10 +58,7 @@ typedef struct ereq {
     loom_kvseq kv;
     loom_event_fn fn;
     void *user;
-    double t_submit, ttft_ms, queue_ms; /* queue_ms: submitted to first admitted */
-    int32_t priority;
-    double deadline; /* now_ms() past which it is ended; 0: none */
-    int32_t tenant, tenant_max_running;
+    double ttft_ms, queue_ms; /* queue_ms: submitted to first admitted */
     /* an embedding request: the hidden states pooled so far (the sum of n_pooled rows) */
     loom_pooling pooling;
     int embed_unnormalized;
@@ -98,7 +90,7 @@ struct loom_engine {
     float *raw_logits;        /* a step's logits before sampling changes them (logprobs) */
     float *embedding;         /* an embedding request's answer, as its DONE event carries it */
     int32_t n_embd;
-    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, aging_ms, spec_rows;
+    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, spec_rows;
     double batch_wait_ms;
 
     pthread_t thread;
@@ -135,13 +127,7 @@ struct loom_engine {
     uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
     uint64_t n_deadline_waiting, n_deadline_running;
     uint64_t n_drafted, n_accepted;
-    /* the last RECENT_ARRIVALS requests to arrive (a ring): when, at what priority, with how
-     * long a prompt; worse_prefill_share reads the last RECENT_MS of them */
-    struct arrival {
-        double t;
-        int32_t priority, n_prompt;
-    } recent[RECENT_ARRIVALS];
-    int next_arrival; /* the slot of recent the next arrival takes */
+    sched_policy policy; /* its tenant_running points at tenant_running above */
     double rate_t0;
     uint64_t rate_n0;
 
@@ -187,10 +173,10 @@ static void forget_live(loom_engine *e, ereq *q)
     for (int i = 0; i < e->n_live; i++)
         if (e->live[i] == q) {
             e->live[i] = e->live[--e->n_live];
-            e->tenant_live[q->tenant]--;
-            e->n_displaced -= q->displaced;
+            e->tenant_live[q->s.tenant]--;
+            e->n_displaced -= q->s.displaced;
             /* a tenant's live requests, and the displaced ones, are among the live */
-            assert(e->tenant_live[q->tenant] >= 0 && e->n_displaced >= 0);
+            assert(e->tenant_live[q->s.tenant] >= 0 && e->n_displaced >= 0);
             assert(e->n_displaced <= e->n_live);
             break;
         }
@@ -205,8 +191,8 @@ static void count_running(loom_engine *e)
     e->n_running_now = e->n_running;
     memset(e->tenant_running, 0, sizeof e->tenant_running);
     for (int i = 0; i < e->n_running; i++) {
-        e->tenant_running[e->running[i]->tenant]++;
-        e->running[i]->ran = 1;
+        e->tenant_running[e->running[i]->s.tenant]++;
+        e->running[i]->s.started = 1;
     }
     pthread_mutex_unlock(&e->lock);
 }
@@ -265,7 +251,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.finish_reason = finish;
     ev.error = error;
     ev.deadline = deadline;
-    ev.busy = q->displaced;
+    ev.busy = q->s.displaced;
     ev.invalid = q->invalid;
     if (q->embedded) /* (not when cancelled: e->embedding is another request's then) */
         ev.embedding = e->embedding, ev.n_embd = e->n_embd;
@@ -287,7 +273,7 @@ static void expire(loom_engine *e)
     char why[160];
     for (int i = 0; i < e->n_running; i++) {
         ereq *q = e->running[i];
-        if (q->deadline > 0 && now >= q->deadline) {
+        if (sched_expired(&q->s, now)) {
             remove_running(e, q);
             e->n_deadline_running++;
             if (q->pooling) /* half an embedding is none */
@@ -300,13 +286,13 @@ static void expire(loom_engine *e)
     }
     for (ereq *q = e->waiting, *next; q; q = next) {
         next = q->next;
-        if (q->deadline > 0 && now >= q->deadline) {
+        if (sched_expired(&q->s, now)) {
             remove_waiting(e, q);
             e->n_deadline_waiting++;
             snprintf(why, sizeof why,
                      "the request waited %.0f ms for its turn and reached its deadline before it "
                      "could start",
-                     now - q->t_submit);
+                     now - q->s.t_submit);
             retire_as(e, q, NULL, why, 1);
         }
     }
@@ -398,17 +384,17 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
                                                   : r->top_logprobs;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
-    q->t_submit = now_ms();
-    q->priority = r->priority;
+    q->s.t_submit = now_ms();
+    q->s.priority = r->priority;
     if (r->timeout_ms > 0)
-        q->deadline = q->t_submit + r->timeout_ms;
+        q->s.deadline = q->s.t_submit + r->timeout_ms;
     if (r->tenant < 0 || r->tenant > LOOM_MAX_TENANTS) {
         req_free(q);
         snprintf(err, err_size, "tenant %d is outside 0..%d", r->tenant, LOOM_MAX_TENANTS);
         return -1;
     }
-    q->tenant = r->tenant;
-    q->tenant_max_running = r->tenant_max_running > 0 ? r->tenant_max_running : 0;
+    q->s.tenant = r->tenant;
+    q->s.tenant_max_running = r->tenant_max_running > 0 ? r->tenant_max_running : 0;
 
     pthread_mutex_lock(&e->lock);
     if (e->stopping) {
@@ -428,8 +414,8 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         e->live = nl, e->cap_live = cap;
     }
     /* the tenant's own share first: a request its share refuses displaces nobody */
-    int32_t tenant_waiting = e->tenant_live[q->tenant] - e->tenant_running[q->tenant];
-    if (q->tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
+    int32_t tenant_waiting = e->tenant_live[q->s.tenant] - e->tenant_running[q->s.tenant];
+    if (q->s.tenant && r->tenant_max_queue > 0 && tenant_waiting >= r->tenant_max_queue) {
         e->stats.refused_busy++;
         snprintf(err, err_size,
                  "too many requests of yours are waiting (%d; your share of the queue is %d); "
@@ -446,9 +432,8 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         ereq *worst = NULL;
         for (int i = 0; i < e->n_live; i++) {
             ereq *w = e->live[i];
-            if (!w->ran && !w->displaced && !w->cancelled && w->priority > q->priority &&
-                (!worst || w->priority > worst->priority ||
-                 (w->priority == worst->priority && w->id > worst->id)))
+            if (sched_displaceable(&w->s, q->s.priority) &&
+                (!worst || sched_displace_before(&w->s, &worst->s)))
                 worst = w;
         }
         e->stats.refused_busy++;
@@ -461,14 +446,14 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
             req_free(q);
             return LOOM_ENGINE_BUSY;
         }
-        worst->displaced = 1;
+        worst->s.displaced = 1;
         e->n_displaced++;
         e->stats.displaced++;
         e->has_cancels = 1; /* the engine thread refuses it at its next step */
     }
     e->live[e->n_live++] = q;
-    e->tenant_live[q->tenant]++;
-    int64_t id = q->id = ++e->next_id; /* q is the engine's once the lock is released */
+    e->tenant_live[q->s.tenant]++;
+    int64_t id = q->s.id = ++e->next_id; /* q is the engine's once the lock is released */
     if (e->incoming_tail)
         e->incoming_tail->next = q;
     else
@@ -488,8 +473,8 @@ void loom_engine_cancel(loom_engine *e, int64_t id)
 {
     pthread_mutex_lock(&e->lock);
     for (int i = 0; i < e->n_live; i++)
-        if (e->live[i]->id == id) {
-            e->live[i]->cancelled = 1;
+        if (e->live[i]->s.id == id) {
+            e->live[i]->s.cancelled = 1;
             e->has_cancels = 1;
             pthread_cond_signal(&e->wake);
             break;
@@ -525,35 +510,14 @@ typedef struct planned {
     int32_t k; /* tokens computed this step */
 } planned;
 
-/* A request's priority now: its own, one better for every aging_ms it has waited since it
- * was submitted (the starvation bound: a flood of better requests delays it, for a while). */
-static double effective_priority(const loom_engine *e, const ereq *q, double now)
-{
-    return q->priority - (now - q->t_submit) / e->aging_ms;
-}
-
-/* Whether a should run before b: better effective priority (in whole steps), then, between
- * tenants, the one with fewer running (so that a flood of one tenant's requests takes turns
- * with the others'), then the older. */
-static int runs_before(const loom_engine *e, const ereq *a, const ereq *b, double now)
-{
-    double pa = floor(effective_priority(e, a, now)), pb = floor(effective_priority(e, b, now));
-    if (pa != pb)
-        return pa < pb;
-    if (a->tenant != b->tenant) {
-        int32_t ra = e->tenant_running[a->tenant], rb = e->tenant_running[b->tenant];
-        if (ra != rb)
-            return ra < rb;
-    }
-    return a->id < b->id;
-}
-
 /* Orders the running requests as they would run: the first plans first, the last is the one
  * to preempt. */
 static void order_running(loom_engine *e, double now)
 {
     for (int i = 1; i < e->n_running; i++)
-        for (int j = i; j > 0 && runs_before(e, e->running[j], e->running[j - 1], now); j--) {
+        for (int j = i;
+             j > 0 && sched_runs_before(&e->policy, &e->running[j]->s, &e->running[j - 1]->s, now);
+             j--) {
             ereq *t = e->running[j];
             e->running[j] = e->running[j - 1];
             e->running[j - 1] = t;
@@ -578,18 +542,13 @@ static int make_room(loom_engine *e, ereq *q, int32_t k, loom_kvcopy *copies, in
     }
 }
 
-/* Whether q's tenant runs as many as it may already. */
-static int tenant_full(const loom_engine *e, const ereq *q)
-{
-    return q->tenant_max_running && e->tenant_running[q->tenant] >= q->tenant_max_running;
-}
-
 /* The waiting request to admit next, or NULL. */
 static ereq *next_waiting(const loom_engine *e, double now)
 {
     ereq *best = NULL;
     for (ereq *q = e->waiting; q; q = q->next)
-        if (!tenant_full(e, q) && (!best || runs_before(e, q, best, now)))
+        if (!sched_tenant_full(&e->policy, &q->s) &&
+            (!best || sched_runs_before(&e->policy, &q->s, &best->s, now)))
             best = q;
     return best;
 }
@@ -622,43 +581,8 @@ static int32_t proposals_wanted(loom_engine *e, ereq *q, int32_t room)
 /* Remembers the requests from first on, which have just joined the queue, as arrivals. */
 static void note_arrivals(loom_engine *e, const ereq *first)
 {
-    for (const ereq *q = first; q; q = q->next) {
-        e->recent[e->next_arrival] = (struct arrival){q->t_submit, q->priority, q->n_prompt};
-        e->next_arrival = (e->next_arrival + 1) % RECENT_ARRIVALS;
-    }
-}
-
-/* The prefill tokens a step gives the prompts of this priority: no limit (INT32_MAX) unless
- * requests of a better priority arrived in the last RECENT_MS, else half those requests' mean
- * prompt, 8 at least. A better request arriving beside a long worse prompt then waits for a
- * step that holds a short chunk of it, not the whole; the worse prompt still advances. */
-static int32_t worse_prefill_share(const loom_engine *e, int32_t priority, double now)
-{
-    double sum = 0;
-    int n = 0;
-    for (int i = 0; i < RECENT_ARRIVALS; i++) {
-        const struct arrival *a = &e->recent[i];
-        if (a->n_prompt > 0 && a->priority < priority && now - a->t <= RECENT_MS)
-            sum += a->n_prompt, n++;
-    }
-    if (!n)
-        return INT32_MAX;
-    int32_t share = (int32_t)(sum / n / 2);
-    return share > 8 ? share : 8;
-}
-
-/* k prefill tokens of q, cut to what is left of its priority's share this step; *used counts
- * the step's cut prefills, which share one allowance. A decode (k = 1) is never cut. */
-static int32_t clip_worse_prefill(const loom_engine *e, const ereq *q, int32_t k, double now,
-                                  int32_t *used)
-{
-    int32_t share = k > 1 ? worse_prefill_share(e, q->priority, now) : INT32_MAX;
-    if (share == INT32_MAX)
-        return k;
-    int32_t left = share > *used ? share - *used : 0;
-    k = k < left ? k : left;
-    *used += k;
-    return k;
+    for (const ereq *q = first; q; q = q->next)
+        sched_note_arrival(&e->policy, q->s.t_submit, q->s.priority, q->n_prompt);
 }
 
 /* Plans one step: running requests first (in the order they would run), then newly admitted
@@ -674,8 +598,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
      * than its worst: that one is preempted, to be recomputed when its turn comes again */
     while (e->n_running == e->max_batch) {
         ereq *best = next_waiting(e, now), *worst = e->running[e->n_running - 1];
-        if (!best ||
-            !(floor(effective_priority(e, best, now)) < floor(effective_priority(e, worst, now))))
+        if (!best || !sched_preempts(&e->policy, &best->s, &worst->s, now))
             break;
         preempt(e, worst);
     }
@@ -688,7 +611,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
     if (arrival &&
         loom_kvblocks_needed(e->kv, &arrival->kv, arrival->n_toks) <=
             loom_kvblocks_available(e->kv))
-        yield_to = arrival->priority;
+        yield_to = arrival->s.priority;
     /* Proposals ride in rows a step would stream the weights for anyway: at most spec_rows
      * tokens of decode and proposals together. A batch already that wide computes rather than
      * streams, and each proposal then costs about what it saves. */
@@ -698,9 +621,9 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         int32_t k = q->n_toks - q->kv.n_tokens;
         if (k > budget)
             k = budget;
-        if (k > 1 && q->priority > yield_to)
+        if (sched_sits_out(q->s.priority, k, yield_to))
             continue;
-        k = clip_worse_prefill(e, q, k, now, &worse_used);
+        k = sched_clip_prefill(&e->policy, q->s.priority, k, now, &worse_used);
         if (k == 0)
             continue;
         /* a decoding request may check proposals too, where the cache has room for them
@@ -735,7 +658,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
      * share a step. */
     int32_t admitted_priority = INT32_MAX;
     while (e->n_running < e->max_batch && budget > 0 && (q = next_waiting(e, now)) &&
-           q->priority <= admitted_priority) {
+           q->s.priority <= admitted_priority) {
         /* a mean needs every token's hidden state, which the cache does not keep */
         int32_t hit = q->pooling == LOOM_POOL_MEAN
             ? 0
@@ -746,7 +669,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             loom_kvblocks_release(e->kv, &q->kv);
             break;
         }
-        int32_t k = clip_worse_prefill(e, q, rest < budget ? rest : budget, now, &worse_used);
+        int32_t k = sched_clip_prefill(&e->policy, q->s.priority, rest < budget ? rest : budget,
+                                       now, &worse_used);
         if (k == 0) {
             loom_kvblocks_release(e->kv, &q->kv);
             break;
@@ -759,13 +683,13 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         *n_copies += nc;
         if (!q->admitted) {
             q->admitted = 1;
-            q->queue_ms = now - q->t_submit;
+            q->queue_ms = now - q->s.t_submit;
             q->n_cached = hit;
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
         }
-        if (q->priority < admitted_priority)
-            admitted_priority = q->priority;
+        if (q->s.priority < admitted_priority)
+            admitted_priority = q->s.priority;
         q->n_pooled = 0; /* (again, after a preemption) */
         q->n_draft = q->want = 0;
         remove_waiting(e, q);
@@ -859,7 +783,7 @@ static int sample_next(loom_engine *e, ereq *q, float *logits)
         next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
     }
     if (q->n_generated == 0)
-        q->ttft_ms = now_ms() - q->t_submit;
+        q->ttft_ms = now_ms() - q->s.t_submit;
     if ((!q->ignore_eos || q->grammar) && loom_tokenizer_is_stop(e->tok, next)) {
         remove_running(e, q);
         retire(e, q, "stop", NULL);
@@ -1155,7 +1079,7 @@ static void reap_cancelled(loom_engine *e, int all)
     for (int i = 0; i < e->n_running; i++) {
         ereq *q = e->running[i];
         pthread_mutex_lock(&e->lock);
-        int c = q->cancelled || all;
+        int c = q->s.cancelled || all;
         pthread_mutex_unlock(&e->lock);
         if (c) {
             remove_running(e, q);
@@ -1166,7 +1090,7 @@ static void reap_cancelled(loom_engine *e, int all)
     for (ereq *q = e->waiting, *next; q; q = next) {
         next = q->next;
         pthread_mutex_lock(&e->lock);
-        int c = q->cancelled || all, d = q->displaced;
+        int c = q->s.cancelled || all, d = q->s.displaced;
         pthread_mutex_unlock(&e->lock);
         if (c || d) {
             remove_waiting(e, q);
@@ -1186,11 +1110,11 @@ static void count_waiting_priorities(const loom_engine *e, loom_engine_stats *s)
         int32_t best = INT32_MAX, count = 0;
         for (int list = 0; list < 2; list++)
             for (const ereq *q = list ? e->incoming : e->waiting; q; q = q->next) {
-                if (n > 0 && q->priority <= s->waiting_priority[n - 1])
+                if (n > 0 && q->s.priority <= s->waiting_priority[n - 1])
                     continue;
-                if (q->priority < best)
-                    count = last ? count + 1 : 1, best = q->priority;
-                else if (q->priority == best || last)
+                if (q->s.priority < best)
+                    count = last ? count + 1 : 1, best = q->s.priority;
+                else if (q->s.priority == best || last)
                     count++;
             }
         if (!count)
@@ -1245,9 +1169,9 @@ static void batch_wait(loom_engine *e)
         double first = 0;
         int n = 0;
         for (ereq *q = e->waiting; q; q = q->next, n++)
-            first = !first || q->t_submit < first ? q->t_submit : first;
+            first = !first || q->s.t_submit < first ? q->s.t_submit : first;
         for (ereq *q = e->incoming; q; q = q->next, n++)
-            first = !first || q->t_submit < first ? q->t_submit : first;
+            first = !first || q->s.t_submit < first ? q->s.t_submit : first;
         double left = first + e->batch_wait_ms - now_ms();
         if (!n || n >= e->max_batch || left <= 0 || e->cancel_all || e->has_cancels || e->stopping)
             return;
@@ -1402,7 +1326,8 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->max_batch = o->max_batch > 0 ? o->max_batch : 16;
     e->max_step = o->max_tokens_per_step > 0 ? o->max_tokens_per_step : 256;
     e->max_queue = o->max_queue > 0 ? o->max_queue : 8 * e->max_batch;
-    e->aging_ms = o->aging_ms > 0 ? o->aging_ms : 10000;
+    e->policy.aging_ms = o->aging_ms > 0 ? o->aging_ms : 10000;
+    e->policy.tenant_running = e->tenant_running;
     e->batch_wait_ms = o->batch_wait_ms > 0 ? o->batch_wait_ms : 0;
     e->spec_rows = o->spec_rows > 0 ? o->spec_rows : 16;
     if (e->max_step < e->max_batch) {
