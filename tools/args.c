@@ -465,3 +465,23 @@ void loom_spec_flag_table(loom_spec_flags *f, loom_flag *table)
     };
     memcpy(table, rows, sizeof rows);
 }
+
+int loom_open_generating(const char *cmd, const loom_open_flags *of, const loom_spec_flags *sf,
+                         loom_model **m, loom_speculation *spec, const loom_speculation **spec_out,
+                         loom_model **drafter, char *what, size_t what_size)
+{
+    char err[4096];
+    loom_model_options o = loom_open_options(of);
+    if (!(*m = loom_model_open(of->model, &o, err, sizeof err))) {
+        fprintf(stderr, "%s: %s\n", cmd, err);
+        return 2;
+    }
+    int followed = loom_args_follow(cmd, *m);
+    if (followed >= 0)
+        return followed;
+    if (loom_spec_open(cmd, sf, of, *m, spec, spec_out, drafter, what, what_size) != 0) {
+        loom_model_close(*m);
+        return 2;
+    }
+    return -1;
+}

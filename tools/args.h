@@ -158,4 +158,13 @@ int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_fl
                    const struct loom_speculation **spec_out, struct loom_model **drafter,
                    char *what, size_t what_size);
 
+/* What run and chat do first: the model opened as of says (errors printed as cmd's), a
+ * pipeline's other ranks served until rank 0 is done, and the drafter sf asks for
+ * (loom_spec_open). Returns -1 with *m (and the drafter's) set: go on; else the command's exit
+ * status, with nothing left open. */
+int loom_open_generating(const char *cmd, const loom_open_flags *of, const loom_spec_flags *sf,
+                         struct loom_model **m, struct loom_speculation *spec,
+                         const struct loom_speculation **spec_out, struct loom_model **drafter,
+                         char *what, size_t what_size);
+
 #endif

@@ -152,25 +152,14 @@ int loom_chat_main(int argc, char **argv)
         fprintf(stderr, "loom chat: give --chat-template or --chat-template-file, not both\n");
         return 2;
     }
-    char err[4096];
-    loom_model_options o = loom_open_options(&of);
-    loom_model *m = loom_model_open(of.model, &o, err, sizeof err);
-    if (!m) {
-        fprintf(stderr, "loom chat: %s\n", err);
-        return 2;
-    }
-    int followed = loom_args_follow("loom chat", m);
-    if (followed >= 0)
-        return followed;
+    char err[4096], drafter_about[600];
+    loom_model *m, *drafter;
     loom_speculation spec_room;
     const loom_speculation *spec;
-    loom_model *drafter;
-    char drafter_about[600];
-    if (loom_spec_open("loom chat", &sf, &of, m, &spec_room, &spec, &drafter, drafter_about,
-                       sizeof drafter_about) != 0) {
-        loom_model_close(m);
-        return 2;
-    }
+    int opened = loom_open_generating("loom chat", &of, &sf, &m, &spec_room, &spec, &drafter,
+                                      drafter_about, sizeof drafter_about);
+    if (opened >= 0)
+        return opened;
     loom_chat_format chat;
     if (loom_chat_format_choose(m, tmpl, tmpl_file, &chat, err, sizeof err) != 0) {
         fprintf(stderr, "loom chat: %s\n", err);

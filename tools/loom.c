@@ -158,25 +158,14 @@ static int cmd_run(int argc, char **argv)
         loom_args_usage(&cmd, stderr);
         return 2;
     }
-    char err[4096];
-    loom_model_options mo = loom_open_options(&of);
-    loom_model *m = loom_model_open(of.model, &mo, err, sizeof err);
-    if (!m) {
-        fprintf(stderr, "loom run: %s\n", err);
-        return 2;
-    }
-    int followed = loom_args_follow("loom run", m);
-    if (followed >= 0)
-        return followed;
+    char err[4096], drafter_about[600];
+    loom_model *m, *drafter;
     loom_speculation spec_room;
     const loom_speculation *spec;
-    loom_model *drafter;
-    char drafter_about[600];
-    if (loom_spec_open("loom run", &sf, &of, m, &spec_room, &spec, &drafter, drafter_about,
-                       sizeof drafter_about) != 0) {
-        loom_model_close(m);
-        return 2;
-    }
+    int opened = loom_open_generating("loom run", &of, &sf, &m, &spec_room, &spec, &drafter,
+                                      drafter_about, sizeof drafter_about);
+    if (opened >= 0)
+        return opened;
     int64_t cap = 4096, n = 0;
     int32_t *ids = malloc((size_t)cap * sizeof *ids);
     if (prompt_ids) {
