@@ -289,206 +289,84 @@ static loom_status t_synchronize(loom_backend *be)
 
 /* ---- Ops --------------------------------------------------------------------------------- */
 
-static loom_status t_matmul(loom_backend *be, const loom_matmul_params *p)
+/* What an op's record says beyond its tensors (backend.h's LOOM_TENSORS_* lists): the tensor
+ * whose dtype supports() is asked about (NULL: f32), and those whose whole extent is not what
+ * the op touches (counted by rows below, or not at all), space-separated. */
+static const struct op_note {
+    const char *typed, *partial;
+} op_notes[LOOM_OP_COUNT] = {
+    [LOOM_OP_MATMUL] = {"w", NULL},
+    [LOOM_OP_GET_ROWS] = {"src", "src"},                  /* as many rows of the table as dst's */
+    [LOOM_OP_KV_STORE] = {"cache", "cache"},              /* one row of each token's K or V */
+    [LOOM_OP_ATTENTION] = {"k_cache", "k_cache v_cache"}, /* positions live on the device */
+    [LOOM_OP_QUANTIZE] = {"dst", NULL},                   /* the block type */
+    [LOOM_OP_DEQUANTIZE] = {"src", NULL},
+    [LOOM_OP_CONVERT] = {"dst", NULL}, /* the target */
+    [LOOM_OP_MATMUL_ID] = {"w", "w"},  /* the experts chosen on the device */
+};
+
+/* the op's argument field, recorded (and noted as typed, per op_notes) */
+static void op_tensor(call_args *a, loom_op op, const char *field, const loom_tensor *t,
+                      const loom_tensor **typed)
 {
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "x", p->x, 1), arg_tensor(&a, "w", p->w, 1);
-    arg_tensor(&a, "bias", p->bias, 1), arg_tensor(&a, "y", p->y, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_MATMUL, p->w ? p->w->dtype : LOOM_F32, s, &a,
-                  t->in.matmul(t->inner, p));
+    const char *partial = op_notes[op].partial;
+    size_t n = strlen(field);
+    int whole = 1;
+    for (const char *w = partial; w && *w; w += strcspn(w, " "), w += *w == ' ')
+        whole &= !(strcspn(w, " ") == n && !strncmp(w, field, n));
+    arg_tensor(a, field, t, whole);
+    if (op_notes[op].typed && !strcmp(op_notes[op].typed, field))
+        *typed = t;
 }
 
-static loom_status t_get_rows(loom_backend *be, const loom_get_rows_params *p)
+/* the bytes a partly read or written tensor adds: the rows the op touches */
+static uint64_t rows_bytes(const loom_tensor *t, int64_t rows)
 {
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    /* the table's rows read are as many as dst's, not the whole table */
-    arg_tensor(&a, "src", p->src, 0), arg_tensor(&a, "ids", p->ids, 1);
-    arg_tensor(&a, "dst", p->dst, 1);
-    if (p->src && p->dst) {
-        int64_t row = loom_row_bytes(p->src->dtype, p->src->ne[0]);
-        a.bytes += row > 0 ? (uint64_t)row * (uint64_t)loom_tensor_rows(p->dst) : 0;
-    }
-    double s = now_ms();
-    return finish(t, LOOM_OP_GET_ROWS, p->src ? p->src->dtype : LOOM_F32, s, &a,
-                  t->in.get_rows(t->inner, p));
+    int64_t row = t ? loom_row_bytes(t->dtype, t->ne[0]) : 0;
+    return row > 0 && rows > 0 ? (uint64_t)row * (uint64_t)rows : 0;
 }
 
-static void norm_args(call_args *a, const loom_norm_params *p)
+static void partial_get_rows(call_args *a, const loom_get_rows_params *p)
 {
-    arg_tensor(a, "x", p->x, 1), arg_tensor(a, "weight", p->weight, 1);
-    arg_tensor(a, "bias", p->bias, 1), arg_tensor(a, "dst", p->dst, 1);
+    if (p->src && p->dst)
+        a->bytes += rows_bytes(p->src, loom_tensor_rows(p->dst));
 }
 
-static loom_status t_rms_norm(loom_backend *be, const loom_norm_params *p)
+static void partial_kv_store(call_args *a, const loom_kv_store_params *p)
 {
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    norm_args(&a, p);
-    double s = now_ms();
-    return finish(t, LOOM_OP_RMS_NORM, LOOM_F32, s, &a, t->in.rms_norm(t->inner, p));
-}
-
-static loom_status t_layer_norm(loom_backend *be, const loom_norm_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    norm_args(&a, p);
-    double s = now_ms();
-    return finish(t, LOOM_OP_LAYER_NORM, LOOM_F32, s, &a, t->in.layer_norm(t->inner, p));
-}
-
-static loom_status t_rope(loom_backend *be, const loom_rope_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "x", p->x, 1), arg_tensor(&a, "pos", p->pos, 1);
-    arg_tensor(&a, "pos2", p->pos2, 1), arg_tensor(&a, "dst", p->dst, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_ROPE, LOOM_F32, s, &a, t->in.rope(t->inner, p));
-}
-
-/* The five elementwise ops share a parameter struct; each has its own table entry. */
-static loom_status elementwise(loom_backend *be, loom_op op, const loom_elementwise_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "a", p->a, 1), arg_tensor(&a, "b", p->b, 1);
-    arg_tensor(&a, "dst", p->dst, 1);
-    loom_status (*fn)(loom_backend *, const loom_elementwise_params *) = op == LOOM_OP_ADD
-        ? t->in.add
-        : op == LOOM_OP_MUL      ? t->in.mul
-        : op == LOOM_OP_SCALE    ? t->in.scale
-        : op == LOOM_OP_SILU_MUL ? t->in.silu_mul
-                                 : t->in.gelu;
-    double s = now_ms();
-    return finish(t, op, LOOM_F32, s, &a, fn(t->inner, p));
-}
-
-static loom_status t_add(loom_backend *be, const loom_elementwise_params *p)
-{
-    return elementwise(be, LOOM_OP_ADD, p);
-}
-
-static loom_status t_mul(loom_backend *be, const loom_elementwise_params *p)
-{
-    return elementwise(be, LOOM_OP_MUL, p);
-}
-
-static loom_status t_scale(loom_backend *be, const loom_elementwise_params *p)
-{
-    return elementwise(be, LOOM_OP_SCALE, p);
-}
-
-static loom_status t_silu_mul(loom_backend *be, const loom_elementwise_params *p)
-{
-    return elementwise(be, LOOM_OP_SILU_MUL, p);
-}
-
-static loom_status t_gelu(loom_backend *be, const loom_elementwise_params *p)
-{
-    return elementwise(be, LOOM_OP_GELU, p);
-}
-
-/* Bytes of tokens rows of a cache [.., .., kv_heads, head_dim]: what one token's K or V is. */
-static uint64_t cache_rows_bytes(const loom_tensor *cache, int64_t tokens)
-{
-    int64_t row = loom_row_bytes(cache->dtype, cache->ne[0]);
-    return row > 0 && tokens > 0 ? (uint64_t)row * (uint64_t)cache->ne[1] * (uint64_t)tokens : 0;
-}
-
-static loom_status t_kv_store(loom_backend *be, const loom_kv_store_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "src", p->src, 1), arg_tensor(&a, "slots", p->slots, 1);
-    arg_tensor(&a, "cache", p->cache, 0);
+    /* a token's K or V: a row of each of the cache's [.., .., kv_heads, head_dim] heads */
     if (p->cache && p->slots)
-        a.bytes += cache_rows_bytes(p->cache, p->slots->ne[0]);
-    double s = now_ms();
-    return finish(t, LOOM_OP_KV_STORE, p->cache ? p->cache->dtype : LOOM_F32, s, &a,
-                  t->in.kv_store(t->inner, p));
+        a->bytes += rows_bytes(p->cache, p->cache->ne[1] * p->slots->ne[0]);
 }
 
-/* Attention's cache reads depend on positions that live on the device; the bytes counted are
- * q, dst and the small index tensors. */
-static loom_status t_attention(loom_backend *be, const loom_attention_params *p)
+static void partial_none(call_args *a, const void *p)
 {
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "q", p->q, 1), arg_tensor(&a, "k_cache", p->k_cache, 0);
-    arg_tensor(&a, "v_cache", p->v_cache, 0), arg_tensor(&a, "block_table", p->block_table, 1);
-    arg_tensor(&a, "seq", p->seq, 1), arg_tensor(&a, "pos", p->pos, 1);
-    arg_tensor(&a, "prefix_len", p->prefix_len, 1), arg_tensor(&a, "dst", p->dst, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_ATTENTION, p->k_cache ? p->k_cache->dtype : LOOM_F32, s, &a,
-                  t->in.attention(t->inner, p));
+    (void)a, (void)p;
 }
 
-static loom_status convert_like(loom_backend *be, loom_op op, const loom_convert_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "src", p->src, 1), arg_tensor(&a, "dst", p->dst, 1);
-    loom_status (*fn)(loom_backend *, const loom_convert_params *) = op == LOOM_OP_QUANTIZE
-        ? t->in.quantize
-        : op == LOOM_OP_DEQUANTIZE ? t->in.dequantize
-                                   : t->in.convert;
-    /* the dtype supports() is asked about: the block type, or convert's target */
-    const loom_tensor *typed = op == LOOM_OP_DEQUANTIZE ? p->src : p->dst;
-    double s = now_ms();
-    return finish(t, op, typed ? typed->dtype : LOOM_F32, s, &a, fn(t->inner, p));
-}
+#define PARTIAL_BYTES(a, p)                                                                        \
+    _Generic((p),                                                                                  \
+        const loom_get_rows_params *: partial_get_rows,                                            \
+        const loom_kv_store_params *: partial_kv_store,                                            \
+        default: partial_none)(a, p)
 
-static loom_status t_quantize(loom_backend *be, const loom_convert_params *p)
-{
-    return convert_like(be, LOOM_OP_QUANTIZE, p);
-}
-
-static loom_status t_dequantize(loom_backend *be, const loom_convert_params *p)
-{
-    return convert_like(be, LOOM_OP_DEQUANTIZE, p);
-}
-
-static loom_status t_convert(loom_backend *be, const loom_convert_params *p)
-{
-    return convert_like(be, LOOM_OP_CONVERT, p);
-}
-
-/* The experts matmul_id reads depend on ids, which live on the device: w's bytes are not
- * counted (x, ids and y are). */
-static loom_status t_matmul_id(loom_backend *be, const loom_matmul_id_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "x", p->x, 1), arg_tensor(&a, "w", p->w, 0);
-    arg_tensor(&a, "ids", p->ids, 1), arg_tensor(&a, "y", p->y, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_MATMUL_ID, p->w ? p->w->dtype : LOOM_F32, s, &a,
-                  t->in.matmul_id(t->inner, p));
-}
-
-static loom_status t_moe_route(loom_backend *be, const loom_moe_route_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "logits", p->logits, 1), arg_tensor(&a, "bias", p->bias, 1);
-    arg_tensor(&a, "ids", p->ids, 1), arg_tensor(&a, "weights", p->weights, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_MOE_ROUTE, LOOM_F32, s, &a, t->in.moe_route(t->inner, p));
-}
-
-static loom_status t_moe_combine(loom_backend *be, const loom_moe_combine_params *p)
-{
-    tracer *t = as_tracer(be);
-    call_args a = {0};
-    arg_tensor(&a, "src", p->src, 1), arg_tensor(&a, "weights", p->weights, 1);
-    arg_tensor(&a, "dst", p->dst, 1);
-    double s = now_ms();
-    return finish(t, LOOM_OP_MOE_COMBINE, LOOM_F32, s, &a, t->in.moe_combine(t->inner, p));
-}
+/* Every op's wrapper, from the op list and its parameters' tensor list: the call forwarded,
+ * waited for and recorded with its tensors' shapes and bytes. */
+#define OP_TENSOR(field) op_tensor(&a, op, #field, p->field, &typed);
+#define OP_WRAPPER(ID, name, params)                                                               \
+    static loom_status t_##name(loom_backend *be, const params *p)                                 \
+    {                                                                                              \
+        tracer *t = as_tracer(be);                                                                 \
+        const loom_op op = LOOM_OP_##ID;                                                           \
+        const loom_tensor *typed = NULL;                                                           \
+        call_args a = {0};                                                                         \
+        LOOM_TENSORS_##params(OP_TENSOR, OP_TENSOR) PARTIAL_BYTES(&a, p);                          \
+        double s = now_ms();                                                                       \
+        return finish(t, op, typed ? typed->dtype : LOOM_F32, s, &a, t->in.name(t->inner, p));     \
+    }
+LOOM_OPS(OP_WRAPPER)
+#undef OP_WRAPPER
+#undef OP_TENSOR
 
 static loom_status t_prepare_weight(loom_backend *be, const loom_tensor *w, loom_tensor *out)
 {
@@ -567,40 +445,24 @@ static void t_close(loom_backend *be)
     free(t);
 }
 
-static const loom_backend_ops tracer_ops = {
-    .struct_size = sizeof(loom_backend_ops),
-    .close = t_close,
-    .last_error = t_last_error,
-    .supports = t_supports,
-    .set_threads = t_set_threads,
-    .buffer_alloc = t_buffer_alloc,
-    .buffer_free = t_buffer_free,
-    .buffer_host_ptr = t_buffer_host_ptr,
-    .buffer_wrap_host = t_buffer_wrap_host,
-    .buffer_memset = t_buffer_memset,
-    .copy_from_host = t_copy_from_host,
-    .copy_to_host = t_copy_to_host,
-    .copy_buffer = t_copy_buffer,
-    .synchronize = t_synchronize,
-    .matmul = t_matmul,
-    .get_rows = t_get_rows,
-    .rms_norm = t_rms_norm,
-    .layer_norm = t_layer_norm,
-    .rope = t_rope,
-    .add = t_add,
-    .mul = t_mul,
-    .scale = t_scale,
-    .silu_mul = t_silu_mul,
-    .gelu = t_gelu,
-    .kv_store = t_kv_store,
-    .attention = t_attention,
-    .quantize = t_quantize,
-    .dequantize = t_dequantize,
-    .convert = t_convert,
-    .prepare_weight = t_prepare_weight,
-    .moe_route = t_moe_route,
-    .matmul_id = t_matmul_id,
-    .moe_combine = t_moe_combine,
+static const loom_backend_ops tracer_ops = {.struct_size = sizeof(loom_backend_ops),
+                                            .close = t_close,
+                                            .last_error = t_last_error,
+                                            .supports = t_supports,
+                                            .set_threads = t_set_threads,
+                                            .buffer_alloc = t_buffer_alloc,
+                                            .buffer_free = t_buffer_free,
+                                            .buffer_host_ptr = t_buffer_host_ptr,
+                                            .buffer_wrap_host = t_buffer_wrap_host,
+                                            .buffer_memset = t_buffer_memset,
+                                            .copy_from_host = t_copy_from_host,
+                                            .copy_to_host = t_copy_to_host,
+                                            .copy_buffer = t_copy_buffer,
+                                            .synchronize = t_synchronize,
+                                            .prepare_weight = t_prepare_weight,
+#define OP_SLOT(ID, name, params) .name = t_##name,
+                                            LOOM_OPS(OP_SLOT)
+#undef OP_SLOT
 };
 
 static void set_err(char *err, size_t n, const char *fmt, ...)
