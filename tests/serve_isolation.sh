@@ -5,15 +5,16 @@
 # best its requests get; a tenant refused by its own share displaces nobody, and a displaced
 # request counts against its own key; requests held by --batch-wait-ms show as waiting;
 # per-tenant metrics are for admin keys; a foreign Origin, a cross-site fetch and (on a
-# loopback bind) a foreign Host are refused before anything runs.
+# loopback bind) a foreign Host are refused before anything runs. It needs a model, not a
+# reference: loom's own synthetic one (written here), so it runs without the shared fixtures.
 . "$top_srcdir/tests/lib.sh"
-STORIES=$FIXTURES/stories260K/original/stories260K.gguf
-need_fixture "$STORIES"
 command -v curl >/dev/null || { echo "SKIP: curl not installed (scripts/install-deps installs it)"; exit 77; }
 command -v jq >/dev/null || { echo "SKIP: jq not installed (scripts/install-deps installs it)"; exit 77; }
 KEY=
 . "$top_srcdir/tests/serve_lib.sh"
-MODEL=$STORIES
+MODEL=$tmpdir/tiny.gguf
+"$LOOM" bench --synthetic tiny --type q8_0 --write "$MODEL" >"$tmpdir/write.log" 2>&1 ||
+    { fail "writing the synthetic model: $(cat "$tmpdir/write.log")"; finish; }
 as() { who=$1; shift; KEY=$who-key post "$@"; }
 status_of() { tail -n1 "$1"; }
 admin_metric() {
@@ -98,8 +99,8 @@ as ops /admin/reload "" -X POST >"$tmpdir/r3.out"
 stop_server
 
 # ---- the prefix cache: tenants never share one, even with the same "user"
-start_server "$tmpdir/cache.log" -c 2048 --prefix-cache per-user --api-keys "$tmpdir/keys"
-long=$(for _ in $(seq 20); do printf 'Lily and Tom played in the park with a big red ball. '; done)
+start_server "$tmpdir/cache.log" -c 512 --prefix-cache per-user --api-keys "$tmpdir/keys"
+long=$(for _ in $(seq 5); do printf 'Lily and Tom played in the park with a big red ball. '; done)
 cached() { # WHO USER
     as "$1" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$long\",\"max_tokens\":1,\"user\":\"$2\"}" |
         sed '$d' | jq '.usage.prompt_tokens_details.cached_tokens'
@@ -109,7 +110,7 @@ a1=$(cached alice victim); b1=$(cached carol victim); a2=$(cached alice victim)
     pass "per-user cache: another tenant sending the same user gets no hit ($b1; the owner $a2)" ||
     fail "cache across tenants: alice $a1 then $a2, carol as the same user $b1"
 stop_server
-start_server "$tmpdir/shared.log" -c 2048 --api-keys "$tmpdir/keys"
+start_server "$tmpdir/shared.log" -c 512 --api-keys "$tmpdir/keys"
 shared() { as "$1" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$long\",\"max_tokens\":1}" |
     sed '$d' | jq '.usage.prompt_tokens_details.cached_tokens'; }
 a1=$(shared alice); b1=$(shared carol); a2=$(shared alice)
