@@ -141,6 +141,9 @@ code=$(curl -s -o "$tmpdir/badkey" -w '%{http_code}' -H "Authorization: Bearer n
 code=$(curl -s -o "$tmpdir/nokey" -w '%{http_code}' -d '{}' "$URL/v1/completions")
 [ "$code" = 401 ] && pass "missing API key: 401" || fail "missing key: $code"
 expect_error 405 "GET on completions" /v1/completions "" -X GET
+curl -s -o /dev/null -D "$tmpdir/405.h" -X DELETE -H "Authorization: Bearer $KEY" "$URL/v1/models"
+grep -qi '^Allow: GET, HEAD' "$tmpdir/405.h" && grep -q '^HTTP/1.1 405' "$tmpdir/405.h" &&
+    pass "a 405 says what is allowed (Allow: GET, HEAD)" || fail "405 headers: $(cat "$tmpdir/405.h")"
 code=$(curl -s -o /dev/null -w '%{http_code}' "$URL/v2/nothing")
 [ "$code" = 404 ] && pass "unknown path: 404" || fail "unknown path: $code"
 big=$(head -c 1100000 /dev/zero | tr '\0' a)

@@ -48,15 +48,10 @@ enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSO
     return ok;
 }
 
-/* OpenAI's error shape: {"error": {"message", "type", "param", "code"}}. */
-enum MHD_Result http_error(server *srv, struct MHD_Connection *con, unsigned status,
-                           const char *param, const char *code, const char *fmt, ...)
+/* OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, counted in /metrics */
+static cJSON *error_body(server *srv, unsigned status, const char *param, const char *code,
+                         const char *msg)
 {
-    char msg[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
     pthread_mutex_lock(&srv->count_lock);
     srv->http_errors++;
     pthread_mutex_unlock(&srv->count_lock);
@@ -78,7 +73,18 @@ enum MHD_Result http_error(server *srv, struct MHD_Connection *con, unsigned sta
         cJSON_AddStringToObject(e, "code", code);
     else
         cJSON_AddNullToObject(e, "code");
-    return http_send_json(con, status, o);
+    return o;
+}
+
+enum MHD_Result http_error(server *srv, struct MHD_Connection *con, unsigned status,
+                           const char *param, const char *code, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return http_send_json(con, status, error_body(srv, status, param, code, msg));
 }
 
 /* Whether the client closed its end while we wait to answer. */
@@ -415,6 +421,28 @@ static enum MHD_Result no_such_route(server *srv, struct MHD_Connection *con, co
                       url, list);
 }
 
+/* 405, with the Allow header the status requires (RFC 9110): the route's method */
+static enum MHD_Result method_not_allowed(server *srv, struct MHD_Connection *con, const route *r)
+{
+    char msg[300];
+    snprintf(msg, sizeof msg, "use %s for %s", r->method, r->path);
+    cJSON *o = error_body(srv, 405, NULL, NULL, msg);
+    char *body = cJSON_PrintUnformatted(o);
+    cJSON_Delete(o);
+    struct MHD_Response *resp = body
+        ? MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE)
+        : NULL;
+    if (!resp) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(resp, "Content-Type", "application/json");
+    MHD_add_response_header(resp, "Allow", strcmp(r->method, "GET") ? r->method : "GET, HEAD");
+    enum MHD_Result ok = MHD_queue_response(con, 405, resp);
+    MHD_destroy_response(resp);
+    return ok;
+}
+
 /* The first call for a request: its route, method and key (and whether the server is still
  * taking work) are known from the headers, so a request that will be refused is refused now,
  * before its body is read. Returns MHD_YES with cs->to set for a body still to come. */
@@ -434,7 +462,7 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     if (!r)
         return no_such_route(srv, con, url, method);
     if (strcmp(method, r->method) && !(get && !strcmp(r->method, "GET")))
-        return http_error(srv, con, 405, NULL, NULL, "use %s for %s", r->method, url);
+        return method_not_allowed(srv, con, r);
     route_call *rc = &cs->call;
     rc->tenant = http_caller(srv, con, &rc->admin);
     rc->known = rc->tenant >= 0;
