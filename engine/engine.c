@@ -699,6 +699,13 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         plan[n++] = (planned){q, k};
         budget -= k;
     }
+    /* the step fits what it was given: the batch, the token budget, and each planned request
+     * has its KV blocks for the tokens it computes */
+    assert(e->n_running <= e->max_batch && budget >= 0 && n <= e->n_running);
+    for (int i = 0; i < n; i++)
+        assert(plan[i].k > 0 &&
+               (int64_t)plan[i].q->kv.n_tokens + plan[i].k <=
+                   (int64_t)plan[i].q->kv.n_blocks * e->bs);
     return n;
 }
 
