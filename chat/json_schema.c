@@ -170,18 +170,19 @@ static int add_rule(conv *c, const text *body, text *out)
     return 0;
 }
 
-static const cJSON *resolve_ref(conv *c, const char *ref)
+/* What ref ("#" or "#/a/b", a JSON Pointer into root) names, or NULL (*oom set when for want
+ * of memory). */
+static const cJSON *lookup_ref(const cJSON *root, const char *ref, int *oom)
 {
+    *oom = 0;
     if (!strcmp(ref, "#"))
-        return c->root;
-    if (strncmp(ref, "#/", 2)) {
-        fail(c, "$ref '%s': only references inside the schema (#/...) are supported", ref);
+        return root;
+    if (strncmp(ref, "#/", 2))
         return NULL;
-    }
-    const cJSON *at = c->root;
+    const cJSON *at = root;
     char *path = strdup(ref + 2), *save = NULL;
     if (!path) {
-        fail(c, "out of memory");
+        *oom = 1;
         return NULL;
     }
     for (char *part = strtok_r(path, "/", &save); part && at; part = strtok_r(NULL, "/", &save)) {
@@ -195,9 +196,35 @@ static const cJSON *resolve_ref(conv *c, const char *ref)
         at = cJSON_GetObjectItemCaseSensitive(at, part);
     }
     free(path);
-    if (!at)
+    return at;
+}
+
+static const cJSON *resolve_ref(conv *c, const char *ref)
+{
+    int oom;
+    const cJSON *at = lookup_ref(c->root, ref, &oom);
+    if (!at && oom)
+        fail(c, "out of memory");
+    else if (!at && strcmp(ref, "#") && strncmp(ref, "#/", 2))
+        fail(c, "$ref '%s': only references inside the schema (#/...) are supported", ref);
+    else if (!at)
         fail(c, "$ref '%s' points to nothing in the schema", ref);
     return at;
+}
+
+/* s, or what its $ref leads to (8 hops at most); a bad $ref is reported where it is
+ * generated, not here */
+static const cJSON *deref(const cJSON *root, const cJSON *s)
+{
+    int oom;
+    for (int hops = 0; hops < 8; hops++) {
+        const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
+        const cJSON *target = cJSON_IsString(ref) ? lookup_ref(root, ref->valuestring, &oom) : NULL;
+        if (!target)
+            return s;
+        s = target;
+    }
+    return s;
 }
 
 static int gen_ref(conv *c, const char *ref, text *out)
@@ -804,17 +831,11 @@ static int refuse_siblings(conv *c, const cJSON *s, const cJSON *by)
  * when it does not say. */
 static const char *const type_names[] = {"string", "number", "boolean", "null",
                                          "object", "array",  NULL};
-static unsigned types_of(conv *c, const cJSON *s, int depth)
+static unsigned types_of(const cJSON *s)
 {
-    const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
-    if (cJSON_IsString(ref) && depth < 8 && !c->failed) {
-        const cJSON *target = resolve_ref(c, ref->valuestring);
-        c->failed = 0; /* a bad $ref is reported where it is generated */
-        return target ? types_of(c, target, depth + 1) : 0x3f;
-    }
-    const cJSON *values = cJSON_GetObjectItemCaseSensitive(s, "enum"), *one = NULL;
-    if (!values && (one = cJSON_GetObjectItemCaseSensitive(s, "const")))
-        values = NULL;
+    /* const or enum (never both: refuse_siblings) say by their values */
+    const cJSON *one = cJSON_GetObjectItemCaseSensitive(s, "const");
+    const cJSON *values = one ? NULL : cJSON_GetObjectItemCaseSensitive(s, "enum");
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(s, "type");
     unsigned bits = 0;
     for (const cJSON *v = one        ? one
@@ -860,31 +881,17 @@ static const cJSON *tag_of(const cJSON *branch, const char *name)
 /* Whether two branches of oneOf could match one text: unless their types differ, or each is an
  * object whose required property (the first branch's first) holds a const the others differ
  * from, loom cannot tell, and a text matching both is invalid under oneOf. */
-static const cJSON *deref(conv *c, const cJSON *s)
-{
-    for (int hops = 0; hops < 8; hops++) {
-        const cJSON *ref = cJSON_GetObjectItemCaseSensitive(s, "$ref");
-        const cJSON *target = cJSON_IsString(ref) && !c->failed ? resolve_ref(c, ref->valuestring)
-                                                                : NULL;
-        c->failed = 0; /* a bad $ref is reported where it is generated */
-        if (!target)
-            return s;
-        s = target;
-    }
-    return s;
-}
-
 static int one_of_may_overlap(conv *c, const cJSON *branches)
 {
     if (!cJSON_IsArray(branches))
         return 0; /* refused where it is generated */
     for (const cJSON *x = branches->child; x; x = x->next)
         for (const cJSON *y = x->next; y; y = y->next) {
-            const cJSON *a = deref(c, x), *b = deref(c, y);
-            unsigned ta = types_of(c, a, 0), tb = types_of(c, b, 0);
+            const cJSON *a = deref(c->root, x), *b = deref(c->root, y);
+            unsigned ta = types_of(a), tb = types_of(b);
             if (!(ta & tb))
                 continue;
-            const cJSON *props = cJSON_GetObjectItemCaseSensitive(deref(c, branches->child),
+            const cJSON *props = cJSON_GetObjectItemCaseSensitive(deref(c->root, branches->child),
                                                                   "properties");
             int told_apart = 0;
             for (const cJSON *p = props ? props->child : NULL; p && !told_apart; p = p->next) {
