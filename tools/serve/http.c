@@ -213,9 +213,11 @@ static int refused_ambiguous_framing(server *srv, struct MHD_Connection *con)
  * (localhost, 127.0.0.0/8, [::1]) or one of allowed (--allow-host: names split by commas). */
 static int allowed_host(const char *host, const char *allowed)
 {
-    size_t n = host[0] == '[' ? strcspn(host, "]") + 1 : strcspn(host, ":");
-    if (host[n - (n > 0)] == '\0' && host[0] == '[')
-        return 0; /* "[" without its "]" */
+    /* the name: up to the port's ':', or an IPv6 address in brackets */
+    const char *close = host[0] == '[' ? strchr(host, ']') : NULL;
+    if (host[0] == '[' && !close)
+        return 0;
+    size_t n = close ? (size_t)(close - host) + 1 : strcspn(host, ":");
     char name[256];
     if (n == 0 || n >= sizeof name || (host[n] && (host[n] != ':' || !host[n + 1])))
         return 0;
