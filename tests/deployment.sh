@@ -107,7 +107,12 @@ expect_grep "^ok *checksum *all 48 tensors match" "$tmpdir/v0.txt" "its checksum
 # a tensor's offset in the file (from loom inspect --json)
 offset_of() { "$LOOM" inspect "$1" --json | jq -r --arg n "$2" '.tensors[] | select(.name == $n) | .offset'; }
 # poke FILE OFFSET HEXBYTES: overwrite bytes in place
-poke() { printf "$(echo "$3" | sed 's/../\\x&/g')" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none; }
+# (octal escapes: POSIX printf, dash's included, has no \x)
+poke() {
+    bytes=$(echo "$3" | sed 's/../& /g') esc=""
+    for b in $bytes; do esc="$esc$(printf '\\%03o' "0x$b")"; done
+    printf "$esc" | dd of="$1" bs=1 seek="$2" conv=notrunc status=none
+}
 
 # a download cut short
 size=$(wc -c < "$good")

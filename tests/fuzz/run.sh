@@ -1,7 +1,8 @@
 #!/bin/sh
 # tests/fuzz/run.sh SRCDIR SECONDS [BUILDDIR] - builds the libFuzzer harnesses with clang (ASan
 # + UBSan) and runs each for SECONDS, seeded from tests/fuzz/corpus/ and from the shared
-# fixtures when they are there. `make fuzz`; CI runs it when clang is present. A crash fails
+# fixtures when they are there, as many at a time as there are cores. `make fuzz`; CI runs it
+# when clang is present. A crash fails
 # the run and leaves its input in ./fuzz-crashes/HARNESS/: add it to tests/fuzz/corpus/HARNESS/
 # once fixed, so that every later run tries it first.
 set -eu
@@ -55,24 +56,36 @@ for f in "$fixtures"/peers/llama.cpp/*.inp; do [ -f "$f" ] && split -l 3 "$f" "$
 vocabs=""
 [ -f "$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf" ] && vocabs="$fixtures/peers/llama.cpp/ggml-vocab-llama-spm.gguf"
 [ -f "$fixtures/stories260K/original/stories260K.gguf" ] && vocabs="$vocabs${vocabs:+:}$fixtures/stories260K/original/stories260K.gguf"
-status=0
+# fuzz_one H: one harness for SECONDS; its verdict in $work/H.status, its crashes in
+# $work/crashes_H/
+fuzz_one() {
+    mkdir -p "$work/crashes_$1"
+    if LOOM_FUZZ_VOCABS=$vocabs LOOM_FUZZ_MODEL="$fixtures/stories260K/original/stories260K.gguf" \
+         LOOM_BACKEND=ref LOOM_BACKEND_PATH="$build/backends/ref/.libs" \
+         ASAN_OPTIONS=detect_leaks=0 "$work/fuzz_$1" -max_total_time="$seconds" -max_len=65536 \
+         -timeout=10 -print_final_stats=1 -artifact_prefix="$work/crashes_$1/" "$work/corpus_$1" \
+         2>"$work/$1.log"; then echo ok >"$work/$1.status"; else echo failed >"$work/$1.status"; fi
+}
+# as many harnesses at a time as there are cores (FUZZ_JOBS): each is one process
+jobs=${FUZZ_JOBS:-$(nproc 2>/dev/null || echo 1)} running=0 ran=""
 for h in $harnesses; do
     if [ "$h" = tokenizer ] && [ -z "$vocabs" ]; then echo "fuzz: no vocabulary fixtures; tokenizer skipped"; continue; fi
     if [ "$h" = openai_request ] && [ ! -f "$fixtures/stories260K/original/stories260K.gguf" ]; then
         echo "fuzz: no stories260K fixture; openai_request skipped"; continue; fi
     echo "fuzz: fuzz_$h for ${seconds}s"
-    mkdir -p "$work/crashes"
-    if ! LOOM_FUZZ_VOCABS=$vocabs LOOM_FUZZ_MODEL="$fixtures/stories260K/original/stories260K.gguf" \
-         LOOM_BACKEND=ref LOOM_BACKEND_PATH="$build/backends/ref/.libs" \
-         ASAN_OPTIONS=detect_leaks=0 "$work/fuzz_$h" -max_total_time="$seconds" -max_len=65536 \
-         -timeout=10 -print_final_stats=1 -artifact_prefix="$work/crashes/" "$work/corpus_$h" \
-         2>"$work/$h.log"; then
+    fuzz_one "$h" &
+    ran="$ran $h" running=$((running + 1))
+    if [ "$running" -ge "$jobs" ]; then wait; running=0; fi
+done
+wait
+status=0
+for h in $ran; do
+    if [ "$(cat "$work/$h.status" 2>/dev/null)" != ok ]; then
         status=1
         tail -40 "$work/$h.log"
-        mkdir -p "fuzz-crashes/$h" && cp "$work/crashes"/* "fuzz-crashes/$h/" 2>/dev/null || true
+        mkdir -p "fuzz-crashes/$h" && cp "$work/crashes_$h"/* "fuzz-crashes/$h/" 2>/dev/null || true
         echo "fuzz: fuzz_$h failed; its input is in fuzz-crashes/$h/"
     fi
-    rm -rf "$work/crashes"
     grep -E "^stat::number_of_executed_units|^stat::peak_rss_mb" "$work/$h.log" | sed "s/^/  $h /" || true
 done
 exit $status
