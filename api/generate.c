@@ -98,6 +98,14 @@ int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *er
                  "first_layers for self-speculation");
         return -1;
     }
+    if ((spec->draft || spec->lookup > 0) && loom_runner_state_slots(loom_model_runner(m))) {
+        snprintf(err, err_size,
+                 "speculative decoding needs its rejected proposals taken back, which %s's "
+                 "recurrent layers cannot do yet: run without --lookup, --draft or "
+                 "--draft-layers",
+                 loom_runner_hparams(loom_model_runner(m))->arch);
+        return -1;
+    }
     return spec->draft ? same_vocabulary(m, spec->draft, err, err_size) : 0;
 }
 
@@ -539,6 +547,11 @@ int loom_generate_speculative(loom_model *m, const loom_speculation *spec, const
                  n_ids);
         return -1;
     }
+    /* recurrent layers hold the conversation in a state that cannot be cut back: a cached
+     * prefix shorter than what the state has seen is recomputed from the start */
+    const loom_runner *r = loom_model_runner(m);
+    if (n_cached && loom_runner_state_slots(r) && loom_runner_state_position(r, 0) != n_cached)
+        n_cached = 0;
     return generate(m, spec, NULL, ids, ids + n_cached, n_ids - n_cached, n_cached, n_predict, s,
                     on_token, user, stats, err, err_size);
 }

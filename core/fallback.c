@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_OP_TENSORS 8
+#define MAX_OP_TENSORS 12
 
 typedef struct kept_copy {
     const loom_buffer *buf;

@@ -640,6 +640,45 @@ void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b
     exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
 }
 
+void loom_rt_sigmoid_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
+                         const loom_tensor *dst)
+{
+    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
+    exec_op(r, LOOM_OP_SIGMOID_MUL, LOOM_F32, "sigmoid_mul", &p);
+}
+
+/* Whether layer is a recurrent one this runner holds (its state is here). */
+static int holds_state(loom_runner *r, int layer, const char *what)
+{
+    if (layer >= r->layer0 && layer < r->layer_end && loom_layer_recurrent(&r->hp, layer) &&
+        r->n_state_slots)
+        return 1;
+    loom_runner_fail(r, "%s over layer %d, which is not a recurrent layer this runner holds", what,
+                     layer);
+    return 0;
+}
+
+void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loom_tensor *weight,
+                      const loom_tensor *dst)
+{
+    if (r->status || !holds_state(r, layer, "ssm_conv") || !held(r, weight, "ssm_conv"))
+        return;
+    loom_ssm_conv_params p = {sizeof p, x, weight, &r->in.state_slots, &r->conv_state[layer], dst};
+    exec_op(r, LOOM_OP_SSM_CONV, weight->dtype, "ssm_conv", &p);
+}
+
+void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
+                         const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
+                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst)
+{
+    if (r->status || !holds_state(r, layer, "gated_delta"))
+        return;
+    loom_gated_delta_params p = {
+        sizeof p, q, k, v, alpha, beta, a, dt_bias, &r->in.state_slots, &r->delta_state[layer],
+        dst};
+    exec_op(r, LOOM_OP_GATED_DELTA, LOOM_F32, "gated_delta", &p);
+}
+
 void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor *logits,
                        const loom_tensor *bias, const loom_tensor *ids, const loom_tensor *weights)
 {
@@ -872,25 +911,31 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         return NULL;
     }
     uint64_t row = (uint64_t)loom_row_bytes(r->opt.kv_type, hp->head_dim);
-    uint64_t per_cache = row * (uint64_t)hp->n_head_kv * (uint64_t)r->opt.block_size *
-        (uint64_t)r->n_blocks;
+    r->kv_block = row * (uint64_t)hp->n_head_kv * (uint64_t)r->opt.block_size;
+    uint64_t per_cache = r->kv_block * (uint64_t)r->n_blocks;
+    for (int l = r->layer0; l < r->layer_end; l++) /* recurrent layers keep a state instead */
+        r->n_kv_layers += !loom_layer_recurrent(hp, l);
     r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
     r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
     if (!r->kc || !r->vc ||
-        (n_held &&
-         dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)n_held, &r->kv) != LOOM_OK)) {
+        (r->n_kv_layers &&
+         dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)r->n_kv_layers, &r->kv) !=
+             LOOM_OK)) {
         snprintf(err, err_size,
                  "out of memory on %s for a KV cache of %d blocks of %d tokens "
                  "(%llu bytes): %s",
                  dev->name, r->n_blocks, r->opt.block_size,
-                 (unsigned long long)(per_cache * 2 * (uint64_t)n_held),
+                 (unsigned long long)(per_cache * 2 * (uint64_t)r->n_kv_layers),
                  dev->ops.last_error(dev->be));
         loom_runner_free(r);
         return NULL;
     }
-    for (int l = r->layer0; l < r->layer_end; l++) {
-        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)(l - r->layer0), r->opt.kv_type,
-                         hp->head_dim, hp->n_head_kv, r->opt.block_size, r->n_blocks);
+    (void)n_held;
+    for (int l = r->layer0, i = 0; l < r->layer_end; l++) {
+        if (loom_layer_recurrent(hp, l))
+            continue;
+        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)i++, r->opt.kv_type, hp->head_dim,
+                         hp->n_head_kv, r->opt.block_size, r->n_blocks);
         /* head-major inside a block: attention walks one head's keys in order, and these then
          * lie together (measured: 16-sequence decode steps spent 17% waiting on strided K/V
          * loads with the slot-major layout). A block stays one contiguous piece. */
@@ -898,6 +943,10 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         r->kc[l].nb[1] = r->kc[l].nb[2] * (uint64_t)r->opt.block_size;
         r->vc[l] = r->kc[l];
         r->vc[l].offset += per_cache;
+    }
+    if (loom_recurrent_alloc(r, err, err_size) != 0) {
+        loom_runner_free(r);
+        return NULL;
     }
     if (r->opt.strict && strict_census(r, err, err_size) != 0) {
         loom_runner_free(r);
@@ -912,6 +961,7 @@ void loom_runner_free(loom_runner *r)
         return;
     loom_fallback_free(r->fallback);
     loom_fallback_free(r->experts_run);
+    loom_recurrent_free(r);
     if (r->arch && r->state)
         r->arch->free_state(r->state);
     const loom_backend_ops *ops = &r->dev->ops;
@@ -987,9 +1037,7 @@ int32_t loom_runner_block_size(const loom_runner *r)
 
 uint64_t loom_runner_block_bytes(const loom_runner *r)
 {
-    return r->layer_end > r->layer0
-        ? r->kc[r->layer0].nb[3] * 2 * (uint64_t)(r->layer_end - r->layer0)
-        : 0;
+    return r->kv_block * 2 * (uint64_t)r->n_kv_layers;
 }
 
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
@@ -999,9 +1047,9 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
     const loom_stage_link *ln = r->opt.link;
     if (ln && ln->announce_copy && n && ln->announce_copy(ln->ctx, copies, n, err, err_size) != 0)
         return -1;
-    if (r->layer_end == r->layer0) /* a stage of the head alone has no cache */
+    if (!r->n_kv_layers) /* a stage of the head alone has no cache */
         return 0;
-    uint64_t block = r->kc[r->layer0].nb[3];
+    uint64_t block = r->kv_block;
     /* copy_buffer is optional: without it, through host memory */
     unsigned char *staging = ops->copy_buffer || !n ? NULL : malloc((size_t)block);
     if (!ops->copy_buffer && n && !staging) {
@@ -1012,6 +1060,9 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
         for (int l = r->layer0; l < r->layer_end; l++)
             for (int kv = 0; kv < 2; kv++) {
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
+                if (!c->buf) /* a recurrent layer */
+                    continue;
+                assert(c->nb[3] == block);
                 uint64_t src = c->offset + (uint64_t)copies[i].src * block;
                 uint64_t dst = c->offset + (uint64_t)copies[i].dst * block;
                 loom_status st = ops->copy_buffer
@@ -1106,8 +1157,10 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
     uint64_t table = (uint64_t)s->n_seqs * (uint64_t)s->max_blocks;
     uint64_t n_prefix = s->prefix_len ? (uint64_t)s->n_seqs : 0;
     uint64_t n_hidden = (uint64_t)s->n_hidden;
-    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix + n_hidden;
-    if (inputs_reserve(r, total) == 0) {
+    uint64_t n_slots = r->n_state_slots ? (uint64_t)n : 0;
+    uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix + n_hidden +
+        n_slots;
+    if (loom_recurrent_begin(r, s) == 0 && inputs_reserve(r, total) == 0) {
         int32_t *h = r->in_host;
         memcpy(h, s->ids, (size_t)n * 4);
         memcpy(h + n, s->pos, (size_t)n * 4);
@@ -1121,6 +1174,8 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
         if (n_hidden)
             memcpy(h + 4 * n + table + s->n_logits + n_prefix, s->hidden_rows,
                    (size_t)n_hidden * 4);
+        if (n_slots)
+            memcpy(h + total - n_slots, r->token_slots, (size_t)n_slots * 4);
         if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
             loom_runner_fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
@@ -1140,6 +1195,8 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
         r->in.hidden_rows = dense(r->in_buf,
                                   (uint64_t)(4 * n + table + (uint64_t)s->n_logits + n_prefix) * 4,
                                   LOOM_I32, s->n_hidden, 1, 1, 1);
+    if (n_slots)
+        r->in.state_slots = dense(r->in_buf, (total - n_slots) * 4, LOOM_I32, n, 1, 1, 1);
     r->n_scratch_used = 0;
     r->has_logits = r->has_hidden = 0;
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len, s->n_hidden};
@@ -1147,6 +1204,7 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
      * the step, in its own words rather than as "no logits" */
     if (!r->status && r->arch->forward(r, r->state, &b) != 0 && !r->status)
         loom_runner_fail(r, "%s: the forward pass stopped (out of host memory?)", r->arch->name);
+    loom_recurrent_end(r, s, !r->status);
     if (!r->status && s->n_logits && loom_runner_is_last_stage(r)) {
         if (!r->has_logits)
             loom_runner_fail(r, "the model produced no logits");
@@ -1279,7 +1337,8 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                         out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL,
                         n_hidden,
-                        every_row ? every : &last};
+                        every_row ? every : &last,
+                        NULL};
         rc = loom_runner_step(r, &st, err, err_size);
         if (rc == 0 && n_hidden)
             rows(user, loom_runner_hidden(r), n_hidden);

@@ -48,7 +48,23 @@ typedef struct loom_hparams {
     /* group-limited routing (n_group, topk_group): experts chosen only within the best
      * moe_groups_kept of moe_groups groups; 0 or 1 groups: none */
     int32_t moe_groups, moe_groups_kept;
+    /* Recurrent layers (Gated DeltaNet: Qwen3.5, Qwen3-Next), marked in `recurrent`: they keep
+     * a state per sequence instead of a KV cache (core/recurrent.c): a conv window of
+     * ssm_conv_kernel - 1 inputs of ssm_conv_channels, and per each of ssm_v_heads value heads a
+     * ssm_d_k x ssm_d_v delta-rule matrix. No layer marked: none (every other field 0). */
+    uint64_t recurrent[LOOM_MAX_LAYERS / 64];
+    int32_t ssm_conv_kernel, ssm_conv_channels, ssm_v_heads, ssm_d_k, ssm_d_v;
 } loom_hparams;
+
+static inline int loom_layer_recurrent(const loom_hparams *hp, int layer)
+{
+    return layer >= 0 && layer < LOOM_MAX_LAYERS && (hp->recurrent[layer / 64] >> (layer % 64)) & 1;
+}
+static inline void loom_layer_set_recurrent(loom_hparams *hp, int layer)
+{
+    if (layer >= 0 && layer < LOOM_MAX_LAYERS)
+        hp->recurrent[layer / 64] |= (uint64_t)1 << (layer % 64);
+}
 
 typedef struct loom_runner loom_runner;
 
@@ -131,6 +147,9 @@ typedef struct loom_runner_options {
      * model's own shallow layers as a speculative drafter); only their weights are loaded and
      * only their KV cache allocated. 0: every layer. */
     int32_t first_layers;
+    /* Models with recurrent layers: sequences that hold a state at once (loom_step's
+     * state_slots); 0: kv_sequences, or 1. */
+    int32_t state_slots;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */
@@ -175,6 +194,10 @@ typedef struct loom_step {
      * copied to the host (embeddings); not on a pipeline of stages */
     int32_t n_hidden;
     const int32_t *hidden_rows;
+    /* [n_seqs]: each sequence's recurrent-state slot, below loom_runner_state_slots (models
+     * with recurrent layers); NULL: slot 0, for a step of one sequence. A sequence's state
+     * continues from the last step that ran it, or starts empty at position 0. */
+    const int32_t *state_slots;
 } loom_step;
 int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size);
 
@@ -205,6 +228,11 @@ int32_t loom_runner_kv_blocks(const loom_runner *r);
 int32_t loom_runner_block_size(const loom_runner *r);
 /* Bytes of cache one block holds over all layers, K and V. */
 uint64_t loom_runner_block_bytes(const loom_runner *r);
+/* Recurrent layers: state slots (0 for a model without such layers) and the bytes of one. */
+int32_t loom_runner_state_slots(const loom_runner *r);
+uint64_t loom_runner_state_bytes(const loom_runner *r);
+/* The position slot's state has reached (the tokens it has seen), or -1 when it holds none. */
+int32_t loom_runner_state_position(const loom_runner *r, int32_t slot);
 /* Copies whole blocks (every layer, K and V): copy on write for shared blocks. */
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
                             size_t err_size);
@@ -229,6 +257,7 @@ loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, in
  * table, and which tokens' logits are wanted. */
 typedef struct loom_rt_inputs {
     loom_tensor ids, pos, slots, seq, block_table, logit_rows, prefix_len, hidden_rows;
+    loom_tensor state_slots; /* [tokens]: each token's recurrent-state slot (hybrid models) */
 } loom_rt_inputs;
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
 /* Layer l's K and V caches. */
@@ -293,6 +322,18 @@ void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *
 void loom_rt_moe_combine(loom_runner *r, const loom_tensor *src, const loom_tensor *weights,
                          int accumulate, const loom_tensor *dst);
 void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst);
+/* dst = sigmoid(a) * b: an output gate */
+void loom_rt_sigmoid_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
+                         const loom_tensor *dst);
+/* Recurrent layer `layer`'s ops over its state (backend.h's ssm_conv and gated_delta): the
+ * conv1d + SiLU of x [tokens, ssm_conv_channels] with weight [channels, kernel]; the gated delta
+ * rule of q, k [tokens, k_heads, d_k], v [tokens, ssm_v_heads, d_v], alpha and beta
+ * [tokens, v_heads], a and dt_bias [v_heads] into dst [tokens, v_heads, d_v]. */
+void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loom_tensor *weight,
+                      const loom_tensor *dst);
+void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
+                         const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
+                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst);
 int loom_rt_status(const loom_runner *r);
 
 #endif

@@ -35,7 +35,17 @@ struct loom_runner {
     int repack; /* offer weights to prepare_weight (LOOM_REPACK != 0) */
 
     loom_buffer *kv;
-    loom_tensor *kc, *vc;      /* per layer; only the stage's layers have a buffer */
+    loom_tensor *kc, *vc; /* per layer; only the stage's attention layers have a buffer */
+    int32_t n_kv_layers;  /* layers with a KV cache */
+    uint64_t kv_block;    /* bytes of one block of one layer's K (or V) */
+
+    /* recurrent layers (core/recurrent.c) */
+    loom_buffer *states;
+    loom_tensor *conv_state, *delta_state; /* per layer; the held recurrent layers' only */
+    int32_t n_state_slots;
+    uint64_t state_bytes;      /* of one slot, over the held layers */
+    int32_t *state_next;       /* per slot: the position its state has reached; -1: none */
+    int32_t *token_slots;      /* the step's tokens' slots */
     int32_t layer0, layer_end; /* the layers this runner holds (a pipeline stage's, or all) */
     float *handoff;            /* host copy of the hidden states a stage receives or sends */
     uint64_t handoff_cap;      /* its size in floats */
@@ -77,6 +87,15 @@ struct loom_runner {
 
 /* Records the step's first failure (later ones are its consequences); returns -1. */
 int loom_runner_fail(loom_runner *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* core/recurrent.c: the recurrent layers' state. alloc after the KV cache (0, or -1 with err);
+ * begin before a step's inputs are uploaded: each sequence's slot checked against its first
+ * position (zeroed at 0) and r->token_slots filled (0, or -1 with r->status set); end after it,
+ * recording where each slot's state now is, or (failed) that it is unusable. */
+int loom_recurrent_alloc(loom_runner *r, char *err, size_t err_size);
+void loom_recurrent_free(loom_runner *r);
+int loom_recurrent_begin(loom_runner *r, const loom_step *s);
+void loom_recurrent_end(loom_runner *r, const loom_step *s, int ok);
 
 /* Runs a checked step's tokens through this runner's layers: its inputs uploaded, the model
  * run, and where this runner has the head, the logits read back and checked. A failure is in

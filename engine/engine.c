@@ -69,6 +69,7 @@ typedef struct ereq {
      * proposals (checked after the pending token), and decayed counts of kept and rejected
      * ones */
     int32_t lookup, draft_max, n_draft;
+    int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1 */
     int32_t *draft;
     double spec_ok, spec_miss;
     int32_t spec_idle; /* steps without proposals while they did not pay */
@@ -92,6 +93,10 @@ struct loom_engine {
     int32_t n_embd;
     int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, spec_rows;
     double batch_wait_ms;
+    /* a model with recurrent layers: which of the runner's state slots a running request holds
+     * (a slot per running request; max_batch is at most their count) */
+    int32_t n_state_slots;
+    unsigned char *slot_taken;
 
     pthread_t thread;
     pthread_mutex_t lock;
@@ -197,9 +202,23 @@ static void count_running(loom_engine *e)
     pthread_mutex_unlock(&e->lock);
 }
 
+/* A free state slot for q as it starts running (there is one: max_batch <= the slots). */
+static void take_state_slot(loom_engine *e, ereq *q)
+{
+    q->state_slot = -1;
+    for (int32_t i = 0; i < e->n_state_slots && q->state_slot < 0; i++)
+        if (!e->slot_taken[i])
+            e->slot_taken[i] = 1, q->state_slot = i;
+    assert(!e->n_state_slots || q->state_slot >= 0);
+}
+
 static void remove_running(loom_engine *e, ereq *q)
 {
     assert(e->n_running <= e->max_batch);
+    if (e->n_state_slots && q->state_slot >= 0) {
+        assert(e->slot_taken[q->state_slot]);
+        e->slot_taken[q->state_slot] = 0, q->state_slot = -1;
+    }
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == q) {
             memmove(e->running + i, e->running + i + 1,
@@ -338,6 +357,13 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
                  r->draft_max);
         return -1;
     }
+    if ((r->draft || r->lookup > 0) && e->n_state_slots) {
+        snprintf(err, err_size,
+                 "speculative decoding (prompt lookup or a draft model) needs its rejected "
+                 "proposals taken back, which this model's recurrent layers cannot do yet: ask "
+                 "without it");
+        return -1;
+    }
     if (r->draft && (!e->draft || r->lookup > 0)) {
         snprintf(err, err_size, "%s",
                  r->lookup > 0 ? "one drafter a request: its draft model or prompt lookup"
@@ -362,7 +388,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     memcpy(q->toks, r->prompt, (size_t)r->n_prompt * sizeof *q->toks);
     q->n_toks = q->n_prompt = r->n_prompt;
     q->prefix_len = loom_runner_prefix_len(e->runner, r->prompt, r->n_prompt);
-    q->kv.private_blocks = q->prefix_len > 0;
+    /* a cached prefix is of no use without the recurrent state at its end, which loom does not
+     * keep yet: a hybrid model's requests share no blocks */
+    q->kv.private_blocks = q->prefix_len > 0 || e->n_state_slots > 0;
+    q->state_slot = -1;
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
     q->dkv.private_blocks = 1;
@@ -695,6 +724,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
+        take_state_slot(e, q);
         count_running(e);
         plan[n++] = (planned){q, k};
         budget -= k;
@@ -1008,9 +1038,13 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     int rc = 0;
     if (n_copies)
         rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
+    int32_t *state_slots = hidden_rows + n_tok;
+    for (int i = 0; i < n_plan; i++)
+        state_slots[i] = plan[i].q->state_slot;
     /* clang-format off */
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
-                    any_prefix ? prefix : NULL, n_hidden, hidden_rows};
+                    any_prefix ? prefix : NULL, n_hidden, hidden_rows,
+                    e->n_state_slots ? state_slots : NULL};
     /* clang-format on */
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
@@ -1274,6 +1308,7 @@ static void free_parts(loom_engine *e)
         loom_kvblocks_free(e->dkv);
     free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies);
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
+    free(e->slot_taken);
     free(e);
 }
 
@@ -1337,6 +1372,10 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->policy.tenant_running = e->tenant_running;
     e->batch_wait_ms = o->batch_wait_ms > 0 ? o->batch_wait_ms : 0;
     e->spec_rows = o->spec_rows > 0 ? o->spec_rows : 16;
+    /* a model with recurrent layers runs as many requests at once as it has state slots */
+    e->n_state_slots = loom_runner_state_slots(e->runner);
+    if (e->n_state_slots && e->max_batch > e->n_state_slots)
+        e->max_batch = e->n_state_slots;
     if (e->max_step < e->max_batch) {
         snprintf(err, err_size,
                  "max tokens per step (%d) must be at least the batch size (%d): "
@@ -1366,8 +1405,9 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->step_buf = malloc((6 * (size_t)e->max_step + (size_t)e->max_batch * (max_blocks + 2)) *
                          sizeof *e->step_buf);
     e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
+    e->slot_taken = calloc((size_t)e->n_state_slots + 1, 1);
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
-        !e->embedding) {
+        !e->embedding || !e->slot_taken) {
         free_parts(e);
         snprintf(err, err_size, "out of memory");
         return NULL;

@@ -105,6 +105,7 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     case LOOM_OP_MUL:
     case LOOM_OP_SCALE:
     case LOOM_OP_SILU_MUL:
+    case LOOM_OP_SIGMOID_MUL:
     case LOOM_OP_GELU: {
         loom_elementwise_params p = {sizeof p, T(0), T(1), T(2), tc->scale};
         return loom_device_run(d, tc->op, &p);
@@ -152,6 +153,15 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     }
     case LOOM_OP_MOE_COMBINE: {
         loom_moe_combine_params p = {sizeof p, T(0), T(1), T(2), tc->accumulate};
+        return loom_device_run(d, tc->op, &p);
+    }
+    case LOOM_OP_SSM_CONV: {
+        loom_ssm_conv_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4)};
+        return loom_device_run(d, tc->op, &p);
+    }
+    case LOOM_OP_GATED_DELTA: {
+        loom_gated_delta_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4),
+                                     T(5),     T(6), T(7), T(8), T(9)};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_COUNT: break;

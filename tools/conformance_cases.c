@@ -363,8 +363,11 @@ static void make_elementwise(test_case *tc, loom_dtype dt, int v)
     (void)dt;
     static const int64_t shapes[][2] = {{1, 1}, {5, 37}, {16, 4096}};
     int64_t rows = shapes[v % 3][0], n = shapes[v % 3][1];
-    int binary = tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL || tc->op == LOOM_OP_SILU_MUL;
-    int broadcast = v == 3 && binary && tc->op != LOOM_OP_SILU_MUL;
+    int binary = tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL || tc->op == LOOM_OP_SILU_MUL ||
+        tc->op == LOOM_OP_SIGMOID_MUL;
+    int broadcast = v == 3 && (tc->op == LOOM_OP_ADD || tc->op == LOOM_OP_MUL);
+    if (tc->op == LOOM_OP_SIGMOID_MUL)
+        tc->abi_minor = 8;
     if (v == 3 && !broadcast) {
         tc->op = LOOM_OP_COUNT;
         return;
@@ -624,6 +627,68 @@ static void make_moe_combine(test_case *tc, loom_dtype dt, int v)
     tc->abi_minor = 5;
 }
 
+/* A [tokens] i32 tensor of state slots at index idx. */
+static void add_slots(test_case *tc, int idx, const int32_t *slots, int64_t tokens)
+{
+    fill_i32(add_spec(tc, idx, LOOM_I32, tokens, 1, 1, 1, 0), slots);
+}
+
+static void make_ssm_conv(test_case *tc, loom_dtype dt, int v)
+{
+    /* a decode step of two sequences, a prefill chunk of one, and a mixed batch (a short
+     * kernel, rows padded); the state is an output: what the next step continues from */
+    static const int64_t r[][4] = {
+        {2, 96, 4, 3}, {9, 40, 4, 2}, {6, 64, 3, 3}}; /* T, C, K, slots */
+    static const int32_t seqs[][9] = {{2, 0}, {1, 1, 1, 1, 1, 1, 1, 1, 1}, {0, 0, 0, 2, 2, 1}};
+    int64_t T = r[v][0], C = r[v][1], K = r[v][2], slots = r[v][3];
+    int padded = v == 2;
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld channels, kernel %lld, %s weight",
+             (long long)T, (long long)C, (long long)K, loom_dtype_name(dt));
+    fill_random(add_spec(tc, 0, LOOM_F32, C, T, 1, 1, padded), 2.0f, 0.0f);
+    fill_random(add_spec(tc, 1, dt, K, C, 1, 1, padded), 0.5f, 0.0f);
+    add_slots(tc, 2, seqs[v], T);
+    spec *state = add_spec(tc, 3, LOOM_F32, C, K - 1, slots, 1, padded);
+    fill_random(state, 1.0f, 0.0f);
+    state->output = 1;
+    add_spec(tc, 4, LOOM_F32, C, T, 1, 1, padded)->output = 1;
+    tc->tol = 1e-5;
+    tc->abi_minor = 8;
+}
+
+static void make_gated_delta(test_case *tc, loom_dtype dt, int v)
+{
+    (void)dt;
+    /* tokens, k_heads, v_heads, d_k, d_v, slots: a decode step of two sequences, a prefill
+     * chunk of one with two value heads per key head (a long run: a backend's chunked form),
+     * and a mixed batch */
+    static const int64_t r[][6] = {
+        {2, 2, 2, 16, 16, 3}, {70, 1, 2, 32, 8, 2}, {5, 2, 4, 64, 32, 2}};
+    int32_t seqs[70] = {2, 0};
+    if (v == 1)
+        for (int i = 0; i < 70; i++)
+            seqs[i] = 1;
+    if (v == 2)
+        memcpy(seqs, (int32_t[]){1, 1, 0, 0, 0}, 5 * sizeof seqs[0]);
+    int64_t T = r[v][0], hk = r[v][1], hv = r[v][2], dk = r[v][3], dv = r[v][4], slots = r[v][5];
+    int padded = v == 2;
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld/%lld heads, d_k %lld, d_v %lld",
+             (long long)T, (long long)hk, (long long)hv, (long long)dk, (long long)dv);
+    fill_random(add_spec(tc, 0, LOOM_F32, dk, hk, T, 1, padded), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 1, LOOM_F32, dk, hk, T, 1, padded), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 2, LOOM_F32, dv, hv, T, 1, padded), 1.0f, 0.0f);
+    fill_random(add_spec(tc, 3, LOOM_F32, hv, T, 1, 1, padded), 2.0f, 0.0f);
+    fill_random(add_spec(tc, 4, LOOM_F32, hv, T, 1, 1, padded), 3.0f, 0.0f);
+    fill_random(add_spec(tc, 5, LOOM_F32, hv, 1, 1, 1, 0), 0.25f, -0.35f); /* -exp(A_log) */
+    fill_random(add_spec(tc, 6, LOOM_F32, hv, 1, 1, 1, 0), 1.0f, 0.0f);
+    add_slots(tc, 7, seqs, T);
+    spec *state = add_spec(tc, 8, LOOM_F32, dk, dv, hv, slots, padded);
+    fill_random(state, 0.5f, 0.0f);
+    state->output = 1;
+    add_spec(tc, 9, LOOM_F32, dv, hv, T, 1, padded)->output = 1;
+    tc->tol = 1e-4;
+    tc->abi_minor = 8;
+}
+
 const case_family conformance_families[] = {
     {LOOM_OP_MATMUL, 10, make_matmul},
     {LOOM_OP_GET_ROWS, 3, make_get_rows},
@@ -643,6 +708,9 @@ const case_family conformance_families[] = {
     {LOOM_OP_MOE_ROUTE, 6, make_moe_route},
     {LOOM_OP_MATMUL_ID, 4, make_matmul_id},
     {LOOM_OP_MOE_COMBINE, 3, make_moe_combine},
+    {LOOM_OP_SIGMOID_MUL, 5, make_elementwise},
+    {LOOM_OP_SSM_CONV, 3, make_ssm_conv},
+    {LOOM_OP_GATED_DELTA, 3, make_gated_delta},
 };
 const int conformance_n_families = (int)(sizeof conformance_families /
                                          sizeof conformance_families[0]);
@@ -660,7 +728,8 @@ int conformance_op_dtype_applies(loom_op op, loom_dtype dt)
     case LOOM_OP_ATTENTION: return dt == LOOM_F32 || dt == LOOM_F16 || dt == LOOM_Q8_0;
     case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with quantisers */
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
-    case LOOM_OP_CONVERT: return is_float;
+    case LOOM_OP_CONVERT:
+    case LOOM_OP_SSM_CONV: return is_float;
     default: return dt == LOOM_F32;
     }
 }

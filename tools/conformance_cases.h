@@ -9,7 +9,7 @@
 
 #include <loom/backend.h>
 
-#define MAX_TENSORS 8
+#define MAX_TENSORS 12
 
 /* One tensor of a test case: its shape, where it sits in its buffer, and its host bytes. */
 typedef struct spec {

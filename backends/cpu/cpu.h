@@ -158,6 +158,9 @@ loom_status cpu_attention(loom_backend *be, const loom_attention_params *p);
 loom_status cpu_moe_route(loom_backend *be, const loom_moe_route_params *p);
 loom_status cpu_matmul_id(loom_backend *be, const loom_matmul_id_params *p);
 loom_status cpu_moe_combine(loom_backend *be, const loom_moe_combine_params *p);
+/* cpu_recurrent.c: the recurrent layers' ops (ABI 1.8) */
+loom_status cpu_ssm_conv(loom_backend *be, const loom_ssm_conv_params *p);
+loom_status cpu_gated_delta(loom_backend *be, const loom_gated_delta_params *p);
 
 /* cpu_probe.c (baseline code) */
 void cpu_detect(cpu_features *f);

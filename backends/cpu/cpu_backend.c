@@ -248,7 +248,7 @@ static loom_status cpu_rope(loom_backend *be, const loom_rope_params *p)
 
 /* ---- Elementwise ------------------------------------------------------------------------ */
 
-typedef enum { EW_ADD, EW_MUL, EW_SCALE, EW_SILU_MUL, EW_GELU } ew_kind;
+typedef enum { EW_ADD, EW_MUL, EW_SCALE, EW_SILU_MUL, EW_GELU, EW_SIGMOID_MUL } ew_kind;
 
 typedef struct ew_job {
     const loom_elementwise_params *p;
@@ -284,14 +284,18 @@ static void ew_rows(void *ctx, int ith, int nth)
             break;
         case EW_SILU_MUL: cpu_silu_mul_row(a, b, y, n); break;
         case EW_GELU: cpu_gelu_row(a, y, n); break;
+        case EW_SIGMOID_MUL:
+            for (int64_t i = 0; i < n; i++)
+                y[i] = b[i] / (1.0f + expf(-a[i]));
+            break;
         }
     }
 }
 
 static loom_status elementwise(loom_backend *be, const loom_elementwise_params *p, ew_kind kind)
 {
-    int binary = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL;
-    CHECK_ARGS(be, loom_check_elementwise(p, binary, kind != EW_SILU_MUL));
+    int binary = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL || kind == EW_SIGMOID_MUL;
+    CHECK_ARGS(be, loom_check_elementwise(p, binary, kind == EW_ADD || kind == EW_MUL));
     BOUNDS(be, p->a, "elementwise a");
     BOUNDS(be, binary ? p->b : NULL, "elementwise b");
     BOUNDS(be, p->dst, "elementwise dst");
@@ -319,6 +323,10 @@ static loom_status cpu_silu_mul(loom_backend *be, const loom_elementwise_params 
 static loom_status cpu_gelu(loom_backend *be, const loom_elementwise_params *p)
 {
     return elementwise(be, p, EW_GELU);
+}
+static loom_status cpu_sigmoid_mul(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_SIGMOID_MUL);
 }
 
 /* ---- Quantize, dequantize, convert ------------------------------------------------------ */
@@ -591,7 +599,8 @@ static int cpu_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_ATTENTION: return loom_dtype_is_cache(dt);
     case LOOM_OP_QUANTIZE: return loom_dtype_is_block(dt); /* the types with a quantiser */
     case LOOM_OP_DEQUANTIZE: return loom_dtype_is_quantized(dt);
-    case LOOM_OP_CONVERT: return loom_dtype_is_float(dt);
+    case LOOM_OP_CONVERT:
+    case LOOM_OP_SSM_CONV: return loom_dtype_is_float(dt);
     case LOOM_OP_COUNT: return 0;
     default: return dt == LOOM_F32;
     }
@@ -645,6 +654,9 @@ static const loom_backend_ops cpu_ops = {
     .moe_route = cpu_moe_route,
     .matmul_id = cpu_matmul_id,
     .moe_combine = cpu_moe_combine,
+    .sigmoid_mul = cpu_sigmoid_mul,
+    .ssm_conv = cpu_ssm_conv,
+    .gated_delta = cpu_gated_delta,
 };
 
 loom_status cpu_backend_create(const loom_backend_options *opts, const cpu_features *f,

@@ -359,12 +359,12 @@ static loom_status ref_rope(loom_backend *be, const loom_rope_params *p)
     return LOOM_OK;
 }
 
-typedef enum { EW_ADD, EW_MUL, EW_SCALE, EW_SILU_MUL, EW_GELU } ew_kind;
+typedef enum { EW_ADD, EW_MUL, EW_SCALE, EW_SILU_MUL, EW_GELU, EW_SIGMOID_MUL } ew_kind;
 
 static loom_status elementwise(loom_backend *be, const loom_elementwise_params *p, ew_kind kind)
 {
-    static const char *names[] = {"add", "mul", "scale", "silu_mul", "gelu"};
-    int binary = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL;
+    static const char *names[] = {"add", "mul", "scale", "silu_mul", "gelu", "sigmoid_mul"};
+    int binary = kind == EW_ADD || kind == EW_MUL || kind == EW_SILU_MUL || kind == EW_SIGMOID_MUL;
     CHECK(check_tensor(be, p->a, names[kind]));
     CHECK(check_tensor(be, p->dst, names[kind]));
     REQUIRE_DTYPE(be, p->a, LOOM_F32, "elementwise a");
@@ -376,7 +376,7 @@ static loom_status elementwise(loom_backend *be, const loom_elementwise_params *
     if (binary) {
         CHECK(check_tensor(be, p->b, names[kind]));
         REQUIRE_DTYPE(be, p->b, LOOM_F32, "elementwise b");
-        broadcast = kind != EW_SILU_MUL && n_rows(p->b) == 1 && rows != 1;
+        broadcast = (kind == EW_ADD || kind == EW_MUL) && n_rows(p->b) == 1 && rows != 1;
         if (p->b->ne[0] != n || (!broadcast && n_rows(p->b) != rows))
             return fail(be, LOOM_ERR_INVALID, "%s: b must match a or be one row of %lld",
                         names[kind], (long long)n);
@@ -397,6 +397,7 @@ static loom_status elementwise(loom_backend *be, const loom_elementwise_params *
             case EW_MUL: x = x * b[i]; break;
             case EW_SCALE: x = x * p->scale; break;
             case EW_SILU_MUL: x = x / (1.0 + exp(-x)) * b[i]; break;
+            case EW_SIGMOID_MUL: x = b[i] / (1.0 + exp(-x)); break;
             case EW_GELU:
                 x = 0.5 * x * (1.0 + tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
                 break;
@@ -428,6 +429,10 @@ static loom_status ref_silu_mul(loom_backend *be, const loom_elementwise_params 
 static loom_status ref_gelu(loom_backend *be, const loom_elementwise_params *p)
 {
     return elementwise(be, p, EW_GELU);
+}
+static loom_status ref_sigmoid_mul(loom_backend *be, const loom_elementwise_params *p)
+{
+    return elementwise(be, p, EW_SIGMOID_MUL);
 }
 
 static int is_cache_dtype(loom_dtype t)
@@ -781,6 +786,128 @@ static loom_status ref_moe_combine(loom_backend *be, const loom_moe_combine_para
     return LOOM_OK;
 }
 
+/* ---- Recurrent layers -------------------------------------------------------------------- */
+
+/* Slot seq[t] of a [slots, ...] state, checked against its slots. */
+static loom_status state_slot(loom_backend *be, const loom_tensor *seq, int64_t t, int64_t slots,
+                              const char *what, int64_t *slot)
+{
+    int32_t s = load_i32(seq, t);
+    if (s < 0 || s >= slots)
+        return fail(be, LOOM_ERR_INVALID, "%s: token %lld's slot %d is outside the state's %lld",
+                    what, (long long)t, s, (long long)slots);
+    *slot = s;
+    return LOOM_OK;
+}
+
+static loom_status ref_ssm_conv(loom_backend *be, const loom_ssm_conv_params *p)
+{
+    CHECK_ARGS(be, loom_check_ssm_conv(p));
+    CHECK(check_tensor(be, p->x, "ssm_conv x"));
+    CHECK(check_tensor(be, p->weight, "ssm_conv weight"));
+    CHECK(check_tensor(be, p->seq, "ssm_conv seq"));
+    CHECK(check_tensor(be, p->state, "ssm_conv state"));
+    CHECK(check_tensor(be, p->dst, "ssm_conv dst"));
+    const int64_t C = p->x->ne[0], K = p->weight->ne[0], T = n_rows(p->x);
+    /* the window [kernel][channels]: the state's rows, then x[t] */
+    float *win = scratch((size_t)(K * C)), *w = scratch((size_t)(K * C)), *y = scratch((size_t)C);
+    if (!win || !w || !y) {
+        free(win), free(w), free(y);
+        return NO_MEMORY(be);
+    }
+    for (int64_t c = 0; c < C; c++)
+        load_row(p->weight, c, w + c * K);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = 0;
+        loom_status st = state_slot(be, p->seq, t, p->state->ne[2], "ssm_conv", &s);
+        if (st != LOOM_OK) {
+            free(win), free(w), free(y);
+            return st;
+        }
+        for (int64_t j = 0; j < K - 1; j++)
+            load_row(p->state, s * (K - 1) + j, win + j * C);
+        load_row(p->x, t, win + (K - 1) * C);
+        for (int64_t c = 0; c < C; c++) {
+            double acc = 0;
+            for (int64_t j = 0; j < K; j++)
+                acc += (double)w[c * K + j] * win[j * C + c];
+            y[c] = (float)(acc / (1.0 + exp(-acc)));
+        }
+        store_row(p->dst, t, y);
+        for (int64_t j = 0; j < K - 1; j++)
+            store_row(p->state, s * (K - 1) + j, win + (j + 1) * C);
+    }
+    free(win), free(w), free(y);
+    return LOOM_OK;
+}
+
+static double dot(const float *a, const float *b, int64_t n)
+{
+    double acc = 0;
+    for (int64_t i = 0; i < n; i++)
+        acc += (double)a[i] * b[i];
+    return acc;
+}
+
+static loom_status ref_gated_delta(loom_backend *be, const loom_gated_delta_params *p)
+{
+    CHECK_ARGS(be, loom_check_gated_delta(p));
+    const loom_tensor *all[] = {p->q, p->k,       p->v,   p->alpha, p->beta,
+                                p->a, p->dt_bias, p->seq, p->state, p->dst};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        CHECK(check_tensor(be, all[i], "gated_delta"));
+    const int64_t dk = p->q->ne[0], hk = p->q->ne[1], T = p->q->ne[2];
+    const int64_t dv = p->v->ne[0], hv = p->v->ne[1], group = hv / hk;
+    float *q = scratch((size_t)dk), *k = scratch((size_t)dk), *v = scratch((size_t)dv);
+    float *S = scratch((size_t)(dv * dk)), *o = scratch((size_t)dv);
+    float *alpha = scratch((size_t)hv), *beta = scratch((size_t)hv);
+    float *a = scratch((size_t)hv), *dt = scratch((size_t)hv);
+    loom_status st = LOOM_OK;
+    if (!q || !k || !v || !S || !o || !alpha || !beta || !a || !dt) {
+        st = NO_MEMORY(be);
+        goto done;
+    }
+    load_row(p->a, 0, a);
+    load_row(p->dt_bias, 0, dt);
+    for (int64_t t = 0; t < T && st == LOOM_OK; t++) {
+        int64_t s = 0;
+        st = state_slot(be, p->seq, t, p->state->ne[3], "gated_delta", &s);
+        if (st != LOOM_OK)
+            break;
+        load_row(p->alpha, t, alpha);
+        load_row(p->beta, t, beta);
+        for (int64_t h = 0; h < hv; h++) {
+            load_row(p->q, t * hk + h / group, q);
+            load_row(p->k, t * hk + h / group, k);
+            load_row(p->v, t * hv + h, v);
+            double qn = 1.0 / sqrt(dot(q, q, dk) + 1e-6) / sqrt((double)dk);
+            double kn = 1.0 / sqrt(dot(k, k, dk) + 1e-6);
+            for (int64_t i = 0; i < dk; i++)
+                q[i] = (float)(q[i] * qn), k[i] = (float)(k[i] * kn);
+            double x = (double)alpha[h] + dt[h];
+            double softplus = x > 20 ? x : log1p(exp(x));
+            double decay = exp((double)a[h] * softplus), b = 1.0 / (1.0 + exp(-(double)beta[h]));
+            /* S's column j is row j of the state */
+            for (int64_t j = 0; j < dv; j++)
+                load_row(p->state, (s * hv + h) * dv + j, S + j * dk);
+            for (int64_t j = 0; j < dv; j++) {
+                float *col = S + j * dk;
+                for (int64_t i = 0; i < dk; i++)
+                    col[i] = (float)(col[i] * decay);
+                double delta = b * ((double)v[j] - dot(col, k, dk));
+                for (int64_t i = 0; i < dk; i++)
+                    col[i] = (float)(col[i] + k[i] * delta);
+                o[j] = (float)dot(col, q, dk);
+                store_row(p->state, (s * hv + h) * dv + j, col);
+            }
+            store_row(p->dst, t * hv + h, o);
+        }
+    }
+done:
+    free(q), free(k), free(v), free(S), free(o), free(alpha), free(beta), free(a), free(dt);
+    return st;
+}
+
 /* ---- Buffers ---------------------------------------------------------------------------- */
 
 /* Guards the uint64 -> size_t narrowing and keeps absurd requests from reaching malloc. */
@@ -913,6 +1040,9 @@ static int ref_supports(loom_backend *be, loom_op op, loom_dtype dt)
     case LOOM_OP_MOE_ROUTE:
     case LOOM_OP_MOE_COMBINE: return dt == LOOM_F32;
     case LOOM_OP_MATMUL_ID: return is_float_dtype(dt) || loom_dtype_is_quantized(dt);
+    case LOOM_OP_SIGMOID_MUL:
+    case LOOM_OP_GATED_DELTA: return dt == LOOM_F32;
+    case LOOM_OP_SSM_CONV: return is_float_dtype(dt);
     case LOOM_OP_COUNT: break;
     }
     return 0;
@@ -964,7 +1094,8 @@ static void ref_close(loom_backend *be)
     .mul = ref_mul, .scale = ref_scale, .silu_mul = ref_silu_mul, .gelu = ref_gelu,                \
     .kv_store = ref_kv_store, .attention = ref_attention, .quantize = ref_quantize,                \
     .dequantize = ref_dequantize, .convert = ref_convert, .prepare_weight = ref_prepare_weight,    \
-    .moe_route = ref_moe_route, .matmul_id = ref_matmul_id, .moe_combine = ref_moe_combine
+    .moe_route = ref_moe_route, .matmul_id = ref_matmul_id, .moe_combine = ref_moe_combine,        \
+    .sigmoid_mul = ref_sigmoid_mul, .ssm_conv = ref_ssm_conv, .gated_delta = ref_gated_delta
 
 static const loom_backend_ops ref_ops_host_visible = {
     REF_OPS_COMMON,

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 7
+#define LOOM_BACKEND_ABI_MINOR 8
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -352,7 +352,10 @@ typedef struct loom_tensor {
 #define LOOM_OPS_APPENDED(X)                                                                       \
     X(MOE_ROUTE, moe_route, loom_moe_route_params)                                                 \
     X(MATMUL_ID, matmul_id, loom_matmul_id_params)                                                 \
-    X(MOE_COMBINE, moe_combine, loom_moe_combine_params)
+    X(MOE_COMBINE, moe_combine, loom_moe_combine_params)                                           \
+    X(SIGMOID_MUL, sigmoid_mul, loom_elementwise_params)                                           \
+    X(SSM_CONV, ssm_conv, loom_ssm_conv_params)                                                    \
+    X(GATED_DELTA, gated_delta, loom_gated_delta_params)
 #define LOOM_OPS(X) LOOM_OPS_1_0(X) LOOM_OPS_APPENDED(X)
 
 /* clang-format off */
@@ -441,6 +444,7 @@ typedef struct loom_rope_params {
  *   scale     dst = a * scale      b unused
  *   silu_mul  dst = silu(a) * b    (SwiGLU; a and b may be views of one [M, 2F] matrix)
  *   gelu      dst = gelu_tanh(a)   b unused
+ *   sigmoid_mul  dst = sigmoid(a) * b   (ABI 1.8; an output gate: a the gate, b what it gates)
  * dst may equal a. */
 typedef struct loom_elementwise_params {
     uint32_t struct_size;
@@ -599,6 +603,50 @@ typedef struct loom_moe_combine_params {
     int32_t accumulate;
 } loom_moe_combine_params;
 
+/* ---- Recurrent layers (ABI 1.8) ------------------------------------------------------------
+ * Linear attention keeps, per sequence, a fixed-size state instead of a growing KV cache (Gated
+ * DeltaNet: Qwen3-Next, Qwen3.5). A state tensor is [slots, ...]: one slot per sequence the
+ * caller runs at once; token t reads and writes slot seq[t]. A batch may mix sequences, but the
+ * tokens of one sequence appear in it in order, and each op runs a sequence's tokens one after
+ * another (a backend may compute a long run of them in chunks, as long as the result is that
+ * of the recurrence). The caller zeroes a slot before a sequence's first token. */
+
+/* Causal depthwise convolution with SiLU (the conv1d before Gated DeltaNet and Mamba): for
+ * token t of slot s = seq[t], with the window w = [state[s] (kernel - 1 earlier inputs, oldest
+ * first); x[t]],
+ *   dst[t, c] = silu(sum over j < kernel of weight[c, j] * w[j, c])
+ * after which state[s] holds the window's last kernel - 1 inputs. `supports` is asked about
+ * weight's dtype. */
+typedef struct loom_ssm_conv_params {
+    uint32_t struct_size;
+    const loom_tensor *x;      /* [tokens, channels] F32 */
+    const loom_tensor *weight; /* [channels, kernel] F32, F16 or BF16, kernel >= 2 */
+    const loom_tensor *seq;    /* [tokens] I32, slots of state */
+    const loom_tensor *state;  /* [slots, kernel - 1, channels] F32, read and written */
+    const loom_tensor *dst;    /* [tokens, channels] F32 */
+} loom_ssm_conv_params;
+
+/* The gated delta rule (Gated DeltaNet's recurrence, as Hugging Face's qwen3_next and qwen3_5
+ * compute it), per token t of slot s = seq[t] and value head h, which reads key head
+ * h / (v_heads / k_heads):
+ *   q' = q[t, hk] / sqrt(sum q^2 + 1e-6) / sqrt(d_k),  k' = k[t, hk] / sqrt(sum k^2 + 1e-6)
+ *   decay = exp(a[h] * softplus(alpha[t, h] + dt_bias[h])),  b = sigmoid(beta[t, h])
+ *   S = S * decay;  S = S + k' (b (v[t, h] - k' S))^T;  dst[t, h] = q' S
+ * with S = state[s, h], a [d_k, d_v] matrix stored by columns: state[s, h, j, i] = S[i, j]. */
+typedef struct loom_gated_delta_params {
+    uint32_t struct_size;
+    const loom_tensor *q;       /* [tokens, k_heads, d_k] F32 */
+    const loom_tensor *k;       /* [tokens, k_heads, d_k] F32 */
+    const loom_tensor *v;       /* [tokens, v_heads, d_v] F32; v_heads a multiple of k_heads */
+    const loom_tensor *alpha;   /* [tokens, v_heads] F32 */
+    const loom_tensor *beta;    /* [tokens, v_heads] F32 */
+    const loom_tensor *a;       /* [v_heads] F32, negative: -exp(A_log) */
+    const loom_tensor *dt_bias; /* [v_heads] F32 */
+    const loom_tensor *seq;     /* [tokens] I32, slots of state */
+    const loom_tensor *state;   /* [slots, v_heads, d_v, d_k] F32, read and written */
+    const loom_tensor *dst;     /* [tokens, v_heads, d_v] F32 */
+} loom_gated_delta_params;
+
 /* Each parameter struct's tensors in turn, I(field) those the op only reads and O(field) those
  * it writes, last: what the CPU fallback copies over (and the outputs back) and what the trace
  * decorator records. A new struct gets its line here. */
@@ -614,6 +662,9 @@ typedef struct loom_moe_combine_params {
 #define LOOM_TENSORS_loom_moe_route_params(I, O) I(logits) I(bias) O(ids) O(weights)
 #define LOOM_TENSORS_loom_matmul_id_params(I, O) I(x) I(w) I(ids) O(y)
 #define LOOM_TENSORS_loom_moe_combine_params(I, O) I(src) I(weights) O(dst)
+#define LOOM_TENSORS_loom_ssm_conv_params(I, O) I(x) I(weight) I(seq) O(state) O(dst)
+#define LOOM_TENSORS_loom_gated_delta_params(I, O)                                                 \
+    I(q) I(k) I(v) I(alpha) I(beta) I(a) I(dt_bias) I(seq) O(state) O(dst)
 
 /* ---- Argument checks ---------------------------------------------------------------------
  * Optional helpers that state each op's shape and dtype contract in code. Each returns NULL
@@ -874,6 +925,49 @@ static inline const char *loom_check_moe_combine(const loom_moe_combine_params *
     if (p->src->ne[3] != 1 || p->src->ne[2] != tokens || p->src->ne[1] != k ||
         p->dst->ne[0] != p->src->ne[0] || loom_tensor_rows(p->dst) != tokens)
         return "moe_combine: want src [tokens, k, n], weights [tokens, k], dst [tokens, n]";
+    return NULL;
+}
+
+static inline const char *loom_check_ssm_conv(const loom_ssm_conv_params *p)
+{
+    if (!p->x || !p->weight || !p->seq || !p->state || !p->dst)
+        return "ssm_conv: x, weight, seq, state and dst are required";
+    if (p->x->dtype != LOOM_F32 || p->state->dtype != LOOM_F32 || p->dst->dtype != LOOM_F32 ||
+        p->seq->dtype != LOOM_I32 || !loom_dtype_is_float(p->weight->dtype))
+        return "ssm_conv: x, state and dst must be f32, seq i32 and weight a float type";
+    int64_t channels = p->x->ne[0], kernel = p->weight->ne[0], tokens = loom_tensor_rows(p->x);
+    if (kernel < 2 || loom_tensor_rows(p->weight) != channels || p->state->ne[0] != channels ||
+        p->state->ne[1] != kernel - 1 || p->state->ne[3] != 1 || !loom_same_rows(p->x, p->dst) ||
+        p->seq->ne[0] != tokens)
+        return "ssm_conv: want x and dst [tokens, channels], weight [channels, kernel >= 2], "
+               "seq [tokens], state [slots, kernel - 1, channels]";
+    return NULL;
+}
+
+static inline const char *loom_check_gated_delta(const loom_gated_delta_params *p)
+{
+    if (!p->q || !p->k || !p->v || !p->alpha || !p->beta || !p->a || !p->dt_bias || !p->seq ||
+        !p->state || !p->dst)
+        return "gated_delta: every tensor is required";
+    const loom_tensor *f32s[] = {p->q, p->k,       p->v,     p->alpha, p->beta,
+                                 p->a, p->dt_bias, p->state, p->dst};
+    for (size_t i = 0; i < sizeof f32s / sizeof f32s[0]; i++)
+        if (f32s[i]->dtype != LOOM_F32)
+            return "gated_delta: every tensor but seq must be f32";
+    if (p->seq->dtype != LOOM_I32)
+        return "gated_delta: seq must be i32";
+    int64_t dk = p->q->ne[0], hk = p->q->ne[1], tokens = p->q->ne[2];
+    int64_t dv = p->v->ne[0], hv = p->v->ne[1];
+    if (p->q->ne[3] != 1 || p->k->ne[0] != dk || p->k->ne[1] != hk || p->k->ne[2] != tokens ||
+        p->v->ne[2] != tokens || hk < 1 || hv % hk != 0 || p->alpha->ne[0] != hv ||
+        loom_tensor_rows(p->alpha) != tokens || p->beta->ne[0] != hv ||
+        loom_tensor_rows(p->beta) != tokens || p->a->ne[0] != hv || p->dt_bias->ne[0] != hv ||
+        p->seq->ne[0] != tokens || p->state->ne[0] != dk || p->state->ne[1] != dv ||
+        p->state->ne[2] != hv || p->dst->ne[0] != dv || p->dst->ne[1] != hv ||
+        p->dst->ne[2] != tokens)
+        return "gated_delta: want q and k [tokens, k_heads, d_k], v and dst [tokens, v_heads, "
+               "d_v] (v_heads a multiple of k_heads), alpha and beta [tokens, v_heads], a and "
+               "dt_bias [v_heads], seq [tokens], state [slots, v_heads, d_v, d_k]";
     return NULL;
 }
 

@@ -1,0 +1,332 @@
+/*
+ * models/qwen35.c - Qwen3.5 and Qwen3.6 (GGUF "qwen35"): a hybrid of linear-attention layers
+ * (Gated DeltaNet) and gated full attention, three of the first to one of the second.
+ *
+ * Every layer is pre-norm: x += mixer(rms_norm(x)); x += swiglu(rms_norm(x)). The mixer is
+ *   - in a recurrent layer (every one but each full_attention_interval-th): the projections
+ *     qkv (q and k: group_count heads of state_size; v: time_step_rank heads of
+ *     inner_size / time_step_rank), z (the output gate), alpha (the decay's input) and beta
+ *     (the write strength); a causal depthwise conv1d + SiLU over qkv, whose window is part
+ *     of the sequence's state; the gated delta rule over the other part (backend.h's
+ *     gated_delta: the l2 norms, the decay and the sigmoid are inside it); per head
+ *     rms_norm(o) * ssm_norm * silu(z); the output projection;
+ *   - in an attention layer: Q projected twice as wide, per head [query; gate]; per-head
+ *     RMSNorm of Q and K; RoPE on the first rope.dimension_count dims (rotate half) of each
+ *     head; attention; the result times sigmoid(gate); the output projection.
+ * The model's multimodal RoPE (rope.dimension_sections) gives each section of a head's pairs
+ * the position of one axis; for text every axis has the token's position, so it is plain RoPE.
+ * llama.cpp's converter stores the (1 + w) RMSNorm weights of Hugging Face's checkpoint with
+ * the 1 added (every norm but ssm_norm), and A_log as ssm_a = -exp(A_log). The file's last
+ * nextn_predict_layers blocks are the multi-token-prediction head, which a plain run skips.
+ */
+#include "blocks.h"
+#include "models.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct q35_layer {
+    const loom_tensor *attn_norm, *ffn_norm;
+    /* recurrent layers */
+    const loom_tensor *wqkv;     /* [2 k_heads d_k + v_heads d_v, n_embd] */
+    const loom_tensor *wz;       /* attn_gate: [v_heads d_v, n_embd] */
+    const loom_tensor *walpha;   /* ssm_alpha: [v_heads, n_embd] */
+    const loom_tensor *wbeta;    /* ssm_beta: [v_heads, n_embd] */
+    const loom_tensor *conv;     /* ssm_conv1d: [channels, kernel] */
+    const loom_tensor *a;        /* ssm_a: [v_heads], -exp(A_log) */
+    const loom_tensor *dt_bias;  /* ssm_dt.bias: [v_heads] */
+    const loom_tensor *ssm_norm; /* [d_v] */
+    const loom_tensor *ssm_out;  /* [n_embd, v_heads d_v] */
+    /* attention layers */
+    const loom_tensor *wq; /* [n_head 2 head_dim, n_embd]: per head [query; gate] */
+    const loom_tensor *wk, *wv, *wo, *q_norm, *k_norm;
+    /* every layer */
+    const loom_tensor *gate, *up, *down;
+} q35_layer;
+
+typedef struct q35_model {
+    const loom_tensor *tok_embd, *out_norm, *output;
+    int32_t k_heads; /* the linear layers' q and k heads */
+    q35_layer *layers;
+} q35_model;
+
+static void q35_free(void *state)
+{
+    q35_model *m = state;
+    if (m)
+        free(m->layers);
+    free(m);
+}
+
+/* The hyper-parameters, checked against each other (names as in the file). */
+static int read_hparams(const loom_gguf *g, loom_hparams *hp, q35_model *m, char *err,
+                        size_t err_size)
+{
+    const char *arch = "qwen35";
+    snprintf(hp->arch, sizeof hp->arch, "%s", arch);
+    hp->n_embd = (int32_t)loom_model_kv_int(g, arch, "embedding_length", 0);
+    int64_t blocks = loom_model_kv_int(g, arch, "block_count", 0);
+    int64_t nextn = loom_model_kv_int(g, arch, "nextn_predict_layers", 0);
+    hp->n_layer = (int32_t)(blocks - nextn);
+    hp->n_head = (int32_t)loom_model_kv_int(g, arch, "attention.head_count", 0);
+    hp->n_head_kv = (int32_t)loom_model_kv_int(g, arch, "attention.head_count_kv", hp->n_head);
+    hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length", 0);
+    int64_t value_length = loom_model_kv_int(g, arch, "attention.value_length", hp->head_dim);
+    hp->n_ff = (int32_t)loom_model_kv_int(g, arch, "feed_forward_length", 0);
+    hp->n_ctx_train = (int32_t)loom_model_kv_int(g, arch, "context_length", 2048);
+    hp->norm_eps = (float)loom_model_kv_float(g, arch, "attention.layer_norm_rms_epsilon", 1e-6);
+    hp->rope_base = (float)loom_model_kv_float(g, arch, "rope.freq_base", 10000000.0);
+    hp->rope_scale = 1.0f;
+    hp->rope_mode = LOOM_ROPE_NEOX;
+    hp->n_rot = (int32_t)loom_model_kv_int(g, arch, "rope.dimension_count", hp->head_dim);
+    hp->ssm_conv_kernel = (int32_t)loom_model_kv_int(g, arch, "ssm.conv_kernel", 0);
+    hp->ssm_d_k = (int32_t)loom_model_kv_int(g, arch, "ssm.state_size", 0);
+    m->k_heads = (int32_t)loom_model_kv_int(g, arch, "ssm.group_count", 0);
+    hp->ssm_v_heads = (int32_t)loom_model_kv_int(g, arch, "ssm.time_step_rank", 0);
+    int64_t inner = loom_model_kv_int(g, arch, "ssm.inner_size", 0);
+    int64_t interval = loom_model_kv_int(g, arch, "full_attention_interval", 4);
+    if (hp->n_embd <= 0 || blocks <= 0 || nextn < 0 || hp->n_layer <= 0 ||
+        hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 || hp->n_head_kv <= 0 ||
+        hp->n_head % hp->n_head_kv || hp->head_dim <= 0 || value_length != hp->head_dim ||
+        hp->n_ff <= 0) {
+        snprintf(err, err_size,
+                 "%s: embedding_length %d, block_count %lld (nextn_predict_layers %lld), "
+                 "head_count %d, head_count_kv %d, key_length %d, value_length %lld, "
+                 "feed_forward_length %d: each must be above 0, the layers at most %d, the "
+                 "heads a multiple of the KV heads and value_length equal to key_length",
+                 arch, hp->n_embd, (long long)blocks, (long long)nextn, hp->n_head, hp->n_head_kv,
+                 hp->head_dim, (long long)value_length, hp->n_ff, LOOM_MAX_LAYERS);
+        return -1;
+    }
+    if (m->k_heads <= 0 || hp->ssm_v_heads <= 0 || hp->ssm_v_heads % m->k_heads ||
+        hp->ssm_d_k <= 0 || inner <= 0 || inner % hp->ssm_v_heads || interval < 1 ||
+        interval > hp->n_layer) {
+        snprintf(err, err_size,
+                 "%s: ssm.group_count %d, ssm.time_step_rank %d, ssm.state_size %d, "
+                 "ssm.inner_size %lld, full_attention_interval %lld: the value heads "
+                 "(time_step_rank) must be a multiple of the key heads (group_count), the inner "
+                 "size a multiple of the value heads, and the interval 1 to the layer count",
+                 arch, m->k_heads, hp->ssm_v_heads, hp->ssm_d_k, (long long)inner,
+                 (long long)interval);
+        return -1;
+    }
+    hp->ssm_d_v = (int32_t)(inner / hp->ssm_v_heads);
+    hp->ssm_conv_channels = 2 * m->k_heads * hp->ssm_d_k + (int32_t)inner;
+    /* text positions are the same on every axis of the multimodal RoPE, whatever the sections;
+     * they must still cover the rotated pairs, or the file means something else */
+    const loom_gguf_kv *sections = loom_gguf_find(g, "qwen35.rope.dimension_sections");
+    if (sections) {
+        double sum = 0, v;
+        for (uint64_t i = 0; i < sections->count && i < 8; i++)
+            if (loom_gguf_array_f64(g, sections, i, &v) == 0 && v >= 0 && v <= 65536)
+                sum += v;
+        if (sum * 2 != hp->n_rot) {
+            snprintf(err, err_size,
+                     "%s: rope.dimension_sections cover %lld pairs, but rope.dimension_count "
+                     "rotates %d dims: not a layout loom knows",
+                     arch, (long long)sum, hp->n_rot);
+            return -1;
+        }
+    }
+    for (int l = 0; l < hp->n_layer; l++)
+        if ((l + 1) % interval != 0)
+            loom_layer_set_recurrent(hp, l);
+    return 0;
+}
+
+static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    const loom_gguf *g = loom_rt_gguf(r);
+    q35_model *m = calloc(1, sizeof *m);
+    if (!m || read_hparams(g, hp, m, err, err_size) != 0 ||
+        !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
+        if (m && !err[0])
+            snprintf(err, err_size, "out of memory");
+        q35_free(m);
+        return -1;
+    }
+    m->tok_embd = loom_rt_weight(r, "token_embd.weight", 1);
+    m->out_norm = loom_rt_weight(r, "output_norm.weight", 1);
+    m->output = loom_rt_weight(r, "output.weight", 0);
+    if (!m->output)
+        m->output = m->tok_embd; /* tied */
+    char name[96];
+#define W(field, fmt, required)                                                                    \
+    (snprintf(name, sizeof name, fmt, l), L->field = loom_rt_weight(r, name, required))
+    for (int l = 0; l < hp->n_layer; l++) {
+        q35_layer *L = &m->layers[l];
+        W(attn_norm, "blk.%d.attn_norm.weight", 1);
+        W(ffn_norm, "blk.%d.post_attention_norm.weight", 1);
+        W(gate, "blk.%d.ffn_gate.weight", 1);
+        W(up, "blk.%d.ffn_up.weight", 1);
+        W(down, "blk.%d.ffn_down.weight", 1);
+        if (loom_layer_recurrent(hp, l)) {
+            W(wqkv, "blk.%d.attn_qkv.weight", 1);
+            W(wz, "blk.%d.attn_gate.weight", 1);
+            W(walpha, "blk.%d.ssm_alpha.weight", 1);
+            W(wbeta, "blk.%d.ssm_beta.weight", 1);
+            W(conv, "blk.%d.ssm_conv1d.weight", 1);
+            W(a, "blk.%d.ssm_a", 1);
+            W(dt_bias, "blk.%d.ssm_dt.bias", 1);
+            W(ssm_norm, "blk.%d.ssm_norm.weight", 1);
+            W(ssm_out, "blk.%d.ssm_out.weight", 1);
+        } else {
+            W(wq, "blk.%d.attn_q.weight", 1);
+            W(wk, "blk.%d.attn_k.weight", 1);
+            W(wv, "blk.%d.attn_v.weight", 1);
+            W(wo, "blk.%d.attn_output.weight", 1);
+            W(q_norm, "blk.%d.attn_q_norm.weight", 1);
+            W(k_norm, "blk.%d.attn_k_norm.weight", 1);
+        }
+    }
+#undef W
+    if (loom_rt_status(r)) {
+        q35_free(m);
+        return -1;
+    }
+    hp->n_vocab = (int32_t)m->output->ne[1];
+    const int64_t d = hp->n_embd, hd = hp->head_dim, hv = hp->ssm_v_heads;
+    const int64_t inner = hv * hp->ssm_d_v, C = hp->ssm_conv_channels;
+    int ok = m->tok_embd->ne[0] == d && m->output->ne[0] == d && m->out_norm->ne[0] == d;
+    for (int l = 0; ok && l < hp->n_layer; l++) {
+        const q35_layer *L = &m->layers[l];
+        ok = L->attn_norm->ne[0] == d && L->ffn_norm->ne[0] == d && L->gate->ne[0] == d &&
+            L->gate->ne[1] == hp->n_ff && L->up->ne[1] == hp->n_ff && L->down->ne[0] == hp->n_ff;
+        if (ok && L->wqkv)
+            ok = L->wqkv->ne[0] == d && L->wqkv->ne[1] == C && L->wz->ne[1] == inner &&
+                L->walpha->ne[1] == hv && L->wbeta->ne[1] == hv &&
+                L->conv->ne[0] == hp->ssm_conv_kernel && L->conv->ne[1] == C && L->a->ne[0] == hv &&
+                L->a->dtype == LOOM_F32 && L->dt_bias->ne[0] == hv &&
+                L->dt_bias->dtype == LOOM_F32 && L->ssm_norm->ne[0] == hp->ssm_d_v &&
+                L->ssm_out->ne[0] == inner && L->ssm_out->ne[1] == d;
+        else if (ok)
+            ok = L->wq->ne[0] == d && L->wq->ne[1] == 2 * hp->n_head * hd &&
+                L->wk->ne[1] == hp->n_head_kv * hd && L->wv->ne[1] == hp->n_head_kv * hd &&
+                L->wo->ne[0] == hp->n_head * hd && L->q_norm->ne[0] == hd && L->k_norm->ne[0] == hd;
+        if (!ok)
+            snprintf(err, err_size,
+                     "qwen35: the tensors of block %d (a %s layer) disagree with the "
+                     "hyper-parameters ('loom inspect FILE' lists them)",
+                     l, L->wqkv ? "linear-attention" : "full-attention");
+    }
+    if (!ok) {
+        if (!err[0])
+            snprintf(err, err_size,
+                     "qwen35: the embeddings or the output disagree with "
+                     "embedding_length");
+        q35_free(m);
+        return -1;
+    }
+    *state = m;
+    return 0;
+}
+
+/* The step's scratch for n tokens. */
+typedef struct q35_buffers {
+    loom_tensor h, ff_gate, ff_up;
+    /* recurrent */
+    loom_tensor qkv, conv, z, z3, alpha, beta, q3, k3, v3, o, o3;
+    /* attention */
+    loom_tensor qg, q3a, gate3, qn3, k, k3a, v, v3a, att, att3;
+} q35_buffers;
+
+static q35_buffers buffers(loom_runner *r, const loom_hparams *hp, const q35_model *m, int64_t n)
+{
+    const int64_t hd = hp->head_dim, dk = hp->ssm_d_k, dv = hp->ssm_d_v, hv = hp->ssm_v_heads;
+    const int64_t hk = m->k_heads, C = hp->ssm_conv_channels, inner = hv * dv;
+    q35_buffers b;
+    b.h = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1);
+    b.ff_gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    b.ff_up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    b.qkv = loom_rt_scratch(r, LOOM_F32, C, n, 1);
+    b.conv = loom_rt_scratch(r, LOOM_F32, C, n, 1);
+    b.q3 = loom_rt_heads(&b.conv, 0, dk, hk);
+    b.k3 = loom_rt_heads(&b.conv, hk * dk, dk, hk);
+    b.v3 = loom_rt_heads(&b.conv, 2 * hk * dk, dv, hv);
+    b.z = loom_rt_scratch(r, LOOM_F32, inner, n, 1);
+    b.z3 = loom_rt_reshape(&b.z, dv, hv, n);
+    b.alpha = loom_rt_scratch(r, LOOM_F32, hv, n, 1);
+    b.beta = loom_rt_scratch(r, LOOM_F32, hv, n, 1);
+    b.o = loom_rt_scratch(r, LOOM_F32, inner, n, 1);
+    b.o3 = loom_rt_reshape(&b.o, dv, hv, n);
+    /* Q and its gate interleaved per head: views of every other head_dim columns */
+    b.qg = loom_rt_scratch(r, LOOM_F32, 2 * hp->n_head * hd, n, 1);
+    b.q3a = loom_rt_heads(&b.qg, 0, 2 * hd, hp->n_head);
+    b.q3a.ne[0] = hd;
+    b.gate3 = b.q3a;
+    b.gate3.offset += (uint64_t)hd * 4;
+    b.att = loom_rt_scratch(r, LOOM_F32, hp->n_head * hd, n, 1);
+    b.att3 = loom_rt_reshape(&b.att, hd, hp->n_head, n);
+    b.qn3 = loom_rt_scratch(r, LOOM_F32, hd, hp->n_head, n);
+    b.k = loom_rt_scratch(r, LOOM_F32, hp->n_head_kv * hd, n, 1);
+    b.k3a = loom_rt_reshape(&b.k, hd, hp->n_head_kv, n);
+    b.v = loom_rt_scratch(r, LOOM_F32, hp->n_head_kv * hd, n, 1);
+    b.v3a = loom_rt_reshape(&b.v, hd, hp->n_head_kv, n);
+    return b;
+}
+
+static void linear_attention(loom_runner *r, const loom_hparams *hp, int l, const q35_layer *L,
+                             const loom_tensor *x, const q35_buffers *b)
+{
+    loom_rt_rms_norm(r, x, L->attn_norm, hp->norm_eps, &b->h);
+    loom_rt_matmul(r, &b->h, L->wqkv, NULL, &b->qkv);
+    loom_rt_matmul(r, &b->h, L->wz, NULL, &b->z);
+    loom_rt_matmul(r, &b->h, L->walpha, NULL, &b->alpha);
+    loom_rt_matmul(r, &b->h, L->wbeta, NULL, &b->beta);
+    loom_rt_ssm_conv(r, l, &b->qkv, L->conv, &b->conv);
+    loom_rt_gated_delta(r, l, &b->q3, &b->k3, &b->v3, &b->alpha, &b->beta, L->a, L->dt_bias,
+                        &b->o3);
+    loom_rt_rms_norm(r, &b->o3, L->ssm_norm, hp->norm_eps, &b->o3);
+    loom_rt_silu_mul(r, &b->z3, &b->o3, &b->o3);
+    loom_rt_matmul(r, &b->o, L->ssm_out, NULL, &b->h);
+    loom_rt_add(r, x, &b->h, x);
+}
+
+static void gated_attention(loom_runner *r, const loom_hparams *hp, int l, const q35_layer *L,
+                            const loom_tensor *x, const q35_buffers *b)
+{
+    loom_rt_rms_norm(r, x, L->attn_norm, hp->norm_eps, &b->h);
+    loom_rt_matmul(r, &b->h, L->wq, NULL, &b->qg);
+    loom_rt_matmul(r, &b->h, L->wk, NULL, &b->k);
+    loom_rt_matmul(r, &b->h, L->wv, NULL, &b->v);
+    loom_rt_rms_norm(r, &b->q3a, L->q_norm, hp->norm_eps, &b->qn3);
+    loom_rt_rms_norm(r, &b->k3a, L->k_norm, hp->norm_eps, &b->k3a);
+    loom_rt_rope(r, &b->qn3, hp, NULL);
+    loom_rt_rope(r, &b->k3a, hp, NULL);
+    loom_rt_kv_store(r, &b->k3a, loom_rt_kcache(r, l));
+    loom_rt_kv_store(r, &b->v3a, loom_rt_vcache(r, l));
+    loom_rt_attention(r, &b->qn3, l, 1.0f / sqrtf((float)hp->head_dim), &b->att3);
+    loom_rt_sigmoid_mul(r, &b->gate3, &b->att3, &b->att3);
+    loom_rt_matmul(r, &b->att, L->wo, NULL, &b->h);
+    loom_rt_add(r, x, &b->h, x);
+}
+
+static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
+{
+    const q35_model *m = state;
+    const loom_hparams *hp = loom_runner_hparams(r);
+    loom_tensor x = loom_rt_scratch(r, LOOM_F32, hp->n_embd, batch->n, 1); /* residual stream */
+    q35_buffers b = buffers(r, hp, m, batch->n);
+    loom_ffn_buffers fb = {.h = b.h, .gate = b.ff_gate, .up = b.ff_up, .act = b.ff_gate};
+    int first, end;
+    loom_rt_layers(r, &first, &end);
+    loom_rt_embed(r, m->tok_embd, &x);
+    for (int l = first; l < end; l++) {
+        const q35_layer *L = &m->layers[l];
+        if (loom_layer_recurrent(hp, l))
+            linear_attention(r, hp, l, L, &x, &b);
+        else
+            gated_attention(r, hp, l, L, &x, &b);
+        loom_ffn_weights f = {.norm = L->ffn_norm, .gate = L->gate, .up = L->up, .down = L->down};
+        loom_ffn_swiglu(r, hp, &x, &f, &fb);
+    }
+    loom_rt_logits(r, batch, &x, m->out_norm, NULL, hp->norm_eps, m->output);
+    return loom_rt_status(r);
+}
+
+const loom_arch loom_arch_qwen35 = {
+    .name = "qwen35", .load = q35_load, .forward = q35_forward, .free_state = q35_free};
+
+const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35, .chat_template = "chatml"};

@@ -1,0 +1,207 @@
+#define _GNU_SOURCE
+/*
+ * tests/test_hybrid.c - Qwen3.5's hybrid layers (Gated DeltaNet beside gated attention) against
+ * PyTorch, through the fixture tiny-qwen35 (expected.json, from Hugging Face's modelling code in
+ * float64), on every usable backend:
+ *   - llama.cpp's own GGUF of it: each case's last prompt logits within 1e-3, and the 16 greedy
+ *     tokens (the fixture's feature_off table: with the recurrent state reset per token the
+ *     logits move by 6.9, without the conv by 3.4, without the output gate by 0.63);
+ *   - the same with each prompt's first 7 tokens run first and the rest after, so the state
+ *     crosses steps;
+ *   - the serving engine: the four cases at once and again through two state slots (queued,
+ *     each slot reused by the next request, one cancelled mid-answer) give each case's greedy
+ *     tokens, as alone; speculative requests are refused, naming why;
+ *   - a cached prefix the state has not seen (a chat turn that re-rendered its history) is
+ *     recomputed from the start rather than run on the wrong state.
+ */
+#include "backends.h"
+#include "fixture_model.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static char dir[4096], model[4300], err[4096];
+
+typedef struct fixture_case {
+    int32_t prompt[256], greedy[16];
+    int n_prompt;
+} fixture_case;
+static fixture_case cases[8];
+static int n_cases;
+
+static void read_cases(void)
+{
+    char path[4300];
+    snprintf(path, sizeof path, "%s/tiny-qwen35/expected.json", dir);
+    char *json = slurp(path, NULL);
+    cJSON *root = cJSON_Parse(json), *cs;
+    cJSON_ArrayForEach (cs, cJSON_GetObjectItem(root, "cases")) {
+        fixture_case *c = &cases[n_cases++];
+        cJSON *ids = cJSON_GetObjectItem(cs, "prompt_ids"), *id;
+        cJSON_ArrayForEach (id, ids)
+            if (c->n_prompt < 256)
+                c->prompt[c->n_prompt++] = id->valueint;
+        int i = 0;
+        cJSON_ArrayForEach (id, cJSON_GetObjectItem(cJSON_GetObjectItem(cs, "greedy"), "ids"))
+            if (i < 16)
+                c->greedy[i++] = id->valueint;
+        if (n_cases == 8)
+            break;
+    }
+    cJSON_Delete(root);
+    free(json);
+    CHECK(n_cases == 4, "the fixture has %d cases, not 4", n_cases);
+}
+
+static int same_greedy(const collect *c, const fixture_case *fc)
+{
+    if (c->n != 16)
+        return 0;
+    for (int i = 0; i < 16; i++)
+        if (c->ids[i] != fc->greedy[i])
+            return 0;
+    return 1;
+}
+
+/* Each case in two calls: its first 7 tokens, then the rest with those 7 cached, so the state
+ * carries over from one step to the next. */
+static void test_chunked(const char *backend)
+{
+    loom_model_options o = {.backend = backend, .n_ctx = 256};
+    loom_model *m = loom_model_open(model, &o, err, sizeof err);
+    CHECK(m != NULL, "chunked prefill on %s: %s", backend, err);
+    if (!m)
+        return;
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0, g.ignore_eos = 1;
+    for (int i = 0; i < n_cases; i++) {
+        collect first = {{0}, 0}, c = {{0}, 0};
+        loom_generation st = {0};
+        int rc = loom_generate(m, cases[i].prompt, 7, 1, &g, on_token, &first, NULL, err,
+                               sizeof err);
+        rc = rc ? rc
+                : loom_generate_speculative(m, NULL, cases[i].prompt, cases[i].n_prompt, 7, 16, &g,
+                                            on_token, &c, &st, err, sizeof err);
+        CHECK(rc == 0 && same_greedy(&c, &cases[i]),
+              "case %d, its first 7 tokens run before the rest, on %s: %s", i, backend,
+              rc ? err : "other greedy tokens");
+    }
+    /* a cached prefix the state has not reached (as a chat turn that re-rendered its history
+     * would pass): recomputed from the start, the same answer */
+    collect c = {{0}, 0};
+    int rc = loom_generate_speculative(m, NULL, cases[0].prompt, cases[0].n_prompt, 5, 16, &g,
+                                       on_token, &c, NULL, err, sizeof err);
+    CHECK(rc == 0 && same_greedy(&c, &cases[0]),
+          "a cached prefix of 5 the state never saw, on %s: %s", backend,
+          rc ? err : "other greedy tokens");
+    loom_model_close(m);
+}
+
+/* ---- the engine ------------------------------------------------------------------------- */
+
+typedef struct answer {
+    collect c;
+    int done, errored, cancel_after;
+    int64_t id;
+} answer;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+static loom_engine *engine;
+
+static void on_event(void *user, const loom_event *ev)
+{
+    answer *a = user;
+    pthread_mutex_lock(&mu);
+    if (ev->kind == LOOM_EVENT_TEXT && ev->token >= 0 && a->c.n < 64)
+        a->c.ids[a->c.n++] = ev->token;
+    int cancel = ev->kind == LOOM_EVENT_TEXT && a->cancel_after && a->c.n == a->cancel_after;
+    if (ev->kind != LOOM_EVENT_TEXT) {
+        a->done = 1, a->errored = ev->kind == LOOM_EVENT_ERROR;
+        pthread_cond_broadcast(&cv);
+    }
+    int64_t id = a->id;
+    pthread_mutex_unlock(&mu);
+    if (cancel)
+        loom_engine_cancel(engine, id);
+}
+
+static void test_engine(const char *backend, int32_t slots)
+{
+    loom_model_options o = {.backend = backend, .n_ctx = 256, .kv_sequences = slots};
+    loom_model *m = loom_model_open(model, &o, err, sizeof err);
+    CHECK(m != NULL, "engine on %s: %s", backend, err);
+    if (!m)
+        return;
+    loom_engine_options eo = {.max_batch = 16};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "engine on %s: %s", backend, err);
+    if (!engine) {
+        loom_model_close(m);
+        return;
+    }
+    /* every case, then every case again, the first of those cancelled after 3 tokens */
+    answer a[8] = {0};
+    a[4].cancel_after = 3;
+    for (int i = 0; i < 2 * n_cases; i++) {
+        loom_request r = {.prompt = cases[i % n_cases].prompt,
+                          .n_prompt = cases[i % n_cases].n_prompt,
+                          .max_tokens = 16,
+                          .sampling = loom_sampling_defaults()};
+        r.sampling.temperature = 0, r.sampling.ignore_eos = 1;
+        pthread_mutex_lock(&mu);
+        int64_t id = loom_engine_submit(engine, &r, on_event, &a[i], err, sizeof err);
+        a[i].id = id;
+        pthread_mutex_unlock(&mu);
+        CHECK(id > 0, "submit %d on %s: %s", i, backend, err);
+    }
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < 2 * n_cases; i++)
+        while (a[i].id > 0 && !a[i].done)
+            pthread_cond_wait(&cv, &mu);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < 2 * n_cases; i++) {
+        if (i == 4) {
+            CHECK(a[i].c.n >= 3 && a[i].c.n < 16, "the cancelled request ran %d tokens", a[i].c.n);
+            continue;
+        }
+        CHECK(!a[i].errored && same_greedy(&a[i].c, &cases[i % n_cases]),
+              "request %d (case %d) of %d at once over %d state slots on %s: %s", i, i % n_cases,
+              2 * n_cases, slots, backend, a[i].errored ? "failed" : "other greedy tokens");
+    }
+    loom_request spec = {.prompt = cases[0].prompt,
+                         .n_prompt = cases[0].n_prompt,
+                         .max_tokens = 4,
+                         .sampling = loom_sampling_defaults(),
+                         .lookup = 3};
+    answer none = {0};
+    CHECK(loom_engine_submit(engine, &spec, on_event, &none, err, sizeof err) == -1 &&
+              strstr(err, "recurrent"),
+          "a speculative request is refused, saying why: %s", err);
+    loom_engine_stop(engine, 1000);
+    loom_engine_free(engine);
+    engine = NULL;
+    loom_model_close(m);
+}
+
+int main(void)
+{
+    snprintf(dir, sizeof dir, "%s", fixtures_dir());
+    static const char *const needed[] = {"tiny-qwen35/model.gguf", "tiny-qwen35/expected.json"};
+    need_fixtures(dir, needed, sizeof needed / sizeof needed[0]);
+    unsetenv("LOOM_BACKEND");
+    snprintf(model, sizeof model, "%s/tiny-qwen35/model.gguf", dir);
+    read_cases();
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int i = 0; i < n_backends; i++) {
+        check_model(dir, "tiny-qwen35", model, backends[i], "last_logits", 1e-3, 1,
+                    "tiny-qwen35 (llama.cpp's GGUF, f16)");
+        test_chunked(backends[i]);
+    }
+    test_engine("ref", 16);
+    test_engine(NULL, 2);
+    return check_finish("test_hybrid");
+}
