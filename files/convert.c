@@ -95,10 +95,16 @@ static float *load_f32(const loom_st_tensor *t, int64_t rows, int64_t cols, row_
 /* Adds Hugging Face tensor parts[0] (named src) as GGUF dst; with n_parts > 1, the stack of
  * parts[0..n_parts) (an expert each, of one shape and type) as one [n_parts, rows, cols]. */
 static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const char *src,
-               const char *dst, row_order order)
+               const char *dst, row_order order, unsigned flags)
 {
     const loom_st_tensor *t = parts[0];
-    if (t->loom_type < 0 || t->n_dims < 1 || t->n_dims > 2)
+    int squeeze = (flags & LOOM_HF_SQUEEZE) && t->n_dims == 3 && t->shape[1] == 1;
+    if ((flags & LOOM_HF_SQUEEZE) && !squeeze)
+        return conv_fail(c,
+                         "%s: tensor '%s' has %d dimensions; a [rows, 1, kernel] conv1d "
+                         "weight was expected",
+                         c->dir, src, t->n_dims);
+    if (t->loom_type < 0 || t->n_dims < 1 || (t->n_dims > 2 && !squeeze))
         return conv_fail(c,
                          "%s: tensor '%s' is %s with %d dimensions; loom converts f32/f16/bf16 "
                          "vectors and matrices",
@@ -108,14 +114,15 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
             memcmp(parts[i]->shape, t->shape, (size_t)t->n_dims * sizeof t->shape[0]) != 0)
             return conv_fail(c, "%s: the experts of '%s' differ in shape or type (expert %d)",
                              c->dir, src, i);
-    int64_t rows = t->n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
+    int n_dims = squeeze ? 2 : t->n_dims;
+    int64_t rows = n_dims == 2 ? t->shape[0] : 1, cols = t->shape[t->n_dims - 1];
     int64_t units = rows == 1 ? cols : rows;
     if ((order.kind == ROWS_ROPE_PAIRS && (units % order.heads || (units / order.heads) % 2)) ||
         (order.kind == ROWS_QKV_PER_HEAD && units % (3 * order.heads)))
         return conv_fail(c, "%s: '%s' has %lld rows, not a whole number of heads", c->dir, src,
                          (long long)units);
     loom_dtype out_type = LOOM_F32;
-    if (t->n_dims == 2) {
+    if (n_dims == 2 && !squeeze) {
         if (strcmp(c->type, "auto") == 0)
             out_type = (loom_dtype)t->loom_type;
         else
@@ -134,13 +141,15 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
         float *f = load_f32(parts[i], rows, cols, order);
         if (!f)
             return conv_fail(c, "out of memory converting '%s'", src);
+        for (int64_t k = 0; k < rows * cols && (flags & (LOOM_HF_PLUS_ONE | LOOM_HF_NEG_EXP)); k++)
+            f[k] = flags & LOOM_HF_PLUS_ONE ? f[k] + 1.0f : -expf(f[k]);
         for (int64_t r = 0; r < rows; r++)
             loom_row_from_f32(out_type, f + r * cols, data + (i * rows + r) * rb, cols);
         free(f);
     }
     int64_t ne[3] = {cols, rows, n_parts};
-    uint32_t n_dims = n_parts > 1 ? 3 : (uint32_t)t->n_dims;
-    if (loom_gguf_add_tensor(c->w, dst, out_type, n_dims, ne, data) != 0)
+    uint32_t dims = n_parts > 1 ? 3 : (uint32_t)n_dims;
+    if (loom_gguf_add_tensor(c->w, dst, out_type, dims, ne, data) != 0)
         return conv_fail(c, "cannot add '%s'", dst);
     c->done++;
     if (c->progress)
@@ -249,7 +258,7 @@ static int experts(conv *c, const loom_hf_tensor *e, int l, int n, row_order ord
                            src, n);
     }
     if (rc == 0)
-        rc = add(c, parts, n, first, dst, order);
+        rc = add(c, parts, n, first, dst, order, e->flags);
     free(parts);
     return rc;
 }
@@ -269,6 +278,7 @@ static int tensors(conv *c, const loom_hf_values *v)
     const loom_hf_tensor *table = c->family->hf_tensors;
     int n_layer = (int)loom_hf_get(v, "block_count");
     int n_dense = (int)loom_hf_get(v, "leading_dense_block_count");
+    int interval = (int)loom_hf_get(v, "full_attention_interval");
     char src[256], dst[256];
     for (int pass = 0; pass < 2; pass++) { /* counting, for the progress, then adding */
         for (int l = -1; l < n_layer; l++)
@@ -276,6 +286,10 @@ static int tensors(conv *c, const loom_hf_values *v)
                 if (is_per_layer(e) != (l >= 0) ||
                     ((e->flags & LOOM_HF_DENSE_LAYERS) && l >= n_dense) ||
                     ((e->flags & LOOM_HF_SPARSE_LAYERS) && l < n_dense))
+                    continue;
+                int full_attention = interval > 0 && (l + 1) % interval == 0;
+                if (((e->flags & LOOM_HF_LINEAR_LAYERS) && full_attention) ||
+                    ((e->flags & LOOM_HF_ATTENTION_LAYERS) && !full_attention))
                     continue;
                 const loom_st_tensor *t = source(c, e, l, 0, src, sizeof src, dst, sizeof dst);
                 if (e->flags & LOOM_HF_UNSUPPORTED) {
@@ -327,7 +341,7 @@ static int tensors(conv *c, const loom_hf_values *v)
                 if (e->flags & LOOM_HF_EXPERTS) {
                     if (experts(c, e, l, (int)loom_hf_get(v, "expert_count"), order) != 0)
                         return -1;
-                } else if (add(c, &t, 1, src, dst, order) != 0) {
+                } else if (add(c, &t, 1, src, dst, order, e->flags) != 0) {
                     return -1;
                 }
             }

@@ -19,7 +19,8 @@
  * "ffn_down" (the experts' ffn_down_exps and the shared ffn_down_shexp too) follows ffn_down's
  * rule by the layer its name gives; with exactly 8 experts (Mixtral's count) attn_v and attn_k
  * are q8_0 and attn_output q5_K in the q2_k, q3_k_s/m, q4_k_s/m and iq4 mixes; the router
- * (ffn_gate_inp) is never quantised (loom_quant_mix_keeps).
+ * (ffn_gate_inp) and a recurrent layer's conv1d (ssm_conv1d) are never quantised
+ * (loom_quant_mix_keeps).
  * A row length the base type's blocks do not divide falls back to a 32-element type (q2_K,
  * q3_K, iq4_xs: iq4_nl; q4_K: q5_0; q5_K: q5_1; q6_K: q8_0), and to f16 when 32 does not
  * divide it either. 1-D tensors (norms, biases) are never quantised.
@@ -136,7 +137,8 @@ int loom_quant_mix_is_plain(int mix)
 
 int loom_quant_mix_keeps(const char *name)
 {
-    return strstr(name, "ffn_gate_inp.weight") != NULL;
+    /* routers, and the recurrent layers' conv1d (kernel-wide rows, as llama.cpp keeps it) */
+    return strstr(name, "ffn_gate_inp.weight") != NULL || strstr(name, "ssm_conv1d.weight") != NULL;
 }
 
 loom_dtype loom_quant_mix_type(int mix, const char *name, int64_t cols, int n_layer, int n_gqa,

@@ -157,9 +157,22 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
             key, (long long)n_layer, max_layer + 1, max_layer);
         return;
     }
-    /* every layer: the same tensors as layer 0, shaped and typed alike but for the type (mixes
-     * give some layers more bits) */
-    long counts[4096] = {0};
+    /* Layers come in kinds: a hybrid model's linear-attention and full-attention layers (every
+     * full_attention_interval-th), and the multi-token-prediction blocks after the trunk
+     * (nextn_predict_layers). Every layer has the tensors of the first layer of its kind,
+     * shaped alike (the type may differ: mixes give some layers more bits). */
+    int64_t interval = 0, nextn = 0;
+    snprintf(key, sizeof key, "%s.full_attention_interval", arch);
+    loom_gguf_get_i64(g, key, &interval);
+    snprintf(key, sizeof key, "%s.nextn_predict_layers", arch);
+    loom_gguf_get_i64(g, key, &nextn);
+    const long trunk = nextn > 0 && nextn <= max_layer + 1 ? max_layer + 1 - (long)nextn : -1;
+#define FIRST_OF_KIND(l)                                                                           \
+    (trunk >= 0 && (l) >= trunk                      ? trunk                                       \
+         : interval > 1 && ((l) + 1) % interval == 0 ? (long)interval - 1                          \
+                                                     : 0L)
+    static long counts[4096];
+    memset(counts, 0, sizeof counts);
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         const loom_gguf_tensor *t = &g->tensors[i];
         const char *rest;
@@ -168,31 +181,39 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
             continue;
         if (l < 4096)
             counts[l]++;
+        long first = FIRST_OF_KIND(l);
         char name0[256];
-        snprintf(name0, sizeof name0, "blk.0.%s", rest);
+        snprintf(name0, sizeof name0, "blk.%ld.%s", first, rest);
         const loom_gguf_tensor *t0 = loom_gguf_find_tensor(g, name0);
         if (!t0) {
-            say(v, "shapes", LOOM_CHECK_PROBLEM, "tensor '%s' has no counterpart in layer 0 (%s)",
-                t->name, name0);
+            say(v, "shapes", LOOM_CHECK_PROBLEM,
+                "tensor '%s' has no counterpart in layer %ld, the first of its kind (%s)", t->name,
+                first, name0);
             return;
         }
         if (memcmp(t->ne, t0->ne, sizeof t->ne) != 0) {
             say(v, "shapes", LOOM_CHECK_PROBLEM,
                 "tensor '%s' is %lld x %lld x %lld where layer "
-                "0's is %lld x %lld x %lld",
-                t->name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                "%ld's is %lld x %lld x %lld",
+                t->name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], first,
                 (long long)t0->ne[0], (long long)t0->ne[1], (long long)t0->ne[2]);
             return;
         }
     }
     for (long l = 0; l <= max_layer && l < 4096; l++)
-        if ((uint64_t)counts[l] != per_layer0) {
-            say(v, "shapes", LOOM_CHECK_PROBLEM, "layer %ld has %ld tensors, layer 0 has %llu", l,
-                counts[l], (unsigned long long)per_layer0);
+        if (counts[l] != counts[FIRST_OF_KIND(l)]) {
+            say(v, "shapes", LOOM_CHECK_PROBLEM, "layer %ld has %ld tensors, layer %ld has %ld", l,
+                counts[l], FIRST_OF_KIND(l), counts[FIRST_OF_KIND(l)]);
             return;
         }
-    say(v, "shapes", LOOM_CHECK_OK, "%ld layers of %llu tensors each, shaped alike", max_layer + 1,
-        (unsigned long long)per_layer0);
+#undef FIRST_OF_KIND
+    if (interval > 1 || trunk >= 0)
+        say(v, "shapes", LOOM_CHECK_OK,
+            "%ld layers, each shaped as the first of its kind (full attention every %lld%s)",
+            max_layer + 1, (long long)interval, trunk >= 0 ? ", then the prediction head" : "");
+    else
+        say(v, "shapes", LOOM_CHECK_OK, "%ld layers of %llu tensors each, shaped alike",
+            max_layer + 1, (unsigned long long)per_layer0);
 }
 
 /* A special id the tokenizer names must be one of its tokens. */

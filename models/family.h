@@ -71,6 +71,16 @@ enum {
      * those from it on (its experts) */
     LOOM_HF_DENSE_LAYERS = 1 << 6,
     LOOM_HF_SPARSE_LAYERS = 1 << 7,
+    /* hybrid models (full_attention_interval): only in the linear-attention layers, or only in
+     * the full-attention ones (every full_attention_interval-th) */
+    LOOM_HF_LINEAR_LAYERS = 1 << 8,
+    LOOM_HF_ATTENTION_LAYERS = 1 << 9,
+    /* values changed on the way, as llama.cpp's converter changes them: a zero-centred RMSNorm
+     * weight (applied as 1 + w) stored with the 1 added; A_log stored as -exp(A_log) */
+    LOOM_HF_PLUS_ONE = 1 << 10,
+    LOOM_HF_NEG_EXP = 1 << 11,
+    /* a [rows, 1, cols] tensor (a depthwise conv1d's weight) stored as [rows, cols], in f32 */
+    LOOM_HF_SQUEEZE = 1 << 12,
 };
 
 typedef struct loom_hf_tensor {

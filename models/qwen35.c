@@ -329,4 +329,116 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
 const loom_arch loom_arch_qwen35 = {
     .name = "qwen35", .load = q35_load, .forward = q35_forward, .free_state = q35_free};
 
-const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35, .chat_template = "chatml"};
+/* ---- The Hugging Face form: Qwen3_5ForCausalLM (model_type qwen3_5_text) -------------------
+ * As llama.cpp's converter writes it: the (1 + w) norms with the 1 added (not linear_attn.norm,
+ * which is applied as it is), A_log as -exp(A_log), the conv1d weight [channels, 1, kernel] as
+ * [channels, kernel] in f32, q_proj kept with each head's [query; gate]. The multi-token-
+ * prediction head (mtp.*) is not carried over: a plain run does not use it. */
+static const loom_hf_param q35_params[] = {
+    {"context_length", "max_position_embeddings", LOOM_HF_U32, 262144},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count_kv", "num_key_value_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.key_length", "head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.value_length", "head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-6},
+    {"rope.freq_base", "rope_parameters.rope_theta|rope_theta", LOOM_HF_F32, 10000000.0},
+    {"ssm.conv_kernel", "linear_conv_kernel_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"ssm.state_size", "linear_key_head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"ssm.group_count", "linear_num_key_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"ssm.time_step_rank", "linear_num_value_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"full_attention_interval", "full_attention_interval", LOOM_HF_U32, 4},
+    {0}};
+
+/* The rotated share of a head, the value heads' total width, and the checks that the config
+ * is the Qwen3.5 this file runs (its layer_types follow the interval, the output gate is on). */
+static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    double share;
+    int64_t d_v;
+    if (loom_hf_real(cf, "rope_parameters.partial_rotary_factor|partial_rotary_factor", 1.0, 0, 1.0,
+                     &share, err, err_size) ||
+        loom_hf_int(cf, "linear_value_head_dim", 0, 1, 65536, &d_v, err, err_size))
+        return -1;
+    const int64_t hd = (int64_t)loom_hf_get(v, "attention.key_length");
+    const int64_t rot = (int64_t)(hd * share + 0.5);
+    if (rot < 2 || rot % 2) {
+        snprintf(err, err_size,
+                 "partial_rotary_factor %g of head_dim %lld rotates %lld dims, "
+                 "not an even number of at least 2",
+                 share, (long long)hd, (long long)rot);
+        return -1;
+    }
+    loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, (double)rot);
+    loom_hf_set(v, "ssm.inner_size", LOOM_HF_U32,
+                (double)d_v * loom_hf_get(v, "ssm.time_step_rank"));
+    const cJSON *gate = cJSON_GetObjectItem(cf, "attn_output_gate");
+    if (gate && !cJSON_IsTrue(gate)) {
+        snprintf(err, err_size,
+                 "attn_output_gate is false: the Qwen3.5 loom runs gates every "
+                 "full-attention output");
+        return -1;
+    }
+    const cJSON *types = cJSON_GetObjectItem(cf, "layer_types"), *t;
+    const int interval = (int)loom_hf_get(v, "full_attention_interval");
+    int l = 0;
+    cJSON_ArrayForEach (t, types) {
+        const char *want = (l + 1) % interval == 0 ? "full_attention" : "linear_attention";
+        if (!cJSON_IsString(t) || strcmp(t->valuestring, want) != 0) {
+            snprintf(err, err_size,
+                     "layer_types[%d] is not \"%s\" as full_attention_interval %d "
+                     "places it: a layout loom does not run",
+                     l, want, interval);
+            return -1;
+        }
+        l++;
+    }
+    if (types && l != (int)loom_hf_get(v, "block_count")) {
+        snprintf(err, err_size, "layer_types lists %d layers, num_hidden_layers %.0f", l,
+                 loom_hf_get(v, "block_count"));
+        return -1;
+    }
+    return 0;
+}
+
+/* clang-format off */
+#define Q35_LAYER "model.layers.%d."
+#define LIN (LOOM_HF_LINEAR_LAYERS)
+#define ATT (LOOM_HF_ATTENTION_LAYERS)
+static const loom_hf_tensor q35_tensors[] = {
+    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},
+    {"model.norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
+    {Q35_LAYER "input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {Q35_LAYER "post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {Q35_LAYER "linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN, NULL},
+    {Q35_LAYER "linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN, NULL},
+    {Q35_LAYER "linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN, NULL},
+    {Q35_LAYER "linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN, NULL},
+    {Q35_LAYER "linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LIN | LOOM_HF_SQUEEZE, NULL},
+    {Q35_LAYER "linear_attn.A_log", "blk.%d.ssm_a", LIN | LOOM_HF_NEG_EXP, NULL},
+    {Q35_LAYER "linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LIN, NULL},
+    {Q35_LAYER "linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LIN, NULL},
+    {Q35_LAYER "linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LIN, NULL},
+    {Q35_LAYER "self_attn.q_proj.weight", "blk.%d.attn_q.weight", ATT, NULL},
+    {Q35_LAYER "self_attn.k_proj.weight", "blk.%d.attn_k.weight", ATT, NULL},
+    {Q35_LAYER "self_attn.v_proj.weight", "blk.%d.attn_v.weight", ATT, NULL},
+    {Q35_LAYER "self_attn.o_proj.weight", "blk.%d.attn_output.weight", ATT, NULL},
+    {Q35_LAYER "self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", ATT | LOOM_HF_PLUS_ONE, NULL},
+    {Q35_LAYER "self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", ATT | LOOM_HF_PLUS_ONE, NULL},
+    {Q35_LAYER "mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},
+    {Q35_LAYER "mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},
+    {Q35_LAYER "mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
+    {0}};
+#undef LIN
+#undef ATT
+/* clang-format on */
+
+const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35,
+                                        .chat_template = "chatml",
+                                        .hf_model_type = "qwen3_5_text",
+                                        .hf_params = q35_params,
+                                        .hf_derive = q35_derive,
+                                        .hf_tensors = q35_tensors};

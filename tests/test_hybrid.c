@@ -12,10 +12,18 @@
  *     each slot reused by the next request, one cancelled mid-answer) give each case's greedy
  *     tokens, as alone; speculative requests are refused, naming why;
  *   - a cached prefix the state has not seen (a chat turn that re-rendered its history) is
- *     recomputed from the start rather than run on the wrong state.
+ *     recomputed from the start rather than run on the wrong state;
+ *   - the Hugging Face folder (Qwen3_5ForCausalLM, bf16), opened as it is and converted by
+ *     `loom convert` (f32: the same logits within 1e-3 and the greedy tokens; without the +1 of
+ *     the zero-centred norms or the -exp of A_log they move by 7.0 and more): loom's file has
+ *     every tensor of llama.cpp's but the prediction head, shaped alike, the same hyper-
+ *     parameters, verifies as whole, and `loom quantize` keeps its conv1d in f32.
  */
+#include "core/gguf.h"
+
 #include "backends.h"
 #include "fixture_model.h"
+#include "hf_writer.h"
 
 #include <pthread.h>
 #include <stdlib.h>
@@ -97,6 +105,108 @@ static void test_chunked(const char *backend)
           "a cached prefix of 5 the state never saw, on %s: %s", backend,
           rc ? err : "other greedy tokens");
     loom_model_close(m);
+}
+
+/* ---- the Hugging Face form ------------------------------------------------------------ */
+
+static char tmp[] = "/tmp/loom-hybrid-XXXXXX";
+
+static int verify_problems;
+static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
+{
+    (void)user;
+    if (status == LOOM_CHECK_PROBLEM) {
+        verify_problems++;
+        fprintf(stderr, "verify: %s: %s\n", check, msg);
+    }
+}
+
+/* loom's conversion has llama.cpp's tensors (but the MTP block's) and hyper-parameters. */
+static void same_as_peer(const char *ours_path)
+{
+    loom_gguf peer, ours;
+    if (loom_gguf_open(&peer, model, err, sizeof err) != 0 ||
+        loom_gguf_open(&ours, ours_path, err, sizeof err) != 0) {
+        CHECK(0, "opening the files: %s", err);
+        return;
+    }
+    int64_t blocks = 0, nextn = 0;
+    loom_gguf_get_i64(&peer, "qwen35.block_count", &blocks);
+    loom_gguf_get_i64(&peer, "qwen35.nextn_predict_layers", &nextn);
+    char mtp[64];
+    snprintf(mtp, sizeof mtp, "blk.%lld.", (long long)(blocks - nextn));
+    int compared = 0;
+    for (uint64_t i = 0; i < peer.n_tensors; i++) {
+        const loom_gguf_tensor *p = &peer.tensors[i], *o = loom_gguf_find_tensor(&ours, p->name);
+        if (!strncmp(p->name, mtp, strlen(mtp)))
+            continue;
+        compared++;
+        CHECK(o && o->n_dims == p->n_dims && !memcmp(o->ne, p->ne, sizeof o->ne),
+              "llama.cpp's %s is missing or shaped otherwise in loom's conversion", p->name);
+    }
+    CHECK(compared == (int)ours.n_tensors, "loom's file has %llu tensors, llama.cpp's %d",
+          (unsigned long long)ours.n_tensors, compared);
+    static const char *const keys[] = {
+        "embedding_length",        "feed_forward_length",  "attention.head_count",
+        "attention.head_count_kv", "attention.key_length", "attention.value_length",
+        "rope.dimension_count",    "ssm.conv_kernel",      "ssm.state_size",
+        "ssm.group_count",         "ssm.time_step_rank",   "ssm.inner_size",
+        "full_attention_interval"};
+    for (size_t i = 0; i < sizeof keys / sizeof keys[0]; i++) {
+        char key[128];
+        int64_t a = -1, b = -2;
+        snprintf(key, sizeof key, "qwen35.%s", keys[i]);
+        loom_gguf_get_i64(&peer, key, &a);
+        loom_gguf_get_i64(&ours, key, &b);
+        CHECK(a == b, "%s is %lld in llama.cpp's file, %lld in loom's", key, (long long)a,
+              (long long)b);
+    }
+    loom_gguf_close(&peer);
+    loom_gguf_close(&ours);
+}
+
+static void test_folder(void)
+{
+    static const char *const files[] = {"config.json",       "generation_config.json",
+                                        "model.safetensors", "tokenizer_config.json",
+                                        "merges.txt",        "vocab.json"};
+    static const char *const shared[] = {"tiny-qwen2/merges.txt", "tiny-qwen2/vocab.json"};
+    char folder[4200], f32[4200], q8[4200];
+    snprintf(folder, sizeof folder, "%s/tiny-qwen35", tmp);
+    snprintf(f32, sizeof f32, "%s/tiny-qwen35-f32.gguf", tmp);
+    snprintf(q8, sizeof q8, "%s/tiny-qwen35-q8_0.gguf", tmp);
+    CHECK(fixture_folder(dir, folder, "tiny-qwen35", files, 6, shared, 2) == 0,
+          "making the folder");
+    CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
+    same_as_peer(f32);
+    verify_problems = 0;
+    CHECK(loom_verify(f32, on_check, NULL) == 0 && verify_problems == 0,
+          "loom verify finds a problem in loom's conversion");
+    verify_problems = 0;
+    CHECK(loom_verify(model, on_check, NULL) == 0 && verify_problems == 0,
+          "loom verify finds a problem in llama.cpp's file (hybrid layers, the MTP block)");
+    static char backends[MAX_TEST_BACKENDS][160];
+    int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int i = 0; i < n_backends; i++) {
+        check_model(dir, "tiny-qwen35", f32, backends[i], "last_logits", 1e-3, 1,
+                    "tiny-qwen35 (loom convert, f32)");
+        /* bf16 weights: the AVX-512 BF16 kernels round the activations to bf16 too */
+        check_model(dir, "tiny-qwen35", folder, backends[i], "last_logits", 0.1, 0,
+                    "tiny-qwen35 folder (bf16)");
+    }
+    CHECK(loom_quantize(f32, q8, "q8_0", NULL, NULL, err, sizeof err) == 0, "quantize: %s", err);
+    loom_gguf g;
+    if (loom_gguf_open(&g, q8, err, sizeof err) == 0) {
+        const loom_gguf_tensor *conv = loom_gguf_find_tensor(&g, "blk.0.ssm_conv1d.weight");
+        const loom_gguf_tensor *qkv = loom_gguf_find_tensor(&g, "blk.0.attn_qkv.weight");
+        CHECK(conv && conv->type == LOOM_F32 && qkv && qkv->type == LOOM_Q8_0,
+              "quantised: the conv1d stays f32 (is %s), the projections are q8_0 (are %s)",
+              conv ? loom_ggml_type_name(conv->type) : "absent",
+              qkv ? loom_ggml_type_name(qkv->type) : "absent");
+        loom_gguf_close(&g);
+    }
+    unlink(f32), unlink(q8);
+    remove_folder(folder);
 }
 
 /* ---- the engine ------------------------------------------------------------------------- */
@@ -189,7 +299,9 @@ static void test_engine(const char *backend, int32_t slots)
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
-    static const char *const needed[] = {"tiny-qwen35/model.gguf", "tiny-qwen35/expected.json"};
+    static const char *const needed[] = {"tiny-qwen35/model.gguf", "tiny-qwen35/expected.json",
+                                         "tiny-qwen35/model.safetensors", "tiny-qwen2/vocab.json",
+                                         "tiny-qwen2/merges.txt"};
     need_fixtures(dir, needed, sizeof needed / sizeof needed[0]);
     unsetenv("LOOM_BACKEND");
     snprintf(model, sizeof model, "%s/tiny-qwen35/model.gguf", dir);
@@ -203,5 +315,9 @@ int main(void)
     }
     test_engine("ref", 16);
     test_engine(NULL, 2);
+    if (mkdtemp(tmp)) {
+        test_folder();
+        rmdir(tmp);
+    }
     return check_finish("test_hybrid");
 }
