@@ -98,12 +98,13 @@ int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *er
                  "first_layers for self-speculation");
         return -1;
     }
-    if ((spec->draft || spec->lookup > 0) && loom_runner_state_slots(loom_model_runner(m))) {
+    /* the model's own state is checkpointed and restored around a pass (generate); a drafter
+     * with recurrent layers would need the same for its proposals, which it does not have */
+    if (spec->draft && loom_runner_state_slots(loom_model_runner(spec->draft))) {
         snprintf(err, err_size,
-                 "speculative decoding needs its rejected proposals taken back, which %s's "
-                 "recurrent layers cannot do yet: run without --lookup, --draft or "
-                 "--draft-layers",
-                 loom_runner_hparams(loom_model_runner(m))->arch);
+                 "a drafter with recurrent layers (%s) cannot take back its rejected proposals "
+                 "yet: use --lookup, or a drafter without them",
+                 loom_runner_hparams(loom_model_runner(spec->draft))->arch);
         return -1;
     }
     return spec->draft ? same_vocabulary(m, spec->draft, err, err_size) : 0;
@@ -334,6 +335,8 @@ static int generate(loom_model *m, const loom_speculation *spec, const loom_cons
 {
     loom_generation st = {.n_prompt = n_prompt};
     struct loom_runner *runner = loom_model_runner(m);
+    /* a model with recurrent layers keeps a checkpoint of its state in slot 1 during a pass */
+    const int recurrent = loom_runner_state_slots(runner) >= 2;
     struct loom_tokenizer *tok = loom_model_tokenizer(m);
     int32_t n_ctx = loom_model_n_ctx(m), n_vocab = loom_model_n_vocab(m);
     if (n_prompt <= 0) {
@@ -456,6 +459,16 @@ static int generate(loom_model *m, const loom_speculation *spec, const loom_cons
         }
         if (rc != 0 || done)
             break;
+        /* recurrent layers ran every proposal: back to the checkpoint before the pass, then
+         * again over what was kept (the KV slots are rewritten with the same values) */
+        if (recurrent && k > 0 && accepted < k) {
+            rc = loom_runner_state_copy(runner, 1, 0, err, err_size);
+            if (rc == 0)
+                rc = loom_runner_eval(runner, text + n_text - 1, accepted + 1, base + n_text - 1,
+                                      err, err_size);
+            if (rc != 0)
+                break;
+        }
         if (k > 0)
             st.n_accepted += accepted;
         if (d.spec && measured)
@@ -507,6 +520,10 @@ static int generate(loom_model *m, const loom_speculation *spec, const loom_cons
             k = 0;
         double t_pass = now_ms();
         draft_ms = t_pass - t_draft;
+        if (recurrent && k > 0 && loom_runner_state_copy(runner, 0, 1, err, err_size) != 0) {
+            rc = -1;
+            break;
+        }
         rc = loom_runner_eval_all(runner, text + n_text - 1, k + 1, base + n_text - 1, rows, err,
                                   err_size);
         pass_ms = now_ms() - t_pass;

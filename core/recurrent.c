@@ -59,8 +59,8 @@ int loom_recurrent_alloc(loom_runner *r, char *err, size_t err_size)
         return -1;
     }
     r->n_state_slots = r->opt.state_slots > 0 ? r->opt.state_slots
-        : r->opt.kv_sequences > 0             ? r->opt.kv_sequences
-                                              : 1;
+        : r->opt.kv_sequences > 0             ? 2 * r->opt.kv_sequences
+                                              : 2;
     const uint64_t conv = (uint64_t)(hp->ssm_conv_kernel - 1) * (uint64_t)hp->ssm_conv_channels * 4;
     const uint64_t delta = (uint64_t)hp->ssm_v_heads * (uint64_t)hp->ssm_d_k *
         (uint64_t)hp->ssm_d_v * 4;
@@ -208,4 +208,44 @@ uint64_t loom_runner_state_bytes(const loom_runner *r)
 int32_t loom_runner_state_position(const loom_runner *r, int32_t slot)
 {
     return slot >= 0 && slot < r->n_state_slots ? r->state_next[slot] : -1;
+}
+
+int loom_runner_state_copy(loom_runner *r, int32_t from, int32_t to, char *err, size_t err_size)
+{
+    if (from < 0 || from >= r->n_state_slots || to < 0 || to >= r->n_state_slots) {
+        snprintf(err, err_size, "copying recurrent state slot %d to %d: the runner holds %d", from,
+                 to, r->n_state_slots);
+        return -1;
+    }
+    if (from == to)
+        return 0;
+    const loom_backend_ops *ops = &r->dev->ops;
+    for (int l = r->layer0; l < r->layer_end; l++) {
+        if (!loom_layer_recurrent(&r->hp, l))
+            continue;
+        const loom_tensor *parts[2] = {&r->conv_state[l], &r->delta_state[l]};
+        for (int i = 0; i < 2; i++) {
+            uint64_t size = parts[i]->nb[i ? 3 : 2], base = parts[i]->offset;
+            uint64_t src = base + size * (uint64_t)from, dst = base + size * (uint64_t)to;
+            loom_status st;
+            if (ops->copy_buffer) {
+                st = ops->copy_buffer(r->dev->be, r->states, dst, r->states, src, size);
+            } else {
+                void *staging = malloc((size_t)size);
+                st = staging ? ops->copy_to_host(r->dev->be, staging, r->states, src, size)
+                             : LOOM_ERR_OUT_OF_MEMORY;
+                if (st == LOOM_OK)
+                    st = ops->copy_from_host(r->dev->be, r->states, dst, staging, size);
+                free(staging);
+            }
+            if (st != LOOM_OK) {
+                snprintf(err, err_size, "copying recurrent state slot %d to %d on %s: %s", from, to,
+                         r->dev->name, ops->last_error(r->dev->be));
+                r->state_next[to] = -1;
+                return -1;
+            }
+        }
+    }
+    r->state_next[to] = r->state_next[from];
+    return 0;
 }

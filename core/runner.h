@@ -147,8 +147,8 @@ typedef struct loom_runner_options {
      * model's own shallow layers as a speculative drafter); only their weights are loaded and
      * only their KV cache allocated. 0: every layer. */
     int32_t first_layers;
-    /* Models with recurrent layers: sequences that hold a state at once (loom_step's
-     * state_slots); 0: kv_sequences, or 1. */
+    /* Models with recurrent layers: state slots (loom_step's state_slots); 0: twice
+     * kv_sequences (or 1): a slot per sequence and one for its checkpoint (speculation). */
     int32_t state_slots;
 } loom_runner_options;
 
@@ -233,6 +233,9 @@ int32_t loom_runner_state_slots(const loom_runner *r);
 uint64_t loom_runner_state_bytes(const loom_runner *r);
 /* The position slot's state has reached (the tokens it has seen), or -1 when it holds none. */
 int32_t loom_runner_state_position(const loom_runner *r, int32_t slot);
+/* Copies slot from's state (every layer, and its position) over slot to: a checkpoint before
+ * a speculative pass, and its restoring when a proposal is rejected. 0, or -1 with err. */
+int loom_runner_state_copy(loom_runner *r, int32_t from, int32_t to, char *err, size_t err_size);
 /* Copies whole blocks (every layer, K and V): copy on write for shared blocks. */
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
                             size_t err_size);

@@ -69,7 +69,8 @@ typedef struct ereq {
      * proposals (checked after the pending token), and decayed counts of kept and rejected
      * ones */
     int32_t lookup, draft_max, n_draft;
-    int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1 */
+    int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1;
+                         * its checkpoint's is state_slot + the engine's n_state_slots */
     int32_t *draft;
     double spec_ok, spec_miss;
     int32_t spec_idle; /* steps without proposals while they did not pay */
@@ -355,13 +356,6 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     if (r->lookup < 0 || r->lookup > 64 || r->draft_max < 0 || r->draft_max > 64) {
         snprintf(err, err_size, "lookup %d and draft_max %d must be 0 to 64", r->lookup,
                  r->draft_max);
-        return -1;
-    }
-    if ((r->draft || r->lookup > 0) && e->n_state_slots) {
-        snprintf(err, err_size,
-                 "speculative decoding (prompt lookup or a draft model) needs its rejected "
-                 "proposals taken back, which this model's recurrent layers cannot do yet: ask "
-                 "without it");
         return -1;
     }
     if (r->draft && (!e->draft || r->lookup > 0)) {
@@ -1039,8 +1033,13 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     if (n_copies)
         rc = loom_runner_copy_blocks(e->runner, copies, n_copies, err, sizeof err);
     int32_t *state_slots = hidden_rows + n_tok;
-    for (int i = 0; i < n_plan; i++)
+    for (int i = 0; i < n_plan && rc == 0; i++) {
         state_slots[i] = plan[i].q->state_slot;
+        /* recurrent layers run every proposal: a checkpoint to go back to (below) */
+        if (e->n_state_slots && plan[i].q->n_draft)
+            rc = loom_runner_state_copy(e->runner, state_slots[i],
+                                        state_slots[i] + e->n_state_slots, err, sizeof err);
+    }
     /* clang-format off */
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
                     any_prefix ? prefix : NULL, n_hidden, hidden_rows,
@@ -1097,6 +1096,19 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         }
         li = row0 + n_draft + 1;
         e->n_accepted += (uint64_t)kept;
+        /* a rejected proposal is in the recurrent state: back to the checkpoint, and the next
+         * step runs the kept tokens again (their K/V come out the same) */
+        if (q && e->n_state_slots && kept < n_draft) {
+            int32_t p0 = q->kv.n_tokens - (plan[i].k - n_draft) - kept;
+            char why[512];
+            if (loom_runner_state_copy(e->runner, q->state_slot + e->n_state_slots, q->state_slot,
+                                       why, sizeof why) != 0) {
+                remove_running(e, q);
+                retire(e, q, NULL, why);
+                continue;
+            }
+            loom_kvblocks_truncate(&q->kv, p0);
+        }
         if (q && n_draft) {
             q->spec_ok = 0.9 * q->spec_ok + kept;
             q->spec_miss = 0.9 * q->spec_miss + (kept < n_draft);
@@ -1372,8 +1384,10 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->policy.tenant_running = e->tenant_running;
     e->batch_wait_ms = o->batch_wait_ms > 0 ? o->batch_wait_ms : 0;
     e->spec_rows = o->spec_rows > 0 ? o->spec_rows : 16;
-    /* a model with recurrent layers runs as many requests at once as it has state slots */
-    e->n_state_slots = loom_runner_state_slots(e->runner);
+    /* a model with recurrent layers runs as many requests at once as it has pairs of state
+     * slots: the lower half theirs, the upper half their checkpoints during a speculative
+     * pass (take_state_slot) */
+    e->n_state_slots = loom_runner_state_slots(e->runner) / 2;
     if (e->n_state_slots && e->max_batch > e->n_state_slots)
         e->max_batch = e->n_state_slots;
     if (e->max_step < e->max_batch) {
