@@ -26,40 +26,259 @@ typedef struct shape {
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
     /* the next token is a fixed function of the current one (speculative decoding's ceiling) */
     int predictable;
+    /* a hybrid ("qwen35"): Gated DeltaNet layers with k_heads q/k heads of d_k, v_heads value
+     * heads of d_v and a conv kernel, full attention every interval-th layer (its q projected
+     * twice as wide, for the gate), rotating n_rot of each head's dims; 0: none */
+    struct {
+        int32_t k_heads, v_heads, d_k, d_v, kernel, interval, n_rot;
+    } hy;
 } shape;
 
 /* The MoE shapes keep their models' layers but not their depth (the files stay a few GB); each
  * has a dense twin whose one MLP is as wide as the experts a token runs, the "same active
  * size" model their prefill is compared with. */
 static const shape shapes[] = {
-    {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)", "llama", 64,
-     2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0},
-    {"160m", "12 layers, 768 wide (GPT-2-small sized)", "llama", 768, 12, 12, 12, 64, 3072, 32000,
-     2048, 0, 0, 0, 0, 0},
-    {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4", "llama", 2048, 22, 32, 4, 64, 5632,
-     32000, 2048, 0, 0, 0, 0, 0},
-    {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8", "llama", 4096, 32, 32, 8, 128, 14336,
-     128256, 8192, 0, 0, 0, 0, 0},
-    {"160m-next", "160m whose next token follows from the current one (speculative decoding)",
-     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1},
-    {"1b-next", "1b whose next token follows from the current one (speculative decoding)", "llama",
-     2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1},
-    {"wide", "1 layer, 4160 wide, one head of 32: a hidden state past 4096 in 9 MB (tests)",
-     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0},
-    {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)", "qwen2moe",
-     64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0},
+    {"tiny",
+     "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)",
+     "llama",
+     64,
+     2,
+     2,
+     1,
+     32,
+     192,
+     512,
+     512,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"160m",
+     "12 layers, 768 wide (GPT-2-small sized)",
+     "llama",
+     768,
+     12,
+     12,
+     12,
+     64,
+     3072,
+     32000,
+     2048,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"1b",
+     "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4",
+     "llama",
+     2048,
+     22,
+     32,
+     4,
+     64,
+     5632,
+     32000,
+     2048,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"8b",
+     "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
+     "llama",
+     4096,
+     32,
+     32,
+     8,
+     128,
+     14336,
+     128256,
+     8192,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"160m-next",
+     "160m whose next token follows from the current one (speculative decoding)",
+     "llama",
+     768,
+     12,
+     12,
+     12,
+     64,
+     3072,
+     32000,
+     2048,
+     0,
+     0,
+     0,
+     0,
+     1,
+     {0}},
+    {"1b-next",
+     "1b whose next token follows from the current one (speculative decoding)",
+     "llama",
+     2048,
+     22,
+     32,
+     4,
+     64,
+     5632,
+     32000,
+     2048,
+     0,
+     0,
+     0,
+     0,
+     1,
+     {0}},
+    {"wide",
+     "1 layer, 4160 wide, one head of 32: a hidden state past 4096 in 9 MB (tests)",
+     "llama",
+     4160,
+     1,
+     1,
+     1,
+     32,
+     64,
+     512,
+     256,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"moe-tiny",
+     "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)",
+     "qwen2moe",
+     64,
+     2,
+     2,
+     1,
+     32,
+     0,
+     512,
+     512,
+     8,
+     2,
+     64,
+     128,
+     0,
+     {0}},
     {"moe-a2.7b",
      "Qwen1.5-MoE-A2.7B's layers, 4 of its 24: 2048 wide, 60 experts of 1408, top 4, a shared "
      "expert of 5632",
-     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0},
-    {"dense-a2.7b", "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)", "qwen2", 2048,
-     4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0},
+     "qwen2moe",
+     2048,
+     4,
+     16,
+     16,
+     128,
+     0,
+     151936,
+     4096,
+     60,
+     4,
+     1408,
+     5632,
+     0,
+     {0}},
+    {"dense-a2.7b",
+     "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)",
+     "qwen2",
+     2048,
+     4,
+     16,
+     16,
+     128,
+     11264,
+     151936,
+     4096,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
     {"moe-a3b",
      "Qwen3-30B-A3B's layers, 4 of its 48: 2048 wide, 32/4 heads of 128, 128 experts of 768, top "
      "8",
-     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0},
-    {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)", "qwen3", 2048, 4, 32, 4,
-     128, 6144, 151936, 4096, 0, 0, 0, 0, 0},
+     "qwen3moe",
+     2048,
+     4,
+     32,
+     4,
+     128,
+     0,
+     151936,
+     4096,
+     128,
+     8,
+     768,
+     0,
+     0,
+     {0}},
+    {"dense-a3b",
+     "moe-a3b with one MLP of its active width (8 x 768)",
+     "qwen3",
+     2048,
+     4,
+     32,
+     4,
+     128,
+     6144,
+     151936,
+     4096,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {0}},
+    {"hybrid-tiny",
+     "4 layers, 64 wide: 3 Gated DeltaNet (2/4 heads of 16) then gated attention (tests)",
+     "qwen35",
+     64,
+     4,
+     2,
+     1,
+     32,
+     192,
+     512,
+     512,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {2, 4, 16, 16, 4, 4, 8}},
+    {"qwen35-9b",
+     "Qwen3.5-9B's layers, 4 of its 32: 3 Gated DeltaNet (16/32 heads of 128) and 1 gated "
+     "attention (16/4 heads of 256), 4096 wide, FFN 12288, its 248320-token vocabulary",
+     "qwen35",
+     4096,
+     4,
+     16,
+     4,
+     256,
+     12288,
+     248320,
+     4096,
+     0,
+     0,
+     0,
+     0,
+     0,
+     {16, 32, 128, 128, 4, 4, 64}},
 };
 
 static char shape_names[512];
@@ -139,6 +358,10 @@ typedef struct synthetic_weights {
     void *embd, *out, *wq, *wk, *wv, *wo, *gate, *up, *down;
     void *router, *gate_exps, *up_exps, *down_exps, *sh_gate, *sh_up, *sh_down, *sh_router;
     float *norm, *head_norm, *bias;
+    /* a hybrid's Gated DeltaNet layers: projections, the conv1d (f32), A and dt_bias, the
+     * gated norm */
+    void *ssm_qkv, *ssm_z, *ssm_alpha, *ssm_beta, *ssm_out;
+    float *ssm_conv, *ssm_a, *ssm_dt, *ssm_norm;
 } synthetic_weights;
 
 /* The first token of the plain pieces (after <unk>, <s>, </s> and the 256 bytes). */
@@ -184,7 +407,8 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
     float amp = 0.5f / (float)sh->n_embd; /* keeps activations tame through the layers */
     memset(sw, 0, sizeof *sw);
     sw->embd = random_matrix(wt, sh->n_vocab, d, 1.0f);
-    sw->wq = random_matrix(wt, q, d, amp * 16);
+    /* a hybrid's attention projects Q and its gate together */
+    sw->wq = random_matrix(wt, sh->hy.interval ? 2 * q : q, d, amp * 16);
     sw->wk = random_matrix(wt, kv, d, amp * 16);
     sw->wv = random_matrix(wt, kv, d, amp * 16);
     sw->wo = random_matrix(wt, d, q, amp * 16);
@@ -214,6 +438,25 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
         sw->sh_router = random_matrix(LOOM_F32, 1, d, 1.0f / sqrtf((float)d));
         ok = ok && sw->sh_gate && sw->sh_up && sw->sh_down && sw->sh_router;
     }
+    if (sh->hy.interval) {
+        const int64_t hv = sh->hy.v_heads, inner = hv * sh->hy.d_v,
+                      C = 2 * (int64_t)sh->hy.k_heads * sh->hy.d_k + inner;
+        sw->ssm_qkv = random_matrix(wt, C, d, amp * 16);
+        sw->ssm_z = random_matrix(wt, inner, d, amp * 16);
+        sw->ssm_alpha = random_matrix(wt, hv, d, amp * 16);
+        sw->ssm_beta = random_matrix(wt, hv, d, amp * 16);
+        sw->ssm_out = random_matrix(wt, d, inner, amp * 16);
+        sw->ssm_conv = random_matrix(LOOM_F32, C, sh->hy.kernel, 0.5f);
+        sw->ssm_a = malloc((size_t)hv * sizeof *sw->ssm_a);
+        sw->ssm_dt = calloc((size_t)hv, sizeof *sw->ssm_dt);
+        sw->ssm_norm = malloc((size_t)sh->hy.d_v * sizeof *sw->ssm_norm);
+        ok = ok && sw->ssm_qkv && sw->ssm_z && sw->ssm_alpha && sw->ssm_beta && sw->ssm_out &&
+            sw->ssm_conv && sw->ssm_a && sw->ssm_dt && sw->ssm_norm;
+        for (int64_t i = 0; ok && i < hv; i++)
+            sw->ssm_a[i] = -0.5f; /* a decay of exp(-0.5 softplus(alpha)) a token */
+        for (int32_t i = 0; ok && i < sh->hy.d_v; i++)
+            sw->ssm_norm[i] = 1.0f;
+    }
     sw->out = sh->predictable ? successor_head(wt, sh->n_vocab, d)
                               : random_matrix(wt, sh->n_vocab, d, amp * 16);
     sw->norm = malloc((size_t)d * sizeof *sw->norm);
@@ -233,7 +476,9 @@ static void synthetic_weights_free(synthetic_weights *sw)
     void *all[] = {sw->embd,      sw->out,       sw->wq,        sw->wk,        sw->wv,
                    sw->wo,        sw->gate,      sw->up,        sw->down,      sw->router,
                    sw->gate_exps, sw->up_exps,   sw->down_exps, sw->sh_gate,   sw->sh_up,
-                   sw->sh_down,   sw->sh_router, sw->norm,      sw->head_norm, sw->bias};
+                   sw->sh_down,   sw->sh_router, sw->norm,      sw->head_norm, sw->bias,
+                   sw->ssm_qkv,   sw->ssm_z,     sw->ssm_alpha, sw->ssm_beta,  sw->ssm_out,
+                   sw->ssm_conv,  sw->ssm_a,     sw->ssm_dt,    sw->ssm_norm};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         free(all[i]);
 }
@@ -256,6 +501,33 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
         bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data);                                     \
     } while (0)
     ADD("attn_norm.weight", LOOM_F32, 1, sw->norm, d);
+    if (sh->hy.interval) { /* llama.cpp's qwen35 names */
+        const int64_t hv = sh->hy.v_heads, inner = hv * sh->hy.d_v,
+                      C = 2 * (int64_t)sh->hy.k_heads * sh->hy.d_k + inner;
+        if ((l + 1) % sh->hy.interval) {
+            ADD("attn_qkv.weight", wt, 2, sw->ssm_qkv, d, C);
+            ADD("attn_gate.weight", wt, 2, sw->ssm_z, d, inner);
+            ADD("ssm_alpha.weight", wt, 2, sw->ssm_alpha, d, hv);
+            ADD("ssm_beta.weight", wt, 2, sw->ssm_beta, d, hv);
+            ADD("ssm_conv1d.weight", LOOM_F32, 2, sw->ssm_conv, sh->hy.kernel, C);
+            ADD("ssm_a", LOOM_F32, 1, sw->ssm_a, hv);
+            ADD("ssm_dt.bias", LOOM_F32, 1, sw->ssm_dt, hv);
+            ADD("ssm_norm.weight", LOOM_F32, 1, sw->ssm_norm, sh->hy.d_v);
+            ADD("ssm_out.weight", wt, 2, sw->ssm_out, inner, d);
+        } else {
+            ADD("attn_q.weight", wt, 2, sw->wq, d, 2 * q);
+            ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
+            ADD("attn_v.weight", wt, 2, sw->wv, d, kv);
+            ADD("attn_q_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+            ADD("attn_k_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+            ADD("attn_output.weight", wt, 2, sw->wo, q, d);
+        }
+        ADD("post_attention_norm.weight", LOOM_F32, 1, sw->norm, d);
+        ADD("ffn_gate.weight", wt, 2, sw->gate, d, sh->n_ff);
+        ADD("ffn_up.weight", wt, 2, sw->up, d, sh->n_ff);
+        ADD("ffn_down.weight", wt, 2, sw->down, sh->n_ff, d);
+        return bad;
+    }
     ADD("attn_q.weight", wt, 2, sw->wq, d, q);
     ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
     ADD("attn_v.weight", wt, 2, sw->wv, d, kv);
@@ -333,8 +605,8 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         return -1;
     }
     const int64_t block = loom_dtype_block_elems(wt);
-    const int32_t widths[] = {sh->n_embd, sh->n_ff, (int32_t)sh->n_head * sh->head_dim,
-                              sh->n_ff_exp, sh->n_ff_shexp};
+    const int32_t widths[] = {sh->n_embd,   sh->n_ff,       (int32_t)sh->n_head * sh->head_dim,
+                              sh->n_ff_exp, sh->n_ff_shexp, sh->hy.v_heads * sh->hy.d_v};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         if (widths[i] % block) {
             snprintf(err, err_size,
@@ -389,8 +661,16 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         ARCH_U32("feed_forward_length", sh->n_ff);
     ARCH_U32("attention.head_count", sh->n_head);
     ARCH_U32("attention.head_count_kv", sh->n_head_kv);
-    ARCH_U32("rope.dimension_count", sh->head_dim);
-    if (sh->head_dim != sh->n_embd / sh->n_head) {
+    ARCH_U32("rope.dimension_count", sh->hy.n_rot ? sh->hy.n_rot : sh->head_dim);
+    if (sh->hy.interval) {
+        ARCH_U32("ssm.conv_kernel", sh->hy.kernel);
+        ARCH_U32("ssm.state_size", sh->hy.d_k);
+        ARCH_U32("ssm.group_count", sh->hy.k_heads);
+        ARCH_U32("ssm.time_step_rank", sh->hy.v_heads);
+        ARCH_U32("ssm.inner_size", sh->hy.v_heads * sh->hy.d_v);
+        ARCH_U32("full_attention_interval", sh->hy.interval);
+    }
+    if (sh->head_dim != sh->n_embd / sh->n_head || sh->hy.interval) {
         ARCH_U32("attention.key_length", sh->head_dim);
         ARCH_U32("attention.value_length", sh->head_dim);
     }
