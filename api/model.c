@@ -419,6 +419,11 @@ int32_t loom_model_n_ctx(const loom_model *m)
     return loom_runner_n_ctx(m->runner);
 }
 
+uint64_t loom_model_state_bytes(const loom_model *m)
+{
+    return loom_runner_state_bytes(m->runner);
+}
+
 int32_t loom_model_sliding_window(const loom_model *m)
 {
     return loom_runner_hparams(m->runner)->n_swa;

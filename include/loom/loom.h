@@ -153,6 +153,10 @@ int32_t loom_model_n_embd(const loom_model *m);
  * (token type UNUSED: the padding that gives every embedding row a token). */
 int loom_model_token_unused(const loom_model *m, int32_t id);
 int32_t loom_model_n_ctx(const loom_model *m);
+/* A model with recurrent layers (Qwen3.5): the bytes of state each running sequence holds
+ * beside its KV blocks (twice that is allocated: a checkpoint for speculative decoding); 0 for
+ * a model without them. */
+uint64_t loom_model_state_bytes(const loom_model *m);
 /* The attention window of a sliding-window model (Mistral's sliding_window): a token sees the
  * keys of at most this many positions, its own included; 0 when it sees them all. */
 int32_t loom_model_sliding_window(const loom_model *m);

@@ -112,6 +112,7 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
     served *sv = served_acquire(srv);
     loom_engine_stats s = loom_engine_get_stats(sv->engine);
     int32_t window = loom_model_sliding_window(sv->api.model);
+    unsigned long long state_bytes = loom_model_state_bytes(sv->api.model);
     served_release(srv, sv);
     pthread_mutex_lock(&srv->count_lock);
     uint64_t http = srv->http_requests, errors = srv->http_errors, gone = srv->disconnects;
@@ -202,6 +203,10 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
            "The model's attention window (0: none). KV blocks wholly outside a running "
            "sequence's window are not released early: they stay used until it ends.",
            " %d", window);
+    METRIC("loom_recurrent_state_bytes_per_sequence", "gauge",
+           "A model with recurrent layers: the state a running sequence holds beside its KV "
+           "blocks (0: none).",
+           " %llu", state_bytes);
     METRIC("loom_preemptions_total", "counter", "Running requests preempted for KV blocks.",
            " %llu", (unsigned long long)s.preemptions);
     METRIC("loom_engine_steps_total", "counter", "Forward passes run.", " %llu",

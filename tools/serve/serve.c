@@ -538,6 +538,13 @@ int loom_serve_main(int argc, char **argv)
     fprintf(stderr,
             "loom serve: %s on %s; %d-token context, %d KV blocks of %d tokens, batch %ld\n",
             srv.api.model_name, loom_model_backend(m), ctx, st.kv_blocks, st.block_size, max_batch);
+    uint64_t state = loom_model_state_bytes(m);
+    if (state)
+        fprintf(stderr,
+                "loom serve: recurrent layers: %.1f %s of state per running sequence, twice "
+                "that allocated per --batch slot (a checkpoint for speculation)\n",
+                (double)state / (state < 1048576 ? 1024.0 : 1048576.0),
+                state < 1048576 ? "KiB" : "MiB");
     fprintf(stderr, "loom serve: listening on http://%s:%u%s\n", host,
             di ? di->port : (unsigned)port, srv.webui ? " (a chat page at /)" : "");
 
