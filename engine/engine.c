@@ -71,6 +71,7 @@ typedef struct ereq {
     int32_t lookup, draft_max, n_draft;
     int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1;
                          * its checkpoint's is state_slot + the engine's n_state_slots */
+    int32_t spec_from;  /* the position the checkpoint is at (a step that checks proposals) */
     int32_t *draft;
     double spec_ok, spec_miss;
     int32_t spec_idle; /* steps without proposals while they did not pay */
@@ -126,6 +127,7 @@ struct loom_engine {
     ereq **running;
     int n_running;
     float *logits;        /* one row, for the sampler to modify */
+    ereq **replay;        /* a step's requests whose recurrent state goes back (replay_kept) */
     struct planned *plan; /* a step's work: allocated at start, so that a failure there is
                            * the caller's error, not a thread that quits quietly */
     loom_kvcopy *copies;
@@ -993,6 +995,48 @@ static void run_drafter(loom_engine *e, planned *plan, int n_plan)
     }
 }
 
+/* Recurrent layers ran every proposal of the step just taken, kept or not, and their state
+ * cannot be cut back: each of who[0..n) goes back to its checkpoint (taken before the step, at
+ * the position of its pending token then) and runs again the tokens it kept from there, whose
+ * K/V are rewritten with the same values. A request whose replay fails ends with the error. */
+static void replay_kept(loom_engine *e, ereq **who, int n, int32_t *buf)
+{
+    char err[512];
+    int32_t n_tok = 0, max_blocks = 1;
+    for (int i = 0; i < n; i++) {
+        assert(who[i]->kv.n_tokens > who[i]->spec_from);
+        n_tok += who[i]->kv.n_tokens - who[i]->spec_from;
+        max_blocks = who[i]->kv.n_blocks > max_blocks ? who[i]->kv.n_blocks : max_blocks;
+    }
+    /* (buf holds a step of up to max_step tokens and max_batch sequences: this is smaller) */
+    int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
+    int32_t *table = slots + n_tok, *state = table + (size_t)n * (size_t)max_blocks;
+    int rc = 0;
+    for (int i = 0, t = 0; i < n; i++) {
+        ereq *q = who[i];
+        if (rc == 0)
+            rc = loom_runner_state_copy(e->runner, q->state_slot + e->n_state_slots, q->state_slot,
+                                        err, sizeof err);
+        for (int32_t p = q->spec_from; p < q->kv.n_tokens; p++, t++) {
+            ids[t] = q->toks[p], pos[t] = p, seq[t] = i;
+            slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
+        }
+        int32_t *row = table + (size_t)i * (size_t)max_blocks;
+        memcpy(row, q->kv.blocks, (size_t)q->kv.n_blocks * sizeof *row);
+        for (int32_t b = q->kv.n_blocks; b < max_blocks; b++)
+            row[b] = 0;
+        state[i] = q->state_slot;
+    }
+    loom_step st = {n_tok, ids, pos,  seq,  slots, n,    max_blocks,
+                    table, 0,   NULL, NULL, 0,     NULL, state};
+    if (rc == 0)
+        rc = loom_runner_step(e->runner, &st, err, sizeof err);
+    for (int i = 0; rc != 0 && i < n; i++) {
+        remove_running(e, who[i]);
+        retire(e, who[i], NULL, err);
+    }
+}
+
 static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcopy *copies,
                      int n_copies, int32_t *buf)
 {
@@ -1036,9 +1080,11 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     for (int i = 0; i < n_plan && rc == 0; i++) {
         state_slots[i] = plan[i].q->state_slot;
         /* recurrent layers run every proposal: a checkpoint to go back to (below) */
-        if (e->n_state_slots && plan[i].q->n_draft)
+        if (e->n_state_slots && plan[i].q->n_draft) {
+            plan[i].q->spec_from = plan[i].q->kv.n_tokens;
             rc = loom_runner_state_copy(e->runner, state_slots[i],
                                         state_slots[i] + e->n_state_slots, err, sizeof err);
+        }
     }
     /* clang-format off */
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
@@ -1058,7 +1104,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     e->n_steps++;
     const float *logits = loom_runner_logits(e->runner);
     const float *hidden = loom_runner_hidden(e->runner);
-    int li = 0, hi = 0;
+    int li = 0, hi = 0, n_replay = 0;
+    ereq **replay = e->replay; /* requests whose rejected proposals are undone */
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
         int32_t n_draft = q->n_draft;
@@ -1096,19 +1143,9 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         }
         li = row0 + n_draft + 1;
         e->n_accepted += (uint64_t)kept;
-        /* a rejected proposal is in the recurrent state: back to the checkpoint, and the next
-         * step runs the kept tokens again (their K/V come out the same) */
-        if (q && e->n_state_slots && kept < n_draft) {
-            int32_t p0 = q->kv.n_tokens - (plan[i].k - n_draft) - kept;
-            char why[512];
-            if (loom_runner_state_copy(e->runner, q->state_slot + e->n_state_slots, q->state_slot,
-                                       why, sizeof why) != 0) {
-                remove_running(e, q);
-                retire(e, q, NULL, why);
-                continue;
-            }
-            loom_kvblocks_truncate(&q->kv, p0);
-        }
+        /* a rejected proposal is in the recurrent state: replay_kept takes it back */
+        if (q && e->n_state_slots && kept < n_draft)
+            replay[n_replay++] = q;
         if (q && n_draft) {
             q->spec_ok = 0.9 * q->spec_ok + kept;
             q->spec_miss = 0.9 * q->spec_miss + (kept < n_draft);
@@ -1117,6 +1154,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         if (q && q->use_draft && q->dkv.n_tokens > q->n_toks - 1)
             loom_kvblocks_truncate(&q->dkv, q->n_toks - 1);
     }
+    if (n_replay)
+        replay_kept(e, replay, n_replay, buf);
 }
 
 #define DISPLACED_WHY                                                                              \
@@ -1318,7 +1357,8 @@ static void free_parts(loom_engine *e)
         loom_kvblocks_free(e->kv);
     if (e->dkv)
         loom_kvblocks_free(e->dkv);
-    free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies);
+    free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies),
+        free(e->replay);
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
     free(e->slot_taken);
     free(e);
@@ -1413,6 +1453,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->logits = malloc((size_t)e->n_vocab * sizeof *e->logits);
     size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
     e->plan = malloc((size_t)e->max_batch * sizeof *e->plan);
+    e->replay = malloc((size_t)e->max_batch * sizeof *e->replay);
     e->copies = malloc((size_t)e->max_batch * sizeof *e->copies);
     /* a step's ids, positions, sequences, slots, logit rows and hidden rows (max_step each);
      * prefixes and block table rows (per sequence) */
@@ -1421,7 +1462,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
     e->slot_taken = calloc((size_t)e->n_state_slots + 1, 1);
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
-        !e->embedding || !e->slot_taken) {
+        !e->embedding || !e->slot_taken || !e->replay) {
         free_parts(e);
         snprintf(err, err_size, "out of memory");
         return NULL;
