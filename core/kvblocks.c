@@ -221,6 +221,25 @@ int32_t loom_kvblocks_match(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *t
     return seq->n_tokens;
 }
 
+void loom_kvblocks_unmatch(loom_kvblocks *kv, loom_kvseq *seq, int32_t n)
+{
+    /* only what match gave: whole, hashed, shared blocks and nothing of the sequence's own */
+    assert(n >= 0 && n % kv->bs == 0 && n <= seq->n_tokens);
+    assert(seq->n_tokens == seq->n_hashed * kv->bs);
+    int32_t keep = n / kv->bs;
+    for (int32_t b = seq->n_blocks - 1; b >= keep; b--)
+        drop_ref(kv, seq->blocks[b]);
+    kv->hit_tokens -= (uint64_t)(seq->n_tokens - n);
+    seq->n_blocks = seq->n_hashed = keep;
+    seq->n_tokens = n;
+}
+
+uint32_t loom_kvblocks_generation(const loom_kvblocks *kv, int32_t i)
+{
+    assert(i >= 0 && i < kv->n);
+    return kv->b[i].gen;
+}
+
 static int last_block_shared(const loom_kvblocks *kv, const loom_kvseq *seq)
 {
     return seq->n_tokens % kv->bs != 0 && kv->b[seq->blocks[seq->n_tokens / kv->bs]].ref > 1;

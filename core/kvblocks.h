@@ -59,6 +59,14 @@ void loom_kvblocks_free(loom_kvblocks *kv);
  * number of tokens matched (their K/V need not be computed). */
 int32_t loom_kvblocks_match(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *tokens, int32_t n);
 
+/* After loom_kvblocks_match: keeps the first n of the tokens it matched (a whole number of
+ * blocks), handing the rest back; for a caller that can resume only at some block boundaries
+ * (a recurrent state it has at those alone). */
+void loom_kvblocks_unmatch(loom_kvblocks *kv, loom_kvseq *seq, int32_t n);
+/* Block i's generation, bumped whenever it is handed out anew: what a caller remembering a
+ * block's content (a state snapshot at its end) compares to know it still holds that. */
+uint32_t loom_kvblocks_generation(const loom_kvblocks *kv, int32_t i);
+
 /* Blocks the sequence would need to grow by n_new tokens (including a copy on write). */
 int32_t loom_kvblocks_needed(const loom_kvblocks *kv, const loom_kvseq *seq, int32_t n_new);
 /* Blocks that can be handed out now: free plus cached (evictable). */

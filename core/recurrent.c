@@ -59,7 +59,7 @@ int loom_recurrent_alloc(loom_runner *r, char *err, size_t err_size)
         return -1;
     }
     r->n_state_slots = r->opt.state_slots > 0 ? r->opt.state_slots
-        : r->opt.kv_sequences > 0             ? 2 * r->opt.kv_sequences
+        : r->opt.kv_sequences > 0             ? 3 * r->opt.kv_sequences
                                               : 2;
     const uint64_t conv = (uint64_t)(hp->ssm_conv_kernel - 1) * (uint64_t)hp->ssm_conv_channels * 4;
     const uint64_t delta = (uint64_t)hp->ssm_v_heads * (uint64_t)hp->ssm_d_k *

@@ -147,8 +147,9 @@ typedef struct loom_runner_options {
      * model's own shallow layers as a speculative drafter); only their weights are loaded and
      * only their KV cache allocated. 0: every layer. */
     int32_t first_layers;
-    /* Models with recurrent layers: state slots (loom_step's state_slots); 0: twice
-     * kv_sequences (or 1): a slot per sequence and one for its checkpoint (speculation). */
+    /* Models with recurrent layers: state slots (loom_step's state_slots); 0: three per
+     * kv_sequences (a sequence's own, its checkpoint for speculation, and one for a snapshot
+     * a later prompt resumes from), or 2 without kv_sequences. */
     int32_t state_slots;
 } loom_runner_options;
 

@@ -72,6 +72,7 @@ typedef struct ereq {
     int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1;
                          * its checkpoint's is state_slot + the engine's n_state_slots */
     int32_t spec_from;  /* the position the checkpoint is at (a step that checks proposals) */
+    int32_t snapshot;   /* the snapshot its matched prefix resumes from, once running; -1 */
     int32_t *draft;
     double spec_ok, spec_miss;
     int32_t spec_idle; /* steps without proposals while they did not pay */
@@ -99,6 +100,15 @@ struct loom_engine {
      * (a slot per running request; max_batch is at most their count) */
     int32_t n_state_slots;
     unsigned char *slot_taken;
+    /* snapshots of states at block boundaries of prompts (prefix sharing): snapshot i in the
+     * runner's slot 2 n_state_slots + i, valid while the block that ends its prefix still holds
+     * that content (its generation); 0 of them: hybrid requests share no prefix */
+    struct state_snapshot {
+        int32_t block, pos; /* -1: empty */
+        uint32_t gen;
+        uint64_t used; /* e->n_steps when last taken or used: the least recent goes first */
+    } * snapshots;
+    int32_t n_snapshots;
 
     pthread_t thread;
     pthread_mutex_t lock;
@@ -205,7 +215,9 @@ static void count_running(loom_engine *e)
     pthread_mutex_unlock(&e->lock);
 }
 
-/* A free state slot for q as it starts running (there is one: max_batch <= the slots). */
+/* A free state slot for q as it starts running (there is one: max_batch <= the slots), with
+ * the snapshot its matched prefix resumes from copied in. A copy that fails leaves the slot
+ * empty, which the runner refuses to continue from: the request then fails with that. */
 static void take_state_slot(loom_engine *e, ereq *q)
 {
     q->state_slot = -1;
@@ -213,6 +225,70 @@ static void take_state_slot(loom_engine *e, ereq *q)
         if (!e->slot_taken[i])
             e->slot_taken[i] = 1, q->state_slot = i;
     assert(!e->n_state_slots || q->state_slot >= 0);
+    char err[512];
+    if (q->snapshot >= 0 &&
+        loom_runner_state_copy(e->runner, 2 * e->n_state_slots + q->snapshot, q->state_slot, err,
+                               sizeof err) != 0)
+        fprintf(stderr, "loom: %s\n", err);
+    q->snapshot = -1;
+}
+
+/* Hybrid models: of the hit tokens a prefix match gave q, the most for which a snapshot of
+ * the state at their end is still valid; q keeps those blocks and gives the rest back. */
+static int32_t snapshot_hit(loom_engine *e, ereq *q, int32_t hit)
+{
+    q->snapshot = -1;
+    for (int32_t pos = hit; pos > 0 && q->snapshot < 0; pos -= e->bs) {
+        int32_t block = q->kv.blocks[pos / e->bs - 1];
+        for (int32_t i = 0; i < e->n_snapshots && q->snapshot < 0; i++) {
+            struct state_snapshot *sn = &e->snapshots[i];
+            if (sn->block == block && sn->pos == pos &&
+                sn->gen == loom_kvblocks_generation(e->kv, block))
+                q->snapshot = i, sn->used = e->n_steps, hit = pos;
+        }
+    }
+    if (q->snapshot < 0)
+        hit = 0;
+    loom_kvblocks_unmatch(e->kv, &q->kv, hit);
+    return hit;
+}
+
+/* After a step: q's state is at its KV's end; when that is a block boundary of its prompt,
+ * keep a snapshot there (replacing the least recently used) for later prompts to resume
+ * from. */
+static void take_snapshot(loom_engine *e, ereq *q)
+{
+    int32_t pos = q->kv.n_tokens;
+    if (!e->n_snapshots || pos == 0 || pos % e->bs || pos > q->n_prompt ||
+        q->kv.n_hashed * e->bs < pos)
+        return;
+    int32_t block = q->kv.blocks[pos / e->bs - 1];
+    uint32_t gen = loom_kvblocks_generation(e->kv, block);
+    int32_t victim = 0;
+    for (int32_t i = 0; i < e->n_snapshots; i++) {
+        struct state_snapshot *sn = &e->snapshots[i];
+        if (sn->block == block && sn->pos == pos && sn->gen == gen) {
+            sn->used = e->n_steps;
+            return;
+        }
+        if (sn->used < e->snapshots[victim].used || sn->block < 0)
+            victim = sn->block < 0 || e->snapshots[victim].block >= 0 ? i : victim;
+    }
+    char err[512];
+    struct state_snapshot *sn = &e->snapshots[victim];
+    sn->block = -1;
+    if (loom_runner_state_copy(e->runner, q->state_slot, 2 * e->n_state_slots + victim, err,
+                               sizeof err) != 0)
+        return; /* no snapshot: only a later prompt's reuse is lost */
+    *sn = (struct state_snapshot){block, pos, gen, e->n_steps};
+}
+
+/* A hybrid request's prefill steps end at its prompt's last block boundary first, so that a
+ * snapshot is taken there: k of its tokens at most. */
+static int32_t to_boundary(const loom_engine *e, const ereq *q, int32_t k)
+{
+    int32_t boundary = q->n_prompt / e->bs * e->bs, at = q->kv.n_tokens;
+    return e->n_snapshots && at < boundary && at + k > boundary ? boundary - at : k;
 }
 
 static void remove_running(loom_engine *e, ereq *q)
@@ -384,10 +460,10 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     memcpy(q->toks, r->prompt, (size_t)r->n_prompt * sizeof *q->toks);
     q->n_toks = q->n_prompt = r->n_prompt;
     q->prefix_len = loom_runner_prefix_len(e->runner, r->prompt, r->n_prompt);
-    /* a cached prefix is of no use without the recurrent state at its end, which loom does not
-     * keep yet: a hybrid model's requests share no blocks */
-    q->kv.private_blocks = q->prefix_len > 0 || e->n_state_slots > 0;
-    q->state_slot = -1;
+    /* a hybrid model's prefix is of use only where a snapshot of its state is (snapshot_hit);
+     * without snapshot slots its requests share no blocks */
+    q->kv.private_blocks = q->prefix_len > 0 || (e->n_state_slots > 0 && !e->n_snapshots);
+    q->state_slot = q->snapshot = -1;
     q->kv.partition = r->cache_partition;
     q->max_tokens = max_tokens;
     q->dkv.private_blocks = 1;
@@ -648,7 +724,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             k = budget;
         if (sched_sits_out(q->s.priority, k, yield_to))
             continue;
-        k = sched_clip_prefill(&e->policy, q->s.priority, k, now, &worse_used);
+        k = to_boundary(e, q, sched_clip_prefill(&e->policy, q->s.priority, k, now, &worse_used));
         if (k == 0)
             continue;
         /* a decoding request may check proposals too, where the cache has room for them
@@ -688,6 +764,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         int32_t hit = q->pooling == LOOM_POOL_MEAN
             ? 0
             : loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
+        if (e->n_state_slots)
+            hit = snapshot_hit(e, q, hit);
         int32_t rest = q->n_toks - hit;
         /* admit only what can be prefilled to the end without preempting anyone */
         if (loom_kvblocks_needed(e->kv, &q->kv, rest) > loom_kvblocks_available(e->kv)) {
@@ -696,6 +774,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         }
         int32_t k = sched_clip_prefill(&e->policy, q->s.priority, rest < budget ? rest : budget,
                                        now, &worse_used);
+        k = to_boundary(e, q, k);
         if (k == 0) {
             loom_kvblocks_release(e->kv, &q->kv);
             break;
@@ -1112,6 +1191,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         int ends = q->kv.n_tokens + plan[i].k == q->n_toks + n_draft;
         /* the proposals' K/V count only once they are kept, below */
         loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k - n_draft);
+        if (!n_draft)
+            take_snapshot(e, q);
         if (q->pooling) {
             int32_t n_rows = q->pooling == LOOM_POOL_MEAN ? plan[i].k : ends;
             pool(e, q, hidden + (size_t)hi * (size_t)e->n_embd, n_rows);
@@ -1360,7 +1441,7 @@ static void free_parts(loom_engine *e)
     free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies),
         free(e->replay);
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
-    free(e->slot_taken);
+    free(e->slot_taken), free(e->snapshots);
     free(e);
 }
 
@@ -1427,9 +1508,13 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     /* a model with recurrent layers runs as many requests at once as it has pairs of state
      * slots: the lower half theirs, the upper half their checkpoints during a speculative
      * pass (take_state_slot) */
-    e->n_state_slots = loom_runner_state_slots(e->runner) / 2;
+    int32_t slots = loom_runner_state_slots(e->runner);
+    e->n_state_slots = slots >= 3 ? slots / 3 : slots / 2;
     if (e->n_state_slots && e->max_batch > e->n_state_slots)
         e->max_batch = e->n_state_slots;
+    if (e->n_state_slots && e->n_state_slots > e->max_batch)
+        e->n_state_slots = e->max_batch;
+    e->n_snapshots = slots - 2 * e->n_state_slots;
     if (e->max_step < e->max_batch) {
         snprintf(err, err_size,
                  "max tokens per step (%d) must be at least the batch size (%d): "
@@ -1461,8 +1546,11 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
                          sizeof *e->step_buf);
     e->embedding = malloc((size_t)e->n_embd * sizeof *e->embedding);
     e->slot_taken = calloc((size_t)e->n_state_slots + 1, 1);
+    e->snapshots = malloc(((size_t)e->n_snapshots + 1) * sizeof *e->snapshots);
+    for (int32_t i = 0; e->snapshots && i < e->n_snapshots; i++)
+        e->snapshots[i] = (struct state_snapshot){-1, -1, 0, 0};
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
-        !e->embedding || !e->slot_taken || !e->replay) {
+        !e->embedding || !e->slot_taken || !e->replay || !e->snapshots) {
         free_parts(e);
         snprintf(err, err_size, "out of memory");
         return NULL;

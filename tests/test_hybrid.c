@@ -10,7 +10,8 @@
  *     crosses steps;
  *   - the serving engine: the four cases at once and again through two state slots (queued,
  *     each slot reused by the next request, one cancelled mid-answer) give each case's greedy
- *     tokens, as alone;
+ *     tokens, as alone; the longest case once more resumes from the snapshot of its state at
+ *     its prompt's last block boundary (its cached tokens say so) with the same answer;
  *   - speculative decoding with tiny-qwen2 (same vocabulary, other weights) as the drafter, in
  *     loom_generate and in the engine: its proposals are nearly all rejected, and each time the
  *     state goes back to its checkpoint, so the answers are the plain greedy ones (without the
@@ -258,6 +259,7 @@ static void test_speculative(const char *backend_or_null, const char *drafter_fo
 typedef struct answer {
     collect c;
     int done, errored, cancel_after;
+    int32_t n_cached;
     int64_t id;
 } answer;
 
@@ -273,7 +275,7 @@ static void on_event(void *user, const loom_event *ev)
         a->c.ids[a->c.n++] = ev->token;
     int cancel = ev->kind == LOOM_EVENT_TEXT && a->cancel_after && a->c.n == a->cancel_after;
     if (ev->kind != LOOM_EVENT_TEXT) {
-        a->done = 1, a->errored = ev->kind == LOOM_EVENT_ERROR;
+        a->done = 1, a->errored = ev->kind == LOOM_EVENT_ERROR, a->n_cached = ev->n_cached;
         pthread_cond_broadcast(&cv);
     }
     int64_t id = a->id;
@@ -334,6 +336,30 @@ static void test_engine(const char *backend_or_null, int32_t slots, const char *
         CHECK(!a[i].errored && same_greedy(&a[i].c, &cases[i % n_cases]),
               "request %d (case %d) of %d at once over %d state slots on %s: %s", i, i % n_cases,
               2 * n_cases, slots, backend, a[i].errored ? "failed" : "other greedy tokens");
+    }
+    /* the longest case again, alone: its prompt's blocks up to the last boundary are cached,
+     * with a snapshot of the state there, and the answer is the same */
+    if (!d) {
+        int longest = 0;
+        for (int i = 1; i < n_cases; i++)
+            longest = cases[i].n_prompt > cases[longest].n_prompt ? i : longest;
+        loom_request r = {.prompt = cases[longest].prompt,
+                          .n_prompt = cases[longest].n_prompt,
+                          .max_tokens = 16,
+                          .sampling = loom_sampling_defaults()};
+        r.sampling.temperature = 0, r.sampling.ignore_eos = 1;
+        answer again = {0};
+        pthread_mutex_lock(&mu);
+        again.id = loom_engine_submit(engine, &r, on_event, &again, err, sizeof err);
+        while (again.id > 0 && !again.done)
+            pthread_cond_wait(&cv, &mu);
+        pthread_mutex_unlock(&mu);
+        int32_t want = cases[longest].n_prompt / 16 * 16; /* the runner's 16-token blocks */
+        CHECK(!again.errored && same_greedy(&again.c, &cases[longest]) && again.n_cached == want,
+              "case %d again on %s: %d tokens cached (want %d, resumed from a state snapshot), "
+              "%s",
+              longest, backend, again.n_cached, want,
+              again.errored ? "failed" : "the greedy tokens as alone?");
     }
     if (d) {
         loom_engine_stats es = loom_engine_get_stats(engine);
