@@ -305,9 +305,50 @@ static void test_random(void)
     free(shadow);
 }
 
+/* unmatch keeps a shorter prefix of a match and gives the rest back (hybrid models resume only
+ * where a state snapshot is); a block's generation changes when it is reused, which is how a
+ * snapshot keyed by it learns that its prefix is gone */
+static void test_unmatch(void)
+{
+    loom_kvblocks *kv = loom_kvblocks_create(6, BS);
+    n_slots = 6 * BS;
+    shadow = calloc((size_t)n_slots, sizeof *shadow);
+    int32_t t[32], u[32];
+    for (int i = 0; i < 32; i++)
+        t[i] = 100 + i, u[i] = 500 + i;
+    loom_kvseq a = {0}, b = {0};
+    loom_kvblocks_match(kv, &a, t, 13);
+    CHECK(compute(kv, &a, t, 13) == 0, "13 tokens fit");
+    loom_kvblocks_release(kv, &a); /* its three full blocks stay cached */
+    CHECK(loom_kvblocks_match(kv, &b, t, 13) == 12, "the cached prefix hits whole");
+    uint32_t gen2 = loom_kvblocks_generation(kv, b.blocks[2]);
+    int32_t third = b.blocks[2];
+    loom_kvblocks_unmatch(kv, &b, 4);
+    loom_kvstats s = loom_kvblocks_stats(kv);
+    CHECK(b.n_tokens == 4 && b.n_blocks == 1 && b.n_hashed == 1 && s.used == 1 && s.cached == 2,
+          "unmatch to 4: %d tokens in %d blocks, %d used, %d cached", b.n_tokens, b.n_blocks,
+          s.used, s.cached);
+    CHECK(s.hit_tokens == 4, "the hit counts what was kept: %llu",
+          (unsigned long long)s.hit_tokens);
+    CHECK(compute(kv, &b, t, 13) == 0 && reads_back(kv, &b, t), "the rest computes again");
+    const loom_kvseq *live[] = {&b};
+    const char *why = loom_kvblocks_verify(kv, live, 1);
+    CHECK(!why, "%s", why);
+    loom_kvblocks_release(kv, &b);
+    /* other content evicts the cached blocks: the third's generation moves on */
+    loom_kvseq c = {0};
+    loom_kvblocks_match(kv, &c, u, 24);
+    CHECK(compute(kv, &c, u, 24) == 0, "24 other tokens take every block");
+    CHECK(loom_kvblocks_generation(kv, third) != gen2, "a reused block has a new generation");
+    loom_kvblocks_release(kv, &c);
+    loom_kvblocks_free(kv);
+    free(shadow);
+}
+
 int main(void)
 {
     test_basics();
+    test_unmatch();
     test_leaf_first();
     test_partitions();
     test_random();
