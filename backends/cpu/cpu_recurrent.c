@@ -4,7 +4,7 @@
  *
  * Both are recurrences along each sequence's tokens, but independent across channels (the
  * conv) and value heads (the delta rule), so the threads split those and each runs every token
- * in order for its share: a thread owns its heads' states for the whole call. The delta rule
+ * in order for its share, head by head: a thread owns its heads' states for the whole call. The delta rule
  * keeps a head's [d_v][d_k] state in its rows as backend.h lays it out (row j is column j of S),
  * so each step is d_v dot products and axpys of length d_k. This is the recurrent form for
  * prefill as well as decode; the chunked (WY) form that turns a long prompt into matmuls is
@@ -104,15 +104,17 @@ static void delta_heads(void *ctx, int ith, int nth)
         return;
     }
     const float q_scale = 1.0f / sqrtf((float)dk);
-    for (int64_t t = 0; t < T; t++) {
-        int32_t s = i32_at(p->seq, t);
-        if (s < 0 || s >= slots) {
-            j->failed = 1;
-            break;
-        }
-        const float *alpha = (const float *)cpu_row(p->alpha, base(p->alpha), t);
-        const float *beta = (const float *)cpu_row(p->beta, base(p->beta), t);
-        for (long h = h0; h < h1; h++) {
+    /* head by head, every token: a head's state (d_v x d_k floats of a slot) stays in cache
+     * across a prefill's tokens instead of being fetched again for each */
+    for (long h = h0; h < h1 && !j->failed; h++)
+        for (int64_t t = 0; t < T; t++) {
+            int32_t s = i32_at(p->seq, t);
+            if (s < 0 || s >= slots) {
+                j->failed = 1;
+                break;
+            }
+            const float *alpha = (const float *)cpu_row(p->alpha, base(p->alpha), t);
+            const float *beta = (const float *)cpu_row(p->beta, base(p->beta), t);
             const float *qr = (const float *)cpu_row(p->q, base(p->q), t * hk + h / group);
             const float *kr = (const float *)cpu_row(p->k, base(p->k), t * hk + h / group);
             const float *v = (const float *)cpu_row(p->v, base(p->v), t * hv + h);
@@ -132,7 +134,6 @@ static void delta_heads(void *ctx, int ith, int nth)
                 o[jv] = cpu_dot(col, q, dk);
             }
         }
-    }
     free(q);
 }
 
