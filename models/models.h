@@ -28,7 +28,7 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
 extern const loom_family loom_family_llama, loom_family_mistral, loom_family_qwen2,
     loom_family_qwen3, loom_family_qwen, loom_family_chatglm, loom_family_chatglm1,
     loom_family_qwen2moe, loom_family_qwen3moe, loom_family_glm4, loom_family_glm4moe,
-    loom_family_qwen35;
+    loom_family_qwen35, loom_family_qwen35_vl;
 
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);

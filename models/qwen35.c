@@ -335,21 +335,34 @@ const loom_arch loom_arch_qwen35 = {
  * [channels, kernel] in f32, q_proj kept with each head's [query; gate]. The multi-token-
  * prediction head (mtp.*) is not carried over: a plain run does not use it. */
 static const loom_hf_param q35_params[] = {
-    {"context_length", "max_position_embeddings", LOOM_HF_U32, 262144},
-    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.head_count_kv", "num_key_value_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.key_length", "head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.value_length", "head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-6},
-    {"rope.freq_base", "rope_parameters.rope_theta|rope_theta", LOOM_HF_F32, 10000000.0},
-    {"ssm.conv_kernel", "linear_conv_kernel_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"ssm.state_size", "linear_key_head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"ssm.group_count", "linear_num_key_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"ssm.time_step_rank", "linear_num_value_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"full_attention_interval", "full_attention_interval", LOOM_HF_U32, 4},
+    {"context_length", "text_config.max_position_embeddings|max_position_embeddings", LOOM_HF_U32,
+     262144},
+    {"embedding_length", "text_config.hidden_size|hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "text_config.num_hidden_layers|num_hidden_layers", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"feed_forward_length", "text_config.intermediate_size|intermediate_size", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"attention.head_count", "text_config.num_attention_heads|num_attention_heads", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"attention.head_count_kv", "text_config.num_key_value_heads|num_key_value_heads", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"attention.key_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.value_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_rms_epsilon", "text_config.rms_norm_eps|rms_norm_eps", LOOM_HF_F32,
+     1e-6},
+    {"rope.freq_base",
+     "text_config.rope_parameters.rope_theta|text_config.rope_theta|rope_parameters.rope_theta|rope_theta",
+     LOOM_HF_F32, 10000000.0},
+    {"ssm.conv_kernel", "text_config.linear_conv_kernel_dim|linear_conv_kernel_dim", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"ssm.state_size", "text_config.linear_key_head_dim|linear_key_head_dim", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"ssm.group_count", "text_config.linear_num_key_heads|linear_num_key_heads", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"ssm.time_step_rank", "text_config.linear_num_value_heads|linear_num_value_heads", LOOM_HF_U32,
+     LOOM_HF_REQUIRED},
+    {"full_attention_interval", "text_config.full_attention_interval|full_attention_interval",
+     LOOM_HF_U32, 4},
     {0}};
 
 /* The rotated share of a head, the value heads' total width, and the checks that the config
@@ -358,10 +371,17 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
 {
     double share;
     int64_t d_v;
-    if (loom_hf_real(cf, "rope_parameters.partial_rotary_factor|partial_rotary_factor", 1.0, 0, 1.0,
-                     &share, err, err_size) ||
-        loom_hf_int(cf, "linear_value_head_dim", 0, 1, 65536, &d_v, err, err_size))
+    if (loom_hf_real(cf,
+                     "text_config.rope_parameters.partial_rotary_factor|"
+                     "rope_parameters.partial_rotary_factor|partial_rotary_factor",
+                     1.0, 0, 1.0, &share, err, err_size) ||
+        loom_hf_int(cf, "text_config.linear_value_head_dim|linear_value_head_dim", 0, 1, 65536,
+                    &d_v, err, err_size))
         return -1;
+    if (d_v == 0) {
+        snprintf(err, err_size, "config.json has no linear_value_head_dim");
+        return -1;
+    }
     const int64_t hd = (int64_t)loom_hf_get(v, "attention.key_length");
     const int64_t rot = (int64_t)(hd * share + 0.5);
     if (rot < 2 || rot % 2) {
@@ -374,6 +394,10 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     loom_hf_set(v, "rope.dimension_count", LOOM_HF_U32, (double)rot);
     loom_hf_set(v, "ssm.inner_size", LOOM_HF_U32,
                 (double)d_v * loom_hf_get(v, "ssm.time_step_rank"));
+    /* the multimodal checkpoints nest the language model's config in text_config */
+    const cJSON *text = cJSON_GetObjectItem(cf, "text_config");
+    if (cJSON_IsObject(text))
+        cf = text;
     const cJSON *gate = cJSON_GetObjectItem(cf, "attn_output_gate");
     if (gate && !cJSON_IsTrue(gate)) {
         snprintf(err, err_size,
@@ -435,6 +459,55 @@ static const loom_hf_tensor q35_tensors[] = {
 #undef LIN
 #undef ATT
 /* clang-format on */
+
+/* The multimodal checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5: every
+ * Qwen3.5 and 3.6 release): the same language model under model.language_model, its config in
+ * text_config, beside a vision tower (model.visual.*) that loom does not run yet and leaves out;
+ * the conversion says so. */
+static int q35_vl_derive(const cJSON *config, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (cJSON_GetObjectItem(config, "vision_config"))
+        fprintf(stderr,
+                "note: the vision tower (model.visual.*) is left out: loom runs the "
+                "language model alone, text in and out\n");
+    return q35_derive(config, v, err, err_size);
+}
+
+/* clang-format off */
+#define Q35_VL_LAYER "model.language_model.layers.%d."
+static const loom_hf_tensor q35_vl_tensors[] = {
+    {"model.language_model.embed_tokens.weight", "token_embd.weight", 0, NULL},
+    {"model.language_model.norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
+    {Q35_VL_LAYER "input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {Q35_VL_LAYER "post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", LOOM_HF_PLUS_ONE, NULL},
+    {Q35_VL_LAYER "linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LOOM_HF_LINEAR_LAYERS | LOOM_HF_SQUEEZE, NULL},
+    {Q35_VL_LAYER "linear_attn.A_log", "blk.%d.ssm_a", LOOM_HF_LINEAR_LAYERS | LOOM_HF_NEG_EXP, NULL},
+    {Q35_VL_LAYER "linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LOOM_HF_LINEAR_LAYERS, NULL},
+    {Q35_VL_LAYER "self_attn.q_proj.weight", "blk.%d.attn_q.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
+    {Q35_VL_LAYER "self_attn.k_proj.weight", "blk.%d.attn_k.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
+    {Q35_VL_LAYER "self_attn.v_proj.weight", "blk.%d.attn_v.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
+    {Q35_VL_LAYER "self_attn.o_proj.weight", "blk.%d.attn_output.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
+    {Q35_VL_LAYER "self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", LOOM_HF_ATTENTION_LAYERS | LOOM_HF_PLUS_ONE, NULL},
+    {Q35_VL_LAYER "self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", LOOM_HF_ATTENTION_LAYERS | LOOM_HF_PLUS_ONE, NULL},
+    {Q35_VL_LAYER "mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},
+    {Q35_VL_LAYER "mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},
+    {Q35_VL_LAYER "mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
+    {0}};
+/* clang-format on */
+
+const loom_family loom_family_qwen35_vl = {.arch = &loom_arch_qwen35,
+                                           .chat_template = "chatml",
+                                           .hf_model_type = "qwen3_5",
+                                           .hf_params = q35_params,
+                                           .hf_derive = q35_vl_derive,
+                                           .hf_tensors = q35_vl_tensors};
 
 const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35,
                                         .chat_template = "chatml",

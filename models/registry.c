@@ -27,8 +27,9 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
 static const loom_family *families[16] = {
     &loom_family_llama,    &loom_family_qwen2,   &loom_family_qwen3,   &loom_family_qwen,
     &loom_family_chatglm1, &loom_family_chatglm, &loom_family_mistral, &loom_family_qwen2moe,
-    &loom_family_qwen3moe, &loom_family_glm4,    &loom_family_glm4moe, &loom_family_qwen35};
-static int n_families = 12;
+    &loom_family_qwen3moe, &loom_family_glm4,    &loom_family_glm4moe, &loom_family_qwen35,
+    &loom_family_qwen35_vl};
+static int n_families = 13;
 
 const loom_family *loom_family_find(const char *name)
 {

@@ -25,7 +25,9 @@
  *     `loom convert` (f32: the same logits within 1e-3 and the greedy tokens; without the +1 of
  *     the zero-centred norms or the -exp of A_log they move by 7.0 and more): loom's file has
  *     every tensor of llama.cpp's but the prediction head, shaped alike, the same hyper-
- *     parameters, verifies as whole, and `loom quantize` keeps its conv1d in f32.
+ *     parameters, verifies as whole, and `loom quantize` keeps its conv1d in f32; the same
+ *     weights as a multimodal checkpoint (Qwen3_5ForConditionalGeneration: model.language_model,
+ *     text_config, a vision tower left out) convert to the same model.
  */
 #include "core/gguf.h"
 
@@ -252,6 +254,70 @@ static void test_speculative(const char *backend_or_null, const char *drafter_fo
     }
     loom_model_close(d);
     loom_model_close(m);
+}
+
+/* The multimodal form every Qwen3.5 release takes (Qwen3_5ForConditionalGeneration): the
+ * fixture's weights under model.language_model, its config as text_config, and a vision tower
+ * loom leaves out. Converted, it is the same model. */
+static void test_multimodal_folder(void)
+{
+    char folder[4200], f32[4200], path[4300];
+    snprintf(folder, sizeof folder, "%s/tiny-qwen35-vl", tmp);
+    snprintf(f32, sizeof f32, "%s/tiny-qwen35-vl-f32.gguf", tmp);
+    CHECK(mkdir(folder, 0700) == 0, "making %s", folder);
+    loom_safetensors st;
+    snprintf(path, sizeof path, "%s/tiny-qwen35/model.safetensors", dir);
+    if (loom_safetensors_open(&st, path, err, sizeof err) != 0) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    for (int i = 0; i < st.n_tensors; i++) {
+        const char *name = st.tensors[i].name;
+        char to[512];
+        if (!strncmp(name, "model.", 6))
+            snprintf(to, sizeof to, "model.language_model.%s", name + 6);
+        else
+            snprintf(to, sizeof to, "%s", name);
+        st_copy(&o, &st, name, to);
+    }
+    static const float patch[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    st_add(&o, "model.visual.patch_embed.proj.weight", "F32", 2, (int64_t[]){2, 4}, patch,
+           sizeof patch);
+    snprintf(path, sizeof path, "%s/model.safetensors", folder);
+    CHECK(st_write(&o, path) == 0, "writing %s", path);
+    loom_safetensors_close(&st);
+    snprintf(path, sizeof path, "%s/tiny-qwen35/config.json", dir);
+    char *text = slurp(path, NULL);
+    cJSON *inner = cJSON_Parse(text), *outer = cJSON_CreateObject();
+    free(text);
+    cJSON_AddItemToObject(
+        outer, "architectures",
+        cJSON_CreateStringArray((const char *[]){"Qwen3_5ForConditionalGeneration"}, 1));
+    cJSON_AddStringToObject(outer, "model_type", "qwen3_5");
+    cJSON_AddItemToObject(outer, "text_config", inner);
+    cJSON *vision = cJSON_AddObjectToObject(outer, "vision_config");
+    cJSON_AddNumberToObject(vision, "depth", 1);
+    char *json = cJSON_Print(outer);
+    write_text(folder, "config.json", json);
+    free(json);
+    cJSON_Delete(outer);
+    static const char *const copied[] = {"generation_config.json", "tokenizer_config.json"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/tiny-qwen35/%s", dir, copied[i]);
+        link_file(folder, copied[i], path);
+    }
+    snprintf(path, sizeof path, "%s/tiny-qwen2/vocab.json", dir);
+    link_file(folder, "vocab.json", path);
+    snprintf(path, sizeof path, "%s/tiny-qwen2/merges.txt", dir);
+    link_file(folder, "merges.txt", path);
+    CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0,
+          "convert the multimodal folder: %s", err);
+    same_as_peer(f32);
+    check_model(dir, "tiny-qwen35", f32, "ref", "last_logits", 1e-3, 1,
+                "tiny-qwen35 as Qwen3_5ForConditionalGeneration (loom convert, f32)");
+    unlink(f32);
+    remove_folder(folder);
 }
 
 /* ---- the engine ------------------------------------------------------------------------- */
@@ -512,6 +578,7 @@ int main(void)
     test_speculative(NULL, drafter);
     test_engine(NULL, 2, drafter);
     test_folder();
+    test_multimodal_folder();
     remove_folder(drafter);
     rmdir(tmp);
     return check_finish("test_hybrid");
