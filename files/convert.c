@@ -191,6 +191,31 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
             return conv_fail(c, "%s/config.json: its keys give %s = %g, which cannot be right",
                              c->dir, v->v[i].key, x);
     }
+    /* multimodal RoPE (Qwen3.5's): the pairs of each section, as llama.cpp's 4 i32, 0-padded */
+    const cJSON *sections = loom_hf_array(c->config,
+                                          "text_config.rope_parameters.mrope_section|"
+                                          "rope_parameters.mrope_section|"
+                                          "rope_scaling.mrope_section");
+    if (sections) {
+        int32_t sec[4] = {0};
+        int n = cJSON_GetArraySize(sections);
+        for (int i = 0; i < n; i++) {
+            const cJSON *x = cJSON_GetArrayItem(sections, i);
+            if (i >= 4 || !cJSON_IsNumber(x) || x->valuedouble < 0 || x->valuedouble > 65536 ||
+                x->valuedouble != floor(x->valuedouble))
+                return conv_fail(c,
+                                 "%s/config.json: mrope_section must be up to 4 whole numbers "
+                                 "of pairs",
+                                 c->dir);
+            sec[i] = (int32_t)x->valuedouble;
+        }
+        char *key = loom_strf("%s.rope.dimension_sections", f->arch->name);
+        if (!key || loom_gguf_set_i32_array(c->w, key, sec, 4) != 0) {
+            free(key);
+            return conv_fail(c, "out of memory");
+        }
+        free(key);
+    }
     double n_layer = loom_hf_get(v, "block_count");
     if (n_layer < 1 || n_layer > LOOM_MAX_LAYERS)
         return conv_fail(c, "%s/config.json: %.0f layers; loom runs 1 to %d", c->dir, n_layer,

@@ -47,7 +47,8 @@ double loom_hf_get(const loom_hf_values *v, const char *key);
 
 /* config.json lookups: keys as in loom_hf_param.config. */
 double loom_hf_num(const cJSON *config, const char *keys, double fallback);
-const char *loom_hf_str(const cJSON *config, const char *keys); /* NULL when none is a string */
+const char *loom_hf_str(const cJSON *config, const char *keys);    /* NULL when none is a string */
+const cJSON *loom_hf_array(const cJSON *config, const char *keys); /* NULL when none is an array */
 /* Validated numbers: the first of keys present (and not null) in *out, or fallback when none
  * is; -1 with err naming the key when its value is not a whole number from lo to hi
  * (loom_hf_int), or not a number above `above` and at most hi (loom_hf_real). */

@@ -70,6 +70,11 @@ static const cJSON *first(const cJSON *config, const char *keys,
     return NULL;
 }
 
+const cJSON *loom_hf_array(const cJSON *config, const char *keys)
+{
+    return first(config, keys, cJSON_IsArray);
+}
+
 double loom_hf_num(const cJSON *config, const char *keys, double fallback)
 {
     const cJSON *o = first(config, keys, cJSON_IsNumber);

@@ -171,6 +171,17 @@ static void same_as_peer(const char *ours_path)
         CHECK(a == b, "%s is %lld in llama.cpp's file, %lld in loom's", key, (long long)a,
               (long long)b);
     }
+    /* the multimodal RoPE's sections, an array */
+    const loom_gguf_kv *ps = loom_gguf_find(&peer, "qwen35.rope.dimension_sections"),
+                       *os = loom_gguf_find(&ours, "qwen35.rope.dimension_sections");
+    int same = ps && os && ps->count == os->count;
+    for (uint64_t i = 0; same && i < ps->count; i++) {
+        double a = -1, b = -2;
+        loom_gguf_array_f64(&peer, ps, i, &a);
+        loom_gguf_array_f64(&ours, os, i, &b);
+        same = a == b;
+    }
+    CHECK(same, "rope.dimension_sections differ between llama.cpp's file and loom's");
     loom_gguf_close(&peer);
     loom_gguf_close(&ours);
 }
