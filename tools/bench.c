@@ -5,8 +5,9 @@
  *
  * Each backend runs in its own process (`loom bench --child ...`) on the same file and the same
  * token ids, and reports one JSON line per test; the parent tabulates them with the decode
- * roofline: the weight bytes a token reads divided by the decode time, as a share of the
- * streaming read bandwidth measured in the same run.
+ * roofline: the bytes a token reads (its weights, and a hybrid model's recurrent state, read and
+ * written) divided by the decode time, as a share of the streaming read bandwidth measured in
+ * the same run.
  *
  * Under mpirun (`mpirun -np N loom bench -m MODEL.gguf`) it measures the one model the job's
  * ranks run as a pipeline, each rank on its own best backend, in the ranks' own processes.
@@ -65,6 +66,8 @@ static void emit(cJSON *results, const loom_model *m, const char *test, double m
         cJSON_AddStringToObject(o, "model", loom_model_name(m));
         cJSON_AddStringToObject(o, "weight_type", loom_model_weight_type(m));
         cJSON_AddNumberToObject(o, "weight_bytes", (double)loom_model_weight_bytes(m));
+        /* a recurrent layer's state is read and written once a token */
+        cJSON_AddNumberToObject(o, "state_bytes", 2.0 * (double)loom_model_state_bytes(m));
     }
     cJSON_AddNumberToObject(o, "tokens_per_s", mean);
     cJSON_AddNumberToObject(o, "sd", sd);
@@ -293,6 +296,8 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
             const char *test = cJSON_GetStringValue(cJSON_GetObjectItem(o, "test"));
             double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
             double wb = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "weight_bytes"));
+            const cJSON *sb = cJSON_GetObjectItem(o, "state_bytes");
+            wb += cJSON_IsNumber(sb) ? sb->valuedouble : 0;
             if (test && test[0] == 't' && *bw > 0 && tps > 0)
                 cJSON_AddNumberToObject(o, "roofline_share", tps * wb / 1e9 / *bw);
             *failures += cJSON_GetObjectItem(o, "error") != NULL;
