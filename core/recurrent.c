@@ -106,6 +106,16 @@ void loom_recurrent_free(loom_runner *r)
     free(r->conv_state), free(r->delta_state), free(r->state_next), free(r->token_slots);
 }
 
+/* Where slot's part of layer l's state lies in r->states: its conv window (part 0) or its
+ * delta-rule state (part 1). */
+static void slot_part(const loom_runner *r, int l, int part, int32_t slot, uint64_t *off,
+                      uint64_t *size)
+{
+    const loom_tensor *t = part ? &r->delta_state[l] : &r->conv_state[l];
+    *size = t->nb[part ? 3 : 2]; /* the slot dimension's stride: one slot */
+    *off = t->offset + *size * (uint64_t)slot;
+}
+
 /* Zeroes slot's part of every held layer's state. */
 static int zero_slot(loom_runner *r, int32_t slot)
 {
@@ -113,11 +123,9 @@ static int zero_slot(loom_runner *r, int32_t slot)
     for (int l = r->layer0; l < r->layer_end; l++) {
         if (!loom_layer_recurrent(&r->hp, l))
             continue;
-        const loom_tensor *parts[2] = {&r->conv_state[l], &r->delta_state[l]};
-        for (int i = 0; i < 2; i++) {
-            const loom_tensor *t = parts[i];
-            int d = i ? 3 : 2; /* the slot dimension */
-            uint64_t size = t->nb[d], off = t->offset + size * (uint64_t)slot;
+        for (int part = 0; part < 2; part++) {
+            uint64_t off, size;
+            slot_part(r, l, part, slot, &off, &size);
             loom_status st;
             if (ops->buffer_memset) {
                 st = ops->buffer_memset(r->dev->be, r->states, off, 0, size);
@@ -223,10 +231,10 @@ int loom_runner_state_copy(loom_runner *r, int32_t from, int32_t to, char *err, 
     for (int l = r->layer0; l < r->layer_end; l++) {
         if (!loom_layer_recurrent(&r->hp, l))
             continue;
-        const loom_tensor *parts[2] = {&r->conv_state[l], &r->delta_state[l]};
-        for (int i = 0; i < 2; i++) {
-            uint64_t size = parts[i]->nb[i ? 3 : 2], base = parts[i]->offset;
-            uint64_t src = base + size * (uint64_t)from, dst = base + size * (uint64_t)to;
+        for (int part = 0; part < 2; part++) {
+            uint64_t src, dst, size;
+            slot_part(r, l, part, from, &src, &size);
+            slot_part(r, l, part, to, &dst, &size);
             loom_status st;
             if (ops->copy_buffer) {
                 st = ops->copy_buffer(r->dev->be, r->states, dst, r->states, src, size);

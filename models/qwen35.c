@@ -427,35 +427,41 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     return 0;
 }
 
+/* The tensors under the language model's prefix P ("model." in a text-only checkpoint,
+ * "model.language_model." in a multimodal one). */
 /* clang-format off */
-#define Q35_LAYER "model.layers.%d."
-#define LIN (LOOM_HF_LINEAR_LAYERS)
-#define ATT (LOOM_HF_ATTENTION_LAYERS)
-static const loom_hf_tensor q35_tensors[] = {
-    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},
-    {"model.norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
-    {Q35_LAYER "input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {Q35_LAYER "post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {Q35_LAYER "linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN, NULL},
-    {Q35_LAYER "linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN, NULL},
-    {Q35_LAYER "linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN, NULL},
-    {Q35_LAYER "linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN, NULL},
-    {Q35_LAYER "linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LIN | LOOM_HF_SQUEEZE, NULL},
-    {Q35_LAYER "linear_attn.A_log", "blk.%d.ssm_a", LIN | LOOM_HF_NEG_EXP, NULL},
-    {Q35_LAYER "linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LIN, NULL},
-    {Q35_LAYER "linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LIN, NULL},
-    {Q35_LAYER "linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LIN, NULL},
-    {Q35_LAYER "self_attn.q_proj.weight", "blk.%d.attn_q.weight", ATT, NULL},
-    {Q35_LAYER "self_attn.k_proj.weight", "blk.%d.attn_k.weight", ATT, NULL},
-    {Q35_LAYER "self_attn.v_proj.weight", "blk.%d.attn_v.weight", ATT, NULL},
-    {Q35_LAYER "self_attn.o_proj.weight", "blk.%d.attn_output.weight", ATT, NULL},
-    {Q35_LAYER "self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", ATT | LOOM_HF_PLUS_ONE, NULL},
-    {Q35_LAYER "self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", ATT | LOOM_HF_PLUS_ONE, NULL},
-    {Q35_LAYER "mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},
-    {Q35_LAYER "mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},
-    {Q35_LAYER "mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
-    {0}};
+#define LIN LOOM_HF_LINEAR_LAYERS
+#define ATT LOOM_HF_ATTENTION_LAYERS
+#define Q35_TENSORS(P)                                                                             \
+    {P "embed_tokens.weight", "token_embd.weight", 0, NULL},                                       \
+    {P "norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},                               \
+    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                                   \
+    {P "layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},     \
+    {P "layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight",           \
+     LOOM_HF_PLUS_ONE, NULL},                                                                      \
+    {P "layers.%d.linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN, NULL},           \
+    {P "layers.%d.linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN, NULL},            \
+    {P "layers.%d.linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN, NULL},            \
+    {P "layers.%d.linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN, NULL},             \
+    {P "layers.%d.linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LIN | LOOM_HF_SQUEEZE,   \
+     NULL},                                                                                        \
+    {P "layers.%d.linear_attn.A_log", "blk.%d.ssm_a", LIN | LOOM_HF_NEG_EXP, NULL},                \
+    {P "layers.%d.linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LIN, NULL},                          \
+    {P "layers.%d.linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LIN, NULL},                  \
+    {P "layers.%d.linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LIN, NULL},               \
+    {P "layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", ATT, NULL},                    \
+    {P "layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", ATT, NULL},                    \
+    {P "layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", ATT, NULL},                    \
+    {P "layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", ATT, NULL},               \
+    {P "layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", ATT | LOOM_HF_PLUS_ONE,   \
+     NULL},                                                                                        \
+    {P "layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", ATT | LOOM_HF_PLUS_ONE,   \
+     NULL},                                                                                        \
+    {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},                       \
+    {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                           \
+    {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
+static const loom_hf_tensor q35_tensors[] = {Q35_TENSORS("model."), {0}};
+static const loom_hf_tensor q35_vl_tensors[] = {Q35_TENSORS("model.language_model."), {0}};
 #undef LIN
 #undef ATT
 /* clang-format on */
@@ -473,34 +479,6 @@ static int q35_vl_derive(const cJSON *config, loom_hf_values *v, char *err, size
     return q35_derive(config, v, err, err_size);
 }
 
-/* clang-format off */
-#define Q35_VL_LAYER "model.language_model.layers.%d."
-static const loom_hf_tensor q35_vl_tensors[] = {
-    {"model.language_model.embed_tokens.weight", "token_embd.weight", 0, NULL},
-    {"model.language_model.norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
-    {Q35_VL_LAYER "input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {Q35_VL_LAYER "post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", LOOM_HF_PLUS_ONE, NULL},
-    {Q35_VL_LAYER "linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LOOM_HF_LINEAR_LAYERS | LOOM_HF_SQUEEZE, NULL},
-    {Q35_VL_LAYER "linear_attn.A_log", "blk.%d.ssm_a", LOOM_HF_LINEAR_LAYERS | LOOM_HF_NEG_EXP, NULL},
-    {Q35_VL_LAYER "linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LOOM_HF_LINEAR_LAYERS, NULL},
-    {Q35_VL_LAYER "self_attn.q_proj.weight", "blk.%d.attn_q.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
-    {Q35_VL_LAYER "self_attn.k_proj.weight", "blk.%d.attn_k.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
-    {Q35_VL_LAYER "self_attn.v_proj.weight", "blk.%d.attn_v.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
-    {Q35_VL_LAYER "self_attn.o_proj.weight", "blk.%d.attn_output.weight", LOOM_HF_ATTENTION_LAYERS, NULL},
-    {Q35_VL_LAYER "self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", LOOM_HF_ATTENTION_LAYERS | LOOM_HF_PLUS_ONE, NULL},
-    {Q35_VL_LAYER "self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", LOOM_HF_ATTENTION_LAYERS | LOOM_HF_PLUS_ONE, NULL},
-    {Q35_VL_LAYER "mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},
-    {Q35_VL_LAYER "mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},
-    {Q35_VL_LAYER "mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL},
-    {0}};
-/* clang-format on */
 
 const loom_family loom_family_qwen35_vl = {.arch = &loom_arch_qwen35,
                                            .chat_template = "chatml",
