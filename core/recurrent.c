@@ -9,6 +9,7 @@
  * slot; at any other position its slot must have reached exactly that position in an earlier
  * step. Anything else (a cached prefix reused, a rejected draft not rolled back, a step that
  * failed halfway) would run on a wrong state and return plausible garbage, so it is an error.
+ * The verbs of those layers (ssm_conv and gated_delta over a layer's state) are here too.
  */
 #include "runner_internal.h"
 
@@ -256,4 +257,38 @@ int loom_runner_state_copy(loom_runner *r, int32_t from, int32_t to, char *err, 
     }
     r->state_next[to] = r->state_next[from];
     return 0;
+}
+
+/* ---- The verbs of recurrent layers ----------------------------------------------------- */
+
+/* Whether layer is a recurrent one this runner holds (its state is here). */
+static int holds_state(loom_runner *r, int layer, const char *what)
+{
+    if (layer >= r->layer0 && layer < r->layer_end && loom_layer_recurrent(&r->hp, layer) &&
+        r->n_state_slots)
+        return 1;
+    loom_runner_fail(r, "%s over layer %d, which is not a recurrent layer this runner holds", what,
+                     layer);
+    return 0;
+}
+
+void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loom_tensor *weight,
+                      const loom_tensor *dst)
+{
+    if (r->status || !holds_state(r, layer, "ssm_conv") || !loom_runner_held(r, weight, "ssm_conv"))
+        return;
+    loom_ssm_conv_params p = {sizeof p, x, weight, &r->in.state_slots, &r->conv_state[layer], dst};
+    loom_runner_exec_op(r, LOOM_OP_SSM_CONV, weight->dtype, "ssm_conv", &p);
+}
+
+void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
+                         const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
+                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst)
+{
+    if (r->status || !holds_state(r, layer, "gated_delta"))
+        return;
+    loom_gated_delta_params p = {
+        sizeof p, q, k, v, alpha, beta, a, dt_bias, &r->in.state_slots, &r->delta_state[layer],
+        dst};
+    loom_runner_exec_op(r, LOOM_OP_GATED_DELTA, LOOM_F32, "gated_delta", &p);
 }

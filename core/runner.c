@@ -389,8 +389,6 @@ static int is_weight_buffer(void *ctx, const loom_buffer *buf)
     return 0;
 }
 
-/* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
- * core/fallback, unless in strict mode. */
 /* The ABI minor a call's parameters need: a member a later minor added, when set, is one an
  * older module would not read (it would run the op without it, wrongly). */
 static uint32_t minor_needed(loom_op op, const void *params)
@@ -417,7 +415,7 @@ static int on_experts_device(void *ctx, const loom_buffer *buf)
     return 0;
 }
 
-static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
+void loom_runner_exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params)
 {
     if (r->status)
         return;
@@ -467,7 +465,7 @@ static void exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what,
 }
 
 /* A weight of another pipeline stage has no data here: using it is the model's mistake. */
-static int held(loom_runner *r, const loom_tensor *w, const char *what)
+int loom_runner_held(loom_runner *r, const loom_tensor *w, const char *what)
 {
     if (!w || w->buf || r->status)
         return 1;
@@ -479,10 +477,10 @@ static int held(loom_runner *r, const loom_tensor *w, const char *what)
 void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,
                       const loom_tensor *dst)
 {
-    if (!held(r, w, "get_rows"))
+    if (!loom_runner_held(r, w, "get_rows"))
         return;
     loom_get_rows_params p = {sizeof p, w, ids, dst};
-    exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
+    loom_runner_exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
 }
 
 
@@ -530,28 +528,28 @@ int64_t loom_runner_prepared_weights(const loom_runner *r)
 void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                     const loom_tensor *bias, const loom_tensor *y)
 {
-    if (r->status || !held(r, w, "matmul") || !held(r, bias, "matmul"))
+    if (r->status || !loom_runner_held(r, w, "matmul") || !loom_runner_held(r, bias, "matmul"))
         return;
     loom_matmul_params p = {sizeof p, x, matmul_weight(r, w), bias, y};
-    exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
+    loom_runner_exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
 }
 
 void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
                       const loom_tensor *dst)
 {
-    if (!held(r, w, "rms_norm"))
+    if (!loom_runner_held(r, w, "rms_norm"))
         return;
     loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
-    exec_op(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm", &p);
+    loom_runner_exec_op(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm", &p);
 }
 
 void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                         const loom_tensor *b, float eps, const loom_tensor *dst)
 {
-    if (!held(r, w, "layer_norm") || !held(r, b, "layer_norm"))
+    if (!loom_runner_held(r, w, "layer_norm") || !loom_runner_held(r, b, "layer_norm"))
         return;
     loom_norm_params p = {sizeof p, x, w, b, dst, eps};
-    exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
+    loom_runner_exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
 }
 
 void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
@@ -566,7 +564,7 @@ void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
                           .freq_base = hp->rope_base,
                           .freq_scale = hp->rope_scale,
                           .freq_factors = freq_factors};
-    exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
+    loom_runner_exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 
 void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
@@ -581,15 +579,15 @@ void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *h
                           .n_rot = hp->n_rot,
                           .freq_base = hp->rope_base,
                           .freq_scale = hp->rope_scale};
-    exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
+    loom_runner_exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
 }
 
 void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
 {
-    if (!held(r, cache, "kv_store"))
+    if (!loom_runner_held(r, cache, "kv_store"))
         return;
     loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
-    exec_op(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store", &p);
+    loom_runner_exec_op(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store", &p);
 }
 
 void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
@@ -612,77 +610,45 @@ void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float sc
                                .dst = dst,
                                .scale = scale,
                                .window = r->hp.n_swa};
-    exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
+    loom_runner_exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
 }
 
 void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    exec_op(r, LOOM_OP_ADD, LOOM_F32, "add", &p);
+    loom_runner_exec_op(r, LOOM_OP_ADD, LOOM_F32, "add", &p);
 }
 
 void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, NULL, dst, 0};
-    exec_op(r, LOOM_OP_GELU, LOOM_F32, "gelu", &p);
+    loom_runner_exec_op(r, LOOM_OP_GELU, LOOM_F32, "gelu", &p);
 }
 
 void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, NULL, dst, s};
-    exec_op(r, LOOM_OP_SCALE, LOOM_F32, "scale", &p);
+    loom_runner_exec_op(r, LOOM_OP_SCALE, LOOM_F32, "scale", &p);
 }
 
 void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
                       const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
+    loom_runner_exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
 }
 
 void loom_rt_sigmoid_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
                          const loom_tensor *dst)
 {
     loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    exec_op(r, LOOM_OP_SIGMOID_MUL, LOOM_F32, "sigmoid_mul", &p);
-}
-
-/* Whether layer is a recurrent one this runner holds (its state is here). */
-static int holds_state(loom_runner *r, int layer, const char *what)
-{
-    if (layer >= r->layer0 && layer < r->layer_end && loom_layer_recurrent(&r->hp, layer) &&
-        r->n_state_slots)
-        return 1;
-    loom_runner_fail(r, "%s over layer %d, which is not a recurrent layer this runner holds", what,
-                     layer);
-    return 0;
-}
-
-void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loom_tensor *weight,
-                      const loom_tensor *dst)
-{
-    if (r->status || !holds_state(r, layer, "ssm_conv") || !held(r, weight, "ssm_conv"))
-        return;
-    loom_ssm_conv_params p = {sizeof p, x, weight, &r->in.state_slots, &r->conv_state[layer], dst};
-    exec_op(r, LOOM_OP_SSM_CONV, weight->dtype, "ssm_conv", &p);
-}
-
-void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
-                         const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
-                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst)
-{
-    if (r->status || !holds_state(r, layer, "gated_delta"))
-        return;
-    loom_gated_delta_params p = {
-        sizeof p, q, k, v, alpha, beta, a, dt_bias, &r->in.state_slots, &r->delta_state[layer],
-        dst};
-    exec_op(r, LOOM_OP_GATED_DELTA, LOOM_F32, "gated_delta", &p);
+    loom_runner_exec_op(r, LOOM_OP_SIGMOID_MUL, LOOM_F32, "sigmoid_mul", &p);
 }
 
 void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor *logits,
                        const loom_tensor *bias, const loom_tensor *ids, const loom_tensor *weights)
 {
-    if (!held(r, bias, "moe_route"))
+    if (!loom_runner_held(r, bias, "moe_route"))
         return;
     loom_moe_route_params p = {.struct_size = sizeof p,
                                .logits = logits,
@@ -694,7 +660,7 @@ void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor
                                .scale = hp->moe_scale,
                                .n_group = hp->moe_groups > 1 ? hp->moe_groups : 0,
                                .topk_group = hp->moe_groups > 1 ? hp->moe_groups_kept : 0};
-    exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
+    loom_runner_exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
 }
 
 void loom_rt_sigmoid_gate(loom_runner *r, const loom_tensor *logits, const loom_tensor *ids,
@@ -706,27 +672,27 @@ void loom_rt_sigmoid_gate(loom_runner *r, const loom_tensor *logits, const loom_
                                .weights = weights,
                                .gating = LOOM_MOE_SIGMOID,
                                .scale = 1.0f};
-    exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
+    loom_runner_exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
 }
 
 void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
                        const loom_tensor *ids, const loom_tensor *y)
 {
-    if (r->status || !held(r, w, "matmul_id"))
+    if (r->status || !loom_runner_held(r, w, "matmul_id"))
         return;
     /* a stack prepared at load (prepare_stack) runs in its prepared form */
     if (w >= r->weights && w < r->weights + r->gguf->n_tensors &&
         r->prep[w - r->weights] == PREP_DONE)
         w = &r->prepared[w - r->weights];
     loom_matmul_id_params p = {sizeof p, x, w, ids, y};
-    exec_op(r, LOOM_OP_MATMUL_ID, w->dtype, "matmul_id", &p);
+    loom_runner_exec_op(r, LOOM_OP_MATMUL_ID, w->dtype, "matmul_id", &p);
 }
 
 void loom_rt_moe_combine(loom_runner *r, const loom_tensor *src, const loom_tensor *weights,
                          int accumulate, const loom_tensor *dst)
 {
     loom_moe_combine_params p = {sizeof p, src, weights, dst, accumulate};
-    exec_op(r, LOOM_OP_MOE_COMBINE, LOOM_F32, "moe_combine", &p);
+    loom_runner_exec_op(r, LOOM_OP_MOE_COMBINE, LOOM_F32, "moe_combine", &p);
 }
 
 /* ---- Lifetime ----------------------------------------------------------------------------- */

@@ -85,6 +85,12 @@ struct loom_runner {
     unsigned char lacking[LOOM_OP_COUNT][32];
 };
 
+/* Runs op on the model's device; one the device lacks (for dtype dt) runs on the CPU through
+ * core/fallback, unless in strict mode. A failure is in r->status. */
+void loom_runner_exec_op(loom_runner *r, loom_op op, loom_dtype dt, const char *what, void *params);
+/* Whether weight w is held here (a weight of another pipeline stage is not: a failure). */
+int loom_runner_held(loom_runner *r, const loom_tensor *w, const char *what);
+
 /* Records the step's first failure (later ones are its consequences); returns -1. */
 int loom_runner_fail(loom_runner *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
