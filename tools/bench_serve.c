@@ -376,6 +376,8 @@ int loom_bench_serve_main(int argc, char **argv)
     int32_t per_seq = (ctx + 15) / 16;
     loom_model_options mo = {.n_ctx = ctx,
                              .kv_blocks = (int32_t)(max_batch * per_seq + per_seq),
+                             /* a hybrid model's state slots, one set per batch place */
+                             .kv_sequences = (int32_t)max_batch,
                              .distributed = distributed ? 2 : 1,
                              .stage_layers = layers};
     loom_model *m = loom_model_open(model, &mo, err, sizeof err);
