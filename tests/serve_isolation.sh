@@ -5,8 +5,9 @@
 # best its requests get; a tenant refused by its own share displaces nobody, and a displaced
 # request counts against its own key; requests held by --batch-wait-ms show as waiting;
 # per-tenant metrics are for admin keys; a foreign Origin, a cross-site fetch and (on a
-# loopback bind) a foreign Host are refused before anything runs. It needs a model, not a
-# reference: loom's own synthetic one (written here), so it runs without the shared fixtures.
+# loopback bind) a foreign Host are refused before anything runs; a hybrid model's prefix
+# snapshots are a tenant's own. It needs a model, not a reference: loom's own synthetic ones
+# (written here), so it runs without the shared fixtures.
 . "$top_srcdir/tests/lib.sh"
 command -v curl >/dev/null || { echo "SKIP: curl not installed (scripts/install-deps installs it)"; exit 77; }
 command -v jq >/dev/null || { echo "SKIP: jq not installed (scripts/install-deps installs it)"; exit 77; }
@@ -158,4 +159,25 @@ KEY=
     >"$tmpdir/same.log" 2>&1
 expect_grep "admin key (--admin-key-file) must differ" "$tmpdir/same.log" \
     "an admin key that is also an API key is refused"
+
+# ---- a hybrid model (Qwen3.5's recurrent layers): a prefix is reused only from a snapshot of the
+# state, which is as private to a tenant as the blocks it ends
+MODEL=$tmpdir/hybrid.gguf
+"$LOOM" bench --synthetic hybrid-tiny --type q8_0 --write "$MODEL" >"$tmpdir/write2.log" 2>&1 ||
+    { fail "writing the synthetic hybrid: $(cat "$tmpdir/write2.log")"; finish; }
+start_server "$tmpdir/hybrid.log" -c 512 --api-keys "$tmpdir/keys"
+NAME=$(curl -s -H "Authorization: Bearer alice-key" "$URL/v1/models" | jq -r '.data[0].id')
+expect_grep "recurrent layers: .* of state per running sequence" "$tmpdir/hybrid.log" \
+    "the hybrid model's state per sequence is in the start line"
+[ "$(admin_metric loom_recurrent_state_bytes_per_sequence)" -gt 0 ] &&
+    pass "/metrics says what a sequence's state costs" ||
+    fail "loom_recurrent_state_bytes_per_sequence: $(admin_metric loom_recurrent_state_bytes_per_sequence)"
+answer() { as "$1" /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$long\",\"max_tokens\":8,\"temperature\":0}" |
+    sed '$d' | jq -c '[.usage.prompt_tokens_details.cached_tokens, .choices[0].text]'; }
+a1=$(answer alice); b1=$(answer carol); a2=$(answer alice)
+[ "$(echo "$a1" | jq '.[0]')" = 0 ] && [ "$(echo "$b1" | jq '.[0]')" = 0 ] &&
+    [ "$(echo "$a2" | jq '.[0]')" -gt 0 ] && [ "$(echo "$a2" | jq '.[1]')" = "$(echo "$a1" | jq '.[1]')" ] &&
+    pass "hybrid: alice resumes from her state snapshot with the same answer ($a2), carol does not ($b1)" ||
+    fail "hybrid prefix snapshots across tenants: alice $a1 then $a2, carol $b1"
+stop_server
 finish
