@@ -125,13 +125,16 @@ static void delta_heads(void *ctx, int ith, int nth)
             float x = alpha[h] + dt[h];
             float softplus = x > 20.0f ? x : log1pf(expf(x));
             float decay = expf(a[h] * softplus), b = 1.0f / (1.0f + expf(-beta[h]));
+            /* with S' = decay S + k delta^T: k S' and q S' from S's dot products, so each
+             * column is read twice (two dots) and written once, not scaled in a pass of its own */
+            const float kq = cpu_dot(k, q, dk);
             for (int64_t jv = 0; jv < dv; jv++) {
                 float *col = (float *)cpu_row(p->state, base(p->state), (s * hv + h) * dv + jv);
+                float sk = decay * cpu_dot(col, k, dk), sq = decay * cpu_dot(col, q, dk);
+                float delta = b * (v[jv] - sk);
                 for (int64_t i = 0; i < dk; i++)
-                    col[i] *= decay;
-                float delta = b * (v[jv] - cpu_dot(col, k, dk));
-                cpu_axpy(delta, k, col, dk);
-                o[jv] = cpu_dot(col, q, dk);
+                    col[i] = decay * col[i] + delta * k[i];
+                o[jv] = sq + delta * kq;
             }
         }
     free(q);
