@@ -6,6 +6,7 @@ unset LOOM_BACKEND LOOM_CPU_VARIANT LOOM_CPU_MAX_ISA LOOM_EXPLAIN LOOM_BACKEND_P
 gguf="$FIXTURES/stories260K/original/stories260K.gguf"
 expected="$FIXTURES/stories260K/expected.json"
 need_fixture "$gguf"
+need_fixture "$FIXTURES/tiny-qwen35/model.gguf"
 
 "$LOOM" run -m "$gguf" -p "Once upon a time" -n 16 --temp 0 --json --dump-logits "$tmpdir/l.f32" \
     > "$tmpdir/run.json" 2> "$tmpdir/run.err" || fail "run --json exit $?"
@@ -73,6 +74,14 @@ expect_grep "chat template: the model.s own (Jinja)" "$tmpdir/chat.err" "chat re
 reused=$(grep -o 'reused [0-9]* of' "$tmpdir/chat.err" | awk '{print $2}' | tr '\n' ' ')
 case "$reused" in "0 "[1-9]*" 0 ") pass "KV cache reused on the second turn, not after /reset ($reused)";;
     *) fail "reuse pattern: '$reused'"; cat "$tmpdir/chat.err" >&2;; esac
+# a hybrid model (Qwen3.5): its state has seen exactly the cached tokens, so the second turn
+# reuses all of them (a reuse the state has not seen is an error the runner reports)
+q35="$FIXTURES/tiny-qwen35/model.gguf"
+printf 'What is the capital of France?\nAnd of Italy?\n/quit\n' |
+    "$LOOM" chat -m "$q35" --temp 0 -n 6 > "$tmpdir/chat35.out" 2> "$tmpdir/chat35.err" || fail "hybrid chat exit $?"
+reused=$(grep -o 'reused [0-9]* of [0-9]*' "$tmpdir/chat35.err" | awk '{print $2 "/" $4}' | tr '\n' ' ')
+case "$reused" in "0/"[0-9]*" "[1-9]*/[0-9]*" ") pass "hybrid chat: the second turn resumes from the state ($reused)";;
+    *) fail "hybrid chat reuse: '$reused'"; cat "$tmpdir/chat35.err" >&2;; esac
 # drafters that cannot draft for the model are refused before anything runs
 "$LOOM" bench --synthetic tiny --type q8_0 --write "$tmpdir/other-vocab.gguf" 2> /dev/null
 "$LOOM" run -m "$gguf" -p hi --draft "$tmpdir/other-vocab.gguf" > /dev/null 2> "$tmpdir/e9" &&

@@ -236,6 +236,11 @@ int loom_chat_main(int argc, char **argv)
         int32_t keep = 0;
         while (extends && keep < n_cache && keep < n - 1 && cache[keep] == ids[keep])
             keep++;
+        /* a model with recurrent layers holds the conversation in a state that has seen every
+         * cached token: less than all of them cannot be reused (loom_generate_speculative
+         * would start over anyway; the line below then says so) */
+        if (loom_model_state_bytes(m) && keep < n_cache)
+            keep = 0;
         answer a = {0};
         loom_generation st;
         int rc = loom_generate_speculative(m, spec, ids, (int32_t)n, keep, (int32_t)n_predict, &s,
