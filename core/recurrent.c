@@ -283,12 +283,22 @@ void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loo
 
 void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
                          const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
-                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst)
+                         const loom_tensor *a, const loom_tensor *dt_bias, int v_heads_tiled,
+                         const loom_tensor *dst)
 {
     if (r->status || !holds_state(r, layer, "gated_delta"))
         return;
-    loom_gated_delta_params p = {
-        sizeof p, q, k, v, alpha, beta, a, dt_bias, &r->in.state_slots, &r->delta_state[layer],
-        dst};
+    loom_gated_delta_params p = {.struct_size = sizeof p,
+                                 .q = q,
+                                 .k = k,
+                                 .v = v,
+                                 .alpha = alpha,
+                                 .beta = beta,
+                                 .a = a,
+                                 .dt_bias = dt_bias,
+                                 .seq = &r->in.state_slots,
+                                 .state = &r->delta_state[layer],
+                                 .dst = dst,
+                                 .v_heads_tiled = v_heads_tiled != 0};
     loom_runner_exec_op(r, LOOM_OP_GATED_DELTA, LOOM_F32, "gated_delta", &p);
 }

@@ -399,6 +399,8 @@ static uint32_t minor_needed(loom_op op, const void *params)
         return 4;
     if (op == LOOM_OP_MOE_ROUTE && ((const loom_moe_route_params *)params)->n_group > 1)
         return 7;
+    if (op == LOOM_OP_GATED_DELTA && ((const loom_gated_delta_params *)params)->v_heads_tiled)
+        return 9;
     return 0;
 }
 

@@ -332,12 +332,14 @@ void loom_rt_sigmoid_mul(loom_runner *r, const loom_tensor *a, const loom_tensor
 /* Recurrent layer `layer`'s ops over its state (backend.h's ssm_conv and gated_delta): the
  * conv1d + SiLU of x [tokens, ssm_conv_channels] with weight [channels, kernel]; the gated delta
  * rule of q, k [tokens, k_heads, d_k], v [tokens, ssm_v_heads, d_v], alpha and beta
- * [tokens, v_heads], a and dt_bias [v_heads] into dst [tokens, v_heads, d_v]. */
+ * [tokens, v_heads], a and dt_bias [v_heads] into dst [tokens, v_heads, d_v], the value heads
+ * tiled (v_heads_tiled: llama.cpp's qwen35 order) or grouped by key head. */
 void loom_rt_ssm_conv(loom_runner *r, int layer, const loom_tensor *x, const loom_tensor *weight,
                       const loom_tensor *dst);
 void loom_rt_gated_delta(loom_runner *r, int layer, const loom_tensor *q, const loom_tensor *k,
                          const loom_tensor *v, const loom_tensor *alpha, const loom_tensor *beta,
-                         const loom_tensor *a, const loom_tensor *dt_bias, const loom_tensor *dst);
+                         const loom_tensor *a, const loom_tensor *dt_bias, int v_heads_tiled,
+                         const loom_tensor *dst);
 int loom_rt_status(const loom_runner *r);
 
 #endif

@@ -54,6 +54,7 @@ typedef enum { ROWS_AS_STORED, ROWS_ROPE_PAIRS, ROWS_QKV_PER_HEAD } row_order_ki
 typedef struct row_order {
     row_order_kind kind;
     int heads;
+    int k_heads, v_heads, d_v; /* LOOM_HF_V_TILED's shape: ssm.group_count, time_step_rank */
 } row_order;
 
 /* The source tensor as f32 rows (rows x cols), reordered:
@@ -90,6 +91,30 @@ static float *load_f32(const loom_st_tensor *t, int64_t rows, int64_t cols, row_
     }
     free(out);
     return tmp;
+}
+
+/* Value heads from grouped to tiled (LOOM_HF_V_TILED): the last v_heads units of `unit` rows of
+ * f (rows x cols), or with by_columns the columns' units, move so that unit i * k_heads + g
+ * holds what unit g * (v_heads / k_heads) + i held. */
+static int tile_value_heads(float *f, int64_t rows, int64_t cols, int by_columns, int64_t k_heads,
+                            int64_t v_heads, int64_t unit)
+{
+    const int64_t per = v_heads / k_heads, lines = by_columns ? rows : 1;
+    const int64_t width = by_columns ? unit : unit * (rows == 1 ? 1 : cols);
+    const int64_t span = (by_columns || rows == 1 ? cols : rows) - v_heads * unit;
+    float *tmp = malloc((size_t)(v_heads * width) * sizeof *tmp);
+    if (!tmp)
+        return -1;
+    for (int64_t line = 0; line < lines; line++) {
+        float *part = f + line * (by_columns ? cols : 0) + span * (width / unit);
+        for (int64_t u = 0; u < v_heads; u++) {
+            int64_t from = (u % k_heads) * per + u / k_heads;
+            memcpy(tmp + u * width, part + from * width, (size_t)width * sizeof *tmp);
+        }
+        memcpy(part, tmp, (size_t)(v_heads * width) * sizeof *tmp);
+    }
+    free(tmp);
+    return 0;
 }
 
 /* Adds Hugging Face tensor parts[0] (named src) as GGUF dst; with n_parts > 1, the stack of
@@ -133,14 +158,28 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
             out_type = LOOM_F32;
         }
     }
+    const int tiled = (flags & (LOOM_HF_V_TILED | LOOM_HF_V_TILED_COLUMNS)) &&
+        order.v_heads != order.k_heads;
+    const int64_t tiled_units = flags & LOOM_HF_V_TILED_COLUMNS ? cols : units;
+    const int64_t v_unit = tiled_units >= (int64_t)order.v_heads * order.d_v ? order.d_v : 1;
+    if (tiled &&
+        (order.k_heads <= 0 || order.v_heads % order.k_heads ||
+         tiled_units < (int64_t)order.v_heads * v_unit))
+        return conv_fail(c, "%s: '%s' has %lld rows or columns, fewer than the %d value heads",
+                         c->dir, src, (long long)tiled_units, order.v_heads);
     int64_t rb = loom_row_bytes(out_type, cols);
     unsigned char *data = own(c, (size_t)(rb * rows * n_parts));
     if (!data)
         return conv_fail(c, "out of memory converting '%s'", src);
     for (int i = 0; i < n_parts; i++) {
         float *f = load_f32(parts[i], rows, cols, order);
-        if (!f)
+        if (!f ||
+            (tiled &&
+             tile_value_heads(f, rows, cols, flags & LOOM_HF_V_TILED_COLUMNS, order.k_heads,
+                              order.v_heads, v_unit) != 0)) {
+            free(f);
             return conv_fail(c, "out of memory converting '%s'", src);
+        }
         for (int64_t k = 0; k < rows * cols && (flags & (LOOM_HF_PLUS_ONE | LOOM_HF_NEG_EXP)); k++)
             f[k] = flags & LOOM_HF_PLUS_ONE ? f[k] + 1.0f : -expf(f[k]);
         for (int64_t r = 0; r < rows; r++)
@@ -288,6 +327,43 @@ static int experts(conv *c, const loom_hf_tensor *e, int l, int n, row_order ord
     return rc;
 }
 
+/* The experts of entry e as one stacked tensor t [experts, rows, cols] (its `instead`), or
+ * each expert's half of its rows (LOOM_HF_GATE_HALF / LOOM_HF_UP_HALF of a gate_up_proj). */
+static int stacked_experts(conv *c, const loom_hf_tensor *e, const loom_st_tensor *t,
+                           const char *src, const char *dst, int n, row_order order)
+{
+    const int half = (e->flags & (LOOM_HF_GATE_HALF | LOOM_HF_UP_HALF)) != 0;
+    if (t->n_dims != 3 || t->shape[0] != n || t->loom_type < 0 || (half && t->shape[1] % 2))
+        return conv_fail(c,
+                         "%s: tensor '%s' is %s [%lld, %lld, %lld] (%d dimensions); a stack of "
+                         "num_experts (%d) f32/f16/bf16 matrices%s was expected",
+                         c->dir, src, t->dtype, (long long)t->shape[0],
+                         (long long)(t->n_dims > 1 ? t->shape[1] : 0),
+                         (long long)(t->n_dims > 2 ? t->shape[2] : 0), t->n_dims, n,
+                         half ? " of an even number of rows (gate; up)" : "");
+    const int64_t rows = half ? t->shape[1] / 2 : t->shape[1], cols = t->shape[2];
+    const int64_t first = e->flags & LOOM_HF_UP_HALF ? rows : 0;
+    const size_t elem = (size_t)loom_row_bytes((loom_dtype)t->loom_type, 1);
+    loom_st_tensor *parts = malloc((size_t)n * sizeof *parts);
+    const loom_st_tensor **ptrs = malloc((size_t)n * sizeof *ptrs);
+    int rc = parts && ptrs ? 0 : conv_fail(c, "%s: out of memory (%d experts)", c->dir, n);
+    for (int x = 0; x < n && rc == 0; x++) { /* each expert's matrix, a view of the stack */
+        parts[x] = *t;
+        parts[x].n_dims = 2;
+        parts[x].shape[0] = rows;
+        parts[x].shape[1] = cols;
+        parts[x].data = (const unsigned char *)t->data +
+            ((size_t)x * (size_t)t->shape[1] + (size_t)first) * (size_t)cols * elem;
+        parts[x].size = (uint64_t)(rows * cols) * elem;
+        ptrs[x] = &parts[x];
+    }
+    if (rc == 0)
+        rc = add(c, ptrs, n, src, dst, order, e->flags);
+    free(parts);
+    free(ptrs);
+    return rc;
+}
+
 /* what the family's config says about entry e, or NULL */
 static const loom_hf_condition *condition_of(const loom_family *f, const loom_hf_tensor *e)
 {
@@ -351,20 +427,27 @@ static int tensors(conv *c, const loom_hf_values *v)
                     c->total++;
                     continue;
                 }
-                row_order order = {ROWS_AS_STORED, 0};
-                if (e->flags & LOOM_HF_ROPE_Q)
-                    order = (row_order){ROWS_ROPE_PAIRS,
-                                        (int)loom_hf_get(v, "attention.head_count")};
+                row_order order = {.kind = ROWS_AS_STORED};
+                if (e->flags & (LOOM_HF_ROPE_Q | LOOM_HF_QKV_PER_HEAD))
+                    order.heads = (int)loom_hf_get(v, "attention.head_count");
                 else if (e->flags & LOOM_HF_ROPE_K)
-                    order = (row_order){ROWS_ROPE_PAIRS,
-                                        (int)loom_hf_get(v, "attention.head_count_kv")};
+                    order.heads = (int)loom_hf_get(v, "attention.head_count_kv");
+                if (e->flags & (LOOM_HF_ROPE_Q | LOOM_HF_ROPE_K))
+                    order.kind = ROWS_ROPE_PAIRS;
                 else if (e->flags & LOOM_HF_QKV_PER_HEAD)
-                    order = (row_order){ROWS_QKV_PER_HEAD,
-                                        (int)loom_hf_get(v, "attention.head_count")};
+                    order.kind = ROWS_QKV_PER_HEAD;
+                order.k_heads = (int)loom_hf_get(v, "ssm.group_count");
+                order.v_heads = (int)loom_hf_get(v, "ssm.time_step_rank");
+                order.d_v = order.v_heads ? (int)(loom_hf_get(v, "ssm.inner_size") / order.v_heads)
+                                          : 0;
                 if (order.kind != ROWS_AS_STORED && order.heads <= 0)
                     return conv_fail(c, "%s: reordering '%s' needs the head count", c->dir, src);
-                if (e->flags & LOOM_HF_EXPERTS) {
-                    if (experts(c, e, l, (int)loom_hf_get(v, "expert_count"), order) != 0)
+                const int n_experts = (int)loom_hf_get(v, "expert_count");
+                if ((e->flags & LOOM_HF_EXPERTS) && t->n_dims == 3) { /* `instead`: the stack */
+                    if (stacked_experts(c, e, t, src, dst, n_experts, order) != 0)
+                        return -1;
+                } else if (e->flags & LOOM_HF_EXPERTS) {
+                    if (experts(c, e, l, n_experts, order) != 0)
                         return -1;
                 } else if (add(c, &t, 1, src, dst, order, e->flags) != 0) {
                     return -1;

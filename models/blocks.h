@@ -84,4 +84,16 @@ loom_moe_buffers loom_moe_buffers_new(loom_runner *r, const loom_hparams *hp, in
 void loom_ffn_moe(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
                   const loom_moe_weights *w, const loom_moe_buffers *b);
 
+/* The experts' hyper-parameters under llama.cpp's keys (expert_count, expert_used_count,
+ * expert_feed_forward_length, expert_shared_feed_forward_length, ...): routed by softmax (1) or
+ * sigmoid (2) as expert_gating_func says (gating_default when absent: Qwen's softmax, GLM-4.5's
+ * sigmoid), the chosen experts' weights renormalised as expert_weights_norm says
+ * (normalize_default when absent: Qwen3-MoE's norm_topk_prob, Qwen2-MoE's none). */
+int loom_moe_read_hparams(const loom_gguf *g, const char *arch, int gating_default,
+                          int normalize_default, loom_hparams *hp, char *err, size_t err_size);
+/* Whether layer l's expert weights have the shapes hp says (an older file's shared expert width
+ * is read from its tensor); if not, err names the tensor and both shapes. */
+int loom_moe_shapes_ok(loom_hparams *hp, int l, const loom_moe_weights *w, char *err,
+                       size_t err_size);
+
 #endif

@@ -67,7 +67,9 @@ enum {
     LOOM_HF_QKV_PER_HEAD = 1 << 3, /* fused [q k v] per head -> [Q; K; V] (rows, or a bias) */
     LOOM_HF_UNSUPPORTED = 1 << 4,  /* present: an error, and .gguf says why */
     LOOM_HF_EXPERTS = 1 << 5,      /* hf has a second "%d", the expert's index: the
-                                    * expert_count matrices stack into one [experts, rows, cols] */
+                                    * expert_count matrices stack into one [experts, rows, cols];
+                                    * or, where they are absent, `instead` names that stack as
+                                    * one tensor (transformers 5's fused experts) */
     /* only in the layers before leading_dense_block_count (GLM-4.5's dense MLPs), or only in
      * those from it on (its experts) */
     LOOM_HF_DENSE_LAYERS = 1 << 6,
@@ -82,6 +84,17 @@ enum {
     LOOM_HF_NEG_EXP = 1 << 11,
     /* a [rows, 1, cols] tensor (a depthwise conv1d's weight) stored as [rows, cols], in f32 */
     LOOM_HF_SQUEEZE = 1 << 12,
+    /* Gated DeltaNet's value heads (ssm.time_step_rank of them, ssm.group_count key heads),
+     * from grouped by key head (Hugging Face's order) to tiled (llama.cpp's qwen35 files: value
+     * head i * k_heads + g is the i-th of key head g's): the last v_heads units of the rows (a
+     * vector's elements), a unit being ssm.inner_size / v_heads rows where there are that many,
+     * else one; or the columns (out_proj) */
+    LOOM_HF_V_TILED = 1 << 13,
+    LOOM_HF_V_TILED_COLUMNS = 1 << 14,
+    /* from a fused [experts, 2 rows, cols] stack (gate_up_proj), each expert's first half of
+     * the rows (the gate) or its second (up) */
+    LOOM_HF_GATE_HALF = 1 << 15,
+    LOOM_HF_UP_HALF = 1 << 16,
 };
 
 typedef struct loom_hf_tensor {

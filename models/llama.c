@@ -65,49 +65,6 @@ static void llama_free(void *state)
     free(m);
 }
 
-/* The experts' hyper-parameters, under llama.cpp's keys. Qwen routes by a softmax over every
- * expert; Qwen3-MoE renormalises the chosen experts' weights (norm_topk_prob), Qwen2-MoE does
- * not, unless the file says so (expert_weights_norm, a key of llama.cpp's later families). */
-static int read_moe(const loom_gguf *g, const char *arch, loom_hparams *hp, char *err,
-                    size_t err_size)
-{
-    hp->n_expert = (int32_t)loom_model_kv_int(g, arch, "expert_count", 0);
-    hp->n_expert_used = (int32_t)loom_model_kv_int(g, arch, "expert_used_count", 0);
-    hp->n_ff_exp = (int32_t)loom_model_kv_int(g, arch, "expert_feed_forward_length", 0);
-    hp->n_ff_shexp = (int32_t)loom_model_kv_int(g, arch, "expert_shared_feed_forward_length", 0);
-    /* llama.cpp's expert_gating_func: 1 softmax, 2 sigmoid (GLM-4.5's default) */
-    int glm = strcmp(arch, "glm4moe") == 0;
-    int64_t gating = loom_model_kv_int(g, arch, "expert_gating_func", glm ? 2 : 1);
-    if (gating != 1 && gating != 2) {
-        snprintf(err, err_size,
-                 "%s.expert_gating_func is %lld; loom routes by softmax (1) and sigmoid (2)", arch,
-                 (long long)gating);
-        return -1;
-    }
-    hp->moe_gating = gating == 2 ? LOOM_MOE_SIGMOID : LOOM_MOE_SOFTMAX;
-    char key[96];
-    int norm = strcmp(arch, "qwen3moe") == 0 || glm;
-    snprintf(key, sizeof key, "%s.expert_weights_norm", arch);
-    loom_gguf_get_bool(g, key, &norm);
-    hp->moe_normalize = norm;
-    hp->moe_scale = (float)loom_model_kv_float(g, arch, "expert_weights_scale", 1.0);
-    /* group-limited routing (checked with the rest in the runner); 0 and 1 mean none */
-    hp->moe_groups = (int32_t)loom_model_kv_int(g, arch, "expert_group_count", 0);
-    hp->moe_groups_kept = (int32_t)loom_model_kv_int(g, arch, "expert_group_used_count", 0);
-    /* GLM-4.5's shared experts: expert_shared_count of an expert's width each */
-    int64_t shared = loom_model_kv_int(g, arch, "expert_shared_count", 0);
-    if (!hp->n_ff_shexp && shared > 0 && shared < 1024)
-        hp->n_ff_shexp = (int32_t)(shared * hp->n_ff_exp);
-    if (hp->n_expert <= 0 || hp->n_expert_used <= 0 || hp->n_ff_exp <= 0) {
-        snprintf(err, err_size,
-                 "%s: missing expert hyper-parameters (expert_count %d, expert_used_count %d, "
-                 "expert_feed_forward_length %d)",
-                 arch, hp->n_expert, hp->n_expert_used, hp->n_ff_exp);
-        return -1;
-    }
-    return 0; /* the runner checks the ranges */
-}
-
 /* YaRN (rope.scaling.type "yarn": Qwen2.5 and Qwen3 past their trained context), as
  * transformers' _compute_yarn_parameters and ggml's rope_yarn have it: pair i's frequency
  * blends its own (extrapolation) with it divided by factor (interpolation) by a ramp between
@@ -150,42 +107,6 @@ static int yarn_divisors(const loom_gguf *g, const char *arch, loom_hparams *hp,
     return 0;
 }
 
-/* Whether t is {n0, n1, n2}; if not, a message naming it and both shapes. */
-static int shaped(const loom_tensor *t, const char *name, int l, int64_t n0, int64_t n1, int64_t n2,
-                  const char *why, char *err, size_t err_size)
-{
-    if (t->ne[0] == n0 && t->ne[1] == n1 && t->ne[2] == n2 && t->ne[3] == 1)
-        return 1;
-    snprintf(err, err_size, "blk.%d.%s.weight is {%lld, %lld, %lld}; %s want {%lld, %lld, %lld}", l,
-             name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], why,
-             (long long)n0, (long long)n1, (long long)n2);
-    return 0;
-}
-
-static int moe_shapes_ok(loom_hparams *hp, int l, const loom_moe_weights *w, char *err,
-                         size_t err_size)
-{
-    const int64_t d = hp->n_embd, E = hp->n_expert, ff = hp->n_ff_exp;
-    if (w->shexp_gate && !hp->n_ff_shexp) /* older files state it by the tensor alone */
-        hp->n_ff_shexp = (int32_t)w->shexp_gate->ne[1];
-    const int64_t fs = hp->n_ff_shexp;
-    const char *experts = "embedding_length, expert_feed_forward_length and expert_count",
-               *shared = "embedding_length and expert_shared_feed_forward_length";
-#define SHAPED(t, name, n0, n1, n2, why) shaped(t, name, l, n0, n1, n2, why, err, err_size)
-    return SHAPED(w->router, "ffn_gate_inp", d, E, 1, "embedding_length and expert_count") &&
-        SHAPED(w->gate_exps, "ffn_gate_exps", d, ff, E, experts) &&
-        SHAPED(w->up_exps, "ffn_up_exps", d, ff, E, experts) &&
-        SHAPED(w->down_exps, "ffn_down_exps", ff, d, E, experts) &&
-        (!w->shexp_gate ||
-         (SHAPED(w->shexp_gate, "ffn_gate_shexp", d, fs, 1, shared) &&
-          SHAPED(w->shexp_up, "ffn_up_shexp", d, fs, 1, shared) &&
-          SHAPED(w->shexp_down, "ffn_down_shexp", fs, d, 1, shared))) &&
-        (!w->shexp_router ||
-         SHAPED(w->shexp_router, "ffn_gate_inp_shexp", d, 1, 1, "embedding_length and one gate")) &&
-        (!w->choice_bias || SHAPED(w->choice_bias, "exp_probs_b", E, 1, 1, "expert_count"));
-#undef SHAPED
-}
-
 static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch, char *err,
                 size_t err_size)
 {
@@ -226,7 +147,10 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     /* the runner refuses a factor of 0 or less; YaRN's goes into per-pair divisors instead */
     hp->rope_scale = yarn ? 1.0f : (float)(1.0 / factor);
     int moe = strstr(arch, "moe") != NULL;
-    if (moe && read_moe(g, arch, hp, err, err_size) != 0)
+    if (moe &&
+        loom_moe_read_hparams(g, arch, strcmp(arch, "glm4moe") == 0 ? 2 : 1,
+                              strcmp(arch, "qwen3moe") == 0 || strcmp(arch, "glm4moe") == 0, hp,
+                              err, err_size) != 0)
         return -1;
     /* GLM-4.5: the first layers keep a dense MLP; the checkpoint's multi-token-prediction
      * layers follow the others in block_count and are not run */
@@ -363,7 +287,8 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         (!m->rope_freqs ||
          (m->rope_freqs->ne[0] == hp->n_rot / 2 && m->rope_freqs->dtype == LOOM_F32));
     for (int l = 0; moe && shapes_ok && l < hp->n_layer; l++)
-        if (m->layers[l].moe.router && !moe_shapes_ok(hp, l, &m->layers[l].moe, err, err_size)) {
+        if (m->layers[l].moe.router &&
+            !loom_moe_shapes_ok(hp, l, &m->layers[l].moe, err, err_size)) {
             llama_free(m);
             return -1;
         }

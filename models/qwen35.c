@@ -1,8 +1,12 @@
 /*
- * models/qwen35.c - Qwen3.5 and Qwen3.6 (GGUF "qwen35"): a hybrid of linear-attention layers
- * (Gated DeltaNet) and gated full attention, three of the first to one of the second.
+ * models/qwen35.c - Qwen3.5 and Qwen3.6 (GGUF "qwen35", and "qwen35moe" for their mixture-of-
+ * experts members): a hybrid of linear-attention layers (Gated DeltaNet) and gated full
+ * attention, three of the first to one of the second.
  *
- * Every layer is pre-norm: x += mixer(rms_norm(x)); x += swiglu(rms_norm(x)). The mixer is
+ * Every layer is pre-norm: x += mixer(rms_norm(x)); x += ffn(rms_norm(x)), the ffn a SwiGLU MLP
+ * or (qwen35moe) the top k of a softmax over the experts, their weights renormalised, beside a
+ * shared expert gated by sigmoid(ffn_gate_inp_shexp h) (models/blocks.c's loom_ffn_moe). The
+ * mixer is
  *   - in a recurrent layer (every one but each full_attention_interval-th): the projections
  *     qkv (q and k: group_count heads of state_size; v: time_step_rank heads of
  *     inner_size / time_step_rank), z (the output gate), alpha (the decay's input) and beta
@@ -16,7 +20,9 @@
  * The model's multimodal RoPE (rope.dimension_sections) gives each section of a head's pairs
  * the position of one axis; for text every axis has the token's position, so it is plain RoPE.
  * llama.cpp's converter stores the (1 + w) RMSNorm weights of Hugging Face's checkpoint with
- * the 1 added (every norm but ssm_norm), and A_log as ssm_a = -exp(A_log). The file's last
+ * the 1 added (every norm but ssm_norm), and A_log as ssm_a = -exp(A_log); with more value heads
+ * than key heads it stores the value heads tiled (value head h reads key head h % group_count),
+ * not grouped by key head as Hugging Face does, and so does `loom convert`. The file's last
  * nextn_predict_layers blocks are the multi-token-prediction head, which a plain run skips.
  */
 #include "blocks.h"
@@ -42,8 +48,9 @@ typedef struct q35_layer {
     /* attention layers */
     const loom_tensor *wq; /* [n_head 2 head_dim, n_embd]: per head [query; gate] */
     const loom_tensor *wk, *wv, *wo, *q_norm, *k_norm;
-    /* every layer */
+    /* every layer: a SwiGLU MLP, or (qwen35moe) experts */
     const loom_tensor *gate, *up, *down;
+    loom_moe_weights moe;
 } q35_layer;
 
 typedef struct q35_model {
@@ -61,11 +68,11 @@ static void q35_free(void *state)
 }
 
 /* The hyper-parameters, checked against each other (names as in the file). */
-static int read_hparams(const loom_gguf *g, loom_hparams *hp, q35_model *m, char *err,
-                        size_t err_size)
+static int read_hparams(const loom_gguf *g, const char *arch, loom_hparams *hp, q35_model *m,
+                        char *err, size_t err_size)
 {
-    const char *arch = "qwen35";
     snprintf(hp->arch, sizeof hp->arch, "%s", arch);
+    const int moe = strcmp(arch, "qwen35moe") == 0;
     hp->n_embd = (int32_t)loom_model_kv_int(g, arch, "embedding_length", 0);
     int64_t blocks = loom_model_kv_int(g, arch, "block_count", 0);
     int64_t nextn = loom_model_kv_int(g, arch, "nextn_predict_layers", 0);
@@ -90,7 +97,7 @@ static int read_hparams(const loom_gguf *g, loom_hparams *hp, q35_model *m, char
     if (hp->n_embd <= 0 || blocks <= 0 || nextn < 0 || hp->n_layer <= 0 ||
         hp->n_layer > LOOM_MAX_LAYERS || hp->n_head <= 0 || hp->n_head_kv <= 0 ||
         hp->n_head % hp->n_head_kv || hp->head_dim <= 0 || value_length != hp->head_dim ||
-        hp->n_ff <= 0) {
+        (hp->n_ff <= 0 && !moe)) {
         snprintf(err, err_size,
                  "%s: embedding_length %d, block_count %lld (nextn_predict_layers %lld), "
                  "head_count %d, head_count_kv %d, key_length %d, value_length %lld, "
@@ -112,6 +119,8 @@ static int read_hparams(const loom_gguf *g, loom_hparams *hp, q35_model *m, char
                  (long long)interval);
         return -1;
     }
+    if (moe && loom_moe_read_hparams(g, arch, 1, 1, hp, err, err_size) != 0)
+        return -1;
     hp->ssm_d_v = (int32_t)(inner / hp->ssm_v_heads);
     hp->ssm_conv_channels = 2 * m->k_heads * hp->ssm_d_k + (int32_t)inner;
     /* text positions are the same on every axis of the multimodal RoPE, whatever the sections;
@@ -136,11 +145,12 @@ static int read_hparams(const loom_gguf *g, loom_hparams *hp, q35_model *m, char
     return 0;
 }
 
-static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch, char *err,
+                size_t err_size)
 {
     const loom_gguf *g = loom_rt_gguf(r);
     q35_model *m = calloc(1, sizeof *m);
-    if (!m || read_hparams(g, hp, m, err, err_size) != 0 ||
+    if (!m || read_hparams(g, arch, hp, m, err, err_size) != 0 ||
         !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
         if (m && !err[0])
             snprintf(err, err_size, "out of memory");
@@ -159,9 +169,21 @@ static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
         q35_layer *L = &m->layers[l];
         W(attn_norm, "blk.%d.attn_norm.weight", 1);
         W(ffn_norm, "blk.%d.post_attention_norm.weight", 1);
-        W(gate, "blk.%d.ffn_gate.weight", 1);
-        W(up, "blk.%d.ffn_up.weight", 1);
-        W(down, "blk.%d.ffn_down.weight", 1);
+        if (hp->n_expert) {
+            W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
+            W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
+            W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
+            W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
+            W(moe.shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
+            W(moe.shexp_up, "blk.%d.ffn_up_shexp.weight", !!L->moe.shexp_gate);
+            W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!L->moe.shexp_gate);
+            W(moe.shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", !!L->moe.shexp_gate);
+            L->moe.norm = L->ffn_norm;
+        } else {
+            W(gate, "blk.%d.ffn_gate.weight", 1);
+            W(up, "blk.%d.ffn_up.weight", 1);
+            W(down, "blk.%d.ffn_down.weight", 1);
+        }
         if (loom_layer_recurrent(hp, l)) {
             W(wqkv, "blk.%d.attn_qkv.weight", 1);
             W(wz, "blk.%d.attn_gate.weight", 1);
@@ -192,8 +214,10 @@ static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
     int ok = m->tok_embd->ne[0] == d && m->output->ne[0] == d && m->out_norm->ne[0] == d;
     for (int l = 0; ok && l < hp->n_layer; l++) {
         const q35_layer *L = &m->layers[l];
-        ok = L->attn_norm->ne[0] == d && L->ffn_norm->ne[0] == d && L->gate->ne[0] == d &&
-            L->gate->ne[1] == hp->n_ff && L->up->ne[1] == hp->n_ff && L->down->ne[0] == hp->n_ff;
+        ok = L->attn_norm->ne[0] == d && L->ffn_norm->ne[0] == d &&
+            (hp->n_expert ? loom_moe_shapes_ok(hp, l, &L->moe, err, err_size)
+                          : L->gate->ne[0] == d && L->gate->ne[1] == hp->n_ff &&
+                     L->up->ne[1] == hp->n_ff && L->down->ne[0] == hp->n_ff);
         if (ok && L->wqkv)
             ok = L->wqkv->ne[0] == d && L->wqkv->ne[1] == C && L->wz->ne[1] == inner &&
                 L->walpha->ne[1] == hv && L->wbeta->ne[1] == hv &&
@@ -205,7 +229,7 @@ static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
             ok = L->wq->ne[0] == d && L->wq->ne[1] == 2 * hp->n_head * hd &&
                 L->wk->ne[1] == hp->n_head_kv * hd && L->wv->ne[1] == hp->n_head_kv * hd &&
                 L->wo->ne[0] == hp->n_head * hd && L->q_norm->ne[0] == hd && L->k_norm->ne[0] == hd;
-        if (!ok)
+        if (!ok && !err[0])
             snprintf(err, err_size,
                      "qwen35: the tensors of block %d (a %s layer) disagree with the "
                      "hyper-parameters ('loom inspect FILE' lists them)",
@@ -236,10 +260,12 @@ static q35_buffers buffers(loom_runner *r, const loom_hparams *hp, const q35_mod
 {
     const int64_t hd = hp->head_dim, dk = hp->ssm_d_k, dv = hp->ssm_d_v, hv = hp->ssm_v_heads;
     const int64_t hk = m->k_heads, C = hp->ssm_conv_channels, inner = hv * dv;
-    q35_buffers b;
+    q35_buffers b = {0};
     b.h = loom_rt_scratch(r, LOOM_F32, hp->n_embd, n, 1);
-    b.ff_gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
-    b.ff_up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    if (!hp->n_expert) {
+        b.ff_gate = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+        b.ff_up = loom_rt_scratch(r, LOOM_F32, hp->n_ff, n, 1);
+    }
     b.qkv = loom_rt_scratch(r, LOOM_F32, C, n, 1);
     b.conv = loom_rt_scratch(r, LOOM_F32, C, n, 1);
     b.q3 = loom_rt_heads(&b.conv, 0, dk, hk);
@@ -276,7 +302,7 @@ static void linear_attention(loom_runner *r, const loom_hparams *hp, int l, cons
     loom_rt_matmul(r, &b->h, L->walpha, NULL, &b->alpha);
     loom_rt_matmul(r, &b->h, L->wbeta, NULL, &b->beta);
     loom_rt_ssm_conv(r, l, &b->qkv, L->conv, &b->conv);
-    loom_rt_gated_delta(r, l, &b->q3, &b->k3, &b->v3, &b->alpha, &b->beta, L->a, L->dt_bias,
+    loom_rt_gated_delta(r, l, &b->q3, &b->k3, &b->v3, &b->alpha, &b->beta, L->a, L->dt_bias, 1,
                         &b->o3);
     loom_rt_rms_norm(r, &b->o3, L->ssm_norm, hp->norm_eps, &b->o3);
     loom_rt_silu_mul(r, &b->z3, &b->o3, &b->o3);
@@ -310,6 +336,9 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
     loom_tensor x = loom_rt_scratch(r, LOOM_F32, hp->n_embd, batch->n, 1); /* residual stream */
     q35_buffers b = buffers(r, hp, m, batch->n);
     loom_ffn_buffers fb = {.h = b.h, .gate = b.ff_gate, .up = b.ff_up, .act = b.ff_gate};
+    loom_moe_buffers mb = {0};
+    if (hp->n_expert)
+        mb = loom_moe_buffers_new(r, hp, batch->n, hp->n_ff_shexp > 0);
     int first, end;
     loom_rt_layers(r, &first, &end);
     loom_rt_embed(r, m->tok_embd, &x);
@@ -320,49 +349,81 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
         else
             gated_attention(r, hp, l, L, &x, &b);
         loom_ffn_weights f = {.norm = L->ffn_norm, .gate = L->gate, .up = L->up, .down = L->down};
-        loom_ffn_swiglu(r, hp, &x, &f, &fb);
+        if (hp->n_expert)
+            loom_ffn_moe(r, hp, &x, &L->moe, &mb);
+        else
+            loom_ffn_swiglu(r, hp, &x, &f, &fb);
     }
     loom_rt_logits(r, batch, &x, m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 
+static int q35_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    return load(r, hp, state, "qwen35", err, err_size);
+}
+
+static int q35moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    return load(r, hp, state, "qwen35moe", err, err_size);
+}
+
 const loom_arch loom_arch_qwen35 = {
     .name = "qwen35", .load = q35_load, .forward = q35_forward, .free_state = q35_free};
+const loom_arch loom_arch_qwen35moe = {
+    .name = "qwen35moe", .load = q35moe_load, .forward = q35_forward, .free_state = q35_free};
 
 /* ---- The Hugging Face form: Qwen3_5ForCausalLM (model_type qwen3_5_text) -------------------
  * As llama.cpp's converter writes it: the (1 + w) norms with the 1 added (not linear_attn.norm,
  * which is applied as it is), A_log as -exp(A_log), the conv1d weight [channels, 1, kernel] as
  * [channels, kernel] in f32, q_proj kept with each head's [query; gate]. The multi-token-
  * prediction head (mtp.*) is not carried over: a plain run does not use it. */
-static const loom_hf_param q35_params[] = {
-    {"context_length", "text_config.max_position_embeddings|max_position_embeddings", LOOM_HF_U32,
-     262144},
-    {"embedding_length", "text_config.hidden_size|hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"block_count", "text_config.num_hidden_layers|num_hidden_layers", LOOM_HF_U32,
+/* The hyper-parameters every Qwen3.5 has, at the top of config.json or in its text_config */
+/* clang-format off */
+#define Q35_PARAMS                                                                                 \
+    {"context_length", "text_config.max_position_embeddings|max_position_embeddings",              \
+        LOOM_HF_U32, 262144},                                                                      \
+    {"embedding_length", "text_config.hidden_size|hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},    \
+    {"block_count", "text_config.num_hidden_layers|num_hidden_layers", LOOM_HF_U32,                \
+        LOOM_HF_REQUIRED},                                                                         \
+    {"attention.head_count", "text_config.num_attention_heads|num_attention_heads",                \
+        LOOM_HF_U32, LOOM_HF_REQUIRED},                                                            \
+    {"attention.head_count_kv", "text_config.num_key_value_heads|num_key_value_heads",             \
+        LOOM_HF_U32, LOOM_HF_REQUIRED},                                                            \
+    {"attention.key_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},      \
+    {"attention.value_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},    \
+    {"attention.layer_norm_rms_epsilon", "text_config.rms_norm_eps|rms_norm_eps", LOOM_HF_F32,     \
+        1e-6},                                                                                     \
+    {"rope.freq_base",                                                                             \
+        "text_config.rope_parameters.rope_theta|text_config.rope_theta|"                           \
+        "rope_parameters.rope_theta|rope_theta", LOOM_HF_F32, 10000000.0},                         \
+    {"ssm.conv_kernel", "text_config.linear_conv_kernel_dim|linear_conv_kernel_dim",               \
+        LOOM_HF_U32, LOOM_HF_REQUIRED},                                                            \
+    {"ssm.state_size", "text_config.linear_key_head_dim|linear_key_head_dim", LOOM_HF_U32,         \
+        LOOM_HF_REQUIRED},                                                                         \
+    {"ssm.group_count", "text_config.linear_num_key_heads|linear_num_key_heads", LOOM_HF_U32,      \
+        LOOM_HF_REQUIRED},                                                                         \
+    {"ssm.time_step_rank", "text_config.linear_num_value_heads|linear_num_value_heads",            \
+        LOOM_HF_U32, LOOM_HF_REQUIRED},                                                            \
+    {"full_attention_interval", "text_config.full_attention_interval|full_attention_interval",     \
+        LOOM_HF_U32, 4}
+/* clang-format on */
+static const loom_hf_param q35_params[] = {Q35_PARAMS,
+                                           {"feed_forward_length",
+                                            "text_config.intermediate_size|intermediate_size",
+                                            LOOM_HF_U32, LOOM_HF_REQUIRED},
+                                           {0}};
+/* Qwen3.5-MoE: every layer's MLP is experts (moe_intermediate_size wide) beside a shared one */
+static const loom_hf_param q35moe_params[] = {
+    Q35_PARAMS,
+    {"expert_count", "text_config.num_experts|num_experts", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_used_count", "text_config.num_experts_per_tok|num_experts_per_tok", LOOM_HF_U32,
      LOOM_HF_REQUIRED},
-    {"feed_forward_length", "text_config.intermediate_size|intermediate_size", LOOM_HF_U32,
+    {"expert_feed_forward_length", "text_config.moe_intermediate_size|moe_intermediate_size",
+     LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_shared_feed_forward_length",
+     "text_config.shared_expert_intermediate_size|shared_expert_intermediate_size", LOOM_HF_U32,
      LOOM_HF_REQUIRED},
-    {"attention.head_count", "text_config.num_attention_heads|num_attention_heads", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"attention.head_count_kv", "text_config.num_key_value_heads|num_key_value_heads", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"attention.key_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.value_length", "text_config.head_dim|head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
-    {"attention.layer_norm_rms_epsilon", "text_config.rms_norm_eps|rms_norm_eps", LOOM_HF_F32,
-     1e-6},
-    {"rope.freq_base",
-     "text_config.rope_parameters.rope_theta|text_config.rope_theta|rope_parameters.rope_theta|rope_theta",
-     LOOM_HF_F32, 10000000.0},
-    {"ssm.conv_kernel", "text_config.linear_conv_kernel_dim|linear_conv_kernel_dim", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"ssm.state_size", "text_config.linear_key_head_dim|linear_key_head_dim", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"ssm.group_count", "text_config.linear_num_key_heads|linear_num_key_heads", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"ssm.time_step_rank", "text_config.linear_num_value_heads|linear_num_value_heads", LOOM_HF_U32,
-     LOOM_HF_REQUIRED},
-    {"full_attention_interval", "text_config.full_attention_interval|full_attention_interval",
-     LOOM_HF_U32, 4},
     {0}};
 
 /* The rotated share of a head, the value heads' total width, and the checks that the config
@@ -428,42 +489,65 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
 }
 
 /* The tensors under the language model's prefix P ("model." in a text-only checkpoint,
- * "model.language_model." in a multimodal one). */
+ * "model.language_model." in a multimodal one): the mixers and norms, then the dense MLP or
+ * (Qwen3.5-MoE) the experts, one matrix per expert or (transformers 5) a stack per layer. */
 /* clang-format off */
 #define LIN LOOM_HF_LINEAR_LAYERS
 #define ATT LOOM_HF_ATTENTION_LAYERS
-#define Q35_TENSORS(P)                                                                             \
+#define VT LOOM_HF_V_TILED
+#define VT_COLUMNS LOOM_HF_V_TILED_COLUMNS
+#define Q35_MIXERS(P)                                                                              \
     {P "embed_tokens.weight", "token_embd.weight", 0, NULL},                                       \
     {P "norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},                               \
     {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                                   \
     {P "layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},     \
     {P "layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight",           \
-     LOOM_HF_PLUS_ONE, NULL},                                                                      \
-    {P "layers.%d.linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN, NULL},           \
-    {P "layers.%d.linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN, NULL},            \
-    {P "layers.%d.linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN, NULL},            \
-    {P "layers.%d.linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN, NULL},             \
-    {P "layers.%d.linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight", LIN | LOOM_HF_SQUEEZE,   \
-     NULL},                                                                                        \
-    {P "layers.%d.linear_attn.A_log", "blk.%d.ssm_a", LIN | LOOM_HF_NEG_EXP, NULL},                \
-    {P "layers.%d.linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LIN, NULL},                          \
+        LOOM_HF_PLUS_ONE, NULL},                                                                   \
+    {P "layers.%d.linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN | VT, NULL},      \
+    {P "layers.%d.linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN | VT, NULL},       \
+    {P "layers.%d.linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN | VT, NULL},       \
+    {P "layers.%d.linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN | VT, NULL},        \
+    {P "layers.%d.linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight",                          \
+        LIN | VT | LOOM_HF_SQUEEZE, NULL},                                                         \
+    {P "layers.%d.linear_attn.A_log", "blk.%d.ssm_a", LIN | VT | LOOM_HF_NEG_EXP, NULL},           \
+    {P "layers.%d.linear_attn.dt_bias", "blk.%d.ssm_dt.bias", LIN | VT, NULL},                     \
     {P "layers.%d.linear_attn.norm.weight", "blk.%d.ssm_norm.weight", LIN, NULL},                  \
-    {P "layers.%d.linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LIN, NULL},               \
+    {P "layers.%d.linear_attn.out_proj.weight", "blk.%d.ssm_out.weight", LIN | VT_COLUMNS, NULL},  \
     {P "layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", ATT, NULL},                    \
     {P "layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", ATT, NULL},                    \
     {P "layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", ATT, NULL},                    \
     {P "layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", ATT, NULL},               \
     {P "layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", ATT | LOOM_HF_PLUS_ONE,   \
-     NULL},                                                                                        \
+        NULL},                                                                                     \
     {P "layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", ATT | LOOM_HF_PLUS_ONE,   \
-     NULL},                                                                                        \
+        NULL}
+#define Q35_MLP(P)                                                                                 \
     {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},                       \
     {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                           \
     {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
-static const loom_hf_tensor q35_tensors[] = {Q35_TENSORS("model."), {0}};
-static const loom_hf_tensor q35_vl_tensors[] = {Q35_TENSORS("model.language_model."), {0}};
+#define Q35_EXPERTS(P)                                                                             \
+    {P "layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", 0, NULL},                        \
+    {P "layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",                 \
+        LOOM_HF_EXPERTS | LOOM_HF_GATE_HALF, P "layers.%d.mlp.experts.gate_up_proj"},              \
+    {P "layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",                     \
+        LOOM_HF_EXPERTS | LOOM_HF_UP_HALF, P "layers.%d.mlp.experts.gate_up_proj"},                \
+    {P "layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",                 \
+        LOOM_HF_EXPERTS, P "layers.%d.mlp.experts.down_proj"},                                     \
+    {P "layers.%d.mlp.shared_expert.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight", 0, NULL},   \
+    {P "layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", 0, NULL},       \
+    {P "layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", 0, NULL},   \
+    {P "layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", 0, NULL}
+static const loom_hf_tensor q35_tensors[] = {Q35_MIXERS("model."), Q35_MLP("model."), {0}};
+static const loom_hf_tensor q35_vl_tensors[] = {
+    Q35_MIXERS("model.language_model."), Q35_MLP("model.language_model."), {0}};
+static const loom_hf_tensor q35moe_tensors[] = {
+    Q35_MIXERS("model."), Q35_EXPERTS("model."), {0}};
+static const loom_hf_tensor q35moe_vl_tensors[] = {
+    Q35_MIXERS("model.language_model."), Q35_EXPERTS("model.language_model."), {0}};
 #undef LIN
 #undef ATT
+#undef VT
+#undef VT_COLUMNS
 /* clang-format on */
 
 /* The multimodal checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5: every
@@ -479,6 +563,43 @@ static int q35_vl_derive(const cJSON *config, loom_hf_values *v, char *err, size
     return q35_derive(config, v, err, err_size);
 }
 
+/* Qwen3.5-MoE (Qwen3_5MoeForCausalLM, model_type qwen3_5_moe_text; the multimodal
+ * Qwen3_5MoeForConditionalGeneration, qwen3_5_moe): Qwen3.5's layers with every MLP replaced by
+ * experts. Its router (transformers' Qwen3VLMoeTextTopKRouter) always renormalises the chosen
+ * experts' weights, as llama.cpp's qwen35moe does; a config that makes some layers dense
+ * (mlp_only_layers, decoder_sparse_step, which Qwen3.5-MoE's config class drops) is refused. */
+static int q35moe_derive(const cJSON *config, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (q35_derive(config, v, err, err_size) != 0)
+        return -1;
+    const cJSON *text = cJSON_GetObjectItem(config, "text_config");
+    const cJSON *cf = cJSON_IsObject(text) ? text : config;
+    const cJSON *dense = cJSON_GetObjectItem(cf, "mlp_only_layers");
+    int64_t step;
+    if (loom_hf_int(cf, "decoder_sparse_step", 1, 1, INT32_MAX, &step, err, err_size))
+        return -1;
+    if (step != 1 || (dense && !(cJSON_IsArray(dense) && cJSON_GetArraySize(dense) == 0))) {
+        snprintf(err, err_size,
+                 "%s: some layers would be dense; Qwen3.5-MoE's every layer has experts",
+                 step != 1 ? "decoder_sparse_step is not 1" : "mlp_only_layers is not empty");
+        return -1;
+    }
+    if (loom_hf_get(v, "expert_used_count") > loom_hf_get(v, "expert_count")) {
+        snprintf(err, err_size, "num_experts_per_tok %.0f exceeds num_experts %.0f",
+                 loom_hf_get(v, "expert_used_count"), loom_hf_get(v, "expert_count"));
+        return -1;
+    }
+    return 0;
+}
+
+static int q35moe_vl_derive(const cJSON *config, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (cJSON_GetObjectItem(config, "vision_config"))
+        fprintf(stderr,
+                "note: the vision tower (model.visual.*) is left out: loom runs the "
+                "language model alone, text in and out\n");
+    return q35moe_derive(config, v, err, err_size);
+}
 
 const loom_family loom_family_qwen35_vl = {.arch = &loom_arch_qwen35,
                                            .chat_template = "chatml",
@@ -493,3 +614,17 @@ const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35,
                                         .hf_params = q35_params,
                                         .hf_derive = q35_derive,
                                         .hf_tensors = q35_tensors};
+
+const loom_family loom_family_qwen35moe = {.arch = &loom_arch_qwen35moe,
+                                           .chat_template = "chatml",
+                                           .hf_model_type = "qwen3_5_moe_text",
+                                           .hf_params = q35moe_params,
+                                           .hf_derive = q35moe_derive,
+                                           .hf_tensors = q35moe_tensors};
+
+const loom_family loom_family_qwen35moe_vl = {.arch = &loom_arch_qwen35moe,
+                                              .chat_template = "chatml",
+                                              .hf_model_type = "qwen3_5_moe",
+                                              .hf_params = q35moe_params,
+                                              .hf_derive = q35moe_vl_derive,
+                                              .hf_tensors = q35moe_vl_tensors};

@@ -24,12 +24,15 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
     return loom_gguf_get_f64(g, key, &v) == 0 ? v : fallback;
 }
 
-static const loom_family *families[16] = {
-    &loom_family_llama,    &loom_family_qwen2,   &loom_family_qwen3,   &loom_family_qwen,
-    &loom_family_chatglm1, &loom_family_chatglm, &loom_family_mistral, &loom_family_qwen2moe,
-    &loom_family_qwen3moe, &loom_family_glm4,    &loom_family_glm4moe, &loom_family_qwen35,
-    &loom_family_qwen35_vl};
-static int n_families = 13;
+/* the built-in families, then those loom_models_register adds (a test's, an embedder's) */
+#define BUILT_IN_FAMILIES                                                                          \
+    &loom_family_llama, &loom_family_qwen2, &loom_family_qwen3, &loom_family_qwen,                 \
+        &loom_family_chatglm1, &loom_family_chatglm, &loom_family_mistral, &loom_family_qwen2moe,  \
+        &loom_family_qwen3moe, &loom_family_glm4, &loom_family_glm4moe, &loom_family_qwen35,       \
+        &loom_family_qwen35_vl, &loom_family_qwen35moe, &loom_family_qwen35moe_vl
+static const loom_family *families[24] = {BUILT_IN_FAMILIES};
+static int n_families = (int)(sizeof(const loom_family *[]){BUILT_IN_FAMILIES} /
+                              sizeof(const loom_family *));
 
 const loom_family *loom_family_find(const char *name)
 {

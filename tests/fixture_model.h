@@ -22,7 +22,7 @@ typedef struct collect {
     int n;
 } collect;
 
-static int on_token(void *user, int32_t id, const char *text, size_t len)
+static inline int on_token(void *user, int32_t id, const char *text, size_t len)
 {
     (void)text, (void)len;
     collect *c = user;
@@ -33,9 +33,9 @@ static int on_token(void *user, int32_t id, const char *text, size_t len)
 
 /* Runs every case of fixtures/fixture on model path with backend, checking logits within tol of
  * logits_file_key ("last_logits" or a quantized reference) and, when greedy, the tokens. */
-static void check_model(const char *fixtures, const char *fixture, const char *path,
-                        const char *backend, const char *logits_of, double tol, int greedy_too,
-                        const char *what)
+static inline void check_model(const char *fixtures, const char *fixture, const char *path,
+                               const char *backend, const char *logits_of, double tol,
+                               int greedy_too, const char *what)
 {
     char err[4096];
     loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};

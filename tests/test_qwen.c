@@ -25,6 +25,7 @@
 
 #include "check.h"
 #include "hf_writer.h"
+#include "reference_f64.h"
 
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -204,29 +205,6 @@ static void test_qwen1(const loom_safetensors *st, const shape *s)
 
 /* ---- Qwen3: tiny-qwen2 plus q/k norms, against a forward pass written here ---------------- */
 
-static double *load_f64(const loom_safetensors *st, const char *fmt, int l, int64_t *count)
-{
-    char name[128];
-    snprintf(name, sizeof name, fmt, l);
-    const loom_st_tensor *t = loom_safetensors_find(st, name);
-    if (!t || t->loom_type < 0) {
-        CHECK(0, "no float tensor %s", name);
-        return NULL;
-    }
-    int64_t n = 1;
-    for (int i = 0; i < t->n_dims; i++)
-        n *= t->shape[i];
-    float *f = malloc((size_t)n * sizeof *f);
-    double *d = malloc((size_t)n * sizeof *d);
-    loom_row_to_f32((loom_dtype)t->loom_type, t->data, f, n);
-    for (int64_t i = 0; i < n; i++)
-        d[i] = f[i];
-    free(f);
-    if (count)
-        *count = n;
-    return d;
-}
-
 static void rms_norm(double *x, int n, const double *w, double eps)
 {
     double ss = 0;
@@ -235,17 +213,6 @@ static void rms_norm(double *x, int n, const double *w, double eps)
     double inv = 1.0 / sqrt(ss / n + eps);
     for (int i = 0; i < n; i++)
         x[i] = x[i] * inv * w[i];
-}
-
-/* y[rows_out] = W[rows_out, n] x[n] (+ b) */
-static void linear(double *y, const double *w, const double *b, const double *x, int rows, int n)
-{
-    for (int r = 0; r < rows; r++) {
-        double acc = b ? b[r] : 0;
-        for (int i = 0; i < n; i++)
-            acc += w[(int64_t)r * n + i] * x[i];
-        y[r] = acc;
-    }
 }
 
 /* A Qwen3-MoE layer's experts (Qwen3MoeSparseMoeBlock), and what the reference saw of its

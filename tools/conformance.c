@@ -161,7 +161,7 @@ static loom_status call_op(loom_device *d, const test_case *tc, loom_tensor *t)
     }
     case LOOM_OP_GATED_DELTA: {
         loom_gated_delta_params p = {sizeof p, T(0), T(1), T(2), T(3), T(4),
-                                     T(5),     T(6), T(7), T(8), T(9)};
+                                     T(5),     T(6), T(7), T(8), T(9), tc->v_heads_tiled};
         return loom_device_run(d, tc->op, &p);
     }
     case LOOM_OP_COUNT: break;

@@ -660,19 +660,21 @@ static void make_gated_delta(test_case *tc, loom_dtype dt, int v)
     (void)dt;
     /* tokens, k_heads, v_heads, d_k, d_v, slots: a decode step of two sequences, a prefill
      * chunk of one with two value heads per key head (a long run: a backend's chunked form),
-     * and a mixed batch */
+     * and a mixed batch, with the value heads grouped by key head and (ABI 1.9) tiled */
     static const int64_t r[][6] = {
-        {2, 2, 2, 16, 16, 3}, {70, 1, 2, 32, 8, 2}, {5, 2, 4, 64, 32, 2}};
+        {2, 2, 2, 16, 16, 3}, {70, 1, 2, 32, 8, 2}, {5, 2, 4, 64, 32, 2}, {5, 2, 4, 64, 32, 2}};
     int32_t seqs[70] = {2, 0};
     if (v == 1)
         for (int i = 0; i < 70; i++)
             seqs[i] = 1;
-    if (v == 2)
+    if (v >= 2)
         memcpy(seqs, (int32_t[]){1, 1, 0, 0, 0}, 5 * sizeof seqs[0]);
     int64_t T = r[v][0], hk = r[v][1], hv = r[v][2], dk = r[v][3], dv = r[v][4], slots = r[v][5];
     int padded = v == 2;
-    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld/%lld heads, d_k %lld, d_v %lld",
-             (long long)T, (long long)hk, (long long)hv, (long long)dk, (long long)dv);
+    tc->v_heads_tiled = v == 3;
+    snprintf(tc->label, sizeof tc->label, "%lld tokens, %lld/%lld heads%s, d_k %lld, d_v %lld",
+             (long long)T, (long long)hk, (long long)hv, tc->v_heads_tiled ? " tiled" : "",
+             (long long)dk, (long long)dv);
     fill_random(add_spec(tc, 0, LOOM_F32, dk, hk, T, 1, padded), 1.0f, 0.0f);
     fill_random(add_spec(tc, 1, LOOM_F32, dk, hk, T, 1, padded), 1.0f, 0.0f);
     fill_random(add_spec(tc, 2, LOOM_F32, dv, hv, T, 1, padded), 1.0f, 0.0f);
@@ -686,7 +688,7 @@ static void make_gated_delta(test_case *tc, loom_dtype dt, int v)
     state->output = 1;
     add_spec(tc, 9, LOOM_F32, dv, hv, T, 1, padded)->output = 1;
     tc->tol = 1e-4;
-    tc->abi_minor = 8;
+    tc->abi_minor = v == 3 ? 9 : 8;
 }
 
 const case_family conformance_families[] = {
@@ -710,7 +712,7 @@ const case_family conformance_families[] = {
     {LOOM_OP_MOE_COMBINE, 3, make_moe_combine},
     {LOOM_OP_SIGMOID_MUL, 5, make_elementwise},
     {LOOM_OP_SSM_CONV, 3, make_ssm_conv},
-    {LOOM_OP_GATED_DELTA, 3, make_gated_delta},
+    {LOOM_OP_GATED_DELTA, 4, make_gated_delta},
 };
 const int conformance_n_families = (int)(sizeof conformance_families /
                                          sizeof conformance_families[0]);

@@ -44,6 +44,7 @@ typedef struct test_case {
     int32_t window;     /* attention's sliding window (ABI 1.4) */
     int32_t gating, normalize, accumulate; /* moe_route's and moe_combine's (ABI 1.5) */
     int32_t n_group, topk_group;           /* moe_route's group limit (ABI 1.7) */
+    int32_t v_heads_tiled;                 /* gated_delta's head order (ABI 1.9) */
 } test_case;
 
 uint32_t rng_u32(void);

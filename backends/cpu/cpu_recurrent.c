@@ -93,7 +93,7 @@ static void delta_heads(void *ctx, int ith, int nth)
     delta_job *j = ctx;
     const loom_gated_delta_params *p = j->p;
     const int64_t dk = p->q->ne[0], hk = p->q->ne[1], T = p->q->ne[2];
-    const int64_t dv = p->v->ne[0], hv = p->v->ne[1], group = hv / hk, slots = p->state->ne[3];
+    const int64_t dv = p->v->ne[0], hv = p->v->ne[1], slots = p->state->ne[3];
     const float *a = (const float *)cpu_row(p->a, base(p->a), 0);
     const float *dt = (const float *)cpu_row(p->dt_bias, base(p->dt_bias), 0);
     long h0, h1;
@@ -115,8 +115,9 @@ static void delta_heads(void *ctx, int ith, int nth)
             }
             const float *alpha = (const float *)cpu_row(p->alpha, base(p->alpha), t);
             const float *beta = (const float *)cpu_row(p->beta, base(p->beta), t);
-            const float *qr = (const float *)cpu_row(p->q, base(p->q), t * hk + h / group);
-            const float *kr = (const float *)cpu_row(p->k, base(p->k), t * hk + h / group);
+            const int64_t kh = loom_gated_delta_key_head(p, h, hk, hv);
+            const float *qr = (const float *)cpu_row(p->q, base(p->q), t * hk + kh);
+            const float *kr = (const float *)cpu_row(p->k, base(p->k), t * hk + kh);
             const float *v = (const float *)cpu_row(p->v, base(p->v), t * hv + h);
             float *o = (float *)cpu_row(p->dst, base(p->dst), t * hv + h);
             float qn = row_norm(qr, dk) * q_scale, kn = row_norm(kr, dk);

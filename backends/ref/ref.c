@@ -857,7 +857,7 @@ static loom_status ref_gated_delta(loom_backend *be, const loom_gated_delta_para
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         CHECK(check_tensor(be, all[i], "gated_delta"));
     const int64_t dk = p->q->ne[0], hk = p->q->ne[1], T = p->q->ne[2];
-    const int64_t dv = p->v->ne[0], hv = p->v->ne[1], group = hv / hk;
+    const int64_t dv = p->v->ne[0], hv = p->v->ne[1];
     float *q = scratch((size_t)dk), *k = scratch((size_t)dk), *v = scratch((size_t)dv);
     float *S = scratch((size_t)(dv * dk)), *o = scratch((size_t)dv);
     float *alpha = scratch((size_t)hv), *beta = scratch((size_t)hv);
@@ -877,8 +877,9 @@ static loom_status ref_gated_delta(loom_backend *be, const loom_gated_delta_para
         load_row(p->alpha, t, alpha);
         load_row(p->beta, t, beta);
         for (int64_t h = 0; h < hv; h++) {
-            load_row(p->q, t * hk + h / group, q);
-            load_row(p->k, t * hk + h / group, k);
+            const int64_t kh = loom_gated_delta_key_head(p, h, hk, hv);
+            load_row(p->q, t * hk + kh, q);
+            load_row(p->k, t * hk + kh, k);
             load_row(p->v, t * hv + h, v);
             double qn = 1.0 / sqrt(dot(q, q, dk) + 1e-6) / sqrt((double)dk);
             double kn = 1.0 / sqrt(dot(k, k, dk) + 1e-6);

@@ -41,7 +41,7 @@ extern "C" {
 #endif
 
 #define LOOM_BACKEND_ABI_MAJOR 1
-#define LOOM_BACKEND_ABI_MINOR 8
+#define LOOM_BACKEND_ABI_MINOR 9
 
 /* The one symbol a module exports; its type is loom_backend_entry_fn. */
 #define LOOM_BACKEND_ENTRY_SYMBOL "loom_backend_entry"
@@ -628,7 +628,9 @@ typedef struct loom_ssm_conv_params {
 
 /* The gated delta rule (Gated DeltaNet's recurrence, as Hugging Face's qwen3_next and qwen3_5
  * compute it), per token t of slot s = seq[t] and value head h, which reads key head
- * h / (v_heads / k_heads):
+ * hk = h / (v_heads / k_heads), the value heads grouped by key head as Hugging Face orders them,
+ * or (ABI 1.9, v_heads_tiled) hk = h % k_heads, the order llama.cpp's qwen35 files store them in
+ * (loom_gated_delta_key_head says which):
  *   q' = q[t, hk] / sqrt(sum q^2 + 1e-6) / sqrt(d_k),  k' = k[t, hk] / sqrt(sum k^2 + 1e-6)
  *   decay = exp(a[h] * softplus(alpha[t, h] + dt_bias[h])),  b = sigmoid(beta[t, h])
  *   S = S * decay;  S = S + k' (b (v[t, h] - k' S))^T;  dst[t, h] = q' S
@@ -645,7 +647,18 @@ typedef struct loom_gated_delta_params {
     const loom_tensor *seq;     /* [tokens] I32, slots of state */
     const loom_tensor *state;   /* [slots, v_heads, d_v, d_k] F32, read and written */
     const loom_tensor *dst;     /* [tokens, v_heads, d_v] F32 */
+    int32_t v_heads_tiled;      /* ABI 1.9: 1 = value head h reads key head h % k_heads */
 } loom_gated_delta_params;
+
+/* The key head value head h of v_heads reads (a member past the caller's struct_size is 0). */
+static inline int64_t loom_gated_delta_key_head(const loom_gated_delta_params *p, int64_t h,
+                                                int64_t k_heads, int64_t v_heads)
+{
+    int tiled = p->struct_size >=
+            offsetof(loom_gated_delta_params, v_heads_tiled) + sizeof p->v_heads_tiled &&
+        p->v_heads_tiled;
+    return tiled ? h % k_heads : h / (v_heads / k_heads);
+}
 
 /* Each parameter struct's tensors in turn, I(field) those the op only reads and O(field) those
  * it writes, last: what the CPU fallback copies over (and the outputs back) and what the trace
