@@ -55,6 +55,7 @@ typedef struct row_order {
     row_order_kind kind;
     int heads;
     int k_heads, v_heads, d_v; /* LOOM_HF_V_TILED's shape: ssm.group_count, time_step_rank */
+    int d_k;                   /* LOOM_HF_QKVZ_*'s: ssm.state_size */
 } row_order;
 
 /* The source tensor as f32 rows (rows x cols), reordered:
@@ -117,6 +118,27 @@ static int tile_value_heads(float *f, int64_t rows, int64_t cols, int by_columns
     return 0;
 }
 
+/* The rows of a fused per-key-head [q; k; v; z] (LOOM_HF_QKVZ_QKV / _Z) that the part keeps,
+ * gathered at f's start (f has cols columns): every group's q, then k, then v; or every
+ * group's z. */
+static int split_qkvz(float *f, int64_t cols, int z_part, const row_order *o)
+{
+    const int64_t dk = o->d_k, rv = (int64_t)o->v_heads / o->k_heads * o->d_v;
+    const int64_t group = 2 * dk + 2 * rv;
+    float *tmp = malloc((size_t)(o->k_heads * group * cols) * sizeof *tmp);
+    if (!tmp)
+        return -1;
+    memcpy(tmp, f, (size_t)(o->k_heads * group * cols) * sizeof *tmp);
+    int64_t at = 0;
+    const int64_t starts[4] = {0, dk, 2 * dk, 2 * dk + rv}, widths[4] = {dk, dk, rv, rv};
+    for (int part = z_part ? 3 : 0; part < (z_part ? 4 : 3); part++)
+        for (int64_t g = 0; g < o->k_heads; g++, at += widths[part])
+            memcpy(f + at * cols, tmp + (g * group + starts[part]) * cols,
+                   (size_t)(widths[part] * cols) * sizeof *f);
+    free(tmp);
+    return 0;
+}
+
 /* Adds Hugging Face tensor parts[0] (named src) as GGUF dst; with n_parts > 1, the stack of
  * parts[0..n_parts) (an expert each, of one shape and type) as one [n_parts, rows, cols]. */
 static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const char *src,
@@ -158,6 +180,21 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
             out_type = LOOM_F32;
         }
     }
+    const int qkvz = flags & (LOOM_HF_QKVZ_QKV | LOOM_HF_QKVZ_Z);
+    const int64_t qkvz_rows = order.k_heads > 0 && order.v_heads % order.k_heads == 0
+        ? 2 * (int64_t)order.k_heads * order.d_k + 2 * (int64_t)order.v_heads * order.d_v
+        : -1;
+    if (qkvz && (n_dims != 2 || rows != qkvz_rows))
+        return conv_fail(c,
+                         "%s: '%s' has %lld rows; in_proj_qkvz of these heads has %lld "
+                         "(per key head 2 linear_key_head_dim + 2 linear_value_head_dim x the "
+                         "value heads per key head)",
+                         c->dir, src, (long long)rows, (long long)qkvz_rows);
+    const int64_t src_rows = rows;
+    if (qkvz) /* the part kept */
+        rows = flags & LOOM_HF_QKVZ_Z
+            ? (int64_t)order.v_heads * order.d_v
+            : 2 * (int64_t)order.k_heads * order.d_k + (int64_t)order.v_heads * order.d_v;
     const int tiled = (flags & (LOOM_HF_V_TILED | LOOM_HF_V_TILED_COLUMNS)) &&
         order.v_heads != order.k_heads;
     const int64_t tiled_units = flags & LOOM_HF_V_TILED_COLUMNS ? cols : units;
@@ -172,8 +209,8 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
     if (!data)
         return conv_fail(c, "out of memory converting '%s'", src);
     for (int i = 0; i < n_parts; i++) {
-        float *f = load_f32(parts[i], rows, cols, order);
-        if (!f ||
+        float *f = load_f32(parts[i], src_rows, cols, order);
+        if (!f || (qkvz && split_qkvz(f, cols, flags & LOOM_HF_QKVZ_Z, &order) != 0) ||
             (tiled &&
              tile_value_heads(f, rows, cols, flags & LOOM_HF_V_TILED_COLUMNS, order.k_heads,
                               order.v_heads, v_unit) != 0)) {
@@ -440,6 +477,7 @@ static int tensors(conv *c, const loom_hf_values *v)
                 order.v_heads = (int)loom_hf_get(v, "ssm.time_step_rank");
                 order.d_v = order.v_heads ? (int)(loom_hf_get(v, "ssm.inner_size") / order.v_heads)
                                           : 0;
+                order.d_k = (int)loom_hf_get(v, "ssm.state_size");
                 if (order.kind != ROWS_AS_STORED && order.heads <= 0)
                     return conv_fail(c, "%s: reordering '%s' needs the head count", c->dir, src);
                 const int n_experts = (int)loom_hf_get(v, "expert_count");

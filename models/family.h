@@ -95,6 +95,11 @@ enum {
      * the rows (the gate) or its second (up) */
     LOOM_HF_GATE_HALF = 1 << 15,
     LOOM_HF_UP_HALF = 1 << 16,
+    /* Qwen3-Next's in_proj_qkvz, per key head (ssm.group_count) [q; k; v; z] (d_k, d_k and
+     * twice ssm.inner_size / group_count rows): every head's q, k and v in turn ([Q; K; V],
+     * attn_qkv), or every head's z (attn_gate) */
+    LOOM_HF_QKVZ_QKV = 1 << 17,
+    LOOM_HF_QKVZ_Z = 1 << 18,
 };
 
 typedef struct loom_hf_tensor {

@@ -17,6 +17,7 @@ extern const loom_arch loom_arch_glm4moe;   /* GGUF "glm4moe": GLM-4.5, GLM-4.5-
 extern const loom_arch loom_arch_chatglm;   /* GGUF "chatglm": ChatGLM2/3, GLM-4 */
 extern const loom_arch loom_arch_qwen35;    /* GGUF "qwen35": Qwen3.5, Qwen3.6 (dense) */
 extern const loom_arch loom_arch_qwen35moe; /* GGUF "qwen35moe": their mixture-of-experts */
+extern const loom_arch loom_arch_qwen3next; /* GGUF "qwen3next": Qwen3-Next-80B-A3B */
 extern const loom_arch loom_arch_chatglm1;  /* GGUF "chatglm1" (loom's own): ChatGLM-6B */
 
 /* Hyper-parameter ARCH.SUFFIX of a model file, or fallback when absent. */
@@ -29,7 +30,8 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
 extern const loom_family loom_family_llama, loom_family_mistral, loom_family_qwen2,
     loom_family_qwen3, loom_family_qwen, loom_family_chatglm, loom_family_chatglm1,
     loom_family_qwen2moe, loom_family_qwen3moe, loom_family_glm4, loom_family_glm4moe,
-    loom_family_qwen35, loom_family_qwen35_vl, loom_family_qwen35moe, loom_family_qwen35moe_vl;
+    loom_family_qwen35, loom_family_qwen35_vl, loom_family_qwen35moe, loom_family_qwen35moe_vl,
+    loom_family_qwen3next;
 
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);

@@ -1,7 +1,8 @@
 /*
  * models/qwen35.c - Qwen3.5 and Qwen3.6 (GGUF "qwen35", and "qwen35moe" for their mixture-of-
- * experts members): a hybrid of linear-attention layers (Gated DeltaNet) and gated full
- * attention, three of the first to one of the second.
+ * experts members) and their forerunner Qwen3-Next (GGUF "qwen3next"): a hybrid of linear-
+ * attention layers (Gated DeltaNet) and gated full attention, three of the first to one of the
+ * second.
  *
  * Every layer is pre-norm: x += mixer(rms_norm(x)); x += ffn(rms_norm(x)), the ffn a SwiGLU MLP
  * or (qwen35moe) the top k of a softmax over the experts, their weights renormalised, beside a
@@ -24,10 +25,18 @@
  * than key heads it stores the value heads tiled (value head h reads key head h % group_count),
  * not grouped by key head as Hugging Face does, and so does `loom convert`. The file's last
  * nextn_predict_layers blocks are the multi-token-prediction head, which a plain run skips.
+ *
+ * Qwen3-Next differs only in its linear layers' projections, which its checkpoint fuses per key
+ * head: in_proj_qkvz ([q, k, v, z] of each key head's group) and in_proj_ba ([beta, alpha] of
+ * each). llama.cpp's files split the first into attn_qkv and attn_gate (older ones keep it whole
+ * as ssm_in) and keep the second whole as ssm_ba; the value heads stay grouped by key head. The
+ * forward pass gathers the groups' parts with strided copies (scale by 1). Its RoPE is plain
+ * NEOX over rope.dimension_count dims (no sections), every layer's MLP experts.
  */
 #include "blocks.h"
 #include "models.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +49,9 @@ typedef struct q35_layer {
     const loom_tensor *wz;       /* attn_gate: [v_heads d_v, n_embd] */
     const loom_tensor *walpha;   /* ssm_alpha: [v_heads, n_embd] */
     const loom_tensor *wbeta;    /* ssm_beta: [v_heads, n_embd] */
+    const loom_tensor *wqkvz;    /* Qwen3-Next's older files, ssm_in: [k_heads (2 d_k + 2 r d_v),
+                                  * n_embd], each key head's [q; k; v; z] (r = v_heads / k_heads) */
+    const loom_tensor *wba;      /* Qwen3-Next, ssm_ba: [2 v_heads, n_embd], per key head [b; a] */
     const loom_tensor *conv;     /* ssm_conv1d: [channels, kernel] */
     const loom_tensor *a;        /* ssm_a: [v_heads], -exp(A_log) */
     const loom_tensor *dt_bias;  /* ssm_dt.bias: [v_heads] */
@@ -56,6 +68,7 @@ typedef struct q35_layer {
 typedef struct q35_model {
     const loom_tensor *tok_embd, *out_norm, *output;
     int32_t k_heads; /* the linear layers' q and k heads */
+    int next;        /* Qwen3-Next: fused projections, value heads grouped by key head */
     q35_layer *layers;
 } q35_model;
 
@@ -72,7 +85,8 @@ static int read_hparams(const loom_gguf *g, const char *arch, loom_hparams *hp, 
                         char *err, size_t err_size)
 {
     snprintf(hp->arch, sizeof hp->arch, "%s", arch);
-    const int moe = strcmp(arch, "qwen35moe") == 0;
+    m->next = strcmp(arch, "qwen3next") == 0;
+    const int moe = strcmp(arch, "qwen35moe") == 0 || m->next;
     hp->n_embd = (int32_t)loom_model_kv_int(g, arch, "embedding_length", 0);
     int64_t blocks = loom_model_kv_int(g, arch, "block_count", 0);
     int64_t nextn = loom_model_kv_int(g, arch, "nextn_predict_layers", 0);
@@ -125,7 +139,9 @@ static int read_hparams(const loom_gguf *g, const char *arch, loom_hparams *hp, 
     hp->ssm_conv_channels = 2 * m->k_heads * hp->ssm_d_k + (int32_t)inner;
     /* text positions are the same on every axis of the multimodal RoPE, whatever the sections;
      * they must still cover the rotated pairs, or the file means something else */
-    const loom_gguf_kv *sections = loom_gguf_find(g, "qwen35.rope.dimension_sections");
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", arch);
+    const loom_gguf_kv *sections = loom_gguf_find(g, key);
     if (sections) {
         double sum = 0, v;
         for (uint64_t i = 0; i < sections->count && i < 8; i++)
@@ -185,10 +201,18 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             W(down, "blk.%d.ffn_down.weight", 1);
         }
         if (loom_layer_recurrent(hp, l)) {
-            W(wqkv, "blk.%d.attn_qkv.weight", 1);
-            W(wz, "blk.%d.attn_gate.weight", 1);
-            W(walpha, "blk.%d.ssm_alpha.weight", 1);
-            W(wbeta, "blk.%d.ssm_beta.weight", 1);
+            if (m->next)
+                W(wqkvz, "blk.%d.ssm_in.weight", 0);
+            if (!L->wqkvz) {
+                W(wqkv, "blk.%d.attn_qkv.weight", 1);
+                W(wz, "blk.%d.attn_gate.weight", 1);
+            }
+            if (m->next) {
+                W(wba, "blk.%d.ssm_ba.weight", 1);
+            } else {
+                W(walpha, "blk.%d.ssm_alpha.weight", 1);
+                W(wbeta, "blk.%d.ssm_beta.weight", 1);
+            }
             W(conv, "blk.%d.ssm_conv1d.weight", 1);
             W(a, "blk.%d.ssm_a", 1);
             W(dt_bias, "blk.%d.ssm_dt.bias", 1);
@@ -218,9 +242,12 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             (hp->n_expert ? loom_moe_shapes_ok(hp, l, &L->moe, err, err_size)
                           : L->gate->ne[0] == d && L->gate->ne[1] == hp->n_ff &&
                      L->up->ne[1] == hp->n_ff && L->down->ne[0] == hp->n_ff);
-        if (ok && L->wqkv)
-            ok = L->wqkv->ne[0] == d && L->wqkv->ne[1] == C && L->wz->ne[1] == inner &&
-                L->walpha->ne[1] == hv && L->wbeta->ne[1] == hv &&
+        const int recurrent = loom_layer_recurrent(hp, l);
+        if (ok && recurrent)
+            ok = (L->wqkvz ? L->wqkvz->ne[0] == d && L->wqkvz->ne[1] == C + inner
+                           : L->wqkv->ne[0] == d && L->wqkv->ne[1] == C && L->wz->ne[1] == inner) &&
+                (L->wba ? L->wba->ne[0] == d && L->wba->ne[1] == 2 * hv
+                        : L->walpha->ne[1] == hv && L->wbeta->ne[1] == hv) &&
                 L->conv->ne[0] == hp->ssm_conv_kernel && L->conv->ne[1] == C && L->a->ne[0] == hv &&
                 L->a->dtype == LOOM_F32 && L->dt_bias->ne[0] == hv &&
                 L->dt_bias->dtype == LOOM_F32 && L->ssm_norm->ne[0] == hp->ssm_d_v &&
@@ -233,7 +260,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             snprintf(err, err_size,
                      "qwen35: the tensors of block %d (a %s layer) disagree with the "
                      "hyper-parameters ('loom inspect FILE' lists them)",
-                     l, L->wqkv ? "linear-attention" : "full-attention");
+                     l, recurrent ? "linear-attention" : "full-attention");
     }
     if (!ok) {
         if (!err[0])
@@ -252,6 +279,7 @@ typedef struct q35_buffers {
     loom_tensor h, ff_gate, ff_up;
     /* recurrent */
     loom_tensor qkv, conv, z, z3, alpha, beta, q3, k3, v3, o, o3;
+    loom_tensor qkvz, ba; /* Qwen3-Next's fused projections' outputs */
     /* attention */
     loom_tensor qg, q3a, gate3, qn3, k, k3a, v, v3a, att, att3;
 } q35_buffers;
@@ -275,6 +303,10 @@ static q35_buffers buffers(loom_runner *r, const loom_hparams *hp, const q35_mod
     b.z3 = loom_rt_reshape(&b.z, dv, hv, n);
     b.alpha = loom_rt_scratch(r, LOOM_F32, hv, n, 1);
     b.beta = loom_rt_scratch(r, LOOM_F32, hv, n, 1);
+    if (m->next) {
+        b.qkvz = loom_rt_scratch(r, LOOM_F32, C + inner, n, 1);
+        b.ba = loom_rt_scratch(r, LOOM_F32, 2 * hv, n, 1);
+    }
     b.o = loom_rt_scratch(r, LOOM_F32, inner, n, 1);
     b.o3 = loom_rt_reshape(&b.o, dv, hv, n);
     /* Q and its gate interleaved per head: views of every other head_dim columns */
@@ -293,17 +325,62 @@ static q35_buffers buffers(loom_runner *r, const loom_hparams *hp, const q35_mod
     return b;
 }
 
-static void linear_attention(loom_runner *r, const loom_hparams *hp, int l, const q35_layer *L,
-                             const loom_tensor *x, const q35_buffers *b)
+/* Columns [c0, c0 + width) of each of t's `groups` groups of group_width: [width, groups, n] */
+static loom_tensor group_part(const loom_tensor *t, int64_t groups, int64_t group_width, int64_t c0,
+                              int64_t width)
+{
+    assert(c0 >= 0 && width >= 0 && c0 + width <= group_width);
+    loom_tensor v = loom_rt_heads(t, 0, group_width, groups);
+    v.offset += (uint64_t)c0 * t->nb[0];
+    v.ne[0] = width;
+    return v;
+}
+
+/* Qwen3-Next's fused outputs into the layout of Qwen3.5's: qkvz's groups [q; k; v; z] (one per
+ * key head) into qkv [Q; K; V] and z, ba's [b; a] into beta and alpha. */
+static void ungroup(loom_runner *r, const loom_hparams *hp, int64_t hk, const q35_buffers *b,
+                    int qkvz)
+{
+    const int64_t dk = hp->ssm_d_k, rv = hp->ssm_v_heads / hk * hp->ssm_d_v;
+    const int64_t per = hp->ssm_v_heads / hk, n = b->qkv.ne[1];
+    if (qkvz) {
+        const int64_t g = 2 * dk + 2 * rv;
+        const loom_tensor parts[4][2] = {
+            {group_part(&b->qkvz, hk, g, 0, dk), loom_rt_heads(&b->qkv, 0, dk, hk)},
+            {group_part(&b->qkvz, hk, g, dk, dk), loom_rt_heads(&b->qkv, hk * dk, dk, hk)},
+            {group_part(&b->qkvz, hk, g, 2 * dk, rv), loom_rt_heads(&b->qkv, 2 * hk * dk, rv, hk)},
+            {group_part(&b->qkvz, hk, g, 2 * dk + rv, rv), loom_rt_reshape(&b->z, rv, hk, n)}};
+        for (int i = 0; i < 4; i++)
+            loom_rt_scale(r, &parts[i][0], 1.0f, &parts[i][1]);
+    }
+    const loom_tensor beta = group_part(&b->ba, hk, 2 * per, 0, per);
+    const loom_tensor alpha = group_part(&b->ba, hk, 2 * per, per, per);
+    const loom_tensor beta_to = loom_rt_reshape(&b->beta, per, hk, n);
+    const loom_tensor alpha_to = loom_rt_reshape(&b->alpha, per, hk, n);
+    loom_rt_scale(r, &beta, 1.0f, &beta_to);
+    loom_rt_scale(r, &alpha, 1.0f, &alpha_to);
+}
+
+static void linear_attention(loom_runner *r, const loom_hparams *hp, const q35_model *m, int l,
+                             const q35_layer *L, const loom_tensor *x, const q35_buffers *b)
 {
     loom_rt_rms_norm(r, x, L->attn_norm, hp->norm_eps, &b->h);
-    loom_rt_matmul(r, &b->h, L->wqkv, NULL, &b->qkv);
-    loom_rt_matmul(r, &b->h, L->wz, NULL, &b->z);
-    loom_rt_matmul(r, &b->h, L->walpha, NULL, &b->alpha);
-    loom_rt_matmul(r, &b->h, L->wbeta, NULL, &b->beta);
+    if (L->wqkvz) {
+        loom_rt_matmul(r, &b->h, L->wqkvz, NULL, &b->qkvz);
+    } else {
+        loom_rt_matmul(r, &b->h, L->wqkv, NULL, &b->qkv);
+        loom_rt_matmul(r, &b->h, L->wz, NULL, &b->z);
+    }
+    if (L->wba) {
+        loom_rt_matmul(r, &b->h, L->wba, NULL, &b->ba);
+        ungroup(r, hp, m->k_heads, b, L->wqkvz != NULL);
+    } else {
+        loom_rt_matmul(r, &b->h, L->walpha, NULL, &b->alpha);
+        loom_rt_matmul(r, &b->h, L->wbeta, NULL, &b->beta);
+    }
     loom_rt_ssm_conv(r, l, &b->qkv, L->conv, &b->conv);
-    loom_rt_gated_delta(r, l, &b->q3, &b->k3, &b->v3, &b->alpha, &b->beta, L->a, L->dt_bias, 1,
-                        &b->o3);
+    loom_rt_gated_delta(r, l, &b->q3, &b->k3, &b->v3, &b->alpha, &b->beta, L->a, L->dt_bias,
+                        !m->next, &b->o3);
     loom_rt_rms_norm(r, &b->o3, L->ssm_norm, hp->norm_eps, &b->o3);
     loom_rt_silu_mul(r, &b->z3, &b->o3, &b->o3);
     loom_rt_matmul(r, &b->o, L->ssm_out, NULL, &b->h);
@@ -345,7 +422,7 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
     for (int l = first; l < end; l++) {
         const q35_layer *L = &m->layers[l];
         if (loom_layer_recurrent(hp, l))
-            linear_attention(r, hp, l, L, &x, &b);
+            linear_attention(r, hp, m, l, L, &x, &b);
         else
             gated_attention(r, hp, l, L, &x, &b);
         loom_ffn_weights f = {.norm = L->ffn_norm, .gate = L->gate, .up = L->up, .down = L->down};
@@ -370,8 +447,15 @@ static int q35moe_load(loom_runner *r, loom_hparams *hp, void **state, char *err
 
 const loom_arch loom_arch_qwen35 = {
     .name = "qwen35", .load = q35_load, .forward = q35_forward, .free_state = q35_free};
+static int q3next_load(loom_runner *r, loom_hparams *hp, void **state, char *err, size_t err_size)
+{
+    return load(r, hp, state, "qwen3next", err, err_size);
+}
+
 const loom_arch loom_arch_qwen35moe = {
     .name = "qwen35moe", .load = q35moe_load, .forward = q35_forward, .free_state = q35_free};
+const loom_arch loom_arch_qwen3next = {
+    .name = "qwen3next", .load = q3next_load, .forward = q35_forward, .free_state = q35_free};
 
 /* ---- The Hugging Face form: Qwen3_5ForCausalLM (model_type qwen3_5_text) -------------------
  * As llama.cpp's converter writes it: the (1 + w) norms with the 1 added (not linear_attn.norm,
@@ -426,8 +510,9 @@ static const loom_hf_param q35moe_params[] = {
      LOOM_HF_REQUIRED},
     {0}};
 
-/* The rotated share of a head, the value heads' total width, and the checks that the config
- * is the Qwen3.5 this file runs (its layer_types follow the interval, the output gate is on). */
+/* The rotated share of a head (transformers' default for these configs: 0.25), the value heads'
+ * total width, and the checks that the config is the Qwen3.5 this file runs (its layer_types
+ * follow the interval, the output gate is on). */
 static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
 {
     double share;
@@ -435,7 +520,7 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     if (loom_hf_real(cf,
                      "text_config.rope_parameters.partial_rotary_factor|"
                      "rope_parameters.partial_rotary_factor|partial_rotary_factor",
-                     1.0, 0, 1.0, &share, err, err_size) ||
+                     0.25, 0, 1.0, &share, err, err_size) ||
         loom_hf_int(cf, "text_config.linear_value_head_dim|linear_value_head_dim", 0, 1, 65536,
                     &d_v, err, err_size))
         return -1;
@@ -489,24 +574,20 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
 }
 
 /* The tensors under the language model's prefix P ("model." in a text-only checkpoint,
- * "model.language_model." in a multimodal one): the mixers and norms, then the dense MLP or
- * (Qwen3.5-MoE) the experts, one matrix per expert or (transformers 5) a stack per layer. */
+ * "model.language_model." in a multimodal one): the mixers and norms, the linear layers'
+ * projections (Qwen3.5's four, or Qwen3-Next's two fused ones, the first split in two), then the
+ * dense MLP or the experts, one matrix per expert or (transformers 5) a stack per layer. VT and
+ * VT_COLUMNS: LOOM_HF_V_TILED's flags where the file tiles the value heads (qwen35, qwen35moe). */
 /* clang-format off */
 #define LIN LOOM_HF_LINEAR_LAYERS
 #define ATT LOOM_HF_ATTENTION_LAYERS
-#define VT LOOM_HF_V_TILED
-#define VT_COLUMNS LOOM_HF_V_TILED_COLUMNS
-#define Q35_MIXERS(P)                                                                              \
+#define Q35_MIXERS(P, VT, VT_COLUMNS)                                                              \
     {P "embed_tokens.weight", "token_embd.weight", 0, NULL},                                       \
     {P "norm.weight", "output_norm.weight", LOOM_HF_PLUS_ONE, NULL},                               \
     {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},                                   \
     {P "layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", LOOM_HF_PLUS_ONE, NULL},     \
     {P "layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight",           \
         LOOM_HF_PLUS_ONE, NULL},                                                                   \
-    {P "layers.%d.linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN | VT, NULL},      \
-    {P "layers.%d.linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN | VT, NULL},       \
-    {P "layers.%d.linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN | VT, NULL},       \
-    {P "layers.%d.linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN | VT, NULL},        \
     {P "layers.%d.linear_attn.conv1d.weight", "blk.%d.ssm_conv1d.weight",                          \
         LIN | VT | LOOM_HF_SQUEEZE, NULL},                                                         \
     {P "layers.%d.linear_attn.A_log", "blk.%d.ssm_a", LIN | VT | LOOM_HF_NEG_EXP, NULL},           \
@@ -521,6 +602,17 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
         NULL},                                                                                     \
     {P "layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", ATT | LOOM_HF_PLUS_ONE,   \
         NULL}
+#define Q35_PROJECTIONS(P, VT)                                                                     \
+    {P "layers.%d.linear_attn.in_proj_qkv.weight", "blk.%d.attn_qkv.weight", LIN | VT, NULL},      \
+    {P "layers.%d.linear_attn.in_proj_z.weight", "blk.%d.attn_gate.weight", LIN | VT, NULL},       \
+    {P "layers.%d.linear_attn.in_proj_a.weight", "blk.%d.ssm_alpha.weight", LIN | VT, NULL},       \
+    {P "layers.%d.linear_attn.in_proj_b.weight", "blk.%d.ssm_beta.weight", LIN | VT, NULL}
+#define NEXT_PROJECTIONS(P)                                                                        \
+    {P "layers.%d.linear_attn.in_proj_qkvz.weight", "blk.%d.attn_qkv.weight",                      \
+        LIN | LOOM_HF_QKVZ_QKV, NULL},                                                             \
+    {P "layers.%d.linear_attn.in_proj_qkvz.weight", "blk.%d.attn_gate.weight",                     \
+        LIN | LOOM_HF_QKVZ_Z, NULL},                                                               \
+    {P "layers.%d.linear_attn.in_proj_ba.weight", "blk.%d.ssm_ba.weight", LIN, NULL}
 #define Q35_MLP(P)                                                                                 \
     {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},                       \
     {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                           \
@@ -537,17 +629,20 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     {P "layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", 0, NULL},       \
     {P "layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", 0, NULL},   \
     {P "layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", 0, NULL}
-static const loom_hf_tensor q35_tensors[] = {Q35_MIXERS("model."), Q35_MLP("model."), {0}};
+#define TILED(P)                                                                                   \
+    Q35_MIXERS(P, LOOM_HF_V_TILED, LOOM_HF_V_TILED_COLUMNS), Q35_PROJECTIONS(P, LOOM_HF_V_TILED)
+static const loom_hf_tensor q35_tensors[] = {TILED("model."), Q35_MLP("model."), {0}};
 static const loom_hf_tensor q35_vl_tensors[] = {
-    Q35_MIXERS("model.language_model."), Q35_MLP("model.language_model."), {0}};
-static const loom_hf_tensor q35moe_tensors[] = {
-    Q35_MIXERS("model."), Q35_EXPERTS("model."), {0}};
+    TILED("model.language_model."), Q35_MLP("model.language_model."), {0}};
+static const loom_hf_tensor q35moe_tensors[] = {TILED("model."), Q35_EXPERTS("model."), {0}};
 static const loom_hf_tensor q35moe_vl_tensors[] = {
-    Q35_MIXERS("model.language_model."), Q35_EXPERTS("model.language_model."), {0}};
+    TILED("model.language_model."), Q35_EXPERTS("model.language_model."), {0}};
+/* Qwen3-Next: the value heads stay grouped, as llama.cpp's qwen3next files keep them */
+static const loom_hf_tensor next_tensors[] = {
+    Q35_MIXERS("model.", 0, 0), NEXT_PROJECTIONS("model."), Q35_EXPERTS("model."), {0}};
+#undef TILED
 #undef LIN
 #undef ATT
-#undef VT
-#undef VT_COLUMNS
 /* clang-format on */
 
 /* The multimodal checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5: every
@@ -628,3 +723,22 @@ const loom_family loom_family_qwen35moe_vl = {.arch = &loom_arch_qwen35moe,
                                               .hf_params = q35moe_params,
                                               .hf_derive = q35moe_vl_derive,
                                               .hf_tensors = q35moe_vl_tensors};
+
+/* Qwen3-Next (Qwen3NextForCausalLM, model_type qwen3_next): Qwen3.5-MoE's layers with the fused
+ * projections, plain RoPE, and the experts' weights renormalised as norm_topk_prob says
+ * (transformers' default: yes; llama.cpp always renormalises). */
+static int next_derive(const cJSON *config, loom_hf_values *v, char *err, size_t err_size)
+{
+    if (q35moe_derive(config, v, err, err_size) != 0)
+        return -1;
+    const cJSON *norm = cJSON_GetObjectItem(config, "norm_topk_prob");
+    loom_hf_set(v, "expert_weights_norm", LOOM_HF_BOOL, !norm || cJSON_IsTrue(norm));
+    return 0;
+}
+
+const loom_family loom_family_qwen3next = {.arch = &loom_arch_qwen3next,
+                                           .chat_template = "chatml",
+                                           .hf_model_type = "qwen3_next",
+                                           .hf_params = q35moe_params,
+                                           .hf_derive = next_derive,
+                                           .hf_tensors = next_tensors};

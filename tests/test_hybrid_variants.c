@@ -10,6 +10,8 @@
  *     conversion tile them (ABI 1.9's v_heads_tiled); the folder as it is and converted, on every
  *     usable backend (the weights are such that reading the heads in the wrong order moves the
  *     logits by far more than the tolerance);
+ *   - Qwen3-Next (Qwen3NextForCausalLM: in_proj_qkvz and in_proj_ba fused per key head, which
+ *     loom's file splits as llama.cpp's does; the value heads stay grouped; an untied head);
  *   - Qwen3.5-MoE (Qwen3_5MoeForCausalLM: experts, top k of a softmax always renormalised, a
  *     shared expert gated by sigmoid(shared_expert_gate h)) with one matrix per expert, and the
  *     multimodal Qwen3_5MoeForConditionalGeneration with transformers 5's stacked experts
@@ -40,6 +42,7 @@ typedef struct shape {
     double eps, theta;
     int experts, k, moe_ff, shared_ff; /* experts 0: a dense MLP */
     int stacked;                       /* transformers 5's [experts, ...] stacks */
+    int next;                          /* Qwen3-Next: in_proj_qkvz and in_proj_ba, lm_head */
 } shape;
 
 static shape base_shape(void)
@@ -207,10 +210,16 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
         }
         free(ln1);
         if ((l + 1) % s->interval) { /* Qwen3_5GatedDeltaNet */
-            double *wqkv = load(st, P, "layers.%d.linear_attn.in_proj_qkv.weight", l);
-            double *wz = load(st, P, "layers.%d.linear_attn.in_proj_z.weight", l);
-            double *wa = load(st, P, "layers.%d.linear_attn.in_proj_a.weight", l);
-            double *wb = load(st, P, "layers.%d.linear_attn.in_proj_b.weight", l);
+            double *wqkv = NULL, *wz = NULL, *wa = NULL, *wb = NULL, *wqkvz = NULL, *wba = NULL;
+            if (s->next) {
+                wqkvz = load(st, P, "layers.%d.linear_attn.in_proj_qkvz.weight", l);
+                wba = load(st, P, "layers.%d.linear_attn.in_proj_ba.weight", l);
+            } else {
+                wqkv = load(st, P, "layers.%d.linear_attn.in_proj_qkv.weight", l);
+                wz = load(st, P, "layers.%d.linear_attn.in_proj_z.weight", l);
+                wa = load(st, P, "layers.%d.linear_attn.in_proj_a.weight", l);
+                wb = load(st, P, "layers.%d.linear_attn.in_proj_b.weight", l);
+            }
             double *cw = load(st, P, "layers.%d.linear_attn.conv1d.weight", l);
             double *alog = load(st, P, "layers.%d.linear_attn.A_log", l);
             double *dt = load(st, P, "layers.%d.linear_attn.dt_bias", l);
@@ -218,6 +227,26 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
             double *wo = load(st, P, "layers.%d.linear_attn.out_proj.weight", l);
             for (int t = 0; t < T; t++) {
                 const double *ht = h + (size_t)t * D;
+                if (s->next) { /* fix_query_key_value_ordering: per key head [q k v z], [b a] */
+                    const int per = hv / hk, rv = per * dv, g = 2 * dk + 2 * rv;
+                    double qkvz[4096], ba[256];
+                    linear(qkvz, wqkvz, NULL, ht, hk * g, D);
+                    linear(ba, wba, NULL, ht, 2 * hv, D);
+                    double *mt = mixed + (size_t)t * C;
+                    for (int kh = 0; kh < hk; kh++) {
+                        const double *grp = qkvz + (size_t)kh * g;
+                        memcpy(mt + kh * dk, grp, (size_t)dk * sizeof *mt);
+                        memcpy(mt + (hk + kh) * dk, grp + dk, (size_t)dk * sizeof *mt);
+                        memcpy(mt + 2 * hk * dk + kh * rv, grp + 2 * dk, (size_t)rv * sizeof *mt);
+                        memcpy(z + (size_t)t * hv * dv + kh * rv, grp + 2 * dk + rv,
+                               (size_t)rv * sizeof *z);
+                        for (int i = 0; i < per; i++) {
+                            b[(size_t)t * hv + kh * per + i] = ba[kh * 2 * per + i];
+                            a[(size_t)t * hv + kh * per + i] = ba[kh * 2 * per + per + i];
+                        }
+                    }
+                    continue;
+                }
                 linear(mixed + (size_t)t * C, wqkv, NULL, ht, C, D);
                 linear(z + (size_t)t * hv * dv, wz, NULL, ht, hv * dv, D);
                 linear(a + (size_t)t * hv, wa, NULL, ht, hv, D);
@@ -278,7 +307,7 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
                     x[(size_t)t * D + i] += y[i];
             }
             free(wqkv), free(wz), free(wa), free(wb), free(cw), free(alog), free(dt), free(nw);
-            free(wo);
+            free(wo), free(wqkvz), free(wba);
         } else { /* Qwen3_5Attention: q and its gate per head, q/k norms, partial RoPE */
             double *wq = load(st, P, "layers.%d.self_attn.q_proj.weight", l);
             double *wk = load(st, P, "layers.%d.self_attn.k_proj.weight", l);
@@ -357,9 +386,11 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
     }
     double *fn = load(st, P, "norm.weight", 0), *last = x + (size_t)(T - 1) * D;
     double *logits = malloc((size_t)s->vocab * sizeof *logits);
+    double *head = s->next ? load(st, "", "lm_head.weight", 0) : NULL; /* else tied */
     rms_norm(last, D, fn, s->eps, 0);
-    linear(logits, emb, NULL, last, s->vocab, D); /* tied embeddings */
-    free(fn), free(emb), free(x), free(h), free(mixed), free(conv), free(z), free(o), free(a);
+    linear(logits, head ? head : emb, NULL, last, s->vocab, D);
+    free(head), free(fn), free(emb), free(x), free(h), free(mixed), free(conv), free(z), free(o),
+        free(a);
     free(b), free(S), free(y), free(q), free(k), free(v), free(att), free(p), free(f1), free(f2);
     return logits;
 }
@@ -447,11 +478,16 @@ static int make_folder(const loom_safetensors *base, const shape *s, const char 
     const int64_t D = s->d, C = 2 * s->hk * s->dk + s->hv * s->dv, inner = s->hv * s->dv;
     for (int l = 0; l < s->layers; l++) {
 #define NAME(fmt) (snprintf(name, sizeof name, "%slayers.%d." fmt, P, l), name)
-        if ((l + 1) % s->interval) {
+        if ((l + 1) % s->interval && s->next) {
+            add_random(&o, NAME("linear_attn.in_proj_qkvz.weight"), SHAPE(C + inner, D), 0, amp);
+            add_random(&o, NAME("linear_attn.in_proj_ba.weight"), SHAPE(2 * s->hv, D), 0, amp);
+        } else if ((l + 1) % s->interval) {
             add_random(&o, NAME("linear_attn.in_proj_qkv.weight"), SHAPE(C, D), 0, amp);
             add_random(&o, NAME("linear_attn.in_proj_z.weight"), SHAPE(inner, D), 0, amp);
             add_random(&o, NAME("linear_attn.in_proj_a.weight"), SHAPE(s->hv, D), 0, amp);
             add_random(&o, NAME("linear_attn.in_proj_b.weight"), SHAPE(s->hv, D), 0, amp);
+        }
+        if ((l + 1) % s->interval) {
             add_random(&o, NAME("linear_attn.conv1d.weight"), SHAPE(C, 1, s->kernel), 0, 0.9);
             add_random(&o, NAME("linear_attn.A_log"), SHAPE(s->hv), -1.4, 0.9);
             add_random(&o, NAME("linear_attn.dt_bias"), SHAPE(s->hv), 1.0, 0.3);
@@ -486,6 +522,8 @@ static int make_folder(const loom_safetensors *base, const shape *s, const char 
         add_random(&o, NAME("mlp.shared_expert_gate.weight"), SHAPE(1, D), 0, amp);
 #undef NAME
     }
+    if (s->next) /* Qwen3-Next's head is its own */
+        add_random(&o, "lm_head.weight", SHAPE(s->vocab, D), 0, amp);
     char path[4400];
     snprintf(path, sizeof path, "%s/model.safetensors", folder);
     CHECK(st_write(&o, path) == 0, "writing %s", path);
@@ -507,6 +545,19 @@ static int make_folder(const loom_safetensors *base, const shape *s, const char 
         cJSON_AddNumberToObject(cf, "num_experts_per_tok", s->k);
         cJSON_AddNumberToObject(cf, "moe_intermediate_size", s->moe_ff);
         cJSON_AddNumberToObject(cf, "shared_expert_intermediate_size", s->shared_ff);
+    }
+    if (s->next) { /* Qwen3NextForCausalLM: plain RoPE, its own head */
+        cJSON_ReplaceItemInObject(cf, "model_type", cJSON_CreateString("qwen3_next"));
+        cJSON_ReplaceItemInObject(
+            cf, "architectures",
+            cJSON_CreateStringArray((const char *[]){"Qwen3NextForCausalLM"}, 1));
+        cJSON *rope = cJSON_GetObjectItem(cf, "rope_parameters");
+        cJSON_DeleteItemFromObject(rope, "mrope_section");
+        cJSON_DeleteItemFromObject(rope, "mrope_interleaved");
+        cJSON_ReplaceItemInObject(cf, "tie_word_embeddings", cJSON_CreateFalse());
+        cJSON_AddTrueToObject(cf, "norm_topk_prob");
+        cJSON_AddNumberToObject(cf, "decoder_sparse_step", 1);
+        cJSON_AddItemToObject(cf, "mlp_only_layers", cJSON_CreateArray());
     }
     if (multimodal) { /* Qwen3_5MoeForConditionalGeneration: the text model's config nested */
         cJSON *outer = cJSON_CreateObject();
@@ -557,47 +608,123 @@ static int gguf_is(const char *path, const char *arch, const char *name)
     return ok;
 }
 
-/* `what` (a folder, and that folder converted to f32 GGUF of architecture arch) on every usable
- * backend: the last prompt logits within tol of want, and the greedy tokens (ref's) those of
- * the reference, `greedy`. */
+/* Qwen3-Next's older GGUFs (llama.cpp before it split the projection): attn_qkv and attn_gate
+ * of `from` merged back into ssm_in, each key head's rows [q; k; v; z], as `to`. */
+static int older_qwen3next(const char *from, const char *to, const shape *s)
+{
+    loom_gguf g;
+    if (loom_gguf_open(&g, from, err, sizeof err) != 0)
+        return -1;
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    for (uint64_t i = 0; i < g.n_kv; i++)
+        if (strcmp(g.kv[i].key, "general.alignment"))
+            loom_gguf_copy_kv(w, &g, &g.kv[i]);
+    const int64_t D = s->d, dk = s->dk, rv = (int64_t)s->hv / s->hk * s->dv;
+    const int64_t group = 2 * dk + 2 * rv, rows = s->hk * group;
+    float *fused[8] = {0};
+    for (uint64_t i = 0; i < g.n_tensors; i++) {
+        const loom_gguf_tensor *t = &g.tensors[i];
+        int l;
+        char rest[64];
+        if (sscanf(t->name, "blk.%d.%63s", &l, rest) == 2 && !strcmp(rest, "attn_gate.weight"))
+            continue;
+        if (sscanf(t->name, "blk.%d.%63s", &l, rest) == 2 && !strcmp(rest, "attn_qkv.weight") &&
+            l < 8) {
+            char gate_name[64], name[64];
+            snprintf(gate_name, sizeof gate_name, "blk.%d.attn_gate.weight", l);
+            const float *qkv = loom_gguf_tensor_data(&g, t);
+            const float *z = loom_gguf_tensor_data(&g, loom_gguf_find_tensor(&g, gate_name));
+            float *out = fused[l] = malloc((size_t)(rows * D) * sizeof *out);
+            for (int64_t kh = 0; kh < s->hk; kh++) {
+                float *grp = out + kh * group * D;
+                memcpy(grp, qkv + kh * dk * D, (size_t)(dk * D) * sizeof *out);
+                memcpy(grp + dk * D, qkv + (s->hk + kh) * dk * D, (size_t)(dk * D) * sizeof *out);
+                memcpy(grp + 2 * dk * D, qkv + (2 * s->hk * dk + kh * rv) * D,
+                       (size_t)(rv * D) * sizeof *out);
+                memcpy(grp + (2 * dk + rv) * D, z + kh * rv * D, (size_t)(rv * D) * sizeof *out);
+            }
+            snprintf(name, sizeof name, "blk.%d.ssm_in.weight", l);
+            loom_gguf_add_tensor(w, name, LOOM_F32, 2, (int64_t[]){D, rows}, out);
+            continue;
+        }
+        loom_gguf_add_tensor(w, t->name, t->type, t->n_dims, t->ne, loom_gguf_tensor_data(&g, t));
+    }
+    int rc = loom_gguf_write(w, to, err, sizeof err);
+    loom_gguf_writer_free(w);
+    loom_gguf_close(&g);
+    for (int l = 0; l < 8; l++)
+        free(fused[l]);
+    return rc;
+}
+
+static int verify_problems;
+static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
+{
+    (void)user;
+    if (status == LOOM_CHECK_PROBLEM) {
+        verify_problems++;
+        fprintf(stderr, "verify: %s: %s\n", check, msg);
+    }
+}
+
+/* path (`form` says what it is) on backend: the last prompt logits within tol of want, and the
+ * greedy tokens those of the reference, `greedy`, when given. */
+static void check_path(const char *what, const char *form, const char *path, const char *backend,
+                       const double *want, const shape *s, const int32_t *ids, int T,
+                       const collect *greedy, double tol)
+{
+    loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    CHECK(m != NULL, "%s (%s) on %s: %s", what, form, backend, err);
+    if (!m)
+        return;
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0, g.ignore_eos = 1;
+    int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
+    const float *got = rc == 0 ? loom_prompt_logits(m) : NULL;
+    double d = got ? max_diff(want, got, s->vocab) : 1e9;
+    CHECK(d <= tol, "%s (%s) on %s: logits off the reference by %g (> %g) %s", what, form, backend,
+          d, tol, rc ? err : "");
+    if (greedy) {
+        collect t = {{0}, 0};
+        rc = loom_generate(m, ids, T, greedy->n, &g, on_token, &t, NULL, err, sizeof err);
+        CHECK(rc == 0 && t.n == greedy->n &&
+                  !memcmp(t.ids, greedy->ids, (size_t)t.n * sizeof t.ids[0]),
+              "%s (%s) on %s: greedy tokens not the reference's (%s)", what, form, backend,
+              rc ? err : "other ids");
+    }
+    loom_model_close(m);
+}
+
+/* `what` (a folder, and that folder converted to f32 GGUF of architecture arch; for Qwen3-Next
+ * also that file as older converters wrote it) on every usable backend: the last prompt logits
+ * within tol of want, and on ref the greedy tokens, those of the reference. */
 static void check_variant(const char *what, const char *folder, const char *arch,
                           const double *want, const shape *s, const int32_t *ids, int T,
                           const collect *greedy, double tol)
 {
-    char gguf[4400];
+    char gguf[4400], older[4400];
     snprintf(gguf, sizeof gguf, "%s.gguf", folder);
+    snprintf(older, sizeof older, "%s-ssm_in.gguf", folder);
     CHECK(loom_convert(folder, gguf, "f32", NULL, NULL, err, sizeof err) == 0, "%s convert: %s",
           what, err);
     CHECK(gguf_is(gguf, arch, "blk.0.ssm_a"), "%s: the converted file is not GGUF '%s'", what,
           arch);
+    CHECK(!s->next || older_qwen3next(gguf, older, s) == 0, "%s: writing %s: %s", what, older, err);
+    verify_problems = 0;
+    CHECK(loom_verify(gguf, on_check, NULL) == 0 && verify_problems == 0,
+          "%s: loom verify finds a problem in loom's conversion", what);
     static char backends[MAX_TEST_BACKENDS][160];
     int nb = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int b = 0; b < nb; b++)
-        for (int form = 0; form < 2; form++) {
-            const char *path = form ? folder : gguf;
-            loom_model_options o = {.backend = backends[b], .kv_type = "f32", .n_ctx = 256};
-            loom_model *m = loom_model_open(path, &o, err, sizeof err);
-            CHECK(m != NULL, "%s (%s) on %s: %s", what, form ? "folder" : "gguf", backends[b], err);
-            if (!m)
-                continue;
-            loom_sampling g = loom_sampling_defaults();
-            g.temperature = 0, g.ignore_eos = 1;
-            int rc = loom_generate(m, ids, T, 1, &g, on_nothing, NULL, NULL, err, sizeof err);
-            const float *got = rc == 0 ? loom_prompt_logits(m) : NULL;
-            double d = got ? max_diff(want, got, s->vocab) : 1e9;
-            CHECK(d <= tol, "%s (%s) on %s: logits off the reference by %g (> %g) %s", what,
-                  form ? "folder" : "gguf", backends[b], d, tol, rc ? err : "");
-            if (greedy && strcmp(backends[b], "ref") == 0) {
-                collect t = {{0}, 0};
-                rc = loom_generate(m, ids, T, greedy->n, &g, on_token, &t, NULL, err, sizeof err);
-                CHECK(rc == 0 && t.n == greedy->n &&
-                          !memcmp(t.ids, greedy->ids, (size_t)t.n * sizeof t.ids[0]),
-                      "%s (%s) on ref: greedy tokens not the reference's (%s)", what,
-                      form ? "folder" : "gguf", rc ? err : "other ids");
-            }
-            loom_model_close(m);
-        }
+    for (int b = 0; b < nb; b++) {
+        const collect *on_ref = strcmp(backends[b], "ref") == 0 ? greedy : NULL;
+        check_path(what, "gguf", gguf, backends[b], want, s, ids, T, on_ref, tol);
+        check_path(what, "folder", folder, backends[b], want, s, ids, T, on_ref, tol);
+        if (s->next)
+            check_path(what, "gguf with ssm_in", older, backends[b], want, s, ids, T, on_ref, tol);
+    }
     unlink(gguf);
+    unlink(older);
 }
 
 /* The reference's greedy continuation of ids (each step a whole pass: slow, but plain). */
@@ -706,6 +833,9 @@ int main(void)
     moe.stacked = 1;
     test_variant(&base, &moe, "qwen35moe-vl-stacked", "model.language_model.", 1, "qwen35moe", ids,
                  T);
+    shape next = moe;
+    next.stacked = 0, next.next = 1;
+    test_variant(&base, &next, "qwen3next", "model.", 0, "qwen3next", ids, T);
     loom_safetensors_close(&base);
     rmdir(tmp);
     return check_finish("test_hybrid_variants");
