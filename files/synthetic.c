@@ -75,6 +75,15 @@ static const shape shapes[] = {
     {"dense-qwen35-9b", "qwen35-9b with gated attention in all 4 layers: its twin without "
                         "recurrent layers",
      "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 1, 64}},
+    {"qwen35moe-a3b", "Qwen3.5-35B-A3B's layers, 4 of its 40: 3 Gated DeltaNet (16/32 heads of "
+                      "128) and 1 gated attention (16/2 heads of 256), 2048 wide, 256 experts of "
+                      "512, top 8, a shared expert of 512",
+     "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
+     {16, 32, 128, 128, 4, 4, 64}},
+    {"dense-qwen35moe-a3b", "qwen35moe-a3b with gated attention in all 4 layers: its twin "
+                            "without recurrent layers",
+     "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
+     {16, 32, 128, 128, 4, 1, 64}},
 };
 /* clang-format on */
 
@@ -298,7 +307,7 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
         bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data);                                     \
     } while (0)
     ADD("attn_norm.weight", LOOM_F32, 1, sw->norm, d);
-    if (sh->hy.interval) { /* llama.cpp's qwen35 names */
+    if (sh->hy.interval) { /* llama.cpp's qwen35 / qwen35moe names */
         const int64_t hv = sh->hy.v_heads, inner = hv * sh->hy.d_v,
                       C = 2 * (int64_t)sh->hy.k_heads * sh->hy.d_k + inner;
         if ((l + 1) % sh->hy.interval) {
@@ -320,25 +329,22 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
             ADD("attn_output.weight", wt, 2, sw->wo, q, d);
         }
         ADD("post_attention_norm.weight", LOOM_F32, 1, sw->norm, d);
-        ADD("ffn_gate.weight", wt, 2, sw->gate, d, sh->n_ff);
-        ADD("ffn_up.weight", wt, 2, sw->up, d, sh->n_ff);
-        ADD("ffn_down.weight", wt, 2, sw->down, sh->n_ff, d);
-        return bad;
+    } else {
+        ADD("attn_q.weight", wt, 2, sw->wq, d, q);
+        ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
+        ADD("attn_v.weight", wt, 2, sw->wv, d, kv);
+        if (qwen2) { /* Qwen2's q/k/v biases */
+            ADD("attn_q.bias", LOOM_F32, 1, sw->bias, q);
+            ADD("attn_k.bias", LOOM_F32, 1, sw->bias, kv);
+            ADD("attn_v.bias", LOOM_F32, 1, sw->bias, kv);
+        }
+        if (qwen3) { /* Qwen3's per-head norms */
+            ADD("attn_q_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+            ADD("attn_k_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
+        }
+        ADD("attn_output.weight", wt, 2, sw->wo, q, d);
+        ADD("ffn_norm.weight", LOOM_F32, 1, sw->norm, d);
     }
-    ADD("attn_q.weight", wt, 2, sw->wq, d, q);
-    ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
-    ADD("attn_v.weight", wt, 2, sw->wv, d, kv);
-    if (qwen2) { /* Qwen2's q/k/v biases */
-        ADD("attn_q.bias", LOOM_F32, 1, sw->bias, q);
-        ADD("attn_k.bias", LOOM_F32, 1, sw->bias, kv);
-        ADD("attn_v.bias", LOOM_F32, 1, sw->bias, kv);
-    }
-    if (qwen3) { /* Qwen3's per-head norms */
-        ADD("attn_q_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
-        ADD("attn_k_norm.weight", LOOM_F32, 1, sw->head_norm, sh->head_dim);
-    }
-    ADD("attn_output.weight", wt, 2, sw->wo, q, d);
-    ADD("ffn_norm.weight", LOOM_F32, 1, sw->norm, d);
     if (!E) {
         ADD("ffn_gate.weight", wt, 2, sw->gate, d, sh->n_ff);
         ADD("ffn_up.weight", wt, 2, sw->up, d, sh->n_ff);
@@ -466,6 +472,12 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         ARCH_U32("ssm.time_step_rank", sh->hy.v_heads);
         ARCH_U32("ssm.inner_size", sh->hy.v_heads * sh->hy.d_v);
         ARCH_U32("full_attention_interval", sh->hy.interval);
+        /* the multimodal RoPE sections llama.cpp's qwen35 loaders require: Qwen's [11, 11, 10]
+         * for 32 rotated pairs, in proportion for others */
+        const int32_t pairs = sh->hy.n_rot / 2;
+        const int32_t sections[4] = {(pairs + 2) / 3, (pairs + 1) / 3, pairs / 3, 0};
+        snprintf(key, sizeof key, "%s.rope.dimension_sections", sh->arch);
+        loom_gguf_set_i32_array(w, key, sections, 4);
     }
     if (sh->head_dim != sh->n_embd / sh->n_head || sh->hy.interval) {
         ARCH_U32("attention.key_length", sh->head_dim);
