@@ -8,161 +8,25 @@
  * retired. A request past its deadline is retired where it is at the start of each step.
  * Prefills of a worse priority yield to better arrivals (plan_step: yield_to, and the
  * policy's worse prefill share). The rules themselves are engine/sched.c's; this file applies
- * them to the requests, the KV pool and the model.
+ * them to the requests, the KV pool and the model, with the rooms engine_internal.h lists
+ * (state.c: a hybrid model's state slots; draft.c: proposals; sample.c: the next token).
  * A request's tokens are its prompt followed by what it generated; each step computes the
  * next chunk of the ones whose K/V are not yet stored, so a prefill, a decode and a
  * recomputation after preemption are the same thing. Only the engine thread touches
  * waiting/running and the model; HTTP threads and the like only submit and cancel.
  */
 #define _GNU_SOURCE
-#include "api/internal.h"
-
-#include "core/kvblocks.h"
-#include "core/runner.h"
-#include "core/sampler.h"
-#include "core/tokenizer.h"
-#include "chat/grammar.h"
-#include "engine/sched.h"
+#include "engine/engine_internal.h"
 
 #include <assert.h>
 #include <errno.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
-typedef struct ereq {
-    sched_req s;       /* what the policy knows: id, priority, times, tenant, state */
-    struct ereq *next; /* in incoming / waiting */
-    int32_t *toks;
-    int32_t n_toks, cap;
-    int32_t n_prompt, max_tokens, n_generated, n_cached;
-    int32_t prefix_len; /* bidirectional prefix (ChatGLM-6B), 0: causal */
-    int admitted;       /* has been admitted once (n_cached is known) */
-    int invalid;        /* ended by its own grammar's limits (loom_event.invalid) */
-    /* s.cancelled, s.displaced and s.started are set under the lock */
-    int abandoned; /* answered by abandon(): no more events (under deliver_lock) */
-    loom_sampler_params sp;
-    uint64_t rng;
-    int ignore_eos;
-    int control_text; /* control tokens shown as text (loom_request's) */
-    int logprobs;     /* loom_request's */
-    int32_t top_logprobs;
-    loom_grammar *grammar; /* what the answer must match (a reference), and where it stands */
-    grammar_matcher *gm;
-    char **stops;
-    int n_stops;
-    loom_text_stream ts;
-    loom_kvseq kv;
-    loom_event_fn fn;
-    void *user;
-    double ttft_ms, queue_ms; /* queue_ms: submitted to first admitted */
-    /* an embedding request: the hidden states pooled so far (the sum of n_pooled rows) */
-    loom_pooling pooling;
-    int embed_unnormalized;
-    int32_t n_pooled;
-    double *pooled;
-    int embedded; /* e->embedding holds its answer: its DONE carries it */
-    /* speculative decoding by prompt lookup: n-gram size, most proposals a step, this step's
-     * proposals (checked after the pending token), and decayed counts of kept and rejected
-     * ones */
-    int32_t lookup, draft_max, n_draft;
-    int32_t state_slot; /* its recurrent state's slot while running (hybrid models), else -1;
-                         * its checkpoint's is state_slot + the engine's n_state_slots */
-    int32_t spec_from;  /* the position the checkpoint is at (a step that checks proposals) */
-    int32_t snapshot;   /* the snapshot its matched prefix resumes from, once running; -1 */
-    int32_t *draft;
-    double spec_ok, spec_miss;
-    int32_t spec_idle; /* steps without proposals while they did not pay */
-    /* or proposals from the engine's drafter model: how many it is asked for this step, and
-     * its sequence in the drafter's cache (private blocks: rejected proposals are forgotten) */
-    int use_draft;
-    int32_t want;
-    loom_kvseq dkv;
-} ereq;
-
-struct loom_engine {
-    loom_model *model;
-    loom_runner *runner;
-    loom_tokenizer *tok;
-    loom_kvblocks *kv;
-    grammar_vocab *gvocab[2]; /* the vocabulary as bytes (with control tokens' text), made for
-                                 the first grammar */
-    float *logits_copy;       /* a constrained step's unmasked logits */
-    float *raw_logits;        /* a step's logits before sampling changes them (logprobs) */
-    float *embedding;         /* an embedding request's answer, as its DONE event carries it */
-    int32_t n_embd;
-    int32_t n_ctx, n_vocab, bs, max_batch, max_step, max_queue, spec_rows;
-    double batch_wait_ms;
-    /* a model with recurrent layers: which of the runner's state slots a running request holds
-     * (a slot per running request; max_batch is at most their count) */
-    int32_t n_state_slots;
-    unsigned char *slot_taken;
-    /* snapshots of states at block boundaries of prompts (prefix sharing): snapshot i in the
-     * runner's slot 2 n_state_slots + i, valid while the block that ends its prefix still holds
-     * that content (its generation); 0 of them: hybrid requests share no prefix */
-    struct state_snapshot {
-        int32_t block, pos; /* -1: empty */
-        uint32_t gen;
-        uint64_t used; /* e->n_steps when last taken or used: the least recent goes first */
-    } * snapshots;
-    int32_t n_snapshots;
-
-    pthread_t thread;
-    pthread_mutex_t lock;
-    /* held around every event, so that abandon() can answer requests that the engine thread
-     * still holds; taken before lock, never while holding it */
-    pthread_mutex_t deliver_lock;
-    char stop_reason[192]; /* why submit refuses, once abandoned (under lock) */
-    pthread_cond_t wake;   /* work arrived / stop */
-    pthread_cond_t idle;   /* nothing left (for the drain) */
-    ereq *incoming, *incoming_tail;
-    ereq **live; /* every unretired request, for cancel by id (under the lock) */
-    int n_live, cap_live;
-    int n_running_now; /* of them running (under the lock): the rest are queued */
-    /* per tenant (loom_request.tenant): live requests (under the lock) and running ones
-     * (under the lock, written where n_running_now is) */
-    int32_t tenant_live[LOOM_MAX_TENANTS + 1], tenant_running[LOOM_MAX_TENANTS + 1];
-    int64_t next_id;
-    int stopping; /* no new requests */
-    int joined;   /* the thread has been joined */
-    int cancel_all;
-    int has_cancels;
-    int n_displaced; /* displaced requests not yet retired: no longer queued (under the lock) */
-
-    /* engine thread only */
-    ereq *waiting;
-    ereq **running;
-    int n_running;
-    float *logits;        /* one row, for the sampler to modify */
-    ereq **replay;        /* a step's requests whose recurrent state goes back (replay_kept) */
-    struct planned *plan; /* a step's work: allocated at start, so that a failure there is
-                           * the caller's error, not a thread that quits quietly */
-    loom_kvcopy *copies;
-    int32_t *step_buf;
-    uint64_t n_prompt, n_hit, n_generated, n_preempted, n_steps;
-    uint64_t n_deadline_waiting, n_deadline_running;
-    uint64_t n_drafted, n_accepted;
-    sched_policy policy; /* its tenant_running points at tenant_running above */
-    double rate_t0;
-    uint64_t rate_n0;
-
-    loom_engine_stats stats; /* under the lock: published after each step */
-
-    /* the drafter model (loom_engine_options.draft), its runner and block manager, a step's
-     * buffer for it, one row of its logits, and who drafts in a step */
-    loom_model *draft;
-    loom_runner *drunner;
-    loom_kvblocks *dkv;
-    float draft_p_min;
-    int32_t *dstep_buf, dmax_blocks;
-    float *dlogits;
-    ereq **dwho;
-};
-
-static double now_ms(void)
+double engine_now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -215,84 +79,7 @@ static void count_running(loom_engine *e)
     pthread_mutex_unlock(&e->lock);
 }
 
-/* A free state slot for q as it starts running (there is one: max_batch <= the slots), with
- * the snapshot its matched prefix resumes from copied in. A copy that fails leaves the slot
- * empty, which the runner refuses to continue from: the request then fails with that. */
-static void take_state_slot(loom_engine *e, ereq *q)
-{
-    q->state_slot = -1;
-    for (int32_t i = 0; i < e->n_state_slots && q->state_slot < 0; i++)
-        if (!e->slot_taken[i])
-            e->slot_taken[i] = 1, q->state_slot = i;
-    assert(!e->n_state_slots || q->state_slot >= 0);
-    char err[512]; /* a failed copy leaves the slot empty: the runner's refusal says so */
-    if (q->snapshot >= 0)
-        loom_runner_state_copy(e->runner, 2 * e->n_state_slots + q->snapshot, q->state_slot, err,
-                               sizeof err);
-    q->snapshot = -1;
-}
-
-/* Hybrid models: of the hit tokens a prefix match gave q, the most for which a snapshot of
- * the state at their end is still valid; q keeps those blocks and gives the rest back. */
-static int32_t snapshot_hit(loom_engine *e, ereq *q, int32_t hit)
-{
-    q->snapshot = -1;
-    for (int32_t pos = hit; pos > 0 && q->snapshot < 0; pos -= e->bs) {
-        int32_t block = q->kv.blocks[pos / e->bs - 1];
-        for (int32_t i = 0; i < e->n_snapshots && q->snapshot < 0; i++) {
-            struct state_snapshot *sn = &e->snapshots[i];
-            if (sn->block == block && sn->pos == pos &&
-                sn->gen == loom_kvblocks_generation(e->kv, block))
-                q->snapshot = i, sn->used = e->n_steps, hit = pos;
-        }
-    }
-    if (q->snapshot < 0)
-        hit = 0;
-    loom_kvblocks_unmatch(e->kv, &q->kv, hit);
-    return hit;
-}
-
-/* After a step: q's state is at its KV's end; when that is a block boundary of its prompt,
- * keep a snapshot there (replacing the least recently used) for later prompts to resume
- * from. */
-static void take_snapshot(loom_engine *e, ereq *q)
-{
-    int32_t pos = q->kv.n_tokens;
-    if (!e->n_snapshots || pos == 0 || pos % e->bs || pos > q->n_prompt ||
-        q->kv.n_hashed * e->bs < pos)
-        return;
-    int32_t block = q->kv.blocks[pos / e->bs - 1];
-    uint32_t gen = loom_kvblocks_generation(e->kv, block);
-    int32_t victim = 0;
-    for (int32_t i = 0; i < e->n_snapshots; i++) {
-        struct state_snapshot *sn = &e->snapshots[i];
-        if (sn->block == block && sn->pos == pos && sn->gen == gen) {
-            sn->used = e->n_steps;
-            return;
-        }
-        /* the slot to fill: an empty one, else the least recently used */
-        if (sn->block < 0 ||
-            (e->snapshots[victim].block >= 0 && sn->used < e->snapshots[victim].used))
-            victim = i;
-    }
-    char err[512];
-    struct state_snapshot *sn = &e->snapshots[victim];
-    sn->block = -1;
-    if (loom_runner_state_copy(e->runner, q->state_slot, 2 * e->n_state_slots + victim, err,
-                               sizeof err) != 0)
-        return; /* no snapshot: only a later prompt's reuse is lost */
-    *sn = (struct state_snapshot){block, pos, gen, e->n_steps};
-}
-
-/* A hybrid request's prefill steps end at its prompt's last block boundary first, so that a
- * snapshot is taken there: k of its tokens at most. */
-static int32_t to_boundary(const loom_engine *e, const ereq *q, int32_t k)
-{
-    int32_t boundary = q->n_prompt / e->bs * e->bs, at = q->kv.n_tokens;
-    return e->n_snapshots && at < boundary && at + k > boundary ? boundary - at : k;
-}
-
-static void remove_running(loom_engine *e, ereq *q)
+void engine_remove_running(loom_engine *e, ereq *q)
 {
     assert(e->n_running <= e->max_batch);
     if (e->n_state_slots && q->state_slot >= 0) {
@@ -318,7 +105,7 @@ static void remove_waiting(loom_engine *e, ereq *q)
         }
 }
 
-static void deliver(loom_engine *e, ereq *q, const loom_event *ev)
+void engine_deliver(loom_engine *e, ereq *q, const loom_event *ev)
 {
     pthread_mutex_lock(&e->deliver_lock);
     if (!q->abandoned)
@@ -343,7 +130,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
                      .queue_ms = q->queue_ms};
     if (q->ts.n_out && !error) {
         ev.text = q->ts.out, ev.len = q->ts.n_out;
-        deliver(e, q, &ev);
+        engine_deliver(e, q, &ev);
     }
     ev.text = NULL, ev.len = 0;
     ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
@@ -355,11 +142,11 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     if (q->embedded) /* (not when cancelled: e->embedding is another request's then) */
         ev.embedding = e->embedding, ev.n_embd = e->n_embd;
     forget_live(e, q);
-    deliver(e, q, &ev);
+    engine_deliver(e, q, &ev);
     req_free(q);
 }
 
-static void retire(loom_engine *e, ereq *q, const char *finish, const char *error)
+void engine_retire(loom_engine *e, ereq *q, const char *finish, const char *error)
 {
     retire_as(e, q, finish, error, 0);
 }
@@ -368,12 +155,12 @@ static void retire(loom_engine *e, ereq *q, const char *finish, const char *erro
  * one generating with what it has ("length"). */
 static void expire(loom_engine *e)
 {
-    double now = now_ms();
+    double now = engine_now_ms();
     char why[160];
     for (int i = 0; i < e->n_running; i++) {
         ereq *q = e->running[i];
         if (sched_expired(&q->s, now)) {
-            remove_running(e, q);
+            engine_remove_running(e, q);
             e->n_deadline_running++;
             if (q->pooling) /* half an embedding is none */
                 retire_as(e, q, NULL,
@@ -486,7 +273,7 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
                                                   : r->top_logprobs;
     loom_text_stream_init(&q->ts, (const char *const *)q->stops, q->n_stops);
     q->fn = fn, q->user = user;
-    q->s.t_submit = now_ms();
+    q->s.t_submit = engine_now_ms();
     q->s.priority = r->priority;
     if (r->timeout_ms > 0)
         q->s.deadline = q->s.t_submit + r->timeout_ms;
@@ -598,7 +385,7 @@ loom_engine_stats loom_engine_get_stats(loom_engine *e)
  * and its age); it will be recomputed from its tokens (prompt and what it generated so far). */
 static void preempt(loom_engine *e, ereq *q)
 {
-    remove_running(e, q);
+    engine_remove_running(e, q);
     loom_kvblocks_release(e->kv, &q->kv);
     if (e->dkv)
         loom_kvblocks_release(e->dkv, &q->dkv);
@@ -606,11 +393,6 @@ static void preempt(loom_engine *e, ereq *q)
     e->waiting = q;
     e->n_preempted++;
 }
-
-typedef struct planned {
-    ereq *q;
-    int32_t k; /* tokens computed this step */
-} planned;
 
 /* Orders the running requests as they would run: the first plans first, the last is the one
  * to preempt. */
@@ -655,31 +437,6 @@ static ereq *next_waiting(const loom_engine *e, double now)
     return best;
 }
 
-/* How many proposals q checks this step, at most room: the j-th is worth a token row when it
- * is kept with probability a^j >= tau, a from q's recent proposals; tau grows with the batch,
- * from 0.25 alone to 0.8 at 8 running and more, as extra rows stop being nearly free once a
- * step computes rather than streams weights. After 16 steps without proposals it tries one
- * again, so text that became predictable is noticed. */
-static int32_t proposals_wanted(loom_engine *e, ereq *q, int32_t room)
-{
-    int32_t most = q->draft_max;
-    most = most < room ? most : room;
-    most = most < e->n_ctx - q->n_toks ? most : e->n_ctx - q->n_toks;
-    most = most < q->max_tokens - q->n_generated - 1 ? most : q->max_tokens - q->n_generated - 1;
-    if (most <= 0)
-        return 0;
-    double a = (q->spec_ok + 1) / (q->spec_ok + q->spec_miss + 2);
-    double busy = (e->n_running - 1) / 7.0, tau = 0.25 + 0.55 * (busy < 1 ? busy : 1);
-    int32_t k = 0;
-    for (double keep = a; k < most && keep >= tau; keep *= a)
-        k++;
-    if (k == 0 && ++q->spec_idle >= 16)
-        k = 1;
-    if (k)
-        q->spec_idle = 0;
-    return k;
-}
-
 /* Remembers the requests from first on, which have just joined the queue, as arrivals. */
 static void note_arrivals(loom_engine *e, const ereq *first)
 {
@@ -693,7 +450,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
 {
     int n = 0;
     int32_t budget = e->max_step, worse_used = 0;
-    double now = now_ms();
+    double now = engine_now_ms();
     *n_copies = 0;
     order_running(e, now);
     /* a full batch makes room for a waiting request of a better priority (in whole steps)
@@ -725,7 +482,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             k = budget;
         if (sched_sits_out(q->s.priority, k, yield_to))
             continue;
-        k = to_boundary(e, q, sched_clip_prefill(&e->policy, q->s.priority, k, now, &worse_used));
+        k = engine_to_boundary(e, q,
+                               sched_clip_prefill(&e->policy, q->s.priority, k, now, &worse_used));
         if (k == 0)
             continue;
         /* a decoding request may check proposals too, where the cache has room for them
@@ -737,7 +495,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
          * one client, 0.9x at two, 0.7x at four; see docs/benchmarks.md) */
         if (q->use_draft && e->n_running > 1)
             room = 0;
-        int32_t want = k == 1 && q->draft && room > 0 ? proposals_wanted(e, q, room) : 0;
+        int32_t want = k == 1 && q->draft && room > 0 ? engine_proposals_wanted(e, q, room) : 0;
         if (want && loom_kvblocks_needed(e->kv, &q->kv, k + want) > loom_kvblocks_available(e->kv))
             want = 0;
         q->n_draft = want && q->lookup
@@ -766,7 +524,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             ? 0
             : loom_kvblocks_match(e->kv, &q->kv, q->toks, q->n_toks);
         if (e->n_state_slots)
-            hit = snapshot_hit(e, q, hit);
+            hit = engine_snapshot_hit(e, q, hit);
         int32_t rest = q->n_toks - hit;
         /* admit only what can be prefilled to the end without preempting anyone */
         if (loom_kvblocks_needed(e->kv, &q->kv, rest) > loom_kvblocks_available(e->kv)) {
@@ -775,7 +533,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         }
         int32_t k = sched_clip_prefill(&e->policy, q->s.priority, rest < budget ? rest : budget,
                                        now, &worse_used);
-        k = to_boundary(e, q, k);
+        k = engine_to_boundary(e, q, k);
         if (k == 0) {
             loom_kvblocks_release(e->kv, &q->kv);
             break;
@@ -800,7 +558,7 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
         remove_waiting(e, q);
         q->next = NULL;
         e->running[e->n_running++] = q;
-        take_state_slot(e, q);
+        engine_take_state_slot(e, q);
         count_running(e);
         plan[n++] = (planned){q, k};
         budget -= k;
@@ -813,308 +571,6 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
                (int64_t)plan[i].q->kv.n_tokens + plan[i].k <=
                    (int64_t)plan[i].q->kv.n_blocks * e->bs);
     return n;
-}
-
-/* Samples the next token of q from logits; retires q when it is finished. Returns 1 if
- * retired. */
-/* The next token of q under its grammar (grammar_sample): -1 when the grammar has ended the
- * answer, -2 with err on a failure. */
-static int32_t sample_constrained(loom_engine *e, ereq *q, float *logits, char *err,
-                                  size_t err_size)
-{
-    grammar_vocab **v = &e->gvocab[q->control_text != 0];
-    if (!*v && !(*v = grammar_vocab_new(e->tok, q->control_text, err, err_size)))
-        return -2;
-    if (!e->logits_copy && !(e->logits_copy = malloc((size_t)e->n_vocab * sizeof *logits))) {
-        snprintf(err, err_size, "out of memory");
-        return -2;
-    }
-    if (!q->gm && !(q->gm = grammar_matcher_new(q->grammar, *v, err, err_size)))
-        return -2;
-    int32_t next = grammar_sample(q->gm, logits, e->logits_copy, e->n_vocab, &q->sp, q->toks,
-                                  q->n_toks, &q->rng, err, err_size);
-    if (next == -2) {
-        size_t n = strlen(err);
-        snprintf(err + n, err_size - n, " (after %d generated)", q->n_generated);
-    }
-    return next;
-}
-
-/* log Z of the logits, and the k likeliest tokens (ids, log-probabilities), most likely first:
- * *found of them (fewer than k only in a vocabulary that small) */
-static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *ids, float *lps,
-                           int32_t *found)
-{
-    float mx = -INFINITY;
-    for (int32_t i = 0; i < n; i++)
-        mx = logits[i] > mx ? logits[i] : mx;
-    double sum = 0;
-    int32_t have = 0;
-    for (int32_t i = 0; i < n; i++) {
-        float x = logits[i];
-        sum += exp((double)(x - mx));
-        if (k && (have < k || x > lps[have - 1])) { /* insert into the sorted few */
-            int32_t at = have < k ? have++ : k - 1;
-            while (at > 0 && lps[at - 1] < x)
-                lps[at] = lps[at - 1], ids[at] = ids[at - 1], at--;
-            lps[at] = x, ids[at] = i;
-        }
-    }
-    float log_z = mx + (float)log(sum);
-    for (int32_t i = 0; i < have; i++)
-        lps[i] -= log_z;
-    *found = have;
-    return log_z;
-}
-
-static int sample_next(loom_engine *e, ereq *q, float *logits)
-{
-    loom_model_mask_unsampled(e->model, logits);
-    int32_t top_ids[LOOM_MAX_TOP_LOGPROBS];
-    float top_lps[LOOM_MAX_TOP_LOGPROBS], log_z = 0;
-    int32_t n_top = 0;
-    if (q->logprobs) { /* the model's distribution, before penalties, grammar or sampling */
-        if (!e->raw_logits && !(e->raw_logits = malloc((size_t)e->n_vocab * sizeof *logits))) {
-            remove_running(e, q);
-            retire(e, q, NULL, "out of memory");
-            return 1;
-        }
-        memcpy(e->raw_logits, logits, (size_t)e->n_vocab * sizeof *logits);
-        log_z = log_partition(logits, e->n_vocab, q->top_logprobs, top_ids, top_lps, &n_top);
-    }
-    int32_t next;
-    if (q->grammar) {
-        char err[300];
-        next = sample_constrained(e, q, logits, err, sizeof err);
-        if (next < 0) { /* -1: the grammar is complete, so the answer is */
-            remove_running(e, q);
-            q->invalid = next == -2 && !strstr(err, "out of memory");
-            retire(e, q, next == -1 ? "stop" : NULL, next == -1 ? NULL : err);
-            return 1;
-        }
-    } else {
-        next = loom_sampler_sample(logits, e->n_vocab, &q->sp, q->toks, q->n_toks, &q->rng);
-    }
-    if (q->n_generated == 0)
-        q->ttft_ms = now_ms() - q->s.t_submit;
-    if ((!q->ignore_eos || q->grammar) && loom_tokenizer_is_stop(e->tok, next)) {
-        remove_running(e, q);
-        retire(e, q, "stop", NULL);
-        return 1;
-    }
-    if (q->gm && grammar_accept(q->gm, next) != 0) { /* the sampler keeps to the mask */
-        remove_running(e, q);
-        retire(e, q, NULL, "internal: a token outside the grammar was sampled");
-        return 1;
-    }
-    q->toks[q->n_toks++] = next;
-    q->n_generated++;
-    e->n_generated++;
-    char piece[512];
-    int k = (q->control_text ? loom_tokenizer_piece_control : loom_tokenizer_piece)(
-        e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
-    int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
-    /* one event per token, even when all its bytes are held back (part of a UTF-8 character
-     * or of a possible stop string), so every id reaches the caller */
-    loom_event ev = {.kind = LOOM_EVENT_TEXT,
-                     .token = next,
-                     .text = q->ts.out ? q->ts.out : "",
-                     .len = q->ts.n_out,
-                     .n_prompt = q->n_prompt,
-                     .n_generated = q->n_generated};
-    if (q->logprobs) {
-        ev.logprob = e->raw_logits[next] - log_z;
-        ev.n_top = n_top, ev.top_ids = top_ids, ev.top_logprobs = top_lps;
-    }
-    deliver(e, q, &ev);
-    q->ts.n_out = 0;
-    if (stop || q->n_generated >= q->max_tokens || q->n_toks >= e->n_ctx) {
-        remove_running(e, q);
-        retire(e, q, stop ? "stop" : "length", NULL);
-        return 1;
-    }
-    return 0;
-}
-
-/* Adds n rows of final hidden states to an embedding request's pool. */
-static void pool(loom_engine *e, ereq *q, const float *rows, int32_t n)
-{
-    if (q->n_pooled == 0)
-        memset(q->pooled, 0, (size_t)e->n_embd * sizeof *q->pooled);
-    loom_pool_add(q->pooled, rows, n, e->n_embd);
-    q->n_pooled += n;
-}
-
-/* Ends an embedding request (its prompt computed): the mean of what it pooled (for "last",
- * one row), scaled to length one unless it asked otherwise. */
-static void finish_embedding(loom_engine *e, ereq *q)
-{
-    loom_pool_result(q->pooled, q->n_pooled, e->n_embd, !q->embed_unnormalized, e->embedding);
-    q->embedded = 1;
-    retire(e, q, "stop", NULL);
-}
-
-/* One batched step of the drafter model over the requests who[0..n), counts[i] tokens each
- * from the end of their drafter cache: from their text (from_text), else their last proposal;
- * a logit row after the last of each where want_row[i]. 0, or -1 with err. */
-static int drafter_step(loom_engine *e, ereq **who, int n, const int32_t *counts, int from_text,
-                        const int *want_row, char *err, size_t err_size)
-{
-    int32_t max_blocks = 1;
-    for (int i = 0; i < n; i++)
-        max_blocks = who[i]->dkv.n_blocks > max_blocks ? who[i]->dkv.n_blocks : max_blocks;
-    int32_t *ids = e->dstep_buf, *pos = ids + e->max_step, *seq = pos + e->max_step,
-            *slots = seq + e->max_step, *rows = slots + e->max_step, *table = rows + e->max_step;
-    int32_t t = 0, n_rows = 0;
-    for (int i = 0; i < n; i++) {
-        ereq *q = who[i];
-        for (int32_t j = 0; j < counts[i]; j++, t++) {
-            int32_t p = q->dkv.n_tokens + j;
-            ids[t] = from_text ? q->toks[p] : q->draft[q->n_draft - 1];
-            pos[t] = p, seq[t] = i;
-            slots[t] = loom_kvblocks_slot(e->dkv, &q->dkv, p);
-        }
-        if (want_row[i])
-            rows[n_rows++] = t - 1;
-        int32_t *row = table + (size_t)i * (size_t)max_blocks;
-        memcpy(row, q->dkv.blocks, (size_t)q->dkv.n_blocks * sizeof *row);
-        for (int32_t b = q->dkv.n_blocks; b < max_blocks; b++)
-            row[b] = 0;
-    }
-    loom_step st = {.n_tokens = t,
-                    .ids = ids,
-                    .pos = pos,
-                    .seq = seq,
-                    .slots = slots,
-                    .n_seqs = n,
-                    .max_blocks = max_blocks,
-                    .block_table = table,
-                    .n_logits = n_rows,
-                    .logit_rows = rows};
-    if (loom_runner_step(e->drunner, &st, err, err_size) != 0)
-        return -1;
-    for (int i = 0; i < n; i++)
-        loom_kvblocks_advance(e->dkv, &who[i]->dkv, who[i]->toks, who[i]->dkv.n_tokens + counts[i]);
-    return 0;
-}
-
-/* The drafter's proposal from its logit row: its most likely token, or -1 when it gives that
- * less than draft_p_min. */
-static int32_t drafter_choice(loom_engine *e, const float *row)
-{
-    memcpy(e->dlogits, row, (size_t)e->n_vocab * sizeof *e->dlogits);
-    loom_model_mask_unsampled(e->draft, e->dlogits);
-    int32_t best = 0;
-    for (int32_t i = 1; i < e->n_vocab; i++)
-        best = e->dlogits[i] > e->dlogits[best] ? i : best;
-    if (e->draft_p_min <= 0)
-        return best; /* no threshold: no softmax to sum */
-    double sum = 0;
-    for (int32_t i = 0; i < e->n_vocab; i++)
-        sum += exp((double)(e->dlogits[i] - e->dlogits[best]));
-    return 1.0 / sum >= e->draft_p_min ? best : -1;
-}
-
-/* The drafter model's proposals for the planned requests that want some (q->want): each one's
- * drafter sequence first takes what of its text it lacks (within a step's budget; one that
- * lags further only catches up this step), then up to q->want proposals, one batched drafter
- * step each. Greedy proposals (tokens without a distribution) keep the engine's rule exact: a
- * proposal is kept when the request's own draw is it. Sets q->n_draft and the plan's token
- * counts. A drafter step that fails leaves the proposals made so far (none: a plain step). */
-static void run_drafter(loom_engine *e, planned *plan, int n_plan)
-{
-    char err[512];
-    ereq **who = e->dwho;
-    int32_t *counts = e->dstep_buf + 5 * (size_t)e->max_step +
-        (size_t)e->max_batch * (size_t)e->dmax_blocks;
-    int *rows = (int *)(counts + e->max_batch);
-    int32_t budget = e->max_step;
-    int n = 0, most = 0;
-    for (int i = 0; i < n_plan; i++) {
-        ereq *q = plan[i].q;
-        if (!q->want)
-            continue;
-        int32_t missing = q->n_toks - q->dkv.n_tokens;
-        int32_t feed = missing < budget ? missing : budget;
-        loom_kvcopy none[1];
-        if (feed <= 0 || loom_kvblocks_reserve(e->dkv, &q->dkv, feed + q->want - 1, none) < 0)
-            continue; /* (its plan shrinks below, to the pending token) */
-        budget -= feed;
-        who[n] = q, counts[n] = feed, rows[n] = feed == missing;
-        most = q->want > most ? q->want : most;
-        n++;
-    }
-    int rc = n ? drafter_step(e, who, n, counts, 1, rows, err, sizeof err) : -1;
-    for (int round = 0; rc == 0; round++) {
-        /* a proposal from each row, and who goes on */
-        const float *logits = loom_runner_logits(e->drunner);
-        int li = 0, going = 0;
-        for (int i = 0; i < n; i++) {
-            ereq *q = who[i];
-            if (!rows[i])
-                continue; /* caught up only partly: no proposal this step */
-            int32_t tok = drafter_choice(e, logits + (size_t)li++ * (size_t)e->n_vocab);
-            if (tok < 0)
-                continue;
-            q->draft[q->n_draft++] = tok;
-            if (q->n_draft < q->want)
-                who[going++] = q;
-        }
-        n = going;
-        if (n == 0 || round + 1 >= most)
-            break;
-        for (int i = 0; i < n; i++)
-            counts[i] = 1, rows[i] = 1;
-        rc = drafter_step(e, who, n, counts, 0, rows, err, sizeof err);
-    }
-    for (int i = 0; i < n_plan; i++) {
-        ereq *q = plan[i].q;
-        if (q->use_draft && q->want) /* planned as 1 + want: as many as were proposed */
-            plan[i].k = 1 + q->n_draft;
-        q->want = 0;
-    }
-}
-
-/* Recurrent layers ran every proposal of the step just taken, kept or not, and their state
- * cannot be cut back: each of who[0..n) goes back to its checkpoint (taken before the step, at
- * the position of its pending token then) and runs again the tokens it kept from there, whose
- * K/V are rewritten with the same values. A request whose replay fails ends with the error. */
-static void replay_kept(loom_engine *e, ereq **who, int n, int32_t *buf)
-{
-    char err[512];
-    int32_t n_tok = 0, max_blocks = 1;
-    for (int i = 0; i < n; i++) {
-        assert(who[i]->kv.n_tokens > who[i]->spec_from);
-        n_tok += who[i]->kv.n_tokens - who[i]->spec_from;
-        max_blocks = who[i]->kv.n_blocks > max_blocks ? who[i]->kv.n_blocks : max_blocks;
-    }
-    /* (buf holds a step of up to max_step tokens and max_batch sequences: this is smaller) */
-    int32_t *ids = buf, *pos = ids + n_tok, *seq = pos + n_tok, *slots = seq + n_tok;
-    int32_t *table = slots + n_tok, *state = table + (size_t)n * (size_t)max_blocks;
-    int rc = 0;
-    for (int i = 0, t = 0; i < n; i++) {
-        ereq *q = who[i];
-        if (rc == 0)
-            rc = loom_runner_state_copy(e->runner, q->state_slot + e->n_state_slots, q->state_slot,
-                                        err, sizeof err);
-        for (int32_t p = q->spec_from; p < q->kv.n_tokens; p++, t++) {
-            ids[t] = q->toks[p], pos[t] = p, seq[t] = i;
-            slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
-        }
-        int32_t *row = table + (size_t)i * (size_t)max_blocks;
-        memcpy(row, q->kv.blocks, (size_t)q->kv.n_blocks * sizeof *row);
-        for (int32_t b = q->kv.n_blocks; b < max_blocks; b++)
-            row[b] = 0;
-        state[i] = q->state_slot;
-    }
-    loom_step st = {n_tok, ids, pos,  seq,  slots, n,    max_blocks,
-                    table, 0,   NULL, NULL, 0,     NULL, state};
-    if (rc == 0)
-        rc = loom_runner_step(e->runner, &st, err, sizeof err);
-    for (int i = 0; rc != 0 && i < n; i++) {
-        remove_running(e, who[i]);
-        retire(e, who[i], NULL, err);
-    }
 }
 
 static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcopy *copies,
@@ -1176,8 +632,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     if (rc != 0) {
         /* the step's requests fail; the others, and the engine, go on */
         for (int i = 0; i < n_plan; i++) {
-            remove_running(e, plan[i].q);
-            retire(e, plan[i].q, NULL, err);
+            engine_remove_running(e, plan[i].q);
+            engine_retire(e, plan[i].q, NULL, err);
         }
         return;
     }
@@ -1193,14 +649,14 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         /* the proposals' K/V count only once they are kept, below */
         loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k - n_draft);
         if (!n_draft)
-            take_snapshot(e, q);
+            engine_take_snapshot(e, q);
         if (q->pooling) {
             int32_t n_rows = q->pooling == LOOM_POOL_MEAN ? plan[i].k : ends;
-            pool(e, q, hidden + (size_t)hi * (size_t)e->n_embd, n_rows);
+            engine_pool(e, q, hidden + (size_t)hi * (size_t)e->n_embd, n_rows);
             hi += n_rows;
             if (ends) {
-                remove_running(e, q);
-                finish_embedding(e, q);
+                engine_remove_running(e, q);
+                engine_finish_embedding(e, q);
             }
             continue;
         }
@@ -1214,7 +670,7 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         for (int32_t j = 0; j <= n_draft; j++) {
             memcpy(e->logits, logits + (size_t)(row0 + j) * (size_t)e->n_vocab,
                    (size_t)e->n_vocab * sizeof *e->logits);
-            if (sample_next(e, q, e->logits)) {
+            if (engine_sample_next(e, q, e->logits)) {
                 q = NULL; /* retired */
                 break;
             }
@@ -1237,7 +693,7 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             loom_kvblocks_truncate(&q->dkv, q->n_toks - 1);
     }
     if (n_replay)
-        replay_kept(e, replay, n_replay, buf);
+        engine_replay_kept(e, replay, n_replay, buf);
 }
 
 #define DISPLACED_WHY                                                                              \
@@ -1256,8 +712,8 @@ static void reap_cancelled(loom_engine *e, int all)
         int c = q->s.cancelled || all;
         pthread_mutex_unlock(&e->lock);
         if (c) {
-            remove_running(e, q);
-            retire(e, q, "cancelled", NULL);
+            engine_remove_running(e, q);
+            engine_retire(e, q, "cancelled", NULL);
             i--;
         }
     }
@@ -1268,7 +724,7 @@ static void reap_cancelled(loom_engine *e, int all)
         pthread_mutex_unlock(&e->lock);
         if (c || d) {
             remove_waiting(e, q);
-            retire(e, q, c ? "cancelled" : NULL, c ? NULL : DISPLACED_WHY);
+            engine_retire(e, q, c ? "cancelled" : NULL, c ? NULL : DISPLACED_WHY);
         }
     }
 }
@@ -1304,7 +760,7 @@ static void publish_stats(loom_engine *e)
     int n_wait = 0;
     for (ereq *q = e->waiting; q; q = q->next)
         n_wait++;
-    double t = now_ms();
+    double t = engine_now_ms();
     pthread_mutex_lock(&e->lock);
     for (ereq *q = e->incoming; q; q = q->next)
         n_wait++;
@@ -1346,7 +802,7 @@ static void batch_wait(loom_engine *e)
             first = !first || q->s.t_submit < first ? q->s.t_submit : first;
         for (ereq *q = e->incoming; q; q = q->next, n++)
             first = !first || q->s.t_submit < first ? q->s.t_submit : first;
-        double left = first + e->batch_wait_ms - now_ms();
+        double left = first + e->batch_wait_ms - engine_now_ms();
         if (!n || n >= e->max_batch || left <= 0 || e->cancel_all || e->has_cancels || e->stopping)
             return;
         /* the requests held here are waiting, and the stats say so while they are held */
@@ -1392,7 +848,7 @@ static void *engine_main(void *arg)
         int n_copies = 0;
         int n_plan = plan_step(e, plan, copies, &n_copies);
         if (n_plan > 0 && e->draft)
-            run_drafter(e, plan, n_plan);
+            engine_run_drafter(e, plan, n_plan);
         if (n_plan > 0)
             run_step(e, plan, n_plan, copies, n_copies, buf);
         publish_stats(e);
@@ -1444,41 +900,6 @@ static void free_parts(loom_engine *e)
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
     free(e->slot_taken), free(e->snapshots);
     free(e);
-}
-
-/* The drafter model of o, checked against the engine's model; 0, or -1 with err. */
-static int start_drafter(loom_engine *e, const loom_engine_options *o, char *err, size_t err_size)
-{
-    loom_speculation check = {.draft = o->draft};
-    if (loom_speculation_check(e->model, &check, err, err_size) != 0)
-        return -1;
-    e->draft = o->draft;
-    e->drunner = loom_model_runner(o->draft);
-    e->draft_p_min = o->draft_p_min;
-    int32_t bs = loom_runner_block_size(e->drunner), n_blocks = loom_runner_kv_blocks(e->drunner);
-    e->dmax_blocks = (e->n_ctx + bs - 1) / bs + 1;
-    if (loom_runner_has_prefix(e->runner) || loom_runner_n_ctx(e->drunner) < e->n_ctx ||
-        n_blocks < e->dmax_blocks - 1) {
-        snprintf(err, err_size,
-                 loom_runner_has_prefix(e->runner)
-                     ? "a draft model cannot follow this model (its prompts attend both ways)"
-                     : "the draft model's context (%d tokens, %d blocks of %d) is smaller than "
-                       "the engine's (%d tokens)",
-                 loom_runner_n_ctx(e->drunner), n_blocks, bs, e->n_ctx);
-        return -1;
-    }
-    e->dkv = loom_kvblocks_create(n_blocks, bs);
-    /* a drafter step's ids, positions, sequences, slots and rows (max_step each), block table
-     * rows, then run_drafter's counts and flags (per sequence) */
-    e->dstep_buf = malloc((5 * (size_t)e->max_step + (size_t)e->max_batch * (e->dmax_blocks + 2)) *
-                          sizeof *e->dstep_buf);
-    e->dlogits = malloc((size_t)e->n_vocab * sizeof *e->dlogits);
-    e->dwho = malloc((size_t)e->max_batch * sizeof *e->dwho);
-    if (!e->dkv || !e->dstep_buf || !e->dlogits || !e->dwho) {
-        snprintf(err, err_size, "out of memory");
-        return -1;
-    }
-    return 0;
 }
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
@@ -1556,7 +977,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
         snprintf(err, err_size, "out of memory");
         return NULL;
     }
-    if (o->draft && start_drafter(e, o, err, err_size) != 0) {
+    if (o->draft && engine_start_drafter(e, o, err, err_size) != 0) {
         free_parts(e);
         return NULL;
     }
@@ -1564,7 +985,7 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     pthread_mutex_init(&e->deliver_lock, NULL);
     pthread_cond_init(&e->wake, NULL);
     pthread_cond_init(&e->idle, NULL);
-    e->rate_t0 = now_ms();
+    e->rate_t0 = engine_now_ms();
     publish_stats(e);
     int rc = pthread_create(&e->thread, NULL, engine_main, e);
     if (rc != 0) {
