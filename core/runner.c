@@ -35,23 +35,9 @@ int loom_runner_fail(loom_runner *r, const char *fmt, ...)
     return -1;
 }
 
-static loom_tensor dense(loom_buffer *b, uint64_t offset, loom_dtype dt, int64_t n0, int64_t n1,
-                         int64_t n2, int64_t n3)
-{
-    loom_tensor t = {.buf = b, .offset = offset, .dtype = dt, .n_dims = 4};
-    t.ne[0] = n0, t.ne[1] = n1, t.ne[2] = n2, t.ne[3] = n3;
-    t.nb[0] = (uint64_t)loom_dtype_block_bytes(dt);
-    t.nb[1] = (uint64_t)loom_row_bytes(dt, n0);
-    t.nb[2] = t.nb[1] * (uint64_t)n1;
-    t.nb[3] = t.nb[2] * (uint64_t)n2;
-    return t;
-}
-
-
 /* ---- Weights ------------------------------------------------------------------------------ */
 
 /* r->prep[i]: weight i not yet offered to prepare_weight, in r->prepared[i], or kept as it is */
-enum { PREP_UNTRIED, PREP_DONE, PREP_NONE };
 
 const loom_gguf *loom_rt_gguf(const loom_runner *r)
 {
@@ -123,8 +109,8 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
          !loom_runner_stage_holds(r->gguf, 0, r->opt.first_layers, 0, 0, name))) {
         /* another stage's, or a layer a drafter skips: its shape, for the model's checks,
          * and no data */
-        r->weights[i] = dense(NULL, 0, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2],
-                              gt->ne[3]);
+        r->weights[i] = loom_runner_dense(NULL, 0, (loom_dtype)gt->type, gt->ne[0], gt->ne[1],
+                                          gt->ne[2], gt->ne[3]);
         r->weights[i].n_dims = (int32_t)gt->n_dims;
         r->weight_ready[i] = 1;
         return &r->weights[i];
@@ -157,8 +143,8 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
         ops->buffer_wrap_host(dev->be, (void *)r->gguf->map, r->gguf->size, map) != LOOM_OK)
         *map = NULL;
     if (*map && stack && offers_stacks(r, dev, gt)) {
-        r->weights[i] = dense(*map, gt->offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1],
-                              gt->ne[2], gt->ne[3]);
+        r->weights[i] = loom_runner_dense(*map, gt->offset, (loom_dtype)gt->type, gt->ne[0],
+                                          gt->ne[1], gt->ne[2], gt->ne[3]);
         r->weights[i].n_dims = (int32_t)gt->n_dims;
         int got = prepare_stack(r, i, dev);
         if (got < 0)
@@ -183,18 +169,18 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
         offset = 0;
         loom_gguf_release_pages(r->gguf, gt->offset, gt->size);
     }
-    r->weights[i] = dense(buf, offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1], gt->ne[2],
-                          gt->ne[3]);
+    r->weights[i] = loom_runner_dense(buf, offset, (loom_dtype)gt->type, gt->ne[0], gt->ne[1],
+                                      gt->ne[2], gt->ne[3]);
     r->weights[i].n_dims = (int32_t)gt->n_dims;
     r->weight_ready[i] = 1;
     return &r->weights[i];
 }
 
-/* ---- Scratch and views -------------------------------------------------------------------- */
+/* ---- Scratch (the views are core/verbs.c's) ------------------------------------------------ */
 
 loom_tensor loom_rt_scratch(loom_runner *r, loom_dtype dt, int64_t n0, int64_t n1, int64_t n2)
 {
-    loom_tensor t = dense(NULL, 0, dt, n0, n1, n2, 1);
+    loom_tensor t = loom_runner_dense(NULL, 0, dt, n0, n1, n2, 1);
     uint64_t size = t.nb[3];
     if (r->status)
         return t;
@@ -239,7 +225,7 @@ const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n
         return NULL;
     }
     loom_tensor *t = &r->constants[r->n_constants];
-    *t = dense(NULL, 0, LOOM_F32, n, 1, 1, 1);
+    *t = loom_runner_dense(NULL, 0, LOOM_F32, n, 1, 1, 1);
     t->n_dims = 1;
     const loom_backend_ops *ops = &r->dev->ops;
     if (ops->buffer_alloc(r->dev->be, (uint64_t)n * 4, &t->buf) != LOOM_OK ||
@@ -252,45 +238,6 @@ const loom_tensor *loom_rt_constant(loom_runner *r, const float *host, int64_t n
     }
     r->n_constants++;
     return t;
-}
-
-/* The views below stay inside the tensor they look into: a view past its end would read another
- * tensor's bytes, or past the buffer's end, without any backend noticing. */
-loom_tensor loom_rt_rows(const loom_tensor *t, int64_t r0, int64_t n)
-{
-    assert(r0 >= 0 && n >= 0 && r0 + n <= t->ne[1]);
-    loom_tensor v = *t;
-    v.offset += (uint64_t)r0 * t->nb[1];
-    v.ne[1] = n;
-    return v;
-}
-
-loom_tensor loom_rt_reshape(const loom_tensor *t, int64_t n0, int64_t n1, int64_t n2)
-{
-    assert(n0 >= 0 && n1 >= 0 && n2 >= 0 &&
-           n0 * n1 * n2 <= t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]);
-    return dense(t->buf, t->offset, t->dtype, n0, n1, n2, 1);
-}
-
-loom_tensor loom_rt_cols(const loom_tensor *t, int64_t c0, int64_t n)
-{
-    assert(c0 >= 0 && n >= 0 && c0 + n <= t->ne[0]);
-    loom_tensor v = *t;
-    v.offset += (uint64_t)c0 * t->nb[0];
-    v.ne[0] = n;
-    return v;
-}
-
-loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, int64_t n_heads)
-{
-    assert(c0 >= 0 && head_dim >= 0 && n_heads >= 0 && c0 + head_dim * n_heads <= t->ne[0]);
-    loom_tensor v = *t;
-    v.offset += (uint64_t)c0 * t->nb[0];
-    v.ne[0] = head_dim, v.ne[1] = n_heads, v.ne[2] = t->ne[1], v.ne[3] = 1;
-    v.nb[1] = (uint64_t)head_dim * t->nb[0];
-    v.nb[2] = t->nb[1];
-    v.nb[3] = t->nb[1] * (uint64_t)t->ne[1];
-    return v;
 }
 
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r)
@@ -368,7 +315,7 @@ int loom_rt_status(const loom_runner *r)
     return r->status;
 }
 
-/* ---- Verbs -------------------------------------------------------------------------------- */
+/* ---- Running an op (the verbs that call this are core/verbs.c's) ---------------------------- */
 
 #define OP_NAME_FAIL(r, what)                                                                      \
     loom_runner_fail(r, "%s on %s%s%s failed: %s", what, r->dev->name,                             \
@@ -476,19 +423,10 @@ int loom_runner_held(loom_runner *r, const loom_tensor *w, const char *what)
     return 0;
 }
 
-void loom_rt_get_rows(loom_runner *r, const loom_tensor *w, const loom_tensor *ids,
-                      const loom_tensor *dst)
-{
-    if (!loom_runner_held(r, w, "get_rows"))
-        return;
-    loom_get_rows_params p = {sizeof p, w, ids, dst};
-    loom_runner_exec_op(r, LOOM_OP_GET_ROWS, w->dtype, "get_rows", &p);
-}
-
 
 /* The tensor to pass as matmul's W for weight w: its prepared copy, made on first use, when the
  * backend has a layout of its own for it; else w. Views and non-weights pass through. */
-static const loom_tensor *matmul_weight(loom_runner *r, const loom_tensor *w)
+const loom_tensor *loom_runner_matmul_weight(loom_runner *r, const loom_tensor *w)
 {
     if (!r->repack || !r->dev->ops.prepare_weight || w < r->weights ||
         w >= r->weights + r->gguf->n_tensors)
@@ -525,176 +463,6 @@ int64_t loom_runner_prepared_weights(const loom_runner *r)
     for (uint64_t i = 0; i < r->gguf->n_tensors; i++)
         n += r->prep[i] == PREP_DONE;
     return n;
-}
-
-void loom_rt_matmul(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
-                    const loom_tensor *bias, const loom_tensor *y)
-{
-    if (r->status || !loom_runner_held(r, w, "matmul") || !loom_runner_held(r, bias, "matmul"))
-        return;
-    loom_matmul_params p = {sizeof p, x, matmul_weight(r, w), bias, y};
-    loom_runner_exec_op(r, LOOM_OP_MATMUL, w->dtype, "matmul", &p);
-}
-
-void loom_rt_rms_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w, float eps,
-                      const loom_tensor *dst)
-{
-    if (!loom_runner_held(r, w, "rms_norm"))
-        return;
-    loom_norm_params p = {sizeof p, x, w, NULL, dst, eps};
-    loom_runner_exec_op(r, LOOM_OP_RMS_NORM, LOOM_F32, "rms_norm", &p);
-}
-
-void loom_rt_layer_norm(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
-                        const loom_tensor *b, float eps, const loom_tensor *dst)
-{
-    if (!loom_runner_held(r, w, "layer_norm") || !loom_runner_held(r, b, "layer_norm"))
-        return;
-    loom_norm_params p = {sizeof p, x, w, b, dst, eps};
-    loom_runner_exec_op(r, LOOM_OP_LAYER_NORM, LOOM_F32, "layer_norm", &p);
-}
-
-void loom_rt_rope(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
-                  const loom_tensor *freq_factors)
-{
-    loom_rope_params p = {.struct_size = sizeof p,
-                          .x = x,
-                          .pos = &r->in.pos,
-                          .dst = x,
-                          .mode = hp->rope_mode,
-                          .n_rot = hp->n_rot,
-                          .freq_base = hp->rope_base,
-                          .freq_scale = hp->rope_scale,
-                          .freq_factors = freq_factors};
-    loom_runner_exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
-}
-
-void loom_rt_rope_at(loom_runner *r, const loom_tensor *x, const loom_hparams *hp,
-                     const loom_tensor *pos, const loom_tensor *pos2)
-{
-    loom_rope_params p = {.struct_size = sizeof p,
-                          .x = x,
-                          .pos = pos,
-                          .pos2 = pos2,
-                          .dst = x,
-                          .mode = hp->rope_mode,
-                          .n_rot = hp->n_rot,
-                          .freq_base = hp->rope_base,
-                          .freq_scale = hp->rope_scale};
-    loom_runner_exec_op(r, LOOM_OP_ROPE, LOOM_F32, "rope", &p);
-}
-
-void loom_rt_kv_store(loom_runner *r, const loom_tensor *src, const loom_tensor *cache)
-{
-    if (!loom_runner_held(r, cache, "kv_store"))
-        return;
-    loom_kv_store_params p = {sizeof p, src, &r->in.slots, cache};
-    loom_runner_exec_op(r, LOOM_OP_KV_STORE, cache->dtype, "kv_store", &p);
-}
-
-void loom_rt_attention(loom_runner *r, const loom_tensor *q, int layer, float scale,
-                       const loom_tensor *dst)
-{
-    if (layer < r->layer0 || layer >= r->layer_end) {
-        loom_runner_fail(
-            r, "attention over layer %d, which this runner does not hold (it holds [%d, %d))",
-            layer, r->layer0, r->layer_end);
-        return;
-    }
-    loom_attention_params p = {.struct_size = sizeof p,
-                               .q = q,
-                               .k_cache = &r->kc[layer],
-                               .v_cache = &r->vc[layer],
-                               .block_table = &r->in.block_table,
-                               .seq = &r->in.seq,
-                               .pos = &r->in.pos,
-                               .prefix_len = r->has_prefix ? &r->in.prefix_len : NULL,
-                               .dst = dst,
-                               .scale = scale,
-                               .window = r->hp.n_swa};
-    loom_runner_exec_op(r, LOOM_OP_ATTENTION, r->kc[layer].dtype, "attention", &p);
-}
-
-void loom_rt_add(loom_runner *r, const loom_tensor *a, const loom_tensor *b, const loom_tensor *dst)
-{
-    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    loom_runner_exec_op(r, LOOM_OP_ADD, LOOM_F32, "add", &p);
-}
-
-void loom_rt_gelu(loom_runner *r, const loom_tensor *a, const loom_tensor *dst)
-{
-    loom_elementwise_params p = {sizeof p, a, NULL, dst, 0};
-    loom_runner_exec_op(r, LOOM_OP_GELU, LOOM_F32, "gelu", &p);
-}
-
-void loom_rt_scale(loom_runner *r, const loom_tensor *a, float s, const loom_tensor *dst)
-{
-    loom_elementwise_params p = {sizeof p, a, NULL, dst, s};
-    loom_runner_exec_op(r, LOOM_OP_SCALE, LOOM_F32, "scale", &p);
-}
-
-void loom_rt_silu_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
-                      const loom_tensor *dst)
-{
-    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    loom_runner_exec_op(r, LOOM_OP_SILU_MUL, LOOM_F32, "silu_mul", &p);
-}
-
-void loom_rt_sigmoid_mul(loom_runner *r, const loom_tensor *a, const loom_tensor *b,
-                         const loom_tensor *dst)
-{
-    loom_elementwise_params p = {sizeof p, a, b, dst, 0};
-    loom_runner_exec_op(r, LOOM_OP_SIGMOID_MUL, LOOM_F32, "sigmoid_mul", &p);
-}
-
-void loom_rt_moe_route(loom_runner *r, const loom_hparams *hp, const loom_tensor *logits,
-                       const loom_tensor *bias, const loom_tensor *ids, const loom_tensor *weights)
-{
-    if (!loom_runner_held(r, bias, "moe_route"))
-        return;
-    loom_moe_route_params p = {.struct_size = sizeof p,
-                               .logits = logits,
-                               .bias = bias,
-                               .ids = ids,
-                               .weights = weights,
-                               .gating = hp->moe_gating,
-                               .normalize = hp->moe_normalize,
-                               .scale = hp->moe_scale,
-                               .n_group = hp->moe_groups > 1 ? hp->moe_groups : 0,
-                               .topk_group = hp->moe_groups > 1 ? hp->moe_groups_kept : 0};
-    loom_runner_exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
-}
-
-void loom_rt_sigmoid_gate(loom_runner *r, const loom_tensor *logits, const loom_tensor *ids,
-                          const loom_tensor *weights)
-{
-    loom_moe_route_params p = {.struct_size = sizeof p,
-                               .logits = logits,
-                               .ids = ids,
-                               .weights = weights,
-                               .gating = LOOM_MOE_SIGMOID,
-                               .scale = 1.0f};
-    loom_runner_exec_op(r, LOOM_OP_MOE_ROUTE, LOOM_F32, "moe_route", &p);
-}
-
-void loom_rt_matmul_id(loom_runner *r, const loom_tensor *x, const loom_tensor *w,
-                       const loom_tensor *ids, const loom_tensor *y)
-{
-    if (r->status || !loom_runner_held(r, w, "matmul_id"))
-        return;
-    /* a stack prepared at load (prepare_stack) runs in its prepared form */
-    if (w >= r->weights && w < r->weights + r->gguf->n_tensors &&
-        r->prep[w - r->weights] == PREP_DONE)
-        w = &r->prepared[w - r->weights];
-    loom_matmul_id_params p = {sizeof p, x, w, ids, y};
-    loom_runner_exec_op(r, LOOM_OP_MATMUL_ID, w->dtype, "matmul_id", &p);
-}
-
-void loom_rt_moe_combine(loom_runner *r, const loom_tensor *src, const loom_tensor *weights,
-                         int accumulate, const loom_tensor *dst)
-{
-    loom_moe_combine_params p = {sizeof p, src, weights, dst, accumulate};
-    loom_runner_exec_op(r, LOOM_OP_MOE_COMBINE, LOOM_F32, "moe_combine", &p);
 }
 
 /* ---- Lifetime ----------------------------------------------------------------------------- */
@@ -902,8 +670,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     for (int l = r->layer0, i = 0; l < r->layer_end; l++) {
         if (loom_layer_recurrent(hp, l))
             continue;
-        r->kc[l] = dense(r->kv, per_cache * 2 * (uint64_t)i++, r->opt.kv_type, hp->head_dim,
-                         hp->n_head_kv, r->opt.block_size, r->n_blocks);
+        r->kc[l] = loom_runner_dense(r->kv, per_cache * 2 * (uint64_t)i++, r->opt.kv_type,
+                                     hp->head_dim, hp->n_head_kv, r->opt.block_size, r->n_blocks);
         /* head-major inside a block: attention walks one head's keys in order, and these then
          * lie together (measured: 16-sequence decode steps spent 17% waiting on strided K/V
          * loads with the slot-major layout). A block stays one contiguous piece. */
@@ -1147,24 +915,26 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
         if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
             loom_runner_fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
-    r->in.ids = dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
-    r->in.pos = dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
-    r->in.slots = dense(r->in_buf, (uint64_t)(2 * n) * 4, LOOM_I32, n, 1, 1, 1);
-    r->in.seq = dense(r->in_buf, (uint64_t)(3 * n) * 4, LOOM_I32, n, 1, 1, 1);
-    r->in.block_table = dense(r->in_buf, (uint64_t)(4 * n) * 4, LOOM_I32, s->max_blocks, s->n_seqs,
-                              1, 1);
-    r->in.logit_rows = dense(r->in_buf, (uint64_t)(4 * n + table) * 4, LOOM_I32,
-                             s->n_logits ? s->n_logits : 1, 1, 1, 1);
+    r->in.ids = loom_runner_dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
+    r->in.pos = loom_runner_dense(r->in_buf, (uint64_t)n * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.slots = loom_runner_dense(r->in_buf, (uint64_t)(2 * n) * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.seq = loom_runner_dense(r->in_buf, (uint64_t)(3 * n) * 4, LOOM_I32, n, 1, 1, 1);
+    r->in.block_table = loom_runner_dense(r->in_buf, (uint64_t)(4 * n) * 4, LOOM_I32, s->max_blocks,
+                                          s->n_seqs, 1, 1);
+    r->in.logit_rows = loom_runner_dense(r->in_buf, (uint64_t)(4 * n + table) * 4, LOOM_I32,
+                                         s->n_logits ? s->n_logits : 1, 1, 1, 1);
     r->has_prefix = n_prefix > 0;
     if (n_prefix)
-        r->in.prefix_len = dense(r->in_buf, (uint64_t)(4 * n + table + (uint64_t)s->n_logits) * 4,
-                                 LOOM_I32, s->n_seqs, 1, 1, 1);
+        r->in.prefix_len = loom_runner_dense(r->in_buf,
+                                             (uint64_t)(4 * n + table + (uint64_t)s->n_logits) * 4,
+                                             LOOM_I32, s->n_seqs, 1, 1, 1);
     if (n_hidden)
-        r->in.hidden_rows = dense(r->in_buf,
-                                  (uint64_t)(4 * n + table + (uint64_t)s->n_logits + n_prefix) * 4,
-                                  LOOM_I32, s->n_hidden, 1, 1, 1);
+        r->in.hidden_rows = loom_runner_dense(
+            r->in_buf, (uint64_t)(4 * n + table + (uint64_t)s->n_logits + n_prefix) * 4, LOOM_I32,
+            s->n_hidden, 1, 1, 1);
     if (n_slots)
-        r->in.state_slots = dense(r->in_buf, (total - n_slots) * 4, LOOM_I32, n, 1, 1, 1);
+        r->in.state_slots = loom_runner_dense(r->in_buf, (total - n_slots) * 4, LOOM_I32, n, 1, 1,
+                                              1);
     r->n_scratch_used = 0;
     r->has_logits = r->has_hidden = 0;
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len, s->n_hidden};

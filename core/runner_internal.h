@@ -1,6 +1,7 @@
 /*
- * core/runner_internal.h - what core/runner.c (the executor) and core/stage.c (a runner as one
- * stage of a pipeline) share: the runner's state. Nothing outside core/ includes it.
+ * core/runner_internal.h - what core/runner.c (the executor), core/verbs.c and
+ * core/recurrent.c (the verbs models call) and core/stage.c (a runner as one stage of a
+ * pipeline) share: the runner's state. Nothing outside core/ includes it.
  */
 #ifndef LOOM_CORE_RUNNER_INTERNAL_H
 #define LOOM_CORE_RUNNER_INTERNAL_H
@@ -15,6 +16,22 @@ typedef struct scratch_slot {
     loom_buffer *buf;
     uint64_t size;
 } scratch_slot;
+
+/* a weight's matmul layout: not offered to prepare_weight yet, prepared, or kept as stored */
+enum { PREP_UNTRIED, PREP_DONE, PREP_NONE };
+
+/* A dense tensor [n0, n1, n2, n3] of dt at offset in b. */
+static inline loom_tensor loom_runner_dense(loom_buffer *b, uint64_t offset, loom_dtype dt,
+                                            int64_t n0, int64_t n1, int64_t n2, int64_t n3)
+{
+    loom_tensor t = {.buf = b, .offset = offset, .dtype = dt, .n_dims = 4};
+    t.ne[0] = n0, t.ne[1] = n1, t.ne[2] = n2, t.ne[3] = n3;
+    t.nb[0] = (uint64_t)loom_dtype_block_bytes(dt);
+    t.nb[1] = (uint64_t)loom_row_bytes(dt, n0);
+    t.nb[2] = t.nb[1] * (uint64_t)n1;
+    t.nb[3] = t.nb[2] * (uint64_t)n2;
+    return t;
+}
 
 struct loom_runner {
     loom_device *dev;
@@ -114,5 +131,9 @@ void loom_runner_execute(loom_runner *r, const loom_step *s);
 void loom_stage_step(loom_runner *r, const loom_step *s);
 void loom_stage_receive(loom_runner *r, const loom_tensor *x);
 void loom_stage_hand_on(loom_runner *r, const loom_tensor *x);
+
+/* The tensor to pass as matmul's W for weight w: its prepared copy (made on first use) when
+ * the backend has a layout of its own for it; else w (views and non-weights too). */
+const loom_tensor *loom_runner_matmul_weight(loom_runner *r, const loom_tensor *w);
 
 #endif
