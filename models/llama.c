@@ -192,7 +192,8 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     int fused = strcmp(arch, "qwen") == 0 ||
         (glm4 && loom_gguf_find_tensor(g, "blk.0.attn_qkv.weight") != NULL);
     int head_norms = strncmp(arch, "qwen3", 5) == 0;
-    int optional_norms = strcmp(arch, "glm4moe") == 0; /* GLM-4.5's use_qk_norm */
+    int glm4moe = strcmp(arch, "glm4moe") == 0;
+    int optional_norms = glm4moe; /* GLM-4.5's use_qk_norm */
     hp->rope_mode = strcmp(arch, "llama") == 0 || glm4 ? LOOM_ROPE_ADJACENT : LOOM_ROPE_NEOX;
 
     llama_model *m = calloc(1, sizeof *m);
@@ -243,7 +244,12 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             W(k_norm, "blk.%d.attn_k_norm.weight", head_norms || m->layers[l].q_norm);
         }
         W(wo, "blk.%d.attn_output.weight", 1);
-        W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
+        /* llama.cpp's glm4moe names the norm before the MLP post_attention_norm (its converter's
+         * name for post_attention_layernorm there); loom wrote ffn_norm before 2026-12-07 */
+        if (glm4moe)
+            W(ffn_norm, "blk.%d.post_attention_norm.weight", 0);
+        if (!m->layers[l].ffn_norm)
+            W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
         if (moe && l >= n_dense) {
             W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
             W(moe.choice_bias, "blk.%d.exp_probs_b.bias", 0);
@@ -807,7 +813,10 @@ static const loom_hf_tensor glm4moe_tensors[] = {
     QKV_BIASES,
     {"model.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight", 0, NULL},
     {"model.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight", 0, NULL},
-    ATTN_OUT_AND_FFN_NORM,
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},
+    /* llama.cpp's glm4moe name for the norm before the MLP */
+    {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", 0,
+     NULL},
     {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
     {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
     {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},

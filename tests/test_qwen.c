@@ -914,6 +914,40 @@ static void test_glm45(const loom_safetensors *st, const shape *s, const char *q
     CHECK(!strcmp(gguf_arch(gguf), "glm4moe"), "the converted file is GGUF 'glm4moe', not '%s'",
           gguf_arch(gguf));
     check_forms(what, gguf, folder, ref, s->vocab, ids, T);
+    /* llama.cpp's glm4moe (src/models/glm4-moe.cpp) reads the norm before the MLP as
+     * post_attention_norm and has no ffn_norm; files loom wrote before said ffn_norm, which
+     * still load */
+    char older[4300];
+    snprintf(older, sizeof older, "%s/glm45-older.gguf", tmp);
+    loom_gguf g;
+    if (loom_gguf_open(&g, gguf, err, sizeof err) == 0) {
+        loom_gguf_writer *w = loom_gguf_writer_create();
+        for (uint64_t i = 0; i < g.n_kv; i++)
+            if (strcmp(g.kv[i].key, "general.alignment"))
+                loom_gguf_copy_kv(w, &g, &g.kv[i]);
+        int named = 0, old_named = 0;
+        for (uint64_t i = 0; i < g.n_tensors; i++) {
+            const loom_gguf_tensor *t = &g.tensors[i];
+            char name[96];
+            const char *at = strstr(t->name, ".post_attention_norm.");
+            named += at != NULL;
+            old_named += strstr(t->name, ".ffn_norm.") != NULL;
+            if (at)
+                snprintf(name, sizeof name, "%.*s.ffn_norm.weight", (int)(at - t->name), t->name);
+            loom_gguf_add_tensor(w, at ? name : t->name, t->type, t->n_dims, t->ne,
+                                 loom_gguf_tensor_data(&g, t));
+        }
+        CHECK(named == s->layers && old_named == 0,
+              "%s: %d layers' post_attention_norm and %d ffn_norm in loom's file; llama.cpp's "
+              "names say %d and 0",
+              what, named, old_named, s->layers);
+        CHECK(loom_gguf_write(w, older, err, sizeof err) == 0, "older file: %s", err);
+        loom_gguf_writer_free(w);
+        loom_gguf_close(&g);
+        check_forms("GLM-4.5 (ffn_norm, as loom wrote it before)", older, folder, ref, s->vocab,
+                    ids, T);
+        unlink(older);
+    }
     free(ref);
     unlink(gguf);
     /* a config the weights contradict is refused by name: no shared experts said, but there;
