@@ -109,6 +109,20 @@ typedef struct loom_hf_tensor {
     const char *instead; /* when hf is absent, this tensor (a tied output head) */
 } loom_hf_tensor;
 
+/* A MoE layer's experts under prefix P ("model." or "model.language_model."), one matrix each
+ * (mlp.experts.N.gate_proj ...) or, where those are absent, transformers 5's stacks per layer
+ * (mlp.experts.gate_up_proj [experts, 2 ff, d], mlp.experts.down_proj [experts, d, ff]), with
+ * the entries' further flags. */
+/* clang-format off */
+#define LOOM_HF_EXPERT_STACKS(P, flags)                                                            \
+    {P "layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",                 \
+        LOOM_HF_EXPERTS | LOOM_HF_GATE_HALF | (flags), P "layers.%d.mlp.experts.gate_up_proj"},    \
+    {P "layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",                     \
+        LOOM_HF_EXPERTS | LOOM_HF_UP_HALF | (flags), P "layers.%d.mlp.experts.gate_up_proj"},      \
+    {P "layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",                 \
+        LOOM_HF_EXPERTS | (flags), P "layers.%d.mlp.experts.down_proj"}
+/* clang-format on */
+
 /* What a config says about a tensor it may or may not have (GLM-4.5's q/k norms with
  * use_qk_norm, its shared experts with n_shared_experts > 0). Said, the tensor must be there;
  * not said, it must not: weights the config does not explain, or a config the weights cannot

@@ -684,14 +684,7 @@ static int moe_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
 
 #define ROUTED_EXPERTS                                                                             \
     {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", 0, NULL},                    \
-        {"model.layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",         \
-         LOOM_HF_EXPERTS, NULL},                                                                   \
-        {"model.layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",             \
-         LOOM_HF_EXPERTS, NULL},                                                                   \
-    {                                                                                              \
-        "model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",          \
-            LOOM_HF_EXPERTS, NULL                                                                  \
-    }
+        LOOM_HF_EXPERT_STACKS("model.", 0)
 static const loom_hf_tensor qwen2moe_tensors[] = {
     DECODER_HEAD,
     QKV_WEIGHTS,
@@ -823,12 +816,7 @@ static const loom_hf_tensor glm4moe_tensors[] = {
     {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},
     {"model.layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",
      LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",
-     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",
-     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",
-     LOOM_HF_EXPERTS | LOOM_HF_SPARSE_LAYERS, NULL},
+    LOOM_HF_EXPERT_STACKS("model.", LOOM_HF_SPARSE_LAYERS),
     {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
      LOOM_HF_SPARSE_LAYERS, NULL},
     {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",

@@ -619,12 +619,7 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
 #define Q35_EXPERTS(P)                                                                             \
     {P "layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", 0, NULL},                        \
-    {P "layers.%d.mlp.experts.%d.gate_proj.weight", "blk.%d.ffn_gate_exps.weight",                 \
-        LOOM_HF_EXPERTS | LOOM_HF_GATE_HALF, P "layers.%d.mlp.experts.gate_up_proj"},              \
-    {P "layers.%d.mlp.experts.%d.up_proj.weight", "blk.%d.ffn_up_exps.weight",                     \
-        LOOM_HF_EXPERTS | LOOM_HF_UP_HALF, P "layers.%d.mlp.experts.gate_up_proj"},                \
-    {P "layers.%d.mlp.experts.%d.down_proj.weight", "blk.%d.ffn_down_exps.weight",                 \
-        LOOM_HF_EXPERTS, P "layers.%d.mlp.experts.down_proj"},                                     \
+    LOOM_HF_EXPERT_STACKS(P, 0),                                                                   \
     {P "layers.%d.mlp.shared_expert.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight", 0, NULL},   \
     {P "layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", 0, NULL},       \
     {P "layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", 0, NULL},   \

@@ -709,6 +709,57 @@ static void check_forms(const char *what, const char *gguf, const char *folder, 
 
 /* Qwen3-MoE: Qwen3 above with every MLP replaced by 6 experts of width 16, top 3, renormalised
  * (Qwen3-30B-A3B's norm_topk_prob), against the reference with transformers' routing. */
+/* The MoE folder `from` with each layer's experts as transformers 5 saves them
+ * (mlp.experts.gate_up_proj [experts, 2 ff, d], mlp.experts.down_proj [experts, d, ff]), as
+ * folder `to` (its other files linked). */
+static int stack_experts(const char *from, const char *to, const shape *s, const moe_shape *m)
+{
+    loom_safetensors st;
+    char p[4400];
+    snprintf(p, sizeof p, "%s/model.safetensors", from);
+    if (mkdir(to, 0700) != 0 || loom_safetensors_open(&st, p, err, sizeof err) != 0)
+        return -1;
+    st_out o = {cJSON_CreateObject(), NULL, 0, 0};
+    for (int i = 0; i < st.n_tensors; i++)
+        if (!strstr(st.tensors[i].name, ".mlp.experts."))
+            st_copy(&o, &st, st.tensors[i].name, st.tensors[i].name);
+    const int64_t E = m->experts, F = m->ff, D = s->d;
+    float *gu = malloc((size_t)(E * 2 * F * D) * sizeof *gu);
+    float *dn = malloc((size_t)(E * D * F) * sizeof *dn);
+    for (int l = 0; l < s->layers; l++) {
+        for (int64_t e = 0; e < E; e++) {
+            char name[128];
+            const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
+            float *to_rows[] = {gu + e * 2 * F * D, gu + e * 2 * F * D + F * D, dn + e * D * F};
+            for (int j = 0; j < 3; j++) {
+                snprintf(name, sizeof name, "model.layers.%d.mlp.experts.%lld.%s.weight", l,
+                         (long long)e, proj[j]);
+                const loom_st_tensor *t = loom_safetensors_find(&st, name);
+                CHECK(t != NULL, "no %s", name);
+                if (t)
+                    loom_row_to_f32((loom_dtype)t->loom_type, t->data, to_rows[j], F * D);
+            }
+        }
+        char name[128];
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.gate_up_proj", l);
+        st_add(&o, name, "F32", 3, (int64_t[]){E, 2 * F, D}, gu, (size_t)(E * 2 * F * D) * 4);
+        snprintf(name, sizeof name, "model.layers.%d.mlp.experts.down_proj", l);
+        st_add(&o, name, "F32", 3, (int64_t[]){E, D, F}, dn, (size_t)(E * D * F) * 4);
+    }
+    free(gu), free(dn);
+    loom_safetensors_close(&st);
+    snprintf(p, sizeof p, "%s/model.safetensors", to);
+    if (st_write(&o, p) != 0)
+        return -1;
+    static const char *const linked[] = {"config.json", "vocab.json", "merges.txt",
+                                         "tokenizer_config.json", "generation_config.json"};
+    for (size_t i = 0; i < sizeof linked / sizeof linked[0]; i++) {
+        snprintf(p, sizeof p, "%s/%s", from, linked[i]);
+        link_file(to, linked[i], p);
+    }
+    return 0;
+}
+
 static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char *qwen2_dir)
 {
     int32_t ids[64];
@@ -744,6 +795,14 @@ static void test_qwen3moe(const loom_safetensors *st, const shape *s, const char
           gguf_arch(gguf));
     check_gguf_conventions(gguf, "Qwen3-MoE (converted)");
     check_forms("Qwen3-MoE", gguf, folder, ref, s->vocab, ids, T);
+    /* the same experts as transformers 5 saves them: a stack per layer */
+    char stacked[4200];
+    snprintf(stacked, sizeof stacked, "%s/qwen3moe-stacked", tmp);
+    CHECK(stack_experts(folder, stacked, s, &moe) == 0, "writing %s", stacked);
+    CHECK(loom_convert(stacked, gguf, "f32", NULL, NULL, err, sizeof err) == 0,
+          "convert the stacked experts: %s", err);
+    check_forms("Qwen3-MoE, stacked experts", gguf, stacked, ref, s->vocab, ids, T);
+    remove_folder(stacked);
     free(ref);
     for (int i = 0; i < 2 * s->layers; i++)
         free(norms[i]);
