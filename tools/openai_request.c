@@ -4,7 +4,7 @@
  * accepted only at their "off" value, numbers are range-checked, and OpenAI's defaults apply.
  */
 #define _GNU_SOURCE
-#include "openai_request.h"
+#include "openai_fields.h"
 
 #include <ctype.h>
 #include <limits.h>
@@ -30,173 +30,6 @@ int buf_append(char **buf, size_t *len, size_t *cap, const char *s, size_t n)
     return 0;
 }
 
-static int fail(bad *b, unsigned status, const char *param, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(b->msg, sizeof b->msg, fmt, ap);
-    va_end(ap);
-    b->param = NULL;
-    if (param) {
-        snprintf(b->param_buf, sizeof b->param_buf, "%s", param);
-        b->param = b->param_buf;
-    }
-    b->status = status;
-    return -1;
-}
-
-static const char *json_type(const cJSON *v)
-{
-    return cJSON_IsString(v) ? "a string"
-        : cJSON_IsNumber(v)  ? "a number"
-        : cJSON_IsBool(v)    ? "a boolean"
-        : cJSON_IsArray(v)   ? "an array"
-        : cJSON_IsObject(v)  ? "an object"
-                             : "null";
-}
-
-static int get_number(const cJSON *o, const char *key, double lo, double hi, int integer,
-                      double *out, bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v))
-        return 0;
-    if (!cJSON_IsNumber(v))
-        return fail(b, 400, key, "'%s' must be a number, not %s", key, json_type(v));
-    double x = v->valuedouble;
-    if (!isfinite(x) || x < lo || x > hi || (integer && x != floor(x)))
-        return fail(b, 400, key, "'%s' must be %s from %g to %g; got %g", key,
-                    integer ? "a whole number" : "a number", lo, hi, x);
-    *out = x;
-    return 1;
-}
-
-static int get_bool(const cJSON *o, const char *key, int *out, bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (!v || cJSON_IsNull(v))
-        return 0;
-    if (!cJSON_IsBool(v))
-        return fail(b, 400, key, "'%s' must be a boolean, not %s", key, json_type(v));
-    *out = cJSON_IsTrue(v);
-    return 1;
-}
-
-/* Fields the OpenAI API defines that loom accepts only at their "off" value. */
-static int unsupported(const cJSON *body, const char *key, bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, key);
-    if (!v || cJSON_IsNull(v) || cJSON_IsFalse(v) ||
-        ((cJSON_IsObject(v) || cJSON_IsArray(v)) && !v->child))
-        return 0;
-    if (!strcmp(key, "response_format") && cJSON_IsObject(v)) {
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
-        if (cJSON_IsString(t) && !strcmp(t->valuestring, "text"))
-            return 0;
-    }
-    if (!strcmp(key, "best_of") && cJSON_IsNumber(v) && v->valuedouble == 1)
-        return 0;
-    return fail(b, 400, key, "'%s' is not supported by this server (loom)%s", key,
-                strncmp(key, "function", 8) ? "" : "; send 'tools' (it replaced 'functions')");
-}
-
-/* the request fields of the sampling list (loom/sampling_fields.h), NULL-terminated */
-#define JSON_KEY(kind, name, def, api_def, flag, alias, lo, hi, json, ...) json,
-static const char *const sampling_keys[] = {LOOM_SAMPLING_FIELDS(JSON_KEY) NULL};
-#undef JSON_KEY
-
-/* Refuses a field that is neither in known (NULL-terminated) nor, with sampling, one of the
- * sampling list's. */
-static int check_known(const cJSON *body, const char *const *known, int sampling, bad *b)
-{
-    for (const cJSON *f = body->child; f; f = f->next) {
-        int ok = 0;
-        for (int i = 0; known[i] && !ok; i++)
-            ok = !strcmp(f->string, known[i]);
-        for (size_t i = 0; sampling && i < sizeof sampling_keys / sizeof *sampling_keys && !ok; i++)
-            ok = sampling_keys[i] && !strcmp(f->string, sampling_keys[i]);
-        if (!ok)
-            return fail(b, 400, f->string, "Unrecognized request argument supplied: %s", f->string);
-    }
-    return 0;
-}
-
-/* The values in JSON text s (commas and containers outside strings, a count that cJSON's
- * nodes follow), counted up to past limit. */
-static size_t json_values(const char *s, size_t len, size_t limit)
-{
-    size_t values = 0;
-    for (size_t i = 0, in_string = 0; i < len && values <= limit; i++) {
-        if (s[i] == '"')
-            in_string = !in_string;
-        else if (!in_string && (s[i] == ',' || s[i] == '[' || s[i] == '{'))
-            values++;
-        else if (in_string && s[i] == '\\')
-            i++; /* the escaped character, which may be a quote */
-    }
-    return values;
-}
-
-cJSON *openai_parse_body(const char *body, size_t len, size_t max_values, bad *b)
-{
-    const char *nul = memchr(body, '\0', len);
-    if (nul) {
-        fail(b, 400, NULL, "the request body contains a NUL byte (at byte %zu)",
-             (size_t)(nul - body));
-        return NULL;
-    }
-    size_t valid = loom_utf8_valid_prefix(body, len);
-    if (valid < len) {
-        fail(b, 400, NULL,
-             "the request body is not valid UTF-8 (at byte %zu); JSON text must be "
-             "UTF-8",
-             valid);
-        return NULL;
-    }
-    /* cJSON spends a node of ~64 bytes on each value, so a 1 MB "prompt": [1, 1, ...] would
-     * cost 30 MB before any check could look at it: they are counted first */
-    if (json_values(body, len, max_values) > max_values) {
-        fail(b, 400, NULL,
-             "the request holds more than %zu JSON values (a prompt of token ids "
-             "longer than the context cannot run anyway)",
-             max_values);
-        return NULL;
-    }
-    /* \u0000 in a string would end loom's copy of it early: the prompt "\u0000hello" would
-     * silently become empty */
-    for (size_t i = 0, in_string = 0; i < len; i++) {
-        if (body[i] == '"') {
-            in_string = !in_string;
-        } else if (in_string && body[i] == '\\' && i + 1 < len) {
-            if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) {
-                fail(b, 400, NULL,
-                     "a string in the request holds U+0000 (\\u0000, at byte %zu); "
-                     "loom does not accept NUL characters in text",
-                     i);
-                return NULL;
-            }
-            i++; /* the escaped character, which may be a quote */
-        }
-    }
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(body, len, &end, 0);
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        fail(b, 400, NULL, "the request body is not valid JSON (near byte %ld)",
-             at && at >= body && at <= body + len ? (long)(at - body) : 0L);
-        return NULL;
-    }
-    for (const char *q = end; q && q < body + len; q++)
-        if (*q != ' ' && *q != '\t' && *q != '\n' && *q != '\r') {
-            cJSON_Delete(root);
-            fail(b, 400, NULL,
-                 "unexpected data after the JSON value (at byte %ld); send one object",
-                 (long)(q - body));
-            return NULL;
-        }
-    return root;
-}
-
 size_t openai_max_values(int32_t n_ctx)
 {
     return 2 * (size_t)n_ctx + 4096;
@@ -213,11 +46,12 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
     size_t len = strlen(text);
     if (len > srv->max_prompt_bytes) {
         b->code = "context_length_exceeded";
-        return fail(b, 400, param,
-                    "This model's maximum context length is %d tokens, and the "
-                    "prompt has %zu bytes: more than any %d tokens of this vocabulary spell "
-                    "(%zu bytes at most). Please reduce the prompt.",
-                    srv->n_ctx, len, srv->n_ctx, srv->max_prompt_bytes);
+        return request_fail(
+            b, 400, param,
+            "This model's maximum context length is %d tokens, and the "
+            "prompt has %zu bytes: more than any %d tokens of this vocabulary spell "
+            "(%zu bytes at most). Please reduce the prompt.",
+            srv->n_ctx, len, srv->n_ctx, srv->max_prompt_bytes);
     }
     char err[512];
     int special = srv->parse_special || rendered ? LOOM_SPECIAL_ALL : LOOM_SPECIAL_NONE;
@@ -225,10 +59,10 @@ static int tokenize_text(const openai_model *srv, const char *text, int rendered
                                     srv->parse_special ? NULL : plain,
                                     srv->parse_special ? 0 : n_plain, NULL, 0, err, sizeof err);
     if (n < 0)
-        return fail(b, 500, NULL, "%s", err);
+        return request_fail(b, 500, NULL, "%s", err);
     p->ids = malloc((size_t)(n > 0 ? n : 1) * sizeof *p->ids);
     if (!p->ids)
-        return fail(b, 500, NULL, "out of memory");
+        return request_fail(b, 500, NULL, "out of memory");
     p->n_ids = (int32_t)loom_tokenize_spans(
         srv->model, text, len, add_special, special, srv->parse_special ? NULL : plain,
         srv->parse_special ? 0 : n_plain, p->ids, n, err, sizeof err);
@@ -241,18 +75,18 @@ static char *message_text(const cJSON *content, int index, bad *b)
     if (cJSON_IsString(content)) {
         char *s = strdup(content->valuestring);
         if (!s)
-            fail(b, 500, NULL, "out of memory");
+            request_fail(b, 500, NULL, "out of memory");
         return s;
     }
     if (!cJSON_IsArray(content)) {
-        fail(b, 400, "messages", "messages[%d].content must be a string or an array of text parts",
-             index);
+        request_fail(b, 400, "messages",
+                     "messages[%d].content must be a string or an array of text parts", index);
         return NULL;
     }
     size_t len = 0, cap = 0;
     char *s = NULL;
     if (buf_append(&s, &len, &cap, "", 0) != 0) {
-        fail(b, 500, NULL, "out of memory");
+        request_fail(b, 500, NULL, "out of memory");
         return NULL;
     }
     for (const cJSON *part = content->child; part; part = part->next) {
@@ -260,12 +94,13 @@ static char *message_text(const cJSON *content, int index, bad *b)
         const cJSON *text = cJSON_GetObjectItemCaseSensitive(part, "text");
         if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(text)) {
             free(s);
-            fail(b, 400, "messages", "messages[%d].content: only text parts are supported", index);
+            request_fail(b, 400, "messages", "messages[%d].content: only text parts are supported",
+                         index);
             return NULL;
         }
         if (buf_append(&s, &len, &cap, text->valuestring, strlen(text->valuestring)) != 0) {
             free(s);
-            fail(b, 500, NULL, "out of memory");
+            request_fail(b, 500, NULL, "out of memory");
             return NULL;
         }
     }
@@ -277,7 +112,8 @@ static char *message_text(const cJSON *content, int index, bad *b)
 static cJSON *template_tool_calls(const cJSON *calls, int index, size_t *values_left, bad *b)
 {
     if (!cJSON_IsArray(calls) || !calls->child) {
-        fail(b, 400, "messages", "messages[%d].tool_calls must be a non-empty array", index);
+        request_fail(b, 400, "messages", "messages[%d].tool_calls must be a non-empty array",
+                     index);
         return NULL;
     }
     cJSON *out = cJSON_CreateArray();
@@ -293,10 +129,11 @@ static cJSON *template_tool_calls(const cJSON *calls, int index, size_t *values_
             : 0;
         if (n_values > *values_left) {
             cJSON_Delete(out);
-            fail(b, 400, "messages",
-                 "messages[%d].tool_calls[%d].function.arguments: the request's tool calls' "
-                 "arguments hold more JSON values than a request may (2 x the context + 4096)",
-                 index, k);
+            request_fail(
+                b, 400, "messages",
+                "messages[%d].tool_calls[%d].function.arguments: the request's tool calls' "
+                "arguments hold more JSON values than a request may (2 x the context + 4096)",
+                index, k);
             return NULL;
         }
         *values_left -= n_values;
@@ -311,7 +148,7 @@ static cJSON *template_tool_calls(const cJSON *calls, int index, size_t *values_
         if (why) {
             cJSON_Delete(obj);
             cJSON_Delete(out);
-            fail(b, 400, "messages", "messages[%d].tool_calls[%d].%s", index, k, why);
+            request_fail(b, 400, "messages", "messages[%d].tool_calls[%d].%s", index, k, why);
             return NULL;
         }
         cJSON *t = cJSON_CreateObject(), *f = cJSON_AddObjectToObject(t, "function");
@@ -323,7 +160,7 @@ static cJSON *template_tool_calls(const cJSON *calls, int index, size_t *values_
         cJSON_AddItemToArray(out, t);
     }
     if (!out)
-        fail(b, 500, NULL, "out of memory");
+        request_fail(b, 500, NULL, "out of memory");
     return out;
 }
 
@@ -341,7 +178,8 @@ static cJSON *template_messages(const cJSON *msgs, size_t max_values, bad *b)
         const cJSON *call_id = cJSON_GetObjectItemCaseSensitive(x, "tool_call_id");
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(x, "name");
         if (!cJSON_IsObject(x) || !cJSON_IsString(role)) {
-            fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'", i);
+            request_fail(b, 400, "messages", "messages[%d] must be an object with a string 'role'",
+                         i);
             cJSON_Delete(out);
             return NULL;
         }
@@ -350,27 +188,29 @@ static cJSON *template_messages(const cJSON *msgs, size_t max_values, bad *b)
             r = "system";
         int assistant = !strcmp(r, "assistant"), tool = !strcmp(r, "tool");
         if (strcmp(r, "system") && strcmp(r, "user") && !assistant && !tool) {
-            fail(b, 400, "messages",
-                 "messages[%d].role '%s' is not one of system, developer, user, assistant, tool", i,
-                 role->valuestring);
+            request_fail(
+                b, 400, "messages",
+                "messages[%d].role '%s' is not one of system, developer, user, assistant, tool", i,
+                role->valuestring);
             cJSON_Delete(out);
             return NULL;
         }
         if (calls && !cJSON_IsNull(calls) && !assistant) {
-            fail(b, 400, "messages", "messages[%d]: only an assistant message has tool_calls", i);
+            request_fail(b, 400, "messages",
+                         "messages[%d]: only an assistant message has tool_calls", i);
             cJSON_Delete(out);
             return NULL;
         }
         if (tool && (!cJSON_IsString(call_id) || !call_id->valuestring[0])) {
-            fail(b, 400, "messages",
-                 "messages[%d]: a tool message needs 'tool_call_id', the id of the call it "
-                 "answers",
-                 i);
+            request_fail(b, 400, "messages",
+                         "messages[%d]: a tool message needs 'tool_call_id', the id of the call it "
+                         "answers",
+                         i);
             cJSON_Delete(out);
             return NULL;
         }
         if (name && !cJSON_IsNull(name) && !cJSON_IsString(name)) {
-            fail(b, 400, "messages", "messages[%d].name must be a string", i);
+            request_fail(b, 400, "messages", "messages[%d].name must be a string", i);
             cJSON_Delete(out);
             return NULL;
         }
@@ -406,7 +246,7 @@ static cJSON *template_messages(const cJSON *msgs, size_t max_values, bad *b)
         }
     }
     if (!out)
-        fail(b, 500, NULL, "out of memory");
+        request_fail(b, 500, NULL, "out of memory");
     return out;
 }
 
@@ -429,25 +269,27 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
     const cJSON *tools = cJSON_GetObjectItemCaseSensitive(body, "tools");
     const cJSON *choice = cJSON_GetObjectItemCaseSensitive(body, "tool_choice");
     p->parallel_tool_calls = 1;
-    if (get_bool(body, "parallel_tool_calls", &p->parallel_tool_calls, b) < 0)
+    if (field_bool(body, "parallel_tool_calls", &p->parallel_tool_calls, b) < 0)
         return -1;
     if (!tools || cJSON_IsNull(tools)) {
         if (choice && !cJSON_IsNull(choice) &&
             !(cJSON_IsString(choice) && !strcmp(choice->valuestring, "none")))
-            return fail(b, 400, "tool_choice",
-                        "'tool_choice' is only allowed when 'tools' are given");
+            return request_fail(b, 400, "tool_choice",
+                                "'tool_choice' is only allowed when 'tools' are given");
         return 0;
     }
     if (!cJSON_IsArray(tools))
-        return fail(b, 400, "tools", "'tools' must be an array, not %s", json_type(tools));
+        return request_fail(b, 400, "tools", "'tools' must be an array, not %s",
+                            json_type_name(tools));
     int n = cJSON_GetArraySize(tools);
     if (n > OPENAI_MAX_TOOLS)
-        return fail(b, 400, "tools", "'tools' takes at most %d functions", OPENAI_MAX_TOOLS);
+        return request_fail(b, 400, "tools", "'tools' takes at most %d functions",
+                            OPENAI_MAX_TOOLS);
     if (n == 0)
         return 0;
     p->tool_names = calloc((size_t)n, sizeof *p->tool_names);
     if (!p->tool_names)
-        return fail(b, 500, NULL, "out of memory");
+        return request_fail(b, 500, NULL, "out of memory");
     int i = 0;
     for (const cJSON *t = tools->child; t; t = t->next, i++) {
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type");
@@ -467,55 +309,60 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
             ? "function.parameters must be a JSON Schema object"
             : NULL;
         if (why)
-            return fail(b, 400, "tools", "tools[%d].%s", i, why);
+            return request_fail(b, 400, "tools", "tools[%d].%s", i, why);
         for (int k = 0; k < p->n_tools; k++)
             if (!strcmp(p->tool_names[k], name->valuestring))
-                return fail(b, 400, "tools", "tools[%d]: a second function named '%s'", i,
-                            name->valuestring);
+                return request_fail(b, 400, "tools", "tools[%d]: a second function named '%s'", i,
+                                    name->valuestring);
         if (!(p->tool_names[p->n_tools++] = strdup(name->valuestring)))
-            return fail(b, 500, NULL, "out of memory");
+            return request_fail(b, 500, NULL, "out of memory");
     }
     const char *mode = "auto";
     if (cJSON_IsString(choice)) {
         mode = choice->valuestring;
         if (strcmp(mode, "auto") && strcmp(mode, "none") && strcmp(mode, "required"))
-            return fail(b, 400, "tool_choice",
-                        "'tool_choice' must be \"auto\", \"none\", \"required\" or "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}; got \"%s\"",
-                        mode);
+            return request_fail(
+                b, 400, "tool_choice",
+                "'tool_choice' must be \"auto\", \"none\", \"required\" or "
+                "{\"type\": \"function\", \"function\": {\"name\": ...}}; got \"%s\"",
+                mode);
     } else if (cJSON_IsObject(choice)) {
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(
             cJSON_GetObjectItemCaseSensitive(choice, "function"), "name");
         if (!cJSON_IsString(name))
-            return fail(b, 400, "tool_choice",
-                        "'tool_choice' names a function as "
-                        "{\"type\": \"function\", \"function\": {\"name\": ...}}");
+            return request_fail(b, 400, "tool_choice",
+                                "'tool_choice' names a function as "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}");
         int found = 0;
         for (int k = 0; k < p->n_tools && !found; k++)
             found = !strcmp(p->tool_names[k], name->valuestring);
         if (!found)
-            return fail(b, 400, "tool_choice", "'tool_choice' names '%s', which is not in 'tools'",
-                        name->valuestring);
+            return request_fail(b, 400, "tool_choice",
+                                "'tool_choice' names '%s', which is not in 'tools'",
+                                name->valuestring);
         mode = "a named function";
     } else if (choice && !cJSON_IsNull(choice)) {
-        return fail(b, 400, "tool_choice", "'tool_choice' must be a string or an object, not %s",
-                    json_type(choice));
+        return request_fail(b, 400, "tool_choice",
+                            "'tool_choice' must be a string or an object, not %s",
+                            json_type_name(choice));
     }
     if (!strcmp(mode, "none"))
         return 0; /* the model is not told of the tools, and its answer is text */
     p->tool_syntax = loom_chat_format_tool_syntax(srv->chat);
     if (p->tool_syntax == LOOM_TOOLS_NONE)
-        return fail(b, 400, "tools",
-                    "this server's chat template (%s) does not show tools to the model; give one "
-                    "that does with --chat-template-file",
-                    srv->chat->about);
+        return request_fail(
+            b, 400, "tools",
+            "this server's chat template (%s) does not show tools to the model; give one "
+            "that does with --chat-template-file",
+            srv->chat->about);
     if (p->tool_syntax == LOOM_TOOLS_UNKNOWN)
-        return fail(b, 400, "tools",
-                    "this server's chat template (%s) offers tools in a form loom cannot read back "
-                    "(it reads the hermes/Qwen, Llama 3, Mistral, GLM-4 and GLM-4.5 forms)",
-                    srv->chat->about);
+        return request_fail(
+            b, 400, "tools",
+            "this server's chat template (%s) offers tools in a form loom cannot read back "
+            "(it reads the hermes/Qwen, Llama 3, Mistral, GLM-4 and GLM-4.5 forms)",
+            srv->chat->about);
     if (!(p->tools_json = cJSON_PrintUnformatted(tools)))
-        return fail(b, 500, NULL, "out of memory");
+        return request_fail(b, 500, NULL, "out of memory");
     if (!strcmp(mode, "auto"))
         return 0;
     /* "required" or a named function: the answer is made to be calls whose arguments match
@@ -531,7 +378,8 @@ static int parse_tools(const openai_model *srv, const cJSON *body, parsed *p, ba
     p->grammar_param = "tool_choice";
     free(gbnf);
     if (!p->grammar)
-        return fail(b, 400, "tool_choice", "tool_choice %s: %s", name ? name : "required", err);
+        return request_fail(b, 400, "tool_choice", "tool_choice %s: %s", name ? name : "required",
+                            err);
     return 0;
 }
 
@@ -544,14 +392,14 @@ static int parse_format(const cJSON *body, parsed *p, bad *b)
     char err[512];
     if (gr && !cJSON_IsNull(gr)) {
         if (!cJSON_IsString(gr))
-            return fail(b, 400, "grammar", "'grammar' must be a string of GBNF, not %s",
-                        json_type(gr));
+            return request_fail(b, 400, "grammar", "'grammar' must be a string of GBNF, not %s",
+                                json_type_name(gr));
         if (p->grammar || (rf && !cJSON_IsNull(rf)))
-            return fail(b, 400, "grammar",
-                        "'grammar' cannot go with response_format or a tool_choice that "
-                        "requires a call");
+            return request_fail(b, 400, "grammar",
+                                "'grammar' cannot go with response_format or a tool_choice that "
+                                "requires a call");
         if (!(p->grammar = loom_grammar_compile(gr->valuestring, err, sizeof err)))
-            return fail(b, 400, "grammar", "%s", err);
+            return request_fail(b, 400, "grammar", "%s", err);
         p->grammar_param = "grammar";
         return 0;
     }
@@ -559,15 +407,16 @@ static int parse_format(const cJSON *body, parsed *p, bad *b)
         return 0;
     const cJSON *type = cJSON_GetObjectItemCaseSensitive(rf, "type");
     if (!cJSON_IsObject(rf) || !cJSON_IsString(type))
-        return fail(b, 400, "response_format",
-                    "'response_format' must be an object with a 'type': text, json_object or "
-                    "json_schema");
+        return request_fail(
+            b, 400, "response_format",
+            "'response_format' must be an object with a 'type': text, json_object or "
+            "json_schema");
     const char *t = type->valuestring;
     if (!strcmp(t, "text"))
         return 0;
     if (p->grammar)
-        return fail(b, 400, "response_format",
-                    "'response_format' cannot go with a tool_choice that requires a call");
+        return request_fail(b, 400, "response_format",
+                            "'response_format' cannot go with a tool_choice that requires a call");
     char *schema = NULL;
     if (!strcmp(t, "json_object")) {
         schema = strdup("{\"type\": \"object\"}");
@@ -576,24 +425,25 @@ static int parse_format(const cJSON *body, parsed *p, bad *b)
         const cJSON *name = cJSON_GetObjectItemCaseSensitive(js, "name");
         const cJSON *sc = cJSON_GetObjectItemCaseSensitive(js, "schema");
         if (!cJSON_IsObject(js) || !cJSON_IsString(name))
-            return fail(b, 400, "response_format",
-                        "response_format json_schema needs 'json_schema': {\"name\": ..., "
-                        "\"schema\": {...}}");
+            return request_fail(b, 400, "response_format",
+                                "response_format json_schema needs 'json_schema': {\"name\": ..., "
+                                "\"schema\": {...}}");
         if (sc && !cJSON_IsObject(sc) && !cJSON_IsBool(sc))
-            return fail(b, 400, "response_format",
-                        "json_schema.schema must be a JSON Schema object");
+            return request_fail(b, 400, "response_format",
+                                "json_schema.schema must be a JSON Schema object");
         schema = sc ? cJSON_PrintUnformatted(sc) : strdup("{}");
     } else {
-        return fail(b, 400, "response_format",
-                    "response_format type '%s' is not one of text, json_object, json_schema", t);
+        return request_fail(
+            b, 400, "response_format",
+            "response_format type '%s' is not one of text, json_object, json_schema", t);
     }
     if (!schema)
-        return fail(b, 500, NULL, "out of memory");
+        return request_fail(b, 500, NULL, "out of memory");
     p->grammar = loom_grammar_from_json_schema(schema, err, sizeof err);
     p->grammar_param = "response_format";
     free(schema);
     if (!p->grammar)
-        return fail(b, 400, "response_format", "json_schema: %s", err);
+        return request_fail(b, 400, "response_format", "json_schema: %s", err);
     return 0;
 }
 
@@ -602,9 +452,9 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
 {
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
     if (!msgs)
-        return fail(b, 400, "messages", "Missing required parameter: 'messages'");
+        return request_fail(b, 400, "messages", "Missing required parameter: 'messages'");
     if (!cJSON_IsArray(msgs) || !msgs->child)
-        return fail(b, 400, "messages", "'messages' must be a non-empty array");
+        return request_fail(b, 400, "messages", "'messages' must be a non-empty array");
     if (parse_tools(srv, body, p, b) != 0)
         return -1;
     cJSON *tm = template_messages(msgs, openai_max_values(srv->n_ctx), b);
@@ -612,7 +462,7 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
         return -1;
     char *messages = cJSON_PrintUnformatted(tm), *prompt = NULL, *kwargs = NULL, err[512];
     cJSON_Delete(tm);
-    int rc = messages ? 0 : fail(b, 500, NULL, "out of memory");
+    int rc = messages ? 0 : request_fail(b, 500, NULL, "out of memory");
     loom_text_span *spans = NULL;
     int n_spans = 0, add_special = 1;
     /* chat_template_kwargs (vLLM's and llama.cpp's field): the template's own variables, such
@@ -620,9 +470,10 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
     const cJSON *kw = cJSON_GetObjectItemCaseSensitive(body, "chat_template_kwargs");
     if (rc == 0 && kw && !cJSON_IsNull(kw)) {
         if (!cJSON_IsObject(kw))
-            rc = fail(b, 400, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
+            rc = request_fail(b, 400, "chat_template_kwargs",
+                              "'chat_template_kwargs' must be an object");
         else if (!(kwargs = cJSON_PrintUnformatted(kw)))
-            rc = fail(b, 500, NULL, "out of memory");
+            rc = request_fail(b, 500, NULL, "out of memory");
     }
     loom_chat_vars v = {.messages_json = messages,
                         .tools_json = p->tools_json,
@@ -631,10 +482,11 @@ static int parse_messages(const openai_model *srv, const cJSON *body, parsed *p,
     if (rc == 0 &&
         loom_chat_format_render_vars(srv->chat, &v, &prompt, &spans, &n_spans, &add_special, err,
                                      sizeof err) != 0)
-        rc = fail(b, 400,
-                  kwargs && (!srv->chat->jinja || strstr(err, "kwargs")) ? "chat_template_kwargs"
-                                                                         : "messages",
-                  "%s", err);
+        rc = request_fail(b, 400,
+                          kwargs && (!srv->chat->jinja || strstr(err, "kwargs"))
+                              ? "chat_template_kwargs"
+                              : "messages",
+                          "%s", err);
     free(kwargs);
     free(messages);
     if (rc == 0 && loom_chat_format_reasons(srv->chat)) {
@@ -654,7 +506,7 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
 {
     const cJSON *pr = cJSON_GetObjectItemCaseSensitive(body, "prompt");
     if (!pr)
-        return fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
+        return request_fail(b, 400, "prompt", "Missing required parameter: 'prompt'");
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) == 1 && cJSON_IsString(pr->child))
         pr = pr->child;     /* ["text"] */
     if (cJSON_IsString(pr)) /* plain text, unless --parse-special */
@@ -666,25 +518,25 @@ static int parse_prompt(const openai_model *srv, const cJSON *body, parsed *p, b
         int32_t nv = loom_model_n_vocab(srv->model);
         p->ids = malloc((size_t)n * sizeof *p->ids);
         if (!p->ids)
-            return fail(b, 500, NULL, "out of memory");
+            return request_fail(b, 500, NULL, "out of memory");
         for (const cJSON *x = pr->child; x; x = x->next) {
             if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) ||
                 x->valuedouble < 0 || x->valuedouble >= nv)
-                return fail(b, 400, "prompt", "prompt token ids must be whole numbers from 0 to %d",
-                            nv - 1);
+                return request_fail(b, 400, "prompt",
+                                    "prompt token ids must be whole numbers from 0 to %d", nv - 1);
             p->ids[p->n_ids++] = (int32_t)x->valuedouble;
         }
         return 0;
     }
     if (cJSON_IsArray(pr) && cJSON_GetArraySize(pr) > 1)
-        return fail(b, 400, "prompt",
-                    "loom serves one prompt per request; send the %d prompts as "
-                    "separate requests (they run concurrently)",
-                    cJSON_GetArraySize(pr));
-    return fail(b, 400, "prompt",
-                "'prompt' must be a string, an array of token ids, or a one-element "
-                "array of either; got %s",
-                json_type(pr));
+        return request_fail(b, 400, "prompt",
+                            "loom serves one prompt per request; send the %d prompts as "
+                            "separate requests (they run concurrently)",
+                            cJSON_GetArraySize(pr));
+    return request_fail(b, 400, "prompt",
+                        "'prompt' must be a string, an array of token ids, or a one-element "
+                        "array of either; got %s",
+                        json_type_name(pr));
 }
 
 /* "model" names the served one */
@@ -692,14 +544,16 @@ static int check_model(const openai_model *srv, const cJSON *body, bad *b)
 {
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
     if (!model)
-        return fail(b, 400, "model", "Missing required parameter: 'model' (this server has '%s')",
-                    srv->model_name);
+        return request_fail(b, 400, "model",
+                            "Missing required parameter: 'model' (this server has '%s')",
+                            srv->model_name);
     if (!cJSON_IsString(model))
-        return fail(b, 400, "model", "'model' must be a string, not %s", json_type(model));
+        return request_fail(b, 400, "model", "'model' must be a string, not %s",
+                            json_type_name(model));
     if (strcmp(model->valuestring, srv->model_name)) {
         b->code = "model_not_found";
-        return fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
-                    model->valuestring, srv->model_name);
+        return request_fail(b, 404, "model", "The model '%s' does not exist; this server has '%s'",
+                            model->valuestring, srv->model_name);
     }
     return 0;
 }
@@ -710,17 +564,17 @@ static int parse_admission(const cJSON *body, int32_t *priority, int *priority_g
 {
     double x;
     int r;
-    if ((r = get_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
+    if ((r = field_number(body, "priority", -1000000, 1000000, 1, &x, b)) < 0)
         return -1;
     if (r)
         *priority = (int32_t)x, *priority_given = 1;
-    if ((r = get_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
+    if ((r = field_number(body, "timeout", 0.001, 86400, 0, &x, b)) < 0)
         return -1;
     if (r)
         *timeout_s = x;
     const cJSON *u = cJSON_GetObjectItemCaseSensitive(body, "user");
     if (u && !cJSON_IsNull(u) && !cJSON_IsString(u))
-        return fail(b, 400, "user", "'user' must be a string, not %s", json_type(u));
+        return request_fail(b, 400, "user", "'user' must be a string, not %s", json_type_name(u));
     *user = cJSON_IsString(u) ? u->valuestring : NULL;
     return 0;
 }
@@ -736,7 +590,8 @@ static int embedding_input(const openai_model *srv, const cJSON *in, int index, 
         snprintf(param, sizeof param, "input");
     parsed t = {0};
     if (cJSON_IsString(in) && !in->valuestring[0])
-        return fail(b, 400, param, "%s is an empty string: an embedding needs some text", param);
+        return request_fail(b, 400, param, "%s is an empty string: an embedding needs some text",
+                            param);
     if (cJSON_IsString(in)) {
         if (tokenize_text(srv, in->valuestring, 0, 1, NULL, 0, &t, b, param) != 0) {
             free(t.ids);
@@ -745,30 +600,34 @@ static int embedding_input(const openai_model *srv, const cJSON *in, int index, 
     } else if (cJSON_IsArray(in) && (!in->child || cJSON_IsNumber(in->child))) {
         int32_t nv = loom_model_n_vocab(srv->model);
         if (!(t.ids = malloc((size_t)cJSON_GetArraySize(in) * sizeof *t.ids + 1)))
-            return fail(b, 500, NULL, "out of memory");
+            return request_fail(b, 500, NULL, "out of memory");
         for (const cJSON *x = in->child; x; x = x->next) {
             if (!cJSON_IsNumber(x) || x->valuedouble != floor(x->valuedouble) ||
                 x->valuedouble < 0 || x->valuedouble >= nv) {
                 free(t.ids);
-                return fail(b, 400, param, "token ids must be whole numbers from 0 to %d", nv - 1);
+                return request_fail(b, 400, param, "token ids must be whole numbers from 0 to %d",
+                                    nv - 1);
             }
             t.ids[t.n_ids++] = (int32_t)x->valuedouble;
         }
     } else {
-        return fail(b, 400, param,
-                    "'input' must be a string, an array of strings, an array of token ids or an "
-                    "array of such arrays; %s is %s",
-                    param, json_type(in));
+        return request_fail(
+            b, 400, param,
+            "'input' must be a string, an array of strings, an array of token ids or an "
+            "array of such arrays; %s is %s",
+            param, json_type_name(in));
     }
     out->ids = t.ids, out->n_ids = t.n_ids;
     if (t.n_ids <= 0)
-        return fail(b, 400, param, "%s gives no tokens: an embedding needs at least one", param);
+        return request_fail(b, 400, param, "%s gives no tokens: an embedding needs at least one",
+                            param);
     if (t.n_ids > srv->n_ctx) {
         b->code = "context_length_exceeded";
-        return fail(b, 400, param,
-                    "This model's maximum context length is %d tokens, and %s has %d; please "
-                    "shorten it",
-                    srv->n_ctx, param, t.n_ids);
+        return request_fail(
+            b, 400, param,
+            "This model's maximum context length is %d tokens, and %s has %d; please "
+            "shorten it",
+            srv->n_ctx, param, t.n_ids);
     }
     return 0;
 }
@@ -779,62 +638,66 @@ int openai_parse_embeddings(const openai_model *srv, const cJSON *body, embed_pa
                                          "user",    "pooling", "normalize",       "priority",
                                          "timeout", NULL};
     if (!cJSON_IsObject(body))
-        return fail(b, 400, NULL, "the request body must be a JSON object");
-    if (check_known(body, fields, 0, b) || check_model(srv, body, b) != 0)
+        return request_fail(b, 400, NULL, "the request body must be a JSON object");
+    if (fields_known(body, fields, 0, b) || check_model(srv, body, b) != 0)
         return -1;
     p->pooling = LOOM_POOL_LAST, p->normalize = 1;
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(body, "encoding_format");
     if (v && !cJSON_IsNull(v)) {
         if (!cJSON_IsString(v) ||
             (strcmp(v->valuestring, "float") && strcmp(v->valuestring, "base64")))
-            return fail(b, 400, "encoding_format", "'encoding_format' must be 'float' or 'base64'");
+            return request_fail(b, 400, "encoding_format",
+                                "'encoding_format' must be 'float' or 'base64'");
         p->base64 = !strcmp(v->valuestring, "base64");
     }
     v = cJSON_GetObjectItemCaseSensitive(body, "pooling");
     if (v && !cJSON_IsNull(v)) {
         if (!cJSON_IsString(v) ||
             (strcmp(v->valuestring, "last") && strcmp(v->valuestring, "mean")))
-            return fail(b, 400, "pooling",
-                        "'pooling' must be 'last' (the last token's hidden state, the default) "
-                        "or 'mean' (their average over the input)");
+            return request_fail(
+                b, 400, "pooling",
+                "'pooling' must be 'last' (the last token's hidden state, the default) "
+                "or 'mean' (their average over the input)");
         p->pooling = strcmp(v->valuestring, "mean") ? LOOM_POOL_LAST : LOOM_POOL_MEAN;
     }
-    if (get_bool(body, "normalize", &p->normalize, b) < 0)
+    if (field_bool(body, "normalize", &p->normalize, b) < 0)
         return -1;
     double x;
     int r;
     int32_t n_embd = loom_model_n_embd(srv->model);
-    if ((r = get_number(body, "dimensions", 1, 1 << 24, 1, &x, b)) < 0)
+    if ((r = field_number(body, "dimensions", 1, 1 << 24, 1, &x, b)) < 0)
         return -1;
     if (r && (int32_t)x != n_embd) /* shortening is for models trained for it (Matryoshka) */
-        return fail(b, 400, "dimensions",
-                    "this model's embeddings have %d dimensions; 'dimensions' cannot change that "
-                    "(leave it out)",
-                    n_embd);
+        return request_fail(
+            b, 400, "dimensions",
+            "this model's embeddings have %d dimensions; 'dimensions' cannot change that "
+            "(leave it out)",
+            n_embd);
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
         return -1;
     const cJSON *in = cJSON_GetObjectItemCaseSensitive(body, "input");
     if (!in)
-        return fail(b, 400, "input", "Missing required parameter: 'input'");
+        return request_fail(b, 400, "input", "Missing required parameter: 'input'");
     /* a list of inputs: strings or arrays of ids; anything else is one input */
     int many = cJSON_IsArray(in) && in->child &&
         (cJSON_IsString(in->child) || cJSON_IsArray(in->child));
     int n = many ? cJSON_GetArraySize(in) : 1;
     if (cJSON_IsArray(in) && !in->child)
-        return fail(b, 400, "input", "'input' is an empty array: give at least one input");
+        return request_fail(b, 400, "input", "'input' is an empty array: give at least one input");
     if (n > OPENAI_MAX_INPUTS)
-        return fail(b, 400, "input", "'input' has %d inputs; at most %d go in one request", n,
-                    OPENAI_MAX_INPUTS);
+        return request_fail(b, 400, "input", "'input' has %d inputs; at most %d go in one request",
+                            n, OPENAI_MAX_INPUTS);
     /* the answer holds n x n_embd numbers: a few bytes of request must not ask for a hundred
      * megabytes of response */
     if ((int64_t)n * n_embd > OPENAI_MAX_EMBEDDING_VALUES)
-        return fail(b, 400, "input",
-                    "'input' has %d inputs of %d dimensions each: %lld numbers, more than the %d "
-                    "one answer holds; send at most %d inputs a request to this model",
-                    n, n_embd, (long long)n * n_embd, OPENAI_MAX_EMBEDDING_VALUES,
-                    OPENAI_MAX_EMBEDDING_VALUES / n_embd);
+        return request_fail(
+            b, 400, "input",
+            "'input' has %d inputs of %d dimensions each: %lld numbers, more than the %d "
+            "one answer holds; send at most %d inputs a request to this model",
+            n, n_embd, (long long)n * n_embd, OPENAI_MAX_EMBEDDING_VALUES,
+            OPENAI_MAX_EMBEDDING_VALUES / n_embd);
     if (!(p->inputs = calloc((size_t)n, sizeof *p->inputs)))
-        return fail(b, 500, NULL, "out of memory");
+        return request_fail(b, 500, NULL, "out of memory");
     const cJSON *item = many ? in->child : in;
     for (int i = 0; i < n; i++, item = item->next) {
         if (embedding_input(srv, item, i, many, &p->inputs[i], b) != 0) {
@@ -871,37 +734,39 @@ static int parse_speculative(const openai_model *srv, const cJSON *body, parsed 
         return 0;
     }
     if (!cJSON_IsObject(v))
-        return fail(b, 400, "speculative",
-                    "'speculative' must be false or an object {\"draft\": true, \"lookup\": N, "
-                    "\"draft_max\": K}, not %s",
-                    json_type(v));
+        return request_fail(
+            b, 400, "speculative",
+            "'speculative' must be false or an object {\"draft\": true, \"lookup\": N, "
+            "\"draft_max\": K}, not %s",
+            json_type_name(v));
     for (const cJSON *f = v->child; f; f = f->next)
         if (strcmp(f->string, "lookup") && strcmp(f->string, "draft_max") &&
             strcmp(f->string, "draft"))
-            return fail(b, 400, "speculative",
-                        "'speculative' takes 'draft', 'lookup' and 'draft_max', not '%s'",
-                        f->string);
+            return request_fail(b, 400, "speculative",
+                                "'speculative' takes 'draft', 'lookup' and 'draft_max', not '%s'",
+                                f->string);
     double x;
     int r;
-    if (get_bool(v, "draft", &p->draft, b) < 0)
+    if (field_bool(v, "draft", &p->draft, b) < 0)
         return -1;
     if (p->draft && !srv->draft)
-        return fail(b, 400, "speculative",
-                    "this server has no draft model (loom serve --draft or --draft-layers); "
-                    "'lookup' needs none");
-    if ((r = get_number(v, "lookup", 0, 64, 1, &x, b)) < 0)
+        return request_fail(
+            b, 400, "speculative",
+            "this server has no draft model (loom serve --draft or --draft-layers); "
+            "'lookup' needs none");
+    if ((r = field_number(v, "lookup", 0, 64, 1, &x, b)) < 0)
         return -1;
     if (r) {
         p->lookup = (int32_t)x;
         if (x > 0 && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(v, "draft")))
-            return fail(b, 400, "speculative",
-                        "one drafter a request: 'draft': true or 'lookup', not both");
+            return request_fail(b, 400, "speculative",
+                                "one drafter a request: 'draft': true or 'lookup', not both");
         if (x > 0)
             p->draft = 0;
     }
     if (p->draft)
         p->lookup = 0;
-    if ((r = get_number(v, "draft_max", 1, 64, 1, &x, b)) < 0)
+    if ((r = field_number(v, "draft_max", 1, 64, 1, &x, b)) < 0)
         return -1;
     if (r)
         p->draft_max = (int32_t)x;
@@ -937,9 +802,9 @@ static int parse_sampling(const cJSON *body, parsed *p, bad *b)
     if (json) {                                                                                    \
         int yes = 0;                                                                               \
         if (LOOM_SAMPLING_KIND_##kind == LOOM_SAMPLING_KIND_BOOL)                                  \
-            r = get_bool(body, json, &yes, b), x = yes;                                            \
+            r = field_bool(body, json, &yes, b), x = yes;                                          \
         else                                                                                       \
-            r = get_number(body, json, lo, hi, KIND_IS_INT_##kind, &x, b);                         \
+            r = field_number(body, json, lo, hi, KIND_IS_INT_##kind, &x, b);                       \
         if (r < 0)                                                                                 \
             return -1;                                                                             \
         if (r)                                                                                     \
@@ -977,11 +842,11 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     static const char *const chat_unsupported[] = {"logit_bias", "functions", "function_call",
                                                    NULL};
     if (!cJSON_IsObject(body))
-        return fail(b, 400, NULL, "the request body must be a JSON object");
-    if (check_known(body, chat ? chat_fields : completion_fields, 1, b))
+        return request_fail(b, 400, NULL, "the request body must be a JSON object");
+    if (fields_known(body, chat ? chat_fields : completion_fields, 1, b))
         return -1;
     for (const char *const *u = chat ? chat_unsupported : completion_unsupported; *u; u++)
-        if (unsupported(body, *u, b))
+        if (field_unsupported(body, *u, b))
             return -1;
     if (check_model(srv, body, b) != 0)
         return -1;
@@ -993,17 +858,17 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     const char *mt = chat && cJSON_GetObjectItemCaseSensitive(body, "max_completion_tokens")
         ? "max_completion_tokens"
         : "max_tokens";
-    if ((r = get_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0)
+    if ((r = field_number(body, mt, 1, INT_MAX, 1, &x, b)) < 0)
         return -1;
     if (r)
         p->max_tokens = (int32_t)x, p->max_tokens_given = 1;
     if (parse_sampling(body, p, b) != 0)
         return -1;
-    if ((r = get_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0)
+    if ((r = field_number(body, "n", 1, OPENAI_MAX_CHOICES, 1, &x, b)) < 0)
         return -1;
     if (r)
         p->n = (int)x;
-    if (get_bool(body, "stream", &p->stream, b) < 0)
+    if (field_bool(body, "stream", &p->stream, b) < 0)
         return -1;
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
         return -1;
@@ -1011,23 +876,23 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         return -1;
     /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
     if (chat) {
-        if (get_bool(body, "logprobs", &p->logprobs, b) < 0)
+        if (field_bool(body, "logprobs", &p->logprobs, b) < 0)
             return -1;
-        if ((r = get_number(body, "top_logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
+        if ((r = field_number(body, "top_logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
             return -1;
         if (r && !p->logprobs)
-            return fail(b, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+            return request_fail(b, 400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
         p->top_logprobs = r ? (int32_t)x : 0;
     } else {
-        if ((r = get_number(body, "logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
+        if ((r = field_number(body, "logprobs", 0, LOOM_MAX_TOP_LOGPROBS, 1, &x, b)) < 0)
             return -1;
         p->logprobs = r, p->top_logprobs = r ? (int32_t)x : 0;
     }
     const cJSON *so = cJSON_GetObjectItemCaseSensitive(body, "stream_options");
     if (so && !cJSON_IsNull(so)) {
         if (!cJSON_IsObject(so))
-            return fail(b, 400, "stream_options", "'stream_options' must be an object");
-        if (get_bool(so, "include_usage", &p->include_usage, b) < 0)
+            return request_fail(b, 400, "stream_options", "'stream_options' must be an object");
+        if (field_bool(so, "include_usage", &p->include_usage, b) < 0)
             return -1;
     }
     const cJSON *stop = cJSON_GetObjectItemCaseSensitive(body, "stop");
@@ -1035,42 +900,48 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         p->stops[p->n_stops++] = stop->valuestring;
     } else if (cJSON_IsArray(stop)) {
         if (cJSON_GetArraySize(stop) > OPENAI_MAX_STOPS)
-            return fail(b, 400, "stop", "'stop' takes at most %d strings", OPENAI_MAX_STOPS);
+            return request_fail(b, 400, "stop", "'stop' takes at most %d strings",
+                                OPENAI_MAX_STOPS);
         for (const cJSON *s = stop->child; s; s = s->next) {
             if (!cJSON_IsString(s))
-                return fail(b, 400, "stop", "'stop' must be a string or an array of strings");
+                return request_fail(b, 400, "stop",
+                                    "'stop' must be a string or an array of strings");
             p->stops[p->n_stops++] = s->valuestring;
         }
     } else if (stop && !cJSON_IsNull(stop)) {
-        return fail(b, 400, "stop", "'stop' must be a string or an array of strings, not %s",
-                    json_type(stop));
+        return request_fail(b, 400, "stop",
+                            "'stop' must be a string or an array of strings, not %s",
+                            json_type_name(stop));
     }
     for (int i = 0; i < p->n_stops; i++)
         if (!p->stops[i][0])
-            return fail(b, 400, "stop", "stop strings must not be empty");
+            return request_fail(b, 400, "stop", "stop strings must not be empty");
     if ((chat ? parse_messages(srv, body, p, b) : parse_prompt(srv, body, p, b)) != 0)
         return -1;
     if (parse_format(body, p, b) != 0)
         return -1;
     if (p->n_ids <= 0)
-        return fail(b, 400, "prompt", "the prompt gives no tokens");
+        return request_fail(b, 400, "prompt", "the prompt gives no tokens");
     /* 64 bits: max_tokens may be up to INT_MAX */
     int64_t want = (int64_t)p->n_ids + (p->max_tokens_given ? p->max_tokens : 1);
     if (want > srv->n_ctx) {
         b->code = "context_length_exceeded";
         if (p->max_tokens_given)
-            return fail(b, 400, chat ? "messages" : "prompt",
-                        "This model's maximum context length is %d tokens. However, you requested "
-                        "%lld tokens (%d in the prompt, %d for the completion). Please reduce the "
-                        "prompt or the completion length.",
-                        srv->n_ctx, (long long)want, p->n_ids, p->max_tokens);
-        return fail(b, 400, chat ? "messages" : "prompt",
-                    "This model's maximum context length is %d tokens, and the prompt has %d "
-                    "(at least one more is needed for the completion).",
-                    srv->n_ctx, p->n_ids);
+            return request_fail(
+                b, 400, chat ? "messages" : "prompt",
+                "This model's maximum context length is %d tokens. However, you requested "
+                "%lld tokens (%d in the prompt, %d for the completion). Please reduce the "
+                "prompt or the completion length.",
+                srv->n_ctx, (long long)want, p->n_ids, p->max_tokens);
+        return request_fail(
+            b, 400, chat ? "messages" : "prompt",
+            "This model's maximum context length is %d tokens, and the prompt has %d "
+            "(at least one more is needed for the completion).",
+            srv->n_ctx, p->n_ids);
     }
     if (!p->stream && p->include_usage)
-        return fail(b, 400, "stream_options", "'stream_options' is only allowed with stream: true");
+        return request_fail(b, 400, "stream_options",
+                            "'stream_options' is only allowed with stream: true");
     if (!p->seed_given) {
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);
