@@ -155,9 +155,26 @@ static int read_hparams(const loom_gguf *g, const char *arch, loom_hparams *hp, 
             return -1;
         }
     }
-    for (int l = 0; l < hp->n_layer; l++)
-        if ((l + 1) % interval != 0)
+    /* llama.cpp reads the layers' kinds from attention.recurrent_layers (a flag per block) when
+     * a file has it, else from the interval */
+    snprintf(key, sizeof key, "%s.attention.recurrent_layers", arch);
+    const loom_gguf_kv *flags = loom_gguf_find(g, key);
+    if (flags && (flags->type != LOOM_GGUF_ARRAY || flags->count != (uint64_t)blocks)) {
+        snprintf(err, err_size,
+                 "%s: attention.recurrent_layers must be an array of a flag per block (%lld)", arch,
+                 (long long)blocks);
+        return -1;
+    }
+    for (int l = 0; l < hp->n_layer; l++) {
+        double flag = (l + 1) % interval != 0;
+        if (flags &&
+            (loom_gguf_array_f64(g, flags, (uint64_t)l, &flag) != 0 || (flag != 0 && flag != 1))) {
+            snprintf(err, err_size, "%s: attention.recurrent_layers[%d] is not 0 or 1", arch, l);
+            return -1;
+        }
+        if (flag == 1)
             loom_layer_set_recurrent(hp, l);
+    }
     return 0;
 }
 

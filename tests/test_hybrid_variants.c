@@ -5,6 +5,8 @@
  * qwen3_5_moe: Qwen3_5GatedDeltaNet's torch_recurrent_gated_delta_rule, Qwen3_5Attention,
  * Qwen3NextSparseMoeBlock with Qwen3VLMoeTextTopKRouter):
  *   - the pass itself first reproduces tiny-qwen35's PyTorch logits (float64 there too);
+ *   - a qwen35 file whose layers' kinds are attention.recurrent_layers' flags (an interval
+ *     saying otherwise), and one whose flags are too few, which is refused;
  *   - twice as many value heads as key heads (as Qwen3.5-9B and every larger member have):
  *     Hugging Face groups the value heads by key head, llama.cpp's qwen35 files and loom's
  *     conversion tile them (ABI 1.9's v_heads_tiled); the folder as it is and converted, on every
@@ -667,6 +669,34 @@ static void on_check(void *user, const char *check, loom_check_status status, co
     }
 }
 
+/* A qwen35 file whose layers' kinds come from attention.recurrent_layers (a flag per block, as
+ * llama.cpp reads it before full_attention_interval), with an interval that would say
+ * otherwise; and one whose flags are one short, which is refused. */
+static int recurrent_flags_file(const char *from, const char *to, const shape *s, int short_by)
+{
+    loom_gguf g;
+    if (loom_gguf_open(&g, from, err, sizeof err) != 0)
+        return -1;
+    loom_gguf_writer *w = loom_gguf_writer_create();
+    for (uint64_t i = 0; i < g.n_kv; i++)
+        if (strcmp(g.kv[i].key, "general.alignment") &&
+            strcmp(g.kv[i].key, "qwen35.full_attention_interval"))
+            loom_gguf_copy_kv(w, &g, &g.kv[i]);
+    int32_t flags[16];
+    for (int l = 0; l < s->layers; l++)
+        flags[l] = (l + 1) % s->interval != 0;
+    loom_gguf_set_u32(w, "qwen35.full_attention_interval", 2);
+    loom_gguf_set_i32_array(w, "qwen35.attention.recurrent_layers", flags,
+                            (uint64_t)(s->layers - short_by));
+    for (uint64_t i = 0; i < g.n_tensors; i++)
+        loom_gguf_add_tensor(w, g.tensors[i].name, g.tensors[i].type, g.tensors[i].n_dims,
+                             g.tensors[i].ne, loom_gguf_tensor_data(&g, &g.tensors[i]));
+    int rc = loom_gguf_write(w, to, err, sizeof err);
+    loom_gguf_writer_free(w);
+    loom_gguf_close(&g);
+    return rc;
+}
+
 /* path (`form` says what it is) on backend: the last prompt logits within tol of want, and the
  * greedy tokens those of the reference, `greedy`, when given. */
 static void check_path(const char *what, const char *form, const char *path, const char *backend,
@@ -714,6 +744,20 @@ static void check_variant(const char *what, const char *folder, const char *arch
     verify_problems = 0;
     CHECK(loom_verify(gguf, on_check, NULL) == 0 && verify_problems == 0,
           "%s: loom verify finds a problem in loom's conversion", what);
+    char flagged[4400], bad_flags[4400];
+    snprintf(flagged, sizeof flagged, "%s-flags.gguf", folder);
+    snprintf(bad_flags, sizeof bad_flags, "%s-short-flags.gguf", folder);
+    const int dense35 = !strcmp(arch, "qwen35");
+    if (dense35) {
+        CHECK(recurrent_flags_file(gguf, flagged, s, 0) == 0 &&
+                  recurrent_flags_file(gguf, bad_flags, s, 1) == 0,
+              "%s: writing the files with attention.recurrent_layers: %s", what, err);
+        loom_model_options o = {.backend = "ref"};
+        loom_model *m = loom_model_open(bad_flags, &o, err, sizeof err);
+        CHECK(!m && strstr(err, "attention.recurrent_layers must be an array of a flag per block"),
+              "%s: flags one short: %s", what, m ? "opened" : err);
+        loom_model_close(m);
+    }
     static char backends[MAX_TEST_BACKENDS][160];
     int nb = usable_backends(backends, MAX_TEST_BACKENDS);
     for (int b = 0; b < nb; b++) {
@@ -722,9 +766,14 @@ static void check_variant(const char *what, const char *folder, const char *arch
         check_path(what, "folder", folder, backends[b], want, s, ids, T, on_ref, tol);
         if (s->next)
             check_path(what, "gguf with ssm_in", older, backends[b], want, s, ids, T, on_ref, tol);
+        if (dense35)
+            check_path(what, "gguf with attention.recurrent_layers", flagged, backends[b], want, s,
+                       ids, T, NULL, tol);
     }
     unlink(gguf);
     unlink(older);
+    unlink(flagged);
+    unlink(bad_flags);
 }
 
 /* The reference's greedy continuation of ids (each step a whole pass: slow, but plain). */
