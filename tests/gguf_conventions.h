@@ -60,6 +60,77 @@ static void convention_shape3(const loom_gguf *g, const char *label, int64_t ne0
           (long long)ne2);
 }
 
+/* The hybrid families (qwen35, qwen35moe, qwen3next), from llama.cpp's src/models/qwen35*.cpp
+ * and qwen3next.cpp (d32676d): the ssm keys, then per layer the linear-attention or gated
+ * attention tensors, and the MLP or the experts. */
+static void check_hybrid_conventions(const loom_gguf *g, const char *arch, const char *label)
+{
+    const int moe = strcmp(arch, "qwen35"), next = !strcmp(arch, "qwen3next");
+    int64_t E = convention_key(g, arch, "embedding_length", 0, 1, label);
+    /* the last nextn_predict_layers blocks are the multi-token-prediction head */
+    int64_t L = convention_key(g, arch, "block_count", 0, 1, label) -
+        convention_key(g, arch, "nextn_predict_layers", 0, 0, label);
+    int64_t H = convention_key(g, arch, "attention.head_count", 1, 1, label);
+    int64_t Hkv = convention_key(g, arch, "attention.head_count_kv", H, 0, label);
+    int64_t hd = convention_key(g, arch, "attention.key_length", 0, 1, label);
+    int64_t K = convention_key(g, arch, "ssm.conv_kernel", 0, 1, label);
+    int64_t dk = convention_key(g, arch, "ssm.state_size", 0, 1, label);
+    int64_t Gk = convention_key(g, arch, "ssm.group_count", 0, 1, label);
+    int64_t Hv = convention_key(g, arch, "ssm.time_step_rank", 1, 1, label);
+    int64_t inner = convention_key(g, arch, "ssm.inner_size", 0, 1, label);
+    int64_t interval = convention_key(g, arch, "full_attention_interval", 4, 0, label);
+    int64_t F = convention_key(g, arch, "feed_forward_length", 0, !moe, label);
+    int64_t X = moe ? convention_key(g, arch, "expert_count", 0, 1, label) : 0;
+    int64_t Fx = moe ? convention_key(g, arch, "expert_feed_forward_length", 0, 1, label) : 0;
+    int64_t Fs = moe ? convention_key(g, arch, "expert_shared_feed_forward_length", 0, 1, label)
+                     : 0;
+    char key[96];
+    snprintf(key, sizeof key, "%s.rope.dimension_sections", arch);
+    CHECK(next || loom_gguf_find(g, key), "%s: no %s, which llama.cpp's %s loader requires", label,
+          key, arch);
+    const int64_t conv = 2 * Gk * dk + inner;
+    for (int l = 0; l < (int)L; l++) {
+        convention_shape(g, label, 1, E, 0, "blk.%d.attn_norm.weight", l);
+        convention_shape(g, label, 1, E, 0, "blk.%d.post_attention_norm.weight", l);
+        if ((l + 1) % interval) {
+            convention_shape(g, label, 1, E, conv, "blk.%d.attn_qkv.weight", l);
+            convention_shape(g, label, 1, E, inner, "blk.%d.attn_gate.weight", l);
+            convention_shape(g, label, 1, K, conv, "blk.%d.ssm_conv1d.weight", l);
+            convention_shape(g, label, 1, Hv, 0, "blk.%d.ssm_dt.bias", l);
+            convention_shape(g, label, 1, Hv, 0, "blk.%d.ssm_a", l);
+            convention_shape(g, label, 1, inner / Hv, 0, "blk.%d.ssm_norm.weight", l);
+            convention_shape(g, label, 1, inner, E, "blk.%d.ssm_out.weight", l);
+            if (next) {
+                convention_shape(g, label, 1, E, 2 * Hv, "blk.%d.ssm_ba.weight", l);
+            } else {
+                convention_shape(g, label, 1, E, Hv, "blk.%d.ssm_beta.weight", l);
+                convention_shape(g, label, 1, E, Hv, "blk.%d.ssm_alpha.weight", l);
+            }
+        } else {
+            convention_shape(g, label, 1, E, 2 * hd * H, "blk.%d.attn_q.weight", l);
+            convention_shape(g, label, 1, E, hd * Hkv, "blk.%d.attn_k.weight", l);
+            convention_shape(g, label, 1, E, hd * Hkv, "blk.%d.attn_v.weight", l);
+            convention_shape(g, label, 1, hd * H, E, "blk.%d.attn_output.weight", l);
+            convention_shape(g, label, 1, hd, 0, "blk.%d.attn_q_norm.weight", l);
+            convention_shape(g, label, 1, hd, 0, "blk.%d.attn_k_norm.weight", l);
+        }
+        if (!moe) {
+            convention_shape(g, label, 1, E, F, "blk.%d.ffn_gate.weight", l);
+            convention_shape(g, label, 1, E, F, "blk.%d.ffn_up.weight", l);
+            convention_shape(g, label, 1, F, E, "blk.%d.ffn_down.weight", l);
+            continue;
+        }
+        convention_shape(g, label, 1, E, X, "blk.%d.ffn_gate_inp.weight", l);
+        convention_shape3(g, label, E, Fx, X, "blk.%d.ffn_gate_exps.weight", l);
+        convention_shape3(g, label, E, Fx, X, "blk.%d.ffn_up_exps.weight", l);
+        convention_shape3(g, label, Fx, E, X, "blk.%d.ffn_down_exps.weight", l);
+        convention_shape(g, label, 1, E, Fs, "blk.%d.ffn_gate_shexp.weight", l);
+        convention_shape(g, label, 1, E, Fs, "blk.%d.ffn_up_shexp.weight", l);
+        convention_shape(g, label, 1, Fs, E, "blk.%d.ffn_down_shexp.weight", l);
+        convention_shape(g, label, 1, E, 1, "blk.%d.ffn_gate_inp_shexp.weight", l);
+    }
+}
+
 static void check_gguf_conventions(const char *path, const char *label)
 {
     loom_gguf g;
@@ -78,6 +149,11 @@ static void check_gguf_conventions(const char *path, const char *label)
     int llama_like = !strcmp(arch, "llama") || !strcmp(arch, "qwen2") || !strcmp(arch, "qwen3") ||
         moe || glm4;
     int qwen1 = !strcmp(arch, "qwen"), glm = !strcmp(arch, "chatglm");
+    if (!strcmp(arch, "qwen35") || !strcmp(arch, "qwen35moe") || !strcmp(arch, "qwen3next")) {
+        check_hybrid_conventions(&g, arch, label);
+        loom_gguf_close(&g);
+        return;
+    }
     CHECK(llama_like || qwen1 || glm || !strcmp(arch, "chatglm1"), "%s: architecture '%s'", label,
           arch);
     if (!llama_like && !qwen1 && !glm) {

@@ -27,6 +27,7 @@
 #include "backends.h"
 #include "check.h"
 #include "fixture_model.h"
+#include "gguf_conventions.h"
 #include "hf_writer.h"
 #include "reference_f64.h"
 
@@ -741,6 +742,7 @@ static void check_variant(const char *what, const char *folder, const char *arch
     CHECK(gguf_is(gguf, arch, "blk.0.ssm_a"), "%s: the converted file is not GGUF '%s'", what,
           arch);
     CHECK(!s->next || older_qwen3next(gguf, older, s) == 0, "%s: writing %s: %s", what, older, err);
+    check_gguf_conventions(gguf, what);
     verify_problems = 0;
     CHECK(loom_verify(gguf, on_check, NULL) == 0 && verify_problems == 0,
           "%s: loom verify finds a problem in loom's conversion", what);
@@ -872,6 +874,10 @@ int main(void)
     double d = torch ? max_diff(mine, torch, s.vocab) : 1e9;
     CHECK(d < 1e-4, "the test's reference pass disagrees with PyTorch on tiny-qwen35 by %g", d);
     free(torch), free(mine);
+    /* the conventions the variants' files are held to, first on llama.cpp's own file */
+    snprintf(path, sizeof path, "%s/tiny-qwen35/model.gguf", dir);
+    if (access(path, R_OK) == 0)
+        check_gguf_conventions(path, "llama.cpp's tiny-qwen35 model.gguf");
 
     shape wide = s;
     wide.hv = 4; /* two value heads per key head */
