@@ -332,6 +332,8 @@ static const loom_st_tensor *source(conv *c, const loom_hf_tensor *e, int l, int
     if (!t && e->instead) {
         snprintf(src, src_size, e->instead, l);
         t = loom_safetensors_find(&c->st, src);
+        if (!t) /* neither: a message names the first */
+            snprintf(src, src_size, e->hf, l, x);
     }
 #pragma GCC diagnostic pop
     return t;
