@@ -44,6 +44,12 @@ typedef struct drafter {
     float *q;      /* [draft_max][n_vocab]: the drafter model's distributions, sampling only */
     float *logits; /* [n_vocab] scratch */
     uint64_t rng;
+    /* a multi-token-prediction drafter: the target's runner it follows, and its own last
+     * hidden state (the input of its next proposal) */
+    struct loom_runner *target;
+    int32_t n_embd;
+    float *own;
+    int out_of_memory; /* a hidden state could not be kept: no proposals this generation */
 } drafter;
 
 /* The drafter model must spell every id as the target does, or its proposals mean other text. */
@@ -110,6 +116,80 @@ int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *er
     return spec->draft ? same_vocabulary(m, spec->draft, err, err_size) : 0;
 }
 
+/* ---- The model's own multi-token-prediction block as the drafter --------------------------
+ * The block proposes the token after next from the target's final hidden state at a position
+ * and the id that follows it there; its proposals chain on its own hidden state. It follows the
+ * target (loom_runner_follow): every state the target computes is kept in its draft cache until
+ * the id after it is settled, then taken into its KV cache. */
+
+/* The target's states at positions pos0.. (loom_runner_follow): they replace what was kept
+ * from pos0 on (a pass after rejected proposals rewrites those positions). */
+static void keep_target_states(void *user, int32_t pos0, const float *rows, int32_t n)
+{
+    drafter *d = user;
+    loom_draft_cache *c = d->seen;
+    const size_t row = (size_t)d->n_embd * sizeof(float);
+    if (pos0 < c->hidden0 || pos0 > c->hidden0 + c->n_hidden)
+        c->hidden0 = pos0, c->n_hidden = 0; /* not contiguous with what is kept: start again */
+    const int32_t need = pos0 - c->hidden0 + n;
+    if (need > c->hidden_cap) {
+        float *h = realloc(c->hidden, (size_t)need * row);
+        if (!h) {
+            d->out_of_memory = 1;
+            c->n_hidden = 0;
+            return;
+        }
+        c->hidden = h, c->hidden_cap = need;
+    }
+    memcpy(c->hidden + (size_t)(pos0 - c->hidden0) * (size_t)d->n_embd, rows, (size_t)n * row);
+    c->n_hidden = need;
+}
+
+/* The block's own state after its last row: the input of the proposal after. */
+static void keep_own_state(void *user, int32_t pos0, const float *rows, int32_t n)
+{
+    drafter *d = user;
+    (void)pos0;
+    memcpy(d->own, rows + (size_t)(n - 1) * (size_t)d->n_embd, (size_t)d->n_embd * sizeof *d->own);
+}
+
+/* Brings the block's cache to the pairs at positions [0, n_text - 1) (the last id's state is
+ * not known until the target runs it), so that its logits propose the id after text. Returns 1
+ * when they do, 0 when the target's state before the last id is not at hand (nothing to
+ * propose from), -1 on error. */
+static int mtp_sync(drafter *d, const int32_t *text, int32_t n_text, char *err, size_t err_size)
+{
+    loom_draft_cache *c = d->seen;
+    if (d->out_of_memory || n_text < 2)
+        return 0;
+    int32_t keep = 0; /* pair i stands while ids 0..i + 1 do */
+    while (keep < c->n && keep < n_text && c->ids[keep] == text[keep])
+        keep++;
+    const int32_t end = n_text - 1;
+    int32_t from = keep > 0 ? keep - 1 : 0;
+    if (from >= end)
+        from = end - 1;    /* run the last pair again: its logits are what proposes */
+    if (from < c->hidden0) /* states never kept (a prefix evaluated before it followed): */
+        from = c->hidden0; /* its cache keeps what it had there, worse proposals at most */
+    if (from >= end || end > c->hidden0 + c->n_hidden)
+        return 0;
+    c->n = from < keep ? from + 1 : 0; /* a failed eval leaves the rest unknown */
+    if (loom_runner_eval_mtp(loom_model_runner(d->model), text + from + 1,
+                             c->hidden + (size_t)(from - c->hidden0) * (size_t)d->n_embd,
+                             end - from, from, err, err_size) != 0)
+        return -1;
+    memcpy(c->ids, text, (size_t)n_text * sizeof *text);
+    c->n = n_text;
+    /* the states taken go, but the one at end - 1 (for the next sync to run its pair again if
+     * nothing new came) and those after it: the prompt's last is the next pair's, and any
+     * other the target rewrites (its next pass starts at end) before a sync reads it */
+    const int32_t drop = end - 1 - c->hidden0;
+    c->n_hidden -= drop, c->hidden0 += drop;
+    memmove(c->hidden, c->hidden + (size_t)drop * (size_t)d->n_embd,
+            (size_t)c->n_hidden * (size_t)d->n_embd * sizeof *c->hidden);
+    return 1;
+}
+
 static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec, int32_t draft_max,
                         const loom_sampling *s, char *err, size_t err_size)
 {
@@ -139,12 +219,35 @@ static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec,
         snprintf(err, err_size, "out of memory");
         return -1;
     }
+    if (d->seen->mtp) {
+        const loom_hparams *a = loom_runner_hparams(loom_model_runner(m));
+        const loom_hparams *b = loom_runner_hparams(loom_model_runner(d->model));
+        if (strcmp(a->arch, b->arch) != 0 || a->n_embd != b->n_embd || a->n_layer != b->n_layer) {
+            snprintf(err, err_size,
+                     "the multi-token-prediction drafter is another model's (%s, %d layers of "
+                     "%d, against %s, %d of %d): open it from the model's own file",
+                     b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
+            return -1;
+        }
+        d->n_embd = a->n_embd;
+        if (!(d->own = malloc((size_t)d->n_embd * sizeof *d->own))) {
+            snprintf(err, err_size, "out of memory");
+            return -1;
+        }
+        d->target = loom_model_runner(m);
+        loom_runner_follow(d->target, keep_target_states, d);
+        loom_runner_follow(loom_model_runner(d->model), keep_own_state, d);
+    }
     return 0;
 }
 
 static void drafter_free(drafter *d)
 {
-    free(d->q), free(d->logits);
+    if (d->target) {
+        loom_runner_follow(d->target, NULL, NULL);
+        loom_runner_follow(loom_model_runner(d->model), NULL, NULL);
+    }
+    free(d->q), free(d->logits), free(d->own);
 }
 
 int32_t loom_lookup_draft(const int32_t *text, int32_t n_text, int32_t n_max, int32_t k,
@@ -198,8 +301,14 @@ static int32_t model_draft(drafter *d, const int32_t *text, int32_t n_text, int3
         k = loom_model_n_ctx(dm) - n_text;
     if (k <= 0)
         return 0;
-    if (drafter_sync(d, text, n_text, err, err_size) != 0)
+    const int mtp = d->seen->mtp;
+    if (mtp) {
+        int ready = mtp_sync(d, text, n_text, err, err_size);
+        if (ready <= 0)
+            return ready;
+    } else if (drafter_sync(d, text, n_text, err, err_size) != 0) {
         return -1;
+    }
     /* the history the penalties see: the text, then the proposals so far */
     int32_t *hist = d->seen->ids;
     int32_t n = 0;
@@ -234,11 +343,15 @@ static int32_t model_draft(drafter *d, const int32_t *text, int32_t n_text, int3
         out[n++] = tok;
         if (n == k)
             break;
-        /* its cache takes the proposal, so that it can propose the next */
-        if (loom_runner_eval(r, &tok, 1, n_text + n - 1, err, err_size) != 0)
+        /* its cache takes the proposal, so that it can propose the next (the MTP block's with
+         * its own state beside it, one position behind) */
+        if ((mtp ? loom_runner_eval_mtp(r, &tok, d->own, 1, n_text + n - 2, err, err_size)
+                 : loom_runner_eval(r, &tok, 1, n_text + n - 1, err, err_size)) != 0)
             return -1;
         d->seen->ids[d->seen->n++] = tok;
     }
+    if (mtp) /* what it ran on its own states does not stand: the target's will replace them */
+        d->seen->n = n_text;
     return n;
 }
 
@@ -406,7 +519,9 @@ static int generate(loom_model *m, const loom_speculation *spec, const loom_cons
         memcpy(text + n_before, prompt, (size_t)n_prompt * sizeof *text);
         rc = loom_runner_eval(runner, prompt, n_prompt, pos0, err, err_size);
         /* the drafter's prefill counts as the prompt's (and warms its weights' layouts) */
-        if (rc == 0 && d.model)
+        if (rc == 0 && d.model && d.seen->mtp)
+            rc = mtp_sync(&d, text, n_text, err, err_size) < 0 ? -1 : 0;
+        else if (rc == 0 && d.model)
             rc = drafter_sync(&d, text, n_text, err, err_size);
         t_prefill = now_ms() - t0, t_decode0 = now_ms();
     }

@@ -92,6 +92,13 @@ void loom_pool_result(const double *sum, int32_t n_pooled, int32_t n_embd, int n
 typedef struct loom_draft_cache {
     int32_t *ids;
     int32_t n;
+    /* a multi-token-prediction drafter (loom_model_options.mtp): its KV cache holds positions
+     * [0, n - 1), each the pair (the target's final hidden state there, the next id); hidden
+     * holds the target's states at positions [hidden0, hidden0 + n_hidden) that it has not
+     * taken yet (n_embd floats each, room for hidden_cap) */
+    int mtp;
+    float *hidden;
+    int32_t hidden0, n_hidden, hidden_cap;
 } loom_draft_cache;
 loom_draft_cache *loom_model_draft_cache(loom_model *m);
 /* Where a generation keeps its prompt's last logits (loom_prompt_logits): n_vocab floats. */

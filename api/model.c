@@ -94,6 +94,7 @@ void loom_model_close(loom_model *m)
     loom_gguf_close(&m->gguf);
     free(m->prompt_logits);
     free(m->draft_cache.ids);
+    free(m->draft_cache.hidden);
     free(m->unsampled);
     free(m);
 }
@@ -309,7 +310,8 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
                               .strict = behaviour(opts->strict, "LOOM_STRICT", 0),
                               .kv_sequences = opts->kv_sequences,
                               .block_size = opts->block_size,
-                              .first_layers = opts->first_layers};
+                              .first_layers = opts->first_layers,
+                              .mtp = !!opts->mtp};
     if (opts->first_layers < 0) {
         snprintf(err, err_size, "first_layers %d: give a count of layers, or 0 for all",
                  opts->first_layers);
@@ -339,8 +341,9 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (m->dist) {
         /* every rank takes part whatever failed here, so that all of them learn of it */
         int32_t n_layer = ok ? (int32_t)loom_model_kv_int(&m->gguf, a->name, "block_count", 0) : 0;
-        if (opts->first_layers > 0) {
-            snprintf(err, err_size, "a drafter of the first layers does not run as a pipeline");
+        if (opts->first_layers > 0 || opts->mtp) {
+            snprintf(err, err_size, "a drafter of the %s does not run as a pipeline",
+                     opts->mtp ? "multi-token-prediction block" : "first layers");
             goto fail;
         }
         int rc = loom_dist_plan(m->dist, ok ? &m->gguf : NULL, n_layer, opts->stage_layers,
@@ -362,6 +365,11 @@ loom_model *loom_model_open(const char *path, const loom_model_options *opts, ch
     if (opts->first_layers > 0) {
         size_t at = strlen(m->backend);
         snprintf(m->backend + at, sizeof m->backend - at, ", first %d layers", opts->first_layers);
+    }
+    m->draft_cache.mtp = !!opts->mtp;
+    if (opts->mtp) {
+        size_t at = strlen(m->backend);
+        snprintf(m->backend + at, sizeof m->backend - at, ", multi-token prediction");
     }
     return m;
 fail:

@@ -39,7 +39,7 @@ int loom_recurrent_alloc(loom_runner *r, char *err, size_t err_size)
     int any = 0;
     for (int l = 0; l < hp->n_layer; l++)
         any |= loom_layer_recurrent(hp, l);
-    if (!any)
+    if (!any || (!held && !r->opt.link)) /* a drafter of attention layers alone keeps none */
         return 0;
     if (hp->ssm_conv_kernel < 2 || hp->ssm_conv_kernel > 64 || hp->ssm_conv_channels <= 0 ||
         hp->ssm_v_heads <= 0 || hp->ssm_d_k <= 0 || hp->ssm_d_v <= 0 ||

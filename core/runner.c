@@ -106,9 +106,12 @@ const loom_tensor *loom_rt_weight(loom_runner *r, const char *name, int required
          !loom_runner_stage_holds(r->gguf, r->opt.first_layer, r->opt.end_layer, !!ln->recv,
                                   !!ln->send, name)) ||
         (!ln && r->opt.first_layers > 0 &&
-         !loom_runner_stage_holds(r->gguf, 0, r->opt.first_layers, 0, 0, name))) {
-        /* another stage's, or a layer a drafter skips: its shape, for the model's checks,
-         * and no data */
+         !loom_runner_stage_holds(r->gguf, 0, r->opt.first_layers, 0, 0, name)) ||
+        (r->opt.mtp &&
+         !loom_runner_stage_holds(r->gguf, r->hp.n_layer, r->hp.n_layer + r->hp.n_nextn, 0, 0,
+                                  name))) {
+        /* another stage's, or a layer a drafter skips (an MTP drafter: every one but its own
+         * block): its shape, for the model's checks, and no data */
         r->weights[i] = loom_runner_dense(NULL, 0, (loom_dtype)gt->type, gt->ne[0], gt->ne[1],
                                           gt->ne[2], gt->ne[3]);
         r->weights[i].n_dims = (int32_t)gt->n_dims;
@@ -594,6 +597,23 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         return NULL;
     }
     r->layer0 = 0, r->layer_end = hp->n_layer;
+    if (r->opt.mtp) {
+        if (hp->n_nextn <= 0 || r->opt.link || r->opt.first_layers > 0) {
+            snprintf(err, err_size,
+                     hp->n_nextn <= 0
+                         ? "%s: this file has no multi-token-prediction block "
+                           "(nextn_predict_layers is 0), so it cannot draft for itself; "
+                           "use --draft-layers or --lookup"
+                         : "%s: the multi-token-prediction drafter runs alone, not as a "
+                           "pipeline stage or beside first_layers",
+                     hp->arch);
+            loom_runner_free(r);
+            return NULL;
+        }
+        /* the first MTP block drafts every token (later ones, where a file has them, would
+         * draft the tokens after) */
+        r->layer0 = hp->n_layer, r->layer_end = hp->n_layer + 1;
+    }
     if (!r->opt.link && r->opt.first_layers > 0) {
         if (r->opt.first_layers >= hp->n_layer) {
             snprintf(err, err_size,
@@ -651,8 +671,8 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     uint64_t per_cache = r->kv_block * (uint64_t)r->n_blocks;
     for (int l = r->layer0; l < r->layer_end; l++) /* recurrent layers keep a state instead */
         r->n_kv_layers += !loom_layer_recurrent(hp, l);
-    r->kc = calloc((size_t)hp->n_layer, sizeof *r->kc);
-    r->vc = calloc((size_t)hp->n_layer, sizeof *r->vc);
+    r->kc = calloc((size_t)r->layer_end, sizeof *r->kc);
+    r->vc = calloc((size_t)r->layer_end, sizeof *r->vc);
     if (!r->kc || !r->vc ||
         (r->n_kv_layers &&
          dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)r->n_kv_layers, &r->kv) !=
@@ -882,6 +902,14 @@ static int check_step(const loom_runner *r, const loom_step *s, char *err, size_
             snprintf(err, err_size, "hidden row %d is not a token of the step", s->hidden_rows[i]);
             return -1;
         }
+    if (!s->hidden_in != !r->opt.mtp) {
+        snprintf(err, err_size,
+                 r->opt.mtp ? "a multi-token-prediction step needs the model's hidden states "
+                              "beside its tokens"
+                            : "hidden states given to a runner that is not a multi-token-"
+                              "prediction drafter");
+        return -1;
+    }
     return 0;
 }
 
@@ -896,7 +924,9 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
     uint64_t n_slots = r->n_state_slots ? (uint64_t)n : 0;
     uint64_t total = 4 * (uint64_t)n + table + (uint64_t)s->n_logits + n_prefix + n_hidden +
         n_slots;
-    if (loom_recurrent_begin(r, s) == 0 && inputs_reserve(r, total) == 0) {
+    /* an MTP runner's hidden states follow the integers, 4 bytes each as well */
+    const uint64_t n_hidden_in = s->hidden_in ? (uint64_t)n * (uint64_t)r->hp.n_embd : 0;
+    if (loom_recurrent_begin(r, s) == 0 && inputs_reserve(r, total + n_hidden_in) == 0) {
         int32_t *h = r->in_host;
         memcpy(h, s->ids, (size_t)n * 4);
         memcpy(h + n, s->pos, (size_t)n * 4);
@@ -912,7 +942,9 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
                    (size_t)n_hidden * 4);
         if (n_slots)
             memcpy(h + total - n_slots, r->token_slots, (size_t)n_slots * 4);
-        if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, total * 4) != LOOM_OK)
+        if (n_hidden_in)
+            memcpy(h + total, s->hidden_in, (size_t)n_hidden_in * 4);
+        if (ops->copy_from_host(r->dev->be, r->in_buf, 0, h, (total + n_hidden_in) * 4) != LOOM_OK)
             loom_runner_fail(r, "uploading the step's inputs: %s", ops->last_error(r->dev->be));
     }
     r->in.ids = loom_runner_dense(r->in_buf, 0, LOOM_I32, n, 1, 1, 1);
@@ -935,6 +967,8 @@ void loom_runner_execute(loom_runner *r, const loom_step *s)
     if (n_slots)
         r->in.state_slots = loom_runner_dense(r->in_buf, (total - n_slots) * 4, LOOM_I32, n, 1, 1,
                                               1);
+    if (n_hidden_in)
+        r->in.hidden_in = loom_runner_dense(r->in_buf, total * 4, LOOM_F32, r->hp.n_embd, n, 1, 1);
     r->n_scratch_used = 0;
     r->has_logits = r->has_hidden = 0;
     loom_batch b = {n, s->n_logits, s->pos, s->seq, s->prefix_len, s->n_hidden};
@@ -1012,10 +1046,13 @@ int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_s
     return 0;
 }
 
-/* loom_runner_eval, loom_runner_eval_all and loom_runner_eval_hidden: out NULL keeps the last
- * token's logits only; with rows, hidden states instead of logits (every token's, or the last's) */
-static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
-                loom_rows_fn rows, void *user, int every_row, char *err, size_t err_size)
+/* loom_runner_eval, loom_runner_eval_all, loom_runner_eval_hidden and loom_runner_eval_mtp: out
+ * NULL keeps the last token's logits only; with rows, hidden states instead of logits (every
+ * token's, or the last's); hidden_in: an MTP runner's second input. A runner followed
+ * (loom_runner_follow) hands on every token's hidden state as well. */
+static int eval(loom_runner *r, const int32_t *ids, const float *hidden_in, int32_t n, int32_t pos0,
+                float *out, loom_rows_fn rows, void *user, int every_row, char *err,
+                size_t err_size)
 {
     if (n <= 0) {
         snprintf(err, err_size, "nothing to evaluate");
@@ -1059,7 +1096,8 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
             seq[i] = 0;
         }
         int32_t last = m - 1, ends = c0 + m == n;
-        int32_t n_hidden = !rows ? 0 : every_row ? m : ends;
+        const int follow = r->follow && !rows;
+        int32_t n_hidden = follow ? m : !rows ? 0 : every_row ? m : ends;
         loom_step st = {m,
                         ids + c0,
                         pos,
@@ -1075,10 +1113,13 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
                         out ? every : &last,
                         r->seq_prefix_len ? &r->seq_prefix_len : NULL,
                         n_hidden,
-                        every_row ? every : &last,
-                        NULL};
+                        every_row || follow ? every : &last,
+                        NULL,
+                        hidden_in ? hidden_in + (size_t)c0 * (size_t)r->hp.n_embd : NULL};
         rc = loom_runner_step(r, &st, err, err_size);
-        if (rc == 0 && n_hidden)
+        if (rc == 0 && follow)
+            r->follow(r->follow_user, pos0 + c0, loom_runner_hidden(r), m);
+        else if (rc == 0 && n_hidden)
             rows(user, loom_runner_hidden(r), n_hidden);
         if (rc == 0 && out && (loom_runner_is_last_stage(r) || r->opt.link->recv_logits))
             memcpy(out + (size_t)c0 * (size_t)r->hp.n_vocab, r->logits,
@@ -1090,13 +1131,30 @@ static int eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, flo
 int loom_runner_eval(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, char *err,
                      size_t err_size)
 {
-    return eval(r, ids, n, pos0, NULL, NULL, NULL, 0, err, err_size);
+    return eval(r, ids, NULL, n, pos0, NULL, NULL, NULL, 0, err, err_size);
+}
+
+int loom_runner_eval_mtp(loom_runner *r, const int32_t *ids, const float *hidden, int32_t n,
+                         int32_t pos0, char *err, size_t err_size)
+{
+    return eval(r, ids, hidden, n, pos0, NULL, NULL, NULL, 0, err, err_size);
+}
+
+void loom_runner_follow(loom_runner *r, loom_rows_at_fn fn, void *user)
+{
+    assert(!fn || !r->opt.link);
+    r->follow = fn, r->follow_user = user;
+}
+
+int loom_rt_mtp(const loom_runner *r)
+{
+    return r->opt.mtp;
 }
 
 int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t pos0, float *out,
                          char *err, size_t err_size)
 {
-    return eval(r, ids, n, pos0, out, NULL, NULL, 0, err, err_size);
+    return eval(r, ids, NULL, n, pos0, out, NULL, NULL, 0, err, err_size);
 }
 
 int loom_runner_eval_hidden(loom_runner *r, const int32_t *ids, int32_t n, int every_row,
@@ -1106,5 +1164,5 @@ int loom_runner_eval_hidden(loom_runner *r, const int32_t *ids, int32_t n, int e
         snprintf(err, err_size, "hidden states are not kept on a pipeline of stages");
         return -1;
     }
-    return eval(r, ids, n, 0, NULL, rows, user, every_row, err, err_size);
+    return eval(r, ids, NULL, n, 0, NULL, rows, user, every_row, err, err_size);
 }

@@ -54,6 +54,9 @@ typedef struct loom_hparams {
      * ssm_d_k x ssm_d_v delta-rule matrix. No layer marked: none (every other field 0). */
     uint64_t recurrent[LOOM_MAX_LAYERS / 64];
     int32_t ssm_conv_kernel, ssm_conv_channels, ssm_v_heads, ssm_d_k, ssm_d_v;
+    /* Multi-token-prediction blocks past the n_layer layers (GGUF nextn_predict_layers): run
+     * only by a runner opened with loom_runner_options.mtp, as the model's own drafter. */
+    int32_t n_nextn;
 } loom_hparams;
 
 static inline int loom_layer_recurrent(const loom_hparams *hp, int layer)
@@ -151,6 +154,11 @@ typedef struct loom_runner_options {
      * kv_sequences (a sequence's own, its checkpoint for speculation, and one for a snapshot
      * a later prompt resumes from), or 2 without kv_sequences. */
     int32_t state_slots;
+    /* The model's multi-token-prediction block instead of its layers (hp n_nextn above 0): the
+     * runner holds layer n_layer alone (only its weights, the embeddings and the head are
+     * loaded), and token t's input is its id's embedding beside hidden_in[t], the model's final
+     * hidden state at the position before (loom_step.hidden_in, loom_runner_eval_mtp). */
+    int mtp;
 } loom_runner_options;
 
 /* Opens the model in gguf on dev (which stays the caller's) with arch. */
@@ -174,6 +182,15 @@ int loom_runner_eval_all(loom_runner *r, const int32_t *ids, int32_t n, int32_t 
 typedef void (*loom_rows_fn)(void *user, const float *rows, int32_t n);
 int loom_runner_eval_hidden(loom_runner *r, const int32_t *ids, int32_t n, int every_row,
                             loom_rows_fn rows, void *user, char *err, size_t err_size);
+/* From now on every loom_runner_eval, _eval_all and _eval_mtp also hands each token's final
+ * hidden state (after the final norm) to fn, chunk by chunk with the chunk's first position:
+ * what a multi-token-prediction drafter reads. fn NULL: no more. Not on a pipeline of stages. */
+typedef void (*loom_rows_at_fn)(void *user, int32_t pos0, const float *rows, int32_t n);
+void loom_runner_follow(loom_runner *r, loom_rows_at_fn fn, void *user);
+/* An MTP runner's (loom_runner_options.mtp) loom_runner_eval: token t's input is ids[t] beside
+ * hidden[t * n_embd ..], the model's final hidden state at position pos0 + t. */
+int loom_runner_eval_mtp(loom_runner *r, const int32_t *ids, const float *hidden, int32_t n,
+                         int32_t pos0, char *err, size_t err_size);
 /* The logits of the last eval or step: n_logits rows of n_vocab floats. */
 const float *loom_runner_logits(const loom_runner *r);
 /* The final hidden states of the last step's hidden_rows: n_hidden rows of n_embd floats. */
@@ -199,6 +216,9 @@ typedef struct loom_step {
      * with recurrent layers); NULL: slot 0, for a step of one sequence. A sequence's state
      * continues from the last step that ran it, or starts empty at position 0. */
     const int32_t *state_slots;
+    /* An MTP runner's (loom_runner_options.mtp) second input, [n_tokens][n_embd]: the model's
+     * final hidden state beside each token; NULL on any other runner. */
+    const float *hidden_in;
 } loom_step;
 int loom_runner_step(loom_runner *r, const loom_step *s, char *err, size_t err_size);
 
@@ -262,7 +282,11 @@ loom_tensor loom_rt_heads(const loom_tensor *t, int64_t c0, int64_t head_dim, in
 typedef struct loom_rt_inputs {
     loom_tensor ids, pos, slots, seq, block_table, logit_rows, prefix_len, hidden_rows;
     loom_tensor state_slots; /* [tokens]: each token's recurrent-state slot (hybrid models) */
+    loom_tensor hidden_in;   /* [n_embd, tokens]: an MTP runner's loom_step.hidden_in */
 } loom_rt_inputs;
+/* Whether this runner runs the model's multi-token-prediction block (loom_runner_options.mtp):
+ * the family's load and forward then build that block instead of the layers. */
+int loom_rt_mtp(const loom_runner *r);
 const loom_rt_inputs *loom_rt_inputs_of(const loom_runner *r);
 /* Layer l's K and V caches. */
 const loom_tensor *loom_rt_kcache(const loom_runner *r, int layer);

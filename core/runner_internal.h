@@ -67,8 +67,10 @@ struct loom_runner {
     float *handoff;            /* host copy of the hidden states a stage receives or sends */
     uint64_t handoff_cap;      /* its size in floats */
 
-    loom_buffer *in_buf; /* ids | pos | slots | seq | block table | logit rows, I32 */
-    uint64_t in_cap;     /* its size in int32s */
+    /* ids | pos | slots | seq | block table | logit rows | prefix lengths | hidden rows | state
+     * slots, I32; then an MTP runner's hidden_in, F32 */
+    loom_buffer *in_buf;
+    uint64_t in_cap; /* its size in int32s */
     int32_t *in_host;
     loom_rt_inputs in;
     int has_prefix;         /* this step has in.prefix_len */
@@ -84,8 +86,10 @@ struct loom_runner {
     int32_t logits_cap;     /* rows */
     loom_tensor hidden_src; /* the step's wanted final hidden states, on the device */
     int has_hidden;
-    float *hidden;      /* [n_hidden][n_embd] */
-    int32_t hidden_cap; /* rows */
+    float *hidden;          /* [n_hidden][n_embd] */
+    int32_t hidden_cap;     /* rows */
+    loom_rows_at_fn follow; /* loom_runner_follow's: every eval's hidden states go to it */
+    void *follow_user;
 
     loom_fallback *fallback;    /* for ops the device lacks; opened on first need */
     loom_fallback *experts_run; /* matmul_id on opt.experts, when the experts are placed there */

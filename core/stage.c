@@ -183,13 +183,10 @@ static void step_in_parts(loom_runner *r, const loom_step *s, int k)
             if (s->logit_rows[i] >= t0 && s->logit_rows[i] < t1)
                 rows[m] = s->logit_rows[i] - t0, idx[m++] = i;
         first[p + 1] = m;
-        loom_step part = {t1 - t0,       s->ids + t0,
-                          s->pos + t0,   s->seq + t0,
-                          s->slots + t0, s->n_seqs,
-                          s->max_blocks, s->block_table,
-                          m - first[p],  rows + first[p],
-                          NULL,          0,
-                          NULL,          NULL};
+        loom_step part = {
+            t1 - t0,       s->ids + t0,    s->pos + t0,  s->seq + t0,     s->slots + t0, s->n_seqs,
+            s->max_blocks, s->block_table, m - first[p], rows + first[p], NULL,          0,
+            NULL,          NULL,           NULL};
         if (!announced_step(r, &part))
             break;
         sent++;

@@ -570,6 +570,7 @@ int loom_dist_follow(loom_dist *d, loom_runner *r, char *err, size_t err_size)
                             c.has_prefix ? p + 4 * c.n_tokens + table + c.n_logits : NULL,
                             0,
                             NULL,
+                            NULL,
                             NULL};
             new_step(d);
             /* a failure goes down the pipeline to rank 0, which decides; the runner passes

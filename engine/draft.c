@@ -162,6 +162,13 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
     loom_speculation check = {.draft = o->draft};
     if (loom_speculation_check(e->model, &check, err, err_size) != 0)
         return -1;
+    if (loom_model_draft_cache(o->draft)->mtp) {
+        snprintf(err, err_size,
+                 "the engine cannot draft with a multi-token-prediction block yet (it needs "
+                 "each sequence's hidden states from the batched step); loom run and chat "
+                 "can: serve with --lookup or --draft-layers");
+        return -1;
+    }
     e->draft = o->draft;
     e->drunner = loom_model_runner(o->draft);
     e->draft_p_min = o->draft_p_min;

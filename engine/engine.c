@@ -625,7 +625,7 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
     /* clang-format off */
     loom_step st = {n_tok, ids, pos, seq, slots, n_plan, max_blocks, table, n_logits, rows,
                     any_prefix ? prefix : NULL, n_hidden, hidden_rows,
-                    e->n_state_slots ? state_slots : NULL};
+                    e->n_state_slots ? state_slots : NULL, NULL};
     /* clang-format on */
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);

@@ -118,8 +118,8 @@ void engine_replay_kept(loom_engine *e, ereq **who, int n, int32_t *buf)
             row[b] = 0;
         state[i] = q->state_slot;
     }
-    loom_step st = {n_tok, ids, pos,  seq,  slots, n,    max_blocks,
-                    table, 0,   NULL, NULL, 0,     NULL, state};
+    loom_step st = {n_tok, ids,  pos,  seq, slots, n,     max_blocks, table,
+                    0,     NULL, NULL, 0,   NULL,  state, NULL};
     if (rc == 0)
         rc = loom_runner_step(e->runner, &st, err, sizeof err);
     for (int i = 0; rc != 0 && i < n; i++) {

@@ -24,7 +24,10 @@
  * the 1 added (every norm but ssm_norm), and A_log as ssm_a = -exp(A_log); with more value heads
  * than key heads it stores the value heads tiled (value head h reads key head h % group_count),
  * not grouped by key head as Hugging Face does, and so does `loom convert`. The file's last
- * nextn_predict_layers blocks are the multi-token-prediction head, which a plain run skips.
+ * nextn_predict_layers blocks are the multi-token-prediction head, which a plain run skips and
+ * an MTP runner (loom_rt_mtp) runs alone: eh_proj over [enorm(embedding); hnorm(the main
+ * model's final hidden state)], a full-attention layer with its own KV cache, shared_head_norm,
+ * the model's head (vLLM's Qwen3NextMultiTokenPredictor: Hugging Face's code has none).
  *
  * Qwen3-Next differs only in its linear layers' projections, which its checkpoint fuses per key
  * head: in_proj_qkvz ([q, k, v, z] of each key head's group) and in_proj_ba ([beta, alpha] of
@@ -67,6 +70,9 @@ typedef struct q35_layer {
 
 typedef struct q35_model {
     const loom_tensor *tok_embd, *out_norm, *output;
+    /* the multi-token-prediction block's own (an MTP runner's): nextn.eh_proj [2 n_embd,
+     * n_embd] over [enorm(embedding); hnorm(hidden)], and its final norm */
+    const loom_tensor *eh_proj, *enorm, *hnorm, *head_norm;
     int32_t k_heads; /* the linear layers' q and k heads */
     int next;        /* Qwen3-Next: fused projections, value heads grouped by key head */
     q35_layer *layers;
@@ -91,6 +97,7 @@ static int read_hparams(const loom_gguf *g, const char *arch, loom_hparams *hp, 
     int64_t blocks = loom_model_kv_int(g, arch, "block_count", 0);
     int64_t nextn = loom_model_kv_int(g, arch, "nextn_predict_layers", 0);
     hp->n_layer = (int32_t)(blocks - nextn);
+    hp->n_nextn = (int32_t)nextn;
     hp->n_head = (int32_t)loom_model_kv_int(g, arch, "attention.head_count", 0);
     hp->n_head_kv = (int32_t)loom_model_kv_int(g, arch, "attention.head_count_kv", hp->n_head);
     hp->head_dim = (int32_t)loom_model_kv_int(g, arch, "attention.key_length", 0);
@@ -184,7 +191,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     const loom_gguf *g = loom_rt_gguf(r);
     q35_model *m = calloc(1, sizeof *m);
     if (!m || read_hparams(g, arch, hp, m, err, err_size) != 0 ||
-        !(m->layers = calloc((size_t)hp->n_layer, sizeof *m->layers))) {
+        !(m->layers = calloc((size_t)(hp->n_layer + hp->n_nextn), sizeof *m->layers))) {
         if (m && !err[0])
             snprintf(err, err_size, "out of memory");
         q35_free(m);
@@ -198,7 +205,9 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     char name[96];
 #define W(field, fmt, required)                                                                    \
     (snprintf(name, sizeof name, fmt, l), L->field = loom_rt_weight(r, name, required))
-    for (int l = 0; l < hp->n_layer; l++) {
+    /* an MTP runner reads the first MTP block as well: a full-attention layer and its own */
+    const int mtp = loom_rt_mtp(r) && hp->n_nextn > 0;
+    for (int l = 0; l < hp->n_layer + mtp; l++) {
         q35_layer *L = &m->layers[l];
         W(attn_norm, "blk.%d.attn_norm.weight", 1);
         W(ffn_norm, "blk.%d.post_attention_norm.weight", 1);
@@ -216,6 +225,14 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
             W(gate, "blk.%d.ffn_gate.weight", 1);
             W(up, "blk.%d.ffn_up.weight", 1);
             W(down, "blk.%d.ffn_down.weight", 1);
+        }
+        if (l == hp->n_layer) { /* the MTP block's own */
+            static const char *const own[4] = {"eh_proj", "enorm", "hnorm", "shared_head_norm"};
+            const loom_tensor **to[4] = {&m->eh_proj, &m->enorm, &m->hnorm, &m->head_norm};
+            for (int i = 0; i < 4; i++) {
+                snprintf(name, sizeof name, "blk.%d.nextn.%s.weight", l, own[i]);
+                *to[i] = loom_rt_weight(r, name, 1);
+            }
         }
         if (loom_layer_recurrent(hp, l)) {
             if (m->next)
@@ -253,7 +270,16 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
     const int64_t d = hp->n_embd, hd = hp->head_dim, hv = hp->ssm_v_heads;
     const int64_t inner = hv * hp->ssm_d_v, C = hp->ssm_conv_channels;
     int ok = m->tok_embd->ne[0] == d && m->output->ne[0] == d && m->out_norm->ne[0] == d;
-    for (int l = 0; ok && l < hp->n_layer; l++) {
+    if (mtp &&
+        !(m->eh_proj->ne[0] == 2 * d && m->eh_proj->ne[1] == d && m->enorm->ne[0] == d &&
+          m->hnorm->ne[0] == d && m->head_norm->ne[0] == d)) {
+        snprintf(err, err_size,
+                 "qwen35: the multi-token-prediction block's nextn tensors (block %d) disagree "
+                 "with embedding_length %lld",
+                 hp->n_layer, (long long)d);
+        ok = 0;
+    }
+    for (int l = 0; ok && l < hp->n_layer + mtp; l++) {
         const q35_layer *L = &m->layers[l];
         ok = L->attn_norm->ne[0] == d && L->ffn_norm->ne[0] == d &&
             (hp->n_expert ? loom_moe_shapes_ok(hp, l, &L->moe, err, err_size)
@@ -423,6 +449,25 @@ static void gated_attention(loom_runner *r, const loom_hparams *hp, int l, const
     loom_rt_add(r, x, &b->h, x);
 }
 
+/* The multi-token-prediction block's input (as Qwen3NextMultiTokenPredictor): the projection
+ * eh_proj of [enorm(embedding of the token); hnorm(the model's final hidden state at the
+ * position before)] into x. */
+static void mtp_input(loom_runner *r, const loom_hparams *hp, const q35_model *m,
+                      const loom_tensor *x)
+{
+    const int64_t d = hp->n_embd, n = x->ne[1];
+    const loom_rt_inputs *in = loom_rt_inputs_of(r);
+    loom_tensor part = loom_rt_scratch(r, LOOM_F32, d, n, 1);
+    loom_tensor both = loom_rt_scratch(r, LOOM_F32, 2 * d, n, 1);
+    const loom_tensor left = loom_rt_cols(&both, 0, d), right = loom_rt_cols(&both, d, d);
+    loom_rt_get_rows(r, m->tok_embd, &in->ids, &part);
+    loom_rt_rms_norm(r, &part, m->enorm, hp->norm_eps, &part);
+    loom_rt_scale(r, &part, 1.0f, &left);
+    loom_rt_rms_norm(r, &in->hidden_in, m->hnorm, hp->norm_eps, &part);
+    loom_rt_scale(r, &part, 1.0f, &right);
+    loom_rt_matmul(r, &both, m->eh_proj, NULL, x);
+}
+
 static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
 {
     const q35_model *m = state;
@@ -435,7 +480,12 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
         mb = loom_moe_buffers_new(r, hp, batch->n, hp->n_ff_shexp > 0);
     int first, end;
     loom_rt_layers(r, &first, &end);
-    loom_rt_embed(r, m->tok_embd, &x);
+    const int mtp = loom_rt_mtp(r);
+    assert(!mtp || (first == hp->n_layer && end == first + 1 && m->eh_proj));
+    if (mtp)
+        mtp_input(r, hp, m, &x);
+    else
+        loom_rt_embed(r, m->tok_embd, &x);
     for (int l = first; l < end; l++) {
         const q35_layer *L = &m->layers[l];
         if (loom_layer_recurrent(hp, l))
@@ -448,7 +498,7 @@ static int q35_forward(loom_runner *r, void *state, const loom_batch *batch)
         else
             loom_ffn_swiglu(r, hp, &x, &f, &fb);
     }
-    loom_rt_logits(r, batch, &x, m->out_norm, NULL, hp->norm_eps, m->output);
+    loom_rt_logits(r, batch, &x, mtp ? m->head_norm : m->out_norm, NULL, hp->norm_eps, m->output);
     return loom_rt_status(r);
 }
 

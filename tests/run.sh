@@ -82,6 +82,18 @@ printf 'What is the capital of France?\nAnd of Italy?\n/quit\n' |
 reused=$(grep -o 'reused [0-9]* of [0-9]*' "$tmpdir/chat35.err" | awk '{print $2 "/" $4}' | tr '\n' ' ')
 case "$reused" in "0/"[0-9]*" "[1-9]*/[0-9]*" ") pass "hybrid chat: the second turn resumes from the state ($reused)";;
     *) fail "hybrid chat reuse: '$reused'"; cat "$tmpdir/chat35.err" >&2;; esac
+# the same chat drafted by the model's own multi-token-prediction block (blk.4 of llama.cpp's
+# file): the same answers, proposals checked every turn (its random weights agree by chance)
+printf 'What is the capital of France?\nAnd of Italy?\n/quit\n' |
+    "$LOOM" chat -m "$q35" --temp 0 -n 6 --draft-mtp --draft-fixed --draft-max 2 --draft-p-min 0 \
+        > "$tmpdir/chat35-mtp.out" 2> "$tmpdir/chat35-mtp.err" || fail "chat --draft-mtp exit $?"
+cmp -s "$tmpdir/chat35.out" "$tmpdir/chat35-mtp.out" && pass "chat --draft-mtp: the answers of plain decoding" ||
+    { fail "chat --draft-mtp answers differ"; diff "$tmpdir/chat35.out" "$tmpdir/chat35-mtp.out" >&2; }
+[ "$(grep -c ' of [1-9][0-9]* proposed tokens accepted' "$tmpdir/chat35-mtp.err")" = 2 ] &&
+    pass "chat --draft-mtp: the block proposed every turn" ||
+    { fail "chat --draft-mtp proposals"; cat "$tmpdir/chat35-mtp.err" >&2; }
+"$LOOM" run -m "$gguf" -p hi --draft-mtp > /dev/null 2> "$tmpdir/e11" && fail "--draft-mtp without a block accepted"
+expect_grep "has no multi-token-prediction block" "$tmpdir/e11" "--draft-mtp on a file without the block"
 # drafters that cannot draft for the model are refused before anything runs
 "$LOOM" bench --synthetic tiny --type q8_0 --write "$tmpdir/other-vocab.gguf" 2> /dev/null
 "$LOOM" run -m "$gguf" -p hi --draft "$tmpdir/other-vocab.gguf" > /dev/null 2> "$tmpdir/e9" &&
@@ -110,6 +122,13 @@ expect_grep "no chat template named 'nosuch'" "$tmpdir/e8" "unknown chat templat
             (.drafter | test("first 1 layers")))' "$tmpdir/bench-spec.json" > /dev/null &&
     pass "bench --draft-layers: decode measured with the drafter beside without" ||
     { fail "bench --draft-layers"; cat "$tmpdir/bench-spec.json" "$tmpdir/bench-spec.err" >&2; }
+"$LOOM" bench -m "$q35" -p 0 -n 16 -r 1 --backends ref --no-roofline --json \
+    --draft-mtp --draft-fixed --draft-p-min 0 > "$tmpdir/bench-mtp.json" 2> "$tmpdir/bench-mtp.err" &&
+    jq -e '[.results[] | select(.test == "spec tg16")] | length == 1 and
+        all(.[]; .tokens_per_s > 0 and (.drafter | test("multi-token-prediction")))' \
+        "$tmpdir/bench-mtp.json" > /dev/null &&
+    pass "bench --draft-mtp: decode measured with the block drafting" ||
+    { fail "bench --draft-mtp"; cat "$tmpdir/bench-mtp.json" "$tmpdir/bench-mtp.err" >&2; }
 
 # the benchmark on a synthetic model, every CPU variant
 if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \

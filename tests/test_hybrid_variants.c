@@ -22,7 +22,9 @@
  */
 #include <loom/loom.h>
 
+#include "api/internal.h"
 #include "core/gguf.h"
+#include "core/runner.h"
 #include "core/safetensors.h"
 #include "backends.h"
 #include "check.h"
@@ -184,16 +186,21 @@ static void moe_block(const loom_safetensors *st, const char *P, const shape *s,
 }
 
 /* The last position's logits for ids, the weights under prefix P ("model." or
- * "model.language_model."). */
-static double *reference(const loom_safetensors *st, const char *P, const shape *s,
-                         const int32_t *ids, int T, const mistakes *wrong, double *least_gap)
+ * "model.language_model."); states: every position's final hidden state (after the norm), or
+ * NULL. With x0 instead of ids (T rows of the residual stream's input), the decoder layer and
+ * final norm under P = "mtp." (the multi-token-prediction block: one full-attention layer),
+ * the embeddings and head the model's. */
+static double *forward(const loom_safetensors *st, const char *P, const shape *s,
+                       const int32_t *ids, const double *x0, int T, const mistakes *wrong,
+                       double *least_gap, double *states)
 {
     const int D = s->d, H = s->heads, KV = s->kv, hd = s->hd, K = s->kernel;
     const int hk = s->hk, hv = s->hv, dk = s->dk, dv = s->dv, C = 2 * hk * dk + hv * dv;
     double *x = malloc((size_t)T * D * sizeof *x), *h = malloc((size_t)T * D * sizeof *h);
-    double *emb = load(st, P, "embed_tokens.weight", 0);
+    double *emb = load(st, x0 ? "model." : P, "embed_tokens.weight", 0);
     for (int t = 0; t < T; t++)
-        memcpy(x + (size_t)t * D, emb + (size_t)ids[t] * D, (size_t)D * sizeof *x);
+        memcpy(x + (size_t)t * D, x0 ? x0 + (size_t)t * D : emb + (size_t)ids[t] * D,
+               (size_t)D * sizeof *x);
     double *mixed = malloc((size_t)T * C * sizeof *mixed),
            *conv = malloc((size_t)T * C * sizeof *conv);
     double *z = malloc((size_t)T * hv * dv * sizeof *z), *o = malloc((size_t)hv * dv * sizeof *o);
@@ -205,14 +212,14 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
            *att = malloc((size_t)H * hd * sizeof *att);
     double *p = malloc((size_t)T * sizeof *p), *f1 = malloc((size_t)s->ff * sizeof *f1);
     double *f2 = malloc((size_t)s->ff * sizeof *f2);
-    for (int l = 0; l < s->layers; l++) {
+    for (int l = 0; l < (x0 ? 1 : s->layers); l++) {
         double *ln1 = load(st, P, "layers.%d.input_layernorm.weight", l);
         for (int t = 0; t < T; t++) {
             memcpy(h + (size_t)t * D, x + (size_t)t * D, (size_t)D * sizeof *h);
             rms_norm(h + (size_t)t * D, D, ln1, s->eps, 0);
         }
         free(ln1);
-        if ((l + 1) % s->interval) { /* Qwen3_5GatedDeltaNet */
+        if (!x0 && (l + 1) % s->interval) { /* Qwen3_5GatedDeltaNet */
             double *wqkv = NULL, *wz = NULL, *wa = NULL, *wb = NULL, *wqkvz = NULL, *wba = NULL;
             if (s->next) {
                 wqkvz = load(st, P, "layers.%d.linear_attn.in_proj_qkvz.weight", l);
@@ -390,11 +397,52 @@ static double *reference(const loom_safetensors *st, const char *P, const shape 
     double *fn = load(st, P, "norm.weight", 0), *last = x + (size_t)(T - 1) * D;
     double *logits = malloc((size_t)s->vocab * sizeof *logits);
     double *head = s->next ? load(st, "", "lm_head.weight", 0) : NULL; /* else tied */
-    rms_norm(last, D, fn, s->eps, 0);
+    for (int t = states ? 0 : T - 1; t < T; t++)
+        rms_norm(x + (size_t)t * D, D, fn, s->eps, 0);
+    if (states)
+        memcpy(states, x, (size_t)T * D * sizeof *states);
     linear(logits, head ? head : emb, NULL, last, s->vocab, D);
     free(head), free(fn), free(emb), free(x), free(h), free(mixed), free(conv), free(z), free(o),
         free(a);
     free(b), free(S), free(y), free(q), free(k), free(v), free(att), free(p), free(f1), free(f2);
+    return logits;
+}
+
+static double *reference(const loom_safetensors *st, const char *P, const shape *s,
+                         const int32_t *ids, int T, const mistakes *wrong, double *least_gap)
+{
+    return forward(st, P, s, ids, NULL, T, wrong, least_gap, NULL);
+}
+
+/* The multi-token-prediction block (vLLM's Qwen3NextMultiTokenPredictor: transformers' code
+ * leaves mtp.* out) over the pairs (the model's final hidden state at t, ids[t + 1]) at
+ * positions t < T - 1: fc of [pre_fc_norm_embedding(embedding); pre_fc_norm_hidden(state)]
+ * (both (1 + w) norms), a full-attention decoder layer, mtp.norm, the tied head. Every pair's
+ * logits, [T - 1][vocab]. */
+static double *mtp_reference(const loom_safetensors *st, const shape *s, const int32_t *ids, int T,
+                             const double *states)
+{
+    const int D = s->d, n = T - 1;
+    double *emb = load(st, "model.", "embed_tokens.weight", 0);
+    double *fc = load(st, "mtp.", "fc.weight", 0);
+    double *en = load(st, "mtp.", "pre_fc_norm_embedding.weight", 0);
+    double *hn = load(st, "mtp.", "pre_fc_norm_hidden.weight", 0);
+    double *x0 = malloc((size_t)n * D * sizeof *x0), *both = malloc((size_t)2 * D * sizeof *both);
+    double *out = malloc((size_t)n * D * sizeof *out);
+    double *logits = malloc((size_t)n * s->vocab * sizeof *logits);
+    for (int t = 0; t < n; t++) {
+        memcpy(both, emb + (size_t)ids[t + 1] * D, (size_t)D * sizeof *both);
+        memcpy(both + D, states + (size_t)t * D, (size_t)D * sizeof *both);
+        rms_norm(both, D, en, s->eps, 0);
+        rms_norm(both + D, D, hn, s->eps, 0);
+        linear(x0 + (size_t)t * D, fc, NULL, both, D, 2 * D);
+    }
+    mistakes none = {0};
+    double gap = INFINITY;
+    free(forward(st, "mtp.", s, NULL, x0, n, &none, &gap, out));
+    for (int t = 0; t < n; t++)
+        linear(logits + (size_t)t * s->vocab, emb, NULL, out + (size_t)t * D, s->vocab, D);
+    free(emb), free(fc), free(en), free(hn), free(x0), free(both), free(out);
     return logits;
 }
 
@@ -831,12 +879,116 @@ static void test_variant(const loom_safetensors *base, const shape *s, const cha
     remove_folder(folder);
 }
 
+/* ---- the model's own multi-token-prediction block as a drafter ----------------------------- */
+
+typedef struct kept_states {
+    float *rows; /* [positions][d] */
+    int d, n;
+} kept_states;
+
+static void keep_states(void *user, int32_t pos0, const float *rows, int32_t n)
+{
+    kept_states *k = user;
+    memcpy(k->rows + (size_t)pos0 * k->d, rows, (size_t)n * k->d * sizeof *rows);
+    k->n = pos0 + n;
+}
+
+/* llama.cpp's tiny-qwen35 file (its MTP block is blk.4: nextn.eh_proj, enorm, hnorm,
+ * shared_head_norm beside a full-attention layer) on backend: the model's final hidden states
+ * and every pair's MTP logits against the reference's; the drafter is refused where it cannot
+ * be; speculation with it gives greedy decoding's tokens. */
+static void check_mtp(const char *path, const char *backend, const shape *s, const int32_t *ids,
+                      int T, const double *states, const double *want)
+{
+    loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    o.mtp = 1;
+    loom_model *d = loom_model_open(path, &o, err, sizeof err);
+    CHECK(m && d, "MTP on %s: %s", backend, err);
+    if (!m || !d) {
+        loom_model_close(m), loom_model_close(d);
+        return;
+    }
+    struct loom_runner *tr = loom_model_runner(m), *dr = loom_model_runner(d);
+    kept_states k = {malloc((size_t)T * s->d * sizeof(float)), s->d, 0};
+    loom_runner_follow(tr, keep_states, &k);
+    CHECK(loom_runner_eval(tr, ids, T, 0, err, sizeof err) == 0 && k.n == T,
+          "MTP on %s: the model's states: %s", backend, err);
+    loom_runner_follow(tr, NULL, NULL);
+    double worst = 0;
+    for (int i = 0; i < T * s->d; i++)
+        worst = fmax(worst, fabs(states[i] - k.rows[i]));
+    CHECK(worst < 1e-3, "MTP on %s: the final hidden states off the reference by %g", backend,
+          worst);
+    /* pair by pair, each attending to the ones before in the block's own cache */
+    worst = 0;
+    for (int t = 0; t + 1 < T; t++) {
+        if (loom_runner_eval_mtp(dr, ids + t + 1, k.rows + (size_t)t * s->d, 1, t, err,
+                                 sizeof err) != 0) {
+            CHECK(0, "MTP on %s: pair %d: %s", backend, t, err);
+            break;
+        }
+        worst = fmax(worst,
+                     max_diff(want + (size_t)t * s->vocab, loom_runner_logits(dr), s->vocab));
+    }
+    CHECK(worst < 2e-3, "MTP on %s: the block's logits off the reference by %g", backend, worst);
+    printf("MTP on %s: %d pairs' logits within %.2g of the reference\n", backend, T - 1, worst);
+    /* the check can fail: without the model's states (zeros instead) they move far */
+    float *zeros = calloc((size_t)s->d, sizeof *zeros);
+    CHECK(loom_runner_eval_mtp(dr, ids + 1, zeros, 1, 0, err, sizeof err) == 0 &&
+              max_diff(want, loom_runner_logits(dr), s->vocab) > 0.05,
+          "MTP on %s: the block's logits do not depend on the model's state", backend);
+    /* a runner that is not the MTP block takes no states, and the block needs them */
+    CHECK(loom_runner_eval_mtp(tr, ids, zeros, 1, 0, err, sizeof err) != 0 &&
+              strstr(err, "not a multi-token-prediction drafter"),
+          "MTP on %s: states given to the model itself: %s", backend, err);
+    CHECK(loom_runner_eval(dr, ids, 1, 0, err, sizeof err) != 0 &&
+              strstr(err, "needs the model's hidden states"),
+          "MTP on %s: the block without states: %s", backend, err);
+    free(zeros), free(k.rows);
+    /* speculation: every proposal checked (p_min 0, fixed length), greedy's tokens */
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0, g.ignore_eos = 1;
+    collect plain = {{0}, 0}, drafted = {{0}, 0};
+    loom_speculation spec = {.draft = d, .draft_max = 3, .fixed = 1};
+    loom_generation st = {0};
+    CHECK(loom_generate(m, ids, T, 20, &g, on_token, &plain, NULL, err, sizeof err) == 0 &&
+              loom_generate_speculative(m, &spec, ids, T, 0, 20, &g, on_token, &drafted, &st, err,
+                                        sizeof err) == 0,
+          "MTP on %s: generating: %s", backend, err);
+    CHECK(plain.n == 20 && drafted.n == 20 && !memcmp(plain.ids, drafted.ids, sizeof plain.ids),
+          "MTP on %s: speculation with the block changed greedy's tokens", backend);
+    CHECK(st.n_drafted >= 20 && st.n_verify >= 6,
+          "MTP on %s: the block proposed %d tokens in %d checks", backend, st.n_drafted,
+          st.n_verify);
+    loom_model_close(d);
+    /* a file without the block: a clear refusal */
+    loom_model_close(m);
+}
+
+static void test_mtp(const loom_safetensors *base, const shape *s, const int32_t *ids, int T)
+{
+    char path[4400];
+    snprintf(path, sizeof path, "%s/tiny-qwen35/model.gguf", dir);
+    double *states = malloc((size_t)T * s->d * sizeof *states);
+    mistakes none = {0};
+    double gap = INFINITY;
+    free(forward(base, "model.", s, ids, NULL, T, &none, &gap, states));
+    double *want = mtp_reference(base, s, ids, T, states);
+    static char backends[MAX_TEST_BACKENDS][160];
+    int nb = usable_backends(backends, MAX_TEST_BACKENDS);
+    for (int b = 0; b < nb; b++)
+        check_mtp(path, backends[b], s, ids, T, states, want);
+    free(states), free(want);
+}
+
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
     static const char *const needed[] = {
         "tiny-qwen35/model.safetensors", "tiny-qwen35/config.json", "tiny-qwen35/expected.json",
-        "tiny-qwen35/logits_plain.f32",  "tiny-qwen2/vocab.json",   "tiny-qwen2/merges.txt"};
+        "tiny-qwen35/logits_plain.f32",  "tiny-qwen2/vocab.json",   "tiny-qwen2/merges.txt",
+        "tiny-qwen35/model.gguf"};
     need_fixtures(dir, needed, sizeof needed / sizeof needed[0]);
     unsetenv("LOOM_BACKEND");
     if (!mkdtemp(tmp))
@@ -876,8 +1028,8 @@ int main(void)
     free(torch), free(mine);
     /* the conventions the variants' files are held to, first on llama.cpp's own file */
     snprintf(path, sizeof path, "%s/tiny-qwen35/model.gguf", dir);
-    if (access(path, R_OK) == 0)
-        check_gguf_conventions(path, "llama.cpp's tiny-qwen35 model.gguf");
+    check_gguf_conventions(path, "llama.cpp's tiny-qwen35 model.gguf");
+    test_mtp(&base, &s, ids, T);
 
     shape wide = s;
     wide.hv = 4; /* two value heads per key head */

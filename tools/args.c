@@ -372,19 +372,20 @@ int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_fl
 {
     *spec_out = NULL, *drafter = NULL;
     snprintf(what, what_size, "none");
-    int asked = !!f->draft + (f->draft_layers > 0) + (f->lookup > 0);
+    int asked = !!f->draft + (f->draft_layers > 0) + (f->lookup > 0) + !!f->mtp;
     if (asked == 0) {
         if (f->draft_max || f->draft_min || f->fixed || f->draft_backend) {
             fprintf(stderr,
                     "%s: --draft-max, --draft-min, --draft-fixed and --draft-backend shape a "
-                    "drafter: give one with --draft, --draft-layers or --lookup\n",
+                    "drafter: give one with --draft, --draft-layers, --draft-mtp or --lookup\n",
                     cmd);
             return 2;
         }
         return 0;
     }
     if (asked > 1) {
-        fprintf(stderr, "%s: give one drafter: --draft, --draft-layers or --lookup\n", cmd);
+        fprintf(stderr, "%s: give one drafter: --draft, --draft-layers, --draft-mtp or --lookup\n",
+                cmd);
         return 2;
     }
     if (f->draft_max && f->draft_min > f->draft_max) {
@@ -414,11 +415,15 @@ int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_fl
     o.n_ctx = loom_model_n_ctx(target);
     o.backend = f->draft_backend;
     o.first_layers = (int32_t)f->draft_layers;
+    o.mtp = f->mtp;
     const char *path = f->draft ? f->draft : of->model;
     char err[2048];
     loom_model *d = loom_model_open(path, &o, err, sizeof err);
     if (!d) {
-        fprintf(stderr, "%s: the drafter %s%s: %s\n", cmd, f->draft ? "" : "(--draft-layers) ",
+        fprintf(stderr, "%s: the drafter %s%s: %s\n", cmd,
+                f->draft     ? ""
+                    : f->mtp ? "(--draft-mtp) "
+                             : "(--draft-layers) ",
                 path, err);
         return 2;
     }
@@ -430,6 +435,8 @@ int loom_spec_open(const char *cmd, const loom_spec_flags *f, const loom_open_fl
     }
     if (f->draft)
         snprintf(what, what_size, "draft model %s on %s", path, loom_model_backend(d));
+    else if (f->mtp)
+        snprintf(what, what_size, "the model's multi-token-prediction block");
     else
         snprintf(what, what_size, "the model's first %ld layers", f->draft_layers);
     spec->draft = d;
@@ -447,6 +454,9 @@ void loom_spec_flag_table(loom_spec_flags *f, loom_flag *table)
          "quantised (a model of the same family)"},
         {"--draft-layers", NULL, LOOM_FLAG_LONG, &f->draft_layers, 1, 4096, "K",
          "the drafter is the model's own first K layers"},
+        {"--draft-mtp", NULL, LOOM_FLAG_SWITCH, &f->mtp, 0, 0, NULL,
+         "the drafter is the model's own multi-token-prediction\n"
+         "block (Qwen3.5, Qwen3-Next files that carry one)"},
         {"--lookup", NULL, LOOM_FLAG_LONG, &f->lookup, 1, 64, "N",
          "prompt lookup: the text's last N..2 tokens, found earlier,\n"
          "propose what followed them there"},

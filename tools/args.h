@@ -100,9 +100,9 @@ typedef struct loom_spec_flags {
     const char *draft, *draft_backend;
     long draft_layers, lookup, draft_max, draft_min;
     float p_min;
-    int fixed;
+    int fixed, mtp;
 } loom_spec_flags;
-#define LOOM_SPEC_FLAGS 8
+#define LOOM_SPEC_FLAGS 9
 /* Fills table (LOOM_SPEC_FLAGS rows) with the speculative flags writing into f, and sets f's
  * defaults; for loom_command.more_flags. */
 void loom_spec_flag_table(loom_spec_flags *f, loom_flag *table);

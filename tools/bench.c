@@ -128,7 +128,7 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
     char about[600];
     loom_spec_flags sf = a->spec;
     loom_open_flags of = {.model = a->model};
-    if (!sf.draft_backend && (sf.draft || sf.draft_layers))
+    if (!sf.draft_backend && (sf.draft || sf.draft_layers || sf.mtp))
         sf.draft_backend = backend; /* the drafter beside the model, unless told */
     if (tg > 1 &&
         loom_spec_open("loom bench", &sf, &of, m, &spec_room, &spec, &drafter, about,
@@ -263,8 +263,10 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
         char cmd[8192];
         char experts[256] = "", spec_args[4600] = "";
         const loom_spec_flags *sf = &a->spec;
-        if (sf->draft || sf->draft_layers || sf->lookup) { /* paths checked: no quote in them */
+        if (sf->draft || sf->draft_layers || sf->lookup || sf->mtp) { /* paths: no quote */
             size_t at = 0;
+            if (sf->mtp)
+                at += (size_t)snprintf(spec_args + at, sizeof spec_args - at, " --draft-mtp");
             if (sf->draft)
                 at += (size_t)snprintf(spec_args + at, sizeof spec_args - at, " --draft '%s'",
                                        sf->draft);

@@ -89,6 +89,11 @@ typedef struct loom_model_options {
      * own shallow layers as a speculative drafter (loom_speculation.draft), loading only their
      * weights; 0: every layer. Fewer than the model has; not with a pipeline. */
     int32_t first_layers;
+    /* 1: open the model's own multi-token-prediction block (Qwen3.5's, Qwen3-Next's: GGUF
+     * nextn_predict_layers) as a speculative drafter (loom_speculation.draft) for the model
+     * opened from the same file: it proposes from the model's final hidden states, loading only
+     * that block, the embeddings and the head. A file without one is refused. */
+    int32_t mtp;
 } loom_model_options;
 
 /* How the next token is chosen: a member per row of <loom/sampling_fields.h>, whose rows say
@@ -231,8 +236,9 @@ int loom_generate_from(loom_model *m, const int32_t *prompt, int32_t n_prompt, i
  * drafter that rarely agrees costs little. */
 typedef struct loom_speculation {
     /* a drafter model: another model with the same vocabulary (a smaller or more quantised one
-     * of the family), or this model's own first layers (opened with
-     * loom_model_options.first_layers); NULL: none */
+     * of the family), this model's own first layers (opened with
+     * loom_model_options.first_layers), or its multi-token-prediction block (opened from the
+     * same file with loom_model_options.mtp); NULL: none */
     loom_model *draft;
     /* or prompt lookup, no model: the continuation of the latest earlier occurrence of the
      * text's last n tokens, n from this down to 2 (1 when this is 1); 0: off */
