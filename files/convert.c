@@ -258,6 +258,33 @@ static int hyper_parameters(conv *c, loom_hf_values *v)
     }
     if (f->hf_derive && f->hf_derive(c->config, v, why, sizeof why) != 0)
         return conv_fail(c, "%s/config.json: %s", c->dir, why);
+    /* the multi-token-prediction block, where the config has one and the weights hold it (a
+     * checkpoint may be published without) */
+    c->main_layers = (int)loom_hf_get(v, "block_count");
+    int64_t n_mtp = 0; /* -1: the config does not say (Qwen3-Next's): one where it is there */
+    if (f->hf_mtp_layers &&
+        loom_hf_int(c->config, f->hf_mtp_layers, -1, -1, 64, &n_mtp, why, sizeof why) != 0)
+        return conv_fail(c, "%s/config.json: %s", c->dir, why);
+    const loom_hf_tensor *mtp = f->hf_tensors;
+    while (mtp->hf && !(mtp->flags & LOOM_HF_MTP))
+        mtp++;
+    const int weights_have = mtp->hf && loom_safetensors_find(&c->st, mtp->hf);
+    if (n_mtp < 0)
+        n_mtp = weights_have;
+    if (n_mtp > 0 && !weights_have) {
+        fprintf(stderr,
+                "note: config.json has a multi-token-prediction block, the weights do not "
+                "(no %s): the file has none, and --draft-mtp will not run on it\n",
+                mtp->hf ? mtp->hf : "table entry");
+        n_mtp = 0;
+    }
+    if (n_mtp > 1)
+        return conv_fail(c, "%s/config.json: %lld multi-token-prediction blocks; loom converts one",
+                         c->dir, (long long)n_mtp);
+    if (n_mtp > 0) {
+        loom_hf_set(v, "nextn_predict_layers", LOOM_HF_U32, (double)n_mtp);
+        loom_hf_set(v, "block_count", LOOM_HF_U32, (double)(c->main_layers + n_mtp));
+    }
     /* what the hooks derived is held to the same rule: counts are whole and positive, reals
      * finite and positive (every hyper-parameter loom writes is one of these) */
     for (int i = 0; i < v->n; i++) {
@@ -326,14 +353,15 @@ static const loom_st_tensor *source(conv *c, const loom_hf_tensor *e, int l, int
     /* the names are the family's table: a format string only where it says "%d" */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wformat-nonliteral"
-    snprintf(src, src_size, e->hf, l, x);
+    const int hl = e->flags & LOOM_HF_MTP ? l - c->main_layers : l; /* mtp.layers.<hl> */
+    snprintf(src, src_size, e->hf, hl, x);
     snprintf(dst, dst_size, e->gguf, l);
     const loom_st_tensor *t = loom_safetensors_find(&c->st, src);
     if (!t && e->instead) {
-        snprintf(src, src_size, e->instead, l);
+        snprintf(src, src_size, e->instead, hl);
         t = loom_safetensors_find(&c->st, src);
         if (!t) /* neither: a message names the first */
-            snprintf(src, src_size, e->hf, l, x);
+            snprintf(src, src_size, e->hf, hl, x);
     }
 #pragma GCC diagnostic pop
     return t;
@@ -341,7 +369,7 @@ static const loom_st_tensor *source(conv *c, const loom_hf_tensor *e, int l, int
 
 static int is_per_layer(const loom_hf_tensor *e)
 {
-    return strstr(e->hf, "%d") != NULL;
+    return strstr(e->hf, "%d") != NULL || (e->flags & LOOM_HF_MTP);
 }
 
 /* The n experts of entry e in layer l, stacked. */
@@ -424,6 +452,7 @@ static int tensors(conv *c, const loom_hf_values *v)
         for (int l = -1; l < n_layer; l++)
             for (const loom_hf_tensor *e = table; e->hf; e++) {
                 if (is_per_layer(e) != (l >= 0) ||
+                    (l >= 0 && !!(e->flags & LOOM_HF_MTP) != (l >= c->main_layers)) ||
                     ((e->flags & LOOM_HF_DENSE_LAYERS) && l >= n_dense) ||
                     ((e->flags & LOOM_HF_SPARSE_LAYERS) && l < n_dense))
                     continue;

@@ -21,6 +21,7 @@ typedef struct conv {
     const loom_family *family; /* what config.json describes; NULL converting a tokenizer alone */
     cJSON *config, *tok_config;
     int64_t vocab_rows; /* the token embedding's rows; 0 converting a tokenizer alone */
+    int main_layers;    /* the layers before the multi-token-prediction block (LOOM_HF_MTP) */
     loom_safetensors st;
     loom_spm_model spm;
     loom_gguf_writer *w;

@@ -100,6 +100,9 @@ enum {
      * attn_qkv), or every head's z (attn_gate) */
     LOOM_HF_QKVZ_QKV = 1 << 17,
     LOOM_HF_QKVZ_Z = 1 << 18,
+    /* the multi-token-prediction block's (loom_family.hf_mtp_layers): written as the block after
+     * the layers, blk.<block_count>.*, the hf "%d" (if any) its own layer's index from 0 */
+    LOOM_HF_MTP = 1 << 19,
 };
 
 typedef struct loom_hf_tensor {
@@ -164,7 +167,11 @@ typedef struct loom_family {
     /* Hyper-parameters that are not one key each (defaults computed from others, checks
      * across keys); NULL when none. Messages name the config.json keys. */
     int (*hf_derive)(const cJSON *config, loom_hf_values *v, char *err, size_t err_size);
-    const loom_hf_tensor *hf_tensors;       /* ends with {0}; the layers' count is block_count */
+    const loom_hf_tensor *hf_tensors; /* ends with {0}; the layers' count is block_count */
+    /* config.json's keys ('|') counting the multi-token-prediction blocks its LOOM_HF_MTP
+     * entries describe: where the weights have them, the file gets one more block and
+     * nextn_predict_layers, as llama.cpp's converter writes them. NULL: none. */
+    const char *hf_mtp_layers;
     const loom_hf_condition *hf_conditions; /* ends with {0}; NULL: none */
     /* RoPE frequency divisors the config implies (Llama 3.1's rope_scaling "llama3"), written
      * as rope_freqs.weight the way llama.cpp's converter does: fills factors[0..n) and returns

@@ -528,7 +528,7 @@ const loom_arch loom_arch_qwen3next = {
  * As llama.cpp's converter writes it: the (1 + w) norms with the 1 added (not linear_attn.norm,
  * which is applied as it is), A_log as -exp(A_log), the conv1d weight [channels, 1, kernel] as
  * [channels, kernel] in f32, q_proj kept with each head's [query; gate]. The multi-token-
- * prediction head (mtp.*) is not carried over: a plain run does not use it. */
+ * prediction block (mtp.*) becomes the file's last block, as llama.cpp writes it (nextn.*). */
 /* The hyper-parameters every Qwen3.5 has, at the top of config.json or in its text_config */
 /* clang-format off */
 #define Q35_PARAMS                                                                                 \
@@ -680,32 +680,65 @@ static int q35_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_
     {P "layers.%d.linear_attn.in_proj_qkvz.weight", "blk.%d.attn_gate.weight",                     \
         LIN | LOOM_HF_QKVZ_Z, NULL},                                                               \
     {P "layers.%d.linear_attn.in_proj_ba.weight", "blk.%d.ssm_ba.weight", LIN, NULL}
-#define Q35_MLP(P)                                                                                 \
-    {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", 0, NULL},                       \
-    {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", 0, NULL},                           \
-    {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", 0, NULL}
-#define Q35_EXPERTS(P)                                                                             \
-    {P "layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", 0, NULL},                        \
-    LOOM_HF_EXPERT_STACKS(P, 0),                                                                   \
-    {P "layers.%d.mlp.shared_expert.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight", 0, NULL},   \
-    {P "layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", 0, NULL},       \
-    {P "layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", 0, NULL},   \
-    {P "layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", 0, NULL}
+#define Q35_MLP(P, F)                                                                              \
+    {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", F, NULL},                       \
+    {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", F, NULL},                           \
+    {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", F, NULL}
+#define Q35_EXPERTS(P, F)                                                                          \
+    {P "layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", F, NULL},                        \
+    LOOM_HF_EXPERT_STACKS(P, F),                                                                   \
+    {P "layers.%d.mlp.shared_expert.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight", F, NULL},   \
+    {P "layers.%d.mlp.shared_expert.up_proj.weight", "blk.%d.ffn_up_shexp.weight", F, NULL},       \
+    {P "layers.%d.mlp.shared_expert.down_proj.weight", "blk.%d.ffn_down_shexp.weight", F, NULL},   \
+    {P "layers.%d.mlp.shared_expert_gate.weight", "blk.%d.ffn_gate_inp_shexp.weight", F, NULL}
+/* The multi-token-prediction block (mtp.*, beside the language model in every checkpoint) as
+ * llama.cpp writes it: the block after the layers, its input projection and norms as nextn.*, a
+ * full-attention decoder layer; the layer's MLP (Q35_MLP or Q35_EXPERTS with "mtp.", MTP) after */
+#define MTP LOOM_HF_MTP
+#define Q35_MTP_BLOCK                                                                              \
+    {"mtp.fc.weight", "blk.%d.nextn.eh_proj.weight", MTP, NULL},                                   \
+    {"mtp.pre_fc_norm_embedding.weight", "blk.%d.nextn.enorm.weight", MTP | LOOM_HF_PLUS_ONE,      \
+        NULL},                                                                                     \
+    {"mtp.pre_fc_norm_hidden.weight", "blk.%d.nextn.hnorm.weight", MTP | LOOM_HF_PLUS_ONE, NULL},  \
+    {"mtp.norm.weight", "blk.%d.nextn.shared_head_norm.weight", MTP | LOOM_HF_PLUS_ONE, NULL},     \
+    {"mtp.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", MTP | LOOM_HF_PLUS_ONE,    \
+        NULL},                                                                                     \
+    {"mtp.layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight",         \
+        MTP | LOOM_HF_PLUS_ONE, NULL},                                                             \
+    {"mtp.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", MTP, NULL},                  \
+    {"mtp.layers.%d.self_attn.k_proj.weight", "blk.%d.attn_k.weight", MTP, NULL},                  \
+    {"mtp.layers.%d.self_attn.v_proj.weight", "blk.%d.attn_v.weight", MTP, NULL},                  \
+    {"mtp.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", MTP, NULL},             \
+    {"mtp.layers.%d.self_attn.q_norm.weight", "blk.%d.attn_q_norm.weight",                         \
+        MTP | LOOM_HF_PLUS_ONE, NULL},                                                             \
+    {"mtp.layers.%d.self_attn.k_norm.weight", "blk.%d.attn_k_norm.weight",                         \
+        MTP | LOOM_HF_PLUS_ONE, NULL}
 #define TILED(P)                                                                                   \
     Q35_MIXERS(P, LOOM_HF_V_TILED, LOOM_HF_V_TILED_COLUMNS), Q35_PROJECTIONS(P, LOOM_HF_V_TILED)
-static const loom_hf_tensor q35_tensors[] = {TILED("model."), Q35_MLP("model."), {0}};
+static const loom_hf_tensor q35_tensors[] = {
+    TILED("model."), Q35_MLP("model.", 0), Q35_MTP_BLOCK, Q35_MLP("mtp.", MTP), {0}};
 static const loom_hf_tensor q35_vl_tensors[] = {
-    TILED("model.language_model."), Q35_MLP("model.language_model."), {0}};
-static const loom_hf_tensor q35moe_tensors[] = {TILED("model."), Q35_EXPERTS("model."), {0}};
+    TILED("model.language_model."), Q35_MLP("model.language_model.", 0), Q35_MTP_BLOCK,
+    Q35_MLP("mtp.", MTP), {0}};
+static const loom_hf_tensor q35moe_tensors[] = {
+    TILED("model."), Q35_EXPERTS("model.", 0), Q35_MTP_BLOCK, Q35_EXPERTS("mtp.", MTP), {0}};
 static const loom_hf_tensor q35moe_vl_tensors[] = {
-    TILED("model.language_model."), Q35_EXPERTS("model.language_model."), {0}};
+    TILED("model.language_model."), Q35_EXPERTS("model.language_model.", 0), Q35_MTP_BLOCK,
+    Q35_EXPERTS("mtp.", MTP), {0}};
 /* Qwen3-Next: the value heads stay grouped, as llama.cpp's qwen3next files keep them */
 static const loom_hf_tensor next_tensors[] = {
-    Q35_MIXERS("model.", 0, 0), NEXT_PROJECTIONS("model."), Q35_EXPERTS("model."), {0}};
+    Q35_MIXERS("model.", 0, 0), NEXT_PROJECTIONS("model."), Q35_EXPERTS("model.", 0),
+    Q35_MTP_BLOCK, Q35_EXPERTS("mtp.", MTP), {0}};
 #undef TILED
+#undef MTP
 #undef LIN
 #undef ATT
 /* clang-format on */
+
+/* config.json's count of multi-token-prediction blocks (Qwen3.5's key; Qwen3-Next's, as vLLM
+ * reads it) */
+#define Q35_MTP_LAYERS                                                                             \
+    "text_config.mtp_num_hidden_layers|mtp_num_hidden_layers|num_nextn_predict_layers"
 
 /* The multimodal checkpoints (Qwen3_5ForConditionalGeneration, model_type qwen3_5: every
  * Qwen3.5 and 3.6 release): the same language model under model.language_model, its config in
@@ -763,28 +796,32 @@ const loom_family loom_family_qwen35_vl = {.arch = &loom_arch_qwen35,
                                            .hf_model_type = "qwen3_5",
                                            .hf_params = q35_params,
                                            .hf_derive = q35_vl_derive,
-                                           .hf_tensors = q35_vl_tensors};
+                                           .hf_tensors = q35_vl_tensors,
+                                           .hf_mtp_layers = Q35_MTP_LAYERS};
 
 const loom_family loom_family_qwen35 = {.arch = &loom_arch_qwen35,
                                         .chat_template = "chatml",
                                         .hf_model_type = "qwen3_5_text",
                                         .hf_params = q35_params,
                                         .hf_derive = q35_derive,
-                                        .hf_tensors = q35_tensors};
+                                        .hf_tensors = q35_tensors,
+                                        .hf_mtp_layers = Q35_MTP_LAYERS};
 
 const loom_family loom_family_qwen35moe = {.arch = &loom_arch_qwen35moe,
                                            .chat_template = "chatml",
                                            .hf_model_type = "qwen3_5_moe_text",
                                            .hf_params = q35moe_params,
                                            .hf_derive = q35moe_derive,
-                                           .hf_tensors = q35moe_tensors};
+                                           .hf_tensors = q35moe_tensors,
+                                           .hf_mtp_layers = Q35_MTP_LAYERS};
 
 const loom_family loom_family_qwen35moe_vl = {.arch = &loom_arch_qwen35moe,
                                               .chat_template = "chatml",
                                               .hf_model_type = "qwen3_5_moe",
                                               .hf_params = q35moe_params,
                                               .hf_derive = q35moe_vl_derive,
-                                              .hf_tensors = q35moe_vl_tensors};
+                                              .hf_tensors = q35moe_vl_tensors,
+                                              .hf_mtp_layers = Q35_MTP_LAYERS};
 
 /* Qwen3-Next (Qwen3NextForCausalLM, model_type qwen3_next): Qwen3.5-MoE's layers with the fused
  * projections, plain RoPE, and the experts' weights renormalised as norm_topk_prob says
@@ -803,4 +840,5 @@ const loom_family loom_family_qwen3next = {.arch = &loom_arch_qwen3next,
                                            .hf_model_type = "qwen3_next",
                                            .hf_params = q35moe_params,
                                            .hf_derive = next_derive,
-                                           .hf_tensors = next_tensors};
+                                           .hf_tensors = next_tensors,
+                                           .hf_mtp_layers = Q35_MTP_LAYERS};

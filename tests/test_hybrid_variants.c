@@ -897,14 +897,14 @@ static void keep_states(void *user, int32_t pos0, const float *rows, int32_t n)
  * shared_head_norm beside a full-attention layer) on backend: the model's final hidden states
  * and every pair's MTP logits against the reference's; the drafter is refused where it cannot
  * be; speculation with it gives greedy decoding's tokens. */
-static void check_mtp(const char *path, const char *backend, const shape *s, const int32_t *ids,
-                      int T, const double *states, const double *want)
+static void check_mtp(const char *what, const char *path, const char *backend, const shape *s,
+                      const int32_t *ids, int T, const double *states, const double *want)
 {
     loom_model_options o = {.backend = backend, .kv_type = "f32", .n_ctx = 256};
     loom_model *m = loom_model_open(path, &o, err, sizeof err);
     o.mtp = 1;
     loom_model *d = loom_model_open(path, &o, err, sizeof err);
-    CHECK(m && d, "MTP on %s: %s", backend, err);
+    CHECK(m && d, "MTP (%s) on %s: %s", what, backend, err);
     if (!m || !d) {
         loom_model_close(m), loom_model_close(d);
         return;
@@ -913,38 +913,40 @@ static void check_mtp(const char *path, const char *backend, const shape *s, con
     kept_states k = {malloc((size_t)T * s->d * sizeof(float)), s->d, 0};
     loom_runner_follow(tr, keep_states, &k);
     CHECK(loom_runner_eval(tr, ids, T, 0, err, sizeof err) == 0 && k.n == T,
-          "MTP on %s: the model's states: %s", backend, err);
+          "MTP (%s) on %s: the model's states: %s", what, backend, err);
     loom_runner_follow(tr, NULL, NULL);
     double worst = 0;
     for (int i = 0; i < T * s->d; i++)
         worst = fmax(worst, fabs(states[i] - k.rows[i]));
-    CHECK(worst < 1e-3, "MTP on %s: the final hidden states off the reference by %g", backend,
-          worst);
+    CHECK(worst < 1e-3, "MTP (%s) on %s: the final hidden states off the reference by %g", what,
+          backend, worst);
     /* pair by pair, each attending to the ones before in the block's own cache */
     worst = 0;
     for (int t = 0; t + 1 < T; t++) {
         if (loom_runner_eval_mtp(dr, ids + t + 1, k.rows + (size_t)t * s->d, 1, t, err,
                                  sizeof err) != 0) {
-            CHECK(0, "MTP on %s: pair %d: %s", backend, t, err);
+            CHECK(0, "MTP (%s) on %s: pair %d: %s", what, backend, t, err);
             break;
         }
         worst = fmax(worst,
                      max_diff(want + (size_t)t * s->vocab, loom_runner_logits(dr), s->vocab));
     }
-    CHECK(worst < 2e-3, "MTP on %s: the block's logits off the reference by %g", backend, worst);
-    printf("MTP on %s: %d pairs' logits within %.2g of the reference\n", backend, T - 1, worst);
+    CHECK(worst < 2e-3, "MTP (%s) on %s: the block's logits off the reference by %g", what, backend,
+          worst);
+    printf("MTP (%s) on %s: %d pairs' logits within %.2g of the reference\n", what, backend, T - 1,
+           worst);
     /* the check can fail: without the model's states (zeros instead) they move far */
     float *zeros = calloc((size_t)s->d, sizeof *zeros);
     CHECK(loom_runner_eval_mtp(dr, ids + 1, zeros, 1, 0, err, sizeof err) == 0 &&
               max_diff(want, loom_runner_logits(dr), s->vocab) > 0.05,
-          "MTP on %s: the block's logits do not depend on the model's state", backend);
+          "MTP (%s) on %s: the block's logits do not depend on the model's state", what, backend);
     /* a runner that is not the MTP block takes no states, and the block needs them */
     CHECK(loom_runner_eval_mtp(tr, ids, zeros, 1, 0, err, sizeof err) != 0 &&
               strstr(err, "not a multi-token-prediction drafter"),
-          "MTP on %s: states given to the model itself: %s", backend, err);
+          "MTP (%s) on %s: states given to the model itself: %s", what, backend, err);
     CHECK(loom_runner_eval(dr, ids, 1, 0, err, sizeof err) != 0 &&
               strstr(err, "needs the model's hidden states"),
-          "MTP on %s: the block without states: %s", backend, err);
+          "MTP (%s) on %s: the block without states: %s", what, backend, err);
     free(zeros), free(k.rows);
     /* speculation: every proposal checked (p_min 0, fixed length), greedy's tokens */
     loom_sampling g = loom_sampling_defaults();
@@ -955,11 +957,11 @@ static void check_mtp(const char *path, const char *backend, const shape *s, con
     CHECK(loom_generate(m, ids, T, 20, &g, on_token, &plain, NULL, err, sizeof err) == 0 &&
               loom_generate_speculative(m, &spec, ids, T, 0, 20, &g, on_token, &drafted, &st, err,
                                         sizeof err) == 0,
-          "MTP on %s: generating: %s", backend, err);
+          "MTP (%s) on %s: generating: %s", what, backend, err);
     CHECK(plain.n == 20 && drafted.n == 20 && !memcmp(plain.ids, drafted.ids, sizeof plain.ids),
-          "MTP on %s: speculation with the block changed greedy's tokens", backend);
+          "MTP (%s) on %s: speculation with the block changed greedy's tokens", what, backend);
     CHECK(st.n_drafted >= 20 && st.n_verify >= 6,
-          "MTP on %s: the block proposed %d tokens in %d checks", backend, st.n_drafted,
+          "MTP (%s) on %s: the block proposed %d tokens in %d checks", what, backend, st.n_drafted,
           st.n_verify);
     loom_model_close(d);
     /* a file without the block: a clear refusal */
@@ -968,8 +970,19 @@ static void check_mtp(const char *path, const char *backend, const shape *s, con
 
 static void test_mtp(const loom_safetensors *base, const shape *s, const int32_t *ids, int T)
 {
-    char path[4400];
+    char path[4400], converted[4400], folder[4200];
     snprintf(path, sizeof path, "%s/tiny-qwen35/model.gguf", dir);
+    snprintf(folder, sizeof folder, "%s/tiny-qwen35", tmp);
+    snprintf(converted, sizeof converted, "%s/tiny-qwen35-mtp.gguf", tmp);
+    static const char *const files[] = {"config.json",       "generation_config.json",
+                                        "model.safetensors", "tokenizer_config.json",
+                                        "merges.txt",        "vocab.json"};
+    static const char *const shared[] = {"tiny-qwen2/merges.txt", "tiny-qwen2/vocab.json"};
+    /* (test_hybrid holds the conversion's tensors to llama.cpp's, the block's among them) */
+    CHECK(fixture_folder(dir, folder, "tiny-qwen35", files, 6, shared, 2) == 0 &&
+              loom_convert(folder, converted, "f32", NULL, NULL, err, sizeof err) == 0,
+          "converting tiny-qwen35: %s", err);
+    remove_folder(folder);
     double *states = malloc((size_t)T * s->d * sizeof *states);
     mistakes none = {0};
     double gap = INFINITY;
@@ -977,8 +990,11 @@ static void test_mtp(const loom_safetensors *base, const shape *s, const int32_t
     double *want = mtp_reference(base, s, ids, T, states);
     static char backends[MAX_TEST_BACKENDS][160];
     int nb = usable_backends(backends, MAX_TEST_BACKENDS);
-    for (int b = 0; b < nb; b++)
-        check_mtp(path, backends[b], s, ids, T, states, want);
+    for (int b = 0; b < nb; b++) {
+        check_mtp("llama.cpp's file", path, backends[b], s, ids, T, states, want);
+        check_mtp("loom's conversion", converted, backends[b], s, ids, T, states, want);
+    }
+    unlink(converted);
     free(states), free(want);
 }
 
