@@ -18,6 +18,7 @@
 #include "core/sampler.h"
 #include "core/tokenizer.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -122,27 +123,50 @@ int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *er
  * target (loom_runner_follow): every state the target computes is kept in its draft cache until
  * the id after it is settled, then taken into its KV cache. */
 
-/* The target's states at positions pos0.. (loom_runner_follow): they replace what was kept
- * from pos0 on (a pass after rejected proposals rewrites those positions). */
+int loom_mtp_states_put(loom_mtp_states *s, int32_t pos0, const float *rows, int32_t n)
+{
+    const size_t row = (size_t)s->n_embd * sizeof(float);
+    assert(s->n_embd > 0 && pos0 >= 0 && n >= 0);
+    if (pos0 < s->from || pos0 > s->from + s->n)
+        s->from = pos0, s->n = 0;
+    const int32_t need = pos0 - s->from + n;
+    if (need > s->cap) {
+        float *h = realloc(s->rows, (size_t)need * row);
+        if (!h) {
+            s->n = 0;
+            return -1;
+        }
+        s->rows = h, s->cap = need;
+    }
+    memcpy(s->rows + (size_t)(pos0 - s->from) * (size_t)s->n_embd, rows, (size_t)n * row);
+    s->n = need;
+    return 0;
+}
+
+void loom_mtp_states_drop_before(loom_mtp_states *s, int32_t pos)
+{
+    int32_t drop = pos - s->from;
+    if (drop <= 0)
+        return;
+    drop = drop < s->n ? drop : s->n;
+    s->n -= drop, s->from += drop;
+    memmove(s->rows, s->rows + (size_t)drop * (size_t)s->n_embd,
+            (size_t)s->n * (size_t)s->n_embd * sizeof *s->rows);
+}
+
+const float *loom_mtp_states_at(const loom_mtp_states *s, int32_t pos)
+{
+    return pos >= s->from && pos < s->from + s->n
+        ? s->rows + (size_t)(pos - s->from) * (size_t)s->n_embd
+        : NULL;
+}
+
+/* The target's states at positions pos0.. (loom_runner_follow). */
 static void keep_target_states(void *user, int32_t pos0, const float *rows, int32_t n)
 {
     drafter *d = user;
-    loom_draft_cache *c = d->seen;
-    const size_t row = (size_t)d->n_embd * sizeof(float);
-    if (pos0 < c->hidden0 || pos0 > c->hidden0 + c->n_hidden)
-        c->hidden0 = pos0, c->n_hidden = 0; /* not contiguous with what is kept: start again */
-    const int32_t need = pos0 - c->hidden0 + n;
-    if (need > c->hidden_cap) {
-        float *h = realloc(c->hidden, (size_t)need * row);
-        if (!h) {
-            d->out_of_memory = 1;
-            c->n_hidden = 0;
-            return;
-        }
-        c->hidden = h, c->hidden_cap = need;
-    }
-    memcpy(c->hidden + (size_t)(pos0 - c->hidden0) * (size_t)d->n_embd, rows, (size_t)n * row);
-    c->n_hidden = need;
+    if (loom_mtp_states_put(&d->seen->states, pos0, rows, n) != 0)
+        d->out_of_memory = 1;
 }
 
 /* The block's own state after its last row: the input of the proposal after. */
@@ -168,25 +192,22 @@ static int mtp_sync(drafter *d, const int32_t *text, int32_t n_text, char *err, 
     const int32_t end = n_text - 1;
     int32_t from = keep > 0 ? keep - 1 : 0;
     if (from >= end)
-        from = end - 1;    /* run the last pair again: its logits are what proposes */
-    if (from < c->hidden0) /* states never kept (a prefix evaluated before it followed): */
-        from = c->hidden0; /* its cache keeps what it had there, worse proposals at most */
-    if (from >= end || end > c->hidden0 + c->n_hidden)
+        from = end - 1;        /* run the last pair again: its logits are what proposes */
+    if (from < c->states.from) /* states never kept (a prefix evaluated before it followed): */
+        from = c->states.from; /* its cache keeps what it had there, worse proposals at most */
+    if (from >= end || !loom_mtp_states_at(&c->states, end - 1))
         return 0;
     c->n = from < keep ? from + 1 : 0; /* a failed eval leaves the rest unknown */
     if (loom_runner_eval_mtp(loom_model_runner(d->model), text + from + 1,
-                             c->hidden + (size_t)(from - c->hidden0) * (size_t)d->n_embd,
-                             end - from, from, err, err_size) != 0)
+                             loom_mtp_states_at(&c->states, from), end - from, from, err,
+                             err_size) != 0)
         return -1;
     memcpy(c->ids, text, (size_t)n_text * sizeof *text);
     c->n = n_text;
     /* the states taken go, but the one at end - 1 (for the next sync to run its pair again if
      * nothing new came) and those after it: the prompt's last is the next pair's, and any
      * other the target rewrites (its next pass starts at end) before a sync reads it */
-    const int32_t drop = end - 1 - c->hidden0;
-    c->n_hidden -= drop, c->hidden0 += drop;
-    memmove(c->hidden, c->hidden + (size_t)drop * (size_t)d->n_embd,
-            (size_t)c->n_hidden * (size_t)d->n_embd * sizeof *c->hidden);
+    loom_mtp_states_drop_before(&c->states, end - 1);
     return 1;
 }
 
@@ -229,7 +250,7 @@ static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec,
                      b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
             return -1;
         }
-        d->n_embd = a->n_embd;
+        d->n_embd = d->seen->states.n_embd = a->n_embd;
         if (!(d->own = malloc((size_t)d->n_embd * sizeof *d->own))) {
             snprintf(err, err_size, "out of memory");
             return -1;

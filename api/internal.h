@@ -86,6 +86,21 @@ int32_t loom_lookup_draft(const int32_t *text, int32_t n_text, int32_t n_max, in
 void loom_pool_add(double *sum, const float *rows, int32_t n, int32_t n_embd);
 void loom_pool_result(const double *sum, int32_t n_pooled, int32_t n_embd, int normalize,
                       float *out);
+/* The target's final hidden states a multi-token-prediction drafter has yet to take into its
+ * cache: n_embd floats for each position of [from, from + n), room for cap. */
+typedef struct loom_mtp_states {
+    float *rows;
+    int32_t from, n, cap, n_embd;
+} loom_mtp_states;
+/* States at positions pos0..pos0 + n: they replace those kept from pos0 on (a pass after
+ * rejected proposals rewrites them); not contiguous with what is kept, they start anew. 0, or
+ * -1 out of memory (none kept then). */
+int loom_mtp_states_put(loom_mtp_states *s, int32_t pos0, const float *rows, int32_t n);
+/* Forgets the states before pos. */
+void loom_mtp_states_drop_before(loom_mtp_states *s, int32_t pos);
+/* The state at pos, or NULL when it is not kept. */
+const float *loom_mtp_states_at(const loom_mtp_states *s, int32_t pos);
+
 /* The ids a model's KV cache holds at positions 0.. while it drafts for another (n_ctx of room),
  * so that a chat's next turn evaluates only what changed; n = 0 whenever the model generates
  * as the target (its cache then holds other things). */
@@ -93,12 +108,10 @@ typedef struct loom_draft_cache {
     int32_t *ids;
     int32_t n;
     /* a multi-token-prediction drafter (loom_model_options.mtp): its KV cache holds positions
-     * [0, n - 1), each the pair (the target's final hidden state there, the next id); hidden
-     * holds the target's states at positions [hidden0, hidden0 + n_hidden) that it has not
-     * taken yet (n_embd floats each, room for hidden_cap) */
+     * [0, n - 1), each the pair (the target's final hidden state there, the next id), and
+     * states holds the target's states it has not taken yet */
     int mtp;
-    float *hidden;
-    int32_t hidden0, n_hidden, hidden_cap;
+    loom_mtp_states states;
 } loom_draft_cache;
 loom_draft_cache *loom_model_draft_cache(loom_model *m);
 /* Where a generation keeps its prompt's last logits (loom_prompt_logits): n_vocab floats. */

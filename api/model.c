@@ -94,7 +94,7 @@ void loom_model_close(loom_model *m)
     loom_gguf_close(&m->gguf);
     free(m->prompt_logits);
     free(m->draft_cache.ids);
-    free(m->draft_cache.hidden);
+    free(m->draft_cache.states.rows);
     free(m->unsampled);
     free(m);
 }

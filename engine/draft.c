@@ -1,10 +1,14 @@
 /*
  * engine/draft.c - speculative proposals: how many a request may make, and the drafter
- * model's (loom_engine_options.draft), run over its own KV blocks.
+ * model's (loom_engine_options.draft), run over its own KV blocks. A drafter that is the
+ * model's multi-token-prediction block (the engine's mtp) takes at position p the model's final
+ * state there beside the id at p + 1 (run_step keeps each request's states for it), so its
+ * sequence runs one position behind the text, from the first position it had a state for.
  */
 #define _GNU_SOURCE
 #include "engine/engine_internal.h"
 
+#include <assert.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -35,9 +39,17 @@ int32_t engine_proposals_wanted(loom_engine *e, ereq *q, int32_t room)
     return k;
 }
 
+void engine_mtp_keep(loom_engine *e, ereq *q, int32_t pos0, const float *rows, int32_t n)
+{
+    (void)e;
+    loom_mtp_states_put(&q->mtp, pos0, rows, n); /* (emptied when it cannot grow) */
+}
+
 /* One batched step of the drafter model over the requests who[0..n), counts[i] tokens each
  * from the end of their drafter cache: from their text (from_text), else their last proposal;
- * a logit row after the last of each where want_row[i]. 0, or -1 with err. */
+ * a logit row after the last of each where want_row[i]. An MTP drafter's token at p of its
+ * sequence is the text's at mtp_base + p + 1 beside the model's state at mtp_base + p, or its
+ * last proposal beside its own last state. 0, or -1 with err. */
 static int drafter_step(loom_engine *e, ereq **who, int n, const int32_t *counts, int from_text,
                         const int *want_row, char *err, size_t err_size)
 {
@@ -50,10 +62,16 @@ static int drafter_step(loom_engine *e, ereq **who, int n, const int32_t *counts
     for (int i = 0; i < n; i++) {
         ereq *q = who[i];
         for (int32_t j = 0; j < counts[i]; j++, t++) {
-            int32_t p = q->dkv.n_tokens + j;
-            ids[t] = from_text ? q->toks[p] : q->draft[q->n_draft - 1];
+            int32_t p = q->dkv.n_tokens + j, at = e->mtp ? q->mtp_base + p + 1 : p;
+            ids[t] = from_text ? q->toks[at] : q->draft[q->n_draft - 1];
             pos[t] = p, seq[t] = i;
             slots[t] = loom_kvblocks_slot(e->dkv, &q->dkv, p);
+            if (e->mtp) {
+                const float *state = from_text ? loom_mtp_states_at(&q->mtp, at - 1) : q->mtp_own;
+                assert(state);
+                memcpy(e->dstates + (size_t)t * (size_t)e->n_embd, state,
+                       (size_t)e->n_embd * sizeof *state);
+            }
         }
         if (want_row[i])
             rows[n_rows++] = t - 1;
@@ -71,9 +89,18 @@ static int drafter_step(loom_engine *e, ereq **who, int n, const int32_t *counts
                     .max_blocks = max_blocks,
                     .block_table = table,
                     .n_logits = n_rows,
-                    .logit_rows = rows};
+                    .logit_rows = rows,
+                    /* an MTP drafter's own states after its rows chain its next proposals */
+                    .n_hidden = e->mtp ? n_rows : 0,
+                    .hidden_rows = rows,
+                    .hidden_in = e->mtp ? e->dstates : NULL};
     if (loom_runner_step(e->drunner, &st, err, err_size) != 0)
         return -1;
+    for (int i = 0, r = 0; e->mtp && i < n; i++)
+        if (want_row[i])
+            memcpy(who[i]->mtp_own,
+                   loom_runner_hidden(e->drunner) + (size_t)r++ * (size_t)e->n_embd,
+                   (size_t)e->n_embd * sizeof(float));
     for (int i = 0; i < n; i++)
         loom_kvblocks_advance(e->dkv, &who[i]->dkv, who[i]->toks, who[i]->dkv.n_tokens + counts[i]);
     return 0;
@@ -113,15 +140,27 @@ void engine_run_drafter(loom_engine *e, planned *plan, int n_plan)
     int n = 0, most = 0;
     for (int i = 0; i < n_plan; i++) {
         ereq *q = plan[i].q;
-        if (!q->want)
+        /* an MTP block takes the states as they come, prompts too, so that few wait */
+        if (!q->want && !(e->mtp && q->use_draft))
             continue;
         int32_t missing = q->n_toks - q->dkv.n_tokens;
+        if (e->mtp) { /* the pairs up to the pending token's position, whose states it has */
+            if (q->dkv.n_tokens == 0)
+                q->mtp_base = q->mtp.from;
+            const int32_t have = q->mtp.from + q->mtp.n; /* pairs end before the last state */
+            missing = (q->n_toks - 1 < have ? q->n_toks - 1 : have) - q->mtp_base - q->dkv.n_tokens;
+            if (!loom_mtp_states_at(&q->mtp, q->mtp_base + q->dkv.n_tokens))
+                missing = 0; /* states lost (out of memory): none until it has them again */
+        }
         int32_t feed = missing < budget ? missing : budget;
         loom_kvcopy none[1];
-        if (feed <= 0 || loom_kvblocks_reserve(e->dkv, &q->dkv, feed + q->want - 1, none) < 0)
+        if (feed <= 0 ||
+            loom_kvblocks_reserve(e->dkv, &q->dkv, feed + q->want - (q->want > 0), none) < 0)
             continue; /* (its plan shrinks below, to the pending token) */
         budget -= feed;
-        who[n] = q, counts[n] = feed, rows[n] = feed == missing;
+        who[n] = q, counts[n] = feed;
+        rows[n] = q->want && feed == missing &&
+            q->mtp_base + q->dkv.n_tokens + feed == (e->mtp ? q->n_toks - 1 : q->n_toks);
         most = q->want > most ? q->want : most;
         n++;
     }
@@ -153,6 +192,11 @@ void engine_run_drafter(loom_engine *e, planned *plan, int n_plan)
         if (q->use_draft && q->want) /* planned as 1 + want: as many as were proposed */
             plan[i].k = 1 + q->n_draft;
         q->want = 0;
+        /* what an MTP block ran on its own states does not stand: the model's replace them */
+        if (e->mtp && q->use_draft && q->dkv.n_tokens > q->n_toks - 1 - q->mtp_base)
+            loom_kvblocks_truncate(&q->dkv, q->n_toks - 1 - q->mtp_base);
+        if (e->mtp && q->use_draft) /* the states taken go, but the last pair's */
+            loom_mtp_states_drop_before(&q->mtp, q->mtp_base + q->dkv.n_tokens - 1);
     }
 }
 
@@ -162,11 +206,19 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
     loom_speculation check = {.draft = o->draft};
     if (loom_speculation_check(e->model, &check, err, err_size) != 0)
         return -1;
-    if (loom_model_draft_cache(o->draft)->mtp) {
+    e->mtp = loom_model_draft_cache(o->draft)->mtp;
+    const loom_hparams *a = loom_runner_hparams(e->runner);
+    const loom_hparams *b = loom_runner_hparams(loom_model_runner(o->draft));
+    if (e->mtp &&
+        (strcmp(a->arch, b->arch) != 0 || a->n_embd != b->n_embd || a->n_layer != b->n_layer)) {
         snprintf(err, err_size,
-                 "the engine cannot draft with a multi-token-prediction block yet (it needs "
-                 "each sequence's hidden states from the batched step); loom run and chat "
-                 "can: serve with --lookup or --draft-layers");
+                 "the multi-token-prediction drafter is another model's (%s, %d layers of %d, "
+                 "against %s, %d of %d): open it from the model's own file",
+                 b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
+        return -1;
+    }
+    if (e->mtp && !(e->dstates = malloc((size_t)e->max_step * (size_t)e->n_embd * sizeof(float)))) {
+        snprintf(err, err_size, "out of memory");
         return -1;
     }
     e->draft = o->draft;

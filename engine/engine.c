@@ -44,6 +44,7 @@ static void req_free(ereq *q)
     loom_grammar_free(q->grammar);
     free(q->pooled);
     free(q->draft);
+    free(q->mtp.rows), free(q->mtp_own);
     free(q);
 }
 
@@ -259,6 +260,9 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
         q->lookup = r->lookup, q->use_draft = r->draft;
         q->draft_max = r->draft_max ? r->draft_max : 8;
         if (!(q->draft = malloc((size_t)q->draft_max * sizeof *q->draft)))
+            goto oom;
+        q->mtp.n_embd = e->n_embd;
+        if (r->draft && e->mtp && !(q->mtp_own = malloc((size_t)e->n_embd * sizeof(float))))
             goto oom;
     }
     const loom_sampling *s = &r->sampling;
@@ -596,7 +600,8 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
             ids[t] = p < q->n_toks ? q->toks[p] : q->draft[p - q->n_toks];
             pos[t] = p, seq[t] = i;
             slots[t] = loom_kvblocks_slot(e->kv, &q->kv, p);
-            if (q->pooling == LOOM_POOL_MEAN || (q->pooling && ends && j == plan[i].k - 1))
+            if (q->pooling == LOOM_POOL_MEAN || (q->pooling && ends && j == plan[i].k - 1) ||
+                (e->mtp && q->use_draft)) /* an MTP drafter reads every state */
                 hidden_rows[n_hidden++] = t;
         }
         /* its last known token (sample after it), and after each proposal */
@@ -646,6 +651,11 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         ereq *q = plan[i].q;
         int32_t n_draft = q->n_draft;
         int ends = q->kv.n_tokens + plan[i].k == q->n_toks + n_draft;
+        if (e->mtp && q->use_draft) {
+            engine_mtp_keep(e, q, q->kv.n_tokens, hidden + (size_t)hi * (size_t)e->n_embd,
+                            plan[i].k);
+            hi += plan[i].k;
+        }
         /* the proposals' K/V count only once they are kept, below */
         loom_kvblocks_advance(e->kv, &q->kv, q->toks, q->kv.n_tokens + plan[i].k - n_draft);
         if (!n_draft)
@@ -898,6 +908,7 @@ static void free_parts(loom_engine *e)
     free(e->running), free(e->live), free(e->logits), free(e->plan), free(e->copies),
         free(e->replay);
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
+    free(e->dstates);
     free(e->slot_taken), free(e->snapshots);
     free(e);
 }

@@ -67,6 +67,12 @@ typedef struct ereq {
     int use_draft;
     int32_t want;
     loom_kvseq dkv;
+    /* with the model's MTP block as the drafter (the engine's mtp): the model's states it has
+     * yet to take, its own state after its last proposal, and the position its sequence's 0
+     * stands for (the first it had a state for: a prefix from the cache it never saw) */
+    loom_mtp_states mtp;
+    float *mtp_own;
+    int32_t mtp_base;
 } ereq;
 
 struct loom_engine {
@@ -146,6 +152,10 @@ struct loom_engine {
     int32_t *dstep_buf, dmax_blocks;
     float *dlogits;
     ereq **dwho;
+    /* the drafter is the model's multi-token-prediction block (loom_model_options.mtp): a
+     * drafter step's hidden-state inputs, [max_step][n_embd] */
+    int mtp;
+    float *dstates;
 };
 
 typedef struct planned {
@@ -174,6 +184,9 @@ void engine_replay_kept(loom_engine *e, ereq **who, int n, int32_t *buf);
  * a step's plan; the drafter's start (loom_engine_options.draft). */
 int32_t engine_proposals_wanted(loom_engine *e, ereq *q, int32_t room);
 void engine_run_drafter(loom_engine *e, planned *plan, int n_plan);
+/* The model's final states at positions pos0.. of q, for an MTP drafter (its store, which a
+ * failure to grow empties: no proposals until it has states again). */
+void engine_mtp_keep(loom_engine *e, ereq *q, int32_t pos0, const float *rows, int32_t n);
 int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err, size_t err_size);
 
 /* sample.c: q's next token from its logits row (0, or -1 when q ended); an embedding request's

@@ -251,6 +251,27 @@ stop_server
 expect_grep "draft model's token [0-9]* is not the model's" "$tmpdir/draft-bad.log" \
     "serve --draft of another vocabulary: refused at start, the id named"
 
+# ---- a Qwen3.5 file's own multi-token-prediction block as the drafter: greedy answers as
+# without, its proposals checked in the batched step (its random weights seldom agree)
+q35=$FIXTURES/tiny-qwen35/model.gguf
+if [ -z "${LOOM_SERVE_MPIRUN:-}" ] && [ -f "$q35" ]; then
+    STORIES=$MODEL MODEL=$q35
+    start_server "$tmpdir/server-mtp.log" --draft-mtp --draft-p-min 0 --model-name q35
+    for spec in on off; do
+        extra='{}'; [ $spec = off ] && extra='{"speculative": false}'
+        post /v1/completions "$(jq -n --argjson s "$extra" \
+            '{model: "q35", prompt: "What is the capital of France? The capital", max_tokens: 24,
+              temperature: 0} + $s')" | sed '$d' | jq -j '.choices[0].text' >"$tmpdir/mtp-$spec.txt"
+    done
+    proposed=$(metric loom_speculative_proposed_total)
+    cmp -s "$tmpdir/mtp-on.txt" "$tmpdir/mtp-off.txt" && [ "${proposed:-0}" -gt 0 ] &&
+        pass "serve --draft-mtp: $proposed proposals checked; the greedy answer as without" ||
+        { fail "serve --draft-mtp: proposed ${proposed:-none}"; cat "$tmpdir/server-mtp.log" >&2
+          diff "$tmpdir/mtp-on.txt" "$tmpdir/mtp-off.txt" >&2; }
+    stop_server
+    MODEL=$STORIES
+fi
+
 # ---- under pressure: one sequence at a time and a queue of one. A long request runs; the next
 # waits; one more is refused at once (429, Retry-After, OpenAI's error); a request whose
 # deadline comes while it waits gets 504 (streamed or not: the status waits for the first

@@ -354,6 +354,9 @@ static void on_event(void *user, const loom_event *ev)
         loom_engine_cancel(engine, id);
 }
 
+/* test_engine's drafter_folder that means the model's own multi-token-prediction block */
+static const char MTP_BLOCK[] = "the model's MTP block";
+
 static void test_engine(const char *backend_or_null, int32_t slots, const char *drafter_folder)
 {
     const char *backend = backend_or_null ? backend_or_null : "the default backend";
@@ -362,7 +365,11 @@ static void test_engine(const char *backend_or_null, int32_t slots, const char *
     CHECK(m != NULL, "engine on %s: %s", backend, err);
     if (!m)
         return;
-    loom_model *d = drafter_folder ? open_drafter(drafter_folder, backend_or_null) : NULL;
+    loom_model_options mtp = o;
+    mtp.mtp = 1;
+    loom_model *d = drafter_folder == MTP_BLOCK ? loom_model_open(model, &mtp, err, sizeof err)
+        : drafter_folder                        ? open_drafter(drafter_folder, backend_or_null)
+                                                : NULL;
     CHECK(!drafter_folder || d, "the drafter on %s: %s", backend, err);
     loom_engine_options eo = {.max_batch = 16, .draft = d, .draft_p_min = 0};
     engine = loom_engine_start(m, &eo, err, sizeof err);
@@ -434,9 +441,9 @@ static void test_engine(const char *backend_or_null, int32_t slots, const char *
     if (d) {
         loom_engine_stats es = loom_engine_get_stats(engine);
         CHECK(es.drafted > es.accepted,
-              "the engine's drafter had proposals rejected (%llu of "
+              "the engine's drafter (%s) had proposals rejected (%llu of "
               "%llu kept)",
-              (unsigned long long)es.accepted, (unsigned long long)es.drafted);
+              drafter_folder, (unsigned long long)es.accepted, (unsigned long long)es.drafted);
     }
     loom_engine_stop(engine, 1000);
     loom_engine_free(engine);
@@ -581,6 +588,8 @@ int main(void)
     snprintf(drafter, sizeof drafter, "%s/tiny-qwen2", tmp);
     test_speculative(NULL, drafter);
     test_engine(NULL, 2, drafter);
+    test_engine("ref", 2, MTP_BLOCK);
+    test_engine(NULL, 2, MTP_BLOCK);
     test_folder();
     test_multimodal_folder();
     remove_folder(drafter);

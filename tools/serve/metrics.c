@@ -174,7 +174,7 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
            "{while=\"waiting\"} %llu\nloom_requests_deadline_total{while=\"generating\"} %llu",
            (unsigned long long)s.deadline_waiting, (unsigned long long)s.deadline_running);
     METRIC("loom_speculative_proposed_total", "counter",
-           "Prompt-lookup proposals checked (speculative decoding).", " %llu",
+           "Proposals checked (speculative decoding: lookup or a drafter).", " %llu",
            (unsigned long long)s.drafted);
     METRIC("loom_speculative_accepted_total", "counter",
            "Of them, those kept: tokens that cost no pass of their own.", " %llu",

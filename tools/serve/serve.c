@@ -207,7 +207,7 @@ int loom_serve_main(int argc, char **argv)
          draft_layers = 0;
     const char *draft = NULL;
     float draft_p_min = 0.75f;
-    int metrics_auth = 0, parse_special = 0, no_webui = 0;
+    int metrics_auth = 0, parse_special = 0, no_webui = 0, draft_mtp = 0;
     loom_open_flags of = {0};
     float request_timeout = 0, batch_wait = 0;
     char block_help[64];
@@ -257,6 +257,9 @@ int loom_serve_main(int argc, char **argv)
          "for every request that does not say otherwise"},
         {"--draft-layers", NULL, LOOM_FLAG_LONG, &draft_layers, 1, 4096, "K",
          "... or with the model's own first K layers"},
+        {"--draft-mtp", NULL, LOOM_FLAG_SWITCH, &draft_mtp, 0, 0, NULL,
+         "... or with the model's own multi-token-prediction block\n"
+         "(Qwen3.5, Qwen3-Next files that carry one)"},
         {"--draft-p-min", NULL, LOOM_FLAG_FLOAT, &draft_p_min, 0, 1, "P",
          "the drafter stops at a token it gives less than P (default 0.75)"},
         {"--draft-max", NULL, LOOM_FLAG_LONG, &draft_max, 1, 64, "N",
@@ -325,8 +328,9 @@ int loom_serve_main(int argc, char **argv)
             "loom serve: give the model with -m MODEL (a GGUF file or a Hugging Face folder)\n");
         return 2;
     }
-    if (!!draft + !!draft_layers + !!lookup > 1) {
-        fprintf(stderr, "loom serve: give one drafter: --draft, --draft-layers or --lookup\n");
+    if (!!draft + !!draft_layers + !!lookup + draft_mtp > 1) {
+        fprintf(stderr,
+                "loom serve: give one drafter: --draft, --draft-layers, --draft-mtp or --lookup\n");
         return 2;
     }
     char key_buf[4096];
@@ -440,7 +444,7 @@ int loom_serve_main(int argc, char **argv)
                           .defaults = sampling,
                           .lookup = (int32_t)lookup,
                           .draft_max = (int32_t)draft_max,
-                          .draft = draft || draft_layers},
+                          .draft = draft || draft_layers || draft_mtp},
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
                   .admin_key = admin_key_file ? admin_buf : NULL,
@@ -475,14 +479,18 @@ int loom_serve_main(int argc, char **argv)
                               .batch_wait_ms = batch_wait,
                               .draft_p_min = draft_p_min};
     srv.eo = eo;
-    if (draft || draft_layers) { /* the drafter's cache: room for as many sequences */
+    if (draft || draft_layers || draft_mtp) { /* the drafter's cache: room for as many */
         srv.draft_path = draft ? draft : of.model;
         srv.dmo = mo;
         srv.dmo.distributed = 0;
         srv.dmo.n_ctx = ctx;
         srv.dmo.first_layers = (int32_t)draft_layers;
+        srv.dmo.mtp = draft_mtp;
         fprintf(stderr, "loom serve: speculative decoding with %s%s\n",
-                draft ? "the draft model " : "the model's first layers", draft ? draft : "");
+                draft           ? "the draft model "
+                    : draft_mtp ? "the model's multi-token-prediction block"
+                                : "the model's first layers",
+                draft ? draft : "");
     }
     loom_model *drafter;
     loom_engine *engine = served_start_engine(&srv, m, &drafter, err, sizeof err);
