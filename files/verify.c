@@ -158,10 +158,14 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
         return;
     }
     /* Layers come in kinds: a hybrid model's linear-attention and full-attention layers (every
-     * full_attention_interval-th), and the multi-token-prediction blocks after the trunk
-     * (nextn_predict_layers). Every layer has the tensors of the first layer of its kind,
-     * shaped alike (the type may differ: mixes give some layers more bits). */
-    int64_t interval = 0, nextn = 0;
+     * full_attention_interval-th), a mixture of experts' leading dense layers
+     * (leading_dense_block_count: GLM-4.5, DeepSeek, GLM-4.7-Flash) and the rest, and the
+     * multi-token-prediction blocks after the trunk (nextn_predict_layers). Every layer has
+     * the tensors of the first layer of its kind, shaped alike (the type may differ: mixes give
+     * some layers more bits). */
+    int64_t interval = 0, nextn = 0, dense = 0;
+    snprintf(key, sizeof key, "%s.leading_dense_block_count", arch);
+    loom_gguf_get_i64(g, key, &dense);
     snprintf(key, sizeof key, "%s.full_attention_interval", arch);
     loom_gguf_get_i64(g, key, &interval);
     snprintf(key, sizeof key, "%s.nextn_predict_layers", arch);
@@ -170,6 +174,7 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
 #define FIRST_OF_KIND(l)                                                                           \
     (trunk >= 0 && (l) >= trunk                      ? trunk                                       \
          : interval > 1 && ((l) + 1) % interval == 0 ? (long)interval - 1                          \
+         : dense > 0 && (l) >= dense                 ? (long)dense                                 \
                                                      : 0L)
     static long counts[4096];
     memset(counts, 0, sizeof counts);
@@ -207,10 +212,14 @@ static void check_shapes(verifier *v, const loom_gguf *g, const char *arch)
             return;
         }
 #undef FIRST_OF_KIND
-    if (interval > 1 || trunk >= 0)
+    if (interval > 1)
         say(v, "shapes", LOOM_CHECK_OK,
             "%ld layers, each shaped as the first of its kind (full attention every %lld%s)",
             max_layer + 1, (long long)interval, trunk >= 0 ? ", then the prediction head" : "");
+    else if (dense > 0 || trunk >= 0)
+        say(v, "shapes", LOOM_CHECK_OK,
+            "%ld layers, each shaped as the first of its kind (%lld dense, then experts%s)",
+            max_layer + 1, (long long)dense, trunk >= 0 ? ", then the prediction head" : "");
     else
         say(v, "shapes", LOOM_CHECK_OK, "%ld layers of %llu tensors each, shaped alike",
             max_layer + 1, (unsigned long long)per_layer0);

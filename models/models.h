@@ -19,6 +19,7 @@ extern const loom_arch loom_arch_qwen35;    /* GGUF "qwen35": Qwen3.5, Qwen3.6 (
 extern const loom_arch loom_arch_qwen35moe; /* GGUF "qwen35moe": their mixture-of-experts */
 extern const loom_arch loom_arch_qwen3next; /* GGUF "qwen3next": Qwen3-Next-80B-A3B */
 extern const loom_arch loom_arch_chatglm1;  /* GGUF "chatglm1" (loom's own): ChatGLM-6B */
+extern const loom_arch loom_arch_deepseek2; /* GGUF "deepseek2": GLM-4.7-Flash (MLA) */
 
 /* Hyper-parameter ARCH.SUFFIX of a model file, or fallback when absent. */
 int64_t loom_model_kv_int(const loom_gguf *g, const char *arch, const char *suffix,
@@ -31,7 +32,7 @@ extern const loom_family loom_family_llama, loom_family_mistral, loom_family_qwe
     loom_family_qwen3, loom_family_qwen, loom_family_chatglm, loom_family_chatglm1,
     loom_family_qwen2moe, loom_family_qwen3moe, loom_family_glm4, loom_family_glm4moe,
     loom_family_qwen35, loom_family_qwen35_vl, loom_family_qwen35moe, loom_family_qwen35moe_vl,
-    loom_family_qwen3next;
+    loom_family_qwen3next, loom_family_deepseek2;
 
 /* The architecture for general.architecture, or NULL. */
 const loom_arch *loom_models_find(const char *name);

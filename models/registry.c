@@ -30,7 +30,7 @@ double loom_model_kv_float(const loom_gguf *g, const char *arch, const char *suf
         &loom_family_chatglm1, &loom_family_chatglm, &loom_family_mistral, &loom_family_qwen2moe,  \
         &loom_family_qwen3moe, &loom_family_glm4, &loom_family_glm4moe, &loom_family_qwen35,       \
         &loom_family_qwen35_vl, &loom_family_qwen35moe, &loom_family_qwen35moe_vl,                 \
-        &loom_family_qwen3next
+        &loom_family_qwen3next, &loom_family_deepseek2
 static const loom_family *families[24] = {BUILT_IN_FAMILIES};
 static int n_families = (int)(sizeof(const loom_family *[]){BUILT_IN_FAMILIES} /
                               sizeof(const loom_family *));
