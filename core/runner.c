@@ -669,19 +669,20 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     uint64_t row = (uint64_t)loom_row_bytes(r->opt.kv_type, hp->head_dim);
     r->kv_block = row * (uint64_t)hp->n_head_kv * (uint64_t)r->opt.block_size;
     uint64_t per_cache = r->kv_block * (uint64_t)r->n_blocks;
+    const uint64_t caches = hp->kv_values_in_keys ? 1 : 2; /* per layer */
     for (int l = r->layer0; l < r->layer_end; l++) /* recurrent layers keep a state instead */
         r->n_kv_layers += !loom_layer_recurrent(hp, l);
     r->kc = calloc((size_t)r->layer_end, sizeof *r->kc);
     r->vc = calloc((size_t)r->layer_end, sizeof *r->vc);
     if (!r->kc || !r->vc ||
         (r->n_kv_layers &&
-         dev->ops.buffer_alloc(dev->be, per_cache * 2 * (uint64_t)r->n_kv_layers, &r->kv) !=
+         dev->ops.buffer_alloc(dev->be, per_cache * caches * (uint64_t)r->n_kv_layers, &r->kv) !=
              LOOM_OK)) {
         snprintf(err, err_size,
                  "out of memory on %s for a KV cache of %d blocks of %d tokens "
                  "(%llu bytes): %s",
                  dev->name, r->n_blocks, r->opt.block_size,
-                 (unsigned long long)(per_cache * 2 * (uint64_t)r->n_kv_layers),
+                 (unsigned long long)(per_cache * caches * (uint64_t)r->n_kv_layers),
                  dev->ops.last_error(dev->be));
         loom_runner_free(r);
         return NULL;
@@ -690,7 +691,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
     for (int l = r->layer0, i = 0; l < r->layer_end; l++) {
         if (loom_layer_recurrent(hp, l))
             continue;
-        r->kc[l] = loom_runner_dense(r->kv, per_cache * 2 * (uint64_t)i++, r->opt.kv_type,
+        r->kc[l] = loom_runner_dense(r->kv, per_cache * caches * (uint64_t)i++, r->opt.kv_type,
                                      hp->head_dim, hp->n_head_kv, r->opt.block_size, r->n_blocks);
         /* head-major inside a block: attention walks one head's keys in order, and these then
          * lie together (measured: 16-sequence decode steps spent 17% waiting on strided K/V
@@ -698,7 +699,7 @@ loom_runner *loom_runner_create(loom_device *dev, const loom_gguf *gguf, const l
         r->kc[l].nb[2] = r->kc[l].nb[1];
         r->kc[l].nb[1] = r->kc[l].nb[2] * (uint64_t)r->opt.block_size;
         r->vc[l] = r->kc[l];
-        r->vc[l].offset += per_cache;
+        r->vc[l].offset += (caches - 1) * per_cache;
     }
     if (loom_recurrent_alloc(r, err, err_size) != 0) {
         loom_runner_free(r);
@@ -793,7 +794,7 @@ int32_t loom_runner_block_size(const loom_runner *r)
 
 uint64_t loom_runner_block_bytes(const loom_runner *r)
 {
-    return r->kv_block * 2 * (uint64_t)r->n_kv_layers;
+    return r->kv_block * (r->hp.kv_values_in_keys ? 1 : 2) * (uint64_t)r->n_kv_layers;
 }
 
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
@@ -814,7 +815,7 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
     }
     for (int i = 0; i < n; i++)
         for (int l = r->layer0; l < r->layer_end; l++)
-            for (int kv = 0; kv < 2; kv++) {
+            for (int kv = 0; kv < (r->hp.kv_values_in_keys ? 1 : 2); kv++) {
                 const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
                 if (!c->buf) /* a recurrent layer */
                     continue;

@@ -57,6 +57,10 @@ typedef struct loom_hparams {
     /* Multi-token-prediction blocks past the n_layer layers (GGUF nextn_predict_layers): run
      * only by a runner opened with loom_runner_options.mtp, as the model's own drafter. */
     int32_t n_nextn;
+    /* The values are the keys (multi-head latent attention: every head reads the cached latent
+     * as its value and takes what it needs): one cache per layer, loom_rt_vcache the key
+     * cache's tensor, nothing stored as values. */
+    int kv_values_in_keys;
 } loom_hparams;
 
 static inline int loom_layer_recurrent(const loom_hparams *hp, int layer)

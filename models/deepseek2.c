@@ -12,8 +12,9 @@
  * query's nope part is absorbed into the latent (q_h K_h, a per-head matmul: matmul_id with the
  * head as the "expert"), so every head attends to one cached key [c; rope(k_rope)] of
  * kv_lora_rank + rope dims, with scale 1/sqrt(nope + rope) (key_length_mla); the value read is
- * c itself (the cache's values are c padded with zeros to the key's width: the ABI's value
- * cache is shaped as the key cache), and each head's output is taken back out by V_h. RoPE
+ * c itself: the key cache serves as the value cache too (hp kv_values_in_keys: the heads'
+ * outputs past kv_lora_rank, the rope part's weighted sum, are dropped), so a token costs
+ * kv_lora_rank + rope numbers per layer, and each head's output is taken back out by V_h. RoPE
  * rotates adjacent pairs (DeepSeek's interleaved layout, Hugging Face's rope_interleave). The q_a
  * and kv_a norms use 1e-6, their modules' default, whatever rms_norm_eps says.
  *
@@ -120,8 +121,10 @@ static int read_hparams(const loom_gguf *g, loom_hparams *hp, ds2_model *m, char
                  arch, arch);
         return -1;
     }
-    /* the cache holds one key per token: [c; rope(k_rope)] (and the value, c, as wide) */
+    /* the cache holds one key per token, [c; rope(k_rope)], whose first kv_lora_rank columns
+     * are the value every head reads */
     hp->n_head_kv = 1;
+    hp->kv_values_in_keys = 1;
     hp->head_dim = m->kv_lora + m->rope;
     hp->n_rot = m->rope;
     m->scale = 1.0f / sqrtf((float)(m->nope + m->rope));
@@ -236,7 +239,7 @@ static int ds2_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
 
 /* The step's scratch for n tokens. */
 typedef struct ds2_buffers {
-    loom_tensor h, qa, q, q3, q_nope, q_rope, q_lat, query, kv, c, k_rope, key, value, att;
+    loom_tensor h, qa, q, q3, q_nope, q_rope, q_lat, query, kv, c, k_rope, key, att;
     loom_tensor o_lat, o, heads;
     loom_tensor ff_gate, ff_up;
 } ds2_buffers;
@@ -268,7 +271,6 @@ static ds2_buffers buffers(loom_runner *r, const loom_hparams *hp, const ds2_mod
     b.c = loom_rt_scratch(r, LOOM_F32, kv, n, 1);
     b.k_rope = loom_rt_scratch(r, LOOM_F32, m->rope, 1, n);
     b.key = loom_rt_scratch(r, LOOM_F32, width, 1, n);
-    b.value = loom_rt_scratch(r, LOOM_F32, width, 1, n);
     b.att = loom_rt_scratch(r, LOOM_F32, width, H, n);
     b.o_lat = loom_rt_scratch(r, LOOM_F32, kv, H, n);
     b.o = loom_rt_scratch(r, LOOM_F32, m->v_head, H, n);
@@ -311,7 +313,7 @@ static void latent_attention(loom_runner *r, const loom_hparams *hp, const ds2_m
     const loom_tensor q_to_rope = head_part(&query2, H, width, kv, m->rope);
     copy(r, &b->q_lat, &q_to_lat);
     copy(r, &b->q_rope, &q_to_rope);
-    /* the one key: [rms_norm(c); rope(k_rope)]; the value: [c; 0] */
+    /* the one key, [rms_norm(c); rope(k_rope)], the value as well */
     loom_rt_matmul(r, &b->h, L->wkv_a, NULL, &b->kv);
     const loom_tensor c_part = loom_rt_cols(&b->kv, 0, kv);
     const loom_tensor k_part = loom_rt_cols(&b->kv, kv, m->rope);
@@ -321,16 +323,11 @@ static void latent_attention(loom_runner *r, const loom_hparams *hp, const ds2_m
     copy(r, &k_part, &k_rope2);
     loom_rt_rope(r, &b->k_rope, hp, NULL);
     const loom_tensor key2 = loom_rt_reshape(&b->key, width, n, 1);
-    const loom_tensor value2 = loom_rt_reshape(&b->value, width, n, 1);
     const loom_tensor key_c = loom_rt_cols(&key2, 0, kv), key_r = loom_rt_cols(&key2, kv, m->rope);
-    const loom_tensor value_c = loom_rt_cols(&value2, 0, kv);
-    const loom_tensor value_r = loom_rt_cols(&value2, kv, m->rope);
     copy(r, &b->c, &key_c);
     copy(r, &k_rope2, &key_r);
-    copy(r, &b->c, &value_c);
-    loom_rt_scale(r, &k_rope2, 0.0f, &value_r);
+    assert(loom_rt_vcache(r, l)->offset == loom_rt_kcache(r, l)->offset);
     loom_rt_kv_store(r, &b->key, loom_rt_kcache(r, l));
-    loom_rt_kv_store(r, &b->value, loom_rt_vcache(r, l));
     loom_rt_attention(r, &b->query, l, m->scale, &b->att);
     /* each head's latent output back out through V_h, then the output projection */
     const loom_tensor att2 = loom_rt_reshape(&b->att, width * H, n, 1);

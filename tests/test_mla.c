@@ -5,7 +5,9 @@
  * (PyTorch, float64) last-prompt logits and greedy tokens for every case. The fixture's README
  * says what each part is worth: interleaved RoPE (0.32 if rotate-half), the choice bias (0.84),
  * sigmoid gating (1.08; llama.cpp's own loader gates this file by softmax: see the README), so a
- * tolerance of 1e-4 sees each (measured: 5e-7 with an f32 KV cache). Also: `loom verify`
+ * tolerance of 1e-4 sees each (measured: 5e-7 with an f32 KV cache). The serving engine runs
+ * every case at once (batched steps over one latent cache, the cases sharing their first token's
+ * block) and gives each the tokens it gets alone. Also: `loom verify`
  * passes the file (its leading dense layer and its MTP block are layers of their own kinds),
  * and a file in the older MLA layout (attn_kv_b whole) is refused by name.
  */
@@ -17,6 +19,8 @@
 #include "check.h"
 #include "fixture_model.h"
 
+#include <cjson/cJSON.h>
+#include <pthread.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -56,6 +60,90 @@ static int older_layout(const char *from, const char *to)
     return rc;
 }
 
+typedef struct answer {
+    collect c;
+    int done, errored;
+} answer;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t cv = PTHREAD_COND_INITIALIZER;
+
+static void on_event(void *user, const loom_event *ev)
+{
+    answer *a = user;
+    pthread_mutex_lock(&mu);
+    if (ev->kind == LOOM_EVENT_TEXT && ev->token >= 0 && a->c.n < 64)
+        a->c.ids[a->c.n++] = ev->token;
+    if (ev->kind != LOOM_EVENT_TEXT) {
+        a->done = 1, a->errored = ev->kind == LOOM_EVENT_ERROR;
+        pthread_cond_broadcast(&cv);
+    }
+    pthread_mutex_unlock(&mu);
+}
+
+/* every case's prompt from expected.json alone, then all at once in the engine (which owns the
+ * model while it runs): each answer as alone */
+static void check_engine(const char *model)
+{
+    char p[4400];
+    snprintf(p, sizeof p, "%s/tiny-glm47-flash/expected.json", dir);
+    char *json = slurp(p, NULL);
+    cJSON *root = cJSON_Parse(json), *cs;
+    loom_model_options o = {.n_ctx = 256, .kv_sequences = 4};
+    loom_model *m = loom_model_open(model, &o, err, sizeof err);
+    CHECK(m != NULL, "%s", err);
+    static int32_t prompts[8][512];
+    int n_prompt[8], n = 0;
+    answer a[8] = {0};
+    collect alone[8];
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0, g.ignore_eos = 1;
+    cJSON_ArrayForEach (cs, cJSON_GetObjectItem(root, "cases")) {
+        if (!m || n == 8)
+            break;
+        const cJSON *ids = cJSON_GetObjectItem(cs, "prompt_ids"), *id;
+        int k = 0;
+        cJSON_ArrayForEach (id, ids)
+            if (k < 512)
+                prompts[n][k++] = id->valueint;
+        n_prompt[n] = k;
+        alone[n] = (collect){{0}, 0};
+        CHECK(loom_generate(m, prompts[n], k, 12, &g, on_token, &alone[n], NULL, err, sizeof err) ==
+                  0,
+              "alone: %s", err);
+        n++;
+    }
+    loom_engine_options eo = {.max_batch = 4};
+    loom_engine *e = m ? loom_engine_start(m, &eo, err, sizeof err) : NULL;
+    CHECK(e != NULL, "the engine: %s", err);
+    for (int i = 0; i < n; i++) {
+        loom_request r = {
+            .prompt = prompts[i], .n_prompt = n_prompt[i], .max_tokens = 12, .sampling = g};
+        if (!e || loom_engine_submit(e, &r, on_event, &a[i], err, sizeof err) <= 0) {
+            CHECK(0, "submit: %s", err);
+            a[i].done = a[i].errored = 1;
+        }
+    }
+    pthread_mutex_lock(&mu);
+    for (int i = 0; i < n; i++)
+        while (!a[i].done)
+            pthread_cond_wait(&cv, &mu);
+    pthread_mutex_unlock(&mu);
+    for (int i = 0; i < n; i++)
+        CHECK(!a[i].errored && a[i].c.n == alone[i].n &&
+                  !memcmp(a[i].c.ids, alone[i].ids, sizeof a[i].c.ids),
+              "case %d batched with the others: %s", i,
+              a[i].errored ? "failed" : "not the tokens it gets alone");
+    CHECK(n == 4, "%d cases", n);
+    if (e) {
+        loom_engine_stop(e, 1000);
+        loom_engine_free(e);
+    }
+    loom_model_close(m);
+    cJSON_Delete(root);
+    free(json);
+}
+
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
@@ -70,6 +158,7 @@ int main(void)
     for (int b = 0; b < nb; b++)
         check_model(dir, "tiny-glm47-flash", model, backends[b], "last_logits", 1e-4, 1,
                     "tiny-glm47-flash (llama.cpp's GGUF, f16)");
+    check_engine(model);
     CHECK(loom_verify(model, on_check, NULL) == 0 && verify_problems == 0,
           "loom verify finds a problem in llama.cpp's deepseek2 file");
     char older[] = "/tmp/loom-mla-older-XXXXXX";
