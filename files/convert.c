@@ -233,6 +233,57 @@ static int add(conv *c, const loom_st_tensor *const *parts, int n_parts, const c
     return 0;
 }
 
+/* kv_b_proj t as attn_k_b or attn_v_b (LOOM_HF_KV_B_K / _V): heads of nope key and v value
+ * rows over kv_lora_rank columns, each head's part a matrix of its own in a [heads, rows, cols]
+ * stack. */
+static int add_kv_b(conv *c, const loom_st_tensor *t, const char *src, const char *dst,
+                    int64_t heads, int64_t nope, int64_t v, unsigned flags)
+{
+    if (t->n_dims != 2 || t->loom_type < 0 || heads <= 0 || nope <= 0 || v <= 0 ||
+        t->shape[0] != heads * (nope + v))
+        return conv_fail(c,
+                         "%s: '%s' is not kv_b_proj's [heads x (qk_nope_head_dim + v_head_dim), "
+                         "kv_lora_rank]: %d dimensions, %lld rows, for %lld heads of %lld + %lld",
+                         c->dir, src, t->n_dims, (long long)t->shape[0], (long long)heads,
+                         (long long)nope, (long long)v);
+    const int64_t C = t->shape[1], per = nope + v;
+    const int k_part = (flags & LOOM_HF_KV_B_K) != 0;
+    const int64_t rows = k_part ? C : v, cols = k_part ? nope : C; /* of each head's matrix */
+    loom_dtype out_type = (loom_dtype)t->loom_type;
+    if (strcmp(c->type, "auto") != 0)
+        loom_parse_weight_type(c->type, &out_type);
+    if (loom_dtype_block_elems(out_type) > 1 && cols % LOOM_QK) {
+        fprintf(stderr, "note: %s stays f32: its rows of %lld are not whole blocks of %d\n", dst,
+                (long long)cols, LOOM_QK);
+        out_type = LOOM_F32;
+    }
+    const int64_t rb = loom_row_bytes(out_type, cols);
+    unsigned char *data = own(c, (size_t)(rb * rows * heads));
+    float *f = load_f32(t, t->shape[0], C, (row_order){.kind = ROWS_AS_STORED});
+    float *row = malloc((size_t)cols * sizeof *row);
+    if (!data || !f || !row) {
+        free(f), free(row);
+        return conv_fail(c, "out of memory converting '%s'", src);
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t r = 0; r < rows; r++) {
+            if (k_part) /* column r of K_h */
+                for (int64_t i = 0; i < nope; i++)
+                    row[i] = f[(h * per + i) * C + r];
+            else
+                memcpy(row, f + (h * per + nope + r) * C, (size_t)C * sizeof *row);
+            loom_row_from_f32(out_type, row, data + (h * rows + r) * rb, cols);
+        }
+    free(f), free(row);
+    int64_t ne[3] = {cols, rows, heads};
+    if (loom_gguf_add_tensor(c->w, dst, out_type, 3, ne, data) != 0)
+        return conv_fail(c, "cannot add '%s'", dst);
+    c->done++;
+    if (c->progress)
+        c->progress(c->user, c->done, c->total, dst);
+    return 0;
+}
+
 /* config.json -> the family's hyper-parameters: its table, then its hook. */
 static int hyper_parameters(conv *c, loom_hf_values *v)
 {
@@ -512,7 +563,15 @@ static int tensors(conv *c, const loom_hf_values *v)
                 if (order.kind != ROWS_AS_STORED && order.heads <= 0)
                     return conv_fail(c, "%s: reordering '%s' needs the head count", c->dir, src);
                 const int n_experts = (int)loom_hf_get(v, "expert_count");
-                if ((e->flags & LOOM_HF_EXPERTS) && t->n_dims == 3) { /* `instead`: the stack */
+                if (e->flags & (LOOM_HF_KV_B_K | LOOM_HF_KV_B_V)) {
+                    const int64_t heads = (int64_t)loom_hf_get(v, "attention.head_count");
+                    const int64_t nope = (int64_t)loom_hf_get(v, "attention.key_length_mla") -
+                        (int64_t)loom_hf_get(v, "rope.dimension_count");
+                    if (add_kv_b(c, t, src, dst, heads, nope,
+                                 (int64_t)loom_hf_get(v, "attention.value_length_mla"),
+                                 e->flags) != 0)
+                        return -1;
+                } else if ((e->flags & LOOM_HF_EXPERTS) && t->n_dims == 3) { /* the stack */
                     if (stacked_experts(c, e, t, src, dst, n_experts, order) != 0)
                         return -1;
                 } else if (e->flags & LOOM_HF_EXPERTS) {

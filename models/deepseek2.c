@@ -378,6 +378,121 @@ static int ds2_forward(loom_runner *r, void *state, const loom_batch *batch)
 const loom_arch loom_arch_deepseek2 = {
     .name = "deepseek2", .load = ds2_load, .forward = ds2_forward, .free_state = ds2_free};
 
-/* GGUF alone for now: Glm4MoeLiteForCausalLM and DeepseekV3ForCausalLM folders go through
- * llama.cpp's converter (loom convert does not write this architecture yet). */
-const loom_family loom_family_deepseek2 = {.arch = &loom_arch_deepseek2};
+/* ---- The Hugging Face form: Glm4MoeLiteForCausalLM (model_type glm4_moe_lite) -------------
+ * As llama.cpp's converter writes it: kv_b_proj split into attn_k_b and attn_v_b, the MTP layer
+ * (model.layers.<num_hidden_layers>) left out, and (unlike it) expert_gating_func written, so
+ * that any reader gates by sigmoid. RoPE on interleaved pairs (rope_interleave, the default);
+ * no rope_scaling. DeepSeek-V2/V3 folders are not converted yet. */
+static const loom_hf_param glm47_params[] = {
+    {"context_length", "max_position_embeddings", LOOM_HF_U32, 4096},
+    {"embedding_length", "hidden_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"block_count", "num_hidden_layers", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"feed_forward_length", "intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.head_count", "num_attention_heads", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.layer_norm_rms_epsilon", "rms_norm_eps", LOOM_HF_F32, 1e-6},
+    {"rope.freq_base", "rope_theta", LOOM_HF_F32, 10000.0},
+    {"attention.kv_lora_rank", "kv_lora_rank", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"rope.dimension_count", "qk_rope_head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"attention.value_length_mla", "v_head_dim", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_count", "n_routed_experts", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_used_count", "num_experts_per_tok", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_feed_forward_length", "moe_intermediate_size", LOOM_HF_U32, LOOM_HF_REQUIRED},
+    {"expert_weights_scale", "routed_scaling_factor", LOOM_HF_F32, 1.0},
+    {"expert_group_count", "n_group", LOOM_HF_U32, 1},
+    {"expert_group_used_count", "topk_group", LOOM_HF_U32, 1},
+    {0}};
+
+/* The widths llama.cpp's keys spell out, the optional counts (written only when above 0), and
+ * the checks that the config is the model this file runs. */
+static int glm47_derive(const cJSON *cf, loom_hf_values *v, char *err, size_t err_size)
+{
+    int64_t nope, q_lora, dense, shared;
+    if (loom_hf_int(cf, "qk_nope_head_dim", 0, 1, 65536, &nope, err, err_size) ||
+        loom_hf_int(cf, "q_lora_rank", 0, 0, 1 << 20, &q_lora, err, err_size) ||
+        loom_hf_int(cf, "first_k_dense_replace", 0, 0, LOOM_MAX_LAYERS, &dense, err, err_size) ||
+        loom_hf_int(cf, "n_shared_experts", 0, 0, 64, &shared, err, err_size))
+        return -1;
+    if (nope == 0) {
+        snprintf(err, err_size, "config.json has no qk_nope_head_dim");
+        return -1;
+    }
+    const cJSON *scaling = cJSON_GetObjectItem(cf, "rope_scaling");
+    const cJSON *interleave = cJSON_GetObjectItem(cf, "rope_interleave");
+    if ((scaling && !cJSON_IsNull(scaling)) || (interleave && !cJSON_IsTrue(interleave))) {
+        snprintf(err, err_size,
+                 "%s: loom runs GLM-4.7-Flash's RoPE on interleaved pairs without scaling",
+                 scaling && !cJSON_IsNull(scaling) ? "rope_scaling is set"
+                                                   : "rope_interleave is false");
+        return -1;
+    }
+    const double rope = loom_hf_get(v, "rope.dimension_count");
+    const double kv_lora = loom_hf_get(v, "attention.kv_lora_rank");
+    loom_hf_set(v, "attention.head_count_kv", LOOM_HF_U32, 1);
+    loom_hf_set(v, "attention.key_length_mla", LOOM_HF_U32, (double)nope + rope);
+    loom_hf_set(v, "attention.key_length", LOOM_HF_U32, kv_lora + rope);
+    loom_hf_set(v, "attention.value_length", LOOM_HF_U32, kv_lora);
+    if (q_lora > 0)
+        loom_hf_set(v, "attention.q_lora_rank", LOOM_HF_U32, (double)q_lora);
+    if (dense > 0)
+        loom_hf_set(v, "leading_dense_block_count", LOOM_HF_U32, (double)dense);
+    if (shared > 0)
+        loom_hf_set(v, "expert_shared_count", LOOM_HF_U32, (double)shared);
+    const cJSON *norm = cJSON_GetObjectItem(cf, "norm_topk_prob");
+    loom_hf_set(v, "expert_weights_norm", LOOM_HF_BOOL, !norm || cJSON_IsTrue(norm));
+    loom_hf_set(v, "expert_gating_func", LOOM_HF_U32, 2); /* sigmoid (noaux_tc) */
+    return 0;
+}
+
+/* clang-format off */
+static const loom_hf_tensor glm47_tensors[] = {
+    {"model.embed_tokens.weight", "token_embd.weight", 0, NULL},
+    {"model.norm.weight", "output_norm.weight", 0, NULL},
+    {"lm_head.weight", "output.weight", LOOM_HF_OPTIONAL, NULL},
+    {"model.layers.%d.input_layernorm.weight", "blk.%d.attn_norm.weight", 0, NULL},
+    {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.ffn_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_a_proj.weight", "blk.%d.attn_q_a.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_a_layernorm.weight", "blk.%d.attn_q_a_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_b_proj.weight", "blk.%d.attn_q_b.weight", 0, NULL},
+    {"model.layers.%d.self_attn.q_proj.weight", "blk.%d.attn_q.weight", LOOM_HF_OPTIONAL, NULL},
+    {"model.layers.%d.self_attn.kv_a_proj_with_mqa.weight", "blk.%d.attn_kv_a_mqa.weight", 0,
+        NULL},
+    {"model.layers.%d.self_attn.kv_a_layernorm.weight", "blk.%d.attn_kv_a_norm.weight", 0, NULL},
+    {"model.layers.%d.self_attn.kv_b_proj.weight", "blk.%d.attn_k_b.weight", LOOM_HF_KV_B_K, NULL},
+    {"model.layers.%d.self_attn.kv_b_proj.weight", "blk.%d.attn_v_b.weight", LOOM_HF_KV_B_V, NULL},
+    {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},
+    {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",
+        LOOM_HF_SPARSE_LAYERS, NULL},
+    LOOM_HF_EXPERT_STACKS("model.", LOOM_HF_SPARSE_LAYERS),
+    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
+        LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",
+        LOOM_HF_SPARSE_LAYERS, NULL},
+    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
+        LOOM_HF_SPARSE_LAYERS, NULL},
+    {0}};
+/* clang-format on */
+
+/* q_lora_rank decides between q_a/q_b and one q_proj; n_shared_experts the shared experts */
+static const loom_hf_condition glm47_conditions[] = {
+    {"model.layers.%d.self_attn.q_a_proj.weight", "attention.q_lora_rank", "q_lora_rank"},
+    {"model.layers.%d.self_attn.q_a_layernorm.weight", "attention.q_lora_rank", "q_lora_rank"},
+    {"model.layers.%d.self_attn.q_b_proj.weight", "attention.q_lora_rank", "q_lora_rank"},
+    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "expert_shared_count",
+     "n_shared_experts"},
+    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "expert_shared_count",
+     "n_shared_experts"},
+    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "expert_shared_count",
+     "n_shared_experts"},
+    {0}};
+
+const loom_family loom_family_deepseek2 = {.arch = &loom_arch_deepseek2,
+                                           .chat_template = "glm4",
+                                           .hf_model_type = "glm4_moe_lite",
+                                           .hf_params = glm47_params,
+                                           .hf_derive = glm47_derive,
+                                           .hf_tensors = glm47_tensors,
+                                           .hf_conditions = glm47_conditions};

@@ -103,6 +103,12 @@ enum {
     /* the multi-token-prediction block's (loom_family.hf_mtp_layers): written as the block after
      * the layers, blk.<block_count>.*, the hf "%d" (if any) its own layer's index from 0 */
     LOOM_HF_MTP = 1 << 19,
+    /* multi-head latent attention's kv_b_proj [H (nope + v), C], per head [K_h; V_h], split as
+     * llama.cpp's deepseek2 files hold it: attn_k_b, each head's K_h transposed ({nope, C, H}),
+     * or attn_v_b, each head's V_h ({C, v, H}); H attention.head_count, nope key_length_mla -
+     * rope.dimension_count, v value_length_mla */
+    LOOM_HF_KV_B_K = 1 << 20,
+    LOOM_HF_KV_B_V = 1 << 21,
 };
 
 typedef struct loom_hf_tensor {

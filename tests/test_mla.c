@@ -9,7 +9,9 @@
  * every case at once (batched steps over one latent cache, the cases sharing their first token's
  * block) and gives each the tokens it gets alone. Also: `loom verify`
  * passes the file (its leading dense layer and its MTP block are layers of their own kinds),
- * and a file in the older MLA layout (attn_kv_b whole) is refused by name.
+ * and a file in the older MLA layout (attn_kv_b whole) is refused by name. The Hugging Face
+ * folder, as it is and as loom converts it (f32): the same logits and tokens, the file's trunk
+ * the tensors and shapes of llama.cpp's (its MTP block aside), with expert_gating_func written.
  */
 #define _GNU_SOURCE
 #include <loom/loom.h>
@@ -18,6 +20,7 @@
 #include "backends.h"
 #include "check.h"
 #include "fixture_model.h"
+#include "hf_writer.h"
 
 #include <cjson/cJSON.h>
 #include <pthread.h>
@@ -25,6 +28,38 @@
 #include <unistd.h>
 
 static char dir[4096], err[4096];
+static char tmp[] = "/tmp/loom-mla-XXXXXX";
+
+/* Whether loom's conversion has llama.cpp's trunk tensors, shaped alike, and no others. */
+static void same_trunk(const char *ours_path, const char *peer_path)
+{
+    loom_gguf ours, peer;
+    if (loom_gguf_open(&ours, ours_path, err, sizeof err) != 0 ||
+        loom_gguf_open(&peer, peer_path, err, sizeof err) != 0) {
+        CHECK(0, "%s", err);
+        return;
+    }
+    int64_t blocks = 0, nextn = 0;
+    loom_gguf_get_i64(&peer, "deepseek2.block_count", &blocks);
+    loom_gguf_get_i64(&peer, "deepseek2.nextn_predict_layers", &nextn);
+    char mtp[32];
+    snprintf(mtp, sizeof mtp, "blk.%lld.", (long long)(blocks - nextn));
+    int compared = 0;
+    for (uint64_t i = 0; i < peer.n_tensors; i++) {
+        const loom_gguf_tensor *p = &peer.tensors[i], *o = loom_gguf_find_tensor(&ours, p->name);
+        if (!strncmp(p->name, mtp, strlen(mtp)))
+            continue;
+        compared++;
+        CHECK(o && o->n_dims == p->n_dims && !memcmp(o->ne, p->ne, sizeof o->ne),
+              "llama.cpp's %s is missing or shaped otherwise in loom's conversion", p->name);
+    }
+    CHECK(compared == (int)ours.n_tensors, "loom's file has %llu tensors, llama.cpp's trunk %d",
+          (unsigned long long)ours.n_tensors, compared);
+    int64_t gating = 0;
+    CHECK(loom_gguf_get_i64(&ours, "deepseek2.expert_gating_func", &gating) == 0 && gating == 2,
+          "loom's conversion says expert_gating_func %lld, not 2 (sigmoid)", (long long)gating);
+    loom_gguf_close(&ours), loom_gguf_close(&peer);
+}
 
 static int verify_problems;
 static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
@@ -147,8 +182,9 @@ static void check_engine(const char *model)
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
-    static const char *const needed[] = {"tiny-glm47-flash/model.gguf",
-                                         "tiny-glm47-flash/expected.json"};
+    static const char *const needed[] = {
+        "tiny-glm47-flash/model.gguf", "tiny-glm47-flash/expected.json",
+        "tiny-glm47-flash/model.safetensors", "tiny-qwen2/vocab.json", "tiny-qwen2/merges.txt"};
     need_fixtures(dir, needed, sizeof needed / sizeof needed[0]);
     unsetenv("LOOM_BACKEND");
     char model[4400];
@@ -159,6 +195,30 @@ int main(void)
         check_model(dir, "tiny-glm47-flash", model, backends[b], "last_logits", 1e-4, 1,
                     "tiny-glm47-flash (llama.cpp's GGUF, f16)");
     check_engine(model);
+    /* the folder, as it is and converted */
+    char folder[4200], f32[4200];
+    if (!mkdtemp(tmp))
+        return 1;
+    snprintf(folder, sizeof folder, "%s/tiny-glm47-flash", tmp);
+    snprintf(f32, sizeof f32, "%s/tiny-glm47-flash-f32.gguf", tmp);
+    static const char *const files[] = {"config.json",       "generation_config.json",
+                                        "model.safetensors", "tokenizer_config.json",
+                                        "merges.txt",        "vocab.json"};
+    static const char *const shared[] = {"tiny-qwen2/merges.txt", "tiny-qwen2/vocab.json"};
+    CHECK(fixture_folder(dir, folder, "tiny-glm47-flash", files, 6, shared, 2) == 0 &&
+              loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0,
+          "converting the folder: %s", err);
+    same_trunk(f32, model);
+    for (int b = 0; b < nb; b++) {
+        check_model(dir, "tiny-glm47-flash", f32, backends[b], "last_logits", 1e-4, 1,
+                    "tiny-glm47-flash (loom's f32 conversion)");
+        if (!strcmp(backends[b], "ref"))
+            check_model(dir, "tiny-glm47-flash", folder, backends[b], "last_logits", 1e-4, 1,
+                        "tiny-glm47-flash (the folder)");
+    }
+    unlink(f32);
+    remove_folder(folder);
+    rmdir(tmp);
     CHECK(loom_verify(model, on_check, NULL) == 0 && verify_problems == 0,
           "loom verify finds a problem in llama.cpp's deepseek2 file");
     char older[] = "/tmp/loom-mla-older-XXXXXX";
