@@ -32,6 +32,12 @@ typedef struct shape {
     struct {
         int32_t k_heads, v_heads, d_k, d_v, kernel, interval, n_rot;
     } hy;
+    /* latent attention ("deepseek2"): the q and kv ranks, a head's nope, rope and value
+     * widths, the leading dense layers (n_ff wide); the shared expert is ungated, n_ff_shexp
+     * wide; 0: none */
+    struct {
+        int32_t q_lora, kv_lora, nope, rope, v, n_dense;
+    } mla;
 } shape;
 
 /* The MoE shapes keep their models' layers but not their depth (the files stay a few GB); each
@@ -40,50 +46,60 @@ typedef struct shape {
 /* clang-format off */
 static const shape shapes[] = {
     {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)",
-     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}},
+     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)",
-     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 0, {0}},
+     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4",
-     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 0, {0}},
+     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}},
     {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
-     "llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, 0, 0, 0, 0, 0, {0}},
+     "llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, 0, 0, 0, 0, 0, {0}, {0}},
     {"160m-next", "160m whose next token follows from the current one (speculative decoding)",
-     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1, {0}},
+     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}},
     {"1b-next", "1b whose next token follows from the current one (speculative decoding)",
-     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1, {0}},
+     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}},
     {"wide", "1 layer, 4160 wide, one head of 32: a hidden state past 4096 in 9 MB (tests)",
-     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0, {0}},
+     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0, {0}, {0}},
     {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)",
-     "qwen2moe", 64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0, {0}},
+     "qwen2moe", 64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0, {0}, {0}},
     {"moe-a2.7b", "Qwen1.5-MoE-A2.7B's layers, 4 of its 24: 2048 wide, 60 experts of 1408, "
                   "top 4, a shared expert of 5632",
-     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0, {0}},
+     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0, {0}, {0}},
     {"dense-a2.7b", "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)",
-     "qwen2", 2048, 4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0, {0}},
+     "qwen2", 2048, 4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}},
     {"moe-a3b", "Qwen3-30B-A3B's layers, 4 of its 48: 2048 wide, 32/4 heads of 128, 128 "
                 "experts of 768, top 8",
-     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0, {0}},
+     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0, {0}, {0}},
     {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)",
-     "qwen3", 2048, 4, 32, 4, 128, 6144, 151936, 4096, 0, 0, 0, 0, 0, {0}},
+     "qwen3", 2048, 4, 32, 4, 128, 6144, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}},
     {"hybrid-tiny", "4 layers, 64 wide: 3 Gated DeltaNet (2/4 heads of 16) then gated "
                     "attention (tests)",
-     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {2, 4, 16, 16, 4, 4, 8}},
+     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {2, 4, 16, 16, 4, 4, 8}, {0}},
     {"qwen35-9b", "Qwen3.5-9B's layers, 4 of its 32: 3 Gated DeltaNet (16/32 heads of 128) "
                   "and 1 gated attention (16/4 heads of 256), 4096 wide, FFN 12288, its "
                   "248320-token vocabulary",
-     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 4, 64}},
+     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 4, 64}, {0}},
     {"dense-qwen35-9b", "qwen35-9b with gated attention in all 4 layers: its twin without "
                         "recurrent layers",
-     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 1, 64}},
+     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 1, 64}, {0}},
     {"qwen35moe-a3b", "Qwen3.5-35B-A3B's layers, 4 of its 40: 3 Gated DeltaNet (16/32 heads of "
                       "128) and 1 gated attention (16/2 heads of 256), 2048 wide, 256 experts of "
                       "512, top 8, a shared expert of 512",
      "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
-     {16, 32, 128, 128, 4, 4, 64}},
+     {16, 32, 128, 128, 4, 4, 64}, {0}},
     {"dense-qwen35moe-a3b", "qwen35moe-a3b with gated attention in all 4 layers: its twin "
                             "without recurrent layers",
      "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
-     {16, 32, 128, 128, 4, 1, 64}},
+     {16, 32, 128, 128, 4, 1, 64}, {0}},
+    {"mla-tiny", "2 layers, 64 wide: latent attention (4 heads, q rank 32, latent 32 + rope "
+                 "16, heads of 32 + 16, values of 32), a dense first layer, then 8 experts of "
+                 "64, top 2, a shared expert (tests)",
+     "deepseek2", 64, 2, 4, 1, 48, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 16, 32, 1}},
+    {"glm47-flash", "GLM-4.7-Flash's layers, 4 of its 47: latent attention (20 heads, q rank "
+                    "768, latent 512 + rope 64, heads of 192 + 64 and values of 256), 2048 "
+                    "wide, a dense first layer of 10240, then 64 experts of 1536, top 4, a "
+                    "shared expert",
+     "deepseek2", 2048, 4, 20, 1, 576, 10240, 154880, 4096, 64, 4, 1536, 1536, 0, {0},
+     {768, 512, 192, 64, 256, 1}},
 };
 /* clang-format on */
 
@@ -168,6 +184,9 @@ typedef struct synthetic_weights {
      * gated norm */
     void *ssm_qkv, *ssm_z, *ssm_alpha, *ssm_beta, *ssm_out;
     float *ssm_conv, *ssm_a, *ssm_dt, *ssm_norm;
+    /* latent attention's projections and norms (ones), and the experts' choice bias (zeros) */
+    void *q_a, *q_b, *kv_a, *k_b, *v_b, *mla_o;
+    float *q_a_norm, *kv_a_norm, *choice_bias;
 } synthetic_weights;
 
 /* The first token of the plain pieces (after <unk>, <s>, </s> and the 256 bytes). */
@@ -263,6 +282,25 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
         for (int32_t i = 0; ok && i < sh->hy.d_v; i++)
             sw->ssm_norm[i] = 1.0f;
     }
+    if (sh->mla.kv_lora) {
+        const int64_t H = sh->n_head, qk = sh->mla.nope + sh->mla.rope;
+        const int64_t kvl = sh->mla.kv_lora, ql = sh->mla.q_lora;
+        sw->q_a = random_matrix(wt, ql, d, amp * 16);
+        sw->q_b = random_matrix(wt, H * qk, ql, 0.5f / (float)ql * 16);
+        sw->kv_a = random_matrix(wt, kvl + sh->mla.rope, d, amp * 16);
+        sw->k_b = random_matrix(wt, H * kvl, sh->mla.nope, 0.5f / (float)sh->mla.nope * 16);
+        sw->v_b = random_matrix(wt, H * sh->mla.v, kvl, 0.5f / (float)kvl * 16);
+        sw->mla_o = random_matrix(wt, d, H * sh->mla.v, amp * 16);
+        sw->q_a_norm = malloc((size_t)ql * sizeof *sw->q_a_norm);
+        sw->kv_a_norm = malloc((size_t)kvl * sizeof *sw->kv_a_norm);
+        sw->choice_bias = calloc((size_t)(sh->n_expert ? sh->n_expert : 1), sizeof(float));
+        ok = ok && sw->q_a && sw->q_b && sw->kv_a && sw->k_b && sw->v_b && sw->mla_o &&
+            sw->q_a_norm && sw->kv_a_norm && sw->choice_bias;
+        for (int64_t i = 0; ok && i < ql; i++)
+            sw->q_a_norm[i] = 1.0f;
+        for (int64_t i = 0; ok && i < kvl; i++)
+            sw->kv_a_norm[i] = 1.0f;
+    }
     sw->out = sh->predictable ? successor_head(wt, sh->n_vocab, d)
                               : random_matrix(wt, sh->n_vocab, d, amp * 16);
     sw->norm = malloc((size_t)d * sizeof *sw->norm);
@@ -279,12 +317,14 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
 
 static void synthetic_weights_free(synthetic_weights *sw)
 {
-    void *all[] = {sw->embd,      sw->out,       sw->wq,        sw->wk,        sw->wv,
-                   sw->wo,        sw->gate,      sw->up,        sw->down,      sw->router,
-                   sw->gate_exps, sw->up_exps,   sw->down_exps, sw->sh_gate,   sw->sh_up,
-                   sw->sh_down,   sw->sh_router, sw->norm,      sw->head_norm, sw->bias,
-                   sw->ssm_qkv,   sw->ssm_z,     sw->ssm_alpha, sw->ssm_beta,  sw->ssm_out,
-                   sw->ssm_conv,  sw->ssm_a,     sw->ssm_dt,    sw->ssm_norm};
+    void *all[] = {sw->embd,      sw->out,       sw->wq,         sw->wk,        sw->wv,
+                   sw->wo,        sw->gate,      sw->up,         sw->down,      sw->router,
+                   sw->gate_exps, sw->up_exps,   sw->down_exps,  sw->sh_gate,   sw->sh_up,
+                   sw->sh_down,   sw->sh_router, sw->norm,       sw->head_norm, sw->bias,
+                   sw->ssm_qkv,   sw->ssm_z,     sw->ssm_alpha,  sw->ssm_beta,  sw->ssm_out,
+                   sw->ssm_conv,  sw->ssm_a,     sw->ssm_dt,     sw->ssm_norm,  sw->q_a,
+                   sw->q_b,       sw->kv_a,      sw->k_b,        sw->v_b,       sw->mla_o,
+                   sw->q_a_norm,  sw->kv_a_norm, sw->choice_bias};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         free(all[i]);
 }
@@ -307,6 +347,33 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
         bad |= loom_gguf_add_tensor(w, t, type, nd, ne, data);                                     \
     } while (0)
     ADD("attn_norm.weight", LOOM_F32, 1, sw->norm, d);
+    if (sh->mla.kv_lora) { /* llama.cpp's deepseek2 names */
+        const int64_t H = sh->n_head, qk = sh->mla.nope + sh->mla.rope, kvl = sh->mla.kv_lora;
+        ADD("attn_q_a.weight", wt, 2, sw->q_a, d, sh->mla.q_lora);
+        ADD("attn_q_a_norm.weight", LOOM_F32, 1, sw->q_a_norm, sh->mla.q_lora);
+        ADD("attn_q_b.weight", wt, 2, sw->q_b, sh->mla.q_lora, H * qk);
+        ADD("attn_kv_a_mqa.weight", wt, 2, sw->kv_a, d, kvl + sh->mla.rope);
+        ADD("attn_kv_a_norm.weight", LOOM_F32, 1, sw->kv_a_norm, kvl);
+        ADD("attn_k_b.weight", wt, 3, sw->k_b, sh->mla.nope, kvl, H);
+        ADD("attn_v_b.weight", wt, 3, sw->v_b, kvl, sh->mla.v, H);
+        ADD("attn_output.weight", wt, 2, sw->mla_o, H * sh->mla.v, d);
+        ADD("ffn_norm.weight", LOOM_F32, 1, sw->norm, d);
+        if (l < sh->mla.n_dense) {
+            ADD("ffn_gate.weight", wt, 2, sw->gate, d, sh->n_ff);
+            ADD("ffn_up.weight", wt, 2, sw->up, d, sh->n_ff);
+            ADD("ffn_down.weight", wt, 2, sw->down, sh->n_ff, d);
+            return bad;
+        }
+        ADD("ffn_gate_inp.weight", LOOM_F32, 2, sw->router, d, E);
+        ADD("exp_probs_b.bias", LOOM_F32, 1, sw->choice_bias, E);
+        ADD("ffn_gate_exps.weight", wt, 3, sw->gate_exps, d, ff, E);
+        ADD("ffn_up_exps.weight", wt, 3, sw->up_exps, d, ff, E);
+        ADD("ffn_down_exps.weight", wt, 3, sw->down_exps, ff, d, E);
+        ADD("ffn_gate_shexp.weight", wt, 2, sw->sh_gate, d, fs);
+        ADD("ffn_up_shexp.weight", wt, 2, sw->sh_up, d, fs);
+        ADD("ffn_down_shexp.weight", wt, 2, sw->sh_down, fs, d);
+        return bad;
+    }
     if (sh->hy.interval) { /* llama.cpp's qwen35 / qwen35moe names */
         const int64_t hv = sh->hy.v_heads, inner = hv * sh->hy.d_v,
                       C = 2 * (int64_t)sh->hy.k_heads * sh->hy.d_k + inner;
@@ -408,8 +475,16 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         return -1;
     }
     const int64_t block = loom_dtype_block_elems(wt);
-    const int32_t widths[] = {sh->n_embd,   sh->n_ff,       (int32_t)sh->n_head * sh->head_dim,
-                              sh->n_ff_exp, sh->n_ff_shexp, sh->hy.v_heads * sh->hy.d_v};
+    const int32_t widths[] = {sh->n_embd,
+                              sh->n_ff,
+                              (int32_t)sh->n_head * sh->head_dim,
+                              sh->n_ff_exp,
+                              sh->n_ff_shexp,
+                              sh->hy.v_heads * sh->hy.d_v,
+                              sh->mla.q_lora,
+                              sh->mla.kv_lora,
+                              sh->mla.nope,
+                              sh->n_head * sh->mla.v};
     for (size_t i = 0; i < sizeof widths / sizeof widths[0]; i++)
         if (widths[i] % block) {
             snprintf(err, err_size,
@@ -464,7 +539,10 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         ARCH_U32("feed_forward_length", sh->n_ff);
     ARCH_U32("attention.head_count", sh->n_head);
     ARCH_U32("attention.head_count_kv", sh->n_head_kv);
-    ARCH_U32("rope.dimension_count", sh->hy.n_rot ? sh->hy.n_rot : sh->head_dim);
+    ARCH_U32("rope.dimension_count",
+             sh->mla.rope       ? sh->mla.rope
+                 : sh->hy.n_rot ? sh->hy.n_rot
+                                : sh->head_dim);
     if (sh->hy.interval) {
         ARCH_U32("ssm.conv_kernel", sh->hy.kernel);
         ARCH_U32("ssm.state_size", sh->hy.d_k);
@@ -479,6 +557,16 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         snprintf(key, sizeof key, "%s.rope.dimension_sections", sh->arch);
         loom_gguf_set_i32_array(w, key, sections, 4);
     }
+    if (sh->mla.kv_lora) {
+        ARCH_U32("attention.q_lora_rank", sh->mla.q_lora);
+        ARCH_U32("attention.kv_lora_rank", sh->mla.kv_lora);
+        ARCH_U32("attention.key_length_mla", sh->mla.nope + sh->mla.rope);
+        ARCH_U32("attention.value_length_mla", sh->mla.v);
+        ARCH_U32("leading_dense_block_count", sh->mla.n_dense);
+        ARCH_U32("expert_shared_count", 1);
+        ARCH_U32("expert_gating_func", 2);
+        ARCH_U32("expert_weights_norm", 1);
+    }
     if (sh->head_dim != sh->n_embd / sh->n_head || sh->hy.interval) {
         ARCH_U32("attention.key_length", sh->head_dim);
         ARCH_U32("attention.value_length", sh->head_dim);
@@ -487,7 +575,7 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         ARCH_U32("expert_count", sh->n_expert);
         ARCH_U32("expert_used_count", sh->n_expert_used);
         ARCH_U32("expert_feed_forward_length", sh->n_ff_exp);
-        if (sh->n_ff_shexp)
+        if (sh->n_ff_shexp && !sh->mla.kv_lora)
             ARCH_U32("expert_shared_feed_forward_length", sh->n_ff_shexp);
     }
 #undef ARCH_U32
