@@ -432,6 +432,11 @@ uint64_t loom_model_state_bytes(const loom_model *m)
     return loom_runner_state_bytes(m->runner);
 }
 
+uint64_t loom_model_kv_bytes_per_token(const loom_model *m)
+{
+    return loom_runner_block_bytes(m->runner) / (uint64_t)loom_runner_block_size(m->runner);
+}
+
 int32_t loom_model_sliding_window(const loom_model *m)
 {
     return loom_runner_hparams(m->runner)->n_swa;

@@ -91,9 +91,9 @@ static const shape shapes[] = {
      "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
      {16, 32, 128, 128, 4, 1, 64}, {0}},
     {"mla-tiny", "2 layers, 64 wide: latent attention (4 heads, q rank 32, latent 32 + rope "
-                 "16, heads of 32 + 16, values of 32), a dense first layer, then 8 experts of "
-                 "64, top 2, a shared expert (tests)",
-     "deepseek2", 64, 2, 4, 1, 48, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 16, 32, 1}},
+                 "32, heads of 32 + 32, values of 32: a q8_0 KV cache fits), a dense first "
+                 "layer, then 8 experts of 64, top 2, a shared expert (tests)",
+     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 32, 32, 1}},
     {"glm47-flash", "GLM-4.7-Flash's layers, 4 of its 47: latent attention (20 heads, q rank "
                     "768, latent 512 + rope 64, heads of 192 + 64 and values of 256), 2048 "
                     "wide, a dense first layer of 10240, then 64 experts of 1536, top 4, a "

@@ -130,6 +130,15 @@ expect_grep "no chat template named 'nosuch'" "$tmpdir/e8" "unknown chat templat
     pass "bench --draft-mtp: decode measured with the block drafting" ||
     { fail "bench --draft-mtp"; cat "$tmpdir/bench-mtp.json" "$tmpdir/bench-mtp.err" >&2; }
 
+# decode at a depth: the context's KV cache counted in the roofline (llama-bench's -d)
+"$LOOM" bench --synthetic tiny --type q8_0 -p 0 -n 8 -d 64 -r 1 --backends ref --no-roofline --json \
+    > "$tmpdir/bench-depth.json" 2> "$tmpdir/bench-depth.err" &&
+    jq -e '[.results[] | select(.test == "tg8@d64")] | length == 1 and
+        all(.[]; .tokens_per_s > 0 and .kv_bytes == 64 * 2 * 2 * 32 * 2)' \
+        "$tmpdir/bench-depth.json" > /dev/null &&
+    pass "bench -d: decode after 64 tokens of context, their KV bytes counted" ||
+    { fail "bench -d"; cat "$tmpdir/bench-depth.json" "$tmpdir/bench-depth.err" >&2; }
+
 # the benchmark on a synthetic model, every CPU variant
 if "$LOOM" bench --synthetic tiny --type q8_0 -p 16 -n 8 -r 1 --backends cpu --no-roofline --json \
         > "$tmpdir/bench.json" 2> "$tmpdir/bench.err"; then

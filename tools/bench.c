@@ -5,9 +5,9 @@
  *
  * Each backend runs in its own process (`loom bench --child ...`) on the same file and the same
  * token ids, and reports one JSON line per test; the parent tabulates them with the decode
- * roofline: the bytes a token reads (its weights, and a hybrid model's recurrent state, read and
- * written) divided by the decode time, as a share of the streaming read bandwidth measured in
- * the same run.
+ * roofline: the bytes a token reads (its weights, a hybrid model's recurrent state, read and
+ * written, and at a depth the KV cache of that context) divided by the decode time, as a share
+ * of the streaming read bandwidth measured in the same run.
  *
  * Under mpirun (`mpirun -np N loom bench -m MODEL.gguf`) it measures the one model the job's
  * ranks run as a pipeline, each rank on its own best backend, in the ranks' own processes.
@@ -32,6 +32,7 @@ typedef struct bench_args {
     const char *vocab_from; /* the synthetic model's tokenizer: another model's */
     const char *experts_on; /* --experts-on: each backend measured with the experts there */
     long pp, tg, reps;
+    long depth; /* -d: decode after this many tokens of context */
     int json, csv, no_roofline;
     int distributed;      /* --distributed */
     const char *layers;   /* --layers */
@@ -86,7 +87,9 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
                                 : a->distributed   ? 2
                                                    : 1,
                             .stage_layers = a->layers,
-                            .experts_on = a->experts_on};
+                            .experts_on = a->experts_on,
+                            /* room for the depth's context, past the default 4096 too */
+                            .n_ctx = a->depth ? (int32_t)(a->depth + a->tg + 8) : 0};
     loom_model *m = loom_model_open(a->model, &o, err, sizeof err);
     if (!m) {
         emit(results, NULL, "open", 0, 0, err);
@@ -96,9 +99,10 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
         return -1;
     int32_t n_vocab = loom_model_n_vocab(m), n_ctx = loom_model_n_ctx(m);
     long pp = a->pp < n_ctx ? a->pp : n_ctx - 1, tg = a->tg < n_ctx - 1 ? a->tg : n_ctx - 2;
-    int32_t *ids = malloc((size_t)(pp > 1 ? pp : 1) * sizeof *ids);
+    const long depth = a->depth, n_ids = pp > depth ? pp : depth;
+    int32_t *ids = malloc((size_t)(n_ids > 1 ? n_ids : 1) * sizeof *ids);
     uint64_t x = 12345; /* the same ids in every child */
-    for (long i = 0; i < pp; i++) {
+    for (long i = 0; i < n_ids; i++) {
         x = x * 6364136223846793005ull + 1442695040888963407ull;
         ids[i] = 3 + (int32_t)((x >> 33) % (uint64_t)(n_vocab - 3));
     }
@@ -135,25 +139,35 @@ static int measure(const char *backend, const bench_args *a, cJSON *results)
                        sizeof about) != 0)
         emit(results, m, "open drafter", 0, 0, "the drafter did not open (see above)");
     if (tg > 1) {
+        /* decode after one token, or after depth tokens of context (-d) */
         int32_t bos = 1;
+        const int32_t *context = depth ? ids : &bos, n_context = depth ? (int32_t)depth : 1;
         loom_generation st;
         double ts[64];
         int32_t drafted = 0, accepted = 0, verify = 0;
         int ok = loom_generate(m, &bos, 1, 4, &greedy, NULL, NULL, &st, err, sizeof err) == 0;
         for (int r = 0; r < reps && ok; r++) {
-            ok = loom_generate(m, &bos, 1, (int32_t)tg, &greedy, NULL, NULL, &st, err,
+            ok = loom_generate(m, context, n_context, (int32_t)tg, &greedy, NULL, NULL, &st, err,
                                sizeof err) == 0;
             t[r] = st.decode_tok_s;
             if (ok && spec) {
-                ok = loom_generate_speculative(m, spec, &bos, 1, 0, (int32_t)tg, &greedy, NULL,
-                                               NULL, &st, err, sizeof err) == 0;
+                ok = loom_generate_speculative(m, spec, context, n_context, 0, (int32_t)tg, &greedy,
+                                               NULL, NULL, &st, err, sizeof err) == 0;
                 ts[r] = st.decode_tok_s;
                 drafted += st.n_drafted, accepted += st.n_accepted, verify += st.n_verify;
             }
         }
-        snprintf(name, sizeof name, "tg%ld", tg);
+        if (depth)
+            snprintf(name, sizeof name, "tg%ld@d%ld", tg, depth);
+        else
+            snprintf(name, sizeof name, "tg%ld", tg);
         double mean = ok ? mean_of(t, reps, &sd) : (sd = 0);
         emit(results, m, name, mean, sd, ok ? NULL : err);
+        if (depth) { /* the context's KV cache, read once a token (the roofline counts it) */
+            cJSON *o = cJSON_GetArrayItem(results, cJSON_GetArraySize(results) - 1);
+            cJSON_AddNumberToObject(o, "kv_bytes",
+                                    (double)depth * (double)loom_model_kv_bytes_per_token(m));
+        }
         if (spec) {
             snprintf(name, sizeof name, "spec tg%ld", tg);
             double mean_spec = ok ? mean_of(ts, reps, &sd) : (sd = 0);
@@ -286,8 +300,8 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
         }
         if (a->experts_on) /* checked to be a plain name: nothing to escape */
             snprintf(experts, sizeof experts, " --experts-on '%s'", a->experts_on);
-        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld%s%s", self,
-                 labels[b], a->model, a->pp, a->tg, a->reps, experts, spec_args);
+        snprintf(cmd, sizeof cmd, "'%s' bench --child '%s' -m '%s' -p %ld -n %ld -r %ld -d %ld%s%s",
+                 self, labels[b], a->model, a->pp, a->tg, a->reps, a->depth, experts, spec_args);
         FILE *f = popen(cmd, "r");
         char line[8192];
         while (f && fgets(line, sizeof line, f)) {
@@ -299,7 +313,9 @@ static int run_each_backend(const char *self, bench_args *a, cJSON *results, int
             double tps = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "tokens_per_s"));
             double wb = cJSON_GetNumberValue(cJSON_GetObjectItem(o, "weight_bytes"));
             const cJSON *sb = cJSON_GetObjectItem(o, "state_bytes");
+            const cJSON *kvb = cJSON_GetObjectItem(o, "kv_bytes");
             wb += cJSON_IsNumber(sb) ? sb->valuedouble : 0;
+            wb += cJSON_IsNumber(kvb) ? kvb->valuedouble : 0;
             if (test && test[0] == 't' && *bw > 0 && tps > 0)
                 cJSON_AddNumberToObject(o, "roofline_share", tps * wb / 1e9 / *bw);
             *failures += cJSON_GetObjectItem(o, "error") != NULL;
@@ -363,6 +379,9 @@ int loom_bench_main(int argc, char **argv, const char *self)
         {"-p", NULL, LOOM_FLAG_LONG, &a.pp, 0, 1 << 16, "N",
          "prompt tokens for the prefill test (default 128; 0 skips it)"},
         {"-n", NULL, LOOM_FLAG_LONG, &a.tg, 0, 1 << 16, "N", "tokens to generate (default 32)"},
+        {"-d", "--depth", LOOM_FLAG_LONG, &a.depth, 0, 1 << 20, "N",
+         "decode after N tokens of context (test tg<n>@d<N>; the roofline\n"
+         "counts that context's KV cache; default 0)"},
         {"-r", NULL, LOOM_FLAG_LONG, &a.reps, 1, 64, "N",
          "repetitions; tokens/s is their mean +- sd (default 5)"},
         {"--json", NULL, LOOM_FLAG_SWITCH, &a.json, 0, 0, NULL, "one JSON document"},

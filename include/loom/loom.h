@@ -162,6 +162,10 @@ int32_t loom_model_n_ctx(const loom_model *m);
  * beside its KV blocks (twice that is allocated: a checkpoint for speculative decoding); 0 for
  * a model without them. */
 uint64_t loom_model_state_bytes(const loom_model *m);
+/* The KV cache's bytes per token of a sequence, over every layer that keeps one (keys and
+ * values; one latent per layer under latent attention); what decode reads per token of
+ * context. */
+uint64_t loom_model_kv_bytes_per_token(const loom_model *m);
 /* The attention window of a sliding-window model (Mistral's sliding_window): a token sees the
  * keys of at most this many positions, its own included; 0 when it sees them all. */
 int32_t loom_model_sliding_window(const loom_model *m);
