@@ -24,7 +24,10 @@ typedef struct shape {
     /* experts (0: a dense MLP): count, used per token, width, and a shared expert's width
      * (Qwen2-MoE's, sigmoid-gated) */
     int32_t n_expert, n_expert_used, n_ff_exp, n_ff_shexp;
-    /* the next token is a fixed function of the current one (speculative decoding's ceiling) */
+    /* the next token is a fixed function of the current one (speculative decoding's ceiling);
+     * 2: a hybrid also carries a multi-token-prediction block that proposes the token after
+     * next from the next one's embedding (eh_proj passes it and drops the hidden state), so
+     * that the model's own drafter agrees with it */
     int predictable;
     /* a hybrid ("qwen35"): Gated DeltaNet layers with k_heads q/k heads of d_k, v_heads value
      * heads of d_v and a conv kernel, full attention every interval-th layer (its q projected
@@ -71,6 +74,9 @@ static const shape shapes[] = {
      "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0, {0}, {0}},
     {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)",
      "qwen3", 2048, 4, 32, 4, 128, 6144, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}},
+    {"hybrid-tiny-next", "hybrid-tiny whose next token follows from the current one, with an "
+                         "MTP block that knows it (the model's own drafter: tests)",
+     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 2, {2, 4, 16, 16, 4, 4, 8}, {0}},
     {"hybrid-tiny", "4 layers, 64 wide: 3 Gated DeltaNet (2/4 heads of 16) then gated "
                     "attention (tests)",
      "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {2, 4, 16, 16, 4, 4, 8}, {0}},
@@ -184,6 +190,7 @@ typedef struct synthetic_weights {
      * gated norm */
     void *ssm_qkv, *ssm_z, *ssm_alpha, *ssm_beta, *ssm_out;
     float *ssm_conv, *ssm_a, *ssm_dt, *ssm_norm;
+    void *eh_proj; /* an MTP block's [2 d, d]: [I 0] */
     /* latent attention's projections and norms (ones), and the experts' choice bias (zeros) */
     void *q_a, *q_b, *kv_a, *k_b, *v_b, *mla_o;
     float *q_a_norm, *kv_a_norm, *choice_bias;
@@ -301,6 +308,19 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
         for (int64_t i = 0; ok && i < kvl; i++)
             sw->kv_a_norm[i] = 1.0f;
     }
+    if (sh->predictable == 2) { /* eh_proj: the embedding's half passed as it is */
+        float *eh = calloc((size_t)(2 * d), sizeof *eh);
+        const int64_t rb = loom_row_bytes(wt, 2 * d);
+        unsigned char *m = malloc((size_t)(rb * d));
+        for (int64_t r = 0; eh && m && r < d; r++) {
+            eh[r] = 1.0f;
+            loom_row_from_f32(wt, eh, m + r * rb, 2 * d);
+            eh[r] = 0.0f;
+        }
+        free(eh);
+        sw->eh_proj = m;
+        ok = ok && m;
+    }
     sw->out = sh->predictable ? successor_head(wt, sh->n_vocab, d)
                               : random_matrix(wt, sh->n_vocab, d, amp * 16);
     sw->norm = malloc((size_t)d * sizeof *sw->norm);
@@ -317,14 +337,14 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
 
 static void synthetic_weights_free(synthetic_weights *sw)
 {
-    void *all[] = {sw->embd,      sw->out,       sw->wq,         sw->wk,        sw->wv,
-                   sw->wo,        sw->gate,      sw->up,         sw->down,      sw->router,
-                   sw->gate_exps, sw->up_exps,   sw->down_exps,  sw->sh_gate,   sw->sh_up,
-                   sw->sh_down,   sw->sh_router, sw->norm,       sw->head_norm, sw->bias,
-                   sw->ssm_qkv,   sw->ssm_z,     sw->ssm_alpha,  sw->ssm_beta,  sw->ssm_out,
-                   sw->ssm_conv,  sw->ssm_a,     sw->ssm_dt,     sw->ssm_norm,  sw->q_a,
-                   sw->q_b,       sw->kv_a,      sw->k_b,        sw->v_b,       sw->mla_o,
-                   sw->q_a_norm,  sw->kv_a_norm, sw->choice_bias};
+    void *all[] = {sw->embd,      sw->out,       sw->wq,          sw->wk,        sw->wv,
+                   sw->wo,        sw->gate,      sw->up,          sw->down,      sw->router,
+                   sw->gate_exps, sw->up_exps,   sw->down_exps,   sw->sh_gate,   sw->sh_up,
+                   sw->sh_down,   sw->sh_router, sw->norm,        sw->head_norm, sw->bias,
+                   sw->ssm_qkv,   sw->ssm_z,     sw->ssm_alpha,   sw->ssm_beta,  sw->ssm_out,
+                   sw->ssm_conv,  sw->ssm_a,     sw->ssm_dt,      sw->ssm_norm,  sw->q_a,
+                   sw->q_b,       sw->kv_a,      sw->k_b,         sw->v_b,       sw->mla_o,
+                   sw->q_a_norm,  sw->kv_a_norm, sw->choice_bias, sw->eh_proj};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         free(all[i]);
 }
@@ -377,7 +397,7 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
     if (sh->hy.interval) { /* llama.cpp's qwen35 / qwen35moe names */
         const int64_t hv = sh->hy.v_heads, inner = hv * sh->hy.d_v,
                       C = 2 * (int64_t)sh->hy.k_heads * sh->hy.d_k + inner;
-        if ((l + 1) % sh->hy.interval) {
+        if ((l + 1) % sh->hy.interval && l < sh->n_layer) {
             ADD("attn_qkv.weight", wt, 2, sw->ssm_qkv, d, C);
             ADD("attn_gate.weight", wt, 2, sw->ssm_z, d, inner);
             ADD("ssm_alpha.weight", wt, 2, sw->ssm_alpha, d, hv);
@@ -396,6 +416,12 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
             ADD("attn_output.weight", wt, 2, sw->wo, q, d);
         }
         ADD("post_attention_norm.weight", LOOM_F32, 1, sw->norm, d);
+        if (l == sh->n_layer) { /* the MTP block after the trunk */
+            ADD("nextn.eh_proj.weight", wt, 2, sw->eh_proj, 2 * d, d);
+            ADD("nextn.enorm.weight", LOOM_F32, 1, sw->norm, d);
+            ADD("nextn.hnorm.weight", LOOM_F32, 1, sw->norm, d);
+            ADD("nextn.shared_head_norm.weight", LOOM_F32, 1, sw->norm, d);
+        }
     } else {
         ADD("attn_q.weight", wt, 2, sw->wq, d, q);
         ADD("attn_k.weight", wt, 2, sw->wk, d, kv);
@@ -534,7 +560,9 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
      loom_gguf_set_u32(w, key, (uint32_t)(value)))
     ARCH_U32("context_length", sh->n_ctx);
     ARCH_U32("embedding_length", sh->n_embd);
-    ARCH_U32("block_count", sh->n_layer);
+    ARCH_U32("block_count", sh->n_layer + (sh->predictable == 2));
+    if (sh->predictable == 2)
+        ARCH_U32("nextn_predict_layers", 1);
     if (sh->n_ff)
         ARCH_U32("feed_forward_length", sh->n_ff);
     ARCH_U32("attention.head_count", sh->n_head);
@@ -601,7 +629,7 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
     int bad = loom_gguf_add_tensor(w, "token_embd.weight", wt, 2, ne_embd, sw.embd);
     bad |= loom_gguf_add_tensor(w, "output_norm.weight", LOOM_F32, 1, ne_norm, sw.norm);
     bad |= loom_gguf_add_tensor(w, "output.weight", wt, 2, ne_embd, sw.out);
-    for (int l = 0; l < sh->n_layer; l++)
+    for (int l = 0; l < sh->n_layer + (sh->predictable == 2); l++)
         bad |= add_layer(w, sh, wt, &sw, l);
     if (bad) {
         snprintf(err, err_size, "synthetic %s: a dimension is not a multiple of %s's block",

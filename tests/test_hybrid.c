@@ -542,6 +542,74 @@ static void test_synthetic(const char *dir_tmp)
     unlink(path);
 }
 
+/* The model's own MTP block as the drafter, where it agrees with its model: loom's synthetic
+ * hybrid-tiny-next, whose next token is the current one's successor and whose MTP block passes
+ * the next token's embedding to the shared head (so it names the token after next). Proposals
+ * are kept only where the block is fed the right id at the right position, chained on its own
+ * state, in loom_generate_speculative and in the engine: nearly all of them here, none when
+ * the id beside a state is off by one. The answers are greedy decoding's. */
+static void test_mtp_agreeing(const char *dir_tmp)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/hybrid-tiny-next.gguf", dir_tmp);
+    CHECK(loom_write_synthetic_model(path, "hybrid-tiny-next", "f32", err, sizeof err) == 0,
+          "writing hybrid-tiny-next: %s", err);
+    static const int32_t prompt[6] = {1, 300, 301, 302, 303, 304};
+    loom_model_options o = {.n_ctx = 128, .kv_sequences = 2};
+    loom_model *m = loom_model_open(path, &o, err, sizeof err);
+    o.mtp = 1;
+    loom_model *d = loom_model_open(path, &o, err, sizeof err);
+    CHECK(m && d, "hybrid-tiny-next and its MTP block: %s", err);
+    if (!m || !d) {
+        loom_model_close(d), loom_model_close(m);
+        return;
+    }
+    loom_sampling g = loom_sampling_defaults();
+    g.temperature = 0, g.ignore_eos = 1;
+    collect plain = {{0}, 0}, drafted = {{0}, 0};
+    loom_speculation spec = {.draft = d, .draft_max = 4, .fixed = 1};
+    loom_generation st = {0};
+    CHECK(loom_generate(m, prompt, 6, 24, &g, on_token, &plain, NULL, err, sizeof err) == 0 &&
+              loom_generate_speculative(m, &spec, prompt, 6, 0, 24, &g, on_token, &drafted, &st,
+                                        err, sizeof err) == 0,
+          "hybrid-tiny-next: %s", err);
+    CHECK(plain.n == 24 && drafted.n == 24 && !memcmp(plain.ids, drafted.ids, sizeof plain.ids),
+          "hybrid-tiny-next: drafting with the MTP block changed the greedy tokens");
+    CHECK(st.n_drafted >= 16 && st.n_accepted * 10 >= st.n_drafted * 9,
+          "hybrid-tiny-next: the MTP block's proposals kept %d of %d (it agrees with its model)",
+          st.n_accepted, st.n_drafted);
+    printf("hybrid-tiny-next: the MTP block's proposals kept %d of %d in %d checks\n",
+           st.n_accepted, st.n_drafted, st.n_verify);
+    /* the engine, a request alone: the same tokens, its proposals kept */
+    loom_engine_options eo = {.max_batch = 2, .draft = d, .draft_p_min = 0};
+    engine = loom_engine_start(m, &eo, err, sizeof err);
+    CHECK(engine != NULL, "hybrid-tiny-next engine: %s", err);
+    answer a = {0};
+    if (engine) {
+        loom_request r = {.prompt = prompt, .n_prompt = 6, .max_tokens = 24, .sampling = g};
+        r.draft = 1, r.draft_max = 4;
+        pthread_mutex_lock(&mu);
+        a.id = loom_engine_submit(engine, &r, on_event, &a, err, sizeof err);
+        while (a.id > 0 && !a.done)
+            pthread_cond_wait(&cv, &mu);
+        pthread_mutex_unlock(&mu);
+        loom_engine_stats es = loom_engine_get_stats(engine);
+        CHECK(!a.errored && a.c.n == 24 && !memcmp(a.c.ids, plain.ids, sizeof plain.ids),
+              "hybrid-tiny-next in the engine with its MTP block: other tokens");
+        CHECK(es.drafted >= 8 && es.accepted * 10 >= es.drafted * 9,
+              "hybrid-tiny-next in the engine: the MTP block's proposals kept %llu of %llu",
+              (unsigned long long)es.accepted, (unsigned long long)es.drafted);
+        printf("hybrid-tiny-next in the engine: %llu of %llu proposals kept\n",
+               (unsigned long long)es.accepted, (unsigned long long)es.drafted);
+        loom_engine_stop(engine, 1000);
+        loom_engine_free(engine);
+        engine = NULL;
+    }
+    loom_model_close(d);
+    loom_model_close(m);
+    unlink(path);
+}
+
 /* Whether every fixture file is there; without them the fixture parts are skipped (a failure
  * under CI=true, where every fixture must be present). */
 static int have_fixtures(const char *const *paths, size_t n)
@@ -569,6 +637,7 @@ int main(void)
     if (!mkdtemp(tmp))
         return 1;
     test_synthetic(tmp);
+    test_mtp_agreeing(tmp);
     if (!have_fixtures(needed, sizeof needed / sizeof needed[0])) {
         rmdir(tmp);
         return check_finish("test_hybrid");
