@@ -100,6 +100,9 @@ static const shape shapes[] = {
                  "32, heads of 32 + 32, values of 32: a q8_0 KV cache fits), a dense first "
                  "layer, then 8 experts of 64, top 2, a shared expert (tests)",
      "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 32, 32, 1}},
+    {"mla-tiny-noq", "mla-tiny without the query's low rank: one attn_q, as DeepSeek-V2-Lite "
+                     "(tests)",
+     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {0, 32, 32, 32, 32, 1}},
     {"glm47-flash", "GLM-4.7-Flash's layers, 4 of its 47: latent attention (20 heads, q rank "
                     "768, latent 512 + rope 64, heads of 192 + 64 and values of 256), 2048 "
                     "wide, a dense first layer of 10240, then 64 experts of 1536, top 4, a "
@@ -292,16 +295,18 @@ static int synthetic_weights_new(synthetic_weights *sw, const shape *sh, loom_dt
     if (sh->mla.kv_lora) {
         const int64_t H = sh->n_head, qk = sh->mla.nope + sh->mla.rope;
         const int64_t kvl = sh->mla.kv_lora, ql = sh->mla.q_lora;
-        sw->q_a = random_matrix(wt, ql, d, amp * 16);
-        sw->q_b = random_matrix(wt, H * qk, ql, 0.5f / (float)ql * 16);
+        sw->q_a = ql ? random_matrix(wt, ql, d, amp * 16) : NULL;
+        /* without a q rank, q_b is the one attn_q [H qk, d] */
+        sw->q_b = ql ? random_matrix(wt, H * qk, ql, 0.5f / (float)ql * 16)
+                     : random_matrix(wt, H * qk, d, amp * 16);
         sw->kv_a = random_matrix(wt, kvl + sh->mla.rope, d, amp * 16);
         sw->k_b = random_matrix(wt, H * kvl, sh->mla.nope, 0.5f / (float)sh->mla.nope * 16);
         sw->v_b = random_matrix(wt, H * sh->mla.v, kvl, 0.5f / (float)kvl * 16);
         sw->mla_o = random_matrix(wt, d, H * sh->mla.v, amp * 16);
-        sw->q_a_norm = malloc((size_t)ql * sizeof *sw->q_a_norm);
+        sw->q_a_norm = malloc((size_t)(ql ? ql : 1) * sizeof *sw->q_a_norm);
         sw->kv_a_norm = malloc((size_t)kvl * sizeof *sw->kv_a_norm);
         sw->choice_bias = calloc((size_t)(sh->n_expert ? sh->n_expert : 1), sizeof(float));
-        ok = ok && sw->q_a && sw->q_b && sw->kv_a && sw->k_b && sw->v_b && sw->mla_o &&
+        ok = ok && (sw->q_a || !ql) && sw->q_b && sw->kv_a && sw->k_b && sw->v_b && sw->mla_o &&
             sw->q_a_norm && sw->kv_a_norm && sw->choice_bias;
         for (int64_t i = 0; ok && i < ql; i++)
             sw->q_a_norm[i] = 1.0f;
@@ -369,9 +374,13 @@ static int add_layer(loom_gguf_writer *w, const shape *sh, loom_dtype wt,
     ADD("attn_norm.weight", LOOM_F32, 1, sw->norm, d);
     if (sh->mla.kv_lora) { /* llama.cpp's deepseek2 names */
         const int64_t H = sh->n_head, qk = sh->mla.nope + sh->mla.rope, kvl = sh->mla.kv_lora;
-        ADD("attn_q_a.weight", wt, 2, sw->q_a, d, sh->mla.q_lora);
-        ADD("attn_q_a_norm.weight", LOOM_F32, 1, sw->q_a_norm, sh->mla.q_lora);
-        ADD("attn_q_b.weight", wt, 2, sw->q_b, sh->mla.q_lora, H * qk);
+        if (sh->mla.q_lora) {
+            ADD("attn_q_a.weight", wt, 2, sw->q_a, d, sh->mla.q_lora);
+            ADD("attn_q_a_norm.weight", LOOM_F32, 1, sw->q_a_norm, sh->mla.q_lora);
+            ADD("attn_q_b.weight", wt, 2, sw->q_b, sh->mla.q_lora, H * qk);
+        } else {
+            ADD("attn_q.weight", wt, 2, sw->q_b, d, H * qk);
+        }
         ADD("attn_kv_a_mqa.weight", wt, 2, sw->kv_a, d, kvl + sh->mla.rope);
         ADD("attn_kv_a_norm.weight", LOOM_F32, 1, sw->kv_a_norm, kvl);
         ADD("attn_k_b.weight", wt, 3, sw->k_b, sh->mla.nope, kvl, H);
@@ -586,7 +595,8 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         loom_gguf_set_i32_array(w, key, sections, 4);
     }
     if (sh->mla.kv_lora) {
-        ARCH_U32("attention.q_lora_rank", sh->mla.q_lora);
+        if (sh->mla.q_lora)
+            ARCH_U32("attention.q_lora_rank", sh->mla.q_lora);
         ARCH_U32("attention.kv_lora_rank", sh->mla.kv_lora);
         ARCH_U32("attention.key_length_mla", sh->mla.nope + sh->mla.rope);
         ARCH_U32("attention.value_length_mla", sh->mla.v);

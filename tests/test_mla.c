@@ -1,6 +1,7 @@
 /*
  * tests/test_mla.c - multi-head latent attention (GGUF "deepseek2", models/deepseek2.c) on
- * loom's synthetic mla-tiny (no fixtures needed: every backend against ref, f32 and q8_0, the
+ * loom's synthetic mla-tiny and mla-tiny-noq (without the query's low rank, as
+ * DeepSeek-V2-Lite) (no fixtures needed: every backend against ref, f32 and q8_0, the
  * latent projections among the quantised matrices), and on
  * tiny-glm47-flash: the model.gguf llama.cpp's 2026 converter wrote from a GLM-4.7-Flash-shaped
  * checkpoint (Glm4MoeLiteForCausalLM), held on every usable backend to the reference's
@@ -182,24 +183,25 @@ static void check_engine(const char *model)
     free(json);
 }
 
-/* loom's synthetic latent-attention model in type on every backend: ref's logits and tokens */
-static void check_synthetic(const char *type)
+/* loom's synthetic latent-attention model `shape` in type on every backend: ref's logits and
+ * tokens */
+static void check_synthetic(const char *shape, const char *type)
 {
     char path[4200];
-    snprintf(path, sizeof path, "%s/mla-tiny-%s.gguf", tmp, type);
-    CHECK(loom_write_synthetic_model(path, "mla-tiny", type, err, sizeof err) == 0,
-          "writing mla-tiny: %s", err);
+    snprintf(path, sizeof path, "%s/%s-%s.gguf", tmp, shape, type);
+    CHECK(loom_write_synthetic_model(path, shape, type, err, sizeof err) == 0, "writing %s: %s",
+          shape, err);
     static const int32_t prompt[12] = {1, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310};
     loom_sampling g = loom_sampling_defaults();
     g.temperature = 0, g.ignore_eos = 1;
     loom_model_options ro = {.backend = "ref", .n_ctx = 128, .kv_type = "f32"};
     loom_model *ref = loom_model_open(path, &ro, err, sizeof err);
-    CHECK(ref != NULL, "mla-tiny on ref: %s", err);
+    CHECK(ref != NULL, "%s on ref: %s", shape, err);
     if (!ref)
         return;
     collect want = {{0}, 0};
     CHECK(loom_generate(ref, prompt, 12, 8, &g, on_token, &want, NULL, err, sizeof err) == 0,
-          "mla-tiny on ref: %s", err);
+          "%s on ref: %s", shape, err);
     const int n_vocab = loom_model_n_vocab(ref);
     float *want_logits = malloc((size_t)n_vocab * sizeof *want_logits);
     memcpy(want_logits, loom_prompt_logits(ref), (size_t)n_vocab * sizeof *want_logits);
@@ -209,7 +211,7 @@ static void check_synthetic(const char *type)
     for (int b = 0; b < nb; b++) {
         loom_model_options o = {.backend = backends[b], .n_ctx = 128, .kv_type = "f32"};
         loom_model *m = loom_model_open(path, &o, err, sizeof err);
-        CHECK(m != NULL, "mla-tiny (%s) on %s: %s", type, backends[b], err);
+        CHECK(m != NULL, "%s (%s) on %s: %s", shape, type, backends[b], err);
         collect c = {{0}, 0};
         int rc = m ? loom_generate(m, prompt, 12, 8, &g, on_token, &c, NULL, err, sizeof err) : -1;
         double worst = 0;
@@ -221,7 +223,7 @@ static void check_synthetic(const char *type)
         const double tol = exact ? 1e-4 : 5e-2;
         CHECK(rc == 0 && worst < tol &&
                   (!exact || (c.n == want.n && !memcmp(c.ids, want.ids, sizeof c.ids))),
-              "mla-tiny (%s) on %s: logits off ref's by %g, or other tokens %s", type, backends[b],
+              "%s (%s) on %s: logits off ref's by %g, or other tokens %s", shape, type, backends[b],
               worst, rc ? err : "");
         loom_model_close(m);
         /* the latent cache in q8_0 (--kv-type): 64 numbers a token, whole blocks */
@@ -233,9 +235,9 @@ static void check_synthetic(const char *type)
         for (int v = 0; rc == 0 && v < n_vocab; v++)
             worst = fmax(worst, fabs((double)loom_prompt_logits(m)[v] - want_logits[v]));
         CHECK(rc == 0 && worst < tol + 5e-2,
-              "mla-tiny (%s) with a q8_0 latent cache on %s: logits off ref's by %g %s", type,
+              "%s (%s) with a q8_0 latent cache on %s: logits off ref's by %g %s", shape, type,
               backends[b], worst, rc ? err : "");
-        printf("mla-tiny (%s), q8_0 latent cache on %s: logits within %.2g of ref's f32 cache\n",
+        printf("%s (%s), q8_0 latent cache on %s: logits within %.2g of ref's f32 cache\n", shape,
                type, backends[b], worst);
         loom_model_close(m);
     }
@@ -268,8 +270,9 @@ int main(void)
     unsetenv("LOOM_BACKEND");
     if (!mkdtemp(tmp))
         return 1;
-    check_synthetic("f32");
-    check_synthetic("q8_0");
+    check_synthetic("mla-tiny", "f32");
+    check_synthetic("mla-tiny", "q8_0");
+    check_synthetic("mla-tiny-noq", "f32"); /* DeepSeek-V2-Lite's one attn_q */
     if (!have_fixtures(needed, sizeof needed / sizeof needed[0])) {
         rmdir(tmp);
         return check_finish("test_mla");
