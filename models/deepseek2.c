@@ -239,8 +239,8 @@ static int ds2_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
 
 /* The step's scratch for n tokens. */
 typedef struct ds2_buffers {
-    loom_tensor h, qa, q, q3, q_nope, q_rope, q_lat, query, kv, c, k_rope, key, att;
-    loom_tensor o_lat, o, heads;
+    loom_tensor h, qa, q, q_nope, q_rope, q_lat, query, kv, c, k_rope, key, att;
+    loom_tensor o_lat, o;
     loom_tensor ff_gate, ff_up;
 } ds2_buffers;
 
