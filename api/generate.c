@@ -48,7 +48,6 @@ typedef struct drafter {
     /* a multi-token-prediction drafter: the target's runner it follows, and its own last
      * hidden state (the input of its next proposal) */
     struct loom_runner *target;
-    int32_t n_embd;
     float *own;
     int out_of_memory; /* a hidden state could not be kept: no proposals this generation */
 } drafter;
@@ -114,6 +113,17 @@ int loom_speculation_check(loom_model *m, const loom_speculation *spec, char *er
                  loom_runner_hparams(loom_model_runner(spec->draft))->arch);
         return -1;
     }
+    /* a multi-token-prediction block reads the model's hidden states: its own model's */
+    const loom_hparams *a = loom_runner_hparams(loom_model_runner(m));
+    const loom_hparams *b = spec->draft ? loom_runner_hparams(loom_model_runner(spec->draft)) : a;
+    if (spec->draft && loom_model_draft_cache(spec->draft)->mtp &&
+        (strcmp(a->arch, b->arch) != 0 || a->n_embd != b->n_embd || a->n_layer != b->n_layer)) {
+        snprintf(err, err_size,
+                 "the multi-token-prediction drafter is another model's (%s, %d layers of %d, "
+                 "against %s, %d of %d): open it from the model's own file",
+                 b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
+        return -1;
+    }
     return spec->draft ? same_vocabulary(m, spec->draft, err, err_size) : 0;
 }
 
@@ -174,7 +184,8 @@ static void keep_own_state(void *user, int32_t pos0, const float *rows, int32_t 
 {
     drafter *d = user;
     (void)pos0;
-    memcpy(d->own, rows + (size_t)(n - 1) * (size_t)d->n_embd, (size_t)d->n_embd * sizeof *d->own);
+    const size_t n_embd = (size_t)d->seen->states.n_embd;
+    memcpy(d->own, rows + (size_t)(n - 1) * n_embd, n_embd * sizeof *d->own);
 }
 
 /* Brings the block's cache to the pairs at positions [0, n_text - 1) (the last id's state is
@@ -240,18 +251,10 @@ static int drafter_init(drafter *d, loom_model *m, const loom_speculation *spec,
         snprintf(err, err_size, "out of memory");
         return -1;
     }
-    if (d->seen->mtp) {
-        const loom_hparams *a = loom_runner_hparams(loom_model_runner(m));
-        const loom_hparams *b = loom_runner_hparams(loom_model_runner(d->model));
-        if (strcmp(a->arch, b->arch) != 0 || a->n_embd != b->n_embd || a->n_layer != b->n_layer) {
-            snprintf(err, err_size,
-                     "the multi-token-prediction drafter is another model's (%s, %d layers of "
-                     "%d, against %s, %d of %d): open it from the model's own file",
-                     b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
-            return -1;
-        }
-        d->n_embd = d->seen->states.n_embd = a->n_embd;
-        if (!(d->own = malloc((size_t)d->n_embd * sizeof *d->own))) {
+    if (d->seen->mtp) { /* (loom_speculation_check saw it is the model's own) */
+        const int32_t n_embd = loom_model_n_embd(m);
+        d->seen->states.n_embd = n_embd;
+        if (!(d->own = malloc((size_t)n_embd * sizeof *d->own))) {
             snprintf(err, err_size, "out of memory");
             return -1;
         }

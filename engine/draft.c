@@ -39,12 +39,6 @@ int32_t engine_proposals_wanted(loom_engine *e, ereq *q, int32_t room)
     return k;
 }
 
-void engine_mtp_keep(loom_engine *e, ereq *q, int32_t pos0, const float *rows, int32_t n)
-{
-    (void)e;
-    loom_mtp_states_put(&q->mtp, pos0, rows, n); /* (emptied when it cannot grow) */
-}
-
 /* One batched step of the drafter model over the requests who[0..n), counts[i] tokens each
  * from the end of their drafter cache: from their text (from_text), else their last proposal;
  * a logit row after the last of each where want_row[i]. An MTP drafter's token at p of its
@@ -206,17 +200,7 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
     loom_speculation check = {.draft = o->draft};
     if (loom_speculation_check(e->model, &check, err, err_size) != 0)
         return -1;
-    e->mtp = loom_model_draft_cache(o->draft)->mtp;
-    const loom_hparams *a = loom_runner_hparams(e->runner);
-    const loom_hparams *b = loom_runner_hparams(loom_model_runner(o->draft));
-    if (e->mtp &&
-        (strcmp(a->arch, b->arch) != 0 || a->n_embd != b->n_embd || a->n_layer != b->n_layer)) {
-        snprintf(err, err_size,
-                 "the multi-token-prediction drafter is another model's (%s, %d layers of %d, "
-                 "against %s, %d of %d): open it from the model's own file",
-                 b->arch, b->n_layer, b->n_embd, a->arch, a->n_layer, a->n_embd);
-        return -1;
-    }
+    e->mtp = loom_model_draft_cache(o->draft)->mtp; /* the model's own, checked above */
     if (e->mtp && !(e->dstates = malloc((size_t)e->max_step * (size_t)e->n_embd * sizeof(float)))) {
         snprintf(err, err_size, "out of memory");
         return -1;

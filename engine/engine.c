@@ -652,8 +652,9 @@ static void run_step(loom_engine *e, planned *plan, int n_plan, const loom_kvcop
         int32_t n_draft = q->n_draft;
         int ends = q->kv.n_tokens + plan[i].k == q->n_toks + n_draft;
         if (e->mtp && q->use_draft) {
-            engine_mtp_keep(e, q, q->kv.n_tokens, hidden + (size_t)hi * (size_t)e->n_embd,
-                            plan[i].k);
+            /* (a store that cannot grow empties: no proposals until it has states again) */
+            loom_mtp_states_put(&q->mtp, q->kv.n_tokens, hidden + (size_t)hi * (size_t)e->n_embd,
+                                plan[i].k);
             hi += plan[i].k;
         }
         /* the proposals' K/V count only once they are kept, below */

@@ -184,9 +184,6 @@ void engine_replay_kept(loom_engine *e, ereq **who, int n, int32_t *buf);
  * a step's plan; the drafter's start (loom_engine_options.draft). */
 int32_t engine_proposals_wanted(loom_engine *e, ereq *q, int32_t room);
 void engine_run_drafter(loom_engine *e, planned *plan, int n_plan);
-/* The model's final states at positions pos0.. of q, for an MTP drafter (its store, which a
- * failure to grow empties: no proposals until it has states again). */
-void engine_mtp_keep(loom_engine *e, ereq *q, int32_t pos0, const float *rows, int32_t n);
 int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err, size_t err_size);
 
 /* sample.c: q's next token from its logits row (0, or -1 when q ended); an embedding request's
