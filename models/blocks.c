@@ -124,6 +124,27 @@ void loom_ffn_moe(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
 
 /* ---- The experts' hyper-parameters and shapes, as llama.cpp's files state them ---------- */
 
+void loom_moe_load(loom_runner *r, int l, const loom_tensor *norm, int gated_shared,
+                   loom_moe_weights *w)
+{
+    char name[96];
+#define W(field, fmt, required)                                                                    \
+    (snprintf(name, sizeof name, fmt, l), w->field = loom_rt_weight(r, name, required))
+    W(router, "blk.%d.ffn_gate_inp.weight", 1);
+    W(choice_bias, "blk.%d.exp_probs_b.bias", 0);
+    if (!w->choice_bias) /* the name without a suffix, as some write it */
+        W(choice_bias, "blk.%d.exp_probs_b", 0);
+    W(gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
+    W(up_exps, "blk.%d.ffn_up_exps.weight", 1);
+    W(down_exps, "blk.%d.ffn_down_exps.weight", 1);
+    W(shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
+    W(shexp_up, "blk.%d.ffn_up_shexp.weight", !!w->shexp_gate);
+    W(shexp_down, "blk.%d.ffn_down_shexp.weight", !!w->shexp_gate);
+    W(shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", gated_shared && w->shexp_gate);
+#undef W
+    w->norm = norm;
+}
+
 int loom_moe_read_hparams(const loom_gguf *g, const char *arch, int gating_default,
                           int normalize_default, loom_hparams *hp, char *err, size_t err_size)
 {

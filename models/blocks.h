@@ -84,6 +84,14 @@ loom_moe_buffers loom_moe_buffers_new(loom_runner *r, const loom_hparams *hp, in
 void loom_ffn_moe(loom_runner *r, const loom_hparams *hp, const loom_tensor *x,
                   const loom_moe_weights *w, const loom_moe_buffers *b);
 
+/* Layer l's experts under llama.cpp's names into w: the router ffn_gate_inp, its choice bias
+ * exp_probs_b.bias (or exp_probs_b) where the file has one, the ffn_{gate,up,down}_exps stacks,
+ * and a shared expert ffn_*_shexp where there is one, with its gate ffn_gate_inp_shexp
+ * (required beside it when gated_shared: Qwen2-MoE's and Qwen3.5's are, GLM's are not);
+ * norm, the layer's ffn_norm. A required tensor that is missing fails the runner. */
+void loom_moe_load(loom_runner *r, int l, const loom_tensor *norm, int gated_shared,
+                   loom_moe_weights *w);
+
 /* The experts' hyper-parameters under llama.cpp's keys (expert_count, expert_used_count,
  * expert_feed_forward_length, expert_shared_feed_forward_length, ...): routed by softmax (1) or
  * sigmoid (2) as expert_gating_func says (gating_default when absent: Qwen's softmax, GLM-4.5's

@@ -186,15 +186,7 @@ static int ds2_load(loom_runner *r, loom_hparams *hp, void **state, char *err, s
             W(up, "blk.%d.ffn_up.weight", 1);
             W(down, "blk.%d.ffn_down.weight", 1);
         } else {
-            W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
-            W(moe.choice_bias, "blk.%d.exp_probs_b.bias", 0);
-            W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
-            W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
-            W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
-            W(moe.shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
-            W(moe.shexp_up, "blk.%d.ffn_up_shexp.weight", !!L->moe.shexp_gate);
-            W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!L->moe.shexp_gate);
-            L->moe.norm = L->ffn_norm;
+            loom_moe_load(r, l, L->ffn_norm, 0, &L->moe);
         }
     }
 #undef W
@@ -460,19 +452,7 @@ static const loom_hf_tensor glm47_tensors[] = {
     {"model.layers.%d.self_attn.kv_b_proj.weight", "blk.%d.attn_k_b.weight", LOOM_HF_KV_B_K, NULL},
     {"model.layers.%d.self_attn.kv_b_proj.weight", "blk.%d.attn_v_b.weight", LOOM_HF_KV_B_V, NULL},
     {"model.layers.%d.self_attn.o_proj.weight", "blk.%d.attn_output.weight", 0, NULL},
-    {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",
-        LOOM_HF_SPARSE_LAYERS, NULL},
-    LOOM_HF_EXPERT_STACKS("model.", LOOM_HF_SPARSE_LAYERS),
-    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
-        LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",
-        LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
-        LOOM_HF_SPARSE_LAYERS, NULL},
+    LOOM_HF_DEEPSEEK_FFN("model."),
     {0}};
 /* clang-format on */
 
@@ -481,12 +461,7 @@ static const loom_hf_condition glm47_conditions[] = {
     {"model.layers.%d.self_attn.q_a_proj.weight", "attention.q_lora_rank", "q_lora_rank"},
     {"model.layers.%d.self_attn.q_a_layernorm.weight", "attention.q_lora_rank", "q_lora_rank"},
     {"model.layers.%d.self_attn.q_b_proj.weight", "attention.q_lora_rank", "q_lora_rank"},
-    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "expert_shared_count",
-     "n_shared_experts"},
-    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "expert_shared_count",
-     "n_shared_experts"},
-    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "expert_shared_count",
-     "n_shared_experts"},
+    LOOM_HF_SHARED_EXPERTS_SAID("model."),
     {0}};
 
 const loom_family loom_family_deepseek2 = {.arch = &loom_arch_deepseek2,

@@ -132,6 +132,32 @@ typedef struct loom_hf_tensor {
         LOOM_HF_EXPERTS | (flags), P "layers.%d.mlp.experts.down_proj"}
 /* clang-format on */
 
+/* DeepSeek's feed-forward under P (GLM-4.5, GLM-4.7-Flash): first_k_dense_replace dense
+ * SwiGLU layers, then a router with e_score_correction_bias, the experts (LOOM_HF_EXPERT_STACKS)
+ * and ungated shared experts, whose presence n_shared_experts decides
+ * (LOOM_HF_SHARED_EXPERTS_SAID, for the family's hf_conditions). */
+/* clang-format off */
+#define LOOM_HF_DEEPSEEK_FFN(P)                                                                    \
+    {P "layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},   \
+    {P "layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},       \
+    {P "layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},   \
+    {P "layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},   \
+    {P "layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",                   \
+        LOOM_HF_SPARSE_LAYERS, NULL},                                                              \
+    LOOM_HF_EXPERT_STACKS(P, LOOM_HF_SPARSE_LAYERS),                                               \
+    {P "layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",           \
+        LOOM_HF_SPARSE_LAYERS, NULL},                                                              \
+    {P "layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",               \
+        LOOM_HF_SPARSE_LAYERS, NULL},                                                              \
+    {P "layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",           \
+        LOOM_HF_SPARSE_LAYERS, NULL}
+#define LOOM_HF_SHARED_EXPERTS_SAID(P)                                                             \
+    {P "layers.%d.mlp.shared_experts.gate_proj.weight", "expert_shared_count",                    \
+        "n_shared_experts"},                                                                       \
+    {P "layers.%d.mlp.shared_experts.up_proj.weight", "expert_shared_count", "n_shared_experts"}, \
+    {P "layers.%d.mlp.shared_experts.down_proj.weight", "expert_shared_count", "n_shared_experts"}
+/* clang-format on */
+
 /* What a config says about a tensor it may or may not have (GLM-4.5's q/k norms with
  * use_qk_norm, its shared experts with n_shared_experts > 0). Said, the tensor must be there;
  * not said, it must not: weights the config does not explain, or a config the weights cannot

@@ -251,18 +251,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         if (!m->layers[l].ffn_norm)
             W(ffn_norm, "blk.%d.ffn_norm.weight", 1);
         if (moe && l >= n_dense) {
-            W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
-            W(moe.choice_bias, "blk.%d.exp_probs_b.bias", 0);
-            if (!m->layers[l].moe.choice_bias) /* the name without a suffix, as some write it */
-                W(moe.choice_bias, "blk.%d.exp_probs_b", 0);
-            W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
-            W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
-            W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
-            W(moe.shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
-            W(moe.shexp_up, "blk.%d.ffn_up_shexp.weight", !!m->layers[l].moe.shexp_gate);
-            W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!m->layers[l].moe.shexp_gate);
-            W(moe.shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", 0);
-            m->layers[l].moe.norm = m->layers[l].ffn_norm;
+            loom_moe_load(r, l, m->layers[l].ffn_norm, 0, &m->layers[l].moe);
         } else if (glm4) {
             W(w_gate, "blk.%d.ffn_up.weight", 1); /* [gate; up] */
             W(w_down, "blk.%d.ffn_down.weight", 1);
@@ -810,27 +799,13 @@ static const loom_hf_tensor glm4moe_tensors[] = {
     /* llama.cpp's glm4moe name for the norm before the MLP */
     {"model.layers.%d.post_attention_layernorm.weight", "blk.%d.post_attention_norm.weight", 0,
      NULL},
-    {"model.layers.%d.mlp.gate_proj.weight", "blk.%d.ffn_gate.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.up_proj.weight", "blk.%d.ffn_up.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.down_proj.weight", "blk.%d.ffn_down.weight", LOOM_HF_DENSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.gate.weight", "blk.%d.ffn_gate_inp.weight", LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.gate.e_score_correction_bias", "blk.%d.exp_probs_b.bias",
-     LOOM_HF_SPARSE_LAYERS, NULL},
-    LOOM_HF_EXPERT_STACKS("model.", LOOM_HF_SPARSE_LAYERS),
-    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "blk.%d.ffn_gate_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "blk.%d.ffn_up_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS, NULL},
-    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "blk.%d.ffn_down_shexp.weight",
-     LOOM_HF_SPARSE_LAYERS, NULL},
+    LOOM_HF_DEEPSEEK_FFN("model."),
     {0}};
 
 static const loom_hf_condition glm4moe_conditions[] = {
     {"model.layers.%d.self_attn.q_norm.weight", "use_qk_norm", "use_qk_norm"},
     {"model.layers.%d.self_attn.k_norm.weight", "use_qk_norm", "use_qk_norm"},
-    {"model.layers.%d.mlp.shared_experts.gate_proj.weight", "expert_shared_count", "n_shared_experts"},
-    {"model.layers.%d.mlp.shared_experts.up_proj.weight", "expert_shared_count", "n_shared_experts"},
-    {"model.layers.%d.mlp.shared_experts.down_proj.weight", "expert_shared_count", "n_shared_experts"},
+    LOOM_HF_SHARED_EXPERTS_SAID("model."),
     {0}};
 
 static const loom_hf_tensor glm4_tensors[] = {

@@ -212,15 +212,7 @@ static int load(loom_runner *r, loom_hparams *hp, void **state, const char *arch
         W(attn_norm, "blk.%d.attn_norm.weight", 1);
         W(ffn_norm, "blk.%d.post_attention_norm.weight", 1);
         if (hp->n_expert) {
-            W(moe.router, "blk.%d.ffn_gate_inp.weight", 1);
-            W(moe.gate_exps, "blk.%d.ffn_gate_exps.weight", 1);
-            W(moe.up_exps, "blk.%d.ffn_up_exps.weight", 1);
-            W(moe.down_exps, "blk.%d.ffn_down_exps.weight", 1);
-            W(moe.shexp_gate, "blk.%d.ffn_gate_shexp.weight", 0);
-            W(moe.shexp_up, "blk.%d.ffn_up_shexp.weight", !!L->moe.shexp_gate);
-            W(moe.shexp_down, "blk.%d.ffn_down_shexp.weight", !!L->moe.shexp_gate);
-            W(moe.shexp_router, "blk.%d.ffn_gate_inp_shexp.weight", !!L->moe.shexp_gate);
-            L->moe.norm = L->ffn_norm;
+            loom_moe_load(r, l, L->ffn_norm, 1, &L->moe);
         } else {
             W(gate, "blk.%d.ffn_gate.weight", 1);
             W(up, "blk.%d.ffn_up.weight", 1);
