@@ -91,6 +91,27 @@ static inline void need_fixture(const char *path)
     exit(77);
 }
 
+/* Whether every one of n paths relative to the fixtures folder dir is there; when one is not,
+ * says so (a test's fixture parts are then skipped), and under CI=true, where every fixture
+ * must be present, that is a failed check. */
+static inline int have_fixtures(const char *dir, const char *const *paths, size_t n)
+{
+    char probe[4608];
+    for (size_t i = 0; i < n; i++) {
+        snprintf(probe, sizeof probe, "%s/%s", dir, paths[i]);
+        FILE *f = fopen(probe, "rb");
+        if (f) {
+            fclose(f);
+            continue;
+        }
+        const char *ci = getenv("CI");
+        CHECK(!(ci && ci[0] == 't'), "fixture %s missing (CI=true)", probe);
+        printf("the fixture parts skipped: %s not found\n", probe);
+        return 0;
+    }
+    return 1;
+}
+
 /* need_fixture for each of n paths relative to the fixtures folder dir. */
 static inline void need_fixtures(const char *dir, const char *const *paths, size_t n)
 {

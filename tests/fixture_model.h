@@ -17,6 +17,25 @@
 #include <stdio.h>
 #include <string.h>
 
+/* loom verify's problems with the file at path, each printed (0: it passes), or -1 when it
+ * could not be read at all. */
+static int verify_problem_count;
+static inline void count_verify_problem(void *user, const char *check, loom_check_status status,
+                                        const char *msg)
+{
+    (void)user;
+    if (status == LOOM_CHECK_PROBLEM) {
+        verify_problem_count++;
+        fprintf(stderr, "verify: %s: %s\n", check, msg);
+    }
+}
+static inline int verify_problems(const char *path)
+{
+    verify_problem_count = 0;
+    int rc = loom_verify(path, count_verify_problem, NULL);
+    return rc != 0 && !verify_problem_count ? -1 : verify_problem_count + (rc != 0);
+}
+
 typedef struct collect {
     int32_t ids[64];
     int n;

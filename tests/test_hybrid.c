@@ -121,16 +121,6 @@ static void test_chunked(const char *backend)
 
 static char tmp[] = "/tmp/loom-hybrid-XXXXXX";
 
-static int verify_problems;
-static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
-{
-    (void)user;
-    if (status == LOOM_CHECK_PROBLEM) {
-        verify_problems++;
-        fprintf(stderr, "verify: %s: %s\n", check, msg);
-    }
-}
-
 /* loom's conversion has llama.cpp's tensors (the MTP block's too) and hyper-parameters. */
 static void same_as_peer(const char *ours_path)
 {
@@ -193,11 +183,8 @@ static void test_folder(void)
           "making the folder");
     CHECK(loom_convert(folder, f32, "f32", NULL, NULL, err, sizeof err) == 0, "convert: %s", err);
     same_as_peer(f32);
-    verify_problems = 0;
-    CHECK(loom_verify(f32, on_check, NULL) == 0 && verify_problems == 0,
-          "loom verify finds a problem in loom's conversion");
-    verify_problems = 0;
-    CHECK(loom_verify(model, on_check, NULL) == 0 && verify_problems == 0,
+    CHECK(verify_problems(f32) == 0, "loom verify finds a problem in loom's conversion");
+    CHECK(verify_problems(model) == 0,
           "loom verify finds a problem in llama.cpp's file (hybrid layers, the MTP block)");
     static char backends[MAX_TEST_BACKENDS][160];
     int n_backends = usable_backends(backends, MAX_TEST_BACKENDS);
@@ -610,23 +597,6 @@ static void test_mtp_agreeing(const char *dir_tmp)
     unlink(path);
 }
 
-/* Whether every fixture file is there; without them the fixture parts are skipped (a failure
- * under CI=true, where every fixture must be present). */
-static int have_fixtures(const char *const *paths, size_t n)
-{
-    char probe[4608];
-    for (size_t i = 0; i < n; i++) {
-        snprintf(probe, sizeof probe, "%s/%s", dir, paths[i]);
-        if (access(probe, R_OK) != 0) {
-            const char *ci = getenv("CI");
-            CHECK(!(ci && ci[0] == 't'), "fixture %s missing (CI=true)", probe);
-            printf("the fixture parts skipped: %s not found\n", probe);
-            return 0;
-        }
-    }
-    return 1;
-}
-
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
@@ -638,7 +608,7 @@ int main(void)
         return 1;
     test_synthetic(tmp);
     test_mtp_agreeing(tmp);
-    if (!have_fixtures(needed, sizeof needed / sizeof needed[0])) {
+    if (!have_fixtures(dir, needed, sizeof needed / sizeof needed[0])) {
         rmdir(tmp);
         return check_finish("test_hybrid");
     }

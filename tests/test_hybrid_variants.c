@@ -708,16 +708,6 @@ static int older_qwen3next(const char *from, const char *to, const shape *s)
     return rc;
 }
 
-static int verify_problems;
-static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
-{
-    (void)user;
-    if (status == LOOM_CHECK_PROBLEM) {
-        verify_problems++;
-        fprintf(stderr, "verify: %s: %s\n", check, msg);
-    }
-}
-
 /* A qwen35 file whose layers' kinds come from attention.recurrent_layers (a flag per block, as
  * llama.cpp reads it before full_attention_interval), with an interval that would say
  * otherwise; and one whose flags are one short, which is refused. */
@@ -791,9 +781,7 @@ static void check_variant(const char *what, const char *folder, const char *arch
           arch);
     CHECK(!s->next || older_qwen3next(gguf, older, s) == 0, "%s: writing %s: %s", what, older, err);
     check_gguf_conventions(gguf, what);
-    verify_problems = 0;
-    CHECK(loom_verify(gguf, on_check, NULL) == 0 && verify_problems == 0,
-          "%s: loom verify finds a problem in loom's conversion", what);
+    CHECK(verify_problems(gguf) == 0, "%s: loom verify finds a problem in loom's conversion", what);
     char flagged[4400], bad_flags[4400];
     snprintf(flagged, sizeof flagged, "%s-flags.gguf", folder);
     snprintf(bad_flags, sizeof bad_flags, "%s-short-flags.gguf", folder);

@@ -65,16 +65,6 @@ static void same_trunk(const char *ours_path, const char *peer_path)
     loom_gguf_close(&ours), loom_gguf_close(&peer);
 }
 
-static int verify_problems;
-static void on_check(void *user, const char *check, loom_check_status status, const char *msg)
-{
-    (void)user;
-    if (status == LOOM_CHECK_PROBLEM) {
-        verify_problems++;
-        fprintf(stderr, "verify: %s: %s\n", check, msg);
-    }
-}
-
 /* model.gguf with blk.0's attn_k_b renamed attn_kv_b: what an older converter's file names */
 static int older_layout(const char *from, const char *to)
 {
@@ -245,22 +235,6 @@ static void check_synthetic(const char *shape, const char *type)
     unlink(path);
 }
 
-/* Whether every fixture file is there (a failure under CI=true, where all must be). */
-static int have_fixtures(const char *const *paths, size_t n)
-{
-    char probe[4608];
-    for (size_t i = 0; i < n; i++) {
-        snprintf(probe, sizeof probe, "%s/%s", dir, paths[i]);
-        if (access(probe, R_OK) != 0) {
-            const char *ci = getenv("CI");
-            CHECK(!(ci && ci[0] == 't'), "fixture %s missing (CI=true)", probe);
-            printf("the fixture parts skipped: %s not found\n", probe);
-            return 0;
-        }
-    }
-    return 1;
-}
-
 int main(void)
 {
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
@@ -273,7 +247,7 @@ int main(void)
     check_synthetic("mla-tiny", "f32");
     check_synthetic("mla-tiny", "q8_0");
     check_synthetic("mla-tiny-noq", "f32"); /* DeepSeek-V2-Lite's one attn_q */
-    if (!have_fixtures(needed, sizeof needed / sizeof needed[0])) {
+    if (!have_fixtures(dir, needed, sizeof needed / sizeof needed[0])) {
         rmdir(tmp);
         return check_finish("test_mla");
     }
@@ -307,8 +281,7 @@ int main(void)
     unlink(f32);
     remove_folder(folder);
     rmdir(tmp);
-    CHECK(loom_verify(model, on_check, NULL) == 0 && verify_problems == 0,
-          "loom verify finds a problem in llama.cpp's deepseek2 file");
+    CHECK(verify_problems(model) == 0, "loom verify finds a problem in llama.cpp's deepseek2 file");
     char older[] = "/tmp/loom-mla-older-XXXXXX";
     int fd = mkstemp(older);
     CHECK(fd >= 0 && older_layout(model, older) == 0, "writing the older layout: %s", err);
