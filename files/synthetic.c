@@ -41,6 +41,9 @@ typedef struct shape {
     struct {
         int32_t q_lora, kv_lora, nope, rope, v, n_dense;
     } mla;
+    /* a chat model: ChatML's two special tokens end the vocabulary, <|im_end|> ends a turn,
+     * and the file carries a ChatML template (the suite's stand-in for an instruct model) */
+    int chat;
 } shape;
 
 /* The MoE shapes keep their models' layers but not their depth (the files stay a few GB); each
@@ -49,68 +52,80 @@ typedef struct shape {
 /* clang-format off */
 static const shape shapes[] = {
     {"tiny", "2 layers, 64 wide, GQA 2/1, head_dim 32: a q8_0 KV cache fits (tests)",
-     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}},
+     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}, 0},
+    {"tiny-chat", "tiny with ChatML's special tokens and template: a chat model (tests)",
+     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}, 1},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)",
-     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}},
+     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4",
-     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}},
+     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"8b", "Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
-     "llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, 0, 0, 0, 0, 0, {0}, {0}},
+     "llama", 4096, 32, 32, 8, 128, 14336, 128256, 8192, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"160m-next", "160m whose next token follows from the current one (speculative decoding)",
-     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}},
+     "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}, 0},
     {"1b-next", "1b whose next token follows from the current one (speculative decoding)",
-     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}},
+     "llama", 2048, 22, 32, 4, 64, 5632, 32000, 2048, 0, 0, 0, 0, 1, {0}, {0}, 0},
     {"wide", "1 layer, 4160 wide, one head of 32: a hidden state past 4096 in 9 MB (tests)",
-     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0, {0}, {0}},
+     "llama", 4160, 1, 1, 1, 32, 64, 512, 256, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"moe-tiny", "2 layers, 64 wide, 8 experts of 64, top 2, a shared expert (tests)",
-     "qwen2moe", 64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0, {0}, {0}},
+     "qwen2moe", 64, 2, 2, 1, 32, 0, 512, 512, 8, 2, 64, 128, 0, {0}, {0}, 0},
     {"moe-a2.7b", "Qwen1.5-MoE-A2.7B's layers, 4 of its 24: 2048 wide, 60 experts of 1408, "
                   "top 4, a shared expert of 5632",
-     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0, {0}, {0}},
+     "qwen2moe", 2048, 4, 16, 16, 128, 0, 151936, 4096, 60, 4, 1408, 5632, 0, {0}, {0}, 0},
     {"dense-a2.7b", "moe-a2.7b with one MLP of its active width (4 x 1408 + 5632)",
-     "qwen2", 2048, 4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}},
+     "qwen2", 2048, 4, 16, 16, 128, 11264, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"moe-a3b", "Qwen3-30B-A3B's layers, 4 of its 48: 2048 wide, 32/4 heads of 128, 128 "
                 "experts of 768, top 8",
-     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0, {0}, {0}},
+     "qwen3moe", 2048, 4, 32, 4, 128, 0, 151936, 4096, 128, 8, 768, 0, 0, {0}, {0}, 0},
     {"dense-a3b", "moe-a3b with one MLP of its active width (8 x 768)",
-     "qwen3", 2048, 4, 32, 4, 128, 6144, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}},
+     "qwen3", 2048, 4, 32, 4, 128, 6144, 151936, 4096, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"hybrid-tiny-next", "hybrid-tiny whose next token follows from the current one, with an "
                          "MTP block that knows it (the model's own drafter: tests)",
-     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 2, {2, 4, 16, 16, 4, 4, 8}, {0}},
+     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 2, {2, 4, 16, 16, 4, 4, 8}, {0}, 0},
     {"hybrid-tiny", "4 layers, 64 wide: 3 Gated DeltaNet (2/4 heads of 16) then gated "
                     "attention (tests)",
-     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {2, 4, 16, 16, 4, 4, 8}, {0}},
+     "qwen35", 64, 4, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {2, 4, 16, 16, 4, 4, 8}, {0}, 0},
     {"qwen35-9b", "Qwen3.5-9B's layers, 4 of its 32: 3 Gated DeltaNet (16/32 heads of 128) "
                   "and 1 gated attention (16/4 heads of 256), 4096 wide, FFN 12288, its "
                   "248320-token vocabulary",
-     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 4, 64}, {0}},
+     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 4, 64}, {0}, 0},
     {"dense-qwen35-9b", "qwen35-9b with gated attention in all 4 layers: its twin without "
                         "recurrent layers",
-     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 1, 64}, {0}},
+     "qwen35", 4096, 4, 16, 4, 256, 12288, 248320, 4096, 0, 0, 0, 0, 0, {16, 32, 128, 128, 4, 1, 64}, {0}, 0},
     {"qwen35moe-a3b", "Qwen3.5-35B-A3B's layers, 4 of its 40: 3 Gated DeltaNet (16/32 heads of "
                       "128) and 1 gated attention (16/2 heads of 256), 2048 wide, 256 experts of "
                       "512, top 8, a shared expert of 512",
      "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
-     {16, 32, 128, 128, 4, 4, 64}, {0}},
+     {16, 32, 128, 128, 4, 4, 64}, {0}, 0},
     {"dense-qwen35moe-a3b", "qwen35moe-a3b with gated attention in all 4 layers: its twin "
                             "without recurrent layers",
      "qwen35moe", 2048, 4, 16, 2, 256, 0, 248320, 4096, 256, 8, 512, 512, 0,
-     {16, 32, 128, 128, 4, 1, 64}, {0}},
+     {16, 32, 128, 128, 4, 1, 64}, {0}, 0},
     {"mla-tiny", "2 layers, 64 wide: latent attention (4 heads, q rank 32, latent 32 + rope "
                  "32, heads of 32 + 32, values of 32: a q8_0 KV cache fits), a dense first "
                  "layer, then 8 experts of 64, top 2, a shared expert (tests)",
-     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 32, 32, 1}},
+     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {32, 32, 32, 32, 32, 1}, 0},
     {"mla-tiny-noq", "mla-tiny without the query's low rank: one attn_q, as DeepSeek-V2-Lite "
                      "(tests)",
-     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {0, 32, 32, 32, 32, 1}},
+     "deepseek2", 64, 2, 4, 1, 64, 192, 512, 512, 8, 2, 64, 64, 0, {0}, {0, 32, 32, 32, 32, 1}, 0},
     {"glm47-flash", "GLM-4.7-Flash's layers, 4 of its 47: latent attention (20 heads, q rank "
                     "768, latent 512 + rope 64, heads of 192 + 64 and values of 256), 2048 "
                     "wide, a dense first layer of 10240, then 64 experts of 1536, top 4, a "
                     "shared expert",
      "deepseek2", 2048, 4, 20, 1, 576, 10240, 154880, 4096, 64, 4, 1536, 1536, 0, {0},
-     {768, 512, 192, 64, 256, 1}},
+     {768, 512, 192, 64, 256, 1}, 0},
 };
 /* clang-format on */
+
+/* ChatML as Qwen's instruct models write it: a default system turn when the conversation has
+ * none, each turn between <|im_start|>ROLE and <|im_end|> */
+static const char chatml_template[] =
+    "{%- if not messages or messages[0].role != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for m in messages %}"
+    "{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
 
 static char shape_names[512];
 
@@ -546,6 +561,9 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         if (i < 3) {
             snprintf(buf, sizeof buf, "%s", i == 0 ? "<unk>" : i == 1 ? "<s>" : "</s>");
             type = i == 0 ? 2 : 3;
+        } else if (sh->chat && i >= sh->n_vocab - 2) {
+            snprintf(buf, sizeof buf, "%s", i == sh->n_vocab - 2 ? "<|im_start|>" : "<|im_end|>");
+            type = 3;
         } else if (i < 3 + 256) {
             snprintf(buf, sizeof buf, "<0x%02X>", i - 3);
             type = 6;
@@ -633,7 +651,11 @@ int loom_write_synthetic_model_vocab(const char *path, const char *shape_name,
         loom_gguf_set_f32_array(w, "tokenizer.ggml.scores", scores, (uint64_t)sh->n_vocab);
         loom_gguf_set_i32_array(w, "tokenizer.ggml.token_type", types, (uint64_t)sh->n_vocab);
         loom_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
-        loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+        loom_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", sh->chat ? sh->n_vocab - 1 : 2);
+        if (sh->chat) { /* as Qwen's: the template opens every prompt, no BOS before it */
+            loom_gguf_set_str(w, "tokenizer.chat_template", chatml_template);
+            loom_gguf_set_bool(w, "tokenizer.ggml.add_bos_token", 0);
+        }
     }
     int64_t ne_embd[] = {sh->n_embd, sh->n_vocab}, ne_norm[] = {sh->n_embd};
     int bad = loom_gguf_add_tensor(w, "token_embd.weight", wt, 2, ne_embd, sw.embd);

@@ -27,3 +27,17 @@ need_fixture() {
     if [ "${CI:-}" = true ]; then echo "FAIL: fixture $1 is missing (CI=true)" >&2; exit 1; fi
     echo "SKIP: fixture $1 not found"; exit 77
 }
+# have_fixture PATH: whether a fixture is there, for a test whose other checks run without it;
+# absent, it says which checks it skips (under CI=true a missing fixture is a failure)
+have_fixture() {
+    [ -e "$1" ] && return 0
+    if [ "${CI:-}" = true ]; then echo "FAIL: fixture $1 is missing (CI=true)" >&2; exit 1; fi
+    echo "skipped without the fixture $1: ${2:-its checks}"; return 1
+}
+# suite_model SHAPE: a model the suite writes itself, loom's synthetic SHAPE in f32 (tiny-chat:
+# a chat model), for the tests that need a model but no reference data; prints its path
+suite_model() {
+    "$LOOM" bench --synthetic "$1" --type f32 --write "$tmpdir/$1.gguf" >/dev/null 2>&1 ||
+        { echo "FAIL: writing loom's synthetic $1 model" >&2; exit 1; }
+    echo "$tmpdir/$1.gguf"
+}

@@ -8,9 +8,8 @@
 # with a required tool that the SDK executes. Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
 . "$top_srcdir/tests/lib.sh"
-MODEL=$FIXTURES/stories260K/original/stories260K.gguf
-need_fixture "$MODEL"
-need_fixture "$FIXTURES/tiny-qwen2/tokenizer_config.json"
+# the model: loom's synthetic chat model (random weights, ChatML), which the suite writes
+MODEL=$(suite_model tiny-chat)
 command -v node >/dev/null && command -v npm >/dev/null ||
     { echo "SKIP: node and npm are not installed (apt-get install nodejs npm)"; exit 77; }
 cd "$tmpdir" || exit 1
@@ -20,7 +19,7 @@ if ! timeout 240 npm install --silent --no-audit --no-fund openai@4 zod@3 ai@5 \
 fi
 "$LOOM" serve -m "$MODEL" --port 0 --api-key k3y -c 512 >server.log 2>&1 &
 PID=$!
-"$LOOM" serve -m "$FIXTURES/tiny-qwen2" --port 0 --api-key k3y -c 2048 \
+"$LOOM" serve -m "$MODEL" --port 0 --api-key k3y -c 8192 \
     --chat-template-file "$top_srcdir/tests/templates/toolchat.jinja" >server2.log 2>&1 &
 PID2=$!
 trap 'kill -TERM $PID $PID2 2>/dev/null; rm -rf "$tmpdir"' EXIT

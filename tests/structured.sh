@@ -6,7 +6,6 @@
 # arguments validate against the function's parameters, in one piece and as stream deltas;
 # what loom cannot follow is a 400 naming it.
 . "$top_srcdir/tests/lib.sh"
-need_fixture "$FIXTURES/tiny-qwen2/tokenizer_config.json"
 command -v curl >/dev/null || { echo "SKIP: curl not installed"; exit 77; }
 command -v python3 >/dev/null && python3 -c 'import jsonschema' 2>/dev/null || {
     [ "${CI:-}" = true ] && { echo "FAIL: python3-jsonschema is missing (CI=true)" >&2; exit 1; }
@@ -15,7 +14,7 @@ command -v python3 >/dev/null && python3 -c 'import jsonschema' 2>/dev/null || {
 # suite's reruns under LOOM_CPU_MASK and LOOM_REF_OPAQUE skip it (CI's time)
 if [ -n "${LOOM_CPU_MASK:-}${LOOM_REF_OPAQUE:-}" ]; then
     echo "SKIP: run once, not again under LOOM_CPU_MASK / LOOM_REF_OPAQUE"; exit 77; fi
-MODEL=$FIXTURES/tiny-qwen2 KEY=test-key
+MODEL=$(suite_model tiny-chat) KEY=test-key
 . "$top_srcdir/tests/serve_lib.sh"
 SCHEMAS=$top_srcdir/tests/structured_schemas/schemas.json
 
@@ -39,7 +38,7 @@ print(f"ok {n}")
 PY
 }
 ask() { # BODY-MEMBERS: a chat request's response body (status on the last line)
-    post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": [{\"role\": \"user\",
+    post /v1/chat/completions "{\"model\": \"synthetic-tiny-chat-f32\", \"messages\": [{\"role\": \"user\",
         \"content\": \"Answer in JSON.\"}], \"temperature\": 1, \"max_tokens\": 1200, $1}"
 }
 
@@ -84,7 +83,7 @@ for c in r["choices"]:
 PY
 
 # a GBNF grammar on the completions endpoint
-post /v1/completions '{"model": "tiny-qwen2", "prompt": "Is it?", "n": 6, "temperature": 1, "seed": 3,
+post /v1/completions '{"model": "synthetic-tiny-chat-f32", "prompt": "Is it?", "n": 6, "temperature": 1, "seed": 3,
     "max_tokens": 20, "grammar": "root ::= (\"yes\" | \"no\") (\", \" [0-9]{1,2} \"%\")?"}' | sed '$d' >"$tmpdir/g.json"
 bad=$(jq -r '.choices[] | select(.finish_reason != "stop" or (.text | test("^(yes|no)(, [0-9]{1,2}%)?$") | not)) | .text' "$tmpdir/g.json")
 [ -z "$bad" ] && [ "$(jq '.choices | length' "$tmpdir/g.json")" = 6 ] &&
@@ -166,7 +165,7 @@ stop_server
 # write one (thinking.jinja knows <think>), and the answer after it is the content
 start_server "$tmpdir/s2.log" -c 2048 --chat-template-file "$top_srcdir/tests/templates/thinking.jinja"
 think() { # MEMBERS
-    post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": [{\"role\": \"user\",
+    post /v1/chat/completions "{\"model\": \"synthetic-tiny-chat-f32\", \"messages\": [{\"role\": \"user\",
         \"content\": \"Think first.\"}], \"temperature\": 1, \"seed\": 5, \"max_tokens\": 60, $1}" | sed '$d'
 }
 gram() { jq -cn --arg g "$1" '{grammar: $g}' | sed 's/^{//; s/}$//'; } # GBNF: a JSON member

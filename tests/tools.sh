@@ -5,7 +5,6 @@
 # hides the tools; every malformed tool, call or choice is a 400 naming it; a template that
 # shows no tools refuses them. Reading calls back from answers: tests/test_tool_calls.c.
 . "$top_srcdir/tests/lib.sh"
-need_fixture "$FIXTURES/tiny-qwen2/tokenizer_config.json"
 command -v curl >/dev/null || { echo "SKIP: curl not installed"; exit 77; }
 command -v python3 >/dev/null && python3 -c 'import jinja2' 2>/dev/null || {
     [ "${CI:-}" = true ] && { echo "FAIL: python3-jinja2 is missing (CI=true)" >&2; exit 1; }
@@ -13,7 +12,7 @@ command -v python3 >/dev/null && python3 -c 'import jinja2' 2>/dev/null || {
 REF="python3 $top_srcdir/tests/jinja_ref.py"
 CONV=$top_srcdir/tests/templates/conversations
 TEMPLATE=$top_srcdir/tests/templates/toolchat.jinja
-MODEL=$FIXTURES/tiny-qwen2 KEY=test-key
+MODEL=$(suite_model tiny-chat) KEY=test-key
 . "$top_srcdir/tests/serve_lib.sh"
 
 # the conversation as an OpenAI client sends it: each call's arguments as JSON text
@@ -21,7 +20,7 @@ jq '[.[] | if .tool_calls then .tool_calls |= map(.function.arguments |= tojson)
     "$CONV/tool_calls.json" >"$tmpdir/openai.json"
 TOOLS=$(cat "$CONV/tools.json")
 chat() { # MORE-JSON-MEMBERS [MESSAGES]: the response body, then the status on its own line
-    post /v1/chat/completions "{\"model\": \"tiny-qwen2\", \"messages\": ${2:-$(cat "$tmpdir/openai.json")},
+    post /v1/chat/completions "{\"model\": \"synthetic-tiny-chat-f32\", \"messages\": ${2:-$(cat "$tmpdir/openai.json")},
         \"max_tokens\": 8, \"temperature\": 0${1:+, $1}}"
 }
 tokens_or_error() { # MORE-JSON-MEMBERS [MESSAGES]
@@ -34,7 +33,7 @@ ref_tokens() { # REF-FLAGS...: the reference rendering of tool_calls.json, in to
         "$LOOM" tokenize -m "$MODEL" --all-special --json -f "$tmpdir/r.txt" 2>/dev/null | jq length
 }
 
-start_server "$tmpdir/s.log" -c 1024 --chat-template-file "$TEMPLATE"
+start_server "$tmpdir/s.log" -c 4096 --chat-template-file "$TEMPLATE"
 expect_grep "tool calls: hermes" "$tmpdir/s.log" "serve says how it reads the template's tool calls"
 got=$(tokens_or_error "\"tools\": $TOOLS") want=$(ref_tokens --tools "$CONV/tools.json")
 [ -n "$want" ] && [ "$got" = "$want" ] &&

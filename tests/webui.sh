@@ -4,8 +4,7 @@
 # chromium-driver) by tests/webui_browser.py: key, streamed greedy turns equal to the API's answers,
 # Stop, a model's markup shown as text. The last screenshot is kept as tests/webui.png.
 . "$top_srcdir/tests/lib.sh"
-MODEL=$FIXTURES/tiny-qwen2
-need_fixture "$MODEL/config.json"
+MODEL=$(suite_model tiny-chat)
 command -v curl >/dev/null || { echo "SKIP: curl not installed"; exit 77; }
 KEY=test-key
 . "$top_srcdir/tests/serve_lib.sh"
