@@ -55,6 +55,8 @@ static const shape shapes[] = {
      "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"tiny-chat", "tiny with ChatML's special tokens and template: a chat model (tests)",
      "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 0, {0}, {0}, 1},
+    {"tiny-next", "tiny whose next token follows from the current one (tests)",
+     "llama", 64, 2, 2, 1, 32, 192, 512, 512, 0, 0, 0, 0, 1, {0}, {0}, 0},
     {"160m", "12 layers, 768 wide (GPT-2-small sized)",
      "llama", 768, 12, 12, 12, 64, 3072, 32000, 2048, 0, 0, 0, 0, 0, {0}, {0}, 0},
     {"1b", "TinyLlama-1.1B: 22 layers, 2048 wide, GQA 32/4",

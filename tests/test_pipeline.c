@@ -7,7 +7,9 @@
  * fixture's prompt must match PyTorch's within the f32 tolerance of the other model tests, and
  * 16 greedy steps must give the fixture's tokens. The stages run one after the other in this
  * process, joined by in-memory queues; the MPI module joins them across processes the same way.
- * Each stage must also hold only its own weights (loom_runner_stage_holds).
+ * Each stage must also hold only its own weights (loom_runner_stage_holds). loom's synthetic
+ * models (dense, MoE, latent attention), which need no fixture, are checked the same way
+ * against themselves run whole on ref.
  */
 #define _GNU_SOURCE
 #include "check.h"
@@ -83,8 +85,9 @@ static int duplex_send(void *ctx, const float *x, uint64_t count, char *err, siz
 typedef struct fixture_case {
     int32_t prompt[64], greedy[16];
     int n_prompt, n_greedy;
-    float *logits; /* PyTorch's, after the prompt */
+    float *logits; /* PyTorch's (or the whole model's on ref), after the prompt */
     int64_t n_vocab;
+    const char *source; /* whose they are */
 } fixture_case;
 
 static int read_case(const char *fixture_dir, fixture_case *c)
@@ -101,6 +104,7 @@ static int read_case(const char *fixture_dir, fixture_case *c)
     int ok = cJSON_IsArray(ids) && cJSON_GetArraySize(ids) <= 64 && cJSON_IsArray(greedy) &&
         cJSON_IsString(file);
     if (ok) {
+        c->source = "PyTorch's";
         c->n_prompt = cJSON_GetArraySize(ids);
         for (int i = 0; i < c->n_prompt; i++)
             c->prompt[i] = (int32_t)cJSON_GetArrayItem(ids, i)->valuedouble;
@@ -149,6 +153,65 @@ static int run_stages(loom_runner **st, int n_st, const int32_t *ids, int32_t n,
     return 0;
 }
 
+/* A runner for layers [first, end) of the model in g on the backend named, stage-linked by
+ * link (NULL: the whole model alone); dev is opened for it. NULL, with err, when it fails. */
+static loom_runner *open_stage(const loom_gguf *g, const char *backend, loom_stage_link *link,
+                               int32_t first, int32_t end, loom_device *dev, int *dev_opened,
+                               char *err, size_t err_size)
+{
+    char arch[64];
+    loom_registry reg;
+    loom_loader_options loader = loom_loader_options_from_env();
+    *dev_opened = loom_registry_scan(&reg, &loader, err, err_size) == 0 &&
+        loom_registry_select(&reg, backend, err, err_size) == 0 &&
+        loom_device_open_chosen(dev, &reg, 0, err, err_size) == 0;
+    loom_registry_free(&reg);
+    if (!*dev_opened)
+        return NULL;
+    loom_runner_options ro = {
+        .n_ctx = 64, .kv_type = LOOM_F32, .link = link, .first_layer = first, .end_layer = end};
+    return loom_runner_create(dev, g, loom_models_find(arch_of(g, arch, sizeof arch)), &ro, err,
+                              err_size);
+}
+
+/* The expectation for a model without a PyTorch reference (loom's synthetic ones): the whole
+ * model on ref, the oracle: its logits after the prompt and 16 greedy tokens. */
+static int whole_model_case(const char *gguf_path, const int32_t *prompt, int n, fixture_case *c)
+{
+    char err[512];
+    loom_gguf g;
+    if (loom_gguf_open(&g, gguf_path, err, sizeof err) != 0) {
+        CHECK(0, "%s: %s", gguf_path, err);
+        return -1;
+    }
+    loom_device dev;
+    int opened = 0;
+    loom_runner *r = open_stage(&g, "ref", NULL, 0, 0, &dev, &opened, err, sizeof err);
+    int ok = r && run_stages(&r, 1, prompt, n, 0, err, sizeof err) == 0;
+    if (ok) {
+        c->n_vocab = loom_runner_hparams(r)->n_vocab;
+        c->logits = malloc((size_t)c->n_vocab * sizeof *c->logits);
+        ok = c->logits != NULL;
+    }
+    if (ok) {
+        memcpy(c->logits, loom_runner_logits(r), (size_t)c->n_vocab * sizeof *c->logits);
+        c->source = "the whole model's on ref";
+        memcpy(c->prompt, prompt, (size_t)n * sizeof *prompt);
+        c->n_prompt = n, c->n_greedy = 16;
+        for (int k = 0; ok && k < c->n_greedy; k++) {
+            c->greedy[k] = argmax(loom_runner_logits(r), c->n_vocab);
+            ok = k + 1 == c->n_greedy ||
+                run_stages(&r, 1, &c->greedy[k], 1, n + k, err, sizeof err) == 0;
+        }
+    }
+    CHECK(ok, "%s, whole on ref: %s", gguf_path, err);
+    loom_runner_free(r);
+    if (opened)
+        loom_device_close(&dev);
+    loom_gguf_close(&g);
+    return ok ? 0 : -1;
+}
+
 /* The model at gguf_path cut at the given layers ([cut[s], cut[s + 1]) for stage s), stage s
  * on backend labels[s % n_labels]. */
 static void check_split(const char *label, const char *gguf_path, const fixture_case *c,
@@ -160,8 +223,6 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
         CHECK(0, "%s: %s", label, err);
         return;
     }
-    char arch[64];
-    arch_of(&g, arch, sizeof arch);
     loom_device dev[MAX_STAGES];
     loom_runner *st[MAX_STAGES] = {0};
     queue q[MAX_STAGES] = {{0}};
@@ -170,25 +231,14 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
     int opened = 0, ok = 1;
     for (int s = 0; s < n_st && ok; s++) {
         const char *backend = labels[s % n_labels];
-        loom_registry reg;
-        loom_loader_options loader = loom_loader_options_from_env();
-        ok = loom_registry_scan(&reg, &loader, err, sizeof err) == 0 &&
-            loom_registry_select(&reg, backend, err, sizeof err) == 0 &&
-            loom_device_open_chosen(&dev[s], &reg, 0, err, sizeof err) == 0;
-        loom_registry_free(&reg);
-        if (!ok)
-            break;
-        opened++;
         dx[s] = (duplex){s > 0 ? &q[s - 1] : NULL, s + 1 < n_st ? &q[s] : NULL};
         link[s] = (loom_stage_link){.ctx = &dx[s],
                                     .recv = s > 0 ? duplex_recv : NULL,
                                     .send = s + 1 < n_st ? duplex_send : NULL};
-        loom_runner_options ro = {.n_ctx = 64,
-                                  .kv_type = LOOM_F32,
-                                  .link = &link[s],
-                                  .first_layer = cut[s],
-                                  .end_layer = cut[s + 1]};
-        st[s] = loom_runner_create(&dev[s], &g, loom_models_find(arch), &ro, err, sizeof err);
+        int dev_opened = 0;
+        st[s] = open_stage(&g, backend, &link[s], cut[s], cut[s + 1], &dev[s], &dev_opened, err,
+                           sizeof err);
+        opened += dev_opened;
         ok = st[s] != NULL;
         size_t used = strlen(stages_text);
         snprintf(stages_text + used, sizeof stages_text - used, "%s[%d,%d) on %s", s ? ", " : "",
@@ -206,7 +256,7 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
             double e = fabs((double)loom_runner_logits(st[n_st - 1])[i] - c->logits[i]);
             worst = e > worst ? e : worst;
         }
-        CHECK(!ok || worst < 1e-3, "%s, stages %s: logits differ from PyTorch's by %g", label,
+        CHECK(!ok || worst < 1e-3, "%s, stages %s: logits differ from %s by %g", label, c->source,
               stages_text, worst);
         int32_t tok[16];
         int n_tok = 0;
@@ -217,11 +267,10 @@ static void check_split(const char *label, const char *gguf_path, const fixture_
         }
         CHECK(ok, "%s, stages %s: decoding: %s", label, stages_text, err);
         CHECK(!ok || memcmp(tok, c->greedy, (size_t)c->n_greedy * sizeof *tok) == 0,
-              "%s, stages %s: greedy tokens differ from the fixture's", label, stages_text);
+              "%s, stages %s: greedy tokens differ from %s", label, stages_text, c->source);
         if (ok)
-            printf("%s, stages %s: logits within %.2g of PyTorch's, %d greedy tokens as the "
-                   "fixture's\n",
-                   label, stages_text, worst, c->n_greedy);
+            printf("%s, stages %s: logits within %.2g of %s, %d greedy tokens as its\n", label,
+                   stages_text, worst, c->source, c->n_greedy);
     }
     for (int s = 0; s < n_st; s++) {
         loom_runner_free(st[s]);
@@ -263,14 +312,11 @@ static void check_ownership(const char *label, const char *gguf_path, const int3
     loom_gguf_close(&g);
 }
 
-static void check_model(const char *label, const char *gguf_path, const char *fixture_dir,
+/* The model cut in two and in three; c: what the cut model must compute (its logits are
+ * freed). */
+static void check_model(const char *label, const char *gguf_path, fixture_case *c,
                         char labels[][160], int n_labels)
 {
-    fixture_case c = {0};
-    if (read_case(fixture_dir, &c) != 0) {
-        CHECK(0, "%s: cannot read the fixture in %s", label, fixture_dir);
-        return;
-    }
     char err[512];
     loom_gguf g;
     int32_t n_layer = 0;
@@ -286,18 +332,30 @@ static void check_model(const char *label, const char *gguf_path, const char *fi
                             n_layer};
         check_ownership(label, gguf_path, two, 2);
         check_ownership(label, gguf_path, three, 3);
-        check_split(label, gguf_path, &c, two, 2, labels, n_labels);
-        check_split(label, gguf_path, &c, three, 3, labels, n_labels);
+        check_split(label, gguf_path, c, two, 2, labels, n_labels);
+        check_split(label, gguf_path, c, three, 3, labels, n_labels);
     }
-    free(c.logits);
+    free(c->logits);
+}
+
+/* A fixture's case, or a failed check naming it. */
+static int fixture_case_of(const char *fixture_dir, fixture_case *c)
+{
+    *c = (fixture_case){0};
+    if (read_case(fixture_dir, c) == 0)
+        return 0;
+    CHECK(0, "cannot read the fixture in %s", fixture_dir);
+    return -1;
 }
 
 int main(void)
 {
     char dir[4096], tmp[] = "/tmp/loom-pipeline-XXXXXX", path[4300], gguf[4300], err[512];
     snprintf(dir, sizeof dir, "%s", fixtures_dir());
-    snprintf(path, sizeof path, "%s/stories260K/original/stories260K.gguf", dir);
-    need_fixture(path);
+    if (!mkdtemp(tmp)) {
+        CHECK(0, "mkdtemp: %s", strerror(errno));
+        return check_finish("test_pipeline");
+    }
 
     /* neighbouring stages on different backends: the best usable one next to ref */
     char usable[MAX_TEST_BACKENDS][160], labels[2][160];
@@ -307,23 +365,41 @@ int main(void)
             snprintf(labels[n_labels++], 160, "%.159s", usable[i]);
     snprintf(labels[n_labels++], 160, "ref");
 
-    snprintf(gguf, sizeof gguf, "%s/stories260K", dir);
-    check_model("stories260K", path, gguf, labels, n_labels);
-    if (!mkdtemp(tmp)) {
-        CHECK(0, "mkdtemp: %s", strerror(errno));
+    /* loom's synthetic models, which need no fixture: dense, mixture-of-experts and latent
+     * attention, against themselves whole on ref */
+    const char *synthetic[] = {"tiny", "moe-tiny", "mla-tiny"};
+    const int32_t prompt[] = {1, 300, 301, 17, 42, 300, 400, 401, 255, 260, 261, 99};
+    for (int i = 0; i < 3; i++) {
+        fixture_case c = {0};
+        snprintf(gguf, sizeof gguf, "%s/%s.gguf", tmp, synthetic[i]);
+        CHECK(loom_write_synthetic_model(gguf, synthetic[i], "f32", err, sizeof err) == 0,
+              "writing %s: %s", synthetic[i], err);
+        if (whole_model_case(gguf, prompt, (int)(sizeof prompt / sizeof *prompt), &c) == 0)
+            check_model(synthetic[i], gguf, &c, labels, n_labels);
+        unlink(gguf);
+    }
+
+    static const char *const fixtures[] = {"stories260K/original/stories260K.gguf",
+                                           "stories260K/expected.json", "tiny-llama/config.json",
+                                           "tiny-qwen2/config.json", "tiny-chatglm3/config.json"};
+    if (!have_fixtures(dir, fixtures, sizeof fixtures / sizeof *fixtures)) {
+        rmdir(tmp);
         return check_finish("test_pipeline");
     }
+    fixture_case c;
+    snprintf(path, sizeof path, "%s/stories260K/original/stories260K.gguf", dir);
+    snprintf(gguf, sizeof gguf, "%s/stories260K", dir);
+    if (fixture_case_of(gguf, &c) == 0)
+        check_model("stories260K", path, &c, labels, n_labels);
     const char *tiny[] = {"tiny-llama", "tiny-qwen2", "tiny-chatglm3"};
     for (int i = 0; i < 3; i++) {
         char hf[4200];
         snprintf(hf, sizeof hf, "%s/%s", dir, tiny[i]);
-        snprintf(path, sizeof path, "%s/%s/config.json", dir, tiny[i]);
-        need_fixture(path);
         snprintf(gguf, sizeof gguf, "%s/%s.gguf", tmp, tiny[i]);
         int ok = loom_convert(hf, gguf, "f32", NULL, NULL, err, sizeof err) == 0;
         CHECK(ok, "converting %s: %s", tiny[i], err);
-        if (ok)
-            check_model(tiny[i], gguf, hf, labels, n_labels);
+        if (ok && fixture_case_of(hf, &c) == 0)
+            check_model(tiny[i], gguf, &c, labels, n_labels);
         unlink(gguf);
     }
     rmdir(tmp);
