@@ -127,6 +127,7 @@ void loom_model_watch_stages(loom_model *m, void (*on_stop)(void *ctx, const cha
 typedef struct loom_text_stream {
     const char *const *stops;
     int n_stops;
+    int stopped_by; /* 1 + the index of the stop string push found; 0 none */
     char *held, *out;
     size_t n_held, held_cap, n_out, out_cap;
 } loom_text_stream;

@@ -67,7 +67,7 @@ int loom_text_stream_push(loom_text_stream *ts, const char *bytes, size_t n)
             continue;
         const char *at = memmem(ts->held, ts->n_held, ts->stops[i], ls);
         if (at && (size_t)(at - ts->held) < cut)
-            cut = (size_t)(at - ts->held);
+            cut = (size_t)(at - ts->held), ts->stopped_by = i + 1;
     }
     if (cut != (size_t)-1) {
         ts->n_held = cut;

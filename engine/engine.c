@@ -136,6 +136,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.text = NULL, ev.len = 0;
     ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
     ev.finish_reason = finish;
+    ev.stop_string = q->ts.stopped_by;
     ev.error = error;
     ev.deadline = deadline;
     ev.busy = q->s.displaced;

@@ -356,6 +356,9 @@ typedef struct loom_event {
     /* an ERROR the request's own grammar caused: too ambiguous to follow, or past a limit of
      * its automaton (the client's to change, as a 400 says) */
     int32_t invalid;
+    /* a DONE "stop" that one of loom_request.stop ended: 1 + its index; 0 otherwise (the
+     * model's end of text, or another finish) */
+    int32_t stop_string;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
