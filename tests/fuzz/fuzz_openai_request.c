@@ -2,9 +2,11 @@
  * tests/fuzz/fuzz_openai_request.c - libFuzzer harness for what `loom serve` does with a
  * request body before the engine sees it: openai_parse_body (UTF-8, NUL, trailing data), then
  * openai_parse_request for completions and for chat, which renders the chat template and
- * tokenizes. Any bytes must give a request or an error with a 4xx/5xx status, never a crash.
+ * tokenizes, and the body read as Anthropic's Messages API (anthropic_chat_request, as a
+ * message and as count_tokens) and then as the chat it becomes. Any bytes must give a request or an error with a 4xx/5xx status, never a crash.
  * The model is LOOM_FUZZ_MODEL (stories260K), opened once on the reference backend.
  */
+#include "tools/anthropic_request.h"
 #include "tools/openai_request.h"
 
 #include <stdint.h>
@@ -50,11 +52,21 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             __builtin_trap(); /* a refusal must say why, with an error status */
         return 0;
     }
-    for (int chat = 0; chat < 2; chat++) {
+    /* completions, chat, and Anthropic's messages and count_tokens (as the chat they become) */
+    for (int form = 0; form < 4; form++) {
+        int chat = form > 0;
         srv.parse_special = size > 0 && (data[0] & 1);
         parsed p = {0};
         bad pb = {0};
-        if (openai_parse_request(&srv, root, chat, &p, &pb) != 0) {
+        cJSON *as_chat = form >= 2 ? anthropic_chat_request(root, form == 3, &pb) : NULL;
+        if (form >= 2 && !as_chat) {
+            if (pb.status < 400 || pb.status > 599 || !pb.msg[0])
+                __builtin_trap();
+            continue;
+        }
+        int rc = openai_parse_request(&srv, as_chat ? as_chat : root, chat, &p, &pb);
+        cJSON_Delete(as_chat);
+        if (rc != 0) {
             if (pb.status < 400 || pb.status > 599 || !pb.msg[0])
                 __builtin_trap();
         } else if (p.n_ids <= 0 || p.n_ids >= srv.n_ctx || !p.ids) {

@@ -48,13 +48,38 @@ enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSO
     return ok;
 }
 
-/* OpenAI's error shape, {"error": {"message", "type", "param", "code"}}, counted in /metrics */
+_Thread_local int http_anthropic_errors;
+
+/* Anthropic's error shape, {"type": "error", "error": {"type", "message"}}, its types by
+ * status */
+static cJSON *anthropic_error_body(unsigned status, const char *msg)
+{
+    cJSON *o = cJSON_CreateObject(), *e;
+    cJSON_AddStringToObject(o, "type", "error");
+    e = cJSON_AddObjectToObject(o, "error");
+    cJSON_AddStringToObject(e, "type",
+                            status == 401       ? "authentication_error"
+                                : status == 403 ? "permission_error"
+                                : status == 404 ? "not_found_error"
+                                : status == 413 ? "request_too_large"
+                                : status == 429 ? "rate_limit_error"
+                                : status == 503 ? "overloaded_error"
+                                : status >= 500 ? "api_error"
+                                                : "invalid_request_error");
+    json_add_text(e, "message", msg, strlen(msg));
+    return o;
+}
+
+/* OpenAI's error shape, {"error": {"message", "type", "param", "code"}} (or Anthropic's, on its
+ * routes), counted in /metrics */
 static cJSON *error_body(server *srv, unsigned status, const char *param, const char *code,
                          const char *msg)
 {
     pthread_mutex_lock(&srv->count_lock);
     srv->http_errors++;
     pthread_mutex_unlock(&srv->count_lock);
+    if (http_anthropic_errors)
+        return anthropic_error_body(status, msg);
     cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
     json_add_text(e, "message", msg, strlen(msg)); /* it may quote a client's invalid bytes */
     cJSON_AddStringToObject(e, "type",
@@ -109,9 +134,9 @@ static int same_secret(const char *given, size_t n, const char *key, size_t key_
 }
 
 typedef struct auth_header {
-    int count;
-    const char *value;
-    size_t len;
+    int count, x_count; /* Authorization headers, x-api-key headers (Anthropic's clients') */
+    const char *value, *x_value;
+    size_t len, x_len;
 } auth_header;
 
 static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *key,
@@ -123,12 +148,17 @@ static enum MHD_Result see_auth(void *cls, enum MHD_ValueKind kind, const char *
         a->count++;
         a->value = value, a->len = value ? value_size : 0;
     }
+    if (key_size == 9 && !strncasecmp(key, "x-api-key", 9)) {
+        a->x_count++;
+        a->x_value = value, a->x_len = value ? value_size : 0;
+    }
     return MHD_YES;
 }
 
 /* Who sent the request, from its key, read exactly: one Authorization header, the scheme
  * "Bearer" in any case (RFC 7235), one or more spaces, the key, nothing after it but spaces or
- * tabs. Returns the tenant (1, 2, ...) whose key of --api-keys it is, 0 for the one key of
+ * tabs; or, with no Authorization header, one x-api-key header whose value is the key (as
+ * Anthropic's clients send it). Returns the tenant (1, 2, ...) whose key of --api-keys it is, 0 for the one key of
  * --api-key-file (or --admin-key-file's) or when the API wants no key, -1 when the API wants a
  * key and none matches (every key is compared, in constant time each). *admin: the key may
  * reload the model and see every tenant's figures: --admin-key-file's, a tenant line that says
@@ -141,9 +171,11 @@ static int http_caller(server *srv, struct MHD_Connection *con, int *admin)
         return 0;
     auth_header a = {0};
     MHD_get_connection_values_n(con, MHD_HEADER_KIND, see_auth, &a);
-    if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
-        return open_api ? 0 : -1;
     size_t start = 7, end = a.len;
+    if (a.count == 0 && a.x_count == 1 && a.x_value) /* the key alone */
+        a.value = a.x_value, end = a.x_len, start = 0;
+    else if (a.count != 1 || !a.value || a.len < 8 || strncasecmp(a.value, "Bearer ", 7) != 0)
+        return open_api ? 0 : -1;
     while (start < end && a.value[start] == ' ')
         start++;
     while (end > start && (a.value[end - 1] == ' ' || a.value[end - 1] == '\t'))
@@ -164,8 +196,9 @@ static int http_caller(server *srv, struct MHD_Connection *con, int *admin)
 static enum MHD_Result http_refuse_key(server *srv, struct MHD_Connection *con)
 {
     return http_error(srv, con, 401, NULL, "invalid_api_key",
-                      "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key "
-                      "the server was started with (--api-key-file, LOOM_API_KEY or --api-key)");
+                      "Incorrect or missing API key: send 'Authorization: Bearer KEY' (or "
+                      "'x-api-key: KEY') with the key the server was started with "
+                      "(--api-key-file, LOOM_API_KEY or --api-key)");
 }
 
 typedef struct framing {
@@ -297,6 +330,7 @@ typedef struct route {
     const char *path;
     route_access access;
     int reads_body; /* the handler runs once the body has come (refused while draining) */
+    int anthropic;  /* Anthropic's API: its errors in Anthropic's shape */
     enum MHD_Result (*handler)(server *srv, struct MHD_Connection *con, const route_call *rc);
     int (*enabled)(const server *srv); /* NULL: always */
 } route;
@@ -374,12 +408,23 @@ static enum MHD_Result route_reload(server *srv, struct MHD_Connection *con, con
 static enum MHD_Result route_completions(server *srv, struct MHD_Connection *con,
                                          const route_call *rc)
 {
-    return generate_handle(srv, con, rc->body, rc->len, 0, rc->tenant);
+    return generate_handle(srv, con, rc->body, rc->len, API_COMPLETIONS, rc->tenant);
 }
 
 static enum MHD_Result route_chat(server *srv, struct MHD_Connection *con, const route_call *rc)
 {
-    return generate_handle(srv, con, rc->body, rc->len, 1, rc->tenant);
+    return generate_handle(srv, con, rc->body, rc->len, API_CHAT, rc->tenant);
+}
+
+static enum MHD_Result route_messages(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return generate_handle(srv, con, rc->body, rc->len, API_MESSAGES, rc->tenant);
+}
+
+static enum MHD_Result route_count_tokens(server *srv, struct MHD_Connection *con,
+                                          const route_call *rc)
+{
+    return generate_handle(srv, con, rc->body, rc->len, API_COUNT_TOKENS, rc->tenant);
 }
 
 static enum MHD_Result route_embeddings(server *srv, struct MHD_Connection *con,
@@ -390,14 +435,16 @@ static enum MHD_Result route_embeddings(server *srv, struct MHD_Connection *con,
 
 /* Every endpoint, a row each: the 404's list and the 405's method come from here. */
 static const route routes[] = {
-    {"POST", "/v1/chat/completions", ACCESS_KEY, 1, route_chat, NULL},
-    {"POST", "/v1/completions", ACCESS_KEY, 1, route_completions, NULL},
-    {"POST", "/v1/embeddings", ACCESS_KEY, 1, route_embeddings, NULL},
-    {"GET", "/v1/models", ACCESS_KEY, 0, route_models, NULL},
-    {"GET", "/health", ACCESS_ANYONE, 0, route_health, NULL},
-    {"GET", "/metrics", ACCESS_METRICS, 0, route_metrics, NULL},
-    {"POST", "/admin/reload", ACCESS_ADMIN, 0, route_reload, NULL},
-    {"GET", "/", ACCESS_ANYONE, 0, route_webui, webui_on},
+    {"POST", "/v1/chat/completions", ACCESS_KEY, 1, 0, route_chat, NULL},
+    {"POST", "/v1/completions", ACCESS_KEY, 1, 0, route_completions, NULL},
+    {"POST", "/v1/embeddings", ACCESS_KEY, 1, 0, route_embeddings, NULL},
+    {"POST", "/v1/messages", ACCESS_KEY, 1, 1, route_messages, NULL},
+    {"POST", "/v1/messages/count_tokens", ACCESS_KEY, 1, 1, route_count_tokens, NULL},
+    {"GET", "/v1/models", ACCESS_KEY, 0, 0, route_models, NULL},
+    {"GET", "/health", ACCESS_ANYONE, 0, 0, route_health, NULL},
+    {"GET", "/metrics", ACCESS_METRICS, 0, 0, route_metrics, NULL},
+    {"POST", "/admin/reload", ACCESS_ADMIN, 0, 0, route_reload, NULL},
+    {"GET", "/", ACCESS_ANYONE, 0, 0, route_webui, webui_on},
 };
 #define N_ROUTES (sizeof routes / sizeof *routes)
 
@@ -463,6 +510,7 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
             r = &routes[i];
     if (!r)
         return no_such_route(srv, con, url, method);
+    http_anthropic_errors = r->anthropic; /* until on_request returns */
     if (strcmp(method, r->method) && !(get && !strcmp(r->method, "GET")))
         return method_not_allowed(srv, con, r);
     route_call *rc = &cs->call;
@@ -517,6 +565,7 @@ enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *ur
         pthread_mutex_unlock(&srv->count_lock);
         conn_guard_headers_done(con);
         enum MHD_Result r = route_request(srv, con, cs, url, method);
+        http_anthropic_errors = 0;
         if (!cs->to) /* answered from the headers: no body to wait for */
             conn_guard_body_done(con);
         return r;
@@ -530,13 +579,19 @@ enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *ur
         return MHD_YES;
     }
     conn_guard_body_done(con);
+    http_anthropic_errors = cs->to->anthropic;
+    enum MHD_Result r;
     if (cs->too_big)
-        return http_error(srv, con, 413, NULL, NULL,
-                          "the request body is larger than the "
-                          "server's limit of %zu bytes (--max-body)",
-                          srv->max_body);
-    if (!cs->len)
-        return http_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
-    cs->call.body = cs->body, cs->call.len = cs->len;
-    return cs->to->handler(srv, con, &cs->call);
+        r = http_error(srv, con, 413, NULL, NULL,
+                       "the request body is larger than the server's limit of %zu bytes "
+                       "(--max-body)",
+                       srv->max_body);
+    else if (!cs->len)
+        r = http_error(srv, con, 400, NULL, NULL, "the request has no body; send a JSON object");
+    else {
+        cs->call.body = cs->body, cs->call.len = cs->len;
+        r = cs->to->handler(srv, con, &cs->call);
+    }
+    http_anthropic_errors = 0;
+    return r;
 }

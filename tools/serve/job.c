@@ -27,6 +27,8 @@ void job_unref(job *j)
     for (int i = 0; i < j->n_tools; i++)
         free(j->tool_names[i]);
     free(j->tool_names);
+    for (int i = 0; i < OPENAI_MAX_STOPS; i++)
+        free(j->stops[i]);
     free(j->out);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
@@ -70,6 +72,7 @@ void job_on_event(void *user, const loom_event *ev)
          * clients know; "length" is theirs for an answer cut short */
         const char *why = ev->finish_reason ? ev->finish_reason : "stop";
         snprintf(c->finish, sizeof c->finish, "%s", strcmp(why, "cancelled") ? why : "length");
+        c->stop_string = ev->stop_string;
         if (ev->kind == LOOM_EVENT_ERROR)
             snprintf(c->error, sizeof c->error, "%s", ev->error ? ev->error : "generation failed");
     }
@@ -231,9 +234,8 @@ static void attach_logprobs(const job *j, choice *c, cJSON *ch)
     c->lps_sent = c->n_lps;
 }
 
-/* The calls in choice c's finished answer past its first base bytes (a thought), content_len
- * counted from there (n_calls 0: none, or the request has no tools). */
-static void read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc)
+/* content_len is counted from base; n_calls 0: none, or the request has no tools */
+void job_read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc)
 {
     memset(tc, 0, sizeof *tc);
     tc->content_len = c->len - base;
@@ -248,9 +250,8 @@ static void read_tool_calls(const job *j, const choice *c, size_t base, loom_too
     }
 }
 
-/* an id for a call: the model's own where it wrote one, else a fresh one (Mistral's templates
- * want 9 letters and digits) */
-static void call_id(const job *j, const loom_tool_call *call, char *id, size_t cap)
+/* Mistral's templates want 9 letters and digits */
+void job_call_id(const job *j, const loom_tool_call *call, const char *prefix, char *id, size_t cap)
 {
     static const char alnum[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
     static uint64_t counter;
@@ -263,7 +264,7 @@ static void call_id(const job *j, const loom_tool_call *call, char *id, size_t c
     uint64_t x = (uint64_t)ts.tv_nsec * 0x9e3779b97f4a7c15ull ^
         __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) * 0xbf58476d1ce4e5b9ull;
     int mistral = j->tool_syntax == LOOM_TOOLS_MISTRAL;
-    size_t at = mistral ? 0 : (size_t)snprintf(id, cap, "call_");
+    size_t at = mistral ? 0 : (size_t)snprintf(id, cap, "%s", prefix);
     for (size_t n = mistral ? 9 : 24; n && at + 1 < cap; n--) {
         x ^= x >> 31, x *= 0x94d049bb133111ebull, x ^= x >> 29;
         id[at++] = alnum[x % (sizeof alnum - 1)];
@@ -280,7 +281,7 @@ static cJSON *tool_call_json(const job *j, const loom_tool_call *call, int k, in
     if (part >= 0)
         cJSON_AddNumberToObject(t, "index", k);
     if (part <= 0) {
-        call_id(j, call, id, sizeof id);
+        job_call_id(j, call, "call_", id, sizeof id);
         cJSON_AddStringToObject(t, "id", id);
         cJSON_AddStringToObject(t, "type", "function");
     }
@@ -298,19 +299,71 @@ static const char *finish_with_calls(const choice *c, const loom_tool_calls *tc)
     return tc->n_calls && !strcmp(c->finish, "stop") ? "tool_calls" : c->finish;
 }
 
-static void sse(job *j, cJSON *o)
+void job_sse(job *j, const char *event, cJSON *o)
 {
     char *s = cJSON_PrintUnformatted(o);
     cJSON_Delete(o);
     if (!s)
         return;
+    if (event) {
+        buf_append(&j->out, &j->out_len, &j->out_cap, "event: ", 7);
+        buf_append(&j->out, &j->out_len, &j->out_cap, event, strlen(event));
+        buf_append(&j->out, &j->out_len, &j->out_cap, "\n", 1);
+    }
     buf_append(&j->out, &j->out_len, &j->out_cap, "data: ", 6);
     buf_append(&j->out, &j->out_len, &j->out_cap, s, strlen(s));
     buf_append(&j->out, &j->out_len, &j->out_cap, "\n\n", 2);
     free(s);
 }
 
-/* Formats what the engine produced since the last call as server-sent events (under j->mu). */
+void job_take_ready(job *j, choice *c, ready_parts *rp)
+{
+    memset(rp, 0, sizeof *rp);
+    if (c->final_sent)
+        return;
+    /* a thought first; the answer proper starts after it (base) */
+    size_t base = 0;
+    int thinking = 0;
+    if (j->reasoning && c->text) {
+        loom_reasoning r;
+        loom_reasoning_find(c->text, c->len, j->reasoning == 2, c->done, &r);
+        size_t from = c->thought_sent > r.start ? c->thought_sent : r.start;
+        size_t upto = r.end <= from ? from
+            : c->done               ? r.end
+                                    : from + loom_utf8_complete(c->text + from, r.end - from);
+        if (upto > from)
+            rp->thought = c->text + from, rp->thought_len = upto - from, c->thought_sent = upto;
+        thinking = r.open && !c->done;
+        base = r.content;
+        c->sent = c->sent < base ? base : c->sent;
+    }
+    /* a character whose last bytes are still to come waits for them (or for the end, when
+     * what is left is sent with U+FFFD for it) */
+    size_t ready = c->done ? c->len
+                           : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
+    if (j->tool_syntax != LOOM_TOOLS_NONE && !thinking) {
+        /* text that may be the start of a call waits until it is known not to be */
+        if (c->done) {
+            job_read_tool_calls(j, c, base, &rp->calls);
+            ready = base + rp->calls.content_len;
+        } else {
+            size_t text = base +
+                loom_tool_calls_text_prefix(j->tool_syntax, c->text + base, c->len - base,
+                                            (const char *const *)j->tool_names, j->n_tools);
+            ready = text < ready ? text : ready;
+        }
+    }
+    if (thinking)
+        ready = c->sent;
+    ready = ready < c->sent ? c->sent : ready;
+    if (c->sent < ready)
+        rp->text = c->text + c->sent, rp->text_len = ready - c->sent, c->sent = ready;
+    if (c->done)
+        rp->final = 1, c->final_sent = 1;
+}
+
+/* Formats what the engine produced since the last call as OpenAI's server-sent events (under
+ * j->mu). */
 static void stream_format(job *j)
 {
     const char *object = j->chat ? "chat.completion.chunk" : "text_completion";
@@ -319,61 +372,27 @@ static void stream_format(job *j)
         if (j->chat && !(j->role_sent & (1 << i))) {
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
             cJSON_AddItemToArray(a, choice_json(j, i, "", 0, NULL, 1, 1));
-            sse(j, o);
+            job_sse(j, NULL, o);
             j->role_sent |= 1 << i;
         }
-        /* a thought first, as reasoning_content; the answer proper starts after it (base) */
-        size_t base = 0;
-        int thinking = 0;
-        if (j->reasoning && c->text && !c->final_sent) {
-            loom_reasoning r;
-            loom_reasoning_find(c->text, c->len, j->reasoning == 2, c->done, &r);
-            size_t from = c->thought_sent > r.start ? c->thought_sent : r.start;
-            size_t upto = r.end <= from ? from
-                : c->done               ? r.end
-                                        : from + loom_utf8_complete(c->text + from, r.end - from);
-            if (upto > from) {
-                cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
-                cJSON *ch = choice_json(j, i, NULL, 0, NULL, 1, 0);
-                json_add_text(cJSON_GetObjectItem(ch, "delta"), "reasoning_content", c->text + from,
-                              upto - from);
-                cJSON_AddItemToArray(a, ch);
-                sse(j, o);
-                c->thought_sent = upto;
-            }
-            thinking = r.open && !c->done;
-            base = r.content;
-            c->sent = c->sent < base ? base : c->sent;
-        }
-        /* a character whose last bytes are still to come waits for them (or for the end,
-         * when what is left is sent with U+FFFD for it) */
-        size_t ready = c->done ? c->len
-                               : c->sent + loom_utf8_complete(c->text + c->sent, c->len - c->sent);
-        loom_tool_calls tc = {0};
-        if (j->tool_syntax != LOOM_TOOLS_NONE && !c->final_sent && !thinking) {
-            /* text that may be the start of a call waits until it is known not to be */
-            if (c->done) {
-                read_tool_calls(j, c, base, &tc);
-                ready = base + tc.content_len;
-            } else {
-                size_t text = base +
-                    loom_tool_calls_text_prefix(j->tool_syntax, c->text + base, c->len - base,
-                                                (const char *const *)j->tool_names, j->n_tools);
-                ready = text < ready ? text : ready;
-            }
-        }
-        if (thinking)
-            ready = c->sent;
-        ready = ready < c->sent ? c->sent : ready;
-        if (c->sent < ready) {
+        ready_parts rp;
+        job_take_ready(j, c, &rp);
+        if (rp.thought_len) { /* as reasoning_content */
             cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
-            cJSON *ch = choice_json(j, i, c->text + c->sent, ready - c->sent, NULL, 1, 0);
+            cJSON *ch = choice_json(j, i, NULL, 0, NULL, 1, 0);
+            json_add_text(cJSON_GetObjectItem(ch, "delta"), "reasoning_content", rp.thought,
+                          rp.thought_len);
+            cJSON_AddItemToArray(a, ch);
+            job_sse(j, NULL, o);
+        }
+        if (rp.text_len) {
+            cJSON *o = response_head(j, object), *a = cJSON_AddArrayToObject(o, "choices");
+            cJSON *ch = choice_json(j, i, rp.text, rp.text_len, NULL, 1, 0);
             attach_logprobs(j, c, ch);
             cJSON_AddItemToArray(a, ch);
-            sse(j, o);
-            c->sent = ready;
+            job_sse(j, NULL, o);
         }
-        if (c->done && !c->final_sent) {
+        if (rp.final) {
             cJSON *o;
             if (c->error[0]) {
                 o = cJSON_CreateObject();
@@ -381,36 +400,35 @@ static void stream_format(job *j)
                 json_add_text(e, "message", c->error, strlen(c->error));
                 cJSON_AddStringToObject(e, "type", "server_error");
             } else {
-                for (int k = 0; k < tc.n_calls; k++)
+                for (int k = 0; k < rp.calls.n_calls; k++)
                     for (int part = 0; part < 2; part++) {
                         cJSON *e = response_head(j, object),
                               *a = cJSON_AddArrayToObject(e, "choices");
                         cJSON *ch = choice_json(j, i, NULL, 0, NULL, 1, 0);
                         cJSON *calls = cJSON_AddArrayToObject(cJSON_GetObjectItem(ch, "delta"),
                                                               "tool_calls");
-                        cJSON_AddItemToArray(calls, tool_call_json(j, &tc.calls[k], k, part));
+                        cJSON_AddItemToArray(calls, tool_call_json(j, &rp.calls.calls[k], k, part));
                         cJSON_AddItemToArray(a, ch);
-                        sse(j, e);
+                        job_sse(j, NULL, e);
                     }
                 o = response_head(j, object);
                 cJSON *a = cJSON_AddArrayToObject(o, "choices");
-                cJSON *ch = choice_json(j, i, NULL, 0, finish_with_calls(c, &tc), 1, 0);
+                cJSON *ch = choice_json(j, i, NULL, 0, finish_with_calls(c, &rp.calls), 1, 0);
                 attach_logprobs(j, c, ch);
                 cJSON_AddItemToArray(a, ch);
                 if (c->deadline)
                     cJSON_AddBoolToObject(o, "stopped_at_deadline", 1);
             }
-            sse(j, o);
-            c->final_sent = 1;
+            job_sse(j, NULL, o);
         }
-        loom_tool_calls_free(&tc);
+        loom_tool_calls_free(&rp.calls);
     }
     if (job_all_done(j) && !j->finished) {
         if (j->include_usage) {
             cJSON *o = response_head(j, object);
             cJSON_AddArrayToObject(o, "choices");
             cJSON_AddItemToObject(o, "usage", usage_json(j));
-            sse(j, o);
+            job_sse(j, NULL, o);
         }
         buf_append(&j->out, &j->out_len, &j->out_cap, "data: [DONE]\n\n", 14);
         j->finished = 1;
@@ -456,7 +474,7 @@ ssize_t job_stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             pthread_mutex_unlock(&j->mu);
             return MHD_CONTENT_READER_END_OF_STREAM;
         }
-        stream_format(j);
+        (j->api == API_MESSAGES ? messages_stream_format : stream_format)(j);
         if (j->out_len == 0) {
             job_wait_briefly(j);
             if (j->out_len == 0 && !job_all_done(j) && j->con && http_client_gone(j->con)) {
@@ -526,6 +544,12 @@ enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j)
             job_unref(j);
             return job_send_ended_early(srv, con, deadline, busy, bad, msg);
         }
+    if (j->api == API_MESSAGES) {
+        cJSON *m = messages_response(j);
+        pthread_mutex_unlock(&j->mu);
+        job_unref(j);
+        return http_send_json(con, 200, m);
+    }
     cJSON *o = response_head(j, j->chat ? "chat.completion" : "text_completion");
     for (int i = 0; i < j->n; i++)
         if (j->ch[i].deadline) /* cut at its deadline: finish_reason "length", and this says why */
@@ -537,7 +561,7 @@ enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j)
         if (j->reasoning && c->text)
             loom_reasoning_find(c->text, c->len, j->reasoning == 2, 1, &r);
         loom_tool_calls tc;
-        read_tool_calls(j, c, r.content, &tc);
+        job_read_tool_calls(j, c, r.content, &tc);
         cJSON *ch = choice_json(j, i, c->text ? c->text + r.content : "", tc.content_len,
                                 finish_with_calls(c, &tc), 0, 1);
         if (j->logprobs) {

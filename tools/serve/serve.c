@@ -1,6 +1,6 @@
 /*
  * tools/serve/serve.c - `loom serve`: an OpenAI-compatible HTTP server on libmicrohttpd; this
- * room holds the generation endpoints (completions, chat) and main (tools/serve/server.h lists
+ * room holds the generation endpoints (completions, chat, Anthropic's messages) and main (tools/serve/server.h lists
  * the others).
  *
  * HTTP threads (one per connection) parse, validate and tokenize requests, submit them to the
@@ -13,6 +13,8 @@
 #define _GNU_SOURCE
 #include "tools/serve/server.h"
 
+#include "tools/anthropic_request.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <signal.h>
@@ -23,8 +25,9 @@
 #include <unistd.h>
 
 enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const char *body,
-                                size_t len, int chat, int who)
+                                size_t len, serve_api api, int who)
 {
+    int chat = api != API_COMPLETIONS, anthropic = api == API_MESSAGES || api == API_COUNT_TOKENS;
     tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
     served *sv = served_acquire(srv);
     parsed p = {0};
@@ -33,6 +36,11 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
     cJSON *req = openai_parse_body(body, len, max_values, &b);
+    if (req && anthropic) { /* asked as a chat from here on */
+        cJSON *as_chat = anthropic_chat_request(req, api == API_COUNT_TOKENS, &b);
+        cJSON_Delete(req);
+        req = as_chat;
+    }
     int parsed_ok = req && openai_parse_request(&sv->api, req, chat, &p, &b) == 0;
     sem_post(&srv->parsing);
     if (!parsed_ok) {
@@ -40,6 +48,14 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
         cJSON_Delete(req);
         served_release(srv, sv);
         return http_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
+    }
+    if (api == API_COUNT_TOKENS) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddNumberToObject(o, "input_tokens", p.n_ids);
+        openai_parsed_free(&p);
+        cJSON_Delete(req);
+        served_release(srv, sv);
+        return http_send_json(con, 200, o);
     }
     if (srv->shutting_down) {
         openai_parsed_free(&p);
@@ -63,7 +79,7 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     pthread_cond_init(&j->cv, NULL);
     j->srv = srv, j->sv = sv; /* the job holds the model's reference from here */
     j->tenant = who;
-    j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
+    j->api = api, j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
     j->refs = 1;
     j->tool_syntax = p.tool_syntax, j->parallel_tool_calls = p.parallel_tool_calls;
@@ -74,12 +90,18 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     j->tool_names = p.tool_names, j->n_tools = p.n_tools; /* the job's from here */
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
-    snprintf(j->id, sizeof j->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
+    snprintf(j->id, sizeof j->id, "%s%016llx",
+             anthropic  ? "msg_"
+                 : chat ? "chatcmpl-"
+                        : "cmpl-",
              (unsigned long long)(__atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) ^
                                   ((uint64_t)j->created << 20)));
     char err[512] = "";
     int submitted = 0, busy = 0;
-    for (int i = 0; i < p.n; i++) {
+    for (int i = 0; i < p.n_stops; i++) /* the request's JSON goes before the answer */
+        if (!(j->stops[i] = strdup(p.stops[i])))
+            snprintf(err, sizeof err, "out of memory");
+    for (int i = 0; i < p.n && !err[0]; i++) {
         event_target *t = malloc(sizeof *t);
         if (!t) {
             snprintf(err, sizeof err, "out of memory");

@@ -1,8 +1,8 @@
 /*
  * tools/serve/server.h - what the rooms of `loom serve` share: the server, the model it runs on
  * (served), tenants, jobs, and each room's entry points. The rooms: http.c (sending, keys,
- * refusals from the headers, routes), job.c (a request's generations and their responses),
- * serve.c (generation requests and main), embeddings.c, metrics.c, served.c (the model and
+ * refusals from the headers, routes), job.c (a request's generations and their OpenAI
+ * responses), messages.c (their Anthropic ones), serve.c (generation requests and main), embeddings.c, metrics.c, served.c (the model and
  * reloading it), tenants.c (keys and a request's place in the engine).
  */
 #ifndef LOOM_TOOLS_SERVE_SERVER_H
@@ -118,10 +118,20 @@ typedef struct choice {
     int busy;     /* displaced from a full queue by a better priority (engine's event) */
     int invalid;  /* its grammar could not be followed (engine's event) */
     char finish[16];
+    int stop_string; /* finish "stop" at the request's stop string 1, 2, ...; 0: none */
     char error[256];
     int32_t n_generated;
     int64_t id;
 } choice;
+
+/* The API a generation request came in by: it shapes the answers and the errors. Anthropic's
+ * Messages API runs as a chat underneath (tools/anthropic_request.c). */
+typedef enum serve_api {
+    API_COMPLETIONS,  /* POST /v1/completions */
+    API_CHAT,         /* POST /v1/chat/completions */
+    API_MESSAGES,     /* POST /v1/messages */
+    API_COUNT_TOKENS, /* POST /v1/messages/count_tokens: the prompt's tokens, no generation */
+} serve_api;
 
 typedef struct job {
     pthread_mutex_t mu;
@@ -129,8 +139,12 @@ typedef struct job {
     int refs;
     server *srv;
     struct served *sv; /* the model it runs on (a reference) */
-    int chat, stream, include_usage, n;
+    serve_api api;
+    int chat, stream, include_usage, n; /* chat: the API's answers are messages */
     choice ch[OPENAI_MAX_CHOICES];
+    char *stops[OPENAI_MAX_STOPS]; /* the request's stop strings (Anthropic's stop_sequence) */
+    int blocks_sent, open_block;   /* Anthropic's stream: content blocks begun, the open one's
+                                      kind (0 none, 1 thinking, 2 text) */
     int32_t n_prompt, n_cached;
     char id[40];
     time_t created;
@@ -161,6 +175,9 @@ typedef struct event_target {
 #define RETRY_BUSY "1"
 
 /* http.c */
+/* the error shape of the route this thread answers: Anthropic's for its API, OpenAI's
+ * otherwise (set by http.c around each handler; libmicrohttpd runs one call at a time a thread) */
+extern _Thread_local int http_anthropic_errors;
 enum MHD_Result http_send_text(struct MHD_Connection *con, unsigned status, const char *type,
                                const char *body);
 enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSON *o);
@@ -187,10 +204,31 @@ void job_stream_free(void *cls);
 enum MHD_Result job_send_ended_early(server *srv, struct MHD_Connection *con, int deadline,
                                      int busy, const char *invalid, const char *msg);
 enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j);
+/* what choice c has ready to send since the last call (under j->mu): a thought's new bytes,
+ * the answer's new text, and, once it is done and nothing more is held back, its calls */
+typedef struct ready_parts {
+    const char *thought, *text;
+    size_t thought_len, text_len;
+    int final; /* the choice is done: what is here is its last, calls included */
+    loom_tool_calls calls;
+} ready_parts;
+void job_take_ready(job *j, choice *c, ready_parts *rp);
+/* the calls in choice c's finished answer past its first base bytes (a thought) */
+void job_read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc);
+/* an id for a call: the model's own, else prefix and fresh letters (Mistral's: 9 alone) */
+void job_call_id(const job *j, const loom_tool_call *call, const char *prefix, char *id,
+                 size_t cap);
+void job_sse(job *j, const char *event, cJSON *o); /* event: NULL for OpenAI's data-only */
+
+/* messages.c: Anthropic's shapes of a job's answer */
+cJSON *messages_response(job *j);    /* the whole message (under j->mu, all done) */
+void messages_stream_format(job *j); /* its events since the last call (under j->mu) */
+/* an Anthropic stop_reason for choice c (calls: the answer has tool calls) */
+const char *messages_stop_reason(const choice *c, int calls);
 
 /* serve.c, embeddings.c: the endpoints that run the model (who: the caller's tenant) */
 enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const char *body,
-                                size_t len, int chat, int who);
+                                size_t len, serve_api api, int who);
 enum MHD_Result embeddings_handle(server *srv, struct MHD_Connection *con, const char *body,
                                   size_t len, int who);
 
