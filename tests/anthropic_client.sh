@@ -42,7 +42,7 @@ refused "a system role in messages" "{\"model\": \"$NAME\", \"max_tokens\": 4, \
 refused "temperature 1.5 (Anthropic's range is 0 to 1)" "{\"model\": \"$NAME\", \"max_tokens\": 4, \"temperature\": 1.5,
     \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" 400 invalid_request_error "temperature"
 refused "an unknown field" "{\"model\": \"$NAME\", \"max_tokens\": 4, \"mcp_servers\": [],
-    \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" 400 invalid_request_error "mcp_servers: Extra inputs"
+    \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" 400 invalid_request_error "mcp_servers: unknown field"
 refused "one of Anthropic's server tools" "{\"model\": \"$NAME\", \"max_tokens\": 4, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}],
     \"tools\": [{\"type\": \"web_search_20250305\", \"name\": \"web_search\"}]}" 400 invalid_request_error "not a custom tool"
 refused "another model" "{\"model\": \"claude-sonnet-4-5\", \"max_tokens\": 4, \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}" \

@@ -5,7 +5,9 @@
 # call read by the client, its result sent back, the client's own stream helper assembling
 # streamed calls) and structured output (chat.completions.parse with a zod schema); and the
 # Vercel AI SDK (npm `ai` with `@ai-sdk/openai-compatible`): generateObject, and streamText
-# with a required tool that the SDK executes. Skipped when node/npm
+# with a required tool that the SDK executes; and the Responses API with the openai client
+# (plain, streamed, a forced function and its output sent back, text.format, refusals), each
+# answer as the chat endpoint's for the same conversation. Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
 . "$top_srcdir/tests/lib.sh"
 # the model: loom's synthetic chat model (random weights, ChatML), which the suite writes
@@ -185,4 +187,80 @@ PORT=$port2 node sdk.mjs >sdk.out 2>&1 || true
 cat sdk.out
 grep -q '^FAIL' sdk.out && fail "the Vercel AI SDK disagreed (above)"
 [ "$(grep -c "^ok" sdk.out)" -ge 2 ] || fail "the AI SDK script did not finish: $(tail -n 8 sdk.out)"
+
+# the Responses API (POST /v1/responses, as Codex and the Agents SDK send it), judged against the
+# same server's chat completions for the same conversation
+cat >responses.mjs <<'EOF'
+import OpenAI from 'openai';
+const client = new OpenAI({ baseURL: `http://127.0.0.1:${process.env.PORT}/v1`, apiKey: 'k3y', maxRetries: 0 });
+const out = [];
+const ok = (what, cond) => out.push(`${cond ? 'ok' : 'FAIL'}: ${what}`);
+const name = (await client.models.list()).data[0].id;
+const r = await client.responses.create({ model: name, instructions: 'Tell stories.', input: 'A dog',
+  max_output_tokens: 24, temperature: 0 });
+const c = await client.chat.completions.create({ model: name, max_tokens: 24, temperature: 0,
+  messages: [{ role: 'system', content: 'Tell stories.' }, { role: 'user', content: 'A dog' }] });
+ok(`responses.create: '${r.output_text}', ${r.status}, ${r.usage.input_tokens} in ${r.usage.output_tokens} out`,
+   r.object === 'response' && r.id.startsWith('resp_') && r.output_text === c.choices[0].message.content &&
+   r.usage.input_tokens === c.usage.prompt_tokens && r.usage.output_tokens === c.usage.completion_tokens &&
+   r.status === (c.choices[0].finish_reason === 'length' ? 'incomplete' : 'completed'));
+const events = [];
+const s = client.responses.stream({ model: name, instructions: 'Tell stories.', input: 'A dog',
+  max_output_tokens: 24, temperature: 0 });
+s.on('event', (e) => events.push(e.type));
+const f = await s.finalResponse();
+// (the client finalises on response.completed only; cut at max_output_tokens the stream ends with
+// response.incomplete, as OpenAI's does, and what the client assembled is its snapshot)
+const streamed = f.output.filter((i) => i.type === 'message').flatMap((i) => i.content).map((p) => p.text).join('');
+ok(`responses.stream: ${[...new Set(events)].join(', ')}`, streamed === r.output_text &&
+   events[0] === 'response.created' && events.includes('response.output_text.delta') &&
+   ['response.completed', 'response.incomplete'].includes(events.at(-1)));
+// a forced function tool, its output sent back as the chat form of the same conversation
+const tools = [{ type: 'function', name: 'get_weather', description: 'The weather', strict: true,
+  parameters: { type: 'object', properties: { city: { type: 'string', enum: ['Paris', 'Oslo'] },
+    days: { type: 'integer', minimum: 1, maximum: 7 } }, required: ['city', 'days'], additionalProperties: false } }];
+const t = await client.responses.create({ model: name, input: 'Weather in Paris for 3 days?', tools,
+  tool_choice: { type: 'function', name: 'get_weather' }, parallel_tool_calls: false, max_output_tokens: 1200 });
+const call = t.output.find((i) => i.type === 'function_call');
+const args = call ? JSON.parse(call.arguments) : {};
+ok(`a forced function: ${call?.name}(${call?.arguments})`, call && call.name === 'get_weather' &&
+   call.call_id && ['Paris', 'Oslo'].includes(args.city) && Number.isInteger(args.days) &&
+   t.output.filter((i) => i.type === 'function_call').length === 1);
+const back = await client.responses.create({ model: name, tools, max_output_tokens: 1, input: [
+  { role: 'user', content: 'Weather in Paris for 3 days?' }, call,
+  { type: 'function_call_output', call_id: call.call_id, output: '{"sky": "clear"}' }] });
+const cb = await client.chat.completions.create({ model: name, max_tokens: 1,
+  tools: tools.map(({ name, description, parameters }) => ({ type: 'function', function: { name, description, parameters } })),
+  messages: [{ role: 'user', content: 'Weather in Paris for 3 days?' }, { role: 'assistant', content: null,
+    tool_calls: [{ id: call.call_id, type: 'function', function: { name: call.name, arguments: call.arguments } }] },
+    { role: 'tool', tool_call_id: call.call_id, content: '{"sky": "clear"}' }] });
+ok(`the call and its output sent back: ${back.usage.input_tokens} input tokens, as the chat's`,
+   back.usage.input_tokens === cb.usage.prompt_tokens);
+const ts = client.responses.stream({ model: name, input: 'And Oslo?', tools, tool_choice: 'required',
+  max_output_tokens: 1200 });
+const tf = await ts.finalResponse();
+const sc = tf.output.filter((i) => i.type === 'function_call');
+ok(`streamed: ${sc.length} function call(s)`, sc.length >= 1 &&
+   sc.every((i) => i.name === 'get_weather' && ['Paris', 'Oslo'].includes(JSON.parse(i.arguments).city)));
+const j = await client.responses.create({ model: name, input: 'A person', max_output_tokens: 1200,
+  text: { format: { type: 'json_schema', name: 'person', strict: true, schema: { type: 'object',
+    properties: { name: { type: 'string', maxLength: 10 } }, required: ['name'], additionalProperties: false } } } });
+ok(`text.format json_schema: ${j.output_text}`, typeof JSON.parse(j.output_text).name === 'string');
+for (const [what, body, status] of [
+  ['previous_response_id', { previous_response_id: 'resp_x', input: 'hi' }, 400],
+  ['a hosted tool', { input: 'hi', tools: [{ type: 'web_search' }] }, 400],
+  ['an image input', { input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'x' }] }] }, 400]]) {
+  try {
+    await client.responses.create({ model: name, ...body });
+    ok(`${what} refused`, false);
+  } catch (e) {
+    ok(`${what} refused: ${e.status} ${e.error?.param}: ${e.error?.message}`, e.status === status);
+  }
+}
+console.log(out.join('\n'));
+EOF
+PORT=$port2 node responses.mjs >responses.out 2>&1 || true
+cat responses.out
+grep -q '^FAIL' responses.out && fail "the OpenAI client disagreed on the Responses API (above)"
+[ "$(grep -c "^ok" responses.out)" -ge 9 ] || fail "the Responses script did not finish: $(tail -n 8 responses.out)"
 finish

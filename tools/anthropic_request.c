@@ -18,50 +18,21 @@
 #define _GNU_SOURCE
 #include "anthropic_request.h"
 
+#include "chat_body.h"
 #include "openai_fields.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* Fails b unless every field of o is one of known (NULL-terminated); where names o. */
-static int only_fields(const cJSON *o, const char *const *known, const char *where, bad *b)
-{
-    for (const cJSON *f = o->child; f; f = f->next) {
-        int ok = 0;
-        for (int i = 0; known[i] && !ok; i++)
-            ok = !strcmp(f->string, known[i]);
-        if (!ok)
-            return request_fail(b, 400, where, "%s.%s: Extra inputs are not permitted", where,
-                                f->string);
-    }
-    return 0;
-}
-
-/* o's string `key` (required: absent is an error too): the string, or NULL with b filled */
-static const char *string_field(const cJSON *o, const char *key, int required, const char *where,
-                                bad *b)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    if (cJSON_IsString(v))
-        return v->valuestring;
-    if (v || required)
-        request_fail(b, 400, where, "%s.%s: %s", where, key,
-                     v ? "must be a string" : "Field required");
-    return NULL;
-}
-
 /* A text block's text appended to parts (a chat content array); -1 with b filled. */
 static int add_text_part(cJSON *parts, const cJSON *block, const char *where, bad *b)
 {
     static const char *const fields[] = {"type", "text", "cache_control", "citations", NULL};
-    const char *text = string_field(block, "text", 1, where, b);
-    if (!text || only_fields(block, fields, where, b))
+    const char *text = field_string(block, "text", 1, where, b);
+    if (!text || fields_only(block, fields, where, b))
         return -1;
-    cJSON *p = cJSON_CreateObject();
-    cJSON_AddItemToArray(parts, p);
-    cJSON_AddStringToObject(p, "type", "text");
-    cJSON_AddStringToObject(p, "text", text);
+    chat_text_part(parts, text);
     return 0;
 }
 
@@ -71,10 +42,7 @@ static cJSON *text_or_blocks(const cJSON *v, const char *where, bad *b)
     char at[96];
     cJSON *parts = cJSON_CreateArray();
     if (cJSON_IsString(v)) {
-        cJSON *p = cJSON_CreateObject();
-        cJSON_AddItemToArray(parts, p);
-        cJSON_AddStringToObject(p, "type", "text");
-        cJSON_AddStringToObject(p, "text", v->valuestring);
+        chat_text_part(parts, v->valuestring);
         return parts;
     }
     if (!cJSON_IsArray(v)) {
@@ -86,7 +54,7 @@ static cJSON *text_or_blocks(const cJSON *v, const char *where, bad *b)
     int k = 0;
     for (const cJSON *block = v->child; block; block = block->next, k++) {
         snprintf(at, sizeof at, "%s.%d", where, k);
-        const char *type = cJSON_IsObject(block) ? string_field(block, "type", 1, at, b) : NULL;
+        const char *type = cJSON_IsObject(block) ? field_string(block, "type", 1, at, b) : NULL;
         if (!cJSON_IsObject(block))
             request_fail(b, 400, at, "%s: must be a block (an object), not %s", at,
                          json_type_name(block));
@@ -104,10 +72,10 @@ static cJSON *text_or_blocks(const cJSON *v, const char *where, bad *b)
 static int add_tool_use(cJSON *calls, const cJSON *block, const char *where, bad *b)
 {
     static const char *const fields[] = {"type", "id", "name", "input", "cache_control", NULL};
-    const char *id = string_field(block, "id", 1, where, b);
-    const char *name = id ? string_field(block, "name", 1, where, b) : NULL;
+    const char *id = field_string(block, "id", 1, where, b);
+    const char *name = id ? field_string(block, "name", 1, where, b) : NULL;
     const cJSON *input = cJSON_GetObjectItemCaseSensitive(block, "input");
-    if (!name || only_fields(block, fields, where, b))
+    if (!name || fields_only(block, fields, where, b))
         return -1;
     if (!cJSON_IsObject(input))
         return request_fail(b, 400, where, "%s.input: must be an object (the tool's arguments)",
@@ -115,13 +83,7 @@ static int add_tool_use(cJSON *calls, const cJSON *block, const char *where, bad
     char *args = cJSON_PrintUnformatted(input);
     if (!args)
         return request_fail(b, 500, NULL, "out of memory");
-    cJSON *t = cJSON_CreateObject();
-    cJSON_AddItemToArray(calls, t);
-    cJSON_AddStringToObject(t, "id", id);
-    cJSON_AddStringToObject(t, "type", "function");
-    cJSON *f = cJSON_AddObjectToObject(t, "function");
-    cJSON_AddStringToObject(f, "name", name);
-    cJSON_AddStringToObject(f, "arguments", args);
+    chat_tool_call(calls, id, name, args);
     cJSON_free(args);
     return 0;
 }
@@ -131,8 +93,8 @@ static int add_tool_result(cJSON *out, const cJSON *block, const char *where, ba
 {
     static const char *const fields[] = {"type",     "tool_use_id",   "content",
                                          "is_error", "cache_control", NULL};
-    const char *id = string_field(block, "tool_use_id", 1, where, b);
-    if (!id || only_fields(block, fields, where, b))
+    const char *id = field_string(block, "tool_use_id", 1, where, b);
+    if (!id || fields_only(block, fields, where, b))
         return -1;
     const cJSON *content = cJSON_GetObjectItemCaseSensitive(block, "content");
     char at[128];
@@ -140,11 +102,7 @@ static int add_tool_result(cJSON *out, const cJSON *block, const char *where, ba
     cJSON *parts = content ? text_or_blocks(content, at, b) : cJSON_CreateArray();
     if (!parts)
         return -1;
-    cJSON *m = cJSON_CreateObject();
-    cJSON_AddItemToArray(out, m);
-    cJSON_AddStringToObject(m, "role", "tool");
-    cJSON_AddStringToObject(m, "tool_call_id", id);
-    cJSON_AddItemToObject(m, "content", parts);
+    chat_tool_result(out, id, parts);
     return 0;
 }
 
@@ -157,8 +115,8 @@ static int add_message(cJSON *out, const cJSON *msg, int i, bad *b)
     snprintf(where, sizeof where, "messages.%d", i);
     if (!cJSON_IsObject(msg))
         return request_fail(b, 400, where, "%s: must be an object with role and content", where);
-    const char *role = string_field(msg, "role", 1, where, b);
-    if (!role || only_fields(msg, fields, where, b))
+    const char *role = field_string(msg, "role", 1, where, b);
+    if (!role || fields_only(msg, fields, where, b))
         return -1;
     int assistant = !strcmp(role, "assistant");
     if (!assistant && strcmp(role, "user"))
@@ -175,10 +133,7 @@ static int add_message(cJSON *out, const cJSON *msg, int i, bad *b)
     size_t thought_len = 0, thought_cap = 0;
     int rc = 0, k = 0;
     if (cJSON_IsString(content)) {
-        cJSON *p = cJSON_CreateObject();
-        cJSON_AddItemToArray(parts, p);
-        cJSON_AddStringToObject(p, "type", "text");
-        cJSON_AddStringToObject(p, "text", content->valuestring);
+        chat_text_part(parts, content->valuestring);
     } else if (!cJSON_IsArray(content)) {
         rc = request_fail(b, 400, at, "%s: must be a string or a list of content blocks, not %s",
                           at, json_type_name(content));
@@ -186,7 +141,7 @@ static int add_message(cJSON *out, const cJSON *msg, int i, bad *b)
     for (const cJSON *block = cJSON_IsArray(content) ? content->child : NULL; block && !rc;
          block = block->next, k++) {
         snprintf(at, sizeof at, "%s.content.%d", where, k);
-        const char *type = cJSON_IsObject(block) ? string_field(block, "type", 1, at, b) : NULL;
+        const char *type = cJSON_IsObject(block) ? field_string(block, "type", 1, at, b) : NULL;
         if (!cJSON_IsObject(block))
             rc = request_fail(b, 400, at, "%s: must be a content block (an object), not %s", at,
                               json_type_name(block));
@@ -200,8 +155,8 @@ static int add_message(cJSON *out, const cJSON *msg, int i, bad *b)
             rc = add_tool_result(out, block, at, b);
         else if (!strcmp(type, "thinking") && assistant) {
             static const char *const thinking_fields[] = {"type", "thinking", "signature", NULL};
-            const char *t = string_field(block, "thinking", 1, at, b);
-            rc = !t || only_fields(block, thinking_fields, at, b) ? -1
+            const char *t = field_string(block, "thinking", 1, at, b);
+            rc = !t || fields_only(block, thinking_fields, at, b) ? -1
                 : buf_append(&thought, &thought_len, &thought_cap, t, strlen(t))
                 ? request_fail(b, 500, NULL, "out of memory")
                 : 0;
@@ -220,13 +175,9 @@ static int add_message(cJSON *out, const cJSON *msg, int i, bad *b)
     }
     /* a user message of tool results alone adds no empty user turn */
     if (!rc && (cJSON_GetArraySize(parts) || cJSON_GetArraySize(calls) || assistant)) {
-        cJSON *m = cJSON_CreateObject();
-        cJSON_AddItemToArray(out, m);
-        cJSON_AddStringToObject(m, "role", role);
-        if (cJSON_GetArraySize(parts) || !cJSON_GetArraySize(calls))
-            cJSON_AddItemToObject(m, "content", parts), parts = NULL;
-        else
-            cJSON_AddNullToObject(m, "content");
+        int text = cJSON_GetArraySize(parts) || !cJSON_GetArraySize(calls);
+        cJSON *m = chat_message(out, role, text ? parts : NULL);
+        parts = text ? NULL : parts;
         if (thought)
             cJSON_AddStringToObject(m, "reasoning_content", thought);
         if (cJSON_GetArraySize(calls))
@@ -245,20 +196,13 @@ static cJSON *function_tools(const cJSON *tools, bad *b)
 {
     static const char *const fields[] = {"type",         "name",          "description",
                                          "input_schema", "cache_control", NULL};
-    if (!cJSON_IsArray(tools)) {
-        request_fail(b, 400, "tools", "tools: must be a list, not %s", json_type_name(tools));
+    if (field_objects(tools, "tools", "tool", b))
         return NULL;
-    }
     cJSON *out = cJSON_CreateArray();
     int k = 0;
     for (const cJSON *t = tools->child; t; t = t->next, k++) {
         char at[48];
         snprintf(at, sizeof at, "tools.%d", k);
-        if (!cJSON_IsObject(t)) {
-            request_fail(b, 400, at, "%s: must be a tool (an object), not %s", at,
-                         json_type_name(t));
-            goto bad;
-        }
         const cJSON *type = cJSON_GetObjectItemCaseSensitive(t, "type");
         if (type && (!cJSON_IsString(type) || strcmp(type->valuestring, "custom"))) {
             request_fail(b, 400, at,
@@ -268,8 +212,8 @@ static cJSON *function_tools(const cJSON *tools, bad *b)
                          at, cJSON_IsString(type) ? type->valuestring : "?");
             goto bad;
         }
-        const char *name = string_field(t, "name", 1, at, b);
-        if (!name || only_fields(t, fields, at, b))
+        const char *name = field_string(t, "name", 1, at, b);
+        if (!name || fields_only(t, fields, at, b))
             goto bad;
         const cJSON *desc = cJSON_GetObjectItemCaseSensitive(t, "description");
         const cJSON *schema = cJSON_GetObjectItemCaseSensitive(t, "input_schema");
@@ -282,14 +226,7 @@ static cJSON *function_tools(const cJSON *tools, bad *b)
                          schema ? "must be a JSON Schema object" : "Field required");
             goto bad;
         }
-        cJSON *o = cJSON_CreateObject(), *f;
-        cJSON_AddItemToArray(out, o);
-        cJSON_AddStringToObject(o, "type", "function");
-        f = cJSON_AddObjectToObject(o, "function");
-        cJSON_AddStringToObject(f, "name", name);
-        if (desc)
-            cJSON_AddStringToObject(f, "description", desc->valuestring);
-        cJSON_AddItemToObject(f, "parameters", cJSON_Duplicate(schema, 1));
+        chat_function_tool(out, name, desc, schema);
     }
     return out;
 bad:
@@ -305,14 +242,14 @@ static int tool_choice(cJSON *out, const cJSON *choice, bad *b)
         return request_fail(b, 400, "tool_choice",
                             "tool_choice: must be an object such as {\"type\": \"auto\"}, not %s",
                             json_type_name(choice));
-    const char *type = string_field(choice, "type", 1, "tool_choice", b);
-    if (!type || only_fields(choice, fields, "tool_choice", b))
+    const char *type = field_string(choice, "type", 1, "tool_choice", b);
+    if (!type || fields_only(choice, fields, "tool_choice", b))
         return -1;
     int serial = 0;
     if (field_bool(choice, "disable_parallel_tool_use", &serial, b) < 0)
         return -1;
     const char *name = cJSON_GetObjectItemCaseSensitive(choice, "name")
-        ? string_field(choice, "name", 1, "tool_choice", b)
+        ? field_string(choice, "name", 1, "tool_choice", b)
         : NULL;
     if (!strcmp(type, "tool") && !name)
         return request_fail(b, 400, "tool_choice",
@@ -345,8 +282,8 @@ static int thinking(cJSON *out, const cJSON *t, double max_tokens, bad *b)
     if (!cJSON_IsObject(t))
         return request_fail(b, 400, "thinking", "thinking: must be an object, not %s",
                             json_type_name(t));
-    const char *type = string_field(t, "type", 1, "thinking", b);
-    if (!type || only_fields(t, fields, "thinking", b))
+    const char *type = field_string(t, "type", 1, "thinking", b);
+    if (!type || fields_only(t, fields, "thinking", b))
         return -1;
     int on = !strcmp(type, "enabled");
     if (!on && strcmp(type, "disabled"))
@@ -382,15 +319,8 @@ cJSON *anthropic_chat_request(const cJSON *body, int counting, bad *b)
         request_fail(b, 400, NULL, "the request body must be a JSON object");
         return NULL;
     }
-    for (const cJSON *f = body->child; f; f = f->next) {
-        int ok = 0;
-        for (const char *const *k = counting ? counting_fields : fields; *k && !ok; k++)
-            ok = !strcmp(f->string, *k);
-        if (!ok) {
-            request_fail(b, 400, f->string, "%s: Extra inputs are not permitted", f->string);
-            return NULL;
-        }
-    }
+    if (fields_only(body, counting ? counting_fields : fields, NULL, b))
+        return NULL;
     cJSON *out = cJSON_CreateObject();
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(body, "model");
     const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(body, "messages");
@@ -446,7 +376,7 @@ cJSON *anthropic_chat_request(const cJSON *body, int counting, bad *b)
                 request_fail(b, 400, "metadata", "metadata: must be an object");
                 goto done;
             }
-            if (only_fields(meta, meta_fields, "metadata", b))
+            if (fields_only(meta, meta_fields, "metadata", b))
                 goto done;
             const cJSON *user = cJSON_GetObjectItemCaseSensitive(meta, "user_id");
             if (user && !cJSON_IsNull(user) && !cJSON_IsString(user)) {
@@ -473,10 +403,7 @@ cJSON *anthropic_chat_request(const cJSON *body, int counting, bad *b)
         cJSON *parts = text_or_blocks(system, "system", b);
         if (!parts)
             goto done;
-        cJSON *m = cJSON_CreateObject();
-        cJSON_AddItemToArray(chat, m);
-        cJSON_AddStringToObject(m, "role", "system");
-        cJSON_AddItemToObject(m, "content", parts);
+        chat_message(chat, "system", parts);
     }
     if (!cJSON_IsArray(msgs) || !msgs->child) {
         request_fail(b, 400, "messages", "messages: %s",

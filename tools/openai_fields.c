@@ -103,6 +103,47 @@ int fields_known(const cJSON *body, const char *const *known, int sampling, bad 
     return 0;
 }
 
+int fields_only(const cJSON *o, const char *const *known, const char *where, bad *b)
+{
+    for (const cJSON *f = o->child; f; f = f->next) {
+        int ok = 0;
+        for (int i = 0; known[i] && !ok; i++)
+            ok = !strcmp(f->string, known[i]);
+        if (!ok)
+            return request_fail(b, 400, where ? where : f->string,
+                                "%s%s%s: unknown field (loom does not take it here)",
+                                where ? where : "", where ? "." : "", f->string);
+    }
+    return 0;
+}
+
+int field_objects(const cJSON *v, const char *where, const char *what, bad *b)
+{
+    if (!cJSON_IsArray(v))
+        return request_fail(b, 400, where, "%s: must be a list of %ss, not %s", where, what,
+                            json_type_name(v));
+    int k = 0;
+    for (const cJSON *e = v->child; e; e = e->next, k++)
+        if (!cJSON_IsObject(e)) {
+            char at[96];
+            snprintf(at, sizeof at, "%s.%d", where, k);
+            return request_fail(b, 400, at, "%s: must be a %s (an object), not %s", at, what,
+                                json_type_name(e));
+        }
+    return 0;
+}
+
+const char *field_string(const cJSON *o, const char *key, int required, const char *where, bad *b)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (cJSON_IsString(v))
+        return v->valuestring;
+    if (v || required)
+        request_fail(b, 400, where, "%s.%s: %s", where, key,
+                     v ? "must be a string" : "Field required");
+    return NULL;
+}
+
 /* The values in JSON text s (commas and containers outside strings, a count that cJSON's
  * nodes follow), counted up to past limit. */
 size_t json_values(const char *s, size_t len, size_t limit)

@@ -25,6 +25,15 @@ int field_unsupported(const cJSON *body, const char *key, bad *b);
 /* 0 when every field of body is in known (NULL-terminated) or, with sampling, one of the
  * sampling list's; else -1 naming the first other one */
 int fields_known(const cJSON *body, const char *const *known, int sampling, bad *b);
+/* 0 when every field of o (where: its place, "tools.0", or NULL for a body) is in known
+ * (NULL-terminated); else -1 naming the first other one */
+int fields_only(const cJSON *o, const char *const *known, const char *where, bad *b);
+/* 0 when v (at where) is a list of objects; else -1 naming it, or its first other element (what:
+ * "tool", "block": what an element is) */
+int field_objects(const cJSON *v, const char *where, const char *what, bad *b);
+/* o's string `key`: the string; NULL when absent (an error when required) or not a string (an
+ * error), b filled then; where names o in the message */
+const char *field_string(const cJSON *o, const char *key, int required, const char *where, bad *b);
 /* The values in JSON text s (commas and containers outside strings, a count that cJSON's
  * nodes follow), counted up to past limit. */
 size_t json_values(const char *s, size_t len, size_t limit);

@@ -3,11 +3,13 @@
  * request body before the engine sees it: openai_parse_body (UTF-8, NUL, trailing data), then
  * openai_parse_request for completions and for chat, which renders the chat template and
  * tokenizes, and the body read as Anthropic's Messages API (anthropic_chat_request, as a
- * message and as count_tokens) and then as the chat it becomes. Any bytes must give a request or an error with a 4xx/5xx status, never a crash.
+ * message and as count_tokens) and as OpenAI's Responses API (responses_chat_request), then as
+ * the chat each becomes. Any bytes must give a request or an error with a 4xx/5xx status, never a crash.
  * The model is LOOM_FUZZ_MODEL (stories260K), opened once on the reference backend.
  */
 #include "tools/anthropic_request.h"
 #include "tools/openai_request.h"
+#include "tools/responses_request.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -52,13 +54,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             __builtin_trap(); /* a refusal must say why, with an error status */
         return 0;
     }
-    /* completions, chat, and Anthropic's messages and count_tokens (as the chat they become) */
-    for (int form = 0; form < 4; form++) {
+    /* completions, chat, Anthropic's messages and count_tokens, and responses (as the chat
+     * they become) */
+    for (int form = 0; form < 5; form++) {
         int chat = form > 0;
         srv.parse_special = size > 0 && (data[0] & 1);
         parsed p = {0};
         bad pb = {0};
-        cJSON *as_chat = form >= 2 ? anthropic_chat_request(root, form == 3, &pb) : NULL;
+        cJSON *as_chat = form == 4 ? responses_chat_request(root, &pb)
+            : form >= 2            ? anthropic_chat_request(root, form == 3, &pb)
+                                   : NULL;
         if (form >= 2 && !as_chat) {
             if (pb.status < 400 || pb.status > 599 || !pb.msg[0])
                 __builtin_trap();

@@ -27,7 +27,7 @@ for h in $harnesses; do
     echo "fuzz: building fuzz_$h"
     case $h in
         chat_template) extra="$src/chat/chat.c $libloom" ;;
-        openai_request) extra="$src/tools/openai_request.c $src/tools/openai_fields.c $src/tools/anthropic_request.c $libloom" ;;
+        openai_request) extra="$src/tools/openai_request.c $src/tools/openai_fields.c $src/tools/anthropic_request.c $src/tools/responses_request.c $libloom" ;;
         jinja) extra="$src/chat/jinja.c" ;;
         grammar) extra="$src/chat/grammar.c $src/chat/json_schema.c $src/chat/regex_gbnf.c $src/core/sampler.c $core" ;;
         *) extra=$core ;;

@@ -421,6 +421,12 @@ static enum MHD_Result route_messages(server *srv, struct MHD_Connection *con, c
     return generate_handle(srv, con, rc->body, rc->len, API_MESSAGES, rc->tenant);
 }
 
+static enum MHD_Result route_responses(server *srv, struct MHD_Connection *con,
+                                       const route_call *rc)
+{
+    return generate_handle(srv, con, rc->body, rc->len, API_RESPONSES, rc->tenant);
+}
+
 static enum MHD_Result route_count_tokens(server *srv, struct MHD_Connection *con,
                                           const route_call *rc)
 {
@@ -440,6 +446,7 @@ static const route routes[] = {
     {"POST", "/v1/embeddings", ACCESS_KEY, 1, 0, route_embeddings, NULL},
     {"POST", "/v1/messages", ACCESS_KEY, 1, 1, route_messages, NULL},
     {"POST", "/v1/messages/count_tokens", ACCESS_KEY, 1, 1, route_count_tokens, NULL},
+    {"POST", "/v1/responses", ACCESS_KEY, 1, 0, route_responses, NULL},
     {"GET", "/v1/models", ACCESS_KEY, 0, 0, route_models, NULL},
     {"GET", "/health", ACCESS_ANYONE, 0, 0, route_health, NULL},
     {"GET", "/metrics", ACCESS_METRICS, 0, 0, route_metrics, NULL},

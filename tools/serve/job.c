@@ -250,6 +250,14 @@ void job_read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_c
     }
 }
 
+void job_answer_parts(const job *j, const choice *c, loom_reasoning *r, loom_tool_calls *tc)
+{
+    memset(r, 0, sizeof *r);
+    if (j->reasoning && c->text)
+        loom_reasoning_find(c->text, c->len, j->reasoning == 2, 1, r);
+    job_read_tool_calls(j, c, r->content, tc);
+}
+
 /* Mistral's templates want 9 letters and digits */
 void job_call_id(const job *j, const loom_tool_call *call, const char *prefix, char *id, size_t cap)
 {
@@ -474,7 +482,9 @@ ssize_t job_stream_read(void *cls, uint64_t pos, char *buf, size_t max)
             pthread_mutex_unlock(&j->mu);
             return MHD_CONTENT_READER_END_OF_STREAM;
         }
-        (j->api == API_MESSAGES ? messages_stream_format : stream_format)(j);
+        (j->api == API_MESSAGES        ? messages_stream_format
+             : j->api == API_RESPONSES ? responses_stream_format
+                                       : stream_format)(j);
         if (j->out_len == 0) {
             job_wait_briefly(j);
             if (j->out_len == 0 && !job_all_done(j) && j->con && http_client_gone(j->con)) {
@@ -544,8 +554,8 @@ enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j)
             job_unref(j);
             return job_send_ended_early(srv, con, deadline, busy, bad, msg);
         }
-    if (j->api == API_MESSAGES) {
-        cJSON *m = messages_response(j);
+    if (j->api == API_MESSAGES || j->api == API_RESPONSES) {
+        cJSON *m = j->api == API_MESSAGES ? messages_response(j) : responses_response(j);
         pthread_mutex_unlock(&j->mu);
         job_unref(j);
         return http_send_json(con, 200, m);
@@ -557,11 +567,9 @@ enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j)
     cJSON *a = cJSON_AddArrayToObject(o, "choices");
     for (int i = 0; i < j->n; i++) {
         const choice *c = &j->ch[i];
-        loom_reasoning r = {0};
-        if (j->reasoning && c->text)
-            loom_reasoning_find(c->text, c->len, j->reasoning == 2, 1, &r);
+        loom_reasoning r;
         loom_tool_calls tc;
-        job_read_tool_calls(j, c, r.content, &tc);
+        job_answer_parts(j, c, &r, &tc);
         cJSON *ch = choice_json(j, i, c->text ? c->text + r.content : "", tc.content_len,
                                 finish_with_calls(c, &tc), 0, 1);
         if (j->logprobs) {

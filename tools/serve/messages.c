@@ -79,11 +79,9 @@ static cJSON *tool_use_block(const job *j, const loom_tool_call *call, int with_
 cJSON *messages_response(job *j)
 {
     const choice *c = &j->ch[0];
-    loom_reasoning r = {0};
-    if (j->reasoning && c->text)
-        loom_reasoning_find(c->text, c->len, j->reasoning == 2, 1, &r);
+    loom_reasoning r;
     loom_tool_calls tc;
-    job_read_tool_calls(j, c, r.content, &tc);
+    job_answer_parts(j, c, &r, &tc);
     cJSON *m = message_head(j), *content = cJSON_GetObjectItem(m, "content");
     if (r.end > r.start) {
         cJSON *b = cJSON_CreateObject();

@@ -1,6 +1,7 @@
 /*
  * tools/serve/serve.c - `loom serve`: an OpenAI-compatible HTTP server on libmicrohttpd; this
- * room holds the generation endpoints (completions, chat, Anthropic's messages) and main (tools/serve/server.h lists
+ * room holds the generation endpoints (completions, chat, Anthropic's messages, responses) and
+ * main (tools/serve/server.h lists
  * the others).
  *
  * HTTP threads (one per connection) parse, validate and tokenize requests, submit them to the
@@ -14,6 +15,7 @@
 #include "tools/serve/server.h"
 
 #include "tools/anthropic_request.h"
+#include "tools/responses_request.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -36,8 +38,9 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
     cJSON *req = openai_parse_body(body, len, max_values, &b);
-    if (req && anthropic) { /* asked as a chat from here on */
-        cJSON *as_chat = anthropic_chat_request(req, api == API_COUNT_TOKENS, &b);
+    if (req && (anthropic || api == API_RESPONSES)) { /* asked as a chat from here on */
+        cJSON *as_chat = anthropic ? anthropic_chat_request(req, api == API_COUNT_TOKENS, &b)
+                                   : responses_chat_request(req, &b);
         cJSON_Delete(req);
         req = as_chat;
     }
@@ -91,9 +94,10 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     p.tool_names = NULL, p.n_tools = 0;
     static uint64_t counter;
     snprintf(j->id, sizeof j->id, "%s%016llx",
-             anthropic  ? "msg_"
-                 : chat ? "chatcmpl-"
-                        : "cmpl-",
+             anthropic                  ? "msg_"
+                 : api == API_RESPONSES ? "resp_"
+                 : chat                 ? "chatcmpl-"
+                                        : "cmpl-",
              (unsigned long long)(__atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) ^
                                   ((uint64_t)j->created << 20)));
     char err[512] = "";

@@ -2,7 +2,8 @@
  * tools/serve/server.h - what the rooms of `loom serve` share: the server, the model it runs on
  * (served), tenants, jobs, and each room's entry points. The rooms: http.c (sending, keys,
  * refusals from the headers, routes), job.c (a request's generations and their OpenAI
- * responses), messages.c (their Anthropic ones), serve.c (generation requests and main), embeddings.c, metrics.c, served.c (the model and
+ * responses), messages.c and responses.c (their Anthropic and Responses API ones), serve.c
+ * (generation requests and main), embeddings.c, metrics.c, served.c (the model and
  * reloading it), tenants.c (keys and a request's place in the engine).
  */
 #ifndef LOOM_TOOLS_SERVE_SERVER_H
@@ -131,6 +132,7 @@ typedef enum serve_api {
     API_CHAT,         /* POST /v1/chat/completions */
     API_MESSAGES,     /* POST /v1/messages */
     API_COUNT_TOKENS, /* POST /v1/messages/count_tokens: the prompt's tokens, no generation */
+    API_RESPONSES,    /* POST /v1/responses (OpenAI's; tools/responses_request.c) */
 } serve_api;
 
 typedef struct job {
@@ -143,8 +145,9 @@ typedef struct job {
     int chat, stream, include_usage, n; /* chat: the API's answers are messages */
     choice ch[OPENAI_MAX_CHOICES];
     char *stops[OPENAI_MAX_STOPS]; /* the request's stop strings (Anthropic's stop_sequence) */
-    int blocks_sent, open_block;   /* Anthropic's stream: content blocks begun, the open one's
-                                      kind (0 none, 1 thinking, 2 text) */
+    /* Anthropic's and the Responses stream: content blocks (output items) begun, the open
+     * one's kind (messages.c's, responses.c's), events sent (sequence_number) */
+    int blocks_sent, open_block, events_sent;
     int32_t n_prompt, n_cached;
     char id[40];
     time_t created;
@@ -215,6 +218,8 @@ typedef struct ready_parts {
 void job_take_ready(job *j, choice *c, ready_parts *rp);
 /* the calls in choice c's finished answer past its first base bytes (a thought) */
 void job_read_tool_calls(const job *j, const choice *c, size_t base, loom_tool_calls *tc);
+/* a finished choice's thought (r) and calls (tc, with the text's length before them) */
+void job_answer_parts(const job *j, const choice *c, loom_reasoning *r, loom_tool_calls *tc);
 /* an id for a call: the model's own, else prefix and fresh letters (Mistral's: 9 alone) */
 void job_call_id(const job *j, const loom_tool_call *call, const char *prefix, char *id,
                  size_t cap);
@@ -225,6 +230,10 @@ cJSON *messages_response(job *j);    /* the whole message (under j->mu, all done
 void messages_stream_format(job *j); /* its events since the last call (under j->mu) */
 /* an Anthropic stop_reason for choice c (calls: the answer has tool calls) */
 const char *messages_stop_reason(const choice *c, int calls);
+
+/* responses.c: the Responses API's shapes of a job's answer */
+cJSON *responses_response(job *j);    /* the whole response (under j->mu, all done) */
+void responses_stream_format(job *j); /* its events since the last call (under j->mu) */
 
 /* serve.c, embeddings.c: the endpoints that run the model (who: the caller's tenant) */
 enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const char *body,
