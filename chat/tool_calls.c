@@ -151,6 +151,8 @@ static int parse_hermes(const char *p, const char *end, const char *const *names
         cJSON *o = json_at(p, stop, &next);
         int rc = o && skip_space(next, stop) == stop ? add_json_call(out, o, names, n_names) : -1;
         cJSON_Delete(o);
+        if (rc && !o && !close && out->n_calls)
+            return 0; /* the answer was cut inside a later call: the whole ones stand */
         if (rc)
             return -1;
         p = close ? close + strlen("</tool_call>") : end;
@@ -168,6 +170,8 @@ static int parse_llama3(const char *p, const char *end, const char *const *names
         cJSON *o = p < end && *p == '{' ? json_at(p, end, &next) : NULL;
         int rc = o ? add_json_call(out, o, names, n_names) : -1;
         cJSON_Delete(o);
+        if (rc && !o && p < end && *p == '{' && out->n_calls)
+            return 0; /* cut inside a later call (its JSON unfinished): the whole ones stand */
         if (rc)
             return -1;
         p = skip_space(next, end);
