@@ -458,6 +458,14 @@ int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t 
     return loom_tokenizer_encode_spans(t, text, len, add_special, parse_special, NULL, 0, ids, cap);
 }
 
+int64_t loom_tokenizer_encode_continuation(const loom_tokenizer *t, const char *text, size_t len,
+                                           int parse_special, int32_t *ids, int64_t cap)
+{
+    loom_tokenizer mid = *t; /* (encoding reads the tokenizer, never writes it) */
+    mid.add_space_prefix = 0;
+    return loom_tokenizer_encode(&mid, text, len, 0, parse_special, ids, cap);
+}
+
 int64_t loom_tokenizer_encode_spans(const loom_tokenizer *t, const char *text, size_t len,
                                     int add_special, int parse_special, const size_t *plain,
                                     int n_plain, int32_t *ids, int64_t cap)

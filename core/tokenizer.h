@@ -28,6 +28,10 @@ void loom_tokenizer_free(loom_tokenizer *t);
  * or -1 on an error. */
 int64_t loom_tokenizer_encode(const loom_tokenizer *t, const char *text, size_t len,
                               int add_special, int parse_special, int32_t *ids, int64_t cap);
+/* The same for text that continues a sequence (an answer's next words, nothing special
+ * added): without the space a SentencePiece vocabulary puts before a text's start. */
+int64_t loom_tokenizer_encode_continuation(const loom_tokenizer *t, const char *text, size_t len,
+                                           int parse_special, int32_t *ids, int64_t cap);
 /* The same, with special tokens parsed only outside n_plain byte spans: plain[2k] and
  * plain[2k + 1] are span k's start and end, in order, not overlapping. -1 also for spans
  * that break those rules. */

@@ -45,6 +45,7 @@ static void req_free(ereq *q)
     free(q->pooled);
     free(q->draft);
     free(q->mtp.rows), free(q->mtp_own);
+    free(q->answer);
     free(q);
 }
 
@@ -137,6 +138,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
     ev.kind = error ? LOOM_EVENT_ERROR : LOOM_EVENT_DONE;
     ev.finish_reason = finish;
     ev.stop_string = q->ts.stopped_by;
+    ev.reasoning_tokens = q->thought_tokens;
     ev.error = error;
     ev.deadline = deadline;
     ev.busy = q->s.displaced;
@@ -272,6 +274,20 @@ int64_t loom_engine_submit(loom_engine *e, const loom_request *r, loom_event_fn 
     q->ignore_eos = s->ignore_eos;
     q->control_text = r->control_text;
     q->grammar = loom_grammar_ref(r->grammar);
+    q->reasoning = r->pooling ? 0 : r->reasoning;
+    q->forcing = -1;
+    if (r->reasoning_budget < 0) {
+        req_free(q);
+        snprintf(err, err_size, "reasoning_budget %d is below 0", r->reasoning_budget);
+        return -1;
+    }
+    if (q->reasoning && !q->grammar && r->reasoning_budget > 0) {
+        if (engine_think_close(e, err, err_size) != 0) {
+            req_free(q);
+            return -1;
+        }
+        q->reasoning_budget = r->reasoning_budget;
+    }
     q->logprobs = r->logprobs;
     q->top_logprobs = r->top_logprobs < 0         ? 0
         : r->top_logprobs > LOOM_MAX_TOP_LOGPROBS ? LOOM_MAX_TOP_LOGPROBS
@@ -1048,5 +1064,6 @@ void loom_engine_free(loom_engine *e)
     grammar_vocab_free(e->gvocab[1]);
     free(e->logits_copy);
     free(e->raw_logits);
+    free(e->think_close);
     free_parts(e);
 }

@@ -73,12 +73,22 @@ typedef struct ereq {
     loom_mtp_states mtp;
     float *mtp_own;
     int32_t mtp_base;
+    /* the answer's thought (loom_request.reasoning): its text while the thought may still be
+     * open, its tokens, and with a budget the closing tokens being forced (forcing: the next
+     * one's index in the engine's think_close, -1 none; forced: they have been) */
+    int reasoning, thought_closed, forced;
+    int32_t reasoning_budget, thought_tokens, forcing;
+    char *answer;
+    size_t answer_len, answer_cap;
 } ereq;
 
 struct loom_engine {
     loom_model *model;
     loom_runner *runner;
     loom_tokenizer *tok;
+    int32_t *think_close; /* "\n</think>\n\n" as this vocabulary writes it (the first budget
+                             tokenizes it) */
+    int32_t n_think_close;
     loom_kvblocks *kv;
     grammar_vocab *gvocab[2]; /* the vocabulary as bytes (with control tokens' text), made for
                                  the first grammar */
@@ -189,6 +199,8 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
 /* sample.c: q's next token from its logits row (0, or -1 when q ended); an embedding request's
  * n hidden-state rows added to its pool; its answer. */
 int engine_sample_next(loom_engine *e, ereq *q, float *logits);
+/* the closing tokens a thought budget forces, tokenized once; -1 with err */
+int engine_think_close(loom_engine *e, char *err, size_t err_size);
 void engine_pool(loom_engine *e, ereq *q, const float *rows, int32_t n);
 void engine_finish_embedding(loom_engine *e, ereq *q);
 

@@ -62,6 +62,54 @@ static float log_partition(const float *logits, int32_t n, int32_t k, int32_t *i
     return log_z;
 }
 
+int engine_think_close(loom_engine *e, char *err, size_t err_size)
+{
+    static const char close[] = "\n</think>\n\n";
+    if (e->think_close)
+        return 0;
+    int64_t n = loom_tokenizer_encode_continuation(e->tok, close, sizeof close - 1, 2, NULL, 0);
+    if (n > 0 && (e->think_close = malloc((size_t)n * sizeof *e->think_close)))
+        e->n_think_close = (int32_t)loom_tokenizer_encode_continuation(
+            e->tok, close, sizeof close - 1, 2, e->think_close, n);
+    if (!e->think_close || e->n_think_close <= 0) {
+        snprintf(err, err_size, "cannot write the end of a thought in this vocabulary");
+        return -1;
+    }
+    return 0;
+}
+
+/* Follows q's thought past the token whose bytes are piece: counts the thought's tokens while
+ * it is open, and once a budget is spent starts forcing its closing tokens. */
+static void thought_follow(ereq *q, const char *piece, int k)
+{
+    if (!q->reasoning || q->thought_closed)
+        return;
+    if (q->answer_len + (size_t)(k > 0 ? k : 0) + 1 > q->answer_cap) {
+        size_t cap = 2 * (q->answer_len + (size_t)(k > 0 ? k : 0)) + 64;
+        char *a = realloc(q->answer, cap);
+        if (!a) {
+            q->thought_closed = 1; /* out of memory: the thought is no longer followed */
+            return;
+        }
+        q->answer = a, q->answer_cap = cap;
+    }
+    if (k > 0)
+        memcpy(q->answer + q->answer_len, piece, (size_t)k), q->answer_len += (size_t)k;
+    q->answer[q->answer_len] = 0;
+    loom_reasoning r;
+    loom_reasoning_find(q->answer, q->answer_len, q->reasoning == 2, 0, &r);
+    if (!r.open) {
+        q->thought_closed = 1;
+        free(q->answer), q->answer = NULL, q->answer_len = q->answer_cap = 0;
+        return;
+    }
+    if (q->forced)
+        return; /* the closing tokens are not the model's thought */
+    q->thought_tokens++;
+    if (q->reasoning_budget > 0 && q->thought_tokens >= q->reasoning_budget)
+        q->forcing = 0, q->forced = 1;
+}
+
 int engine_sample_next(loom_engine *e, ereq *q, float *logits)
 {
     loom_model_mask_unsampled(e->model, logits);
@@ -78,7 +126,11 @@ int engine_sample_next(loom_engine *e, ereq *q, float *logits)
         log_z = log_partition(logits, e->n_vocab, q->top_logprobs, top_ids, top_lps, &n_top);
     }
     int32_t next;
-    if (q->grammar) {
+    if (q->forcing >= 0) { /* a spent thought budget: its closing tokens, whatever the model says */
+        next = e->think_close[q->forcing++];
+        if (q->forcing == e->n_think_close)
+            q->forcing = -1;
+    } else if (q->grammar) {
         char err[300];
         next = sample_constrained(e, q, logits, err, sizeof err);
         if (next < 0) { /* -1: the grammar is complete, so the answer is */
@@ -108,6 +160,7 @@ int engine_sample_next(loom_engine *e, ereq *q, float *logits)
     char piece[512];
     int k = (q->control_text ? loom_tokenizer_piece_control : loom_tokenizer_piece)(
         e->tok, q->toks[q->n_toks - 2], next, piece, sizeof piece);
+    thought_follow(q, piece, k);
     int stop = loom_text_stream_push(&q->ts, piece, k > 0 ? (size_t)k : 0);
     /* one event per token, even when all its bytes are held back (part of a UTF-8 character
      * or of a possible stop string), so every id reaches the caller */

@@ -175,10 +175,32 @@ think() { # THINKING-JSON [MORE-MEMBERS]: the answer's body
 think '{"type": "enabled", "budget_tokens": 1024}' >"$tmpdir/think.json"
 think '{"type": "enabled", "budget_tokens": 1024}' '"stream": true' >"$tmpdir/think.sse"
 streamed=$(sed -n 's/^data: //p' "$tmpdir/think.sse" | jq -rj 'select(.type == "content_block_delta") | .delta.thinking // empty')
-jq -e '.content[0].type == "thinking" and (.content[0].thinking | length > 0)' "$tmpdir/think.json" >/dev/null &&
+jq -e '.content[0].type == "thinking" and (.content[0].thinking | length > 0) and
+    .content[1].type == "text" and .usage.output_tokens > 1024' "$tmpdir/think.json" >/dev/null &&
     [ "$streamed" = "$(jq -rj '.content[0].thinking' "$tmpdir/think.json")" ] &&
-    pass "a thought is a thinking block, whole and as thinking_delta events" ||
+    pass "a thought is a thinking block, whole and as thinking_delta events; budget_tokens ends it, the text follows" ||
     fail "thinking: $(head -c 400 "$tmpdir/think.json") / $(head -c 300 "$tmpdir/think.sse")"
+# the budget exactly: 20 tokens of thought (a random model never ends its own), then the
+# forced "\n</think>\n\n", token by token in the chat's logprobs; without it, no end
+budget() { # REASONING-MEMBERS: the chat answer
+    post_chat="{\"model\": \"$NAME\", \"max_tokens\": 40, \"temperature\": 0, \"logprobs\": true,
+        \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]${1:+, $1}}"
+    curl -s -H "Authorization: Bearer $KEY" -d "$post_chat" "$URL/v1/chat/completions"
+}
+budget '"reasoning_budget": 20' >"$tmpdir/b20.json"
+budget '' >"$tmpdir/b0.json"
+jq -e '[.choices[0].logprobs.content[].token] as $t | ($t[20:] | join("") | startswith("\n</think>\n\n"))
+    and ($t[:20] | join("") | contains("</think>") | not) and .usage.completion_tokens_details.reasoning_tokens == 20
+    and (.choices[0].message.content | length > 0)' "$tmpdir/b20.json" >/dev/null &&
+    jq -e '.usage.completion_tokens_details.reasoning_tokens == 40 and .choices[0].message.content == ""' \
+        "$tmpdir/b0.json" >/dev/null &&
+    pass "reasoning_budget 20: the thought ends after exactly 20 tokens (forced </think>), the answer follows; without it the thought runs on" ||
+    fail "reasoning budget: $(jq -c '[.usage, [.choices[0].logprobs.content[].token]]' "$tmpdir/b20.json" | head -c 600) / $(jq -c .usage "$tmpdir/b0.json")"
+curl -s -H "Authorization: Bearer $KEY" -d "{\"model\": \"$NAME\", \"max_output_tokens\": 1100, \"temperature\": 0,
+    \"reasoning\": {\"effort\": \"low\"}, \"input\": \"hi\"}" "$URL/v1/responses" >"$tmpdir/low.json"
+jq -e '.output[0].type == "reasoning" and .output[1].type == "message" and .usage.output_tokens_details.reasoning_tokens == 1024' \
+    "$tmpdir/low.json" >/dev/null && pass "the Responses API's reasoning.effort low: a 1024-token thought, then the message" ||
+    fail "reasoning effort low: $(jq -c '[.usage, [.output[].type]]' "$tmpdir/low.json")"
 think '{"type": "disabled"}' >"$tmpdir/nothink.json"
 jq -e '[.content[].type] | index("thinking") == null' "$tmpdir/nothink.json" >/dev/null &&
     pass "thinking disabled: the template closes the thought, no thinking block" ||

@@ -9,7 +9,8 @@
  *   tool_choice auto / any / tool / none        auto / required / the function / none;
  *     disable_parallel_tool_use                 parallel_tool_calls: false
  *   stop_sequences, metadata.user_id            stop, user
- *   thinking enabled / disabled                 chat_template_kwargs.enable_thinking
+ *   thinking enabled / disabled, budget_tokens  chat_template_kwargs.enable_thinking,
+ *                                               reasoning_budget
  *   max_tokens, temperature (0 to 1), top_p, top_k, stream, and loom's priority and timeout,
  *   as they are.
  * Image and document blocks are refused by name until loom reads images; cache_control is
@@ -274,8 +275,8 @@ static int tool_choice(cJSON *out, const cJSON *choice, bad *b)
 }
 
 /* thinking: {"type": "enabled", "budget_tokens": N} or {"type": "disabled"}, for templates
- * that switch thinking with enable_thinking (Qwen3's, GLM's). The budget is checked as
- * Anthropic checks it (at least 1024, less than max_tokens) but not yet enforced. */
+ * that switch thinking with enable_thinking (Qwen3's, GLM's); the budget (at least 1024, less
+ * than max_tokens, as Anthropic checks it) is loom's reasoning_budget. */
 static int thinking(cJSON *out, const cJSON *t, double max_tokens, bad *b)
 {
     static const char *const fields[] = {"type", "budget_tokens", NULL};
@@ -302,6 +303,8 @@ static int thinking(cJSON *out, const cJSON *t, double max_tokens, bad *b)
                             max_tokens);
     cJSON *kw = cJSON_AddObjectToObject(out, "chat_template_kwargs");
     cJSON_AddBoolToObject(kw, "enable_thinking", on);
+    if (on)
+        cJSON_AddNumberToObject(out, "reasoning_budget", budget->valuedouble);
     return 0;
 }
 

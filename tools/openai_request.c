@@ -723,6 +723,41 @@ void openai_embed_parsed_free(embed_parsed *p)
  * to 64, 0 off; above 0 instead of the drafter), and the most proposals a step (1 to 64);
  * what it leaves out is the server's. Speculation never changes an answer, only how fast it
  * comes. */
+/* A thought's budget in tokens: loom's "reasoning_budget" (0: none), or OpenAI's
+ * "reasoning_effort" as one of these, or the server's (--reasoning-budget). */
+static const struct {
+    const char *effort;
+    int32_t budget;
+} effort_budgets[] = {
+    {"none", 1}, {"minimal", 128}, {"low", 1024}, {"medium", 4096}, {"high", 16384}};
+
+static int parse_reasoning_budget(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
+{
+    p->reasoning_budget = srv->reasoning_budget;
+    const cJSON *effort = cJSON_GetObjectItemCaseSensitive(body, "reasoning_effort");
+    if (effort && !cJSON_IsNull(effort)) {
+        size_t i = 0, n = sizeof effort_budgets / sizeof *effort_budgets;
+        while (i < n &&
+               !(cJSON_IsString(effort) && !strcmp(effort->valuestring, effort_budgets[i].effort)))
+            i++;
+        if (i == n)
+            return request_fail(b, 400, "reasoning_effort",
+                                "'reasoning_effort' must be one of none, minimal, low, medium, "
+                                "high");
+        p->reasoning_budget = effort_budgets[i].budget;
+    }
+    double x;
+    int r = field_number(body, "reasoning_budget", 0, INT32_MAX, 1, &x, b);
+    if (r < 0)
+        return -1;
+    if (r && effort && !cJSON_IsNull(effort))
+        return request_fail(b, 400, "reasoning_budget",
+                            "give 'reasoning_effort' or 'reasoning_budget', not both");
+    if (r)
+        p->reasoning_budget = (int32_t)x;
+    return 0;
+}
+
 static int parse_speculative(const openai_model *srv, const cJSON *body, parsed *p, bad *b)
 {
     p->lookup = srv->lookup, p->draft_max = srv->draft_max, p->draft = srv->draft;
@@ -835,7 +870,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
         "stream_options", "stop", "user", "logprobs", "top_logprobs", "logit_bias",
         "response_format", "tools", "tool_choice", "parallel_tool_calls", "functions",
         "function_call", "store", "metadata", "service_tier", "priority", "timeout",
-        "chat_template_kwargs", "grammar", "speculative", NULL};
+        "chat_template_kwargs", "grammar", "speculative", "reasoning_effort", "reasoning_budget",
+        NULL};
     /* clang-format on */
     static const char *const completion_unsupported[] = {"echo", "best_of", "logit_bias", "suffix",
                                                          NULL};
@@ -873,6 +909,8 @@ int openai_parse_request(const openai_model *srv, const cJSON *body, int chat, p
     if (parse_admission(body, &p->priority, &p->priority_given, &p->timeout_s, &p->user, b) != 0)
         return -1;
     if (parse_speculative(srv, body, p, b) != 0)
+        return -1;
+    if (chat && parse_reasoning_budget(srv, body, p, b) != 0)
         return -1;
     /* logprobs: chat's a boolean with top_logprobs beside it, completions' the count */
     if (chat) {

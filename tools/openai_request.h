@@ -33,6 +33,7 @@ typedef struct openai_model {
      * draft_max proposals a step */
     int32_t lookup, draft_max;
     int draft;
+    int32_t reasoning_budget; /* --reasoning-budget: a thought's tokens at most, 0 no limit */
 } openai_model;
 
 /* OpenAI's defaults on loom's: temperature 1, top_p 1, no top_k, no min_p. */
@@ -64,6 +65,8 @@ typedef struct parsed {
     int32_t top_logprobs;
     int reasoning;             /* 0: answers are all content; 1: they may open with a thought
                                 (<think>...</think>); 2: the prompt opened it already */
+    int32_t reasoning_budget;  /* the thought's tokens at most (loom_request's): the server's,
+                                reasoning_effort's or reasoning_budget's; 0: no limit */
     loom_grammar *grammar;     /* what the answer must match (response_format, grammar, a
                                 required call), or NULL */
     const char *grammar_param; /* the field it came from */

@@ -16,8 +16,9 @@
  *                                               chat's {"function": {"name"}})
  *   text.format text / json_object /            response_format
  *     json_schema (name, schema, strict)
- *   reasoning.effort                            "minimal" and "none" switch the template's
- *                                               enable_thinking off; the others leave it
+ *   reasoning.effort                            reasoning_effort (a thought's budget); "none"
+ *                                               and "minimal" also switch the template's
+ *                                               enable_thinking off
  *   max_output_tokens, temperature, top_p,      max_tokens, and the rest as they are
  *     stream, user, and loom's priority and timeout
  * loom keeps no responses: store is accepted (the answer is not kept whatever it says), and
@@ -354,6 +355,8 @@ cJSON *responses_chat_request(const cJSON *body, bad *b)
             (!strcmp(effort->valuestring, "none") || !strcmp(effort->valuestring, "minimal")))
             cJSON_AddFalseToObject(cJSON_AddObjectToObject(out, "chat_template_kwargs"),
                                    "enable_thinking");
+        if (known) /* and its budget, as chat's reasoning_effort */
+            cJSON_AddStringToObject(out, "reasoning_effort", effort->valuestring);
     }
     /* accepted, needing nothing: loom keeps no responses, caches prefixes by itself, and
      * refuses what does not fit the context */

@@ -359,6 +359,9 @@ typedef struct loom_event {
     /* a DONE "stop" that one of loom_request.stop ended: 1 + its index; 0 otherwise (the
      * model's end of text, or another finish) */
     int32_t stop_string;
+    /* a DONE event of a request with loom_request.reasoning: the tokens the model spent in its
+     * thought (the closing tokens a budget forced not counted) */
+    int32_t reasoning_tokens;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -427,6 +430,14 @@ typedef struct loom_request {
      * request's proposals are rejected */
     int32_t lookup, draft_max;
     int draft;
+    /* the answer's thought: 1, it may open with one (<think>...</think>, as reasoning models'
+     * templates write them); 2, it opens inside one (the prompt opened it); 0, it is not read
+     * for thoughts. The engine counts the thought's tokens (the DONE event's
+     * reasoning_tokens), and with reasoning_budget > 0 ends a thought that has spent that many
+     * by forcing "\n</think>\n\n" (the answer follows it); 0: no limit. A request with a
+     * grammar is not held to a budget. */
+    int reasoning;
+    int32_t reasoning_budget;
 } loom_request;
 
 #define LOOM_MAX_TOP_LOGPROBS 20

@@ -73,6 +73,7 @@ void job_on_event(void *user, const loom_event *ev)
         const char *why = ev->finish_reason ? ev->finish_reason : "stop";
         snprintf(c->finish, sizeof c->finish, "%s", strcmp(why, "cancelled") ? why : "length");
         c->stop_string = ev->stop_string;
+        c->reasoning_tokens = ev->reasoning_tokens;
         if (ev->kind == LOOM_EVENT_ERROR)
             snprintf(c->error, sizeof c->error, "%s", ev->error ? ev->error : "generation failed");
     }
@@ -105,15 +106,18 @@ void job_cancel(job *j)
 
 static cJSON *usage_json(const job *j)
 {
-    int32_t gen = 0;
+    int32_t gen = 0, thought = 0;
     for (int i = 0; i < j->n; i++)
-        gen += j->ch[i].n_generated;
+        gen += j->ch[i].n_generated, thought += j->ch[i].reasoning_tokens;
     cJSON *u = cJSON_CreateObject();
     cJSON_AddNumberToObject(u, "prompt_tokens", j->n_prompt);
     cJSON_AddNumberToObject(u, "completion_tokens", gen);
     cJSON_AddNumberToObject(u, "total_tokens", j->n_prompt + gen);
     cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
     cJSON_AddNumberToObject(d, "cached_tokens", j->n_cached);
+    if (j->reasoning)
+        cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "completion_tokens_details"),
+                                "reasoning_tokens", thought);
     return u;
 }
 

@@ -35,7 +35,7 @@ static cJSON *usage_json(const job *j)
                             j->n_cached);
     cJSON_AddNumberToObject(u, "output_tokens", c->n_generated);
     cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "output_tokens_details"), "reasoning_tokens",
-                            0);
+                            c->reasoning_tokens);
     cJSON_AddNumberToObject(u, "total_tokens", j->n_prompt + c->n_generated);
     return u;
 }

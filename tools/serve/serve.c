@@ -122,6 +122,8 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
                           .grammar = p.grammar,
                           .logprobs = p.logprobs,
                           .top_logprobs = p.top_logprobs,
+                          .reasoning = p.reasoning,
+                          .reasoning_budget = p.reasoning_budget,
                           .lookup = p.lookup,
                           .draft_max = p.draft_max,
                           .draft = p.draft};
@@ -230,7 +232,7 @@ int loom_serve_main(int argc, char **argv)
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
-         draft_layers = 0;
+         draft_layers = 0, reasoning_budget = 0;
     const char *draft = NULL;
     float draft_p_min = 0.75f;
     int metrics_auth = 0, parse_special = 0, no_webui = 0, draft_mtp = 0;
@@ -290,6 +292,9 @@ int loom_serve_main(int argc, char **argv)
          "the drafter stops at a token it gives less than P (default 0.75)"},
         {"--draft-max", NULL, LOOM_FLAG_LONG, &draft_max, 1, 64, "N",
          "most proposals a request checks a step (default 8)"},
+        {"--reasoning-budget", NULL, LOOM_FLAG_LONG, &reasoning_budget, 0, 1 << 20, "N",
+         "a thinking model's thought ends after N tokens (its end-of-thought\n"
+         "marker is forced) unless a request says otherwise (default 0: none)"},
         {"--batch-wait-ms", NULL, LOOM_FLAG_FLOAT, &batch_wait, 0, 10000, "MS",
          "with nothing running, wait up to this long for more requests\n"
          "before a prefill, so they start together (default 0)"},
@@ -470,7 +475,8 @@ int loom_serve_main(int argc, char **argv)
                           .defaults = sampling,
                           .lookup = (int32_t)lookup,
                           .draft_max = (int32_t)draft_max,
-                          .draft = draft || draft_layers || draft_mtp},
+                          .draft = draft || draft_layers || draft_mtp,
+                          .reasoning_budget = (int32_t)reasoning_budget},
                   .api_key = api_key,
                   .api_key_len = api_key ? strlen(api_key) : 0,
                   .admin_key = admin_key_file ? admin_buf : NULL,

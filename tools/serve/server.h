@@ -119,7 +119,8 @@ typedef struct choice {
     int busy;     /* displaced from a full queue by a better priority (engine's event) */
     int invalid;  /* its grammar could not be followed (engine's event) */
     char finish[16];
-    int stop_string; /* finish "stop" at the request's stop string 1, 2, ...; 0: none */
+    int stop_string;          /* finish "stop" at the request's stop string 1, 2, ...; 0: none */
+    int32_t reasoning_tokens; /* of n_generated, the thought's (the engine's count) */
     char error[256];
     int32_t n_generated;
     int64_t id;
