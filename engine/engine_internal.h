@@ -199,6 +199,8 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
 /* sample.c: q's next token from its logits row (0, or -1 when q ended); an embedding request's
  * n hidden-state rows added to its pool; its answer. */
 int engine_sample_next(loom_engine *e, ereq *q, float *logits);
+/* frees a request the engine holds (its copies, grammar reference, buffers) */
+void engine_req_free(ereq *q);
 /* the closing tokens a thought budget forces, tokenized once; -1 with err */
 int engine_think_close(loom_engine *e, char *err, size_t err_size);
 void engine_pool(loom_engine *e, ereq *q, const float *rows, int32_t n);
