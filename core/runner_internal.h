@@ -136,6 +136,11 @@ void loom_stage_step(loom_runner *r, const loom_step *s);
 void loom_stage_receive(loom_runner *r, const loom_tensor *x);
 void loom_stage_hand_on(loom_runner *r, const loom_tensor *x);
 
+/* core/weights.c: whether GGUF tensor gt lives on opt.experts rather than the model's device,
+ * and the device weight i lives on */
+int loom_runner_on_experts(const loom_runner *r, const loom_gguf_tensor *gt);
+loom_device *loom_runner_weight_device(const loom_runner *r, uint64_t i);
+
 /* The tensor to pass as matmul's W for weight w: its prepared copy (made on first use) when
  * the backend has a layout of its own for it; else w (views and non-weights too). */
 const loom_tensor *loom_runner_matmul_weight(loom_runner *r, const loom_tensor *w);
