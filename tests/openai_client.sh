@@ -5,7 +5,8 @@
 # call read by the client, its result sent back, the client's own stream helper assembling
 # streamed calls) and structured output (chat.completions.parse with a zod schema); and the
 # Vercel AI SDK (npm `ai` with `@ai-sdk/openai-compatible`): generateObject, and streamText
-# with a required tool that the SDK executes; and the Responses API with the openai client
+# with a required tool that the SDK executes; LangChain.js' ChatOpenAI (invoke, bindTools); and
+# the Responses API with the openai client
 # (plain, streamed, a forced function and its output sent back, text.format, refusals), each
 # answer as the chat endpoint's for the same conversation. Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
@@ -16,7 +17,7 @@ command -v node >/dev/null && command -v npm >/dev/null ||
     { echo "SKIP: node and npm are not installed (apt-get install nodejs npm)"; exit 77; }
 cd "$tmpdir" || exit 1
 if ! timeout 240 npm install --silent --no-audit --no-fund openai@4 zod@3 ai@5 \
-    @ai-sdk/openai-compatible@1 >npm.log 2>&1; then
+    @ai-sdk/openai-compatible@1 @langchain/openai@0 @langchain/core@0 >npm.log 2>&1; then
     echo "SKIP: cannot install the openai npm package (no registry?):"; tail -n 3 npm.log; exit 77
 fi
 "$LOOM" serve -m "$MODEL" --port 0 --api-key k3y -c 512 >server.log 2>&1 &
@@ -187,6 +188,39 @@ PORT=$port2 node sdk.mjs >sdk.out 2>&1 || true
 cat sdk.out
 grep -q '^FAIL' sdk.out && fail "the Vercel AI SDK disagreed (above)"
 [ "$(grep -c "^ok" sdk.out)" -ge 2 ] || fail "the AI SDK script did not finish: $(tail -n 8 sdk.out)"
+
+# LangChain.js' ChatOpenAI against the same server: a greedy answer as the chat endpoint's, and
+# bindTools with a named tool giving a call whose arguments fit the tool's zod schema
+cat >langchain.mjs <<'EOF'
+import { ChatOpenAI } from '@langchain/openai';
+import { tool } from '@langchain/core/tools';
+import { z } from 'zod';
+const base = `http://127.0.0.1:${process.env.PORT}/v1`;
+const models = await (await fetch(`${base}/models`, { headers: { Authorization: 'Bearer k3y' } })).json();
+const model = models.data[0].id;
+const out = [];
+const ok = (what, cond) => out.push(`${cond ? 'ok' : 'FAIL'}: ${what}`);
+const llm = (maxTokens) => new ChatOpenAI({ model, apiKey: 'k3y', temperature: 0, maxTokens, maxRetries: 0,
+  configuration: { baseURL: base } });
+const r = await llm(24).invoke([['system', 'Tell stories.'], ['human', 'A dog']]);
+const c = await (await fetch(`${base}/chat/completions`, { method: 'POST',
+  headers: { Authorization: 'Bearer k3y', 'Content-Type': 'application/json' },
+  body: JSON.stringify({ model, max_tokens: 24, temperature: 0, messages: [{ role: 'system', content: 'Tell stories.' },
+    { role: 'user', content: 'A dog' }] }) })).json();
+ok(`ChatOpenAI.invoke: '${r.content}'`, r.content === c.choices[0].message.content);
+const Weather = z.object({ city: z.enum(['Paris', 'Oslo']), days: z.number().int().min(1).max(7) });
+const weather = tool(async ({ city }) => `sunny in ${city}`, { name: 'get_weather', description: 'The weather',
+  schema: Weather });
+const t = await llm(1200).bindTools([weather], { tool_choice: 'get_weather', parallel_tool_calls: false })
+  .invoke('Weather in Paris?');
+ok(`bindTools, a named tool: ${JSON.stringify(t.tool_calls)}`, t.tool_calls.length === 1 &&
+   t.tool_calls[0].name === 'get_weather' && Weather.safeParse(t.tool_calls[0].args).success);
+console.log(out.join('\n'));
+EOF
+PORT=$port2 node langchain.mjs >langchain.out 2>&1 || true
+cat langchain.out
+grep -q '^FAIL' langchain.out && fail "LangChain.js disagreed (above)"
+[ "$(grep -c "^ok" langchain.out)" -ge 2 ] || fail "the LangChain script did not finish: $(tail -n 8 langchain.out)"
 
 # the Responses API (POST /v1/responses, as Codex and the Agents SDK send it), judged against the
 # same server's chat completions for the same conversation
