@@ -97,15 +97,18 @@ enum MHD_Result embeddings_handle(server *srv, struct MHD_Connection *con, const
                                   size_t len, int who)
 {
     tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
-    served *sv = served_acquire(srv);
     embed_parsed p = {0};
     bad b = {0};
+    served *sv;
+    cJSON *req = served_parse_and_acquire(srv, body, len,
+                                          (size_t)OPENAI_MAX_INPUTS * 4 + 64 +
+                                              (size_t)OPENAI_MAX_INPUTS * (size_t)srv->api.n_ctx,
+                                          &sv, &b);
+    if (!req)
+        return http_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
-    cJSON *req = openai_parse_body(
-        body, len,
-        (size_t)OPENAI_MAX_INPUTS * 4 + 64 + (size_t)OPENAI_MAX_INPUTS * (size_t)sv->api.n_ctx, &b);
-    int parsed_ok = req && openai_parse_embeddings(&sv->api, req, &p, &b) == 0;
+    int parsed_ok = openai_parse_embeddings(&sv->api, req, &p, &b) == 0;
     sem_post(&srv->parsing);
     cJSON_Delete(req);
     if (!parsed_ok) {

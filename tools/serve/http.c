@@ -371,8 +371,26 @@ static enum MHD_Result route_models(server *srv, struct MHD_Connection *con, con
     cJSON_AddStringToObject(m, "owned_by", "loom");
     cJSON_AddNumberToObject(m, "max_model_len", sv->api.n_ctx);
     cJSON_AddStringToObject(m, "backend", loom_model_backend(sv->api.model));
+    cJSON_AddBoolToObject(m, "loaded", 1);
     served_release(srv, sv);
     cJSON_AddItemToArray(d, m);
+    /* the others, loaded or not (loaded on their first request) */
+    pthread_mutex_lock(&srv->live_lock);
+    for (int i = 0; i < srv->n_slots; i++) {
+        const model_slot *s = &srv->slots[i];
+        cJSON *x = cJSON_CreateObject();
+        json_add_text(x, "id", s->name, strlen(s->name));
+        cJSON_AddStringToObject(x, "object", "model");
+        cJSON_AddNumberToObject(x, "created", (double)srv->started);
+        cJSON_AddStringToObject(x, "owned_by", "loom");
+        if (s->live) {
+            cJSON_AddNumberToObject(x, "max_model_len", s->live->api.n_ctx);
+            cJSON_AddStringToObject(x, "backend", loom_model_backend(s->live->api.model));
+        }
+        cJSON_AddBoolToObject(x, "loaded", s->live != NULL);
+        cJSON_AddItemToArray(d, x);
+    }
+    pthread_mutex_unlock(&srv->live_lock);
     return http_send_json(con, 200, o);
 }
 

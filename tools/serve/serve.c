@@ -31,14 +31,16 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
 {
     int chat = api != API_COMPLETIONS, anthropic = api == API_MESSAGES || api == API_COUNT_TOKENS;
     tenant *tn = who > 0 ? &srv->tenants[who - 1] : NULL;
-    served *sv = served_acquire(srv);
     parsed p = {0};
     bad b = {0};
-    size_t max_values = openai_max_values(sv->api.n_ctx);
+    served *sv;
+    cJSON *req = served_parse_and_acquire(srv, body, len, openai_max_values(srv->api.n_ctx), &sv,
+                                          &b);
+    if (!req)
+        return http_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
-    cJSON *req = openai_parse_body(body, len, max_values, &b);
-    if (req && (anthropic || api == API_RESPONSES)) { /* asked as a chat from here on */
+    if (anthropic || api == API_RESPONSES) { /* asked as a chat from here on */
         cJSON *as_chat = anthropic ? anthropic_chat_request(req, api == API_COUNT_TOKENS, &b)
                                    : responses_chat_request(req, &b);
         cJSON_Delete(req);
@@ -232,7 +234,9 @@ int loom_serve_main(int argc, char **argv)
     long port = 8080, max_batch = 16, max_step = 256, kv_blocks = 0, max_queue = 0,
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
-         draft_layers = 0, reasoning_budget = 0;
+         draft_layers = 0, reasoning_budget = 0, models_max = 2;
+    const char *added_items[SERVE_MAX_MODELS], *models_dir = NULL;
+    loom_flag_list added = {added_items, 0, SERVE_MAX_MODELS};
     const char *draft = NULL;
     float draft_p_min = 0.75f;
     int metrics_auth = 0, parse_special = 0, no_webui = 0, draft_mtp = 0;
@@ -269,6 +273,15 @@ int loom_serve_main(int argc, char **argv)
          "no chat page at GET / (the API alone)"},
         {"--model-name", NULL, LOOM_FLAG_TEXT, &name, 0, 0, "NAME",
          "the model id clients send (default: the file's name)"},
+        {"--add-model", NULL, LOOM_FLAG_REPEAT, &added, 0, 0, "NAME=PATH",
+         "another model, which requests name by NAME: loaded on its first\n"
+         "request with the first one's options (repeat for more)"},
+        {"--models-dir", NULL, LOOM_FLAG_TEXT, &models_dir, 0, 0, "DIR",
+         "... every *.gguf file (named by its stem) and Hugging Face folder\n"
+         "in DIR as another model"},
+        {"--models-max", NULL, LOOM_FLAG_LONG, &models_max, 1, 64, "N",
+         "other models loaded at once; past it the least recently used one\n"
+         "no request holds is unloaded (default 2)"},
         {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
          "sequences run together (default 16)"},
         {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
@@ -525,7 +538,7 @@ int loom_serve_main(int argc, char **argv)
                 draft ? draft : "");
     }
     loom_model *drafter;
-    loom_engine *engine = served_start_engine(&srv, m, &drafter, err, sizeof err);
+    loom_engine *engine = served_start_engine(&srv, m, 1, &drafter, err, sizeof err);
     if (!engine) {
         fprintf(stderr, "loom serve: %s\n", err);
         loom_chat_format_free(&chat);
@@ -534,6 +547,41 @@ int loom_serve_main(int argc, char **argv)
     }
     pthread_mutex_init(&srv.live_lock, NULL);
     pthread_mutex_init(&srv.reload_lock, NULL);
+    pthread_cond_init(&srv.slots_cv, NULL);
+    srv.models_max = (int)models_max;
+    int bad_models = models_dir && served_add_dir(&srv, models_dir, err, sizeof err);
+    for (int i = 0; i < added.n && !bad_models; i++) {
+        const char *eq = strchr(added.items[i], '=');
+        char model_name[160];
+        if (!eq || eq == added.items[i] || !eq[1] ||
+            eq - added.items[i] >= (int)sizeof model_name) {
+            snprintf(err, sizeof err, "--add-model wants NAME=PATH, not '%.200s'", added.items[i]);
+            bad_models = 1;
+            break;
+        }
+        snprintf(model_name, sizeof model_name, "%.*s", (int)(eq - added.items[i]), added.items[i]);
+        bad_models = served_add(&srv, model_name, eq + 1, err, sizeof err) != 0;
+    }
+    for (int i = 0; i < srv.n_slots && !bad_models; i++)
+        if (!strcmp(srv.slots[i].name, srv.api.model_name)) {
+            snprintf(err, sizeof err,
+                     "'%s' names the first model already; give another name (or --model-name)",
+                     srv.api.model_name);
+            bad_models = 1;
+        }
+    if (bad_models) {
+        fprintf(stderr, "loom serve: %s\n", err);
+        loom_engine_stop(engine, 0);
+        loom_engine_free(engine);
+        loom_model_close(drafter);
+        loom_chat_format_free(&chat);
+        loom_model_close(m);
+        return 2;
+    }
+    if (srv.n_slots)
+        fprintf(stderr,
+                "loom serve: %d more model%s by name, loaded on first use (at most %d at once)\n",
+                srv.n_slots, srv.n_slots == 1 ? "" : "s", srv.models_max);
     srv.model_path = of.model, srv.mo = mo;
     srv.name_flag = name, srv.tmpl_flag = tmpl, srv.tmpl_file_flag = tmpl_file;
     srv.can_reload = !loom_distributed_job(of.distributed ? 2 : 1);
@@ -616,6 +664,9 @@ int loom_serve_main(int argc, char **argv)
     loom_engine_stop(srv.live->engine, (int)drain_s * 1000);
     for (served *r = srv.retired; r; r = r->next)
         loom_engine_stop(r->engine, (int)drain_s * 1000);
+    for (int i = 0; i < srv.n_slots; i++)
+        if (srv.slots[i].live)
+            loom_engine_stop(srv.slots[i].live->engine, (int)drain_s * 1000);
     /* every job is done now; give the connections a moment to send their last bytes (an idle
      * keep-alive connection just waits out the moment) before the daemon closes them */
     for (int waited = 0; waited < 3000; waited += 20) {
@@ -634,6 +685,12 @@ int loom_serve_main(int argc, char **argv)
         next = r->next;
         served_free(r);
     }
+    for (int i = 0; i < srv.n_slots; i++) {
+        if (srv.slots[i].live)
+            served_free(srv.slots[i].live);
+        free(srv.slots[i].name), free(srv.slots[i].path);
+    }
+    free(srv.slots);
     pthread_mutex_unlock(&srv.reload_lock);
     pthread_mutex_destroy(&srv.count_lock);
     sem_destroy(&srv.parsing);

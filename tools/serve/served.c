@@ -1,13 +1,20 @@
 /*
- * tools/serve/served.c - the model a server runs on, and reloading it: new requests go to the
- * live one; a retired one is freed once no request holds it.
+ * tools/serve/served.c - the models a server runs on: the first, and reloading it (new requests
+ * go to the live one; a retired one is freed once no request holds it), and the others by name
+ * (--add-model, --models-dir), each loaded on its first request and unloaded, least recently
+ * used, past --models-max.
  */
 #define _GNU_SOURCE
 #include "tools/serve/server.h"
 
+#include "tools/openai_fields.h"
+
+#include <dirent.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 /* The model new requests run on, held until release. */
 served *served_acquire(server *srv)
@@ -30,14 +37,15 @@ void served_release(server *srv, served *sv)
 
 /* ---- reload --------------------------------------------------------------------------------- */
 
-/* The engine for m and its drafter (opened here from srv's drafter settings, if any: each
- * engine needs its own), or NULL with err. */
-loom_engine *served_start_engine(const server *srv, loom_model *m, loom_model **drafter, char *err,
-                                 size_t err_size)
+/* The engine for m and, for the first model (first), its drafter (opened here from srv's
+ * drafter settings, if any: each engine needs its own; the other models have none), or NULL
+ * with err. */
+loom_engine *served_start_engine(const server *srv, loom_model *m, int first, loom_model **drafter,
+                                 char *err, size_t err_size)
 {
     loom_engine_options eo = srv->eo;
     *drafter = NULL;
-    if (srv->draft_path) {
+    if (srv->draft_path && first) {
         char why[2048];
         if (!(*drafter = loom_model_open(srv->draft_path, &srv->dmo, why, sizeof why))) {
             snprintf(err, err_size, "the drafter %s: %s", srv->draft_path, why);
@@ -53,11 +61,13 @@ loom_engine *served_start_engine(const server *srv, loom_model *m, loom_model **
     return e;
 }
 
-/* The model file opened anew with the first one's options, checked with a two-token
- * generation, and its engine started: a model ready to take requests, or NULL with err. */
-static served *served_open(server *srv, char *err, size_t err_size)
+/* The model file at path opened with the first one's options, checked with a two-token
+ * generation, and its engine started: a model ready to take requests as name (NULL: the
+ * first's name, or the file's), or NULL with err. */
+static served *served_open(server *srv, const char *path, const char *name, char *err,
+                           size_t err_size)
 {
-    loom_model *m = loom_model_open(srv->model_path, &srv->mo, err, err_size);
+    loom_model *m = loom_model_open(path, &srv->mo, err, err_size);
     if (!m)
         return NULL;
     int32_t ids[64];
@@ -76,10 +86,11 @@ static served *served_open(server *srv, char *err, size_t err_size)
     sv->api.model = m;
     sv->api.n_ctx = loom_model_n_ctx(m);
     sv->api.max_prompt_bytes = loom_model_max_prompt_bytes(m);
-    sv->api.model_name = srv->name_flag ? srv->name_flag : loom_model_name(m);
+    sv->api.model_name = name ? name : srv->name_flag ? srv->name_flag : loom_model_name(m);
     if (loom_chat_format_choose(m, srv->tmpl_flag, srv->tmpl_file_flag, &sv->chat, err, err_size) !=
             0 ||
-        !(sv->engine = served_start_engine(srv, m, &sv->drafter, err, err_size))) {
+        !(sv->engine = served_start_engine(srv, m, path == srv->model_path, &sv->drafter, err,
+                                           err_size))) {
         loom_chat_format_free(&sv->chat);
         free(sv);
         loom_model_close(m);
@@ -130,7 +141,7 @@ int served_reload(server *srv, char *err, size_t err_size)
         fprintf(stderr, "loom serve: reload of %s not done: %s\n", srv->model_path, err);
         return 1;
     }
-    served *sv = served_open(srv, err, err_size);
+    served *sv = served_open(srv, srv->model_path, NULL, err, err_size);
     pthread_mutex_lock(&srv->live_lock);
     if (sv) {
         served *old = srv->live;
@@ -170,4 +181,198 @@ void served_reap(server *srv)
             return;
         served_free(done);
     }
+}
+
+/* ---- several models by name ------------------------------------------------------------------ */
+
+int served_add(server *srv, const char *name, const char *path, char *err, size_t err_size)
+{
+    if (!name[0] || strlen(name) > 128) {
+        snprintf(err, err_size, "a model's name must be 1 to 128 bytes: '%.140s'", name);
+        return -1;
+    }
+    for (int i = 0; i < srv->n_slots; i++)
+        if (!strcmp(srv->slots[i].name, name)) {
+            snprintf(err, err_size, "two models are named '%s' (%s and %s)", name,
+                     srv->slots[i].path, path);
+            return -1;
+        }
+    if (srv->n_slots == SERVE_MAX_MODELS) {
+        snprintf(err, err_size, "at most %d models beside the first", SERVE_MAX_MODELS);
+        return -1;
+    }
+    model_slot *grown = realloc(srv->slots, (size_t)(srv->n_slots + 1) * sizeof *grown);
+    if (!grown) {
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    srv->slots = grown;
+    model_slot *s = &srv->slots[srv->n_slots];
+    *s = (model_slot){.name = strdup(name), .path = strdup(path)};
+    if (!s->name || !s->path) {
+        free(s->name), free(s->path);
+        snprintf(err, err_size, "out of memory");
+        return -1;
+    }
+    srv->n_slots++;
+    return 0;
+}
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(*(char *const *)a, *(char *const *)b);
+}
+
+int served_add_dir(server *srv, const char *dir, char *err, size_t err_size)
+{
+    DIR *d = opendir(dir);
+    if (!d) {
+        snprintf(err, err_size, "--models-dir %s: %s", dir, strerror(errno));
+        return -1;
+    }
+    char *names[SERVE_MAX_MODELS + 1];
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d)) && n <= SERVE_MAX_MODELS;) {
+        char path[4096], probe[4200];
+        size_t len = strlen(e->d_name);
+        if (e->d_name[0] == '.')
+            continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        snprintf(probe, sizeof probe, "%s/config.json", path);
+        struct stat st;
+        int gguf = len > 5 && !strcmp(e->d_name + len - 5, ".gguf") && !stat(path, &st) &&
+            S_ISREG(st.st_mode);
+        int folder = !gguf && !stat(probe, &st) && S_ISREG(st.st_mode);
+        if ((gguf || folder) && !(names[n++] = strdup(e->d_name)))
+            n--;
+    }
+    closedir(d);
+    qsort(names, (size_t)n, sizeof *names, by_name); /* the same order on every machine */
+    int rc = 0;
+    if (n > SERVE_MAX_MODELS) {
+        snprintf(err, err_size, "--models-dir %s holds more than %d models", dir, SERVE_MAX_MODELS);
+        rc = -1;
+    }
+    for (int i = 0; i < n; i++) {
+        char path[4096], name[256];
+        size_t len = strlen(names[i]);
+        snprintf(path, sizeof path, "%s/%s", dir, names[i]);
+        int gguf = len > 5 && !strcmp(names[i] + len - 5, ".gguf");
+        snprintf(name, sizeof name, "%.*s", (int)(gguf ? len - 5 : len), names[i]);
+        if (!rc && served_add(srv, name, path, err, err_size))
+            rc = -1;
+        free(names[i]);
+    }
+    if (!rc && n == 0) {
+        snprintf(err, err_size,
+                 "--models-dir %s holds no model (*.gguf files, or folders with a "
+                 "config.json)",
+                 dir);
+        rc = -1;
+    }
+    return rc;
+}
+
+/* Unloads the least recently used loaded model no request holds (live_lock held): 1 if one
+ * was, 0 if every loaded one is busy. */
+static int unload_one(server *srv)
+{
+    model_slot *lru = NULL;
+    for (int i = 0; i < srv->n_slots; i++) {
+        model_slot *s = &srv->slots[i];
+        if (s->live && s->live->refs == 1 && (!lru || s->used < lru->used))
+            lru = s;
+    }
+    if (!lru)
+        return 0;
+    served *old = lru->live;
+    lru->live = NULL;
+    old->refs--; /* the server's: the main thread frees it (served_reap) */
+    old->next = srv->retired;
+    srv->retired = old;
+    fprintf(stderr, "loom serve: unloaded %s (least recently used, --models-max %d)\n", lru->name,
+            srv->models_max);
+    return 1;
+}
+
+unsigned served_acquire_named(server *srv, const char *name, served **out, char *err,
+                              size_t err_size)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    if (!name || !strcmp(name, srv->live->api.model_name)) {
+        srv->live->refs++;
+        *out = srv->live;
+        pthread_mutex_unlock(&srv->live_lock);
+        return 0;
+    }
+    model_slot *s = NULL;
+    for (int i = 0; i < srv->n_slots && !s; i++)
+        if (!strcmp(srv->slots[i].name, name))
+            s = &srv->slots[i];
+    if (!s) {
+        size_t at = (size_t)snprintf(err, err_size,
+                                     "The model '%.200s' does not exist; this server has '%s'",
+                                     name, srv->live->api.model_name);
+        for (int i = 0; i < srv->n_slots && at < err_size; i++)
+            at += (size_t)snprintf(err + at, err_size - at, ", '%s'", srv->slots[i].name);
+        pthread_mutex_unlock(&srv->live_lock);
+        return 404;
+    }
+    while (s->loading)
+        pthread_cond_wait(&srv->slots_cv, &srv->live_lock);
+    if (!s->live) {
+        int loaded = 0;
+        for (int i = 0; i < srv->n_slots; i++)
+            loaded += srv->slots[i].live != NULL;
+        if (loaded >= srv->models_max && !unload_one(srv)) {
+            snprintf(err, err_size,
+                     "'%s' is not loaded, and the %d models that may be (--models-max) are all "
+                     "answering requests; try again shortly",
+                     name, srv->models_max);
+            pthread_mutex_unlock(&srv->live_lock);
+            return 503;
+        }
+        s->loading = 1;
+        pthread_mutex_unlock(&srv->live_lock);
+        fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
+        char why[1024];
+        served *sv = served_open(srv, s->path, s->name, why, sizeof why);
+        pthread_mutex_lock(&srv->live_lock);
+        s->loading = 0, s->live = sv;
+        pthread_cond_broadcast(&srv->slots_cv);
+        if (!sv) {
+            snprintf(err, err_size, "loading the model '%s' (%s) failed: %s", name, s->path, why);
+            pthread_mutex_unlock(&srv->live_lock);
+            fprintf(stderr, "loom serve: %s\n", err);
+            return 503;
+        }
+    }
+    s->live->refs++;
+    s->used = ++srv->use_clock;
+    *out = s->live;
+    pthread_mutex_unlock(&srv->live_lock);
+    return 0;
+}
+
+cJSON *served_parse_and_acquire(server *srv, const char *body, size_t len, size_t max_values,
+                                served **sv, bad *b)
+{
+    *sv = NULL;
+    while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
+    }
+    cJSON *req = openai_parse_body(body, len, max_values, b);
+    sem_post(&srv->parsing);
+    if (!req)
+        return NULL;
+    const cJSON *model = cJSON_GetObjectItemCaseSensitive(req, "model");
+    char why[1024];
+    unsigned st = served_acquire_named(srv, cJSON_IsString(model) ? model->valuestring : NULL, sv,
+                                       why, sizeof why);
+    if (st) {
+        request_fail(b, st, "model", "%s", why);
+        b->code = st == 404 ? "model_not_found" : NULL;
+        cJSON_Delete(req);
+        return NULL;
+    }
+    return req;
 }

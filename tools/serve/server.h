@@ -61,8 +61,23 @@ typedef struct served {
     struct served *next; /* on the retired list */
 } served;
 
+/* A model besides the first (--add-model NAME=PATH, --models-dir): loaded on its first request,
+ * unloaded least recently used when more than --models-max would be loaded. */
+typedef struct model_slot {
+    char *name, *path;
+    served *live;  /* NULL: not loaded (under live_lock) */
+    int loading;   /* a thread is opening it; others wait on slots_cv */
+    uint64_t used; /* its last request, by srv->use_clock */
+} model_slot;
+
+#define SERVE_MAX_MODELS 64
+
 typedef struct server {
-    openai_model api; /* the first model's settings, which a reload keeps (its model: live's) */
+    openai_model api;  /* the first model's settings, which a reload keeps (its model: live's) */
+    model_slot *slots; /* the other models by name (under live_lock), n_slots of them */
+    int n_slots, models_max;
+    pthread_cond_t slots_cv;
+    uint64_t use_clock;
     served *live, *retired; /* under live_lock */
     pthread_mutex_t live_lock;
     pthread_mutex_t reload_lock; /* one reload at a time */
@@ -249,9 +264,23 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
 
 /* served.c */
 served *served_acquire(server *srv);
+/* The model a request names (NULL: the first), loaded if it is not, held until release: 0, or
+ * an HTTP status (404: no such model, 503: it failed to load or no room) with err. */
+unsigned served_acquire_named(server *srv, const char *name, served **out, char *err,
+                              size_t err_size);
+/* A request's body parsed as JSON (strictly, max_values values at most: the caller's budget
+ * for the first model's context) and the model its "model" names acquired into *sv (the first
+ * when it names none: the request's parser then says what is missing): the JSON, or NULL with
+ * b filled (an unknown model 404, one that cannot load 503). */
+cJSON *served_parse_and_acquire(server *srv, const char *body, size_t len, size_t max_values,
+                                served **sv, bad *b);
+/* adds the model at path as name (a slot, loaded on first use): 0, or -1 with err */
+int served_add(server *srv, const char *name, const char *path, char *err, size_t err_size);
+/* every *.gguf file (named by its stem) and Hugging Face folder (by its name) in dir */
+int served_add_dir(server *srv, const char *dir, char *err, size_t err_size);
 void served_release(server *srv, served *sv);
-loom_engine *served_start_engine(const server *srv, loom_model *m, loom_model **drafter, char *err,
-                                 size_t err_size);
+loom_engine *served_start_engine(const server *srv, loom_model *m, int first, loom_model **drafter,
+                                 char *err, size_t err_size);
 void served_free(served *sv);
 int served_reload(server *srv, char *err, size_t err_size);
 void served_reap(server *srv);
