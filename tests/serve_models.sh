@@ -60,8 +60,10 @@ width=$(post /v1/embeddings '{"model": "wide", "input": "hi"}' | sed '$d' | jq '
     fail "by name: chat $code, messages $mcode $(head -c 200 "$tmpdir/m.json"), embedding width $width"
 
 # not loaded while the loaded one is busy: 503; once it is free, the other loads
-post /v1/completions '{"model": "wide", "prompt": "Once", "max_tokens": 4000, "ignore_eos": true, "stream": true}' \
-    -N >"$tmpdir/long.out" &
+# (curl itself in the background, not a function's subshell: killing it must close the stream)
+curl -s -N -H "Authorization: Bearer $KEY" -H 'Content-Type: application/json' "$URL/v1/completions" \
+    --data-binary '{"model": "wide", "prompt": "Once", "max_tokens": 4000, "ignore_eos": true, "stream": true}' \
+    >"$tmpdir/long.out" &
 client=$!
 for _ in $(seq 100); do grep -q '^data: {' "$tmpdir/long.out" 2>/dev/null && break; sleep 0.05; done
 post /v1/completions '{"model": "tiny", "prompt": "Once", "max_tokens": 2}' >"$tmpdir/busy.out"

@@ -6,6 +6,8 @@
 #define _GNU_SOURCE
 #include "tools/serve/server.h"
 
+#include "tools/openai_fields.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <stdarg.h>
@@ -30,6 +32,9 @@ enum MHD_Result http_send_text(struct MHD_Connection *con, unsigned status, cons
     if (!r)
         return MHD_NO;
     MHD_add_response_header(r, "Content-Type", type);
+    if (http_version)
+        MHD_add_response_header(r, "X-Loom-Model-Version",
+                                http_version->canary ? "canary" : "stable");
     if (status == 503 || status == 429)
         MHD_add_response_header(r, "Retry-After", status == 503 ? RETRY_AFTER : RETRY_BUSY);
     enum MHD_Result ok = MHD_queue_response(con, status, r);
@@ -49,6 +54,7 @@ enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSO
 }
 
 _Thread_local int http_anthropic_errors;
+_Thread_local version_stats *http_version;
 
 /* Anthropic's error shape, {"type": "error", "error": {"type", "message"}}, its types by
  * status */
@@ -78,6 +84,8 @@ static cJSON *error_body(server *srv, unsigned status, const char *param, const 
     pthread_mutex_lock(&srv->count_lock);
     srv->http_errors++;
     pthread_mutex_unlock(&srv->count_lock);
+    if (http_version && status != 429 && status != 504) /* not the server's load: the version's */
+        __atomic_add_fetch(&http_version->failures, 1, __ATOMIC_RELAXED);
     if (http_anthropic_errors)
         return anthropic_error_body(status, msg);
     cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
@@ -423,6 +431,62 @@ static enum MHD_Result route_reload(server *srv, struct MHD_Connection *con, con
     return route_models(srv, con, rc); /* what now serves */
 }
 
+/* POST /admin/models/canary {"model", "path", "share"} (path absent: the share changes),
+ * /admin/models/promote and /admin/models/rollback {"model"}: the model's versions after */
+static enum MHD_Result route_versions(server *srv, struct MHD_Connection *con, const route_call *rc,
+                                      int what)
+{
+    static const char *const fields[][4] = {
+        {"model", "path", "share", NULL}, {"model", NULL}, {"model", NULL}};
+    bad b = {0};
+    cJSON *req = openai_parse_body(rc->body, rc->len, 64, &b);
+    const char *model = req ? field_string(req, "model", 1, "body", &b) : NULL;
+    const char *path = model ? field_string(req, "path", 0, "body", &b) : NULL;
+    double share = 0;
+    int r = model && !b.msg[0] && !fields_only(req, fields[what], NULL, &b)
+        ? field_number(req, "share", 0, 1, 0, &share, &b)
+        : -1;
+    if (what == 0 && r == 0 && !b.msg[0])
+        r = request_fail(&b, 400, "share", "'share' (0 to 1) is the canary's part of the traffic");
+    if (r < 0 || b.msg[0]) {
+        cJSON_Delete(req);
+        return http_error(srv, con, b.status ? b.status : 400, b.param, NULL, "%s", b.msg);
+    }
+    char err[1024];
+    unsigned st = what == 0 ? served_canary(srv, model, path, share, err, sizeof err)
+        : what == 1         ? served_promote(srv, model, err, sizeof err)
+                            : served_rollback(srv, model, err, sizeof err);
+    cJSON_Delete(req);
+    if (st)
+        return http_error(srv, con, st, "model", NULL, "%s", err);
+    cJSON *o = cJSON_CreateObject(), *a = cJSON_AddArrayToObject(o, "canaries");
+    pthread_mutex_lock(&srv->live_lock);
+    for (int i = 0; i < srv->n_canaries; i++) {
+        cJSON *c = cJSON_CreateObject();
+        json_add_text(c, "model", srv->canaries[i].model, strlen(srv->canaries[i].model));
+        json_add_text(c, "path", srv->canaries[i].path, strlen(srv->canaries[i].path));
+        cJSON_AddNumberToObject(c, "share", srv->canaries[i].share);
+        cJSON_AddItemToArray(a, c);
+    }
+    pthread_mutex_unlock(&srv->live_lock);
+    return http_send_json(con, 200, o);
+}
+
+static enum MHD_Result route_canary(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return route_versions(srv, con, rc, 0);
+}
+
+static enum MHD_Result route_promote(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return route_versions(srv, con, rc, 1);
+}
+
+static enum MHD_Result route_rollback(server *srv, struct MHD_Connection *con, const route_call *rc)
+{
+    return route_versions(srv, con, rc, 2);
+}
+
 static enum MHD_Result route_completions(server *srv, struct MHD_Connection *con,
                                          const route_call *rc)
 {
@@ -469,6 +533,9 @@ static const route routes[] = {
     {"GET", "/health", ACCESS_ANYONE, 0, 0, route_health, NULL},
     {"GET", "/metrics", ACCESS_METRICS, 0, 0, route_metrics, NULL},
     {"POST", "/admin/reload", ACCESS_ADMIN, 0, 0, route_reload, NULL},
+    {"POST", "/admin/models/canary", ACCESS_ADMIN, 1, 0, route_canary, NULL},
+    {"POST", "/admin/models/promote", ACCESS_ADMIN, 1, 0, route_promote, NULL},
+    {"POST", "/admin/models/rollback", ACCESS_ADMIN, 1, 0, route_rollback, NULL},
     {"GET", "/", ACCESS_ANYONE, 0, 0, route_webui, webui_on},
 };
 #define N_ROUTES (sizeof routes / sizeof *routes)
@@ -590,7 +657,7 @@ enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *ur
         pthread_mutex_unlock(&srv->count_lock);
         conn_guard_headers_done(con);
         enum MHD_Result r = route_request(srv, con, cs, url, method);
-        http_anthropic_errors = 0;
+        http_anthropic_errors = 0, http_version = NULL;
         if (!cs->to) /* answered from the headers: no body to wait for */
             conn_guard_body_done(con);
         return r;
@@ -617,6 +684,6 @@ enum MHD_Result on_request(void *cls, struct MHD_Connection *con, const char *ur
         cs->call.body = cs->body, cs->call.len = cs->len;
         r = cs->to->handler(srv, con, &cs->call);
     }
-    http_anthropic_errors = 0;
+    http_anthropic_errors = 0, http_version = NULL;
     return r;
 }

@@ -76,6 +76,9 @@ void job_on_event(void *user, const loom_event *ev)
         c->reasoning_tokens = ev->reasoning_tokens;
         if (ev->kind == LOOM_EVENT_ERROR)
             snprintf(c->error, sizeof c->error, "%s", ev->error ? ev->error : "generation failed");
+        /* a failure of the version it ran on, unless the server's load ended it */
+        if (ev->kind == LOOM_EVENT_ERROR && j->version && !ev->busy && !ev->deadline)
+            __atomic_add_fetch(&j->version->failures, 1, __ATOMIC_RELAXED);
     }
     pthread_cond_broadcast(&j->cv);
     int last = ev->kind != LOOM_EVENT_TEXT;

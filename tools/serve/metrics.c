@@ -224,6 +224,27 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
            "Connections closed to make room for a new one when every slot was taken.", " %llu",
            (unsigned long long)conn_guard_evicted(srv->guard));
 #undef METRIC
+    /* each model version requests were routed to (a canary beside the stable one) */
+    pthread_mutex_lock(&srv->live_lock);
+    for (int m = 0; m < 2; m++) {
+        static const char *const names[] = {"loom_model_version_requests_total",
+                                            "loom_model_version_failures_total"};
+        static const char *const helps[] = {
+            "Requests routed to a model's version (since it became that version)",
+            "Of them, answered with an error (429 and 504, the server's load, not counted)"};
+        int k = snprintf(line, sizeof line, "# HELP %s %s.\n# TYPE %s counter\n", names[m],
+                         helps[m], names[m]);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+        for (int i = 0; i < srv->n_versions; i++) {
+            const version_stats *v = &srv->versions[i];
+            k = snprintf(line, sizeof line, "%s{model=\"%s\",version=\"%s\"} %llu\n", names[m],
+                         v->model, v->canary ? "canary" : "stable",
+                         (unsigned long long)__atomic_load_n(m ? &v->failures : &v->routed,
+                                                             __ATOMIC_RELAXED));
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+    }
+    pthread_mutex_unlock(&srv->live_lock);
     enum MHD_Result ok = http_send_text(con, 200, "text/plain; version=0.0.4", out ? out : "");
     free(out);
     return ok;

@@ -83,6 +83,7 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     pthread_mutex_init(&j->mu, NULL);
     pthread_cond_init(&j->cv, NULL);
     j->srv = srv, j->sv = sv; /* the job holds the model's reference from here */
+    j->version = http_version;
     j->tenant = who;
     j->api = api, j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
@@ -206,6 +207,9 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     }
     MHD_add_response_header(resp, "Content-Type", "text/event-stream");
     MHD_add_response_header(resp, "Cache-Control", "no-cache");
+    if (j->version)
+        MHD_add_response_header(resp, "X-Loom-Model-Version",
+                                j->version->canary ? "canary" : "stable");
     enum MHD_Result ok = MHD_queue_response(con, 200, resp);
     MHD_destroy_response(resp);
     return ok;
@@ -235,6 +239,7 @@ int loom_serve_main(int argc, char **argv)
          block = loom_default_block_size(), max_body = 1 << 20, drain_s = 10, max_conn = 512,
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
          draft_layers = 0, reasoning_budget = 0, models_max = 2;
+    float canary_max_failures = 0.05f;
     const char *added_items[SERVE_MAX_MODELS], *models_dir = NULL;
     loom_flag_list added = {added_items, 0, SERVE_MAX_MODELS};
     const char *draft = NULL;
@@ -279,6 +284,9 @@ int loom_serve_main(int argc, char **argv)
         {"--models-dir", NULL, LOOM_FLAG_TEXT, &models_dir, 0, 0, "DIR",
          "... every *.gguf file (named by its stem) and Hugging Face folder\n"
          "in DIR as another model"},
+        {"--canary-max-failures", NULL, LOOM_FLAG_FLOAT, &canary_max_failures, 0, 1, "F",
+         "a canary (POST /admin/models/canary) that fails more than this share\n"
+         "of at least 20 requests is rolled back (default 0.05)"},
         {"--models-max", NULL, LOOM_FLAG_LONG, &models_max, 1, 64, "N",
          "other models loaded at once; past it the least recently used one\n"
          "no request holds is unloaded (default 2)"},
@@ -549,6 +557,7 @@ int loom_serve_main(int argc, char **argv)
     pthread_mutex_init(&srv.reload_lock, NULL);
     pthread_cond_init(&srv.slots_cv, NULL);
     srv.models_max = (int)models_max;
+    srv.canary_max_failures = canary_max_failures;
     int bad_models = models_dir && served_add_dir(&srv, models_dir, err, sizeof err);
     for (int i = 0; i < added.n && !bad_models; i++) {
         const char *eq = strchr(added.items[i], '=');
@@ -667,6 +676,8 @@ int loom_serve_main(int argc, char **argv)
     for (int i = 0; i < srv.n_slots; i++)
         if (srv.slots[i].live)
             loom_engine_stop(srv.slots[i].live->engine, (int)drain_s * 1000);
+    for (int i = 0; i < srv.n_canaries; i++)
+        loom_engine_stop(srv.canaries[i].sv->engine, (int)drain_s * 1000);
     /* every job is done now; give the connections a moment to send their last bytes (an idle
      * keep-alive connection just waits out the moment) before the daemon closes them */
     for (int waited = 0; waited < 3000; waited += 20) {
@@ -691,6 +702,11 @@ int loom_serve_main(int argc, char **argv)
         free(srv.slots[i].name), free(srv.slots[i].path);
     }
     free(srv.slots);
+    for (int i = 0; i < srv.n_canaries; i++) {
+        served_free(srv.canaries[i].sv);
+        free(srv.canaries[i].model), free(srv.canaries[i].path);
+    }
+    free(srv.promoted_path), free(srv.promoted_name);
     pthread_mutex_unlock(&srv.reload_lock);
     pthread_mutex_destroy(&srv.count_lock);
     sem_destroy(&srv.parsing);

@@ -9,12 +9,14 @@
 
 #include "tools/openai_fields.h"
 
+#include <assert.h>
 #include <dirent.h>
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 /* The model new requests run on, held until release. */
 served *served_acquire(server *srv)
@@ -295,62 +297,243 @@ static int unload_one(server *srv)
     return 1;
 }
 
-unsigned served_acquire_named(server *srv, const char *name, served **out, char *err,
-                              size_t err_size)
+/* The counts of model's stable or canary version, added on first use (live_lock held). */
+static version_stats *version_of(server *srv, const char *model, int is_canary)
+{
+    for (int i = 0; i < srv->n_versions; i++)
+        if (srv->versions[i].canary == is_canary && !strcmp(srv->versions[i].model, model))
+            return &srv->versions[i];
+    assert(srv->n_versions < (int)(sizeof srv->versions / sizeof *srv->versions));
+    version_stats *v = &srv->versions[srv->n_versions++];
+    snprintf(v->model, sizeof v->model, "%s", model);
+    v->canary = is_canary;
+    return v;
+}
+
+static canary *canary_of(server *srv, const char *model)
+{
+    for (int i = 0; i < srv->n_canaries; i++)
+        if (!strcmp(srv->canaries[i].model, model))
+            return &srv->canaries[i];
+    return NULL;
+}
+
+/* Ends canary c (live_lock held): its model retired (the main thread frees it), its slot
+ * emptied; its counts start again for the next one. */
+static void canary_end(server *srv, canary *c)
+{
+    version_stats *v = version_of(srv, c->model, 1);
+    __atomic_store_n(&v->routed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&v->failures, 0, __ATOMIC_RELAXED);
+    if (c->sv) {
+        c->sv->refs--; /* the server's */
+        c->sv->next = srv->retired;
+        srv->retired = c->sv;
+    }
+    free(c->model), free(c->path);
+    *c = srv->canaries[--srv->n_canaries];
+}
+
+unsigned served_acquire_named(server *srv, const char *name, uint64_t route_key, served **out,
+                              char *err, size_t err_size)
 {
     pthread_mutex_lock(&srv->live_lock);
+    served *stable;
+    const char *model;
     if (!name || !strcmp(name, srv->live->api.model_name)) {
-        srv->live->refs++;
-        *out = srv->live;
-        pthread_mutex_unlock(&srv->live_lock);
-        return 0;
+        stable = srv->live;
+        model = stable->api.model_name;
+    } else {
+        model_slot *s = NULL;
+        for (int i = 0; i < srv->n_slots && !s; i++)
+            if (!strcmp(srv->slots[i].name, name))
+                s = &srv->slots[i];
+        if (!s) {
+            size_t at = (size_t)snprintf(err, err_size,
+                                         "The model '%.200s' does not exist; this server has '%s'",
+                                         name, srv->live->api.model_name);
+            for (int i = 0; i < srv->n_slots && at < err_size; i++)
+                at += (size_t)snprintf(err + at, err_size - at, ", '%s'", srv->slots[i].name);
+            pthread_mutex_unlock(&srv->live_lock);
+            return 404;
+        }
+        while (s->loading)
+            pthread_cond_wait(&srv->slots_cv, &srv->live_lock);
+        if (!s->live) {
+            int loaded = 0;
+            for (int i = 0; i < srv->n_slots; i++)
+                loaded += srv->slots[i].live != NULL;
+            if (loaded >= srv->models_max && !unload_one(srv)) {
+                snprintf(err, err_size,
+                         "'%s' is not loaded, and the %d models that may be (--models-max) are "
+                         "all answering requests; try again shortly",
+                         name, srv->models_max);
+                pthread_mutex_unlock(&srv->live_lock);
+                return 503;
+            }
+            s->loading = 1;
+            pthread_mutex_unlock(&srv->live_lock);
+            fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
+            char why[1024];
+            served *sv = served_open(srv, s->path, s->name, why, sizeof why);
+            pthread_mutex_lock(&srv->live_lock);
+            s->loading = 0, s->live = sv;
+            pthread_cond_broadcast(&srv->slots_cv);
+            if (!sv) {
+                snprintf(err, err_size, "loading the model '%s' (%s) failed: %s", name, s->path,
+                         why);
+                pthread_mutex_unlock(&srv->live_lock);
+                fprintf(stderr, "loom serve: %s\n", err);
+                return 503;
+            }
+        }
+        s->used = ++srv->use_clock;
+        stable = s->live;
+        model = s->name;
     }
-    model_slot *s = NULL;
-    for (int i = 0; i < srv->n_slots && !s; i++)
+    /* a canary takes its share, unless it has failed too often */
+    served *sv = stable;
+    canary *c = canary_of(srv, model);
+    int to_canary = c && (double)(route_key >> 11) * 0x1p-53 < c->share;
+    version_stats *v = version_of(srv, model, to_canary);
+    uint64_t routed = __atomic_load_n(&v->routed, __ATOMIC_RELAXED);
+    uint64_t failures = __atomic_load_n(&v->failures, __ATOMIC_RELAXED);
+    if (to_canary && routed >= 20 && (double)failures > srv->canary_max_failures * (double)routed) {
+        fprintf(stderr,
+                "loom serve: the canary of %s (%s) failed %llu of %llu requests, past "
+                "--canary-max-failures %g: rolled back\n",
+                model, c->path, (unsigned long long)failures, (unsigned long long)routed,
+                srv->canary_max_failures);
+        canary_end(srv, c);
+        to_canary = 0;
+        v = version_of(srv, model, 0);
+    } else if (to_canary) {
+        sv = c->sv;
+    }
+    sv->refs++;
+    __atomic_add_fetch(&v->routed, 1, __ATOMIC_RELAXED);
+    http_version = v;
+    *out = sv;
+    pthread_mutex_unlock(&srv->live_lock);
+    return 0;
+}
+
+/* the model name a request's name stands for (live_lock held): the first's, a slot's, or NULL */
+static const char *model_named(server *srv, const char *name)
+{
+    if (!strcmp(name, srv->live->api.model_name))
+        return srv->live->api.model_name;
+    for (int i = 0; i < srv->n_slots; i++)
         if (!strcmp(srv->slots[i].name, name))
-            s = &srv->slots[i];
-    if (!s) {
-        size_t at = (size_t)snprintf(err, err_size,
-                                     "The model '%.200s' does not exist; this server has '%s'",
-                                     name, srv->live->api.model_name);
-        for (int i = 0; i < srv->n_slots && at < err_size; i++)
-            at += (size_t)snprintf(err + at, err_size - at, ", '%s'", srv->slots[i].name);
+            return srv->slots[i].name;
+    return NULL;
+}
+
+unsigned served_canary(server *srv, const char *model, const char *path, double share, char *err,
+                       size_t err_size)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    const char *name = model_named(srv, model);
+    canary *c = name ? canary_of(srv, name) : NULL;
+    unsigned st = !name                               ? 404
+        : c && path                                   ? 409
+        : !c && !path                                 ? 400
+        : !c && srv->n_canaries == SERVE_MAX_CANARIES ? 409
+                                                      : 0;
+    if (st)
+        snprintf(err, err_size, "%s",
+                 st == 404       ? "no model of that name"
+                     : st == 400 ? "no canary of that model to change: give 'path' to start one"
+                     : c         ? "that model has a canary already: promote or roll it back first"
+                                 : "too many canaries at once");
+    if (!st && c) /* its share changes */
+        c->share = share;
+    char *owned_name = !st && !c ? strdup(name) : NULL;
+    pthread_mutex_unlock(&srv->live_lock);
+    if (st || c)
+        return st;
+    char why[1024];
+    served *sv = owned_name ? served_open(srv, path, owned_name, why, sizeof why) : NULL;
+    if (!sv) {
+        snprintf(err, err_size, "loading the canary %s failed: %s", path,
+                 owned_name ? why : "out of memory");
+        free(owned_name);
+        return 422;
+    }
+    pthread_mutex_lock(&srv->live_lock);
+    canary *n = &srv->canaries[srv->n_canaries++];
+    *n = (canary){.model = owned_name, .path = strdup(path), .sv = sv, .share = share};
+    sv->api.model_name = n->model; /* the served name outlives the request that named it */
+    version_stats *v = version_of(srv, owned_name, 1);
+    __atomic_store_n(&v->routed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&v->failures, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&srv->live_lock);
+    fprintf(stderr, "loom serve: %s has a canary, %s, taking %.0f%% of its requests\n", model, path,
+            100 * share);
+    return 0;
+}
+
+unsigned served_rollback(server *srv, const char *model, char *err, size_t err_size)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    const char *name = model_named(srv, model);
+    canary *c = name ? canary_of(srv, name) : NULL;
+    if (c)
+        canary_end(srv, c);
+    pthread_mutex_unlock(&srv->live_lock);
+    if (!c)
+        snprintf(err, err_size, "%s has no canary", name ? name : "no model of that name:");
+    else
+        fprintf(stderr, "loom serve: the canary of %s was rolled back\n", model);
+    return c ? 0 : 404;
+}
+
+unsigned served_promote(server *srv, const char *model, char *err, size_t err_size)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    const char *name = model_named(srv, model);
+    canary *c = name ? canary_of(srv, name) : NULL;
+    if (!c) {
         pthread_mutex_unlock(&srv->live_lock);
+        snprintf(err, err_size, "%s has no canary", name ? name : "no model of that name:");
         return 404;
     }
-    while (s->loading)
-        pthread_cond_wait(&srv->slots_cv, &srv->live_lock);
-    if (!s->live) {
-        int loaded = 0;
-        for (int i = 0; i < srv->n_slots; i++)
-            loaded += srv->slots[i].live != NULL;
-        if (loaded >= srv->models_max && !unload_one(srv)) {
-            snprintf(err, err_size,
-                     "'%s' is not loaded, and the %d models that may be (--models-max) are all "
-                     "answering requests; try again shortly",
-                     name, srv->models_max);
+    version_stats *v = version_of(srv, name, 0); /* (name is the old version's until below) */
+    __atomic_store_n(&v->routed, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&v->failures, 0, __ATOMIC_RELAXED);
+    served *old;
+    if (name == srv->live->api.model_name) { /* the first model: later reloads read its file */
+        char *kept = strdup(c->model);
+        if (!kept) {
             pthread_mutex_unlock(&srv->live_lock);
-            return 503;
+            snprintf(err, err_size, "out of memory");
+            return 500;
         }
-        s->loading = 1;
-        pthread_mutex_unlock(&srv->live_lock);
-        fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
-        char why[1024];
-        served *sv = served_open(srv, s->path, s->name, why, sizeof why);
-        pthread_mutex_lock(&srv->live_lock);
-        s->loading = 0, s->live = sv;
-        pthread_cond_broadcast(&srv->slots_cv);
-        if (!sv) {
-            snprintf(err, err_size, "loading the model '%s' (%s) failed: %s", name, s->path, why);
-            pthread_mutex_unlock(&srv->live_lock);
-            fprintf(stderr, "loom serve: %s\n", err);
-            return 503;
-        }
+        old = srv->live;
+        srv->live = c->sv;
+        free(srv->promoted_path), free(srv->promoted_name);
+        srv->model_path = srv->promoted_path = c->path;
+        c->sv->api.model_name = srv->name_flag = srv->promoted_name = kept;
+    } else {
+        model_slot *s = NULL;
+        for (int i = 0; i < srv->n_slots && !s; i++)
+            if (srv->slots[i].name == name)
+                s = &srv->slots[i];
+        old = s->live;
+        s->live = c->sv;
+        free(s->path);
+        s->path = c->path;
+        c->sv->api.model_name = s->name;
     }
-    s->live->refs++;
-    s->used = ++srv->use_clock;
-    *out = s->live;
+    c->path = NULL, c->sv = NULL;
+    if (old) {
+        old->refs--; /* the server's */
+        old->next = srv->retired;
+        srv->retired = old;
+    }
+    canary_end(srv, c);
     pthread_mutex_unlock(&srv->live_lock);
+    fprintf(stderr, "loom serve: the canary of %s was promoted: it is the model now\n", model);
     return 0;
 }
 
@@ -365,9 +548,20 @@ cJSON *served_parse_and_acquire(server *srv, const char *body, size_t len, size_
     if (!req)
         return NULL;
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(req, "model");
+    const cJSON *seed = cJSON_GetObjectItemCaseSensitive(req, "seed");
+    /* between a model's versions: a seed goes the same way each time, the rest at random */
+    static uint64_t counter;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    uint64_t key = cJSON_IsNumber(seed)
+        ? (uint64_t)seed->valuedouble
+        : (uint64_t)now.tv_nsec ^ __atomic_add_fetch(&counter, 1, __ATOMIC_RELAXED) << 32;
+    key = (key + 0x9e3779b97f4a7c15ull) * 0xbf58476d1ce4e5b9ull; /* splitmix64's mixing */
+    key = (key ^ (key >> 27)) * 0x94d049bb133111ebull;
+    key ^= key >> 31;
     char why[1024];
-    unsigned st = served_acquire_named(srv, cJSON_IsString(model) ? model->valuestring : NULL, sv,
-                                       why, sizeof why);
+    unsigned st = served_acquire_named(srv, cJSON_IsString(model) ? model->valuestring : NULL, key,
+                                       sv, why, sizeof why);
     if (st) {
         request_fail(b, st, "model", "%s", why);
         b->code = st == 404 ? "model_not_found" : NULL;

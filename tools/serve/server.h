@@ -71,6 +71,26 @@ typedef struct model_slot {
 } model_slot;
 
 #define SERVE_MAX_MODELS 64
+#define SERVE_MAX_CANARIES 8
+
+/* A version of a model, as requests were routed to it (for /metrics and the canary's
+ * automatic rollback): counted since it became that model's stable or canary version. */
+typedef struct version_stats {
+    char model[160];
+    int canary;                /* 1: the canary, 0: the stable version */
+    uint64_t routed, failures; /* atomics: requests sent to it; of them, answered with an
+                                  error (429 and 504, the server's load, are not its failures) */
+} version_stats;
+
+/* A new version of a model beside its current one (POST /admin/models/canary): share of the
+ * requests that name the model go to it (by their seed's hash, so a seed goes the same way each
+ * time); promoted, it becomes the model; rolled back, by hand or when its failures pass
+ * --canary-max-failures of at least 20 requests, it is unloaded. */
+typedef struct canary {
+    char *model, *path;
+    served *sv;
+    double share;
+} canary;
 
 typedef struct server {
     openai_model api;  /* the first model's settings, which a reload keeps (its model: live's) */
@@ -78,10 +98,17 @@ typedef struct server {
     int n_slots, models_max;
     pthread_cond_t slots_cv;
     uint64_t use_clock;
+    canary canaries[SERVE_MAX_CANARIES]; /* under live_lock */
+    int n_canaries;
+    double canary_max_failures;
+    version_stats versions[2 * (SERVE_MAX_MODELS + 1)]; /* found or added under live_lock */
+    int n_versions;
     served *live, *retired; /* under live_lock */
     pthread_mutex_t live_lock;
     pthread_mutex_t reload_lock; /* one reload at a time */
     const char *model_path;
+    char *promoted_path, *promoted_name; /* the first model's file and name since a canary
+                                            was promoted (owned) */
     loom_model_options mo;
     loom_engine_options eo;
     const char *draft_path; /* the drafter's file (--draft, or the model's with --draft-layers) */
@@ -181,6 +208,7 @@ typedef struct job {
     int32_t prompt_last;       /* what the first generated token follows (its text depends on it) */
     const char *grammar_param; /* the request field its grammar came from (a 400 names it) */
     int tenant;                /* whose key (--api-keys), 0: no tenant */
+    version_stats *version;    /* the version of the model it was routed to */
 } job;
 
 typedef struct event_target {
@@ -197,6 +225,9 @@ typedef struct event_target {
 /* the error shape of the route this thread answers: Anthropic's for its API, OpenAI's
  * otherwise (set by http.c around each handler; libmicrohttpd runs one call at a time a thread) */
 extern _Thread_local int http_anthropic_errors;
+/* the model version the request this thread answers was routed to (served_parse_and_acquire):
+ * its answers carry X-Loom-Model-Version, and its errors count as the version's failures */
+extern _Thread_local version_stats *http_version;
 enum MHD_Result http_send_text(struct MHD_Connection *con, unsigned status, const char *type,
                                const char *body);
 enum MHD_Result http_send_json(struct MHD_Connection *con, unsigned status, cJSON *o);
@@ -264,16 +295,23 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
 
 /* served.c */
 served *served_acquire(server *srv);
-/* The model a request names (NULL: the first), loaded if it is not, held until release: 0, or
- * an HTTP status (404: no such model, 503: it failed to load or no room) with err. */
-unsigned served_acquire_named(server *srv, const char *name, served **out, char *err,
-                              size_t err_size);
+/* The model a request names (NULL: the first), loaded if it is not, or its canary for the
+ * requests whose route_key (a uniform 64-bit number) falls in its share; held until release: 0,
+ * or an HTTP status (404: no such model, 503: it failed to load or no room) with err. */
+unsigned served_acquire_named(server *srv, const char *name, uint64_t route_key, served **out,
+                              char *err, size_t err_size);
 /* A request's body parsed as JSON (strictly, max_values values at most: the caller's budget
  * for the first model's context) and the model its "model" names acquired into *sv (the first
  * when it names none: the request's parser then says what is missing): the JSON, or NULL with
  * b filled (an unknown model 404, one that cannot load 503). */
 cJSON *served_parse_and_acquire(server *srv, const char *body, size_t len, size_t max_values,
                                 served **sv, bad *b);
+/* POST /admin/models/canary, /promote, /rollback: the version changes, 0, or an HTTP status
+ * with err */
+unsigned served_canary(server *srv, const char *model, const char *path, double share, char *err,
+                       size_t err_size);
+unsigned served_promote(server *srv, const char *model, char *err, size_t err_size);
+unsigned served_rollback(server *srv, const char *model, char *err, size_t err_size);
 /* adds the model at path as name (a slot, loaded on first use): 0, or -1 with err */
 int served_add(server *srv, const char *name, const char *path, char *err, size_t err_size);
 /* every *.gguf file (named by its stem) and Hugging Face folder (by its name) in dir */
