@@ -136,4 +136,8 @@ int loom_text_stream_push(loom_text_stream *ts, const char *bytes, size_t n);
 void loom_text_stream_flush(loom_text_stream *ts);
 void loom_text_stream_free(loom_text_stream *ts);
 
+/* The model's file, as an xxh3 of its whole GGUF (a second or so for several GB): what a saved
+ * prefix cache is checked against. */
+uint64_t loom_model_fingerprint(const loom_model *m);
+
 #endif

@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -563,6 +564,11 @@ const char *loom_model_weight_type(const loom_model *m)
 int loom_model_extends_cache(const loom_model *m)
 {
     return !loom_runner_has_prefix(m->runner);
+}
+
+uint64_t loom_model_fingerprint(const loom_model *m)
+{
+    return XXH3_64bits(m->gguf.map, (size_t)m->gguf.size);
 }
 
 const char *loom_model_name(const loom_model *m)

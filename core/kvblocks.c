@@ -326,6 +326,77 @@ void loom_kvblocks_advance(loom_kvblocks *kv, loom_kvseq *seq, const int32_t *to
     }
 }
 
+/* ---- keeping the prefix cache across restarts ------------------------------------------------ */
+
+/* Whether block i's chain is whole: every link's parent is hashed and still the block it was
+ * (its generation), back to a first block. */
+static int chain_whole(const loom_kvblocks *kv, int32_t i, int32_t *depth)
+{
+    int32_t d = 0;
+    for (; kv->b[i].parent >= 0; d++) {
+        const kv_block *x = &kv->b[i];
+        if (!kv->b[x->parent].hashed || kv->b[x->parent].gen != x->parent_gen || d > kv->n)
+            return 0;
+        i = x->parent;
+    }
+    *depth = d;
+    return 1;
+}
+
+int32_t loom_kvblocks_prefixes(const loom_kvblocks *kv, int32_t *order, int32_t *parent_index,
+                               uint64_t *partition)
+{
+    int32_t n = 0;
+    int32_t *depth = malloc((size_t)kv->n * sizeof *depth),
+            *at = malloc((size_t)kv->n * sizeof *at);
+    if (!depth || !at) {
+        free(depth), free(at);
+        return -1;
+    }
+    int32_t max_depth = 0;
+    for (int32_t i = 0; i < kv->n; i++) {
+        depth[i] = -1;
+        if (kv->b[i].hashed && chain_whole(kv, i, &depth[i]) && depth[i] > max_depth)
+            max_depth = depth[i];
+    }
+    for (int32_t d = 0; d <= max_depth; d++) /* each after its parent */
+        for (int32_t i = 0; i < kv->n; i++)
+            if (depth[i] == d) {
+                at[i] = n;
+                order[n] = i;
+                parent_index[n] = kv->b[i].parent >= 0 ? at[kv->b[i].parent] : -1;
+                partition[n] = kv->b[i].partition;
+                n++;
+            }
+    free(depth), free(at);
+    return n;
+}
+
+const int32_t *loom_kvblocks_tokens(const loom_kvblocks *kv, int32_t block)
+{
+    assert(block >= 0 && block < kv->n && kv->b[block].hashed);
+    return kv->tokens + (size_t)block * (size_t)kv->bs;
+}
+
+int32_t loom_kvblocks_restore(loom_kvblocks *kv, int32_t parent, uint64_t partition,
+                              const int32_t *ids)
+{
+    if (kv->n_free == 0) /* restoring never evicts what it restored before */
+        return -1;
+    assert(parent < 0 || (parent < kv->n && kv->b[parent].hashed));
+    uint64_t h = chain_hash(parent >= 0 ? kv->b[parent].hash : CHAIN_SEED ^ partition, ids, kv->bs);
+    if (table_find(kv, h, parent, partition, ids) >= 0)
+        return -1; /* held already */
+    int32_t i = grab(kv);
+    kv_block *x = &kv->b[i];
+    x->hashed = 1, x->hash = h, x->parent = parent, x->partition = partition;
+    x->parent_gen = parent >= 0 ? kv->b[parent].gen : 0;
+    memcpy(kv->tokens + (size_t)i * (size_t)kv->bs, ids, (size_t)kv->bs * sizeof *ids);
+    table_insert(kv, i);
+    drop_ref(kv, i); /* unowned: cached, for the first prompt that starts so */
+    return i;
+}
+
 int loom_kvblocks_fork(loom_kvblocks *kv, const loom_kvseq *src, loom_kvseq *dst)
 {
     if (dst->n_blocks)

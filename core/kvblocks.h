@@ -99,6 +99,17 @@ int32_t loom_kvblocks_slot(const loom_kvblocks *kv, const loom_kvseq *seq, int32
 
 loom_kvstats loom_kvblocks_stats(const loom_kvblocks *kv);
 
+/* Keeping the prefix cache across restarts (the engine, with no sequence running): the cached
+ * prefixes' blocks, each after its parent (n <= n_blocks of them: order[k] a block, its parent's
+ * place k' < k in order or -1, its partition), or -1 when out of memory; a hashed block's
+ * block_size token ids; and a block registered back as cached, its K/V the caller's to write:
+ * the block, or -1 when no free block is left or that prefix is held already. */
+int32_t loom_kvblocks_prefixes(const loom_kvblocks *kv, int32_t *order, int32_t *parent_index,
+                               uint64_t *partition);
+const int32_t *loom_kvblocks_tokens(const loom_kvblocks *kv, int32_t block);
+int32_t loom_kvblocks_restore(loom_kvblocks *kv, int32_t parent, uint64_t partition,
+                              const int32_t *ids);
+
 /* Checks every invariant against the live sequences (reference counts, lists, hash table).
  * Returns NULL when consistent, else a description of the first problem. For tests. */
 const char *loom_kvblocks_verify(const loom_kvblocks *kv, const loom_kvseq *const *seqs,

@@ -597,6 +597,16 @@ int32_t loom_runner_block_size(const loom_runner *r)
     return r->opt.block_size;
 }
 
+loom_dtype loom_runner_kv_type(const loom_runner *r)
+{
+    return r->opt.kv_type;
+}
+
+int loom_runner_is_stage(const loom_runner *r)
+{
+    return r->opt.link != NULL;
+}
+
 uint64_t loom_runner_block_bytes(const loom_runner *r)
 {
     return r->kv_block * (r->hp.kv_values_in_keys ? 1 : 2) * (uint64_t)r->n_kv_layers;
@@ -640,6 +650,31 @@ int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, ch
                 }
             }
     free(staging);
+    return 0;
+}
+
+int loom_runner_block_io(loom_runner *r, int32_t block, void *host, int to_host, char *err,
+                         size_t err_size)
+{
+    const loom_backend_ops *ops = &r->dev->ops;
+    uint64_t size = r->kv_block;
+    unsigned char *at = host;
+    for (int l = r->layer0; l < r->layer_end; l++)
+        for (int kv = 0; kv < (r->hp.kv_values_in_keys ? 1 : 2); kv++) {
+            const loom_tensor *c = kv ? &r->vc[l] : &r->kc[l];
+            if (!c->buf) /* a recurrent layer */
+                continue;
+            assert(c->nb[3] == size);
+            uint64_t off = c->offset + (uint64_t)block * size;
+            loom_status st = to_host ? ops->copy_to_host(r->dev->be, at, r->kv, off, size)
+                                     : ops->copy_from_host(r->dev->be, r->kv, off, at, size);
+            if (st != LOOM_OK) {
+                snprintf(err, err_size, "%s KV block %d on %s: %s", to_host ? "reading" : "writing",
+                         block, r->dev->name, ops->last_error(r->dev->be));
+                return -1;
+            }
+            at += size;
+        }
     return 0;
 }
 

@@ -253,6 +253,10 @@ int32_t loom_runner_kv_blocks(const loom_runner *r);
 int32_t loom_runner_block_size(const loom_runner *r);
 /* Bytes of cache one block holds over all layers, K and V. */
 uint64_t loom_runner_block_bytes(const loom_runner *r);
+/* the KV cache's type (loom_runner_options.kv_type as the runner settled it) */
+loom_dtype loom_runner_kv_type(const loom_runner *r);
+/* whether it is one stage of a pipeline (its other layers' caches are elsewhere) */
+int loom_runner_is_stage(const loom_runner *r);
 /* Recurrent layers: state slots (0 for a model without such layers) and the bytes of one. */
 int32_t loom_runner_state_slots(const loom_runner *r);
 uint64_t loom_runner_state_bytes(const loom_runner *r);
@@ -262,6 +266,10 @@ int32_t loom_runner_state_position(const loom_runner *r, int32_t slot);
  * a speculative pass, and its restoring when a proposal is rejected. 0, or -1 with err. */
 int loom_runner_state_copy(loom_runner *r, int32_t from, int32_t to, char *err, size_t err_size);
 /* Copies whole blocks (every layer, K and V): copy on write for shared blocks. */
+/* Block `block`'s K/V, every layer the runner holds, copied to host (to_host) or from it:
+ * loom_runner_block_bytes bytes. 0, or -1 with err. */
+int loom_runner_block_io(loom_runner *r, int32_t block, void *host, int to_host, char *err,
+                         size_t err_size);
 int loom_runner_copy_blocks(loom_runner *r, const loom_kvcopy *copies, int n, char *err,
                             size_t err_size);
 

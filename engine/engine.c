@@ -129,6 +129,7 @@ static void retire_as(loom_engine *e, ereq *q, const char *finish, const char *e
                      .n_prompt = q->n_prompt,
                      .n_generated = q->n_generated,
                      .n_cached = q->n_cached,
+                     .n_cached_restored = q->n_cached_restored,
                      .ttft_ms = q->ttft_ms,
                      .queue_ms = q->queue_ms};
     if (q->ts.n_out && !error) {
@@ -366,6 +367,8 @@ static int plan_step(loom_engine *e, planned *plan, loom_kvcopy *copies, int *n_
             q->admitted = 1;
             q->queue_ms = now - q->s.t_submit;
             q->n_cached = hit;
+            q->n_cached_restored = engine_restored_tokens(e, q, hit);
+            e->restored_hit_tokens += (uint64_t)q->n_cached_restored;
             e->n_prompt += (uint64_t)q->n_prompt;
             e->n_hit += (uint64_t)hit;
         }
@@ -598,6 +601,8 @@ static void publish_stats(loom_engine *e)
     s->deadline_waiting = e->n_deadline_waiting, s->deadline_running = e->n_deadline_running;
     s->max_queue = e->max_queue;
     s->drafted = e->n_drafted, s->accepted = e->n_accepted;
+    s->prefix_blocks_restored = e->prefix_blocks_restored;
+    s->restored_hit_tokens = e->restored_hit_tokens;
     count_waiting_priorities(e, s);
     /* generated tokens per second over the last second or more of work */
     if (t - e->rate_t0 >= 1000) {
@@ -725,6 +730,7 @@ static void free_parts(loom_engine *e)
     free(e->step_buf), free(e->embedding), free(e->dstep_buf), free(e->dlogits), free(e->dwho);
     free(e->dstates);
     free(e->slot_taken), free(e->snapshots);
+    free(e->restored_gen), free(e->prefix_file);
     free(e);
 }
 
@@ -782,6 +788,10 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
         return NULL;
     }
     e->kv = loom_kvblocks_create(n_blocks, e->bs);
+    e->n_blocks = n_blocks;
+    e->restored_gen = malloc((size_t)n_blocks * sizeof *e->restored_gen);
+    if (e->restored_gen)
+        memset(e->restored_gen, 0xff, (size_t)n_blocks * sizeof *e->restored_gen);
     e->running = calloc((size_t)e->max_batch, sizeof *e->running);
     e->logits = malloc((size_t)e->n_vocab * sizeof *e->logits);
     size_t max_blocks = (size_t)(e->n_ctx + e->bs - 1) / (size_t)e->bs + 1;
@@ -798,7 +808,8 @@ loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char
     for (int32_t i = 0; e->snapshots && i < e->n_snapshots; i++)
         e->snapshots[i] = (struct state_snapshot){-1, -1, 0, 0};
     if (!e->kv || !e->running || !e->logits || !e->plan || !e->copies || !e->step_buf ||
-        !e->embedding || !e->slot_taken || !e->replay || !e->snapshots) {
+        !e->embedding || !e->slot_taken || !e->replay || !e->snapshots || !e->restored_gen ||
+        engine_restore_prefixes(e, o->prefix_file) != 0) {
         free_parts(e);
         snprintf(err, err_size, "out of memory");
         return NULL;

@@ -76,6 +76,7 @@ typedef struct ereq {
     /* the answer's thought (loom_request.reasoning): its text while the thought may still be
      * open, its tokens, and with a budget the closing tokens being forced (forcing: the next
      * one's index in the engine's think_close, -1 none; forced: they have been) */
+    int32_t n_cached_restored; /* of n_cached, in blocks restored from the saved cache */
     int reasoning, thought_closed, forced;
     int32_t reasoning_budget, thought_tokens, forcing;
     char *answer;
@@ -88,6 +89,14 @@ struct loom_engine {
     loom_tokenizer *tok;
     int32_t *think_close; /* "\n</think>\n\n" as this vocabulary writes it (the first budget
                              tokenizes it) */
+    /* the prefix cache kept across restarts (prefixes.c): its file, what became of it, and per
+     * block the generation it was restored at (~0: not restored), so that a hit on it counts as
+     * restored until the block is handed out anew */
+    char *prefix_file;
+    char prefix_status[600];
+    uint32_t *restored_gen;
+    int32_t n_blocks, prefix_blocks_restored;
+    uint64_t restored_hit_tokens;
     int32_t n_think_close;
     loom_kvblocks *kv;
     grammar_vocab *gvocab[2]; /* the vocabulary as bytes (with control tokens' text), made for
@@ -199,6 +208,10 @@ int engine_start_drafter(loom_engine *e, const loom_engine_options *o, char *err
 /* sample.c: q's next token from its logits row (0, or -1 when q ended); an embedding request's
  * n hidden-state rows added to its pool; its answer. */
 int engine_sample_next(loom_engine *e, ereq *q, float *logits);
+/* prefixes.c: restoring the saved prefix cache at start (0, or -1 out of memory), and of a
+ * request's hit, the tokens in restored blocks */
+int engine_restore_prefixes(loom_engine *e, const char *path);
+int32_t engine_restored_tokens(const loom_engine *e, const ereq *q, int32_t hit);
 /* frees a request the engine holds (its copies, grammar reference, buffers) */
 void engine_req_free(ereq *q);
 /* the closing tokens a thought budget forces, tokenized once; -1 with err */

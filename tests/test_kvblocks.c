@@ -211,6 +211,54 @@ static void test_partitions(void)
     free(shadow);
 }
 
+/* The prefix cache written out and read into another pool (a restart, engine/prefixes.c):
+ * every prefix each after its parent, and the new pool hits the same prompts, partitions kept,
+ * its content (copied block for block as the engine copies K/V) reading back. */
+static void test_keep_across_restart(void)
+{
+    loom_kvblocks *kv = loom_kvblocks_create(16, BS);
+    shadow = calloc(16 * BS, sizeof *shadow);
+    int32_t a[13] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13}, b[9] = {1, 2, 3, 4, 9, 9, 9, 9, 0};
+    loom_kvseq sa = {0}, sb = {0}, sp = {.partition = 7};
+    compute(kv, &sa, a, 13); /* 3 full blocks */
+    compute(kv, &sb, b, 9);  /* its first block shared with a's, a second of its own */
+    compute(kv, &sp, a, 9);  /* another partition's 2 blocks */
+    loom_kvblocks_release(kv, &sa), loom_kvblocks_release(kv, &sb), loom_kvblocks_release(kv, &sp);
+    int32_t order[16], parent[16];
+    uint64_t part[16];
+    int32_t n = loom_kvblocks_prefixes(kv, order, parent, part);
+    int parents_first = n == 6;
+    for (int32_t k = 0; k < n; k++)
+        parents_first &= parent[k] < k && (parent[k] >= 0 || k < 3);
+    CHECK(parents_first, "6 prefix blocks, each after its parent (%d)", n);
+    loom_kvblocks *back = loom_kvblocks_create(16, BS);
+    int64_t *old = shadow;
+    shadow = calloc(16 * BS, sizeof *shadow);
+    int32_t now[16];
+    for (int32_t k = 0; k < n; k++) {
+        now[k] = loom_kvblocks_restore(back, parent[k] >= 0 ? now[parent[k]] : -1, part[k],
+                                       loom_kvblocks_tokens(kv, order[k]));
+        CHECK(now[k] >= 0, "block %d restored", k);
+        memcpy(shadow + (size_t)now[k] * BS, old + (size_t)order[k] * BS, BS * sizeof *shadow);
+    }
+    CHECK(loom_kvblocks_restore(back, -1, 0, loom_kvblocks_tokens(kv, order[0])) < 0,
+          "a prefix held already is not restored twice");
+    loom_kvseq ra = {0}, rb = {0}, rp = {.partition = 7}, rq = {.partition = 8};
+    CHECK(loom_kvblocks_match(back, &ra, a, 13) == 12 && reads_back(back, &ra, a),
+          "a's 12 tokens hit in the new pool and read back");
+    CHECK(loom_kvblocks_match(back, &rb, b, 9) == 8 && reads_back(back, &rb, b),
+          "b's 8 (its own second block after the shared first)");
+    CHECK(loom_kvblocks_match(back, &rp, a, 9) == 8 && loom_kvblocks_match(back, &rq, a, 9) == 0,
+          "the other partition's blocks hit for it alone");
+    const loom_kvseq *live[] = {&ra, &rb, &rp, &rq};
+    CHECK(!loom_kvblocks_verify(back, live, 4), "the restored pool is consistent: %s",
+          loom_kvblocks_verify(back, live, 4));
+    loom_kvblocks_release(back, &ra), loom_kvblocks_release(back, &rb);
+    loom_kvblocks_release(back, &rp), loom_kvblocks_release(back, &rq);
+    loom_kvblocks_free(back), loom_kvblocks_free(kv);
+    free(shadow), free(old);
+}
+
 static uint64_t rng_state = 12345;
 static uint32_t rnd(uint32_t n)
 {
@@ -351,6 +399,7 @@ int main(void)
     test_unmatch();
     test_leaf_first();
     test_partitions();
+    test_keep_across_restart();
     test_random();
     return check_finish("test_kvblocks");
 }

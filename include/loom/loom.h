@@ -310,6 +310,10 @@ typedef struct loom_engine_options {
      * together: the width below which a step streams weights rather than computes (0: 16, a
      * CPU's; a GPU's is wider) */
     int32_t spec_rows;
+    /* the prefix cache kept across restarts: read back from this file at start when it holds
+     * this model's (loom_engine_prefix_status says what became of it), written by
+     * loom_engine_save_prefixes; NULL: none */
+    const char *prefix_file;
 } loom_engine_options;
 
 /* loom_engine_submit's answer when the queue is full: try again later */
@@ -362,6 +366,8 @@ typedef struct loom_event {
     /* a DONE event of a request with loom_request.reasoning: the tokens the model spent in its
      * thought (the closing tokens a budget forced not counted) */
     int32_t reasoning_tokens;
+    /* of n_cached, the prompt tokens found in blocks restored from the saved prefix cache */
+    int32_t n_cached_restored;
 } loom_event;
 
 /* Called on the engine thread (or, when a rank of a distributed job dies, once with the error
@@ -463,10 +469,20 @@ typedef struct loom_engine_stats {
      * slots, the last slot counts its priority and every worse one */
     int32_t n_waiting_priorities;
     int32_t waiting_priority[LOOM_STATS_PRIORITIES], waiting_count[LOOM_STATS_PRIORITIES];
+    /* the saved prefix cache (prefix_file): blocks restored at start, and prompt tokens found
+     * in them since */
+    int32_t prefix_blocks_restored;
+    uint64_t restored_hit_tokens;
 } loom_engine_stats;
 
 loom_engine *loom_engine_start(loom_model *m, const loom_engine_options *o, char *err,
                                size_t err_size);
+/* What became of loom_engine_options.prefix_file: restored (how much) or not used (why), or
+ * saved; "" without one. */
+const char *loom_engine_prefix_status(const loom_engine *e);
+/* Writes the prefix cache to loom_engine_options.prefix_file (beside, then renamed over it),
+ * after loom_engine_stop; a model with recurrent layers keeps none. 0, or -1 with err. */
+int loom_engine_save_prefixes(loom_engine *e, char *err, size_t err_size);
 /* Stops accepting, lets running and waiting requests finish for up to drain_ms, cancels the
  * rest (their callbacks get DONE "cancelled") and joins the thread. Submit and cancel stay safe
  * to call (submit refuses) until loom_engine_free. */

@@ -67,7 +67,7 @@ void job_on_event(void *user, const loom_event *ev)
         c->invalid = ev->invalid;
         c->n_generated = ev->n_generated;
         if (t->index == 0)
-            j->n_cached = ev->n_cached;
+            j->n_cached = ev->n_cached, j->n_cached_restored = ev->n_cached_restored;
         /* the engine's "cancelled" (cut off by a shutdown past its timeout) is no value OpenAI
          * clients know; "length" is theirs for an answer cut short */
         const char *why = ev->finish_reason ? ev->finish_reason : "stop";
@@ -118,6 +118,8 @@ static cJSON *usage_json(const job *j)
     cJSON_AddNumberToObject(u, "total_tokens", j->n_prompt + gen);
     cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
     cJSON_AddNumberToObject(d, "cached_tokens", j->n_cached);
+    if (j->srv->prompt_cache_dir) /* of them, from the cache kept across a restart */
+        cJSON_AddNumberToObject(d, "cached_tokens_restored", j->n_cached_restored);
     if (j->reasoning)
         cJSON_AddNumberToObject(cJSON_AddObjectToObject(u, "completion_tokens_details"),
                                 "reasoning_tokens", thought);

@@ -191,6 +191,12 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
     METRIC("loom_prefix_cache_hit_rate", "gauge", "Share of prompt tokens served from the cache.",
            " %.6f",
            s.prompt_tokens ? (double)s.cached_prompt_tokens / (double)s.prompt_tokens : 0.0);
+    METRIC("loom_prefix_cache_restored_blocks", "gauge",
+           "KV blocks of the prefix cache read back at start (--prompt-cache-dir).", " %d",
+           s.prefix_blocks_restored);
+    METRIC("loom_prefix_cache_restored_hit_tokens_total", "counter",
+           "Prompt tokens found in those restored blocks.", " %llu",
+           (unsigned long long)s.restored_hit_tokens);
     METRIC("loom_generation_tokens_per_second", "gauge", "Generated tokens per second, recently.",
            " %.3f", s.tokens_per_s);
     int k = snprintf(line, sizeof line,

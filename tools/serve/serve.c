@@ -240,6 +240,7 @@ int loom_serve_main(int argc, char **argv)
          max_per_client = 64, idle_s = 30, header_s = 10, body_s = 60, lookup = 0, draft_max = 0,
          draft_layers = 0, reasoning_budget = 0, models_max = 2;
     float canary_max_failures = 0.05f;
+    const char *prompt_cache_dir = NULL;
     const char *added_items[SERVE_MAX_MODELS], *models_dir = NULL;
     loom_flag_list added = {added_items, 0, SERVE_MAX_MODELS};
     const char *draft = NULL;
@@ -284,6 +285,9 @@ int loom_serve_main(int argc, char **argv)
         {"--models-dir", NULL, LOOM_FLAG_TEXT, &models_dir, 0, 0, "DIR",
          "... every *.gguf file (named by its stem) and Hugging Face folder\n"
          "in DIR as another model"},
+        {"--prompt-cache-dir", NULL, LOOM_FLAG_TEXT, &prompt_cache_dir, 0, 0, "DIR",
+         "keep each model's prefix cache there across restarts: saved when\n"
+         "the server stops, read back when it starts (the same model file only)"},
         {"--canary-max-failures", NULL, LOOM_FLAG_FLOAT, &canary_max_failures, 0, 1, "F",
          "a canary (POST /admin/models/canary) that fails more than this share\n"
          "of at least 20 requests is rolled back (default 0.05)"},
@@ -546,7 +550,9 @@ int loom_serve_main(int argc, char **argv)
                 draft ? draft : "");
     }
     loom_model *drafter;
-    loom_engine *engine = served_start_engine(&srv, m, 1, &drafter, err, sizeof err);
+    srv.prompt_cache_dir = prompt_cache_dir;
+    loom_engine *engine = served_start_engine(&srv, m, 1, srv.api.model_name, &drafter, err,
+                                              sizeof err);
     if (!engine) {
         fprintf(stderr, "loom serve: %s\n", err);
         loom_chat_format_free(&chat);
@@ -630,6 +636,8 @@ int loom_serve_main(int argc, char **argv)
         served_free(srv.live); /* the first model and its engine */
         return 1;
     }
+    if (prompt_cache_dir)
+        fprintf(stderr, "loom serve: prefix cache %s\n", loom_engine_prefix_status(engine));
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT);
     loom_engine_stats st = loom_engine_get_stats(engine);
     fprintf(stderr,
@@ -689,6 +697,17 @@ int loom_serve_main(int argc, char **argv)
     }
     MHD_stop_daemon(d);
     conn_guard_stop(srv.guard);
+    /* every engine has stopped: their prefix caches are kept for the next start */
+    for (int i = -1; prompt_cache_dir && i < srv.n_slots; i++) {
+        served *sv = i < 0 ? srv.live : srv.slots[i].live;
+        if (!sv)
+            continue;
+        if (loom_engine_save_prefixes(sv->engine, err, sizeof err) != 0)
+            fprintf(stderr, "loom serve: keeping %s's prefix cache failed: %s\n",
+                    sv->api.model_name, err);
+        else
+            fprintf(stderr, "loom serve: prefix cache %s\n", loom_engine_prefix_status(sv->engine));
+    }
     srv.live->refs--;
     srv.live->next = srv.retired;
     srv.retired = srv.live;

@@ -40,13 +40,24 @@ void served_release(server *srv, served *sv)
 /* ---- reload --------------------------------------------------------------------------------- */
 
 /* The engine for m and, for the first model (first), its drafter (opened here from srv's
- * drafter settings, if any: each engine needs its own; the other models have none), or NULL
- * with err. */
-loom_engine *served_start_engine(const server *srv, loom_model *m, int first, loom_model **drafter,
-                                 char *err, size_t err_size)
+ * drafter settings, if any: each engine needs its own; the other models have none), its prefix
+ * cache kept in --prompt-cache-dir as name (NULL: none), or NULL with err. */
+loom_engine *served_start_engine(const server *srv, loom_model *m, int first, const char *name,
+                                 loom_model **drafter, char *err, size_t err_size)
 {
     loom_engine_options eo = srv->eo;
     *drafter = NULL;
+    char cache_file[4096];
+    if (srv->prompt_cache_dir && name) { /* DIR/NAME.loomkv, NAME's odd bytes as '_' */
+        size_t at = (size_t)snprintf(cache_file, sizeof cache_file, "%s/", srv->prompt_cache_dir);
+        for (const char *c = name; *c && at + 8 < sizeof cache_file; c++)
+            cache_file[at++] = (*c >= 'a' && *c <= 'z') || (*c >= 'A' && *c <= 'Z') ||
+                    (*c >= '0' && *c <= '9') || *c == '-' || *c == '.'
+                ? *c
+                : '_';
+        snprintf(cache_file + at, sizeof cache_file - at, ".loomkv");
+        eo.prefix_file = cache_file;
+    }
     if (srv->draft_path && first) {
         char why[2048];
         if (!(*drafter = loom_model_open(srv->draft_path, &srv->dmo, why, sizeof why))) {
@@ -66,8 +77,8 @@ loom_engine *served_start_engine(const server *srv, loom_model *m, int first, lo
 /* The model file at path opened with the first one's options, checked with a two-token
  * generation, and its engine started: a model ready to take requests as name (NULL: the
  * first's name, or the file's), or NULL with err. */
-static served *served_open(server *srv, const char *path, const char *name, char *err,
-                           size_t err_size)
+static served *served_open(server *srv, const char *path, const char *name, int keeps_cache,
+                           char *err, size_t err_size)
 {
     loom_model *m = loom_model_open(path, &srv->mo, err, err_size);
     if (!m)
@@ -91,8 +102,9 @@ static served *served_open(server *srv, const char *path, const char *name, char
     sv->api.model_name = name ? name : srv->name_flag ? srv->name_flag : loom_model_name(m);
     if (loom_chat_format_choose(m, srv->tmpl_flag, srv->tmpl_file_flag, &sv->chat, err, err_size) !=
             0 ||
-        !(sv->engine = served_start_engine(srv, m, path == srv->model_path, &sv->drafter, err,
-                                           err_size))) {
+        !(sv->engine = served_start_engine(srv, m, path == srv->model_path,
+                                           keeps_cache ? sv->api.model_name : NULL, &sv->drafter,
+                                           err, err_size))) {
         loom_chat_format_free(&sv->chat);
         free(sv);
         loom_model_close(m);
@@ -143,7 +155,7 @@ int served_reload(server *srv, char *err, size_t err_size)
         fprintf(stderr, "loom serve: reload of %s not done: %s\n", srv->model_path, err);
         return 1;
     }
-    served *sv = served_open(srv, srv->model_path, NULL, err, err_size);
+    served *sv = served_open(srv, srv->model_path, NULL, 1, err, err_size);
     pthread_mutex_lock(&srv->live_lock);
     if (sv) {
         served *old = srv->live;
@@ -375,7 +387,7 @@ unsigned served_acquire_named(server *srv, const char *name, uint64_t route_key,
             pthread_mutex_unlock(&srv->live_lock);
             fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
             char why[1024];
-            served *sv = served_open(srv, s->path, s->name, why, sizeof why);
+            served *sv = served_open(srv, s->path, s->name, 1, why, sizeof why);
             pthread_mutex_lock(&srv->live_lock);
             s->loading = 0, s->live = sv;
             pthread_cond_broadcast(&srv->slots_cv);
@@ -453,7 +465,8 @@ unsigned served_canary(server *srv, const char *model, const char *path, double 
     if (st || c)
         return st;
     char why[1024];
-    served *sv = owned_name ? served_open(srv, path, owned_name, why, sizeof why) : NULL;
+    /* (a canary keeps no prefix cache of its own: the file is its model name's) */
+    served *sv = owned_name ? served_open(srv, path, owned_name, 0, why, sizeof why) : NULL;
     if (!sv) {
         snprintf(err, err_size, "loading the canary %s failed: %s", path,
                  owned_name ? why : "out of memory");

@@ -109,6 +109,7 @@ typedef struct server {
     const char *model_path;
     char *promoted_path, *promoted_name; /* the first model's file and name since a canary
                                             was promoted (owned) */
+    const char *prompt_cache_dir; /* --prompt-cache-dir: each model's prefix cache kept there */
     loom_model_options mo;
     loom_engine_options eo;
     const char *draft_path; /* the drafter's file (--draft, or the model's with --draft-layers) */
@@ -191,7 +192,7 @@ typedef struct job {
     /* Anthropic's and the Responses stream: content blocks (output items) begun, the open
      * one's kind (messages.c's, responses.c's), events sent (sequence_number) */
     int blocks_sent, open_block, events_sent;
-    int32_t n_prompt, n_cached;
+    int32_t n_prompt, n_cached, n_cached_restored;
     char id[40];
     time_t created;
     /* streaming */
@@ -317,8 +318,8 @@ int served_add(server *srv, const char *name, const char *path, char *err, size_
 /* every *.gguf file (named by its stem) and Hugging Face folder (by its name) in dir */
 int served_add_dir(server *srv, const char *dir, char *err, size_t err_size);
 void served_release(server *srv, served *sv);
-loom_engine *served_start_engine(const server *srv, loom_model *m, int first, loom_model **drafter,
-                                 char *err, size_t err_size);
+loom_engine *served_start_engine(const server *srv, loom_model *m, int first, const char *name,
+                                 loom_model **drafter, char *err, size_t err_size);
 void served_free(served *sv);
 int served_reload(server *srv, char *err, size_t err_size);
 void served_reap(server *srv);
