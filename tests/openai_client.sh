@@ -7,7 +7,8 @@
 # Vercel AI SDK (npm `ai` with `@ai-sdk/openai-compatible`): generateObject, and streamText
 # with a required tool that the SDK executes; LangChain.js' ChatOpenAI (invoke, bindTools); and
 # the Responses API with the openai client
-# (plain, streamed, a forced function and its output sent back, text.format, refusals), each
+# (plain, streamed, a forced function and its output sent back, text.format, kept responses
+# continued, read back and deleted, refusals), each
 # answer as the chat endpoint's for the same conversation. Skipped when node/npm
 # are missing or the npm registry cannot be reached (it is the only registry CI can use).
 . "$top_srcdir/tests/lib.sh"
@@ -280,8 +281,29 @@ const j = await client.responses.create({ model: name, input: 'A person', max_ou
   text: { format: { type: 'json_schema', name: 'person', strict: true, schema: { type: 'object',
     properties: { name: { type: 'string', maxLength: 10 } }, required: ['name'], additionalProperties: false } } } });
 ok(`text.format json_schema: ${j.output_text}`, typeof JSON.parse(j.output_text).name === 'string');
+// kept responses: continued by previous_response_id (the chat form of the whole conversation's
+// prompt), read back, deleted; store false keeps nothing
+const first = await client.responses.create({ model: name, instructions: 'Be brief.', input: 'My name is Ada.',
+  max_output_tokens: 4, temperature: 0 });
+const next = await client.responses.create({ model: name, instructions: 'Be brief.', input: 'What is my name?',
+  previous_response_id: first.id, max_output_tokens: 4, temperature: 0 });
+const whole = await client.chat.completions.create({ model: name, max_tokens: 4, temperature: 0, messages: [
+  { role: 'system', content: 'Be brief.' }, { role: 'user', content: 'My name is Ada.' },
+  { role: 'assistant', content: first.output_text }, { role: 'user', content: 'What is my name?' }] });
+ok(`previous_response_id: ${next.usage.input_tokens} input tokens, as the whole conversation's chat prompt`,
+   next.previous_response_id === first.id && next.usage.input_tokens === whole.usage.prompt_tokens &&
+   next.output_text === whole.choices[0].message.content);
+const kept = await client.responses.retrieve(first.id);
+await (client.responses.delete ?? client.responses.del).call(client.responses, first.id); // (v4 names it del)
+let gone = 0;
+try { await client.responses.retrieve(first.id); } catch (e) { gone = e.status; }
+const unkept = await client.responses.create({ model: name, input: 'hi', store: false, max_output_tokens: 2 });
+let unkeptStatus = 0;
+try { await client.responses.retrieve(unkept.id); } catch (e) { unkeptStatus = e.status; }
+ok(`retrieve, delete (then ${gone}), store false (${unkeptStatus})`, kept.id === first.id &&
+   kept.output.find((i) => i.type === 'message').content[0].text === first.output_text && gone === 404 && unkeptStatus === 404 && unkept.store === false);
 for (const [what, body, status] of [
-  ['previous_response_id', { previous_response_id: 'resp_x', input: 'hi' }, 400],
+  ['an unknown previous_response_id', { previous_response_id: 'resp_x', input: 'hi' }, 404],
   ['a hosted tool', { input: 'hi', tools: [{ type: 'web_search' }] }, 400],
   ['an image input', { input: [{ role: 'user', content: [{ type: 'input_image', image_url: 'x' }] }] }, 400]]) {
   try {
@@ -296,5 +318,5 @@ EOF
 PORT=$port2 node responses.mjs >responses.out 2>&1 || true
 cat responses.out
 grep -q '^FAIL' responses.out && fail "the OpenAI client disagreed on the Responses API (above)"
-[ "$(grep -c "^ok" responses.out)" -ge 9 ] || fail "the Responses script did not finish: $(tail -n 8 responses.out)"
+[ "$(grep -c "^ok" responses.out)" -ge 11 ] || fail "the Responses script did not finish: $(tail -n 8 responses.out)"
 finish

@@ -21,9 +21,9 @@
  *                                               enable_thinking off
  *   max_output_tokens, temperature, top_p,      max_tokens, and the rest as they are
  *     stream, user, and loom's priority and timeout
- * loom keeps no responses: store is accepted (the answer is not kept whatever it says), and
- * previous_response_id is refused (send the conversation as input). Hosted tools (web search,
- * file search, computer use, ...), image and file inputs are refused by name.
+ * store and previous_response_id are the server's (tools/serve/stored.c keeps responses and
+ * puts a previous one's conversation before this input). Hosted tools (web search, file
+ * search, computer use, ...), image and file inputs are refused by name.
  */
 #define _GNU_SOURCE
 #include "responses_request.h"
@@ -149,8 +149,8 @@ static int add_item(cJSON *chat, const cJSON *item, int i, bad *b)
         return 0;
     if (!strcmp(type, "item_reference"))
         return request_fail(b, 400, where,
-                            "%s: item references need stored responses, which loom does not "
-                            "keep; send the items themselves",
+                            "%s: item references are not supported: send the items themselves, "
+                            "or continue a stored response with previous_response_id",
                             where);
     return request_fail(b, 400, where,
                         "%s.type: '%s' is not an item loom takes (message, function_call, "
@@ -254,10 +254,8 @@ cJSON *responses_chat_request(const cJSON *body, bad *b)
         return NULL;
     cJSON *out = cJSON_CreateObject();
     const cJSON *prev = cJSON_GetObjectItemCaseSensitive(body, "previous_response_id");
-    if (prev && !cJSON_IsNull(prev)) {
-        request_fail(b, 400, "previous_response_id",
-                     "previous_response_id: loom keeps no responses; send the whole "
-                     "conversation as input (the earlier items, then the new ones)");
+    if (prev && !cJSON_IsNull(prev) && !cJSON_IsString(prev)) {
+        request_fail(b, 400, "previous_response_id", "previous_response_id: must be a string");
         goto bad;
     }
     const cJSON *bg = cJSON_GetObjectItemCaseSensitive(body, "background");
@@ -358,8 +356,8 @@ cJSON *responses_chat_request(const cJSON *body, bad *b)
         if (known) /* and its budget, as chat's reasoning_effort */
             cJSON_AddStringToObject(out, "reasoning_effort", effort->valuestring);
     }
-    /* accepted, needing nothing: loom keeps no responses, caches prefixes by itself, and
-     * refuses what does not fit the context */
+    /* read by the server (store), or accepted needing nothing: loom caches prefixes by
+     * itself and refuses what does not fit the context */
     static const struct {
         const char *key;
         int type; /* cJSON's */

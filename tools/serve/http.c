@@ -331,6 +331,7 @@ typedef struct route_call {
     int tenant, admin, known;
     const char *body;
     size_t len;
+    char id[128]; /* a route ending in /{id}: what the path has there */
 } route_call;
 
 typedef struct route {
@@ -487,6 +488,32 @@ static enum MHD_Result route_rollback(server *srv, struct MHD_Connection *con, c
     return route_versions(srv, con, rc, 2);
 }
 
+/* GET /v1/responses/{id}: a stored response as it was answered */
+static enum MHD_Result route_response_get(server *srv, struct MHD_Connection *con,
+                                          const route_call *rc)
+{
+    cJSON *o = stored_get(srv, rc->id, 0);
+    if (!o)
+        return http_error(srv, con, 404, "response_id", NULL,
+                          "no stored response '%s' (never stored, deleted, or dropped past "
+                          "--responses-max %d)",
+                          rc->id, srv->stored_max);
+    return http_send_json(con, 200, o);
+}
+
+/* DELETE /v1/responses/{id} */
+static enum MHD_Result route_response_delete(server *srv, struct MHD_Connection *con,
+                                             const route_call *rc)
+{
+    if (stored_delete(srv, rc->id) != 0)
+        return http_error(srv, con, 404, "response_id", NULL, "no stored response '%s'", rc->id);
+    cJSON *o = cJSON_CreateObject();
+    json_add_text(o, "id", rc->id, strlen(rc->id));
+    cJSON_AddStringToObject(o, "object", "response");
+    cJSON_AddBoolToObject(o, "deleted", 1);
+    return http_send_json(con, 200, o);
+}
+
 static enum MHD_Result route_completions(server *srv, struct MHD_Connection *con,
                                          const route_call *rc)
 {
@@ -529,6 +556,8 @@ static const route routes[] = {
     {"POST", "/v1/messages", ACCESS_KEY, 1, 1, route_messages, NULL},
     {"POST", "/v1/messages/count_tokens", ACCESS_KEY, 1, 1, route_count_tokens, NULL},
     {"POST", "/v1/responses", ACCESS_KEY, 1, 0, route_responses, NULL},
+    {"GET", "/v1/responses/{id}", ACCESS_KEY, 0, 0, route_response_get, NULL},
+    {"DELETE", "/v1/responses/{id}", ACCESS_KEY, 0, 0, route_response_delete, NULL},
     {"GET", "/v1/models", ACCESS_KEY, 0, 0, route_models, NULL},
     {"GET", "/health", ACCESS_ANYONE, 0, 0, route_health, NULL},
     {"GET", "/metrics", ACCESS_METRICS, 0, 0, route_metrics, NULL},
@@ -539,6 +568,23 @@ static const route routes[] = {
     {"GET", "/", ACCESS_ANYONE, 0, 0, route_webui, webui_on},
 };
 #define N_ROUTES (sizeof routes / sizeof *routes)
+
+/* Whether url is r's path: the same, or for a path ending in "/{id}" that prefix and one
+ * segment (1 to 127 bytes of letters, digits, '_' and '-'), copied to id. */
+static int path_matches(const route *r, const char *url, char *id)
+{
+    size_t n = strlen(r->path);
+    if (n < 5 || strcmp(r->path + n - 5, "/{id}"))
+        return !strcmp(url, r->path);
+    n -= 4; /* the prefix, its '/' included */
+    if (strncmp(url, r->path, n))
+        return 0;
+    size_t k = strspn(url + n, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-");
+    if (k == 0 || k > 127 || url[n + k])
+        return 0;
+    memcpy(id, url + n, k), id[k] = 0;
+    return 1;
+}
 
 /* a request's state between libmicrohttpd's calls (the body as it comes) */
 typedef struct conn_state {
@@ -596,12 +642,18 @@ static enum MHD_Result route_request(server *srv, struct MHD_Connection *con, co
     int get = !strcmp(method, "GET") || !strcmp(method, "HEAD");
     if ((refused = refused_foreign(srv, con, get)))
         return refused > 0 ? MHD_YES : MHD_NO;
-    const route *r = NULL;
+    /* the route of this path and method, else of this path (for the 405) */
+    const route *r = NULL, *by_path = NULL;
     for (size_t i = 0; i < N_ROUTES && !r; i++)
-        if (!strcmp(url, routes[i].path) && (!routes[i].enabled || routes[i].enabled(srv)))
-            r = &routes[i];
-    if (!r)
+        if (path_matches(&routes[i], url, cs->call.id) &&
+            (!routes[i].enabled || routes[i].enabled(srv))) {
+            by_path = by_path ? by_path : &routes[i];
+            if (!strcmp(method, routes[i].method) || (get && !strcmp(routes[i].method, "GET")))
+                r = &routes[i];
+        }
+    if (!by_path)
         return no_such_route(srv, con, url, method);
+    r = r ? r : by_path;
     http_anthropic_errors = r->anthropic; /* until on_request returns */
     if (strcmp(method, r->method) && !(get && !strcmp(r->method, "GET")))
         return method_not_allowed(srv, con, r);

@@ -29,6 +29,7 @@ void job_unref(job *j)
     free(j->tool_names);
     for (int i = 0; i < OPENAI_MAX_STOPS; i++)
         free(j->stops[i]);
+    cJSON_Delete(j->conversation);
     free(j->out);
     pthread_mutex_destroy(&j->mu);
     pthread_cond_destroy(&j->cv);
@@ -565,6 +566,8 @@ enum MHD_Result job_finish_blocking(struct MHD_Connection *con, job *j)
         }
     if (j->api == API_MESSAGES || j->api == API_RESPONSES) {
         cJSON *m = j->api == API_MESSAGES ? messages_response(j) : responses_response(j);
+        if (j->api == API_RESPONSES)
+            responses_keep(j, m);
         pthread_mutex_unlock(&j->mu);
         job_unref(j);
         return http_send_json(con, 200, m);

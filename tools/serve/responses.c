@@ -9,6 +9,8 @@
 #define _GNU_SOURCE
 #include "tools/serve/server.h"
 
+#include "tools/openai_fields.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,8 +56,11 @@ static cJSON *response_object(const job *j, const char *status)
     json_add_text(o, "model", j->sv->api.model_name, strlen(j->sv->api.model_name));
     cJSON_AddArrayToObject(o, "output");
     cJSON_AddBoolToObject(o, "parallel_tool_calls", j->parallel_tool_calls);
-    cJSON_AddNullToObject(o, "previous_response_id");
-    cJSON_AddBoolToObject(o, "store", 0); /* loom keeps no responses */
+    if (j->previous_id[0])
+        cJSON_AddStringToObject(o, "previous_response_id", j->previous_id);
+    else
+        cJSON_AddNullToObject(o, "previous_response_id");
+    cJSON_AddBoolToObject(o, "store", j->conversation != NULL);
     cJSON_AddObjectToObject(o, "metadata");
     if (strcmp(status, "in_progress"))
         cJSON_AddItemToObject(o, "usage", usage_json(j));
@@ -141,6 +146,87 @@ cJSON *responses_response(job *j)
         cJSON_AddItemToArray(out, call_item(j, &tc.calls[k], k, 1));
     loom_tool_calls_free(&tc);
     return o;
+}
+
+/* The answer as the chat assistant message a later request's history holds: its text, its
+ * thought as reasoning_content, its calls as tool_calls. (The response's texts are json_text's
+ * raw JSON: read back as strings.) */
+static cJSON *assistant_message(const cJSON *response)
+{
+    cJSON *m = cJSON_CreateObject(), *calls = cJSON_CreateArray();
+    cJSON_AddStringToObject(m, "role", "assistant");
+    int text = 0;
+    const cJSON *item;
+    cJSON_ArrayForEach (item, cJSON_GetObjectItem(response, "output")) {
+        const char *type = cJSON_GetObjectItem(item, "type")->valuestring;
+        const cJSON *part = cJSON_GetArrayItem(cJSON_GetObjectItem(item, "content"), 0);
+        cJSON *t = part ? cJSON_Parse(cJSON_GetObjectItem(part, "text")->valuestring) : NULL;
+        if (!strcmp(type, "message") && cJSON_IsString(t)) {
+            cJSON_AddStringToObject(m, "content", t->valuestring);
+            text = 1;
+        } else if (!strcmp(type, "reasoning") && cJSON_IsString(t)) {
+            cJSON_AddStringToObject(m, "reasoning_content", t->valuestring);
+        } else if (!strcmp(type, "function_call")) {
+            cJSON *name = cJSON_Parse(cJSON_GetObjectItem(item, "name")->valuestring);
+            cJSON *args = cJSON_Parse(cJSON_GetObjectItem(item, "arguments")->valuestring);
+            cJSON *c = cJSON_CreateObject(), *f;
+            cJSON_AddStringToObject(c, "id", cJSON_GetObjectItem(item, "call_id")->valuestring);
+            cJSON_AddStringToObject(c, "type", "function");
+            f = cJSON_AddObjectToObject(c, "function");
+            cJSON_AddStringToObject(f, "name", cJSON_IsString(name) ? name->valuestring : "");
+            cJSON_AddStringToObject(f, "arguments",
+                                    cJSON_IsString(args) ? args->valuestring : "{}");
+            cJSON_AddItemToArray(calls, c);
+            cJSON_Delete(name), cJSON_Delete(args);
+        }
+        cJSON_Delete(t);
+    }
+    if (!text)
+        cJSON_AddNullToObject(m, "content");
+    if (cJSON_GetArraySize(calls))
+        cJSON_AddItemToObject(m, "tool_calls", calls);
+    else
+        cJSON_Delete(calls);
+    return m;
+}
+
+void responses_keep(job *j, const cJSON *response)
+{
+    if (!j->conversation)
+        return;
+    cJSON *conversation = j->conversation;
+    j->conversation = NULL;
+    cJSON_AddItemToArray(conversation, assistant_message(response));
+    stored_put(j->srv, j->id, conversation, cJSON_Duplicate(response, 1));
+}
+
+int responses_continue(server *srv, cJSON *chat, const char *previous, bad *b)
+{
+    cJSON *history = stored_get(srv, previous, 1);
+    if (!history)
+        return request_fail(b, 404, "previous_response_id",
+                            "previous_response_id '%s': no such stored response (never stored, "
+                            "deleted, or dropped past --responses-max %d)",
+                            previous, srv->stored_max);
+    /* this request's instructions (its leading system messages) first, the history without
+     * its own, then this input */
+    cJSON *msgs = cJSON_DetachItemFromObjectCaseSensitive(chat, "messages");
+    cJSON *merged = cJSON_CreateArray(), *m;
+    while ((m = cJSON_GetArrayItem(msgs, 0)) &&
+           !strcmp(cJSON_GetObjectItem(m, "role")->valuestring, "system"))
+        cJSON_AddItemToArray(merged, cJSON_DetachItemFromArray(msgs, 0));
+    while ((m = cJSON_DetachItemFromArray(history, 0))) {
+        const cJSON *role = cJSON_GetObjectItem(m, "role");
+        if (cJSON_IsString(role) && !strcmp(role->valuestring, "system"))
+            cJSON_Delete(m);
+        else
+            cJSON_AddItemToArray(merged, m);
+    }
+    while ((m = cJSON_DetachItemFromArray(msgs, 0)))
+        cJSON_AddItemToArray(merged, m);
+    cJSON_Delete(msgs), cJSON_Delete(history);
+    cJSON_AddItemToObject(chat, "messages", merged);
+    return 0;
 }
 
 /* an event {"type": type, "sequence_number": n, ...}: the object to fill, sent by event_send */
@@ -290,6 +376,7 @@ void responses_stream_format(job *j)
                 }
             }
             const char *status = cJSON_GetObjectItem(whole, "status")->valuestring;
+            responses_keep(j, whole);
             cJSON *o = event_new(
                 j, strcmp(status, "completed") ? "response.incomplete" : "response.completed");
             cJSON_AddItemToObject(o, "response", whole);

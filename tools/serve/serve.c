@@ -38,6 +38,15 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
                                           &b);
     if (!req)
         return http_error(srv, con, b.status, b.param, b.code, "%s", b.msg);
+    /* a Responses request: kept unless it says store false, and maybe continuing one kept */
+    int keep = api == API_RESPONSES && srv->stored_max > 0 &&
+        !cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(req, "store"));
+    const cJSON *prev_v = api == API_RESPONSES
+        ? cJSON_GetObjectItemCaseSensitive(req, "previous_response_id")
+        : NULL;
+    char previous[48] = "";
+    if (cJSON_IsString(prev_v))
+        snprintf(previous, sizeof previous, "%.47s", prev_v->valuestring);
     while (sem_wait(&srv->parsing) != 0 && errno == EINTR) {
     }
     if (anthropic || api == API_RESPONSES) { /* asked as a chat from here on */
@@ -45,6 +54,10 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
                                    : responses_chat_request(req, &b);
         cJSON_Delete(req);
         req = as_chat;
+    }
+    if (req && previous[0] && responses_continue(srv, req, previous, &b) != 0) {
+        cJSON_Delete(req);
+        req = NULL;
     }
     int parsed_ok = req && openai_parse_request(&sv->api, req, chat, &p, &b) == 0;
     sem_post(&srv->parsing);
@@ -84,6 +97,9 @@ enum MHD_Result generate_handle(server *srv, struct MHD_Connection *con, const c
     pthread_cond_init(&j->cv, NULL);
     j->srv = srv, j->sv = sv; /* the job holds the model's reference from here */
     j->version = http_version;
+    if (keep) /* the conversation through this input, to keep with its answer */
+        j->conversation = cJSON_Duplicate(cJSON_GetObjectItemCaseSensitive(req, "messages"), 1);
+    snprintf(j->previous_id, sizeof j->previous_id, "%s", previous);
     j->tenant = who;
     j->api = api, j->chat = chat, j->stream = p.stream, j->include_usage = p.include_usage;
     j->n = p.n, j->n_prompt = p.n_ids, j->created = time(NULL);
@@ -241,6 +257,7 @@ int loom_serve_main(int argc, char **argv)
          draft_layers = 0, reasoning_budget = 0, models_max = 2;
     float canary_max_failures = 0.05f;
     const char *prompt_cache_dir = NULL;
+    long responses_max = 100;
     const char *added_items[SERVE_MAX_MODELS], *models_dir = NULL;
     loom_flag_list added = {added_items, 0, SERVE_MAX_MODELS};
     const char *draft = NULL;
@@ -285,6 +302,9 @@ int loom_serve_main(int argc, char **argv)
         {"--models-dir", NULL, LOOM_FLAG_TEXT, &models_dir, 0, 0, "DIR",
          "... every *.gguf file (named by its stem) and Hugging Face folder\n"
          "in DIR as another model"},
+        {"--responses-max", NULL, LOOM_FLAG_LONG, &responses_max, 0, 1 << 20, "N",
+         "Responses API answers kept for previous_response_id and GET\n"
+         "/v1/responses/ID; past it the oldest is dropped (default 100; 0 keeps none)"},
         {"--prompt-cache-dir", NULL, LOOM_FLAG_TEXT, &prompt_cache_dir, 0, 0, "DIR",
          "keep each model's prefix cache there across restarts: saved when\n"
          "the server stops, read back when it starts (the same model file only)"},
@@ -564,6 +584,8 @@ int loom_serve_main(int argc, char **argv)
     pthread_cond_init(&srv.slots_cv, NULL);
     srv.models_max = (int)models_max;
     srv.canary_max_failures = canary_max_failures;
+    srv.stored_max = (int)responses_max;
+    pthread_mutex_init(&srv.stored_lock, NULL);
     int bad_models = models_dir && served_add_dir(&srv, models_dir, err, sizeof err);
     for (int i = 0; i < added.n && !bad_models; i++) {
         const char *eq = strchr(added.items[i], '=');
@@ -726,6 +748,7 @@ int loom_serve_main(int argc, char **argv)
         free(srv.canaries[i].model), free(srv.canaries[i].path);
     }
     free(srv.promoted_path), free(srv.promoted_name);
+    stored_clear(&srv);
     pthread_mutex_unlock(&srv.reload_lock);
     pthread_mutex_destroy(&srv.count_lock);
     sem_destroy(&srv.parsing);

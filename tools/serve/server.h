@@ -103,6 +103,10 @@ typedef struct server {
     double canary_max_failures;
     version_stats versions[2 * (SERVE_MAX_MODELS + 1)]; /* found or added under live_lock */
     int n_versions;
+    /* the Responses API's stored responses, oldest first (stored.c), under stored_lock */
+    pthread_mutex_t stored_lock;
+    struct stored_response *stored_head, *stored_tail;
+    int n_stored, stored_max;
     served *live, *retired; /* under live_lock */
     pthread_mutex_t live_lock;
     pthread_mutex_t reload_lock; /* one reload at a time */
@@ -210,6 +214,10 @@ typedef struct job {
     const char *grammar_param; /* the request field its grammar came from (a 400 names it) */
     int tenant;                /* whose key (--api-keys), 0: no tenant */
     version_stats *version;    /* the version of the model it was routed to */
+    /* a Responses request that is kept (store): the conversation it continues with its own
+     * input, as chat messages (owned), and the response it continued, or NULL */
+    cJSON *conversation;
+    char previous_id[48];
 } job;
 
 typedef struct event_target {
@@ -279,8 +287,21 @@ void messages_stream_format(job *j); /* its events since the last call (under j-
 /* an Anthropic stop_reason for choice c (calls: the answer has tool calls) */
 const char *messages_stop_reason(const choice *c, int calls);
 
+/* stored.c: the responses kept (store): put (both trees given away), a copy of one's
+ * conversation or of its response object (NULL: none so), delete (0, or -1: none), clear */
+typedef struct stored_response stored_response;
+void stored_put(server *srv, const char *id, cJSON *conversation, cJSON *response);
+cJSON *stored_get(server *srv, const char *id, int conversation);
+int stored_delete(server *srv, const char *id);
+void stored_clear(server *srv);
+
 /* responses.c: the Responses API's shapes of a job's answer */
-cJSON *responses_response(job *j);    /* the whole response (under j->mu, all done) */
+cJSON *responses_response(job *j); /* the whole response (under j->mu, all done) */
+/* keeps j's conversation with its answer (response) when the request is kept (store) */
+void responses_keep(job *j, const cJSON *response);
+/* chat (a rewritten Responses request) continuing the kept response previous: its messages
+ * after that conversation; 0, or -1 with b filled (404: none kept so) */
+int responses_continue(server *srv, cJSON *chat, const char *previous, bad *b);
 void responses_stream_format(job *j); /* its events since the last call (under j->mu) */
 
 /* serve.c, embeddings.c: the endpoints that run the model (who: the caller's tenant) */
