@@ -1,7 +1,8 @@
 #!/bin/sh
 # tests/serve_models.sh - one `loom serve` for several models, chosen by the request's "model"
 # (--models-dir, --add-model): each answers as `loom run` does on its own file; they load on
-# first use and, past --models-max, the least recently used idle one is unloaded (and loads
+# first use (or an admin's /admin/models/load) and, past --models-max or --models-max-bytes, the
+# least recently used idle one is unloaded (and loads
 # again when asked); a model that is not loaded while every loaded one is busy is a 503; an
 # unknown name is a 404 listing the names; every endpoint routes by name; bad flags are named.
 # On loom's synthetic models.
@@ -80,9 +81,26 @@ for _ in $(seq 50); do
 done
 [ "$got" = 200 ] && pass "once the busy one is free, the other loads in its place" || fail "after the long request: $got"
 
+# an admin loads and unloads by hand
+[ "$(post /admin/models/load '{"model": "moe-tiny"}' | sed '$d' | jq -c '[.data[] | select(.id == "moe-tiny") | .loaded]')" = "[true]" ] &&
+    [ "$(post /admin/models/unload '{"model": "moe-tiny"}' | sed '$d' | jq -c '[.data[] | select(.id == "moe-tiny") | .loaded]')" = "[false]" ] &&
+    [ "$(post /admin/models/unload "{\"model\": \"$first\"}" | tail -n1)" = 404 ] &&
+    [ "$(post /admin/models/load '{"model": "nope"}' | tail -n1)" = 404 ] &&
+    pass "POST /admin/models/load and unload; the first model and an unknown one are 404s" ||
+    fail "admin load/unload: $(models)"
 got=$(post /v1/completions '{"model": "llama", "prompt": "x"}' | sed '$d' | jq -r '"\(.error.code): \(.error.message)"')
 case $got in "model_not_found: "*"'tiny', 'wide'"*) pass "an unknown name: 404 naming the models ($got)" ;;
     *) fail "unknown name: $got" ;; esac
+stop_server
+
+# a byte budget: room for one of the small models (weights and KV pool) but not two
+start_server "$tmpdir/b.log" -c 1024 --models-dir "$tmpdir/models" --models-max 8 --models-max-bytes 6000000
+post /v1/completions '{"model": "tiny", "prompt": "Once", "max_tokens": 2}' >/dev/null
+post /v1/completions '{"model": "moe-tiny", "prompt": "Once", "max_tokens": 2}' >/dev/null
+[ "$(models | jq -c '[.[] | select(.[1]) | .[0]] | .[1:]')" = '["moe-tiny"]' ] &&
+    grep -q "unloaded tiny" "$tmpdir/b.log" &&
+    pass "--models-max-bytes: loading a second model unloaded the first idle one" ||
+    fail "byte budget: $(models); $(grep -c unloaded "$tmpdir/b.log") unloads"
 stop_server
 
 # flags a user gets wrong

@@ -473,6 +473,38 @@ static enum MHD_Result route_versions(server *srv, struct MHD_Connection *con, c
     return http_send_json(con, 200, o);
 }
 
+/* POST /admin/models/load and /unload {"model"}: the model list after */
+static enum MHD_Result route_load(server *srv, struct MHD_Connection *con, const route_call *rc,
+                                  int unload)
+{
+    static const char *const fields[] = {"model", NULL};
+    bad b = {0};
+    cJSON *req = openai_parse_body(rc->body, rc->len, 16, &b);
+    const char *model = req ? field_string(req, "model", 1, "body", &b) : NULL;
+    if (!model || fields_only(req, fields, NULL, &b)) {
+        cJSON_Delete(req);
+        return http_error(srv, con, b.status ? b.status : 400, b.param, NULL, "%s", b.msg);
+    }
+    char err[1024];
+    unsigned st = served_load(srv, model, unload, err, sizeof err);
+    cJSON_Delete(req);
+    if (st)
+        return http_error(srv, con, st, "model", NULL, "%s", err);
+    return route_models(srv, con, rc);
+}
+
+static enum MHD_Result route_model_load(server *srv, struct MHD_Connection *con,
+                                        const route_call *rc)
+{
+    return route_load(srv, con, rc, 0);
+}
+
+static enum MHD_Result route_model_unload(server *srv, struct MHD_Connection *con,
+                                          const route_call *rc)
+{
+    return route_load(srv, con, rc, 1);
+}
+
 static enum MHD_Result route_canary(server *srv, struct MHD_Connection *con, const route_call *rc)
 {
     return route_versions(srv, con, rc, 0);
@@ -562,6 +594,8 @@ static const route routes[] = {
     {"GET", "/health", ACCESS_ANYONE, 0, 0, route_health, NULL},
     {"GET", "/metrics", ACCESS_METRICS, 0, 0, route_metrics, NULL},
     {"POST", "/admin/reload", ACCESS_ADMIN, 0, 0, route_reload, NULL},
+    {"POST", "/admin/models/load", ACCESS_ADMIN, 1, 0, route_model_load, NULL},
+    {"POST", "/admin/models/unload", ACCESS_ADMIN, 1, 0, route_model_unload, NULL},
     {"POST", "/admin/models/canary", ACCESS_ADMIN, 1, 0, route_canary, NULL},
     {"POST", "/admin/models/promote", ACCESS_ADMIN, 1, 0, route_promote, NULL},
     {"POST", "/admin/models/rollback", ACCESS_ADMIN, 1, 0, route_rollback, NULL},

@@ -257,7 +257,7 @@ int loom_serve_main(int argc, char **argv)
          draft_layers = 0, reasoning_budget = 0, models_max = 2;
     float canary_max_failures = 0.05f;
     const char *prompt_cache_dir = NULL;
-    long responses_max = 100;
+    long responses_max = 100, models_max_bytes = 0;
     const char *added_items[SERVE_MAX_MODELS], *models_dir = NULL;
     loom_flag_list added = {added_items, 0, SERVE_MAX_MODELS};
     const char *draft = NULL;
@@ -314,6 +314,9 @@ int loom_serve_main(int argc, char **argv)
         {"--models-max", NULL, LOOM_FLAG_LONG, &models_max, 1, 64, "N",
          "other models loaded at once; past it the least recently used one\n"
          "no request holds is unloaded (default 2)"},
+        {"--models-max-bytes", NULL, LOOM_FLAG_LONG, &models_max_bytes, 0, 1e15, "BYTES",
+         "... and at most this many bytes of them (weights and KV pool), the\n"
+         "least recently used idle ones unloaded past it (default 0: no limit)"},
         {"--max-batch", NULL, LOOM_FLAG_LONG, &max_batch, 1, 4096, "N",
          "sequences run together (default 16)"},
         {"--max-tokens-per-step", NULL, LOOM_FLAG_LONG, &max_step, 1, 1 << 20, "N",
@@ -583,6 +586,7 @@ int loom_serve_main(int argc, char **argv)
     pthread_mutex_init(&srv.reload_lock, NULL);
     pthread_cond_init(&srv.slots_cv, NULL);
     srv.models_max = (int)models_max;
+    srv.models_max_bytes = (uint64_t)models_max_bytes;
     srv.canary_max_failures = canary_max_failures;
     srv.stored_max = (int)responses_max;
     pthread_mutex_init(&srv.stored_lock, NULL);

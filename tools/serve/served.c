@@ -112,6 +112,9 @@ static served *served_open(server *srv, const char *path, const char *name, int 
     }
     sv->api.chat = &sv->chat;
     sv->refs = 1; /* the server's */
+    loom_engine_stats st = loom_engine_get_stats(sv->engine);
+    sv->bytes = loom_model_weight_bytes(m) +
+        (uint64_t)st.kv_blocks * (uint64_t)st.block_size * loom_model_kv_bytes_per_token(m);
     return sv;
 }
 
@@ -304,9 +307,102 @@ static int unload_one(server *srv)
     old->refs--; /* the server's: the main thread frees it (served_reap) */
     old->next = srv->retired;
     srv->retired = old;
-    fprintf(stderr, "loom serve: unloaded %s (least recently used, --models-max %d)\n", lru->name,
-            srv->models_max);
+    fprintf(stderr, "loom serve: unloaded %s (least recently used, to stay within --models-max)\n",
+            lru->name);
     return 1;
+}
+
+/* The other models' bytes loaded now (live_lock held). */
+static uint64_t loaded_bytes(const server *srv)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < srv->n_slots; i++)
+        n += srv->slots[i].live ? srv->slots[i].live->bytes : 0;
+    return n;
+}
+
+/* Slot s loaded, if it is not (live_lock held; released while it loads): room is made first
+ * by unloading the least recently used idle ones past --models-max or --models-max-bytes (its
+ * bytes guessed from its file's size until it has loaded). 0, or 503 with err. */
+static unsigned slot_load(server *srv, model_slot *s, char *err, size_t err_size)
+{
+    while (s->loading)
+        pthread_cond_wait(&srv->slots_cv, &srv->live_lock);
+    if (s->live)
+        return 0;
+    struct stat st;
+    uint64_t guess = stat(s->path, &st) == 0 ? (uint64_t)st.st_size : 0;
+    for (;;) {
+        int loaded = 0;
+        for (int i = 0; i < srv->n_slots; i++)
+            loaded += srv->slots[i].live != NULL;
+        int over = loaded >= srv->models_max ||
+            (srv->models_max_bytes && loaded && loaded_bytes(srv) + guess > srv->models_max_bytes);
+        if (!over)
+            break;
+        if (!unload_one(srv)) {
+            snprintf(err, err_size,
+                     "'%s' is not loaded, and the models loaded (--models-max %d, "
+                     "--models-max-bytes %llu) are all answering requests; try again shortly",
+                     s->name, srv->models_max, (unsigned long long)srv->models_max_bytes);
+            return 503;
+        }
+    }
+    s->loading = 1;
+    pthread_mutex_unlock(&srv->live_lock);
+    fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
+    char why[1024];
+    served *sv = served_open(srv, s->path, s->name, 1, why, sizeof why);
+    pthread_mutex_lock(&srv->live_lock);
+    s->loading = 0, s->live = sv;
+    pthread_cond_broadcast(&srv->slots_cv);
+    if (!sv) {
+        snprintf(err, err_size, "loading the model '%s' (%s) failed: %s", s->name, s->path, why);
+        fprintf(stderr, "loom serve: %s\n", err);
+        return 503;
+    }
+    return 0;
+}
+
+static model_slot *slot_named(server *srv, const char *name)
+{
+    for (int i = 0; i < srv->n_slots; i++)
+        if (!strcmp(srv->slots[i].name, name))
+            return &srv->slots[i];
+    return NULL;
+}
+
+unsigned served_load(server *srv, const char *name, int unload, char *err, size_t err_size)
+{
+    pthread_mutex_lock(&srv->live_lock);
+    model_slot *s = slot_named(srv, name);
+    unsigned st = 0;
+    if (!s)
+        st = 404,
+        snprintf(err, err_size,
+                 !strcmp(name, srv->live->api.model_name)
+                     ? "'%s' is the first model, which is always loaded"
+                     : "no model '%s' besides the first",
+                 name);
+    else if (!unload)
+        st = slot_load(srv, s, err, err_size);
+    else if (s->live && s->live->refs > 1)
+        st = 409,
+        snprintf(err, err_size, "'%s' is answering requests; unload it when it is done", name);
+    else if (s->live) {
+        served *old = s->live;
+        s->live = NULL;
+        old->refs--; /* the server's: the main thread frees it */
+        old->next = srv->retired;
+        srv->retired = old;
+    }
+    if (!st && !unload)
+        s->used = ++srv->use_clock;
+    pthread_mutex_unlock(&srv->live_lock);
+    if (!st)
+        fprintf(stderr, "loom serve: %s %s (POST /admin/models/%s)\n",
+                unload ? "unloaded" : "loaded", name, unload ? "unload" : "load");
+    return st;
 }
 
 /* The counts of model's stable or canary version, added on first use (live_lock held). */
@@ -369,35 +465,10 @@ unsigned served_acquire_named(server *srv, const char *name, uint64_t route_key,
             pthread_mutex_unlock(&srv->live_lock);
             return 404;
         }
-        while (s->loading)
-            pthread_cond_wait(&srv->slots_cv, &srv->live_lock);
-        if (!s->live) {
-            int loaded = 0;
-            for (int i = 0; i < srv->n_slots; i++)
-                loaded += srv->slots[i].live != NULL;
-            if (loaded >= srv->models_max && !unload_one(srv)) {
-                snprintf(err, err_size,
-                         "'%s' is not loaded, and the %d models that may be (--models-max) are "
-                         "all answering requests; try again shortly",
-                         name, srv->models_max);
-                pthread_mutex_unlock(&srv->live_lock);
-                return 503;
-            }
-            s->loading = 1;
+        unsigned st = slot_load(srv, s, err, err_size);
+        if (st) {
             pthread_mutex_unlock(&srv->live_lock);
-            fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
-            char why[1024];
-            served *sv = served_open(srv, s->path, s->name, 1, why, sizeof why);
-            pthread_mutex_lock(&srv->live_lock);
-            s->loading = 0, s->live = sv;
-            pthread_cond_broadcast(&srv->slots_cv);
-            if (!sv) {
-                snprintf(err, err_size, "loading the model '%s' (%s) failed: %s", name, s->path,
-                         why);
-                pthread_mutex_unlock(&srv->live_lock);
-                fprintf(stderr, "loom serve: %s\n", err);
-                return 503;
-            }
+            return st;
         }
         s->used = ++srv->use_clock;
         stable = s->live;

@@ -59,6 +59,7 @@ typedef struct served {
     loom_model *drafter; /* the engine's draft model (--draft, --draft-layers), or NULL */
     int refs;            /* under live_lock: the server's while live, and each request's */
     struct served *next; /* on the retired list */
+    uint64_t bytes;      /* its weights and KV pool (--models-max-bytes) */
 } served;
 
 /* A model besides the first (--add-model NAME=PATH, --models-dir): loaded on its first request,
@@ -96,6 +97,7 @@ typedef struct server {
     openai_model api;  /* the first model's settings, which a reload keeps (its model: live's) */
     model_slot *slots; /* the other models by name (under live_lock), n_slots of them */
     int n_slots, models_max;
+    uint64_t models_max_bytes; /* the other models' bytes loaded at once; 0: no limit */
     pthread_cond_t slots_cv;
     uint64_t use_clock;
     canary canaries[SERVE_MAX_CANARIES]; /* under live_lock */
@@ -328,6 +330,9 @@ unsigned served_acquire_named(server *srv, const char *name, uint64_t route_key,
  * b filled (an unknown model 404, one that cannot load 503). */
 cJSON *served_parse_and_acquire(server *srv, const char *body, size_t len, size_t max_values,
                                 served **sv, bad *b);
+/* POST /admin/models/load or unload (unload): one of the other models loaded now, or unloaded
+ * (not while it answers requests): 0, or an HTTP status with err */
+unsigned served_load(server *srv, const char *name, int unload, char *err, size_t err_size);
 /* POST /admin/models/canary, /promote, /rollback: the version changes, 0, or an HTTP status
  * with err */
 unsigned served_canary(server *srv, const char *model, const char *path, double share, char *err,
