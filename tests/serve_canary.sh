@@ -64,6 +64,11 @@ ms=$(awk '$1 == "loom_model_version_requests_total{model=\"m\",version=\"stable\
 [ -n "$mc" ] && [ -n "$ms" ] && [ $((mc + ms)) = 1020 ] && [ "$mc" -ge "$n_canary" ] &&
     pass "/metrics counts each version's requests (canary $mc, stable $ms)" ||
     fail "metrics: canary '$mc', stable '$ms'"
+gc=$(awk '$1 == "loom_model_version_generated_tokens_total{model=\"m\",version=\"canary\"}" { print $2 }' "$tmpdir/metrics.txt")
+tc=$(awk '$1 == "loom_model_version_time_to_first_token_seconds_count{model=\"m\",version=\"canary\"}" { print $2 }' "$tmpdir/metrics.txt")
+[ -n "$gc" ] && [ "$gc" -ge $((4 * n_canary)) ] && [ "$tc" = "$mc" ] &&
+    pass "... and its tokens ($gc) and times to the first token ($tc requests)" ||
+    fail "version speed metrics: tokens '$gc', ttft count '$tc' (requests $mc)"
 
 # promoted: the canary is the model (every request its file's answer, version stable)
 [ "$(admin promote '{"model": "m"}' | tail -n1)" = 200 ] && pass "promote" || fail "promote"

@@ -38,7 +38,7 @@ static void on_embedding(void *user, const loom_event *ev)
     embed_job *j = t->j;
     if (ev->kind == LOOM_EVENT_TEXT)
         return;
-    metrics_observe(j->srv, j->tenant, ev);
+    metrics_observe(j->srv, j->tenant, NULL, ev);
     if (ev->busy)
         metrics_count_refused(j->srv, j->tenant);
     pthread_mutex_lock(&j->mu);

@@ -85,7 +85,7 @@ void job_on_event(void *user, const loom_event *ev)
     int last = ev->kind != LOOM_EVENT_TEXT;
     pthread_mutex_unlock(&j->mu);
     if (last) {
-        metrics_observe(j->srv, j->tenant, ev);
+        metrics_observe(j->srv, j->tenant, j->version, ev);
         if (ev->busy)
             metrics_count_refused(j->srv, j->tenant);
         free(t);

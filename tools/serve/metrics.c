@@ -25,16 +25,20 @@ static void observe(histogram *h, double seconds)
 
 /* Counts a request's waiting and first token (who: its tenant, 0 none) from the engine's last
  * event: the queue of one that started, the first token of one that generated. */
-void metrics_observe(server *srv, int who, const loom_event *ev)
+void metrics_observe(server *srv, int who, version_stats *version, const loom_event *ev)
 {
-    latencies *all = &srv->seen, *own = who > 0 ? &srv->tenants[who - 1].seen : NULL;
+    latencies *seen[3] = {&srv->seen, who > 0 ? &srv->tenants[who - 1].seen : NULL,
+                          version ? &version->seen : NULL};
     pthread_mutex_lock(&srv->count_lock);
-    for (latencies *l = all; l; l = l == all ? own : NULL) {
-        if (ev->queue_ms > 0)
+    for (int i = 0; i < 3; i++) {
+        latencies *l = seen[i];
+        if (l && ev->queue_ms > 0)
             observe(&l->queue, ev->queue_ms / 1e3);
-        if (ev->ttft_ms > 0 && ev->n_generated > 0)
+        if (l && ev->ttft_ms > 0 && ev->n_generated > 0)
             observe(&l->ttft, ev->ttft_ms / 1e3);
     }
+    if (version)
+        version->generated += (uint64_t)(ev->n_generated > 0 ? ev->n_generated : 0);
     pthread_mutex_unlock(&srv->count_lock);
 }
 
@@ -250,6 +254,36 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
             buf_append(&out, &len, &cap, line, (size_t)k);
         }
     }
+    /* and each version's generated tokens and time to the first one (the canary's speed beside
+     * the stable one's) */
+    k = snprintf(line, sizeof line,
+                 "# HELP loom_model_version_generated_tokens_total Tokens a model's version "
+                 "generated.\n# TYPE loom_model_version_generated_tokens_total counter\n");
+    buf_append(&out, &len, &cap, line, (size_t)k);
+    pthread_mutex_lock(&srv->count_lock);
+    for (int i = 0; i < srv->n_versions; i++) {
+        const version_stats *v = &srv->versions[i];
+        k = snprintf(line, sizeof line,
+                     "loom_model_version_generated_tokens_total{model=\"%s\",version=\"%s\"} "
+                     "%llu\n",
+                     v->model, v->canary ? "canary" : "stable", (unsigned long long)v->generated);
+        buf_append(&out, &len, &cap, line, (size_t)k);
+    }
+    for (int i = 0; i < srv->n_versions; i++) {
+        char label[220];
+        snprintf(label, sizeof label, "model=\"%s\",version=\"%s\"", srv->versions[i].model,
+                 srv->versions[i].canary ? "canary" : "stable");
+        if (i == 0) {
+            k = snprintf(line, sizeof line,
+                         "# HELP loom_model_version_time_to_first_token_seconds A model "
+                         "version's requests' time to their first token.\n# TYPE "
+                         "loom_model_version_time_to_first_token_seconds histogram\n");
+            buf_append(&out, &len, &cap, line, (size_t)k);
+        }
+        append_histogram(&out, &len, &cap, "loom_model_version_time_to_first_token_seconds", label,
+                         &srv->versions[i].seen.ttft);
+    }
+    pthread_mutex_unlock(&srv->count_lock);
     pthread_mutex_unlock(&srv->live_lock);
     enum MHD_Result ok = http_send_text(con, 200, "text/plain; version=0.0.4", out ? out : "");
     free(out);

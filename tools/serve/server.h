@@ -81,6 +81,8 @@ typedef struct version_stats {
     int canary;                /* 1: the canary, 0: the stable version */
     uint64_t routed, failures; /* atomics: requests sent to it; of them, answered with an
                                   error (429 and 504, the server's load, are not its failures) */
+    latencies seen;            /* its requests' times (under the server's count_lock) */
+    uint64_t generated;        /* tokens it generated (under count_lock) */
 } version_stats;
 
 /* A new version of a model beside its current one (POST /admin/models/canary): share of the
@@ -313,7 +315,8 @@ enum MHD_Result embeddings_handle(server *srv, struct MHD_Connection *con, const
                                   size_t len, int who);
 
 /* metrics.c */
-void metrics_observe(server *srv, int who, const loom_event *ev);
+/* a request's last event, for its tenant (who) and the model version it ran on (or NULL) */
+void metrics_observe(server *srv, int who, version_stats *version, const loom_event *ev);
 void metrics_count_refused(server *srv, int who);
 enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_key);
 
