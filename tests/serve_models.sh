@@ -80,6 +80,11 @@ for _ in $(seq 50); do
     sleep 0.1
 done
 [ "$got" = 200 ] && pass "once the busy one is free, the other loads in its place" || fail "after the long request: $got"
+curl -s "$URL/metrics" -H "Authorization: Bearer $KEY" >"$tmpdir/metrics.txt"
+grep -q "^loom_model_generated_tokens_total{model=\"$first\"} " "$tmpdir/metrics.txt" &&
+    [ "$(awk '$1 == "loom_model_generated_tokens_total{model=\"tiny\"}" { print $2 }' "$tmpdir/metrics.txt")" -ge 2 ] &&
+    pass "/metrics counts each loaded model's engine (tiny: $(awk '$1 == "loom_model_generated_tokens_total{model=\"tiny\"}" { print $2 }' "$tmpdir/metrics.txt") tokens)" ||
+    fail "per-model metrics: $(grep loom_model_generated "$tmpdir/metrics.txt")"
 
 # an admin loads and unloads by hand
 [ "$(post /admin/models/load '{"model": "moe-tiny"}' | sed '$d' | jq -c '[.data[] | select(.id == "moe-tiny") | .loaded]')" = "[true]" ] &&

@@ -234,8 +234,35 @@ enum MHD_Result metrics_send(server *srv, struct MHD_Connection *con, int per_ke
            "Connections closed to make room for a new one when every slot was taken.", " %llu",
            (unsigned long long)conn_guard_evicted(srv->guard));
 #undef METRIC
-    /* each model version requests were routed to (a canary beside the stable one) */
+    /* each loaded model's engine (the figures above are the first model's) */
     pthread_mutex_lock(&srv->live_lock);
+    static const struct {
+        const char *name, *type, *help;
+    } per_model[] = {
+        {"loom_model_requests_running", "gauge", "Requests being generated, by model"},
+        {"loom_model_requests_waiting", "gauge", "Requests waiting to run, by model"},
+        {"loom_model_generated_tokens_total", "counter", "Tokens generated, by model"},
+        {"loom_model_kv_blocks_used", "gauge", "KV cache blocks in use, by model"},
+    };
+    for (size_t f = 0; f < sizeof per_model / sizeof *per_model; f++) {
+        int n = snprintf(line, sizeof line, "# HELP %s %s.\n# TYPE %s %s\n", per_model[f].name,
+                         per_model[f].help, per_model[f].name, per_model[f].type);
+        buf_append(&out, &len, &cap, line, (size_t)n);
+        for (int i = -1; i < srv->n_slots; i++) {
+            const served *m = i < 0 ? srv->live : srv->slots[i].live;
+            if (!m)
+                continue;
+            loom_engine_stats ms = loom_engine_get_stats(m->engine);
+            unsigned long long v = f == 0 ? (unsigned long long)ms.running
+                : f == 1                  ? (unsigned long long)ms.waiting
+                : f == 2                  ? (unsigned long long)ms.generated_tokens
+                                          : (unsigned long long)ms.kv_used;
+            n = snprintf(line, sizeof line, "%s{model=\"%s\"} %llu\n", per_model[f].name,
+                         m->api.model_name, v);
+            buf_append(&out, &len, &cap, line, (size_t)n);
+        }
+    }
+    /* each model version requests were routed to (a canary beside the stable one) */
     for (int m = 0; m < 2; m++) {
         static const char *const names[] = {"loom_model_version_requests_total",
                                             "loom_model_version_failures_total"};
