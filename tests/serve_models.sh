@@ -108,6 +108,24 @@ post /v1/completions '{"model": "moe-tiny", "prompt": "Once", "max_tokens": 2}' 
     fail "byte budget: $(models); $(grep -c unloaded "$tmpdir/b.log") unloads"
 stop_server
 
+# models.json: names, files and each one's options (a context of its own)
+mkdir -p "$tmpdir/listed"
+cat >"$tmpdir/listed/models.json" <<EOF
+{"small": {"path": "$tmpdir/models/tiny.gguf", "context": 256},
+ "moe": {"path": "$tmpdir/models/moe-tiny.gguf", "kv_type": "f32", "kv_blocks": 64}}
+EOF
+start_server "$tmpdir/l.log" -c 1024 --models-dir "$tmpdir/listed"
+post /v1/completions '{"model": "small", "prompt": "Once", "max_tokens": 2}' >/dev/null
+post /v1/completions '{"model": "moe", "prompt": "Once", "max_tokens": 2}' >/dev/null
+ctxs=$(curl -s -H "Authorization: Bearer $KEY" "$URL/v1/models" | jq -c '[.data[1:][] | [.id, .max_model_len // null]]')
+echo "$ctxs" | jq -e '.[0] == ["small", 256] and .[1][0] == "moe" and .[1][1] > 256' >/dev/null &&
+    pass "models.json names the models and gives one its own context ($ctxs)" || fail "models.json: $ctxs"
+stop_server
+echo '{"small": {"path": "x.gguf", "ctx": 256}}' >"$tmpdir/listed/models.json"
+"$LOOM" serve -m "$MODEL" --port 0 --models-dir "$tmpdir/listed" >"$tmpdir/bad.log" 2>&1 &&
+    fail "an unknown models.json field accepted" ||
+    expect_grep "models.json: small.ctx: unknown field" "$tmpdir/bad.log" "an unknown models.json field is named"
+
 # flags a user gets wrong
 refused() { # WHAT WANT ARGS...
     what=$1 want=$2; shift 2

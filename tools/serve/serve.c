@@ -744,7 +744,8 @@ int loom_serve_main(int argc, char **argv)
     for (int i = 0; i < srv.n_slots; i++) {
         if (srv.slots[i].live)
             served_free(srv.slots[i].live);
-        free(srv.slots[i].name), free(srv.slots[i].path);
+        free(srv.slots[i].name), free(srv.slots[i].path), free(srv.slots[i].options);
+        free(srv.slots[i].owned[0]), free(srv.slots[i].owned[1]);
     }
     free(srv.slots);
     for (int i = 0; i < srv.n_canaries; i++) {

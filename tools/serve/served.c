@@ -78,9 +78,9 @@ loom_engine *served_start_engine(const server *srv, loom_model *m, int first, co
  * generation, and its engine started: a model ready to take requests as name (NULL: the
  * first's name, or the file's), or NULL with err. */
 static served *served_open(server *srv, const char *path, const char *name, int keeps_cache,
-                           char *err, size_t err_size)
+                           const loom_model_options *mo, char *err, size_t err_size)
 {
-    loom_model *m = loom_model_open(path, &srv->mo, err, err_size);
+    loom_model *m = loom_model_open(path, mo ? mo : &srv->mo, err, err_size);
     if (!m)
         return NULL;
     int32_t ids[64];
@@ -158,7 +158,7 @@ int served_reload(server *srv, char *err, size_t err_size)
         fprintf(stderr, "loom serve: reload of %s not done: %s\n", srv->model_path, err);
         return 1;
     }
-    served *sv = served_open(srv, srv->model_path, NULL, 1, err, err_size);
+    served *sv = served_open(srv, srv->model_path, NULL, 1, NULL, err, err_size);
     pthread_mutex_lock(&srv->live_lock);
     if (sv) {
         served *old = srv->live;
@@ -240,8 +240,99 @@ static int by_name(const void *a, const void *b)
     return strcmp(*(char *const *)a, *(char *const *)b);
 }
 
+/* dir/models.json's models (see served_add_dir): 0, or -1 with err */
+static int add_listed(server *srv, const char *dir, const char *json, char *err, size_t err_size)
+{
+    static const char *const fields[] = {"path",    "context", "kv_blocks",
+                                         "backend", "kv_type", NULL};
+    cJSON *root = cJSON_Parse(json);
+    bad b = {0};
+    int rc = 0;
+    if (!cJSON_IsObject(root)) {
+        snprintf(err, err_size, "%s/models.json is not a JSON object of models by name", dir);
+        rc = -1;
+    }
+    for (const cJSON *m = root ? root->child : NULL; m && !rc; m = m->next) {
+        char where[200], path[4096];
+        snprintf(where, sizeof where, "%s/models.json: %.100s", dir, m->string);
+        const char *file = cJSON_IsObject(m) ? field_string(m, "path", 1, where, &b) : NULL;
+        double ctx = 0, blocks = 0;
+        if (!cJSON_IsObject(m) || !file || fields_only(m, fields, where, &b) ||
+            field_number(m, "context", 2, 1 << 20, 1, &ctx, &b) < 0 ||
+            field_number(m, "kv_blocks", 1, 1 << 24, 1, &blocks, &b) < 0) {
+            snprintf(err, err_size, "%s", b.msg[0] ? b.msg : "each model is an object with a path");
+            if (!b.msg[0])
+                snprintf(err, err_size, "%s: must be an object with a \"path\"", where);
+            rc = -1;
+            break;
+        }
+        const char *backend = cJSON_IsString(cJSON_GetObjectItem(m, "backend"))
+            ? cJSON_GetObjectItem(m, "backend")->valuestring
+            : NULL;
+        const char *kv_type = cJSON_IsString(cJSON_GetObjectItem(m, "kv_type"))
+            ? cJSON_GetObjectItem(m, "kv_type")->valuestring
+            : NULL;
+        if (kv_type && strcmp(kv_type, "f16") && strcmp(kv_type, "f32") &&
+            strcmp(kv_type, "q8_0")) {
+            snprintf(err, err_size, "%s: kv_type is one of f16, f32, q8_0, not '%.40s'", where,
+                     kv_type);
+            rc = -1;
+            break;
+        }
+        snprintf(path, sizeof path, "%s%s%s", file[0] == '/' ? "" : dir, file[0] == '/' ? "" : "/",
+                 file);
+        if (served_add(srv, m->string, path, err, err_size)) {
+            rc = -1;
+            break;
+        }
+        model_slot *s = &srv->slots[srv->n_slots - 1];
+        if (ctx || blocks || backend || kv_type) {
+            s->options = malloc(sizeof *s->options);
+            s->owned[0] = backend ? strdup(backend) : NULL;
+            s->owned[1] = kv_type ? strdup(kv_type) : NULL;
+            if (!s->options) {
+                snprintf(err, err_size, "out of memory");
+                rc = -1;
+                break;
+            }
+            *s->options = srv->mo;
+            if (ctx)
+                s->options->n_ctx = (int32_t)ctx;
+            if (blocks)
+                s->options->kv_blocks = (int32_t)blocks;
+            if (backend)
+                s->options->backend = s->owned[0];
+            if (kv_type)
+                s->options->kv_type = s->owned[1];
+        }
+    }
+    if (!rc && root && !root->child) {
+        snprintf(err, err_size, "%s/models.json lists no model", dir);
+        rc = -1;
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
 int served_add_dir(server *srv, const char *dir, char *err, size_t err_size)
 {
+    char listing[4200];
+    snprintf(listing, sizeof listing, "%s/models.json", dir);
+    size_t len = 0;
+    FILE *lf = fopen(listing, "rb");
+    if (lf) { /* the list says which models, named so, with their options */
+        char *json = malloc(1 << 20);
+        len = json ? fread(json, 1, (1 << 20) - 1, lf) : 0;
+        fclose(lf);
+        if (!json) {
+            snprintf(err, err_size, "out of memory");
+            return -1;
+        }
+        json[len] = 0;
+        int rc = add_listed(srv, dir, json, err, err_size);
+        free(json);
+        return rc;
+    }
     DIR *d = opendir(dir);
     if (!d) {
         snprintf(err, err_size, "--models-dir %s: %s", dir, strerror(errno));
@@ -352,7 +443,7 @@ static unsigned slot_load(server *srv, model_slot *s, char *err, size_t err_size
     pthread_mutex_unlock(&srv->live_lock);
     fprintf(stderr, "loom serve: loading %s (%s)\n", s->name, s->path);
     char why[1024];
-    served *sv = served_open(srv, s->path, s->name, 1, why, sizeof why);
+    served *sv = served_open(srv, s->path, s->name, 1, s->options, why, sizeof why);
     pthread_mutex_lock(&srv->live_lock);
     s->loading = 0, s->live = sv;
     pthread_cond_broadcast(&srv->slots_cv);
@@ -537,7 +628,7 @@ unsigned served_canary(server *srv, const char *model, const char *path, double 
         return st;
     char why[1024];
     /* (a canary keeps no prefix cache of its own: the file is its model name's) */
-    served *sv = owned_name ? served_open(srv, path, owned_name, 0, why, sizeof why) : NULL;
+    served *sv = owned_name ? served_open(srv, path, owned_name, 0, NULL, why, sizeof why) : NULL;
     if (!sv) {
         snprintf(err, err_size, "loading the canary %s failed: %s", path,
                  owned_name ? why : "out of memory");

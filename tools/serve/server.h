@@ -66,6 +66,10 @@ typedef struct served {
  * unloaded least recently used when more than --models-max would be loaded. */
 typedef struct model_slot {
     char *name, *path;
+    /* its own options (models.json: context, KV pool, backend, KV type), else NULL: the
+     * first's; backend and kv_type point into owned */
+    loom_model_options *options;
+    char *owned[2];
     served *live;  /* NULL: not loaded (under live_lock) */
     int loading;   /* a thread is opening it; others wait on slots_cv */
     uint64_t used; /* its last request, by srv->use_clock */
@@ -344,7 +348,9 @@ unsigned served_promote(server *srv, const char *model, char *err, size_t err_si
 unsigned served_rollback(server *srv, const char *model, char *err, size_t err_size);
 /* adds the model at path as name (a slot, loaded on first use): 0, or -1 with err */
 int served_add(server *srv, const char *name, const char *path, char *err, size_t err_size);
-/* every *.gguf file (named by its stem) and Hugging Face folder (by its name) in dir */
+/* dir's models.json ({"NAME": {"path": FILE, "context": N, "kv_blocks": N, "backend": B,
+ * "kv_type": T}, ...}, paths relative to dir), or without one every *.gguf file (named by its
+ * stem) and Hugging Face folder (by its name) in dir */
 int served_add_dir(server *srv, const char *dir, char *err, size_t err_size);
 void served_release(server *srv, served *sv);
 loom_engine *served_start_engine(const server *srv, loom_model *m, int first, const char *name,
