@@ -272,7 +272,8 @@ static void test_fifos(void)
 }
 
 /* ---- GGUF files ------------------------------------------------------------------------------
- * stories260K rewritten with one key's value or one tensor changed. */
+ * loom's synthetic tiny model (2 layers, 64 wide, an FFN of 192, 512 tokens) rewritten with
+ * one key's value or one tensor changed. */
 
 typedef struct gguf_edit {
     const char *key; /* an f32 key to set (replacing the file's), or NULL */
@@ -284,10 +285,14 @@ typedef struct gguf_edit {
     const char *str_key, *str_value; /* a string key to set, or NULL */
 } gguf_edit;
 
+/* the GGUF the edits start from: loom's synthetic tiny model, written into tmp by main (the
+ * fixtures' stories260K, which llama.cpp wrote, is checked as it is when present) */
+static char edit_src[4200];
+
 static int write_edited(const char *out, const gguf_edit *e)
 {
-    char src[4200], err[1024];
-    snprintf(src, sizeof src, "%s/stories260K/original/stories260K.gguf", fixtures);
+    char err[1024];
+    const char *src = edit_src;
     loom_gguf g;
     if (loom_gguf_open(&g, src, err, sizeof err) != 0)
         return -1;
@@ -380,7 +385,7 @@ static void expect_gguf(const char *what, const gguf_edit *e, gguf_expectation w
 static void test_gguf_files(void)
 {
     static const gguf_edit none = {0};
-    expect_gguf("stories260K as it is", &none, RUNS, NULL);
+    expect_gguf("the synthetic model as it is", &none, RUNS, NULL);
     const char *eps = "llama.attention.layer_norm_rms_epsilon", *base = "llama.rope.freq_base";
     const struct {
         const char *what;
@@ -409,7 +414,7 @@ static void test_gguf_files(void)
          {.tensor = "token_embd.weight", .keep = 256}},
         {"an output head of 256 rows for 512 tokens", {.tensor = "output.weight", .keep = 256}},
         {"a half-length output_norm", {.tensor = "output_norm.weight", .keep = 32}},
-        {"an FFN narrower than feed_forward_length", {.tensor = "blk.2.ffn_up.weight", .keep = 86}},
+        {"an FFN narrower than feed_forward_length", {.tensor = "blk.1.ffn_up.weight", .keep = 96}},
         {"output_norm of 3e38 (logits overflow)", {.tensor = "output_norm.weight", .fill = 3e38f}},
     };
     for (size_t i = 0; i < sizeof broken / sizeof broken[0]; i++)
@@ -535,9 +540,8 @@ static void on_engine_event(void *user, const loom_event *ev)
 }
 
 /* Placeholder ids (a converter's [PADn], token type UNUSED) are never sampled: tiny-qwen2 at
- * temperature 2 once answered "[PAD151770]". Here stories260K's ids from 384 on are marked
- * so (the model gives them real mass: they were words); before, 1000 tokens at temperature
- * 2 held dozens of them. */
+ * temperature 2 once answered "[PAD151770]". Here the model's ids from 384 on are marked so
+ * (the model gives them real mass); before, 1000 tokens at temperature 2 held dozens of them. */
 /* Bytes a file controls reach terminals and logs printable: an ESC sequence in general.name
  * (loom serve logs it) or in the architecture (an error quotes it) becomes '?'. */
 static int printable(const char *s)
@@ -657,26 +661,36 @@ static void test_placeholders_unsampled(void)
 int main(void)
 {
     snprintf(fixtures, sizeof fixtures, "%s", fixtures_dir());
-    char probe[4200];
-    snprintf(probe, sizeof probe, "%s/tiny-qwen2/model.safetensors", fixtures);
-    need_fixture(probe);
-    snprintf(probe, sizeof probe, "%s/tiny-chatglm3/model.safetensors", fixtures);
-    need_fixture(probe);
     unsetenv("LOOM_BACKEND");
     if (!mkdtemp(tmp))
         return 1;
-    test_token_ids();
-    test_config_values();
-    test_fifos();
-    snprintf(probe, sizeof probe, "%s/stories260K/original/stories260K.gguf", fixtures);
-    need_fixture(probe);
+    /* the GGUF files: edits of loom's synthetic model, which needs no fixture */
+    char err[512];
+    snprintf(edit_src, sizeof edit_src, "%s/synthetic-tiny.gguf", tmp);
+    CHECK(loom_write_synthetic_model(edit_src, "tiny", "f32", err, sizeof err) == 0,
+          "writing the synthetic tiny model: %s", err);
     test_gguf_files();
     test_placeholders_unsampled();
     test_escapes();
     test_forward_status();
-    snprintf(probe, sizeof probe, "%s/tiny-qwen2moe/model.gguf", fixtures);
-    need_fixture(probe);
-    test_moe_files();
+    static const char *const stories[] = {"stories260K/original/stories260K.gguf"};
+    if (have_fixtures(fixtures, stories, 1)) { /* a file llama.cpp wrote, as it is */
+        snprintf(edit_src, sizeof edit_src, "%s/%s", fixtures, stories[0]);
+        static const gguf_edit none = {0};
+        expect_gguf("stories260K as it is", &none, RUNS, NULL);
+    }
+    /* the Hugging Face folders: the fixtures' with one thing wrong */
+    static const char *const folders[] = {"tiny-qwen2/model.safetensors",
+                                          "tiny-chatglm3/model.safetensors",
+                                          "tiny-qwen2moe/model.gguf"};
+    if (have_fixtures(fixtures, folders, 3)) {
+        test_token_ids();
+        test_config_values();
+        test_fifos();
+        test_moe_files();
+    }
+    snprintf(edit_src, sizeof edit_src, "%s/synthetic-tiny.gguf", tmp);
+    unlink(edit_src);
     rmdir(tmp);
     return check_finish("test_hostile_files");
 }
